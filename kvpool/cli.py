@@ -1,0 +1,158 @@
+"""The ``kvpool`` command: one subcommand per role, plus tools and benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.logs import configure_logging
+from kvpool.settings import load_settings
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="TOML", help="settings file; its [<role>] table is read, flags win")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-format", default="auto", choices=["auto", "json", "console"],
+        help="auto: JSON unless stderr is a terminal",
+    )
+    parser.add_argument("--ready-file", metavar="PATH", help="write bound ports as JSON here once serving")
+
+
+def _add_master(sub: Any) -> None:
+    p = sub.add_parser("master", help="run the pool master", description="Run the pool master: object locations, "
+                       "group-LRU eviction, leases, store liveness.")
+    _common(p)
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gRPC port (default 7601; 0 picks a free one)")
+    p.add_argument("--admin-port", type=int, help="Prometheus /metrics port (default 9601; 0 picks)")
+    p.add_argument("--high-watermark", type=float, help="evict when this share of capacity is used (default 0.90)")
+    p.add_argument("--low-watermark", type=float, help="evict down to this share (default 0.85)")
+    p.add_argument("--put-timeout-s", type=float, help="revoke puts not ended after this long (default 30)")
+    p.add_argument("--lease-s", type=float, help="default read lease (default 5)")
+    p.add_argument("--segment-ttl-s", type=float, help="drop a store silent this long (default 10)")
+    p.add_argument("--heartbeat-interval-s", type=float, help="heartbeat period told to stores (default 2)")
+
+
+def _add_store(sub: Any) -> None:
+    p = sub.add_parser("store", help="run a store daemon", description="Run a store daemon: one DRAM segment "
+                       "pinned to a NUMA node, registered with the transfer engine and mounted on the master.")
+    _common(p)
+    p.add_argument("--master", help="pool master address (default 127.0.0.1:7601)")
+    p.add_argument("--host", help="listen address for health/metrics (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gRPC health port (default 7610 + NUMA node; 0 picks)")
+    p.add_argument("--admin-port", type=int, help="Prometheus port (default 9610 + NUMA node; 0 picks)")
+    p.add_argument("--segment-size", help="segment size, e.g. 512MiB, 4GiB (default 1GiB)")
+    p.add_argument("--numa-node", type=int, help="NUMA node to pin CPUs and memory to (default 0)")
+    p.add_argument("--segment-id", help="stable id of the segment (default: random per process)")
+    p.add_argument("--transfer-host", help="address the transfer engine binds and advertises (default 127.0.0.1)")
+    p.add_argument("--protocol", choices=["tcp", "rdma"], help="transfer engine protocol (default tcp)")
+    p.add_argument("--device", help="RDMA device names for the transfer engine (rdma only)")
+    p.add_argument("--heartbeat-interval-s", type=float, help="heartbeat period (default 2)")
+
+
+def _add_pool(sub: Any) -> None:
+    p = sub.add_parser("pool", help="inspect the pool")
+    pool_sub = p.add_subparsers(dest="pool_command", required=True)
+    stats = pool_sub.add_parser("stats", help="capacity, use, objects, groups, evictions, per segment")
+    stats.add_argument("--master", default="127.0.0.1:7601", help="pool master address")
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _add_bench(sub: Any) -> None:
+    p = sub.add_parser("bench", help="benchmarks (JSON output with --json)")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    pool = bench_sub.add_parser(
+        "pool", help="pool put/get throughput vs upstream Mooncake Store and raw transfer engine",
+        description="Starts a master, two stores and client processes on this host and measures put/get "
+        "throughput, lookup latency and eviction under churn; the same workload against upstream Mooncake "
+        "Store and the raw transfer engine in the same run.",
+    )
+    pool.add_argument("--json", action="store_true", help="last line of output is one JSON object")
+    pool.add_argument("--quick", action="store_true", help="small run, under two minutes")
+    pool.add_argument("--object-size", type=int, default=256 * 4 * 1152, help="bytes per KV object")
+    pool.add_argument("--batch-sizes", default="4,16,64", help="objects per batch, comma separated")
+    pool.add_argument("--batches", type=int, help="batches per measurement")
+    pool.add_argument("--skip-upstream", action="store_true", help="do not run upstream Mooncake Store")
+    pool.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpool",
+        description="kvpool: disaggregated LLM serving around one shared KV-cache pool in host memory.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_master(sub)
+    _add_store(sub)
+    _add_pool(sub)
+    _add_bench(sub)
+    return parser
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if v is not None}
+
+
+def _log(args: argparse.Namespace) -> None:
+    fmt = getattr(args, "log_format", "auto")
+    configure_logging(getattr(args, "log_level", "warning"), json=None if fmt == "auto" else fmt == "json")
+
+
+def _settings(cls: type, section: str, args: argparse.Namespace) -> Any:
+    try:
+        return load_settings(cls, section, args.config, _flags(args))
+    except (ValueError, TypeError) as exc:
+        # bad settings: say which, no traceback
+        raise SystemExit(f"kvpool {section}: {exc}") from None
+
+
+def _run_master(args: argparse.Namespace) -> int:
+    from kvpool import service
+    from services.master.server import MasterSettings, serve
+
+    settings = _settings(MasterSettings, "master", args)
+    service.run(lambda: serve(settings, args.ready_file))
+    return 0
+
+
+def _run_store(args: argparse.Namespace) -> int:
+    from kvpool import service
+    from services.store.daemon import StoreSettings, serve
+
+    settings = _settings(StoreSettings, "store", args)
+    service.run(lambda: serve(settings, args.ready_file))
+    return 0
+
+
+def _run_pool(args: argparse.Namespace) -> int:
+    from kvpool.pool.stats import fetch_stats, format_stats
+
+    stats = asyncio.run(fetch_stats(args.master))
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from kvpool.bench.pool_bench import main as bench_pool
+
+    return bench_pool(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _log(args)
+    handlers = {"master": _run_master, "store": _run_store, "pool": _run_pool, "bench": _run_bench}
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Structured logging: key-value events, JSON when not on a terminal."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(level: str = "info", json: bool | None = None) -> None:
+    """Route structlog (and stdlib logging) to stderr.
+
+    ``json=None`` picks JSON lines when stderr is not a terminal (production,
+    containers, tests) and a readable console format on a terminal.
+    """
+    if json is None:
+        json = not sys.stderr.isatty()
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"log level {level!r} is not one of debug, info, warning, error")
+    logging.basicConfig(level=numeric, stream=sys.stderr, format="%(message)s")
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )

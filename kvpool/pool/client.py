@@ -1,0 +1,277 @@
+"""Async pool client: batch put from registered memory, batch read into it.
+
+Bytes move only with the transfer engine, straight between the caller's
+registered buffers and store DRAM (no copies in between): one batch transfer
+per store segment per call, the segments in parallel. The master only sees
+control messages. Pool conditions (full, unreachable, evicted, corrupted)
+never raise: a put reports NOT_STORED, a read reports a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import enum
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import xxhash
+
+from kvpool import service
+from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from kvpool.transfer import TransferEngine, TransferError, local_host_name
+
+log = structlog.get_logger(__name__)
+
+RPC_TIMEOUT_S = 5.0
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class PutResult(enum.Enum):
+    STORED = "stored"
+    # first writer wins: somebody stored (or is storing) this key already
+    EXISTS = "exists"
+    NOT_STORED = "not_stored"
+
+
+@dataclass(slots=True, frozen=True)
+class PutObject:
+    """One object to store, read from ``size`` bytes at ``address`` (registered memory)."""
+
+    key: str
+    group_id: str
+    group_size: int
+    address: int
+    size: int
+
+
+@dataclass(slots=True, frozen=True)
+class ObjectLocation:
+    key: str
+    endpoint: str
+    address: int
+    size: int
+    checksum: int
+
+
+@dataclass(slots=True, frozen=True)
+class GroupLocation:
+    group_id: str
+    members: dict[str, ObjectLocation]
+
+
+@dataclass(slots=True, frozen=True)
+class LookupResult:
+    """The leading complete groups, protected from eviction until the lease ends."""
+
+    groups: list[GroupLocation]
+    lease_id: int
+    lease_ms: int
+
+    @property
+    def num_complete(self) -> int:
+        return len(self.groups)
+
+
+def checksum(address: int, size: int) -> int:
+    """xxh3-64 of ``size`` bytes at ``address``, read in place."""
+    return xxhash.xxh3_64_intdigest((ctypes.c_char * size).from_address(address))
+
+
+class PoolClient:
+    """Talks to one pool master and moves bytes with one transfer engine."""
+
+    def __init__(self, master: str, engine: TransferEngine, host_name: str | None = None) -> None:
+        self.master = master
+        self.engine = engine
+        self.host_name = host_name or local_host_name()
+        self._channel = grpc.aio.insecure_channel(master, options=service.GRPC_OPTIONS)
+        self._stub = pool_pb2_grpc.PoolMasterStub(self._channel)
+        self._regions: list[tuple[int, int]] = []
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def register(self, address: int, size: int) -> None:
+        """Register caller memory with the engine once; puts and reads must stay inside it."""
+        self.engine.register(address, size)
+        self._regions.append((address, address + size))
+
+    # ---- writes ---------------------------------------------------------
+
+    async def put(self, objects: Sequence[PutObject]) -> list[PutResult]:
+        """Store a batch; per object STORED, EXISTS or NOT_STORED, in order."""
+        if not objects:
+            return []
+        for i, obj in enumerate(objects):
+            if obj.size <= 0:
+                raise ValueError(f"objects[{i}].size: must be positive, got {obj.size}")
+            self._check_registered(obj.address, obj.size, f"objects[{i}]")
+        sums = asyncio.create_task(asyncio.to_thread(lambda: [checksum(o.address, o.size) for o in objects]))
+        results = [PutResult.NOT_STORED] * len(objects)
+        try:
+            started = await self._stub.PutStart(
+                pool_pb2.PutStartRequest(
+                    client_host=self.host_name,
+                    items=[
+                        pool_pb2.PutItem(key=o.key, group_id=o.group_id, group_size=o.group_size, size=o.size)
+                        for o in objects
+                    ],
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as exc:
+            await asyncio.gather(sums, return_exceptions=True)
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from exc
+            log.info("pool_put_not_stored", code=exc.code().name, details=exc.details(), objects=len(objects))
+            return results
+        reserved: list[int] = []
+        for i, result in enumerate(started.results):
+            if result.status == pool_pb2.PUT_STATUS_RESERVED:
+                reserved.append(i)
+            elif result.status == pool_pb2.PUT_STATUS_ALREADY_EXISTS:
+                results[i] = PutResult.EXISTS
+        written = await self._transfer(
+            [(started.results[i].location.endpoint, objects[i].address, started.results[i].location.address,
+              objects[i].size) for i in reserved],
+            write=True,
+        )
+        sums_done = await sums
+        ok = [i for i, good in zip(reserved, written) if good]
+        failed = [objects[i].key for i, good in zip(reserved, written) if not good]
+        if failed:
+            await self._revoke(failed)
+        if ok and await self._commit([(objects[i].key, sums_done[i]) for i in ok]):
+            for i in ok:
+                results[i] = PutResult.STORED
+        return results
+
+    async def _commit(self, items: list[tuple[str, int]]) -> bool:
+        try:
+            await self._stub.PutEnd(
+                pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c) for k, c in items]),
+                timeout=RPC_TIMEOUT_S,
+            )
+            return True
+        except grpc.aio.AioRpcError as exc:
+            # e.g. the master restarted or revoked our put after a timeout
+            log.warning("pool_put_end_failed", code=exc.code().name, details=exc.details(), objects=len(items))
+            await self._revoke([k for k, _ in items])
+            return False
+
+    async def _revoke(self, keys: list[str]) -> None:
+        try:
+            await self._stub.PutRevoke(pool_pb2.PutRevokeRequest(keys=keys), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            # the master's put timeout gives the space back anyway
+            log.warning("pool_put_revoke_failed", code=exc.code().name, objects=len(keys))
+
+    # ---- reads ----------------------------------------------------------
+
+    async def lookup(self, group_ids: Sequence[str], lease_ms: int = 0) -> LookupResult:
+        """Leading complete groups with member locations; an unreachable master is a miss."""
+        if not group_ids:
+            return LookupResult([], 0, 0)
+        try:
+            response = await self._call(
+                self._stub.Lookup, pool_pb2.LookupRequest(group_ids=list(group_ids), lease_ms=lease_ms)
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from exc
+            log.info("pool_lookup_miss", code=exc.code().name, details=exc.details())
+            return LookupResult([], 0, 0)
+        groups = [
+            GroupLocation(
+                g.group_id,
+                {
+                    m.key: ObjectLocation(m.key, m.location.endpoint, m.location.address, m.location.size, m.checksum)
+                    for m in g.members
+                },
+            )
+            for g in response.groups
+        ]
+        return LookupResult(groups, response.lease_id, response.lease_ms)
+
+    async def read(self, items: Sequence[tuple[ObjectLocation, int]]) -> list[bool]:
+        """Read each object into the local address given with it; True where it verified."""
+        for i, (loc, address) in enumerate(items):
+            self._check_registered(address, loc.size, f"items[{i}]")
+        transferred = await self._transfer(
+            [(loc.endpoint, address, loc.address, loc.size) for loc, address in items], write=False
+        )
+
+        def verify() -> list[bool]:
+            return [
+                done and checksum(address, loc.size) == loc.checksum
+                for done, (loc, address) in zip(transferred, items)
+            ]
+
+        verified = await asyncio.to_thread(verify)
+        bad = [loc.key for ok, (loc, _) in zip(verified, items) if not ok]
+        if bad:
+            log.warning("pool_read_miss", objects=len(bad), first_key=bad[0])
+        return verified
+
+    async def release(self, lease_id: int) -> None:
+        if lease_id == 0:
+            return
+        try:
+            await self._call(self._stub.ReleaseLease, pool_pb2.ReleaseLeaseRequest(lease_id=lease_id))
+        except grpc.aio.AioRpcError as exc:
+            log.info("pool_release_failed", code=exc.code().name)  # the lease expires on its own
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        response = await self._call(self._stub.Exists, pool_pb2.ExistsRequest(keys=list(keys)))
+        return list(response.exists)
+
+    async def remove(self, group_ids: Sequence[str]) -> tuple[int, list[str]]:
+        response = await self._stub.Remove(pool_pb2.RemoveRequest(group_ids=list(group_ids)), timeout=RPC_TIMEOUT_S)
+        return response.num_removed, list(response.busy_group_ids)
+
+    async def stats(self) -> pool_pb2.StatsResponse:
+        return await self._call(self._stub.Stats, pool_pb2.StatsRequest())
+
+    # ---- internals ------------------------------------------------------
+
+    async def _call(self, method, request):  # type: ignore[no-untyped-def]
+        """Idempotent calls: one retry on UNAVAILABLE."""
+        try:
+            return await method(request, timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _RETRYABLE:
+                raise
+            return await method(request, timeout=RPC_TIMEOUT_S)
+
+    def _check_registered(self, address: int, size: int, field_name: str) -> None:
+        for start, end in self._regions:
+            if start <= address and address + size <= end:
+                return
+        raise ValueError(f"{field_name}: [{address:#x}, +{size}) is not inside memory registered with this client")
+
+    async def _transfer(self, moves: list[tuple[str, int, int, int]], write: bool) -> list[bool]:
+        """One batch per remote endpoint, endpoints in parallel; per-move success."""
+        by_endpoint: dict[str, list[int]] = defaultdict(list)
+        for i, (endpoint, *_rest) in enumerate(moves):
+            by_endpoint[endpoint].append(i)
+        op = self.engine.write if write else self.engine.read
+
+        async def one(endpoint: str, indices: list[int]) -> bool:
+            try:
+                await op(endpoint, [moves[i][1] for i in indices], [moves[i][2] for i in indices],
+                         [moves[i][3] for i in indices])
+                return True
+            except TransferError as exc:
+                log.warning("pool_transfer_failed", endpoint=endpoint, objects=len(indices), error=str(exc))
+                return False
+
+        outcomes = await asyncio.gather(*(one(e, idx) for e, idx in by_endpoint.items()))
+        done = [False] * len(moves)
+        for ok, indices in zip(outcomes, by_endpoint.values()):
+            for i in indices:
+                done[i] = ok
+        return done

@@ -1,0 +1,46 @@
+"""``kvpool pool stats``: the master's view of the pool, as a table or JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from kvpool import service
+from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from kvpool.sizes import format_size
+
+
+async def fetch_stats(master: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(master, options=service.GRPC_OPTIONS) as channel:
+        try:
+            response = await pool_pb2_grpc.PoolMasterStub(channel).Stats(pool_pb2.StatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise SystemExit(f"kvpool pool stats: master {master}: {exc.code().name}: {exc.details()}") from None
+    return MessageToDict(response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    capacity = int(stats["capacity_bytes"])
+    used = int(stats["used_bytes"])
+    share = used / capacity if capacity else 0.0
+    lines = [
+        f"pool (master incarnation {stats['master_incarnation']})",
+        f"  capacity   {format_size(capacity)}",
+        f"  used       {format_size(used)} ({share:.1%}; evicts at {stats['high_watermark']:.0%} "
+        f"down to {stats['low_watermark']:.0%})",
+        f"  objects    {stats['num_objects']} ({stats['num_puts_in_flight']} being written)",
+        f"  groups     {stats['num_groups']} ({stats['num_complete_groups']} complete)",
+        f"  leases     {stats['num_leases']}",
+        f"  evictions  {stats['evicted_groups']} groups, {format_size(int(stats['evicted_bytes']))}",
+        f"  revoked    {stats['revoked_puts']} puts",
+        f"  segments   {len(stats['segments'])}",
+    ]
+    for seg in stats["segments"]:
+        cap = int(seg["capacity_bytes"])
+        lines.append(
+            f"    {seg['segment_id'][:16]:16}  {seg['endpoint']:21} node {seg['numa_node']:>2}  "
+            f"{format_size(int(seg['used_bytes']))} / {format_size(cap)}  {seg['num_objects']} objects"
+        )
+    return "\n".join(lines)

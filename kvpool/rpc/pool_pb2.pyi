@@ -1,0 +1,277 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUT_STATUS_UNSPECIFIED: _ClassVar[PutStatus]
+    PUT_STATUS_RESERVED: _ClassVar[PutStatus]
+    PUT_STATUS_ALREADY_EXISTS: _ClassVar[PutStatus]
+    PUT_STATUS_NO_SPACE: _ClassVar[PutStatus]
+PUT_STATUS_UNSPECIFIED: PutStatus
+PUT_STATUS_RESERVED: PutStatus
+PUT_STATUS_ALREADY_EXISTS: PutStatus
+PUT_STATUS_NO_SPACE: PutStatus
+
+class MountSegmentRequest(_message.Message):
+    __slots__ = ("segment_id", "endpoint", "host", "base_address", "size", "numa_node")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    endpoint: str
+    host: str
+    base_address: int
+    size: int
+    numa_node: int
+    def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., host: _Optional[str] = ..., base_address: _Optional[int] = ..., size: _Optional[int] = ..., numa_node: _Optional[int] = ...) -> None: ...
+
+class MountSegmentResponse(_message.Message):
+    __slots__ = ("master_incarnation", "heartbeat_interval_s")
+    MASTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    master_incarnation: str
+    heartbeat_interval_s: float
+    def __init__(self, master_incarnation: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class UnmountSegmentRequest(_message.Message):
+    __slots__ = ("segment_id",)
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    def __init__(self, segment_id: _Optional[str] = ...) -> None: ...
+
+class UnmountSegmentResponse(_message.Message):
+    __slots__ = ("objects_dropped",)
+    OBJECTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    objects_dropped: int
+    def __init__(self, objects_dropped: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("segment_id",)
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    def __init__(self, segment_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("master_incarnation",)
+    MASTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    master_incarnation: str
+    def __init__(self, master_incarnation: _Optional[str] = ...) -> None: ...
+
+class PutItem(_message.Message):
+    __slots__ = ("key", "group_id", "group_size", "size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    group_id: str
+    group_size: int
+    size: int
+    def __init__(self, key: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class PutStartRequest(_message.Message):
+    __slots__ = ("client_host", "items")
+    CLIENT_HOST_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    client_host: str
+    items: _containers.RepeatedCompositeFieldContainer[PutItem]
+    def __init__(self, client_host: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ...) -> None: ...
+
+class Location(_message.Message):
+    __slots__ = ("segment_id", "endpoint", "address", "size")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    endpoint: str
+    address: int
+    size: int
+    def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class PutStartResult(_message.Message):
+    __slots__ = ("status", "location")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    status: PutStatus
+    location: Location
+    def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., location: _Optional[_Union[Location, _Mapping]] = ...) -> None: ...
+
+class PutStartResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PutStartResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ...) -> None: ...
+
+class PutCommit(_message.Message):
+    __slots__ = ("key", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    checksum: int
+    def __init__(self, key: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PutEndRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PutCommit]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutCommit, _Mapping]]] = ...) -> None: ...
+
+class PutEndResponse(_message.Message):
+    __slots__ = ("num_committed",)
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    num_committed: int
+    def __init__(self, num_committed: _Optional[int] = ...) -> None: ...
+
+class PutRevokeRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PutRevokeResponse(_message.Message):
+    __slots__ = ("num_revoked",)
+    NUM_REVOKED_FIELD_NUMBER: _ClassVar[int]
+    num_revoked: int
+    def __init__(self, num_revoked: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("group_ids", "lease_ms")
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_ms: int
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class ObjectLocation(_message.Message):
+    __slots__ = ("key", "location", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    location: Location
+    checksum: int
+    def __init__(self, key: _Optional[str] = ..., location: _Optional[_Union[Location, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class GroupLocation(_message.Message):
+    __slots__ = ("group_id", "members")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    members: _containers.RepeatedCompositeFieldContainer[ObjectLocation]
+    def __init__(self, group_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[ObjectLocation, _Mapping]]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_complete", "groups", "lease_id", "lease_ms")
+    NUM_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    num_complete: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupLocation]
+    lease_id: int
+    lease_ms: int
+    def __init__(self, num_complete: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class ExistsRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExistsResponse(_message.Message):
+    __slots__ = ("exists",)
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    exists: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, exists: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("group_ids",)
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ("num_removed", "busy_group_ids")
+    NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    num_removed: int
+    busy_group_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_removed: _Optional[int] = ..., busy_group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SegmentStats(_message.Message):
+    __slots__ = ("segment_id", "endpoint", "host", "numa_node", "capacity_bytes", "used_bytes", "num_objects", "largest_free_bytes")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    endpoint: str
+    host: str
+    numa_node: int
+    capacity_bytes: int
+    used_bytes: int
+    num_objects: int
+    largest_free_bytes: int
+    def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., host: _Optional[str] = ..., numa_node: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("capacity_bytes", "used_bytes", "num_objects", "num_groups", "num_complete_groups", "num_puts_in_flight", "num_leases", "evicted_groups", "evicted_bytes", "revoked_puts", "high_watermark", "low_watermark", "segments", "master_incarnation")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPLETE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PUTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_PUTS_FIELD_NUMBER: _ClassVar[int]
+    HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    LOW_WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    used_bytes: int
+    num_objects: int
+    num_groups: int
+    num_complete_groups: int
+    num_puts_in_flight: int
+    num_leases: int
+    evicted_groups: int
+    evicted_bytes: int
+    revoked_puts: int
+    high_watermark: float
+    low_watermark: float
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentStats]
+    master_incarnation: str
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,198 @@
+"""Space allocator for one segment: best-fit over coalesced free extents.
+
+Pure Python, no I/O: the master owns one `SegmentAllocator` per mounted
+segment and only ever hands out offsets; the bytes live in the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sortedcontainers import SortedList
+
+# 64 bytes = one cache line: objects never share a line (no false sharing
+# between concurrent writers), and the transfer engine's DMA / memcpy paths
+# run fastest on aligned addresses. Segments are mmap'd, hence page-aligned,
+# so an aligned offset is an aligned address.
+DEFAULT_ALIGNMENT = 64
+
+
+class AllocatorError(Exception):
+    """Base class for allocator errors (a bad free, not a lack of space)."""
+
+
+class UnknownOffsetError(AllocatorError, KeyError):
+    """`free` of an offset that is not a live allocation (never allocated,
+    or already freed). A KeyError too, so callers may map it to NOT_FOUND."""
+
+    def __str__(self) -> str:
+        # KeyError's str() would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """A contiguous byte range [offset, offset + size) of the segment."""
+
+    offset: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+class SegmentAllocator:
+    """Best-fit allocator for one segment of `capacity` bytes.
+
+    Invariants, after every public call:
+    - live allocations and free extents tile [0, capacity) exactly: they never
+      overlap and `used_bytes + free_bytes == capacity`;
+    - free extents never overlap or touch: a freed block is merged with its
+      free left and right neighbours at once (always coalesced);
+    - every allocation starts at a multiple of `alignment` and its size is the
+      requested size rounded up to `alignment` (`used_bytes` counts rounded
+      sizes). The tail extent may end unaligned at `capacity`.
+
+    `allocate` picks the smallest free extent that fits (lowest offset on
+    ties) and carves from its start. With equal-sized requests (the KV case)
+    every hole is then a whole number of objects, so the segment never
+    fragments: if capacity is a multiple of the rounded size, `allocate`
+    succeeds iff `free_bytes >= size`.
+
+    Every operation is O(log n) in the number of free extents.
+    """
+
+    __slots__ = (
+        "_capacity",
+        "_alignment",
+        "_by_size",
+        "_free_at",
+        "_free_ending_at",
+        "_allocations",
+        "_used_bytes",
+    )
+
+    def __init__(self, capacity: int, alignment: int = DEFAULT_ALIGNMENT) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if (
+            isinstance(alignment, bool)
+            or not isinstance(alignment, int)
+            or alignment <= 0
+            or alignment & (alignment - 1)
+        ):
+            raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
+        self._capacity = capacity
+        self._alignment = alignment
+        # free extents as (size, offset): best fit = first entry >= (need, -1)
+        self._by_size: SortedList = SortedList([(capacity, 0)])
+        self._free_at: dict[int, int] = {0: capacity}  # offset -> size
+        self._free_ending_at: dict[int, int] = {capacity: 0}  # end -> offset
+        self._allocations: dict[int, int] = {}  # offset -> rounded size
+        self._used_bytes = 0
+
+    # -- queries --------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def alignment(self) -> int:
+        return self._alignment
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self._capacity - self._used_bytes
+
+    @property
+    def largest_free(self) -> int:
+        """Size of the largest contiguous free extent (0 when full)."""
+        return self._by_size[-1][0] if self._by_size else 0
+
+    @property
+    def num_allocations(self) -> int:
+        return len(self._allocations)
+
+    @property
+    def num_free_extents(self) -> int:
+        return len(self._by_size)
+
+    def rounded_size(self, size: int) -> int:
+        """Bytes an allocation of `size` takes: `size` rounded up to the alignment."""
+        return -(-size // self._alignment) * self._alignment
+
+    def allocation_size(self, offset: int) -> int:
+        """Rounded size of the live allocation at `offset`; UnknownOffsetError if none."""
+        size = self._allocations.get(offset)
+        if size is None:
+            raise UnknownOffsetError(f"no live allocation at offset {offset}")
+        return size
+
+    def free_extents(self) -> list[Extent]:
+        """All free extents in offset order. O(n log n): for tests and metrics."""
+        return [Extent(offset, self._free_at[offset]) for offset in sorted(self._free_at)]
+
+    # -- mutations ------------------------------------------------------------
+
+    def allocate(self, size: int) -> int | None:
+        """Reserve `size` bytes (rounded up to the alignment); return the offset,
+        or None when no free extent is large enough."""
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"size must be a positive int, got {size!r}")
+        need = self.rounded_size(size)
+        i = self._by_size.bisect_left((need, -1))
+        if i == len(self._by_size):
+            return None
+        hole_size, offset = self._by_size.pop(i)
+        del self._free_at[offset]
+        del self._free_ending_at[offset + hole_size]
+        if hole_size > need:
+            # the remainder stays one extent; its right neighbour is allocated,
+            # so it is still coalesced
+            self._add_free(offset + need, hole_size - need)
+        self._allocations[offset] = need
+        self._used_bytes += need
+        return offset
+
+    def free(self, offset: int) -> None:
+        """Release the allocation at `offset`, merging it with free neighbours.
+        UnknownOffsetError if `offset` is not a live allocation (double free)."""
+        size = self._allocations.pop(offset, None)
+        if size is None:
+            raise UnknownOffsetError(f"no live allocation at offset {offset}")
+        self._used_bytes -= size
+        start, end = offset, offset + size
+        left = self._free_ending_at.get(start)
+        if left is not None:
+            self._remove_free(left, start - left)
+            start = left
+        right_size = self._free_at.get(end)
+        if right_size is not None:
+            self._remove_free(end, right_size)
+            end += right_size
+        self._add_free(start, end - start)
+
+    # -- internals ------------------------------------------------------------
+
+    def _add_free(self, offset: int, size: int) -> None:
+        self._by_size.add((size, offset))
+        self._free_at[offset] = size
+        self._free_ending_at[offset + size] = offset
+
+    def _remove_free(self, offset: int, size: int) -> None:
+        self._by_size.remove((size, offset))
+        del self._free_at[offset]
+        del self._free_ending_at[offset + size]
+
+    def __repr__(self) -> str:
+        return (
+            f"SegmentAllocator(capacity={self._capacity}, used={self._used_bytes}, "
+            f"allocations={len(self._allocations)}, free_extents={len(self._by_size)}, "
+            f"largest_free={self.largest_free})"
+        )

@@ -1,0 +1,50 @@
+"""Prometheus metrics of the pool master (names follow Mooncake's master_* set)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.master.index import PoolIndex
+
+
+class MasterMetrics:
+    """Gauges refreshed from the index; counters advanced by deltas."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.capacity = Gauge("kvpool_pool_capacity_bytes", "Bytes of all mounted segments", registry=r)
+        self.used = Gauge("kvpool_pool_used_bytes", "Bytes allocated (committed and in flight)", registry=r)
+        self.objects = Gauge("kvpool_pool_objects", "Objects stored or being stored", registry=r)
+        self.groups = Gauge("kvpool_pool_groups", "Groups with at least one member", registry=r)
+        self.segments = Gauge("kvpool_pool_segments", "Mounted segments", registry=r)
+        self.leases = Gauge("kvpool_pool_leases", "Read leases held", registry=r)
+        self.in_flight = Gauge("kvpool_pool_puts_in_flight", "Puts started, not ended", registry=r)
+        self.evicted_groups = Counter("kvpool_pool_evicted_groups", "Groups evicted", registry=r)
+        self.evicted_bytes = Counter("kvpool_pool_evicted_bytes", "Bytes evicted", registry=r)
+        self.revoked_puts = Counter("kvpool_pool_revoked_puts", "Puts revoked", registry=r)
+        self.dropped_segments = Counter("kvpool_pool_dropped_segments", "Segments dropped for missed heartbeats", registry=r)
+        self.lookup_groups = Counter("kvpool_pool_lookup_groups", "Groups asked for in lookups", registry=r)
+        self.lookup_hit_groups = Counter("kvpool_pool_lookup_hit_groups", "Groups found complete in lookups", registry=r)
+        self._last = (0, 0, 0, 0)
+
+    def observe_lookup(self, requested: int, hit: int) -> None:
+        self.lookup_groups.inc(requested)
+        self.lookup_hit_groups.inc(hit)
+
+    def refresh(self, index: PoolIndex) -> None:
+        self.capacity.set(index.capacity)
+        self.used.set(index.used_bytes)
+        self.objects.set(len(index.objects))
+        self.groups.set(len(index.groups))
+        self.segments.set(len(index.segments))
+        self.leases.set(index.num_leases)
+        self.in_flight.set(index.num_in_flight)
+        c = index.counters
+        now = (c.evicted_groups, c.evicted_bytes, c.revoked_puts, c.dropped_segments)
+        for counter, before, after in zip(
+            (self.evicted_groups, self.evicted_bytes, self.revoked_puts, self.dropped_segments), self._last, now
+        ):
+            if after > before:
+                counter.inc(after - before)
+        self._last = now

@@ -1,0 +1,236 @@
+"""PoolMaster gRPC servicer: validates at the edge, converts protobuf ↔ index calls."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from kvpool.errors import InvalidArgument, KvpoolError, ResourceExhausted
+from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from services.master.index import PoolIndex
+from services.master.metrics import MasterMetrics
+from services.master.records import PutRequestItem, PutStatus
+
+log = structlog.get_logger(__name__)
+
+MAX_KEY_BYTES = 512
+MAX_BATCH = 4096
+MAX_GROUP_SIZE = 64
+MAX_LEASE_MS = 600_000
+_ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+
+R = TypeVar("R")
+
+
+def _status_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """Map domain errors to gRPC status codes, in one place."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await method(self, request, context)
+        except KvpoolError as exc:
+            log.info("request_rejected", method=method.__name__, code=exc.code.name, reason=str(exc))
+            await context.abort(exc.code, str(exc))
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def check_name(value: str, field_name: str) -> None:
+    if not value:
+        raise InvalidArgument(f"{field_name}: must not be empty")
+    if len(value.encode()) > MAX_KEY_BYTES:
+        raise InvalidArgument(f"{field_name}: {len(value.encode())} bytes is longer than {MAX_KEY_BYTES}")
+
+
+def check_batch(count: int, field_name: str) -> None:
+    if count == 0:
+        raise InvalidArgument(f"{field_name}: must not be empty")
+    if count > MAX_BATCH:
+        raise InvalidArgument(f"{field_name}: {count} entries is more than {MAX_BATCH} in one call")
+
+
+class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
+    """Thin shell over :class:`PoolIndex`; every call runs on the event loop, so the index needs no lock."""
+
+    def __init__(self, index: PoolIndex, incarnation: str, heartbeat_interval_s: float, metrics: MasterMetrics) -> None:
+        self.index = index
+        self.incarnation = incarnation
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.metrics = metrics
+
+    # ---- segments -------------------------------------------------------
+
+    @_status_errors
+    async def MountSegment(self, request: pool_pb2.MountSegmentRequest, context: Any) -> pool_pb2.MountSegmentResponse:
+        check_name(request.segment_id, "segment_id")
+        if not _ENDPOINT.match(request.endpoint):
+            raise InvalidArgument(f"endpoint: {request.endpoint!r} is not host:port")
+        if request.size <= 0:
+            raise InvalidArgument(f"size: must be positive, got {request.size}")
+        if request.base_address == 0:
+            raise InvalidArgument("base_address: must not be zero")
+        fresh = self.index.mount_segment(
+            request.segment_id, request.endpoint, request.host, request.base_address, request.size, request.numa_node
+        )
+        log.info(
+            "segment_mounted" if fresh else "segment_remounted",
+            segment_id=request.segment_id,
+            endpoint=request.endpoint,
+            host=request.host,
+            size=request.size,
+            numa_node=request.numa_node,
+        )
+        return pool_pb2.MountSegmentResponse(
+            master_incarnation=self.incarnation, heartbeat_interval_s=self.heartbeat_interval_s
+        )
+
+    @_status_errors
+    async def UnmountSegment(self, request: pool_pb2.UnmountSegmentRequest, context: Any) -> pool_pb2.UnmountSegmentResponse:
+        check_name(request.segment_id, "segment_id")
+        dropped = self.index.unmount_segment(request.segment_id)
+        log.info("segment_unmounted", segment_id=request.segment_id, objects_dropped=dropped)
+        return pool_pb2.UnmountSegmentResponse(objects_dropped=dropped)
+
+    @_status_errors
+    async def Heartbeat(self, request: pool_pb2.HeartbeatRequest, context: Any) -> pool_pb2.HeartbeatResponse:
+        check_name(request.segment_id, "segment_id")
+        self.index.heartbeat(request.segment_id)
+        return pool_pb2.HeartbeatResponse(master_incarnation=self.incarnation)
+
+    # ---- writes ---------------------------------------------------------
+
+    @_status_errors
+    async def PutStart(self, request: pool_pb2.PutStartRequest, context: Any) -> pool_pb2.PutStartResponse:
+        check_batch(len(request.items), "items")
+        items = []
+        for i, item in enumerate(request.items):
+            check_name(item.key, f"items[{i}].key")
+            check_name(item.group_id, f"items[{i}].group_id")
+            if not 1 <= item.group_size <= MAX_GROUP_SIZE:
+                raise InvalidArgument(f"items[{i}].group_size: {item.group_size} is outside 1..{MAX_GROUP_SIZE}")
+            if item.size <= 0:
+                raise InvalidArgument(f"items[{i}].size: must be positive, got {item.size}")
+            items.append(PutRequestItem(item.key, item.group_id, item.group_size, item.size))
+        evicted_before = self.index.counters.evicted_groups
+        outcomes = self.index.put_start(request.client_host, items)
+        if self.index.counters.evicted_groups != evicted_before:
+            log.info("groups_evicted", count=self.index.counters.evicted_groups - evicted_before)
+        if all(o.status is PutStatus.NO_SPACE for o in outcomes):
+            raise ResourceExhausted(
+                f"items: no space for {len(items)} objects (pool {self.index.used_bytes}/"
+                f"{self.index.capacity} bytes used, nothing evictable)"
+            )
+        response = pool_pb2.PutStartResponse()
+        for outcome in outcomes:
+            result = response.results.add(status=outcome.status.value)
+            if outcome.segment is not None:
+                result.location.segment_id = outcome.segment.segment_id
+                result.location.endpoint = outcome.segment.endpoint
+                result.location.address = outcome.segment.base_address + outcome.offset
+        for item, result in zip(items, response.results):
+            if result.status == pool_pb2.PUT_STATUS_RESERVED:
+                result.location.size = item.size
+        return response
+
+    @_status_errors
+    async def PutEnd(self, request: pool_pb2.PutEndRequest, context: Any) -> pool_pb2.PutEndResponse:
+        check_batch(len(request.items), "items")
+        for i, item in enumerate(request.items):
+            check_name(item.key, f"items[{i}].key")
+        committed = self.index.put_end([(item.key, item.checksum) for item in request.items])
+        return pool_pb2.PutEndResponse(num_committed=committed)
+
+    @_status_errors
+    async def PutRevoke(self, request: pool_pb2.PutRevokeRequest, context: Any) -> pool_pb2.PutRevokeResponse:
+        check_batch(len(request.keys), "keys")
+        for i, key in enumerate(request.keys):
+            check_name(key, f"keys[{i}]")
+        return pool_pb2.PutRevokeResponse(num_revoked=self.index.put_revoke(request.keys))
+
+    # ---- reads ----------------------------------------------------------
+
+    @_status_errors
+    async def Lookup(self, request: pool_pb2.LookupRequest, context: Any) -> pool_pb2.LookupResponse:
+        check_batch(len(request.group_ids), "group_ids")
+        for i, group_id in enumerate(request.group_ids):
+            check_name(group_id, f"group_ids[{i}]")
+        if not 0 <= request.lease_ms <= MAX_LEASE_MS:
+            raise InvalidArgument(f"lease_ms: {request.lease_ms} is outside 0..{MAX_LEASE_MS}")
+        lease_s = request.lease_ms / 1000 if request.lease_ms else None
+        result = self.index.lookup(request.group_ids, lease_s)
+        response = pool_pb2.LookupResponse(
+            num_complete=len(result.groups), lease_id=result.lease_id, lease_ms=round(result.lease_s * 1000)
+        )
+        segments = self.index.segments
+        for group in result.groups:
+            out = response.groups.add(group_id=group.group_id)
+            for obj in group.members.values():
+                segment = segments[obj.segment_id]
+                member = out.members.add(key=obj.key, checksum=obj.checksum)
+                member.location.segment_id = obj.segment_id
+                member.location.endpoint = segment.endpoint
+                member.location.address = segment.base_address + obj.offset
+                member.location.size = obj.size
+        self.metrics.observe_lookup(len(request.group_ids), len(result.groups))
+        return response
+
+    @_status_errors
+    async def ReleaseLease(self, request: pool_pb2.ReleaseLeaseRequest, context: Any) -> pool_pb2.ReleaseLeaseResponse:
+        return pool_pb2.ReleaseLeaseResponse(released=self.index.release_lease(request.lease_id))
+
+    @_status_errors
+    async def Exists(self, request: pool_pb2.ExistsRequest, context: Any) -> pool_pb2.ExistsResponse:
+        check_batch(len(request.keys), "keys")
+        for i, key in enumerate(request.keys):
+            check_name(key, f"keys[{i}]")
+        return pool_pb2.ExistsResponse(exists=self.index.exists(request.keys))
+
+    @_status_errors
+    async def Remove(self, request: pool_pb2.RemoveRequest, context: Any) -> pool_pb2.RemoveResponse:
+        check_batch(len(request.group_ids), "group_ids")
+        for i, group_id in enumerate(request.group_ids):
+            check_name(group_id, f"group_ids[{i}]")
+        removed, busy = self.index.remove(request.group_ids)
+        return pool_pb2.RemoveResponse(num_removed=removed, busy_group_ids=busy)
+
+    @_status_errors
+    async def Stats(self, request: pool_pb2.StatsRequest, context: Any) -> pool_pb2.StatsResponse:
+        return stats_message(self.index, self.incarnation)
+
+
+def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
+    groups = index.groups.values()
+    response = pool_pb2.StatsResponse(
+        capacity_bytes=index.capacity,
+        used_bytes=index.used_bytes,
+        num_objects=len(index.objects),
+        num_groups=len(index.groups),
+        num_complete_groups=sum(1 for g in groups if g.complete),
+        num_puts_in_flight=index.num_in_flight,
+        num_leases=index.num_leases,
+        evicted_groups=index.counters.evicted_groups,
+        evicted_bytes=index.counters.evicted_bytes,
+        revoked_puts=index.counters.revoked_puts,
+        high_watermark=index.settings.high_watermark,
+        low_watermark=index.settings.low_watermark,
+        master_incarnation=incarnation,
+    )
+    for segment in sorted(index.segments.values(), key=lambda s: s.segment_id):
+        response.segments.add(
+            segment_id=segment.segment_id,
+            endpoint=segment.endpoint,
+            host=segment.host,
+            numa_node=segment.numa_node,
+            capacity_bytes=segment.size,
+            used_bytes=segment.allocator.used_bytes,
+            num_objects=len(segment.keys),
+            largest_free_bytes=segment.allocator.largest_free,
+        )
+    return response

@@ -1,0 +1,193 @@
+"""The store daemon: one NUMA-pinned DRAM segment contributed to the pool.
+
+Start-up order matters: pin the process to its node and set the memory
+policy, then map the segment and fault its pages in (so they land on that
+node), then register it with the transfer engine, then mount it on the
+master. The daemon keeps heart-beating; when the master answers that it does
+not know the segment (it restarted), the daemon mounts it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kvpool import service
+from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from kvpool.sizes import parse_size
+from kvpool.transfer import HostBuffer, TransferEngine, local_host_name
+from services.store import numa
+
+log = structlog.get_logger(__name__)
+
+RPC_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class StoreSettings:
+    master: str = "127.0.0.1:7601"
+    host: str = "127.0.0.1"
+    # -1 means 7610 + numa_node (and 9610 + numa_node), so one store per node
+    # on a host gets distinct ports without configuration.
+    port: int = -1
+    admin_port: int = -1
+    segment_size: int | str = "1GiB"
+    numa_node: int = 0
+    segment_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    transfer_host: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device: str = ""
+    heartbeat_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.segment_size = parse_size(self.segment_size, "segment_size")
+        if self.numa_node < 0:
+            raise ValueError(f"numa_node: must be >= 0, got {self.numa_node}")
+        if self.port < 0:
+            self.port = 7610 + self.numa_node
+        if self.admin_port < 0:
+            self.admin_port = 9610 + self.numa_node
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s: must be positive, got {self.heartbeat_interval_s}")
+
+
+class StoreMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.segment_bytes = Gauge("kvpool_store_segment_bytes", "Bytes of this store's segment", registry=r)
+        self.mounted = Gauge("kvpool_store_mounted", "1 while the master has our segment mounted", registry=r)
+        self.mounts = Counter("kvpool_store_mounts", "Successful mounts (first and re-mounts)", registry=r)
+        self.heartbeat_failures = Counter("kvpool_store_heartbeat_failures", "Heartbeats that failed", registry=r)
+
+
+@dataclass(slots=True)
+class Store:
+    """A mounted (or mounting) segment and its link to the master."""
+
+    settings: StoreSettings
+    engine: TransferEngine
+    segment: HostBuffer
+    stub: pool_pb2_grpc.PoolMasterStub
+    metrics: StoreMetrics
+    host_name: str = field(default_factory=local_host_name)
+    incarnation: str = ""
+
+    async def mount(self) -> None:
+        response = await self.stub.MountSegment(
+            pool_pb2.MountSegmentRequest(
+                segment_id=self.settings.segment_id,
+                endpoint=self.engine.endpoint,
+                host=self.host_name,
+                base_address=self.segment.address,
+                size=self.segment.size,
+                numa_node=self.settings.numa_node,
+            ),
+            timeout=RPC_TIMEOUT_S,
+        )
+        if self.incarnation and response.master_incarnation != self.incarnation:
+            log.warning("master_restarted_remounted", incarnation=response.master_incarnation)
+        self.incarnation = response.master_incarnation
+        self.metrics.mounted.set(1)
+        self.metrics.mounts.inc()
+        log.info("segment_mounted", segment_id=self.settings.segment_id, master=self.settings.master,
+                 incarnation=self.incarnation)
+
+    async def mount_until_done(self, stop: asyncio.Event) -> bool:
+        """Retry mounting with backoff until it works or we are told to stop."""
+        delay = 0.1
+        while not stop.is_set():
+            try:
+                await self.mount()
+                return True
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                log.warning("master_unreachable", master=self.settings.master, retry_in_s=delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, self.settings.heartbeat_interval_s)
+        return False
+
+    async def heartbeat_forever(self, stop: asyncio.Event) -> None:
+        request = pool_pb2.HeartbeatRequest(segment_id=self.settings.segment_id)
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.heartbeat_interval_s)
+            if stop.is_set():
+                return
+            try:
+                await self.stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                self.metrics.heartbeat_failures.inc()
+                self.metrics.mounted.set(0)
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    # the master restarted (or dropped us after a long pause)
+                    log.warning("segment_unknown_to_master", segment_id=self.settings.segment_id)
+                    await self.mount_until_done(stop)
+                else:
+                    log.warning("heartbeat_failed", code=exc.code().name, details=exc.details())
+
+    async def unmount(self) -> None:
+        try:
+            await self.stub.UnmountSegment(
+                pool_pb2.UnmountSegmentRequest(segment_id=self.settings.segment_id), timeout=2.0
+            )
+            log.info("segment_unmounted", segment_id=self.settings.segment_id)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("unmount_failed", code=exc.code().name, details=exc.details())
+        self.metrics.mounted.set(0)
+
+
+async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
+    binding = numa.bind_to_node(settings.numa_node)
+    if binding.single_node:
+        log.info("numa_single_node", node=binding.node, cpus=binding.cpus,
+                 detail="one NUMA node: CPU pinning applied, memory placement is trivially local")
+    else:
+        log.info("numa_bound", node=binding.node, cpus=binding.cpus,
+                 memory_policy_applied=binding.memory_policy_applied, detail=binding.detail)
+    segment = HostBuffer(int(settings.segment_size))
+    numa.mbind_range(segment.address, segment.size, settings.numa_node)
+    segment.touch()
+    engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
+    engine.register(segment.address, segment.size)
+    metrics = StoreMetrics()
+    metrics.segment_bytes.set(segment.size)
+    handle = await service.create_server(settings.host, settings.port, lambda s: None)
+    await handle.set_serving(False)
+    admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
+    stop = asyncio.Event()
+    service.install_stop_signals(stop)
+    channel = grpc.aio.insecure_channel(settings.master, options=service.GRPC_OPTIONS)
+    store = Store(settings, engine, segment, pool_pb2_grpc.PoolMasterStub(channel), metrics)
+    heartbeat: asyncio.Task[None] | None = None
+    try:
+        if await store.mount_until_done(stop):
+            await handle.set_serving(True)
+            service.write_ready_file(
+                ready_file, port=handle.port, admin_port=admin_port, segment_id=settings.segment_id,
+                endpoint=engine.endpoint, segment_size=segment.size,
+            )
+            log.info("store_serving", address=f"{settings.host}:{handle.port}", admin_port=admin_port,
+                     endpoint=engine.endpoint, segment_size=segment.size, numa_node=settings.numa_node)
+            heartbeat = asyncio.create_task(store.heartbeat_forever(stop))
+            await stop.wait()
+        log.info("store_stopping")
+        await handle.set_serving(False)
+    finally:
+        if heartbeat is not None:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+        await store.unmount()
+        await channel.close()
+        await handle.server.stop(grace=1.0)
+        engine.unregister(segment.address)
+        log.info("store_stopped")

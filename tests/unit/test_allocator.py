@@ -1,0 +1,315 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from services.master.allocator import (
+    AllocatorError,
+    Extent,
+    SegmentAllocator,
+    UnknownOffsetError,
+)
+
+
+def extents(alloc: SegmentAllocator) -> list[tuple[int, int]]:
+    return [(e.offset, e.size) for e in alloc.free_extents()]
+
+
+# -- exact behaviour ----------------------------------------------------------
+
+
+def test_fresh_segment_hands_out_offsets_in_order() -> None:
+    alloc = SegmentAllocator(1024)
+    assert (alloc.capacity, alloc.alignment) == (1024, 64)
+    assert [alloc.allocate(64), alloc.allocate(100), alloc.allocate(1)] == [0, 64, 192]
+    assert alloc.used_bytes == 256
+    assert alloc.free_bytes == 768
+    assert alloc.num_allocations == 3
+    assert extents(alloc) == [(256, 768)]
+    assert alloc.largest_free == 768
+
+
+def test_alignment_rounding() -> None:
+    alloc = SegmentAllocator(8192)
+    assert alloc.rounded_size(1) == 64
+    assert alloc.rounded_size(64) == 64
+    assert alloc.rounded_size(65) == 128
+    assert alloc.allocate(1) == 0
+    assert alloc.allocate(65) == 64
+    assert alloc.allocation_size(0) == 64
+    assert alloc.allocation_size(64) == 128
+    assert alloc.used_bytes == 192
+
+    page = SegmentAllocator(3 * 4096, alignment=4096)
+    assert [page.allocate(1), page.allocate(4097)] == [0, 4096]
+    assert page.free_bytes == 0
+
+    exact = SegmentAllocator(100, alignment=1)
+    assert [exact.allocate(3), exact.allocate(7), exact.allocate(90)] == [0, 3, 10]
+    assert exact.allocate(1) is None
+
+
+def test_unaligned_capacity_keeps_short_tail() -> None:
+    alloc = SegmentAllocator(200)  # 3 * 64 + 8
+    assert [alloc.allocate(64) for _ in range(3)] == [0, 64, 128]
+    assert extents(alloc) == [(192, 8)]
+    assert alloc.allocate(1) is None  # needs 64
+    alloc.free(128)
+    assert extents(alloc) == [(128, 72)]
+    assert alloc.allocate(1) == 128
+
+
+@pytest.fixture
+def four_blocks() -> SegmentAllocator:
+    # a=0 b=64 c=128 d=192, free tail (256, 64)
+    alloc = SegmentAllocator(320)
+    assert [alloc.allocate(64) for _ in range(4)] == [0, 64, 128, 192]
+    assert extents(alloc) == [(256, 64)]
+    return alloc
+
+
+def test_free_coalesces_left_neighbour(four_blocks: SegmentAllocator) -> None:
+    four_blocks.free(64)
+    assert extents(four_blocks) == [(64, 64), (256, 64)]
+    four_blocks.free(128)
+    assert extents(four_blocks) == [(64, 128), (256, 64)]
+    assert four_blocks.largest_free == 128
+
+
+def test_free_coalesces_right_neighbour(four_blocks: SegmentAllocator) -> None:
+    four_blocks.free(128)
+    four_blocks.free(64)
+    assert extents(four_blocks) == [(64, 128), (256, 64)]
+    four_blocks.free(192)  # right neighbour is the tail
+    assert extents(four_blocks) == [(64, 256)]
+
+
+def test_free_coalesces_both_neighbours(four_blocks: SegmentAllocator) -> None:
+    four_blocks.free(0)
+    four_blocks.free(128)
+    assert extents(four_blocks) == [(0, 64), (128, 64), (256, 64)]
+    four_blocks.free(64)
+    assert extents(four_blocks) == [(0, 192), (256, 64)]
+    assert four_blocks.num_free_extents == 2
+    four_blocks.free(192)
+    assert extents(four_blocks) == [(0, 320)]
+    assert (four_blocks.used_bytes, four_blocks.largest_free) == (0, 320)
+    assert four_blocks.free_extents() == [Extent(0, 320)]
+    assert Extent(0, 320).end == 320
+
+
+def test_best_fit_picks_smallest_hole_that_fits() -> None:
+    alloc = SegmentAllocator(1024)
+    h1 = alloc.allocate(192)  # 0
+    alloc.allocate(64)  # 192, separator
+    h2 = alloc.allocate(64)  # 256
+    alloc.allocate(64)  # 320, separator
+    h3 = alloc.allocate(128)  # 384
+    alloc.allocate(64)  # 512, separator
+    for offset in (h1, h2, h3):
+        assert offset is not None
+        alloc.free(offset)
+    assert extents(alloc) == [(0, 192), (256, 64), (384, 128), (576, 448)]
+
+    assert alloc.allocate(64) == 256  # the 64-byte hole, not the first one
+    assert alloc.allocate(100) == 384  # 128 rounded: the 128-byte hole
+    assert alloc.allocate(150) == 0  # 192 rounded: the 192-byte hole
+    assert alloc.allocate(200) == 576  # 256 rounded: carved from the start of the tail
+    assert extents(alloc) == [(832, 192)]
+
+
+def test_best_fit_tie_takes_lowest_offset() -> None:
+    alloc = SegmentAllocator(640)
+    offsets = [alloc.allocate(64) for _ in range(10)]
+    for offset in (384, 128, 512):
+        alloc.free(offset)
+    assert extents(alloc) == [(128, 64), (384, 64), (512, 64)]
+    assert [alloc.allocate(64), alloc.allocate(64), alloc.allocate(64)] == [128, 384, 512]
+    assert offsets == list(range(0, 640, 64))
+
+
+def test_out_of_space_returns_none_and_changes_nothing() -> None:
+    alloc = SegmentAllocator(256)
+    assert alloc.allocate(257) is None
+    assert [alloc.allocate(64) for _ in range(4)] == [0, 64, 128, 192]
+    assert alloc.allocate(1) is None
+    # 128 bytes free, but in two 64-byte holes: no contiguous 128
+    alloc.free(0)
+    alloc.free(128)
+    assert (alloc.free_bytes, alloc.largest_free) == (128, 64)
+    assert alloc.allocate(65) is None
+    assert extents(alloc) == [(0, 64), (128, 64)]
+    assert (alloc.used_bytes, alloc.num_allocations) == (128, 2)
+
+
+@pytest.mark.parametrize("size", [0, -1, -64, 1.5, "64", None, True])
+def test_allocate_rejects_bad_size(size: object) -> None:
+    alloc = SegmentAllocator(1024)
+    with pytest.raises(ValueError, match="size must be a positive int"):
+        alloc.allocate(size)  # type: ignore[arg-type]
+    assert alloc.used_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("capacity", "alignment", "message"),
+    [
+        (0, 64, "capacity"),
+        (-1, 64, "capacity"),
+        (1.0, 64, "capacity"),
+        (1024, 0, "alignment"),
+        (1024, 48, "alignment"),
+        (1024, -64, "alignment"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(
+    capacity: object, alignment: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        SegmentAllocator(capacity, alignment)  # type: ignore[arg-type]
+
+
+def test_free_of_unknown_offset_and_double_free_raise() -> None:
+    alloc = SegmentAllocator(1024)
+    offset = alloc.allocate(128)
+    assert offset == 0
+    with pytest.raises(UnknownOffsetError, match="no live allocation at offset 64"):
+        alloc.free(64)  # inside the allocation, not its start
+    alloc.free(offset)
+    with pytest.raises(UnknownOffsetError) as excinfo:
+        alloc.free(offset)
+    assert isinstance(excinfo.value, KeyError)
+    assert isinstance(excinfo.value, AllocatorError)
+    assert str(excinfo.value) == "no live allocation at offset 0"
+    with pytest.raises(UnknownOffsetError):
+        alloc.allocation_size(0)
+    assert extents(alloc) == [(0, 1024)]
+    assert alloc.used_bytes == 0
+
+
+# -- equal-size churn: the KV case --------------------------------------------
+
+
+def test_equal_size_churn_never_fragments() -> None:
+    size = 1000  # rounds to 1024
+    rounded = 1024
+    num_slots = 2048
+    alloc = SegmentAllocator(num_slots * rounded)
+    rng = random.Random(1234)
+    live: list[int] = []
+    num_refused = 0
+
+    for step in range(200_000):
+        # drift towards 99% full so the segment is often completely full
+        p_alloc = 0.6 if len(live) < num_slots - 20 else 0.4
+        if not live or rng.random() < p_alloc:
+            fits = alloc.free_bytes >= size
+            offset = alloc.allocate(size)
+            assert (offset is not None) == fits, step
+            if offset is None:
+                num_refused += 1
+            else:
+                assert offset % rounded == 0
+                live.append(offset)
+        else:
+            i = rng.randrange(len(live))
+            live[i], live[-1] = live[-1], live[i]
+            alloc.free(live.pop())
+        assert alloc.largest_free % rounded == 0
+        if step % 20_000 == 0:
+            assert all(e.size % rounded == 0 for e in alloc.free_extents())
+
+    assert num_refused > 0  # the full segment was reached and refused correctly
+    assert alloc.used_bytes == len(live) * rounded
+    assert alloc.used_bytes + alloc.free_bytes == alloc.capacity
+    for offset in live:
+        alloc.free(offset)
+    assert alloc.largest_free == alloc.capacity
+    assert (alloc.num_free_extents, alloc.num_allocations, alloc.used_bytes) == (1, 0, 0)
+
+
+# -- mixed sizes against a reference model -------------------------------------
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Checks the allocator against an interval-list model after every op: the
+    model's free extents are the gaps between live allocations, so they are
+    maximal (coalesced) by construction, and its best fit is computed naively."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc = SegmentAllocator(64)
+        self.live: dict[int, int] = {}  # offset -> rounded size
+
+    @initialize(capacity=st.integers(1, 4096), alignment=st.sampled_from([1, 8, 64, 256]))
+    def start(self, capacity: int, alignment: int) -> None:
+        self.alloc = SegmentAllocator(capacity, alignment)
+        self.live = {}
+
+    def model_gaps(self) -> list[tuple[int, int]]:
+        gaps: list[tuple[int, int]] = []
+        cursor = 0
+        for offset in sorted(self.live):
+            if offset > cursor:
+                gaps.append((cursor, offset - cursor))
+            cursor = offset + self.live[offset]
+        if cursor < self.alloc.capacity:
+            gaps.append((cursor, self.alloc.capacity - cursor))
+        return gaps
+
+    @rule(size=st.integers(1, 1500))
+    def allocate(self, size: int) -> None:
+        align = self.alloc.alignment
+        need = -(-size // align) * align
+        fitting = [(gap_size, offset) for offset, gap_size in self.model_gaps() if gap_size >= need]
+        offset = self.alloc.allocate(size)
+        if not fitting:
+            assert offset is None
+            return
+        assert offset == min(fitting)[1]  # best fit, lowest offset on ties
+        self.live[offset] = need
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        offset = data.draw(st.sampled_from(sorted(self.live)))
+        self.alloc.free(offset)
+        del self.live[offset]
+
+    @rule(offset=st.integers(-1, 5000))
+    def free_unknown(self, offset: int) -> None:
+        if offset in self.live:
+            return
+        try:
+            self.alloc.free(offset)
+        except UnknownOffsetError:
+            return
+        raise AssertionError(f"free({offset}) of a dead offset did not raise")
+
+    @invariant()
+    def matches_model(self) -> None:
+        alloc = self.alloc
+        spans = sorted(self.live.items())
+        for (a, a_size), (b, _) in zip(spans, spans[1:]):
+            assert a + a_size <= b  # no overlap between live allocations
+        for offset, size in spans:
+            assert offset % alloc.alignment == 0
+            assert 0 <= offset and offset + size <= alloc.capacity
+            assert alloc.allocation_size(offset) == size
+        gaps = self.model_gaps()
+        free = extents(alloc)
+        assert free == gaps
+        for (a, a_size), (b, _) in zip(free, free[1:]):
+            assert a + a_size < b  # coalesced: free extents never touch
+        assert alloc.used_bytes == sum(self.live.values())
+        assert alloc.used_bytes + alloc.free_bytes == alloc.capacity
+        assert alloc.largest_free == max((s for _, s in gaps), default=0)
+        assert alloc.num_allocations == len(self.live)
+        assert alloc.num_free_extents == len(gaps)
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
