@@ -1,0 +1,166 @@
+"""Multi-head latent attention (MLA) over one layer of a paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpool.model.config import ModelConfig
+from kvpool.model.kv_cache import read_kv, write_kv
+from kvpool.model.layers import RotaryEmbedding, rms_norm
+
+# queries per attention call: bounds the [heads, queries, keys] score tensor
+QUERY_BLOCK = 2048
+
+
+@dataclass(slots=True)
+class MLAttention:
+    """One layer's MLA weights (HF DeepSeek-V3 names, [out, in] matrices).
+
+    Invariant: the cache entry of a token is `cat(kv_a_layernorm(latent),
+    rope(k_pe))`; everything else (per-head keys and values) is recomputed
+    from it, so attention reads only the cache, never the fresh activations.
+    Exactly one of `q_proj` and (`q_a_proj`, `q_a_layernorm`, `q_b_proj`) is set.
+    """
+
+    config: ModelConfig
+    q_proj: torch.Tensor | None
+    q_a_proj: torch.Tensor | None
+    q_a_layernorm: torch.Tensor | None
+    q_b_proj: torch.Tensor | None
+    kv_a_proj_with_mqa: torch.Tensor
+    kv_a_layernorm: torch.Tensor
+    kv_b_proj: torch.Tensor
+    o_proj: torch.Tensor
+
+    @classmethod
+    def from_weights(
+        cls, config: ModelConfig, weights: Mapping[str, torch.Tensor], prefix: str
+    ) -> MLAttention:
+        """Take `{prefix}q_proj.weight`-style tensors from weights."""
+        lora = config.q_lora_rank is not None
+
+        def get(name: str, present: bool = True) -> torch.Tensor | None:
+            return weights[f"{prefix}{name}.weight"] if present else None
+
+        return cls(
+            config=config,
+            q_proj=get("q_proj", not lora),
+            q_a_proj=get("q_a_proj", lora),
+            q_a_layernorm=get("q_a_layernorm", lora),
+            q_b_proj=get("q_b_proj", lora),
+            kv_a_proj_with_mqa=get("kv_a_proj_with_mqa"),
+            kv_a_layernorm=get("kv_a_layernorm"),
+            kv_b_proj=get("kv_b_proj"),
+            o_proj=get("o_proj"),
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_layer: torch.Tensor,
+        slots: torch.Tensor,
+        num_cached_tokens: int,
+        absorb: bool | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of n new tokens over all cached + new tokens.
+
+        x: [n, hidden] at `positions` = num_cached_tokens + arange(n).
+        kv_layer: this layer's pages [num_blocks, block_size, kv_entry_dim].
+        slots: cache slot of every token 0 .. num_cached_tokens + n - 1; the
+        new tokens' entries are written to the last n slots first.
+        absorb: fold kv_b_proj into the query/output (cheap for few queries)
+        instead of expanding every cached latent; None picks the cheaper.
+        """
+        cfg = self.config
+        n = x.shape[0]
+        heads, nope, rope, rank = (
+            cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+        )
+        if self.q_proj is not None:
+            q = F.linear(x, self.q_proj)
+        else:
+            q_latent = rms_norm(F.linear(x, self.q_a_proj), self.q_a_layernorm, cfg.rms_norm_eps)
+            q = F.linear(q_latent, self.q_b_proj)
+        q_nope, q_pe = q.view(n, heads, cfg.qk_head_dim).split([nope, rope], dim=-1)
+        q_pe = rotary.apply(q_pe, positions)
+
+        latent, k_pe = F.linear(x, self.kv_a_proj_with_mqa).split([rank, rope], dim=-1)
+        latent = rms_norm(latent, self.kv_a_layernorm, cfg.rms_norm_eps)
+        k_pe = rotary.apply(k_pe, positions)
+        write_kv(kv_layer, slots[num_cached_tokens:], torch.cat((latent, k_pe), dim=-1))
+
+        # read back through the cache dtype so fresh and restored KV match
+        entries = read_kv(kv_layer, slots, x.dtype)  # [T, rank + rope]
+        if absorb is None:
+            absorb = self._absorb_is_cheaper(n)
+        w_kv = self.kv_b_proj.view(heads, nope + cfg.v_head_dim, rank)
+        w_uk, w_uv = w_kv.split([nope, cfg.v_head_dim], dim=1)
+        if absorb:
+            # scores = (q_nope W_uk) . latent + q_pe . k_pe; values = latent
+            q_lat = torch.einsum("nhd,hdr->hnr", q_nope, w_uk)
+            query = torch.cat((q_lat, q_pe.transpose(0, 1)), dim=-1)
+            key = entries.unsqueeze(0).expand(heads, -1, -1)
+            # value = whole entry: equal q/k/v dims take the fast SDPA kernel;
+            # the rope columns of the output are dropped below
+            value = key
+        else:
+            kv = F.linear(entries[:, :rank], self.kv_b_proj).view(-1, heads, nope + cfg.v_head_dim)
+            k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
+            k_rope = entries[:, rank:].unsqueeze(1).expand(-1, heads, -1)
+            query = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)
+            key = torch.cat((k_nope, k_rope), dim=-1).transpose(0, 1)
+            value = v.transpose(0, 1)
+        out = _causal_attention(query, key, value, num_cached_tokens, cfg.softmax_scale)
+        if absorb:
+            out = torch.einsum("hnr,hvr->hnv", out[..., :rank], w_uv)
+        return F.linear(out.transpose(0, 1).reshape(n, heads * cfg.v_head_dim), self.o_proj)
+
+    def _absorb_is_cheaper(self, num_queries: int) -> bool:
+        # per (key, head): absorbed costs n*(2*rank + rope) multiply-adds; expanded
+        # costs rank*(nope + v) to up-project the key plus n*(nope + rope + v)
+        cfg = self.config
+        absorbed = num_queries * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        expanded = cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) + num_queries * (
+            cfg.qk_head_dim + cfg.v_head_dim
+        )
+        return absorbed < expanded
+
+
+def _causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_cached_tokens: int, scale: float
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v with query i at position num_cached_tokens + i.
+
+    query [h, n, d], key [h, T, d], value [h, T, dv] with T = num_cached + n;
+    returns [h, n, dv]. Queries go in blocks, each seeing only the keys it
+    may attend to.
+    """
+    n, dim, value_dim = query.shape[1], query.shape[2], value.shape[2]
+    # PyTorch's fused CPU kernel needs equal q/k/v head dims, else it falls
+    # back to a ~4x slower path; zero padding changes neither scores nor outputs
+    if value_dim < dim:
+        value = F.pad(value, (0, dim - value_dim))
+    elif dim < value_dim:
+        query, key = F.pad(query, (0, value_dim - dim)), F.pad(key, (0, value_dim - dim))
+    query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    outputs = []
+    for start in range(0, n, QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, n)
+        num_keys = num_cached_tokens + end
+        block_q, block_k, block_v = query[:, :, start:end], key[:, :, :num_keys], value[:, :, :num_keys]
+        if num_cached_tokens + start == 0:
+            # square block at position 0: top-left causal == ours, and it skips masked tiles
+            out = F.scaled_dot_product_attention(block_q, block_k, block_v, is_causal=True, scale=scale)
+        else:
+            key_pos = torch.arange(num_keys, device=query.device)
+            query_pos = torch.arange(start, end, device=query.device) + num_cached_tokens
+            mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+            out = F.scaled_dot_product_attention(block_q, block_k, block_v, attn_mask=mask, scale=scale)
+        outputs.append(out[0, ..., :value_dim])
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)

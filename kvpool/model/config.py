@@ -1,0 +1,109 @@
+"""Model configuration: field names follow the public DeepSeek-V3 HF config."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape of a DeepSeek-style MLA decoder (dense SwiGLU MLP, no MoE).
+
+    Invariant: one KV-cache entry per token per layer holds `kv_entry_dim`
+    values — the normed latent (`kv_lora_rank`) followed by the roped shared
+    key (`qk_rope_head_dim`). `seed` selects the seeded weights used when no
+    weight directory is given.
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "max_position_embeddings",
+        )
+        for field in positive:
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"q_lora_rank must be positive or None, got {self.q_lora_rank}")
+        # rotate-half RoPE pairs the two halves of the rope dims
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_entry_dim(self) -> int:
+        """Values cached per token per layer: latent + roped key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5
+
+
+# tiny: the default everywhere; a 2K-token prefill runs in well under a second
+# on one CPU core.
+TINY = ModelConfig(
+    name="tiny",
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    kv_lora_rank=64,
+    q_lora_rank=128,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+)
+
+# dsv3-kv: DeepSeek-V3's per-layer KV entry (512 + 64 = 576 values) and head
+# dims, everything else small, so pool byte counts per token-layer are real.
+DSV3_KV = ModelConfig(
+    name="dsv3-kv",
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    kv_lora_rank=512,
+    q_lora_rank=256,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+)
+
+# dsv3-kv-61: also DeepSeek-V3's depth, so KV bytes per token match V3's.
+DSV3_KV_61 = dataclasses.replace(DSV3_KV, name="dsv3-kv-61", num_hidden_layers=61)
+
+CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (TINY, DSV3_KV, DSV3_KV_61)}
+
+
+def get_config(name: str) -> ModelConfig:
+    """Registered config by name; use `dataclasses.replace` to vary one."""
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}") from None

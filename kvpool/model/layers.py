@@ -1,0 +1,58 @@
+"""Stateless building blocks: RMSNorm, rotary embedding, SwiGLU MLP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@dataclass(slots=True)
+class RotaryEmbedding:
+    """cos/sin tables for positions [0, max_positions), rotate-half layout.
+
+    Invariant: `cos` and `sin` are [max_positions, dim // 2] float32. The
+    tables are built in float64 so every machine rounds them the same way.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, dim: int, theta: float, max_positions: int, device: torch.device | str = "cpu"
+    ) -> RotaryEmbedding:
+        inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        return cls(
+            cos=angles.cos().to(torch.float32).to(device),
+            sin=angles.sin().to(torch.float32).to(device),
+        )
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x [n, ..., dim] by the angle of each token's position [n]."""
+        cos = self.cos[positions]
+        sin = self.sin[positions]
+        # broadcast the per-token tables over any head dims between n and dim
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@dataclass(slots=True)
+class SwiGLUMLP:
+    """down(silu(gate(x)) * up(x)); weights are [out, in] as in nn.Linear."""
+
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj)

@@ -1,0 +1,154 @@
+"""Weight names and shapes, seeded init, and safetensors save/load.
+
+Names and [out, in] shapes follow the HF DeepSeek-V3 checkpoint
+(`model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight`, ...). All weights are
+float32 in memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import struct
+import sys
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvpool.model.config import ModelConfig
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def weight_shapes(config: ModelConfig, layer_start: int, layer_end: int) -> dict[str, tuple[int, ...]]:
+    """Shape of every weight a stage over layers [layer_start, layer_end) needs.
+
+    The first stage (layer_start == 0) adds the embedding; the last
+    (layer_end == num_hidden_layers) adds the final norm and lm_head.
+    """
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {}
+    if layer_start == 0:
+        shapes["model.embed_tokens.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(layer_start, layer_end):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+        if c.q_lora_rank is None:
+            shapes[p + "self_attn.q_proj.weight"] = (c.num_attention_heads * c.qk_head_dim, c.hidden_size)
+        else:
+            shapes[p + "self_attn.q_a_proj.weight"] = (c.q_lora_rank, c.hidden_size)
+            shapes[p + "self_attn.q_a_layernorm.weight"] = (c.q_lora_rank,)
+            shapes[p + "self_attn.q_b_proj.weight"] = (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank)
+        shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (c.kv_entry_dim, c.hidden_size)
+        shapes[p + "self_attn.kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+        shapes[p + "self_attn.kv_b_proj.weight"] = (
+            c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank,
+        )
+        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.num_attention_heads * c.v_head_dim)
+        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+    if layer_end == c.num_hidden_layers:
+        shapes["model.norm.weight"] = (c.hidden_size,)
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def all_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return weight_shapes(config, 0, config.num_hidden_layers)
+
+
+def init_weights(config: ModelConfig, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Seeded float32 weights, identical on every machine for one config.seed.
+
+    Each tensor has its own generator seeded by crc32 of (config.seed, name),
+    so a stage can create just its own layers and still agree with any other
+    stage or the whole model. Uniform draws keep it bit-exact across CPUs
+    (normal sampling takes vectorized transcendental paths). Matrices get
+    std 1/sqrt(fan_in), the embedding std 1, norms 1 +- 0.1, so activations
+    and attention scores stay O(1) through the layers.
+    """
+    shapes = all_weight_shapes(config)
+    weights: dict[str, torch.Tensor] = {}
+    for name in shapes if names is None else names:
+        if name not in shapes:
+            raise ValueError(f"{name!r} is not a weight of config {config.name!r}")
+        shape = shapes[name]
+        # the CPU generator keeps only 32 seed bits, so hash seed and name together
+        generator = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{config.seed}:{name}".encode()))
+        unit = torch.empty(shape, dtype=torch.float32).uniform_(-1.0, 1.0, generator=generator)
+        if len(shape) == 1:
+            weights[name] = 1.0 + 0.1 * unit
+        else:
+            std = 1.0 if name == "model.embed_tokens.weight" else 1.0 / math.sqrt(shape[1])
+            weights[name] = unit * (std * math.sqrt(3.0))  # uniform(-a, a) has std a/sqrt(3)
+    return weights
+
+
+def check_weights(
+    weights: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Raise ValueError unless every named weight is present with its shape."""
+    missing = [name for name in shapes if name not in weights]
+    if missing:
+        raise ValueError(f"missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for name, shape in shapes.items():
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+
+
+def save_weights(
+    directory: str | Path, config: ModelConfig, weights: Mapping[str, torch.Tensor] | None = None
+) -> Path:
+    """Write all of config's weights (seeded ones if None) to directory/model.safetensors.
+
+    Written by hand in the safetensors format because safetensors' own
+    torch writer needs numpy, which kvpool does not depend on.
+    """
+    shapes = all_weight_shapes(config)
+    weights = init_weights(config) if weights is None else weights
+    check_weights(weights, shapes)
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors data is little-endian; big-endian hosts are unsupported")
+    tensors = {name: weights[name].detach().to("cpu", torch.float32).contiguous() for name in sorted(shapes)}
+    metadata = {"format": "pt", "kvpool_config": json.dumps(asdict(config))}
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in tensors.items():
+        end = offset + tensor.nbytes
+        header[name] = {"dtype": "F32", "shape": list(tensor.shape), "data_offsets": [offset, end]}
+        offset = end
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    path = path / WEIGHTS_FILE
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for tensor in tensors.values():
+            f.write(memoryview((ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr())))
+    return path
+
+
+def load_weights(directory: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Read the named tensors (as float32) from the *.safetensors files in directory."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {directory}")
+    wanted = set(names)
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in wanted.intersection(f.keys()):
+                weights[name] = f.get_tensor(name).to(torch.float32)
+    missing = sorted(wanted - weights.keys())
+    if missing:
+        raise ValueError(f"weights missing from {directory}: {missing[:5]}")
+    return weights
