@@ -93,6 +93,9 @@ class TransferEngine:
         return f"{self.host}:{self.rpc_port}"
 
     def register(self, address: int, size: int) -> None:
+        """Register memory once; registering the same region again is a no-op."""
+        if self._registered.get(address, -1) >= size:
+            return
         rc = self._engine.register_memory(address, size)
         if rc != 0:
             raise TransferError(f"register_memory({address:#x}, {size}) failed: {rc}")

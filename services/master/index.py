@@ -139,11 +139,15 @@ class PoolIndex:
         self.expire_leases()
         self._validate_put(items)
         outcomes: list[PutOutcome] = []
+        # one placement order per batch: a batch lands on one segment while it
+        # fits, so the writer moves it in one transfer; the next batch goes to
+        # whichever segment then has the most free space
+        order = self._placement_order(client_host)
         for item in items:
             if item.key in self.objects:
                 outcomes.append(PutOutcome(PutStatus.ALREADY_EXISTS))
                 continue
-            placed = self._reserve(client_host, item.size)
+            placed = self._reserve(order, item.size)
             if placed is None:
                 outcomes.append(PutOutcome(PutStatus.NO_SPACE))
                 continue
@@ -333,26 +337,29 @@ class PoolIndex:
                         f"of {item.group_size} members"
                     )
 
-    def _reserve(self, client_host: str, size: int) -> tuple[Segment, int] | None:
+    def _placement_order(self, client_host: str) -> list[Segment]:
+        """The writer's own host first, then the most free space, then segment id."""
+        return sorted(
+            self.segments.values(),
+            key=lambda s: (s.host != client_host, -s.allocator.free_bytes, s.segment_id),
+        )
+
+    def _reserve(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
         """Place ``size`` bytes: evict to the low watermark past the high one, then allocate."""
-        if not self.segments:
+        if not order:
             return None
         capacity = self.capacity
         if self.used_bytes + size > self.settings.high_watermark * capacity:
             self._evict_until(lambda: self.used_bytes + size <= self.settings.low_watermark * capacity)
         while True:
-            placed = self._allocate(client_host, size)
+            placed = self._allocate(order, size)
             if placed is not None:
                 return placed
             if not self._evict_one():
                 return None
 
-    def _allocate(self, client_host: str, size: int) -> tuple[Segment, int] | None:
-        # the writer's own host first, then the most free space
-        order = sorted(
-            self.segments.values(),
-            key=lambda s: (s.host != client_host, -s.allocator.free_bytes, s.segment_id),
-        )
+    @staticmethod
+    def _allocate(order: list[Segment], size: int) -> tuple[Segment, int] | None:
         for segment in order:
             if segment.allocator.largest_free >= size:
                 offset = segment.allocator.allocate(size)

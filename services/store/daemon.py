@@ -78,6 +78,7 @@ class Store:
     metrics: StoreMetrics
     host_name: str = field(default_factory=local_host_name)
     incarnation: str = ""
+    heartbeat_interval_s: float = 0.0
 
     async def mount(self) -> None:
         response = await self.stub.MountSegment(
@@ -94,6 +95,10 @@ class Store:
         if self.incarnation and response.master_incarnation != self.incarnation:
             log.warning("master_restarted_remounted", incarnation=response.master_incarnation)
         self.incarnation = response.master_incarnation
+        # the master knows its TTL: beat at the pace it asks for, never slower than ours
+        advised = response.heartbeat_interval_s
+        own = self.settings.heartbeat_interval_s
+        self.heartbeat_interval_s = min(advised, own) if advised > 0 else own
         self.metrics.mounted.set(1)
         self.metrics.mounts.inc()
         log.info("segment_mounted", segment_id=self.settings.segment_id, master=self.settings.master,
@@ -119,7 +124,7 @@ class Store:
         request = pool_pb2.HeartbeatRequest(segment_id=self.settings.segment_id)
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.settings.heartbeat_interval_s)
+                await asyncio.wait_for(stop.wait(), self.heartbeat_interval_s)
             if stop.is_set():
                 return
             try:

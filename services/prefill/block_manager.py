@@ -1,0 +1,201 @@
+"""The device KV cache's block manager: refcounted, prefix-cached blocks.
+
+One block holds one chunk of ``chunk_size`` tokens for every layer of every
+stage (stage 0 owns this table; all stages mirror it). Pure: no torch, no I/O.
+Shaped like nano-vllm's ``BlockManager`` and vLLM v1's ``BlockPool``.
+
+Invariants:
+- a block is on the free list iff its ref count is 0;
+- a block's ref count equals the number of live block tables that hold it;
+- ``_hash_to_block_id[h] == b`` iff ``blocks[b].chunk_hash == h`` (a bijection
+  between cached hashes and hashed blocks; a hash is set once, on a full chunk);
+- the partial last chunk of a prompt gets a block but never a hash.
+
+Eviction order: the free list runs LRU → MRU; allocation takes the LRU end and
+only then forgets that block's hash (lazy eviction). Blocks start in id order
+(block 0 first). ``free`` returns a request's hashed blocks to the MRU end in
+reverse table order, so a prompt's tail is evicted before its head, and its
+unhashed blocks to the LRU end, since they cache nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.prefill.chunk_hash import ChunkHash
+
+
+class NoFreeBlocks(ResourceExhausted):
+    """``allocate`` needs more free blocks than exist; no state was changed."""
+
+    def __init__(self, num_needed: int, num_free: int) -> None:
+        super().__init__(f"need {num_needed} free blocks, have {num_free}")
+        self.num_needed = num_needed
+        self.num_free = num_free
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    chunk_hash: ChunkHash | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    block_table: list[int]
+    num_full_chunks: int
+
+
+class BlockManager:
+    """Request-level API over a pool of ``num_blocks`` blocks (see module doc)."""
+
+    def __init__(self, num_blocks: int, chunk_size: int) -> None:
+        if num_blocks <= 0 or chunk_size <= 0:
+            raise InvalidArgument(f"num_blocks and chunk_size must be positive, got {num_blocks}, {chunk_size}")
+        self.num_blocks = num_blocks
+        self.chunk_size = chunk_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # free list: first = LRU (next to allocate), last = MRU; O(1) both ends and middle
+        self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_to_block_id: dict[ChunkHash, int] = {}
+        self._requests: dict[str, _Request] = {}
+
+    # queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0, cached or not: all are allocatable."""
+        return len(self._free_block_ids)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a hashed chunk, referenced or not."""
+        return len(self._hash_to_block_id)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by a live request."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """The free list, LRU first: the order in which blocks will be reused."""
+        return list(self._free_block_ids)
+
+    def cached_block_id(self, chunk_hash: ChunkHash) -> int | None:
+        return self._hash_to_block_id.get(chunk_hash)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._request(request_id).block_table)
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.chunk_size)
+
+    def match_prefix(self, chunk_hashes: Sequence[ChunkHash]) -> int:
+        """Number of leading chunks cached on device. Read-only: no LRU touch."""
+        num_hit = 0
+        for chunk_hash in chunk_hashes:
+            if chunk_hash not in self._hash_to_block_id:
+                break
+            num_hit += 1
+        return num_hit
+
+    # request lifecycle
+    def allocate(
+        self,
+        request_id: str,
+        chunk_hashes: Sequence[ChunkHash],
+        num_tokens: int,
+        num_device_hit_chunks: int,
+    ) -> list[int]:
+        """Block table for the whole prompt: the first ``num_device_hit_chunks``
+        blocks are the cached ones (ref'd, taken off the free list), the rest
+        fresh. ``chunk_hashes`` are the prompt's full-chunk hashes. Raises
+        ``NoFreeBlocks`` (state untouched) if the fresh blocks do not fit."""
+        if request_id in self._requests:
+            raise InvalidArgument(f"request_id {request_id!r} already has a block table")
+        if num_tokens <= 0:
+            raise InvalidArgument(f"num_tokens must be positive, got {num_tokens}")
+        num_full_chunks = num_tokens // self.chunk_size
+        if len(chunk_hashes) != num_full_chunks:
+            raise InvalidArgument(
+                f"chunk_hashes has {len(chunk_hashes)} hashes, {num_tokens} tokens make {num_full_chunks} full chunks"
+            )
+        if not 0 <= num_device_hit_chunks <= num_full_chunks:
+            raise InvalidArgument(f"num_device_hit_chunks {num_device_hit_chunks} not in [0, {num_full_chunks}]")
+        if self.match_prefix(chunk_hashes[:num_device_hit_chunks]) != num_device_hit_chunks:
+            raise InvalidArgument("num_device_hit_chunks exceeds the cached prefix (stale match?)")
+
+        hit_block_ids = [self._hash_to_block_id[h] for h in chunk_hashes[:num_device_hit_chunks]]
+        num_new = self.num_blocks_needed(num_tokens) - len(hit_block_ids)
+        # hit blocks sitting on the free list stop being allocatable once touched
+        num_hit_free = sum(1 for b in set(hit_block_ids) if self.blocks[b].ref_count == 0)
+        num_available = self.num_free_blocks - num_hit_free
+        if num_new > num_available:
+            raise NoFreeBlocks(num_new, num_available)
+
+        # touch hits before allocating, so a fresh allocation cannot evict them
+        for block_id in hit_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free_block_ids[block_id]
+            block.ref_count += 1
+        block_table = hit_block_ids + [self._allocate_block() for _ in range(num_new)]
+        self._requests[request_id] = _Request(block_table, num_full_chunks)
+        return list(block_table)
+
+    def commit_chunks(self, request_id: str, chunk_index_start: int, chunk_hashes: Sequence[ChunkHash]) -> None:
+        """Mark chunks ``chunk_index_start..`` (computed or restored from the
+        pool) as cached, so later requests hit them. First writer wins: a hash
+        already held by another block keeps that block, and this one stays
+        unhashed (it returns to the free list uncached)."""
+        request = self._request(request_id)
+        chunk_index_end = chunk_index_start + len(chunk_hashes)
+        if not 0 <= chunk_index_start <= chunk_index_end <= request.num_full_chunks:
+            raise InvalidArgument(
+                f"chunks [{chunk_index_start}, {chunk_index_end}) not within the {request.num_full_chunks} full chunks"
+            )
+        for chunk_index, chunk_hash in enumerate(chunk_hashes, chunk_index_start):
+            block = self.blocks[request.block_table[chunk_index]]
+            if block.chunk_hash == chunk_hash:
+                continue  # device hit or repeated commit
+            if block.chunk_hash is not None:
+                raise InvalidArgument(
+                    f"block {block.block_id} (chunk {chunk_index}) already holds {block.chunk_hash}, not {chunk_hash}"
+                )
+            if chunk_hash in self._hash_to_block_id:
+                continue  # first writer wins
+            block.chunk_hash = chunk_hash
+            self._hash_to_block_id[chunk_hash] = block.block_id
+
+    def free(self, request_id: str) -> None:
+        """Drop a request's references; blocks reaching 0 go on the free list
+        (hashed: MRU end, tail first; unhashed: LRU end) and stay cached."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            raise NotFound(f"request_id {request_id!r} has no block table")
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_block_ids[block_id] = None
+                if block.chunk_hash is None:
+                    self._free_block_ids.move_to_end(block_id, last=False)
+
+    # internals
+    def _request(self, request_id: str) -> _Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise NotFound(f"request_id {request_id!r} has no block table")
+        return request
+
+    def _allocate_block(self) -> int:
+        block_id, _ = self._free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.chunk_hash is not None:  # lazy eviction
+            del self._hash_to_block_id[block.chunk_hash]
+            block.chunk_hash = None
+        block.ref_count = 1
+        return block_id

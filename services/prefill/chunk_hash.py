@@ -1,0 +1,106 @@
+"""Chunk hashing: the names that device blocks and pool objects share.
+
+Pure: no grpc, no torch, no I/O.
+
+Invariants:
+- only full chunks are hashed: ``len(chunk_hashes(ns, ids, n)) == len(ids) // n``;
+- hashes chain, ``h_i = H(h_{i-1}, tokens of chunk i)`` with root = the
+  namespace, so ``h_i`` names the whole prefix ``ids[: (i + 1) * n]``: equal
+  prefixes give equal leading hashes, and a token changed in chunk k changes
+  hashes k.. and none before;
+- a hash is a pure function of its inputs, stable across processes, machines
+  and releases (pinned in the tests): pool objects outlive processes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import NewType
+
+import xxhash
+
+# hex, because it is used inside pool keys
+ChunkHash = NewType("ChunkHash", str)
+
+CHUNK_SIZE = 256
+
+# canonical token encoding: little-endian uint32
+_TOKEN_TYPECODE = "I"
+if array(_TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - every mainstream ABI has 4
+    _TOKEN_TYPECODE = "L" if array("L").itemsize == 4 else ""
+    if not _TOKEN_TYPECODE:
+        raise ImportError("no 4-byte unsigned array typecode on this platform")
+
+
+def namespace_fingerprint(
+    model_id: str,
+    kv_dtype: str,
+    layer_split: Sequence[tuple[int, int]],
+    chunk_size: int,
+    layout_version: int,
+) -> str:
+    """A 16-hex-digit id of everything that makes KV bytes incompatible.
+
+    ``layer_split`` is one ``(start, end)`` layer range per prefill stage, in
+    stage order. Two deployments share pool objects iff their fingerprints match.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    # canonical: JSON with fixed separators, tuples as lists, ints as ints
+    canonical = json.dumps(
+        {
+            "model_id": model_id,
+            "kv_dtype": kv_dtype,
+            "layer_split": [[int(start), int(end)] for start, end in layer_split],
+            "chunk_size": int(chunk_size),
+            "layout_version": int(layout_version),
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return xxhash.xxh3_64_hexdigest(canonical.encode("ascii"))
+
+
+def chunk_hashes(namespace: str, token_ids: Sequence[int], chunk_size: int = CHUNK_SIZE) -> list[ChunkHash]:
+    """Chained xxh3_128 hashes of the full chunks of ``token_ids``.
+
+    ``H(parent, chunk) = xxh3_128(parent_bytes || uint32le(chunk))`` where
+    ``parent_bytes`` is the UTF-8 namespace for chunk 0 and the previous
+    16-byte digest after that. The trailing partial chunk is not hashed.
+    Token ids must fit in uint32 (``ValueError`` otherwise).
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    num_chunks = len(token_ids) // chunk_size
+    if num_chunks == 0:
+        return []
+    try:
+        tokens = array(_TOKEN_TYPECODE, token_ids[: num_chunks * chunk_size])
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    if sys.byteorder == "big":  # pragma: no cover - canonical encoding is little-endian
+        tokens.byteswap()
+    data = memoryview(tokens).cast("B")
+    chunk_bytes = 4 * chunk_size
+    parent = namespace.encode("utf-8")
+    hashes: list[ChunkHash] = []
+    for i in range(num_chunks):
+        hasher = xxhash.xxh3_128(parent)
+        hasher.update(data[i * chunk_bytes : (i + 1) * chunk_bytes])
+        parent = hasher.digest()
+        hashes.append(ChunkHash(parent.hex()))
+    return hashes
+
+
+def group_id(namespace: str, chunk_hash: ChunkHash) -> str:
+    """Pool group of one chunk: every stage's object of it, evicted as a whole."""
+    return f"{namespace}/{chunk_hash}"
+
+
+def object_key(namespace: str, chunk_hash: ChunkHash, stage: int) -> str:
+    """Pool key of one stage's layers of one chunk."""
+    return f"{namespace}/{chunk_hash}/{stage}"

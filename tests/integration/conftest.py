@@ -1,0 +1,56 @@
+"""Real processes on loopback: a master, two stores, and a pool client here."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+
+from kvpool.local_cluster import LocalPool
+from kvpool.pool.client import PoolClient
+from kvpool.transfer import HostBuffer, TransferEngine
+
+# short liveness settings so fault tests finish quickly
+FAST_MASTER = ["--segment-ttl-s", "2", "--heartbeat-interval-s", "0.5", "--put-timeout-s", "2", "--lease-s", "2"]
+
+
+@pytest.fixture(scope="session")
+def engine() -> TransferEngine:
+    return TransferEngine()
+
+
+@pytest.fixture(scope="session")
+def buffer(engine: TransferEngine) -> HostBuffer:
+    buf = HostBuffer(64 << 20)
+    engine.register(buf.address, buf.size)
+    return buf
+
+
+@pytest.fixture
+def pool(tmp_path) -> Iterator[LocalPool]:  # type: ignore[no-untyped-def]
+    with LocalPool(num_stores=2, segment_size="8MiB", master_args=FAST_MASTER, workdir=tmp_path) as local:
+        yield local
+
+
+@pytest.fixture
+async def client(pool: LocalPool, engine: TransferEngine, buffer: HostBuffer) -> AsyncIterator[PoolClient]:
+    c = PoolClient(pool.master_address, engine)
+    c.register(buffer.address, buffer.size)
+    yield c
+    await c.close()
+
+
+async def eventually(check: Callable[[], object], timeout_s: float = 15.0, what: str = "condition") -> None:
+    """Poll an async or sync check until it is truthy (state changes in other processes)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.05)

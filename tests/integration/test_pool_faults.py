@@ -1,0 +1,134 @@
+"""Faults: a store killed with -9, a master restarted, a writer that never ends its put,
+a store shutting down cleanly. Each degrades to misses, never to errors or wrong bytes."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvpool import service
+from kvpool.local_cluster import LocalPool
+from kvpool.pool.client import PoolClient, PutObject, PutResult
+from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from kvpool.transfer import HostBuffer
+from tests.integration.conftest import eventually
+
+
+async def put_singles(client: PoolClient, buffer: HostBuffer, prefix: str, count: int, size: int = 4096) -> list[str]:
+    objects = []
+    for i in range(count):
+        buffer.view(i * size, size)[:] = bytes([i % 251]) * size
+        objects.append(PutObject(f"{prefix}{i}/0", f"{prefix}{i}", 1, buffer.address + i * size, size))
+    assert await client.put(objects) == [PutResult.STORED] * count
+    return [o.group_id for o in objects]
+
+
+async def segments(client: PoolClient) -> int:
+    return len((await client.stats()).segments)
+
+
+async def test_killed_store_turns_its_objects_into_misses(
+    client: PoolClient, buffer: HostBuffer, pool: LocalPool
+) -> None:
+    groups = await put_singles(client, buffer, "ns/k", 16)
+    found = await client.lookup(groups)
+    assert found.num_complete == 16
+    await client.release(found.lease_id)
+    victim = pool.stores[1]
+    victim_endpoint = victim.ready["endpoint"]
+    on_victim = {g.group_id for g in found.groups if next(iter(g.members.values())).endpoint == victim_endpoint}
+    assert 0 < len(on_victim) < 16
+
+    victim.kill()
+    # before the master notices, reads from the dead store fail as misses, not errors
+    items = [(next(iter(g.members.values())), buffer.address + (16 << 20) + i * 4096) for i, g in enumerate(found.groups)]
+    verified = await client.read(items)
+    assert [ok for ok, g in zip(verified, found.groups) if g.group_id in on_victim] == [False] * len(on_victim)
+    assert all(ok for ok, g in zip(verified, found.groups) if g.group_id not in on_victim)
+
+    await eventually(lambda: _equals(segments(client), 1), what="store dropped after the 2 s TTL")
+    for group_id in groups:
+        hit = (await client.lookup([group_id])).num_complete
+        assert hit == (0 if group_id in on_victim else 1), group_id
+    # the pool keeps serving on the surviving store
+    assert len(await put_singles(client, buffer, "ns/after", 4)) == 4
+
+
+async def _equals(awaitable, expected) -> bool:  # type: ignore[no-untyped-def]
+    return await awaitable == expected
+
+
+async def test_master_restart_remounts_and_forgets_uncommitted_bytes(
+    client: PoolClient, buffer: HostBuffer, pool: LocalPool
+) -> None:
+    groups = await put_singles(client, buffer, "ns/m", 8)
+    # a put started on the old master, ended on the new one
+    async with grpc.aio.insecure_channel(pool.master_address, options=service.GRPC_OPTIONS) as channel:
+        stub = pool_pb2_grpc.PoolMasterStub(channel)
+        started = await stub.PutStart(
+            pool_pb2.PutStartRequest(items=[pool_pb2.PutItem(key="ns/x/0", group_id="ns/x", group_size=1, size=64)])
+        )
+        assert started.results[0].status == pool_pb2.PUT_STATUS_RESERVED
+        old = (await stub.Stats(pool_pb2.StatsRequest())).master_incarnation
+
+        assert pool.master is not None
+        pool.master.kill()
+        pool.start_master()
+        await eventually(lambda: _equals(segments(client), 2), what="stores re-mounted")
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.PutEnd(pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key="ns/x/0", checksum=1)]))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "items[0].key" in (err.value.details() or "")
+        stats = await stub.Stats(pool_pb2.StatsRequest())
+        assert stats.master_incarnation != old
+    # the new master never saw those commits: every old group is a miss
+    assert (await client.lookup(groups)).num_complete == 0
+    assert stats.num_objects == 0
+    # and the pool works again end to end
+    fresh = await put_singles(client, buffer, "ns/m2", 4)
+    found = await client.lookup(fresh)
+    assert found.num_complete == 4
+    items = [(next(iter(g.members.values())), buffer.address + (16 << 20) + i * 4096) for i, g in enumerate(found.groups)]
+    assert await client.read(items) == [True] * 4
+
+
+async def test_put_never_ended_is_revoked_and_space_returns(client: PoolClient, pool: LocalPool) -> None:
+    async with grpc.aio.insecure_channel(pool.master_address) as channel:
+        stub = pool_pb2_grpc.PoolMasterStub(channel)
+        await stub.PutStart(
+            pool_pb2.PutStartRequest(items=[pool_pb2.PutItem(key="ns/d/0", group_id="ns/d", group_size=1, size=1 << 20)])
+        )
+        assert (await stub.Stats(pool_pb2.StatsRequest())).used_bytes == 1 << 20
+
+        async def space_back() -> bool:
+            stats = await stub.Stats(pool_pb2.StatsRequest())
+            return stats.used_bytes == 0 and stats.revoked_puts == 1 and stats.num_groups == 0
+
+        await eventually(space_back, what="revoke after the 2 s put timeout")
+
+
+async def test_store_shutdown_unmounts_at_once(client: PoolClient, buffer: HostBuffer, pool: LocalPool) -> None:
+    await put_singles(client, buffer, "ns/s", 8)
+    before = await client.stats()
+    assert pool.stores[0].stop() == 0  # SIGTERM: clean exit
+    after = await client.stats()  # no TTL wait: the store said goodbye
+    assert len(after.segments) == 1
+    assert after.num_objects < before.num_objects
+
+
+async def test_full_pool_reports_not_stored(client: PoolClient, buffer: HostBuffer, pool: LocalPool) -> None:
+    # hold every byte with puts in flight, then ask for more: not stored, no exception
+    async with grpc.aio.insecure_channel(pool.master_address) as channel:
+        stub = pool_pb2_grpc.PoolMasterStub(channel)
+        items = [pool_pb2.PutItem(key=f"ns/f{i}/0", group_id=f"ns/f{i}", group_size=1, size=8 << 20) for i in range(2)]
+        started = await stub.PutStart(pool_pb2.PutStartRequest(items=items))
+        assert [r.status for r in started.results] == [pool_pb2.PUT_STATUS_RESERVED] * 2
+        buffer.view(0, 4096)[:] = bytes(4096)
+        assert await client.put([PutObject("ns/g/0", "ns/g", 1, buffer.address, 4096)]) == [PutResult.NOT_STORED]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.PutStart(pool_pb2.PutStartRequest(items=[
+                pool_pb2.PutItem(key="ns/h/0", group_id="ns/h", group_size=1, size=64)]))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        await stub.PutRevoke(pool_pb2.PutRevokeRequest(keys=[i.key for i in items]))
+    assert await client.put([PutObject("ns/g/0", "ns/g", 1, buffer.address, 4096)]) == [PutResult.STORED]

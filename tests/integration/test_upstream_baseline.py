@@ -1,0 +1,79 @@
+"""The upstream baselines run end to end at tiny sizes and tear everything down."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not installed")
+
+from kvpool.bench import upstream  # noqa: E402 -- after the importorskip guard
+
+OBJECT_SIZE = 64 * 1024
+BATCH_SIZE = 4
+BATCHES = 3
+
+
+def child_pids() -> set[int]:
+    """PIDs whose parent is this test process (leftover workers would show here)."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():  # fields[1] is the ppid
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def assert_positive_finite(result: dict[str, Any], keys: list[str]) -> None:
+    for key in keys:
+        value = result[key]
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
+
+
+def test_percentile_interpolates() -> None:
+    assert upstream.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert upstream.percentile([1.0, 2.0], 100) == 2.0
+    assert upstream.percentile([7.0], 99) == 7.0
+
+
+@pytest.mark.timeout(60)
+def test_te_raw_baseline() -> None:
+    before = child_pids()
+    result = upstream.measure_te_raw(OBJECT_SIZE, BATCH_SIZE, BATCHES, timeout_s=20)
+    assert_positive_finite(
+        result,
+        [f"te_raw_{op}_{stat}" for op in ("write", "read") for stat in ("gbps", "p50_ms", "p99_ms")]
+        + ["te_raw_gbps"],
+    )
+    assert result["te_raw_verified"] is True
+    assert result["te_raw_verified_objects"] == BATCH_SIZE * BATCHES
+    assert child_pids() <= before
+
+
+@pytest.mark.timeout(60)
+def test_mooncake_store_baseline() -> None:
+    before = child_pids()
+    result = upstream.measure_mooncake_store(
+        OBJECT_SIZE, BATCH_SIZE, BATCHES, 64 << 20, exist_reps=5, timeout_s=20
+    )
+    assert_positive_finite(
+        result,
+        [f"mooncake_{op}_{stat}" for op in ("put", "get") for stat in ("gbps", "p50_ms", "p99_ms")]
+        + ["mooncake_exist_p50_ms", "mooncake_exist_p99_ms"],
+    )
+    assert result["mooncake_verified"] is True
+    assert result["mooncake_verified_objects"] == BATCH_SIZE * BATCHES
+    assert result["mooncake_exist_keys"] == BATCH_SIZE * BATCHES  # all 12 put keys, fewer than 64
+    assert child_pids() <= before
+
+
+def test_overfull_segment_is_rejected() -> None:
+    with pytest.raises(ValueError, match="segments"):
+        upstream.measure_mooncake_store(OBJECT_SIZE, BATCH_SIZE, BATCHES, OBJECT_SIZE)

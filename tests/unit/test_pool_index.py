@@ -1,0 +1,227 @@
+"""The master's index: groups, LRU order, watermarks, leases, timeouts — exact values."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.master.index import IndexSettings, PoolIndex
+from services.master.records import PutRequestItem, PutStatus
+
+KB = 1024
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_index(segment_bytes: int = 100 * KB, segments: int = 1, **settings: float) -> tuple[PoolIndex, Clock]:
+    clock = Clock()
+    index = PoolIndex(IndexSettings(alignment=1, **settings), clock=clock)
+    for i in range(segments):
+        index.mount_segment(f"seg{i}", f"127.0.0.1:{9000 + i}", f"host{i}", 0x10000000 * (i + 1), segment_bytes)
+    return index, clock
+
+
+def put_group(index: PoolIndex, group_id: str, members: int = 2, size: int = KB, host: str = "host0") -> None:
+    items = [PutRequestItem(f"{group_id}/{m}", group_id, members, size) for m in range(members)]
+    outcomes = index.put_start(host, items)
+    assert [o.status for o in outcomes] == [PutStatus.RESERVED] * members
+    index.put_end([(item.key, 7) for item in items])
+
+
+def test_group_visible_only_when_every_member_committed() -> None:
+    index, _ = make_index()
+    items = [PutRequestItem(f"g/{m}", "g", 3, KB) for m in range(3)]
+    index.put_start("host0", items[:2])
+    index.put_end([("g/0", 1), ("g/1", 2)])
+    assert index.lookup(["g"]).groups == []
+    assert index.exists(["g/0", "g/1", "g/2"]) == [True, True, False]
+    index.put_start("host0", items[2:])
+    assert index.lookup(["g"]).groups == []  # third member in flight
+    index.put_end([("g/2", 3)])
+    result = index.lookup(["g"])
+    assert [g.group_id for g in result.groups] == ["g"]
+    assert sorted(m.checksum for m in result.groups[0].members.values()) == [1, 2, 3]
+
+
+def test_lookup_counts_leading_complete_groups_only() -> None:
+    index, _ = make_index()
+    for name in ("a", "b", "d"):
+        put_group(index, name)
+    result = index.lookup(["a", "b", "c", "d"])
+    assert [g.group_id for g in result.groups] == ["a", "b"]
+    assert result.lease_id == 1
+    assert index.lookup(["c", "a"]).groups == []
+
+
+def test_first_writer_wins() -> None:
+    index, _ = make_index()
+    first = index.put_start("host0", [PutRequestItem("k", "g", 1, KB)])
+    second = index.put_start("host0", [PutRequestItem("k", "g", 1, KB)])
+    assert first[0].status is PutStatus.RESERVED
+    assert second[0].status is PutStatus.ALREADY_EXISTS
+    index.put_end([("k", 5)])
+    assert index.put_start("host0", [PutRequestItem("k", "g", 1, KB)])[0].status is PutStatus.ALREADY_EXISTS
+    assert index.used_bytes == KB
+
+
+def test_eviction_is_lru_by_whole_group_between_watermarks() -> None:
+    # 100 KB pool, 10 KB groups (2 × 5 KB): high 90% = 90 KB, low 85% = 85 KB
+    index, _ = make_index()
+    for i in range(9):
+        put_group(index, f"g{i}", size=5 * KB)
+    assert index.used_bytes == 90 * KB
+    index.lookup(["g0"])  # g0 becomes most recent
+    index.release_lease(1)
+    # first member: 90 + 5 > 90, so evict until 5 more fits under 85 → g1 goes
+    # (g0 was used since); second member: 85 + 5 is not above 90, no eviction
+    put_group(index, "g9", size=5 * KB)
+    assert list(index.groups) == ["g2", "g3", "g4", "g5", "g6", "g7", "g8", "g0", "g9"]
+    assert index.used_bytes == 90 * KB
+    assert index.counters.evicted_groups == 1
+    assert index.counters.evicted_bytes == 10 * KB
+    assert index.exists(["g1/0", "g1/1", "g2/0", "g0/0"]) == [False, False, True, True]
+    put_group(index, "g10", members=1, size=10 * KB)  # 10 KB past 90: g2 and g3 go (90 → 70 + 10)
+    assert list(index.groups)[:2] == ["g4", "g5"]
+    assert index.used_bytes == 80 * KB
+
+
+def test_touch_makes_the_head_of_a_prefix_most_recent() -> None:
+    index, _ = make_index()
+    for name in ("a", "b", "c"):
+        put_group(index, name)
+    index.lookup(["a", "b", "c"])
+    # within one request the tail is older, so it is evicted before the head
+    assert list(index.groups) == ["c", "b", "a"]
+
+
+def test_leased_and_in_flight_groups_are_never_evicted() -> None:
+    index, clock = make_index(lease_s=5.0)
+    for i in range(4):
+        put_group(index, f"g{i}", size=10 * KB)
+    lease = index.lookup(["g0"]).lease_id
+    index.put_start("host0", [PutRequestItem("w/0", "w", 2, 10 * KB)])  # in flight
+    for i in range(4, 9):
+        put_group(index, f"g{i}", size=5 * KB)
+    assert "g0" in index.groups and "w" in index.groups
+    assert index.used_bytes <= 90 * KB
+    # once the lease ends and the put is revoked, both become evictable
+    assert index.release_lease(lease)
+    assert index.put_revoke(["w/0"]) == 1
+    assert "w" not in index.groups
+    clock.now += 1
+    assert index.remove(["g0"]) == (1, [])
+
+
+def test_lease_expires_by_clock() -> None:
+    index, clock = make_index(lease_s=5.0)
+    put_group(index, "a")
+    index.lookup(["a"])
+    assert index.remove(["a"]) == (0, ["a"])
+    clock.now += 4.9
+    assert index.remove(["a"]) == (0, ["a"])
+    clock.now += 0.2
+    assert index.remove(["a"]) == (1, [])
+    assert index.num_leases == 0
+
+
+def test_put_that_never_ends_is_revoked_after_timeout() -> None:
+    index, clock = make_index(put_timeout_s=30.0)
+    index.put_start("host0", [PutRequestItem("a/0", "a", 1, KB)])
+    clock.now += 10
+    index.put_start("host0", [PutRequestItem("b/0", "b", 1, 2 * KB)])
+    clock.now += 20.5
+    assert index.revoke_expired_puts() == ["a/0"]
+    assert index.used_bytes == 2 * KB
+    clock.now += 10
+    assert index.revoke_expired_puts() == ["b/0"]
+    assert index.used_bytes == 0 and not index.groups and index.counters.revoked_puts == 2
+    with pytest.raises(FailedPrecondition, match=r"items\[0\]\.key: no put in flight for 'a/0'"):
+        index.put_end([("a/0", 1)])
+
+
+def test_no_space_when_nothing_evictable() -> None:
+    index, _ = make_index(segment_bytes=10 * KB)
+    index.put_start("host0", [PutRequestItem("a/0", "a", 1, 8 * KB)])  # in flight: not evictable
+    outcome = index.put_start("host0", [PutRequestItem("b/0", "b", 1, 4 * KB)])
+    assert outcome[0].status is PutStatus.NO_SPACE
+    assert index.used_bytes == 8 * KB
+
+
+def test_store_expiry_drops_its_objects_and_whole_groups() -> None:
+    index, clock = make_index(segments=2, segment_ttl_s=10.0)
+    # a group spread over both segments (two writers' batches) dies with either one
+    outcomes = index.put_start("hostX", [PutRequestItem("g/0", "g", 2, KB)])
+    outcomes += index.put_start("hostX", [PutRequestItem("g/1", "g", 2, KB)])
+    assert [o.segment.segment_id for o in outcomes if o.segment] == ["seg0", "seg1"]
+    index.put_end([("g/0", 1), ("g/1", 1)])
+    clock.now += 6
+    index.heartbeat("seg0")
+    clock.now += 5
+    assert index.expire_segments() == ["seg1"]
+    assert index.lookup(["g"]).groups == []
+    assert index.exists(["g/0", "g/1"]) == [False, False]
+    assert index.used_bytes == 0
+    with pytest.raises(NotFound, match="segment_id: unknown segment 'seg1'"):
+        index.heartbeat("seg1")
+
+
+def test_placement_prefers_writer_host_then_most_free() -> None:
+    index, _ = make_index(segments=2)
+    assert index.put_start("host1", [PutRequestItem("a/0", "a", 1, KB)])[0].segment.segment_id == "seg1"
+    # hostX is neither: most free space wins, so seg0
+    assert index.put_start("hostX", [PutRequestItem("b/0", "b", 1, KB)])[0].segment.segment_id == "seg0"
+    # equal free space: the lower segment id, then the emptier one
+    assert index.put_start("hostX", [PutRequestItem("c/0", "c", 1, 2 * KB)])[0].segment.segment_id == "seg0"
+    assert index.put_start("hostX", [PutRequestItem("d/0", "d", 1, KB)])[0].segment.segment_id == "seg1"
+
+
+def test_a_batch_stays_on_one_segment_while_it_fits() -> None:
+    index, _ = make_index(segment_bytes=10 * KB, segments=2)
+    first = index.put_start("hostX", [PutRequestItem(f"a{i}/0", f"a{i}", 1, 3 * KB) for i in range(4)])
+    # three fit in seg0 (the emptiest, lowest id); the fourth spills to seg1
+    assert [o.segment.segment_id for o in first] == ["seg0", "seg0", "seg0", "seg1"]
+    second = index.put_start("hostX", [PutRequestItem(f"b{i}/0", f"b{i}", 1, KB) for i in range(2)])
+    assert [o.segment.segment_id for o in second] == ["seg1", "seg1"]  # now the emptier one
+
+
+def test_remount_same_segment_is_idempotent_but_a_changed_one_drops_objects() -> None:
+    index, _ = make_index()
+    put_group(index, "a")
+    assert index.mount_segment("seg0", "127.0.0.1:9000", "host0", 0x10000000, 100 * KB) is False
+    assert index.exists(["a/0"]) == [True]
+    assert index.mount_segment("seg0", "127.0.0.1:9999", "host0", 0x20000000, 100 * KB) is True
+    assert index.exists(["a/0"]) == [False] and index.used_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        ([PutRequestItem("k", "g", 1, KB), PutRequestItem("k", "g", 1, KB)], r"items\[1\]\.key: duplicate key"),
+        ([PutRequestItem("k", "g", 1, 200 * KB)], r"items\[0\]\.size: 204800 bytes is larger than any segment"),
+        ([PutRequestItem("a", "g", 2, KB), PutRequestItem("b", "g", 3, KB)], r"items\[1\]\.group_size: 3 disagrees"),
+        ([PutRequestItem("a", "g", 1, KB), PutRequestItem("b", "g", 1, KB)], r"items\[1\]\.key: group 'g' already"),
+    ],
+)
+def test_bad_put_batches_change_nothing(items: list[PutRequestItem], message: str) -> None:
+    index, _ = make_index()
+    with pytest.raises(InvalidArgument, match=message):
+        index.put_start("host0", items)
+    assert index.used_bytes == 0 and not index.groups and not index.objects
+
+
+def test_group_size_must_agree_with_stored_members() -> None:
+    index, _ = make_index()
+    put_group(index, "g", members=2)
+    with pytest.raises(InvalidArgument, match=r"items\[0\]\.group_size: 4 disagrees with 2"):
+        index.put_start("host0", [PutRequestItem("g/9", "g", 4, KB)])
+
+
+def test_watermarks_are_validated() -> None:
+    with pytest.raises(ValueError, match="watermarks"):
+        IndexSettings(high_watermark=0.8, low_watermark=0.9)
