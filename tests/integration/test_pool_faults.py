@@ -19,7 +19,10 @@ async def put_singles(client: PoolClient, buffer: HostBuffer, prefix: str, count
     for i in range(count):
         buffer.view(i * size, size)[:] = bytes([i % 251]) * size
         objects.append(PutObject(f"{prefix}{i}/0", f"{prefix}{i}", 1, buffer.address + i * size, size))
-    assert await client.put(objects) == [PutResult.STORED] * count
+    # two batches, so that (one batch, one segment) both stores hold some
+    half = count // 2
+    assert await client.put(objects[:half]) == [PutResult.STORED] * half
+    assert await client.put(objects[half:]) == [PutResult.STORED] * (count - half)
     return [o.group_id for o in objects]
 
 
