@@ -7,11 +7,8 @@ float32 in memory.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
-import struct
-import sys
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
@@ -19,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from kvpool.model.config import ModelConfig
 
@@ -106,34 +104,15 @@ def check_weights(
 def save_weights(
     directory: str | Path, config: ModelConfig, weights: Mapping[str, torch.Tensor] | None = None
 ) -> Path:
-    """Write all of config's weights (seeded ones if None) to directory/model.safetensors.
-
-    Written by hand in the safetensors format because safetensors' own
-    torch writer needs numpy, which kvpool does not depend on.
-    """
+    """Write all of config's weights (seeded ones if None) to directory/model.safetensors."""
     shapes = all_weight_shapes(config)
     weights = init_weights(config) if weights is None else weights
     check_weights(weights, shapes)
-    if sys.byteorder != "little":
-        raise RuntimeError("safetensors data is little-endian; big-endian hosts are unsupported")
     tensors = {name: weights[name].detach().to("cpu", torch.float32).contiguous() for name in sorted(shapes)}
-    metadata = {"format": "pt", "kvpool_config": json.dumps(asdict(config))}
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name, tensor in tensors.items():
-        end = offset + tensor.nbytes
-        header[name] = {"dtype": "F32", "shape": list(tensor.shape), "data_offsets": [offset, end]}
-        offset = end
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     path = path / WEIGHTS_FILE
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
-        for tensor in tensors.values():
-            f.write(memoryview((ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr())))
+    save_file(tensors, str(path), metadata={"format": "pt", "kvpool_config": json.dumps(asdict(config))})
     return path
 
 

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Set up kvpool on a Debian host: system libraries, .venv/, the project.
+# Safe to run again: every step checks what is already there.
+#
+#   KVPOOL_ENGINE=cpu   (default) transfer engine for CPU hosts, TCP
+#   KVPOOL_ENGINE=cuda  the CUDA build of the transfer engine
+#   KVPOOL_ENGINE=none  install no engine (bring your own, e.g. ROCm)
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+engine="${KVPOOL_ENGINE:-cpu}"
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null 2>&1 || python=python3
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# The transfer engine links against libibverbs and librdmacm even for TCP.
+missing=()
+for pkg in libibverbs1 librdmacm1; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($python --version)" >&2
+  "$python" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
+.venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+  || "${pip[@]}" torch==2.13.0
+
+case "$engine" in
+  cpu|cuda) extras="$engine,dev" ;;
+  none) extras="dev" ;;
+  *) echo "setup: KVPOOL_ENGINE must be cpu, cuda or none, not '$engine'" >&2; exit 2 ;;
+esac
+"${pip[@]}" -e ".[$extras]"
+.venv/bin/python -c "import kvpool.rpc.pool_pb2, mooncake.engine" 2>/dev/null \
+  || { [ "$engine" = none ] || { echo "setup: the transfer engine does not import" >&2; exit 1; }; }
+echo "setup: ready ($(.venv/bin/python --version), torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'), engine $engine)" >&2
