@@ -27,12 +27,8 @@ ChunkHash = NewType("ChunkHash", str)
 
 CHUNK_SIZE = 256
 
-# canonical token encoding: little-endian uint32
-_TOKEN_TYPECODE = "I"
-if array(_TOKEN_TYPECODE).itemsize != 4:  # pragma: no cover - every mainstream ABI has 4
-    _TOKEN_TYPECODE = "L" if array("L").itemsize == 4 else ""
-    if not _TOKEN_TYPECODE:
-        raise ImportError("no 4-byte unsigned array typecode on this platform")
+# canonical token encoding: little-endian uint32 ("I" is 4 bytes on every mainstream ABI)
+_TOKEN_TYPECODE = "I" if array("I").itemsize == 4 else "L"
 
 
 def namespace_fingerprint(

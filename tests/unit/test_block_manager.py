@@ -1,0 +1,262 @@
+"""Device block manager: exact block ids, eviction order, refcounts, invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.prefill.block_manager import BlockManager, NoFreeBlocks
+from services.prefill.chunk_hash import ChunkHash, chunk_hashes
+
+NS = "ns"
+CHUNK = 4
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [seed * 1000 + i for i in range(n)]
+
+
+def hashes(ids: list[int]) -> list[ChunkHash]:
+    return chunk_hashes(NS, ids, CHUNK)
+
+
+def run(bm: BlockManager, request_id: str, ids: list[int], commit: bool = True, num_hit: int | None = None) -> list[int]:
+    """Allocate with the full device hit (or ``num_hit``), then commit every full chunk."""
+    hs = hashes(ids)
+    hit = bm.match_prefix(hs) if num_hit is None else num_hit
+    table = bm.allocate(request_id, hs, len(ids), hit)
+    if commit:
+        bm.commit_chunks(request_id, hit, hs[hit:])
+    return table
+
+
+def snapshot(bm: BlockManager) -> tuple:
+    return (
+        bm.free_block_ids(),
+        [(b.ref_count, b.chunk_hash) for b in bm.blocks],
+        {h: bm.cached_block_id(h) for b in bm.blocks if (h := b.chunk_hash)},
+        {r: bm.block_table(r) for r in list(bm._requests)},
+    )
+
+
+def test_fresh_pool_allocates_in_id_order() -> None:
+    bm = BlockManager(num_blocks=8, chunk_size=CHUNK)
+    assert run(bm, "a", prompt(10)) == [0, 1, 2]  # 2 full chunks + a partial one
+    assert bm.block_table("a") == [0, 1, 2]
+    assert bm.free_block_ids() == [3, 4, 5, 6, 7]
+    assert (bm.num_free_blocks, bm.num_cached_blocks, bm.usage) == (5, 2, 3 / 8)
+    assert [b.ref_count for b in bm.blocks] == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert bm.blocks[2].chunk_hash is None  # the partial chunk is never cached
+
+
+def test_freed_blocks_stay_cached_and_hit() -> None:
+    bm = BlockManager(8, CHUNK)
+    run(bm, "a", prompt(10))
+    bm.free("a")
+    # hashed blocks to the MRU end tail-first; the unhashed partial block to the LRU end
+    assert bm.free_block_ids() == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert (bm.num_free_blocks, bm.num_cached_blocks, bm.usage) == (8, 2, 0.0)
+    assert bm.match_prefix(hashes(prompt(10))) == 2
+    assert bm.match_prefix(hashes(prompt(16))) == 2  # a longer prompt with the same head
+    assert run(bm, "b", prompt(10)) == [0, 1, 2]
+    assert bm.free_block_ids() == [3, 4, 5, 6, 7]
+
+
+def test_lru_eviction_is_tail_first() -> None:
+    bm = BlockManager(6, CHUNK)
+    a = prompt(12)
+    assert run(bm, "a", a) == [0, 1, 2]
+    bm.free("a")
+    assert bm.free_block_ids() == [3, 4, 5, 2, 1, 0]
+    # a 4-block prompt takes the 3 never-used blocks, then evicts a's tail chunk
+    assert run(bm, "b", prompt(16, seed=1)) == [3, 4, 5, 2]
+    assert bm.match_prefix(hashes(a)) == 2
+    assert run(bm, "c", prompt(4, seed=2)) == [1]
+    assert bm.match_prefix(hashes(a)) == 1
+    assert bm.cached_block_id(hashes(a)[0]) == 0
+    assert bm.num_cached_blocks == 1 + 4 + 1
+
+
+def test_free_returns_blocks_lru_first_across_requests() -> None:
+    bm = BlockManager(4, CHUNK)
+    run(bm, "a", prompt(8))
+    run(bm, "b", prompt(8, seed=1))
+    bm.free("b")
+    bm.free("a")  # freed last = used most recently
+    assert bm.free_block_ids() == [3, 2, 1, 0]
+
+
+def test_shared_prefix_refcounts() -> None:
+    bm = BlockManager(8, CHUNK)
+    a = prompt(12)
+    b = a[:8] + prompt(6, seed=1)  # same first 2 chunks, then its own
+    assert run(bm, "a", a) == [0, 1, 2]
+    assert bm.match_prefix(hashes(b)) == 2
+    assert run(bm, "b", b) == [0, 1, 3, 4]
+    assert [b.ref_count for b in bm.blocks] == [2, 2, 1, 1, 1, 0, 0, 0]
+    bm.free("a")
+    assert [b.ref_count for b in bm.blocks] == [1, 1, 0, 1, 1, 0, 0, 0]
+    assert bm.free_block_ids() == [5, 6, 7, 2]
+    bm.free("b")
+    assert bm.free_block_ids() == [4, 5, 6, 7, 2, 3, 1, 0]
+    assert bm.num_cached_blocks == 4
+
+
+def test_hit_on_a_free_cached_block_takes_it_off_the_free_list() -> None:
+    bm = BlockManager(4, CHUNK)
+    run(bm, "a", prompt(8))
+    bm.free("a")
+    assert bm.free_block_ids() == [2, 3, 1, 0]
+    assert run(bm, "b", prompt(8) + prompt(8, seed=1)) == [0, 1, 2, 3]
+    assert bm.num_free_blocks == 0
+
+
+def test_no_free_blocks_leaves_state_unchanged() -> None:
+    bm = BlockManager(4, CHUNK)
+    run(bm, "a", prompt(8))
+    bm.free("a")
+    run(bm, "x", prompt(4, seed=9))  # takes block 2, leaves cached 0, 1 free
+    before = snapshot(bm)
+    # 2 hits on free cached blocks + 3 fresh: only 1 block is allocatable besides the hits
+    with pytest.raises(NoFreeBlocks) as info:
+        run(bm, "b", prompt(8) + prompt(10, seed=1))
+    assert (info.value.num_needed, info.value.num_free) == (3, 1)
+    assert isinstance(info.value, ResourceExhausted)
+    assert snapshot(bm) == before
+    with pytest.raises(NotFound):
+        bm.block_table("b")
+    # an exact fit succeeds without evicting its own hits
+    assert run(bm, "b", prompt(8) + prompt(2, seed=1)) == [0, 1, 3]
+
+
+def test_commit_of_a_hash_cached_elsewhere_keeps_the_first_writer() -> None:
+    bm = BlockManager(8, CHUNK)
+    ids = prompt(8)
+    hs = hashes(ids)
+    assert run(bm, "a", ids) == [0, 1]
+    # the planner caps b's hit at 1 chunk (one token must be computed), so chunk 1 is recomputed
+    assert bm.allocate("b", hs, 8, 1) == [0, 2]
+    bm.commit_chunks("b", 1, hs[1:])
+    assert bm.cached_block_id(hs[1]) == 1
+    assert bm.blocks[2].chunk_hash is None
+    assert bm.num_cached_blocks == 2
+    bm.free("b")
+    assert bm.free_block_ids()[0] == 2  # the duplicate caches nothing: reused first
+    bm.commit_chunks("a", 0, hs)  # repeated commit is a no-op
+    assert bm.cached_block_id(hs[0]) == 0
+    with pytest.raises(InvalidArgument):
+        bm.commit_chunks("a", 0, hs[1:])  # block 0 already holds another hash
+
+
+def test_restored_chunks_become_device_cached() -> None:
+    bm = BlockManager(8, CHUNK)
+    ids = prompt(14)
+    hs = hashes(ids)
+    assert bm.allocate("a", hs, 14, 0) == [0, 1, 2, 3]
+    bm.commit_chunks("a", 0, hs[:2])  # restored from the pool before compute
+    assert bm.match_prefix(hs) == 2
+    bm.commit_chunks("a", 2, hs[2:])  # computed
+    assert bm.match_prefix(hs) == 3
+
+
+def test_rejects_bad_calls() -> None:
+    bm = BlockManager(8, CHUNK)
+    hs = hashes(prompt(8))
+    with pytest.raises(InvalidArgument):
+        bm.allocate("a", hs, 8, 1)  # nothing cached yet
+    with pytest.raises(InvalidArgument):
+        bm.allocate("a", hs[:1], 8, 0)  # 8 tokens make 2 full chunks
+    with pytest.raises(InvalidArgument):
+        bm.allocate("a", [], 0, 0)
+    bm.allocate("a", hs, 8, 0)
+    with pytest.raises(InvalidArgument):
+        bm.allocate("a", hs, 8, 0)
+    with pytest.raises(InvalidArgument):
+        bm.commit_chunks("a", 1, hs)  # past the full chunks
+    with pytest.raises(NotFound):
+        bm.commit_chunks("zz", 0, hs)
+    bm.free("a")
+    with pytest.raises(NotFound):
+        bm.free("a")
+    with pytest.raises(InvalidArgument):
+        BlockManager(0, CHUNK)
+
+
+BASES = [prompt(40, seed=s) for s in range(3)]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random allocate / commit / free over prompts that share prefixes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(12, CHUNK)
+        self.prompts: dict[str, list[ChunkHash]] = {}
+        self.next_id = 0
+
+    @rule(base=st.integers(0, 2), num_tokens=st.integers(1, 40), cap=st.booleans())
+    def allocate(self, base: int, num_tokens: int, cap: bool) -> None:
+        hs = hashes(BASES[base][:num_tokens])
+        hit = self.bm.match_prefix(hs)
+        if cap:
+            hit = min(hit, (num_tokens - 1) // CHUNK)
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        before = snapshot(self.bm)
+        try:
+            table = self.bm.allocate(request_id, hs, num_tokens, hit)
+        except NoFreeBlocks:
+            assert snapshot(self.bm) == before
+            return
+        assert len(table) == -(-num_tokens // CHUNK)
+        self.prompts[request_id] = hs
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.prompts)))
+        hs = self.prompts[request_id]
+        start = data.draw(st.integers(0, len(hs)))
+        end = data.draw(st.integers(start, len(hs)))
+        self.bm.commit_chunks(request_id, start, hs[start:end])
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.prompts)))
+        del self.prompts[request_id]
+        self.bm.free(request_id)
+
+    @invariant()
+    def refcounts_match_tables(self) -> None:
+        counts = [0] * self.bm.num_blocks
+        for request_id in self.prompts:
+            for block_id in self.bm.block_table(request_id):
+                counts[block_id] += 1
+        assert [b.ref_count for b in self.bm.blocks] == counts
+
+    @invariant()
+    def free_list_is_exactly_the_unreferenced(self) -> None:
+        free = self.bm.free_block_ids()
+        assert len(free) == len(set(free)) == self.bm.num_free_blocks
+        assert set(free) == {b.block_id for b in self.bm.blocks if b.ref_count == 0}
+
+    @invariant()
+    def hash_map_is_a_bijection(self) -> None:
+        hashed = {b.chunk_hash: b.block_id for b in self.bm.blocks if b.chunk_hash is not None}
+        assert len(hashed) == self.bm.num_cached_blocks
+        assert all(self.bm.cached_block_id(h) == block_id for h, block_id in hashed.items())
+
+    @invariant()
+    def live_blocks_hold_their_own_chunk(self) -> None:
+        for request_id, hs in self.prompts.items():
+            for chunk_index, block_id in enumerate(self.bm.block_table(request_id)):
+                chunk_hash = self.bm.blocks[block_id].chunk_hash
+                assert chunk_hash is None or chunk_hash == hs[chunk_index]
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
