@@ -55,6 +55,34 @@ def _add_store(sub: Any) -> None:
     p.add_argument("--heartbeat-interval-s", type=float, help="heartbeat period (default 2)")
 
 
+def _add_prefill(sub: Any) -> None:
+    p = sub.add_parser("prefill", help="run a prefill pipeline stage",
+                       description="Run one prefill pipeline stage: a contiguous range of layers and their device KV "
+                       "pages. Stage 0 also runs the scheduler (chunk hashing, the shared block table, device → pool "
+                       "→ compute planning) and serves the Prefill API. Start the later stages first.")
+    _common(p)
+    p.add_argument("--stage", type=int, help="this stage's index (default 0)")
+    p.add_argument("--num-stages", type=int, help="stages in the pipeline (default 4)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="gRPC port (default 7700 + stage; 0 picks)")
+    p.add_argument("--admin-port", type=int, help="Prometheus port (default 9700 + stage; 0 picks)")
+    p.add_argument("--master", help="pool master address (default 127.0.0.1:7601)")
+    p.add_argument("--no-pool", dest="master", action="store_const", const="",
+                   help="run without the pool: device cache only")
+    p.add_argument("--model", help="model config: tiny (default), dsv3-kv, dsv3-kv-61")
+    p.add_argument("--model-id", help="weights identity in the pool namespace (default: model name and seed)")
+    p.add_argument("--weights", metavar="DIR", help="load weights from a safetensors directory (default: seeded)")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float8_e4m3fn"], help="KV storage (default float32)")
+    p.add_argument("--chunk-size", type=int, help="tokens per chunk and device block (default 256)")
+    p.add_argument("--device-cache-tokens", type=int, help="device KV capacity in tokens (default 65536)")
+    p.add_argument("--torch-threads", type=int, help="torch compute threads (default 1)")
+    p.add_argument("--next-stage", metavar="ADDR", help="stages 1..N-2: the next stage's address")
+    p.add_argument("--stage-addresses", metavar="ADDR,...", help="stage 0: addresses of stages 1..N-1, in order")
+    p.add_argument("--kv-hold-s", type=float, help="release a request's KV after this long (default 30)")
+    p.add_argument("--transfer-host", help="address the transfer engine advertises (default 127.0.0.1)")
+    p.add_argument("--protocol", choices=["tcp", "rdma"], help="transfer engine protocol (default tcp)")
+
+
 def _add_pool(sub: Any) -> None:
     p = sub.add_parser("pool", help="inspect the pool")
     pool_sub = p.add_subparsers(dest="pool_command", required=True)
@@ -89,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_master(sub)
     _add_store(sub)
+    _add_prefill(sub)
     _add_pool(sub)
     _add_bench(sub)
     return parser
@@ -129,6 +158,16 @@ def _run_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_prefill(args: argparse.Namespace) -> int:
+    from kvpool import service
+    from services.prefill.server import serve
+    from services.prefill.settings import PrefillSettings
+
+    settings = _settings(PrefillSettings, "prefill", args)
+    service.run(lambda: serve(settings, args.ready_file))
+    return 0
+
+
 def _run_pool(args: argparse.Namespace) -> int:
     from kvpool.pool.stats import fetch_stats, format_stats
 
@@ -147,7 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _log(args)
-    handlers = {"master": _run_master, "store": _run_store, "pool": _run_pool, "bench": _run_bench}
+    handlers = {
+        "master": _run_master, "store": _run_store, "prefill": _run_prefill, "pool": _run_pool, "bench": _run_bench,
+    }
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

@@ -159,3 +159,56 @@ class LocalPool:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass(slots=True)
+class LocalPipeline:
+    """A prefill pipeline of ``num_stages`` stage processes, later stages started first."""
+
+    num_stages: int = 4
+    master: str = ""
+    stage_args: list[str] = field(default_factory=list)
+    workdir: Path | None = None
+    stages: list[ServiceProcess] = field(default_factory=list)
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def address(self) -> str:
+        """Stage 0: the Prefill API."""
+        return f"127.0.0.1:{self.stages[0].ready['port']}"
+
+    def start(self) -> LocalPipeline:
+        if self.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-prefill-")
+            self.workdir = Path(self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        pool = ["--master", self.master] if self.master else ["--no-pool"]
+        common = ["--num-stages", str(self.num_stages), "--port", "0", "--admin-port", "0", *pool, *self.stage_args]
+        later: list[ServiceProcess] = []
+        next_address = ""
+        for stage in range(self.num_stages - 1, 0, -1):
+            extra = ["--next-stage", next_address] if next_address else []
+            proc = ServiceProcess(f"stage{stage}", ["prefill", "--stage", str(stage), *common, *extra], self.workdir)
+            proc.start()
+            next_address = f"127.0.0.1:{proc.wait_ready()['port']}"
+            later.insert(0, proc)
+        addresses = ",".join(f"127.0.0.1:{p.ready['port']}" for p in later)
+        extra = ["--stage-addresses", addresses] if addresses else []
+        first = ServiceProcess("stage0", ["prefill", "--stage", "0", *common, *extra], self.workdir)
+        first.start()
+        self.stages = [first, *later]
+        first.wait_ready(timeout_s=180)
+        return self
+
+    def stop(self) -> None:
+        for stage in self.stages:
+            stage.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalPipeline:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

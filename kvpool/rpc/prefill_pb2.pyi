@@ -1,0 +1,191 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("token_ids", "session_id", "return_logits")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    session_id: str
+    return_logits: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+
+class StageRestoreFigures(_message.Message):
+    __slots__ = ("stage", "num_chunks_requested", "num_chunks_restored", "bytes", "read_ms", "unpack_ms")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_MS_FIELD_NUMBER: _ClassVar[int]
+    UNPACK_MS_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    num_chunks_requested: int
+    num_chunks_restored: int
+    bytes: int
+    read_ms: float
+    unpack_ms: float
+    def __init__(self, stage: _Optional[int] = ..., num_chunks_requested: _Optional[int] = ..., num_chunks_restored: _Optional[int] = ..., bytes: _Optional[int] = ..., read_ms: _Optional[float] = ..., unpack_ms: _Optional[float] = ...) -> None: ...
+
+class PrefillFigures(_message.Message):
+    __slots__ = ("num_prompt_tokens", "num_device_tokens", "num_pool_tokens", "num_computed_tokens", "num_pool_chunks_lost", "restore", "restore_wait_ms", "compute_ms", "lookup_ms", "total_ms", "stage_compute_ms")
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEVICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_POOL_CHUNKS_LOST_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    num_prompt_tokens: int
+    num_device_tokens: int
+    num_pool_tokens: int
+    num_computed_tokens: int
+    num_pool_chunks_lost: int
+    restore: _containers.RepeatedCompositeFieldContainer[StageRestoreFigures]
+    restore_wait_ms: float
+    compute_ms: float
+    lookup_ms: float
+    total_ms: float
+    stage_compute_ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_device_tokens: _Optional[int] = ..., num_pool_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_pool_chunks_lost: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageRestoreFigures, _Mapping]]] = ..., restore_wait_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., lookup_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., stage_compute_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "kv_handle", "logits", "figures", "block_table", "block_size", "kv_hold_s")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    kv_handle: str
+    logits: bytes
+    figures: PrefillFigures
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    kv_hold_s: float
+    def __init__(self, first_token: _Optional[int] = ..., kv_handle: _Optional[str] = ..., logits: _Optional[bytes] = ..., figures: _Optional[_Union[PrefillFigures, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_hold_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("kv_handle",)
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    kv_handle: str
+    def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class StageInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageInfoResponse(_message.Message):
+    __slots__ = ("stage", "num_stages", "layer_start", "layer_end", "num_blocks", "block_size", "namespace", "transfer_endpoint")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+    num_blocks: int
+    block_size: int
+    namespace: str
+    transfer_endpoint: str
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ...) -> None: ...
+
+class RestoreChunk(_message.Message):
+    __slots__ = ("chunk_index", "block_id", "endpoint", "address", "size", "checksum", "key")
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    chunk_index: int
+    block_id: int
+    endpoint: str
+    address: int
+    size: int
+    checksum: int
+    key: str
+    def __init__(self, chunk_index: _Optional[int] = ..., block_id: _Optional[int] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., key: _Optional[str] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("request_id", "chunks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunks: _containers.RepeatedCompositeFieldContainer[RestoreChunk]
+    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[RestoreChunk, _Mapping]]] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("figures",)
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
+    figures: StageRestoreFigures
+    def __init__(self, figures: _Optional[_Union[StageRestoreFigures, _Mapping]] = ...) -> None: ...
+
+class Activation(_message.Message):
+    __slots__ = ("inline", "endpoint", "address", "size", "num_tokens", "hidden_size")
+    INLINE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    inline: bytes
+    endpoint: str
+    address: int
+    size: int
+    num_tokens: int
+    hidden_size: int
+    def __init__(self, inline: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("request_id", "block_table", "compute_start", "num_tokens", "activation", "save_first_chunk", "save_chunk_hashes", "return_logits")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    SAVE_FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SAVE_CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    compute_start: int
+    num_tokens: int
+    activation: Activation
+    save_first_chunk: int
+    save_chunk_hashes: _containers.RepeatedScalarFieldContainer[str]
+    return_logits: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., compute_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., save_first_chunk: _Optional[int] = ..., save_chunk_hashes: _Optional[_Iterable[str]] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("first_token", "logits", "stage_compute_ms")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    logits: bytes
+    stage_compute_ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, first_token: _Optional[int] = ..., logits: _Optional[bytes] = ..., stage_compute_ms: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -1,0 +1,75 @@
+"""Registered host memory carved into per-request regions.
+
+Every byte the transfer engine moves for a stage (restored chunks, chunks to
+save, hidden states for the next stage) lives in one of these arenas,
+registered with the engine once at start-up and reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.transfer import HostBuffer, TransferEngine
+from services.master.allocator import SegmentAllocator
+
+
+@dataclass(slots=True, frozen=True)
+class Region:
+    address: int
+    offset: int
+    size: int
+
+
+class Arena:
+    """A registered buffer with a best-fit allocator over it (4 KiB aligned)."""
+
+    def __init__(self, name: str, size: int, engine: TransferEngine) -> None:
+        self.name = name
+        self.buffer = HostBuffer(size)
+        self.buffer.touch()
+        engine.register(self.buffer.address, size)
+        self._allocator = SegmentAllocator(size, alignment=4096)
+        self._freed = asyncio.Condition()
+
+    @property
+    def size(self) -> int:
+        return self.buffer.size
+
+    @property
+    def largest_free(self) -> int:
+        return self._allocator.largest_free
+
+    def allocate(self, size: int) -> Region | None:
+        """A region of ``size`` bytes, or None when the arena is too full right now."""
+        offset = self._allocator.allocate(size)
+        if offset is None:
+            return None
+        return Region(self.buffer.address + offset, offset, size)
+
+    async def allocate_wait(self, size: int, timeout_s: float) -> Region:
+        """Wait (up to ``timeout_s``) for room; raises TimeoutError, or ValueError if it can never fit."""
+        if size > self.size:
+            raise ValueError(f"{self.name} arena: {size} bytes can never fit in {self.size}")
+        async with self._freed:
+            region = self.allocate(size)
+            if region is None:
+                await asyncio.wait_for(self._freed.wait_for(lambda: self._allocator.largest_free >= size), timeout_s)
+                region = self.allocate(size)
+            assert region is not None
+            return region
+
+    def free(self, region: Region) -> None:
+        self._allocator.free(region.offset)
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._freed:
+            self._freed.notify_all()
+
+    def tensor(self, region: Region, offset: int = 0, size: int | None = None) -> torch.Tensor:
+        """A uint8 tensor over (part of) a region: no copy."""
+        length = region.size - offset if size is None else size
+        return torch.frombuffer(self.buffer.view(region.offset + offset, length), dtype=torch.uint8)

@@ -1,0 +1,37 @@
+"""Prometheus metrics of a prefill stage (stage 0 fills the request figures)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvpool.rpc import prefill_pb2
+
+_MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+
+
+class PrefillMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvpool_prefill_requests", "Prefill requests served", registry=r)
+        self.tokens = Counter("kvpool_prefill_prompt_tokens", "Prompt tokens by where they came from",
+                              ["source"], registry=r)
+        self.lost_chunks = Counter("kvpool_prefill_pool_chunks_lost",
+                                   "Pool chunks planned but not restorable (recomputed)", registry=r)
+        self.restore_wait = Histogram("kvpool_prefill_restore_wait_ms", "First stage restore start to last finish",
+                                      buckets=_MS_BUCKETS, registry=r)
+        self.compute = Histogram("kvpool_prefill_compute_ms", "Pipeline compute time per request",
+                                 buckets=_MS_BUCKETS, registry=r)
+        self.device_usage = Gauge("kvpool_prefill_device_cache_usage", "Share of device blocks referenced",
+                                  registry=r)
+
+    def observe(self, figures: prefill_pb2.PrefillFigures, device_usage: float) -> None:
+        self.requests.inc()
+        self.tokens.labels("device").inc(figures.num_device_tokens)
+        self.tokens.labels("pool").inc(figures.num_pool_tokens)
+        self.tokens.labels("computed").inc(figures.num_computed_tokens)
+        self.lost_chunks.inc(figures.num_pool_chunks_lost)
+        if figures.restore:
+            self.restore_wait.observe(figures.restore_wait_ms)
+        self.compute.observe(figures.compute_ms)
+        self.device_usage.set(device_usage)

@@ -1,0 +1,108 @@
+"""A prefill stage process. Stage 0 also serves the Prefill front and runs the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import structlog
+
+from kvpool import service
+from kvpool.pool.client import PoolClient
+from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.transfer import TransferEngine
+from services.prefill.metrics import PrefillMetrics
+from services.prefill.scheduler import PrefillScheduler, PrefillServicer
+from services.prefill.settings import PrefillSettings
+from services.prefill.stage_runner import StageRunner
+from services.prefill.stage_servicer import ActivationLink, PrefillStageServicer
+
+log = structlog.get_logger(__name__)
+
+STAGES_READY_TIMEOUT_S = 120.0
+
+
+class StageMismatch(RuntimeError):
+    """Later stages disagree with stage 0 about the model, split, cache or namespace."""
+
+
+async def wait_for_stages(settings: PrefillSettings, namespace: str, stop: asyncio.Event) -> list[grpc.aio.Channel]:
+    """Connect to every later stage and check they form one pipeline with us."""
+    channels = [grpc.aio.insecure_channel(a, options=service.GRPC_OPTIONS) for a in settings.stage_addresses]
+    split = settings.layer_split
+    deadline = time.monotonic() + STAGES_READY_TIMEOUT_S
+    for stage, (address, channel) in enumerate(zip(settings.stage_addresses, channels), start=1):
+        stub = prefill_pb2_grpc.PrefillStageStub(channel)
+        while True:
+            try:
+                info = await stub.StageInfo(prefill_pb2.StageInfoRequest(), timeout=5)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline or stop.is_set():
+                    raise StageMismatch(f"stage {stage} at {address} is not reachable: {exc.code().name}") from None
+                await asyncio.sleep(0.2)
+        expected = (stage, settings.num_stages, *split[stage], settings.num_blocks, settings.chunk_size, namespace)
+        got = (info.stage, info.num_stages, info.layer_start, info.layer_end, info.num_blocks, info.block_size,
+               info.namespace)
+        if got != expected:
+            raise StageMismatch(f"stage at {address} reports (stage, stages, layers, blocks, block size, namespace) "
+                                f"{got}, expected {expected}")
+    return channels
+
+
+async def serve(settings: PrefillSettings, ready_file: str | None = None) -> None:
+    engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
+    pool = PoolClient(settings.master, engine) if settings.master else None
+    runner = StageRunner(settings, engine, pool)
+    link = ActivationLink(runner, settings.next_address)
+    metrics = PrefillMetrics()
+    stage_servicer = PrefillStageServicer(runner, link)
+    front = PrefillServicer()
+
+    def add_servicers(server: grpc.aio.Server) -> None:
+        prefill_pb2_grpc.add_PrefillStageServicer_to_server(stage_servicer, server)
+        if settings.stage == 0:
+            prefill_pb2_grpc.add_PrefillServicer_to_server(front, server)
+
+    handle = await service.create_server(settings.host, settings.port, add_servicers)
+    stop = asyncio.Event()
+    service.install_stop_signals(stop)
+    admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
+    channels: list[grpc.aio.Channel] = []
+    sweeper: asyncio.Task[None] | None = None
+    try:
+        if settings.stage == 0:
+            await handle.set_serving(False)
+            channels = await wait_for_stages(settings, runner.namespace, stop)
+            front.scheduler = PrefillScheduler(
+                runner, link, [prefill_pb2_grpc.PrefillStageStub(c) for c in channels], pool, metrics
+            )
+            sweeper = asyncio.create_task(front.scheduler.expire_held_forever())
+            await handle.set_serving(True)
+        start, end = settings.layers
+        log.info("prefill_stage_serving", stage=settings.stage, num_stages=settings.num_stages, layers=[start, end],
+                 address=f"{settings.host}:{handle.port}", admin_port=admin_port, endpoint=engine.endpoint,
+                 device_cache_tokens=settings.num_blocks * settings.chunk_size, pool=settings.master or "off",
+                 namespace=runner.namespace, torch_threads=settings.torch_threads)
+        service.write_ready_file(ready_file, port=handle.port, admin_port=admin_port, endpoint=engine.endpoint,
+                                 namespace=runner.namespace)
+        await stop.wait()
+        log.info("prefill_stage_stopping", stage=settings.stage)
+        await handle.set_serving(False)
+    finally:
+        if sweeper is not None:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+        await handle.server.stop(grace=2.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(runner.drain_saves(), 5.0)
+        for channel in channels:
+            await channel.close()
+        await link.close()
+        if pool is not None:
+            await pool.close()
+        runner.close()
+        log.info("prefill_stage_stopped", stage=settings.stage)

@@ -1,0 +1,169 @@
+"""PrefillStage servicer: restore, forward to the next stage, stage info.
+
+Hidden states travel inline when small; otherwise the sender leaves them in
+its registered send arena and the receiver reads them with the transfer
+engine (one read) into its receive arena.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import structlog
+import torch
+
+from kvpool import service
+from kvpool.errors import InvalidArgument, Unavailable, status_errors
+from kvpool.pool.client import ObjectLocation
+from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.transfer import TransferError
+from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
+
+log = structlog.get_logger(__name__)
+
+ARENA_WAIT_S = 30.0
+FORWARD_TIMEOUT_S = 600.0
+
+
+def figures_message(stage: int, figures: RestoreFigures) -> prefill_pb2.StageRestoreFigures:
+    return prefill_pb2.StageRestoreFigures(
+        stage=stage,
+        num_chunks_requested=figures.num_chunks_requested,
+        num_chunks_restored=figures.num_chunks_restored,
+        bytes=figures.bytes,
+        read_ms=figures.read_ms,
+        unpack_ms=figures.unpack_ms,
+    )
+
+
+def restore_chunks(request: prefill_pb2.RestoreRequest, num_blocks: int) -> list[ChunkToRestore]:
+    chunks = []
+    for i, c in enumerate(request.chunks):
+        if not 0 <= c.block_id < num_blocks:
+            raise InvalidArgument(f"chunks[{i}].block_id: {c.block_id} is outside 0..{num_blocks - 1}")
+        chunks.append(ChunkToRestore(c.chunk_index, c.block_id,
+                                     ObjectLocation(c.key, c.endpoint, c.address, c.size, c.checksum)))
+    return chunks
+
+
+class ActivationLink:
+    """Sends hidden states to the next stage and receives them from the previous one."""
+
+    def __init__(self, runner: StageRunner, next_address: str) -> None:
+        self.runner = runner
+        self.hidden_size = runner.config.hidden_size
+        self._channel = grpc.aio.insecure_channel(next_address, options=service.GRPC_OPTIONS) if next_address else None
+        self.next = prefill_pb2_grpc.PrefillStageStub(self._channel) if self._channel else None
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def receive(self, activation: prefill_pb2.Activation, num_new: int) -> torch.Tensor:
+        if activation.num_tokens != num_new or activation.hidden_size != self.hidden_size:
+            raise InvalidArgument(
+                f"activation: {activation.num_tokens}×{activation.hidden_size} hidden states, "
+                f"expected {num_new}×{self.hidden_size}"
+            )
+        nbytes = num_new * self.hidden_size * 4
+        if activation.inline:
+            if len(activation.inline) != nbytes:
+                raise InvalidArgument(f"activation.inline: {len(activation.inline)} bytes, expected {nbytes}")
+            return torch.frombuffer(bytearray(activation.inline), dtype=torch.float32).view(num_new, self.hidden_size)
+        if activation.size != nbytes:
+            raise InvalidArgument(f"activation.size: {activation.size} bytes, expected {nbytes}")
+        arena = self.runner.recv_arena
+        region = await arena.allocate_wait(nbytes, ARENA_WAIT_S)
+        try:
+            await self.runner.engine.read(activation.endpoint, [region.address], [activation.address], [nbytes])
+            return arena.tensor(region).view(torch.float32).view(num_new, self.hidden_size).clone()
+        except TransferError as exc:
+            raise Unavailable(f"activation: reading hidden states from {activation.endpoint} failed: {exc}") from exc
+        finally:
+            arena.free(region)
+
+    async def send(self, hidden: torch.Tensor, request: prefill_pb2.ForwardRequest) -> prefill_pb2.ForwardResponse:
+        """Forward to the next stage and return its (chained) answer."""
+        assert self.next is not None
+        n = hidden.shape[0]
+        data = hidden.contiguous().view(torch.uint8).view(-1)
+        activation = prefill_pb2.Activation(num_tokens=n, hidden_size=self.hidden_size)
+        region = None
+        arena = self.runner.send_arena
+        if data.numel() <= self.runner.settings.inline_activation_bytes:
+            activation.inline = data.numpy().tobytes()
+        else:
+            region = await arena.allocate_wait(data.numel(), ARENA_WAIT_S)
+            arena.tensor(region).copy_(data)
+            activation.endpoint = self.runner.engine.endpoint
+            activation.address = region.address
+            activation.size = data.numel()
+        onward = prefill_pb2.ForwardRequest()
+        onward.CopyFrom(request)
+        onward.activation.CopyFrom(activation)
+        try:
+            return await self.next.Forward(onward, timeout=FORWARD_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(
+                f"stage {self.runner.settings.stage + 1}: {exc.code().name}: {exc.details()}"
+            ) from exc
+        finally:
+            if region is not None:
+                arena.free(region)
+
+
+class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
+    def __init__(self, runner: StageRunner, link: ActivationLink) -> None:
+        self.runner = runner
+        self.link = link
+        self.settings = runner.settings
+
+    @status_errors
+    async def StageInfo(self, request: Any, context: Any) -> prefill_pb2.StageInfoResponse:
+        s = self.settings
+        start, end = s.layers
+        return prefill_pb2.StageInfoResponse(
+            stage=s.stage, num_stages=s.num_stages, layer_start=start, layer_end=end, num_blocks=s.num_blocks,
+            block_size=s.chunk_size, namespace=self.runner.namespace, transfer_endpoint=self.runner.engine.endpoint,
+        )
+
+    @status_errors
+    async def Restore(self, request: prefill_pb2.RestoreRequest, context: Any) -> prefill_pb2.RestoreResponse:
+        figures = await self.runner.restore(restore_chunks(request, self.settings.num_blocks))
+        return prefill_pb2.RestoreResponse(figures=figures_message(self.settings.stage, figures))
+
+    @status_errors
+    async def Forward(self, request: prefill_pb2.ForwardRequest, context: Any) -> prefill_pb2.ForwardResponse:
+        block_table = list(request.block_table)
+        num_new = request.num_tokens - request.compute_start
+        if num_new <= 0:
+            raise InvalidArgument(f"compute_start: {request.compute_start} is not below num_tokens {request.num_tokens}")
+        needed = -(-request.num_tokens // self.settings.chunk_size)
+        if len(block_table) != needed or any(not 0 <= b < self.settings.num_blocks for b in block_table):
+            raise InvalidArgument(f"block_table: needs {needed} block ids in 0..{self.settings.num_blocks - 1}")
+        inputs = await self.link.receive(request.activation, num_new)
+        return await run_stage(self.runner, self.link, request, inputs, block_table)
+
+
+async def run_stage(
+    runner: StageRunner, link: ActivationLink, request: prefill_pb2.ForwardRequest, inputs: torch.Tensor,
+    block_table: list[int],
+) -> prefill_pb2.ForwardResponse:
+    """Compute this stage, then (concurrently) pack chunks to save and forward onward."""
+    t0 = time.perf_counter()
+    out = await runner.forward(inputs, block_table, request.compute_start)
+    compute_ms = (time.perf_counter() - t0) * 1e3
+    pack = runner.pack_for_save(block_table, request.save_first_chunk, list(request.save_chunk_hashes))
+    if runner.model.is_last:
+        await pack
+        last = out[-1]
+        response = prefill_pb2.ForwardResponse(first_token=int(torch.argmax(last)))
+        if request.return_logits:
+            response.logits = last.to(torch.float32).contiguous().numpy().tobytes()
+    else:
+        response, _ = await asyncio.gather(link.send(out, request), pack)
+    response.stage_compute_ms.insert(0, compute_ms)
+    return response

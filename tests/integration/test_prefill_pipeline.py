@@ -1,0 +1,192 @@
+"""The prefill pipeline on real processes: a master, two stores, four stage workers.
+
+Restored KV must give the same answer as computing from scratch; a session's
+turns take exactly the expected tokens from device and pool; incomplete groups
+are never restored; bad input is rejected by field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+import torch
+
+from kvpool import service
+from kvpool.local_cluster import LocalPipeline, LocalPool
+from kvpool.model import LocalPipeline as ReferenceModel
+from kvpool.model import get_config
+from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.integration.conftest import eventually
+
+CHUNK = 256
+# four 256-token blocks: one ~1000-token prompt fills the device cache, so the
+# next prompt evicts it and its history must come back from the pool
+DEVICE_TOKENS = 4 * CHUNK
+CONFIG = get_config("tiny")
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
+
+
+def reference_logits(token_ids: list[int]) -> torch.Tensor:
+    """Final-position logits computed from scratch, in this process."""
+    blocks = -(-len(token_ids) // CHUNK)
+    model = ReferenceModel(CONFIG, num_blocks=blocks, block_size=CHUNK)
+    return model.forward(torch.tensor(token_ids), list(range(blocks)), 0)[-1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPool, LocalPipeline]]:
+    workdir = tmp_path_factory.mktemp("prefill")
+    with LocalPool(num_stores=2, segment_size="32MiB", workdir=workdir / "pool") as pool:
+        with LocalPipeline(num_stages=4, master=pool.master_address, workdir=workdir / "stages",
+                           stage_args=["--device-cache-tokens", str(DEVICE_TOKENS)]) as pipeline:
+            yield pool, pipeline
+
+
+@pytest.fixture
+async def stubs(cluster) -> AsyncIterator[tuple[prefill_pb2_grpc.PrefillStub, pool_pb2_grpc.PoolMasterStub]]:  # type: ignore[no-untyped-def]
+    pool, pipeline = cluster
+    async with grpc.aio.insecure_channel(pipeline.address, options=service.GRPC_OPTIONS) as front, \
+            grpc.aio.insecure_channel(pool.master_address) as master:
+        yield prefill_pb2_grpc.PrefillStub(front), pool_pb2_grpc.PoolMasterStub(master)
+
+
+async def run(stub: prefill_pb2_grpc.PrefillStub, token_ids: list[int], session: str = "s") -> prefill_pb2.PrefillResponse:
+    response = await stub.Prefill(
+        prefill_pb2.PrefillRequest(token_ids=token_ids, session_id=session, return_logits=True), timeout=120
+    )
+    await stub.Release(prefill_pb2.ReleaseRequest(kv_handle=response.kv_handle), timeout=10)
+    return response
+
+
+def logits_of(response: prefill_pb2.PrefillResponse) -> torch.Tensor:
+    return torch.frombuffer(bytearray(response.logits), dtype=torch.float32)
+
+
+async def saved(master: pool_pb2_grpc.PoolMasterStub, num_groups: int) -> None:
+    """Saves are off the critical path: wait until the pool holds the groups."""
+    async def check() -> bool:
+        return (await master.Stats(pool_pb2.StatsRequest())).num_complete_groups >= num_groups
+    await eventually(check, what=f"{num_groups} complete groups in the pool")
+
+
+def split(response: prefill_pb2.PrefillResponse) -> tuple[int, int, int]:
+    f = response.figures
+    return f.num_device_tokens, f.num_pool_tokens, f.num_computed_tokens
+
+
+async def evict_device(stub: prefill_pb2_grpc.PrefillStub, seed: int) -> None:
+    """A different prompt that needs every device block pushes the last one out."""
+    await run(stub, prompt(seed, DEVICE_TOKENS - 10), session="other")
+
+
+async def test_restored_kv_gives_the_same_answer_as_computing(stubs) -> None:  # type: ignore[no-untyped-def]
+    front, master = stubs
+    tokens = prompt(1, 900)  # 3 full chunks + 132 tokens
+    first = await run(front, tokens)
+    assert split(first) == (0, 0, 900)
+    before = (await master.Stats(pool_pb2.StatsRequest())).num_complete_groups
+    await saved(master, before)
+    await evict_device(front, seed=2)
+    again = await run(front, tokens)
+    assert split(again) == (0, 768, 132)
+    assert [f.num_chunks_restored for f in again.figures.restore] == [3, 3, 3, 3]
+    assert all(f.bytes == 3 * CHUNK * 2 * CONFIG.kv_entry_dim * 4 for f in again.figures.restore)
+    reference = reference_logits(tokens)
+    for response in (first, again):
+        assert response.first_token == int(torch.argmax(reference))
+        assert float((logits_of(response) - reference).abs().max()) <= 1e-4
+
+
+async def test_three_turn_session_takes_exact_tokens_from_device_and_pool(stubs) -> None:  # type: ignore[no-untyped-def]
+    front, master = stubs
+    turn1 = prompt(10, 600)  # chunks 0-1 full
+    r1 = await run(front, turn1, session="three")
+    assert split(r1) == (0, 0, 600)
+    # turn 2 right after: history still on device
+    turn2 = turn1 + [r1.first_token] + prompt(11, 200)  # 801 tokens: 3 full chunks
+    r2 = await run(front, turn2, session="three")
+    assert split(r2) == (512, 0, 289)
+    groups = (await master.Stats(pool_pb2.StatsRequest())).num_complete_groups
+    await saved(master, groups)
+    # other work evicts the device copy; turn 3 restores from the pool
+    await evict_device(front, seed=12)
+    turn3 = turn2 + [r2.first_token] + prompt(13, 200)  # 1002 tokens: 3 full chunks, all in the pool
+    r3 = await run(front, turn3, session="three")
+    assert split(r3) == (0, 768, 234)
+    reference = reference_logits(turn3)
+    assert r3.first_token == int(torch.argmax(reference))
+    assert float((logits_of(r3) - reference).abs().max()) <= 1e-4
+
+
+async def test_incomplete_group_is_never_restored(stubs, cluster) -> None:  # type: ignore[no-untyped-def]
+    front, master = stubs
+    pool, pipeline = cluster
+    tokens = prompt(20, 800)
+    await run(front, tokens)
+    await saved(master, 3)
+    namespace = pipeline.stages[0].ready["namespace"]
+    # drop chunk 1's group and put back only three of its four members, with bytes
+    # that would be wrong if anyone ever read them
+    from services.prefill.chunk_hash import chunk_hashes, group_id, object_key
+
+    hashes = chunk_hashes(namespace, tokens, CHUNK)
+    removed = await master.Remove(pool_pb2.RemoveRequest(group_ids=[group_id(namespace, hashes[1])]))
+    assert removed.num_removed == 1
+    size = CHUNK * 2 * CONFIG.kv_entry_dim * 4
+    items = [pool_pb2.PutItem(key=object_key(namespace, hashes[1], s), group_id=group_id(namespace, hashes[1]),
+                              group_size=4, size=size) for s in range(3)]
+    started = await master.PutStart(pool_pb2.PutStartRequest(client_host="test", items=items))
+    assert all(r.status == pool_pb2.PUT_STATUS_RESERVED for r in started.results)
+    await master.PutEnd(pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=i.key, checksum=0) for i in items]))
+    await evict_device(front, seed=21)
+    again = await run(front, tokens)
+    # chunk 0 comes from the pool; chunk 1's group is incomplete, so it and everything after are computed
+    assert split(again) == (0, 256, 544)
+    reference = reference_logits(tokens)
+    assert float((logits_of(again) - reference).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "message"),
+    [
+        ([], "token_ids: must not be empty"),
+        ([1, 2, CONFIG.vocab_size], f"token_ids[2]: {CONFIG.vocab_size} is outside the vocabulary"),
+        ([5, -1], "token_ids[1]: -1 is outside the vocabulary"),
+        ([1] * (CONFIG.max_position_embeddings + 1), "exceed the model's context"),
+        ([1] * (DEVICE_TOKENS + 1), "need 5 device blocks; the device cache holds 4"),
+    ],
+)
+async def test_bad_prompts_are_rejected_by_field(stubs, token_ids: list[int], message: str) -> None:  # type: ignore[no-untyped-def]
+    front, _ = stubs
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_id="bad"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in (err.value.details() or "")
+    # still serving
+    ok = await run(front, prompt(30, 50))
+    assert split(ok)[2] == 50
+
+
+async def test_release_of_unknown_handle_is_not_found(stubs) -> None:  # type: ignore[no-untyped-def]
+    front, _ = stubs
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await front.Release(prefill_pb2.ReleaseRequest(kv_handle="nope"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "kv_handle" in (err.value.details() or "")
+
+
+async def test_concurrent_requests_all_complete(stubs) -> None:  # type: ignore[no-untyped-def]
+    """Several requests in flight at once move through the stages together."""
+    front, _ = stubs
+    prompts = [prompt(40 + i, 200) for i in range(4)]
+    responses = await asyncio.gather(*(run(front, p, session=f"c{i}") for i, p in enumerate(prompts)))
+    for p, r in zip(prompts, responses):
+        assert r.first_token == int(torch.argmax(reference_logits(p)))
