@@ -26,6 +26,11 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.so_reuseport", 0),
+    # a restarted peer is found again within ~2 s instead of grpc's default
+    # backoff of up to two minutes
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 
