@@ -41,6 +41,7 @@ class MasterSettings:
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be positive and at most half "
                 f"of segment_ttl_s ({self.segment_ttl_s}) so one lost heartbeat does not drop a store"
             )
+        self.index_settings()  # validates watermarks and timeouts
 
     def index_settings(self) -> IndexSettings:
         return IndexSettings(
