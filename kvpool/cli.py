@@ -107,6 +107,28 @@ def _add_bench(sub: Any) -> None:
     pool.add_argument("--batches", type=int, help="batches per measurement")
     pool.add_argument("--skip-upstream", action="store_true", help="do not run upstream Mooncake Store")
     pool.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    prefill = bench_sub.add_parser(
+        "prefill", help="replay real agent sessions through the prefill pipeline, pool on vs pool off",
+        description="Replays the first turns of real coding-agent sessions (weka traces) as a closed loop of "
+        "concurrent sessions through a master, two stores and a four-stage prefill pipeline whose device cache "
+        "is smaller than the working set, then through the same pipeline without the pool (fresh clusters). "
+        "Reports reuse next to the trace's bounds, device/pool/computed shares, restore times, TTFT, prompt "
+        "throughput and logits against a from-scratch computation. Think time is ignored.",
+    )
+    prefill.add_argument("--json", action="store_true", help="last line of output is one JSON object")
+    prefill.add_argument("--quick", action="store_true", help="small run, well under three minutes")
+    prefill.add_argument("--sessions", type=int,
+                         help="sessions to replay, the first by file name (default 4, also with --quick)")
+    prefill.add_argument("--turns", type=int, help="first turns of each session (default 10; quick 8)")
+    prefill.add_argument("--scale", type=int, help="token scale factor: 64-token blocks become 64/S tokens "
+                         "(default 16; quick 32)")
+    prefill.add_argument("--concurrency", type=int,
+                         help="sessions in flight at once (default 4, also with --quick)")
+    prefill.add_argument("--device-cache-tokens", type=int, help="device KV capacity of each stage in tokens "
+                         "(default 8192; quick 4096)")
+    prefill.add_argument("--traces", metavar="DIR", help="weka traces directory (default ../shared/traces/agentx-weka "
+                         "next to the checkout)")
+    prefill.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,6 +199,10 @@ def _run_pool(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "prefill":
+        from kvpool.bench.prefill_bench import main as bench_prefill
+
+        return bench_prefill(args)
     from kvpool.bench.pool_bench import main as bench_pool
 
     return bench_pool(args)
