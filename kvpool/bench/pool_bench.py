@@ -174,6 +174,9 @@ def summarize(report: dict[str, Any], largest_batch: int) -> dict[str, Any]:
         "te_raw_read_gbps": te.get("te_raw_read_gbps", nan),
         "lookup_p50_ms": kv["lookup_p50_ms"],
         "lookup_p99_ms": kv["lookup_p99_ms"],
+        # back to back, timed like upstream's batch_is_exist
+        "lookup_hot_p50_ms": kv["lookup_hot_p50_ms"],
+        "exists_hot_p50_ms": kv["exists_hot_p50_ms"],
         "mooncake_exist_p50_ms": mc.get("mooncake_exist_p50_ms", nan),
         "small_put_p50_ms": report["ours"]["small_batch64"]["put_p50_ms"],
         "small_get_p50_ms": report["ours"]["small_batch64"]["get_p50_ms"],
@@ -214,6 +217,10 @@ def format_report(report: dict[str, Any], summary: dict[str, Any]) -> str:
     lines.append(
         f"  ours vs upstream: put ×{summary['put_vs_mooncake']:.2f}, get ×{summary['get_vs_mooncake']:.2f}; "
         f"vs raw engine: put {summary['put_vs_te_raw_write']:.0%}, get {summary['get_vs_te_raw_read']:.0%}"
+    )
+    lines.append(
+        f"  back-to-back calls, 64 keys: lookup p50 {summary['lookup_hot_p50_ms']:.2f} ms, exists p50 "
+        f"{summary['exists_hot_p50_ms']:.2f} ms (upstream is_exist {summary['mooncake_exist_p50_ms']:.2f} ms)"
     )
     churn = report["churn"]
     lines.append(

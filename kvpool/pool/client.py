@@ -2,7 +2,8 @@
 
 Bytes move only with the transfer engine, straight between the caller's
 registered buffers and store DRAM (no copies in between): one batch transfer
-per store segment per call, the segments in parallel. The master only sees
+per store segment per call, the segments in parallel, each object of a read
+verified as it lands (``TransferEngine.move``). The master only sees
 control messages. Pool conditions (full, unreachable, evicted, corrupted)
 never raise: a put reports NOT_STORED, a read reports a miss.
 """
@@ -22,12 +23,20 @@ import xxhash
 
 from kvpool import service
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
-from kvpool.transfer import TransferEngine, TransferError, local_host_name
+from kvpool.transfer import POLL_MIN_BYTES, TransferEngine, local_host_name
 
 log = structlog.get_logger(__name__)
 
 RPC_TIMEOUT_S = 5.0
+# Writes are off every request's critical path: they wait (within the deadline)
+# for a master that is reconnecting instead of failing fast, so a master
+# restart costs a few saves' latency, not the saves. Reads fail fast: a
+# lookup that cannot be answered now is a miss, and the caller computes.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+_RESERVED = pool_pb2.PUT_STATUS_RESERVED
+_ALREADY_EXISTS = pool_pb2.PUT_STATUS_ALREADY_EXISTS
+# xxh3 hashes this much in well under a millisecond: cheaper inline than a thread hop
+INLINE_CHECKSUM_BYTES = 1 << 20
 
 
 class PutResult(enum.Enum):
@@ -81,6 +90,10 @@ def checksum(address: int, size: int) -> int:
     return xxhash.xxh3_64_intdigest((ctypes.c_char * size).from_address(address))
 
 
+def checksums(objects: Sequence[PutObject]) -> list[int]:
+    return [checksum(o.address, o.size) for o in objects]
+
+
 class PoolClient:
     """Talks to one pool master and moves bytes with one transfer engine."""
 
@@ -106,41 +119,47 @@ class PoolClient:
         """Store a batch; per object STORED, EXISTS or NOT_STORED, in order."""
         if not objects:
             return []
+        total = 0
         for i, obj in enumerate(objects):
             if obj.size <= 0:
                 raise ValueError(f"objects[{i}].size: must be positive, got {obj.size}")
             self._check_registered(obj.address, obj.size, f"objects[{i}]")
-        sums = asyncio.create_task(asyncio.to_thread(lambda: [checksum(o.address, o.size) for o in objects]))
+            total += obj.size
+        # checksums overlap the PutStart round trip; a small batch hashes faster than a thread hop
+        sums: list[int] | asyncio.Future[list[int]]
+        if total <= INLINE_CHECKSUM_BYTES:
+            sums = checksums(objects)
+        else:
+            sums = asyncio.ensure_future(asyncio.to_thread(checksums, objects))
         results = [PutResult.NOT_STORED] * len(objects)
+        item = pool_pb2.PutItem
         try:
             started = await self._stub.PutStart(
                 pool_pb2.PutStartRequest(
                     client_host=self.host_name,
-                    items=[
-                        pool_pb2.PutItem(key=o.key, group_id=o.group_id, group_size=o.group_size, size=o.size)
-                        for o in objects
-                    ],
+                    items=[item(key=o.key, group_id=o.group_id, group_size=o.group_size, size=o.size) for o in objects],
                 ),
-                timeout=RPC_TIMEOUT_S,
+                timeout=RPC_TIMEOUT_S, wait_for_ready=True,
             )
         except grpc.aio.AioRpcError as exc:
-            await asyncio.gather(sums, return_exceptions=True)
+            if isinstance(sums, asyncio.Future):
+                await asyncio.gather(sums, return_exceptions=True)
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from exc
             log.info("pool_put_not_stored", code=exc.code().name, details=exc.details(), objects=len(objects))
             return results
         reserved: list[int] = []
-        for i, result in enumerate(started.results):
-            if result.status == pool_pb2.PUT_STATUS_RESERVED:
+        moves: list[tuple[str, int, int, int]] = []
+        for i, (obj, result) in enumerate(zip(objects, started.results)):
+            status = result.status
+            if status == _RESERVED:
+                location = result.location
                 reserved.append(i)
-            elif result.status == pool_pb2.PUT_STATUS_ALREADY_EXISTS:
+                moves.append((location.endpoint, obj.address, location.address, obj.size))
+            elif status == _ALREADY_EXISTS:
                 results[i] = PutResult.EXISTS
-        written = await self._transfer(
-            [(started.results[i].location.endpoint, objects[i].address, started.results[i].location.address,
-              objects[i].size) for i in reserved],
-            write=True,
-        )
-        sums_done = await sums
+        written = await self._transfer(moves, write=True)
+        sums_done = sums if isinstance(sums, list) else await sums
         ok = [i for i, good in zip(reserved, written) if good]
         failed = [objects[i].key for i, good in zip(reserved, written) if not good]
         if failed:
@@ -154,7 +173,7 @@ class PoolClient:
         try:
             await self._stub.PutEnd(
                 pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c) for k, c in items]),
-                timeout=RPC_TIMEOUT_S,
+                timeout=RPC_TIMEOUT_S, wait_for_ready=True,
             )
             return True
         except grpc.aio.AioRpcError as exc:
@@ -165,7 +184,7 @@ class PoolClient:
 
     async def _revoke(self, keys: list[str]) -> None:
         try:
-            await self._stub.PutRevoke(pool_pb2.PutRevokeRequest(keys=keys), timeout=RPC_TIMEOUT_S)
+            await self._stub.PutRevoke(pool_pb2.PutRevokeRequest(keys=keys), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             # the master's put timeout gives the space back anyway
             log.warning("pool_put_revoke_failed", code=exc.code().name, objects=len(keys))
@@ -185,33 +204,24 @@ class PoolClient:
                 raise ValueError(exc.details()) from exc
             log.info("pool_lookup_miss", code=exc.code().name, details=exc.details())
             return LookupResult([], 0, 0)
-        groups = [
-            GroupLocation(
-                g.group_id,
-                {
-                    m.key: ObjectLocation(m.key, m.location.endpoint, m.location.address, m.location.size, m.checksum)
-                    for m in g.members
-                },
-            )
-            for g in response.groups
-        ]
+        groups = []
+        for g in response.groups:
+            members = {}
+            for m in g.members:
+                key, location = m.key, m.location
+                members[key] = ObjectLocation(key, location.endpoint, location.address, location.size, m.checksum)
+            groups.append(GroupLocation(g.group_id, members))
         return LookupResult(groups, response.lease_id, response.lease_ms)
 
     async def read(self, items: Sequence[tuple[ObjectLocation, int]]) -> list[bool]:
         """Read each object into the local address given with it; True where it verified."""
         for i, (loc, address) in enumerate(items):
             self._check_registered(address, loc.size, f"items[{i}]")
-        transferred = await self._transfer(
-            [(loc.endpoint, address, loc.address, loc.size) for loc, address in items], write=False
+        verified = await self._transfer(
+            [(loc.endpoint, address, loc.address, loc.size) for loc, address in items],
+            write=False,
+            expected=[loc.checksum for loc, _ in items],
         )
-
-        def verify() -> list[bool]:
-            return [
-                done and checksum(address, loc.size) == loc.checksum
-                for done, (loc, address) in zip(transferred, items)
-            ]
-
-        verified = await asyncio.to_thread(verify)
         bad = [loc.key for ok, (loc, _) in zip(verified, items) if not ok]
         if bad:
             log.warning("pool_read_miss", objects=len(bad), first_key=bad[0])
@@ -253,25 +263,48 @@ class PoolClient:
                 return
         raise ValueError(f"{field_name}: [{address:#x}, +{size}) is not inside memory registered with this client")
 
-    async def _transfer(self, moves: list[tuple[str, int, int, int]], write: bool) -> list[bool]:
-        """One batch per remote endpoint, endpoints in parallel; per-move success."""
+    async def _transfer(
+        self, moves: list[tuple[str, int, int, int]], write: bool, expected: list[int] | None = None
+    ) -> list[bool]:
+        """One batch per remote endpoint, endpoints in parallel; per-move success.
+
+        With ``expected`` checksums each object is verified in the worker
+        thread as soon as it lands, while later objects are still in flight.
+        """
+        if not moves:
+            return []
         by_endpoint: dict[str, list[int]] = defaultdict(list)
-        for i, (endpoint, *_rest) in enumerate(moves):
-            by_endpoint[endpoint].append(i)
-        op = self.engine.write if write else self.engine.read
+        for i, move in enumerate(moves):
+            by_endpoint[move[0]].append(i)
+        engine = self.engine
 
-        async def one(endpoint: str, indices: list[int]) -> bool:
-            try:
-                await op(endpoint, [moves[i][1] for i in indices], [moves[i][2] for i in indices],
-                         [moves[i][3] for i in indices])
-                return True
-            except TransferError as exc:
-                log.warning("pool_transfer_failed", endpoint=endpoint, objects=len(indices), error=str(exc))
-                return False
+        def one(indices: list[int]) -> list[bool]:
+            batch = [moves[i] for i in indices]
+            endpoint = batch[0][0]
+            local = [m[1] for m in batch]
+            sizes = [m[3] for m in batch]
+            if expected is None:
+                return engine.move(endpoint, local, [m[2] for m in batch], sizes, write)
+            want = [expected[i] for i in indices]
+            verified = [False] * len(batch)
 
-        outcomes = await asyncio.gather(*(one(e, idx) for e, idx in by_endpoint.items()))
-        done = [False] * len(moves)
-        for ok, indices in zip(outcomes, by_endpoint.values()):
-            for i in indices:
-                done[i] = ok
-        return done
+            def verify(j: int) -> None:
+                verified[j] = checksum(local[j], sizes[j]) == want[j]
+
+            done = engine.move(endpoint, local, [m[2] for m in batch], sizes, write, landed=verify)
+            return [d and v for d, v in zip(done, verified)]
+
+        if sum(m[3] for m in moves) < POLL_MIN_BYTES:
+            # every endpoint's share is moved with a spinning sync call: one thread,
+            # one endpoint after the other, so the spinners do not fight over cores
+            def all_in_turn() -> list[list[bool]]:
+                return [one(idx) for idx in by_endpoint.values()]
+
+            outcomes = await asyncio.to_thread(all_in_turn)
+        else:
+            outcomes = await asyncio.gather(*(asyncio.to_thread(one, idx) for idx in by_endpoint.values()))
+        result = [False] * len(moves)
+        for indices, flags in zip(by_endpoint.values(), outcomes):
+            for i, flag in zip(indices, flags):
+                result[i] = flag
+        return result

@@ -42,6 +42,9 @@ class IndexSettings:
     lease_s: float = 5.0
     segment_ttl_s: float = 10.0
     alignment: int = 64
+    # a batch of at least this many bytes is striped over its host's segments
+    # (parallel transfers); a smaller one stays on one segment (one transfer)
+    stripe_min_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
@@ -139,31 +142,44 @@ class PoolIndex:
         self.expire_leases()
         self._validate_put(items)
         outcomes: list[PutOutcome] = []
-        # one placement order per batch: a batch lands on one segment while it
-        # fits, so the writer moves it in one transfer; the next batch goes to
-        # whichever segment then has the most free space
+        # a batch lands on one host (the writer's own first, else the one with
+        # the most free segment); a big one is striped round robin over that
+        # host's segments, emptiest first, so its transfers run in parallel, a
+        # small one stays on one segment while it fits (one transfer); what
+        # does not fit spills to the other segments in placement order
         order = self._placement_order(client_host)
+        if sum(item.size for item in items) >= self.settings.stripe_min_bytes:
+            rotations = self._stripe_rotations(order)
+        else:
+            rotations = [order]
+        num_placed = 0
+        capacity = self.capacity
+        high = self.settings.high_watermark * capacity
+        low = self.settings.low_watermark * capacity
+        started = self.clock()
+        objects, groups, in_flight = self.objects, self.groups, self._in_flight
         for item in items:
-            if item.key in self.objects:
+            key = item.key
+            if key in objects:
                 outcomes.append(PutOutcome(PutStatus.ALREADY_EXISTS))
                 continue
-            placed = self._reserve(order, item.size)
+            placed = self._reserve(rotations[num_placed % len(rotations)], item.size, high, low)
             if placed is None:
                 outcomes.append(PutOutcome(PutStatus.NO_SPACE))
                 continue
+            num_placed += 1
             segment, offset = placed
-            obj = StoredObject(item.key, item.group_id, segment.segment_id, offset, item.size)
-            self.objects[item.key] = obj
-            segment.keys.add(item.key)
-            group = self.groups.get(item.group_id)
+            obj = StoredObject(key, item.group_id, segment.segment_id, offset, item.size)
+            objects[key] = obj
+            segment.keys.add(key)
+            group = groups.get(item.group_id)
             if group is None:
-                group = Group(item.group_id, item.group_size)
-                self.groups[item.group_id] = group
-            group.members[item.key] = obj
+                group = groups[item.group_id] = Group(item.group_id, item.group_size)
+            group.members[key] = obj
             group.num_in_flight += 1
-            self._in_flight[item.key] = self.clock()
+            in_flight[key] = started
             outcomes.append(PutOutcome(PutStatus.RESERVED, segment, offset))
-        self.touch(dict.fromkeys(item.group_id for item in items if item.group_id in self.groups))
+        self.touch(dict.fromkeys(item.group_id for item in items if item.group_id in groups))
         return outcomes
 
     def put_end(self, commits: Sequence[tuple[str, int]]) -> int:
@@ -344,13 +360,21 @@ class PoolIndex:
             key=lambda s: (s.host != client_host, -s.allocator.free_bytes, s.segment_id),
         )
 
-    def _reserve(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
-        """Place ``size`` bytes: evict to the low watermark past the high one, then allocate."""
+    @staticmethod
+    def _stripe_rotations(order: list[Segment]) -> list[list[Segment]]:
+        """Every segment, once per rotation of the first one's host's segments, then the rest in order."""
+        if not order:
+            return [[]]
+        stripe = [s for s in order if s.host == order[0].host]
+        spill = [s for s in order if s.host != order[0].host]
+        return [stripe[k:] + stripe[:k] + spill for k in range(len(stripe))]
+
+    def _reserve(self, order: list[Segment], size: int, high: float, low: float) -> tuple[Segment, int] | None:
+        """Place ``size`` bytes: evict to ``low`` used bytes past ``high``, then allocate."""
         if not order:
             return None
-        capacity = self.capacity
-        if self.used_bytes + size > self.settings.high_watermark * capacity:
-            self._evict_until(lambda: self.used_bytes + size <= self.settings.low_watermark * capacity)
+        if self.used_bytes + size > high:
+            self._evict_until(lambda: self.used_bytes + size <= low)
         while True:
             placed = self._allocate(order, size)
             if placed is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
@@ -47,6 +47,27 @@ def check_name(value: str, field_name: str) -> None:
         raise InvalidArgument(f"{field_name}: must not be empty")
     if len(value.encode()) > MAX_KEY_BYTES:
         raise InvalidArgument(f"{field_name}: {len(value.encode())} bytes is longer than {MAX_KEY_BYTES}")
+
+
+def name_ok(value: str) -> bool:
+    """The fast form of :func:`check_name` (no message built); ASCII needs no encoding."""
+    return 0 < len(value) <= MAX_KEY_BYTES and (value.isascii() or len(value.encode()) <= MAX_KEY_BYTES)
+
+
+def check_names(values: Iterable[str], field_name: str, suffix: str = "") -> None:
+    """``check_name`` on every entry of a repeated field, naming the first bad one."""
+    for i, value in enumerate(values):
+        if not name_ok(value):
+            check_name(value, f"{field_name}[{i}]{suffix}")
+
+
+def check_put_item(i: int, item: pool_pb2.PutItem) -> None:
+    check_name(item.key, f"items[{i}].key")
+    check_name(item.group_id, f"items[{i}].group_id")
+    if not 1 <= item.group_size <= MAX_GROUP_SIZE:
+        raise InvalidArgument(f"items[{i}].group_size: {item.group_size} is outside 1..{MAX_GROUP_SIZE}")
+    if item.size <= 0:
+        raise InvalidArgument(f"items[{i}].size: must be positive, got {item.size}")
 
 
 def check_batch(count: int, field_name: str) -> None:
@@ -111,13 +132,11 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         check_batch(len(request.items), "items")
         items = []
         for i, item in enumerate(request.items):
-            check_name(item.key, f"items[{i}].key")
-            check_name(item.group_id, f"items[{i}].group_id")
-            if not 1 <= item.group_size <= MAX_GROUP_SIZE:
-                raise InvalidArgument(f"items[{i}].group_size: {item.group_size} is outside 1..{MAX_GROUP_SIZE}")
-            if item.size <= 0:
-                raise InvalidArgument(f"items[{i}].size: must be positive, got {item.size}")
-            items.append(PutRequestItem(item.key, item.group_id, item.group_size, item.size))
+            key, group_id, group_size, size = item.key, item.group_id, item.group_size, item.size
+            # one cheap test per item; the precise message only for a bad one
+            if not (name_ok(key) and name_ok(group_id) and 1 <= group_size <= MAX_GROUP_SIZE and size > 0):
+                check_put_item(i, item)
+            items.append(PutRequestItem(key, group_id, group_size, size))
         evicted_before = self.index.counters.evicted_groups
         outcomes = self.index.put_start(request.client_host, items)
         if self.index.counters.evicted_groups != evicted_before:
@@ -128,57 +147,60 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
                 f"{self.index.capacity} bytes used, nothing evictable)"
             )
         response = pool_pb2.PutStartResponse()
-        for outcome in outcomes:
-            result = response.results.add(status=outcome.status.value)
-            if outcome.segment is not None:
-                result.location.segment_id = outcome.segment.segment_id
-                result.location.endpoint = outcome.segment.endpoint
-                result.location.address = outcome.segment.base_address + outcome.offset
-        for item, result in zip(items, response.results):
-            if result.status == pool_pb2.PUT_STATUS_RESERVED:
-                result.location.size = item.size
+        add = response.results.add
+        for outcome, item in zip(outcomes, items):
+            segment = outcome.segment
+            if segment is None:
+                add(status=outcome.status.value)
+                continue
+            # setting fields on one fetched submessage is the cheapest way to fill it
+            location = add(status=outcome.status.value).location
+            location.segment_id = segment.segment_id
+            location.endpoint = segment.endpoint
+            location.address = segment.base_address + outcome.offset
+            location.size = item.size
         return response
 
     @_status_errors
     async def PutEnd(self, request: pool_pb2.PutEndRequest, context: Any) -> pool_pb2.PutEndResponse:
         check_batch(len(request.items), "items")
-        for i, item in enumerate(request.items):
-            check_name(item.key, f"items[{i}].key")
-        committed = self.index.put_end([(item.key, item.checksum) for item in request.items])
+        commits = [(item.key, item.checksum) for item in request.items]
+        check_names([key for key, _ in commits], "items", ".key")
+        committed = self.index.put_end(commits)
         return pool_pb2.PutEndResponse(num_committed=committed)
 
     @_status_errors
     async def PutRevoke(self, request: pool_pb2.PutRevokeRequest, context: Any) -> pool_pb2.PutRevokeResponse:
         check_batch(len(request.keys), "keys")
-        for i, key in enumerate(request.keys):
-            check_name(key, f"keys[{i}]")
+        check_names(request.keys, "keys")
         return pool_pb2.PutRevokeResponse(num_revoked=self.index.put_revoke(request.keys))
 
     # ---- reads ----------------------------------------------------------
 
     @_status_errors
     async def Lookup(self, request: pool_pb2.LookupRequest, context: Any) -> pool_pb2.LookupResponse:
-        check_batch(len(request.group_ids), "group_ids")
-        for i, group_id in enumerate(request.group_ids):
-            check_name(group_id, f"group_ids[{i}]")
+        group_ids = request.group_ids
+        check_batch(len(group_ids), "group_ids")
+        check_names(group_ids, "group_ids")
         if not 0 <= request.lease_ms <= MAX_LEASE_MS:
             raise InvalidArgument(f"lease_ms: {request.lease_ms} is outside 0..{MAX_LEASE_MS}")
         lease_s = request.lease_ms / 1000 if request.lease_ms else None
-        result = self.index.lookup(request.group_ids, lease_s)
+        result = self.index.lookup(group_ids, lease_s)
         response = pool_pb2.LookupResponse(
             num_complete=len(result.groups), lease_id=result.lease_id, lease_ms=round(result.lease_s * 1000)
         )
         segments = self.index.segments
+        add_group = response.groups.add
         for group in result.groups:
-            out = response.groups.add(group_id=group.group_id)
+            add_member = add_group(group_id=group.group_id).members.add
             for obj in group.members.values():
                 segment = segments[obj.segment_id]
-                member = out.members.add(key=obj.key, checksum=obj.checksum)
-                member.location.segment_id = obj.segment_id
-                member.location.endpoint = segment.endpoint
-                member.location.address = segment.base_address + obj.offset
-                member.location.size = obj.size
-        self.metrics.observe_lookup(len(request.group_ids), len(result.groups))
+                location = add_member(key=obj.key, checksum=obj.checksum).location
+                location.segment_id = obj.segment_id
+                location.endpoint = segment.endpoint
+                location.address = segment.base_address + obj.offset
+                location.size = obj.size
+        self.metrics.observe_lookup(len(group_ids), len(result.groups))
         return response
 
     @_status_errors
@@ -188,15 +210,13 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     @_status_errors
     async def Exists(self, request: pool_pb2.ExistsRequest, context: Any) -> pool_pb2.ExistsResponse:
         check_batch(len(request.keys), "keys")
-        for i, key in enumerate(request.keys):
-            check_name(key, f"keys[{i}]")
+        check_names(request.keys, "keys")
         return pool_pb2.ExistsResponse(exists=self.index.exists(request.keys))
 
     @_status_errors
     async def Remove(self, request: pool_pb2.RemoveRequest, context: Any) -> pool_pb2.RemoveResponse:
         check_batch(len(request.group_ids), "group_ids")
-        for i, group_id in enumerate(request.group_ids):
-            check_name(group_id, f"group_ids[{i}]")
+        check_names(request.group_ids, "group_ids")
         removed, busy = self.index.remove(request.group_ids)
         return pool_pb2.RemoveResponse(num_removed=removed, busy_group_ids=busy)
 

@@ -7,7 +7,7 @@ import random
 
 from kvpool.local_cluster import LocalPool
 from kvpool.pool.client import PoolClient, PutObject, PutResult
-from kvpool.transfer import HostBuffer
+from kvpool.transfer import MAX_IN_FLIGHT, POLL_MIN_BYTES, HostBuffer
 
 GROUP = 4  # members per group, as with four pipeline stages
 
@@ -67,6 +67,53 @@ async def test_corrupted_object_reads_as_a_miss(client: PoolClient, buffer: Host
     buffer.view(8192, 4096)[:] = bytes(4096)
     await engine.write(location.endpoint, [buffer.address + 8192], [location.address], [4096])
     assert await client.read([(location, buffer.address + 16384)]) == [False]
+
+
+def write_singles(buffer: HostBuffer, prefix: str, count: int, size: int) -> list[PutObject]:
+    objects = []
+    for i in range(count):
+        key = f"{prefix}{i}/0"
+        buffer.view(i * size, size)[:] = pattern(key, size)
+        objects.append(PutObject(key, f"{prefix}{i}", 1, buffer.address + i * size, size))
+    return objects
+
+
+async def test_large_batch_is_verified_object_by_object(client: PoolClient, buffer: HostBuffer, engine) -> None:  # type: ignore[no-untyped-def]
+    # past POLL_MIN_BYTES per store each object moves on its own and is verified as it lands
+    size, count = 1 << 20, 10
+    objects = write_singles(buffer, "ns/big", count, size)
+    assert await client.put(objects) == [PutResult.STORED] * count
+    found = await client.lookup([o.group_id for o in objects])
+    assert found.num_complete == count
+    locations = [g.members[o.key] for o, g in zip(objects, found.groups)]
+    for endpoint in {loc.endpoint for loc in locations}:
+        assert sum(loc.size for loc in locations if loc.endpoint == endpoint) >= POLL_MIN_BYTES
+    # overwrite one stored object in the middle behind the master's back
+    buffer.view(32 << 20, size)[:] = bytes(size)
+    await engine.write(locations[2].endpoint, [buffer.address + (32 << 20)], [locations[2].address], [size])
+    read_at = 40 << 20
+    buffer.view(read_at, count * size)[:] = bytes(count * size)
+    items = [(loc, buffer.address + read_at + i * size) for i, loc in enumerate(locations)]
+    assert await client.read(items) == [i != 2 for i in range(count)]
+    assert bytes(buffer.view(read_at, 2 * size)) == bytes(buffer.view(0, 2 * size))
+    assert bytes(buffer.view(read_at + 3 * size, 7 * size)) == bytes(buffer.view(3 * size, 7 * size))
+    await client.release(found.lease_id)
+
+
+async def test_batch_of_thousands_of_objects_round_trips(client: PoolClient, buffer: HostBuffer) -> None:
+    # past ~2k queued transfers per peer the TCP transport rejects some: moves go in windows
+    size, count = 1024, 3000
+    assert count > 2 * MAX_IN_FLIGHT
+    objects = write_singles(buffer, "ns/many", count, size)
+    assert await client.put(objects) == [PutResult.STORED] * count
+    found = await client.lookup([o.group_id for o in objects])
+    assert found.num_complete == count
+    read_at = 32 << 20
+    buffer.view(read_at, count * size)[:] = bytes(count * size)
+    items = [(g.members[o.key], buffer.address + read_at + i * size) for i, (o, g) in enumerate(zip(objects, found.groups))]
+    assert await client.read(items) == [True] * count
+    assert bytes(buffer.view(read_at, count * size)) == bytes(buffer.view(0, count * size))
+    await client.release(found.lease_id)
 
 
 async def test_filling_past_capacity_evicts_whole_groups_in_lru_order(

@@ -3,6 +3,8 @@ a store shutting down cleanly. Each degrades to misses, never to errors or wrong
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -10,7 +12,7 @@ from kvpool import service
 from kvpool.local_cluster import LocalPool
 from kvpool.pool.client import PoolClient, PutObject, PutResult
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
-from kvpool.transfer import HostBuffer
+from kvpool.transfer import POLL_MIN_BYTES, HostBuffer
 from tests.integration.conftest import eventually
 
 
@@ -55,6 +57,25 @@ async def test_killed_store_turns_its_objects_into_misses(
         assert hit == (0 if group_id in on_victim else 1), group_id
     # the pool keeps serving on the surviving store
     assert len(await put_singles(client, buffer, "ns/after", 4)) == 4
+
+
+async def test_large_batch_from_a_killed_store_reads_as_misses(
+    client: PoolClient, buffer: HostBuffer, pool: LocalPool
+) -> None:
+    # past POLL_MIN_BYTES objects move one by one: each fails on its own, nothing hangs or raises,
+    # and the other store's objects still verify
+    size, count = 1 << 20, 10
+    objects = [PutObject(f"ns/kb{i}/0", f"ns/kb{i}", 1, buffer.address + i * size, size) for i in range(count)]
+    assert await client.put(objects) == [PutResult.STORED] * count
+    found = await client.lookup([o.group_id for o in objects])
+    assert found.num_complete == count
+    locations = [g.members[o.key] for o, g in zip(objects, found.groups)]
+    victim = pool.stores[0]
+    on_victim = [loc.endpoint == victim.ready["endpoint"] for loc in locations]
+    assert sum(on_victim) * size >= POLL_MIN_BYTES and not all(on_victim)  # striped over both stores
+    victim.kill()
+    items = [(loc, buffer.address + (16 << 20) + i * size) for i, loc in enumerate(locations)]
+    assert await asyncio.wait_for(client.read(items), timeout=20) == [not dead for dead in on_victim]
 
 
 async def _equals(awaitable, expected) -> bool:  # type: ignore[no-untyped-def]

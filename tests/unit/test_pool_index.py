@@ -190,6 +190,26 @@ def test_a_batch_stays_on_one_segment_while_it_fits() -> None:
     assert [o.segment.segment_id for o in second] == ["seg1", "seg1"]  # now the emptier one
 
 
+def test_a_big_batch_is_striped_over_one_hosts_segments() -> None:
+    index, _ = make_index(segments=0, stripe_min_bytes=6 * KB)
+    index.mount_segment("a0", "127.0.0.1:9000", "hostA", 0x10000000, 10 * KB)
+    index.mount_segment("a1", "127.0.0.1:9001", "hostA", 0x20000000, 10 * KB)
+    index.mount_segment("b0", "127.0.0.1:9002", "hostB", 0x30000000, 100 * KB)
+    # the writer's own host, round robin over its segments, the emptiest (then lowest id) first
+    first = index.put_start("hostA", [PutRequestItem(f"a{i}/0", f"a{i}", 1, 3 * KB) for i in range(3)])
+    assert [o.segment.segment_id for o in first] == ["a0", "a1", "a0"]
+    # a1 is the emptier now, so it leads; what hostA cannot hold spills to hostB
+    second = index.put_start("hostA", [PutRequestItem(f"b{i}/0", f"b{i}", 1, 3 * KB) for i in range(4)])
+    assert [o.segment.segment_id for o in second] == ["a1", "a0", "a1", "b0"]
+    # a writer on neither host: the host of the segment with the most free space
+    third = index.put_start("hostX", [PutRequestItem(f"c{i}/0", f"c{i}", 1, 3 * KB) for i in range(2)])
+    assert [o.segment.segment_id for o in third] == ["b0", "b0"]
+    # below stripe_min_bytes a batch stays on one segment: a1, the emptier one of the writer's host
+    index.put_revoke([f"b{i}/0" for i in range(4)])
+    small = index.put_start("hostA", [PutRequestItem(f"d{i}/0", f"d{i}", 1, 2 * KB) for i in range(2)])
+    assert [o.segment.segment_id for o in small] == ["a1", "a1"]
+
+
 def test_remount_same_segment_is_idempotent_but_a_changed_one_drops_objects() -> None:
     index, _ = make_index()
     put_group(index, "a")
