@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     report["ours"][f"kv_batch{b}"] = measure_ours(pool.master_address, size, b, batches, f"kv{b}")
             report["ours"]["small_batch64"] = measure_ours(pool.master_address, SMALL_OBJECT, 64, batches, "small")
             # the headline comparison, interleaved so machine noise hits all three alike
-            ours, mooncake, te_raw = [], [], []
+            ours, mooncake, te_raw, te_polled = [], [], [], []
             for r in range(repeats):
                 ours.append(measure_ours(pool.master_address, size, largest, batches, f"kv{largest}r{r}"))
                 if upstream is not None:
@@ -139,12 +139,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     mooncake.append(upstream.measure_mooncake_store(
                         size, largest, batches, num_stores=2, prefault_segment=True))
                     te_raw.append(upstream.measure_te_raw(size, largest, batches))
+                    # the engine's non-spinning way against two targets: what our
+                    # client does against two stores, so the fair ceiling
+                    te_polled.append(upstream.measure_te_raw(size, largest, batches, num_targets=2, polled=True))
             report["ours"][f"kv_batch{largest}"] = _median_of(ours)
             report["ours_repeats"] = ours
         if upstream is not None:
             report["mooncake"] = _median_of(mooncake)
             report["mooncake_repeats"] = mooncake
             report["te_raw"] = _median_of(te_raw)
+            report["te_raw_polled"] = _median_of(te_polled)
             fresh = upstream.measure_mooncake_store(size, largest, batches, num_stores=2)
             report["mooncake"]["mooncake_put_fresh_gbps"] = fresh["mooncake_put_gbps"]
         with LocalPool(num_stores=2, segment_size=str(CHURN_SEGMENT), workdir=workdir / "churn") as pool:
@@ -157,6 +161,7 @@ def summarize(report: dict[str, Any], largest_batch: int) -> dict[str, Any]:
     kv = report["ours"][f"kv_batch{largest_batch}"]
     churn = report["churn"]
     te = report.get("te_raw", {})
+    tp = report.get("te_raw_polled", {})
     mc = report.get("mooncake", {})
     nan = math.nan
     summary = {
@@ -172,6 +177,8 @@ def summarize(report: dict[str, Any], largest_batch: int) -> dict[str, Any]:
         "te_raw_gbps": te.get("te_raw_gbps", nan),
         "te_raw_write_gbps": te.get("te_raw_write_gbps", nan),
         "te_raw_read_gbps": te.get("te_raw_read_gbps", nan),
+        "te_raw_polled_write_gbps": tp.get("te_raw_write_gbps", nan),
+        "te_raw_polled_read_gbps": tp.get("te_raw_read_gbps", nan),
         "lookup_p50_ms": kv["lookup_p50_ms"],
         "lookup_p99_ms": kv["lookup_p99_ms"],
         # back to back, timed like upstream's batch_is_exist
@@ -188,8 +195,11 @@ def summarize(report: dict[str, Any], largest_batch: int) -> dict[str, Any]:
     }
     summary["put_vs_mooncake"] = summary["put_gbps"] / summary["mooncake_put_gbps"]
     summary["get_vs_mooncake"] = summary["get_gbps"] / summary["mooncake_get_gbps"]
-    summary["put_vs_te_raw_write"] = summary["put_gbps"] / summary["te_raw_write_gbps"]
-    summary["get_vs_te_raw_read"] = summary["get_gbps"] / summary["te_raw_read_gbps"]
+    # the ceiling is the better of the two raw ways to move the same bytes
+    summary["te_ceiling_write_gbps"] = max(summary["te_raw_write_gbps"], summary["te_raw_polled_write_gbps"])
+    summary["te_ceiling_read_gbps"] = max(summary["te_raw_read_gbps"], summary["te_raw_polled_read_gbps"])
+    summary["put_vs_te_raw_write"] = summary["put_gbps"] / summary["te_ceiling_write_gbps"]
+    summary["get_vs_te_raw_read"] = summary["get_gbps"] / summary["te_ceiling_read_gbps"]
     return summary
 
 
@@ -212,11 +222,14 @@ def format_report(report: dict[str, Any], summary: dict[str, Any]) -> str:
         lines.append(f"  upstream put into a fresh (not prefaulted) segment: {mc['mooncake_put_fresh_gbps']:.2f} GB/s")
     if "te_raw" in report:
         te = report["te_raw"]
+        tp = report["te_raw_polled"]
+        lines.append(f"  raw engine, polled ×2 {tp['te_raw_write_gbps']:>8.2f}{tp['te_raw_read_gbps']:>10.2f}"
+                     "   (every object submitted at once, polled; two targets)")
         lines.append(f"  raw transfer engine   {te['te_raw_write_gbps']:>8.2f}{te['te_raw_read_gbps']:>10.2f}"
-                     "   (write / read ceiling)")
+                     "   (one sync batch, one target)")
     lines.append(
         f"  ours vs upstream: put ×{summary['put_vs_mooncake']:.2f}, get ×{summary['get_vs_mooncake']:.2f}; "
-        f"vs raw engine: put {summary['put_vs_te_raw_write']:.0%}, get {summary['get_vs_te_raw_read']:.0%}"
+        f"vs the better raw engine: put {summary['put_vs_te_raw_write']:.0%}, get {summary['get_vs_te_raw_read']:.0%}"
     )
     lines.append(
         f"  back-to-back calls, 64 keys: lookup p50 {summary['lookup_hot_p50_ms']:.2f} ms, exists p50 "
