@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
-import grpc
 import structlog
 
-from kvpool.errors import InvalidArgument, KvpoolError, ResourceExhausted
+from kvpool.errors import InvalidArgument, ResourceExhausted, status_errors
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from services.master.index import PoolIndex
 from services.master.metrics import MasterMetrics
@@ -23,23 +21,6 @@ MAX_BATCH = 4096
 MAX_GROUP_SIZE = 64
 MAX_LEASE_MS = 600_000
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
-
-R = TypeVar("R")
-
-
-def _status_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
-    """Map domain errors to gRPC status codes, in one place."""
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
-        try:
-            return await method(self, request, context)
-        except KvpoolError as exc:
-            log.info("request_rejected", method=method.__name__, code=exc.code.name, reason=str(exc))
-            await context.abort(exc.code, str(exc))
-            raise  # unreachable: abort raises
-
-    return wrapper
 
 
 def check_name(value: str, field_name: str) -> None:
@@ -88,7 +69,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     # ---- segments -------------------------------------------------------
 
-    @_status_errors
+    @status_errors
     async def MountSegment(self, request: pool_pb2.MountSegmentRequest, context: Any) -> pool_pb2.MountSegmentResponse:
         check_name(request.segment_id, "segment_id")
         if not _ENDPOINT.match(request.endpoint):
@@ -112,14 +93,14 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             master_incarnation=self.incarnation, heartbeat_interval_s=self.heartbeat_interval_s
         )
 
-    @_status_errors
+    @status_errors
     async def UnmountSegment(self, request: pool_pb2.UnmountSegmentRequest, context: Any) -> pool_pb2.UnmountSegmentResponse:
         check_name(request.segment_id, "segment_id")
         dropped = self.index.unmount_segment(request.segment_id)
         log.info("segment_unmounted", segment_id=request.segment_id, objects_dropped=dropped)
         return pool_pb2.UnmountSegmentResponse(objects_dropped=dropped)
 
-    @_status_errors
+    @status_errors
     async def Heartbeat(self, request: pool_pb2.HeartbeatRequest, context: Any) -> pool_pb2.HeartbeatResponse:
         check_name(request.segment_id, "segment_id")
         self.index.heartbeat(request.segment_id)
@@ -127,7 +108,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     # ---- writes ---------------------------------------------------------
 
-    @_status_errors
+    @status_errors
     async def PutStart(self, request: pool_pb2.PutStartRequest, context: Any) -> pool_pb2.PutStartResponse:
         check_batch(len(request.items), "items")
         items = []
@@ -161,7 +142,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             location.size = item.size
         return response
 
-    @_status_errors
+    @status_errors
     async def PutEnd(self, request: pool_pb2.PutEndRequest, context: Any) -> pool_pb2.PutEndResponse:
         check_batch(len(request.items), "items")
         commits = [(item.key, item.checksum) for item in request.items]
@@ -169,7 +150,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         committed = self.index.put_end(commits)
         return pool_pb2.PutEndResponse(num_committed=committed)
 
-    @_status_errors
+    @status_errors
     async def PutRevoke(self, request: pool_pb2.PutRevokeRequest, context: Any) -> pool_pb2.PutRevokeResponse:
         check_batch(len(request.keys), "keys")
         check_names(request.keys, "keys")
@@ -177,7 +158,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     # ---- reads ----------------------------------------------------------
 
-    @_status_errors
+    @status_errors
     async def Lookup(self, request: pool_pb2.LookupRequest, context: Any) -> pool_pb2.LookupResponse:
         group_ids = request.group_ids
         check_batch(len(group_ids), "group_ids")
@@ -203,24 +184,24 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         self.metrics.observe_lookup(len(group_ids), len(result.groups))
         return response
 
-    @_status_errors
+    @status_errors
     async def ReleaseLease(self, request: pool_pb2.ReleaseLeaseRequest, context: Any) -> pool_pb2.ReleaseLeaseResponse:
         return pool_pb2.ReleaseLeaseResponse(released=self.index.release_lease(request.lease_id))
 
-    @_status_errors
+    @status_errors
     async def Exists(self, request: pool_pb2.ExistsRequest, context: Any) -> pool_pb2.ExistsResponse:
         check_batch(len(request.keys), "keys")
         check_names(request.keys, "keys")
         return pool_pb2.ExistsResponse(exists=self.index.exists(request.keys))
 
-    @_status_errors
+    @status_errors
     async def Remove(self, request: pool_pb2.RemoveRequest, context: Any) -> pool_pb2.RemoveResponse:
         check_batch(len(request.group_ids), "group_ids")
         check_names(request.group_ids, "group_ids")
         removed, busy = self.index.remove(request.group_ids)
         return pool_pb2.RemoveResponse(num_removed=removed, busy_group_ids=busy)
 
-    @_status_errors
+    @status_errors
     async def Stats(self, request: pool_pb2.StatsRequest, context: Any) -> pool_pb2.StatsResponse:
         return stats_message(self.index, self.incarnation)
 
