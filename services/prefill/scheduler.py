@@ -94,19 +94,17 @@ class PrefillScheduler:
         limit = min(len(hashes), max_hit_chunks(num_tokens, self.chunk_size))
         num_device, block_table = await self._admit(request_id, hashes, num_tokens, limit)
         bound = structlog.get_logger(__name__).bind(request_id=request_id, session_id=session_id)
+        work = asyncio.ensure_future(
+            self._run(request_id, token_ids, hashes, num_device, limit, block_table, return_logits)
+        )
         try:
-            outcome = await self._restore(request_id, hashes, num_tokens, num_device, limit, block_table)
-            compute_start = (num_device + outcome.num_restored_chunks) * self.chunk_size
-            save_first = compute_start // self.chunk_size
-            forward = prefill_pb2.ForwardRequest(
-                request_id=request_id, block_table=block_table, compute_start=compute_start, num_tokens=num_tokens,
-                save_first_chunk=save_first, save_chunk_hashes=hashes[save_first:], return_logits=return_logits,
-            )
-            inputs = torch.tensor(token_ids[compute_start:], dtype=torch.int64)
-            t0 = time.perf_counter()
-            result = await run_stage(self.runner, self.link, forward, inputs, block_table)
-            compute_ms = (time.perf_counter() - t0) * 1e3
-            self.blocks.commit_chunks(request_id, save_first, hashes[save_first:])
+            # shielded: if the caller goes away, the stages are still writing this
+            # request's pages, so its blocks go back only once they are done
+            outcome, result, compute_start, compute_ms = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            bound.info("prefill_cancelled")
+            work.add_done_callback(lambda task: self._free_after(task, request_id))
+            raise
         except BaseException:
             await self._free(request_id)
             raise
@@ -132,6 +130,31 @@ class PrefillScheduler:
             first_token=result.first_token, kv_handle=request_id, logits=result.logits, figures=figures,
             block_table=block_table, block_size=self.chunk_size, kv_hold_s=self.settings.kv_hold_s,
         )
+
+    async def _run(
+        self, request_id: str, token_ids: Sequence[int], hashes: list[ChunkHash], num_device: int, limit: int,
+        block_table: list[int], return_logits: bool,
+    ) -> tuple[Outcome, prefill_pb2.ForwardResponse, int, float]:
+        """Restore on every stage, then compute through all stages; returns what the figures need."""
+        num_tokens = len(token_ids)
+        outcome = await self._restore(request_id, hashes, num_tokens, num_device, limit, block_table)
+        compute_start = (num_device + outcome.num_restored_chunks) * self.chunk_size
+        save_first = compute_start // self.chunk_size
+        forward = prefill_pb2.ForwardRequest(
+            request_id=request_id, block_table=block_table, compute_start=compute_start, num_tokens=num_tokens,
+            save_first_chunk=save_first, save_chunk_hashes=hashes[save_first:], return_logits=return_logits,
+        )
+        inputs = torch.tensor(token_ids[compute_start:], dtype=torch.int64)
+        t0 = time.perf_counter()
+        result = await run_stage(self.runner, self.link, forward, inputs, block_table)
+        compute_ms = (time.perf_counter() - t0) * 1e3
+        self.blocks.commit_chunks(request_id, save_first, hashes[save_first:])
+        return outcome, result, compute_start, compute_ms
+
+    def _free_after(self, task: asyncio.Future[object], request_id: str) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.info("cancelled_prefill_failed", request_id=request_id, error=str(task.exception()))
+        asyncio.ensure_future(self._free(request_id))
 
     async def _admit(
         self, request_id: str, hashes: list[ChunkHash], num_tokens: int, limit: int

@@ -190,3 +190,19 @@ async def test_concurrent_requests_all_complete(stubs) -> None:  # type: ignore[
     responses = await asyncio.gather(*(run(front, p, session=f"c{i}") for i, p in enumerate(prompts)))
     for p, r in zip(prompts, responses):
         assert r.first_token == int(torch.argmax(reference_logits(p)))
+
+
+async def test_cancelled_request_releases_its_blocks_and_others_stay_right(stubs, cluster) -> None:  # type: ignore[no-untyped-def]
+    """A caller that goes away mid-prefill: the stages finish with its pages before they
+    are reused; nothing leaks (the next request needs every block) and answers stay right."""
+    front, _ = stubs
+    _, pipeline = cluster
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(60, DEVICE_TOKENS - 10)), timeout=0.1)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    other = prompt(61, DEVICE_TOKENS - 10)
+    response = await run(front, other)
+    assert split(response) == (0, 0, len(other))
+    reference = reference_logits(other)
+    assert float((logits_of(response) - reference).abs().max()) <= 1e-4
+    assert "prefill_cancelled" in pipeline.stages[0].log_file.read_text()
