@@ -120,6 +120,7 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         self.runner = runner
         self.link = link
         self.settings = runner.settings
+        self.restores: dict[str, asyncio.Future[RestoreFigures]] = {}
 
     @status_errors
     async def StageInfo(self, request: Any, context: Any) -> prefill_pb2.StageInfoResponse:
@@ -132,7 +133,13 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
 
     @status_errors
     async def Restore(self, request: prefill_pb2.RestoreRequest, context: Any) -> prefill_pb2.RestoreResponse:
-        figures = await self.runner.restore(restore_chunks(request, self.settings.num_blocks))
+        chunks = restore_chunks(request, self.settings.num_blocks)
+        # shielded and remembered: if stage 0 stops waiting (deadline), the unpack may
+        # still be writing pages, and this request's Forward must not compute before it ends
+        task = asyncio.ensure_future(self.runner.restore(chunks))
+        self.restores[request.request_id] = task
+        task.add_done_callback(lambda _: self.restores.pop(request.request_id, None))
+        figures = await asyncio.shield(task)
         return prefill_pb2.RestoreResponse(figures=figures_message(self.settings.stage, figures))
 
     @status_errors
@@ -144,6 +151,9 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         needed = -(-request.num_tokens // self.settings.chunk_size)
         if len(block_table) != needed or any(not 0 <= b < self.settings.num_blocks for b in block_table):
             raise InvalidArgument(f"block_table: needs {needed} block ids in 0..{self.settings.num_blocks - 1}")
+        pending = self.restores.get(request.request_id)
+        if pending is not None:
+            await asyncio.wait([pending])  # its pages must hold the restored KV before we compute over them
         inputs = await self.link.receive(request.activation, num_new)
         return await run_stage(self.runner, self.link, request, inputs, block_table)
 
