@@ -294,9 +294,10 @@ class PoolClient:
             done = engine.move(endpoint, local, [m[2] for m in batch], sizes, write, landed=verify)
             return [d and v for d, v in zip(done, verified)]
 
-        if sum(m[3] for m in moves) < POLL_MIN_BYTES:
-            # every endpoint's share is moved with a spinning sync call: one thread,
-            # one endpoint after the other, so the spinners do not fight over cores
+        if all(sum(moves[i][3] for i in idx) < POLL_MIN_BYTES for idx in by_endpoint.values()):
+            # every endpoint's share is small enough that ``move`` uses the spinning
+            # sync call: one thread, one endpoint after the other, so the spinners
+            # do not fight over cores (the same per-endpoint test ``move`` makes)
             def all_in_turn() -> list[list[bool]]:
                 return [one(idx) for idx in by_endpoint.values()]
 
