@@ -5,6 +5,7 @@
 #   KVPOOL_ENGINE=cpu   (default) transfer engine for CPU hosts, TCP
 #   KVPOOL_ENGINE=cuda  the CUDA build of the transfer engine
 #   KVPOOL_ENGINE=none  install no engine (bring your own, e.g. ROCm)
+#   KVPOOL_TEST_TOOLS=0 skip docker-compose (only the tests use it)
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,15 +16,23 @@ command -v "$python" >/dev/null 2>&1 || python=python3
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# The transfer engine links against libibverbs and librdmacm even for TCP.
-missing=()
-for pkg in libibverbs1 librdmacm1; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "setup: installing ${missing[*]}" >&2
+# The transfer engine links against libibverbs and librdmacm even for TCP;
+# deploy/systemd's store unit binds its NUMA node with numactl. The tests check
+# compose.yaml with docker-compose (tests/unit/test_deploy_tools.py), which
+# KVPOOL_TEST_TOOLS=0 leaves out (the image does).
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+missing=() tools=()
+for pkg in libibverbs1 librdmacm1 numactl; do installed "$pkg" || missing+=("$pkg"); done
+if [ "${KVPOOL_TEST_TOOLS:-1}" != 0 ]; then
+  installed docker-compose || tools+=(docker-compose)
+fi
+if [ $((${#missing[@]} + ${#tools[@]})) -gt 0 ]; then
+  echo "setup: installing ${missing[*]} ${tools[*]}" >&2
   as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  apt_install=(as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq)
+  [ ${#missing[@]} -eq 0 ] || "${apt_install[@]}" "${missing[@]}" >/dev/null
+  # without recommends: docker-compose would bring the docker daemon along
+  [ ${#tools[@]} -eq 0 ] || "${apt_install[@]}" --no-install-recommends "${tools[@]}" >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then
