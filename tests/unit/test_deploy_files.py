@@ -1,4 +1,8 @@
-"""The systemd units and compose file name real roles, flags and values."""
+"""The systemd units and compose file name real roles, flags and values: every
+command parses with the real CLI parser and builds its settings the way the CLI
+does (defaults, then deploy/cluster.toml standing in for /etc/kvpool/cluster.toml,
+then flags), so a value that fails validation fails here.
+test_deploy_tools.py checks the same files with systemd-analyze and docker-compose."""
 
 from __future__ import annotations
 
@@ -6,24 +10,63 @@ import json
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvpool.cli import build_parser
+from kvpool import cli
+from services.master.settings import MasterSettings
+from services.prefill.settings import PrefillSettings
+from services.store.settings import StoreSettings
 
 ROOT = Path(__file__).resolve().parents[2]
+UNIT_DIR = ROOT / "deploy" / "systemd"
+EXAMPLE_CONFIG = ROOT / "deploy" / "cluster.toml"
+INSTALLED_CONFIG = "/etc/kvpool/cluster.toml"
+KVPOOL = "/opt/kvpool/.venv/bin/kvpool"  # the Dockerfile's layout: WORKDIR /opt/kvpool, setup.sh makes .venv
+NUMACTL = "/usr/bin/numactl"
+# the instances each template is started as; prefill @1 and @2 also need a
+# next_stage drop-in (see deploy/cluster.toml), so @0 and @3 stand for them
+INSTANCES = {"kvpool-store@.service": ["0", "1"], "kvpool-prefill@.service": ["0", "3"]}
+# the settings class and TOML table of each role, as kvpool/cli.py's _run_<role> uses them
+ROLES: dict[str, type] = {"master": MasterSettings, "store": StoreSettings, "prefill": PrefillSettings}
 
 
-def unit_commands() -> list[tuple[str, list[str]]]:
+def exec_start(text: str) -> list[str]:
+    lines = [line.removeprefix("ExecStart=") for line in text.splitlines() if line.startswith("ExecStart=")]
+    assert len(lines) == 1, "one ExecStart per unit"
+    return shlex.split(lines[0])
+
+
+def kvpool_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(numactl options, kvpool arguments) of an ExecStart command line."""
+    wrapper: list[str] = []
+    if argv[0] == NUMACTL:
+        assert KVPOOL in argv, argv
+        wrapper, argv = argv[1:argv.index(KVPOOL)], argv[argv.index(KVPOOL):]
+    assert argv[0] == KVPOOL, argv
+    return wrapper, argv[1:]
+
+
+def expand(argv: list[str], instance: str) -> list[str]:
+    # systemd specifiers: the instance and the host name
+    return [a.replace("%i", instance).replace("%H", "host") for a in argv]
+
+
+def instances(unit: Path) -> list[tuple[str, str]]:
+    """(instance unit name, instance) for a template, (unit name, "") otherwise."""
+    if "@." not in unit.name:
+        return [(unit.name, "")]
+    assert unit.name in INSTANCES, f"{unit.name}: say which instances to check"
+    return [(unit.name.replace("@.", f"@{i}."), i) for i in INSTANCES[unit.name]]
+
+
+def unit_commands(unit_text: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
+    texts = unit_text or {u.name: u.read_text() for u in sorted(UNIT_DIR.glob("*.service"))}
     commands = []
-    for unit in sorted((ROOT / "deploy" / "systemd").glob("*.service")):
-        for line in unit.read_text().splitlines():
-            if line.startswith("ExecStart="):
-                argv = shlex.split(line.removeprefix("ExecStart="))
-                # systemd specifiers: an instance number and a host name
-                argv = [a.replace("%i", "0").replace("%H", "host") for a in argv]
-                assert argv[0].endswith("/kvpool"), unit.name
-                commands.append((unit.name, argv[1:]))
+    for name, text in texts.items():
+        for instance_name, instance in instances(Path(name)):
+            commands.append((instance_name, expand(kvpool_argv(exec_start(text))[1], instance)))
     return commands
 
 
@@ -33,14 +76,88 @@ def compose_commands() -> list[tuple[str, list[str]]]:
             for m in re.finditer(r"^  ([\w-]+):\n(?:    .*\n)*?    command: (\[[^\]]*\])", text, re.M)]
 
 
+def build_settings(argv: list[str]) -> Any:
+    """Parse ``argv`` and build its settings as ``kvpool <role>`` does, with the
+    example config file in place of the installed one."""
+    argv = [str(EXAMPLE_CONFIG) if a == INSTALLED_CONFIG else a for a in argv]
+    args = cli.build_parser().parse_args(argv)
+    return cli._settings(ROLES[args.command], args.command, args)
+
+
 def test_every_unit_and_service_has_a_command() -> None:
     assert {name for name, _ in unit_commands()} == {
-        "kvpool-master.service", "kvpool-store@.service", "kvpool-prefill@.service"}
+        "kvpool-master.service", "kvpool-store@0.service", "kvpool-store@1.service",
+        "kvpool-prefill@0.service", "kvpool-prefill@3.service"}
     assert {name for name, _ in compose_commands()} == {
         "master", "store-0", "store-1", "prefill-0", "prefill-1", "prefill-2", "prefill-3"}
 
 
 @pytest.mark.parametrize(("name", "argv"), unit_commands() + compose_commands())
-def test_command_parses(name: str, argv: list[str]) -> None:
-    args = build_parser().parse_args(argv)
-    assert args.command in {"master", "store", "prefill"}, name
+def test_command_builds_valid_settings(name: str, argv: list[str]) -> None:
+    settings = build_settings(argv)
+    assert isinstance(settings, ROLES[argv[0]]), name
+
+
+@pytest.mark.parametrize("instance", INSTANCES["kvpool-store@.service"])
+def test_store_unit_binds_the_node_it_serves(instance: str) -> None:
+    wrapper, argv = kvpool_argv(exec_start((UNIT_DIR / "kvpool-store@.service").read_text()))
+    assert expand(wrapper, instance) == [f"--cpunodebind={instance}", f"--membind={instance}"]
+    assert build_settings(expand(argv, instance)).numa_node == int(instance)
+
+
+@pytest.mark.parametrize("instance", INSTANCES["kvpool-prefill@.service"])
+def test_prefill_unit_runs_the_stage_it_names(instance: str) -> None:
+    _, argv = kvpool_argv(exec_start((UNIT_DIR / "kvpool-prefill@.service").read_text()))
+    assert build_settings(expand(argv, instance)).stage == int(instance)
+
+
+def test_compose_wiring_matches_the_ports_each_service_takes() -> None:
+    settings = {name: build_settings(argv) for name, argv in compose_commands()}
+    stores = [s for name, s in settings.items() if name.startswith("store-")]
+    assert len({(s.port, s.admin_port) for s in stores}) == len(stores), "stores on one host need their own ports"
+    stages = {s.stage: s for name, s in settings.items() if name.startswith("prefill-")}
+    assert stages[0].stage_addresses == [f"127.0.0.1:{stages[i].port}" for i in range(1, len(stages))]
+    for i in range(1, len(stages) - 1):
+        assert stages[i].next_stage == f"127.0.0.1:{stages[i + 1].port}"
+    master = settings["master"]
+    assert all(s.master == f"127.0.0.1:{master.port}" for s in [*stores, *stages.values()])
+
+
+# The checks above must be able to fail: the same path rejects bad values.
+BAD_UNIT = {
+    "kvpool-store@.service": ("--numa-node %i", "--numa-node -1", "numa_node: must be >= 0"),
+    "kvpool-master.service": ("master --config", "master --high-watermark 0.5 --low-watermark 0.9 --config",
+                              "watermarks must satisfy"),
+    "kvpool-prefill@.service": ("--stage %i", "--stage 7", "stage: 7 is not in"),
+}
+
+
+@pytest.mark.parametrize("unit", sorted(BAD_UNIT))
+def test_a_bad_value_in_a_unit_fails(unit: str) -> None:
+    old, new, setting = BAD_UNIT[unit]
+    text = (UNIT_DIR / unit).read_text()
+    assert old in text
+    commands = unit_commands({unit: text.replace(old, new)})
+    for name, argv in commands:
+        with pytest.raises(SystemExit, match=setting):
+            build_settings(argv)
+
+
+@pytest.mark.parametrize(("argv", "setting"), [
+    (["store", "--segment-size", "lots"], "segment_size: 'lots' is not a size"),
+    (["master", "--port", "70000"], "port: 70000 is not a TCP port"),
+    (["prefill", "--stage", "0"], "stage_addresses"),  # stage 0 of 4 without the others' addresses
+    (["prefill", "--stage", "1", "--config", INSTALLED_CONFIG], "next_stage"),  # what the @1 drop-in supplies
+])
+def test_a_bad_command_fails(argv: list[str], setting: str) -> None:
+    with pytest.raises(SystemExit, match=setting):
+        build_settings(argv)
+
+
+def test_a_bad_value_in_the_config_file_fails(tmp_path: Path) -> None:
+    bad = tmp_path / "cluster.toml"
+    bad.write_text(EXAMPLE_CONFIG.read_text().replace('segment_size = "768GiB"', 'segment_size = "lots"'))
+    assert bad.read_text() != EXAMPLE_CONFIG.read_text()
+    args = cli.build_parser().parse_args(["store", "--config", str(bad)])
+    with pytest.raises(SystemExit, match="segment_size"):
+        cli._settings(StoreSettings, "store", args)
