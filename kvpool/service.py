@@ -1,6 +1,7 @@
 """What every kvpool service process shares: a gRPC server with the standard
-health service, Prometheus metrics on an admin HTTP port, a ready file for
-whoever started it, and graceful shutdown on SIGTERM/SIGINT."""
+health service and server reflection, Prometheus metrics on an admin HTTP
+port, a ready file for whoever started it, and graceful shutdown on
+SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import structlog
 import uvloop
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 log = structlog.get_logger(__name__)
@@ -52,13 +55,32 @@ class ServerHandle:
 
 
 async def create_server(
-    host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None]
+    host: str,
+    port: int,
+    add_servicers: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str] = (),
 ) -> ServerHandle:
-    """Create and start a server bound to ``host:port`` (port 0 picks one)."""
+    """Create and start a server bound to ``host:port`` (port 0 picks one).
+
+    ``service_names`` are the full names (``kvpool.rpc.PoolMaster``) of the
+    services ``add_servicers`` adds. They are published through gRPC server
+    reflection together with the health and reflection services, so grpcurl
+    and similar tools work without the proto files. A name whose descriptor
+    is not loaded is an error here, not a reflection miss later.
+    """
+    names = list(dict.fromkeys(service_names))
+    known = descriptor_pool.Default()
+    for name in names:
+        try:
+            known.FindServiceByName(name)
+        except KeyError:
+            raise ValueError(f"no protobuf service named {name!r} is loaded; "
+                             "service_names takes full names such as 'kvpool.rpc.PoolMaster'") from None
     server = grpc.aio.server(options=GRPC_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_servicers(server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")

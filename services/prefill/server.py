@@ -66,7 +66,8 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
         if settings.stage == 0:
             prefill_pb2_grpc.add_PrefillServicer_to_server(front, server)
 
-    handle = await service.create_server(settings.host, settings.port, add_servicers)
+    handle = await service.create_server(settings.host, settings.port, add_servicers, service_names=[
+        "kvpool.rpc.PrefillStage", *(["kvpool.rpc.Prefill"] if settings.stage == 0 else [])])
     stop = asyncio.Event()
     service.install_stop_signals(stop)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
