@@ -31,12 +31,14 @@ from kvpool.bench.worker_protocol import (
     MIB,
     READY_TIMEOUT_S,
     STOP_GRACE_S,
+    SYSTEM_MOONCAKE,
     BenchError,
     Layout,
     Region,
     check_codes,
     config_fields,
     emit,
+    huge_page_bytes,
     log_tail,
     run_dir,
     spawn_ready,
@@ -45,9 +47,11 @@ from kvpool.bench.worker_protocol import (
     summarize_batches,
     summarize_latency,
     terminate,
+    total_or_none,
     validate_shape,
     verify_batch,
     wait_for_quit,
+    zero,
 )
 
 # The client only uses registered caller buffers, so the engine's own staging
@@ -153,7 +157,7 @@ def mc_put_all(
     durations: list[float] = []
     crcs: list[list[int]] = []
     for batch, batch_keys in enumerate(keys):
-        crcs.append(stamp_batch(region, layout, batch))
+        crcs.append(stamp_batch(region.mem, layout, SYSTEM_MOONCAKE, batch))
         t0 = time.perf_counter()
         codes = store.batch_put_from(batch_keys, addrs, sizes)
         elapsed = time.perf_counter() - t0
@@ -165,23 +169,24 @@ def mc_put_all(
 
 def mc_get_all(
     store: Any, region: Region, layout: Layout, keys: list[list[str]], crcs: list[list[int]], warmup: int
-) -> tuple[list[float], int]:
-    """Get every batch back into a zeroed buffer; return durations and verified-object count."""
+) -> tuple[list[float], int, int]:
+    """Get every batch back into a zeroed buffer; return timed durations, objects verified in
+    the timed batches and in all (the warm-up batch is verified too, only not timed)."""
     addrs = [region.addr + off for off in layout.offsets()]
     sizes = [layout.object_size] * layout.batch_size
     durations: list[float] = []
-    verified = 0
+    verified = timed_verified = 0
     for batch, batch_keys in enumerate(keys):
-        region.zero(layout.base, layout.batch_bytes)
+        zero(region.mem, layout.base, layout.batch_bytes)
         t0 = time.perf_counter()
         got = store.batch_get_into(batch_keys, addrs, sizes)
         elapsed = time.perf_counter() - t0
         check_codes(f"batch_get_into batch {batch}", got, layout.object_size)
-        matched = verify_batch(region, layout, crcs[batch], batch)
+        verified += verify_batch(region.mem, layout, crcs[batch], batch)
         if batch >= warmup:
             durations.append(elapsed)
-            verified += matched
-    return durations, verified
+            timed_verified += layout.batch_size
+    return durations, timed_verified, verified
 
 
 def mc_exist(store: Any, keys: list[str], reps: int) -> list[float]:
@@ -234,9 +239,10 @@ def mc_client_main(spec: dict[str, Any], out: IO[str]) -> None:
     if spec["prefault_segment"]:
         mc_prefault(store, region, src, len(keys), run)
     put_s, crcs = mc_put_all(store, region, src, keys, warmup)
-    get_s, verified = mc_get_all(store, region, dst, keys, crcs, warmup)
+    get_s, timed_verified, verified = mc_get_all(store, region, dst, keys, crcs, warmup)
     exist_keys = [k for batch in keys[warmup:] for k in batch][: spec["exist_keys"]]
     exist_s = mc_exist(store, exist_keys, spec["exist_reps"])
+    huge = huge_page_bytes()
     store.unregister_buffer(region.addr)
     store.close()
     emit(
@@ -247,6 +253,8 @@ def mc_client_main(spec: dict[str, Any], out: IO[str]) -> None:
         exist_s=exist_s,
         exist_keys=len(exist_keys),
         verified_objects=verified,
+        timed_verified_objects=timed_verified,
+        huge_page_bytes=huge,
     )
 
 
@@ -308,6 +316,7 @@ def measure_mooncake_store(
         }
         client, _ = spawn_ready(stack, log_dir, "mc-client", spec, "mc_client")
         raw = client.expect("result", timeout_s)
+        store_huge = [huge_page_bytes(s.proc.pid) for s in stores]
         # Before the master goes: stores unmount their segments through it.
         stop_all([client, *stores])
     result: dict[str, Any] = config_fields(object_size, batch_size, num_batches, warmup_batches)
@@ -316,10 +325,13 @@ def measure_mooncake_store(
         "segment_bytes": segment,
         "prefault_segment": prefault_segment,
     }
-    result |= summarize_batches("mooncake_put", raw["put_s"], batch_bytes)
-    result |= summarize_batches("mooncake_get", raw["get_s"], batch_bytes)
+    verified_bytes = raw["timed_verified_objects"] * object_size
+    result |= summarize_batches("mooncake_put", raw["put_s"], verified_bytes)
+    result |= summarize_batches("mooncake_get", raw["get_s"], verified_bytes)
     result |= summarize_latency("mooncake_exist", raw["exist_s"])
     result["mooncake_exist_keys"] = raw["exist_keys"]
     result["mooncake_verified_objects"] = raw["verified_objects"]
-    result["mooncake_verified"] = raw["verified_objects"] == batch_size * num_batches
+    result["mooncake_verified_bytes"] = verified_bytes
+    result["mooncake_verified"] = raw["verified_objects"] == result["objects"]
+    result["mooncake_huge_page_bytes"] = total_or_none([raw["huge_page_bytes"], *store_huge])
     return result

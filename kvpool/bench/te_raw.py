@@ -20,19 +20,23 @@ from kvpool.bench.worker_protocol import (
     DEFAULT_TIMEOUT_S,
     DEFAULT_WARMUP_BATCHES,
     HOST,
+    SYSTEM_TE_RAW,
     BenchError,
     Layout,
     Region,
     config_fields,
     emit,
+    huge_page_bytes,
     run_dir,
     spawn_ready,
     stamp_batch,
     stop_all,
     summarize_batches,
+    total_or_none,
     validate_shape,
     verify_batch,
     wait_for_quit,
+    zero,
 )
 
 # polling period of the non-spinning raw measurement (as kvpool.transfer)
@@ -107,10 +111,10 @@ def te_initiator_main(spec: dict[str, Any], out: IO[str]) -> None:
     sizes = [layout.object_size] * layout.batch_size
     writes: list[float] = []
     reads: list[float] = []
-    verified = 0
+    verified = timed_verified = 0
     for batch in range(spec["warmup_batches"] + spec["num_batches"]):
-        crcs = stamp_batch(region, src, batch)
-        region.zero(dst.base, dst.batch_bytes)
+        crcs = stamp_batch(region.mem, src, SYSTEM_TE_RAW, batch)
+        zero(region.mem, dst.base, dst.batch_bytes)
         t0 = time.perf_counter()
         if spec["polled"]:
             rc_w = _polled_move(engine, True, targets, src_addrs, remote, sizes)
@@ -123,13 +127,15 @@ def te_initiator_main(spec: dict[str, Any], out: IO[str]) -> None:
         t2 = time.perf_counter()
         if rc_w != 0 or rc_r != 0:
             raise BenchError(f"batch {batch}: write rc={rc_w}, read rc={rc_r}")
-        matched = verify_batch(region, dst, crcs, batch)
+        verified += verify_batch(region.mem, dst, crcs, batch)
         if batch >= spec["warmup_batches"]:
             writes.append(t1 - t0)
             reads.append(t2 - t1)
-            verified += matched
+            timed_verified += layout.batch_size
+    huge = huge_page_bytes()
     engine.unregister_memory(region.addr)
-    emit(out, "result", write_s=writes, read_s=reads, verified_objects=verified)
+    emit(out, "result", write_s=writes, read_s=reads, verified_objects=verified, timed_verified_objects=timed_verified,
+         huge_page_bytes=huge)
 
 
 def measure_te_raw(
@@ -147,15 +153,15 @@ def measure_te_raw(
     One initiator against ``num_targets`` target processes: a sync batch per
     direction (one target), or with ``polled`` every object submitted at once
     and polled without spinning (objects round robin over the targets).
-    Returns ``te_raw_write_*`` and ``te_raw_read_*`` (``_gbps`` median
-    per-batch GB/s, ``_p50_ms``/``_p99_ms`` per-batch latency) and
+    Returns ``te_raw_write_*`` and ``te_raw_read_*`` (``_gbps`` verified
+    bytes over the measured batches' seconds, ``_p50_ms``/``_p99_ms``
+    per-batch latency) and
     ``te_raw_gbps``, the **mean** of the write and read medians: one ceiling
     figure for a workload that moves as many bytes in as out.
     """
     validate_shape(object_size, batch_size, num_batches)
     if num_targets < 1 or (num_targets > 1 and not polled):
         raise ValueError("num_targets: more than one target needs polled=True")
-    batch_bytes = object_size * batch_size
     with run_dir("te-raw") as log_dir, contextlib.ExitStack() as stack:
         target_workers, peers = [], []
         for t in range(num_targets):
@@ -174,13 +180,17 @@ def measure_te_raw(
         }
         initiator, _ = spawn_ready(stack, log_dir, "te-initiator", spec, "te_initiator")
         raw = initiator.expect("result", timeout_s)
+        target_huge = [huge_page_bytes(w.proc.pid) for w in target_workers]
         stop_all([initiator, *target_workers])
     result: dict[str, Any] = config_fields(object_size, batch_size, num_batches, warmup_batches)
-    result |= summarize_batches("te_raw_write", raw["write_s"], batch_bytes)
-    result |= summarize_batches("te_raw_read", raw["read_s"], batch_bytes)
+    verified_bytes = raw["timed_verified_objects"] * object_size
+    result |= summarize_batches("te_raw_write", raw["write_s"], verified_bytes)
+    result |= summarize_batches("te_raw_read", raw["read_s"], verified_bytes)
     result["te_raw_gbps"] = (result["te_raw_write_gbps"] + result["te_raw_read_gbps"]) / 2
     result["te_raw_verified_objects"] = raw["verified_objects"]
-    result["te_raw_verified"] = raw["verified_objects"] == batch_size * num_batches
+    result["te_raw_verified_bytes"] = verified_bytes
+    result["te_raw_huge_page_bytes"] = total_or_none([raw["huge_page_bytes"], *target_huge])
+    result["te_raw_verified"] = raw["verified_objects"] == result["objects"]
     result["te_raw_targets"] = num_targets
     result["te_raw_polled"] = polled
     return result

@@ -13,15 +13,19 @@ points that kvpool's own pool numbers are compared against:
 
 Conventions shared by every number reported here:
 
-* Throughput is in GB/s with GB = 1e9 bytes, computed per batch as
-  ``batch_bytes / batch_seconds``; the reported value is the **median** of the
-  per-batch throughputs.  Latencies are per-batch p50/p99 in milliseconds
+* Throughput is in GB/s with GB = 1e9 bytes: the bytes of the measured
+  objects that were read back and verified, over the summed seconds of the
+  measured batches (``stats.throughput_gbps``, the formula kvpool's own numbers
+  use too).  Latencies are per-batch p50/p99 in milliseconds
   (linear-interpolated percentiles, like numpy's default).
 * The first ``warmup_batches`` batches (default 1) are run and verified but not
   counted: they include the engines' lazy connection handshakes.
-* Every byte is verified: each object carries a unique (batch, index) stamp on
-  top of random payload, and the CRC32 of every object read back must equal the
-  CRC32 of what was written.  A mismatch raises ``BenchError``.
+* Every byte is verified: each object carries a (system, batch, index) stamp on
+  top of random payload, each destination is zeroed before its read, and the
+  CRC32 of every object read back must equal the CRC32 of what was written.  A
+  failed put or get or a mismatch raises ``BenchError``.
+* No buffer here asks for huge pages (see ``worker_protocol.Region``); each
+  result reports the huge-page bytes its processes ended up with.
 
 Workers are ``python -m kvpool.bench.upstream <role>``: this module dispatches
 each role to ``te_raw`` or ``mooncake_store``; the process protocol, payload

@@ -5,11 +5,13 @@ The parent launches each worker as ``python -m kvpool.bench.upstream <role>
 line (``ready`` / ``result`` / ``error``) and everything else it or the engine
 prints goes to a per-run log file.
 
-Payload: every object carries a unique (batch, index) stamp on top of random
-bytes, and the CRC32 of every object read back must equal the CRC32 of what
-was written (``stamp_batch`` / ``verify_batch``); a mismatch raises
-``BenchError``.  Statistics: per-batch GB/s (GB = 1e9 bytes) and p50/p99
-latencies in milliseconds, linear-interpolated percentiles.
+Payload: every object carries a (system, batch, index) stamp on top of random
+bytes, every destination is zeroed before its read, and the CRC32 of every
+object read back must equal the CRC32 of what was written (``stamp_batch`` /
+``verify_batch``); a mismatch raises ``BenchError``.  Statistics: throughput is
+verified bytes over the measured batches' seconds (``stats.throughput_gbps``,
+GB = 1e9 bytes), p50/p99 batch latencies in milliseconds, linear-interpolated
+percentiles.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import mmap
 import os
 import queue
@@ -48,12 +51,18 @@ DEFAULT_TIMEOUT_S = 120.0
 
 # the entry module whose __main__ dispatches worker roles
 MODULE = "kvpool.bench.upstream"
-GB = 1e9
 MIB = 1 << 20
 READY_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
 HOST = "127.0.0.1"
-STAMP = struct.Struct("<QQ")
+# at the head of every object: which system wrote it, batch number, object index
+STAMP = struct.Struct("<8sQQ")
+SYSTEM_KVPOOL = "kvpool"
+SYSTEM_MOONCAKE = "mooncake"
+SYSTEM_TE_RAW = "te-raw"
+# /proc/<pid>/smaps_rollup lines that count memory mapped with huge pages
+HUGE_PAGE_FIELDS = ("AnonHugePages", "ShmemPmdMapped", "FilePmdMapped", "Shared_Hugetlb", "Private_Hugetlb")
+THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 class BenchError(RuntimeError):
@@ -74,11 +83,11 @@ def percentile(samples: Sequence[float], q: float) -> float:
     return stats.percentile(samples, q)
 
 
-def summarize_batches(prefix: str, durations_s: Sequence[float], batch_bytes: int) -> dict[str, float]:
-    """Median per-batch throughput (GB/s) and p50/p99 batch latency (ms)."""
-    throughputs = [batch_bytes / d / GB for d in durations_s]
+def summarize_batches(prefix: str, durations_s: Sequence[float], verified_bytes: int) -> dict[str, float]:
+    """Throughput (verified bytes / seconds, GB/s), the seconds, and p50/p99 batch latency (ms)."""
     return {
-        f"{prefix}_gbps": percentile(throughputs, 50),
+        f"{prefix}_gbps": stats.throughput_gbps(verified_bytes, durations_s),
+        f"{prefix}_s": math.fsum(durations_s),
         f"{prefix}_p50_ms": percentile(durations_s, 50) * 1e3,
         f"{prefix}_p99_ms": percentile(durations_s, 99) * 1e3,
     }
@@ -96,13 +105,18 @@ def summarize_latency(prefix: str, durations_s: Sequence[float]) -> dict[str, fl
 
 
 class Region:
-    """An anonymous mmap with a stable address the engines can register."""
+    """An anonymous mmap with a stable address the engines can register.
+
+    No madvise(MADV_HUGEPAGE), on purpose: ``kvpool bench pool`` runs our side
+    with KVPOOL_HUGE_PAGES=0 so that no buffer on any side asks for huge pages.
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._map = mmap.mmap(-1, size)
         self._cbuf = (ctypes.c_char * size).from_buffer(self._map)
         self.addr = ctypes.addressof(self._cbuf)
+        self.mem = memoryview(self._map)
 
     def fill_random(self, seed: int) -> None:
         """Fill with pseudo-random bytes so the payload is not trivially compressible."""
@@ -112,14 +126,6 @@ class Region:
         """Clear a range so a failed read cannot pass as stale correct data."""
         ctypes.memset(self.addr + offset, 0, length)
 
-    def stamp(self, offset: int, batch: int, index: int) -> None:
-        """Make this object's bytes unique to (batch, index)."""
-        self._map[offset : offset + STAMP.size] = STAMP.pack(batch, index)
-
-    def crc(self, offset: int, length: int) -> int:
-        """CRC32 of a range, read in place (no copy)."""
-        with memoryview(self._map) as view:
-            return zlib.crc32(view[offset : offset + length])
 
 
 @dataclass
@@ -138,22 +144,64 @@ class Layout:
         return [self.base + i * self.object_size for i in range(self.batch_size)]
 
 
-def stamp_batch(region: Region, layout: Layout, batch: int) -> list[int]:
-    """Stamp every object of ``batch`` and return their CRCs."""
+def zero(mem: memoryview, offset: int, length: int) -> None:
+    """Clear a range so a read that writes nothing cannot pass as correct data."""
+    ctypes.memset((ctypes.c_char * length).from_buffer(mem, offset), 0, length)
+
+
+def stamp_batch(mem: memoryview, layout: Layout, system: str, batch: int) -> list[int]:
+    """Make every object of ``batch`` unique to (system, batch, index); return their CRCs.
+
+    ``mem`` is the whole registered buffer (a Region's ``mem``, a HostBuffer's
+    ``view()``), so every system is stamped and checked by the same code.
+    """
     crcs = []
     for index, offset in enumerate(layout.offsets()):
-        region.stamp(offset, batch, index)
-        crcs.append(region.crc(offset, layout.object_size))
+        STAMP.pack_into(mem, offset, system.encode(), batch, index)
+        crcs.append(zlib.crc32(mem[offset : offset + layout.object_size]))
     return crcs
 
 
-def verify_batch(region: Region, layout: Layout, expected: Sequence[int], batch: int) -> int:
+def match_batch(mem: memoryview, layout: Layout, expected: Sequence[int]) -> list[bool]:
+    """Per object of ``layout``: does what is there now have the CRC it was written with?"""
+    size = layout.object_size
+    return [zlib.crc32(mem[off : off + size]) == crc for off, crc in zip(layout.offsets(), expected, strict=True)]
+
+
+def verify_batch(mem: memoryview, layout: Layout, expected: Sequence[int], batch: int) -> int:
     """Check every object read back against its CRC; return how many were checked."""
-    offsets = layout.offsets()
-    bad = sum(region.crc(off, layout.object_size) != crc for off, crc in zip(offsets, expected))
+    bad = match_batch(mem, layout, expected).count(False)
     if bad:
-        raise BenchError(f"batch {batch}: {bad}/{len(offsets)} objects read back differ")
-    return len(offsets)
+        raise BenchError(f"batch {batch}: {bad}/{layout.batch_size} objects read back differ")
+    return layout.batch_size
+
+
+def huge_page_bytes(pid: int | str = "self") -> int | None:
+    """Bytes a process has mapped with huge pages (THP or hugetlbfs); None if unreadable."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return None
+    kib = 0
+    for line in lines:
+        name, _, rest = line.partition(":")
+        if name in HUGE_PAGE_FIELDS:
+            kib += int(rest.split()[0])
+    return kib * 1024
+
+
+def total_or_none(values: Sequence[int | None]) -> int | None:
+    """Sum of per-process figures; None when any process could not be read."""
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+def thp_mode() -> str:
+    """The kernel's transparent-huge-page mode (always, madvise or never), or 'unknown'."""
+    try:
+        text = THP_MODE_FILE.read_text()
+    except OSError:
+        return "unknown"
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
 
 
 def protocol_stream() -> IO[str]:
@@ -317,6 +365,8 @@ def config_fields(
 ) -> dict[str, int]:
     """The run shape, echoed into every result."""
     return {
+        # every object the run moves, each to be verified (the warm-up batches too: only their time is left out)
+        "objects": batch_size * (num_batches + warmup_batches),
         "object_size": object_size,
         "batch_size": batch_size,
         "num_batches": num_batches,
