@@ -6,39 +6,61 @@ upstream Mooncake Store and through the bare transfer engine between two
 processes (the ceiling). Then a small pool is filled to three times its
 capacity with 4-member groups while readers run, and the largest occupancy
 and any partial group a reader saw are reported.
+
+Every system is held to the same rules: objects stamped with (system, batch,
+index), destinations zeroed before each read, throughput = verified bytes /
+seconds (``stats.throughput_gbps``), and any object not stored, missed or read
+back different voids the run (``BenchError``, exit status 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from kvpool import service
+from kvpool.bench.stats import percentile
+from kvpool.bench.worker_protocol import BenchError, huge_page_bytes, thp_mode, total_or_none
 from kvpool.local_cluster import LocalPool
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
-from kvpool.bench.stats import percentile
 from kvpool.sizes import format_size
 
 SMALL_OBJECT = 4096
 CHURN_SEGMENT = 16 << 20
 CHURN_OBJECT = 256 << 10
+# Huge pages are off for every side while this bench runs. Our HostBuffers (client
+# buffers and store segments) madvise(MADV_HUGEPAGE) unless KVPOOL_HUGE_PAGES=0; the
+# raw-engine and upstream client buffers never do; upstream's segments are allocated
+# inside mooncake, which we cannot change. "Off" is the one setting all three can
+# share, so every process gets the kernel's default (its THP mode is reported), and
+# each side's huge-page bytes are measured and reported rather than assumed.
+HUGE_PAGES_ENV = "KVPOOL_HUGE_PAGES"
+HUGE_PAGES_VALUE = "0"
+# per-object counts: summed over repeats, never medians
+COUNTERS = frozenset({
+    "objects", "stored", "not_stored", "missed", "mismatched", "verified_objects", "verified_bytes",
+    "mooncake_verified_objects", "mooncake_verified_bytes", "te_raw_verified_objects", "te_raw_verified_bytes",
+})
 
 
 def _worker(role: str, *args: str, timeout_s: float = 300.0) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "kvpool.bench.pool_workload", role, *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
-        raise RuntimeError(f"{role} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise BenchError(f"{role} worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -47,6 +69,61 @@ def measure_ours(master: str, object_size: int, batch_size: int, batches: int, t
         "throughput", "--master", master, "--object-size", str(object_size), "--batch-size", str(batch_size),
         "--batches", str(batches), "--tag", tag,
     )
+
+
+def failures(result: dict[str, Any]) -> list[str]:
+    """What went wrong, per object, in one system's (merged) result; empty when all verified."""
+    objects = result["objects"]
+    problems = [f"{result[k]} {k.replace('_', ' ')}" for k in ("not_stored", "missed", "mismatched") if result.get(k)]
+    if result.get("stored", objects) != objects:
+        problems.append(f"{result['stored']}/{objects} stored")
+    for key in ("verified_objects", "mooncake_verified_objects", "te_raw_verified_objects"):
+        if key in result and result[key] != objects:
+            problems.append(f"{result[key]}/{objects} verified")
+    return problems
+
+
+def require_clean(name: str, result: dict[str, Any]) -> dict[str, Any]:
+    """Void the run, loudly, unless every object was stored, found and read back identical."""
+    problems = failures(result)
+    if problems:
+        raise BenchError(f"{name}: {', '.join(problems)}; every object must be stored, found and read back "
+                         "identical, so this run's figures are void")
+    return result
+
+
+def merge_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from repeats: counters summed, throughputs and timings as medians, flags all-true.
+
+    Huge-page bytes are the largest seen; the run shape is the same in every repeat.
+    """
+    merged = dict(runs[0])
+    for key, value in runs[0].items():
+        values = [r[key] for r in runs]
+        if key in COUNTERS:
+            merged[key] = sum(values)
+        elif key.endswith("huge_page_bytes"):
+            merged[key] = None if None in values else max(values)
+        elif isinstance(value, bool):
+            merged[key] = all(values)
+        elif key.endswith(("_gbps", "_ms", "_s")):
+            merged[key] = percentile([float(v) for v in values], 50)
+    merged["repeats"] = len(runs)
+    return merged
+
+
+@contextlib.contextmanager
+def same_huge_pages() -> Iterator[None]:
+    """Run our processes (they inherit the environment) with huge pages off, as the others."""
+    before = os.environ.get(HUGE_PAGES_ENV)
+    os.environ[HUGE_PAGES_ENV] = HUGE_PAGES_VALUE
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(HUGE_PAGES_ENV, None)
+        else:
+            os.environ[HUGE_PAGES_ENV] = before
 
 
 async def _poll_used(master: str, stop: asyncio.Event) -> tuple[int, int, float, float]:
@@ -99,16 +176,6 @@ async def _churn(master: str, groups: int, readers: int, workdir: Path) -> dict[
     }
 
 
-def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-key median over repeated runs (numbers only; other values from the first run)."""
-    merged = dict(runs[0])
-    for key, value in runs[0].items():
-        if isinstance(value, float | int) and not isinstance(value, bool):
-            merged[key] = percentile([float(r[key]) for r in runs], 50)
-    merged["repeats"] = len(runs)
-    return merged
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     batches = args.batches or (6 if args.quick else 16)
@@ -122,13 +189,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     upstream = None
     if not args.skip_upstream:
         from kvpool.bench import upstream
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp:
+    with same_huge_pages(), tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp:
         workdir = Path(tmp)
         with LocalPool(num_stores=2, segment_size=str(segment), workdir=workdir / "pool") as pool:
             for b in batch_sizes:
                 if b != largest:
-                    report["ours"][f"kv_batch{b}"] = measure_ours(pool.master_address, size, b, batches, f"kv{b}")
-            report["ours"]["small_batch64"] = measure_ours(pool.master_address, SMALL_OBJECT, 64, batches, "small")
+                    report["ours"][f"kv_batch{b}"] = require_clean(
+                        f"ours, batch {b}", measure_ours(pool.master_address, size, b, batches, f"kv{b}"))
+            report["ours"]["small_batch64"] = require_clean(
+                "ours, small objects", measure_ours(pool.master_address, SMALL_OBJECT, 64, batches, "small"))
             # the headline comparison, interleaved so machine noise hits all three alike
             ours, mooncake, te_raw, te_polled = [], [], [], []
             for r in range(repeats):
@@ -142,19 +211,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     # the engine's non-spinning way against two targets: what our
                     # client does against two stores, so the fair ceiling
                     te_polled.append(upstream.measure_te_raw(size, largest, batches, num_targets=2, polled=True))
-            report["ours"][f"kv_batch{largest}"] = _median_of(ours)
+            report["ours"][f"kv_batch{largest}"] = require_clean(f"ours, batch {largest}", merge_repeats(ours))
             report["ours_repeats"] = ours
+            report["ours_stores_huge_page_bytes"] = total_or_none([huge_page_bytes(s.proc.pid) for s in pool.stores])
         if upstream is not None:
-            report["mooncake"] = _median_of(mooncake)
+            report["mooncake"] = require_clean("upstream Mooncake Store", merge_repeats(mooncake))
             report["mooncake_repeats"] = mooncake
-            report["te_raw"] = _median_of(te_raw)
-            report["te_raw_polled"] = _median_of(te_polled)
-            fresh = upstream.measure_mooncake_store(size, largest, batches, num_stores=2)
+            report["te_raw"] = require_clean("raw engine", merge_repeats(te_raw))
+            report["te_raw_polled"] = require_clean("raw engine, polled", merge_repeats(te_polled))
+            fresh = require_clean("upstream, fresh segment",
+                                  upstream.measure_mooncake_store(size, largest, batches, num_stores=2))
             report["mooncake"]["mooncake_put_fresh_gbps"] = fresh["mooncake_put_gbps"]
+        report["huge_pages"] = huge_page_report(report, largest)
         with LocalPool(num_stores=2, segment_size=str(CHURN_SEGMENT), workdir=workdir / "churn") as pool:
             groups = 3 * 2 * CHURN_SEGMENT // (4 * CHURN_OBJECT)
             report["churn"] = asyncio.run(_churn(pool.master_address, groups, readers=2, workdir=workdir))
     return report
+
+
+def huge_page_report(report: dict[str, Any], largest: int) -> dict[str, Any]:
+    """The huge-page setting every side ran with, and the huge-page bytes each side's processes held."""
+    measured = {
+        "ours_stores": report["ours_stores_huge_page_bytes"],
+        "ours_client": report["ours"][f"kv_batch{largest}"]["client_huge_page_bytes"],
+    }
+    if "mooncake" in report:
+        measured["mooncake"] = report["mooncake"]["mooncake_huge_page_bytes"]
+        measured["te_raw"] = report["te_raw"]["te_raw_huge_page_bytes"]
+        measured["te_raw_polled"] = report["te_raw_polled"]["te_raw_huge_page_bytes"]
+    return {
+        "setting": "off",
+        HUGE_PAGES_ENV: HUGE_PAGES_VALUE,
+        "thp_mode": thp_mode(),
+        "measured_bytes": measured,
+        # off for all means none of them should hold any; anything else is reported as not aligned
+        "aligned": all(v == 0 for v in measured.values()),
+    }
 
 
 def summarize(report: dict[str, Any], largest_batch: int) -> dict[str, Any]:
@@ -191,7 +283,17 @@ def summarize(report: dict[str, Any], largest_batch: int) -> dict[str, Any]:
         "occupancy_bound_ratio": churn["bound_ratio"],
         "partial_groups_seen": churn["partial_groups_seen"],
         "wrong_bytes_seen": churn["wrong_bytes"],
-        "bytes_verified": all(r["batches_mismatched"] == 0 for r in report["ours"].values()),
+        # the run fails before it gets here unless every one of these verified
+        "throughput_formula": "verified bytes / elapsed seconds",
+        "verified_objects": kv["verified_objects"],
+        "verified_objects_all_rows": sum(r["verified_objects"] for r in report["ours"].values()),
+        "mooncake_verified_objects": mc.get("mooncake_verified_objects", 0),
+        "te_raw_verified_objects": te.get("te_raw_verified_objects", 0),
+        "te_raw_polled_verified_objects": tp.get("te_raw_verified_objects", 0),
+        "huge_pages": report["huge_pages"]["setting"],
+        "thp_mode": report["huge_pages"]["thp_mode"],
+        "huge_pages_aligned": report["huge_pages"]["aligned"],
+        "huge_page_bytes": report["huge_pages"]["measured_bytes"],
     }
     summary["put_vs_mooncake"] = summary["put_gbps"] / summary["mooncake_put_gbps"]
     summary["get_vs_mooncake"] = summary["get_gbps"] / summary["mooncake_get_gbps"]
@@ -204,8 +306,11 @@ def summarize(report: dict[str, Any], largest_batch: int) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any], summary: dict[str, Any]) -> str:
-    lines = [f"kvpool bench pool — objects of {format_size(report['object_size'])}, {report['batches']} batches each; "
-             "batch-64 rows are medians of interleaved repeats"]
+    lines = [
+        f"kvpool bench pool — objects of {format_size(report['object_size'])}, {report['batches']} batches each; "
+        "GB/s = verified bytes / elapsed seconds for every system; the largest-batch rows are medians "
+        "of interleaved repeats"
+    ]
     lines.append(f"{'':22}{'put GB/s':>10}{'get GB/s':>10}{'put p50':>10}{'get p50':>10}{'lookup p50':>12}")
     for name, r in report["ours"].items():
         lines.append(
@@ -235,6 +340,13 @@ def format_report(report: dict[str, Any], summary: dict[str, Any]) -> str:
         f"  back-to-back calls, 64 keys: lookup p50 {summary['lookup_hot_p50_ms']:.2f} ms, exists p50 "
         f"{summary['exists_hot_p50_ms']:.2f} ms (upstream is_exist {summary['mooncake_exist_p50_ms']:.2f} ms)"
     )
+    lines.append(
+        "  verified objects (stamped with system, batch and index; read into zeroed memory), compared runs: "
+        f"ours {summary['verified_objects']}, upstream {summary['mooncake_verified_objects']}, raw "
+        f"{summary['te_raw_verified_objects']} and {summary['te_raw_polled_verified_objects']}; all of ours' rows "
+        f"{summary['verified_objects_all_rows']}; none missing, none different"
+    )
+    lines += _huge_page_lines(report["huge_pages"])
     churn = report["churn"]
     lines.append(
         f"churn: filled {format_size(churn['capacity_bytes'])} with {churn['writer']['groups']} groups of 4 "
@@ -245,9 +357,31 @@ def format_report(report: dict[str, Any], summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _bytes(value: int | None) -> str:
+    return "unreadable" if value is None else format_size(value)
+
+
+def _huge_page_lines(hp: dict[str, Any]) -> list[str]:
+    held = ", ".join(f"{name.replace('_', ' ')} {_bytes(v)}" for name, v in hp["measured_bytes"].items())
+    lines = [
+        f"  huge pages: {hp['setting']} for every side ({HUGE_PAGES_ENV}={hp[HUGE_PAGES_ENV]} for ours; the raw-engine "
+        "and upstream client buffers never madvise; upstream's segments are allocated by mooncake, unchanged); "
+        f"kernel THP mode: {hp['thp_mode']}",
+        f"  huge-page bytes held: {held}",
+    ]
+    if not hp["aligned"]:
+        lines.append("  WARNING: huge pages NOT aligned: some side holds huge pages (or could not be read) although "
+                     "none asked for them; compare with care")
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
-    report = run(args)
+    try:
+        report = run(args)
+    except BenchError as exc:
+        print(f"kvpool bench pool FAILED: {exc}", file=sys.stderr)
+        return 1
     largest = max(int(b) for b in args.batch_sizes.split(","))
     summary = summarize(report, largest)
     summary["wall_s"] = time.monotonic() - started

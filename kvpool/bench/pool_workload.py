@@ -1,8 +1,10 @@
 """Worker processes of ``kvpool bench pool``; each prints one JSON line and exits.
 
 Roles:
-- ``throughput``: put fresh batches, then look up and read them back; reports
-  GB/s and per-batch latency, lookup latency, and whether bytes matched.
+- ``throughput``: put fresh batches, each object stamped anew, then look up and
+  read them back into zeroed memory; reports GB/s (verified bytes / seconds),
+  per-batch and lookup latency, and per-object counts: stored, not stored,
+  missed, mismatched, verified.
 - ``churn-writer``: fills a pool with 4-member groups, one member per batch
   (as four pipeline stages would), far past its capacity.
 - ``churn-reader``: looks groups up and reads them until told to stop;
@@ -14,12 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import sys
 import time
+from dataclasses import asdict, dataclass
 
-from kvpool.bench.stats import gbps, percentile
+from kvpool.bench.stats import percentile, throughput_gbps
+from kvpool.bench.worker_protocol import SYSTEM_KVPOOL, Layout, huge_page_bytes, match_batch, stamp_batch, zero
 from kvpool.pool.client import PoolClient, PutObject, PutResult
 from kvpool.transfer import HostBuffer, TransferEngine
 
@@ -31,44 +36,73 @@ def fill(buffer: HostBuffer, offset: int, size: int, seed: int) -> None:
     buffer.view(offset, size)[:] = random.Random(seed).randbytes(size)
 
 
-async def throughput(args: argparse.Namespace) -> dict[str, object]:
-    n, size = args.batch_size, args.object_size
-    buffer = HostBuffer(2 * n * size)
-    buffer.touch()
-    fill(buffer, 0, n * size, seed=1)
-    client = PoolClient(args.master, TransferEngine())
-    client.register(buffer.address, buffer.size)
-    put_s, get_s, lookup_s = [], [], []
-    stored = verified = mismatched = 0
-    prefix = f"bench/{args.tag}/{os.getpid()}"
-    for b in range(args.batches + 1):  # batch 0 warms connections up, not counted
-        objects = [
-            PutObject(f"{prefix}/{b}/{i}/0", f"{prefix}/{b}/{i}", 1, buffer.address + i * size, size) for i in range(n)
-        ]
+@dataclass(slots=True)
+class Counts:
+    """Per-object outcomes of a throughput run; the parent sums them and fails on any but verified."""
+
+    objects: int = 0  # every object put, warm-up batch included, each to be found, read and verified
+    stored: int = 0
+    not_stored: int = 0  # NOT_STORED, or EXISTS for a key this run made fresh
+    missed: int = 0  # lookup did not return the group, or the client's checksum rejected the read
+    mismatched: int = 0  # the client reported a good read but the bytes differ from what was put
+    verified_objects: int = 0
+
+
+async def _put_batches(client: PoolClient, mem: memoryview, address: int, src: Layout, prefix: str,
+                       batches: int, counts: Counts) -> tuple[list[float], list[list[int]]]:
+    """Put every batch under fresh keys, each stamped anew; return measured seconds and CRCs."""
+    put_s: list[float] = []
+    crcs: list[list[int]] = []
+    for b in range(batches + 1):  # batch 0 warms connections up, not counted
+        crcs.append(stamp_batch(mem, src, SYSTEM_KVPOOL, b))
+        objects = [PutObject(f"{prefix}/{b}/{i}/0", f"{prefix}/{b}/{i}", 1, address + off, src.object_size)
+                   for i, off in enumerate(src.offsets())]
         t0 = time.perf_counter()
         results = await client.put(objects)
         elapsed = time.perf_counter() - t0
         if b:
             put_s.append(elapsed)
-            stored += results.count(PutResult.STORED)
-    for b in range(args.batches + 1):
-        group_ids = [f"{prefix}/{b}/{i}" for i in range(n)]
+        counts.stored += results.count(PutResult.STORED)
+        counts.not_stored += len(objects) - results.count(PutResult.STORED)
+    return put_s, crcs
+
+
+async def _get_batches(client: PoolClient, mem: memoryview, address: int, dst: Layout, prefix: str,
+                       crcs: list[list[int]], counts: Counts) -> tuple[list[float], list[float], int]:
+    """Read every batch back into a zeroed destination; return measured get and lookup seconds
+    and how many of the measured objects verified."""
+    get_s: list[float] = []
+    lookup_s: list[float] = []
+    measured_verified = 0
+    for b, expected in enumerate(crcs):
+        zero(mem, dst.base, dst.batch_bytes)
         t0 = time.perf_counter()
-        found = await client.lookup(group_ids)
+        found = await client.lookup([f"{prefix}/{b}/{i}" for i in range(dst.batch_size)])
         t1 = time.perf_counter()
-        items = [
-            (g.members[f"{g.group_id}/0"], buffer.address + (n + i) * size) for i, g in enumerate(found.groups)
-        ]
+        slots = zip(found.groups, dst.offsets(), strict=False)  # the leading groups found, in order
+        items = [(g.members[f"{g.group_id}/0"], address + off) for g, off in slots]
         ok = await client.read(items)
         await client.release(found.lease_id)
         t2 = time.perf_counter()
-        if b:
+        # a group the lookup did not return leaves its slot zeroed: a miss, never a match
+        read = list(zip(ok, match_batch(mem, dst, expected)[: len(ok)], strict=True))
+        verified = sum(good and same for good, same in read)
+        counts.missed += dst.batch_size - len(items) + ok.count(False)
+        counts.mismatched += sum(good and not same for good, same in read)
+        counts.verified_objects += verified
+        if b:  # batch 0 is checked like the others but not timed
             lookup_s.append(t1 - t0)
             get_s.append(t2 - t0)
-            verified += sum(ok)
-            mismatched += int(bytes(buffer.view(0, len(items) * size)) != bytes(buffer.view(n * size, len(items) * size)))
-    # back to back, as upstream's batch_is_exist is timed: the loop above measures
-    # each lookup after an idle gap (the byte compare), which costs ~1.5 ms more here
+            measured_verified += verified
+    return get_s, lookup_s, measured_verified
+
+
+async def _hot_lookups(client: PoolClient, prefix: str, n: int) -> tuple[list[float], list[float]]:
+    """Lookup and exists back to back, as upstream's batch_is_exist is timed.
+
+    The get loop measures each lookup after an idle gap (the byte compare),
+    which costs ~1.5 ms more here.
+    """
     hot_lookup_s, hot_exists_s = [], []
     group_ids = [f"{prefix}/1/{i}" for i in range(n)]
     keys = [f"{g}/0" for g in group_ids]
@@ -80,14 +114,35 @@ async def throughput(args: argparse.Namespace) -> dict[str, object]:
         t0 = time.perf_counter()
         await client.exists(keys)
         hot_exists_s.append(time.perf_counter() - t0)
+    return hot_lookup_s, hot_exists_s
+
+
+async def throughput(args: argparse.Namespace) -> dict[str, object]:
+    n, size = args.batch_size, args.object_size
+    src = Layout(size, n)
+    dst = Layout(size, n, base=src.batch_bytes)
+    buffer = HostBuffer(2 * src.batch_bytes)
+    buffer.touch()
+    mem = buffer.view()
+    mem[:] = random.Random(os.getpid()).randbytes(buffer.size)
+    client = PoolClient(args.master, TransferEngine())
+    client.register(buffer.address, buffer.size)
+    counts = Counts(objects=n * (args.batches + 1))
+    prefix = f"bench/{args.tag}/{os.getpid()}"
+    put_s, crcs = await _put_batches(client, mem, buffer.address, src, prefix, args.batches, counts)
+    get_s, lookup_s, measured_verified = await _get_batches(client, mem, buffer.address, dst, prefix, crcs, counts)
+    hot_lookup_s, hot_exists_s = await _hot_lookups(client, prefix, n)
+    huge = huge_page_bytes()
     await client.close()
-    batch_bytes = n * size
+    verified_bytes = measured_verified * size  # of the timed batches only
     return {
         "object_size": size,
         "batch_size": n,
         "batches": args.batches,
-        "put_gbps": gbps(batch_bytes, percentile(put_s, 50)),
-        "get_gbps": gbps(batch_bytes, percentile(get_s, 50)),
+        "put_gbps": throughput_gbps(verified_bytes, put_s),
+        "get_gbps": throughput_gbps(verified_bytes, get_s),
+        "put_s": math.fsum(put_s),
+        "get_s": math.fsum(get_s),
         "put_p50_ms": percentile(put_s, 50) * 1e3,
         "put_p99_ms": percentile(put_s, 99) * 1e3,
         "get_p50_ms": percentile(get_s, 50) * 1e3,
@@ -96,9 +151,9 @@ async def throughput(args: argparse.Namespace) -> dict[str, object]:
         "lookup_p99_ms": percentile(lookup_s, 99) * 1e3,
         "lookup_hot_p50_ms": percentile(hot_lookup_s, 50) * 1e3,
         "exists_hot_p50_ms": percentile(hot_exists_s, 50) * 1e3,
-        "stored": stored,
-        "verified": verified,
-        "batches_mismatched": mismatched,
+        **asdict(counts),
+        "verified_bytes": verified_bytes,
+        "client_huge_page_bytes": huge,
     }
 
 
