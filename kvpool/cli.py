@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.logs import configure_logging
-from kvpool.settings import load_settings
+from kvpool.settings import add_setting_flags, load_settings
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -24,63 +24,34 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_master(sub: Any) -> None:
+    from services.master.settings import MasterSettings
+
     p = sub.add_parser("master", help="run the pool master", description="Run the pool master: object locations, "
                        "group-LRU eviction, leases, store liveness.")
     _common(p)
-    p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gRPC port (default 7601; 0 picks a free one)")
-    p.add_argument("--admin-port", type=int, help="Prometheus /metrics port (default 9601; 0 picks)")
-    p.add_argument("--high-watermark", type=float, help="evict when this share of capacity is used (default 0.90)")
-    p.add_argument("--low-watermark", type=float, help="evict down to this share (default 0.85)")
-    p.add_argument("--put-timeout-s", type=float, help="revoke puts not ended after this long (default 30)")
-    p.add_argument("--lease-s", type=float, help="default read lease (default 5)")
-    p.add_argument("--segment-ttl-s", type=float, help="drop a store silent this long (default 10)")
-    p.add_argument("--heartbeat-interval-s", type=float, help="heartbeat period told to stores (default 2)")
+    add_setting_flags(p, MasterSettings)
 
 
 def _add_store(sub: Any) -> None:
+    from services.store.settings import StoreSettings
+
     p = sub.add_parser("store", help="run a store daemon", description="Run a store daemon: one DRAM segment "
                        "pinned to a NUMA node, registered with the transfer engine and mounted on the master.")
     _common(p)
-    p.add_argument("--master", help="pool master address (default 127.0.0.1:7601)")
-    p.add_argument("--host", help="listen address for health/metrics (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gRPC health port (default 7610 + NUMA node; 0 picks)")
-    p.add_argument("--admin-port", type=int, help="Prometheus port (default 9610 + NUMA node; 0 picks)")
-    p.add_argument("--segment-size", help="segment size, e.g. 512MiB, 4GiB (default 1GiB)")
-    p.add_argument("--numa-node", type=int, help="NUMA node to pin CPUs and memory to (default 0)")
-    p.add_argument("--segment-id", help="stable id of the segment (default: random per process)")
-    p.add_argument("--transfer-host", help="address the transfer engine binds and advertises (default 127.0.0.1)")
-    p.add_argument("--protocol", choices=["tcp", "rdma"], help="transfer engine protocol (default tcp)")
-    p.add_argument("--device", help="RDMA device names for the transfer engine (rdma only)")
-    p.add_argument("--heartbeat-interval-s", type=float, help="heartbeat period (default 2)")
+    add_setting_flags(p, StoreSettings)
 
 
 def _add_prefill(sub: Any) -> None:
+    from services.prefill.settings import PrefillSettings
+
     p = sub.add_parser("prefill", help="run a prefill pipeline stage",
                        description="Run one prefill pipeline stage: a contiguous range of layers and their device KV "
                        "pages. Stage 0 also runs the scheduler (chunk hashing, the shared block table, device → pool "
                        "→ compute planning) and serves the Prefill API. Start the later stages first.")
     _common(p)
-    p.add_argument("--stage", type=int, help="this stage's index (default 0)")
-    p.add_argument("--num-stages", type=int, help="stages in the pipeline (default 4)")
-    p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="gRPC port (default 7700 + stage; 0 picks)")
-    p.add_argument("--admin-port", type=int, help="Prometheus port (default 9700 + stage; 0 picks)")
-    p.add_argument("--master", help="pool master address (default 127.0.0.1:7601)")
+    add_setting_flags(p, PrefillSettings)
     p.add_argument("--no-pool", dest="master", action="store_const", const="",
                    help="run without the pool: device cache only")
-    p.add_argument("--model", help="model config: tiny (default), dsv3-kv, dsv3-kv-61")
-    p.add_argument("--model-id", help="weights identity in the pool namespace (default: model name and seed)")
-    p.add_argument("--weights", metavar="DIR", help="load weights from a safetensors directory (default: seeded)")
-    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float8_e4m3fn"], help="KV storage (default float32)")
-    p.add_argument("--chunk-size", type=int, help="tokens per chunk and device block (default 256)")
-    p.add_argument("--device-cache-tokens", type=int, help="device KV capacity in tokens (default 65536)")
-    p.add_argument("--torch-threads", type=int, help="torch compute threads (default 1)")
-    p.add_argument("--next-stage", metavar="ADDR", help="stages 1..N-2: the next stage's address")
-    p.add_argument("--stage-addresses", metavar="ADDR,...", help="stage 0: addresses of stages 1..N-1, in order")
-    p.add_argument("--kv-hold-s", type=float, help="release a request's KV after this long (default 30)")
-    p.add_argument("--transfer-host", help="address the transfer engine advertises (default 127.0.0.1)")
-    p.add_argument("--protocol", choices=["tcp", "rdma"], help="transfer engine protocol (default tcp)")
 
 
 def _add_pool(sub: Any) -> None:
@@ -164,7 +135,8 @@ def _settings(cls: type, section: str, args: argparse.Namespace) -> Any:
 
 def _run_master(args: argparse.Namespace) -> int:
     from kvpool import service
-    from services.master.server import MasterSettings, serve
+    from services.master.server import serve
+    from services.master.settings import MasterSettings
 
     settings = _settings(MasterSettings, "master", args)
     service.run(lambda: serve(settings, args.ready_file))
@@ -173,7 +145,8 @@ def _run_master(args: argparse.Namespace) -> int:
 
 def _run_store(args: argparse.Namespace) -> int:
     from kvpool import service
-    from services.store.daemon import StoreSettings, serve
+    from services.store.daemon import serve
+    from services.store.settings import StoreSettings
 
     settings = _settings(StoreSettings, "store", args)
     service.run(lambda: serve(settings, args.ready_file))

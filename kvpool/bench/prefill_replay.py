@@ -12,9 +12,9 @@ import grpc
 
 from kvpool import service
 from kvpool.bench.prefill_workload import BenchSettings, Prompt, Workload
+from kvpool.core.chunk_hash import chunk_hashes
 from kvpool.local_cluster import LocalPipeline, LocalPool
 from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from kvpool.workload.bounds import chunk_hashes
 
 NUM_STORES = 2
 PREFILL_TIMEOUT_S = 600.0
@@ -22,11 +22,11 @@ PREFILL_TIMEOUT_S = 600.0
 
 def pool_segment_size(workload: Workload, settings: BenchSettings) -> int:
     """Per-store segment that holds every distinct chunk of the replay below the eviction watermark."""
-    from kvpool.model import get_config
+    from kvpool.model import get_config, kv_chunk_nbytes, kv_dtype
 
     config = get_config(settings.model)
-    chunk_bytes = settings.chunk_size * config.num_hidden_layers * config.kv_entry_dim * 4  # float32 KV
-    distinct = {h for p in workload.prompts for h in chunk_hashes(p.token_ids, settings.chunk_size)}
+    chunk_bytes = kv_chunk_nbytes(config, config.num_hidden_layers, settings.chunk_size, kv_dtype(settings.kv_dtype))
+    distinct = {h for p in workload.prompts for h in chunk_hashes("", p.token_ids, settings.chunk_size)}
     needed = len(distinct) * chunk_bytes * 2  # headroom: watermarks, per-segment placement
     return max(32 << 20, -(-needed // NUM_STORES // (1 << 20)) << 20)
 
@@ -101,7 +101,7 @@ async def _pool_stats(master: str) -> dict[str, int]:
 
 def _stage_args(settings: BenchSettings) -> list[str]:
     return ["--device-cache-tokens", str(settings.device_cache_tokens), "--chunk-size", str(settings.chunk_size),
-            "--model", settings.model, "--log-level", "warning"]
+            "--model", settings.model, "--kv-dtype", settings.kv_dtype, "--log-level", "warning"]
 
 
 def run_pool_on(workload: Workload, settings: BenchSettings, workdir: Path) -> Replay:

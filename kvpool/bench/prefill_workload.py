@@ -18,6 +18,7 @@ from kvpool.workload import Session, load_sessions, turn_token_ids
 CHUNK_SIZE = 256  # the system's chunk size (the stages' default)
 NUM_STAGES = 4
 MODEL = "tiny"
+KV_DTYPE = "float32"  # the logits are compared with a float32 computation from scratch
 
 # defaults: a few minutes on a 2-core host; --quick: well under three minutes for both passes
 DEFAULTS = {"sessions": 4, "turns": 10, "scale": 16, "concurrency": 4, "device_cache_tokens": 8192}
@@ -46,6 +47,7 @@ class BenchSettings:
     chunk_size: int = CHUNK_SIZE
     num_stages: int = NUM_STAGES
     model: str = MODEL
+    kv_dtype: str = KV_DTYPE
 
     def __post_init__(self) -> None:
         for name in ("sessions", "turns", "scale", "concurrency", "device_cache_tokens"):

@@ -10,7 +10,13 @@ from kvpool.workload.tokens import (
     shared_prefix_tokens,
     turn_token_ids,
 )
-from kvpool.workload.weka import Session, Turn, load_session, load_sessions, parse_session
+from kvpool.workload.weka import (
+    Session,
+    Turn,
+    load_session,
+    load_sessions,
+    parse_session,
+)
 
 __all__ = [
     "BoundResult",

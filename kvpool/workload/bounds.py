@@ -8,12 +8,11 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import xxhash
-
+from kvpool.core.chunk_hash import ChunkHash, chunk_hashes
+from kvpool.core.planner import max_hit_chunks
 from kvpool.workload.weka import Session
 
 
@@ -49,38 +48,24 @@ class BoundResult:
     total_tokens: int
 
 
-def chunk_hashes(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
-    """Chained hashes of the full chunks: ``h_i = xxh3_128(h_{i-1} || uint32 tokens of chunk i)``.
-
-    ``h_i`` depends on the whole prefix up to chunk i, so equal prefixes ↔ equal
-    hashes (up to 128-bit collisions). A trailing partial chunk has no hash.
-    """
-    words = array("I", tokens).tobytes()  # raises OverflowError for ids outside uint32
-    step = 4 * chunk_size
-    hashes: list[bytes] = []
-    previous = b""
-    for start in range(0, len(tokens) // chunk_size * step, step):
-        previous = xxhash.xxh3_128_digest(previous + words[start : start + step])
-        hashes.append(previous)
-    return hashes
-
-
-def chunk_prefix_bound(prompts: Iterable[Sequence[int]], chunk_size: int) -> BoundResult:
+def chunk_prefix_bound(prompts: Iterable[Sequence[int]], chunk_size: int, namespace: str = "") -> BoundResult:
     """Reuse of an unlimited prefix cache of ``chunk_size``-token chunks, one cache for all prompts.
 
     For each prompt in order: hit = the leading full chunks whose chained hash
-    was inserted before, capped at ``(len(prompt) - 1) // chunk_size`` chunks so
-    at least one token is computed; then every full chunk of the prompt is
-    inserted. Hit tokens are ``hit_chunks * chunk_size``.
+    was inserted before, capped at ``max_hit_chunks`` (at least one token is
+    computed, as the hit planner does); then every full chunk of the prompt is
+    inserted. Hit tokens are ``hit_chunks * chunk_size``. The hashes are the
+    system's own (``kvpool.core.chunk_hash``); with the serving namespace they
+    equal the pool's chunk names hash for hash.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    cache: set[bytes] = set()
+    cache: set[ChunkHash] = set()
     hit_tokens: list[int] = []
     total = 0
     for prompt in prompts:
-        hashes = chunk_hashes(prompt, chunk_size)
-        cap = max(0, (len(prompt) - 1) // chunk_size)
+        hashes = chunk_hashes(namespace, prompt, chunk_size)
+        cap = max_hit_chunks(len(prompt), chunk_size) if prompt else 0
         hits = 0
         while hits < cap and hashes[hits] in cache:
             hits += 1

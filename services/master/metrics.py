@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from services.master.index import PoolIndex
+from kvpool.core.pool_index import PoolIndex
 
 
 class MasterMetrics:

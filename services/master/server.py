@@ -5,53 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from dataclasses import dataclass
 
 import structlog
 
 from kvpool import service
+from kvpool.core.pool_index import PoolIndex
 from kvpool.rpc import pool_pb2_grpc
-from services.master.index import IndexSettings, PoolIndex
 from services.master.metrics import MasterMetrics
 from services.master.servicer import PoolMasterServicer
+from services.master.settings import MasterSettings
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class MasterSettings:
-    host: str = "127.0.0.1"
-    port: int = 7601
-    admin_port: int = 9601
-    high_watermark: float = 0.90
-    low_watermark: float = 0.85
-    put_timeout_s: float = 30.0
-    lease_s: float = 5.0
-    segment_ttl_s: float = 10.0
-    heartbeat_interval_s: float = 2.0
-    alignment: int = 64
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: {self.port} is not a TCP port")
-        if not 0 <= self.admin_port <= 65535:
-            raise ValueError(f"admin_port: {self.admin_port} is not a TCP port")
-        if self.heartbeat_interval_s <= 0 or self.heartbeat_interval_s * 2 > self.segment_ttl_s:
-            raise ValueError(
-                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be positive and at most half "
-                f"of segment_ttl_s ({self.segment_ttl_s}) so one lost heartbeat does not drop a store"
-            )
-        self.index_settings()  # validates watermarks and timeouts
-
-    def index_settings(self) -> IndexSettings:
-        return IndexSettings(
-            high_watermark=self.high_watermark,
-            low_watermark=self.low_watermark,
-            put_timeout_s=self.put_timeout_s,
-            lease_s=self.lease_s,
-            segment_ttl_s=self.segment_ttl_s,
-            alignment=self.alignment,
-        )
 
 
 async def _sweep(index: PoolIndex, metrics: MasterMetrics, interval_s: float) -> None:
@@ -68,12 +32,13 @@ async def _sweep(index: PoolIndex, metrics: MasterMetrics, interval_s: float) ->
 
 
 async def serve(settings: MasterSettings, ready_file: str | None = None) -> None:
-    index = PoolIndex(settings.index_settings())
+    index = PoolIndex(settings)
     metrics = MasterMetrics()
     incarnation = uuid.uuid4().hex[:12]
     servicer = PoolMasterServicer(index, incarnation, settings.heartbeat_interval_s, metrics)
     handle = await service.create_server(
-        settings.host, settings.port, lambda s: pool_pb2_grpc.add_PoolMasterServicer_to_server(servicer, s)
+        settings.host, settings.port, lambda s: pool_pb2_grpc.add_PoolMasterServicer_to_server(servicer, s),
+        service_names=["kvpool.rpc.PoolMaster"],
     )
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     stop = asyncio.Event()

@@ -8,11 +8,12 @@ from typing import Any
 
 import structlog
 
-from kvpool.errors import InvalidArgument, ResourceExhausted, status_errors
+from kvpool.core.errors import InvalidArgument, ResourceExhausted
+from kvpool.core.pool_index import PoolIndex
+from kvpool.core.pool_records import PutRequestItem, PutStatus
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
-from services.master.index import PoolIndex
+from kvpool.status import status_errors
 from services.master.metrics import MasterMetrics
-from services.master.records import PutRequestItem, PutStatus
 
 log = structlog.get_logger(__name__)
 

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.core.allocator import SegmentAllocator
 from kvpool.transfer import HostBuffer, TransferEngine
-from services.master.allocator import SegmentAllocator
+
+ALIGNMENT = 4096  # regions start on a page
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,12 +33,16 @@ class Arena:
         self.buffer = HostBuffer(size)
         self.buffer.touch()
         engine.register(self.buffer.address, size)
-        self._allocator = SegmentAllocator(size, alignment=4096)
+        self._allocator = SegmentAllocator(size, alignment=ALIGNMENT)
         self._freed = asyncio.Condition()
 
     @property
     def size(self) -> int:
         return self.buffer.size
+
+    @property
+    def alignment(self) -> int:
+        return self._allocator.alignment
 
     @property
     def largest_free(self) -> int:

@@ -1,13 +1,15 @@
 """Stage 0's scheduler: hash the prompt, plan device → pool → compute, restore
 on every stage, run the pipeline, hold the KV until released.
 
-The block manager (one block table for all stages) and the planner are pure
-cores; this module does the I/O around them.
+Every decision is the core's: the block manager (one block table for all
+stages), the hit planner and the request's life (``kvpool.core``). This
+module does the I/O around them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,13 +20,14 @@ import grpc
 import structlog
 import torch
 
-from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable, status_errors
+from kvpool.core.block_manager import BlockManager
+from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
+from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvpool.core.prefill_request import KvHolds, PrefillRequest, try_admit
 from kvpool.pool.client import LookupResult, PoolClient
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
-from services.prefill.block_manager import BlockManager, NoFreeBlocks
-from services.prefill.chunk_hash import ChunkHash, chunk_hashes, group_id, object_key
+from kvpool.status import status_errors
 from services.prefill.metrics import PrefillMetrics
-from services.prefill.planner import RestorePlan, max_hit_chunks, plan_restore
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
 from services.prefill.stage_servicer import ActivationLink, figures_message, run_stage
 
@@ -35,16 +38,27 @@ MAX_SESSION_ID_BYTES = 256
 
 
 @dataclass(slots=True)
-class Outcome:
-    plan: RestorePlan
-    num_restored_chunks: int
-    restore: list[prefill_pb2.StageRestoreFigures] = field(default_factory=list)
-    restore_wait_ms: float = 0.0
+class RestoreReport:
+    """What restoring one request cost, for its figures."""
+
     lookup_ms: float = 0.0
+    wait_ms: float = 0.0
+    stages: list[prefill_pb2.StageRestoreFigures] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RunResult:
+    restore: RestoreReport
+    forward: prefill_pb2.ForwardResponse
+    compute_ms: float
 
 
 class PrefillScheduler:
-    """Admits prefills against the device cache and runs them through all stages."""
+    """Admits prefills against the device cache and runs them through all stages.
+
+    The decisions are the core's (``PrefillRequest``, ``try_admit``,
+    ``KvHolds``); this class does the I/O between them.
+    """
 
     def __init__(
         self, runner: StageRunner, link: ActivationLink, stages: Sequence[prefill_pb2_grpc.PrefillStageStub],
@@ -60,7 +74,7 @@ class PrefillScheduler:
         self.namespace = runner.namespace
         self.chunk_size = self.settings.chunk_size
         self.blocks = BlockManager(self.settings.num_blocks, self.chunk_size)
-        self.held: dict[str, float] = {}
+        self.holds = KvHolds(self.settings.kv_hold_s)
         self._freed = asyncio.Condition()
 
     # ---- the request path ----------------------------------------------
@@ -88,141 +102,120 @@ class PrefillScheduler:
     async def prefill(self, token_ids: Sequence[int], session_id: str, return_logits: bool) -> prefill_pb2.PrefillResponse:
         self.validate(token_ids, session_id)
         started = time.perf_counter()
-        request_id = uuid.uuid4().hex
-        num_tokens = len(token_ids)
-        hashes = chunk_hashes(self.namespace, token_ids, self.chunk_size)
-        limit = min(len(hashes), max_hit_chunks(num_tokens, self.chunk_size))
-        num_device, block_table = await self._admit(request_id, hashes, num_tokens, limit)
-        bound = structlog.get_logger(__name__).bind(request_id=request_id, session_id=session_id)
-        work = asyncio.ensure_future(
-            self._run(request_id, token_ids, hashes, num_device, limit, block_table, return_logits)
+        request = PrefillRequest(
+            uuid.uuid4().hex, len(token_ids), self.chunk_size,
+            chunk_hashes(self.namespace, token_ids, self.chunk_size),
         )
+        await self._admit(request)
+        bound = log.bind(request_id=request.request_id, session_id=session_id)
+        work = asyncio.ensure_future(self._run(request, token_ids, return_logits))
         try:
             # shielded: if the caller goes away, the stages are still writing this
             # request's pages, so its blocks go back only once they are done
-            outcome, result, compute_start, compute_ms = await asyncio.shield(work)
+            run = await asyncio.shield(work)
         except asyncio.CancelledError:
             bound.info("prefill_cancelled")
-            work.add_done_callback(lambda task: self._free_after(task, request_id))
+            work.add_done_callback(lambda task: self._free_after(task, request.request_id))
             raise
         except BaseException:
-            await self._free(request_id)
+            await self._free(request.request_id)
             raise
-        self.held[request_id] = time.monotonic() + self.settings.kv_hold_s
+        self.holds.hold(request, time.monotonic())
         figures = prefill_pb2.PrefillFigures(
-            num_prompt_tokens=num_tokens,
-            num_device_tokens=num_device * self.chunk_size,
-            num_pool_tokens=outcome.num_restored_chunks * self.chunk_size,
-            num_computed_tokens=num_tokens - compute_start,
-            num_pool_chunks_lost=outcome.plan.num_pool_chunks - outcome.num_restored_chunks,
-            restore=outcome.restore,
-            restore_wait_ms=outcome.restore_wait_ms,
-            compute_ms=compute_ms,
-            lookup_ms=outcome.lookup_ms,
+            num_prompt_tokens=request.num_tokens,
+            num_device_tokens=request.num_device_tokens,
+            num_pool_tokens=request.num_pool_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            num_pool_chunks_lost=request.num_pool_chunks_lost,
+            restore=run.restore.stages,
+            restore_wait_ms=run.restore.wait_ms,
+            compute_ms=run.compute_ms,
+            lookup_ms=run.restore.lookup_ms,
             total_ms=(time.perf_counter() - started) * 1e3,
-            stage_compute_ms=list(result.stage_compute_ms),
+            stage_compute_ms=list(run.forward.stage_compute_ms),
         )
         self.metrics.observe(figures, self.blocks.usage)
-        bound.info("prefill_done", tokens=num_tokens, device=figures.num_device_tokens, pool=figures.num_pool_tokens,
-                   computed=figures.num_computed_tokens, lost_chunks=figures.num_pool_chunks_lost,
-                   total_ms=round(figures.total_ms, 1))
+        bound.info("prefill_done", tokens=request.num_tokens, device=figures.num_device_tokens,
+                   pool=figures.num_pool_tokens, computed=figures.num_computed_tokens,
+                   lost_chunks=figures.num_pool_chunks_lost, total_ms=round(figures.total_ms, 1))
         return prefill_pb2.PrefillResponse(
-            first_token=result.first_token, kv_handle=request_id, logits=result.logits, figures=figures,
-            block_table=block_table, block_size=self.chunk_size, kv_hold_s=self.settings.kv_hold_s,
+            first_token=run.forward.first_token, kv_handle=request.request_id, logits=run.forward.logits,
+            figures=figures, block_table=request.block_table, block_size=self.chunk_size,
+            kv_hold_s=self.settings.kv_hold_s,
         )
 
-    async def _run(
-        self, request_id: str, token_ids: Sequence[int], hashes: list[ChunkHash], num_device: int, limit: int,
-        block_table: list[int], return_logits: bool,
-    ) -> tuple[Outcome, prefill_pb2.ForwardResponse, int, float]:
-        """Restore on every stage, then compute through all stages; returns what the figures need."""
-        num_tokens = len(token_ids)
-        outcome = await self._restore(request_id, hashes, num_tokens, num_device, limit, block_table)
-        compute_start = (num_device + outcome.num_restored_chunks) * self.chunk_size
-        save_first = compute_start // self.chunk_size
+    async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool) -> RunResult:
+        """Restore on every stage, then compute through all stages."""
+        restore = await self._restore(request)
         forward = prefill_pb2.ForwardRequest(
-            request_id=request_id, block_table=block_table, compute_start=compute_start, num_tokens=num_tokens,
-            save_first_chunk=save_first, save_chunk_hashes=hashes[save_first:], return_logits=return_logits,
+            request_id=request.request_id, block_table=request.block_table, compute_start=request.compute_start,
+            num_tokens=request.num_tokens, save_first_chunk=request.save_first_chunk,
+            save_chunk_hashes=request.chunks_to_save, return_logits=return_logits,
         )
-        inputs = torch.tensor(token_ids[compute_start:], dtype=torch.int64)
+        inputs = torch.tensor(token_ids[request.compute_start:], dtype=torch.int64)
         t0 = time.perf_counter()
-        result = await run_stage(self.runner, self.link, forward, inputs, block_table)
+        result = await run_stage(self.runner, self.link, forward, inputs, request.block_table)
         compute_ms = (time.perf_counter() - t0) * 1e3
-        self.blocks.commit_chunks(request_id, save_first, hashes[save_first:])
-        return outcome, result, compute_start, compute_ms
+        request.finish_compute(self.blocks)
+        return RunResult(restore, result, compute_ms)
 
     def _free_after(self, task: asyncio.Future[object], request_id: str) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.info("cancelled_prefill_failed", request_id=request_id, error=str(task.exception()))
         asyncio.ensure_future(self._free(request_id))
 
-    async def _admit(
-        self, request_id: str, hashes: list[ChunkHash], num_tokens: int, limit: int
-    ) -> tuple[int, list[int]]:
+    async def _admit(self, request: PrefillRequest) -> None:
         """Take device blocks (device hits are ref'd first), waiting while others hold them."""
         deadline = time.monotonic() + self.settings.admission_timeout_s
         async with self._freed:
-            while True:
-                num_device = self.blocks.match_prefix(hashes[:limit])
-                try:
-                    return num_device, self.blocks.allocate(request_id, hashes, num_tokens, num_device)
-                except NoFreeBlocks as exc:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise ResourceExhausted(
-                            f"device cache: {exc}; {len(self.held)} requests hold KV (release their handles)"
-                        ) from None
-                    try:
-                        await asyncio.wait_for(self._freed.wait(), remaining)
-                    except TimeoutError:
-                        pass
+            try:
+                while not try_admit(request, self.blocks, time.monotonic(), deadline):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._freed.wait(), max(0.0, deadline - time.monotonic()))
+            except ResourceExhausted as exc:
+                raise ResourceExhausted(f"{exc}; {len(self.holds)} requests hold KV (release their handles)") from None
 
-    async def _restore(
-        self, request_id: str, hashes: list[ChunkHash], num_tokens: int, num_device: int, limit: int,
-        block_table: list[int],
-    ) -> Outcome:
-        lookup: LookupResult | None = None
-        lookup_ms = 0.0
-        if self.pool is not None and num_device < limit:
-            t0 = time.perf_counter()
-            lookup = await self.pool.lookup([group_id(self.namespace, h) for h in hashes[num_device:limit]])
-            lookup_ms = (time.perf_counter() - t0) * 1e3
-        num_pool = lookup.num_complete if lookup is not None else 0
-        plan = plan_restore(num_tokens, self.chunk_size, len(hashes), num_device, num_pool)
-        outcome = Outcome(plan, 0, lookup_ms=lookup_ms)
-        if lookup is None:
-            return outcome
+    async def _restore(self, request: PrefillRequest) -> RestoreReport:
+        """Look the pool-candidate chunks up, restore them on every stage, apply what all stages got."""
+        report = RestoreReport()
+        candidates = request.pool_candidates
+        if self.pool is None or not candidates:
+            request.plan(0)
+            request.apply_restore([], self.blocks)
+            return report
+        t0 = time.perf_counter()
+        lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates])
+        report.lookup_ms = (time.perf_counter() - t0) * 1e3
+        plan = request.plan(lookup.num_complete)
         try:
             if plan.num_pool_chunks:
-                await self._restore_on_stages(request_id, hashes, plan, lookup, block_table, outcome)
+                t1 = time.perf_counter()
+                report.stages = await self._restore_on_stages(request, lookup)
+                report.wait_ms = (time.perf_counter() - t1) * 1e3
         finally:
-            await self.pool.release(lookup.lease_id)  # type: ignore[union-attr]
-        if outcome.num_restored_chunks:
-            self.blocks.commit_chunks(request_id, num_device, hashes[num_device:num_device + outcome.num_restored_chunks])
-        return outcome
+            await self.pool.release(lookup.lease_id)
+        request.apply_restore([s.num_chunks_restored for s in report.stages], self.blocks)
+        return report
 
     async def _restore_on_stages(
-        self, request_id: str, hashes: list[ChunkHash], plan: RestorePlan, lookup: LookupResult,
-        block_table: list[int], outcome: Outcome,
-    ) -> None:
-        """Every stage reads its own objects at once; a prefix counts only as far as all stages got it."""
+        self, request: PrefillRequest, lookup: LookupResult
+    ) -> list[prefill_pb2.StageRestoreFigures]:
+        """Every stage reads its own objects of the planned chunks at once."""
+        targets = request.restore_targets()
         per_stage: list[list[ChunkToRestore]] = []
         for stage in range(self.settings.num_stages):
             chunks = []
-            for i, chunk_index in enumerate(plan.pool_chunk_range):
-                location = lookup.groups[i].members.get(object_key(self.namespace, hashes[chunk_index], stage))
+            for group, (chunk_index, block_id) in zip(lookup.groups, targets):
+                location = group.members.get(object_key(self.namespace, request.chunk_hashes[chunk_index], stage))
                 if location is None:
                     break  # cannot happen for a complete group; stay safe
-                chunks.append(ChunkToRestore(chunk_index, block_table[chunk_index], location))
+                chunks.append(ChunkToRestore(chunk_index, block_id, location))
             per_stage.append(chunks)
-        t0 = time.perf_counter()
         results = await asyncio.gather(
             self._restore_local(per_stage[0]),
-            *(self._restore_remote(stage, request_id, per_stage[stage]) for stage in range(1, len(per_stage))),
+            *(self._restore_remote(stage, request.request_id, per_stage[stage]) for stage in range(1, len(per_stage))),
         )
-        outcome.restore_wait_ms = (time.perf_counter() - t0) * 1e3
-        outcome.restore = list(results)
-        outcome.num_restored_chunks = min(r.num_chunks_restored for r in results)
+        return list(results)
 
     async def _restore_local(self, chunks: list[ChunkToRestore]) -> prefill_pb2.StageRestoreFigures:
         figures: RestoreFigures = await self.runner.restore(chunks)
@@ -248,7 +241,7 @@ class PrefillScheduler:
     # ---- holding KV -----------------------------------------------------
 
     async def release(self, kv_handle: str) -> None:
-        if self.held.pop(kv_handle, None) is None:
+        if not self.holds.release(kv_handle):
             raise NotFound(f"kv_handle: {kv_handle!r} is unknown or already released")
         await self._free(kv_handle)
 
@@ -259,9 +252,7 @@ class PrefillScheduler:
 
     async def expire_held_forever(self, interval_s: float = 1.0) -> None:
         while True:
-            now = time.monotonic()
-            for request_id in [r for r, deadline in self.held.items() if deadline <= now]:
-                del self.held[request_id]
+            for request_id in self.holds.expire(time.monotonic()):
                 await self._free(request_id)
                 log.info("kv_released_after_timeout", request_id=request_id, hold_s=self.settings.kv_hold_s)
             await asyncio.sleep(interval_s)

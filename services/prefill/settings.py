@@ -2,44 +2,50 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvpool.core.chunk_hash import namespace_fingerprint
+from kvpool.core.setting import setting
 from kvpool.model import KV_DTYPES, get_config, kv_chunk_nbytes, kv_dtype, split_layers
-from kvpool.model.config import ModelConfig
-from services.prefill.chunk_hash import namespace_fingerprint
+from kvpool.model.config import CONFIGS, ModelConfig
 
 LAYOUT_VERSION = 1
 
 
 @dataclass(slots=True)
 class PrefillSettings:
-    stage: int = 0
-    num_stages: int = 4
-    host: str = "127.0.0.1"
+    stage: int = setting(0, help="this stage's index")
+    num_stages: int = setting(4, help="stages in the pipeline")
+    host: str = setting("127.0.0.1", help="listen address")
     # -1: 7700 + stage (gRPC) and 9700 + stage (metrics)
-    port: int = -1
-    admin_port: int = -1
-    # the pool master; "" runs without a pool (device cache only)
-    master: str = "127.0.0.1:7601"
-    model: str = "tiny"
-    # identifies the weights in the pool namespace; default: model name and seed
-    model_id: str = ""
-    weights: str = ""
-    kv_dtype: str = "float32"
-    chunk_size: int = 256
-    device_cache_tokens: int = 65536
-    torch_threads: int = 1
-    # stage N < last: the next stage's address; stage 0: every later stage's, in order
-    next_stage: str = ""
-    stage_addresses: list[str] = field(default_factory=list)
-    kv_hold_s: float = 30.0
-    transfer_host: str = "127.0.0.1"
-    protocol: str = "tcp"
-    device: str = ""
-    # hidden states at or below this many bytes travel inside the RPC
-    inline_activation_bytes: int = 65536
-    # waiting this long for free device blocks before answering RESOURCE_EXHAUSTED
-    admission_timeout_s: float = 120.0
+    port: int = setting(-1, help="gRPC port (0 picks a free one)", default_text="7700 + stage")
+    admin_port: int = setting(-1, help="Prometheus port (0 picks a free one)", default_text="9700 + stage")
+    # "" runs without a pool (device cache only); --no-pool says so on the command line
+    master: str = setting("127.0.0.1:7601", help="pool master address")
+    model: str = setting("tiny", help="model config", choices=tuple(CONFIGS))
+    model_id: str = setting(
+        "", help="weights identity in the pool namespace", default_text="model name and seed"
+    )
+    weights: str = setting("", help="load weights from a safetensors directory", metavar="DIR",
+                           default_text="seeded")
+    kv_dtype: str = setting("float32", help="KV storage dtype", choices=tuple(sorted(KV_DTYPES)))
+    chunk_size: int = setting(256, help="tokens per chunk and device block")
+    device_cache_tokens: int = setting(65536, help="device KV capacity in tokens")
+    torch_threads: int = setting(1, help="torch compute threads")
+    next_stage: str = setting("", help="stages 1..N-2: the next stage's address", metavar="ADDR")
+    stage_addresses: list[str] = setting(
+        help="stage 0: addresses of stages 1..N-1, in order", factory=list, metavar="ADDR,...", default_text="none"
+    )
+    kv_hold_s: float = setting(30.0, help="release a request's KV this many seconds after its prefill")
+    transfer_host: str = setting("127.0.0.1", help="address the transfer engine advertises")
+    protocol: str = setting("tcp", help="transfer engine protocol", choices=("tcp", "rdma"))
+    device: str = setting("", help="RDMA device names for the transfer engine (rdma only)")
+    inline_activation_bytes: int = setting(
+        65536, help="hidden states at or below this many bytes travel inside the RPC, larger ones by the engine"
+    )
+    admission_timeout_s: float = setting(
+        120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stage_addresses, str):
@@ -73,6 +79,10 @@ class PrefillSettings:
             raise ValueError(f"next_stage: stage {self.stage} needs the address of stage {self.stage + 1}")
         if self.kv_hold_s <= 0:
             raise ValueError(f"kv_hold_s: must be positive, got {self.kv_hold_s}")
+        if self.admission_timeout_s <= 0:
+            raise ValueError(f"admission_timeout_s: must be positive, got {self.admission_timeout_s}")
+        if self.inline_activation_bytes < 0:
+            raise ValueError(f"inline_activation_bytes: must be >= 0, got {self.inline_activation_bytes}")
 
     def model_config(self) -> ModelConfig:
         try:

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from kvpool.core.chunk_hash import ChunkHash, group_id, object_key
+from kvpool.core.planner import chunks_that_fit, leading_count
 from kvpool.model import ModelStage, kv_dtype, pack_kv, unpack_kv
 from kvpool.pool.client import ObjectLocation, PoolClient, PutObject, PutResult
 from kvpool.transfer import TransferEngine
 from services.prefill.arena import Arena
-from services.prefill.chunk_hash import ChunkHash, group_id, object_key
 from services.prefill.settings import PrefillSettings
 
 log = structlog.get_logger(__name__)
@@ -87,19 +88,16 @@ class StageRunner:
         if not chunks or self.pool is None:
             return figures
         size = self.chunk_nbytes
-        count = _leading(chunks, size)  # an object of the wrong size ends the run (recomputed)
-        region = None
-        while count and region is None:
-            region = self.restore_arena.allocate(count * size)
-            if region is None:
-                count = min(count - 1, self.restore_arena.largest_free // size)  # restore fewer; recompute the rest
+        count = leading_count(c.location.size == size for c in chunks)  # a wrong size ends the run (recomputed)
+        count = chunks_that_fit(count, size, self.restore_arena.largest_free, self.restore_arena.alignment)
+        region = self.restore_arena.allocate(count * size) if count else None
         if region is None:
             return figures
         try:
             t0 = time.perf_counter()
             verified = await self.pool.read([(c.location, region.address + i * size) for i, c in enumerate(chunks[:count])])
             figures.read_ms = (time.perf_counter() - t0) * 1e3
-            restored = _leading_true(verified)
+            restored = leading_count(verified)
             if restored:
                 t1 = time.perf_counter()
                 await asyncio.get_running_loop().run_in_executor(
@@ -175,20 +173,3 @@ class StageRunner:
         while self._saves:
             await asyncio.gather(*list(self._saves), return_exceptions=True)
 
-
-def _leading(chunks: Sequence[ChunkToRestore], size: int) -> int:
-    count = 0
-    for chunk in chunks:
-        if chunk.location.size != size:
-            break
-        count += 1
-    return count
-
-
-def _leading_true(flags: Sequence[bool]) -> int:
-    count = 0
-    for flag in flags:
-        if not flag:
-            break
-        count += 1
-    return count

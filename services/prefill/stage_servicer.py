@@ -16,9 +16,10 @@ import structlog
 import torch
 
 from kvpool import service
-from kvpool.errors import InvalidArgument, Unavailable, status_errors
+from kvpool.core.errors import InvalidArgument, Unavailable
 from kvpool.pool.client import ObjectLocation
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.status import status_errors
 from kvpool.transfer import TransferError
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
 

@@ -13,7 +13,7 @@ from kvpool import service
 from kvpool.local_cluster import LocalPipeline, LocalPool
 from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import HostBuffer, TransferEngine
-from services.prefill.chunk_hash import chunk_hashes, group_id, object_key
+from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
 from tests.integration.conftest import eventually
 from tests.integration.test_prefill_pipeline import (
     CHUNK, DEVICE_TOKENS, evict_device, logits_of, prompt, reference_logits, run, saved, split,

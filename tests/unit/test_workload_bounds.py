@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.workload.bounds import BoundResult, chunk_hashes, chunk_prefix_bound, trace_block_bound
+from kvpool.core.chunk_hash import chunk_hashes
+from kvpool.workload.bounds import BoundResult, chunk_prefix_bound, trace_block_bound
 from kvpool.workload.tokens import turn_token_ids
 from kvpool.workload.weka import Session, Turn
 
@@ -28,12 +29,18 @@ def test_trace_block_bound_exact() -> None:
     assert trace_block_bound([]) == 0.0
 
 
-def test_chunk_hashes_chain_whole_prefix() -> None:
-    x = chunk_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
-    assert len(x) == 2  # the partial chunk [9] has none
-    assert chunk_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4) == x
-    moved = chunk_hashes([0, 0, 0, 0, 5, 6, 7, 8], 4)
-    assert moved[1] != x[1]  # same chunk content, different prefix
+def test_bound_counts_the_systems_own_chunk_names() -> None:
+    # the bound hashes with the pool's chunk hashing: under the serving namespace
+    # a prompt's cached chunks are exactly the groups the pool would name
+    namespace = "0123456789abcdef"
+    first = list(range(1, 13))
+    second = first[:8] + [0, 0, 0, 0]
+    result = chunk_prefix_bound([first, second], 4, namespace)
+    assert result.hit_tokens == [0, 8]
+    pool_names = set(chunk_hashes(namespace, first, 4))
+    assert [h in pool_names for h in chunk_hashes(namespace, second, 4)] == [True, True, False]
+    # the namespace is the root of the chain, not a salt on the bound's answer
+    assert chunk_prefix_bound([first, second], 4).hit_tokens == [0, 8]
 
 
 def test_chunk_prefix_bound_exact_with_cap() -> None:

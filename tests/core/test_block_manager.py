@@ -7,9 +7,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
-from services.prefill.block_manager import BlockManager, NoFreeBlocks
-from services.prefill.chunk_hash import ChunkHash, chunk_hashes
+from kvpool.core.block_manager import BlockManager, NoFreeBlocks
+from kvpool.core.chunk_hash import ChunkHash, chunk_hashes
+from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
 
 NS = "ns"
 CHUNK = 4

@@ -5,9 +5,15 @@ import random
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from services.master.allocator import (
+from kvpool.core.allocator import (
     AllocatorError,
     Extent,
     SegmentAllocator,

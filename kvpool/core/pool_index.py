@@ -21,9 +21,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.master.allocator import SegmentAllocator
-from services.master.records import (
+from kvpool.core.allocator import SegmentAllocator
+from kvpool.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvpool.core.placement import batch_orders
+from kvpool.core.pool_records import (
     Group,
     LookupResult,
     PutOutcome,
@@ -32,29 +33,7 @@ from services.master.records import (
     Segment,
     StoredObject,
 )
-
-
-@dataclass(slots=True)
-class IndexSettings:
-    high_watermark: float = 0.90
-    low_watermark: float = 0.85
-    put_timeout_s: float = 30.0
-    lease_s: float = 5.0
-    segment_ttl_s: float = 10.0
-    alignment: int = 64
-    # a batch of at least this many bytes is striped over its host's segments
-    # (parallel transfers); a smaller one stays on one segment (one transfer)
-    stripe_min_bytes: int = 8 << 20
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
-            raise ValueError(
-                "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1, "
-                f"got low={self.low_watermark} high={self.high_watermark}"
-            )
-        for name in ("put_timeout_s", "lease_s", "segment_ttl_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+from kvpool.core.pool_settings import IndexSettings
 
 
 @dataclass(slots=True)
@@ -142,16 +121,9 @@ class PoolIndex:
         self.expire_leases()
         self._validate_put(items)
         outcomes: list[PutOutcome] = []
-        # a batch lands on one host (the writer's own first, else the one with
-        # the most free segment); a big one is striped round robin over that
-        # host's segments, emptiest first, so its transfers run in parallel, a
-        # small one stays on one segment while it fits (one transfer); what
-        # does not fit spills to the other segments in placement order
-        order = self._placement_order(client_host)
-        if sum(item.size for item in items) >= self.settings.stripe_min_bytes:
-            rotations = self._stripe_rotations(order)
-        else:
-            rotations = [order]
+        rotations = batch_orders(
+            self.segments.values(), client_host, sum(item.size for item in items), self.settings.stripe_min_bytes
+        )
         num_placed = 0
         capacity = self.capacity
         high = self.settings.high_watermark * capacity
@@ -352,22 +324,6 @@ class PoolIndex:
                         f"items[{i}].key: group {item.group_id!r} already has {have + count - 1} "
                         f"of {item.group_size} members"
                     )
-
-    def _placement_order(self, client_host: str) -> list[Segment]:
-        """The writer's own host first, then the most free space, then segment id."""
-        return sorted(
-            self.segments.values(),
-            key=lambda s: (s.host != client_host, -s.allocator.free_bytes, s.segment_id),
-        )
-
-    @staticmethod
-    def _stripe_rotations(order: list[Segment]) -> list[list[Segment]]:
-        """Every segment, once per rotation of the first one's host's segments, then the rest in order."""
-        if not order:
-            return [[]]
-        stripe = [s for s in order if s.host == order[0].host]
-        spill = [s for s in order if s.host != order[0].host]
-        return [stripe[k:] + stripe[:k] + spill for k in range(len(stripe))]
 
     def _reserve(self, order: list[Segment], size: int, high: float, low: float) -> tuple[Segment, int] | None:
         """Place ``size`` bytes: evict to ``low`` used bytes past ``high``, then allocate."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.master.index import IndexSettings, PoolIndex
-from services.master.records import PutRequestItem, PutStatus
+from kvpool.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvpool.core.pool_index import IndexSettings, PoolIndex
+from kvpool.core.pool_records import PutRequestItem, PutStatus
 
 KB = 1024
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from services.master.allocator import SegmentAllocator
+from kvpool.core.allocator import SegmentAllocator
 
 
 class PutStatus(enum.Enum):

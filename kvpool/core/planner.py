@@ -12,9 +12,10 @@ Invariants of every ``RestorePlan``:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvpool.errors import InvalidArgument
+from kvpool.core.errors import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,3 +95,31 @@ def plan_restore(
     num_device = min(num_device_chunks, limit)
     num_pool = min(num_pool_chunks_after_device, limit - num_device)
     return RestorePlan(num_tokens, chunk_size, num_device, num_pool)
+
+
+# ---- one stage's share of a restore --------------------------------------------
+
+
+def chunks_that_fit(num_chunks: int, chunk_nbytes: int, largest_free: int, alignment: int = 1) -> int:
+    """How many of ``num_chunks`` objects one staging region can take now.
+
+    A restore that finds its staging arena too full restores fewer chunks
+    (the leading ones) and leaves the rest to be computed, rather than wait.
+    The region is ``n * chunk_nbytes`` rounded up to ``alignment``.
+    """
+    if num_chunks < 0 or chunk_nbytes <= 0 or alignment <= 0:
+        raise InvalidArgument(f"chunks_that_fit({num_chunks}, {chunk_nbytes}, alignment={alignment})")
+    n = min(num_chunks, largest_free // chunk_nbytes)
+    while n > 0 and -(-n * chunk_nbytes // alignment) * alignment > largest_free:
+        n -= 1
+    return n
+
+
+def leading_count(flags: Iterable[bool]) -> int:
+    """Length of the leading run of true flags: a chunk is useless without the ones before it."""
+    count = 0
+    for flag in flags:
+        if not flag:
+            break
+        count += 1
+    return count

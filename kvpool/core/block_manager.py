@@ -24,8 +24,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.errors import InvalidArgument, NotFound, ResourceExhausted
-from services.prefill.chunk_hash import ChunkHash
+from kvpool.core.chunk_hash import ChunkHash
+from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
 
 
 class NoFreeBlocks(ResourceExhausted):

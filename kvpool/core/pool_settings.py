@@ -1,0 +1,37 @@
+"""The pool index's settings: watermarks, timeouts, alignment, striping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.core.setting import setting
+
+
+@dataclass(slots=True)
+class IndexSettings:
+    """Checked on construction: ``0 < low_watermark <= high_watermark <= 1``, timeouts positive."""
+
+    high_watermark: float = setting(0.90, help="evict when this share of capacity is used")
+    low_watermark: float = setting(0.85, help="evict down to this share of capacity")
+    put_timeout_s: float = setting(30.0, help="revoke puts not ended after this many seconds (their writer died)")
+    lease_s: float = setting(5.0, help="default read lease in seconds")
+    segment_ttl_s: float = setting(10.0, help="drop a store silent for this many seconds, with its objects")
+    alignment: int = setting(64, help="byte alignment of every object in a segment (a power of two)")
+    stripe_min_bytes: int = setting(
+        8 << 20, help="a put batch of at least this many bytes is striped over its host's segments "
+        "(parallel transfers); a smaller one stays on one segment (one transfer)",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError(
+                "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1, "
+                f"got low={self.low_watermark} high={self.high_watermark}"
+            )
+        for name in ("put_timeout_s", "lease_s", "segment_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
+            raise ValueError(f"alignment must be a positive power of two, got {self.alignment}")
+        if self.stripe_min_bytes <= 0:
+            raise ValueError(f"stripe_min_bytes must be positive, got {self.stripe_min_bytes}")

@@ -1,0 +1,210 @@
+"""A prefill request's life on stage 0, as a small state object with pure transitions.
+
+Pure: no grpc, no torch, no I/O; time comes in as numbers from the caller's
+clock. The scheduler does the I/O between the transitions:
+
+    admit ─▶ plan ─▶ apply_restore ─▶ finish_compute ─▶ hold ─▶ (release | expire)
+
+- ``admit`` takes device blocks: the cached prefix (up to the hit limit)
+  shared, fresh blocks for the rest. It changes nothing when they do not fit.
+- ``plan`` splits the prompt into device hit → pool hit → computed, from the
+  number of leading pool groups the lookup found complete.
+- ``apply_restore`` takes what each stage restored: a prefix counts only as
+  far as every stage restored it, and only those chunks become device hits
+  for later requests.
+- ``finish_compute`` marks the computed chunks cached; ``chunks_to_save``
+  names them (write-through of every chunk that was not already in the pool
+  or on the device).
+- ``hold`` keeps the KV for the handoff until released or past its deadline.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvpool.core.block_manager import BlockManager, NoFreeBlocks
+from kvpool.core.chunk_hash import ChunkHash
+from kvpool.core.errors import FailedPrecondition, ResourceExhausted
+from kvpool.core.planner import RestorePlan, max_hit_chunks, plan_restore
+
+
+class Phase(enum.Enum):
+    NEW = "new"
+    ADMITTED = "admitted"
+    PLANNED = "planned"
+    RESTORED = "restored"
+    COMPUTED = "computed"
+    HELD = "held"
+
+
+@dataclass(slots=True)
+class PrefillRequest:
+    """One prompt's way through the scheduler (see the module doc).
+
+    Invariant: ``num_device_chunks + num_restored_chunks`` never exceeds the
+    hit limit, so at least one token is computed.
+    """
+
+    request_id: str
+    num_tokens: int
+    chunk_size: int
+    chunk_hashes: list[ChunkHash]
+    phase: Phase = Phase.NEW
+    block_table: list[int] = field(default_factory=list)
+    num_device_chunks: int = 0
+    restore_plan: RestorePlan | None = None
+    num_restored_chunks: int = 0
+    hold_deadline: float = math.inf
+
+    @property
+    def hit_limit(self) -> int:
+        """Most leading chunks that may come from device or pool."""
+        return min(len(self.chunk_hashes), max_hit_chunks(self.num_tokens, self.chunk_size))
+
+    # ---- transitions ----------------------------------------------------
+
+    def admit(self, blocks: BlockManager) -> None:
+        """Take device blocks; ``NoFreeBlocks`` (nothing changed) when they do not fit now."""
+        self._expect(Phase.NEW)
+        num_device = blocks.match_prefix(self.chunk_hashes[: self.hit_limit])
+        self.block_table = blocks.allocate(self.request_id, self.chunk_hashes, self.num_tokens, num_device)
+        self.num_device_chunks = num_device
+        self.phase = Phase.ADMITTED
+
+    @property
+    def pool_candidates(self) -> list[ChunkHash]:
+        """Chunks after the device hit that the pool may serve: the lookup's groups, in order."""
+        return self.chunk_hashes[self.num_device_chunks : self.hit_limit]
+
+    def plan(self, num_pool_chunks: int) -> RestorePlan:
+        """Device hit, then the leading ``num_pool_chunks`` complete pool groups after it."""
+        self._expect(Phase.ADMITTED)
+        self.restore_plan = plan_restore(
+            self.num_tokens, self.chunk_size, len(self.chunk_hashes), self.num_device_chunks, num_pool_chunks
+        )
+        self.phase = Phase.PLANNED
+        return self.restore_plan
+
+    def restore_targets(self) -> list[tuple[int, int]]:
+        """``(chunk_index, block_id)`` of every planned pool chunk, in order."""
+        plan = self._plan()
+        return [(i, self.block_table[i]) for i in plan.pool_chunk_range]
+
+    def apply_restore(self, restored_per_stage: Sequence[int], blocks: BlockManager) -> int:
+        """Count the leading chunks every stage restored; mark them cached. Returns that count."""
+        self._expect(Phase.PLANNED)
+        plan = self._plan()
+        restored = min(restored_per_stage, default=0) if plan.num_pool_chunks else 0
+        self.num_restored_chunks = max(0, min(restored, plan.num_pool_chunks))
+        if self.num_restored_chunks:
+            first = self.num_device_chunks
+            blocks.commit_chunks(self.request_id, first, self.chunk_hashes[first : first + self.num_restored_chunks])
+        self.phase = Phase.RESTORED
+        return self.num_restored_chunks
+
+    @property
+    def compute_start(self) -> int:
+        """First token computed: after the device hit and what every stage restored."""
+        return (self.num_device_chunks + self.num_restored_chunks) * self.chunk_size
+
+    @property
+    def save_first_chunk(self) -> int:
+        return self.compute_start // self.chunk_size
+
+    @property
+    def chunks_to_save(self) -> list[ChunkHash]:
+        """Full chunks this request computes: every one is written to the pool."""
+        return self.chunk_hashes[self.save_first_chunk :]
+
+    def finish_compute(self, blocks: BlockManager) -> None:
+        """The computed chunks are now cached on the device for later requests."""
+        self._expect(Phase.RESTORED)
+        blocks.commit_chunks(self.request_id, self.save_first_chunk, self.chunks_to_save)
+        self.phase = Phase.COMPUTED
+
+    def hold(self, now: float, hold_s: float) -> None:
+        """Keep the KV for the handoff until ``now + hold_s`` unless released first."""
+        self._expect(Phase.COMPUTED)
+        self.hold_deadline = now + hold_s
+        self.phase = Phase.HELD
+
+    def expired(self, now: float) -> bool:
+        return self.phase is Phase.HELD and self.hold_deadline <= now
+
+    # ---- figures --------------------------------------------------------
+
+    @property
+    def num_device_tokens(self) -> int:
+        return self.num_device_chunks * self.chunk_size
+
+    @property
+    def num_pool_tokens(self) -> int:
+        return self.num_restored_chunks * self.chunk_size
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.num_tokens - self.compute_start
+
+    @property
+    def num_pool_chunks_lost(self) -> int:
+        """Planned pool chunks that some stage could not restore (they were computed)."""
+        plan = self.restore_plan
+        return (plan.num_pool_chunks if plan is not None else 0) - self.num_restored_chunks
+
+    # ---- internals ------------------------------------------------------
+
+    def _plan(self) -> RestorePlan:
+        if self.restore_plan is None:
+            raise FailedPrecondition(f"request {self.request_id}: no restore plan yet")
+        return self.restore_plan
+
+    def _expect(self, phase: Phase) -> None:
+        if self.phase is not phase:
+            raise FailedPrecondition(f"request {self.request_id}: is {self.phase.value}, expected {phase.value}")
+
+
+def try_admit(request: PrefillRequest, blocks: BlockManager, now: float, deadline: float) -> bool:
+    """Admission policy: admit now (True), or wait for freed blocks (False) until the deadline.
+
+    Past the deadline a request that still does not fit is refused with
+    ``ResourceExhausted``; one that can never fit was refused at validation.
+    """
+    try:
+        request.admit(blocks)
+        return True
+    except NoFreeBlocks as exc:
+        if now >= deadline:
+            raise ResourceExhausted(f"device cache: {exc}") from None
+        return False
+
+
+@dataclass(slots=True)
+class KvHolds:
+    """Requests whose KV stays in the device pages after prefill, each until released or its deadline."""
+
+    hold_s: float
+    _held: dict[str, PrefillRequest] = field(default_factory=dict)
+
+    def hold(self, request: PrefillRequest, now: float) -> None:
+        request.hold(now, self.hold_s)
+        self._held[request.request_id] = request
+
+    def release(self, request_id: str) -> bool:
+        """False when unknown or already released (or expired)."""
+        return self._held.pop(request_id, None) is not None
+
+    def expire(self, now: float) -> list[str]:
+        """Drop and name every hold past its deadline."""
+        expired = [r.request_id for r in self._held.values() if r.expired(now)]
+        for request_id in expired:
+            del self._held[request_id]
+        return expired
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._held

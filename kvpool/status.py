@@ -1,0 +1,55 @@
+"""The service edge: domain errors become gRPC status codes, in one place."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from kvpool.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvpoolError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+
+_log = structlog.get_logger(__name__)
+R = TypeVar("R")
+
+_CODES: dict[type[KvpoolError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_code(error: KvpoolError) -> grpc.StatusCode:
+    """The status a domain error maps to; its nearest mapped base class decides."""
+    for cls in type(error).__mro__:
+        code = _CODES.get(cls)  # type: ignore[call-overload]
+        if code is not None:
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def status_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """Decorate a servicer method: domain errors become gRPC status codes, in one place."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await method(self, request, context)
+        except KvpoolError as exc:
+            code = status_code(exc)
+            _log.info("request_rejected", method=method.__name__, code=code.name, reason=str(exc))
+            await context.abort(code, str(exc))
+            raise  # unreachable: abort raises
+
+    return wrapper

@@ -1,0 +1,127 @@
+"""A prefill request's life: admit, plan, apply the restore, compute, hold, expire — exact block ids and counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.core.block_manager import BlockManager, NoFreeBlocks
+from kvpool.core.chunk_hash import chunk_hashes
+from kvpool.core.errors import FailedPrecondition, ResourceExhausted
+from kvpool.core.prefill_request import KvHolds, Phase, PrefillRequest, try_admit
+
+NS = "ns"
+CHUNK = 4
+
+
+def request(request_id: str, tokens: list[int]) -> PrefillRequest:
+    return PrefillRequest(request_id, len(tokens), CHUNK, chunk_hashes(NS, tokens, CHUNK))
+
+
+def run_through(req: PrefillRequest, blocks: BlockManager, pool_found: int, restored: list[int]) -> None:
+    req.admit(blocks)
+    req.plan(pool_found)
+    req.apply_restore(restored, blocks)
+    req.finish_compute(blocks)
+
+
+def test_cold_prompt_computes_everything_and_saves_every_full_chunk() -> None:
+    blocks = BlockManager(8, CHUNK)
+    req = request("a", list(range(10)))  # 2 full chunks + 2 tokens
+    req.admit(blocks)
+    assert (req.block_table, req.num_device_chunks, req.hit_limit) == ([0, 1, 2], 0, 2)
+    assert req.pool_candidates == req.chunk_hashes[:2]
+    plan = req.plan(0)
+    assert (plan.num_device_chunks, plan.num_pool_chunks) == (0, 0)
+    assert req.apply_restore([], blocks) == 0
+    assert (req.compute_start, req.save_first_chunk, req.chunks_to_save) == (0, 0, req.chunk_hashes)
+    req.finish_compute(blocks)
+    assert blocks.cached_block_id(req.chunk_hashes[0]) == 0 and blocks.cached_block_id(req.chunk_hashes[1]) == 1
+    assert (req.num_device_tokens, req.num_pool_tokens, req.num_computed_tokens, req.num_pool_chunks_lost) == (
+        0, 0, 10, 0)
+
+
+def test_device_hit_then_pool_hit_then_compute() -> None:
+    blocks = BlockManager(8, CHUNK)
+    first = request("a", list(range(9)))
+    run_through(first, blocks, 0, [])
+    blocks.free("a")
+    # 5 chunks + 1 token: chunks 0-1 on device; the pool has chunks 2-3; 4 is computed
+    second = request("b", list(range(21)))
+    second.admit(blocks)
+    assert second.num_device_chunks == 2 and second.block_table[:2] == [0, 1]
+    assert second.pool_candidates == second.chunk_hashes[2:5]
+    plan = second.plan(2)
+    assert (plan.num_device_chunks, plan.num_pool_chunks) == (2, 2)
+    assert second.restore_targets() == [(2, second.block_table[2]), (3, second.block_table[3])]
+    assert second.apply_restore([2, 2, 2, 2], blocks) == 2
+    assert (second.compute_start, second.save_first_chunk) == (16, 4)
+    assert second.chunks_to_save == second.chunk_hashes[4:]
+    assert (second.num_device_tokens, second.num_pool_tokens, second.num_computed_tokens) == (8, 8, 5)
+    # restored chunks are device hits for later requests
+    assert blocks.match_prefix(second.chunk_hashes) == 4
+
+
+def test_a_prefix_counts_only_as_far_as_every_stage_restored_it() -> None:
+    blocks = BlockManager(8, CHUNK)
+    req = request("a", list(range(17)))  # 4 full chunks
+    req.admit(blocks)
+    req.plan(4)
+    assert req.apply_restore([4, 1, 3, 4], blocks) == 1
+    assert (req.num_pool_tokens, req.num_pool_chunks_lost, req.compute_start) == (4, 3, 4)
+    assert req.chunks_to_save == req.chunk_hashes[1:]
+    assert blocks.match_prefix(req.chunk_hashes) == 1  # only the chunk all stages hold
+    # a stage that reports more than was planned is clipped to the plan
+    other = request("b", [9] * 9)
+    other.admit(blocks)
+    other.plan(1)
+    assert other.apply_restore([5, 5], blocks) == 1
+
+
+def test_transitions_in_order_only() -> None:
+    blocks = BlockManager(4, CHUNK)
+    req = request("a", list(range(5)))
+    with pytest.raises(FailedPrecondition, match="is new, expected admitted"):
+        req.plan(0)
+    req.admit(blocks)
+    with pytest.raises(FailedPrecondition):
+        req.admit(blocks)
+    with pytest.raises(FailedPrecondition):
+        req.finish_compute(blocks)
+    req.plan(0)
+    req.apply_restore([], blocks)
+    req.finish_compute(blocks)
+    assert req.phase is Phase.COMPUTED
+
+
+def test_admission_waits_then_refuses_past_its_deadline() -> None:
+    blocks = BlockManager(2, CHUNK)
+    holder = request("a", list(range(8)))
+    assert try_admit(holder, blocks, now=0.0, deadline=10.0)
+    waiting = request("b", list(range(100, 105)))
+    assert not try_admit(waiting, blocks, now=1.0, deadline=10.0)  # wait: nothing changed
+    assert waiting.phase is Phase.NEW and blocks.num_free_blocks == 0
+    with pytest.raises(ResourceExhausted, match="need 2 free blocks, have 0"):
+        try_admit(waiting, blocks, now=10.0, deadline=10.0)
+    blocks.free("a")
+    assert try_admit(waiting, blocks, now=11.0, deadline=10.0)  # freed in time for this try
+    with pytest.raises(NoFreeBlocks):
+        request("c", list(range(9))).admit(blocks)
+
+
+def test_holds_release_and_expire() -> None:
+    blocks = BlockManager(8, CHUNK)
+    holds = KvHolds(hold_s=30.0)
+    reqs = []
+    for name, start in (("a", 0), ("b", 100), ("c", 200)):
+        req = request(name, list(range(start, start + 5)))
+        run_through(req, blocks, 0, [])
+        reqs.append(req)
+    holds.hold(reqs[0], now=0.0)
+    holds.hold(reqs[1], now=10.0)
+    holds.hold(reqs[2], now=20.0)
+    assert len(holds) == 3 and reqs[1].hold_deadline == 40.0
+    assert holds.release("b") and not holds.release("b")
+    assert holds.expire(now=29.9) == []
+    assert holds.expire(now=30.0) == ["a"]
+    assert "a" not in holds and "c" in holds
+    assert holds.expire(now=50.0) == ["c"] and len(holds) == 0
