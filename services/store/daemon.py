@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,41 +19,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvpool import service
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
-from kvpool.sizes import parse_size
 from kvpool.transfer import HostBuffer, TransferEngine, local_host_name
 from services.store import numa
+from services.store.settings import StoreSettings
 
 log = structlog.get_logger(__name__)
 
 RPC_TIMEOUT_S = 5.0
-
-
-@dataclass(slots=True)
-class StoreSettings:
-    master: str = "127.0.0.1:7601"
-    host: str = "127.0.0.1"
-    # -1 means 7610 + numa_node (and 9610 + numa_node), so one store per node
-    # on a host gets distinct ports without configuration.
-    port: int = -1
-    admin_port: int = -1
-    segment_size: int | str = "1GiB"
-    numa_node: int = 0
-    segment_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    transfer_host: str = "127.0.0.1"
-    protocol: str = "tcp"
-    device: str = ""
-    heartbeat_interval_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        self.segment_size = parse_size(self.segment_size, "segment_size")
-        if self.numa_node < 0:
-            raise ValueError(f"numa_node: must be >= 0, got {self.numa_node}")
-        if self.port < 0:
-            self.port = 7610 + self.numa_node
-        if self.admin_port < 0:
-            self.admin_port = 9610 + self.numa_node
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError(f"heartbeat_interval_s: must be positive, got {self.heartbeat_interval_s}")
 
 
 class StoreMetrics:
@@ -104,23 +75,35 @@ class Store:
         log.info("segment_mounted", segment_id=self.settings.segment_id, master=self.settings.master,
                  incarnation=self.incarnation)
 
-    async def mount_until_done(self, stop: asyncio.Event) -> bool:
-        """Retry mounting with backoff until it works or we are told to stop."""
+    async def mount_until_done(self, stop: asyncio.Event, first: bool = False) -> bool:
+        """Retry mounting with backoff until it works or we are told to stop.
+
+        Whatever the master answers, the store keeps trying: a master that is
+        starting, overloaded or briefly confused must not cost the pool this
+        segment. Only the first mount gives up on INVALID_ARGUMENT, which
+        means this store's own settings are wrong (the message says which).
+        """
         delay = 0.1
         while not stop.is_set():
             try:
                 await self.mount()
                 return True
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if first and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise
-                log.warning("master_unreachable", master=self.settings.master, retry_in_s=delay)
+                log.warning("mount_failed", master=self.settings.master, code=exc.code().name,
+                            details=exc.details(), retry_in_s=delay)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
             delay = min(delay * 2, self.settings.heartbeat_interval_s)
         return False
 
     async def heartbeat_forever(self, stop: asyncio.Event) -> None:
+        """Beat until stopped; re-mount when the master does not know the segment.
+
+        Never ends on an error: any status is logged and counted, and the
+        next beat (or re-mount) tries again.
+        """
         request = pool_pb2.HeartbeatRequest(segment_id=self.settings.segment_id)
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -129,11 +112,12 @@ class Store:
                 return
             try:
                 await self.stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)
+                self.metrics.mounted.set(1)
             except grpc.aio.AioRpcError as exc:
                 self.metrics.heartbeat_failures.inc()
-                self.metrics.mounted.set(0)
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     # the master restarted (or dropped us after a long pause)
+                    self.metrics.mounted.set(0)
                     log.warning("segment_unknown_to_master", segment_id=self.settings.segment_id)
                     await self.mount_until_done(stop)
                 else:
@@ -165,7 +149,7 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
     engine.register(segment.address, segment.size)
     metrics = StoreMetrics()
     metrics.segment_bytes.set(segment.size)
-    handle = await service.create_server(settings.host, settings.port, lambda s: None)
+    handle = await service.create_server(settings.host, settings.port, lambda s: None, service_names=[])
     await handle.set_serving(False)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     stop = asyncio.Event()
@@ -174,7 +158,7 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
     store = Store(settings, engine, segment, pool_pb2_grpc.PoolMasterStub(channel), metrics)
     heartbeat: asyncio.Task[None] | None = None
     try:
-        if await store.mount_until_done(stop):
+        if await store.mount_until_done(stop, first=True):
             await handle.set_serving(True)
             service.write_ready_file(
                 ready_file, port=handle.port, admin_port=admin_port, segment_id=settings.segment_id,
@@ -189,8 +173,12 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
     finally:
         if heartbeat is not None:
             heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await heartbeat
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a bug in the loop must not skip the clean shutdown below
+                log.exception("heartbeat_task_failed")
         await store.unmount()
         await channel.close()
         await handle.server.stop(grace=1.0)
