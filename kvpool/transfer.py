@@ -42,6 +42,26 @@ class TransferError(RuntimeError):
     """A batch transfer failed (peer gone, bad address, ...)."""
 
 
+@dataclass(slots=True, frozen=True)
+class Move:
+    """One object to move between local registered memory and a peer's."""
+
+    endpoint: str  # the peer engine's session name
+    local: int  # address here
+    remote: int  # address at the peer
+    size: int
+
+
+def spins(nbytes: int) -> bool:
+    """Whether ``TransferEngine.move`` moves ``nbytes`` to one peer with the spinning sync call.
+
+    The one place this choice is made: callers that run several peers' moves
+    ask it too, to run spinning moves one after another rather than have
+    spinners fight over cores.
+    """
+    return nbytes < POLL_MIN_BYTES
+
+
 @dataclass(slots=True)
 class HostBuffer:
     """Page-aligned anonymous memory with a stable address.
@@ -100,7 +120,9 @@ class TransferEngine:
     """One Mooncake transfer engine (TCP here, RDMA where the host has it)."""
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
-        from mooncake.engine import TransferEngine as _Engine  # native module, loaded lazily
+        from mooncake.engine import (
+            TransferEngine as _Engine,  # native module, loaded lazily
+        )
 
         self._engine = _Engine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
@@ -164,7 +186,7 @@ class TransferEngine:
         """
         n = len(sizes)
         done = [False] * n
-        if sum(sizes) < POLL_MIN_BYTES:
+        if spins(sum(sizes)):
             sync = self.write_sync if write else self.read_sync
             for first in range(0, n, MAX_IN_FLIGHT):
                 last = min(first + MAX_IN_FLIGHT, n)

@@ -23,7 +23,7 @@ import xxhash
 
 from kvpool import service
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
-from kvpool.transfer import POLL_MIN_BYTES, TransferEngine, local_host_name
+from kvpool.transfer import Move, TransferEngine, local_host_name, spins
 
 log = structlog.get_logger(__name__)
 
@@ -149,13 +149,13 @@ class PoolClient:
             log.info("pool_put_not_stored", code=exc.code().name, details=exc.details(), objects=len(objects))
             return results
         reserved: list[int] = []
-        moves: list[tuple[str, int, int, int]] = []
+        moves: list[Move] = []
         for i, (obj, result) in enumerate(zip(objects, started.results)):
             status = result.status
             if status == _RESERVED:
                 location = result.location
                 reserved.append(i)
-                moves.append((location.endpoint, obj.address, location.address, obj.size))
+                moves.append(Move(location.endpoint, obj.address, location.address, obj.size))
             elif status == _ALREADY_EXISTS:
                 results[i] = PutResult.EXISTS
         written = await self._transfer(moves, write=True)
@@ -218,7 +218,7 @@ class PoolClient:
         for i, (loc, address) in enumerate(items):
             self._check_registered(address, loc.size, f"items[{i}]")
         verified = await self._transfer(
-            [(loc.endpoint, address, loc.address, loc.size) for loc, address in items],
+            [Move(loc.endpoint, address, loc.address, loc.size) for loc, address in items],
             write=False,
             expected=[loc.checksum for loc, _ in items],
         )
@@ -263,9 +263,7 @@ class PoolClient:
                 return
         raise ValueError(f"{field_name}: [{address:#x}, +{size}) is not inside memory registered with this client")
 
-    async def _transfer(
-        self, moves: list[tuple[str, int, int, int]], write: bool, expected: list[int] | None = None
-    ) -> list[bool]:
+    async def _transfer(self, moves: list[Move], write: bool, expected: list[int] | None = None) -> list[bool]:
         """One batch per remote endpoint, endpoints in parallel; per-move success.
 
         With ``expected`` checksums each object is verified in the worker
@@ -275,29 +273,29 @@ class PoolClient:
             return []
         by_endpoint: dict[str, list[int]] = defaultdict(list)
         for i, move in enumerate(moves):
-            by_endpoint[move[0]].append(i)
+            by_endpoint[move.endpoint].append(i)
         engine = self.engine
 
         def one(indices: list[int]) -> list[bool]:
             batch = [moves[i] for i in indices]
-            endpoint = batch[0][0]
-            local = [m[1] for m in batch]
-            sizes = [m[3] for m in batch]
+            endpoint = batch[0].endpoint
+            local = [m.local for m in batch]
+            remote = [m.remote for m in batch]
+            sizes = [m.size for m in batch]
             if expected is None:
-                return engine.move(endpoint, local, [m[2] for m in batch], sizes, write)
+                return engine.move(endpoint, local, remote, sizes, write)
             want = [expected[i] for i in indices]
             verified = [False] * len(batch)
 
             def verify(j: int) -> None:
                 verified[j] = checksum(local[j], sizes[j]) == want[j]
 
-            done = engine.move(endpoint, local, [m[2] for m in batch], sizes, write, landed=verify)
+            done = engine.move(endpoint, local, remote, sizes, write, landed=verify)
             return [d and v for d, v in zip(done, verified)]
 
-        if all(sum(moves[i][3] for i in idx) < POLL_MIN_BYTES for idx in by_endpoint.values()):
-            # every endpoint's share is small enough that ``move`` uses the spinning
-            # sync call: one thread, one endpoint after the other, so the spinners
-            # do not fight over cores (the same per-endpoint test ``move`` makes)
+        if all(spins(sum(moves[i].size for i in idx)) for idx in by_endpoint.values()):
+            # every endpoint's move spins a core: run them one after the other in
+            # one thread, so the spinners do not fight over cores
             def all_in_turn() -> list[list[bool]]:
                 return [one(idx) for idx in by_endpoint.values()]
 
