@@ -25,7 +25,7 @@ def reference_logits(token_ids: Sequence[int], settings: BenchSettings) -> Any:
     """Final-position logits of the prompt computed from scratch in this process (float32 tensor)."""
     import torch
 
-    from kvpool.model import LocalPipeline as ReferenceModel
+    from kvpool.model import InProcessPipeline as ReferenceModel
     from kvpool.model import get_config
 
     blocks = -(-len(token_ids) // settings.chunk_size)

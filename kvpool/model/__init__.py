@@ -3,7 +3,7 @@
 Public API: configs (`ModelConfig`, `get_config`), weights (`init_weights`,
 `save_weights`, `load_weights`), the paged cache (`allocate_kv_cache`,
 `token_slots`, `pack_kv`, `unpack_kv`, `kv_chunk_nbytes`), `ModelStage`,
-`split_layers`, and the in-process `LocalPipeline`.
+`split_layers`, and the in-process `InProcessPipeline`.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from kvpool.model.kv_cache import (
     token_slots,
     unpack_kv,
 )
-from kvpool.model.pipeline import LocalPipeline
+from kvpool.model.pipeline import InProcessPipeline
 from kvpool.model.stage import ModelStage, split_layers
 from kvpool.model.weights import init_weights, load_weights, save_weights, weight_shapes
 
 __all__ = [
     "CONFIGS",
     "KV_DTYPES",
-    "LocalPipeline",
+    "InProcessPipeline",
     "ModelConfig",
     "ModelStage",
     "allocate_kv_cache",

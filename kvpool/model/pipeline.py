@@ -11,7 +11,7 @@ from kvpool.model.kv_cache import BlockTable
 from kvpool.model.stage import ModelStage, WeightSource
 
 
-class LocalPipeline:
+class InProcessPipeline:
     """Stages covering layers [0, num_hidden_layers) in order, for tests and demos.
 
     Invariants: `stages[i]` owns `kv_caches[i]` (same block_size and

@@ -17,7 +17,7 @@ import torch
 
 from kvpool import service
 from kvpool.local_cluster import LocalPipeline, LocalPool
-from kvpool.model import LocalPipeline as ReferenceModel
+from kvpool.model import InProcessPipeline as ReferenceModel
 from kvpool.model import get_config
 from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.integration.conftest import eventually
@@ -135,7 +135,7 @@ async def test_incomplete_group_is_never_restored(stubs, cluster) -> None:  # ty
     namespace = pipeline.stages[0].ready["namespace"]
     # drop chunk 1's group and put back only three of its four members, with bytes
     # that would be wrong if anyone ever read them
-    from services.prefill.chunk_hash import chunk_hashes, group_id, object_key
+    from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
 
     hashes = chunk_hashes(namespace, tokens, CHUNK)
     removed = await master.Remove(pool_pb2.RemoveRequest(group_ids=[group_id(namespace, hashes[1])]))

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.model import (
-    LocalPipeline,
+    InProcessPipeline,
     ModelConfig,
     allocate_kv_cache,
     get_config,
@@ -39,10 +39,10 @@ def restore_then_continue(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of token_ids[num_restored:] after a pool round trip, and without one."""
     bounds = split_layers(config.num_hidden_layers, 2)
-    source = LocalPipeline(config, NUM_BLOCKS, BLOCK_SIZE, dtype, bounds, weights)
+    source = InProcessPipeline(config, NUM_BLOCKS, BLOCK_SIZE, dtype, bounds, weights)
     source_table = list(range(NUM_BLOCKS))
     source(token_ids[:num_restored], source_table, 0)
-    target = LocalPipeline(config, NUM_BLOCKS, BLOCK_SIZE, dtype, bounds, weights)
+    target = InProcessPipeline(config, NUM_BLOCKS, BLOCK_SIZE, dtype, bounds, weights)
     target_table = scrambled_block_table(NUM_BLOCKS, seed=7)
     for stage, source_cache, target_cache in zip(source.stages, source.kv_caches, target.kv_caches):
         for start in range(0, num_restored, CHUNK):
@@ -58,7 +58,7 @@ def restore_then_continue(
 @pytest.mark.parametrize("dtype", list(RESTORE_BOUNDS))
 def test_restored_kv_continues_like_scratch(tiny: ModelConfig, tiny_weights, dtype: torch.dtype) -> None:
     token_ids = random_token_ids(tiny, 2 * CHUNK + 190)
-    scratch = LocalPipeline(tiny, NUM_BLOCKS, BLOCK_SIZE, weights=tiny_weights)(token_ids, list(range(NUM_BLOCKS)), 0)
+    scratch = InProcessPipeline(tiny, NUM_BLOCKS, BLOCK_SIZE, weights=tiny_weights)(token_ids, list(range(NUM_BLOCKS)), 0)
     restored, not_moved = restore_then_continue(tiny, tiny_weights, token_ids, 2 * CHUNK, dtype)
     assert torch.equal(restored, not_moved)
     assert max_abs_diff(restored, scratch[2 * CHUNK :]) <= RESTORE_BOUNDS[dtype]

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvpool.model import LocalPipeline, ModelConfig, ModelStage, get_config, init_weights, token_slots
+from kvpool.model import InProcessPipeline, ModelConfig, ModelStage, get_config, init_weights, token_slots
 from kvpool.model import attention as attention_module
 from tests.model.dense_reference import dense_logits
 from tests.model.inputs import max_abs_diff, random_token_ids, scrambled_block_table
@@ -19,7 +19,7 @@ TOLERANCE = 1e-4  # float32 against float64
 def test_scrambled_pages_match_dense_reference(tiny: ModelConfig, tiny_weights, block_size: int) -> None:
     num_tokens, num_blocks = 300, 4096 // block_size
     token_ids = random_token_ids(tiny, num_tokens)
-    model = LocalPipeline(tiny, num_blocks, block_size, weights=tiny_weights)
+    model = InProcessPipeline(tiny, num_blocks, block_size, weights=tiny_weights)
     logits = model(token_ids, scrambled_block_table(num_blocks), 0)
     assert logits.shape == (num_tokens, tiny.vocab_size)
     assert max_abs_diff(logits, dense_logits(tiny, tiny_weights, token_ids)) <= TOLERANCE
@@ -29,14 +29,14 @@ def test_without_q_lora_matches_dense_reference(tiny: ModelConfig) -> None:
     config = dataclasses.replace(tiny, q_lora_rank=None, num_hidden_layers=2)
     weights = init_weights(config)
     token_ids = random_token_ids(config, 100)
-    logits = LocalPipeline(config, 16, 16, weights=weights)(token_ids, scrambled_block_table(16), 0)
+    logits = InProcessPipeline(config, 16, 16, weights=weights)(token_ids, scrambled_block_table(16), 0)
     assert max_abs_diff(logits, dense_logits(config, weights, token_ids)) <= TOLERANCE
 
 
 def test_decode_steps_match_dense_reference(tiny: ModelConfig, tiny_weights) -> None:
     # one token at a time takes the absorbed path; the prefill takes the expanded one
     token_ids = random_token_ids(tiny, 70)
-    model = LocalPipeline(tiny, 8, 16, weights=tiny_weights)
+    model = InProcessPipeline(tiny, 8, 16, weights=tiny_weights)
     table = scrambled_block_table(8)
     steps = [model(token_ids[:64], table, 0)]
     steps += [model(token_ids[i : i + 1], table, i) for i in range(64, 70)]
@@ -81,7 +81,7 @@ def test_query_blocks_match_dense_reference(tiny: ModelConfig, tiny_weights, mon
     # long prefills split queries into blocks; shrink the block to cover that path cheaply
     monkeypatch.setattr(attention_module, "QUERY_BLOCK", 48)
     token_ids = random_token_ids(tiny, 200, seed=2)
-    model = LocalPipeline(tiny, 16, 16, weights=tiny_weights)
+    model = InProcessPipeline(tiny, 16, 16, weights=tiny_weights)
     table = scrambled_block_table(16)
     logits = torch.cat([model(token_ids[:130], table, 0), model(token_ids[130:], table, 130)])
     assert max_abs_diff(logits, dense_logits(tiny, tiny_weights, token_ids)) <= TOLERANCE
@@ -91,7 +91,7 @@ def test_dsv3_kv_shape_matches_dense_reference() -> None:
     config = dataclasses.replace(get_config("dsv3-kv"), num_hidden_layers=2)
     weights = init_weights(config)
     token_ids = random_token_ids(config, 80, seed=3)
-    model = LocalPipeline(config, 8, 16, weights=weights)
+    model = InProcessPipeline(config, 8, 16, weights=weights)
     assert model.kv_caches[0].shape == (2, 8, 16, 576)
     logits = model(token_ids, scrambled_block_table(8), 0)
     assert max_abs_diff(logits, dense_logits(config, weights, token_ids)) <= TOLERANCE

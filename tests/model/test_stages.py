@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.model import LocalPipeline, ModelConfig, ModelStage, split_layers
+from kvpool.model import InProcessPipeline, ModelConfig, ModelStage, split_layers
 from tests.model.inputs import max_abs_diff, random_token_ids, scrambled_block_table
 
 
@@ -20,8 +20,8 @@ def test_split_layers() -> None:
 def test_four_stages_equal_whole_model(tiny: ModelConfig, tiny_weights) -> None:
     token_ids = random_token_ids(tiny, 400)
     table = scrambled_block_table(32)
-    whole = LocalPipeline(tiny, 32, 16, weights=tiny_weights)
-    staged = LocalPipeline(tiny, 32, 16, stage_bounds=split_layers(tiny.num_hidden_layers, 4), weights=tiny_weights)
+    whole = InProcessPipeline(tiny, 32, 16, weights=tiny_weights)
+    staged = InProcessPipeline(tiny, 32, 16, stage_bounds=split_layers(tiny.num_hidden_layers, 4), weights=tiny_weights)
     assert [s.num_layers for s in staged.stages] == [2, 2, 2, 2]
     for start, end in [(0, 300), (300, 400)]:
         assert max_abs_diff(staged(token_ids[start:end], table, start), whole(token_ids[start:end], table, start)) <= 1e-5
@@ -32,8 +32,8 @@ def test_four_stages_equal_whole_model(tiny: ModelConfig, tiny_weights) -> None:
 def test_seeded_stages_agree_with_seeded_whole_model(tiny: ModelConfig) -> None:
     # no weights passed: every stage seeds its own layers, as on separate workers
     token_ids = random_token_ids(tiny, 50)
-    whole = LocalPipeline(tiny, 4, 16)(token_ids, [0, 1, 2, 3], 0)
-    staged = LocalPipeline(tiny, 4, 16, stage_bounds=[(0, 3), (3, 4), (4, 8)])(token_ids, [0, 1, 2, 3], 0)
+    whole = InProcessPipeline(tiny, 4, 16)(token_ids, [0, 1, 2, 3], 0)
+    staged = InProcessPipeline(tiny, 4, 16, stage_bounds=[(0, 3), (3, 4), (4, 8)])(token_ids, [0, 1, 2, 3], 0)
     assert max_abs_diff(whole, staged) <= 1e-5
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvpool.model import LocalPipeline, ModelConfig, ModelStage, init_weights, load_weights, save_weights, weight_shapes
+from kvpool.model import InProcessPipeline, ModelConfig, ModelStage, init_weights, load_weights, save_weights, weight_shapes
 from tests.model.inputs import random_token_ids
 
 
@@ -44,8 +44,8 @@ def test_safetensors_round_trip(tiny: ModelConfig, tiny_weights, tmp_path: Path)
         assert sorted(f.keys()) == sorted(tiny_weights)
         assert torch.equal(f.get_tensor("lm_head.weight"), tiny_weights["lm_head.weight"])
     token_ids = random_token_ids(tiny, 20)
-    from_files = LocalPipeline(tiny, 2, 16, stage_bounds=[(0, 5), (5, 8)], weights=tmp_path)
-    seeded = LocalPipeline(tiny, 2, 16)
+    from_files = InProcessPipeline(tiny, 2, 16, stage_bounds=[(0, 5), (5, 8)], weights=tmp_path)
+    seeded = InProcessPipeline(tiny, 2, 16)
     assert torch.equal(from_files(token_ids, [0, 1], 0), seeded(token_ids, [0, 1], 0))
 
 
