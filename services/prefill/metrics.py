@@ -6,7 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpool.rpc import prefill_pb2
 
-_MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+# Prometheus convention: base units, seconds
+_SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
 
 class PrefillMetrics:
@@ -18,10 +19,10 @@ class PrefillMetrics:
                               ["source"], registry=r)
         self.lost_chunks = Counter("kvpool_prefill_pool_chunks_lost",
                                    "Pool chunks planned but not restorable (recomputed)", registry=r)
-        self.restore_wait = Histogram("kvpool_prefill_restore_wait_ms", "First stage restore start to last finish",
-                                      buckets=_MS_BUCKETS, registry=r)
-        self.compute = Histogram("kvpool_prefill_compute_ms", "Pipeline compute time per request",
-                                 buckets=_MS_BUCKETS, registry=r)
+        self.restore_wait = Histogram("kvpool_prefill_restore_wait_seconds",
+                                      "First stage restore start to last finish", buckets=_SECONDS_BUCKETS, registry=r)
+        self.compute = Histogram("kvpool_prefill_compute_seconds", "Pipeline compute time per request",
+                                 buckets=_SECONDS_BUCKETS, registry=r)
         self.device_usage = Gauge("kvpool_prefill_device_cache_usage", "Share of device blocks referenced",
                                   registry=r)
 
@@ -32,6 +33,6 @@ class PrefillMetrics:
         self.tokens.labels("computed").inc(figures.num_computed_tokens)
         self.lost_chunks.inc(figures.num_pool_chunks_lost)
         if figures.restore:
-            self.restore_wait.observe(figures.restore_wait_ms)
-        self.compute.observe(figures.compute_ms)
+            self.restore_wait.observe(figures.restore_wait_ms / 1e3)
+        self.compute.observe(figures.compute_ms / 1e3)
         self.device_usage.set(device_usage)
