@@ -46,7 +46,7 @@ class ServiceProcess:
         log = self.log_file.open("ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.cli", *self.args, "--ready-file", str(self.ready_file)],
+            [sys.executable, "-m", "services.cli", *self.args, "--ready-file", str(self.ready_file)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
         )
         log.close()

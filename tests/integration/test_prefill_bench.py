@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvpool import cli
+from services import cli
 from kvpool.bench import prefill_bench
 
 TRACES = prefill_bench.default_traces_dir()
@@ -58,7 +58,7 @@ def report() -> dict[str, Any]:
 
 def test_missing_traces_is_a_clear_error(tmp_path: Path) -> None:
     missing = tmp_path / "no-traces"
-    command = [sys.executable, "-m", "kvpool.cli", "bench", "prefill", "--quick", "--traces", str(missing)]
+    command = [sys.executable, "-m", "services.cli", "bench", "prefill", "--quick", "--traces", str(missing)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert f"traces directory {missing} not found" in done.stderr

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvpool import cli
+from services import cli
 from services.master.settings import MasterSettings
 from services.prefill.settings import PrefillSettings
 from services.store.settings import StoreSettings
@@ -28,7 +28,7 @@ NUMACTL = "/usr/bin/numactl"
 # the instances each template is started as; prefill @1 and @2 also need a
 # next_stage drop-in (see deploy/cluster.toml), so @0 and @3 stand for them
 INSTANCES = {"kvpool-store@.service": ["0", "1"], "kvpool-prefill@.service": ["0", "3"]}
-# the settings class and TOML table of each role, as kvpool/cli.py's _run_<role> uses them
+# the settings class and TOML table of each role, as services/cli.py's _run_<role> uses them
 ROLES: dict[str, type] = {"master": MasterSettings, "store": StoreSettings, "prefill": PrefillSettings}
 
 

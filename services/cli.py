@@ -1,4 +1,8 @@
-"""The ``kvpool`` command: one subcommand per role, plus tools and benchmarks."""
+"""The ``kvpool`` command: one subcommand per role, plus tools and benchmarks.
+
+It lives with the services because it is what starts them: the library in
+``kvpool/`` never imports ``services/``.
+"""
 
 from __future__ import annotations
 
