@@ -1,0 +1,153 @@
+"""The prefill → decode handoff's byte moves: gather, write, scatter.
+
+The layout and the write plan are ``kvpool.core.handoff_layout`` (the
+contract); this module does the moves with torch and the transfer engine, no
+gRPC. One request's KV goes:
+
+1. ``gather_stage``: each prefill stage packs its layers of the request's
+   tokens from its paged cache into one registered staging slab (exactly the
+   stage's part of the region, layer-major; ``kvpool.model.pack_kv``);
+2. ``write_slab``: the stage writes the slab in the plan's transfers (at most
+   8 MiB each) to the same offsets of its part of decode's receive region;
+3. ``scatter_region``: decode copies the region into its token-major pages.
+
+``write_naive`` is the per-token-per-layer copy the gathered path replaces,
+kept for the benchmark that compares the two.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.core.handoff_layout import HandoffLayout, Transfer
+from kvpool.model.kv_cache import BlockTable, as_block_table, pack_kv, token_slots
+from kvpool.transfer import TransferEngine, TransferError
+
+# Entries per batch of the naive path: one batch_transfer_sync_write of 4,096
+# entries failed (-1) where 1,024 worked, so batches stay at 1,024.
+NAIVE_BATCH = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class WriteReport:
+    """What one slab write (or one naive copy) did: ``transfers`` writes of ``nbytes`` bytes in total."""
+
+    transfers: int
+    nbytes: int
+    seconds: float
+
+
+def gather_stage(kv_cache: torch.Tensor, block_table: BlockTable, num_tokens: int, out: torch.Tensor) -> torch.Tensor:
+    """Pack tokens ``[0, num_tokens)`` of every layer of one stage's cache into ``out``.
+
+    ``out`` is a contiguous uint8 tensor of exactly the stage's slab size
+    (``HandoffLayout.stage_nbytes``); its bytes are then the stage's part of
+    the region, in the region's layout (``pack_kv`` writes that layout).
+    """
+    return pack_kv(kv_cache, block_table, 0, num_tokens, out=out)
+
+
+def write_slab(
+    engine: TransferEngine,
+    slab_address: int,
+    endpoint: str,
+    region_address: int,
+    transfers: Sequence[Transfer],
+) -> WriteReport:
+    """Write a registered slab to a peer's region in the given transfers; blocking.
+
+    Every transfer lands at the same offset of the region as it has in the
+    slab. Raises ``TransferError`` naming the endpoint when any write fails
+    (the peer is gone, the region is not registered there): a region is
+    complete or the handoff failed, never partly reported as done.
+    """
+    local = [slab_address + t.offset for t in transfers]
+    remote = [region_address + t.offset for t in transfers]
+    sizes = [t.length for t in transfers]
+    started = time.perf_counter()
+    done = engine.move(endpoint, local, remote, sizes, write=True)
+    seconds = time.perf_counter() - started
+    if not all(done):
+        raise TransferError(f"handoff write to {endpoint}: {done.count(False)} of {len(sizes)} transfers failed")
+    return WriteReport(len(sizes), sum(sizes), seconds)
+
+
+def write_naive(
+    engine: TransferEngine,
+    kv_cache: torch.Tensor,
+    block_table: BlockTable,
+    num_tokens: int,
+    endpoint: str,
+    region_address: int,
+    entry_bytes: int,
+) -> WriteReport:
+    """Copy one stage's KV straight from its pages: one write per token per layer.
+
+    ``kv_cache`` must be registered with ``engine``; ``region_address`` is the
+    stage's part of the region (same layout as the gathered path). This is the
+    baseline the gathered handoff replaces, for the benchmark only.
+    """
+    num_layers, num_blocks, block_size, _ = kv_cache.shape
+    if kv_cache.shape[-1] * kv_cache.element_size() != entry_bytes:
+        raise ValueError(f"entry_bytes: {entry_bytes} is not the cache's {kv_cache.shape[-1] * kv_cache.element_size()}")
+    slots = token_slots(as_block_table(block_table), 0, num_tokens, block_size)
+    base = kv_cache.data_ptr()
+    layer_bytes = num_blocks * block_size * entry_bytes
+    # source and destination address of every (layer, token), layer-major as the region
+    src = (torch.arange(num_layers).unsqueeze(1) * layer_bytes + slots.unsqueeze(0) * entry_bytes + base).reshape(-1)
+    dst = torch.arange(num_layers * num_tokens, dtype=torch.int64) * entry_bytes + region_address
+    local, remote = src.tolist(), dst.tolist()
+    started = time.perf_counter()
+    for first in range(0, len(local), NAIVE_BATCH):
+        last = min(first + NAIVE_BATCH, len(local))
+        try:
+            engine.write_sync(endpoint, local[first:last], remote[first:last], [entry_bytes] * (last - first))
+        except TransferError as exc:
+            raise TransferError(f"naive handoff write to {endpoint} failed at entry {first}: {exc}") from exc
+    return WriteReport(len(local), len(local) * entry_bytes, time.perf_counter() - started)
+
+
+def scatter_region(region: torch.Tensor, layout: HandoffLayout, pages: torch.Tensor, page_ids: BlockTable) -> None:
+    """Copy a received region into decode's token-major pages.
+
+    ``region``: uint8 tensor over (at least) the region's ``layout.nbytes``
+    bytes. ``pages``: ``[num_pages, page_size, num_layers, kv_entry_dim]`` in
+    the KV dtype, contiguous; token t of layer l goes to
+    ``pages[page_ids[t // page_size], t % page_size, l]``. One indexed copy
+    per stage (no loop over tokens); bytes are copied as is, so every KV
+    dtype (float8 included) round-trips exactly. Raises ValueError naming
+    the argument when shapes disagree with the layout.
+    """
+    if region.dtype != torch.uint8 or region.dim() != 1 or not region.is_contiguous():
+        raise ValueError("region: must be a contiguous 1-D uint8 tensor")
+    if region.numel() < layout.nbytes:
+        raise ValueError(f"region: {region.numel()} bytes, the layout needs {layout.nbytes}")
+    if pages.dim() != 4 or not pages.is_contiguous():
+        raise ValueError(f"pages: must be contiguous [num_pages, page_size, num_layers, kv_entry_dim], got {tuple(pages.shape)}")
+    num_pages, page_size, num_layers, entry_dim = pages.shape
+    entry_bytes = entry_dim * pages.element_size()
+    if num_layers != layout.num_layers:
+        raise ValueError(f"pages: {num_layers} layers, the layout has {layout.num_layers}")
+    if entry_bytes != layout.entry_bytes:
+        raise ValueError(f"pages: {entry_bytes}-byte entries, the layout has {layout.entry_bytes}")
+    ids = as_block_table(page_ids, pages.device)
+    needed = -(-layout.num_tokens // page_size)
+    if ids.numel() < needed:
+        raise ValueError(f"page_ids: {ids.numel()} pages, {layout.num_tokens} tokens need {needed}")
+    used = ids[:needed]
+    if int(used.min()) < 0 or int(used.max()) >= num_pages:
+        raise ValueError(f"page_ids: must be in [0, {num_pages})")
+    if used.unique().numel() != needed:
+        raise ValueError("page_ids: repeats a page")
+    slots = token_slots(used, 0, layout.num_tokens, page_size)
+    rows = pages.view(torch.uint8).view(num_pages * page_size, num_layers, entry_bytes)
+    data = region.to(pages.device)
+    for stage, (start, end) in enumerate(layout.layer_split):
+        offset = layout.stage_offset(stage)
+        slab = data[offset : offset + layout.stage_nbytes(stage)].view(end - start, layout.num_tokens, entry_bytes)
+        # region is layer-major, pages token-major: one transpose per stage
+        rows[slots, start:end] = slab.transpose(0, 1)
