@@ -192,6 +192,10 @@ class KvHolds:
         request.hold(now, self.hold_s)
         self._held[request.request_id] = request
 
+    def get(self, request_id: str) -> PrefillRequest | None:
+        """The held request, or None when unknown, released or expired."""
+        return self._held.get(request_id)
+
     def release(self, request_id: str) -> bool:
         """False when unknown or already released (or expired)."""
         return self._held.pop(request_id, None) is not None
