@@ -1,0 +1,102 @@
+"""Decode receive regions: where prefill writes one request's KV for a shard.
+
+Pure: no torch, no I/O; time from an injectable clock. A shard owns one
+bounded arena of registered memory; ``reserve`` carves a region for one
+request's handoff (layout: ``kvpool.core.handoff_layout``), ``claim`` hands it
+to exactly one Generate, ``free`` returns it. A region reserved but never
+claimed is reclaimed at its deadline by ``expire`` — a writer that died
+never leaks the arena.
+
+Invariants: a region id is issued once; a region is reserved, claimed or
+gone, and only a reserved one can be claimed or expire; the arena bytes in
+use equal the sum of live regions' (rounded) sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool.core.allocator import SegmentAllocator
+from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.core.handoff_layout import HandoffLayout
+
+Clock = Callable[[], float]
+REGION_ALIGNMENT = 4096
+
+
+@dataclass(slots=True)
+class ReceiveRegion:
+    """One reserved region: ``size`` bytes at ``offset`` of the arena."""
+
+    region_id: int
+    offset: int
+    size: int
+    layout: HandoffLayout
+    deadline: float
+    claimed: bool = False
+
+
+class RegionTable:
+    """The shard's receive regions over one arena of ``arena_size`` bytes."""
+
+    def __init__(self, arena_size: int, deadline_s: float, clock: Clock) -> None:
+        if deadline_s <= 0:
+            raise InvalidArgument(f"deadline_s: must be positive, got {deadline_s}")
+        self._allocator = SegmentAllocator(arena_size, alignment=REGION_ALIGNMENT)
+        self.deadline_s = deadline_s
+        self._clock = clock
+        self._regions: dict[int, ReceiveRegion] = {}
+        self._next_id = 1
+
+    @property
+    def used_bytes(self) -> int:
+        return self._allocator.used_bytes
+
+    @property
+    def num_regions(self) -> int:
+        return len(self._regions)
+
+    def reserve(self, layout: HandoffLayout) -> ReceiveRegion:
+        """A region for ``layout``; ResourceExhausted when the arena has no room now."""
+        if layout.nbytes > self._allocator.capacity:
+            raise InvalidArgument(
+                f"num_tokens: {layout.nbytes} bytes of KV can never fit the {self._allocator.capacity}-byte "
+                "receive arena"
+            )
+        offset = self._allocator.allocate(layout.nbytes)
+        if offset is None:
+            raise ResourceExhausted(f"receive arena: no room for {layout.nbytes} bytes now")
+        region_id, self._next_id = self._next_id, self._next_id + 1
+        region = ReceiveRegion(region_id, offset, layout.nbytes, layout, self._clock() + self.deadline_s)
+        self._regions[region.region_id] = region
+        return region
+
+    def claim(self, region_id: int) -> ReceiveRegion:
+        """Hand a reserved region to its one Generate; it no longer expires."""
+        region = self._regions.get(region_id)
+        if region is None and 0 < region_id < self._next_id:
+            # ids are issued in order and never reused: this one was used or expired
+            raise InvalidArgument(f"region_id: {region_id} was already used or expired")
+        if region is None:
+            raise NotFound(f"region_id: {region_id} was never reserved on this shard")
+        if region.claimed:
+            raise InvalidArgument(f"region_id: {region_id} is already in use by another Generate")
+        region.claimed = True
+        return region
+
+    def free(self, region_id: int) -> bool:
+        """Give a region back; False if it was already gone (idempotent)."""
+        region = self._regions.pop(region_id, None)
+        if region is None:
+            return False
+        self._allocator.free(region.offset)
+        return True
+
+    def expire(self) -> list[int]:
+        """Free every unclaimed region past its deadline; their ids."""
+        now = self._clock()
+        expired = [r.region_id for r in self._regions.values() if not r.claimed and r.deadline <= now]
+        for region_id in expired:
+            self.free(region_id)
+        return expired

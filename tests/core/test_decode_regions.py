@@ -1,0 +1,64 @@
+"""Decode receive regions: exact offsets, one claim per region, deadline reclaim."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.core.decode_regions import RegionTable
+from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.core.handoff_layout import HandoffLayout
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def layout(num_tokens: int) -> HandoffLayout:
+    return HandoffLayout.of(num_tokens, [(0, 2), (2, 4)], 1024)  # 4 KiB per token
+
+
+def test_reserve_claim_free_and_exact_offsets() -> None:
+    clock = Clock()
+    table = RegionTable(arena_size=64 << 10, deadline_s=5.0, clock=clock)
+    a = table.reserve(layout(3))  # 12 KiB
+    b = table.reserve(layout(2))
+    assert (a.region_id, a.offset, a.size, a.deadline) == (1, 0, 12 << 10, 105.0)
+    assert (b.region_id, b.offset) == (2, 12 << 10)
+    assert table.claim(1) is a
+    with pytest.raises(InvalidArgument, match="region_id: 1 is already in use"):
+        table.claim(1)
+    assert table.free(1) and not table.free(1)
+    with pytest.raises(InvalidArgument, match="region_id: 1 was already used"):
+        table.claim(1)
+    with pytest.raises(NotFound, match="region_id: 99"):
+        table.claim(99)
+    assert table.used_bytes == 8 << 10
+
+
+def test_full_arena_and_never_fitting() -> None:
+    table = RegionTable(arena_size=16 << 10, deadline_s=5.0, clock=Clock())
+    table.reserve(layout(3))
+    with pytest.raises(ResourceExhausted):
+        table.reserve(layout(2))
+    with pytest.raises(InvalidArgument, match="num_tokens"):
+        table.reserve(layout(5))
+
+
+def test_unclaimed_regions_expire_at_their_deadline_claimed_ones_never() -> None:
+    clock = Clock()
+    table = RegionTable(arena_size=64 << 10, deadline_s=5.0, clock=clock)
+    table.reserve(layout(1))
+    table.reserve(layout(1))
+    table.claim(2)
+    clock.now = 104.999
+    assert table.expire() == []
+    clock.now = 105.0
+    assert table.expire() == [1]
+    clock.now = 1e9
+    assert table.expire() == [] and table.num_regions == 1
+    with pytest.raises(InvalidArgument, match="expired"):
+        table.claim(1)

@@ -1,0 +1,202 @@
+"""Decode policy: exact page ids, FIFO admission, stop rules, and invariants after random steps."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvpool.core.decode_pages import PageAllocator, pages_for
+from kvpool.core.decode_scheduler import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, DecodeScheduler
+from kvpool.core.errors import InvalidArgument
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scheduler(num_pages: int = 8, page_size: int = 4, max_batch_size: int = 4, max_context: int = 64):
+    return DecodeScheduler(num_pages, page_size, max_batch_size, max_context, Clock())
+
+
+def test_pages_lowest_first_and_all_or_nothing_free() -> None:
+    pages = PageAllocator(6)
+    assert pages.allocate(2) == [0, 1]
+    assert pages.allocate(3) == [2, 3, 4]
+    assert pages.allocate(2) is None and pages.num_free == 1
+    pages.free([1, 3])
+    assert pages.allocate(2) == [1, 3]
+    with pytest.raises(InvalidArgument, match="page_ids"):
+        pages.free([0, 5])  # 5 is free: nothing freed
+    assert pages.free_page_ids() == [5]
+    assert pages_for(9, 4) == 3 and pages_for(8, 4) == 2
+
+
+def test_admission_reserves_prompt_plus_max_tokens_minus_one() -> None:
+    s = scheduler()
+    a = s.submit("a", num_prompt_tokens=5, max_tokens=4)  # 8 KV entries: 2 pages
+    b = s.submit("b", num_prompt_tokens=6, max_tokens=4)  # 9 KV entries: 3 pages
+    assert [q.seq_id for q in s.admit()] == ["a", "b"]
+    assert (a.page_ids, b.page_ids, s.num_pages_used) == ([0, 1], [2, 3, 4], 5)
+    assert (a.num_cached_tokens, a.position) == (5, 5)
+
+
+def test_full_shard_queues_fifo_without_overtaking_and_release_frees_at_once() -> None:
+    s = scheduler(num_pages=4)
+    s.submit("a", 8, 5)  # 12 entries: 3 pages
+    s.submit("b", 8, 1)  # 8 entries: 2 pages, does not fit after a
+    s.submit("c", 1, 1)  # 1 page would fit, but must not overtake b
+    assert [q.seq_id for q in s.admit()] == ["a"]
+    assert (s.num_waiting, s.num_pages_used) == (2, 3)
+    assert s.admit() == []
+    s.release("a")
+    assert s.num_pages_used == 0
+    assert [q.seq_id for q in s.admit()] == ["b", "c"]
+    assert [q.page_ids for q in s.running()] == [[0, 1], [2]]
+
+
+def test_batch_size_caps_running() -> None:
+    s = scheduler(num_pages=64, max_batch_size=2)
+    for name in "abc":
+        s.submit(name, 2, 2)
+    assert [q.seq_id for q in s.admit()] == ["a", "b"]
+    assert s.num_waiting == 1
+    s.release("b")
+    assert [q.seq_id for q in s.admit()] == ["c"]
+
+
+def test_refused_up_front_naming_the_field() -> None:
+    s = scheduler(num_pages=4, page_size=4, max_context=64)
+    with pytest.raises(InvalidArgument, match="max_tokens: must be positive"):
+        s.submit("a", 4, 0)
+    with pytest.raises(InvalidArgument, match="max_tokens: .*context of 64"):
+        s.submit("a", 60, 5)
+    with pytest.raises(InvalidArgument, match="max_tokens: .*needs 5 pages, the shard has 4"):
+        s.submit("a", 10, 8)  # 17 entries
+    with pytest.raises(InvalidArgument, match="prompt_token_ids"):
+        s.submit("a", 0, 1)
+    s.submit("a", 10, 7)  # 16 entries: exactly the shard
+    with pytest.raises(InvalidArgument, match="seq_id"):
+        s.submit("a", 1, 1)
+    assert s.num_waiting == 1
+
+
+def test_stop_rules_and_step_accounting() -> None:
+    s = scheduler(max_context=12)
+    s.submit("a", 4, 3, stop_token_ids=[7])
+    s.submit("b", 9, 3)
+    s.submit("c", 2, 5, stop_token_ids=[7])
+    s.admit()
+    assert s.on_token("a", 1) is None  # first token (from prefill)
+    s.on_step("a")
+    assert s.on_token("a", 2) is None
+    s.on_step("a")
+    assert s.on_token("a", 3) == FINISH_LENGTH
+    # every output but the last is cached; the reservation is exactly used
+    a = s.get("a")
+    assert a is not None and a.num_cached_tokens == a.kv_capacity == 6
+    with pytest.raises(InvalidArgument, match="no reserved page"):
+        s.on_step("a")
+    assert s.on_token("c", 7) == FINISH_STOP
+    assert [s.on_token("b", t) for t in (1, 2, 3)] == [None, None, FINISH_LENGTH]
+
+
+def test_context_is_a_stop_rule() -> None:
+    s = scheduler(max_context=8)
+    s.submit("a", 5, 3)
+    s.admit()
+    assert [s.on_token("a", 1), s.on_token("a", 1), s.on_token("a", 1)] == [None, None, FINISH_LENGTH]
+    # with a context stop reachable only through the rule itself
+    s2 = DecodeScheduler(8, 4, 4, 8, Clock())
+    s2.submit("b", 5, 3)
+    s2.admit()
+    s2.max_context = 7  # a shard whose context shrank under a queued request still stops in time
+    assert [s2.on_token("b", 1), s2.on_token("b", 1)] == [None, FINISH_CONTEXT]
+
+
+def test_release_is_idempotent_and_works_while_waiting() -> None:
+    s = scheduler(num_pages=2)
+    s.submit("a", 8, 1)
+    s.submit("b", 1, 1)
+    s.admit()
+    assert s.release("b") is not None and s.num_waiting == 0
+    assert s.release("b") is None
+    assert s.release("a") is not None and s.num_pages_used == 0
+    assert s.release("a") is None
+
+
+class DecodeMachine(RuleBasedStateMachine):
+    """Random submits, admits, steps and releases; the invariants hold after each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = DecodeScheduler(num_pages=12, page_size=4, max_batch_size=3, max_context=40, clock=Clock())
+        self.next_id = 0
+
+    @rule(prompt=st.integers(1, 30), max_tokens=st.integers(1, 20))
+    def submit(self, prompt: int, max_tokens: int) -> None:
+        seq_id = f"s{self.next_id}"
+        self.next_id += 1
+        try:
+            self.s.submit(seq_id, prompt, max_tokens, stop_token_ids=[0])
+        except InvalidArgument:
+            assert prompt + max_tokens > 40 or pages_for(prompt + max_tokens - 1, 4) > 12
+            assert self.s.get(seq_id) is None
+
+    @rule()
+    def admit(self) -> None:
+        before = self.s.waiting()
+        admitted = self.s.admit()
+        assert [q.seq_id for q in admitted] == [q.seq_id for q in before[: len(admitted)]]  # FIFO
+        if self.s.num_waiting and self.s.num_running < 3:
+            head = self.s.waiting()[0]
+            assert pages_for(head.kv_capacity, 4) > self.s.pages.num_free
+
+    @rule(token=st.integers(0, 3))
+    def step(self, token: int) -> None:
+        # feed every running sequence's newest token, then make the next
+        for seq in self.s.running():
+            if seq.num_output_tokens == 0:
+                if self.s.on_token(seq.seq_id, token):
+                    self.s.release(seq.seq_id)
+                continue
+            self.s.on_step(seq.seq_id)
+            if self.s.on_token(seq.seq_id, token):
+                self.s.release(seq.seq_id)
+
+    @rule(index=st.integers(0, 20))
+    def release(self, index: int) -> None:
+        seqs = self.s.running() + self.s.waiting()
+        if seqs:
+            used = self.s.num_pages_used
+            seq = seqs[index % len(seqs)]
+            held = len(seq.page_ids)
+            self.s.release(seq.seq_id)
+            assert self.s.num_pages_used == used - held  # freed at once
+
+    @invariant()
+    def pages_are_accounted(self) -> None:
+        running = self.s.running()
+        held = [p for seq in running for p in seq.page_ids]
+        assert len(held) == len(set(held)) == self.s.num_pages_used
+        assert sorted(held + self.s.pages.free_page_ids()) == list(range(12))
+        assert all(not seq.page_ids for seq in self.s.waiting())
+        assert len(running) <= 3
+
+    @invariant()
+    def reservations_cover_the_kv(self) -> None:
+        for seq in self.s.running():
+            assert len(seq.page_ids) == pages_for(seq.kv_capacity, 4)
+            assert seq.num_cached_tokens <= seq.kv_capacity
+            if seq.num_output_tokens:
+                assert seq.num_cached_tokens == seq.num_prompt_tokens + seq.num_output_tokens - 1
+            assert seq.num_output_tokens <= seq.max_tokens
+
+
+TestDecodeMachine = DecodeMachine.TestCase
+TestDecodeMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
