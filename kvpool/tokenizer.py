@@ -1,0 +1,168 @@
+"""Text ↔ token ids for the router: a byte-level tokenizer for the built-in models, ``tokenizers`` for a model directory.
+
+Both give the same small interface: ``encode``, an incremental ``decoder``
+(tokens arrive one at a time while streaming, and a UTF-8 character may span
+several byte tokens), ``eos_token_ids`` and ``apply_chat_template``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+NUM_BYTES = 256
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decoder(self) -> TokenDecoder: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+
+
+class TokenDecoder(Protocol):
+    def feed(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+# byte-level specials, right after the 256 byte ids
+BOS, EOS, SYSTEM, USER, ASSISTANT, TOOL, END = range(NUM_BYTES, NUM_BYTES + 7)
+_SPECIALS = {BOS: "<|bos|>", EOS: "<|eos|>", SYSTEM: "<|system|>", USER: "<|user|>", ASSISTANT: "<|assistant|>",
+             TOOL: "<|tool|>", END: "<|end|>"}
+_ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
+
+
+@dataclass(slots=True)
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255, seven specials follow; any other id of the model's vocabulary decodes to nothing.
+
+    Chat template: ``<|bos|>`` then, per message, its role token, the content's
+    bytes and ``<|end|>``, then ``<|assistant|>`` for the reply.
+    """
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = (EOS, END)
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < NUM_BYTES + len(_SPECIALS):
+            raise ValueError(f"vocab_size: a byte-level tokenizer needs at least {NUM_BYTES + len(_SPECIALS)} ids")
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decoder(self) -> _ByteDecoder:
+        return _ByteDecoder()
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        ids = [BOS]
+        for message in messages:
+            ids.append(_ROLES[message["role"]])
+            ids.extend(self.encode(message["content"]))
+            ids.append(END)
+        ids.append(ASSISTANT)
+        return ids
+
+    @staticmethod
+    def roles() -> frozenset[str]:
+        return frozenset(_ROLES)
+
+
+class _ByteDecoder:
+    """Bytes through an incremental UTF-8 decoder: a split character is emitted once complete."""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        if 0 <= token_id < NUM_BYTES:
+            return self._utf8.decode(bytes((token_id,)))
+        return ""  # specials and ids past them carry no text
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class HFTokenizer:
+    """A model directory's ``tokenizer.json`` through the ``tokenizers`` library, with its own chat template."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer as _Tokenizer  # only model directories need it
+
+        self._tokenizer = _Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.vocab_size = self._tokenizer.get_vocab_size()
+        config = _read_json(model_dir / "tokenizer_config.json")
+        self._template = config.get("chat_template")
+        eos = config.get("eos_token")
+        eos_text = eos.get("content") if isinstance(eos, dict) else eos
+        eos_id = self._tokenizer.token_to_id(eos_text) if isinstance(eos_text, str) else None
+        self.eos_token_ids = (eos_id,) if eos_id is not None else ()
+        self._bos_text = config.get("bos_token") if isinstance(config.get("bos_token"), str) else ""
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decoder(self) -> _HFDecoder:
+        return _HFDecoder(self._tokenizer)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        if not self._template:
+            raise ValueError("model directory has no chat_template in tokenizer_config.json")
+        import jinja2  # the template language model directories use
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+        text = env.from_string(self._template).render(
+            messages=list(messages), add_generation_prompt=True, bos_token=self._bos_text
+        )
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+class _HFDecoder:
+    """Decodes the ids seen so far and emits only the new text (byte-fallback pieces complete later)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._emitted = ""
+
+    def feed(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for its other bytes
+        new, self._emitted = text[len(self._emitted):], text
+        return new
+
+    def flush(self) -> str:
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        new, self._emitted = text[len(self._emitted):], text
+        return new
+
+
+def load_tokenizer(model_dir: str | None, vocab_size: int) -> Tokenizer:
+    """The model directory's tokenizer when it has a ``tokenizer.json``, else the byte-level one."""
+    if model_dir:
+        path = Path(model_dir)
+        if (path / "tokenizer.json").is_file():
+            tokenizer = HFTokenizer(path)
+            if tokenizer.vocab_size > vocab_size:
+                raise ValueError(
+                    f"model_dir: tokenizer has {tokenizer.vocab_size} ids, the model's vocabulary {vocab_size}"
+                )
+            return tokenizer
+    return ByteTokenizer(vocab_size)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}
