@@ -88,11 +88,11 @@ class MLAttention:
             q_latent = rms_norm(F.linear(x, self.q_a_proj), self.q_a_layernorm, cfg.rms_norm_eps)
             q = F.linear(q_latent, self.q_b_proj)
         q_nope, q_pe = q.view(n, heads, cfg.qk_head_dim).split([nope, rope], dim=-1)
-        q_pe = rotary.apply(q_pe, positions)
+        q_pe = rotary.apply(q_pe, positions, cfg.rope_interleave)
 
         latent, k_pe = F.linear(x, self.kv_a_proj_with_mqa).split([rank, rope], dim=-1)
         latent = rms_norm(latent, self.kv_a_layernorm, cfg.rms_norm_eps)
-        k_pe = rotary.apply(k_pe, positions)
+        k_pe = rotary.apply(k_pe, positions, cfg.rope_interleave)
         write_kv(kv_layer, slots[num_cached_tokens:], torch.cat((latent, k_pe), dim=-1))
 
         # read back through the cache dtype so fresh and restored KV match

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,7 +17,9 @@ class ModelConfig:
     Invariant: one KV-cache entry per token per layer holds `kv_entry_dim`
     values — the normed latent (`kv_lora_rank`) followed by the roped shared
     key (`qk_rope_head_dim`). `seed` selects the seeded weights used when no
-    weight directory is given.
+    weight directory is given. `rope_interleave` is part of the model, not
+    of a run: it changes every cached key, so it must match the checkpoint
+    (``from_hf_config`` reads it, defaulting to interleaved as HF does).
     """
 
     name: str
@@ -31,6 +37,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 32768
     seed: int = 0
+    # RoPE pairs: False = rotate-half (our seeded configs), True = interleaved
+    # pairs (0,1),(2,3),... as DeepSeek's checkpoints and HF's config default
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         positive = (
@@ -99,6 +108,28 @@ DSV3_KV = ModelConfig(
 DSV3_KV_61 = dataclasses.replace(DSV3_KV, name="dsv3-kv-61", num_hidden_layers=61)
 
 CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (TINY, DSV3_KV, DSV3_KV_61)}
+
+
+def from_hf_config(hf: Mapping[str, Any], name: str = "hf", seed: int = 0) -> ModelConfig:
+    """A ModelConfig from a Hugging Face DeepSeek-V3 ``config.json`` (dense MLP only).
+
+    A loaded checkpoint's rope layout is its config's ``rope_interleave``,
+    interleaved when absent (HF's default and every DeepSeek checkpoint).
+    """
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "seed", "rope_interleave"}
+    values = {k: hf[k] for k in names if k in hf}
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
+    if theta is not None:
+        values["rope_theta"] = float(theta)
+    interleave = hf.get("rope_interleave")
+    return ModelConfig(name=name, seed=seed, rope_interleave=True if interleave is None else bool(interleave),
+                       **values)
+
+
+def load_hf_config(directory: str | Path, name: str | None = None) -> ModelConfig:
+    """``from_hf_config`` of ``directory/config.json``."""
+    path = Path(directory) / "config.json"
+    return from_hf_config(json.loads(path.read_text()), name or Path(directory).name)
 
 
 def get_config(name: str) -> ModelConfig:

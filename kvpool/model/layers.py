@@ -15,7 +15,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass(slots=True)
 class RotaryEmbedding:
-    """cos/sin tables for positions [0, max_positions), rotate-half layout.
+    """cos/sin tables for positions [0, max_positions), both rope layouts.
+
+    Layouts (``apply(..., interleave=)``): rotate-half pairs dim i with
+    i + dim/2; interleaved (DeepSeek's checkpoints, HF's default) pairs
+    (0, 1), (2, 3), ... and returns the rotated pairs de-interleaved — evens'
+    rotations then odds' — exactly as HF's ``apply_rotary_pos_emb_interleave``.
 
     Invariant: `cos` and `sin` are [max_positions, dim // 2] float32. The
     tables are built in float64 so every machine rounds them the same way.
@@ -35,14 +40,14 @@ class RotaryEmbedding:
             sin=angles.sin().to(torch.float32).to(device),
         )
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, interleave: bool = False) -> torch.Tensor:
         """Rotate x [n, ..., dim] by the angle of each token's position [n]."""
         cos = self.cos[positions]
         sin = self.sin[positions]
         # broadcast the per-token tables over any head dims between n and dim
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
         cos, sin = cos.view(shape), sin.view(shape)
-        x1, x2 = x.chunk(2, dim=-1)
+        x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
