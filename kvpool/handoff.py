@@ -11,8 +11,9 @@ gRPC. One request's KV goes:
    8 MiB each) to the same offsets of its part of decode's receive region;
 3. ``scatter_region``: decode copies the region into its token-major pages.
 
-``write_naive`` is the per-token-per-layer copy the gathered path replaces,
-kept for the benchmark that compares the two.
+``write_naive`` is the direct per-token-per-layer copy (prefill page slot
+to decode page slot, no gather, no scatter) that the gathered path
+replaces, kept for the benchmark that compares the two.
 """
 
 from __future__ import annotations
@@ -82,25 +83,23 @@ def write_naive(
     block_table: BlockTable,
     num_tokens: int,
     endpoint: str,
-    region_address: int,
-    entry_bytes: int,
+    destinations: torch.Tensor,
 ) -> WriteReport:
     """Copy one stage's KV straight from its pages: one write per token per layer.
 
-    ``kv_cache`` must be registered with ``engine``; ``region_address`` is the
-    stage's part of the region (same layout as the gathered path). This is the
-    baseline the gathered handoff replaces, for the benchmark only.
+    ``kv_cache`` must be registered with ``engine``; ``destinations`` holds
+    the peer address of every (layer, token) entry, layer-major
+    (``token_major_destinations`` for decode's pages). The baseline the
+    gathered handoff replaces, for the benchmark only; blocking.
     """
-    num_layers, num_blocks, block_size, _ = kv_cache.shape
-    if kv_cache.shape[-1] * kv_cache.element_size() != entry_bytes:
-        raise ValueError(f"entry_bytes: {entry_bytes} is not the cache's {kv_cache.shape[-1] * kv_cache.element_size()}")
+    num_layers, num_blocks, block_size, entry_dim = kv_cache.shape
+    entry_bytes = entry_dim * kv_cache.element_size()
+    if destinations.numel() != num_layers * num_tokens:
+        raise ValueError(f"destinations: {destinations.numel()} addresses for {num_layers}x{num_tokens} entries")
     slots = token_slots(as_block_table(block_table), 0, num_tokens, block_size)
-    base = kv_cache.data_ptr()
     layer_bytes = num_blocks * block_size * entry_bytes
-    # source and destination address of every (layer, token), layer-major as the region
-    src = (torch.arange(num_layers).unsqueeze(1) * layer_bytes + slots.unsqueeze(0) * entry_bytes + base).reshape(-1)
-    dst = torch.arange(num_layers * num_tokens, dtype=torch.int64) * entry_bytes + region_address
-    local, remote = src.tolist(), dst.tolist()
+    src = torch.arange(num_layers).unsqueeze(1) * layer_bytes + slots.unsqueeze(0) * entry_bytes + kv_cache.data_ptr()
+    local, remote = src.reshape(-1).tolist(), destinations.reshape(-1).tolist()
     started = time.perf_counter()
     for first in range(0, len(local), NAIVE_BATCH):
         last = min(first + NAIVE_BATCH, len(local))
@@ -109,6 +108,19 @@ def write_naive(
         except TransferError as exc:
             raise TransferError(f"naive handoff write to {endpoint} failed at entry {first}: {exc}") from exc
     return WriteReport(len(local), len(local) * entry_bytes, time.perf_counter() - started)
+
+
+def token_major_destinations(
+    pages_address: int, pages_shape: Sequence[int], page_ids: BlockTable, num_tokens: int, entry_bytes: int
+) -> torch.Tensor:
+    """Address of every (layer, token) entry in decode's pages at ``pages_address``, layer-major.
+
+    ``pages_shape`` is ``[num_pages, page_size, num_layers, ...]``; token t of
+    layer l lives at ``pages[page_ids[t // page_size], t % page_size, l]``.
+    """
+    _, page_size, num_layers = pages_shape[:3]
+    slots = token_slots(as_block_table(page_ids), 0, num_tokens, page_size)
+    return (slots.unsqueeze(0) * num_layers + torch.arange(num_layers).unsqueeze(1)).reshape(-1) * entry_bytes + pages_address
 
 
 def scatter_region(region: torch.Tensor, layout: HandoffLayout, pages: torch.Tensor, page_ids: BlockTable) -> None:
