@@ -19,6 +19,14 @@ from pathlib import Path
 from typing import Any
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent goes (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
 class ServiceFailed(RuntimeError):
     """A service exited or did not become ready in time; the message carries its log tail."""
 
@@ -32,6 +40,10 @@ class ServiceProcess:
     workdir: Path
     proc: subprocess.Popen[bytes] | None = None
     ready: dict[str, Any] = field(default_factory=dict)
+    # the child gets SIGTERM when the thread that started it exits (kvpool up:
+    # no orphans even if up itself is killed); start() must run on a thread
+    # that lives as long as the child
+    die_with_parent: bool = False
 
     @property
     def ready_file(self) -> Path:
@@ -48,6 +60,7 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *self.args, "--ready-file", str(self.ready_file)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         log.close()
 
@@ -91,6 +104,16 @@ class ServiceProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: the process is frozen (a hung host), its memory kept."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
 
 
 @dataclass(slots=True)
@@ -208,6 +231,51 @@ class LocalPipeline:
             self._tmp = None
 
     def __enter__(self) -> LocalPipeline:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass(slots=True)
+class LocalDecode:
+    """One decode shard process (``kvpool decode``) on this host."""
+
+    args: list[str] = field(default_factory=list)
+    name: str = "decode"
+    workdir: Path | None = None
+    process: ServiceProcess | None = None
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def address(self) -> str:
+        assert self.process is not None, "start() first"
+        return f"127.0.0.1:{self.process.ready['port']}"
+
+    @property
+    def admin_port(self) -> int:
+        assert self.process is not None, "start() first"
+        return int(self.process.ready["admin_port"])
+
+    def start(self) -> LocalDecode:
+        if self.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-decode-")
+            self.workdir = Path(self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.process = ServiceProcess(self.name, ["decode", "--port", "0", "--admin-port", "0", *self.args],
+                                      self.workdir)
+        self.process.start()
+        self.process.wait_ready(timeout_s=120)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalDecode:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

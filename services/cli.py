@@ -58,6 +58,64 @@ def _add_prefill(sub: Any) -> None:
                    help="run without the pool: device cache only")
 
 
+def _add_decode(sub: Any) -> None:
+    from services.decode.settings import DecodeSettings
+
+    p = sub.add_parser("decode", help="run a decode shard",
+                       description="Run a decode shard: the whole model over token-major KV pages, continuous "
+                       "batching, sampling and token streaming; receive regions for the prefill handoff.")
+    _common(p)
+    add_setting_flags(p, DecodeSettings)
+
+
+def _add_router(sub: Any) -> None:
+    from services.router.settings import RouterSettings
+
+    p = sub.add_parser("router", help="run the router (gRPC Generate and the OpenAI-compatible HTTP API)",
+                       description="Run the router: the front door. It places each request on a prefill pipeline "
+                       "(the session's own while its queue is short) and the decode shard with the most free KV "
+                       "pages, and serves gRPC Generate and the OpenAI-compatible HTTP API "
+                       "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
+    _common(p)
+    add_setting_flags(p, RouterSettings)
+
+
+def _add_up(sub: Any) -> None:
+    from services.up import UpSettings
+
+    p = sub.add_parser("up", help="run a whole cluster on this host",
+                       description="Start a whole cluster on this host — master, stores, prefill pipelines, decode "
+                       "shards and the router with the OpenAI-compatible HTTP API — wait until every service is "
+                       "healthy, print where each listens, and stop them all on Ctrl-C or SIGTERM. Its shape comes "
+                       "from the [up] table of --config (every service also reads its own table), flags win.")
+    _common(p)
+    add_setting_flags(p, UpSettings)
+    p.add_argument("--demo", action="store_true",
+                   help="play one coding-agent session turn by turn through the HTTP API, print the figures, stop")
+    p.add_argument("--trace", metavar="FILE", help="with --demo: a weka-format session file (default: a built-in "
+                   "synthetic session shaped like the real traces)")
+    p.add_argument("--turns", type=int, default=12, help="with --demo: turns to play (default 12)")
+    p.add_argument("--scale", type=int, default=16, help="with --demo: token scale factor (default 16)")
+
+
+def _add_clients(sub: Any) -> None:
+    gen = sub.add_parser("generate", help="one completion from a running cluster",
+                         description="Send one prompt to a running cluster's router (gRPC) and stream the answer.")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--router", default="127.0.0.1:7900", help="router gRPC address (default 127.0.0.1:7900)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--session", default="", help="session key (keeps the session's history hot)")
+    gen.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    chat = sub.add_parser("chat", help="an interactive chat with a running cluster",
+                          description="A small interactive client: each line you type is a user turn; the "
+                          "conversation is resent every turn, as agents do, under one session key.")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="router HTTP URL (default http://127.0.0.1:8000)")
+    chat.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most (default 128)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    chat.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
 def _add_pool(sub: Any) -> None:
     p = sub.add_parser("pool", help="inspect the pool")
     pool_sub = p.add_subparsers(dest="pool_command", required=True)
@@ -104,6 +162,32 @@ def _add_bench(sub: Any) -> None:
     prefill.add_argument("--traces", metavar="DIR", help="weka traces directory (default ../shared/traces/agentx-weka "
                          "next to the checkout)")
     prefill.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    decode = bench_sub.add_parser(
+        "decode", help="decode tokens/s of one shard at 1, 4, 16 and 64 concurrent sequences",
+        description="Starts one decode shard process (tiny model by default), fills each prompt's KV through "
+        "Reserve and real transfer-engine writes from this process, and measures decode tokens per second and "
+        "page use at each concurrency; batching_gain is tok/s at 16 over tok/s at 1.",
+    )
+    decode.add_argument("--json", action="store_true", help="last line of output is one JSON object")
+    decode.add_argument("--concurrency", default="1,4,16,64", help="concurrent sequences, comma separated")
+    decode.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every sequence")
+    decode.add_argument("--max-tokens", type=int, default=64, help="tokens each sequence makes")
+    decode.add_argument("--model", default="tiny", help="model config")
+    decode.add_argument("--kv-dtype", default="float32", help="KV dtype")
+    decode.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    handoff = bench_sub.add_parser(
+        "handoff", help="prefill → decode handoff: gathered large writes vs one write per token per layer",
+        description="Two processes on this host, each with a transfer engine: a sender holding one prefill "
+        "stage's paged KV and a receiver with decode's token-major pages. Runs the direct per-token-per-layer "
+        "copy and the gathered path (gather, writes of at most 8 MiB, scatter) in the same run and verifies "
+        "decode's pages against the sender's byte for byte after each.",
+    )
+    handoff.add_argument("--json", action="store_true", help="last line of output is one JSON object")
+    handoff.add_argument("--quick", action="store_true", help="1,024 tokens unless --tokens says otherwise")
+    handoff.add_argument("--tokens", type=int, help="tokens in the request (default 8192; quick 1024)")
+    handoff.add_argument("--layers", type=int, default=20, help="layers of the prefill stage")
+    handoff.add_argument("--entry-bytes", type=int, default=576, help="bytes per token per layer (576: fp8 MLA)")
+    handoff.add_argument("--repeats", type=int, default=3, help="measured gathered runs (median counts)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_master(sub)
     _add_store(sub)
     _add_prefill(sub)
+    _add_decode(sub)
+    _add_router(sub)
+    _add_up(sub)
+    _add_clients(sub)
     _add_pool(sub)
     _add_bench(sub)
     return parser
@@ -167,6 +255,51 @@ def _run_prefill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_decode(args: argparse.Namespace) -> int:
+    from kvpool import service
+    from services.decode.server import serve
+    from services.decode.settings import DecodeSettings
+
+    settings = _settings(DecodeSettings, "decode", args)
+    service.run(lambda: serve(settings, args.ready_file))
+    return 0
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from kvpool import service
+    from services.router.server import serve
+    from services.router.settings import RouterSettings
+
+    settings = _settings(RouterSettings, "router", args)
+    service.run(lambda: serve(settings, args.ready_file))
+    return 0
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from services.up import UpSettings, run_up
+
+    settings = _settings(UpSettings, "up", args)
+    demo = None
+    if args.demo or args.trace:
+        from services.demo import DemoSettings, run_demo
+
+        demo_settings = DemoSettings(trace=args.trace or "", scale=args.scale, turns=args.turns)
+        demo = lambda cluster: run_demo(cluster.http_url, demo_settings)  # noqa: E731
+    return run_up(settings, args.config, "warning" if args.log_level == "info" else args.log_level, demo)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from services.clients import generate
+
+    return asyncio.run(generate(args.router, args.prompt, args.max_tokens, args.temperature, args.session))
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from services.clients import chat
+
+    return chat(args.url, args.max_tokens, args.temperature)
+
+
 def _run_pool(args: argparse.Namespace) -> int:
     from kvpool.pool.stats import fetch_stats, format_stats
 
@@ -176,10 +309,18 @@ def _run_pool(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "handoff":
+        from kvpool.bench.handoff_bench import main as bench_handoff
+
+        return bench_handoff(args)
     if args.bench_command == "prefill":
         from kvpool.bench.prefill_bench import main as bench_prefill
 
         return bench_prefill(args)
+    if args.bench_command == "decode":
+        from kvpool.bench.decode_bench import main as bench_decode
+
+        return bench_decode(args)
     from kvpool.bench.pool_bench import main as bench_pool
 
     return bench_pool(args)
@@ -190,7 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _log(args)
     handlers = {
-        "master": _run_master, "store": _run_store, "prefill": _run_prefill, "pool": _run_pool, "bench": _run_bench,
+        "master": _run_master, "store": _run_store, "prefill": _run_prefill, "decode": _run_decode,
+        "router": _run_router, "up": _run_up, "generate": _run_generate, "chat": _run_chat,
+        "pool": _run_pool, "bench": _run_bench,
     }
     try:
         return handlers[args.command](args)

@@ -1,0 +1,82 @@
+"""``kvpool generate`` (one prompt over gRPC) and ``kvpool chat`` (an interactive session over HTTP)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import sys
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+
+from kvpool import service
+from kvpool.rpc import router_pb2, router_pb2_grpc
+
+
+async def generate(router: str, prompt: str, max_tokens: int, temperature: float, session: str) -> int:
+    """Stream one answer to stdout, then its figures to stderr."""
+    async with grpc.aio.insecure_channel(router, options=service.GRPC_OPTIONS) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        request = router_pb2.GenerateRequest(text=prompt, session_key=session, sampling=router_pb2.SamplingParams(
+            temperature=temperature, max_tokens=max_tokens))
+        try:
+            async for response in stub.Generate(request, timeout=600):
+                if response.HasField("usage"):
+                    u = response.usage
+                    print(f"\n[{u.prompt_tokens} prompt tokens: device {u.device_tokens}, pool {u.pool_tokens}, "
+                          f"computed {u.computed_tokens}; {u.completion_tokens} generated, "
+                          f"TTFT {u.ttft_seconds * 1e3:.0f} ms, finish {u.finish_reason}]", file=sys.stderr)
+                else:
+                    print(response.text, end="", flush=True)
+        except grpc.aio.AioRpcError as exc:
+            print(f"\nkvpool generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def chat(url: str, max_tokens: int, temperature: float) -> int:
+    """Read user turns from stdin; each sends the whole conversation so far, as agents do."""
+    parts = urlsplit(url)
+    session = f"chat-{uuid.uuid4().hex[:8]}"
+    messages: list[dict[str, Any]] = []
+    print(f"kvpool chat with {url} (session {session}); an empty line or Ctrl-D ends it", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line})
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+                "stream_options": {"include_usage": True}, "prompt_cache_key": session}
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            if response.status != 200:
+                print(f"error: HTTP {response.status}: {response.read().decode(errors='replace')}", file=sys.stderr)
+                messages.pop()
+                continue
+            reply = []
+            for raw in response:
+                data = raw.decode().strip().removeprefix("data: ")
+                if not data or data == "[DONE]":
+                    continue
+                event = json.loads(data)
+                if event.get("usage"):
+                    ext = event["usage"].get("kvpool", {})
+                    print(f"\n  [cached {event['usage']['prompt_tokens_details']['cached_tokens']} of "
+                          f"{event['usage']['prompt_tokens']} prompt tokens (device {ext.get('device_tokens')}, "
+                          f"pool {ext.get('pool_tokens')})]", file=sys.stderr)
+                    continue
+                for choice in event.get("choices", []):
+                    text = choice.get("delta", {}).get("content") or ""
+                    reply.append(text)
+                    print(text, end="", flush=True)
+            print()
+            messages.append({"role": "assistant", "content": "".join(reply)})
+        finally:
+            conn.close()

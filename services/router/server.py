@@ -1,0 +1,196 @@
+"""The router process: gRPC ``Generate``, the OpenAI-compatible HTTP API (Starlette on uvicorn), health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import structlog
+import uvicorn
+
+from kvpool import service
+from kvpool.core.errors import InvalidArgument, KvpoolError
+from kvpool.model import get_config
+from kvpool.rpc import router_pb2, router_pb2_grpc
+from kvpool.status import status_code
+from kvpool.tokenizer import ByteTokenizer, load_tokenizer
+from services.router.http_api import HttpApi, Usage
+from services.router.metrics import RouterMetrics
+from services.router.openai_schema import ApiError, GenerationRequest, ModelLimits
+from services.router.router import Router
+from services.router.settings import RouterSettings
+
+log = structlog.get_logger(__name__)
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """gRPC Generate: the same path as the HTTP API, token ids or text in, tokens then usage out."""
+
+    def __init__(self, router: Router, tokenizer: Any, limits: ModelLimits) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: Any) -> AsyncIterator[router_pb2.GenerateResponse]:
+        try:
+            generation = self._validate(request)
+        except KvpoolError as exc:
+            await context.abort(status_code(exc), str(exc))
+            return
+        usage = Usage(prompt_tokens=len(generation.prompt_ids))
+        decoder = self.tokenizer.decoder() if request.text else None
+        tokens = self.router.generate(generation, usage)
+        try:
+            async for token_id in tokens:
+                usage.completion_tokens += 1
+                text = decoder.feed(token_id) if decoder is not None else ""
+                yield router_pb2.GenerateResponse(token_id=token_id, text=text)
+        except KvpoolError as exc:
+            self.router.metrics.requests.labels("grpc", "error").inc()
+            await context.abort(status_code(exc), str(exc))
+            return
+        finally:
+            await tokens.aclose()
+        self.router.metrics.requests.labels("grpc", "ok").inc()
+        yield router_pb2.GenerateResponse(usage=router_pb2.GenerateUsage(
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            device_tokens=usage.device_tokens, pool_tokens=usage.pool_tokens, computed_tokens=usage.computed_tokens,
+            handoff_transfers=usage.handoff_transfers, handoff_bytes=usage.handoff_bytes,
+            ttft_seconds=usage.ttft_seconds, decode_seconds=usage.decode_seconds,
+            finish_reason=usage.finish_reason, pipeline=usage.pipeline, shard=usage.shard,
+        ))
+
+    def _validate(self, request: router_pb2.GenerateRequest) -> GenerationRequest:
+        limits = self.limits
+        if request.token_ids and request.text:
+            raise InvalidArgument("token_ids: give the prompt as token_ids or as text, not both")
+        if request.text:
+            prompt = self.tokenizer.encode(request.text)
+        else:
+            prompt = list(request.token_ids)
+        if not prompt:
+            raise InvalidArgument("token_ids: the prompt must not be empty")
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"token_ids[{bad}]: {prompt[bad]} is outside the vocabulary 0..{limits.vocab_size - 1}")
+        sampling = request.sampling
+        max_tokens = sampling.max_tokens or 16
+        if len(prompt) + max_tokens > limits.context:
+            raise InvalidArgument(f"sampling.max_tokens: {len(prompt)} prompt tokens plus {max_tokens} exceed the "
+                                  f"model's context of {limits.context}")
+        if sampling.temperature < 0 or sampling.temperature > 2:
+            raise InvalidArgument(f"sampling.temperature: must be in [0, 2], got {sampling.temperature}")
+        top_p = sampling.top_p or 1.0
+        if not 0 < top_p <= 1:
+            raise InvalidArgument(f"sampling.top_p: must be in (0, 1], got {sampling.top_p}")
+        if len(request.session_key) > 256:
+            raise InvalidArgument("session_key: longer than 256 characters")
+        return GenerationRequest(
+            kind="completion", model=limits.name, prompt_ids=prompt, max_tokens=max_tokens,
+            temperature=sampling.temperature, top_p=top_p, top_k=sampling.top_k,
+            seed=sampling.seed if sampling.HasField("seed") else None,
+            stop_token_ids=list(sampling.stop_token_ids) or list(self.tokenizer.eos_token_ids),
+            session_key=request.session_key,
+        )
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: the process's handlers stop everything in order."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class _Backend:
+    """The HTTP API's view of the router: generate, with its errors in OpenAI's shape, and health."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def generate(self, request: GenerationRequest, usage: Usage) -> AsyncIterator[int]:
+        api = "chat" if request.kind == "chat" else "completions"
+        tokens = self.router.generate(request, usage)
+        try:
+            async for token in tokens:
+                yield token
+        except KvpoolError as exc:
+            self.router.metrics.requests.labels(api, "error").inc()
+            raise _api_error(exc) from None
+        finally:
+            await tokens.aclose()
+        self.router.metrics.requests.labels(api, "ok").inc()
+
+    async def health(self) -> dict[str, bool]:
+        return await self.router.check_health()
+
+
+def _api_error(exc: KvpoolError) -> ApiError:
+    code = status_code(exc)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ApiError(400, str(exc), str(exc).split(":", 1)[0] or None, "invalid_value")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ApiError(429, str(exc), None, "overloaded", "rate_limit_error")
+    return ApiError(503, str(exc), None, "unavailable", "server_error")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"http_port: cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(settings: RouterSettings, ready_file: str | None = None) -> None:
+    config = get_config(settings.model)
+    tokenizer = load_tokenizer(settings.model_dir or None, config.vocab_size)
+    limits = ModelLimits(settings.model_name, context=config.max_position_embeddings, vocab_size=config.vocab_size)
+    metrics = RouterMetrics()
+    router = Router(settings.pipelines, settings.shards, metrics, affinity_max_queue=settings.affinity_max_queue,
+                    max_in_flight=settings.max_in_flight, request_timeout_s=settings.request_timeout_s)
+    servicer = RouterServicer(router, tokenizer, limits)
+    handle = await service.create_server(
+        settings.host, settings.port, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
+        service_names=["kvpool.rpc.Router"],
+    )
+    await handle.set_serving(False)
+    roles = ByteTokenizer.roles() if isinstance(tokenizer, ByteTokenizer) else frozenset(
+        {"system", "developer", "user", "assistant", "tool"})
+    api = HttpApi(_Backend(router), tokenizer, limits, metrics.registry, roles)
+    sock = _bind(settings.host, settings.http_port)
+    http = _HttpServer(uvicorn.Config(api.app(), log_config=None, log_level="warning", lifespan="off",
+                                      timeout_graceful_shutdown=5))
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
+    stop = asyncio.Event()
+    service.install_stop_signals(stop)
+    health = asyncio.create_task(router.health_forever(settings.health_interval_s))
+    try:
+        await router.check_health()
+        await handle.set_serving(True)
+        http_port = sock.getsockname()[1]
+        log.info("router_serving", address=f"{settings.host}:{handle.port}", http_port=http_port,
+                 admin_port=admin_port, pipelines=settings.pipelines, shards=settings.shards, model=limits.name)
+        service.write_ready_file(ready_file, port=handle.port, http_port=http_port, admin_port=admin_port)
+        await stop.wait()
+        log.info("router_stopping")
+        await handle.set_serving(False)
+    finally:
+        health.cancel()
+        http.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(http_task, 10)
+        await handle.server.stop(grace=2.0)
+        await router.close()
+        sock.close()
+        log.info("router_stopped")

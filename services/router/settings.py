@@ -1,0 +1,63 @@
+"""Settings of the router."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.core.setting import setting
+from kvpool.model.config import CONFIGS
+
+
+@dataclass(slots=True)
+class RouterSettings:
+    host: str = setting("127.0.0.1", help="listen address of the gRPC and HTTP APIs")
+    port: int = setting(7900, help="gRPC port (0 picks a free one)")
+    http_port: int = setting(8000, help="OpenAI-compatible HTTP port (0 picks a free one)")
+    admin_port: int = setting(9900, help="Prometheus /metrics port (also served on the HTTP port; 0 picks a free one)")
+    pipelines: list[str] = setting(
+        help="stage-0 addresses of the prefill pipelines", factory=list, metavar="ADDR,...", default_text="none"
+    )
+    shards: list[str] = setting(
+        help="addresses of the decode shards", factory=list, metavar="ADDR,...", default_text="none"
+    )
+    model: str = setting("tiny", help="model config (its vocabulary and context)", choices=tuple(CONFIGS))
+    model_dir: str = setting(
+        "", help="a model directory whose tokenizer.json and chat template to use", metavar="DIR",
+        default_text="byte-level tokenizer",
+    )
+    served_model_name: str = setting("", help="the model name clients send", default_text="the model config's name")
+    affinity_max_queue: int = setting(
+        4, help="a session stays on its pipeline while fewer than this many requests are in flight there"
+    )
+    max_in_flight: int = setting(256, help="requests in flight at most; more are answered 429")
+    health_interval_s: float = setting(1.0, help="seconds between health checks of every backend")
+    request_timeout_s: float = setting(600.0, help="longest a request may take end to end, in seconds")
+
+    def __post_init__(self) -> None:
+        for name in ("pipelines", "shards"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, [a for a in value.split(",") if a])
+        for name in ("port", "http_port", "admin_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name}: {getattr(self, name)} is not a TCP port")
+        if not self.pipelines:
+            raise ValueError("pipelines: the router needs at least one prefill pipeline (stage 0's address)")
+        if not self.shards:
+            raise ValueError("shards: the router needs at least one decode shard")
+        if len(set(self.pipelines)) != len(self.pipelines):
+            raise ValueError("pipelines: an address is named twice")
+        if len(set(self.shards)) != len(self.shards):
+            raise ValueError("shards: an address is named twice")
+        if self.affinity_max_queue < 1:
+            raise ValueError(f"affinity_max_queue: must be >= 1, got {self.affinity_max_queue}")
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight: must be >= 1, got {self.max_in_flight}")
+        if self.health_interval_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("health_interval_s and request_timeout_s must be positive")
+        if self.model not in CONFIGS:
+            raise ValueError(f"model: {self.model!r} is not one of {sorted(CONFIGS)}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

@@ -1,0 +1,213 @@
+"""The whole cluster through the OpenAI-compatible HTTP API, with the official openai client.
+
+One cluster of real processes for the module: master, two stores, two
+two-stage prefill pipelines, two decode shards and the router (``kvpool up``'s
+own ``Cluster``). Tests use the SDK as coding agents do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from kvpool.pool.stats import fetch_stats
+from services.up import Cluster, UpSettings
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("up")
+    config = workdir / "cluster.toml"
+    # one request in flight is enough to move a session (the overload test)
+    config.write_text("[router]\naffinity_max_queue = 1\n[decode]\nkv_bytes = \"64MiB\"\n")
+    settings = UpSettings(pipelines=2, stages=2, decode_shards=2, stores=2, segment_size="64MiB", http_port=0,
+                          grpc_port=0, device_cache_tokens=4096, workdir=str(workdir / "logs"))
+    up = Cluster(settings, config=str(config)).start()
+    try:
+        yield up
+    finally:
+        up.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def ext(usage: Any) -> dict[str, Any]:
+    return usage.model_extra["kvpool"] if usage.model_extra else usage.kvpool
+
+
+def test_second_send_of_a_prompt_is_served_from_cache(client: openai.OpenAI) -> None:
+    prompt = "".join(chr(ord("a") + (i * 7) % 26) for i in range(3000))  # 3,000 bytes
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"prompt_cache_key": "cache-test"})
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"prompt_cache_key": "cache-test"})
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens == 3000
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 2816
+    assert first.choices[0].text == second.choices[0].text  # greedy: same answer either way
+    k = ext(second.usage)
+    assert k["device_tokens"] + k["pool_tokens"] + k["computed_tokens"] == 3000
+
+
+def test_streaming_and_not_agree_token_for_token(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three primes."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+
+
+def play_three_turns(client: openai.OpenAI, key: str) -> tuple[list[str], list[int]]:
+    history = "Turn one: list the files in src/." * 20
+    answers, cached = [], []
+    for i in range(3):
+        response = client.completions.create(model=MODEL, prompt=history, max_tokens=12, temperature=0,
+                                             extra_body={"prompt_cache_key": key})
+        answers.append(response.choices[0].text)
+        cached.append(response.usage.prompt_tokens_details.cached_tokens)
+        history += response.choices[0].text + f" Tool output {i}: ok." * 10
+    return answers, cached
+
+
+def test_three_turn_session_equals_the_same_run_without_the_pool(
+    client: openai.OpenAI, tmp_path: Path
+) -> None:
+    answers, cached = play_three_turns(client, "three-turns")
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0  # later turns reuse earlier prompts
+    settings = UpSettings(pipelines=1, stages=2, decode_shards=1, stores=0, http_port=0, grpc_port=0,
+                          device_cache_tokens=4096, workdir=str(tmp_path))
+    with_no_pool = Cluster(settings).start()
+    try:
+        plain = openai.OpenAI(base_url=f"{with_no_pool.http_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        assert play_three_turns(plain, "three-turns")[0] == answers
+    finally:
+        with_no_pool.stop()
+
+
+def test_a_session_moved_to_another_pipeline_gets_its_history_from_the_pool(
+    client: openai.OpenAI, cluster: Cluster
+) -> None:
+    history = "A long shared history. " * 60
+    groups_before = complete_groups(cluster)
+    first = client.completions.create(model=MODEL, prompt=history, max_tokens=2, temperature=0,
+                                      extra_body={"prompt_cache_key": "mover"})
+    home = ext(first.usage)["pipeline"]
+    # saves are write-through, off the request's path: wait until the pool has the history's chunks
+    wait_for_complete_groups(cluster, groups_before + len(history) // 256)
+    # keep the session's pipeline busy (affinity_max_queue = 1), then send its next turn
+    busy = client.completions.create(model=MODEL, prompt=history + " busy", max_tokens=400, temperature=0,
+                                     stream=True, extra_body={"prompt_cache_key": "mover"})
+    next(iter(busy))  # its first chunk: the request is in flight on the home pipeline
+    try:
+        moved = client.completions.create(model=MODEL, prompt=history + " next turn", max_tokens=2, temperature=0,
+                                          extra_body={"prompt_cache_key": "mover"})
+    finally:
+        busy.close()
+    k = ext(moved.usage)
+    assert k["pipeline"] != home
+    assert k["pool_tokens"] > 0 and k["device_tokens"] == 0  # a cold device: the history came from the pool
+
+
+def test_bad_requests_are_400s_naming_the_field(cluster: Cluster, client: openai.OpenAI) -> None:
+    cases: list[tuple[str, Any, str | None]] = [
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 5000]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 40000}, "max_tokens"),
+        ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, "model"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, "messages"),
+        ("/v1/completions", b"{not json", None),
+    ]
+    for path, body, param in cases:
+        status, answer = post(cluster.http_url, path, body)
+        assert status == 400, (path, body, answer)
+        assert answer["error"]["param"] == param, answer
+        assert answer["error"]["message"]
+    # and it keeps serving
+    ok = client.completions.create(model=MODEL, prompt="still here", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_models_health_metrics(cluster: Cluster) -> None:
+    status, models = get(cluster.http_url, "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+    status, health = get(cluster.http_url, "/health")
+    assert status == 200 and health["status"] == "ok" and len(health["backends"]) == 4
+    status, text = get(cluster.http_url, "/metrics", raw=True)
+    assert status == 200 and "kvpool_router_placements_total" in text
+
+
+def test_eight_concurrent_sessions_over_two_pipelines_and_two_shards(client: openai.OpenAI) -> None:
+    def session(i: int) -> set[tuple[str, str]]:
+        seen = set()
+        history = f"session {i}: " + "context " * 60
+        for turn in range(2):
+            response = client.completions.create(model=MODEL, prompt=history, max_tokens=6, temperature=0,
+                                                 extra_body={"prompt_cache_key": f"conc-{i}"})
+            k = ext(response.usage)
+            seen.add((k["pipeline"], k["shard"]))
+            history += response.choices[0].text + f" turn {turn} done."
+        return seen
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(session, range(8)))  # raises on any error
+    used = set().union(*results)
+    assert len({p for p, _ in used}) == 2 and len({s for _, s in used}) == 2
+
+
+def complete_groups(cluster: Cluster) -> int:
+    master = f"127.0.0.1:{cluster.find('master').ready['port']}"
+    return int(asyncio.run(fetch_stats(master))["num_complete_groups"])
+
+
+def wait_for_complete_groups(cluster: Cluster, count: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while complete_groups(cluster) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} complete groups after {timeout_s}s"
+        time.sleep(0.05)  # polling another process's state
+
+
+def post(url: str, path: str, body: Any) -> tuple[int, Any]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", path, raw, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def get(url: str, path: str, raw: bool = False) -> tuple[int, Any]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        data = response.read().decode()
+        return response.status, data if raw else json.loads(data)
+    finally:
+        conn.close()
+
