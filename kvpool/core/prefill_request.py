@@ -8,13 +8,16 @@ clock. The scheduler does the I/O between the transitions:
 - ``admit`` takes device blocks: the cached prefix (up to the hit limit)
   shared, fresh blocks for the rest. It changes nothing when they do not fit.
 - ``plan`` splits the prompt into device hit → pool hit → computed, from the
-  number of leading pool groups the lookup found complete.
+  number of leading pool groups the lookup found complete. ``plan_lookup``
+  does the same from a lookup that started at chunk 0: device-hit chunks
+  whose group the pool no longer has are written back (saved again from the
+  device pages) before the device can drop them.
 - ``apply_restore`` takes what each stage restored: a prefix counts only as
   far as every stage restored it, and only those chunks become device hits
   for later requests.
 - ``finish_compute`` marks the computed chunks cached; ``chunks_to_save``
-  names them (write-through of every chunk that was not already in the pool
-  or on the device).
+  names them (write-through of every chunk that was not already in the pool,
+  the written-back device hits first).
 - ``hold`` keeps the KV for the handoff until released or past its deadline.
 """
 
@@ -57,6 +60,8 @@ class PrefillRequest:
     num_device_chunks: int = 0
     restore_plan: RestorePlan | None = None
     num_restored_chunks: int = 0
+    # leading device-hit chunks known to be in the pool; the rest are written back
+    num_device_chunks_in_pool: int = 0
     hold_deadline: float = math.inf
 
     @property
@@ -79,14 +84,42 @@ class PrefillRequest:
         """Chunks after the device hit that the pool may serve: the lookup's groups, in order."""
         return self.chunk_hashes[self.num_device_chunks : self.hit_limit]
 
+    @property
+    def lookup_candidates(self) -> list[ChunkHash]:
+        """Every chunk that may be a hit, from the head: a lookup of these also tells
+        which device hits still have their pool copy (``plan_lookup``)."""
+        return self.chunk_hashes[: self.hit_limit]
+
     def plan(self, num_pool_chunks: int) -> RestorePlan:
-        """Device hit, then the leading ``num_pool_chunks`` complete pool groups after it."""
+        """Device hit, then the leading ``num_pool_chunks`` complete pool groups after it.
+
+        The device hits are taken to be in the pool already (nothing written back).
+        """
         self._expect(Phase.ADMITTED)
         self.restore_plan = plan_restore(
             self.num_tokens, self.chunk_size, len(self.chunk_hashes), self.num_device_chunks, num_pool_chunks
         )
+        self.num_device_chunks_in_pool = self.num_device_chunks
         self.phase = Phase.PLANNED
         return self.restore_plan
+
+    def plan_lookup(self, num_complete: int) -> RestorePlan:
+        """Plan from a lookup of ``lookup_candidates``: ``num_complete`` leading groups
+        from chunk 0 are in the pool.
+
+        Device hits past them lost their pool copy (evicted, or a save that never
+        landed): they are saved again from the device pages (write-back), and no
+        pool hit follows them, since a lookup reports a leading run only.
+        """
+        in_pool = min(num_complete, self.num_device_chunks)
+        plan = self.plan(max(0, num_complete - self.num_device_chunks))
+        self.num_device_chunks_in_pool = in_pool
+        return plan
+
+    @property
+    def num_write_back_chunks(self) -> int:
+        """Device-hit chunks saved again because the pool lost them."""
+        return self.num_device_chunks - self.num_device_chunks_in_pool
 
     def restore_targets(self) -> list[tuple[int, int]]:
         """``(chunk_index, block_id)`` of every planned pool chunk, in order."""
@@ -112,17 +145,25 @@ class PrefillRequest:
 
     @property
     def save_first_chunk(self) -> int:
+        """First chunk to save: the first device hit the pool lost, else the first computed.
+
+        Contiguous with the computed chunks: a write-back leaves no pool hit
+        after the device hit (see ``plan_lookup``).
+        """
+        if self.num_write_back_chunks:
+            return self.num_device_chunks_in_pool
         return self.compute_start // self.chunk_size
 
     @property
     def chunks_to_save(self) -> list[ChunkHash]:
-        """Full chunks this request computes: every one is written to the pool."""
+        """Full chunks this request computes, after the device hits it writes back."""
         return self.chunk_hashes[self.save_first_chunk :]
 
     def finish_compute(self, blocks: BlockManager) -> None:
         """The computed chunks are now cached on the device for later requests."""
         self._expect(Phase.RESTORED)
-        blocks.commit_chunks(self.request_id, self.save_first_chunk, self.chunks_to_save)
+        first = self.compute_start // self.chunk_size
+        blocks.commit_chunks(self.request_id, first, self.chunk_hashes[first:])
         self.phase = Phase.COMPUTED
 
     def hold(self, now: float, hold_s: float) -> None:

@@ -28,10 +28,12 @@ from kvpool.transfer import Move, TransferEngine, local_host_name, spins
 log = structlog.get_logger(__name__)
 
 RPC_TIMEOUT_S = 5.0
-# Writes are off every request's critical path: they wait (within the deadline)
-# for a master that is reconnecting instead of failing fast, so a master
-# restart costs a few saves' latency, not the saves. Reads fail fast: a
-# lookup that cannot be answered now is a miss, and the caller computes.
+# Every call fails fast when the master cannot be reached: a lookup that cannot
+# be answered now is a miss (the caller computes), and a put that cannot start
+# now is NOT_STORED at once. A put that waited for a reconnecting master would
+# hold the caller's memory (a staging region, device pages) the whole time, and
+# newer saves would queue behind it; a chunk not stored now is written back
+# the next time it is a device hit whose group the pool lacks.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 _RESERVED = pool_pb2.PUT_STATUS_RESERVED
 _ALREADY_EXISTS = pool_pb2.PUT_STATUS_ALREADY_EXISTS
@@ -139,7 +141,7 @@ class PoolClient:
                     client_host=self.host_name,
                     items=[item(key=o.key, group_id=o.group_id, group_size=o.group_size, size=o.size) for o in objects],
                 ),
-                timeout=RPC_TIMEOUT_S, wait_for_ready=True,
+                timeout=RPC_TIMEOUT_S,
             )
         except grpc.aio.AioRpcError as exc:
             if isinstance(sums, asyncio.Future):
@@ -173,7 +175,7 @@ class PoolClient:
         try:
             await self._stub.PutEnd(
                 pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c) for k, c in items]),
-                timeout=RPC_TIMEOUT_S, wait_for_ready=True,
+                timeout=RPC_TIMEOUT_S,
             )
             return True
         except grpc.aio.AioRpcError as exc:
@@ -184,7 +186,7 @@ class PoolClient:
 
     async def _revoke(self, keys: list[str]) -> None:
         try:
-            await self._stub.PutRevoke(pool_pb2.PutRevokeRequest(keys=keys), timeout=RPC_TIMEOUT_S, wait_for_ready=True)
+            await self._stub.PutRevoke(pool_pb2.PutRevokeRequest(keys=keys), timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             # the master's put timeout gives the space back anyway
             log.warning("pool_put_revoke_failed", code=exc.code().name, objects=len(keys))

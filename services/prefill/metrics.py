@@ -23,6 +23,12 @@ class PrefillMetrics:
                                       "First stage restore start to last finish", buckets=_SECONDS_BUCKETS, registry=r)
         self.compute = Histogram("kvpool_prefill_compute_seconds", "Pipeline compute time per request",
                                  buckets=_SECONDS_BUCKETS, registry=r)
+        # per chunk, on every stage (each its own registry): what a benchmark reads to see lost saves
+        self.saves_skipped = Counter("kvpool_prefill_saves_skipped",
+                                     "Chunks this stage did not store in the pool, by reason", ["reason"], registry=r)
+        self.saves_stored = Counter("kvpool_prefill_saves_stored",
+                                    "Chunks this stage stored in the pool (or found there: exists)", ["result"],
+                                    registry=r)
         self.device_usage = Gauge("kvpool_prefill_device_cache_usage", "Share of device blocks referenced",
                                   registry=r)
 

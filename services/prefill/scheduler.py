@@ -178,7 +178,8 @@ class PrefillScheduler:
     async def _restore(self, request: PrefillRequest) -> RestoreReport:
         """Look the pool-candidate chunks up, restore them on every stage, apply what all stages got."""
         report = RestoreReport()
-        candidates = request.pool_candidates
+        # from the head: the lookup also finds device hits whose pool copy is gone (written back)
+        candidates = request.lookup_candidates
         if self.pool is None or not candidates:
             request.plan(0)
             request.apply_restore([], self.blocks)
@@ -186,7 +187,9 @@ class PrefillScheduler:
         t0 = time.perf_counter()
         lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates])
         report.lookup_ms = (time.perf_counter() - t0) * 1e3
-        plan = request.plan(lookup.num_complete)
+        plan = request.plan_lookup(lookup.num_complete)
+        if request.num_write_back_chunks:
+            log.info("device_hits_written_back", request_id=request.request_id, chunks=request.num_write_back_chunks)
         try:
             if plan.num_pool_chunks:
                 t1 = time.perf_counter()
@@ -205,7 +208,8 @@ class PrefillScheduler:
         per_stage: list[list[ChunkToRestore]] = []
         for stage in range(self.settings.num_stages):
             chunks = []
-            for group, (chunk_index, block_id) in zip(lookup.groups, targets):
+            for chunk_index, block_id in targets:
+                group = lookup.groups[chunk_index]  # the lookup started at chunk 0
                 location = group.members.get(object_key(self.namespace, request.chunk_hashes[chunk_index], stage))
                 if location is None:
                     break  # cannot happen for a complete group; stay safe

@@ -11,8 +11,9 @@ import structlog
 
 from kvpool import service
 from kvpool.pool.client import PoolClient
-from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.rpc import handoff_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import TransferEngine
+from services.prefill.handoff import HandoffMetrics, HandoffServicer, HandoffStageServicer
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.scheduler import PrefillScheduler, PrefillServicer
 from services.prefill.settings import PrefillSettings
@@ -55,19 +56,25 @@ async def wait_for_stages(settings: PrefillSettings, namespace: str, stop: async
 async def serve(settings: PrefillSettings, ready_file: str | None = None) -> None:
     engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
     pool = PoolClient(settings.master, engine) if settings.master else None
-    runner = StageRunner(settings, engine, pool)
-    link = ActivationLink(runner, settings.next_address)
     metrics = PrefillMetrics()
+    runner = StageRunner(settings, engine, pool, metrics)
+    link = ActivationLink(runner, settings.next_address)
     stage_servicer = PrefillStageServicer(runner, link)
     front = PrefillServicer()
+    handoff_metrics = HandoffMetrics(metrics.registry)
+    handoff_stage = HandoffStageServicer(runner, handoff_metrics)
+    handoff_front = HandoffServicer(handoff_stage, handoff_metrics)
 
     def add_servicers(server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillStageServicer_to_server(stage_servicer, server)
+        handoff_pb2_grpc.add_HandoffStageServicer_to_server(handoff_stage, server)
         if settings.stage == 0:
             prefill_pb2_grpc.add_PrefillServicer_to_server(front, server)
+            handoff_pb2_grpc.add_HandoffServicer_to_server(handoff_front, server)
 
     handle = await service.create_server(settings.host, settings.port, add_servicers, service_names=[
-        "kvpool.rpc.PrefillStage", *(["kvpool.rpc.Prefill"] if settings.stage == 0 else [])])
+        "kvpool.rpc.PrefillStage", "kvpool.rpc.HandoffStage",
+        *(["kvpool.rpc.Prefill", "kvpool.rpc.Handoff"] if settings.stage == 0 else [])])
     stop = asyncio.Event()
     service.install_stop_signals(stop)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
@@ -80,6 +87,7 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
             front.scheduler = PrefillScheduler(
                 runner, link, [prefill_pb2_grpc.PrefillStageStub(c) for c in channels], pool, metrics
             )
+            handoff_front.attach(front.scheduler, channels)
             sweeper = asyncio.create_task(front.scheduler.expire_held_forever())
             await handle.set_serving(True)
         start, end = settings.layers

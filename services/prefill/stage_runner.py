@@ -22,7 +22,8 @@ from kvpool.core.planner import chunks_that_fit, leading_count
 from kvpool.model import ModelStage, kv_dtype, pack_kv, unpack_kv
 from kvpool.pool.client import ObjectLocation, PoolClient, PutObject, PutResult
 from kvpool.transfer import TransferEngine
-from services.prefill.arena import Arena
+from services.prefill.arena import Arena, Region
+from services.prefill.metrics import PrefillMetrics
 from services.prefill.settings import PrefillSettings
 
 log = structlog.get_logger(__name__)
@@ -47,7 +48,9 @@ class RestoreFigures:
 class StageRunner:
     """Owns the stage's model layers, KV pages and arenas (see module doc)."""
 
-    def __init__(self, settings: PrefillSettings, engine: TransferEngine, pool: PoolClient | None) -> None:
+    def __init__(
+        self, settings: PrefillSettings, engine: TransferEngine, pool: PoolClient | None, metrics: PrefillMetrics
+    ) -> None:
         torch.set_num_threads(settings.torch_threads)
         self.settings = settings
         self.config = settings.model_config()
@@ -57,6 +60,7 @@ class StageRunner:
                                                      kv_dtype(settings.kv_dtype))
         self.engine = engine
         self.pool = pool
+        self.metrics = metrics
         self.namespace = settings.namespace
         self.chunk_nbytes = settings.chunk_nbytes
         kv_bytes = settings.num_blocks * self.chunk_nbytes
@@ -72,7 +76,8 @@ class StageRunner:
                 pool.register(arena.buffer.address, arena.size)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{settings.stage}-compute")
         self._copy = ThreadPoolExecutor(1, thread_name_prefix=f"stage{settings.stage}-copy")
-        self._saves: set[asyncio.Task[None]] = set()
+        # saves in flight, oldest first, with the save-arena region each holds
+        self._saves: dict[asyncio.Task[None], Region] = {}
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
@@ -130,19 +135,48 @@ class StageRunner:
     ) -> None:
         """Copy the chunks to save out of the pages now (so the pages may be
         reused as soon as the request is released), then put them in the
-        background. A full save arena or pool means "not stored"."""
+        background. A full pool means "not stored".
+
+        Newest wins: when the save arena has no room, the oldest saves in
+        flight are given up (superseded) until this one fits, so a save stuck
+        on the pool never makes a newer one wait or be dropped.
+        """
         if self.pool is None or not chunk_hashes:
             return
         size = self.chunk_nbytes
         region = self.save_arena.allocate(len(chunk_hashes) * size)
-        if region is None:
-            log.info("save_skipped_arena_full", chunks=len(chunk_hashes))
+        while region is None and self._saves:
+            self._supersede(next(iter(self._saves)))
+            region = self.save_arena.allocate(len(chunk_hashes) * size)
+        if region is None:  # cannot happen: the arena holds the whole device cache
+            self._skipped("arena_full", len(chunk_hashes))
             return
         block_ids = [block_table[first_chunk + i] for i in range(len(chunk_hashes))]
         await asyncio.get_running_loop().run_in_executor(self._copy, self._pack, region, block_ids)
         task = asyncio.create_task(self._put(region, list(chunk_hashes)))
-        self._saves.add(task)
-        task.add_done_callback(self._saves.discard)
+        self._saves[task] = region
+        task.add_done_callback(self._save_done)
+
+    def _supersede(self, task: asyncio.Task[None]) -> None:
+        """Give an older save up and take its region back now.
+
+        Safe while its bytes are still moving: a put commits only after its
+        transfer and checksum both ended, and a cancelled put never commits,
+        so what it left in the store is revoked by the master's put timeout.
+        """
+        region = self._saves.pop(task)
+        task.cancel()
+        self.save_arena.free(region)
+        self._skipped("superseded", region.size // self.chunk_nbytes)
+        log.info("save_superseded", bytes=region.size)
+
+    def _save_done(self, task: asyncio.Task[None]) -> None:
+        region = self._saves.pop(task, None)
+        if region is not None:  # not superseded: its region is still ours to free
+            self.save_arena.free(region)
+
+    def _skipped(self, reason: str, num_chunks: int) -> None:
+        self.metrics.saves_skipped.labels(reason).inc(num_chunks)
 
     def _pack(self, region, block_ids: list[int]) -> None:  # type: ignore[no-untyped-def]
         size = self.chunk_nbytes
@@ -160,13 +194,19 @@ class StageRunner:
                 for i, h in enumerate(chunk_hashes)
             ]
             results = await self.pool.put(objects)
-            stored = results.count(PutResult.STORED)
-            if stored < len(results):
-                log.debug("chunks_not_all_stored", stored=stored, total=len(results))
+            self._count(results)
         except Exception:  # a save is best effort: never take the stage down
             log.exception("save_failed", chunks=len(chunk_hashes))
-        finally:
-            self.save_arena.free(region)
+            self._skipped("failed", len(chunk_hashes))
+
+    def _count(self, results: Sequence[PutResult]) -> None:
+        stored = results.count(PutResult.STORED)
+        exists = results.count(PutResult.EXISTS)
+        self.metrics.saves_stored.labels("stored").inc(stored)
+        self.metrics.saves_stored.labels("exists").inc(exists)
+        if stored + exists < len(results):
+            self._skipped("not_stored", len(results) - stored - exists)
+            log.info("chunks_not_stored", stored=stored, exists=exists, total=len(results))
 
     async def drain_saves(self) -> None:
         """Wait for background saves (tests and shutdown)."""

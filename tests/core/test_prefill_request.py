@@ -125,3 +125,50 @@ def test_holds_release_and_expire() -> None:
     assert holds.expire(now=30.0) == ["a"]
     assert "a" not in holds and "c" in holds
     assert holds.expire(now=50.0) == ["c"] and len(holds) == 0
+
+
+def test_device_hits_the_pool_lost_are_written_back_before_the_computed_chunks() -> None:
+    blocks = BlockManager(8, CHUNK)
+    run_through(request("a", list(range(17))), blocks, 0, [])  # 4 chunks cached on device
+    blocks.free("a")
+    req = request("b", list(range(17)))
+    req.admit(blocks)
+    assert req.num_device_chunks == 4 and req.lookup_candidates == req.chunk_hashes[:4]
+    # the pool still has chunk 0 only: chunks 1-3 lost their pool copy
+    plan = req.plan_lookup(1)
+    assert (plan.num_device_chunks, plan.num_pool_chunks) == (4, 0)
+    assert (req.num_device_chunks_in_pool, req.num_write_back_chunks) == (1, 3)
+    req.apply_restore([], blocks)
+    assert (req.compute_start, req.save_first_chunk) == (16, 1)
+    assert req.chunks_to_save == req.chunk_hashes[1:]
+    req.finish_compute(blocks)  # re-committing the device hits changes nothing
+    assert [blocks.cached_block_id(h) for h in req.chunk_hashes] == [0, 1, 2, 3]
+
+
+def test_lookup_from_the_head_past_the_device_hit_plans_pool_chunks_and_writes_nothing_back() -> None:
+    blocks = BlockManager(8, CHUNK)
+    run_through(request("a", list(range(9))), blocks, 0, [])  # chunks 0-1 on device
+    blocks.free("a")
+    req = request("b", list(range(21)))  # 5 chunks + 1 token
+    req.admit(blocks)
+    assert req.lookup_candidates == req.chunk_hashes[:5]
+    plan = req.plan_lookup(4)  # groups 0-3 complete: 0-1 are the device hits, 2-3 come from the pool
+    assert (plan.num_device_chunks, plan.num_pool_chunks, req.num_write_back_chunks) == (2, 2, 0)
+    assert req.restore_targets() == [(2, req.block_table[2]), (3, req.block_table[3])]
+    req.apply_restore([2, 2], blocks)
+    assert (req.save_first_chunk, req.chunks_to_save) == (4, req.chunk_hashes[4:])
+    # a lookup that found nothing: both device hits are written back, nothing is restored
+    run_through(request("c", list(range(9))), blocks, 0, [])
+    late = request("d", list(range(9)))
+    late.admit(blocks)
+    late.plan_lookup(0)
+    assert (late.num_write_back_chunks, late.save_first_chunk) == (2, 0)
+
+
+def test_plan_without_a_lookup_writes_nothing_back() -> None:
+    blocks = BlockManager(8, CHUNK)
+    run_through(request("a", list(range(9))), blocks, 0, [])
+    req = request("b", list(range(9)))
+    req.admit(blocks)
+    req.plan(0)
+    assert (req.num_write_back_chunks, req.save_first_chunk, req.chunks_to_save) == (0, 2, [])

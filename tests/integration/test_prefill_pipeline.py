@@ -154,6 +154,41 @@ async def test_incomplete_group_is_never_restored(stubs, cluster) -> None:  # ty
     assert float((logits_of(again) - reference).abs().max()) <= 1e-4
 
 
+async def pooled(master: pool_pb2_grpc.PoolMasterStub, group_ids: list[str]) -> int:
+    """Leading groups of ``group_ids`` complete in the pool (the lookup's lease released at once)."""
+    found = await master.Lookup(pool_pb2.LookupRequest(group_ids=group_ids))
+    await master.ReleaseLease(pool_pb2.ReleaseLeaseRequest(lease_id=found.lease_id))
+    return len(found.groups)
+
+
+async def test_device_hit_whose_pool_copy_is_gone_is_written_back(stubs, cluster) -> None:  # type: ignore[no-untyped-def]
+    """The pool drops a prompt's groups while the device still holds them: the next turn's
+    device hit saves them again from the pages, so they survive the device evicting them."""
+    from kvpool.core.chunk_hash import chunk_hashes, group_id
+
+    front, master = stubs
+    pool, pipeline = cluster
+    tokens = prompt(25, 900)
+    namespace = pipeline.stages[0].ready["namespace"]
+    groups = [group_id(namespace, h) for h in chunk_hashes(namespace, tokens, CHUNK)]
+    assert split(await run(front, tokens)) == (0, 0, 900)
+
+    async def all_pooled() -> bool:
+        return await pooled(master, groups) == 3
+
+    await eventually(all_pooled, what="the prompt's 3 groups in the pool")
+    removed = await master.Remove(pool_pb2.RemoveRequest(group_ids=groups))
+    assert removed.num_removed == 3 and await pooled(master, groups) == 0
+    again = await run(front, tokens)
+    assert split(again) == (768, 0, 132)  # device hit; the lookup found none of its groups
+    await eventually(all_pooled, what="the 3 device-hit groups written back")
+    await evict_device(front, seed=26)
+    third = await run(front, tokens)
+    assert split(third) == (0, 768, 132)
+    reference = reference_logits(tokens)
+    assert float((logits_of(third) - reference).abs().max()) <= 1e-4
+
+
 @pytest.mark.parametrize(
     ("token_ids", "message"),
     [
