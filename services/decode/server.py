@@ -1,0 +1,54 @@
+"""A decode shard process: the Decode service, its step loop and region sweeper."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import structlog
+
+from kvpool import service
+from kvpool.rpc import decode_pb2_grpc
+from kvpool.transfer import TransferEngine
+from services.decode.metrics import DecodeMetrics
+from services.decode.servicer import DecodeServicer
+from services.decode.settings import DecodeSettings
+from services.decode.shard import DecodeShard
+
+log = structlog.get_logger(__name__)
+
+
+async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None:
+    engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
+    metrics = DecodeMetrics(settings.num_pages)
+    shard = DecodeShard(settings, engine, metrics)
+    servicer = DecodeServicer(shard)
+
+    def add_servicers(server: grpc.aio.Server) -> None:
+        decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+
+    handle = await service.create_server(settings.host, settings.port, add_servicers,
+                                         service_names=["kvpool.rpc.Decode"])
+    stop = asyncio.Event()
+    service.install_stop_signals(stop)
+    admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
+    tasks = [asyncio.create_task(shard.run()), asyncio.create_task(shard.expire_regions_forever())]
+    try:
+        config = shard.config
+        log.info("decode_shard_serving", address=f"{settings.host}:{handle.port}", admin_port=admin_port,
+                 endpoint=engine.endpoint, model=config.name, kv_dtype=settings.kv_dtype,
+                 num_pages=settings.num_pages, page_size=settings.page_size, max_batch_size=settings.max_batch_size,
+                 region_arena_bytes=settings.region_arena_bytes)
+        service.write_ready_file(ready_file, port=handle.port, admin_port=admin_port, endpoint=engine.endpoint)
+        await stop.wait()
+        log.info("decode_shard_stopping")
+        await handle.set_serving(False)
+    finally:
+        await handle.server.stop(grace=2.0)
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        shard.close()
+        log.info("decode_shard_stopped")

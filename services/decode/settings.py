@@ -1,0 +1,68 @@
+"""Settings of a decode shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.core.setting import setting
+from kvpool.model import KV_DTYPES, get_config
+from kvpool.model.config import CONFIGS, ModelConfig
+from kvpool.sizes import parse_size
+
+
+@dataclass(slots=True)
+class DecodeSettings:
+    host: str = setting("127.0.0.1", help="listen address")
+    port: int = setting(7800, help="gRPC port (0 picks a free one)")
+    admin_port: int = setting(9800, help="Prometheus port (0 picks a free one)")
+    model: str = setting("tiny", help="model config", choices=tuple(CONFIGS))
+    weights: str = setting("", help="load weights from a safetensors directory", metavar="DIR",
+                           default_text="seeded")
+    kv_dtype: str = setting("float32", help="KV storage dtype (the prefill's)", choices=tuple(sorted(KV_DTYPES)))
+    page_size: int = setting(16, help="tokens per KV page")
+    num_pages: int = setting(0, help="KV pages; 0: as many as --kv-bytes holds", default_text="from --kv-bytes")
+    kv_bytes: int | str = setting("256MiB", help="KV page memory when --num-pages is 0, e.g. 1GiB", metavar="SIZE")
+    max_batch_size: int = setting(64, help="sequences in one decode step at most")
+    region_arena_bytes: int | str = setting(
+        "64MiB", help="registered memory for receive regions (prompts' KV in flight from prefill)", metavar="SIZE"
+    )
+    region_deadline_s: float = setting(30.0, help="reclaim a reserved region not claimed by Generate after this")
+    torch_threads: int = setting(1, help="torch compute threads (the shard's one compute thread uses them)")
+    transfer_host: str = setting("127.0.0.1", help="address the transfer engine advertises")
+    protocol: str = setting("tcp", help="transfer engine protocol", choices=("tcp", "rdma"))
+    device: str = setting("", help="RDMA device names for the transfer engine (rdma only)")
+
+    def __post_init__(self) -> None:
+        self.kv_bytes = parse_size(self.kv_bytes, "kv_bytes")
+        self.region_arena_bytes = parse_size(self.region_arena_bytes, "region_arena_bytes")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {sorted(KV_DTYPES)}")
+        self.model_config()  # raises on an unknown model
+        for name in ("page_size", "max_batch_size", "torch_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_pages < 0:
+            raise ValueError(f"num_pages: must be >= 0, got {self.num_pages}")
+        if self.num_pages == 0:
+            self.num_pages = self.kv_bytes // self.page_nbytes
+            if self.num_pages == 0:
+                raise ValueError(f"kv_bytes: {self.kv_bytes} bytes hold no {self.page_nbytes}-byte page")
+        if self.region_arena_bytes <= 0:
+            raise ValueError("region_arena_bytes: must be positive")
+        if self.region_deadline_s <= 0:
+            raise ValueError(f"region_deadline_s: must be positive, got {self.region_deadline_s}")
+
+    def model_config(self) -> ModelConfig:
+        try:
+            return get_config(self.model)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"model: {exc}") from None
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.model_config().kv_entry_dim * KV_DTYPES[self.kv_dtype].itemsize
+
+    @property
+    def page_nbytes(self) -> int:
+        """One page: page_size tokens × every layer's entry."""
+        return self.page_size * self.model_config().num_hidden_layers * self.entry_bytes

@@ -1,0 +1,262 @@
+"""A decode shard's engine: the core's decisions with the model and the bytes between them.
+
+The policy (admission, pages, batch, stop rules, regions) is
+``kvpool.core.decode_scheduler`` / ``decode_regions`` and runs on the event
+loop only; the model (scatter, step, sampling) runs on the shard's one
+compute thread. Each loop turn is schedule → run → postprocess, as
+nano-vllm's ``LLMEngine.step``.
+
+Freeing is immediate: a finished or cancelled sequence's pages go back to the
+scheduler at once, even while a step that still writes them is running.
+That is safe because the compute thread is serial: whoever gets those pages
+next is scattered and stepped only in a later compute call, and every slot a
+sequence reads was written by that sequence first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from kvpool.core.decode_regions import ReceiveRegion, RegionTable
+from kvpool.core.decode_scheduler import DecodeScheduler, DecodeSequence
+from kvpool.core.errors import InvalidArgument
+from kvpool.core.handoff_layout import HandoffLayout
+from kvpool.handoff import scatter_region
+from kvpool.model import kv_dtype as kv_dtype_of
+from kvpool.model.decode import DecodeInput, DecodeModel
+from kvpool.model.sampling import SamplingParams, sample
+from kvpool.transfer import HostBuffer, TransferEngine
+from services.decode.metrics import DecodeMetrics
+from services.decode.settings import DecodeSettings
+
+log = structlog.get_logger(__name__)
+
+EXPIRE_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    num_tokens: int
+    finish_reason: str
+    decode_seconds: float
+    queue_seconds: float
+    scatter_seconds: float
+
+
+@dataclass(slots=True)
+class LiveSequence:
+    """The shell's side of one sequence: its region, sampler and output stream."""
+
+    seq: DecodeSequence
+    region: ReceiveRegion
+    params: SamplingParams
+    last_token: int
+    events: asyncio.Queue[int | Figures | BaseException] = field(default_factory=asyncio.Queue)
+    region_freed: bool = False
+    scatter_seconds: float = 0.0
+
+
+class DecodeShard:
+    """Pages, regions and the running batch of one shard; ``run`` is its step loop."""
+
+    def __init__(self, settings: DecodeSettings, engine: TransferEngine, metrics: DecodeMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.config = settings.model_config()
+        self.engine = engine
+        self.metrics = metrics
+        self.clock = clock
+        torch.set_num_threads(settings.torch_threads)
+        self.model = DecodeModel(self.config, settings.num_pages, settings.page_size,
+                                 kv_dtype_of(settings.kv_dtype), settings.weights or None)
+        self.scheduler = DecodeScheduler(settings.num_pages, settings.page_size, settings.max_batch_size,
+                                         self.config.max_position_embeddings, clock)
+        self.regions = RegionTable(settings.region_arena_bytes, settings.region_deadline_s, clock)
+        # the receive arena: registered once, regions are carved from it
+        self.arena = HostBuffer(settings.region_arena_bytes)
+        self.arena.touch()
+        engine.register(self.arena.address, self.arena.size)
+        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-compute")
+        self._live: dict[str, LiveSequence] = {}
+        self._wake = asyncio.Event()
+        self.num_steps = 0
+
+    # -- regions -------------------------------------------------------------------------
+
+    def reserve(self, layout: HandoffLayout, kv_dtype: str) -> ReceiveRegion:
+        """A receive region, after checking the layout against this shard's model."""
+        if layout.num_layers != self.config.num_hidden_layers:
+            raise InvalidArgument(f"layer_split: covers {layout.num_layers} layers, the shard's model has "
+                                  f"{self.config.num_hidden_layers}")
+        if kv_dtype != self.settings.kv_dtype:
+            raise InvalidArgument(f"kv_dtype: {kv_dtype!r}, the shard stores {self.settings.kv_dtype!r}")
+        if layout.entry_bytes != self.model.entry_bytes:
+            raise InvalidArgument(f"entry_bytes: {layout.entry_bytes}, the shard's entries are "
+                                  f"{self.model.entry_bytes} bytes")
+        if layout.num_tokens >= self.config.max_position_embeddings:
+            raise InvalidArgument(f"num_tokens: {layout.num_tokens} leaves no room in the model's context of "
+                                  f"{self.config.max_position_embeddings}")
+        return self.regions.reserve(layout)
+
+    def region_address(self, region: ReceiveRegion) -> int:
+        return self.arena.address + region.offset
+
+    def region_tensor(self, region: ReceiveRegion) -> torch.Tensor:
+        return torch.frombuffer(self.arena.view(region.offset, region.size), dtype=torch.uint8)
+
+    def release_region(self, region_id: int) -> bool:
+        if any(live.region.region_id == region_id for live in self._live.values()):
+            raise InvalidArgument(f"region_id: {region_id} is in use by a Generate")
+        return self.regions.free(region_id)
+
+    async def expire_regions_forever(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_INTERVAL_S)  # a periodic sweep, not standing in for work
+            for region_id in self.regions.expire():
+                self.metrics.regions_expired.inc()
+                log.info("decode_region_expired", region_id=region_id)
+
+    # -- sequences -----------------------------------------------------------------------
+
+    async def generate(self, region_id: int, prompt_token_ids: list[int], first_token: int,
+                       params: SamplingParams, max_tokens: int, stop_token_ids: list[int],
+                       request_id: str = "") -> AsyncIterator[int | Figures]:
+        """Tokens as they are made, then the Figures; pages and region freed however it ends."""
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidArgument(f"prompt_token_ids: every id must be in [0, {vocab})")
+        if not 0 <= first_token < vocab:
+            raise InvalidArgument(f"first_token: {first_token} is not in [0, {vocab})")
+        self.scheduler.check(len(prompt_token_ids), max_tokens)
+        region = self.regions.claim(region_id)
+        seq_id = request_id or uuid.uuid4().hex
+        live: LiveSequence | None = None
+        try:
+            if region.layout.num_tokens != len(prompt_token_ids):
+                raise InvalidArgument(f"prompt_token_ids: {len(prompt_token_ids)} tokens, region {region_id} holds "
+                                      f"{region.layout.num_tokens}")
+            if seq_id in self._live:
+                raise InvalidArgument(f"request_id: {seq_id!r} is already decoding here")
+            seq = self.scheduler.submit(seq_id, len(prompt_token_ids), max_tokens, stop_token_ids)
+            live = LiveSequence(seq, region, params, first_token)
+            self._live[seq_id] = live
+            self._publish()
+            self._wake.set()
+            while True:
+                event = await live.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if isinstance(event, Figures):
+                    return
+        finally:
+            if live is not None:
+                self._end(live)
+            else:
+                self.regions.free(region_id)
+
+    def _end(self, live: LiveSequence) -> None:
+        """Free a sequence's pages and region now (idempotent)."""
+        if self._live.get(live.seq.seq_id) is live:
+            del self._live[live.seq.seq_id]
+        self.scheduler.release(live.seq.seq_id)
+        if not live.region_freed:
+            self.regions.free(live.region.region_id)
+            live.region_freed = True
+        self._publish()
+        self._wake.set()
+
+    def _finish(self, live: LiveSequence, reason: str) -> None:
+        seq = live.seq
+        now = self.clock()
+        admitted = seq.admitted_at if seq.admitted_at is not None else now
+        figures = Figures(seq.num_output_tokens, reason, now - admitted, admitted - seq.submitted_at,
+                          live.scatter_seconds)
+        self.metrics.requests.labels(reason).inc()
+        self.metrics.queue_seconds.observe(figures.queue_seconds)
+        live.events.put_nowait(figures)
+        self._end(live)
+
+    def _emit(self, live: LiveSequence, token_id: int) -> None:
+        live.last_token = token_id
+        self.metrics.tokens.inc()
+        live.events.put_nowait(token_id)
+        reason = self.scheduler.on_token(live.seq.seq_id, token_id)
+        if reason is not None:
+            self._finish(live, reason)
+
+    def _publish(self) -> None:
+        self.metrics.pages_used.set(self.scheduler.num_pages_used)
+        self.metrics.queue_length.set(self.scheduler.num_waiting)
+        self.metrics.running.set(self.scheduler.num_running)
+
+    # -- the step loop -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Forever: admit → (scatter the admitted, one step for every running sequence) → stream."""
+        loop = asyncio.get_running_loop()
+        while True:
+            admitted = [self._live[s.seq_id] for s in self.scheduler.admit()]
+            for live in admitted:
+                self._emit(live, live.last_token)  # prefill's token is the first; it may end the sequence
+            admitted = [live for live in admitted if self._live.get(live.seq.seq_id) is live]
+            to_scatter = [(live, self.region_tensor(live.region), live.region.layout, list(live.seq.page_ids))
+                          for live in admitted]
+            batch = [live for live in self._live.values() if live.seq.admitted_at is not None]
+            if not batch and not to_scatter:
+                self._publish()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            inputs = [DecodeInput(live.last_token, live.seq.position, list(live.seq.page_ids)) for live in batch]
+            params = [live.params for live in batch]
+            try:
+                tokens, scatter_seconds, step_seconds = await loop.run_in_executor(
+                    self._compute, self._compute_step, to_scatter, inputs, params)
+            except Exception as exc:  # a bug, not bad input: fail these sequences, keep serving
+                log.exception("decode_step_failed", batch=len(batch))
+                for live in {id(x): x for x in batch + admitted}.values():
+                    live.events.put_nowait(exc)
+                    self._end(live)
+                continue
+            for live, seconds in zip(admitted, scatter_seconds):
+                live.scatter_seconds = seconds
+                if not live.region_freed:  # the region's bytes are in the pages now
+                    self.regions.free(live.region.region_id)
+                    live.region_freed = True
+            if inputs:
+                self.num_steps += 1
+                self.metrics.step_seconds.observe(step_seconds)
+                self.metrics.batch_size.observe(len(inputs))
+            for live, token in zip(batch, tokens):
+                if self._live.get(live.seq.seq_id) is not live:
+                    continue  # cancelled during the step
+                self.scheduler.on_step(live.seq.seq_id)
+                self._emit(live, token)
+            self._publish()
+
+    def _compute_step(self, to_scatter, inputs: list[DecodeInput], params: list[SamplingParams]):
+        """On the compute thread: scatter new sequences' regions, one batched step, sampling."""
+        scatter_seconds = []
+        for _live, region, layout, page_ids in to_scatter:
+            started = time.perf_counter()
+            scatter_region(region, layout, self.model.pages, page_ids)
+            scatter_seconds.append(time.perf_counter() - started)
+        if not inputs:
+            return [], scatter_seconds, 0.0
+        started = time.perf_counter()
+        logits = self.model.step(inputs)
+        tokens = [sample(row, p) for row, p in zip(logits, params)]
+        return tokens, scatter_seconds, time.perf_counter() - started
+
+    def close(self) -> None:
+        self._compute.shutdown(wait=True)
+        self.engine.unregister(self.arena.address)
