@@ -102,7 +102,7 @@ class DecodeModel:
         new_slots = key_slots[torch.arange(num_seqs), positions]
         # one gather of every layer's history per step; each layer patches in its new token
         history = self._slot_bytes.index_select(0, key_slots.view(-1))  # [B*T, L, bytes]
-        mask = (torch.arange(max_len).unsqueeze(0) < lengths.unsqueeze(1)).view(num_seqs, 1, 1, max_len)
+        mask = (torch.arange(max_len).unsqueeze(0) < lengths.unsqueeze(1)).view(num_seqs, 1, max_len)
 
         eps = cfg.rms_norm_eps
         x = F.embedding(torch.tensor([b.token_id for b in batch]), model.embed_tokens)
@@ -138,10 +138,12 @@ class DecodeModel:
         # absorbed MLA: scores = (q_nope W_uk) . latent + q_pe . k_pe; values = latent
         w_uk, w_uv = attn.kv_b_proj.view(heads, nope + cfg.v_head_dim, rank).split([nope, cfg.v_head_dim], dim=1)
         q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
-        query = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(2)  # [B, h, 1, rank + rope]
-        key = entries.unsqueeze(1).expand(-1, heads, -1, -1)  # [B, h, T, rank + rope]
-        out = F.scaled_dot_product_attention(query, key, key, attn_mask=mask, scale=cfg.softmax_scale)
-        out = torch.einsum("bhr,hvr->bhv", out[:, :, 0, :rank], w_uv)
+        query = torch.cat((q_lat, q_pe), dim=-1)  # [B, h, rank + rope]
+        # one key per token shared by every head (MQA-like): a [B, h, T] bmm, no per-head copies
+        scores = torch.bmm(query, entries.transpose(1, 2)) * cfg.softmax_scale
+        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+        out = torch.bmm(probs, entries[:, :, :rank])  # [B, h, rank]
+        out = torch.einsum("bhr,hvr->bhv", out, w_uv)
         return F.linear(out.reshape(num_seqs, heads * cfg.v_head_dim), attn.o_proj)
 
     def write_pages(self, page_table: Sequence[int], token_start: int, entries: torch.Tensor) -> None:
