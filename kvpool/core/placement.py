@@ -14,7 +14,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from kvpool.core.pool_records import Segment
 
@@ -41,3 +41,13 @@ def batch_orders(
     if batch_bytes >= stripe_min_bytes:
         return stripe_rotations(order)
     return [order]
+
+
+def group_first(order: list[Segment], group_segment_ids: Collection[str], client_host: str) -> list[Segment]:
+    """``order`` with the segments already holding the group's members first, within the writer's host tier.
+
+    Stable: segments otherwise keep their order (rotation, most free first).
+    """
+    if not group_segment_ids:
+        return order
+    return sorted(order, key=lambda s: (s.host != client_host, s.segment_id not in group_segment_ids))

@@ -9,7 +9,14 @@ Invariants:
   that is leased or has a put in flight;
 - eviction starts when used bytes would pass ``high_watermark × capacity`` and
   frees down to ``low_watermark × capacity``;
-- every allocated byte belongs to exactly one object (committed or in flight).
+- every allocated byte belongs to exactly one object (committed or in flight);
+- a group with a member that failed to save (no space, revoked, timed out) is
+  dropped at once, or as soon as no member is in flight, and its other
+  members are refused for ``failed_group_hold_s``;
+- each segment's journal holds the changes to its committed objects that its
+  store has not acknowledged; a store reports what it holds on (re-)mount and
+  only what passes ``plan_report`` becomes an object again (block reports,
+  see ``pool_recovery``).
 """
 
 from __future__ import annotations
@@ -21,31 +28,25 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.core.allocator import SegmentAllocator
-from kvpool.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from kvpool.core.placement import batch_orders
+from kvpool.core.errors import FailedPrecondition, InvalidArgument
+from kvpool.core.placement import batch_orders, group_first
 from kvpool.core.pool_records import (
     Group,
+    IndexCounters,
     LookupResult,
+    ObjectRecord,
     PutOutcome,
     PutRequestItem,
     PutStatus,
     Segment,
     StoredObject,
 )
+from kvpool.core.pool_segments import SegmentTable
 from kvpool.core.pool_settings import IndexSettings
 
 
 @dataclass(slots=True)
-class IndexCounters:
-    evicted_groups: int = 0
-    evicted_bytes: int = 0
-    revoked_puts: int = 0
-    dropped_segments: int = 0
-
-
-@dataclass(slots=True)
-class PoolIndex:
+class PoolIndex(SegmentTable):
     """Where every object lives, which groups are complete, what to evict."""
 
     settings: IndexSettings = field(default_factory=IndexSettings)
@@ -59,56 +60,8 @@ class PoolIndex:
     _leases: dict[int, tuple[list[Group], float]] = field(default_factory=dict)
     _lease_expiry: list[tuple[float, int]] = field(default_factory=list)
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
-
-    # ---- segments -------------------------------------------------------
-
-    def mount_segment(
-        self, segment_id: str, endpoint: str, host: str, base_address: int, size: int, numa_node: int = -1
-    ) -> bool:
-        """Add a segment; returns False when this exact segment is already mounted.
-
-        A segment id that comes back with another address, size or endpoint is
-        a restarted store: its old objects are gone, so they are dropped first.
-        """
-        existing = self.segments.get(segment_id)
-        if existing is not None:
-            if (existing.endpoint, existing.base_address, existing.size) == (endpoint, base_address, size):
-                existing.last_heartbeat = self.clock()
-                return False
-            self.unmount_segment(segment_id)
-        self.segments[segment_id] = Segment(
-            segment_id=segment_id,
-            endpoint=endpoint,
-            host=host,
-            numa_node=numa_node,
-            base_address=base_address,
-            size=size,
-            allocator=SegmentAllocator(size, alignment=self.settings.alignment),
-            last_heartbeat=self.clock(),
-        )
-        return True
-
-    def unmount_segment(self, segment_id: str) -> int:
-        """Drop a segment and every group with a member in it; returns objects dropped."""
-        segment = self._segment(segment_id, field_name="segment_id")
-        group_ids = {self.objects[key].group_id for key in segment.keys}
-        dropped = 0
-        for group_id in group_ids:
-            dropped += self._drop_group(group_id)
-        del self.segments[segment_id]
-        return dropped
-
-    def heartbeat(self, segment_id: str) -> None:
-        self._segment(segment_id, field_name="segment_id").last_heartbeat = self.clock()
-
-    def expire_segments(self) -> list[str]:
-        """Unmount every segment whose store missed heartbeats for the TTL."""
-        deadline = self.clock() - self.settings.segment_ttl_s
-        dead = [s.segment_id for s in self.segments.values() if s.last_heartbeat < deadline]
-        for segment_id in dead:
-            self.unmount_segment(segment_id)
-            self.counters.dropped_segments += 1
-        return dead
+    # groups that failed to save, with when they may be saved again (in that order)
+    _failed: OrderedDict[str, float] = field(default_factory=OrderedDict)
 
     # ---- writes ---------------------------------------------------------
 
@@ -116,10 +69,13 @@ class PoolIndex:
         """Reserve space for each item, evicting LRU groups when needed.
 
         The whole batch is validated before anything changes, so a bad item
-        leaves the index untouched.
+        leaves the index untouched. A member with no space fails its group:
+        members of it reserved earlier in this batch are given back at once
+        (``GROUP_FAILED``), later ones are refused.
         """
         self.expire_leases()
         self._validate_put(items)
+        self._prune_failed()
         outcomes: list[PutOutcome] = []
         rotations = batch_orders(
             self.segments.values(), client_host, sum(item.size for item in items), self.settings.stripe_min_bytes
@@ -129,28 +85,41 @@ class PoolIndex:
         high = self.settings.high_watermark * capacity
         low = self.settings.low_watermark * capacity
         started = self.clock()
-        objects, groups, in_flight = self.objects, self.groups, self._in_flight
+        objects, groups, in_flight, failed = self.objects, self.groups, self._in_flight, self._failed
+        failed_here: set[str] = set()
         for item in items:
             key = item.key
             if key in objects:
                 outcomes.append(PutOutcome(PutStatus.ALREADY_EXISTS))
                 continue
-            placed = self._reserve(rotations[num_placed % len(rotations)], item.size, high, low)
+            if item.group_id in failed:
+                outcomes.append(PutOutcome(PutStatus.GROUP_FAILED))
+                continue
+            group = groups.get(item.group_id)
+            order = rotations[num_placed % len(rotations)]
+            if group is not None and group.members:
+                # keep a group in one store where room allows
+                order = group_first(order, {m.segment_id for m in group.members.values()}, client_host)
+            placed = self._reserve(order, item.size, high, low, keep=item.group_id)
             if placed is None:
                 outcomes.append(PutOutcome(PutStatus.NO_SPACE))
+                failed_here.add(item.group_id)
+                self._fail_group(item.group_id, item.group_size)
                 continue
             num_placed += 1
             segment, offset = placed
             obj = StoredObject(key, item.group_id, segment.segment_id, offset, item.size)
             objects[key] = obj
             segment.keys.add(key)
-            group = groups.get(item.group_id)
+            group = groups.get(item.group_id)  # eviction may have dropped it meanwhile
             if group is None:
                 group = groups[item.group_id] = Group(item.group_id, item.group_size)
             group.members[key] = obj
             group.num_in_flight += 1
             in_flight[key] = started
             outcomes.append(PutOutcome(PutStatus.RESERVED, segment, offset))
+        if failed_here:
+            self._give_back_failed(items, outcomes, failed_here)
         self.touch(dict.fromkeys(item.group_id for item in items if item.group_id in groups))
         return outcomes
 
@@ -173,10 +142,15 @@ class PoolIndex:
             group = self.groups[obj.group_id]
             group.num_in_flight -= 1
             group.num_committed += 1
+            self.segments[obj.segment_id].journal.add(
+                ObjectRecord(key, obj.group_id, group.size, obj.offset, obj.size, checksum)
+            )
+            if group.failed and group.num_in_flight == 0:
+                self._drop_failed(group)
         return len(commits)
 
     def put_revoke(self, keys: Iterable[str]) -> int:
-        """Give back the space of in-flight puts; committed or unknown keys are left alone."""
+        """Give back the space of in-flight puts and fail their groups; committed or unknown keys are left alone."""
         revoked = 0
         for key in keys:
             if key in self._in_flight:
@@ -193,7 +167,8 @@ class PoolIndex:
                 break  # ordered by start time
             expired.append(key)
         for key in expired:
-            self._revoke(key)
+            if key in self._in_flight:  # an earlier revoke may have dropped its group
+                self._revoke(key)
         return expired
 
     # ---- reads ----------------------------------------------------------
@@ -288,12 +263,6 @@ class PoolIndex:
 
     # ---- internals ------------------------------------------------------
 
-    def _segment(self, segment_id: str, field_name: str) -> Segment:
-        segment = self.segments.get(segment_id)
-        if segment is None:
-            raise NotFound(f"{field_name}: unknown segment {segment_id!r}")
-        return segment
-
     def _validate_put(self, items: Sequence[PutRequestItem]) -> None:
         largest = max((s.size for s in self.segments.values()), default=0)
         declared: dict[str, int] = {}
@@ -325,17 +294,23 @@ class PoolIndex:
                         f"of {item.group_size} members"
                     )
 
-    def _reserve(self, order: list[Segment], size: int, high: float, low: float) -> tuple[Segment, int] | None:
-        """Place ``size`` bytes: evict to ``low`` used bytes past ``high``, then allocate."""
+    def _reserve(
+        self, order: list[Segment], size: int, high: float, low: float, keep: str = ""
+    ) -> tuple[Segment, int] | None:
+        """Place ``size`` bytes: evict to ``low`` used bytes past ``high``, then allocate.
+
+        The group ``keep`` (the one this member joins) is never evicted for it:
+        that would only leave the group incomplete.
+        """
         if not order:
             return None
         if self.used_bytes + size > high:
-            self._evict_until(lambda: self.used_bytes + size <= low)
+            self._evict_until(lambda: self.used_bytes + size <= low, keep)
         while True:
             placed = self._allocate(order, size)
             if placed is not None:
                 return placed
-            if not self._evict_one():
+            if not self._evict_one(keep):
                 return None
 
     @staticmethod
@@ -347,13 +322,13 @@ class PoolIndex:
                     return segment, offset
         return None
 
-    def _evict_until(self, done: Callable[[], bool]) -> None:
-        while not done() and self._evict_one():
+    def _evict_until(self, done: Callable[[], bool], keep: str = "") -> None:
+        while not done() and self._evict_one(keep):
             pass
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, keep: str = "") -> bool:
         for group_id, group in self.groups.items():
-            if not group.busy:
+            if not group.busy and group_id != keep:
                 self.counters.evicted_groups += 1
                 self.counters.evicted_bytes += sum(m.size for m in group.members.values())
                 self._drop_group(group_id)
@@ -377,6 +352,49 @@ class PoolIndex:
         if not group.members:
             del self.groups[obj.group_id]
         self.counters.revoked_puts += 1
+        self._fail_group(obj.group_id, group.size)
+
+    def _fail_group(self, group_id: str, group_size: int) -> None:
+        """A member failed to save: drop the group now, or once no member is in flight; refuse it for a while.
+
+        A one-member group has no other members to refuse: it may be saved again at once.
+        """
+        if group_size > 1:
+            self._failed[group_id] = self.clock() + self.settings.failed_group_hold_s
+            self._failed.move_to_end(group_id)
+        group = self.groups.get(group_id)
+        if group is None:
+            return
+        group.failed = True
+        if not group.busy:
+            self._drop_failed(group)
+
+    def _drop_failed(self, group: Group) -> None:
+        self.counters.failed_groups += 1
+        self._drop_group(group.group_id)
+
+    def _give_back_failed(self, items: Sequence[PutRequestItem], outcomes: list[PutOutcome], failed: set[str]) -> None:
+        """Undo this batch's reservations for groups that failed in it (their writer never sees the space)."""
+        for i, item in enumerate(items):
+            if item.group_id in failed and outcomes[i].status is PutStatus.RESERVED:
+                outcomes[i] = PutOutcome(PutStatus.GROUP_FAILED)
+                obj = self.objects[item.key]
+                group = self.groups[item.group_id]
+                del self._in_flight[item.key]
+                del group.members[item.key]
+                group.num_in_flight -= 1
+                self._free(obj)
+        for group_id in failed:
+            group = self.groups.get(group_id)
+            if group is not None and not group.members:
+                del self.groups[group_id]
+            elif group is not None and not group.busy:
+                self._drop_failed(group)
+
+    def _prune_failed(self) -> None:
+        now = self.clock()
+        while self._failed and next(iter(self._failed.values())) <= now:
+            self._failed.popitem(last=False)
 
     def _free(self, obj: StoredObject) -> None:
         del self.objects[obj.key]
@@ -384,6 +402,8 @@ class PoolIndex:
         if segment is not None:
             segment.keys.discard(obj.key)
             segment.allocator.free(obj.offset)
+            if obj.committed:  # the store holds its record: it must forget it
+                segment.journal.remove(obj.key)
 
     @staticmethod
     def _unlease(groups: list[Group]) -> None:

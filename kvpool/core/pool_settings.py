@@ -1,4 +1,4 @@
-"""The pool index's settings: watermarks, timeouts, alignment, striping."""
+"""The pool index's settings: watermarks, timeouts, alignment, striping, failed groups, store journals."""
 
 from __future__ import annotations
 
@@ -22,16 +22,27 @@ class IndexSettings:
         "(parallel transfers); a smaller one stays on one segment (one transfer)",
     )
 
+    failed_group_hold_s: float = setting(
+        10.0, help="after a member of a group fails to save, refuse its other members for this many seconds "
+        "(they would only make an incomplete group)",
+    )
+    max_changes_per_heartbeat: int = setting(
+        4096, help="most changes to a segment's committed objects sent to its store in one heartbeat response "
+        "(it asks again at once for the rest)",
+    )
+
     def __post_init__(self) -> None:
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ValueError(
                 "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1, "
                 f"got low={self.low_watermark} high={self.high_watermark}"
             )
-        for name in ("put_timeout_s", "lease_s", "segment_ttl_s"):
+        for name in ("put_timeout_s", "lease_s", "segment_ttl_s", "failed_group_hold_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):
             raise ValueError(f"alignment must be a positive power of two, got {self.alignment}")
         if self.stripe_min_bytes <= 0:
             raise ValueError(f"stripe_min_bytes must be positive, got {self.stripe_min_bytes}")
+        if self.max_changes_per_heartbeat <= 0:
+            raise ValueError(f"max_changes_per_heartbeat must be positive, got {self.max_changes_per_heartbeat}")

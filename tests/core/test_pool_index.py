@@ -155,9 +155,9 @@ def test_no_space_when_nothing_evictable() -> None:
 
 def test_store_expiry_drops_its_objects_and_whole_groups() -> None:
     index, clock = make_index(segments=2, segment_ttl_s=10.0)
-    # a group spread over both segments (two writers' batches) dies with either one
-    outcomes = index.put_start("hostX", [PutRequestItem("g/0", "g", 2, KB)])
-    outcomes += index.put_start("hostX", [PutRequestItem("g/1", "g", 2, KB)])
+    # a group spread over both segments (writers on two hosts, each writing its own) dies with either one
+    outcomes = index.put_start("host0", [PutRequestItem("g/0", "g", 2, KB)])
+    outcomes += index.put_start("host1", [PutRequestItem("g/1", "g", 2, KB)])
     assert [o.segment.segment_id for o in outcomes if o.segment] == ["seg0", "seg1"]
     index.put_end([("g/0", 1), ("g/1", 1)])
     clock.now += 6
@@ -213,9 +213,9 @@ def test_a_big_batch_is_striped_over_one_hosts_segments() -> None:
 def test_remount_same_segment_is_idempotent_but_a_changed_one_drops_objects() -> None:
     index, _ = make_index()
     put_group(index, "a")
-    assert index.mount_segment("seg0", "127.0.0.1:9000", "host0", 0x10000000, 100 * KB) is False
+    assert index.mount_segment("seg0", "127.0.0.1:9000", "host0", 0x10000000, 100 * KB).fresh is False
     assert index.exists(["a/0"]) == [True]
-    assert index.mount_segment("seg0", "127.0.0.1:9999", "host0", 0x20000000, 100 * KB) is True
+    assert index.mount_segment("seg0", "127.0.0.1:9999", "host0", 0x20000000, 100 * KB).fresh is True
     assert index.exists(["a/0"]) == [False] and index.used_bytes == 0
 
 
