@@ -13,34 +13,70 @@ class PutStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PUT_STATUS_RESERVED: _ClassVar[PutStatus]
     PUT_STATUS_ALREADY_EXISTS: _ClassVar[PutStatus]
     PUT_STATUS_NO_SPACE: _ClassVar[PutStatus]
+    PUT_STATUS_GROUP_FAILED: _ClassVar[PutStatus]
 PUT_STATUS_UNSPECIFIED: PutStatus
 PUT_STATUS_RESERVED: PutStatus
 PUT_STATUS_ALREADY_EXISTS: PutStatus
 PUT_STATUS_NO_SPACE: PutStatus
+PUT_STATUS_GROUP_FAILED: PutStatus
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("segment_id", "endpoint", "host", "base_address", "size", "numa_node")
+    __slots__ = ("segment_id", "endpoint", "host", "base_address", "size", "numa_node", "records")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     endpoint: str
     host: str
     base_address: int
     size: int
     numa_node: int
-    def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., host: _Optional[str] = ..., base_address: _Optional[int] = ..., size: _Optional[int] = ..., numa_node: _Optional[int] = ...) -> None: ...
+    records: _containers.RepeatedCompositeFieldContainer[ObjectRecord]
+    def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., host: _Optional[str] = ..., base_address: _Optional[int] = ..., size: _Optional[int] = ..., numa_node: _Optional[int] = ..., records: _Optional[_Iterable[_Union[ObjectRecord, _Mapping]]] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
-    __slots__ = ("master_incarnation", "heartbeat_interval_s")
+    __slots__ = ("master_incarnation", "heartbeat_interval_s", "rejected_keys", "sequence", "num_adopted")
     MASTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ADOPTED_FIELD_NUMBER: _ClassVar[int]
     master_incarnation: str
     heartbeat_interval_s: float
-    def __init__(self, master_incarnation: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    rejected_keys: _containers.RepeatedScalarFieldContainer[str]
+    sequence: int
+    num_adopted: int
+    def __init__(self, master_incarnation: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., rejected_keys: _Optional[_Iterable[str]] = ..., sequence: _Optional[int] = ..., num_adopted: _Optional[int] = ...) -> None: ...
+
+class ObjectRecord(_message.Message):
+    __slots__ = ("key", "group_id", "group_size", "offset", "size", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    group_id: str
+    group_size: int
+    offset: int
+    size: int
+    checksum: int
+    def __init__(self, key: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class SegmentChange(_message.Message):
+    __slots__ = ("sequence", "added", "removed_key")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEY_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    added: ObjectRecord
+    removed_key: str
+    def __init__(self, sequence: _Optional[int] = ..., added: _Optional[_Union[ObjectRecord, _Mapping]] = ..., removed_key: _Optional[str] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
     __slots__ = ("segment_id",)
@@ -55,16 +91,22 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, objects_dropped: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("segment_id",)
+    __slots__ = ("segment_id", "acked_sequence")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
-    def __init__(self, segment_id: _Optional[str] = ...) -> None: ...
+    acked_sequence: int
+    def __init__(self, segment_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("master_incarnation",)
+    __slots__ = ("master_incarnation", "changes", "more")
     MASTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     master_incarnation: str
-    def __init__(self, master_incarnation: _Optional[str] = ...) -> None: ...
+    changes: _containers.RepeatedCompositeFieldContainer[SegmentChange]
+    more: bool
+    def __init__(self, master_incarnation: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[SegmentChange, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class PutItem(_message.Message):
     __slots__ = ("key", "group_id", "group_size", "size")
@@ -225,7 +267,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SegmentStats(_message.Message):
-    __slots__ = ("segment_id", "endpoint", "host", "numa_node", "capacity_bytes", "used_bytes", "num_objects", "largest_free_bytes")
+    __slots__ = ("segment_id", "endpoint", "host", "numa_node", "capacity_bytes", "used_bytes", "num_objects", "largest_free_bytes", "sequence", "acked_sequence")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +276,8 @@ class SegmentStats(_message.Message):
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     LARGEST_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     endpoint: str
     host: str
@@ -242,10 +286,12 @@ class SegmentStats(_message.Message):
     used_bytes: int
     num_objects: int
     largest_free_bytes: int
-    def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., host: _Optional[str] = ..., numa_node: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ...) -> None: ...
+    sequence: int
+    acked_sequence: int
+    def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., host: _Optional[str] = ..., numa_node: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., sequence: _Optional[int] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "num_objects", "num_groups", "num_complete_groups", "num_puts_in_flight", "num_leases", "evicted_groups", "evicted_bytes", "revoked_puts", "high_watermark", "low_watermark", "segments", "master_incarnation")
+    __slots__ = ("capacity_bytes", "used_bytes", "num_objects", "num_groups", "num_complete_groups", "num_puts_in_flight", "num_leases", "evicted_groups", "evicted_bytes", "revoked_puts", "high_watermark", "low_watermark", "segments", "master_incarnation", "failed_groups", "adopted_objects", "rejected_records")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +306,9 @@ class StatsResponse(_message.Message):
     LOW_WATERMARK_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     MASTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    FAILED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     num_objects: int
@@ -274,4 +323,7 @@ class StatsResponse(_message.Message):
     low_watermark: float
     segments: _containers.RepeatedCompositeFieldContainer[SegmentStats]
     master_incarnation: str
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ...) -> None: ...
+    failed_groups: int
+    adopted_objects: int
+    rejected_records: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ..., failed_groups: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., rejected_records: _Optional[int] = ...) -> None: ...

@@ -24,9 +24,17 @@ class MasterMetrics:
         self.evicted_bytes = Counter("kvpool_pool_evicted_bytes", "Bytes evicted", registry=r)
         self.revoked_puts = Counter("kvpool_pool_revoked_puts", "Puts revoked", registry=r)
         self.dropped_segments = Counter("kvpool_pool_dropped_segments", "Segments dropped for missed heartbeats", registry=r)
+        self.failed_groups = Counter("kvpool_pool_failed_groups", "Groups dropped because a member failed to save",
+                                     registry=r)
+        self.adopted_objects = Counter("kvpool_pool_adopted_objects",
+                                       "Objects made usable again from stores' block reports", registry=r)
+        self.rejected_records = Counter("kvpool_pool_rejected_records",
+                                        "Records in stores' block reports that did not become objects", registry=r)
+        self.unacked_changes = Gauge("kvpool_pool_unacked_changes",
+                                     "Changes to committed objects not yet acknowledged by their stores", registry=r)
         self.lookup_groups = Counter("kvpool_pool_lookup_groups", "Groups asked for in lookups", registry=r)
         self.lookup_hit_groups = Counter("kvpool_pool_lookup_hit_groups", "Groups found complete in lookups", registry=r)
-        self._last = (0, 0, 0, 0)
+        self._last = (0, 0, 0, 0, 0, 0, 0)
 
     def observe_lookup(self, requested: int, hit: int) -> None:
         self.lookup_groups.inc(requested)
@@ -40,11 +48,13 @@ class MasterMetrics:
         self.segments.set(len(index.segments))
         self.leases.set(index.num_leases)
         self.in_flight.set(index.num_in_flight)
+        self.unacked_changes.set(sum(len(s.journal.entries) for s in index.segments.values()))
         c = index.counters
-        now = (c.evicted_groups, c.evicted_bytes, c.revoked_puts, c.dropped_segments)
-        for counter, before, after in zip(
-            (self.evicted_groups, self.evicted_bytes, self.revoked_puts, self.dropped_segments), self._last, now
-        ):
+        now = (c.evicted_groups, c.evicted_bytes, c.revoked_puts, c.dropped_segments, c.failed_groups,
+               c.adopted_objects, c.rejected_records)
+        counters = (self.evicted_groups, self.evicted_bytes, self.revoked_puts, self.dropped_segments,
+                    self.failed_groups, self.adopted_objects, self.rejected_records)
+        for counter, before, after in zip(counters, self._last, now):
             if after > before:
                 counter.inc(after - before)
         self._last = now

@@ -10,7 +10,12 @@ import structlog
 
 from kvpool.core.errors import InvalidArgument, ResourceExhausted
 from kvpool.core.pool_index import PoolIndex
-from kvpool.core.pool_records import PutRequestItem, PutStatus
+from kvpool.core.pool_records import (
+    ObjectRecord,
+    PutRequestItem,
+    PutStatus,
+    SegmentChange,
+)
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.status import status_errors
 from services.master.metrics import MasterMetrics
@@ -52,6 +57,28 @@ def check_put_item(i: int, item: pool_pb2.PutItem) -> None:
         raise InvalidArgument(f"items[{i}].size: must be positive, got {item.size}")
 
 
+def check_record(i: int, record: pool_pb2.ObjectRecord) -> None:
+    check_name(record.key, f"records[{i}].key")
+    check_name(record.group_id, f"records[{i}].group_id")
+    if not 1 <= record.group_size <= MAX_GROUP_SIZE:
+        raise InvalidArgument(f"records[{i}].group_size: {record.group_size} is outside 1..{MAX_GROUP_SIZE}")
+    if record.size <= 0:
+        raise InvalidArgument(f"records[{i}].size: must be positive, got {record.size}")
+
+
+def record_message(record: ObjectRecord) -> pool_pb2.ObjectRecord:
+    return pool_pb2.ObjectRecord(
+        key=record.key, group_id=record.group_id, group_size=record.group_size,
+        offset=record.offset, size=record.size, checksum=record.checksum,
+    )
+
+
+def change_message(change: SegmentChange) -> pool_pb2.SegmentChange:
+    if change.added is not None:
+        return pool_pb2.SegmentChange(sequence=change.sequence, added=record_message(change.added))
+    return pool_pb2.SegmentChange(sequence=change.sequence, removed_key=change.removed_key)
+
+
 def check_batch(count: int, field_name: str) -> None:
     if count == 0:
         raise InvalidArgument(f"{field_name}: must not be empty")
@@ -79,19 +106,28 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             raise InvalidArgument(f"size: must be positive, got {request.size}")
         if request.base_address == 0:
             raise InvalidArgument("base_address: must not be zero")
-        fresh = self.index.mount_segment(
-            request.segment_id, request.endpoint, request.host, request.base_address, request.size, request.numa_node
+        records = []
+        for i, r in enumerate(request.records):
+            check_record(i, r)
+            records.append(ObjectRecord(r.key, r.group_id, r.group_size, r.offset, r.size, r.checksum))
+        result = self.index.mount_segment(
+            request.segment_id, request.endpoint, request.host, request.base_address, request.size, request.numa_node,
+            records,
         )
         log.info(
-            "segment_mounted" if fresh else "segment_remounted",
+            "segment_mounted" if result.fresh else "segment_remounted",
             segment_id=request.segment_id,
             endpoint=request.endpoint,
             host=request.host,
             size=request.size,
             numa_node=request.numa_node,
+            reported=len(records),
+            adopted=result.adopted,
+            rejected=len(result.rejected_keys),
         )
         return pool_pb2.MountSegmentResponse(
-            master_incarnation=self.incarnation, heartbeat_interval_s=self.heartbeat_interval_s
+            master_incarnation=self.incarnation, heartbeat_interval_s=self.heartbeat_interval_s,
+            rejected_keys=result.rejected_keys, sequence=result.sequence, num_adopted=result.adopted,
         )
 
     @status_errors
@@ -104,8 +140,10 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     @status_errors
     async def Heartbeat(self, request: pool_pb2.HeartbeatRequest, context: Any) -> pool_pb2.HeartbeatResponse:
         check_name(request.segment_id, "segment_id")
-        self.index.heartbeat(request.segment_id)
-        return pool_pb2.HeartbeatResponse(master_incarnation=self.incarnation)
+        changes, more = self.index.heartbeat(request.segment_id, request.acked_sequence)
+        return pool_pb2.HeartbeatResponse(
+            master_incarnation=self.incarnation, changes=[change_message(c) for c in changes], more=more
+        )
 
     # ---- writes ---------------------------------------------------------
 
@@ -223,6 +261,9 @@ def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
         high_watermark=index.settings.high_watermark,
         low_watermark=index.settings.low_watermark,
         master_incarnation=incarnation,
+        failed_groups=index.counters.failed_groups,
+        adopted_objects=index.counters.adopted_objects,
+        rejected_records=index.counters.rejected_records,
     )
     for segment in sorted(index.segments.values(), key=lambda s: s.segment_id):
         response.segments.add(
@@ -234,5 +275,7 @@ def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
             used_bytes=segment.allocator.used_bytes,
             num_objects=len(segment.keys),
             largest_free_bytes=segment.allocator.largest_free,
+            sequence=segment.journal.sequence,
+            acked_sequence=segment.journal.acked,
         )
     return response

@@ -5,6 +5,11 @@ policy, then map the segment and fault its pages in (so they land on that
 node), then register it with the transfer engine, then mount it on the
 master. The daemon keeps heart-beating; when the master answers that it does
 not know the segment (it restarted), the daemon mounts it again.
+
+Each heartbeat response carries the changes to the objects committed in this
+segment; the daemon keeps their records (``SegmentRecords``) and reports the
+ones whose bytes still verify when it mounts, so a restarted master gets the
+segment's objects back without a byte copied (block reports).
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from kvpool import service
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import HostBuffer, TransferEngine, local_host_name
 from services.store import numa
+from services.store.records import SegmentRecords
 from services.store.settings import StoreSettings
 
 log = structlog.get_logger(__name__)
 
 RPC_TIMEOUT_S = 5.0
+RETRY_MIN_S = 0.1
 
 
 class StoreMetrics:
@@ -36,6 +43,14 @@ class StoreMetrics:
         self.mounted = Gauge("kvpool_store_mounted", "1 while the master has our segment mounted", registry=r)
         self.mounts = Counter("kvpool_store_mounts", "Successful mounts (first and re-mounts)", registry=r)
         self.heartbeat_failures = Counter("kvpool_store_heartbeat_failures", "Heartbeats that failed", registry=r)
+        self.records = Gauge("kvpool_store_records", "Records of committed objects held for block reports",
+                             registry=r)
+        self.reported = Counter("kvpool_store_reported_records", "Records sent in block reports", registry=r)
+        self.adopted = Counter("kvpool_store_adopted_records", "Reported records the master made objects again",
+                               registry=r)
+        self.rejected = Counter("kvpool_store_rejected_records", "Reported records the master rejected", registry=r)
+        self.unverified = Counter("kvpool_store_unverified_records",
+                                  "Records not reported because their bytes no longer match", registry=r)
 
 
 @dataclass(slots=True)
@@ -50,8 +65,13 @@ class Store:
     host_name: str = field(default_factory=local_host_name)
     incarnation: str = ""
     heartbeat_interval_s: float = 0.0
+    records: SegmentRecords = field(default_factory=SegmentRecords)
 
     async def mount(self) -> None:
+        report, unverified = await asyncio.to_thread(self._verified_records)
+        if unverified:
+            self.metrics.unverified.inc(len(unverified))
+            log.warning("records_unverified", count=len(unverified), first_key=unverified[0])
         response = await self.stub.MountSegment(
             pool_pb2.MountSegmentRequest(
                 segment_id=self.settings.segment_id,
@@ -60,9 +80,18 @@ class Store:
                 base_address=self.segment.address,
                 size=self.segment.size,
                 numa_node=self.settings.numa_node,
+                records=report,
             ),
             timeout=RPC_TIMEOUT_S,
         )
+        rejected = set(response.rejected_keys)
+        self.records.reset([r for r in report if r.key not in rejected], response.sequence)
+        self.metrics.records.set(len(self.records))
+        self.metrics.reported.inc(len(report))
+        self.metrics.adopted.inc(response.num_adopted)
+        self.metrics.rejected.inc(len(rejected))
+        if report:
+            log.info("block_report", reported=len(report), adopted=response.num_adopted, rejected=len(rejected))
         if self.incarnation and response.master_incarnation != self.incarnation:
             log.warning("master_restarted_remounted", incarnation=response.master_incarnation)
         self.incarnation = response.master_incarnation
@@ -74,6 +103,10 @@ class Store:
         self.metrics.mounts.inc()
         log.info("segment_mounted", segment_id=self.settings.segment_id, master=self.settings.master,
                  incarnation=self.incarnation)
+
+    def _verified_records(self) -> tuple[list[pool_pb2.ObjectRecord], list[str]]:
+        with self.segment.view() as view:
+            return self.records.verified(view)
 
     async def mount_until_done(self, stop: asyncio.Event, first: bool = False) -> bool:
         """Retry mounting with backoff until it works or we are told to stop.
@@ -91,6 +124,10 @@ class Store:
             except grpc.aio.AioRpcError as exc:
                 if first and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and len(self.records):
+                    # the report is what the master cannot take: mount with nothing rather than never
+                    log.warning("block_report_refused", records=len(self.records), details=exc.details())
+                    self.records.reset([], 0)
                 log.warning("mount_failed", master=self.settings.master, code=exc.code().name,
                             details=exc.details(), retry_in_s=delay)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -101,18 +138,30 @@ class Store:
     async def heartbeat_forever(self, stop: asyncio.Event) -> None:
         """Beat until stopped; re-mount when the master does not know the segment.
 
-        Never ends on an error: any status is logged and counted, and the
-        next beat (or re-mount) tries again.
+        Each answer's changes are applied to the records and acknowledged by
+        the next beat, which comes at once when more wait. Never ends on an
+        error: any status is logged and counted, and the next beat (or
+        re-mount) tries again, soon at first, so a restarted master gets its
+        block report within a fraction of the interval.
         """
-        request = pool_pb2.HeartbeatRequest(segment_id=self.settings.segment_id)
+        wait_s = self.heartbeat_interval_s
+        failures = 0
         while not stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.heartbeat_interval_s)
+            if wait_s > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), wait_s)
             if stop.is_set():
                 return
+            request = pool_pb2.HeartbeatRequest(
+                segment_id=self.settings.segment_id, acked_sequence=self.records.acked_sequence
+            )
             try:
-                await self.stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)
+                response = await self.stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)
                 self.metrics.mounted.set(1)
+                self.records.apply(response.changes)
+                self.metrics.records.set(len(self.records))
+                wait_s = 0.0 if response.more else self.heartbeat_interval_s
+                failures = 0
             except grpc.aio.AioRpcError as exc:
                 self.metrics.heartbeat_failures.inc()
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -120,8 +169,12 @@ class Store:
                     self.metrics.mounted.set(0)
                     log.warning("segment_unknown_to_master", segment_id=self.settings.segment_id)
                     await self.mount_until_done(stop)
+                    wait_s = self.heartbeat_interval_s
                 else:
                     log.warning("heartbeat_failed", code=exc.code().name, details=exc.details())
+                    # the master may be restarting: look again soon, never slower than the interval
+                    wait_s = min(RETRY_MIN_S * 2**failures, self.heartbeat_interval_s)
+                    failures += 1
 
     async def unmount(self) -> None:
         try:

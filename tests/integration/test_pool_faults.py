@@ -1,5 +1,6 @@
-"""Faults: a store killed with -9, a master restarted, a writer that never ends its put,
-a store shutting down cleanly. Each degrades to misses, never to errors or wrong bytes."""
+"""Faults: a store killed with -9, a writer that never ends its put, a store shutting down
+cleanly, a full pool. Each degrades to misses, never to errors or wrong bytes. (A master
+killed and restarted: test_master_restart.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import asyncio
 import grpc
 import pytest
 
-from kvpool import service
 from kvpool.local_cluster import LocalPool
 from kvpool.pool.client import PoolClient, PutObject, PutResult
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
@@ -80,41 +80,6 @@ async def test_large_batch_from_a_killed_store_reads_as_misses(
 
 async def _equals(awaitable, expected) -> bool:  # type: ignore[no-untyped-def]
     return await awaitable == expected
-
-
-async def test_master_restart_remounts_and_forgets_uncommitted_bytes(
-    client: PoolClient, buffer: HostBuffer, pool: LocalPool
-) -> None:
-    groups = await put_singles(client, buffer, "ns/m", 8)
-    # a put started on the old master, ended on the new one
-    async with grpc.aio.insecure_channel(pool.master_address, options=service.GRPC_OPTIONS) as channel:
-        stub = pool_pb2_grpc.PoolMasterStub(channel)
-        started = await stub.PutStart(
-            pool_pb2.PutStartRequest(items=[pool_pb2.PutItem(key="ns/x/0", group_id="ns/x", group_size=1, size=64)])
-        )
-        assert started.results[0].status == pool_pb2.PUT_STATUS_RESERVED
-        old = (await stub.Stats(pool_pb2.StatsRequest())).master_incarnation
-
-        assert pool.master is not None
-        pool.master.kill()
-        pool.start_master()
-        await eventually(lambda: _equals(segments(client), 2), what="stores re-mounted")
-
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.PutEnd(pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key="ns/x/0", checksum=1)]))
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "items[0].key" in (err.value.details() or "")
-        stats = await stub.Stats(pool_pb2.StatsRequest())
-        assert stats.master_incarnation != old
-    # the new master never saw those commits: every old group is a miss
-    assert (await client.lookup(groups)).num_complete == 0
-    assert stats.num_objects == 0
-    # and the pool works again end to end
-    fresh = await put_singles(client, buffer, "ns/m2", 4)
-    found = await client.lookup(fresh)
-    assert found.num_complete == 4
-    items = [(next(iter(g.members.values())), buffer.address + (16 << 20) + i * 4096) for i, g in enumerate(found.groups)]
-    assert await client.read(items) == [True] * 4
 
 
 async def test_put_never_ended_is_revoked_and_space_returns(client: PoolClient, pool: LocalPool) -> None:
