@@ -172,6 +172,7 @@ def _add_bench(sub: Any) -> None:
     decode.add_argument("--concurrency", default="1,4,16,64", help="concurrent sequences, comma separated")
     decode.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every sequence")
     decode.add_argument("--max-tokens", type=int, default=64, help="tokens each sequence makes")
+    decode.add_argument("--repeats", type=int, default=3, help="runs per concurrency; the median is reported")
     decode.add_argument("--model", default="tiny", help="model config")
     decode.add_argument("--kv-dtype", default="float32", help="KV dtype")
     decode.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
