@@ -34,6 +34,15 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
     service.install_stop_signals(stop)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     tasks = [asyncio.create_task(shard.run()), asyncio.create_task(shard.expire_regions_forever())]
+
+    def died(task: asyncio.Task[None]) -> None:
+        # a shard whose step loop or sweeper died would hang every stream: exit instead
+        if not task.cancelled() and task.exception() is not None:
+            log.error("decode_loop_died", error=repr(task.exception()))
+            stop.set()
+
+    for task in tasks:
+        task.add_done_callback(died)
     try:
         config = shard.config
         log.info("decode_shard_serving", address=f"{settings.host}:{handle.port}", admin_port=admin_port,
