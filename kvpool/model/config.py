@@ -116,9 +116,14 @@ def from_hf_config(hf: Mapping[str, Any], name: str = "hf", seed: int = 0) -> Mo
     A loaded checkpoint's rope layout is its config's ``rope_interleave``,
     interleaved when absent (HF's default and every DeepSeek checkpoint).
     """
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"rope_parameters: {rope.get('rope_type', rope.get('type'))!r} rope scaling is not supported")
+    if hf.get("n_routed_experts") and hf.get("first_k_dense_replace", 0) < hf.get("num_hidden_layers", 0):
+        raise ValueError("n_routed_experts: MoE layers are not supported (dense MLPs only)")
     names = {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "seed", "rope_interleave"}
     values = {k: hf[k] for k in names if k in hf}
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
     if theta is not None:
         values["rope_theta"] = float(theta)
     interleave = hf.get("rope_interleave")

@@ -63,3 +63,15 @@ def test_wrong_rope_layout_attends_differently(tiny: ModelConfig) -> None:
     wrong = InProcessPipeline(dataclasses.replace(config, rope_interleave=False), 8, 16, weights=weights)
     with torch.inference_mode():
         assert max_abs_diff(wrong.forward(prompt, list(range(8)), 0), model(prompt.unsqueeze(0)).logits[0]) > 1e-2
+
+
+def test_hf_configs_we_cannot_run_are_refused() -> None:
+    base = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 8, "v_head_dim": 8}
+    assert from_hf_config(base).rope_interleave is True  # absent: DeepSeek's (and HF's) interleaved layout
+    assert from_hf_config({**base, "rope_interleave": False}).rope_interleave is False
+    with pytest.raises(ValueError, match="rope_parameters"):
+        from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 40}})
+    with pytest.raises(ValueError, match="n_routed_experts"):
+        from_hf_config({**base, "n_routed_experts": 8, "first_k_dense_replace": 1})
