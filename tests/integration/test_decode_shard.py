@@ -236,3 +236,17 @@ async def test_an_unclaimed_region_is_reclaimed_at_its_deadline(stub, filler) ->
 
 async def _no_regions(stub: decode_pb2_grpc.DecodeStub) -> bool:
     return (await stats(stub)).num_regions == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+async def test_low_precision_shard_equals_the_same_dtype_reference(tmp_path, engine, dtype) -> None:  # type: ignore[no-untyped-def]
+    p = prompt(20, seed=12)
+    pipe = InProcessPipeline(TINY, num_blocks=32, block_size=16, kv_dtype=getattr(torch, dtype))
+    expected = pipe.generate_greedy(torch.tensor(p), list(range(32)), 10)
+    filler = PromptFiller(TINY, dtype, max_tokens=64, staging_bytes=1 << 20, engine=engine)
+    with LocalDecode(["--kv-dtype", dtype, "--num-pages", "16", "--page-size", "8"], workdir=tmp_path) as shard:
+        async with grpc.aio.insecure_channel(shard.address) as channel:
+            stub = decode_pb2_grpc.DecodeStub(channel)
+            assert (await stats(stub)).entry_bytes == TINY.kv_entry_dim * getattr(torch, dtype).itemsize
+            tokens, _ = await collect(stub.Generate(decode_request(await filler.prepare(stub, p), 10), timeout=60))
+    assert tokens == expected
