@@ -6,7 +6,8 @@ gRPC. One request's KV goes:
 
 1. ``gather_stage``: each prefill stage packs its layers of the request's
    tokens from its paged cache into one registered staging slab (exactly the
-   stage's part of the region, layer-major; ``kvpool.model.pack_kv``);
+   stage's part of the region, layer-major: what ``kvpool.model.pack_kv``
+   writes);
 2. ``write_slab``: the stage writes the slab in the plan's transfers (at most
    8 MiB each) to the same offsets of its part of decode's receive region;
 3. ``scatter_region``: decode copies the region into its token-major pages.
@@ -92,14 +93,11 @@ def write_naive(
     (``token_major_destinations`` for decode's pages). The baseline the
     gathered handoff replaces, for the benchmark only; blocking.
     """
-    num_layers, num_blocks, block_size, entry_dim = kv_cache.shape
-    entry_bytes = entry_dim * kv_cache.element_size()
-    if destinations.numel() != num_layers * num_tokens:
-        raise ValueError(f"destinations: {destinations.numel()} addresses for {num_layers}x{num_tokens} entries")
-    slots = token_slots(as_block_table(block_table), 0, num_tokens, block_size)
-    layer_bytes = num_blocks * block_size * entry_bytes
-    src = torch.arange(num_layers).unsqueeze(1) * layer_bytes + slots.unsqueeze(0) * entry_bytes + kv_cache.data_ptr()
-    local, remote = src.reshape(-1).tolist(), destinations.reshape(-1).tolist()
+    entry_bytes = kv_cache.shape[-1] * kv_cache.element_size()
+    src = entry_addresses(kv_cache, block_table, num_tokens)
+    if destinations.numel() != src.numel():
+        raise ValueError(f"destinations: {destinations.numel()} addresses for {src.numel()} entries")
+    local, remote = src.tolist(), destinations.reshape(-1).tolist()
     started = time.perf_counter()
     for first in range(0, len(local), NAIVE_BATCH):
         last = min(first + NAIVE_BATCH, len(local))
@@ -108,6 +106,22 @@ def write_naive(
         except TransferError as exc:
             raise TransferError(f"naive handoff write to {endpoint} failed at entry {first}: {exc}") from exc
     return WriteReport(len(local), len(local) * entry_bytes, time.perf_counter() - started)
+
+
+def entry_addresses(kv_cache: torch.Tensor, block_table: BlockTable, num_tokens: int) -> torch.Tensor:
+    """Address of every (layer, token) entry of tokens ``[0, num_tokens)`` in a stage's pages, layer-major.
+
+    Found through ``pack_kv`` itself (packing each entry's own address in
+    place of its bytes), so it follows the page layout, whatever it is.
+    """
+    *dims, _ = kv_cache.shape
+    offsets = torch.zeros(dims, dtype=torch.int64)
+    for dim, stride in enumerate(kv_cache.stride()[:-1]):
+        shape = [1] * len(dims)
+        shape[dim] = dims[dim]
+        offsets += torch.arange(dims[dim]).view(shape) * stride
+    addresses = (offsets * kv_cache.element_size() + kv_cache.data_ptr()).unsqueeze(-1)
+    return pack_kv(addresses, block_table, 0, num_tokens).view(torch.int64)
 
 
 def token_major_destinations(

@@ -1,9 +1,9 @@
 """``kvpool bench handoff``: gathered vs per-token-per-layer prefill → decode handoff.
 
 Two real processes on this host, each with its own transfer engine (TCP):
-a sender holding one prefill stage's paged KV (``[layers, blocks,
-block_size, entry]``, seeded random bytes, the request's blocks scattered
-over twice as many) and this process as the receiver, with decode's
+a sender holding one prefill stage's paged KV (the model's own cache
+layout, DeepSeek-V3's fp8 entry shape; the request's tokens are seeded
+random bytes in blocks scattered over twice as many) and this process as the receiver, with decode's
 token-major pages (``[pages, page_size, layers, entry]``, the request's pages
 scattered too) and a receive region, all registered.
 
@@ -22,6 +22,7 @@ byte for byte, or the run fails. The gathered path runs once to warm up, then
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from kvpool.handoff import (
     write_naive,
     write_slab,
 )
+from kvpool.model import ModelConfig, allocate_kv_cache, get_config, unpack_kv
 from kvpool.model.kv_cache import token_slots
 from kvpool.transfer import HostBuffer, TransferEngine
 
@@ -63,32 +65,42 @@ class HandoffSpec:
     entry_bytes: int = 576
     repeats: int = 3
     seed: int = 0
+    threads: int = 1  # torch threads on each side, as a prefill stage runs by default
 
     @property
     def layout(self) -> HandoffLayout:
         return HandoffLayout.of(self.tokens, [(0, self.layers)], self.entry_bytes)
 
 
-def prefill_pages(spec: HandoffSpec, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sender's stage cache (into ``out``'s bytes if given) and the request's block table.
+def entry_config(spec: HandoffSpec) -> ModelConfig:
+    """DeepSeek-V3's KV shape (a latent, then a 64-value roped key) with entries of ``entry_bytes`` fp8 values."""
+    base = get_config("dsv3-kv")
+    if spec.entry_bytes <= base.qk_rope_head_dim:
+        raise ValueError(f"--entry-bytes: must exceed the {base.qk_rope_head_dim}-value roped key")
+    return dataclasses.replace(base, kv_lora_rank=spec.entry_bytes - base.qk_rope_head_dim)
 
-    Deterministic in ``spec``: the receiver rebuilds the same bytes to verify.
+
+def sent_kv(spec: HandoffSpec) -> torch.Tensor:
+    """The request's KV as the region lays it out, ``[layers, tokens, entry bytes]``: seeded random bytes.
+
+    Both processes derive it from ``spec``: the sender puts it in its pages,
+    the receiver checks decode's pages against it.
     """
-    needed = -(-spec.tokens // BLOCK_SIZE)
-    shape = (spec.layers, 2 * needed, BLOCK_SIZE, spec.entry_bytes)
     generator = torch.Generator().manual_seed(spec.seed)
-    data = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
-    block_table = torch.randperm(2 * needed, generator=generator)[:needed]
-    if out is not None:
-        out.view(shape).copy_(data)
-        data = out.view(shape)
-    return data.view(KV_DTYPE), block_table
+    return torch.randint(0, 256, (spec.layers, spec.tokens, spec.entry_bytes), dtype=torch.uint8, generator=generator)
+
+
+def prefill_block_table(spec: HandoffSpec) -> tuple[int, torch.Tensor]:
+    """The stage's block count and the request's blocks, scattered over them."""
+    needed = -(-spec.tokens // BLOCK_SIZE)
+    generator = torch.Generator().manual_seed(spec.seed + 1)
+    return 2 * needed, torch.randperm(2 * needed, generator=generator)[:needed]
 
 
 def decode_page_ids(spec: HandoffSpec) -> tuple[int, torch.Tensor]:
     """Decode's page count and the request's pages, scattered over them."""
     needed = -(-spec.tokens // PAGE_SIZE)
-    generator = torch.Generator().manual_seed(spec.seed + 1)
+    generator = torch.Generator().manual_seed(spec.seed + 2)
     return 2 * needed, torch.randperm(2 * needed, generator=generator)[:needed]
 
 
@@ -104,11 +116,14 @@ def _registered(engine: TransferEngine, nbytes: int) -> tuple[HostBuffer, torch.
 
 def sender(spec: HandoffSpec) -> None:
     """Serve commands (one JSON object per stdin line), answer one JSON object per stdout line."""
+    torch.set_num_threads(spec.threads)
     engine = TransferEngine()
     layout = spec.layout
-    needed = -(-spec.tokens // BLOCK_SIZE)
-    cache_buffer, cache_bytes = _registered(engine, spec.layers * 2 * needed * BLOCK_SIZE * spec.entry_bytes)
-    cache, block_table = prefill_pages(spec, cache_bytes)
+    num_blocks, block_table = prefill_block_table(spec)
+    # the stage's pages in whatever layout the model keeps them; registered for the naive path's reads
+    cache = allocate_kv_cache(entry_config(spec), spec.layers, num_blocks, BLOCK_SIZE, KV_DTYPE)
+    engine.register(cache.data_ptr(), cache.numel() * cache.element_size())
+    unpack_kv(cache, block_table, 0, sent_kv(spec).view(-1))
     slab_buffer, slab = _registered(engine, layout.nbytes)
     _reply({"ready": True, "endpoint": engine.endpoint})
     for line in sys.stdin:
@@ -128,8 +143,7 @@ def sender(spec: HandoffSpec) -> None:
                     "write_seconds": report.seconds})
         else:
             break
-    del cache, slab  # the buffers' memory outlives no tensor
-    cache_buffer.close()
+    del slab  # the buffer's memory outlives no tensor
     slab_buffer.close()
 
 
@@ -183,16 +197,15 @@ class Sender:
 def run(spec: HandoffSpec) -> dict[str, Any]:
     """Both paths in one run, every run verified; the summary (see the module doc)."""
     layout = spec.layout
+    torch.set_num_threads(spec.threads)
     engine = TransferEngine()
     num_pages, page_ids = decode_page_ids(spec)
     pages_shape = [num_pages, PAGE_SIZE, spec.layers, spec.entry_bytes]
     pages_buffer, pages_bytes = _registered(engine, num_pages * PAGE_SIZE * spec.layers * spec.entry_bytes)
     region_buffer, region = _registered(engine, layout.nbytes)
     pages = pages_bytes.view(pages_shape).view(KV_DTYPE)
-    cache, block_table = prefill_pages(spec)
-    # what decode must end up with: [tokens, layers, entry] in token order
-    sent_rows = cache.view(torch.uint8).view(spec.layers, -1, spec.entry_bytes)
-    expected = sent_rows.index_select(1, token_slots(block_table, 0, spec.tokens, BLOCK_SIZE)).transpose(0, 1)
+    entry_config(spec)  # bad --entry-bytes fails here, not in the sender
+    expected = sent_kv(spec).transpose(0, 1)  # what decode must end up with: [tokens, layers, entry bytes]
     received_slots = token_slots(page_ids, 0, spec.tokens, PAGE_SIZE)
 
     def verify(path: str) -> int:
@@ -232,7 +245,7 @@ def run(spec: HandoffSpec) -> dict[str, Any]:
     median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     return {
         "tokens": spec.tokens, "layers": spec.layers, "entry_bytes": spec.entry_bytes, "block_size": BLOCK_SIZE,
-        "page_size": PAGE_SIZE, "repeats": spec.repeats, "sender_endpoint": endpoint,
+        "page_size": PAGE_SIZE, "repeats": spec.repeats, "threads": spec.threads, "sender_endpoint": endpoint,
         "naive_writes": naive["transfers"], "expected_naive_writes": num_naive_writes(spec.tokens, spec.layers),
         "gathered_writes": median["transfers"], "expected_gathered_writes": len(layout.transfers(0)),
         "naive_seconds": naive["write_seconds"], "gathered_seconds": median["seconds"],
