@@ -162,6 +162,17 @@ def _add_bench(sub: Any) -> None:
     prefill.add_argument("--traces", metavar="DIR", help="weka traces directory (default ../shared/traces/agentx-weka "
                          "next to the checkout)")
     prefill.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    faults = bench_sub.add_parser(
+        "faults", help="the pool through a master kill -9, a store kill -9 and an outage under prefill",
+        description="Starts a master, two stores and a four-stage prefill pipeline; four stages save groups while "
+        "readers check every byte; kills the master with -9 and starts it again while the pipeline computes "
+        "(recovery time, groups usable without a put, saves skipped), then kills one store (groups lost next to "
+        "the share it held). One run; every figure measured in it.",
+    )
+    faults.add_argument("--json", action="store_true", help="last line of output is one JSON object")
+    faults.add_argument("--quick", action="store_true", help="small run (16 groups), about a minute and a half")
+    faults.add_argument("--groups", type=int, help="groups of four 1 MiB members to write (default 64; quick 16)")
+    faults.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     decode = bench_sub.add_parser(
         "decode", help="decode tokens/s of one shard at 1, 4, 16 and 64 concurrent sequences",
         description="Starts one decode shard process (tiny model by default), fills each prompt's KV through "
@@ -310,6 +321,10 @@ def _run_pool(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "faults":
+        from kvpool.bench.faults_bench import main as bench_faults
+
+        return bench_faults(args)
     if args.bench_command == "handoff":
         from kvpool.bench.handoff_bench import main as bench_handoff
 

@@ -6,7 +6,12 @@ import pytest
 
 from kvpool.core.allocator import Extent
 from kvpool.core.pool_index import IndexSettings, PoolIndex
-from kvpool.core.pool_records import ObjectRecord, PutRequestItem, PutStatus, SegmentChange
+from kvpool.core.pool_records import (
+    ObjectRecord,
+    PutRequestItem,
+    PutStatus,
+    SegmentChange,
+)
 from kvpool.core.pool_recovery import allocator_with_ranges
 
 KB = 1024
