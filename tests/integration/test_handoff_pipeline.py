@@ -11,10 +11,12 @@ request with UNAVAILABLE naming it, and stage 0 releases the hold.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -52,6 +54,21 @@ def reference_kv(token_ids: list[int]) -> torch.Tensor:
     model.forward(torch.tensor(token_ids), list(range(blocks)), 0)
     packed = [pack_kv(cache, list(range(blocks)), 0, len(token_ids)) for cache in model.kv_caches]
     return torch.cat(packed).view(CONFIG.num_hidden_layers, len(token_ids), ENTRY_BYTES)
+
+
+def metric(stage, sample: str) -> float:  # type: ignore[no-untyped-def]
+    """One sample from a stage's Prometheus page (0 when absent)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{stage.ready['admin_port']}/metrics", timeout=5) as page:
+        for line in page.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def handoff_metrics(pipeline: LocalPipeline) -> list[tuple[float, float, float]]:
+    """Per stage: transfers and bytes it wrote, handoffs it timed (stage 0 only)."""
+    return [(metric(s, "kvpool_handoff_transfers_total"), metric(s, "kvpool_handoff_bytes_total"),
+             metric(s, "kvpool_handoff_seconds_count")) for s in pipeline.stages]
 
 
 def target(region: HostBuffer, endpoint: str, num_tokens: int, /, **change: object) -> handoff_pb2.HandoffTarget:
@@ -108,12 +125,13 @@ def clear(region: HostBuffer) -> torch.Tensor:
     return data
 
 
-async def test_handoff_lands_the_models_kv_for_every_layer_and_token(stubs, receiver) -> None:  # type: ignore[no-untyped-def]
+async def test_handoff_lands_the_models_kv_for_every_layer_and_token(stubs, receiver, pipeline) -> None:  # type: ignore[no-untyped-def]
     front, handoff = stubs
     engine, region = receiver
     received = clear(region)
     tokens = prompt(1, 600)  # 2 full blocks and 88 tokens
     done = await prefill(front, tokens)
+    before = handoff_metrics(pipeline)
     response = await handoff.Handoff(
         handoff_pb2.HandoffRequest(kv_handle=done.kv_handle, target=target(region, engine.endpoint, 600)), timeout=60
     )
@@ -122,6 +140,18 @@ async def test_handoff_lands_the_models_kv_for_every_layer_and_token(stubs, rece
         (k, len(layout.transfers(k)), layout.stage_nbytes(k)) for k in range(2)
     ]
     assert (response.transfers, response.bytes) == (2, layout.nbytes)  # each 0.9 MB slab is one write
+    # every stage counted its own writes; stage 0 timed the handoff
+    after = handoff_metrics(pipeline)
+    assert [tuple(a - b for a, b in zip(x, y)) for x, y in zip(after, before)] == [
+        (1, layout.stage_nbytes(0), 1), (1, layout.stage_nbytes(1), 0)]
+    # and logged it as one event (JSON: stderr is a file here)
+    def logged() -> list[dict[str, object]]:
+        lines = pipeline.stages[0].log_file.read_text().splitlines()
+        events = [json.loads(line) for line in lines if line.startswith("{")]
+        return [e for e in events if e.get("event") == "handoff_done" and e.get("request_id") == done.kv_handle]
+    await eventually(logged, what="the handoff_done event")
+    [event] = logged()
+    assert (event["transfers"], event["bytes"], event["region_id"]) == (2, layout.nbytes, "r1")
     expected = reference_kv(tokens)
     assert torch.equal(received[: layout.nbytes], expected.view(-1))  # stages back to back, layer-major
     assert not received[layout.nbytes :].any()  # nothing past the layout
