@@ -1,0 +1,174 @@
+"""The router over gRPC, and what it does when backends die: never a silent loss, never a hang.
+
+Retry rule under test: a prefill pipeline that fails before the request has
+produced anything is retried once on another pipeline; a failure after a
+token reached the client ends the stream with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvpool import service
+from kvpool.rpc import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+from services.up import Cluster, UpSettings
+
+pytestmark = pytest.mark.integration
+
+
+def start_cluster(workdir: Path) -> Cluster:
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "cluster.toml"
+    config.write_text("[router]\nhealth_interval_s = 0.2\n")
+    settings = UpSettings(pipelines=2, stages=2, decode_shards=2, stores=0, http_port=0, grpc_port=0,
+                          device_cache_tokens=4096, workdir=str(workdir / "logs"))
+    return Cluster(settings, config=str(config)).start()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Shared by the tests that leave every backend running."""
+    up = start_cluster(tmp_path_factory.mktemp("router-faults"))
+    try:
+        yield up
+    finally:
+        up.stop()
+
+
+@pytest.fixture
+def doomed(tmp_path: Path) -> Iterator[Cluster]:
+    """A cluster of its own for a test that kills backends."""
+    up = start_cluster(tmp_path)
+    try:
+        yield up
+    finally:
+        up.stop()
+
+
+def address(cluster: Cluster, name: str) -> str:
+    return f"127.0.0.1:{cluster.find(name).ready['port']}"
+
+
+async def generate(cluster: Cluster, request: router_pb2.GenerateRequest) -> tuple[list[int], str, router_pb2.GenerateUsage]:
+    async with grpc.aio.insecure_channel(address(cluster, "router"), options=service.GRPC_OPTIONS) as channel:
+        tokens, text, usage = [], "", router_pb2.GenerateUsage()
+        async for response in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120):
+            if response.HasField("usage"):
+                usage = response.usage
+            else:
+                tokens.append(response.token_id)
+                text += response.text
+        return tokens, text, usage
+
+
+def sampling(max_tokens: int, **kw: float) -> router_pb2.SamplingParams:
+    return router_pb2.SamplingParams(max_tokens=max_tokens, **kw)
+
+
+async def until_unhealthy(cluster: Cluster, backend: str, timeout_s: float = 15.0) -> None:
+    """Poll the router's /health until it has taken ``backend`` out of rotation."""
+    url = cluster.http_url.removeprefix("http://")
+    host, port = url.split(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /health HTTP/1.0\r\n\r\n")
+        body = (await reader.read()).split(b"\r\n\r\n", 1)[1]
+        writer.close()
+        if json.loads(body)["backends"].get(backend) is False:
+            return
+        assert time.monotonic() < deadline, f"{backend} still in rotation after {timeout_s}s"
+        await asyncio.sleep(0.05)
+
+
+async def pages_used(cluster: Cluster, shard: str) -> int:
+    async with grpc.aio.insecure_channel(address(cluster, shard)) as channel:
+        stats = await decode_pb2_grpc.DecodeStub(channel).Stats(decode_pb2.DecodeStatsRequest(), timeout=5)
+        return stats.num_pages_used
+
+
+async def test_generate_over_grpc_with_text_or_token_ids(cluster: Cluster) -> None:
+    tokens, text, usage = await generate(cluster, router_pb2.GenerateRequest(text="hello world", sampling=sampling(8)))
+    assert len(tokens) == usage.completion_tokens
+    assert usage.completion_tokens == 8 or usage.finish_reason == "stop"
+    assert usage.prompt_tokens == 11 and usage.computed_tokens == 11
+    same, _, _ = await generate(cluster, router_pb2.GenerateRequest(token_ids=list(b"hello world"), sampling=sampling(8)))
+    assert same == tokens  # greedy, same prompt
+    seeded = [await generate(cluster, router_pb2.GenerateRequest(
+        text="hello world", sampling=sampling(8, temperature=1.0, seed=7))) for _ in range(2)]
+    assert seeded[0][0] == seeded[1][0]  # a seed makes sampling reproducible
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (router_pb2.GenerateRequest(sampling=sampling(4)), "token_ids"),
+        (router_pb2.GenerateRequest(token_ids=[1, 99999], sampling=sampling(4)), "token_ids[1]"),
+        (router_pb2.GenerateRequest(text="x", token_ids=[1], sampling=sampling(4)), "token_ids"),
+        (router_pb2.GenerateRequest(text="x", sampling=sampling(40000)), "sampling.max_tokens"),
+        (router_pb2.GenerateRequest(text="x", sampling=sampling(4, temperature=-1)), "sampling.temperature"),
+        (router_pb2.GenerateRequest(text="x", sampling=sampling(4, top_p=1.5)), "sampling.top_p"),
+    ],
+)
+async def test_bad_input_is_invalid_argument_naming_the_field(
+    cluster: Cluster, request_: router_pb2.GenerateRequest, field: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(cluster, request_)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(field)
+
+
+async def test_cancelling_mid_stream_frees_the_decode_pages(cluster: Cluster) -> None:
+    async with grpc.aio.insecure_channel(address(cluster, "router"), options=service.GRPC_OPTIONS) as channel:
+        call = router_pb2_grpc.RouterStub(channel).Generate(
+            router_pb2.GenerateRequest(text="tell me a long story " * 10, sampling=sampling(2000)), timeout=120)
+        received = 0
+        async for _ in call:
+            received += 1
+            if received == 3:
+                break
+        used = max([await pages_used(cluster, f"decode{i}") for i in range(2)])
+        assert used > 0  # the sequence holds pages while it runs
+        call.cancel()
+    deadline = time.monotonic() + 15
+    while any([await pages_used(cluster, f"decode{i}") for i in range(2)]):
+        assert time.monotonic() < deadline, "pages still held after the client cancelled"
+        await asyncio.sleep(0.05)
+
+
+async def test_dead_backends_are_retried_or_fail_loudly_and_leave_rotation(doomed: Cluster) -> None:
+    cluster = doomed
+    # a dead pipeline: retried elsewhere before any token
+    cluster.find("p0-stage1").kill()  # p0's stage 0 still answers health checks; its pipeline is broken
+    results = [await generate(cluster, router_pb2.GenerateRequest(text=f"prompt {i}", session_key=f"s{i}",
+                                                                   sampling=sampling(4))) for i in range(4)]
+    pipelines = {usage.pipeline for _, _, usage in results}
+    assert pipelines == {address(cluster, "p1-stage0")}  # every request answered, by the healthy pipeline
+    # a decode shard dying mid-stream: the request fails with UNAVAILABLE, never a clean-looking end
+    async with grpc.aio.insecure_channel(address(cluster, "router"), options=service.GRPC_OPTIONS) as channel:
+        call = router_pb2_grpc.RouterStub(channel).Generate(
+            router_pb2.GenerateRequest(text="a long answer please", sampling=sampling(3000)), timeout=120)
+        shard = ""
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for response in call:
+                if not shard:
+                    # the shard with pages in use is the one streaming to us
+                    for i in range(2):
+                        if await pages_used(cluster, f"decode{i}"):
+                            shard = f"decode{i}"
+                            cluster.find(shard).kill()
+                            break
+        assert shard, "the request ended before a shard could be killed"
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    # the dead shard leaves rotation: the next requests are served by the other one
+    await until_unhealthy(cluster, address(cluster, shard))
+    _, _, usage = await generate(cluster, router_pb2.GenerateRequest(text="next", sampling=sampling(4)))
+    assert usage.shard != address(cluster, shard)

@@ -1,0 +1,118 @@
+"""``kvpool up`` as a user runs it: it starts, serves, and Ctrl-C leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def children_of(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_ctrl_c_stops_every_service_and_frees_the_ports(tmp_path: Path) -> None:
+    workdir = tmp_path / "up"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--stages", "2", "--http-port", "0", "--grpc-port", "0",
+         "--segment-size", "32MiB", "--workdir", str(workdir)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops the cluster" in line:
+                break
+        else:
+            pytest.fail("kvpool up ended before serving:\n" + "".join(lines))
+        children = children_of(proc.pid)
+        assert len(children) >= 7, "".join(lines)  # master, 2 stores, 2 stages, decode, router
+        ports = [json.loads(f.read_text())["port"] for f in workdir.glob("*.ready.json")]
+        router = json.loads((workdir / "router.ready.json").read_text())
+        ports.append(router["http_port"])
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        lines.append(rest)
+        assert proc.returncode == 0, "".join(lines)
+        assert "kvpool up: stopped" in rest
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)  # waiting for other processes to exit
+        assert not [pid for pid in children if alive(pid)], "services left running after Ctrl-C"
+        assert all(port_free(p) for p in ports)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_killing_up_itself_takes_its_services_with_it(tmp_path: Path) -> None:
+    """kill -9 of up: no orphans (each child dies with it), so no cluster is left behind."""
+    workdir = tmp_path / "up"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--stages", "1", "--stores", "0", "--http-port", "0",
+         "--grpc-port", "0", "--workdir", str(workdir)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "Ctrl-C stops the cluster" in line:
+                break
+        children = children_of(proc.pid)
+        assert len(children) >= 3  # a stage, decode, router
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in children if alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
