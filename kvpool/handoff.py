@@ -143,9 +143,10 @@ def scatter_region(region: torch.Tensor, layout: HandoffLayout, pages: torch.Ten
     ``region``: uint8 tensor over (at least) the region's ``layout.nbytes``
     bytes. ``pages``: ``[num_pages, page_size, num_layers, kv_entry_dim]`` in
     the KV dtype, contiguous; token t of layer l goes to
-    ``pages[page_ids[t // page_size], t % page_size, l]``. One indexed copy
-    per stage (no loop over tokens); bytes are copied as is, so every KV
-    dtype (float8 included) round-trips exactly. Raises ValueError naming
+    ``pages[page_ids[t // page_size], t % page_size, l]``. Per stage one
+    indexed copy of whole pages and one of the last partial page (no loop
+    over tokens or pages); bytes are copied as they are, so every KV dtype
+    (float8 included) round-trips exactly. Raises ValueError naming
     the argument when shapes disagree with the layout.
     """
     if region.dtype != torch.uint8 or region.dim() != 1 or not region.is_contiguous():
@@ -169,11 +170,27 @@ def scatter_region(region: torch.Tensor, layout: HandoffLayout, pages: torch.Ten
         raise ValueError(f"page_ids: must be in [0, {num_pages})")
     if used.unique().numel() != needed:
         raise ValueError("page_ids: repeats a page")
-    slots = token_slots(used, 0, layout.num_tokens, page_size)
-    rows = pages.view(torch.uint8).view(num_pages * page_size, num_layers, entry_bytes)
     data = region.to(pages.device)
+    word = _word_dtype(entry_bytes, data, pages)
+    words = entry_bytes // word.itemsize
+    # [num_pages, page_size, num_layers, words]: whole words move, not bytes
+    rows = pages.view(torch.uint8).view(num_pages, page_size, num_layers, entry_bytes).view(word)
+    num_tokens = layout.num_tokens
+    full = num_tokens // page_size
     for stage, (start, end) in enumerate(layout.layer_split):
         offset = layout.stage_offset(stage)
-        slab = data[offset : offset + layout.stage_nbytes(stage)].view(end - start, layout.num_tokens, entry_bytes)
-        # region is layer-major, pages token-major: one transpose per stage
-        rows[slots, start:end] = slab.transpose(0, 1)
+        slab = data[offset : offset + layout.stage_nbytes(stage)].view(word).view(end - start, num_tokens, words)
+        # region layer-major, pages token-major: whole pages in one indexed copy, then the last partial page
+        if full:
+            rows[used[:full], :, start:end] = slab[:, : full * page_size].view(
+                end - start, full, page_size, words).permute(1, 2, 0, 3)
+        if num_tokens > full * page_size:
+            rows[int(used[full]), : num_tokens - full * page_size, start:end] = slab[:, full * page_size :].transpose(0, 1)
+
+
+def _word_dtype(entry_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
+    """The widest integer type that tiles an entry and every tensor's start: copies move words, not bytes."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if entry_bytes % dtype.itemsize == 0 and all(t.data_ptr() % dtype.itemsize == 0 for t in tensors):
+            return dtype
+    return torch.uint8

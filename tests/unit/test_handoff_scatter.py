@@ -69,6 +69,28 @@ def test_scatter_puts_every_entry_of_every_layer_in_its_page(dtype: torch.dtype,
     assert not received.reshape(num_pages * page_size, -1)[~touched].any()
 
 
+@pytest.mark.parametrize("entry_bytes", [3, 6, 12, 576])
+@pytest.mark.parametrize("misaligned", [0, 1, 4])
+@pytest.mark.parametrize("num_tokens", [32, 37])
+def test_scatter_moves_any_entry_size_from_any_alignment(entry_bytes: int, misaligned: int, num_tokens: int) -> None:
+    # entries that no wider word tiles, and regions that start off a word boundary, take the narrower copies
+    layout = HandoffLayout.of(num_tokens, ((0, 2), (2, 3)), entry_bytes)
+    buffer = random_bytes((layout.nbytes + misaligned,), seed=entry_bytes)
+    region = buffer[misaligned:]
+    page_size, page_ids = 8, [9, 0, 4, 2, 7]
+    pages = torch.zeros(10, page_size, 3, entry_bytes, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scatter_region(region, layout, pages, page_ids)
+    received = pages.view(torch.uint8)
+    for layer in range(3):
+        for t in range(num_tokens):
+            at = layout.offset(layer, t)
+            assert torch.equal(received[page_ids[t // page_size], t % page_size, layer], region[at : at + entry_bytes])
+    touched = torch.zeros(10 * page_size, dtype=torch.bool)
+    for t in range(num_tokens):
+        touched[page_ids[t // page_size] * page_size + t % page_size] = True
+    assert not received.reshape(10 * page_size, -1)[~touched].any()  # nothing beyond the request's slots
+
+
 def test_region_offsets_match_the_layout_contract() -> None:
     split = ((0, 3), (3, 4))
     layout = HandoffLayout.of(10, split, CONFIG.kv_entry_dim * 4)
