@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 from services import cli
+from services.decode.settings import DecodeSettings
 from services.master.settings import MasterSettings
 from services.prefill.settings import PrefillSettings
+from services.router.settings import RouterSettings
 from services.store.settings import StoreSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,9 +29,11 @@ KVPOOL = "/opt/kvpool/.venv/bin/kvpool"  # the Dockerfile's layout: WORKDIR /opt
 NUMACTL = "/usr/bin/numactl"
 # the instances each template is started as; prefill @1 and @2 also need a
 # next_stage drop-in (see deploy/cluster.toml), so @0 and @3 stand for them
-INSTANCES = {"kvpool-store@.service": ["0", "1"], "kvpool-prefill@.service": ["0", "3"]}
+INSTANCES = {"kvpool-store@.service": ["0", "1"], "kvpool-prefill@.service": ["0", "3"],
+             "kvpool-decode@.service": ["0", "1"]}
 # the settings class and TOML table of each role, as services/cli.py's _run_<role> uses them
-ROLES: dict[str, type] = {"master": MasterSettings, "store": StoreSettings, "prefill": PrefillSettings}
+ROLES: dict[str, type] = {"master": MasterSettings, "store": StoreSettings, "prefill": PrefillSettings,
+                          "decode": DecodeSettings, "router": RouterSettings}
 
 
 def exec_start(text: str) -> list[str]:
@@ -87,9 +91,10 @@ def build_settings(argv: list[str]) -> Any:
 def test_every_unit_and_service_has_a_command() -> None:
     assert {name for name, _ in unit_commands()} == {
         "kvpool-master.service", "kvpool-store@0.service", "kvpool-store@1.service",
-        "kvpool-prefill@0.service", "kvpool-prefill@3.service"}
+        "kvpool-prefill@0.service", "kvpool-prefill@3.service", "kvpool-decode@0.service",
+        "kvpool-decode@1.service", "kvpool-router.service"}
     assert {name for name, _ in compose_commands()} == {
-        "master", "store-0", "store-1", "prefill-0", "prefill-1", "prefill-2", "prefill-3"}
+        "master", "store-0", "store-1", "prefill-0", "prefill-1", "prefill-2", "prefill-3", "decode-0", "router"}
 
 
 @pytest.mark.parametrize(("name", "argv"), unit_commands() + compose_commands())
@@ -121,6 +126,17 @@ def test_compose_wiring_matches_the_ports_each_service_takes() -> None:
         assert stages[i].next_stage == f"127.0.0.1:{stages[i + 1].port}"
     master = settings["master"]
     assert all(s.master == f"127.0.0.1:{master.port}" for s in [*stores, *stages.values()])
+    router, decode = settings["router"], settings["decode-0"]
+    assert router.pipelines == [f"127.0.0.1:{stages[0].port}"] and router.shards == [f"127.0.0.1:{decode.port}"]
+    ports = [(s.port, s.admin_port) for s in settings.values()]
+    assert len({p for pair in ports for p in pair}) == 2 * len(ports), "two services on one port"
+
+
+@pytest.mark.parametrize("instance", INSTANCES["kvpool-decode@.service"])
+def test_decode_unit_listens_on_its_own_port(instance: str) -> None:
+    _, argv = kvpool_argv(exec_start((UNIT_DIR / "kvpool-decode@.service").read_text()))
+    settings = build_settings(expand(argv, instance))
+    assert (settings.port, settings.admin_port) == (7800 + int(instance), 9800 + int(instance))
 
 
 # The checks above must be able to fail: the same path rejects bad values.
