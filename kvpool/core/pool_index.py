@@ -13,6 +13,9 @@ Invariants:
 - a group with a member that failed to save (no space, revoked, timed out) is
   dropped at once, or as soon as no member is in flight, and its other
   members are refused for ``failed_group_hold_s``;
+- a group still incomplete ``incomplete_group_s`` after its last member
+  arrived, with nothing in flight, is dropped (its other writers died, or the
+  stores with its other members never re-reported after a master restart);
 - each segment's journal holds the changes to its committed objects that its
   store has not acknowledged; a store reports what it holds on (re-)mount and
   only what passes ``plan_report`` becomes an object again (block reports,
@@ -62,6 +65,8 @@ class PoolIndex(SegmentTable):
     _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     # groups that failed to save, with when they may be saved again (in that order)
     _failed: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    # incomplete groups, with when they are dropped unless a member arrives (in that order)
+    _incomplete: OrderedDict[str, float] = field(default_factory=OrderedDict)
 
     # ---- writes ---------------------------------------------------------
 
@@ -116,6 +121,7 @@ class PoolIndex(SegmentTable):
                 group = groups[item.group_id] = Group(item.group_id, item.group_size)
             group.members[key] = obj
             group.num_in_flight += 1
+            self._mark_incomplete(item.group_id)
             in_flight[key] = started
             outcomes.append(PutOutcome(PutStatus.RESERVED, segment, offset))
         if failed_here:
@@ -142,6 +148,8 @@ class PoolIndex(SegmentTable):
             group = self.groups[obj.group_id]
             group.num_in_flight -= 1
             group.num_committed += 1
+            if group.complete:
+                self._incomplete.pop(obj.group_id, None)
             self.segments[obj.segment_id].journal.add(
                 ObjectRecord(key, obj.group_id, group.size, obj.offset, obj.size, checksum)
             )
@@ -170,6 +178,33 @@ class PoolIndex(SegmentTable):
             if key in self._in_flight:  # an earlier revoke may have dropped its group
                 self._revoke(key)
         return expired
+
+    def drop_incomplete_groups(self) -> list[str]:
+        """Drop groups still incomplete ``incomplete_group_s`` after their last member arrived.
+
+        A group with a put in flight is left to its put timeout and looked at again later.
+        """
+        now = self.clock()
+        dropped = []
+        while self._incomplete:
+            group_id, deadline = next(iter(self._incomplete.items()))
+            if deadline > now:
+                break
+            del self._incomplete[group_id]
+            group = self.groups.get(group_id)
+            if group is None or group.complete:
+                continue
+            if group.busy:
+                self._mark_incomplete(group_id)
+                continue
+            self.counters.abandoned_groups += 1
+            self._drop_group(group_id)
+            dropped.append(group_id)
+        return dropped
+
+    def _mark_incomplete(self, group_id: str) -> None:
+        self._incomplete[group_id] = self.clock() + self.settings.incomplete_group_s
+        self._incomplete.move_to_end(group_id)
 
     # ---- reads ----------------------------------------------------------
 
@@ -337,6 +372,7 @@ class PoolIndex(SegmentTable):
 
     def _drop_group(self, group_id: str) -> int:
         group = self.groups.pop(group_id)
+        self._incomplete.pop(group_id, None)
         for key, obj in group.members.items():
             self._in_flight.pop(key, None)
             self._free(obj)

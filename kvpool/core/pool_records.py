@@ -35,6 +35,7 @@ class IndexCounters:
     revoked_puts: int = 0
     dropped_segments: int = 0
     failed_groups: int = 0
+    abandoned_groups: int = 0
     adopted_objects: int = 0
     rejected_records: int = 0
 

@@ -41,6 +41,7 @@ class SegmentTable:
     groups: OrderedDict[str, Group]
     counters: IndexCounters
     _failed: OrderedDict[str, float]
+    _incomplete: OrderedDict[str, float]
 
     # ---- segments -------------------------------------------------------
 
@@ -91,6 +92,10 @@ class SegmentTable:
                 group = self.groups[record.group_id] = Group(record.group_id, record.group_size)
             group.members[record.key] = obj
             group.num_committed += 1
+            if not group.complete:  # its other members are in stores that have not reported yet
+                self._mark_incomplete(record.group_id)
+            else:
+                self._incomplete.pop(record.group_id, None)
         self.counters.adopted_objects += len(plan.accepted)
         self.counters.rejected_records += len(plan.rejected_keys)
         return MountResult(True, len(plan.accepted), plan.rejected_keys, 0)
@@ -154,4 +159,7 @@ class SegmentTable:
         raise NotImplementedError
 
     def _prune_failed(self) -> None:
+        raise NotImplementedError
+
+    def _mark_incomplete(self, group_id: str) -> None:
         raise NotImplementedError

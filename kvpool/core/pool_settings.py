@@ -26,6 +26,10 @@ class IndexSettings:
         10.0, help="after a member of a group fails to save, refuse its other members for this many seconds "
         "(they would only make an incomplete group)",
     )
+    incomplete_group_s: float = setting(
+        30.0, help="drop a group still incomplete this many seconds after its last member arrived, with nothing "
+        "in flight (its other writers died, or the stores holding its other members never came back)",
+    )
     max_changes_per_heartbeat: int = setting(
         4096, help="most changes to a segment's committed objects sent to its store in one heartbeat response "
         "(it asks again at once for the rest)",
@@ -37,7 +41,7 @@ class IndexSettings:
                 "watermarks must satisfy 0 < low_watermark <= high_watermark <= 1, "
                 f"got low={self.low_watermark} high={self.high_watermark}"
             )
-        for name in ("put_timeout_s", "lease_s", "segment_ttl_s", "failed_group_hold_s"):
+        for name in ("put_timeout_s", "lease_s", "segment_ttl_s", "failed_group_hold_s", "incomplete_group_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.alignment <= 0 or self.alignment & (self.alignment - 1):

@@ -291,7 +291,7 @@ class SegmentStats(_message.Message):
     def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., host: _Optional[str] = ..., numa_node: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., sequence: _Optional[int] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "num_objects", "num_groups", "num_complete_groups", "num_puts_in_flight", "num_leases", "evicted_groups", "evicted_bytes", "revoked_puts", "high_watermark", "low_watermark", "segments", "master_incarnation", "failed_groups", "adopted_objects", "rejected_records")
+    __slots__ = ("capacity_bytes", "used_bytes", "num_objects", "num_groups", "num_complete_groups", "num_puts_in_flight", "num_leases", "evicted_groups", "evicted_bytes", "revoked_puts", "high_watermark", "low_watermark", "segments", "master_incarnation", "failed_groups", "adopted_objects", "rejected_records", "abandoned_groups")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +309,7 @@ class StatsResponse(_message.Message):
     FAILED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     ADOPTED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     num_objects: int
@@ -326,4 +327,5 @@ class StatsResponse(_message.Message):
     failed_groups: int
     adopted_objects: int
     rejected_records: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ..., failed_groups: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., rejected_records: _Optional[int] = ...) -> None: ...
+    abandoned_groups: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ..., failed_groups: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., rejected_records: _Optional[int] = ..., abandoned_groups: _Optional[int] = ...) -> None: ...

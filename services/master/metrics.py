@@ -30,11 +30,13 @@ class MasterMetrics:
                                        "Objects made usable again from stores' block reports", registry=r)
         self.rejected_records = Counter("kvpool_pool_rejected_records",
                                         "Records in stores' block reports that did not become objects", registry=r)
+        self.abandoned_groups = Counter("kvpool_pool_abandoned_groups",
+                                        "Groups dropped for staying incomplete with nothing in flight", registry=r)
         self.unacked_changes = Gauge("kvpool_pool_unacked_changes",
                                      "Changes to committed objects not yet acknowledged by their stores", registry=r)
         self.lookup_groups = Counter("kvpool_pool_lookup_groups", "Groups asked for in lookups", registry=r)
         self.lookup_hit_groups = Counter("kvpool_pool_lookup_hit_groups", "Groups found complete in lookups", registry=r)
-        self._last = (0, 0, 0, 0, 0, 0, 0)
+        self._last = (0, 0, 0, 0, 0, 0, 0, 0)
 
     def observe_lookup(self, requested: int, hit: int) -> None:
         self.lookup_groups.inc(requested)
@@ -51,9 +53,9 @@ class MasterMetrics:
         self.unacked_changes.set(sum(len(s.journal.entries) for s in index.segments.values()))
         c = index.counters
         now = (c.evicted_groups, c.evicted_bytes, c.revoked_puts, c.dropped_segments, c.failed_groups,
-               c.adopted_objects, c.rejected_records)
+               c.adopted_objects, c.rejected_records, c.abandoned_groups)
         counters = (self.evicted_groups, self.evicted_bytes, self.revoked_puts, self.dropped_segments,
-                    self.failed_groups, self.adopted_objects, self.rejected_records)
+                    self.failed_groups, self.adopted_objects, self.rejected_records, self.abandoned_groups)
         for counter, before, after in zip(counters, self._last, now):
             if after > before:
                 counter.inc(after - before)

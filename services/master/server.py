@@ -19,10 +19,14 @@ log = structlog.get_logger(__name__)
 
 
 async def _sweep(index: PoolIndex, metrics: MasterMetrics, interval_s: float) -> None:
-    """Drop silent stores, revoke abandoned puts, expire leases, refresh gauges."""
+    """Drop silent stores and groups left incomplete, revoke abandoned puts, expire leases, refresh gauges."""
     while True:
         for segment_id in index.expire_segments():
             log.warning("segment_expired", segment_id=segment_id, ttl_s=index.settings.segment_ttl_s)
+        abandoned = index.drop_incomplete_groups()
+        if abandoned:
+            log.info("incomplete_groups_dropped", count=len(abandoned), first_group_id=abandoned[0],
+                     after_s=index.settings.incomplete_group_s)
         revoked = index.revoke_expired_puts()
         if revoked:
             log.warning("puts_revoked_after_timeout", count=len(revoked), first_key=revoked[0])

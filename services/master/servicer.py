@@ -264,6 +264,7 @@ def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
         failed_groups=index.counters.failed_groups,
         adopted_objects=index.counters.adopted_objects,
         rejected_records=index.counters.rejected_records,
+        abandoned_groups=index.counters.abandoned_groups,
     )
     for segment in sorted(index.segments.values(), key=lambda s: s.segment_id):
         response.segments.add(

@@ -88,3 +88,30 @@ def test_a_one_member_group_may_be_saved_again_at_once() -> None:
     assert statuses(index.put_start("host0", [item("s", 0, group_size=1)])) == [PutStatus.NO_SPACE]
     index.put_revoke(["busy/0"])
     assert statuses(index.put_start("host0", [item("s", 0, group_size=1)])) == [PutStatus.RESERVED]
+
+
+def test_a_group_left_incomplete_is_dropped_after_incomplete_group_s() -> None:
+    index, clock = make_index(incomplete_group_s=30.0)
+    index.put_start("host0", [item("g", 0), item("h", 0)])
+    index.put_end([("g/0", 1), ("h/0", 1)])
+    clock.now += 20.0
+    index.put_start("host0", [item("h", 1)])  # h's members keep arriving: its clock starts again
+    index.put_end([("h/1", 1)])
+    clock.now += 9.9
+    assert index.drop_incomplete_groups() == []
+    clock.now += 0.1
+    assert index.drop_incomplete_groups() == ["g"]
+    assert list(index.groups) == ["h"] and index.used_bytes == 2 * KB
+    index.put_start("host0", [item("h", 2)])  # in flight at h's deadline: left to its put timeout
+    clock.now += 20.0
+    assert index.drop_incomplete_groups() == []
+    index.put_revoke(["h/2"])  # a failed member drops h at once
+    assert index.groups == {} and index.counters.abandoned_groups == 1 and index.counters.failed_groups == 1
+
+
+def test_a_complete_group_is_never_dropped_as_incomplete() -> None:
+    index, clock = make_index(incomplete_group_s=30.0)
+    index.put_start("host0", [item("g", m, group_size=2) for m in range(2)])
+    index.put_end([("g/0", 1), ("g/1", 2)])
+    clock.now += 100.0
+    assert index.drop_incomplete_groups() == [] and list(index.groups) == ["g"]

@@ -184,3 +184,14 @@ def test_allocator_with_ranges_holds_exactly_those_ranges() -> None:
     assert allocator.free_extents()[0] == Extent(128, 3968)
     with pytest.raises(ValueError, match="not free in order"):
         allocator_with_ranges(10 * KB, 64, [(KB, 64), (0, 64)])
+
+
+def test_a_group_whose_other_store_never_reports_is_dropped_in_time() -> None:
+    new = make_index(segments=0, incomplete_group_s=30.0)
+    mount(new, "seg0", [rec("g/0", "g", 2, 0), rec("h/0", "h", 1, KB)])
+    assert list(new.groups) == ["g", "h"] and new.used_bytes == 2 * KB
+    new.clock.now += 30.0
+    assert new.drop_incomplete_groups() == ["g"]
+    assert list(new.groups) == ["h"] and new.used_bytes == KB
+    # the store forgets g/0 with the next heartbeat answer
+    assert new.heartbeat("seg0", 0) == ([SegmentChange(1, removed_key="g/0")], False)
