@@ -92,8 +92,9 @@ def _add_up(sub: Any) -> None:
     add_setting_flags(p, UpSettings)
     p.add_argument("--demo", action="store_true",
                    help="play one coding-agent session turn by turn through the HTTP API, print the figures, stop")
-    p.add_argument("--trace", metavar="FILE", help="with --demo: a weka-format session file (default: a built-in "
-                   "synthetic session shaped like the real traces)")
+    p.add_argument("--trace", metavar="FILE", help="with --demo: a weka-format session file, or 'synthetic' for a "
+                   "built-in session shaped like the real traces (default: the first real session when "
+                   "../shared/traces/agentx-weka lies beside the checkout, else synthetic)")
     p.add_argument("--turns", type=int, default=12, help="with --demo: turns to play (default 12)")
     p.add_argument("--scale", type=int, default=16, help="with --demo: token scale factor (default 16)")
 
@@ -162,6 +163,19 @@ def _add_bench(sub: Any) -> None:
     prefill.add_argument("--traces", metavar="DIR", help="weka traces directory (default ../shared/traces/agentx-weka "
                          "next to the checkout)")
     prefill.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    restore = bench_sub.add_parser(
+        "restore", help="prefill restore/save throughput at the seed's KV shape vs the raw transfer engine",
+        description="Starts a master, two stores and a four-stage pipeline (dsv3-kv-61, fp8 KV) and restores "
+        "4K and 16K tokens of history (synthesized into the pool; a 4K prompt is also computed, saved and "
+        "restored, its logits checked) on every stage at once; reports per-stage bytes, read and unpack ms and "
+        "GB/s, the aggregate over the four stages, the raw engine's aggregate read of the same objects by four "
+        "readers, and save throughput from the pages.",
+    )
+    restore.add_argument("--json", action="store_true", help="last line of output is one JSON object")
+    restore.add_argument("--quick", action="store_true", help="4K tokens of history only, 3 repeats")
+    restore.add_argument("--sizes", help="history sizes in tokens, comma separated (default 4096,16384)")
+    restore.add_argument("--repeats", type=int, help="restores per size (default 5; quick 3)")
+    restore.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     faults = bench_sub.add_parser(
         "faults", help="the pool through a master kill -9, a store kill -9 and an outage under prefill",
         description="Starts a master, two stores and a four-stage prefill pipeline; four stages save groups while "
@@ -293,9 +307,10 @@ def _run_up(args: argparse.Namespace) -> int:
     settings = _settings(UpSettings, "up", args)
     demo = None
     if args.demo or args.trace:
-        from services.demo import DemoSettings, run_demo
+        from services.demo import DemoSettings, default_trace, run_demo
 
-        demo_settings = DemoSettings(trace=args.trace or "", scale=args.scale, turns=args.turns)
+        trace = "" if args.trace == "synthetic" else (args.trace or default_trace())
+        demo_settings = DemoSettings(trace=trace, scale=args.scale, turns=args.turns)
         demo = lambda cluster: run_demo(cluster.http_url, demo_settings)  # noqa: E731
     return run_up(settings, args.config, "warning" if args.log_level == "info" else args.log_level, demo)
 
@@ -329,6 +344,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         from kvpool.bench.handoff_bench import main as bench_handoff
 
         return bench_handoff(args)
+    if args.bench_command == "restore":
+        from kvpool.bench.restore_bench import main as bench_restore
+
+        return bench_restore(args)
     if args.bench_command == "prefill":
         from kvpool.bench.prefill_bench import main as bench_prefill
 

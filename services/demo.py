@@ -47,6 +47,14 @@ class TurnFigures:
     finish_reason: str
 
 
+def default_trace() -> str:
+    """A real session when the shared traces lie beside the checkout, else "" (the synthetic session)."""
+    from kvpool.bench.prefill_workload import default_traces_dir
+
+    candidate = default_traces_dir() / "trace_0001.json"
+    return str(candidate) if candidate.is_file() else ""
+
+
 def demo_session(settings: DemoSettings) -> Session:
     if settings.trace:
         session = load_session(Path(settings.trace))
@@ -106,7 +114,9 @@ def run_demo(url: str, settings: DemoSettings) -> int:
     session = demo_session(settings)
     vocab = get_config(model).vocab_size if model in ("tiny", "dsv3-kv", "dsv3-kv-61") else 1024
     prompts = list(session_token_ids(session, settings.scale, vocab))
-    print(f"\nkvpool demo: session {session.id!r}, {len(prompts)} turns at token scale {settings.scale} "
+    source = f"trace {settings.trace}" if settings.trace else "built-in synthetic session shaped like the real traces"
+    print(f"\nkvpool demo: {source}")
+    print(f"kvpool demo: session {session.id!r}, {len(prompts)} turns at token scale {settings.scale} "
           f"(64-token trace blocks become {max(1, 64 // settings.scale)} tokens), model {model}\n", flush=True)
     header = f"{'turn':>4} {'prompt':>7} {'device':>7} {'pool':>7} {'computed':>8} {'out':>4} {'TTFT ms':>8}"
     print(header, flush=True)
