@@ -11,6 +11,10 @@ Invariants:
   between cached hashes and hashed blocks; a hash is set once, on a full chunk);
 - the partial last chunk of a prompt gets a block but never a hash.
 
+- a block some I/O reads from (a save writing it to the pool straight from
+  the pages) holds a reference through ``hold`` until that I/O ends, so it is
+  never reused, and never a restore's target, while the bytes are in flight.
+
 Eviction order: the free list runs LRU → MRU; allocation takes the LRU end and
 only then forgets that block's hash (lazy eviction). Blocks start in id order
 (block 0 first). ``free`` returns a request's hashed blocks to the MRU end in
@@ -169,6 +173,27 @@ class BlockManager:
                 continue  # first writer wins
             block.chunk_hash = chunk_hash
             self._hash_to_block_id[chunk_hash] = block.block_id
+
+    def hold(self, holder_id: str, block_ids: Sequence[int]) -> None:
+        """One more reference on blocks already in use, under ``holder_id``, until
+        ``free(holder_id)``: the blocks stay off the free list even after their
+        request is freed (e.g. while a save still reads them). All or nothing."""
+        if holder_id in self._requests:
+            raise InvalidArgument(f"holder_id {holder_id!r} already holds blocks")
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_blocks or self.blocks[block_id].ref_count == 0:
+                raise InvalidArgument(f"block {block_id} is not in use: only blocks in use can be held")
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidArgument("block_ids repeats a block id")
+        for block_id in block_ids:
+            self.blocks[block_id].ref_count += 1
+        self._requests[holder_id] = _Request(list(block_ids), 0)
+
+    def is_private(self, request_id: str, block_id: int) -> bool:
+        """Whether only this request references the block and it caches nothing:
+        the only blocks a restore may write."""
+        block = self.blocks[block_id]
+        return block_id in self._request(request_id).block_table and block.ref_count == 1 and block.chunk_hash is None
 
     def free(self, request_id: str) -> None:
         """Drop a request's references; blocks reaching 0 go on the free list

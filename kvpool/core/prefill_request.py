@@ -121,10 +121,26 @@ class PrefillRequest:
         """Device-hit chunks saved again because the pool lost them."""
         return self.num_device_chunks - self.num_device_chunks_in_pool
 
-    def restore_targets(self) -> list[tuple[int, int]]:
-        """``(chunk_index, block_id)`` of every planned pool chunk, in order."""
+    def restore_targets(self, blocks: BlockManager | None = None) -> list[tuple[int, int]]:
+        """``(chunk_index, block_id)`` of every planned pool chunk, in order.
+
+        With ``blocks``, checks that each target is private to this request
+        (``BlockManager.is_private``): a restore writes straight into the
+        pages, so it must never land in a block another request reads.
+        """
         plan = self._plan()
-        return [(i, self.block_table[i]) for i in plan.pool_chunk_range]
+        targets = [(i, self.block_table[i]) for i in plan.pool_chunk_range]
+        if blocks is not None:
+            shared = [b for _, b in targets if not blocks.is_private(self.request_id, b)]
+            if shared:
+                raise FailedPrecondition(f"request {self.request_id}: restore targets {shared} are not private")
+        return targets
+
+    @property
+    def save_block_ids(self) -> list[int]:
+        """Blocks the save reads from (``chunks_to_save``, in order)."""
+        first = self.save_first_chunk
+        return self.block_table[first : first + len(self.chunks_to_save)]
 
     def apply_restore(self, restored_per_stage: Sequence[int], blocks: BlockManager) -> int:
         """Count the leading chunks every stage restored; mark them cached. Returns that count."""

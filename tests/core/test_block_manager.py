@@ -185,6 +185,44 @@ def test_rejects_bad_calls() -> None:
         BlockManager(0, CHUNK)
 
 
+def test_a_held_block_is_not_reused_until_its_save_ends() -> None:
+    """A save writes straight from the pages: its blocks stay referenced after the request is freed."""
+    bm = BlockManager(4, CHUNK)
+    table = run(bm, "a", prompt(12))  # blocks 0-2, all hashed
+    bm.hold("a/save", table[1:])  # the save reads chunks 1-2
+    bm.free("a")
+    assert bm.free_block_ids() == [3, 0]  # 1 and 2 are still referenced by the save
+    assert [b.ref_count for b in bm.blocks] == [0, 1, 1, 0]
+    with pytest.raises(NoFreeBlocks):
+        run(bm, "b", prompt(9, seed=1))  # needs 3 blocks, 2 are allocatable
+    bm.free("a/save")
+    assert bm.free_block_ids() == [3, 0, 2, 1]  # back on the MRU end, tail first
+    assert run(bm, "b", prompt(9, seed=1)) == [3, 0, 2]
+
+
+def test_hold_takes_only_blocks_in_use_and_is_all_or_nothing() -> None:
+    bm = BlockManager(4, CHUNK)
+    table = run(bm, "a", prompt(8))
+    with pytest.raises(InvalidArgument, match="not in use"):
+        bm.hold("h", [table[0], 3])
+    with pytest.raises(InvalidArgument, match="repeats"):
+        bm.hold("h", [table[0], table[0]])
+    assert [b.ref_count for b in bm.blocks] == [1, 1, 0, 0]
+    bm.hold("h", table)
+    with pytest.raises(InvalidArgument, match="already holds"):
+        bm.hold("h", table)
+
+
+def test_only_private_unhashed_blocks_are_restore_targets() -> None:
+    bm = BlockManager(6, CHUNK)
+    run(bm, "a", prompt(8))  # blocks 0-1 hashed, held by a
+    table = bm.allocate("b", hashes(prompt(13)), 13, 2)  # device hit on 0-1, fresh 2-3
+    assert table == [0, 1, 2, 3]
+    assert [bm.is_private("b", b) for b in table] == [False, False, True, True]
+    bm.hold("b/save", [2])
+    assert not bm.is_private("b", 2)
+
+
 BASES = [prompt(40, seed=s) for s in range(3)]
 
 
@@ -195,6 +233,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.bm = BlockManager(12, CHUNK)
         self.prompts: dict[str, list[ChunkHash]] = {}
+        self.holds: dict[str, list[int]] = {}
         self.next_id = 0
 
     @rule(base=st.integers(0, 2), num_tokens=st.integers(1, 40), cap=st.booleans())
@@ -230,11 +269,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
         del self.prompts[request_id]
         self.bm.free(request_id)
 
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data())
+    def hold(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.prompts)))
+        table = self.bm.block_table(request_id)
+        block_ids = data.draw(st.lists(st.sampled_from(table), unique=True))
+        holder_id = f"h{self.next_id}"
+        self.next_id += 1
+        self.bm.hold(holder_id, block_ids)
+        self.holds[holder_id] = block_ids
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data())
+    def end_hold(self, data: st.DataObject) -> None:
+        holder_id = data.draw(st.sampled_from(sorted(self.holds)))
+        del self.holds[holder_id]
+        self.bm.free(holder_id)
+
     @invariant()
     def refcounts_match_tables(self) -> None:
         counts = [0] * self.bm.num_blocks
         for request_id in self.prompts:
             for block_id in self.bm.block_table(request_id):
+                counts[block_id] += 1
+        for block_ids in self.holds.values():
+            for block_id in block_ids:
                 counts[block_id] += 1
         assert [b.ref_count for b in self.bm.blocks] == counts
 

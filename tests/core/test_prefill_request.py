@@ -172,3 +172,16 @@ def test_plan_without_a_lookup_writes_nothing_back() -> None:
     req.admit(blocks)
     req.plan(0)
     assert (req.num_write_back_chunks, req.save_first_chunk, req.chunks_to_save) == (0, 2, [])
+
+
+def test_restore_targets_must_be_private_and_the_save_names_its_blocks() -> None:
+    blocks = BlockManager(8, CHUNK)
+    req = request("a", list(range(13)))  # 3 full chunks + 1 token
+    req.admit(blocks)
+    req.plan(2)
+    assert req.restore_targets(blocks) == [(0, 0), (1, 1)]
+    blocks.hold("other", [1])  # e.g. somebody's save still reading block 1
+    with pytest.raises(FailedPrecondition, match=r"restore targets \[1\] are not private"):
+        req.restore_targets(blocks)
+    req.apply_restore([1], blocks)
+    assert (req.save_first_chunk, req.save_block_ids) == (1, [1, 2])
