@@ -17,6 +17,7 @@ from kvpool.model.kv_cache import (
     allocate_kv_cache,
     as_block_table,
     check_block_table,
+    kv_layer,
     token_slots,
 )
 from kvpool.model.layers import RotaryEmbedding, SwiGLUMLP, rms_norm
@@ -116,10 +117,12 @@ class ModelStage:
         return self.layer_end - self.layer_start
 
     def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
+        self, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+        storage: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Zeroed cache [num_layers, num_blocks, block_size, kv_entry_dim] for this stage."""
-        return allocate_kv_cache(self.config, self.num_layers, num_blocks, block_size, dtype, self.device)
+        """Zeroed cache [num_blocks, num_layers, block_size, kv_entry_dim] for this stage
+        (block-major: see ``kvpool.model.kv_cache``), over ``storage`` if given."""
+        return allocate_kv_cache(self.config, self.num_layers, num_blocks, block_size, dtype, self.device, storage)
 
     @torch.inference_mode()
     def forward(
@@ -165,7 +168,7 @@ class ModelStage:
             x = inputs.to(self.device, torch.float32)
         for local, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_layernorm, eps)
-            h = layer.self_attn.forward(h, positions, self.rotary, kv_cache[local], slots, num_cached_tokens)
+            h = layer.self_attn.forward(h, positions, self.rotary, kv_layer(kv_cache, local), slots, num_cached_tokens)
             x = x + h
             x = x + layer.mlp.forward(rms_norm(x, layer.post_attention_layernorm, eps))
         if self.is_last:
@@ -196,9 +199,9 @@ class ModelStage:
 
     def _check_kv_cache(self, kv_cache: torch.Tensor) -> None:
         expected = (self.num_layers, self.config.kv_entry_dim)
-        if kv_cache.dim() != 4 or (kv_cache.shape[0], kv_cache.shape[3]) != expected:
+        if kv_cache.dim() != 4 or (kv_cache.shape[1], kv_cache.shape[3]) != expected:
             raise ValueError(
-                f"kv_cache must be [{self.num_layers}, num_blocks, block_size, "
+                f"kv_cache must be [num_blocks, {self.num_layers}, block_size, "
                 f"{self.config.kv_entry_dim}], got {tuple(kv_cache.shape)}"
             )
         if kv_cache.dtype not in KV_DTYPES.values():

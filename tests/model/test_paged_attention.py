@@ -9,6 +9,7 @@ import torch
 
 from kvpool.model import InProcessPipeline, ModelConfig, ModelStage, get_config, init_weights, token_slots
 from kvpool.model import attention as attention_module
+from kvpool.model.kv_cache import kv_layer
 from tests.model.dense_reference import dense_logits
 from tests.model.inputs import max_abs_diff, random_token_ids, scrambled_block_table
 
@@ -53,10 +54,10 @@ def test_absorbed_attention_equals_expanded(tiny: ModelConfig, tiny_weights, num
     cache = stage.allocate_kv_cache(8, block_size)
     hidden = torch.randn(num_cached + num_new, tiny.hidden_size, generator=torch.Generator().manual_seed(3))
     positions = torch.arange(num_cached + num_new)
-    attention.forward(hidden[:num_cached], positions[:num_cached], stage.rotary, cache[0], slots[:num_cached], 0)
+    attention.forward(hidden[:num_cached], positions[:num_cached], stage.rotary, kv_layer(cache, 0), slots[:num_cached], 0)
     new_positions = positions[num_cached:]
     outputs = [
-        attention.forward(hidden[num_cached:], new_positions, stage.rotary, cache[0], slots, num_cached, absorb=absorb)
+        attention.forward(hidden[num_cached:], new_positions, stage.rotary, kv_layer(cache, 0), slots, num_cached, absorb=absorb)
         for absorb in (True, False)
     ]
     assert max_abs_diff(outputs[0], outputs[1]) <= 1e-5
@@ -92,6 +93,6 @@ def test_dsv3_kv_shape_matches_dense_reference() -> None:
     weights = init_weights(config)
     token_ids = random_token_ids(config, 80, seed=3)
     model = InProcessPipeline(config, 8, 16, weights=weights)
-    assert model.kv_caches[0].shape == (2, 8, 16, 576)
+    assert model.kv_caches[0].shape == (8, 2, 16, 576)  # block-major: [blocks, layers, tokens, entry]
     logits = model(token_ids, scrambled_block_table(8), 0)
     assert max_abs_diff(logits, dense_logits(config, weights, token_ids)) <= TOLERANCE

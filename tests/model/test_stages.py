@@ -26,7 +26,7 @@ def test_four_stages_equal_whole_model(tiny: ModelConfig, tiny_weights) -> None:
     for start, end in [(0, 300), (300, 400)]:
         assert max_abs_diff(staged(token_ids[start:end], table, start), whole(token_ids[start:end], table, start)) <= 1e-5
     # each stage's cache holds exactly its layers of the whole model's cache
-    assert torch.equal(torch.cat(staged.kv_caches), whole.kv_caches[0])
+    assert torch.equal(torch.cat(staged.kv_caches, dim=1), whole.kv_caches[0])
 
 
 def test_seeded_stages_agree_with_seeded_whole_model(tiny: ModelConfig) -> None:
