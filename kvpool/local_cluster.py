@@ -18,13 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent goes (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+# Set in a child's environment: it asks for SIGTERM when this process goes
+# (services/cli.py acts on it first thing). Not a preexec_fn: that would make
+# Popen fork() a process that runs gRPC, and gRPC's fork handlers then crash the
+# child before it can exec (grpc/grpc#43055).
+PARENT_PID_ENV = "KVPOOL_DIE_WITH_PARENT_PID"
 
 
 class ServiceFailed(RuntimeError):
@@ -57,10 +55,12 @@ class ServiceProcess:
         self.ready_file.unlink(missing_ok=True)
         log = self.log_file.open("ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(PARENT_PID_ENV, None)
+        if self.die_with_parent:
+            env[PARENT_PID_ENV] = str(os.getpid())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *self.args, "--ready-file", str(self.ready_file)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         log.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -361,7 +362,24 @@ def _run_bench(args: argparse.Namespace) -> int:
     return bench_pool(args)
 
 
+def _die_with_parent_if_asked() -> None:
+    """SIGTERM when the process that started us goes (``kvpool up``'s children: no orphans)."""
+    from kvpool.local_cluster import PARENT_PID_ENV
+
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(parent):
+        raise SystemExit("kvpool: the process that started this one is gone")  # it died before the prctl
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _die_with_parent_if_asked()
     parser = build_parser()
     args = parser.parse_args(argv)
     _log(args)
