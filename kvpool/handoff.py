@@ -26,7 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.core.handoff_layout import HandoffLayout, Transfer
-from kvpool.model.kv_cache import BlockTable, as_block_table, pack_kv, token_slots
+from kvpool.model.kv_cache import (
+    BlockTable,
+    as_block_table,
+    block_bytes,
+    block_nbytes,
+    check_block_table,
+    pack_kv,
+    token_slots,
+)
 from kvpool.transfer import TransferEngine, TransferError
 
 # Entries per batch of the naive path: one batch_transfer_sync_write of 4,096
@@ -47,10 +55,24 @@ def gather_stage(kv_cache: torch.Tensor, block_table: BlockTable, num_tokens: in
     """Pack tokens ``[0, num_tokens)`` of every layer of one stage's cache into ``out``.
 
     ``out`` is a contiguous uint8 tensor of exactly the stage's slab size
-    (``HandoffLayout.stage_nbytes``); its bytes are then the stage's part of
-    the region, in the region's layout (``pack_kv`` writes that layout).
+    (``HandoffLayout.stage_nbytes``); it ends up byte for byte what
+    ``pack_kv`` writes, which is the region's layout. Block by block: a
+    block's bytes already are its tokens packed (``block_bytes``), so each
+    block is one strided copy, where ``pack_kv`` indexes every token.
     """
-    return pack_kv(kv_cache, block_table, 0, num_tokens, out=out)
+    table = as_block_table(block_table, kv_cache.device)
+    check_block_table(kv_cache, table, num_tokens)
+    block_size, entry_bytes = kv_cache.shape[2], kv_cache.shape[-1] * kv_cache.element_size()
+    num_layers = block_nbytes(kv_cache) // (block_size * entry_bytes)
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != num_layers * num_tokens * entry_bytes:
+        raise ValueError(f"out: must be a contiguous uint8 tensor of {num_layers * num_tokens * entry_bytes} bytes")
+    slab = out.view(num_layers, num_tokens, entry_bytes)
+    for i, block_id in enumerate(table[: -(-num_tokens // block_size)].tolist()):
+        first = i * block_size
+        count = min(block_size, num_tokens - first)
+        block = block_bytes(kv_cache, block_id).view(num_layers, block_size, entry_bytes)
+        slab[:, first : first + count].copy_(block[:, :count])
+    return out
 
 
 def write_slab(
