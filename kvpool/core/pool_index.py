@@ -6,7 +6,8 @@ protobuf to these calls; unit tests drive it directly.
 Invariants:
 - a group is visible to lookups only when every declared member is committed;
 - eviction removes whole groups, least recently used first, and never a group
-  that is leased or has a put in flight;
+  that is leased or has a put in flight (``eviction="object"``, for comparisons
+  only, removes one member at a time and may leave partial groups, invisible);
 - eviction starts when used bytes would pass ``high_watermark × capacity`` and
   frees down to ``low_watermark × capacity``;
 - every allocated byte belongs to exactly one object (committed or in flight);
@@ -364,11 +365,30 @@ class PoolIndex(SegmentTable):
     def _evict_one(self, keep: str = "") -> bool:
         for group_id, group in self.groups.items():
             if not group.busy and group_id != keep:
+                if self.settings.eviction == "object":
+                    self._evict_member(group)
+                    return True
                 self.counters.evicted_groups += 1
                 self.counters.evicted_bytes += sum(m.size for m in group.members.values())
                 self._drop_group(group_id)
                 return True
         return False
+
+    def _evict_member(self, group: Group) -> None:
+        """``eviction="object"``: the group's oldest member alone (all are committed: the group is not busy).
+
+        The rest stay, a partial group that lookups never count, until evicted
+        in turn or made whole again by a put of the missing member.
+        """
+        key, obj = next(iter(group.members.items()))
+        del group.members[key]
+        group.num_committed -= 1
+        self.counters.evicted_bytes += obj.size
+        self._free(obj)
+        if not group.members:
+            self.counters.evicted_groups += 1
+            del self.groups[group.group_id]
+            self._incomplete.pop(group.group_id, None)
 
     def _drop_group(self, group_id: str) -> int:
         group = self.groups.pop(group_id)

@@ -34,6 +34,11 @@ class IndexSettings:
         4096, help="most changes to a segment's committed objects sent to its store in one heartbeat response "
         "(it asks again at once for the rest)",
     )
+    eviction: str = setting(
+        "group", choices=("group", "object"),
+        help="group: evict a chunk's members together (never a partial group); object: evict each member on "
+        "its own, as upstream Mooncake's best-effort groups do (a partial group is a miss; for comparisons)",
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
@@ -50,3 +55,5 @@ class IndexSettings:
             raise ValueError(f"stripe_min_bytes must be positive, got {self.stripe_min_bytes}")
         if self.max_changes_per_heartbeat <= 0:
             raise ValueError(f"max_changes_per_heartbeat must be positive, got {self.max_changes_per_heartbeat}")
+        if self.eviction not in ("group", "object"):
+            raise ValueError(f"eviction must be 'group' or 'object', got {self.eviction!r}")
