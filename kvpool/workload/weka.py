@@ -14,7 +14,9 @@ Choices made here:
   time ``entry.t + request.t`` and all turns are stably sorted by that time
   (ties keep file order). A replay that issues the turns one after another
   therefore serialises a subagent with its parent where the real session
-  overlapped them; ``Turn.agent_id`` says which stream a turn came from.
+  overlapped them; ``Turn.agent_id`` says which stream a turn came from, and
+  ``Turn.agent_start`` / ``Turn.parent_agent_id`` keep the tree, so
+  ``kvpool.workload.timelines`` can rebuild each agent's own timeline.
 - ``hash_ids`` of the real files cover only the FULL 64-token blocks: all 4,223
   requests have ``len(hash_ids) == in // 64`` (59 have ``in % 64 == 0``, where
   that is also ``ceil(in / 64)``); the trailing ``in % 64`` tokens carry no id.
@@ -31,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,9 @@ class Turn:
     the start of the prompt (equal ids = equal content and equal prefix); either
     ``input_tokens // block_size`` ids (the real files) or ``ceil`` of it.
     ``agent_id``: None for the main agent, else the subagent's id.
+    ``agent_start``: absolute time the turn's agent started (its subagent entry's
+    ``t``; 0.0 for the main agent). ``parent_agent_id``: the agent that spawned
+    it (None for the main agent and for the main agent's own subagents).
     """
 
     t: float
@@ -55,6 +60,9 @@ class Turn:
     hash_ids: tuple[int, ...]
     think_time: float
     agent_id: str | None = None
+    # where the turn sits in the agent tree; not part of what a turn IS (equality, hashing)
+    agent_start: float = field(default=0.0, compare=False)
+    parent_agent_id: str | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True, frozen=True)
@@ -109,7 +117,8 @@ class _Fields:
 
 
 def _turns(
-    fields: _Fields, requests: list[Any], where: str, offset: float, block_size: int, agent_id: str | None
+    fields: _Fields, requests: list[Any], where: str, offset: float, block_size: int, agent_id: str | None,
+    parent_id: str | None = None,
 ) -> Iterable[Turn]:
     """Turns of ``requests`` (recursing into subagents), in file order, absolute times."""
     for index, request in enumerate(requests):
@@ -121,7 +130,7 @@ def _turns(
         if request.get("type") == "subagent":
             sub_id = request.get("agent_id")
             sub_id = sub_id if isinstance(sub_id, str) else at.rstrip(".")  # unnamed: its position
-            yield from _turns(fields, fields.list_(request, "requests", at), at, t, block_size, sub_id)
+            yield from _turns(fields, fields.list_(request, "requests", at), at, t, block_size, sub_id, agent_id)
             continue
         input_tokens = fields.int_(request, "in", at)
         hash_ids = fields.list_(request, "hash_ids", at)
@@ -141,6 +150,8 @@ def _turns(
             hash_ids=tuple(hash_ids),
             think_time=fields.seconds(request, "think_time", at, default=0.0),
             agent_id=agent_id,
+            agent_start=offset,
+            parent_agent_id=parent_id,
         )
 
 
