@@ -217,6 +217,12 @@ def _add_bench(sub: Any) -> None:
     handoff.add_argument("--repeats", type=int, default=3, help="measured gathered runs (median counts)")
 
 
+def _add_replay(sub: Any) -> None:
+    from services.replay_cmd import add_replay_parser
+
+    add_replay_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpool",
@@ -232,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_clients(sub)
     _add_pool(sub)
     _add_bench(sub)
+    _add_replay(sub)
     return parser
 
 
@@ -362,6 +369,12 @@ def _run_bench(args: argparse.Namespace) -> int:
     return bench_pool(args)
 
 
+def _run_replay(args: argparse.Namespace) -> int:
+    from services.replay_cmd import main as replay
+
+    return replay(args)
+
+
 def _die_with_parent_if_asked() -> None:
     """SIGTERM when the process that started us goes (``kvpool up``'s children: no orphans)."""
     from kvpool.local_cluster import PARENT_PID_ENV
@@ -386,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {
         "master": _run_master, "store": _run_store, "prefill": _run_prefill, "decode": _run_decode,
         "router": _run_router, "up": _run_up, "generate": _run_generate, "chat": _run_chat,
-        "pool": _run_pool, "bench": _run_bench,
+        "pool": _run_pool, "bench": _run_bench, "replay": _run_replay,
     }
     try:
         return handlers[args.command](args)
