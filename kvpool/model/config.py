@@ -143,3 +143,22 @@ def get_config(name: str) -> ModelConfig:
         return CONFIGS[name]
     except KeyError:
         raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}") from None
+
+
+# KV storage dtypes by name and their bytes per value: what settings and pool
+# namespaces need without importing torch (kv_cache.KV_DTYPES maps the same
+# names to torch dtypes)
+KV_DTYPE_ITEMSIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) layer ranges, sizes differing by at most one."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"need 1 <= num_stages <= {num_layers}, got {num_stages}")
+    base, extra = divmod(num_layers, num_stages)
+    bounds, start = [], 0
+    for stage in range(num_stages):
+        end = start + base + (1 if stage < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

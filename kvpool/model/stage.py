@@ -21,7 +21,12 @@ from kvpool.model.kv_cache import (
     token_slots,
 )
 from kvpool.model.layers import RotaryEmbedding, SwiGLUMLP, rms_norm
-from kvpool.model.weights import check_weights, init_weights, load_weights, weight_shapes
+from kvpool.model.weights import (
+    check_weights,
+    init_weights,
+    load_weights,
+    weight_shapes,
+)
 
 # seeded (None), a safetensors directory, or tensors by HF name
 WeightSource = Mapping[str, torch.Tensor] | str | Path | None
@@ -35,19 +40,6 @@ class DecoderLayer:
     self_attn: MLAttention
     post_attention_layernorm: torch.Tensor
     mlp: SwiGLUMLP
-
-
-def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) layer ranges, sizes differing by at most one."""
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"need 1 <= num_stages <= {num_layers}, got {num_stages}")
-    base, extra = divmod(num_layers, num_stages)
-    bounds, start = [], 0
-    for stage in range(num_stages):
-        end = start + base + (1 if stage < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 class ModelStage:

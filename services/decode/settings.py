@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.core.setting import setting
-from kvpool.model import KV_DTYPES, get_config
-from kvpool.model.config import CONFIGS, ModelConfig
+from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES, ModelConfig, get_config
 from kvpool.sizes import parse_size
 
 
@@ -18,7 +17,7 @@ class DecodeSettings:
     model: str = setting("tiny", help="model config", choices=tuple(CONFIGS))
     weights: str = setting("", help="load weights from a safetensors directory", metavar="DIR",
                            default_text="seeded")
-    kv_dtype: str = setting("float32", help="KV storage dtype (the prefill's)", choices=tuple(sorted(KV_DTYPES)))
+    kv_dtype: str = setting("float32", help="KV storage dtype (the prefill's)", choices=tuple(sorted(KV_DTYPE_ITEMSIZES)))
     page_size: int = setting(16, help="tokens per KV page")
     num_pages: int = setting(0, help="KV pages; 0: as many as --kv-bytes holds", default_text="from --kv-bytes")
     kv_bytes: int | str = setting("256MiB", help="KV page memory when --num-pages is 0, e.g. 1GiB", metavar="SIZE")
@@ -35,8 +34,8 @@ class DecodeSettings:
     def __post_init__(self) -> None:
         self.kv_bytes = parse_size(self.kv_bytes, "kv_bytes")
         self.region_arena_bytes = parse_size(self.region_arena_bytes, "region_arena_bytes")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {sorted(KV_DTYPES)}")
+        if self.kv_dtype not in KV_DTYPE_ITEMSIZES:
+            raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {sorted(KV_DTYPE_ITEMSIZES)}")
         self.model_config()  # raises on an unknown model
         for name in ("page_size", "max_batch_size", "torch_threads"):
             if getattr(self, name) < 1:
@@ -60,7 +59,7 @@ class DecodeSettings:
 
     @property
     def entry_bytes(self) -> int:
-        return self.model_config().kv_entry_dim * KV_DTYPES[self.kv_dtype].itemsize
+        return self.model_config().kv_entry_dim * KV_DTYPE_ITEMSIZES[self.kv_dtype]
 
     @property
     def page_nbytes(self) -> int:

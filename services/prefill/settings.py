@@ -6,8 +6,13 @@ from dataclasses import dataclass
 
 from kvpool.core.chunk_hash import namespace_fingerprint
 from kvpool.core.setting import setting
-from kvpool.model import KV_DTYPES, get_config, kv_chunk_nbytes, kv_dtype, split_layers
-from kvpool.model.config import CONFIGS, ModelConfig
+from kvpool.model.config import (
+    CONFIGS,
+    KV_DTYPE_ITEMSIZES,
+    ModelConfig,
+    get_config,
+    split_layers,
+)
 
 LAYOUT_VERSION = 1
 
@@ -28,7 +33,7 @@ class PrefillSettings:
     )
     weights: str = setting("", help="load weights from a safetensors directory", metavar="DIR",
                            default_text="seeded")
-    kv_dtype: str = setting("float32", help="KV storage dtype", choices=tuple(sorted(KV_DTYPES)))
+    kv_dtype: str = setting("float32", help="KV storage dtype", choices=tuple(sorted(KV_DTYPE_ITEMSIZES)))
     chunk_size: int = setting(256, help="tokens per chunk and device block")
     device_cache_tokens: int = setting(65536, help="device KV capacity in tokens")
     torch_threads: int = setting(1, help="torch compute threads")
@@ -58,8 +63,8 @@ class PrefillSettings:
             self.port = 7700 + self.stage
         if self.admin_port < 0:
             self.admin_port = 9700 + self.stage
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {sorted(KV_DTYPES)}")
+        if self.kv_dtype not in KV_DTYPE_ITEMSIZES:
+            raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {sorted(KV_DTYPE_ITEMSIZES)}")
         config = self.model_config()  # raises on an unknown model
         if self.num_stages > config.num_hidden_layers:
             raise ValueError(f"num_stages: {self.num_stages} stages for {config.num_hidden_layers} layers")
@@ -118,4 +123,5 @@ class PrefillSettings:
     def chunk_nbytes(self) -> int:
         """Bytes of one chunk's KV for this stage's layers: one pool object."""
         start, end = self.layers
-        return kv_chunk_nbytes(self.model_config(), end - start, self.chunk_size, kv_dtype(self.kv_dtype))
+        # = kvpool.model.kv_chunk_nbytes, without importing torch
+        return (end - start) * self.chunk_size * self.model_config().kv_entry_dim * KV_DTYPE_ITEMSIZES[self.kv_dtype]

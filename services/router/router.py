@@ -31,8 +31,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool import service
 from kvpool.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvpool.core.routing import Placement, RoutingPolicy
+from kvpool.model.config import split_layers
 from kvpool.model.sampling import SamplingParams, sample
-from kvpool.model.stage import split_layers
 from kvpool.rpc import (
     decode_pb2,
     decode_pb2_grpc,

@@ -30,3 +30,19 @@ def test_kvpool_never_imports_services() -> None:
 def test_the_scan_sees_imports_inside_functions() -> None:
     # the CLI imports the roles lazily, inside functions; the scan must see those
     assert "services.master.server" in imported_modules(ROOT / "services" / "cli.py")
+
+
+def test_reading_settings_does_not_import_torch() -> None:
+    # a master, a store and the command line start without torch (seconds of a
+    # master restart's recovery went to importing it)
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, services.cli as c; c.build_parser(); "
+        "from services.master.server import serve; from services.store.daemon import serve as s; "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
