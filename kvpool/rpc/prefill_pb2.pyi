@@ -189,3 +189,25 @@ class ForwardResponse(_message.Message):
     logits: bytes
     stage_compute_ms: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, first_token: _Optional[int] = ..., logits: _Optional[bytes] = ..., stage_compute_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SaveDoneRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class SaveDoneResponse(_message.Message):
+    __slots__ = ("stage", "num_stored", "num_exists", "num_not_stored", "bytes", "put_ms")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXISTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NOT_STORED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUT_MS_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    num_stored: int
+    num_exists: int
+    num_not_stored: int
+    bytes: int
+    put_ms: float
+    def __init__(self, stage: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_exists: _Optional[int] = ..., num_not_stored: _Optional[int] = ..., bytes: _Optional[int] = ..., put_ms: _Optional[float] = ...) -> None: ...

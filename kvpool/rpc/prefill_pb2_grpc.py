@@ -167,6 +167,11 @@ class PrefillStageStub:
                 request_serializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.SaveDone = channel.unary_unary(
+                '/kvpool.rpc.PrefillStage/SaveDone',
+                request_serializer=kvpool_dot_rpc_dot_prefill__pb2.SaveDoneRequest.SerializeToString,
+                response_deserializer=kvpool_dot_rpc_dot_prefill__pb2.SaveDoneResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillStageServicer:
@@ -193,6 +198,14 @@ class PrefillStageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveDone(self, request, context):
+        """Wait until this stage's save of a request ended (its puts read straight
+        from the pages, so stage 0 keeps those blocks from reuse until then).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillStageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +223,11 @@ def add_PrefillStageServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.FromString,
                     response_serializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.SerializeToString,
+            ),
+            'SaveDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveDone,
+                    request_deserializer=kvpool_dot_rpc_dot_prefill__pb2.SaveDoneRequest.FromString,
+                    response_serializer=kvpool_dot_rpc_dot_prefill__pb2.SaveDoneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -293,6 +311,33 @@ class PrefillStage:
             '/kvpool.rpc.PrefillStage/Forward',
             kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.SerializeToString,
             kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.rpc.PrefillStage/SaveDone',
+            kvpool_dot_rpc_dot_prefill__pb2.SaveDoneRequest.SerializeToString,
+            kvpool_dot_rpc_dot_prefill__pb2.SaveDoneResponse.FromString,
             options,
             channel_credentials,
             insecure,

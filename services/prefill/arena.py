@@ -1,8 +1,10 @@
 """Registered host memory carved into per-request regions.
 
-Every byte the transfer engine moves for a stage (restored chunks, chunks to
-save, hidden states for the next stage) lives in one of these arenas,
-registered with the engine once at start-up and reused.
+Bytes the transfer engine moves for a stage that are not KV pages (hidden
+states for the next stage, the handoff's gathered slabs) live in one of
+these arenas, registered with the engine once at start-up and reused. KV
+moves to and from the pool need none: they use the registered pages
+themselves (``stage_runner``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Arena:
         self.buffer = HostBuffer(size)
         self.buffer.touch()
         engine.register(self.buffer.address, size)
+        self._engine = engine
         self._allocator = SegmentAllocator(size, alignment=ALIGNMENT)
         self._freed = asyncio.Condition()
 
@@ -47,6 +50,10 @@ class Arena:
     @property
     def largest_free(self) -> int:
         return self._allocator.largest_free
+
+    def close(self) -> None:
+        """Unregister (the memory may be mapped again at this address later)."""
+        self._engine.unregister(self.buffer.address)
 
     def allocate(self, size: int) -> Region | None:
         """A region of ``size`` bytes, or None when the arena is too full right now."""

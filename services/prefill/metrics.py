@@ -29,6 +29,13 @@ class PrefillMetrics:
         self.saves_stored = Counter("kvpool_prefill_saves_stored",
                                     "Chunks this stage stored in the pool (or found there: exists)", ["result"],
                                     registry=r)
+        self.restored_bytes = Counter("kvpool_prefill_restored_bytes",
+                                      "Bytes this stage restored from the pool straight into its pages", registry=r)
+        self.saved_bytes = Counter("kvpool_prefill_saved_bytes",
+                                   "Bytes this stage stored in the pool straight from its pages", registry=r)
+        self.save_seconds = Histogram("kvpool_prefill_save_seconds",
+                                      "One request's save on this stage, put start to end (stored ones)",
+                                      buckets=_SECONDS_BUCKETS, registry=r)
         self.device_usage = Gauge("kvpool_prefill_device_cache_usage", "Share of device blocks referenced",
                                   registry=r)
 

@@ -34,7 +34,14 @@ from services.prefill.stage_servicer import ActivationLink, figures_message, run
 log = structlog.get_logger(__name__)
 
 RESTORE_TIMEOUT_S = 60.0
+# beyond every bound of a put (two 5 s RPCs and the engine's 30 s + 1 ns/byte)
+SAVE_DONE_TIMEOUT_S = 120.0
 MAX_SESSION_ID_BYTES = 256
+
+
+def save_holder(request_id: str) -> str:
+    """The block manager's holder id of a request's save (its blocks' extra reference)."""
+    return f"{request_id}/save"
 
 
 @dataclass(slots=True)
@@ -76,6 +83,7 @@ class PrefillScheduler:
         self.blocks = BlockManager(self.settings.num_blocks, self.chunk_size)
         self.holds = KvHolds(self.settings.kv_hold_s)
         self._freed = asyncio.Condition()
+        self._releases: set[asyncio.Task[None]] = set()
 
     # ---- the request path ----------------------------------------------
 
@@ -153,11 +161,42 @@ class PrefillScheduler:
             save_chunk_hashes=request.chunks_to_save, return_logits=return_logits,
         )
         inputs = torch.tensor(token_ids[request.compute_start:], dtype=torch.int64)
+        saving = self.pool is not None and bool(forward.save_chunk_hashes)
+        if saving:
+            # every stage's put reads these pages: they are not reused until all puts ended
+            self.blocks.hold(save_holder(request.request_id), request.save_block_ids)
         t0 = time.perf_counter()
-        result = await run_stage(self.runner, self.link, forward, inputs, request.block_table)
+        try:
+            result = await run_stage(self.runner, self.link, forward, inputs, request.block_table)
+        finally:
+            if saving:
+                task = asyncio.ensure_future(self._release_after_saves(request.request_id))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
         compute_ms = (time.perf_counter() - t0) * 1e3
         request.finish_compute(self.blocks)
         return RunResult(restore, result, compute_ms)
+
+    async def _release_after_saves(self, request_id: str) -> None:
+        """Wait for every stage's save of the request to end, then let its blocks go."""
+        try:
+            done = await asyncio.gather(
+                self.runner.save_done(request_id),
+                *(self._save_done_remote(stage, request_id) for stage in range(1, self.settings.num_stages)),
+            )
+            log.debug("request_saved", request_id=request_id, stored=sum(d.num_stored for d in done),
+                      not_stored=sum(d.num_not_stored for d in done))
+        finally:
+            await self._free(save_holder(request_id))
+
+    async def _save_done_remote(self, stage: int, request_id: str) -> prefill_pb2.SaveDoneResponse:
+        try:
+            return await self.stages[stage - 1].SaveDone(prefill_pb2.SaveDoneRequest(request_id=request_id),
+                                                         timeout=SAVE_DONE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            # a stage that cannot answer is gone (or stuck past every put's bounds): its puts no longer read
+            log.warning("stage_save_done_failed", stage=stage, code=exc.code().name, details=exc.details())
+            return prefill_pb2.SaveDoneResponse(stage=stage)
 
     def _free_after(self, task: asyncio.Future[object], request_id: str) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -204,7 +243,7 @@ class PrefillScheduler:
         self, request: PrefillRequest, lookup: LookupResult
     ) -> list[prefill_pb2.StageRestoreFigures]:
         """Every stage reads its own objects of the planned chunks at once."""
-        targets = request.restore_targets()
+        targets = request.restore_targets(self.blocks)  # private blocks only: objects land straight in them
         per_stage: list[list[ChunkToRestore]] = []
         for stage in range(self.settings.num_stages):
             chunks = []

@@ -1,9 +1,23 @@
-"""One stage's tensors: its layers, its device KV pages, its staging arenas.
+"""One stage's tensors: its layers, its KV pages (registered with the transfer
+engine), its activation arenas; restore into and save from the pages.
 
-Compute runs on one thread (the stage's "compute stream"); packing and
-unpacking KV run on another (the "copy stream"), so a restore for one request
-does not queue behind another request's forward pass. All torch work is off
-the event loop.
+The whole KV cache is registered with the engine once, at start-up (host
+memory here; device memory on a GPUDirect host, the engine build being the
+install option). Its layout is block-major (``kvpool.model.kv_cache``): one
+block is one chunk of all this stage's layers, byte for byte the chunk's pool
+object. So a restore reads each object straight into the block its chunk
+occupies and a save writes straight from it: no staging copy, no pack or
+unpack loop. Pool objects and the cache share one dtype (the namespace
+fingerprints it), so no conversion, and no staging arena, is ever needed.
+
+Invariants the caller (stage 0's core) keeps: a restore only targets blocks
+private to its request (``BlockManager.is_private``), and a block a save
+reads from stays referenced until that save ended (``BlockManager.hold``,
+released after ``save_done`` on every stage).
+
+Compute runs on one thread (the stage's "compute stream"); the engine's
+moves run in worker threads, so a restore for one request does not queue
+behind another request's forward pass. All torch work is off the event loop.
 """
 
 from __future__ import annotations
@@ -18,15 +32,19 @@ import structlog
 import torch
 
 from kvpool.core.chunk_hash import ChunkHash, group_id, object_key
-from kvpool.core.planner import chunks_that_fit, leading_count
-from kvpool.model import ModelStage, kv_dtype, pack_kv, unpack_kv
+from kvpool.core.planner import leading_count
+from kvpool.model import ModelStage, kv_dtype
+from kvpool.model.kv_cache import block_address, block_nbytes, kv_cache_nbytes
 from kvpool.pool.client import ObjectLocation, PoolClient, PutObject, PutResult
-from kvpool.transfer import TransferEngine
-from services.prefill.arena import Arena, Region
+from kvpool.transfer import HostBuffer, TransferEngine
+from services.prefill.arena import Arena
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.settings import PrefillSettings
 
 log = structlog.get_logger(__name__)
+
+# finished saves nobody asked about (stage 0 gone) are forgotten past this many
+MAX_FINISHED_SAVES = 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,11 +60,20 @@ class RestoreFigures:
     num_chunks_restored: int = 0
     bytes: int = 0
     read_ms: float = 0.0
-    unpack_ms: float = 0.0
+    unpack_ms: float = 0.0  # nothing to unpack: objects land in the pages
+
+
+@dataclass(slots=True)
+class SaveFigures:
+    num_stored: int = 0
+    num_exists: int = 0
+    num_not_stored: int = 0
+    bytes: int = 0
+    put_ms: float = 0.0
 
 
 class StageRunner:
-    """Owns the stage's model layers, KV pages and arenas (see module doc)."""
+    """Owns the stage's model layers, KV pages and activation arenas (see module doc)."""
 
     def __init__(
         self, settings: PrefillSettings, engine: TransferEngine, pool: PoolClient | None, metrics: PrefillMetrics
@@ -56,69 +83,68 @@ class StageRunner:
         self.config = settings.model_config()
         start, end = settings.layers
         self.model = ModelStage(self.config, start, end, weights=settings.weights or None)
-        self.kv_cache = self.model.allocate_kv_cache(settings.num_blocks, settings.chunk_size,
-                                                     kv_dtype(settings.kv_dtype))
+        dtype = kv_dtype(settings.kv_dtype)
+        nbytes = kv_cache_nbytes(self.config, end - start, settings.num_blocks, settings.chunk_size, dtype)
+        self._kv_memory: HostBuffer | None = None
+        storage = None
+        if self.model.device.type == "cpu":
+            # our own mmap: huge pages, and an address the engine can register
+            self._kv_memory = HostBuffer(nbytes)
+            storage = torch.frombuffer(self._kv_memory.view(), dtype=torch.uint8)
+        self.kv_cache = self.model.allocate_kv_cache(settings.num_blocks, settings.chunk_size, dtype, storage)
         self.engine = engine
         self.pool = pool
         self.metrics = metrics
         self.namespace = settings.namespace
         self.chunk_nbytes = settings.chunk_nbytes
-        kv_bytes = settings.num_blocks * self.chunk_nbytes
-        # a request never restores or saves more than the device cache holds
-        self.restore_arena = Arena("restore", kv_bytes, engine)
-        self.save_arena = Arena("save", kv_bytes, engine)
+        if block_nbytes(self.kv_cache) != self.chunk_nbytes:
+            raise ValueError(f"a block holds {block_nbytes(self.kv_cache)} bytes, a chunk object {self.chunk_nbytes}")
+        # the pages are where pool bytes land and leave from (and the handoff's source)
+        if pool is not None:
+            pool.register(self.kv_cache.data_ptr(), nbytes)
+        else:
+            engine.register(self.kv_cache.data_ptr(), nbytes)
         max_tokens = min(self.config.max_position_embeddings, settings.device_cache_tokens)
         activation_bytes = 2 * max_tokens * self.config.hidden_size * 4
         self.send_arena = Arena("send", activation_bytes, engine)
         self.recv_arena = Arena("recv", activation_bytes, engine)
-        if pool is not None:
-            for arena in (self.restore_arena, self.save_arena):
-                pool.register(arena.buffer.address, arena.size)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{settings.stage}-compute")
-        self._copy = ThreadPoolExecutor(1, thread_name_prefix=f"stage{settings.stage}-copy")
-        # saves in flight, oldest first, with the save-arena region each holds
-        self._saves: dict[asyncio.Task[None], Region] = {}
+        # each request's save, from start until stage 0 asked for its end (save_done)
+        self._saves: dict[str, asyncio.Task[SaveFigures]] = {}
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
-        self._copy.shutdown(wait=False, cancel_futures=True)
+        # the engine outlives us (tests): a later mapping at these addresses must register anew
+        self.engine.unregister(self.kv_cache.data_ptr())
+        self.send_arena.close()
+        self.recv_arena.close()
+
+    def block_address(self, block_id: int) -> int:
+        return block_address(self.kv_cache, block_id)
 
     # ---- restore --------------------------------------------------------
 
     async def restore(self, chunks: Sequence[ChunkToRestore]) -> RestoreFigures:
-        """Read this stage's objects of the given chunks and unpack them into
-        their blocks; only the leading chunks that all arrived and verified
-        count. Never raises for pool trouble: a failed chunk ends the run."""
+        """Read this stage's objects of the given chunks straight into their blocks.
+
+        Only the leading chunks that all arrived and verified count; a block
+        past them may hold part of an object, and is recomputed over (it is
+        private to the request). Never raises for pool trouble.
+        """
         figures = RestoreFigures(len(chunks))
         if not chunks or self.pool is None:
             return figures
         size = self.chunk_nbytes
         count = leading_count(c.location.size == size for c in chunks)  # a wrong size ends the run (recomputed)
-        count = chunks_that_fit(count, size, self.restore_arena.largest_free, self.restore_arena.alignment)
-        region = self.restore_arena.allocate(count * size) if count else None
-        if region is None:
+        if not count:
             return figures
-        try:
-            t0 = time.perf_counter()
-            verified = await self.pool.read([(c.location, region.address + i * size) for i, c in enumerate(chunks[:count])])
-            figures.read_ms = (time.perf_counter() - t0) * 1e3
-            restored = leading_count(verified)
-            if restored:
-                t1 = time.perf_counter()
-                await asyncio.get_running_loop().run_in_executor(
-                    self._copy, self._unpack, region, [c.block_id for c in chunks[:restored]]
-                )
-                figures.unpack_ms = (time.perf_counter() - t1) * 1e3
-            figures.num_chunks_restored = restored
-            figures.bytes = restored * size
-        finally:
-            self.restore_arena.free(region)
+        t0 = time.perf_counter()
+        verified = await self.pool.read([(c.location, self.block_address(c.block_id)) for c in chunks[:count]])
+        figures.read_ms = (time.perf_counter() - t0) * 1e3
+        figures.num_chunks_restored = leading_count(verified)
+        figures.bytes = figures.num_chunks_restored * size
+        self.metrics.restored_bytes.inc(figures.bytes)
         return figures
-
-    def _unpack(self, region, block_ids: list[int]) -> None:  # type: ignore[no-untyped-def]
-        size = self.chunk_nbytes
-        for i, block_id in enumerate(block_ids):
-            unpack_kv(self.kv_cache, [block_id], 0, self.restore_arena.tensor(region, i * size, size))
 
     # ---- compute --------------------------------------------------------
 
@@ -130,86 +156,66 @@ class StageRunner:
 
     # ---- save -----------------------------------------------------------
 
-    async def pack_for_save(
-        self, block_table: Sequence[int], first_chunk: int, chunk_hashes: Sequence[ChunkHash]
+    def start_save(
+        self, request_id: str, block_table: Sequence[int], first_chunk: int, chunk_hashes: Sequence[ChunkHash]
     ) -> None:
-        """Copy the chunks to save out of the pages now (so the pages may be
-        reused as soon as the request is released), then put them in the
-        background. A full pool means "not stored".
+        """Put the chunks to the pool straight from their blocks, in the background.
 
-        Newest wins: when the save arena has no room, the oldest saves in
-        flight are given up (superseded) until this one fits, so a save stuck
-        on the pool never makes a newer one wait or be dropped.
+        Nothing is copied, so nothing can be dropped for want of staging
+        space; the blocks must stay unused until ``save_done`` (stage 0 holds
+        them). A full or unreachable pool means "not stored", at once.
         """
-        if self.pool is None or not chunk_hashes:
+        if self.pool is None or not chunk_hashes or request_id in self._saves:
             return
-        size = self.chunk_nbytes
-        region = self.save_arena.allocate(len(chunk_hashes) * size)
-        while region is None and self._saves:
-            self._supersede(next(iter(self._saves)))
-            region = self.save_arena.allocate(len(chunk_hashes) * size)
-        if region is None:  # cannot happen: the arena holds the whole device cache
-            self._skipped("arena_full", len(chunk_hashes))
-            return
-        block_ids = [block_table[first_chunk + i] for i in range(len(chunk_hashes))]
-        await asyncio.get_running_loop().run_in_executor(self._copy, self._pack, region, block_ids)
-        task = asyncio.create_task(self._put(region, list(chunk_hashes)))
-        self._saves[task] = region
-        task.add_done_callback(self._save_done)
-
-    def _supersede(self, task: asyncio.Task[None]) -> None:
-        """Give an older save up and take its region back now.
-
-        Safe while its bytes are still moving: a put commits only after its
-        transfer and checksum both ended, and a cancelled put never commits,
-        so what it left in the store is revoked by the master's put timeout.
-        """
-        region = self._saves.pop(task)
-        task.cancel()
-        self.save_arena.free(region)
-        self._skipped("superseded", region.size // self.chunk_nbytes)
-        log.info("save_superseded", bytes=region.size)
-
-    def _save_done(self, task: asyncio.Task[None]) -> None:
-        region = self._saves.pop(task, None)
-        if region is not None:  # not superseded: its region is still ours to free
-            self.save_arena.free(region)
-
-    def _skipped(self, reason: str, num_chunks: int) -> None:
-        self.metrics.saves_skipped.labels(reason).inc(num_chunks)
-
-    def _pack(self, region, block_ids: list[int]) -> None:  # type: ignore[no-untyped-def]
-        size = self.chunk_nbytes
-        for i, block_id in enumerate(block_ids):
-            pack_kv(self.kv_cache, [block_id], 0, self.settings.chunk_size,
-                    out=self.save_arena.tensor(region, i * size, size))
-
-    async def _put(self, region, chunk_hashes: list[ChunkHash]) -> None:  # type: ignore[no-untyped-def]
-        assert self.pool is not None
         size, stage, ns = self.chunk_nbytes, self.settings.stage, self.namespace
-        try:
-            objects = [
-                PutObject(object_key(ns, h, stage), group_id(ns, h), self.settings.num_stages,
-                          region.address + i * size, size)
-                for i, h in enumerate(chunk_hashes)
-            ]
-            results = await self.pool.put(objects)
-            self._count(results)
-        except Exception:  # a save is best effort: never take the stage down
-            log.exception("save_failed", chunks=len(chunk_hashes))
-            self._skipped("failed", len(chunk_hashes))
+        objects = [
+            PutObject(object_key(ns, h, stage), group_id(ns, h), self.settings.num_stages,
+                      self.block_address(block_table[first_chunk + i]), size)
+            for i, h in enumerate(chunk_hashes)
+        ]
+        if len(self._saves) >= MAX_FINISHED_SAVES:
+            for done in [r for r, t in self._saves.items() if t.done()]:
+                del self._saves[done]
+        self._saves[request_id] = asyncio.create_task(self._put(objects))
 
-    def _count(self, results: Sequence[PutResult]) -> None:
-        stored = results.count(PutResult.STORED)
-        exists = results.count(PutResult.EXISTS)
-        self.metrics.saves_stored.labels("stored").inc(stored)
-        self.metrics.saves_stored.labels("exists").inc(exists)
-        if stored + exists < len(results):
-            self._skipped("not_stored", len(results) - stored - exists)
-            log.info("chunks_not_stored", stored=stored, exists=exists, total=len(results))
+    async def save_done(self, request_id: str) -> SaveFigures:
+        """Wait for a request's save to end (at once if it had none) and forget it."""
+        task = self._saves.get(request_id)
+        if task is None:
+            return SaveFigures()
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._saves.pop(request_id, None)
+
+    async def _put(self, objects: list[PutObject]) -> SaveFigures:
+        assert self.pool is not None
+        figures = SaveFigures()
+        t0 = time.perf_counter()
+        try:
+            results = await self.pool.put(objects)
+        except Exception:  # a save is best effort: never take the stage down
+            log.exception("save_failed", chunks=len(objects))
+            self.metrics.saves_skipped.labels("failed").inc(len(objects))
+            figures.num_not_stored = len(objects)
+            return figures
+        figures.put_ms = (time.perf_counter() - t0) * 1e3
+        figures.num_stored = results.count(PutResult.STORED)
+        figures.num_exists = results.count(PutResult.EXISTS)
+        figures.num_not_stored = len(results) - figures.num_stored - figures.num_exists
+        figures.bytes = figures.num_stored * self.chunk_nbytes
+        self.metrics.saves_stored.labels("stored").inc(figures.num_stored)
+        self.metrics.saves_stored.labels("exists").inc(figures.num_exists)
+        if figures.num_stored:
+            self.metrics.saved_bytes.inc(figures.bytes)
+            self.metrics.save_seconds.observe(figures.put_ms / 1e3)
+        if figures.num_not_stored:
+            self.metrics.saves_skipped.labels("not_stored").inc(figures.num_not_stored)
+            log.info("chunks_not_stored", stored=figures.num_stored, exists=figures.num_exists,
+                     total=len(results))
+        return figures
 
     async def drain_saves(self) -> None:
         """Wait for background saves (tests and shutdown)."""
-        while self._saves:
-            await asyncio.gather(*list(self._saves), return_exceptions=True)
-
+        await asyncio.gather(*list(self._saves.values()), return_exceptions=True)

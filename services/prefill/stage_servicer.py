@@ -21,7 +21,7 @@ from kvpool.pool.client import ObjectLocation
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.status import status_errors
 from kvpool.transfer import TransferError
-from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
+from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, SaveFigures, StageRunner
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +37,13 @@ def figures_message(stage: int, figures: RestoreFigures) -> prefill_pb2.StageRes
         bytes=figures.bytes,
         read_ms=figures.read_ms,
         unpack_ms=figures.unpack_ms,
+    )
+
+
+def save_done_message(stage: int, figures: SaveFigures) -> prefill_pb2.SaveDoneResponse:
+    return prefill_pb2.SaveDoneResponse(
+        stage=stage, num_stored=figures.num_stored, num_exists=figures.num_exists,
+        num_not_stored=figures.num_not_stored, bytes=figures.bytes, put_ms=figures.put_ms,
     )
 
 
@@ -122,6 +129,8 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         self.link = link
         self.settings = runner.settings
         self.restores: dict[str, asyncio.Future[RestoreFigures]] = {}
+        # Forwards in progress: a SaveDone that overtakes one waits for it to start its save
+        self.forwards: dict[str, asyncio.Future[prefill_pb2.ForwardResponse]] = {}
 
     @status_errors
     async def StageInfo(self, request: Any, context: Any) -> prefill_pb2.StageInfoResponse:
@@ -135,8 +144,8 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
     @status_errors
     async def Restore(self, request: prefill_pb2.RestoreRequest, context: Any) -> prefill_pb2.RestoreResponse:
         chunks = restore_chunks(request, self.settings.num_blocks)
-        # shielded and remembered: if stage 0 stops waiting (deadline), the unpack may
-        # still be writing pages, and this request's Forward must not compute before it ends
+        # shielded and remembered: if stage 0 stops waiting (deadline), objects may
+        # still be landing in the pages, and this request's Forward must not compute before it ends
         task = asyncio.ensure_future(self.runner.restore(chunks))
         self.restores[request.request_id] = task
         task.add_done_callback(lambda _: self.restores.pop(request.request_id, None))
@@ -155,26 +164,42 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         pending = self.restores.get(request.request_id)
         if pending is not None:
             await asyncio.wait([pending])  # its pages must hold the restored KV before we compute over them
+        task = asyncio.ensure_future(self._forward(request, num_new, block_table))
+        self.forwards[request.request_id] = task
+        task.add_done_callback(lambda _: self.forwards.pop(request.request_id, None))
+        return await asyncio.shield(task)
+
+    async def _forward(
+        self, request: prefill_pb2.ForwardRequest, num_new: int, block_table: list[int]
+    ) -> prefill_pb2.ForwardResponse:
         inputs = await self.link.receive(request.activation, num_new)
         return await run_stage(self.runner, self.link, request, inputs, block_table)
+
+    @status_errors
+    async def SaveDone(self, request: prefill_pb2.SaveDoneRequest, context: Any) -> prefill_pb2.SaveDoneResponse:
+        forward = self.forwards.get(request.request_id)
+        if forward is not None:
+            await asyncio.wait([forward])  # its save starts inside it
+        figures = await self.runner.save_done(request.request_id)
+        return save_done_message(self.settings.stage, figures)
 
 
 async def run_stage(
     runner: StageRunner, link: ActivationLink, request: prefill_pb2.ForwardRequest, inputs: torch.Tensor,
     block_table: list[int],
 ) -> prefill_pb2.ForwardResponse:
-    """Compute this stage, then (concurrently) pack chunks to save and forward onward."""
+    """Compute this stage, start saving its completed chunks, forward onward."""
     t0 = time.perf_counter()
     out = await runner.forward(inputs, block_table, request.compute_start)
     compute_ms = (time.perf_counter() - t0) * 1e3
-    pack = runner.pack_for_save(block_table, request.save_first_chunk, list(request.save_chunk_hashes))
+    # the put reads the pages in the background; stage 0 keeps those blocks until save_done
+    runner.start_save(request.request_id, block_table, request.save_first_chunk, list(request.save_chunk_hashes))
     if runner.model.is_last:
-        await pack
         last = out[-1]
         response = prefill_pb2.ForwardResponse(first_token=int(torch.argmax(last)))
         if request.return_logits:
             response.logits = last.to(torch.float32).contiguous().numpy().tobytes()
     else:
-        response, _ = await asyncio.gather(link.send(out, request), pack)
+        response = await link.send(out, request)
     response.stage_compute_ms.insert(0, compute_ms)
     return response
