@@ -11,15 +11,19 @@ import asyncio
 import concurrent.futures
 import http.client
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
 from kvpool.pool.stats import fetch_stats
+from kvpool.rpc import decode_pb2, decode_pb2_grpc
 from services.up import Cluster, UpSettings
 
 pytestmark = pytest.mark.integration
@@ -211,3 +215,46 @@ def get(url: str, path: str, raw: bool = False) -> tuple[int, Any]:
     finally:
         conn.close()
 
+
+
+def decode_pages_used(cluster: Cluster) -> int:
+    async def used() -> int:
+        total = 0
+        for proc in cluster.services:
+            if proc.name.startswith("decode"):
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{proc.ready['port']}") as channel:
+                    stats = await decode_pb2_grpc.DecodeStub(channel).Stats(decode_pb2.DecodeStatsRequest(), timeout=5)
+                    total += stats.num_pages_used
+        return total
+
+    return asyncio.run(used())
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(cluster: Cluster) -> None:
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {"model": MODEL, "prompt": "go on and on " * 20, "max_tokens": 3000, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    for _ in range(3):
+        assert response.readline().startswith(b"data: ")
+        response.readline()
+    assert decode_pages_used(cluster) > 0  # the sequence is running
+    conn.sock.close()  # the client goes away without a word
+    conn.close()
+    deadline = time.monotonic() + 20
+    while decode_pages_used(cluster):
+        assert time.monotonic() < deadline, "decode pages still held after the client disconnected"
+        time.sleep(0.05)
+
+
+def test_kvpool_generate_prints_an_answer_and_its_figures(cluster: Cluster) -> None:
+    router = f"127.0.0.1:{cluster.find('router').ready['port']}"
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "def fib(n):", "--router", router, "--max-tokens", "5"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[11 prompt tokens: device 0, pool 0, computed 11;" in result.stderr
+    assert "5 generated" in result.stderr or "finish stop" in result.stderr
