@@ -5,7 +5,8 @@ tokens of the requests that answered (``device + pool + computed = 1``);
 ``reuse_ratio = device_share + pool_share``. ``trace_bound`` is an unlimited
 prefix cache at the system's chunk size over the prompts in the order they
 were actually sent (one cache for all sessions, as the pool is), and
-``trace_block_bound`` the trace's own block-level bound over the kept turns.
+``trace_block_bound`` the trace's own block-level bound over the turns sent
+(``trace_block_bound_all_turns``: over every kept turn, for a run cut short).
 Figures a service does not expose are null in the JSON and named in
 ``missing``.
 """
@@ -19,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.bench.stats import percentile
 from kvpool.replay.probes import Metrics, delta, total
+from kvpool.replay.workload import ReplayWorkload, sent_block_bound
 from kvpool.workload.bounds import chunk_prefix_bound
 
 if TYPE_CHECKING:
     from kvpool.replay.engine import ReplayOptions, ReplayResult
-    from kvpool.replay.workload import ReplayWorkload
 
 
 def _ratio(a: float, b: float) -> float:
@@ -91,7 +92,8 @@ def summarize(result: ReplayResult, workload: ReplayWorkload, options: ReplayOpt
         "prompt_tok_s_per_pipeline": {p: _ratio(n, wall) for p, n in sorted(per_pipeline.items())},
         "reuse_ratio": _ratio(device + pool, prompt),
         "trace_bound": bound.ratio,
-        "trace_block_bound": workload.trace_block_bound,
+        "trace_block_bound": sent_block_bound(workload, ((r.session_id, r.turn) for r in records)),
+        "trace_block_bound_all_turns": workload.trace_block_bound,
         "device_share": _ratio(device, prompt),
         "pool_share": _ratio(pool, prompt),
         "computed_share": _ratio(computed, prompt),

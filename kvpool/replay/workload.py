@@ -24,6 +24,7 @@ pure function of (namespace, hash ids, lengths, scale, vocabulary).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +82,7 @@ class ReplayWorkload:
     scale: int
     vocab_size: int
     context: int
-    trace_block_bound: float
+    trace_block_bound: float  # over every kept turn; the report uses sent_block_bound over the turns sent
     skipped_turns: int
     skipped_reasons: list[str]
 
@@ -100,6 +101,28 @@ class ReplayWorkload:
     @property
     def num_subagents(self) -> int:
         return sum(len(s.timelines) - 1 for s in self.sessions)
+
+
+def sent_block_bound(workload: ReplayWorkload, sent: Iterable[tuple[str, int]]) -> float:
+    """The trace's own block bound over the turns actually sent, ``(session id, turn index)`` in send order.
+
+    A block counts as reused when its hash id was in an earlier sent turn of the
+    same session (weka: ids are per file) or of any request (Mooncake: global ids);
+    a last partial block counts its own tokens, an id-less tail never.
+    """
+    by_id = {s.id: s for s in workload.sessions}
+    seen: dict[str, set[int]] = {}
+    reused = total = 0
+    for session_id, index in sent:
+        session = by_id[session_id]
+        turn = session.turns[index]
+        scope = seen.setdefault(session.namespace, set())
+        total += turn.input_tokens
+        for i, hash_id in enumerate(turn.hash_ids):
+            if hash_id in scope:
+                reused += min(session.block_size, turn.input_tokens - session.block_size * i)
+        scope.update(turn.hash_ids)
+    return reused / total if total else 0.0
 
 
 def turn_max_tokens(output_tokens: int, scale: int, cap: int) -> int:

@@ -77,7 +77,7 @@ def test_replay_of_a_hand_made_trace_counts_device_pool_and_computed_exactly(clu
     s = result.summary
     assert (s["device_tokens"], s["pool_tokens"], s["computed_tokens"], s["errors"]) == (1536, 768, 3122, 0)
     # the unlimited cache reaches what the pool did here: every chunk seen before was served
-    assert s["reuse_ratio"] == s["trace_bound"] == (1536 + 768) / 5426
+    assert s["reuse_ratio"] == s["trace_bound"] == s["trace_block_bound"] == (1536 + 768) / 5426
     # 3 chunks of 4 layers x (64 + 32) float32 entries restored on each of the two stages
     assert s["restore_bytes_per_stage"] == {"p0-stage0": 3 * 256 * 4 * 96 * 4, "p0-stage1": 3 * 256 * 4 * 96 * 4}
     assert s["pool_num_complete_groups"] == 12  # chunks 1-5 and 10-16, one group each

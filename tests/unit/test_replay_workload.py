@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.replay.workload import DeviceCacheTooSmall, check_device_cache, load_workload
+from kvpool.replay.workload import DeviceCacheTooSmall, check_device_cache, load_workload, sent_block_bound
 from kvpool.workload.mooncake import MooncakeRequest, load_mooncake, mooncake_block_bound
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
@@ -109,3 +109,23 @@ def test_device_cache_check_names_scale_and_device_cache_tokens(tmp_path: Path) 
     assert str(err.value) == (
         "the longest turn is 512 tokens at --scale 4, more than the device cache of --device-cache-tokens 511 "
         "(256 tokens in whole 256-token blocks): raise --device-cache-tokens to at least 512 or raise --scale")
+
+
+def test_block_bound_of_the_turns_sent_in_send_order(tmp_path: Path) -> None:
+    for name in ("a", "b"):  # two sessions with the same local ids: no reuse across them
+        doc = weka_doc([req([1]), req([1, 2]), req([1, 2, 3])])
+        doc["id"] = name
+        (tmp_path / f"trace_{name}.json").write_text(json.dumps(doc))
+    workload = load_workload(tmp_path, scale=1, vocab_size=VOCAB, context=32768, max_tokens=8)
+    assert workload.trace_block_bound == 2 * (64 + 128) / (2 * 384)
+    # a run cut short: a's first two turns and b's first only
+    assert sent_block_bound(workload, [("a", 0), ("b", 0), ("a", 1)]) == 64 / 256
+    # sent out of time order, the later turn's blocks are what the earlier one reuses
+    assert sent_block_bound(workload, [("a", 1), ("a", 0)]) == 64 / 192
+
+
+def test_mooncake_block_bound_of_the_requests_sent_is_global(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [line(0, 1024, 1, [5, 6]), line(1, 1024, 1, [5, 9])])
+    workload = load_workload(path, scale=16, vocab_size=VOCAB, context=32768, max_tokens=8)
+    assert sent_block_bound(workload, [("t-1", 0), ("t-2", 0)]) == 512 / 2048
+    assert sent_block_bound(workload, [("t-2", 0)]) == 0.0
