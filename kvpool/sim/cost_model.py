@@ -1,0 +1,148 @@
+"""The simulator's cost model: how long prefill, restore, decode and the handoff take.
+
+Pure: read from a small TOML file (``cost_model.toml`` beside this module is
+the default, with the source of every number in its comments), validated on
+load; a bad value raises ``ValueError`` naming ``[table] field``.
+
+Invariants: every time and rate is finite and non-negative, bandwidths and
+sizes positive; the functions are pure in their arguments.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DEFAULT_COST_MODEL = Path(__file__).with_name("cost_model.toml")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    num_layers: int = 61
+    kv_entry_bytes: int = 576
+    chunk_tokens: int = 256
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * self.kv_entry_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    chunk_base_s: float = 0.00124
+    chunk_per_context_token_s: float = 8.46e-8
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreCost:
+    read_gbps_per_gpu: float = 6.5
+    per_object_s: float = 5.0e-5
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCost:
+    step_base_s: float = 0.040
+    step_per_seq_s: float = 0.00019
+    step_per_kv_token_s: float = 1.76e-9
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffCost:
+    gbps: float = 50.0
+    per_transfer_s: float = 2.0e-5
+    max_transfer_bytes: int = 8 << 20
+
+
+# fields that must be > 0 (the rest must be >= 0)
+_POSITIVE = {"num_layers", "kv_entry_bytes", "chunk_tokens", "read_gbps_per_gpu", "gbps", "max_transfer_bytes"}
+_TABLES = {"model": ModelShape, "prefill": PrefillCost, "restore": RestoreCost, "decode": DecodeCost,
+           "handoff": HandoffCost}
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Times in seconds for the simulated work (see ``cost_model.toml``)."""
+
+    model: ModelShape = ModelShape()
+    prefill: PrefillCost = PrefillCost()
+    restore: RestoreCost = RestoreCost()
+    decode: DecodeCost = DecodeCost()
+    handoff: HandoffCost = HandoffCost()
+
+    def compute_s(self, first_token: int, num_tokens: int, num_stages: int) -> float:
+        """Pipeline time to compute tokens ``[first_token, first_token + num_tokens)``.
+
+        Stages overlap on successive chunks, so the pipeline takes one stage's
+        time per chunk plus ``num_stages - 1`` chunk times to fill; a chunk's
+        cost is linear in its context, so the sum over chunks is closed form
+        (no per-chunk work: a turn computes up to ~450 chunks).
+        """
+        if num_tokens <= 0:
+            return 0.0
+        c = self.model.chunk_tokens
+        p = self.prefill
+        num_chunks = num_tokens / c
+        mean_context = first_token + (num_tokens - c) / 2 if num_tokens > c else first_token
+        per_chunk = p.chunk_base_s + p.chunk_per_context_token_s * mean_context
+        last_chunk = p.chunk_base_s + p.chunk_per_context_token_s * (first_token + num_tokens - min(c, num_tokens))
+        return num_chunks * per_chunk + (num_stages - 1) * last_chunk
+
+    def restore_s(self, num_chunks: int, stage_bytes_per_token: float) -> float:
+        """One GPU reads its stage's objects of ``num_chunks`` chunks (the stages read at once)."""
+        if num_chunks <= 0:
+            return 0.0
+        nbytes = num_chunks * self.model.chunk_tokens * stage_bytes_per_token
+        return nbytes / (self.restore.read_gbps_per_gpu * 1e9) + num_chunks * self.restore.per_object_s
+
+    def decode_step_s(self, batch_size: int, kv_tokens: float) -> float:
+        d = self.decode
+        return d.step_base_s + d.step_per_seq_s * batch_size + d.step_per_kv_token_s * kv_tokens
+
+    def handoff_s(self, nbytes: int, num_stages: int) -> float:
+        """Every stage writes its slab in <= ``max_transfer_bytes`` writes; the stages write at once."""
+        h = self.handoff
+        stage_bytes = nbytes / num_stages
+        num_transfers = math.ceil(stage_bytes / h.max_transfer_bytes)
+        return stage_bytes / (h.gbps * 1e9) * num_stages + num_transfers * h.per_transfer_s
+
+
+def parse_cost_model(document: dict[str, object], where: str = "cost model") -> CostModel:
+    """A ``CostModel`` from a decoded TOML document; unknown or bad fields raise ``ValueError`` naming them."""
+    unknown = sorted(set(document) - set(_TABLES))
+    if unknown:
+        raise ValueError(f"{where}: [{unknown[0]}]: unknown table (expected one of {sorted(_TABLES)})")
+    parts = {}
+    for table, cls in _TABLES.items():
+        values = document.get(table, {})
+        if not isinstance(values, dict):
+            raise ValueError(f"{where}: [{table}]: expected a table")
+        known = {f.name: f for f in fields(cls)}
+        for name in values:
+            if name not in known:
+                raise ValueError(f"{where}: [{table}] {name}: unknown field")
+        kwargs = {}
+        for name, f in known.items():
+            if name not in values:
+                continue
+            value = values[name]
+            want_int = isinstance(f.default, int)
+            if isinstance(value, bool) or not isinstance(value, int | float) or (want_int and not isinstance(value, int)):
+                kind = "an integer" if want_int else "a number"
+                raise ValueError(f"{where}: [{table}] {name}: expected {kind}, got {value!r}")
+            if not math.isfinite(value) or value < 0 or (name in _POSITIVE and value == 0):
+                bound = "> 0" if name in _POSITIVE else ">= 0"
+                raise ValueError(f"{where}: [{table}] {name}: must be finite and {bound}, got {value!r}")
+            kwargs[name] = value if want_int else float(value)
+        parts[table] = cls(**kwargs)
+    return CostModel(**parts)
+
+
+def load_cost_model(path: Path | str = DEFAULT_COST_MODEL) -> CostModel:
+    path = Path(path)
+    try:
+        document = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    return parse_cost_model(document, str(path))

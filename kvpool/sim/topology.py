@@ -1,0 +1,88 @@
+"""What the simulator runs: the cluster's shape and one run's settings.
+
+Pure values. Invariants (checked on construction, ``ValueError`` naming the
+field): every count and size positive; each server's GPUs are exactly its
+prefill stages plus its decode GPUs; ``pool`` is ``shared`` or ``split``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Servers alike: ``pipelines_per_server`` pipelines of ``num_stages`` GPUs, then decode shards.
+
+    Stores: one per NUMA node; store 0 is on the prefill side, the others on
+    the decode side (the seed: the decode side holds no history in a split pool).
+    """
+
+    num_servers: int = 4
+    gpus_per_server: int = 8
+    num_stages: int = 4
+    pipelines_per_server: int = 1
+    gpus_per_decode_shard: int = 4
+    # MI355X: 288 GB HBM - 168 GB of fp8 weights per GPU (671 GB / 4) - activations
+    device_kv_gib_per_gpu: float = 100.0
+    stores_per_server: int = 2
+    store_gib: float = 768.0
+    nic_gbps: float = 50.0  # one 400 Gb/s NIC's worth per server (report only: no contention is modelled)
+    decode_page_tokens: int = 64
+    decode_max_batch: int = 256
+    max_context: int = 163_840  # DeepSeek-V3's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        for name in ("num_servers", "gpus_per_server", "num_stages", "pipelines_per_server",
+                     "gpus_per_decode_shard", "stores_per_server", "decode_page_tokens", "decode_max_batch",
+                     "max_context"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"topology.{name}: must be positive, got {getattr(self, name)}")
+        for name in ("device_kv_gib_per_gpu", "store_gib", "nic_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"topology.{name}: must be positive, got {getattr(self, name)}")
+        decode_gpus = self.gpus_per_server - self.pipelines_per_server * self.num_stages
+        if decode_gpus <= 0 or decode_gpus % self.gpus_per_decode_shard:
+            raise ValueError(
+                f"topology.gpus_per_decode_shard: {decode_gpus} decode GPUs per server "
+                f"({self.gpus_per_server} - {self.pipelines_per_server} x {self.num_stages} prefill) "
+                f"do not split into shards of {self.gpus_per_decode_shard}"
+            )
+
+    @property
+    def shards_per_server(self) -> int:
+        return (self.gpus_per_server - self.pipelines_per_server * self.num_stages) // self.gpus_per_decode_shard
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_servers * self.gpus_per_server
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """One simulated run."""
+
+    num_sessions: int = 112
+    duration_s: float = 3600.0
+    warmup_s: float = 300.0  # figures count turns whose prefill ends after this
+    pool: str = "shared"
+    think: bool = True
+    think_cap_s: float = 5.0  # see docs/simulation.md: the seed's load leaves ~5 s per turn to think
+    start_spread_s: float = 30.0  # sessions start evenly over this
+    affinity_max_queue: int = 4
+    fail_server_at_s: float | None = None  # every store of server 0 dies then
+    window_s: float = 60.0
+    restart_sessions: bool = True  # a finished trace makes way for a new instance (the load stays constant)
+    seed_offset: int = 0  # session k plays trace (k + seed_offset) % num_traces
+
+    def __post_init__(self) -> None:
+        if self.pool not in ("shared", "split"):
+            raise ValueError(f"pool: must be 'shared' or 'split', got {self.pool!r}")
+        if self.num_sessions <= 0:
+            raise ValueError(f"sessions: must be positive, got {self.num_sessions}")
+        if not self.duration_s > 0 or self.warmup_s < 0 or self.warmup_s >= self.duration_s:
+            raise ValueError(f"warmup_s: must be in [0, duration_s), got {self.warmup_s} of {self.duration_s}")
+        if self.think_cap_s < 0 or self.start_spread_s < 0 or not self.window_s > 0:
+            raise ValueError("think_cap_s, start_spread_s must be >= 0 and window_s > 0")

@@ -1,0 +1,74 @@
+"""Trace sessions as the simulator plays them: chunk hashes from block ids, at full token scale.
+
+A weka trace gives one id per 64-token block, equal ids meaning equal content
+with equal prefix. At full scale a 256-token chunk is exactly 4 blocks, and
+since ``in // 256 == (in // 64) // 4`` for the real files (only full blocks
+carry ids), the chunks of a prompt are its consecutive groups of 4 block ids.
+The core's ``chunk_hashes`` is run over the block-id sequence with a chunk
+of 4 "tokens": it chains ``h_i = H(h_{i-1}, ids of chunk i)`` rooted at the
+namespace, so two prompts share leading chunk hashes exactly when they share
+those leading block ids, which is what equal leading token ids would give
+(the token ids themselves are never made: no per-token work).
+
+Sessions are played as instances: instance k plays trace ``k % num_traces``
+under its own namespace, so two instances of one trace share nothing (as two
+real sessions share nothing in these per-session-id traces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvpool.core.chunk_hash import ChunkHash, chunk_hashes
+from kvpool.workload.bounds import trace_block_bound
+from kvpool.workload.weka import Session, Turn
+
+BLOCK_TOKENS = 64
+
+
+def turn_chunk_hashes(namespace: str, turn: Turn, block_size: int, chunk_tokens: int) -> list[ChunkHash]:
+    """The chunk hashes of one prompt: ``turn.input_tokens // chunk_tokens`` of them."""
+    if chunk_tokens % block_size:
+        raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the trace's block size {block_size}")
+    blocks_per_chunk = chunk_tokens // block_size
+    num_chunks = turn.input_tokens // chunk_tokens
+    ids = turn.hash_ids[: num_chunks * blocks_per_chunk]
+    return chunk_hashes(namespace, ids, blocks_per_chunk)
+
+
+@dataclass(slots=True)
+class SessionPlay:
+    """One session instance: a trace replayed turn by turn under its own namespace."""
+
+    instance: int
+    trace: Session
+    next_turn: int = 0
+    hashes: list[ChunkHash] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"s{self.instance}"
+
+    @property
+    def namespace(self) -> str:
+        return f"sim/{self.instance}/{self.trace.id}"
+
+    @property
+    def done(self) -> bool:
+        return self.next_turn >= len(self.trace.turns)
+
+    def take_turn(self, chunk_tokens: int) -> Turn:
+        turn = self.trace.turns[self.next_turn]
+        self.next_turn += 1
+        self.hashes = turn_chunk_hashes(self.namespace, turn, self.trace.block_size, chunk_tokens)
+        return turn
+
+
+def played_bound(plays: list[SessionPlay], turns_counted: dict[int, range]) -> float:
+    """``trace_block_bound`` over the turns each instance actually played (and counted)."""
+    sessions = [
+        replace(p.trace, id=p.key, turns=p.trace.turns[: turns_counted[p.instance].stop])
+        for p in plays if p.instance in turns_counted
+    ]
+    # turns before the counted window still make blocks "seen": bound over all, minus the uncounted ones
+    return trace_block_bound(sessions)

@@ -1,0 +1,120 @@
+"""The simulator on hand-made traces: exact token counts from the core's decisions, exact times from the cost model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpool.sim.cost_model import CostModel, DecodeCost, HandoffCost, ModelShape, PrefillCost, RestoreCost
+from kvpool.sim.engine import Simulation, layer_split
+from kvpool.sim.events import EventLoop
+from kvpool.sim.topology import GIB, RunSettings, Topology
+from kvpool.workload.weka import Session, parse_session
+
+# 4 layers x 1 byte: a stage's object of a 256-token chunk is 256 B, a group 1 KiB
+COST = CostModel(
+    model=ModelShape(num_layers=4, kv_entry_bytes=1, chunk_tokens=256),
+    prefill=PrefillCost(chunk_base_s=1.0, chunk_per_context_token_s=0.0),
+    restore=RestoreCost(read_gbps_per_gpu=1e6, per_object_s=0.5),
+    decode=DecodeCost(step_base_s=0.01, step_per_seq_s=0.0, step_per_kv_token_s=0.0),
+    handoff=HandoffCost(gbps=1e6, per_transfer_s=0.0),
+)
+
+
+def topology(num_servers: int) -> Topology:
+    # 4 device blocks per stage GPU; decode: 1,024 one-token pages; a 1 MiB store per NUMA node
+    return Topology(num_servers=num_servers, device_kv_gib_per_gpu=1024 / GIB, decode_page_tokens=1,
+                    store_gib=(1 << 20) / GIB)
+
+
+def session(*turns: tuple[int, list[int], float]) -> Session:
+    requests = [{"t": 10.0 * i, "in": n, "out": 4, "hash_ids": ids, "think_time": think}
+                for i, (n, ids, think) in enumerate(turns)]
+    return parse_session({"id": "hand", "block_size": 64, "tool_tokens": 0, "system_tokens": 0,
+                          "requests": requests})
+
+
+def run(trace: Session, pool: str, num_servers: int = 1, setup: Any = None) -> Simulation:
+    settings = RunSettings(num_sessions=1, duration_s=1000.0, warmup_s=0.0, pool=pool, think_cap_s=1000.0,
+                           start_spread_s=0.0, restart_sessions=False)
+    sim = Simulation(topology(num_servers), settings, COST, [trace])
+    if setup is not None:
+        setup(sim)
+    sim.run()
+    return sim
+
+
+A = list(range(1, 9))  # 8 blocks: 2 full chunks (+10 tokens without an id)
+
+
+def test_event_loop_runs_in_time_then_schedule_order() -> None:
+    loop, seen = EventLoop(), []
+    loop.at(2.0, seen.append, "c")
+    loop.at(1.0, seen.append, "a")
+    loop.at(1.0, seen.append, "b")
+    loop.at(5.0, seen.append, "late")
+    loop.run(3.0)
+    assert seen == ["a", "b", "c"] and loop.now == 3.0
+
+
+def test_a_session_on_one_server_exact_counts_and_times() -> None:
+    # T0 computes 2 chunks + 10 tokens and saves both chunks; T1 (other content, 3 chunks) takes all 4
+    # device blocks, evicting T0's; T2 shares T0's 2 chunks: the device lost them, the pool serves them.
+    trace = session((522, A, 0.0), (778, list(range(21, 33)), 100.0), (778, A + [33, 34, 35, 36], 100.0))
+    sim = run(trace, "shared")
+    m = sim.metrics
+    assert m.turn_tokens == [
+        ("s0.t0", 0, 0, 522),
+        ("s0.t1", 0, 0, 778),
+        ("s0.t2", 0, 512, 266),
+    ]
+    assert m.put_objects == 4 * (2 + 3 + 1)  # every stage's object of every chunk computed
+    assert m.master_lookups == 3
+    # T0: 522/256 chunk-times of 1 s, plus 3 to fill the pipeline; handoff ~0; decode 4 steps of 10 ms
+    assert m.ttft_s[0] == pytest.approx(522 / 256 + 3.0)
+    # T2 restores 2 chunks at 0.5 s an object (each stage reads its own at once)
+    assert m.restore_s == [pytest.approx(1.0)]
+    assert m.ttft_s[2] == pytest.approx(1.0 + 266 / 256 + 3.0)
+    assert sim.trace_bound() == pytest.approx(512 / (522 + 778 + 778))
+
+
+def test_shared_pool_serves_a_session_that_moved_server_split_does_not() -> None:
+    # T0 runs on server 0; its pipeline fails its health check before T1, which goes to server 1
+    trace = session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0))
+
+    def fail_p0(sim: Simulation) -> None:
+        sim.loop.at(50.0, sim.router.set_health, "p0.0", False)
+
+    shared = run(trace, "shared", num_servers=2, setup=fail_p0)
+    split = run(trace, "split", num_servers=2, setup=fail_p0)
+    assert shared.metrics.turn_tokens == [("s0.t0", 0, 0, 522), ("s0.t1", 0, 512, 266)]
+    assert split.metrics.turn_tokens == [("s0.t0", 0, 0, 522), ("s0.t1", 0, 0, 778)]
+    # shared: server 1 read 2 groups (4 objects of 256 B each) from server 0's store, then handed T1's
+    # 778 tokens x 4 B to decode shard d0.0 (equal free pages: the first by name); split: the handoff only
+    assert shared.metrics.received["server0"] == 2 * 4 * 256 + 778 * 4
+    assert split.metrics.received["server0"] == 778 * 4
+    # split pools: one master per server, over its prefill-side store only
+    assert [sorted(i.segments) for i in split.indexes] == [["server0/numa0"], ["server1/numa0"]]
+    assert [sorted(i.segments) for i in shared.indexes] == [
+        ["server0/numa0", "server0/numa1", "server1/numa0", "server1/numa1"]]
+
+
+def test_a_dead_servers_stores_are_dropped_after_the_ttl() -> None:
+    trace = session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0))
+
+    def kill(sim: Simulation) -> None:
+        sim.loop.at(20.0, sim._fail_server, 0)
+
+    sim = run(trace, "shared", setup=kill)
+    # the chunks T0 saved lived on server 0's own store (placement: the writer's host first)
+    assert sorted(sim.indexes[0].segments) == []
+    assert sim.dropped_objects == 8
+    # T1's device hit needs no pool; the lookup found nothing (the pool lost its copy): written back
+    assert sim.metrics.turn_tokens[1] == ("s0.t1", 512, 0, 266)
+    assert sim.metrics.write_back_chunks == 2
+
+
+def test_layer_split_is_even_with_the_extra_layers_first() -> None:
+    assert layer_split(61, 4) == [16, 15, 15, 15]
+    assert layer_split(8, 4) == [2, 2, 2, 2]
