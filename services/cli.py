@@ -223,6 +223,12 @@ def _add_replay(sub: Any) -> None:
     add_replay_parser(sub)
 
 
+def _add_simulate(sub: Any) -> None:
+    from services.simulate_cmd import add_simulate_parser
+
+    add_simulate_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpool",
@@ -239,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pool(sub)
     _add_bench(sub)
     _add_replay(sub)
+    _add_simulate(sub)
     return parser
 
 
@@ -375,6 +382,12 @@ def _run_replay(args: argparse.Namespace) -> int:
     return replay(args)
 
 
+def _run_simulate(args: argparse.Namespace) -> int:
+    from services.simulate_cmd import main as simulate
+
+    return simulate(args)
+
+
 def _die_with_parent_if_asked() -> None:
     """SIGTERM when the process that started us goes (``kvpool up``'s children: no orphans)."""
     from kvpool.local_cluster import PARENT_PID_ENV
@@ -399,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {
         "master": _run_master, "store": _run_store, "prefill": _run_prefill, "decode": _run_decode,
         "router": _run_router, "up": _run_up, "generate": _run_generate, "chat": _run_chat,
-        "pool": _run_pool, "bench": _run_bench, "replay": _run_replay,
+        "pool": _run_pool, "bench": _run_bench, "replay": _run_replay, "simulate": _run_simulate,
     }
     try:
         return handlers[args.command](args)

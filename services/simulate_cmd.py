@@ -1,0 +1,98 @@
+"""``kvpool simulate``: the seed's comparisons and the pool past four servers, on the system's own policy code.
+
+The simulation itself is ``kvpool.sim`` (pure: the core and the workload);
+this module parses flags, runs the matrix's entries in parallel processes,
+prints the table, writes plots and the final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "agentx-weka"
+
+
+def add_simulate_parser(sub: Any) -> None:
+    from kvpool.sim.cost_model import DEFAULT_COST_MODEL
+
+    p = sub.add_parser(
+        "simulate", help="simulate the cluster at the seed's scale and past it (the core's own policy code)",
+        description="A discrete-event simulation that drives kvpool.core (pool index, block manager, prefill "
+        "request, decode scheduler, router policy) with real weka traces at full token scale: shared vs split "
+        "pools at 32-112 sessions per server on 4 servers, a single-server calibration run, and 8/16/32 servers "
+        "with one server's stores dying mid-run. No process is started and no byte moves.",
+    )
+    p.add_argument("--traces", default=str(DEFAULT_TRACES), help="folder of weka trace_*.json files")
+    p.add_argument("--cost-model", default=str(DEFAULT_COST_MODEL), help="cost model TOML (default: the calibrated one)")
+    p.add_argument("--duration", type=float, default=3600.0, help="simulated seconds per seed run (default 3600)")
+    p.add_argument("--scale-duration", type=float, default=900.0,
+                   help="simulated seconds per 8/16/32-server run (default 900; a store dies at half of it)")
+    p.add_argument("--warmup", type=float, default=600.0, help="simulated seconds before throughput/TTFT count")
+    p.add_argument("--think-cap", type=float, default=5.0, help="cap on each turn's think time in seconds")
+    p.add_argument("--no-think", action="store_true", help="send each turn as soon as the last one ends")
+    p.add_argument("--affinity-max-queue", type=int, default=4, help="the router's session-affinity threshold")
+    p.add_argument("--only", help="comma-separated run labels to keep (e.g. calibration,seed-shared-112)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs side by side (processes)")
+    p.add_argument("--quick", action="store_true", help="a small matrix, under a minute")
+    p.add_argument("--validate", action="store_true",
+                   help="run a small configuration in the simulator and on a local cluster (kvpool replay), compare")
+    p.add_argument("--json", action="store_true", help="the last line of output is one JSON object")
+    p.add_argument("--plot", metavar="DIR", help="write PNG charts here")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvpool.sim.report import matrix
+    from kvpool.sim.runner import run_spec
+    from kvpool.sim.topology import RunSettings, Topology
+
+    duration = 300.0 if args.quick else args.duration
+    scale_duration = 300.0 if args.quick else args.scale_duration
+    specs = matrix(duration, scale_duration, args.quick)
+    if args.only:
+        wanted = set(args.only.split(","))
+        specs = [s for s in specs if s.label in wanted]
+        if not specs:
+            raise SystemExit(f"kvpool simulate: --only matched no run (labels: {', '.join(wanted)})")
+    base = RunSettings(warmup_s=60.0 if args.quick else args.warmup, think=not args.no_think,
+                       think_cap_s=args.think_cap, affinity_max_queue=args.affinity_max_queue)
+    topology = Topology()
+    call = (args.traces, args.cost_model, base, topology)
+    # the biggest runs first, so the pool's processes end together
+    order = sorted(specs, key=lambda s: -s.servers * s.sessions_per_server * s.duration_s)
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {s.label: pool.submit(run_spec, s, *call) for s in order}
+        results = {label: f.result() for label, f in futures.items()}
+    return [results[s.label] for s in specs]
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.validate:
+        from services.simulate_validate import main as validate
+
+        return validate(args)
+    from kvpool.sim.report import final_object, plot, table
+
+    if not Path(args.traces).is_dir():
+        print(f"kvpool simulate: no trace folder at {args.traces} (give --traces)", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    results = _run(args)
+    wall = time.perf_counter() - t0
+    print(table(results))
+    if args.plot:
+        for path in plot(results, args.plot):
+            print(f"wrote {path}")
+    final = final_object(results, wall)
+    if args.json:
+        print(json.dumps(final, sort_keys=True))
+    else:
+        print(json.dumps(final, indent=2, sort_keys=True))
+    return 0
