@@ -69,6 +69,8 @@ class Simulation:
     _seen: dict[int, set[str]] = field(default_factory=dict)
     _bound_hits: int = 0
     dropped_objects: int = 0
+    _finished: int = 0
+    _turns_ended: int = 0
 
     def __post_init__(self) -> None:
         if not self.traces:
@@ -101,7 +103,7 @@ class Simulation:
                     name, server, host, self.loop, cost, BlockManager(num_blocks, chunk), index, stage_bytes,
                     self.metrics, self._prefilled,
                 )
-            pages = int(topo.gpus_per_decode_shard * topo.device_kv_gib_per_gpu * GIB
+            pages = int(topo.gpus_per_decode_shard * topo.decode_kv_gib * GIB
                         // (cost.model.kv_bytes_per_token * topo.decode_page_tokens))
             for d in range(topo.shards_per_server):
                 name = f"d{server}.{d}"
@@ -121,9 +123,19 @@ class Simulation:
         self._next_turn(play, first=True)
 
     def _next_turn(self, play: SessionPlay, first: bool = False) -> None:
+        if not first:
+            self._turns_ended += 1
+            if self.settings.max_turns is not None and self._turns_ended >= self.settings.max_turns:
+                self.loop.stop()
+                return
         if play.done:
-            if self.settings.restart_sessions:
+            limit = self.settings.max_instances
+            if self.settings.restart_sessions and (limit is None or self._next_instance < limit):
                 self._start_session()  # the slot goes on with the next trace
+            else:
+                self._finished += 1
+                if self._finished >= self.settings.num_sessions:
+                    self.loop.stop()  # every slot played its last session: nothing more will happen
             return
         turn = play.trace.turns[play.next_turn]
         think = 0.0 if first or not self.settings.think else min(turn.think_time, self.settings.think_cap_s)

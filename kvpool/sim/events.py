@@ -16,13 +16,18 @@ from typing import Any
 class EventLoop:
     """Discrete-event loop; ``now`` is the simulated clock the core modules are given."""
 
-    __slots__ = ("now", "_heap", "_seq", "num_events")
+    __slots__ = ("now", "_heap", "_seq", "num_events", "_stopped")
 
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[..., Any], tuple[Any, ...]]] = []
         self._seq = itertools.count()
         self.num_events = 0
+        self._stopped = False
+
+    def stop(self) -> None:
+        """End ``run`` after the event in progress (the work is done; periodic events would go on forever)."""
+        self._stopped = True
 
     def clock(self) -> float:
         return self.now
@@ -35,11 +40,12 @@ class EventLoop:
         self.at(self.now + delay, callback, *args)
 
     def run(self, until: float) -> None:
-        """Run every event at or before ``until``; ``now`` ends at ``until``."""
+        """Run every event at or before ``until`` (or until ``stop``); ``now`` ends at ``until`` unless stopped."""
         heap = self._heap
-        while heap and heap[0][0] <= until:
+        while heap and heap[0][0] <= until and not self._stopped:
             time, _, callback, args = heapq.heappop(heap)
             self.now = time
             self.num_events += 1
             callback(*args)
-        self.now = max(self.now, until)
+        if not self._stopped:
+            self.now = max(self.now, until)

@@ -27,6 +27,7 @@ class Topology:
     gpus_per_decode_shard: int = 4
     # MI355X: 288 GB HBM - 168 GB of fp8 weights per GPU (671 GB / 4) - activations
     device_kv_gib_per_gpu: float = 100.0
+    decode_kv_gib_per_gpu: float | None = None  # None: as much as a prefill GPU
     stores_per_server: int = 2
     store_gib: float = 768.0
     nic_gbps: float = 50.0  # one 400 Gb/s NIC's worth per server (report only: no contention is modelled)
@@ -52,6 +53,10 @@ class Topology:
             )
 
     @property
+    def decode_kv_gib(self) -> float:
+        return self.device_kv_gib_per_gpu if self.decode_kv_gib_per_gpu is None else self.decode_kv_gib_per_gpu
+
+    @property
     def shards_per_server(self) -> int:
         return (self.gpus_per_server - self.pipelines_per_server * self.num_stages) // self.gpus_per_decode_shard
 
@@ -75,6 +80,8 @@ class RunSettings:
     fail_server_at_s: float | None = None  # every store of server 0 dies then
     window_s: float = 60.0
     restart_sessions: bool = True  # a finished trace makes way for a new instance (the load stays constant)
+    max_turns: int | None = None  # end the run when this many turns have ended (decode done or refused)
+    max_instances: int | None = None  # with restarts: stop starting sessions after this many (then the run ends)
     seed_offset: int = 0  # session k plays trace (k + seed_offset) % num_traces
 
     def __post_init__(self) -> None:

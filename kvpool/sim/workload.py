@@ -17,10 +17,9 @@ real sessions share nothing in these per-session-id traces).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvpool.core.chunk_hash import ChunkHash, chunk_hashes
-from kvpool.workload.bounds import trace_block_bound
 from kvpool.workload.weka import Session, Turn
 
 BLOCK_TOKENS = 64
@@ -62,13 +61,3 @@ class SessionPlay:
         self.next_turn += 1
         self.hashes = turn_chunk_hashes(self.namespace, turn, self.trace.block_size, chunk_tokens)
         return turn
-
-
-def played_bound(plays: list[SessionPlay], turns_counted: dict[int, range]) -> float:
-    """``trace_block_bound`` over the turns each instance actually played (and counted)."""
-    sessions = [
-        replace(p.trace, id=p.key, turns=p.trace.turns[: turns_counted[p.instance].stop])
-        for p in plays if p.instance in turns_counted
-    ]
-    # turns before the counted window still make blocks "seen": bound over all, minus the uncounted ones
-    return trace_block_bound(sessions)

@@ -118,3 +118,46 @@ def test_a_dead_servers_stores_are_dropped_after_the_ttl() -> None:
 def test_layer_split_is_even_with_the_extra_layers_first() -> None:
     assert layer_split(61, 4) == [16, 15, 15, 15]
     assert layer_split(8, 4) == [2, 2, 2, 2]
+
+
+def test_the_simulator_gives_the_counts_the_real_cluster_gave() -> None:
+    # tests/integration/test_replay_e2e.py's trace and cluster (2 stages, 8 device chunks), whose counts
+    # the real cluster produced through the HTTP API; here from the core alone
+    from kvpool.sim.validate import TurnCounts, ValidationSetup, compare, simulate_sessions
+
+    def request(t: float, ids: list[int]) -> dict[str, Any]:
+        return {"t": t, "in": 256 * len(ids) + 10, "out": 4, "hash_ids": ids, "think_time": 0.5}
+
+    trace = parse_session({"id": "e2e", "block_size": 256, "tool_tokens": 0, "system_tokens": 0, "requests": [
+        request(0, [1, 2]), request(1, [1, 2, 3]), request(2, list(range(10, 17))), request(3, [1, 2, 3, 4]),
+        request(4, [1, 2, 3, 4, 5])]})
+    setup = ValidationSetup(scale=1, num_stages=2, device_cache_tokens=2048)
+    counts, span = simulate_sessions([trace], setup, COST)
+    # back to back: every turn computes its new tokens (1 s a chunk, + 1 s to fill the 2-stage pipeline) and
+    # decodes 4 steps of 10 ms; turn 3 first restores 3 chunks at 0.5 s an object
+    assert span == pytest.approx(sum(n / 256 + 1.0 + 0.04 for n in (522, 266, 1802, 266, 266)) + 3 * 0.5)
+    real = [TurnCounts(d + p + c, d, p, c) for d, p, c in
+            [(0, 0, 522), (512, 0, 266), (0, 0, 1802), (0, 768, 266), (1024, 0, 266)]]
+    assert [(t.device_tokens, t.pool_tokens, t.computed_tokens) for t in counts] == [
+        (t.device_tokens, t.pool_tokens, t.computed_tokens) for t in real]
+    verdict = compare(counts, real)
+    assert verdict["token_counts_equal"] and verdict["reuse_equal"] and verdict["first_mismatch"] == -1
+
+
+def test_compare_counts_by_hand() -> None:
+    from kvpool.sim.validate import TurnCounts, compare
+
+    sim = [TurnCounts(522, 0, 0, 522, 2.0), TurnCounts(778, 512, 0, 266, 1.0), TurnCounts(778, 0, 512, 266, 9.0)]
+    same = [TurnCounts(522, 0, 0, 522, 4.0), TurnCounts(778, 512, 0, 266, 2.0)]
+    verdict = compare(sim, same, sim_wall_s=10.0, real_wall_s=20.0)
+    # the real run's 2 turns against the simulator's first 2: 512 of 1,300 tokens reused on both sides
+    assert verdict["turns_compared"] == 2
+    assert verdict["sim_reuse"] == verdict["real_reuse"] == 512 / 1300
+    assert verdict["reuse_equal"] and verdict["token_counts_equal"]
+    # 1,300 tokens in 10 s against 20 s: +100%; TTFT p50 (nearest rank of 2): 1.0 against 2.0: -50%
+    assert verdict["throughput_error"] == 1.0
+    assert verdict["ttft_p50_error"] == -0.5
+    # the pool served what the device served on the other side: same reuse, different counts
+    other = [TurnCounts(522, 0, 0, 522), TurnCounts(778, 0, 512, 266)]
+    verdict = compare(sim, other)
+    assert verdict["reuse_equal"] and not verdict["token_counts_equal"] and verdict["first_mismatch"] == 1

@@ -1,0 +1,123 @@
+"""Validation against the real system: the simulator's side and the comparison.
+
+The same small configuration — trace sessions at a token scale, concurrency
+1, no think time, a pool large enough that nothing is evicted — run through
+the simulator and through a local cluster (``kvpool replay``) must give the
+same device / pool / computed tokens for every turn, because both run the
+same ``kvpool.core`` decisions in the same order. Times differ: the cost
+model describes the seed's GPUs, not a CPU cluster (``throughput_error`` and
+``ttft_p50_error`` say by how much).
+
+At a scale s a 64-token block becomes 64/s tokens and a prompt
+``scaled_prompt_tokens`` tokens (``kvpool.workload.tokens``); a chunk is then
+``chunk_size / (64/s)`` blocks, and no full chunk reaches the id-less tail
+(it is shorter than a block), so chunk hashes over block ids split prompts
+exactly as the cluster's token hashes do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvpool.sim.cost_model import CostModel, ModelShape
+from kvpool.sim.engine import Simulation
+from kvpool.sim.metrics import percentile
+from kvpool.sim.topology import GIB, RunSettings, Topology
+from kvpool.workload.tokens import scaled_block_tokens, scaled_prompt_tokens
+from kvpool.workload.weka import Session
+
+
+@dataclass(frozen=True, slots=True)
+class TurnCounts:
+    """One turn's prompt split, as either side reports it."""
+
+    prompt_tokens: int
+    device_tokens: int
+    pool_tokens: int
+    computed_tokens: int
+    ttft_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationSetup:
+    """The small configuration both sides run (the cluster's flags, in the simulator's terms)."""
+
+    scale: int = 16
+    max_tokens: int = 64
+    context: int = 32768
+    chunk_size: int = 256
+    num_stages: int = 4
+    device_cache_tokens: int = 32768
+    decode_kv_tokens: int = 1 << 20
+
+
+def scaled_session(session: Session, scale: int, max_tokens: int) -> Session:
+    """The session as a replay at ``scale`` sends it: blocks of 64/s tokens, prompts and outputs scaled/capped."""
+    turns = tuple(
+        replace(t, input_tokens=scaled_prompt_tokens(t.input_tokens, session.block_size, scale),
+                output_tokens=max(1, min(max_tokens, t.output_tokens)))
+        for t in session.turns
+    )
+    return replace(session, block_size=scaled_block_tokens(session.block_size, scale), turns=turns)
+
+
+def simulate_sessions(
+    sessions: Sequence[Session], setup: ValidationSetup, cost: CostModel, max_turns: int | None = None
+) -> tuple[list[TurnCounts], float]:
+    """Play the sessions one after another (concurrency 1, no think time) on one pipeline, at most
+    ``max_turns`` turns; the counts per turn and the simulated seconds it took.
+
+    The KV shape is reduced to 1 byte per token per stage (only the pool's
+    and device's capacities in chunks matter here; the pool is made large).
+    """
+    shape = ModelShape(num_layers=setup.num_stages, kv_entry_bytes=1, chunk_tokens=setup.chunk_size)
+    cost = replace(cost, model=shape)
+    topology = Topology(
+        num_servers=1, gpus_per_server=setup.num_stages + 1, num_stages=setup.num_stages, gpus_per_decode_shard=1,
+        device_kv_gib_per_gpu=setup.device_cache_tokens / GIB, decode_page_tokens=1,
+        decode_kv_gib_per_gpu=setup.decode_kv_tokens * setup.num_stages / GIB, store_gib=1.0,
+        max_context=setup.context,
+    )
+    settings = RunSettings(num_sessions=1, duration_s=1e12, warmup_s=0.0, think=False, start_spread_s=0.0,
+                           max_instances=len(sessions), max_turns=max_turns)
+    scaled = [scaled_session(s, setup.scale, setup.max_tokens) for s in sessions]
+    sim = Simulation(topology, settings, cost, scaled)
+    sim.run()
+    ttft = iter(sim.metrics.ttft_s)
+    counts = [TurnCounts(d + p + c, d, p, c, next(ttft, 0.0)) for _, d, p, c in sim.metrics.turn_tokens]
+    return counts, sim.loop.now
+
+
+def compare(sim: Sequence[TurnCounts], real: Sequence[TurnCounts], sim_wall_s: float = 0.0,
+            real_wall_s: float = 0.0) -> dict[str, Any]:
+    """The validation's verdict: the real run's turns against the simulator's first as many, in order.
+
+    ``throughput_error`` and ``ttft_p50_error`` are relative ((sim - real) / real; 0.0 when real is 0);
+    throughput is prompt tokens over each side's elapsed (simulated or wall) seconds.
+    """
+    head = list(sim[: len(real)])
+
+    def reuse(turns: Sequence[TurnCounts]) -> float:
+        total = sum(t.prompt_tokens for t in turns)
+        return sum(t.device_tokens + t.pool_tokens for t in turns) / total if total else 0.0
+
+    def relative(a: float, b: float) -> float:
+        return (a - b) / b if b else 0.0
+
+    def split(turns: Sequence[TurnCounts]) -> list[tuple[int, int, int, int]]:
+        return [(t.prompt_tokens, t.device_tokens, t.pool_tokens, t.computed_tokens) for t in turns]
+
+    mismatches = [i for i, (a, b) in enumerate(zip(split(head), split(real))) if a != b]
+    sim_tput = sum(t.prompt_tokens for t in head) / sim_wall_s if sim_wall_s else 0.0
+    real_tput = sum(t.prompt_tokens for t in real) / real_wall_s if real_wall_s else 0.0
+    return {
+        "turns_compared": len(real),
+        "sim_reuse": reuse(head), "real_reuse": reuse(real),
+        "first_mismatch": mismatches[0] if mismatches else -1,
+        "throughput_error": relative(sim_tput, real_tput),
+        "ttft_p50_error": relative(percentile([t.ttft_s for t in head], 50), percentile([t.ttft_s for t in real], 50)),
+        "reuse_equal": len(head) == len(real) and reuse(head) == reuse(real),
+        "token_counts_equal": len(head) == len(real) and not mismatches,
+    }
