@@ -55,8 +55,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvpool.sim.runner import run_spec
     from kvpool.sim.topology import RunSettings, Topology
 
-    duration = 300.0 if args.quick else args.duration
-    scale_duration = 300.0 if args.quick else args.scale_duration
+    duration = 240.0 if args.quick else args.duration
+    scale_duration = 240.0 if args.quick else args.scale_duration
     specs = matrix(duration, scale_duration, args.quick, args.scale_sessions)
     if args.only:
         wanted = set(args.only.split(","))
