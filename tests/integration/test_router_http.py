@@ -258,3 +258,14 @@ def test_kvpool_generate_prints_an_answer_and_its_figures(cluster: Cluster) -> N
     assert result.returncode == 0, result.stderr
     assert "[11 prompt tokens: device 0, pool 0, computed 11;" in result.stderr
     assert "5 generated" in result.stderr or "finish stop" in result.stderr
+
+
+def test_kvpool_chat_resends_the_conversation_each_turn(cluster: Cluster) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "chat", "--url", cluster.http_url, "--max-tokens", "4"],
+        input="first question\nsecond question\n\n", capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    cached = [int(line.split("cached ")[1].split(" of")[0]) for line in result.stderr.splitlines() if "cached" in line]
+    prompts = [int(line.split(" of ")[1].split(" ")[0]) for line in result.stderr.splitlines() if "cached" in line]
+    assert len(cached) == 2 and prompts[1] > prompts[0]  # the second turn carries the first
