@@ -42,6 +42,8 @@ class ServiceProcess:
     # no orphans even if up itself is killed); start() must run on a thread
     # that lives as long as the child
     die_with_parent: bool = False
+    # run under these first, e.g. ``ip netns exec NAME`` (each must exec, keeping the pid)
+    prefix: list[str] = field(default_factory=list)
 
     @property
     def ready_file(self) -> Path:
@@ -59,7 +61,7 @@ class ServiceProcess:
         if self.die_with_parent:
             env[PARENT_PID_ENV] = str(os.getpid())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *self.args, "--ready-file", str(self.ready_file)],
+            [*self.prefix, sys.executable, "-m", "services.cli", *self.args, "--ready-file", str(self.ready_file)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
         )
         log.close()
