@@ -68,6 +68,9 @@ def add_replay_parser(sub: Any) -> None:
     cluster.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float8_e4m3fn"))
     cluster.add_argument("--workdir", help="keep the cluster's logs here")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    from kvpool.replay.compare_cmd import add_compare_arguments
+
+    add_compare_arguments(p)
 
 
 def _levels(text: str) -> list[int]:
@@ -128,6 +131,10 @@ def main(args: argparse.Namespace) -> int:
     from kvpool.model import get_config
 
     levels = _levels(args.concurrency)
+    if args.compare:
+        from kvpool.replay.compare_cmd import main as compare
+
+        return compare(args, levels)
     config = get_config("tiny")  # the cluster's model; with --url the router's /v1/models decides the name
     device_cache_tokens = args.device_cache_tokens or 32768
     try:

@@ -1,0 +1,143 @@
+"""K logical servers with real processes: host identities, namespaces, clean stops, a tiny shared-vs-split run.
+
+Small on purpose (two servers, one-stage pipelines, tiny pools): what is
+checked is the wiring — which master each store mounts on, under which host
+name, over which link — and that nothing is left behind: every process gone,
+every ``kvr-`` namespace and link removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import urllib.request
+
+import pytest
+
+from kvpool.pool.stats import fetch_stats
+from kvpool.replay.compare import run_compare
+from kvpool.replay.engine import ReplayOptions
+from kvpool.replay.topology import Topology, TopologySettings
+from kvpool.replay.topology_netns import (
+    Network,
+    link_names,
+    netns_names,
+    why_unavailable,
+)
+from kvpool.replay.workload import ReplaySession, ReplayTurn, ReplayWorkload
+from kvpool.workload.timelines import AgentTimeline
+
+pytestmark = pytest.mark.integration
+
+TINY: dict = {"servers": 2, "stages": 1, "segment_size": "16MiB", "device_cache_tokens": 1024}
+
+
+def netns_reason() -> str | None:
+    reason = why_unavailable()
+    if reason is None and subprocess.run(["ip", "netns", "list"], capture_output=True, check=False).returncode != 0:
+        reason = "ip netns list fails here"
+    return reason
+
+
+def complete(url: str, prompt: list[int], key: str) -> dict:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 2, "prompt_cache_key": key}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def segment_hosts(master: str) -> dict[str, str]:
+    stats = asyncio.run(fetch_stats(master))
+    return {seg["segment_id"]: seg["host"] for seg in stats["segments"]}
+
+
+def test_loopback_shared_pool_has_a_host_name_per_server_and_stops_clean() -> None:
+    topology = Topology(TopologySettings(**TINY, pool="shared", netns=False)).start()
+    processes = [p for s in topology.servers for p in s.services] + topology.masters + [topology.router]
+    try:
+        assert topology.network is None and topology.network_mode.startswith("loopback: loopback asked for")
+        assert [s.host_name for s in topology.servers] == ["kvr-s0", "kvr-s1"]
+        hosts = segment_hosts(f"127.0.0.1:{topology.masters[0].ready['port']}")
+        # one master over both stores of both servers, each store under its server's host name
+        assert hosts == {"s0-store-p": "kvr-s0", "s0-store-d": "kvr-s0", "s1-store-p": "kvr-s1",
+                         "s1-store-d": "kvr-s1"}
+        answer = complete(topology.url, list(range(300)), "s1")
+        assert answer["usage"]["prompt_tokens"] == 300
+        assert topology.link_bytes() == [None, None]
+    finally:
+        topology.stop()
+    assert all(p is not None and not p.alive for p in processes)
+
+
+@pytest.mark.skipif(netns_reason() is not None, reason=f"no network namespaces: {netns_reason()}")
+def test_netns_split_pool_one_master_per_server_and_everything_removed() -> None:
+    topology = Topology(TopologySettings(**TINY, pool="split", link_gbit=1.0)).start()
+    processes = [p for s in topology.servers for p in s.services] + [topology.router]
+    try:
+        assert topology.network is not None and topology.network_mode.startswith("netns: 2 namespaces")
+        assert sorted(netns_names()) == ["kvr-s0", "kvr-s1"]
+        assert [s.address for s in topology.servers] == ["10.77.0.10", "10.77.0.11"]
+        assert topology.masters == []  # split: each master is one of its server's processes
+        for server in topology.servers:
+            master = next(p for p in server.services if p.name.endswith("-master"))
+            # only the prefill-side store, under the server's own name, reached over its namespace's address
+            assert segment_hosts(f"{server.address}:{master.ready['port']}") == {
+                f"s{server.index}-store-p": server.host_name}
+        before = topology.link_bytes()
+        complete(topology.url, list(range(600)), "s2")
+        after = topology.link_bytes()
+        # the router (root namespace) reached a pipeline and a shard over some server's link, both ways
+        moved = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]  # type: ignore[index]
+        assert sum(m[0] for m in moved) > 0 and sum(m[1] for m in moved) > 0
+    finally:
+        topology.stop()
+    assert all(not p.alive for p in processes)
+    assert netns_names() == [] and link_names() == []
+
+
+@pytest.mark.skipif(netns_reason() is not None, reason=f"no network namespaces: {netns_reason()}")
+def test_network_removed_on_error_and_leftovers_of_a_crashed_run_cleared() -> None:
+    subprocess.run(["ip", "netns", "add", "kvr-s7"], check=True)  # what a killed run would leave
+    network = Network(num_servers=2, link_gbit=0.5)
+    with pytest.raises(RuntimeError, match="boom"):
+        try:
+            network.create()
+            assert "netns kvr-s7" in network.removed_leftovers
+            assert sorted(netns_names()) == ["kvr-s0", "kvr-s1"]
+            assert sorted(link_names()) == ["kvr-br", "kvr-s0h", "kvr-s1h"]
+            raise RuntimeError("boom")
+        finally:
+            network.remove()
+    assert netns_names() == [] and link_names() == []
+
+
+def tiny_workload(num_sessions: int = 2, turns: int = 3) -> ReplayWorkload:
+    """Sessions whose every turn extends the last by one 64-token block (scale 1: 64 tokens a block)."""
+    sessions = []
+    for s in range(num_sessions):
+        hash_ids = tuple(1000 * s + b for b in range(6))
+        replay_turns = tuple(ReplayTurn(i, float(i), 0.0, 64 * (4 + i), hash_ids[: 4 + i], 64 * (4 + i), 2)
+                             for i in range(turns))
+        sessions.append(ReplaySession(f"tiny{s}", f"tiny{s}", 64, 0.0, 0, replay_turns,
+                                      (AgentTimeline(None, None, 0.0, 0, tuple(range(turns))),)))
+    return ReplayWorkload("weka", "tiny", sessions, 1, 1024, 32768, math.nan, 0, [])
+
+
+@pytest.mark.skipif(netns_reason() is not None, reason=f"no network namespaces: {netns_reason()}")
+def test_tiny_shared_against_split_end_to_end() -> None:
+    workload = tiny_workload()
+    out = run_compare("pool", ("shared", "split"), TopologySettings(**TINY, link_gbit=1.0), workload, [2],
+                      ReplayOptions(concurrency=2, think_scale=0.0))
+    for side in ("shared", "split"):
+        summary = out["sides"][side]
+        assert (summary["turns_sent"], summary["turns_ok"], summary["errors"]) == (6, 6, 0)
+        assert summary["network_mode"].startswith("netns")
+        assert len(summary["link_bytes"]) == 2 and all(b["in"] > 0 and b["out"] > 0 for b in summary["link_bytes"])
+        # turns 2 and 3 of each session find the earlier turns' chunks (device or pool)
+        assert summary["reuse_ratio"] > 0
+    assert out["shared_over_split"] > 0 and math.isfinite(out["shared_over_split"])
+    # each session: 256..384 tokens, one full 256-token chunk in all; a chunk is 8 layers × 96 floats a token
+    assert out["regime"]["working_set_bytes"] == 2 * 8 * 256 * 96 * 4
+    assert netns_names() == [] and link_names() == []
