@@ -18,7 +18,7 @@ PAGE = 8
 
 def prefill(pipe: InProcessPipeline, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt's logits and its KV packed in the handoff region layout (one stage)."""
-    table = list(range(pipe.kv_caches[0].shape[1]))
+    table = list(range(pipe.kv_caches[0].shape[0]))
     logits = pipe.forward(prompt, table, 0)
     return logits, pack_kv(pipe.kv_caches[0], table, 0, prompt.numel())
 
