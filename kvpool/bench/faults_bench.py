@@ -206,25 +206,23 @@ async def _phases(settings: FaultSettings, pool: LocalPool, client: PoolClient, 
             stats = await client.stats()
             out["objects_adopted_after_master_restart"] = stats.adopted_objects
             out["records_rejected_after_master_restart"] = stats.rejected_records
-            sent_at_back = prompts.sent
-            while prompts.sent < sent_at_back + settings.prompts_after and not sender.done():
-                await asyncio.sleep(0.05)  # polling the sender's progress
+            # the prompts computed while the master was down (and restarting)
             stop.set()
             await sender
-            expected = (prompts.chunks - chunks0) * NUM_STAGES
-
-            async def settled() -> bool:
-                skipped, stored_now = await asyncio.to_thread(stage_saves, pipeline.stages)
-                return skipped - skipped0 + stored_now - stored0 >= expected
-
-            try:
-                await _until(settled, "every save to be stored or skipped", SETTLE_S)
-            except RuntimeError:
-                out["saves_unaccounted"] = True  # reported, not hidden: the counters never added up
-            skipped1, stored1 = await asyncio.to_thread(stage_saves, pipeline.stages)
+            during = await _settled_saves(pipeline.stages, skipped0, stored0, (prompts.chunks - chunks0) * NUM_STAGES)
+            skipped_mid, stored_mid = await asyncio.to_thread(stage_saves, pipeline.stages)
+            chunks_mid = prompts.chunks
+            # then prompts sent once the master is back: every one of their saves must land
+            for _ in range(settings.prompts_after):
+                await prompts.one()
+            after = await _settled_saves(pipeline.stages, skipped_mid, stored_mid,
+                                         (prompts.chunks - chunks_mid) * NUM_STAGES)
             out.update(prompts_during_and_after_outage=prompts.sent - 1, prompt_failures=prompts.failed,
-                       saves_after_outage=expected, saves_skipped_after_outage=int(skipped1 - skipped0),
-                       saves_stored_after_outage=int(stored1 - stored0))
+                       saves_during_outage=during["saves"], saves_skipped_during_outage=during["skipped"],
+                       saves_after_outage=after["saves"], saves_skipped_after_outage=after["skipped"],
+                       saves_stored_after_outage=after["stored"])
+            if during["unaccounted"] or after["unaccounted"]:
+                out["saves_unaccounted"] = True  # reported, not hidden: the counters never added up
 
     # one store of two dies
     locations = await groups.locations()
@@ -247,6 +245,24 @@ async def _phases(settings: FaultSettings, pool: LocalPool, client: PoolClient, 
     return out
 
 
+async def _settled_saves(stages: list[ServiceProcess], skipped0: float, stored0: float,
+                         expected: int) -> dict[str, Any]:
+    """Wait until ``expected`` stage saves since the snapshot are counted stored or skipped."""
+
+    async def settled() -> bool:
+        skipped, stored_now = await asyncio.to_thread(stage_saves, stages)
+        return skipped - skipped0 + stored_now - stored0 >= expected
+
+    unaccounted = False
+    try:
+        await _until(settled, "every save to be stored or skipped", SETTLE_S)
+    except RuntimeError:
+        unaccounted = True
+    skipped1, stored1 = await asyncio.to_thread(stage_saves, stages)
+    return {"saves": expected, "skipped": int(skipped1 - skipped0), "stored": int(stored1 - stored0),
+            "unaccounted": unaccounted}
+
+
 def run(settings: FaultSettings, workdir: Path | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-faults-") as tmp:
         return asyncio.run(_run(settings, workdir or Path(tmp)))
@@ -259,6 +275,7 @@ def targets(result: dict[str, Any]) -> dict[str, bool]:
         "recovery_within_heartbeat_plus_2s": result["master_recovery_s"] <= result["recovery_target_s"],
         "one_store_loses_at_most_60pct": result["groups_lost_one_store"] <= 0.6 * groups,
         "no_wrong_bytes": result["wrong_bytes"] == 0,
+        "no_save_skipped_after_outage": result["saves_skipped_after_outage"] == 0,
     }
 
 
@@ -270,8 +287,9 @@ def format_report(result: dict[str, Any]) -> str:
          f"usable after restart: {r['groups_usable_after_master_restart']}/{r['groups']} "
          f"({r['objects_adopted_after_master_restart']} objects adopted from block reports, no put)"),
         (f"prefill through the outage: {r['prompts_during_and_after_outage']} prompts, "
-         f"{r['saves_skipped_after_outage']}/{r['saves_after_outage']} stage saves skipped, "
-         f"{r['prompt_failures']} prompts failed"),
+         f"{r['prompt_failures']} failed; stage saves not stored while the master was down "
+         f"{r['saves_skipped_during_outage']}/{r['saves_during_outage']}, after it was back "
+         f"{r['saves_skipped_after_outage']}/{r['saves_after_outage']}"),
         (f"one of two stores kill -9: {r['groups_lost_one_store']}/{r['groups']} groups lost "
          f"(that store held {r['groups_expected_lost_one_store']} groups' worth of objects)"),
         f"readers: {r['reader_reads']} reads, {r['reader_misses']} misses, {r['wrong_bytes']} wrong bytes",

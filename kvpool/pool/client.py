@@ -28,12 +28,16 @@ from kvpool.transfer import Move, TransferEngine, local_host_name, spins
 log = structlog.get_logger(__name__)
 
 RPC_TIMEOUT_S = 5.0
-# Every call fails fast when the master cannot be reached: a lookup that cannot
-# be answered now is a miss (the caller computes), and a put that cannot start
-# now is NOT_STORED at once. A put that waited for a reconnecting master would
-# hold the caller's memory (a staging region, device pages) the whole time, and
-# newer saves would queue behind it; a chunk not stored now is written back
-# the next time it is a device hit whose group the pool lacks.
+# Lookups fail fast when the master cannot be reached: a lookup that cannot be
+# answered now is a miss (the caller computes). A put waits for the master at
+# most PUT_WAIT_S: long enough to ride out the channel's reconnect (its backoff
+# is capped at RECONNECT_MAX_MS here), so no save made after the master is back
+# is lost to a stale connection; short enough that a save during an outage
+# gives its pages back quickly (a put that waited the full RPC timeout held the
+# caller's memory and newer saves queued behind it). A chunk not stored is
+# written back the next time it is a device hit whose group the pool lacks.
+PUT_WAIT_S = 2.0
+RECONNECT_MAX_MS = 250
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 _RESERVED = pool_pb2.PUT_STATUS_RESERVED
 _ALREADY_EXISTS = pool_pb2.PUT_STATUS_ALREADY_EXISTS
@@ -103,7 +107,9 @@ class PoolClient:
         self.master = master
         self.engine = engine
         self.host_name = host_name or local_host_name()
-        self._channel = grpc.aio.insecure_channel(master, options=service.GRPC_OPTIONS)
+        options = [o for o in service.GRPC_OPTIONS if o[0] != "grpc.max_reconnect_backoff_ms"]
+        options.append(("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS))
+        self._channel = grpc.aio.insecure_channel(master, options=options)
         self._stub = pool_pb2_grpc.PoolMasterStub(self._channel)
         self._regions: list[tuple[int, int]] = []
 
@@ -141,7 +147,7 @@ class PoolClient:
                     client_host=self.host_name,
                     items=[item(key=o.key, group_id=o.group_id, group_size=o.group_size, size=o.size) for o in objects],
                 ),
-                timeout=RPC_TIMEOUT_S,
+                timeout=PUT_WAIT_S, wait_for_ready=True,
             )
         except grpc.aio.AioRpcError as exc:
             if isinstance(sums, asyncio.Future):
