@@ -44,6 +44,7 @@ def add_replay_parser(sub: Any) -> None:
     p.add_argument("trace", nargs="?", default=str(DEFAULT_TRACES),
                    help="a weka session file or folder, or a Mooncake .jsonl (default ../shared/traces/agentx-weka)")
     p.add_argument("--url", help="a running router's HTTP URL; no cluster is started")
+    p.add_argument("--master", default="", help="with --url: the pool master's gRPC address, for pool occupancy")
     p.add_argument("--concurrency", default="4", help="concurrent sessions; a list such as 8,16,32 runs each level")
     p.add_argument("--sessions", type=int, help="replay the first N sessions (Mooncake: the first N requests)")
     p.add_argument("--duration", type=float, help="stop issuing requests after this many seconds (per level)")
@@ -110,7 +111,8 @@ def _probes(cluster: Any) -> ClusterProbes:
 def _run_level(args: argparse.Namespace, workload: ReplayWorkload, options: ReplayOptions,
                device_cache_tokens: int, workdir: Path) -> ReplayResult:
     if args.url:
-        return asyncio.run(run_replay(args.url, workload, options))
+        probes = ClusterProbes(router=args.url.rstrip("/"), master=args.master)
+        return asyncio.run(run_replay(args.url, workload, options, probes))
     from services.up import Cluster, UpSettings
 
     settings = UpSettings(http_port=0, grpc_port=0, pipelines=args.pipelines, stages=args.stages,

@@ -77,6 +77,13 @@ def summarize(result: ReplayResult, workload: ReplayWorkload, options: ReplayOpt
     missing = ["per-stage restore read+unpack time (the prefill figures carry it, but neither usage.kvpool nor the "
                "stages' /metrics expose it; restore_wait_mean_s is the first-start to last-finish wait)",
                "prefill queue wait (no router or stage metric; ttft minus server ttft is the client-side overhead)"]
+    scraped = result.metrics_after
+    if not any("stage" in name for name in scraped):
+        missing.append("restore and save bytes per stage (no prefill stage /metrics reached: --url reaches the router)")
+    if not any(name.startswith("decode") for name in scraped):
+        missing.append("decode KV use and queue wait (no decode shard /metrics reached)")
+    if result.pool is None:
+        missing.append("pool occupancy and evictions (no pool master reached: --master ADDR)")
     summary: dict[str, Any] = {
         "concurrency": result.concurrency,
         "sessions": len({r.session_id for r in records}),

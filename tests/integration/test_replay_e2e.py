@@ -3,7 +3,9 @@
 The hand-made trace (256-token blocks at scale 1, so one trace block is one
 chunk; every prompt ends in a 10-token tail without an id) against 1 pipeline
 of 2 stages whose device cache holds 8 chunks, 2 stores, 1 decode shard;
-concurrency 1, no think time, so the counts follow from the trace alone:
+concurrency 1, no think time, so the counts follow from the trace alone (a
+prompt that needs blocks still held by a save waits for them, it never fails
+or takes others):
 
     turn 0  [1,2]+tail        522: all computed
     turn 1  [1,2,3]+tail      778: chunks 1,2 still on the device (512), 266 computed
@@ -82,6 +84,7 @@ def test_replay_of_a_hand_made_trace_counts_device_pool_and_computed_exactly(clu
     assert s["restore_bytes_per_stage"] == {"p0-stage0": 3 * 256 * 4 * 96 * 4, "p0-stage1": 3 * 256 * 4 * 96 * 4}
     assert s["pool_num_complete_groups"] == 12  # chunks 1-5 and 10-16, one group each
     assert s["pool_evicted_groups"] == 0
+    assert not any("reached" in m for m in s["missing"])  # every stage, the shard and the master answered
 
 
 def test_the_command_starts_its_cluster_and_ends_with_one_json_line(tmp_path: Path) -> None:

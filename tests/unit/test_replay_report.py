@@ -1,0 +1,65 @@
+"""The replay's summary from records and scraped metrics: exact shares, bounds, stage figures, what is missing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvpool.replay.engine import ReplayOptions, ReplayResult, TurnRecord
+from kvpool.replay.report import format_table, json_safe, summarize
+from kvpool.replay.workload import load_workload
+
+
+def workload_of(tmp_path: Path):  # type: ignore[no-untyped-def]
+    doc = {"id": "s", "block_size": 256, "hash_id_scope": "local", "tool_tokens": 0, "system_tokens": 0,
+           "requests": [{"t": 0, "in": 512, "out": 8, "hash_ids": [1, 2], "think_time": 0},
+                        {"t": 1, "in": 768, "out": 8, "hash_ids": [1, 2, 3], "think_time": 0}]}
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    return load_workload(tmp_path / "s.json", scale=1, vocab_size=1024, context=32768, max_tokens=8)
+
+
+def record(turn: int, prompt: int, device: int, pool: int, computed: int, **extra: object) -> TurnRecord:
+    r = TurnRecord("s", turn, None, turn, prompt, 8, completion_tokens=8, device_tokens=device, pool_tokens=pool,
+                   computed_tokens=computed, ttft_s=0.5 + turn, itl_s=[0.25, 0.75], pipeline="p0")
+    for key, value in extra.items():
+        setattr(r, key, value)
+    return r
+
+
+def test_summary_of_records_and_metrics(tmp_path: Path) -> None:
+    workload = workload_of(tmp_path)
+    records = [record(0, 512, 0, 0, 512), record(1, 768, 0, 256, 512)]
+    before = {"p0-stage0": {"kvpool_prefill_restored_bytes_total": 100.0}}
+    after = {"p0-stage0": {"kvpool_prefill_restored_bytes_total": 1100.0,
+                           "kvpool_prefill_restore_wait_seconds_sum": 0.5,
+                           "kvpool_prefill_restore_wait_seconds_count": 2.0},
+             "decode0": {"kvpool_decode_queue_seconds_sum": 0.2, "kvpool_decode_queue_seconds_count": 4.0}}
+    result = ReplayResult(1, 2.0, records, before, after, {"capacity_bytes": "64", "used_bytes": "8",
+                                                            "evicted_groups": "0", "evicted_bytes": "0",
+                                                            "num_complete_groups": "3"}, [0.25, 0.75])
+    s = summarize(result, workload, ReplayOptions(think_scale=0.0))
+    assert (s["prompt_tokens"], s["output_tokens"], s["errors"]) == (1280, 16, 0)
+    assert (s["prompt_tok_s"], s["output_tok_s"]) == (640.0, 8.0)
+    assert (s["device_share"], s["pool_share"], s["computed_share"]) == (0.0, 256 / 1280, 1024 / 1280)
+    # an unlimited cache hits chunks 1 and 2 of turn 1 (its third is new); so do the trace's blocks
+    assert s["trace_bound"] == 512 / 1280
+    assert s["trace_block_bound"] == 512 / 1280
+    assert (s["ttft_p50_s"], s["itl_p50_s"]) == (1.0, 0.5)
+    assert s["restore_bytes_per_stage"] == {"p0-stage0": 1000}
+    assert (s["restore_wait_mean_s"], s["decode_queue_wait_mean_s"]) == (0.25, 0.05)
+    assert (s["decode_kv_util_peak"], s["decode_kv_util_mean"]) == (0.75, 0.5)
+    assert (s["pool_capacity_bytes"], s["pool_num_complete_groups"]) == (64, 3)
+    assert not any("reached" in m for m in s["missing"])
+    assert "first_error" not in s
+
+
+def test_router_only_names_what_is_missing_and_errors_count(tmp_path: Path) -> None:
+    workload = workload_of(tmp_path)
+    records = [record(0, 512, 0, 0, 512), record(1, 768, 0, 0, 0, error="HTTP 503: no backend")]
+    s = summarize(ReplayResult(1, 1.0, records, {}, {"router": {}}), workload, ReplayOptions())
+    assert (s["errors"], s["turns_ok"], s["prompt_tokens"], s["first_error"]) == (1, 1, 512, "HTTP 503: no backend")
+    assert [m.split(" (")[0] for m in s["missing"][2:]] == [
+        "restore and save bytes per stage", "decode KV use and queue wait", "pool occupancy and evictions"]
+    line = json.dumps(json_safe(s), allow_nan=False)  # NaN (no restore, no sampling) became null
+    assert json.loads(line)["restore_wait_mean_s"] is None
+    assert "first error: HTTP 503" in format_table([s], workload)
