@@ -86,3 +86,22 @@ def test_one_request_per_timeline_in_flight_and_completion_must_match() -> None:
 def test_negative_time_scale_is_refused() -> None:
     with pytest.raises(ValueError, match="time_scale"):
         schedule_of(session_with_subagent(), -1.0)
+
+
+def test_a_nested_subagent_hangs_on_its_own_parent_and_waits_for_it() -> None:
+    inner = {"t": 2.0, "type": "subagent", "agent_id": "inner", "requests": [request(0.5, 0.0, [30])]}
+    outer = {"t": 4.0, "type": "subagent", "agent_id": "outer",
+             "requests": [request(0.0, 0.0, [20]), inner, request(5.0, 0.0, [20, 21])]}
+    doc = {"id": "n", "block_size": 64, "hash_id_scope": "local", "tool_tokens": 0, "system_tokens": 0,
+           "requests": [request(0.0, 0.0, [1]), outer]}
+    session = parse_session(doc)
+    # absolute: main 0; outer 4 and 9; inner 4 + 2 + 0.5
+    assert [(t.t, t.agent_id) for t in session.turns] == [(0.0, None), (4.0, "outer"), (6.5, "inner"), (9.0, "outer")]
+    assert agent_timelines(session) == [
+        AgentTimeline(None, None, 0.0, 0, (0,)),
+        AgentTimeline("outer", 0, 4.0, 1, (1, 3)),
+        AgentTimeline("inner", 1, 6.0, 1, (2,)),  # spawned by outer's first turn (t 4 <= 6)
+    ]
+    # outer's first turn takes 5 s: inner (due at 6.5) waits for it to answer at 9
+    got = issued(schedule_of(session, 1.0), lambda ref: 5.0 if ref.turn == 1 else 1.0)
+    assert got == [(0.0, None, 0), (4.0, "outer", 1), (9.0, "outer", 3), (9.0, "inner", 2)]
