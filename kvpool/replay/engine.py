@@ -15,8 +15,9 @@ a subagent's requests overlap its parent's. Each request is a streaming
 ``/v1/completions`` with the prompt as token ids, ``prompt_cache_key`` = the
 session id, ``max_tokens`` = the turn's, temperature 0 and
 ``stream_options.include_usage``; TTFT is the first streamed choice, the
-inter-token latency the gaps between later ones, both as this client saw
-them. A request that fails (HTTP error, error event, no usage) is a record
+inter-token latency the gaps between later text chunks (the router holds back
+the bytes of an unfinished UTF-8 character, so a chunk can carry more than one
+token), both as this client saw them. A request that fails (HTTP error, error event, no usage) is a record
 with ``error`` set; its timeline goes on. ``duration_s`` stops issuing new
 requests once passed; what is in flight finishes.
 
@@ -142,7 +143,7 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 now = clock()
                 if not record.ttft_s:
                     record.ttft_s = now - started
-                else:
+                elif event["choices"][0].get("text"):  # the closing finish event carries no token
                     record.itl_s.append(now - last)
                 last = now
     record.latency_s = clock() - started
@@ -182,7 +183,7 @@ class _Run:
                 "stream": True, "stream_options": {"include_usage": True}, "prompt_cache_key": session.id}
         try:
             await stream_turn(self.client, self.url, body, record)
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is this request's error; the replay goes on
             record.error = f"{type(exc).__name__}: {exc}"
         if self.on_record is not None:
             self.on_record(record)
