@@ -13,8 +13,9 @@ measured is a working set larger than one server's pool and smaller than the
 shared pool; ``regime`` says, from the chunks actually sent, whether a run was
 in it. With ``kill_server`` every process of that server is killed ``kill_at_s``
 into each replay: every request sent after it must come back answered or
-failed (``silently_lost`` counts any that did neither), and the reuse before
-and after the kill is reported per side.
+failed (``silently_lost`` counts any that did neither); the reuse before and
+after it is reported per side, and ``reuse_lost`` against the same side
+replayed again with no kill.
 """
 
 from __future__ import annotations
@@ -96,10 +97,11 @@ def regime(working_set: int, segment_bytes: int, servers: int) -> dict[str, Any]
     text = (f"working set {format_size(working_set)} ({format_size(per_server)} a server) against "
             f"{format_size(one_server)} usable in one server's split pool and {format_size(shared)} in the "
             f"shared pool: " + ("IN the seed's regime (larger than one server's pool, smaller than the shared "
-                                "pool)" if inside else "NOT in the seed's regime"))
+                                "pool)" if inside else "NOT in the seed's regime")
+            + ("; even the shared pool must evict" if working_set >= shared else ""))
     return {"working_set_bytes": working_set, "per_server_bytes": int(per_server),
             "split_pool_usable_bytes": int(one_server), "shared_pool_usable_bytes": int(shared),
-            "in_regime": inside, "text": text}
+            "in_regime": inside, "eviction_pressure": working_set >= shared, "text": text}
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,11 +138,14 @@ async def _replay(topology: Topology, workload: ReplayWorkload, options: ReplayO
     started = loop.time()
     done, _ = await asyncio.wait({task}, timeout=fault.at_s)  # the fault's moment, the replay runs meanwhile
     killed: list[str] = []
+    killed_at = reaped_at = None
     if not done:
+        killed_at = loop.time() - started
         killed = await asyncio.to_thread(topology.kill_server, fault.server)
+        reaped_at = loop.time() - started
     result = await task
-    return result, {"server": fault.server, "at_s": fault.at_s, "killed": killed,
-                    "killed_after_s": loop.time() - started if killed else None}
+    return result, {"server": fault.server, "at_s": fault.at_s, "killed": killed, "killed_at_s": killed_at,
+                    "reaped_at_s": reaped_at}
 
 
 def fault_report(result: ReplayResult, at_s: float) -> dict[str, Any]:
@@ -152,12 +157,15 @@ def fault_report(result: ReplayResult, at_s: float) -> dict[str, Any]:
     before = [r for r in result.records if r.issued_at < at_s and r.error is None]
     after = [r for r in result.records if r.issued_at >= at_s]
     answered = [r for r in after if r.error is None and r.completion_tokens > 0]
-    failed = [r for r in after if r.error is not None]
-    return {"sent_after_kill": len(after), "answered_after_kill": len(answered), "failed_after_kill": len(failed),
-            "silently_lost": len(after) - len(answered) - len(failed),
+    failed = [r for r in result.records if r.error is not None]  # in flight at the kill, or sent after it
+    # neither answered nor failed: what a router must never do
+    silent = [r for r in result.records if r.error is None and r.completion_tokens == 0]
+    return {"sent_after_kill": len(after), "answered_after_kill": len(answered),
+            "failed_after_kill": sum(1 for r in failed if r.issued_at >= at_s),
+            "failed_in_flight_at_kill": sum(1 for r in failed if r.issued_at < at_s),
+            "silently_lost": len(silent),
             "failed_errors": sorted({(r.error or "")[:160] for r in failed})[:5],
-            "reuse_before_kill": reuse(before), "reuse_after_kill": reuse(answered),
-            "reuse_lost": reuse(before) - reuse(answered)}
+            "reuse_before_kill": reuse(before), "reuse_after_kill": reuse(answered)}
 
 
 def run_side(settings: TopologySettings, workload: ReplayWorkload, options: ReplayOptions,
@@ -195,8 +203,14 @@ def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workloa
     for level in levels:
         for side in sides:
             where = workdir / f"{what}-{side}-c{level}" if workdir is not None else None
-            summary = run_side(side_settings(base, what, side), workload,
-                               dataclasses.replace(options, concurrency=level), fault, where)
+            settings, level_options = side_settings(base, what, side), dataclasses.replace(options, concurrency=level)
+            summary = run_side(settings, workload, level_options, fault, where)
+            if fault is not None and "kill" in summary:
+                # the reuse a kill costs: against the same side and requests with no kill
+                calm = run_side(settings, workload, level_options, None,
+                                where.with_name(where.name + "-nokill") if where is not None else None)
+                summary["kill"]["reuse_no_kill"] = calm["reuse_ratio"]
+                summary["kill"]["reuse_lost"] = calm["reuse_ratio"] - summary["reuse_ratio"]
             summary["side"] = side
             per_side[side].append(summary)
             if on_side is not None:
@@ -210,6 +224,9 @@ def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workloa
         split = top["split"]["prompt_tok_s"]
         out["shared_over_split"] = top["shared"]["prompt_tok_s"] / split if split else math.nan
         out["reuse_shared"], out["reuse_split"] = top["shared"]["reuse_ratio"], top["split"]["reuse_ratio"]
+    for side, row in top.items():
+        if "reuse_lost" in row.get("kill", {}):
+            out[f"reuse_lost_{side}"] = row["kill"]["reuse_lost"]
     if what == "groups":
         for side in sides:
             out[f"reuse_groups_{side}"] = top[side]["reuse_ratio"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,14 @@ def main(args: argparse.Namespace, levels: list[int]) -> int:
         if "kill" in summary:
             print(f"    kill: {json.dumps(json_safe(summary['kill']))}", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="kvpool-compare-") as tmp:
-        workdir = Path(args.workdir) if args.workdir else Path(tmp)
-        out = run_compare(what, sides, base, workload, levels, options, fault, workdir, on_side)
+    # SIGTERM unwinds like Ctrl-C: every finally runs, so processes stop and namespaces go
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvpool-compare-") as tmp:
+            workdir = Path(args.workdir) if args.workdir else Path(tmp)
+            out = run_compare(what, sides, base, workload, levels, options, fault, workdir, on_side)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     out["planned_regime"] = planned
     headline = {k: out[k] for k in ("shared_over_split", "reuse_groups_on", "reuse_groups_off") if k in out}
     print(f"kvpool replay --compare: {headline}", flush=True)
@@ -146,6 +152,10 @@ def main(args: argparse.Namespace, levels: list[int]) -> int:
         print(json.dumps(json_safe(out)), flush=True)
     errors = sum(s["errors"] for s in out["sides"].values())
     return 0 if errors == 0 or fault is not None else 1
+
+
+def _raise_interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _fmt(value: Any) -> str:
