@@ -60,7 +60,7 @@ class Simulation:
     pipelines: dict[str, PipelineSim] = field(default_factory=dict)
     shards: dict[str, ShardSim] = field(default_factory=dict)
     plays: dict[int, SessionPlay] = field(default_factory=dict)
-    prefilled: dict[int, int] = field(default_factory=dict)
+    prefilled: dict[int, list[int]] = field(default_factory=dict)  # turn indices each instance prefilled
     metrics: Metrics = field(init=False)
     router: RoutingPolicy = field(init=False)
     _next_instance: int = 0
@@ -165,7 +165,7 @@ class Simulation:
         """Prefill ended: count the infinite-cache bound, then hand the KV to decode."""
         request = job.request
         assert request is not None and job.placement is not None
-        self.prefilled[job.play.instance] = job.play.next_turn
+        self.prefilled.setdefault(job.play.instance, []).append(job.play.next_turn - 1)
         seen = self._seen[job.play.instance]
         cap = max_hit_chunks(request.num_tokens, request.chunk_size)
         hits = 0
@@ -248,7 +248,9 @@ class Simulation:
         return self.summary(time.perf_counter() - wall0)
 
     def trace_bound(self) -> float:
-        played = [replace(p.trace, turns=p.trace.turns[: self.prefilled.get(i, 0)]) for i, p in self.plays.items()]
+        """The trace's own bound over the turns prefilled (a refused turn reached no cache, so it counts nowhere)."""
+        played = [replace(p.trace, turns=tuple(p.trace.turns[k] for k in self.prefilled.get(i, ())))
+                  for i, p in self.plays.items()]
         return trace_block_bound(played)
 
     def summary(self, wall_s: float) -> dict[str, Any]:
@@ -280,22 +282,5 @@ class Simulation:
             "wall_s": wall_s, "sim_speed": s.duration_s / max(wall_s, 1e-9), "events": self.loop.num_events,
         }
         out["nic_use"] = out["cross_server_bytes_per_s_per_nic"] / (topo.nic_gbps * 1e9)
-        if s.fail_server_at_s is not None:
-            out.update(failure_figures(m.window_series(), s.fail_server_at_s, s.window_s))
         out["windows"] = m.window_series()
         return out
-
-
-def failure_figures(series: list[dict[str, float]], fail_at: float, window_s: float) -> dict[str, float]:
-    """Reuse before the failure (up to 10 windows), its lowest after, and when it came back within 1 point."""
-    before = [w["reuse"] for w in series if fail_at - 10 * window_s <= w["t"] and w["t"] + window_s <= fail_at]
-    after = [w for w in series if w["t"] >= fail_at]
-    reuse_before = sum(before) / len(before) if before else 0.0
-    low = min((w["reuse"] for w in after), default=reuse_before)
-    lowest = next((i for i, w in enumerate(after) if w["reuse"] == low), 0)
-    # recovered: the first window from the lowest on that is back within 1 point
-    recovery = next((w["t"] + window_s - fail_at for w in after[lowest:] if w["reuse"] >= reuse_before - 0.01), None)
-    return {
-        "fail_reuse_before": reuse_before, "fail_reuse_min_after": low, "fail_hit_loss": reuse_before - low,
-        "fail_recovery_s": recovery if recovery is not None else -1.0,
-    }

@@ -36,12 +36,14 @@ def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessio
             RunSpec("calibration", 1, 16, "shared", duration_s),
             *(RunSpec(f"seed-{pool}-16", 2, 16, pool, duration_s) for pool in ("shared", "split")),
             RunSpec("scale-4", 4, 8, "shared", scale_duration_s, scale_duration_s * 2 / 3),
+            RunSpec("scale-4-nofail", 4, 8, "shared", scale_duration_s),
         ]
     specs = [RunSpec("calibration", 1, 112, "shared", duration_s)]
     for n in SEED_SESSIONS:
         specs += [RunSpec(f"seed-{pool}-{n}", 4, n, pool, duration_s) for pool in ("shared", "split")]
-    specs += [RunSpec(f"scale-{s}", s, scale_sessions, "shared", scale_duration_s, scale_duration_s * 2 / 3)
-              for s in SCALE_SERVERS]
+    for s in SCALE_SERVERS:  # each with its twin without the failure: the loss is their difference
+        specs += [RunSpec(f"scale-{s}", s, scale_sessions, "shared", scale_duration_s, scale_duration_s * 2 / 3),
+                  RunSpec(f"scale-{s}-nofail", s, scale_sessions, "shared", scale_duration_s)]
     return specs
 
 
@@ -91,15 +93,38 @@ def final_object(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]
     }
     if "calibration" in by_label:
         out["calibration"] = {k: by_label["calibration"][k] for k in keys}
-    scale = [r for r in results if r["label"].startswith("scale-")]
-    out["scale_out"] = {
-        str(r["servers"]): {k: r[k] for k in (
+    out["scale_out"] = {}
+    for r in results:
+        base = by_label.get(f"{r['label']}-nofail")
+        if not r["label"].startswith("scale-") or base is None:
+            continue
+        figures = {k: base[k] for k in (
             "throughput_per_gpu", "reuse_ratio", "pool_share", "cross_server_gbps_per_nic", "master_lookups_per_s",
-            "master_puts_per_s", "master_evictions_per_s", "fail_reuse_before", "fail_reuse_min_after",
-            "fail_hit_loss", "fail_recovery_s", "dropped_objects") if k in r}
-        for r in scale
-    }
+            "master_puts_per_s", "master_evictions_per_s")}
+        figures["dropped_objects"] = r["dropped_objects"]
+        figures.update(failure_figures(r["windows"], base["windows"], r["fail_at_s"], r["window_s"]))
+        out["scale_out"][str(r["servers"])] = figures
     return out
+
+
+def failure_figures(failed: list[dict[str, float]], base: list[dict[str, float]], fail_at: float,
+                    window_s: float) -> dict[str, float]:
+    """What one server's stores dying costs: the run with the failure against its twin without it.
+
+    Both runs are identical until ``fail_at`` (the simulation is deterministic), so the difference of
+    their per-window reuse after it is the failure's doing. ``fail_hit_loss``: the largest drop (points
+    of prompt reuse in one window); ``fail_lost_share``: the drop averaged over the windows after the
+    failure; ``fail_recovery_s``: from the failure to the end of the first window, from the largest drop
+    on, within 1 point of the twin (-1: not within the run).
+    """
+    reuse = {w["t"]: w["reuse"] for w in base}
+    drops = [(w["t"], reuse[w["t"]] - w["reuse"]) for w in failed if w["t"] >= fail_at and w["t"] in reuse]
+    if not drops:
+        return {"fail_hit_loss": 0.0, "fail_lost_share": 0.0, "fail_recovery_s": 0.0}
+    worst = max(range(len(drops)), key=lambda i: drops[i][1])
+    recovery = next((t + window_s - fail_at for t, d in drops[worst:] if d < 0.01), -1.0)
+    return {"fail_hit_loss": drops[worst][1], "fail_lost_share": sum(d for _, d in drops) / len(drops),
+            "fail_recovery_s": recovery}
 
 
 def plot(results: list[dict[str, Any]], directory: Path | str) -> list[Path]:
@@ -147,7 +172,7 @@ def plot(results: list[dict[str, Any]], directory: Path | str) -> list[Path]:
         fig.savefig(path, dpi=100, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
-    for r in (r for r in results if r.get("windows") and r["label"].startswith("scale-")):
+    for r in (r for r in results if r.get("windows") and r.get("fail_at_s") is not None):
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([w["t"] for w in r["windows"]], [w["reuse"] for w in r["windows"]], label="reuse")
         ax.plot([w["t"] for w in r["windows"]], [w["pool_share"] for w in r["windows"]], label="pool share")

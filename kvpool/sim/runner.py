@@ -25,6 +25,7 @@ def run_spec(spec: RunSpec, trace_dir: str, cost_path: str, base: RunSettings, t
         warmup_s=min(base.warmup_s, spec.duration_s / 2), fail_server_at_s=spec.fail_at_s,
     )
     result = Simulation(replace(topology, num_servers=spec.servers), settings, cost, traces).run()
-    result.update(label=spec.label, sessions_per_server=spec.sessions_per_server, fail_at_s=spec.fail_at_s)
+    result.update(label=spec.label, sessions_per_server=spec.sessions_per_server, fail_at_s=spec.fail_at_s,
+                  window_s=settings.window_s)
     result["cross_server_gbps_per_nic"] = result["cross_server_bytes_per_s_per_nic"] / 1e9
     return result

@@ -10,9 +10,10 @@ model describes the seed's GPUs, not a CPU cluster (``throughput_error`` and
 
 At a scale s a 64-token block becomes 64/s tokens and a prompt
 ``scaled_prompt_tokens`` tokens (``kvpool.workload.tokens``); a chunk is then
-``chunk_size / (64/s)`` blocks, and no full chunk reaches the id-less tail
-(it is shorter than a block), so chunk hashes over block ids split prompts
-exactly as the cluster's token hashes do.
+``chunk_size / (64/s)`` blocks, and a full chunk reaches the id-less tail
+only when the tail fills a block, so chunk hashes over block ids split prompts
+exactly as the cluster's token hashes do, except where the rounded-up tail
+fills a whole block (``scaled_session`` gives it an id of its own content).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+import xxhash
 
 from kvpool.sim.cost_model import CostModel, ModelShape
 from kvpool.sim.engine import Simulation
@@ -53,14 +56,28 @@ class ValidationSetup:
     decode_kv_tokens: int = 1 << 20
 
 
+def tail_block_id(last_id: int, input_tokens: int) -> int:
+    """A block id for an id-less tail that fills a whole scaled block (content from ``(last id, input_tokens)``,
+    as ``kvpool.workload.tokens`` makes it); above 2**31, where no trace id lives."""
+    return (1 << 31) | xxhash.xxh32_intdigest(f"{last_id}:{input_tokens}".encode()) >> 1
+
+
 def scaled_session(session: Session, scale: int, max_tokens: int) -> Session:
-    """The session as a replay at ``scale`` sends it: blocks of 64/s tokens, prompts and outputs scaled/capped."""
-    turns = tuple(
-        replace(t, input_tokens=scaled_prompt_tokens(t.input_tokens, session.block_size, scale),
-                output_tokens=max(1, min(max_tokens, t.output_tokens)))
-        for t in session.turns
-    )
-    return replace(session, block_size=scaled_block_tokens(session.block_size, scale), turns=turns)
+    """The session as a replay at ``scale`` sends it: blocks of 64/s tokens, prompts and outputs scaled/capped.
+
+    At a scale the tail is rounded up (``ceil(rem * block_tokens / block_size)``), so it can fill a whole
+    block: a full chunk then ends in tail tokens, and the tail gets a block id of its own content.
+    """
+    block_tokens = scaled_block_tokens(session.block_size, scale)
+    turns = []
+    for t in session.turns:
+        full_blocks, rem = divmod(t.input_tokens, session.block_size)
+        ids = t.hash_ids
+        if len(ids) == full_blocks and -(-rem * block_tokens // session.block_size) == block_tokens:
+            ids = (*ids, tail_block_id(ids[-1] if ids else -1, t.input_tokens))
+        turns.append(replace(t, input_tokens=scaled_prompt_tokens(t.input_tokens, session.block_size, scale),
+                             output_tokens=max(1, min(max_tokens, t.output_tokens)), hash_ids=ids))
+    return replace(session, block_size=block_tokens, turns=tuple(turns))
 
 
 def simulate_sessions(

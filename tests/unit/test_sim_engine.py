@@ -161,3 +161,17 @@ def test_compare_counts_by_hand() -> None:
     other = [TurnCounts(522, 0, 0, 522), TurnCounts(778, 0, 512, 266)]
     verdict = compare(sim, other)
     assert verdict["reuse_equal"] and not verdict["token_counts_equal"] and verdict["first_mismatch"] == 1
+
+
+def test_failure_figures_against_the_twin_run_by_hand() -> None:
+    from kvpool.sim.report import failure_figures
+
+    def series(*reuse: float) -> list[dict[str, float]]:
+        return [{"t": 60.0 * i, "reuse": r, "pool_share": 0.0} for i, r in enumerate(reuse)]
+
+    base = series(0.50, 0.90, 0.90, 0.92, 0.92, 0.92)
+    failed = series(0.50, 0.90, 0.80, 0.85, 0.915, 0.92)  # the stores die at 120 s
+    figures = failure_figures(failed, base, 120.0, 60.0)
+    assert figures["fail_hit_loss"] == pytest.approx(0.10)  # the window at 120 s
+    assert figures["fail_lost_share"] == pytest.approx((0.10 + 0.07 + 0.005 + 0.0) / 4)
+    assert figures["fail_recovery_s"] == 180.0  # the window at 240 s is within a point; it ends at 300 s
