@@ -56,6 +56,7 @@ class TopologySettings:
     eviction: str = "group"  # the master's --eviction
     netns: bool = True  # False: loopback even where namespaces work
     link_gbit: float = 10.0
+    netns_lock_wait_s: float = 30.0  # one run at a time holds the namespaces; wait this long, then loopback
     decode_args: tuple[str, ...] = ()
     master_args: tuple[str, ...] = ()
     log_level: str = "warning"
@@ -181,7 +182,7 @@ class Topology:
         reason = "loopback asked for" if not s.netns else ""
         if s.netns:
             try:
-                self.network = Network(s.servers, s.link_gbit).create()
+                self.network = Network(s.servers, s.link_gbit).create(s.netns_lock_wait_s)
                 links = list(self.network.links)
             except NetnsUnavailable as exc:
                 reason = f"no network namespaces ({exc})"

@@ -31,7 +31,8 @@ from kvpool.workload.timelines import AgentTimeline
 
 pytestmark = pytest.mark.integration
 
-TINY: dict = {"servers": 2, "stages": 1, "segment_size": "16MiB", "device_cache_tokens": 1024}
+TINY: dict = {"servers": 2, "stages": 1, "segment_size": "16MiB", "device_cache_tokens": 1024,
+              "netns_lock_wait_s": 600.0}  # another run on this host (a CI copy) may hold the namespaces a while
 
 
 def netns_reason() -> str | None:
@@ -103,7 +104,7 @@ def test_network_removed_on_error_and_leftovers_of_a_crashed_run_cleared() -> No
     network = Network(num_servers=2, link_gbit=0.5)
     with pytest.raises(RuntimeError, match="boom"):
         try:
-            network.create()
+            network.create(lock_wait_s=600.0)
             assert "netns kvr-s7" in network.removed_leftovers
             assert sorted(netns_names()) == ["kvr-s0", "kvr-s1"]
             assert sorted(link_names()) == ["kvr-br", "kvr-s0h", "kvr-s1h"]
