@@ -101,7 +101,7 @@ class Simulation:
                 name = f"p{server}.{p}"
                 self.pipelines[name] = PipelineSim(
                     name, server, host, self.loop, cost, BlockManager(num_blocks, chunk), index, stage_bytes,
-                    self.metrics, self._prefilled,
+                    self.metrics, self._prefilled, self._dead_hosts,
                 )
             pages = int(topo.gpus_per_decode_shard * topo.decode_kv_gib * GIB
                         // (cost.model.kv_bytes_per_token * topo.decode_page_tokens))
@@ -220,7 +220,7 @@ class Simulation:
         self.loop.after(HEARTBEAT_S, self._heartbeat)
 
     def _fail_server(self, server: int) -> None:
-        self._dead_hosts.add(f"server{server}")
+        self._dead_hosts.add(f"server{server}")  # the pipelines' reads see it at once; the masters after the TTL
 
     def _sample(self) -> None:
         if self.loop.now >= self.settings.warmup_s:

@@ -61,9 +61,11 @@ class PipelineSim:
     stage_object_bytes: list[int]
     metrics: Metrics
     on_prefilled: Callable[[Job], None]
+    dead_hosts: set[str] = field(default_factory=set)  # stores that died (the master may not know yet)
     queue: deque[Job] = field(default_factory=deque)
     busy: bool = False
     _lease: int = 0
+    _readable: int = 0  # leading planned pool chunks whose every object lives on a store still alive
 
     @property
     def num_stages(self) -> int:
@@ -92,11 +94,24 @@ class PipelineSim:
         plan = request.plan_lookup(len(result.groups))
         self._lease = result.lease_id
         restored = result.groups[plan.num_device_chunks : plan.num_hit_chunks]
+        self._readable = self._leading_readable(restored)
         if restored:
             self.metrics.cross_bytes(self.host, self._remote_bytes(restored))
         restore_s = self.cost.restore_s(plan.num_pool_chunks, max(self.stage_object_bytes) / self.cost.model.chunk_tokens)
         self.metrics.on_restore(restore_s, plan.num_pool_chunks)
         self.loop.after(restore_s, self._restored, job)
+
+    def _leading_readable(self, groups: list) -> int:
+        """A read from a dead store fails (a miss): how far every stage can read, from the head."""
+        if not self.dead_hosts:
+            return len(groups)
+        segments = self.index.segments
+        for i, group in enumerate(groups):
+            for obj in group.members.values():
+                segment = segments.get(obj.segment_id)
+                if segment is None or segment.host in self.dead_hosts:
+                    return i
+        return len(groups)
 
     def _remote_bytes(self, groups: list) -> dict[str, int]:
         by_host: dict[str, int] = {}
@@ -114,9 +129,8 @@ class PipelineSim:
         if self._lease:
             self.index.release_lease(self._lease)
             self._lease = 0
-        plan = request.restore_plan
-        num_pool = plan.num_pool_chunks if plan is not None else 0
-        request.apply_restore([num_pool] * self.num_stages, self.blocks)
+        # every stage reads its own objects; a dead store fails every stage's read of its groups alike
+        request.apply_restore([self._readable] * self.num_stages, self.blocks)
         compute_s = self.cost.compute_s(request.compute_start, request.num_computed_tokens, self.num_stages)
         self.loop.after(compute_s, self._computed, job)
 

@@ -175,3 +175,19 @@ def test_failure_figures_against_the_twin_run_by_hand() -> None:
     assert figures["fail_hit_loss"] == pytest.approx(0.10)  # the window at 120 s
     assert figures["fail_lost_share"] == pytest.approx((0.10 + 0.07 + 0.005 + 0.0) / 4)
     assert figures["fail_recovery_s"] == 180.0  # the window at 240 s is within a point; it ends at 300 s
+
+
+def test_a_read_from_a_store_that_died_is_a_miss_before_the_master_knows() -> None:
+    # as in the shared/split test, T1 goes to server 1 and its history is in server 0's stores; they die at
+    # 100 s, T1 looks up at ~105 s (the master drops them only at ~110 s): found, unreadable, computed
+    trace = session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0))
+
+    def fail_p0_then_its_stores(sim: Simulation) -> None:
+        sim.loop.at(50.0, sim.router.set_health, "p0.0", False)
+        sim.loop.at(100.0, sim._fail_server, 0)
+
+    sim = run(trace, "shared", num_servers=2, setup=fail_p0_then_its_stores)
+    assert sim.metrics.turn_tokens == [("s0.t0", 0, 0, 522), ("s0.t1", 0, 0, 778)]
+    # the lookup still leased the 2 groups: the plan had them, the restore could not read them
+    assert sim.metrics.restore_s == [pytest.approx(1.0)]
+    assert sim.dropped_objects == 8
