@@ -31,12 +31,13 @@ def add_simulate_parser(sub: Any) -> None:
     )
     p.add_argument("--traces", default=str(DEFAULT_TRACES), help="folder of weka trace_*.json files")
     p.add_argument("--cost-model", default=str(DEFAULT_COST_MODEL), help="cost model TOML (default: the calibrated one)")
-    p.add_argument("--duration", type=float, default=3600.0, help="simulated seconds per seed run (default 3600)")
-    p.add_argument("--scale-duration", type=float, default=900.0,
-                   help="simulated seconds per 8/16/32-server run (default 900; server 0's stores die at 2/3 of it)")
-    p.add_argument("--scale-sessions", type=int, default=56,
-                   help="sessions per server in the 8/16/32-server runs (default 56: memory and time on one host)")
-    p.add_argument("--warmup", type=float, default=600.0, help="simulated seconds before throughput/TTFT count")
+    # defaults: the figures of docs/simulation.md, in ~40 minutes on a shared 2-core host
+    p.add_argument("--duration", type=float, default=900.0, help="simulated seconds per seed run (default 900)")
+    p.add_argument("--scale-duration", type=float, default=600.0,
+                   help="simulated seconds per 8/16/32-server run (default 600; server 0's stores die at 2/3 of it)")
+    p.add_argument("--scale-sessions", type=int, default=28,
+                   help="sessions per server in the 8/16/32-server runs (default 28: memory and time on one host)")
+    p.add_argument("--warmup", type=float, default=300.0, help="simulated seconds before throughput/TTFT count")
     p.add_argument("--think-cap", type=float, default=5.0, help="cap on each turn's think time in seconds")
     p.add_argument("--no-think", action="store_true", help="send each turn as soon as the last one ends")
     p.add_argument("--affinity-max-queue", type=int, default=4, help="the router's session-affinity threshold")
