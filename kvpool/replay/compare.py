@@ -192,6 +192,8 @@ def run_side(settings: TopologySettings, workload: ReplayWorkload, options: Repl
                              for a, b in zip(links_after, links_before, strict=True)]
     if killed is not None and fault is not None:
         summary["kill"] = {**killed, **fault_report(result, fault.at_s)}
+        if not killed["killed"]:
+            summary["kill"]["note"] = f"the replay ended before {fault.at_s:g} s: nothing was killed"
     return summary
 
 
@@ -205,7 +207,7 @@ def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workloa
             where = workdir / f"{what}-{side}-c{level}" if workdir is not None else None
             settings, level_options = side_settings(base, what, side), dataclasses.replace(options, concurrency=level)
             summary = run_side(settings, workload, level_options, fault, where)
-            if fault is not None and "kill" in summary:
+            if fault is not None and summary.get("kill", {}).get("killed"):
                 # the reuse a kill costs: against the same side and requests with no kill
                 calm = run_side(settings, workload, level_options, None,
                                 where.with_name(where.name + "-nokill") if where is not None else None)
