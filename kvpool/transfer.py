@@ -139,9 +139,22 @@ class TransferEngine:
         return f"{self.host}:{self.rpc_port}"
 
     def register(self, address: int, size: int) -> None:
-        """Register memory once; registering the same region again is a no-op."""
+        """Register memory once; registering the same region again is a no-op.
+
+        The engine refuses a range that overlaps one still registered: memory
+        freed without ``unregister`` leaves its range behind, and the next
+        mapping at those addresses cannot be registered. Say so plainly.
+        """
         if self._registered.get(address, -1) >= size:
             return
+        if address in self._registered:  # the same start, now longer: register it anew
+            self.unregister(address)
+        for start, length in self._registered.items():
+            if start != address and start < address + size and address < start + length:
+                raise TransferError(
+                    f"register_memory({address:#x}, {size}) overlaps [{start:#x}, +{length}) registered earlier "
+                    "and never unregistered (memory freed without TransferEngine.unregister)"
+                )
         rc = self._engine.register_memory(address, size)
         if rc != 0:
             raise TransferError(f"register_memory({address:#x}, {size}) failed: {rc}")

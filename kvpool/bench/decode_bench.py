@@ -58,6 +58,17 @@ class PromptFiller:
         self.engine.register(self.staging.address, staging_bytes)
         self.entry_bytes = config.kv_entry_dim * kv_dtype(kv_dtype_name).itemsize
 
+    def close(self) -> None:
+        """Unregister the staging buffer: an engine that outlives us must not keep a freed range."""
+        self.engine.unregister(self.staging.address)
+        self.staging.close()
+
+    def __enter__(self) -> PromptFiller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def prefill(self, prompt_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits of the prompt's last position and its KV packed in the region layout."""
         prompt = torch.tensor(prompt_token_ids)

@@ -31,8 +31,9 @@ def shard(tmp_path_factory) -> Iterator[LocalDecode]:  # type: ignore[no-untyped
 
 
 @pytest.fixture(scope="module")
-def filler(engine: TransferEngine) -> PromptFiller:
-    return PromptFiller(TINY, max_tokens=256, staging_bytes=4 << 20, engine=engine)
+def filler(engine: TransferEngine) -> Iterator[PromptFiller]:
+    with PromptFiller(TINY, max_tokens=256, staging_bytes=4 << 20, engine=engine) as prompt_filler:
+        yield prompt_filler
 
 
 @pytest.fixture
@@ -239,11 +240,12 @@ async def _no_regions(stub: decode_pb2_grpc.DecodeStub) -> bool:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-async def test_low_precision_shard_equals_the_same_dtype_reference(tmp_path, engine, dtype) -> None:  # type: ignore[no-untyped-def]
+async def test_low_precision_shard_equals_the_same_dtype_reference(tmp_path, engine, dtype, request) -> None:  # type: ignore[no-untyped-def]
     p = prompt(20, seed=12)
     pipe = InProcessPipeline(TINY, num_blocks=32, block_size=16, kv_dtype=getattr(torch, dtype))
     expected = pipe.generate_greedy(torch.tensor(p), list(range(32)), 10)
     filler = PromptFiller(TINY, dtype, max_tokens=64, staging_bytes=1 << 20, engine=engine)
+    request.addfinalizer(filler.close)
     with LocalDecode(["--kv-dtype", dtype, "--num-pages", "16", "--page-size", "8"], workdir=tmp_path) as shard:
         async with grpc.aio.insecure_channel(shard.address) as channel:
             stub = decode_pb2_grpc.DecodeStub(channel)
