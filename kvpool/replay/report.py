@@ -33,17 +33,24 @@ def _ratio(a: float, b: float) -> float:
 
 def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dict[str, Any]:
     """Restored/saved bytes per prefill stage and the restore wait on each pipeline's stage 0, from /metrics."""
-    out: dict[str, Any] = {"restore_bytes_per_stage": {}, "saved_bytes_per_stage": {}}
-    wait_sum = wait_count = 0.0
+    out: dict[str, Any] = {"restore_bytes_per_stage": {}, "saved_bytes_per_stage": {},
+                           "restore_seconds_mean_per_stage": {}}
+    wait_sum = wait_count = queue_sum = queue_count = 0.0
     for name in sorted(n for n in after if "stage" in n):
         moved = delta(after[name], before.get(name, {}))
         out["restore_bytes_per_stage"][name] = int(total(moved, "kvpool_prefill_restored_bytes_total"))
         out["saved_bytes_per_stage"][name] = int(total(moved, "kvpool_prefill_saved_bytes_total"))
+        # each stage's read(+verify) into its pages per restore: there is no unpack step any more
+        out["restore_seconds_mean_per_stage"][name] = _ratio(
+            total(moved, "kvpool_prefill_restore_seconds_sum"), total(moved, "kvpool_prefill_restore_seconds_count"))
         wait_sum += total(moved, "kvpool_prefill_restore_wait_seconds_sum")
         wait_count += total(moved, "kvpool_prefill_restore_wait_seconds_count")
+        queue_sum += total(moved, "kvpool_prefill_admission_wait_seconds_sum")
+        queue_count += total(moved, "kvpool_prefill_admission_wait_seconds_count")
     out["restore_bytes"] = sum(out["restore_bytes_per_stage"].values())
     out["restore_wait_mean_s"] = _ratio(wait_sum, wait_count)
     out["restores"] = int(wait_count)
+    out["prefill_queue_wait_mean_s"] = _ratio(queue_sum, queue_count)
     return out
 
 
@@ -74,9 +81,7 @@ def summarize(result: ReplayResult, workload: ReplayWorkload, options: ReplayOpt
         per_pipeline[r.pipeline or "?"] += r.prompt_tokens
     ttft = [r.ttft_s for r in ok]
     itl = [gap for r in ok for gap in r.itl_s]
-    missing = ["per-stage restore read+unpack time (the prefill figures carry it, but neither usage.kvpool nor the "
-               "stages' /metrics expose it; restore_wait_mean_s is the first-start to last-finish wait)",
-               "prefill queue wait (no router or stage metric; ttft minus server ttft is the client-side overhead)"]
+    missing: list[str] = []
     scraped = result.metrics_after
     if not any("stage" in name for name in scraped):
         missing.append("restore and save bytes per stage (no prefill stage /metrics reached: --url reaches the router)")
@@ -162,8 +167,10 @@ def format_table(summaries: Sequence[dict[str, Any]], workload: ReplayWorkload) 
             f"concurrency {s['concurrency']}: {s['turns_ok']}/{s['turns_sent']} turns in {s['wall_s']:.1f} s; "
             f"trace block bound {_f(s['trace_block_bound'], '.1%')}; prompt tok/s per pipeline: {per_pipe or '-'}",
             f"  restore {s['restore_bytes']:,} B over {s['restores']} restoring requests (mean wait "
-            f"{_f(s['restore_wait_mean_s'], '.3f')} s); per stage: "
-            + (", ".join(f"{k} {v:,}" for k, v in s["restore_bytes_per_stage"].items()) or "-"),
+            f"{_f(s['restore_wait_mean_s'], '.3f')} s); per stage bytes and mean read: "
+            + (", ".join(f"{k} {v:,} B {_f(s['restore_seconds_mean_per_stage'].get(k), '.3f')} s"
+                         for k, v in s["restore_bytes_per_stage"].items()) or "-")
+            + f"; prefill queue wait mean {_f(s['prefill_queue_wait_mean_s'], '.3f')} s",
             f"  handoff {s['handoff_transfers']:,} transfers, {s['handoff_bytes']:,} B; decode KV use peak "
             f"{_f(s['decode_kv_util_peak'], '.1%')}, mean {_f(s['decode_kv_util_mean'], '.1%')}; decode queue "
             f"wait mean {_f(s['decode_queue_wait_mean_s'], '.4f')} s",
@@ -173,7 +180,8 @@ def format_table(summaries: Sequence[dict[str, Any]], workload: ReplayWorkload) 
         ]
         if s.get("first_error"):
             lines.append(f"  first error: {s['first_error']}")
-    lines.append("not measured: " + "; ".join(summaries[0]["missing"]) if summaries else "")
+    if summaries and summaries[0]["missing"]:
+        lines.append("not measured: " + "; ".join(summaries[0]["missing"]))
     return "\n".join(lines)
 
 

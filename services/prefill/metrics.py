@@ -38,6 +38,14 @@ class PrefillMetrics:
                                       buckets=_SECONDS_BUCKETS, registry=r)
         self.device_usage = Gauge("kvpool_prefill_device_cache_usage", "Share of device blocks referenced",
                                   registry=r)
+        # every stage: its own share of each restore (read straight into the pages, verified as it lands)
+        self.restore_seconds = Histogram("kvpool_prefill_restore_seconds",
+                                         "One request's restore on this stage: read and verify into the pages",
+                                         buckets=_SECONDS_BUCKETS, registry=r)
+        # stage 0: the wait for free device blocks before a prefill may start (the prefill queue)
+        self.admission_wait = Histogram("kvpool_prefill_admission_wait_seconds",
+                                        "Wait for free device blocks before a prefill starts",
+                                        buckets=_SECONDS_BUCKETS, registry=r)
 
     def observe(self, figures: prefill_pb2.PrefillFigures, device_usage: float) -> None:
         self.requests.inc()

@@ -205,7 +205,8 @@ class PrefillScheduler:
 
     async def _admit(self, request: PrefillRequest) -> None:
         """Take device blocks (device hits are ref'd first), waiting while others hold them."""
-        deadline = time.monotonic() + self.settings.admission_timeout_s
+        started = time.monotonic()
+        deadline = started + self.settings.admission_timeout_s
         async with self._freed:
             try:
                 while not try_admit(request, self.blocks, time.monotonic(), deadline):
@@ -213,6 +214,8 @@ class PrefillScheduler:
                         await asyncio.wait_for(self._freed.wait(), max(0.0, deadline - time.monotonic()))
             except ResourceExhausted as exc:
                 raise ResourceExhausted(f"{exc}; {len(self.holds)} requests hold KV (release their handles)") from None
+            finally:
+                self.metrics.admission_wait.observe(time.monotonic() - started)
 
     async def _restore(self, request: PrefillRequest) -> RestoreReport:
         """Look the pool-candidate chunks up, restore them on every stage, apply what all stages got."""

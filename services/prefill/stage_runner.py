@@ -144,6 +144,7 @@ class StageRunner:
         figures.num_chunks_restored = leading_count(verified)
         figures.bytes = figures.num_chunks_restored * size
         self.metrics.restored_bytes.inc(figures.bytes)
+        self.metrics.restore_seconds.observe(figures.read_ms / 1e3)
         return figures
 
     # ---- compute --------------------------------------------------------

@@ -32,7 +32,11 @@ def test_summary_of_records_and_metrics(tmp_path: Path) -> None:
     before = {"p0-stage0": {"kvpool_prefill_restored_bytes_total": 100.0}}
     after = {"p0-stage0": {"kvpool_prefill_restored_bytes_total": 1100.0,
                            "kvpool_prefill_restore_wait_seconds_sum": 0.5,
-                           "kvpool_prefill_restore_wait_seconds_count": 2.0},
+                           "kvpool_prefill_restore_wait_seconds_count": 2.0,
+                           "kvpool_prefill_restore_seconds_sum": 0.3,
+                           "kvpool_prefill_restore_seconds_count": 2.0,
+                           "kvpool_prefill_admission_wait_seconds_sum": 1.0,
+                           "kvpool_prefill_admission_wait_seconds_count": 4.0},
              "decode0": {"kvpool_decode_queue_seconds_sum": 0.2, "kvpool_decode_queue_seconds_count": 4.0}}
     result = ReplayResult(1, 2.0, records, before, after, {"capacity_bytes": "64", "used_bytes": "8",
                                                             "evicted_groups": "0", "evicted_bytes": "0",
@@ -46,6 +50,8 @@ def test_summary_of_records_and_metrics(tmp_path: Path) -> None:
     assert s["trace_block_bound"] == 512 / 1280
     assert (s["ttft_p50_s"], s["itl_p50_s"]) == (1.0, 0.5)
     assert s["restore_bytes_per_stage"] == {"p0-stage0": 1000}
+    assert s["restore_seconds_mean_per_stage"] == {"p0-stage0": 0.15}
+    assert s["prefill_queue_wait_mean_s"] == 0.25
     assert (s["restore_wait_mean_s"], s["decode_queue_wait_mean_s"]) == (0.25, 0.05)
     assert (s["decode_kv_util_peak"], s["decode_kv_util_mean"]) == (0.75, 0.5)
     assert (s["pool_capacity_bytes"], s["pool_num_complete_groups"]) == (64, 3)
@@ -58,7 +64,7 @@ def test_router_only_names_what_is_missing_and_errors_count(tmp_path: Path) -> N
     records = [record(0, 512, 0, 0, 512), record(1, 768, 0, 0, 0, error="HTTP 503: no backend")]
     s = summarize(ReplayResult(1, 1.0, records, {}, {"router": {}}), workload, ReplayOptions())
     assert (s["errors"], s["turns_ok"], s["prompt_tokens"], s["first_error"]) == (1, 1, 512, "HTTP 503: no backend")
-    assert [m.split(" (")[0] for m in s["missing"][2:]] == [
+    assert [m.split(" (")[0] for m in s["missing"]] == [
         "restore and save bytes per stage", "decode KV use and queue wait", "pool occupancy and evictions"]
     line = json.dumps(json_safe(s), allow_nan=False)  # NaN (no restore, no sampling) became null
     assert json.loads(line)["restore_wait_mean_s"] is None
