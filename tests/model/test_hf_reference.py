@@ -6,12 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+import transformers  # a dev dependency: the reference must run here, never be skipped
 
 from kvpool.model import InProcessPipeline, ModelConfig, init_weights
 from kvpool.model.config import from_hf_config
 from tests.model.inputs import max_abs_diff, random_token_ids
-
-transformers = pytest.importorskip("transformers")
 
 
 def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]):
