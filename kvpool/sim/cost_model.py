@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 DEFAULT_COST_MODEL = Path(__file__).with_name("cost_model.toml")
+# the local cluster `kvpool simulate --validate` starts (tiny model, float32 KV, this host's CPUs)
+CPU_COST_MODEL = Path(__file__).with_name("cost_model_cpu.toml")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,10 @@ class ModelShape:
 class PrefillCost:
     chunk_base_s: float = 0.00124
     chunk_per_context_token_s: float = 8.46e-8
+    # 0: stages overlap on successive chunks of a request (one stage-time per chunk plus the fill);
+    # 1: each stage computes the request's whole span before the next stage starts (num_stages
+    # stage-times per chunk, no fill), as kvpool's stage processes do with one forward per request
+    sequential_stages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +59,16 @@ class HandoffCost:
     gbps: float = 50.0
     per_transfer_s: float = 2.0e-5
     max_transfer_bytes: int = 8 << 20
+    # a fixed time per request outside restore, compute and the bytes' transfer (router, gRPC hops,
+    # decode's Reserve/Generate, HTTP), charged with the handoff: between prefill's end and the first token
+    per_request_s: float = 0.0
+    # and a time per prompt token on that path (the router's HTTP front takes the prompt's token ids as JSON)
+    per_prompt_token_s: float = 0.0
 
 
 # fields that must be > 0 (the rest must be >= 0)
 _POSITIVE = {"num_layers", "kv_entry_bytes", "chunk_tokens", "read_gbps_per_gpu", "gbps", "max_transfer_bytes"}
+_FLAGS = {"sequential_stages"}  # integers that must be 0 or 1
 _TABLES = {"model": ModelShape, "prefill": PrefillCost, "restore": RestoreCost, "decode": DecodeCost,
            "handoff": HandoffCost}
 
@@ -77,7 +89,9 @@ class CostModel:
         Stages overlap on successive chunks, so the pipeline takes one stage's
         time per chunk plus ``num_stages - 1`` chunk times to fill; a chunk's
         cost is linear in its context, so the sum over chunks is closed form
-        (no per-chunk work: a turn computes up to ~450 chunks).
+        (no per-chunk work: a turn computes up to ~450 chunks). With
+        ``prefill.sequential_stages`` the stages run one after another over
+        the whole span: ``num_stages`` stage-times per chunk, no fill.
         """
         if num_tokens <= 0:
             return 0.0
@@ -86,6 +100,8 @@ class CostModel:
         num_chunks = num_tokens / c
         mean_context = first_token + (num_tokens - c) / 2 if num_tokens > c else first_token
         per_chunk = p.chunk_base_s + p.chunk_per_context_token_s * mean_context
+        if p.sequential_stages:
+            return num_stages * num_chunks * per_chunk
         last_chunk = p.chunk_base_s + p.chunk_per_context_token_s * (first_token + num_tokens - min(c, num_tokens))
         return num_chunks * per_chunk + (num_stages - 1) * last_chunk
 
@@ -101,11 +117,14 @@ class CostModel:
         return d.step_base_s + d.step_per_seq_s * batch_size + d.step_per_kv_token_s * kv_tokens
 
     def handoff_s(self, nbytes: int, num_stages: int) -> float:
-        """Every stage writes its slab in <= ``max_transfer_bytes`` writes; the stages write at once."""
+        """Every stage writes its slab in <= ``max_transfer_bytes`` writes; the stages write at once;
+        plus the request's fixed ``per_request_s`` and ``per_prompt_token_s`` for each of its
+        ``nbytes / kv_bytes_per_token`` tokens."""
         h = self.handoff
         stage_bytes = nbytes / num_stages
         num_transfers = math.ceil(stage_bytes / h.max_transfer_bytes)
-        return stage_bytes / (h.gbps * 1e9) * num_stages + num_transfers * h.per_transfer_s
+        front = h.per_request_s + nbytes / self.model.kv_bytes_per_token * h.per_prompt_token_s
+        return stage_bytes / (h.gbps * 1e9) * num_stages + num_transfers * h.per_transfer_s + front
 
 
 def parse_cost_model(document: dict[str, object], where: str = "cost model") -> CostModel:
@@ -134,6 +153,8 @@ def parse_cost_model(document: dict[str, object], where: str = "cost model") -> 
             if not math.isfinite(value) or value < 0 or (name in _POSITIVE and value == 0):
                 bound = "> 0" if name in _POSITIVE else ">= 0"
                 raise ValueError(f"{where}: [{table}] {name}: must be finite and {bound}, got {value!r}")
+            if name in _FLAGS and value not in (0, 1):
+                raise ValueError(f"{where}: [{table}] {name}: must be 0 or 1, got {value!r}")
             kwargs[name] = value if want_int else float(value)
         parts[table] = cls(**kwargs)
     return CostModel(**parts)

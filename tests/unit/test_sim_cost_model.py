@@ -63,3 +63,65 @@ def test_restore_and_handoff_times() -> None:
     assert cost.handoff_s(94_371_840, 4) == pytest.approx(94_371_840 / 50e9 + 3 * 2e-5)
     parsed = parse_cost_model({"decode": {"step_base_s": 0.01, "step_per_seq_s": 0, "step_per_kv_token_s": 0}})
     assert parsed.decode_step_s(64, 1e6) == 0.01
+
+
+def test_the_cpu_file_parses_and_names_every_field() -> None:
+    import tomllib
+    from dataclasses import fields
+
+    from kvpool.sim.cost_model import _TABLES, CPU_COST_MODEL
+
+    assert CPU_COST_MODEL.name == "cost_model_cpu.toml"
+    document = tomllib.loads(CPU_COST_MODEL.read_text())
+    # every number is stated (and commented) in the file, none left to the seed's defaults
+    assert {t: set(v) for t, v in document.items()} == {t: {f.name for f in fields(c)} for t, c in _TABLES.items()}
+    cost = load_cost_model(CPU_COST_MODEL)
+    assert cost.model.kv_bytes_per_token == 8 * 384  # tiny: 8 layers x 96 float32 values
+    assert cost.prefill.sequential_stages == 1
+    assert cost.prefill.chunk_base_s == 0.0116
+    assert cost.handoff.per_request_s == 0.0136
+    assert cost.handoff.per_prompt_token_s == 1.88e-5
+
+
+def test_the_seed_model_keeps_overlapping_stages_and_no_per_request_cost() -> None:
+    cost = load_cost_model()
+    assert cost.prefill.sequential_stages == 0
+    assert cost.handoff.per_request_s == 0.0 and cost.handoff.per_prompt_token_s == 0.0
+    assert "sequential_stages" not in DEFAULT_COST_MODEL.read_text()
+
+
+def test_sequential_stages_take_every_stage_time_and_no_fill() -> None:
+    cost = CostModel(prefill=PrefillCost(chunk_base_s=0.5, chunk_per_context_token_s=0.001, sequential_stages=1))
+    # 3 chunks at contexts 256, 512, 768, each through 4 stages one after another
+    assert cost.compute_s(256, 768, 4) == pytest.approx(4 * sum(0.5 + 0.001 * c for c in (256, 512, 768)))
+    # 16 tokens: a sixteenth of a chunk at context 0, four times
+    assert cost.compute_s(0, 16, 4) == pytest.approx(4 * 16 / 256 * 0.5)
+    assert cost.compute_s(0, 0, 4) == 0.0
+
+
+def test_the_handoff_charges_the_request_and_its_prompt_tokens() -> None:
+    from kvpool.sim.cost_model import HandoffCost, ModelShape
+
+    cost = CostModel(model=ModelShape(num_layers=4, kv_entry_bytes=2, chunk_tokens=256),
+                     handoff=HandoffCost(gbps=1.0, per_transfer_s=0.0, per_request_s=0.25, per_prompt_token_s=0.001))
+    # 1,000 tokens x 8 B: 8,000 B at 1 GB/s, + 0.25 s, + 1,000 x 1 ms
+    assert cost.handoff_s(8000, 4) == pytest.approx(8e-6 + 0.25 + 1.0)
+    none = CostModel(model=ModelShape(num_layers=4, kv_entry_bytes=2, chunk_tokens=256),
+                     handoff=HandoffCost(gbps=1.0, per_transfer_s=0.0))
+    assert none.handoff_s(8000, 4) == pytest.approx(8e-6)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[prefill]\nsequential_stages = 2\n", "[prefill] sequential_stages: must be 0 or 1, got 2"),
+        ("[prefill]\nsequential_stages = 1.0\n", "[prefill] sequential_stages: expected an integer, got 1.0"),
+        ("[handoff]\nper_request_s = -0.1\n", "[handoff] per_request_s: must be finite and >= 0, got -0.1"),
+    ],
+)
+def test_the_new_fields_refuse_bad_values(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "cost.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as excinfo:
+        load_cost_model(path)
+    assert str(excinfo.value) == f"{path}: {message}"
