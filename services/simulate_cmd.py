@@ -20,7 +20,7 @@ DEFAULT_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces
 
 
 def add_simulate_parser(sub: Any) -> None:
-    from kvpool.sim.cost_model import DEFAULT_COST_MODEL
+    from kvpool.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
 
     p = sub.add_parser(
         "simulate", help="simulate the cluster at the seed's scale and past it (the core's own policy code)",
@@ -30,7 +30,9 @@ def add_simulate_parser(sub: Any) -> None:
         "with one server's stores dying mid-run. No process is started and no byte moves.",
     )
     p.add_argument("--traces", default=str(DEFAULT_TRACES), help="folder of weka trace_*.json files")
-    p.add_argument("--cost-model", default=str(DEFAULT_COST_MODEL), help="cost model TOML (default: the calibrated one)")
+    p.add_argument("--cost-model", default=None,
+                   help=f"cost model TOML (default: {DEFAULT_COST_MODEL.name}, the seed's GPUs; with --validate: "
+                   f"{CPU_COST_MODEL.name}, measured on this host for the local cluster --validate starts)")
     # defaults: the figures of docs/simulation.md, in ~40 minutes on a shared 2-core host
     p.add_argument("--duration", type=float, default=900.0, help="simulated seconds per seed run (default 900)")
     p.add_argument("--scale-duration", type=float, default=600.0,
@@ -51,6 +53,15 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
+def cost_model_path(args: argparse.Namespace) -> str:
+    """``--cost-model``, else the seed's model for the matrix and the local CPU cluster's for ``--validate``."""
+    from kvpool.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
+
+    if args.cost_model:
+        return str(args.cost_model)
+    return str(CPU_COST_MODEL if getattr(args, "validate", False) else DEFAULT_COST_MODEL)
+
+
 def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvpool.sim.report import matrix
     from kvpool.sim.runner import run_spec
@@ -67,7 +78,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = RunSettings(warmup_s=60.0 if args.quick else args.warmup, think=not args.no_think,
                        think_cap_s=args.think_cap, affinity_max_queue=args.affinity_max_queue)
     topology = Topology()
-    call = (args.traces, args.cost_model, base, topology)
+    call = (args.traces, cost_model_path(args), base, topology)
     # the biggest runs first, so the pool's processes end together
     order = sorted(specs, key=lambda s: -s.servers * s.sessions_per_server * s.duration_s)
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

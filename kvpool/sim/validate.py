@@ -4,9 +4,10 @@ The same small configuration — trace sessions at a token scale, concurrency
 1, no think time, a pool large enough that nothing is evicted — run through
 the simulator and through a local cluster (``kvpool replay``) must give the
 same device / pool / computed tokens for every turn, because both run the
-same ``kvpool.core`` decisions in the same order. Times differ: the cost
-model describes the seed's GPUs, not a CPU cluster (``throughput_error`` and
-``ttft_p50_error`` say by how much).
+same ``kvpool.core`` decisions in the same order. Times agree only as far
+as the cost model describes the cluster: ``cost_model_cpu.toml`` is measured
+on the host the validation runs on (``throughput_error`` and
+``ttft_p50_error`` say how far off it is).
 
 At a scale s a 64-token block becomes 64/s tokens and a prompt
 ``scaled_prompt_tokens`` tokens (``kvpool.workload.tokens``); a chunk is then
@@ -24,8 +25,8 @@ from typing import Any
 
 import xxhash
 
-from kvpool.sim.cost_model import CostModel, ModelShape
-from kvpool.sim.engine import Simulation
+from kvpool.sim.cost_model import CostModel
+from kvpool.sim.engine import Simulation, layer_split
 from kvpool.sim.metrics import percentile
 from kvpool.sim.topology import GIB, RunSettings, Topology
 from kvpool.workload.tokens import scaled_block_tokens, scaled_prompt_tokens
@@ -41,6 +42,7 @@ class TurnCounts:
     pool_tokens: int
     computed_tokens: int
     ttft_s: float = 0.0
+    output_tokens: int = 0  # the real side's completion tokens (the simulator decodes the trace's, capped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,25 +83,35 @@ def scaled_session(session: Session, scale: int, max_tokens: int) -> Session:
 
 
 def simulate_sessions(
-    sessions: Sequence[Session], setup: ValidationSetup, cost: CostModel, max_turns: int | None = None
+    sessions: Sequence[Session], setup: ValidationSetup, cost: CostModel, max_turns: int | None = None,
+    output_tokens: Sequence[int] | None = None,
 ) -> tuple[list[TurnCounts], float]:
     """Play the sessions one after another (concurrency 1, no think time) on one pipeline, at most
     ``max_turns`` turns; the counts per turn and the simulated seconds it took.
 
-    The KV shape is reduced to 1 byte per token per stage (only the pool's
-    and device's capacities in chunks matter here; the pool is made large).
+    ``output_tokens``, when given, replaces the outputs of the first turns played, in order (the real
+    side's completion counts: the tiny model stops at its end-of-text token, rarely at the trace's output).
+
+    The KV shape is the cost model's (its bytes time the restores and handoffs), at the setup's chunk;
+    capacities are set in bytes so that a stage holds exactly ``device_cache_tokens`` and decode
+    ``decode_kv_tokens`` (GIB is a power of two: the divisions are exact); the pool is made large.
     """
-    shape = ModelShape(num_layers=setup.num_stages, kv_entry_bytes=1, chunk_tokens=setup.chunk_size)
+    shape = replace(cost.model, chunk_tokens=setup.chunk_size)
     cost = replace(cost, model=shape)
+    stage_token_bytes = max(layer_split(shape.num_layers, setup.num_stages)) * shape.kv_entry_bytes
     topology = Topology(
         num_servers=1, gpus_per_server=setup.num_stages + 1, num_stages=setup.num_stages, gpus_per_decode_shard=1,
-        device_kv_gib_per_gpu=setup.device_cache_tokens / GIB, decode_page_tokens=1,
-        decode_kv_gib_per_gpu=setup.decode_kv_tokens * setup.num_stages / GIB, store_gib=1.0,
+        device_kv_gib_per_gpu=setup.device_cache_tokens * stage_token_bytes / GIB, decode_page_tokens=1,
+        decode_kv_gib_per_gpu=setup.decode_kv_tokens * shape.kv_bytes_per_token / GIB, store_gib=1024.0,
         max_context=setup.context,
     )
     settings = RunSettings(num_sessions=1, duration_s=1e12, warmup_s=0.0, think=False, start_spread_s=0.0,
                            max_instances=len(sessions), max_turns=max_turns)
     scaled = [scaled_session(s, setup.scale, setup.max_tokens) for s in sessions]
+    if output_tokens is not None:
+        outputs = iter(output_tokens)
+        scaled = [replace(s, turns=tuple(replace(t, output_tokens=max(1, next(outputs, t.output_tokens)))
+                                         for t in s.turns)) for s in scaled]
     sim = Simulation(topology, settings, cost, scaled)
     sim.run()
     ttft = iter(sim.metrics.ttft_s)

@@ -42,3 +42,45 @@ def test_only_with_no_match_fails_naming_the_flag() -> None:
     )
     assert result.returncode != 0
     assert "--only matched no run" in result.stderr
+
+
+def test_validate_uses_this_hosts_cost_model_unless_told() -> None:
+    from kvpool.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
+    from services.cli import build_parser
+    from services.simulate_cmd import cost_model_path
+
+    parser = build_parser()
+    assert cost_model_path(parser.parse_args(["simulate", "--validate"])) == str(CPU_COST_MODEL)
+    assert cost_model_path(parser.parse_args(["simulate", "--quick"])) == str(DEFAULT_COST_MODEL)
+    chosen = parser.parse_args(["simulate", "--validate", "--cost-model", str(DEFAULT_COST_MODEL)])
+    assert cost_model_path(chosen) == str(DEFAULT_COST_MODEL)
+
+
+@pytest.mark.skipif(not (TRACES / "trace_0002.json").is_file(), reason="needs ../shared/traces/agentx-weka")
+def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # no cluster in a unit test: the "real" side is the simulator's own first 5 turns, 3 output tokens each,
+    # timed by the CPU cost model, so the verdict is exact: equal counts, no error
+    from dataclasses import replace
+
+    from kvpool.sim.cost_model import CPU_COST_MODEL, load_cost_model
+    from kvpool.sim.validate import ValidationSetup, simulate_sessions
+    from kvpool.workload.weka import load_session
+    from services import simulate_validate
+    from services.cli import build_parser
+
+    setup = ValidationSetup(context=32768)
+    turns, span = simulate_sessions([load_session(TRACES / "trace_0002.json")], setup,
+                                    load_cost_model(CPU_COST_MODEL), max_turns=5, output_tokens=[3] * 5)
+    fake = [replace(t, output_tokens=3) for t in turns]
+    monkeypatch.setattr(simulate_validate, "_real_side", lambda *a: (fake, span, {"errors": 0, "pool": {}}))
+    args = build_parser().parse_args(["simulate", "--validate", "--quick", "--json", "--traces", str(TRACES)])
+    assert simulate_validate.main(args) == 0
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(final)[-4:] == ["reuse_equal", "token_counts_equal", "throughput_error", "ttft_p50_error"]
+    assert final["cost_model"] == "cost_model_cpu.toml"
+    assert final["turns_compared"] == 5 and final["real_output_tokens"] == 15
+    assert final["reuse_equal"] is True and final["token_counts_equal"] is True
+    assert final["throughput_error"] == pytest.approx(0.0) and final["ttft_p50_error"] == pytest.approx(0.0)
+    # with the trace's (longer) outputs the simulated session takes longer: lower throughput
+    assert final["throughput_error_trace_outputs"] < 0
