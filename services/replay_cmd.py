@@ -142,7 +142,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         workload = load_workload(args.trace, scale=args.scale, vocab_size=config.vocab_size,
                                  context=config.max_position_embeddings, max_tokens=args.max_tokens,
-                                 sessions=args.sessions, shared_prefix=args.shared_prefix)
+                                 sessions=args.sessions, shared_prefix=args.shared_prefix,
+                                 turns=getattr(args, "turns", None))
         if not args.url or args.device_cache_tokens:
             check_device_cache(workload, device_cache_tokens, args.chunk_size)
         if not workload.sessions:

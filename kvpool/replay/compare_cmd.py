@@ -14,7 +14,6 @@ replays exactly the same requests to the end.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import signal
 import tempfile
@@ -34,10 +33,8 @@ from kvpool.replay.compare import (
 from kvpool.replay.engine import ReplayOptions
 from kvpool.replay.report import json_safe
 from kvpool.replay.topology import TopologySettings
-from kvpool.replay.workload import ReplayWorkload, _Builder, _weka_files
+from kvpool.replay.workload import ReplayWorkload, load_workload
 from kvpool.sizes import format_size, parse_size
-from kvpool.workload.bounds import trace_block_bound
-from kvpool.workload.weka import load_session
 
 SUMMARY_KEYS = ("prompt_tok_s", "reuse_ratio", "device_share", "pool_share", "computed_share", "ttft_p50_s",
                 "turns_sent", "errors", "wall_s", "pool_evicted_groups", "restore_bytes")
@@ -50,7 +47,8 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    "(whole-group against per-object eviction); the same sessions on each side")
     g.add_argument("--servers", type=int, default=2, help="logical servers: each a pipeline, a decode shard and "
                    "two stores (prefill side, decode side) (default 2)")
-    g.add_argument("--turns", type=int, help="keep the first N turns of every session (default: all)")
+    g.add_argument("--turns", type=int, help="keep the first N turns of every weka session, with or without "
+                   "--compare (default: all)")
     g.add_argument("--store-size", metavar="SIZE", help="each store's DRAM (default, pool: the shared pool holds "
                    "the working set and one server's split pool about 2/3 of its share, the seed's regime; groups: "
                    "the shared pool holds 3/5 of it, eviction pressure)")
@@ -63,18 +61,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_compare_workload(args: argparse.Namespace, vocab_size: int, context: int) -> ReplayWorkload:
     """The weka sessions, each cut to its first ``--turns`` turns before its timelines are built."""
-    builder = _Builder(args.scale, vocab_size, context, args.max_tokens)
-    replay, kept = [], []
-    for file in _weka_files(Path(args.trace))[: args.sessions]:
-        session = load_session(file)
-        if args.turns is not None:
-            session = dataclasses.replace(session, turns=session.turns[: args.turns])
-        built, trimmed = builder.weka(session, args.shared_prefix)
-        kept.append(trimmed)
-        if built is not None:
-            replay.append(built)
-    return ReplayWorkload("weka", args.trace, replay, args.scale, vocab_size, context, trace_block_bound(kept),
-                          len(builder.skipped), builder.skipped)
+    return load_workload(args.trace, scale=args.scale, vocab_size=vocab_size, context=context,
+                         max_tokens=args.max_tokens, sessions=args.sessions, shared_prefix=args.shared_prefix,
+                         turns=args.turns)
 
 
 def _check(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:

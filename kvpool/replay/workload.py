@@ -32,7 +32,11 @@ from kvpool.workload.bounds import trace_block_bound
 from kvpool.workload.mooncake import BLOCK_SIZE as MOONCAKE_BLOCK_SIZE
 from kvpool.workload.mooncake import load_mooncake, mooncake_block_bound
 from kvpool.workload.timelines import AgentTimeline, agent_timelines
-from kvpool.workload.tokens import scaled_prompt_tokens, shared_prefix_tokens, turn_token_ids
+from kvpool.workload.tokens import (
+    scaled_prompt_tokens,
+    shared_prefix_tokens,
+    turn_token_ids,
+)
 from kvpool.workload.weka import TRACE_GLOB, Session, load_session
 
 
@@ -173,20 +177,33 @@ class _Builder:
 
 
 def load_workload(path: Path | str, *, scale: int, vocab_size: int, context: int, max_tokens: int,
-                  sessions: int | None = None, shared_prefix: bool = False) -> ReplayWorkload:
-    """Read a weka folder/file or a Mooncake ``.jsonl`` (see the module doc); ``sessions`` keeps the first ones."""
+                  sessions: int | None = None, shared_prefix: bool = False,
+                  turns: int | None = None) -> ReplayWorkload:
+    """Read a weka folder/file or a Mooncake ``.jsonl`` (see the module doc).
+
+    ``sessions`` keeps the first ones; ``turns`` keeps the first N turns of
+    every weka session (sub-agent turns among them, in time order) before its
+    timelines are built, so the working set is known before a run.
+    """
     path = Path(path)
     if scale < 1 or max_tokens < 1:
         raise ValueError(f"scale and max_tokens must be >= 1, got {scale} and {max_tokens}")
+    if turns is not None and turns < 1:
+        raise ValueError(f"--turns: must be >= 1, got {turns}")
     if not path.exists():
         raise ValueError(f"{path}: no such file or folder")
     builder = _Builder(scale, vocab_size, context, max_tokens)
     if path.suffix == ".jsonl":
+        if turns is not None:
+            raise ValueError("--turns: a Mooncake trace has one request per line, no sessions to cut")
         return _mooncake(path, builder, sessions)
     files = _weka_files(path)[: sessions if sessions is not None else None]
     replay, kept = [], []
     for file in files:
-        built, trimmed = builder.weka(load_session(file), shared_prefix)
+        session = load_session(file)
+        if turns is not None:
+            session = dataclasses.replace(session, turns=session.turns[:turns])
+        built, trimmed = builder.weka(session, shared_prefix)
         kept.append(trimmed)
         if built is not None:
             replay.append(built)

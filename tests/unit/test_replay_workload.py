@@ -129,3 +129,20 @@ def test_mooncake_block_bound_of_the_requests_sent_is_global(tmp_path: Path) -> 
     workload = load_workload(path, scale=16, vocab_size=VOCAB, context=32768, max_tokens=8)
     assert sent_block_bound(workload, [("t-1", 0), ("t-2", 0)]) == 512 / 2048
     assert sent_block_bound(workload, [("t-2", 0)]) == 0.0
+
+
+def test_turns_keeps_the_first_turns_of_every_session_and_refuses_mooncake(tmp_path: Path) -> None:
+    trace = tmp_path / "s.json"
+    requests = [{"t": float(i), "in": 128 * (i + 1), "out": 8, "hash_ids": list(range(2 * (i + 1))),
+                 "think_time": 0.0} for i in range(5)]
+    trace.write_text(json.dumps({"id": "s", "block_size": 64, "hash_id_scope": "local", "tool_tokens": 0,
+                                  "system_tokens": 0, "requests": requests}))
+    whole = load_workload(trace, scale=1, vocab_size=1024, context=32768, max_tokens=8)
+    cut = load_workload(trace, scale=1, vocab_size=1024, context=32768, max_tokens=8, turns=2)
+    assert (whole.num_turns, cut.num_turns) == (5, 2)
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text(json.dumps({"timestamp": 0, "input_length": 512, "output_length": 4, "hash_ids": [1]}) + "\n")
+    with pytest.raises(ValueError, match="^--turns: a Mooncake trace"):
+        load_workload(mooncake, scale=1, vocab_size=1024, context=32768, max_tokens=8, turns=2)
+    with pytest.raises(ValueError, match="^--turns: must be >= 1"):
+        load_workload(trace, scale=1, vocab_size=1024, context=32768, max_tokens=8, turns=0)
