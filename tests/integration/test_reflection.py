@@ -11,8 +11,8 @@ from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvpool import service
-from kvpool.local_cluster import LocalPipeline, LocalPool
-from kvpool.rpc import handoff_pb2, pool_pb2, prefill_pb2
+from kvpool.local_cluster import LocalDecode, LocalPipeline, LocalPool, ServiceProcess
+from kvpool.rpc import decode_pb2, handoff_pb2, pool_pb2, prefill_pb2, router_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -23,6 +23,8 @@ PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 PREFILL_STAGE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillStage"].full_name
 HANDOFF = handoff_pb2.DESCRIPTOR.services_by_name["Handoff"].full_name
 HANDOFF_STAGE = handoff_pb2.DESCRIPTOR.services_by_name["HandoffStage"].full_name
+DECODE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+ROUTER = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
 def reflect(address: str, *requests: reflection_pb2.ServerReflectionRequest) -> list[
@@ -66,6 +68,20 @@ def test_prefill_stages_list_the_services_they_serve(tmp_path: Path) -> None:
         # stage 0 also serves the Prefill API; the later stages do not
         assert list_services(first) == {PREFILL, PREFILL_STAGE, HANDOFF, HANDOFF_STAGE, HEALTH, REFLECTION}
         assert list_services(last) == {PREFILL_STAGE, HANDOFF_STAGE, HEALTH, REFLECTION}
+
+
+def test_decode_shards_and_the_router_list_the_services_they_serve(tmp_path: Path) -> None:
+    with LocalPipeline(num_stages=1, master="", workdir=tmp_path / "stages") as pipeline, \
+            LocalDecode(["--num-pages", "64"], workdir=tmp_path / "decode") as shard:
+        assert list_services(shard.address) == {DECODE, HEALTH, REFLECTION}
+        router = ServiceProcess("router", ["router", "--port", "0", "--http-port", "0", "--admin-port", "0",
+                                           "--pipelines", pipeline.address, "--shards", shard.address], tmp_path)
+        router.start()
+        try:
+            router.wait_ready()
+            assert list_services(f"127.0.0.1:{router.ready['port']}") == {ROUTER, HEALTH, REFLECTION}
+        finally:
+            router.stop()
 
 
 async def test_an_unknown_service_name_is_refused_before_serving() -> None:
