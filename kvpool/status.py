@@ -39,6 +39,18 @@ def status_code(error: KvpoolError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def from_status(
+    exc: grpc.aio.AioRpcError, where: str, passed_on: tuple[type[KvpoolError], ...]
+) -> KvpoolError:
+    """A downstream service's error as ours: the kinds in ``passed_on`` keep their meaning
+    (the caller's mistake stays the caller's); anything else means ``where`` is unavailable."""
+    code = exc.code()
+    for kind in passed_on:
+        if _CODES[kind] == code:
+            return kind(f"{where}: {exc.details()}")
+    return Unavailable(f"{where}: {code.name}: {exc.details()}")
+
+
 def status_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
     """Decorate a servicer method: domain errors become gRPC status codes, in one place."""
 

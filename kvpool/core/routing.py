@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from kvpool.core.errors import InvalidArgument, Unavailable
@@ -89,22 +89,27 @@ class RoutingPolicy:
 
     # ---- what the router sees -------------------------------------------
 
-    def set_health(self, name: str, healthy: bool) -> None:
-        self._backend(name).healthy = healthy
+    def set_health(self, name: str, healthy: bool) -> bool:
+        """Mark a backend in or out of rotation; True when that changed its state."""
+        backend = self._backend(name)
+        changed = backend.healthy != healthy
+        backend.healthy = healthy
+        return changed
 
     def report_free_pages(self, shard: str, free_pages: int) -> None:
         self._shard(shard).free_pages = max(0, free_pages)
 
     # ---- decisions ------------------------------------------------------
 
-    def place(self, session_key: str, num_pages: int) -> Placement:
+    def place(self, session_key: str, num_pages: int, exclude: Collection[str] = ()) -> Placement:
         """Pick a pipeline and a shard and count the request as in flight on both.
 
-        ``num_pages`` is what the request will hold on its shard. The caller
-        must call ``finish`` with the returned placement when the request ends,
-        however it ends.
+        ``num_pages`` is what the request will hold on its shard. Pipelines in
+        ``exclude`` (a retry's failed ones) are out of rotation for this
+        request only. The caller must call ``finish`` with the returned
+        placement when the request ends, however it ends.
         """
-        pipeline, reason = self._pick_pipeline(session_key)
+        pipeline, reason = self._pick_pipeline(session_key, exclude)
         shard = self._pick_shard()
         pipeline.in_flight += 1
         pipeline.placed += 1
@@ -136,15 +141,15 @@ class RoutingPolicy:
 
     # ---- internals ------------------------------------------------------
 
-    def _pick_pipeline(self, session_key: str) -> tuple[Backend, PipelineReason]:
-        healthy = [p for p in self.pipelines.values() if p.healthy]
+    def _pick_pipeline(self, session_key: str, exclude: Collection[str]) -> tuple[Backend, PipelineReason]:
+        healthy = [p for p in self.pipelines.values() if p.healthy and p.name not in exclude]
         if not healthy:
             raise Unavailable("no healthy prefill pipeline")
         own_name = self._sessions.get(session_key) if session_key else None
         own = self.pipelines.get(own_name) if own_name is not None else None
         if own is None:
             reason = PipelineReason.NEW_SESSION
-        elif not own.healthy:
+        elif not own.healthy or own.name in exclude:
             reason = PipelineReason.UNHEALTHY
         elif own.in_flight >= self.affinity_max_queue:
             reason = PipelineReason.OVERLOADED

@@ -39,7 +39,7 @@ from kvpool.core.errors import (
 from kvpool.core.handoff_layout import HandoffLayout
 from kvpool.handoff import gather_stage, write_slab
 from kvpool.rpc import handoff_pb2, handoff_pb2_grpc
-from kvpool.status import status_errors
+from kvpool.status import from_status, status_errors
 from kvpool.transfer import TransferError
 from services.prefill.arena import Arena
 from services.prefill.stage_runner import StageRunner
@@ -254,8 +254,4 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServicer):
         try:
             return await self.stages[stage - 1].WriteLayers(request, timeout=STAGE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(f"stage {stage}: {exc.details()}") from None
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FailedPrecondition(f"stage {stage}: {exc.details()}") from None
-            raise Unavailable(f"stage {stage}: {exc.code().name}: {exc.details()}") from None
+            raise from_status(exc, f"stage {stage}", (InvalidArgument, FailedPrecondition)) from None

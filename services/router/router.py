@@ -41,11 +41,15 @@ from kvpool.rpc import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from kvpool.status import from_status
 from services.router.http_api import Usage
 from services.router.metrics import RouterMetrics
 from services.router.openai_schema import GenerationRequest
 
 log = structlog.get_logger(__name__)
+
+# a backend's answer the client must see as such: its own bad input, or no room now (429)
+_PASSED_ON = (InvalidArgument, ResourceExhausted)
 
 CALL_TIMEOUT_S = 30.0
 
@@ -111,10 +115,9 @@ class Router:
         results = await asyncio.gather(*checks)
         backends = dict(zip([*self.pipelines, *self.shards], results))
         for name, healthy in backends.items():
-            was = self.policy._backend(name).healthy
-            self.policy.set_health(name, healthy)
+            changed = self.policy.set_health(name, healthy)
             self.metrics.healthy.labels(name).set(1 if healthy else 0)
-            if was != healthy:
+            if changed:
                 log.warning("backend_health_changed", backend=name, healthy=healthy)
         return backends
 
@@ -214,14 +217,7 @@ class Router:
 
     def _place(self, request: GenerationRequest, tried: set[str]) -> Placement:
         # a retry must not land on a pipeline that already failed this request
-        hidden = [n for n in tried if self.policy.pipelines[n].healthy]
-        for name in hidden:
-            self.policy.set_health(name, False)
-        try:
-            placement = self.policy.place(request.session_key, self._pages_for(request, None))
-        finally:
-            for name in hidden:
-                self.policy.set_health(name, True)
+        placement = self.policy.place(request.session_key, self._pages_for(request, None), exclude=tried)
         self.metrics.placements.labels("pipeline", placement.pipeline, placement.pipeline_reason.value).inc()
         self.metrics.placements.labels("shard", placement.shard, placement.shard_reason.value).inc()
         return placement
@@ -252,7 +248,7 @@ class Router:
                 timeout=self.request_timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
-            raise _domain_error(exc, f"prefill pipeline {placement.pipeline}") from None
+            raise from_status(exc, f"prefill pipeline {placement.pipeline}", _PASSED_ON) from None
 
     async def _handoff(self, placement: Placement, request: GenerationRequest, kv_handle: str,
                        usage: Usage) -> handoff_pb2.HandoffTarget:
@@ -272,7 +268,7 @@ class Router:
             await self._release_hold(placement, kv_handle)
             if target is not None:
                 await self._release_region(shard, target.region_id)
-            raise _domain_error(exc, f"handoff {placement.pipeline} → {placement.shard}") from None
+            raise from_status(exc, f"handoff {placement.pipeline} → {placement.shard}", _PASSED_ON) from None
         except BaseException:
             await self._release_hold(placement, kv_handle)
             if target is not None:
@@ -305,7 +301,7 @@ class Router:
                     continue
                 yield response.token_id, False
         except grpc.aio.AioRpcError as exc:
-            raise _domain_error(exc, f"decode shard {placement.shard}") from None
+            raise from_status(exc, f"decode shard {placement.shard}", _PASSED_ON) from None
         finally:
             call.cancel()  # a no-op once the stream ended; frees the pages when the client went away
 
@@ -330,14 +326,3 @@ class Router:
             await shard.decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=region_id), timeout=5.0)
         except grpc.aio.AioRpcError as exc:
             log.info("region_release_failed", region_id=region_id, code=exc.code().name)  # reclaimed at its deadline
-
-
-
-def _domain_error(exc: grpc.aio.AioRpcError, where: str) -> Exception:
-    code = exc.code()
-    message = f"{where}: {exc.details()}"
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidArgument(message)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourceExhausted(message)
-    return Unavailable(f"{where}: {code.name}: {exc.details()}")

@@ -47,6 +47,17 @@ def test_unhealthy_pipelines_and_shards_leave_rotation() -> None:
         p.place("", 1)
 
 
+def test_a_retry_excludes_the_pipelines_that_failed_it_without_touching_their_health() -> None:
+    p = policy()
+    p.finish(p.place("s", 1))  # the session lives on p0
+    retry = p.place("s", 1, exclude={"p0"})
+    assert (retry.pipeline, retry.pipeline_reason) == ("p1", PipelineReason.UNHEALTHY)
+    assert p.pipelines["p0"].healthy  # out of rotation for that request only
+    with pytest.raises(Unavailable, match="no healthy prefill pipeline"):
+        p.place("s", 1, exclude={"p0", "p1"})
+    assert p.set_health("p1", False) and not p.set_health("p1", False)  # True only when it changed
+
+
 def test_decode_goes_to_the_most_free_pages_after_promises() -> None:
     p = policy()
     a = p.place("", 30)  # d0: 100 free -> 70 after the promise; d1 80
