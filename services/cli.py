@@ -16,7 +16,7 @@ from typing import Any
 
 from kvpool.logs import configure_logging
 from kvpool.settings import add_setting_flags, load_settings
-from services.bench_cli import add_bench, run_bench
+from kvpool.tools.bench.cli import add_bench, run_bench
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +83,7 @@ def _add_router(sub: Any) -> None:
 
 
 def _add_up(sub: Any) -> None:
-    from services.up import UpSettings
+    from kvpool.tools.up import UpSettings
 
     p = sub.add_parser("up", help="run a whole cluster on this host",
                        description="Start a whole cluster on this host — master, stores, prefill pipelines, decode "
@@ -128,13 +128,13 @@ def _add_pool(sub: Any) -> None:
 
 
 def _add_replay(sub: Any) -> None:
-    from services.replay_cmd import add_replay_parser
+    from kvpool.tools.replay.cli import add_replay_parser
 
     add_replay_parser(sub)
 
 
 def _add_simulate(sub: Any) -> None:
-    from services.simulate_cmd import add_simulate_parser
+    from kvpool.tools.sim.cli import add_simulate_parser
 
     add_simulate_parser(sub)
 
@@ -227,12 +227,12 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from services.up import UpSettings, run_up
+    from kvpool.tools.up import UpSettings, run_up
 
     settings = _settings(UpSettings, "up", args)
     demo = None
     if args.demo or args.trace:
-        from services.demo import DemoSettings, default_trace, run_demo
+        from kvpool.tools.demo import DemoSettings, default_trace, run_demo
 
         trace = "" if args.trace == "synthetic" else (args.trace or default_trace())
         demo_settings = DemoSettings(trace=trace, scale=args.scale, turns=args.turns)
@@ -241,13 +241,13 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from services.clients import generate
+    from kvpool.tools.clients import generate
 
     return asyncio.run(generate(args.router, args.prompt, args.max_tokens, args.temperature, args.session))
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    from services.clients import chat
+    from kvpool.tools.clients import chat
 
     return chat(args.url, args.max_tokens, args.temperature)
 
@@ -261,20 +261,20 @@ def _run_pool(args: argparse.Namespace) -> int:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from services.replay_cmd import main as replay
+    from kvpool.tools.replay.cli import main as replay
 
     return replay(args)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from services.simulate_cmd import main as simulate
+    from kvpool.tools.sim.cli import main as simulate
 
     return simulate(args)
 
 
 def _die_with_parent_if_asked() -> None:
     """SIGTERM when the process that started us goes (``kvpool up``'s children: no orphans)."""
-    from kvpool.local_cluster import PARENT_PID_ENV
+    from kvpool.tools.cluster import PARENT_PID_ENV
 
     parent = os.environ.get(PARENT_PID_ENV)
     if not parent:

@@ -12,7 +12,7 @@ accepted, as for the weka format. Blank lines are skipped; anything else
 malformed raises ValueError naming the file, the line and the field.
 
 The trace has no session ids, so a request is an arrival, not a turn of a
-known conversation: ``kvpool.replay`` plays the file as an open-loop arrival
+known conversation: ``kvpool.tools.replay`` plays the file as an open-loop arrival
 stream by ``timestamp``.
 """
 

@@ -1,4 +1,4 @@
-"""The simulator drives the core without the services' libraries: every kvpool.sim module imports with
+"""The simulator drives the core without the services' libraries: every kvpool.tools.sim module imports with
 grpc, protobuf, torch and mooncake blocked (matplotlib is imported only inside the plot function)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import pkgutil
 import subprocess
 import sys
 
-import kvpool.sim
+import kvpool.tools.sim
 from tests.core.test_purity import PROBE, ROOT
 
 BLOCKED = ("grpc", "google.protobuf", "torch", "mooncake", "numpy", "matplotlib")
 
 
 def sim_modules() -> list[str]:
-    return ["kvpool.sim"] + [f"kvpool.sim.{m.name}" for m in pkgutil.iter_modules(kvpool.sim.__path__)]
+    return ["kvpool.tools.sim"] + [f"kvpool.tools.sim.{m.name}" for m in pkgutil.iter_modules(kvpool.tools.sim.__path__)]
 
 
 def run_probe(modules: list[str]) -> subprocess.CompletedProcess[str]:
@@ -24,7 +24,7 @@ def run_probe(modules: list[str]) -> subprocess.CompletedProcess[str]:
 
 def test_every_sim_module_imports_without_service_libraries() -> None:
     modules = sim_modules()
-    assert {"kvpool.sim.engine", "kvpool.sim.prefill_sim", "kvpool.sim.decode_sim"} <= set(modules)
+    assert {"kvpool.tools.sim.engine", "kvpool.tools.sim.prefill_sim", "kvpool.tools.sim.decode_sim"} <= set(modules)
     result = run_probe(modules)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"imported {len(modules)}"

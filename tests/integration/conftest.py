@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
-from kvpool.local_cluster import LocalPool
+from kvpool.tools.cluster import LocalPool
 from kvpool.pool.client import PoolClient
 from kvpool.transfer import HostBuffer, TransferEngine
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvpool import service
-from kvpool.local_cluster import LocalDecode, LocalPipeline
+from kvpool.tools.cluster import LocalDecode, LocalPipeline
 from kvpool.model import InProcessPipeline, get_config, split_layers
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2, handoff_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.integration.conftest import eventually

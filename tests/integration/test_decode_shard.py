@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvpool import service
-from kvpool.bench.decode_bench import Prepared, PromptFiller, decode_request
-from kvpool.local_cluster import LocalDecode
+from kvpool.tools.bench.decode_bench import Prepared, PromptFiller, decode_request
+from kvpool.tools.cluster import LocalDecode
 from kvpool.model import InProcessPipeline, get_config
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
 from kvpool.transfer import TransferEngine

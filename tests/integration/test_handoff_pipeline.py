@@ -26,7 +26,7 @@ import torch
 from kvpool import service
 from kvpool.core.handoff_layout import HandoffLayout
 from kvpool.handoff import scatter_region
-from kvpool.local_cluster import LocalPipeline
+from kvpool.tools.cluster import LocalPipeline
 from kvpool.model import InProcessPipeline as ReferenceModel
 from kvpool.model import get_config, pack_kv, split_layers
 from kvpool.rpc import handoff_pb2, handoff_pb2_grpc, prefill_pb2, prefill_pb2_grpc

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvpool import service
-from kvpool.local_cluster import LocalPool
+from kvpool.tools.cluster import LocalPool
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 
 Code = grpc.StatusCode

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from kvpool import service
-from kvpool.local_cluster import LocalPool
+from kvpool.tools.cluster import LocalPool
 from kvpool.pool.client import GroupLocation, PoolClient, PutObject, PutResult
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import HostBuffer

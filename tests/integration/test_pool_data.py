@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from kvpool.local_cluster import LocalPool
+from kvpool.tools.cluster import LocalPool
 from kvpool.pool.client import PoolClient, PutObject, PutResult
 from kvpool.transfer import MAX_IN_FLIGHT, POLL_MIN_BYTES, HostBuffer
 

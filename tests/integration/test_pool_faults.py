@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from kvpool.local_cluster import LocalPool
+from kvpool.tools.cluster import LocalPool
 from kvpool.pool.client import PoolClient, PutObject, PutResult
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import POLL_MIN_BYTES, HostBuffer

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from services import cli
-from kvpool.bench import prefill_bench
+from kvpool.tools.bench import prefill_bench
 
 TRACES = prefill_bench.default_traces_dir()
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvpool import service
-from kvpool.local_cluster import LocalPipeline, LocalPool
+from kvpool.tools.cluster import LocalPipeline, LocalPool
 from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import HostBuffer, TransferEngine
 from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key

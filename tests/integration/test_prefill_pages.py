@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
-from kvpool.local_cluster import LocalPool
+from kvpool.tools.cluster import LocalPool
 from kvpool.model import get_config
 from kvpool.model.kv_cache import block_bytes, pack_kv
 from kvpool.pool.client import ObjectLocation, PoolClient

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvpool import service
-from kvpool.local_cluster import LocalPipeline, LocalPool
+from kvpool.tools.cluster import LocalPipeline, LocalPool
 from kvpool.model import InProcessPipeline as ReferenceModel
 from kvpool.model import get_config
 from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc

@@ -11,7 +11,7 @@ from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvpool import service
-from kvpool.local_cluster import LocalDecode, LocalPipeline, LocalPool, ServiceProcess
+from kvpool.tools.cluster import LocalDecode, LocalPipeline, LocalPool, ServiceProcess
 from kvpool.rpc import decode_pb2, handoff_pb2, pool_pb2, prefill_pb2, router_pb2
 
 pytestmark = pytest.mark.integration

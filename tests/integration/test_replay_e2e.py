@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.replay import ClusterProbes, ReplayOptions, check_device_cache, load_workload, run_replay
-from services.up import Cluster, UpSettings
+from kvpool.tools.replay import ClusterProbes, ReplayOptions, check_device_cache, load_workload, run_replay
+from kvpool.tools.up import Cluster, UpSettings
 
 pytestmark = pytest.mark.integration
 

@@ -17,16 +17,16 @@ import urllib.request
 import pytest
 
 from kvpool.pool.stats import fetch_stats
-from kvpool.replay.compare import run_compare
-from kvpool.replay.engine import ReplayOptions
-from kvpool.replay.topology import Topology, TopologySettings
-from kvpool.replay.topology_netns import (
+from kvpool.tools.replay.compare import run_compare
+from kvpool.tools.replay.engine import ReplayOptions
+from kvpool.tools.replay.topology import Topology, TopologySettings
+from kvpool.tools.replay.topology_netns import (
     Network,
     link_names,
     netns_names,
     why_unavailable,
 )
-from kvpool.replay.workload import ReplaySession, ReplayTurn, ReplayWorkload
+from kvpool.tools.replay.workload import ReplaySession, ReplayTurn, ReplayWorkload
 from kvpool.workload.timelines import AgentTimeline
 
 pytestmark = pytest.mark.integration

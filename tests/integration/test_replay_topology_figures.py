@@ -1,6 +1,6 @@
 """The comparison's own figures, exact: the flag, the regime, the default store size, what a kill cost.
 
-No processes: these are the pure parts of ``kvpool.replay.compare`` that the
+No processes: these are the pure parts of ``kvpool.tools.replay.compare`` that the
 end-to-end run in ``test_replay_topology.py`` relies on.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.replay.compare import (
+from kvpool.tools.replay.compare import (
     auto_segment_size,
     chunk_nbytes,
     fault_report,
@@ -16,7 +16,7 @@ from kvpool.replay.compare import (
     regime,
     working_set_bytes,
 )
-from kvpool.replay.engine import ReplayResult, TurnRecord
+from kvpool.tools.replay.engine import ReplayResult, TurnRecord
 
 MiB = 1 << 20
 

@@ -18,7 +18,7 @@ import pytest
 
 from kvpool import service
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
-from services.up import Cluster, UpSettings
+from kvpool.tools.up import Cluster, UpSettings
 
 pytestmark = pytest.mark.integration
 

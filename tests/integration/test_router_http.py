@@ -24,7 +24,7 @@ import pytest
 
 from kvpool.pool.stats import fetch_stats
 from kvpool.rpc import decode_pb2, decode_pb2_grpc
-from services.up import Cluster, UpSettings
+from kvpool.tools.up import Cluster, UpSettings
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpool.local_cluster import LocalPool
+from kvpool.tools.cluster import LocalPool
 from kvpool.pool.client import PoolClient, PutObject
 from kvpool.transfer import HostBuffer
 

@@ -16,7 +16,7 @@ import pytest
 from kvpool import service
 from kvpool.core.pool_index import PoolIndex
 from kvpool.core.pool_settings import IndexSettings
-from kvpool.local_cluster import ServiceProcess
+from kvpool.tools.cluster import ServiceProcess
 from kvpool.rpc import pool_pb2_grpc
 from services.master.metrics import MasterMetrics
 from services.master.servicer import PoolMasterServicer

@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not installed")
 
-from kvpool.bench import pool_bench, upstream  # noqa: E402 -- after the importorskip guard
-from kvpool.bench.stats import throughput_gbps  # noqa: E402
-from kvpool.local_cluster import LocalPool  # noqa: E402
+from kvpool.tools.bench import pool_bench, upstream  # noqa: E402 -- after the importorskip guard
+from kvpool.tools.bench.stats import throughput_gbps  # noqa: E402
+from kvpool.tools.cluster import LocalPool  # noqa: E402
 
 OBJECT_SIZE = 64 * 1024
 BATCH_SIZE = 4

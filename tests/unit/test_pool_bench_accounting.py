@@ -8,8 +8,8 @@ import zlib
 
 import pytest
 
-from kvpool.bench import pool_bench, stats
-from kvpool.bench.worker_protocol import (
+from kvpool.tools.bench import pool_bench, stats
+from kvpool.tools.bench.worker_protocol import (
     STAMP,
     SYSTEM_KVPOOL,
     SYSTEM_MOONCAKE,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvpool.replay.engine import ReplayOptions, ReplayResult, TurnRecord
-from kvpool.replay.report import format_table, json_safe, summarize
-from kvpool.replay.workload import load_workload
+from kvpool.tools.replay.engine import ReplayOptions, ReplayResult, TurnRecord
+from kvpool.tools.replay.report import format_table, json_safe, summarize
+from kvpool.tools.replay.workload import load_workload
 
 
 def workload_of(tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.replay.schedule import PlannedTurn, SessionSchedule, TurnRef, simulate
+from kvpool.tools.replay.schedule import PlannedTurn, SessionSchedule, TurnRef, simulate
 from kvpool.workload.timelines import AgentTimeline, agent_timelines
 from kvpool.workload.weka import Session, parse_session
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.replay.workload import DeviceCacheTooSmall, check_device_cache, load_workload, sent_block_bound
+from kvpool.tools.replay.workload import DeviceCacheTooSmall, check_device_cache, load_workload, sent_block_bound
 from kvpool.workload.mooncake import MooncakeRequest, load_mooncake, mooncake_block_bound
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"

@@ -45,9 +45,9 @@ def test_only_with_no_match_fails_naming_the_flag() -> None:
 
 
 def test_validate_uses_this_hosts_cost_model_unless_told() -> None:
-    from kvpool.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
+    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
     from services.cli import build_parser
-    from services.simulate_cmd import cost_model_path
+    from kvpool.tools.sim.cli import cost_model_path
 
     parser = build_parser()
     assert cost_model_path(parser.parse_args(["simulate", "--validate"])) == str(CPU_COST_MODEL)
@@ -63,10 +63,10 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
     # timed by the CPU cost model, so the verdict is exact: equal counts, no error
     from dataclasses import replace
 
-    from kvpool.sim.cost_model import CPU_COST_MODEL, load_cost_model
-    from kvpool.sim.validate import ValidationSetup, simulate_sessions
+    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, load_cost_model
+    from kvpool.tools.sim.validate import ValidationSetup, simulate_sessions
     from kvpool.workload.weka import load_session
-    from services import simulate_validate
+    from kvpool.tools.sim import validate_cmd as simulate_validate
     from services.cli import build_parser
 
     setup = ValidationSetup(context=32768)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.sim.cost_model import DEFAULT_COST_MODEL, CostModel, PrefillCost, load_cost_model, parse_cost_model
+from kvpool.tools.sim.cost_model import DEFAULT_COST_MODEL, CostModel, PrefillCost, load_cost_model, parse_cost_model
 
 
 def test_the_default_file_parses_to_its_stated_numbers() -> None:
@@ -69,7 +69,7 @@ def test_the_cpu_file_parses_and_names_every_field() -> None:
     import tomllib
     from dataclasses import fields
 
-    from kvpool.sim.cost_model import _TABLES, CPU_COST_MODEL
+    from kvpool.tools.sim.cost_model import _TABLES, CPU_COST_MODEL
 
     assert CPU_COST_MODEL.name == "cost_model_cpu.toml"
     document = tomllib.loads(CPU_COST_MODEL.read_text())
@@ -100,7 +100,7 @@ def test_sequential_stages_take_every_stage_time_and_no_fill() -> None:
 
 
 def test_the_handoff_charges_the_request_and_its_prompt_tokens() -> None:
-    from kvpool.sim.cost_model import HandoffCost, ModelShape
+    from kvpool.tools.sim.cost_model import HandoffCost, ModelShape
 
     cost = CostModel(model=ModelShape(num_layers=4, kv_entry_bytes=2, chunk_tokens=256),
                      handoff=HandoffCost(gbps=1.0, per_transfer_s=0.0, per_request_s=0.25, per_prompt_token_s=0.001))

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from kvpool.sim.cost_model import CostModel, DecodeCost, HandoffCost, ModelShape, PrefillCost, RestoreCost
-from kvpool.sim.engine import Simulation, layer_split
-from kvpool.sim.events import EventLoop
-from kvpool.sim.topology import GIB, RunSettings, Topology
+from kvpool.tools.sim.cost_model import CostModel, DecodeCost, HandoffCost, ModelShape, PrefillCost, RestoreCost
+from kvpool.tools.sim.engine import Simulation, layer_split
+from kvpool.tools.sim.events import EventLoop
+from kvpool.tools.sim.topology import GIB, RunSettings, Topology
 from kvpool.workload.weka import Session, parse_session
 
 # 4 layers x 1 byte: a stage's object of a 256-token chunk is 256 B, a group 1 KiB
@@ -123,7 +123,7 @@ def test_layer_split_is_even_with_the_extra_layers_first() -> None:
 def test_the_simulator_gives_the_counts_the_real_cluster_gave() -> None:
     # tests/integration/test_replay_e2e.py's trace and cluster (2 stages, 8 device chunks), whose counts
     # the real cluster produced through the HTTP API; here from the core alone
-    from kvpool.sim.validate import TurnCounts, ValidationSetup, compare, simulate_sessions
+    from kvpool.tools.sim.validate import TurnCounts, ValidationSetup, compare, simulate_sessions
 
     def request(t: float, ids: list[int]) -> dict[str, Any]:
         return {"t": t, "in": 256 * len(ids) + 10, "out": 4, "hash_ids": ids, "think_time": 0.5}
@@ -145,7 +145,7 @@ def test_the_simulator_gives_the_counts_the_real_cluster_gave() -> None:
 
 
 def test_compare_counts_by_hand() -> None:
-    from kvpool.sim.validate import TurnCounts, compare
+    from kvpool.tools.sim.validate import TurnCounts, compare
 
     sim = [TurnCounts(522, 0, 0, 522, 2.0), TurnCounts(778, 512, 0, 266, 1.0), TurnCounts(778, 0, 512, 266, 9.0)]
     same = [TurnCounts(522, 0, 0, 522, 4.0), TurnCounts(778, 512, 0, 266, 2.0)]
@@ -164,7 +164,7 @@ def test_compare_counts_by_hand() -> None:
 
 
 def test_failure_figures_against_the_twin_run_by_hand() -> None:
-    from kvpool.sim.report import failure_figures
+    from kvpool.tools.sim.report import failure_figures
 
     def series(*reuse: float) -> list[dict[str, float]]:
         return [{"t": 60.0 * i, "reuse": r, "pool_share": 0.0} for i, r in enumerate(reuse)]

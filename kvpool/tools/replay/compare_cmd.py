@@ -1,0 +1,151 @@
+"""``kvpool replay --compare``: the flags and the run of the side-by-side comparisons (``kvpool.tools.replay.compare``).
+
+``add_compare_arguments`` adds the flags to the ``replay`` parser; ``main``
+runs when ``--compare`` is given. The pool and device sizes default to the
+seed's regime for the workload at hand: each store holds enough that the
+shared pool (two stores a server) keeps the whole working set, so one
+server's split pool (one store) keeps about two thirds of its share; each
+prefill stage's device cache is the longest turn, rounded up to whole chunks
+(about one session's history). ``--turns`` keeps the first N turns of every
+session, so a run's working set is known before it starts and every side
+replays exactly the same requests to the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvpool.tools.replay.compare import (
+    Fault,
+    auto_segment_size,
+    chunk_nbytes,
+    parse_compare,
+    regime,
+    run_compare,
+    working_set_bytes,
+    workload_prompts,
+)
+from kvpool.tools.replay.engine import ReplayOptions
+from kvpool.tools.replay.report import json_safe
+from kvpool.tools.replay.topology import TopologySettings
+from kvpool.tools.replay.workload import ReplayWorkload, load_workload
+from kvpool.sizes import format_size, parse_size
+
+SUMMARY_KEYS = ("prompt_tok_s", "reuse_ratio", "device_share", "pool_share", "computed_share", "ttft_p50_s",
+                "turns_sent", "errors", "wall_s", "pool_evicted_groups", "restore_bytes")
+
+
+def add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("comparisons (--compare): K logical servers, started fresh for every side and level")
+    g.add_argument("--compare", metavar="WHAT=A,B",
+                   help="pool=shared,split (one pool over every store against one per server) or groups=on,off "
+                   "(whole-group against per-object eviction); the same sessions on each side")
+    g.add_argument("--servers", type=int, default=2, help="logical servers: each a pipeline, a decode shard and "
+                   "two stores (prefill side, decode side) (default 2)")
+    g.add_argument("--turns", type=int, help="keep the first N turns of every weka session, with or without "
+                   "--compare (default: all)")
+    g.add_argument("--store-size", metavar="SIZE", help="each store's DRAM (default, pool: the shared pool holds "
+                   "the working set and one server's split pool about 2/3 of its share, the seed's regime; groups: "
+                   "the shared pool holds 3/5 of it, eviction pressure)")
+    g.add_argument("--link-gbit", type=float, default=10.0, help="each server's link, shaped with tc, each way "
+                   "(namespaces only; default 10)")
+    g.add_argument("--loopback", action="store_true", help="no network namespaces even where they work")
+    g.add_argument("--kill-server", type=int, metavar="N", help="kill every process of server N ... ")
+    g.add_argument("--at", type=float, metavar="S", help="... S seconds into each replay")
+
+
+def load_compare_workload(args: argparse.Namespace, vocab_size: int, context: int) -> ReplayWorkload:
+    """The weka sessions, each cut to its first ``--turns`` turns before its timelines are built."""
+    return load_workload(args.trace, scale=args.scale, vocab_size=vocab_size, context=context,
+                         max_tokens=args.max_tokens, sessions=args.sessions, shared_prefix=args.shared_prefix,
+                         turns=args.turns)
+
+
+def _check(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    try:
+        what, sides = parse_compare(args.compare)
+    except ValueError as exc:
+        raise SystemExit(f"kvpool replay: {exc}") from None
+    if args.url:
+        raise SystemExit("kvpool replay: --compare starts its own servers; drop --url")
+    if args.servers < 1:
+        raise SystemExit(f"kvpool replay: --servers: must be >= 1, got {args.servers}")
+    if (args.kill_server is None) != (args.at is None):
+        raise SystemExit("kvpool replay: --kill-server N and --at S go together")
+    if args.kill_server is not None and not 0 <= args.kill_server < args.servers:
+        raise SystemExit(f"kvpool replay: --kill-server: no server {args.kill_server} of {args.servers}")
+    if args.turns is not None and args.turns < 1:
+        raise SystemExit(f"kvpool replay: --turns: must be >= 1, got {args.turns}")
+    if str(args.trace).endswith(".jsonl"):
+        raise SystemExit("kvpool replay: --compare replays weka sessions (a folder or a trace_*.json)")
+    return what, sides
+
+
+def main(args: argparse.Namespace, levels: list[int]) -> int:
+    """Run the comparison; print one line per side and level, then (``--json``) one JSON object."""
+    from kvpool.model.config import CONFIGS
+
+    what, sides = _check(args)
+    config = CONFIGS["tiny"]
+    workload = load_compare_workload(args, config.vocab_size, config.max_position_embeddings)
+    if not workload.sessions:
+        raise SystemExit("kvpool replay: no turn fits the model's context")
+    chunk = args.chunk_size
+    device_tokens = args.device_cache_tokens or -(-workload.longest_prompt // chunk) * chunk
+    if workload.longest_prompt > device_tokens // chunk * chunk:
+        raise SystemExit(f"kvpool replay: the longest turn ({workload.longest_prompt} tokens) does not fit "
+                         f"--device-cache-tokens {device_tokens}")
+    working_set = working_set_bytes(workload_prompts(workload), chunk, chunk_nbytes("tiny", args.kv_dtype, chunk))
+    # groups: a pool smaller than the working set, or nothing is ever evicted
+    auto = auto_segment_size(working_set if what == "pool" else working_set * 0.6 / 1.15, args.servers)
+    segment = args.store_size or f"{auto >> 20}MiB"
+    planned = regime(working_set, parse_size(segment), args.servers)
+    print(f"kvpool replay --compare {args.compare}: {len(workload.sessions)} sessions, {workload.num_turns} turns, "
+          f"{workload.prompt_tokens:,} prompt tokens at --scale {args.scale}; {args.servers} servers; stores of "
+          f"{format_size(parse_size(segment))}, device caches of {device_tokens} tokens a stage; levels {levels}",
+          flush=True)
+    print(f"kvpool replay: planned {planned['text']}", flush=True)
+    base = TopologySettings(servers=args.servers, stages=args.stages, segment_size=segment,
+                            device_cache_tokens=device_tokens, kv_dtype=args.kv_dtype, netns=not args.loopback,
+                            link_gbit=args.link_gbit, log_level=args.log_level,
+                            decode_args=("--num-pages", str(args.decode_pages)) if args.decode_pages else ())
+    options = ReplayOptions(concurrency=levels[-1], think_scale=args.think_scale, duration_s=args.duration,
+                            chunk_size=chunk, progress=False)
+    fault = Fault(args.kill_server, args.at) if args.kill_server is not None else None
+
+    def on_side(side: str, summary: dict[str, Any]) -> None:
+        figures = "  ".join(f"{k}={_fmt(summary.get(k))}" for k in SUMMARY_KEYS)
+        print(f"  {what}={side} c={summary['concurrency']}: {figures}", flush=True)
+        print(f"    {summary['network_mode']}; link bytes in/out per server: {summary['link_bytes']}", flush=True)
+        print(f"    {summary['regime']['text']}", flush=True)
+        if "kill" in summary:
+            print(f"    kill: {json.dumps(json_safe(summary['kill']))}", flush=True)
+
+    # SIGTERM unwinds like Ctrl-C: every finally runs, so processes stop and namespaces go
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvpool-compare-") as tmp:
+            workdir = Path(args.workdir) if args.workdir else Path(tmp)
+            out = run_compare(what, sides, base, workload, levels, options, fault, workdir, on_side)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out["planned_regime"] = planned
+    headline = {k: out[k] for k in ("shared_over_split", "reuse_groups_on", "reuse_groups_off") if k in out}
+    print(f"kvpool replay --compare: {headline}", flush=True)
+    if args.json:
+        print(json.dumps(json_safe(out)), flush=True)
+    errors = sum(s["errors"] for s in out["sides"].values())
+    return 0 if errors == 0 or fault is not None else 1
+
+
+def _raise_interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

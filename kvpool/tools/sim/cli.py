@@ -1,0 +1,112 @@
+"""``kvpool simulate``: the seed's comparisons and the pool past four servers, on the system's own policy code.
+
+The simulation itself is ``kvpool.tools.sim`` (pure: the core and the workload);
+this module parses flags, runs the matrix's entries in parallel processes,
+prints the table, writes plots and the final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "agentx-weka"
+
+
+def add_simulate_parser(sub: Any) -> None:
+    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
+
+    p = sub.add_parser(
+        "simulate", help="simulate the cluster at the seed's scale and past it (the core's own policy code)",
+        description="A discrete-event simulation that drives kvpool.core (pool index, block manager, prefill "
+        "request, decode scheduler, router policy) with real weka traces at full token scale: shared vs split "
+        "pools at 32-112 sessions per server on 4 servers, a single-server calibration run, and 8/16/32 servers "
+        "with one server's stores dying mid-run. No process is started and no byte moves.",
+    )
+    p.add_argument("--traces", default=str(DEFAULT_TRACES), help="folder of weka trace_*.json files")
+    p.add_argument("--cost-model", default=None,
+                   help=f"cost model TOML (default: {DEFAULT_COST_MODEL.name}, the seed's GPUs; with --validate: "
+                   f"{CPU_COST_MODEL.name}, measured on this host for the local cluster --validate starts)")
+    # defaults: the figures of docs/simulation.md, in ~40 minutes on a shared 2-core host
+    p.add_argument("--duration", type=float, default=900.0, help="simulated seconds per seed run (default 900)")
+    p.add_argument("--scale-duration", type=float, default=600.0,
+                   help="simulated seconds per 8/16/32-server run (default 600; server 0's stores die at 2/3 of it)")
+    p.add_argument("--scale-sessions", type=int, default=28,
+                   help="sessions per server in the 8/16/32-server runs (default 28: memory and time on one host)")
+    p.add_argument("--warmup", type=float, default=300.0, help="simulated seconds before throughput/TTFT count")
+    p.add_argument("--think-cap", type=float, default=5.0, help="cap on each turn's think time in seconds")
+    p.add_argument("--no-think", action="store_true", help="send each turn as soon as the last one ends")
+    p.add_argument("--affinity-max-queue", type=int, default=4, help="the router's session-affinity threshold")
+    p.add_argument("--only", help="comma-separated run labels to keep (e.g. calibration,seed-shared-112)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs side by side (processes)")
+    p.add_argument("--quick", action="store_true", help="a small matrix, under a minute")
+    p.add_argument("--validate", action="store_true",
+                   help="run a small configuration in the simulator and on a local cluster (kvpool replay), compare")
+    p.add_argument("--json", action="store_true", help="the last line of output is one JSON object")
+    p.add_argument("--plot", metavar="DIR", help="write PNG charts here")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def cost_model_path(args: argparse.Namespace) -> str:
+    """``--cost-model``, else the seed's model for the matrix and the local CPU cluster's for ``--validate``."""
+    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
+
+    if args.cost_model:
+        return str(args.cost_model)
+    return str(CPU_COST_MODEL if getattr(args, "validate", False) else DEFAULT_COST_MODEL)
+
+
+def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvpool.tools.sim.report import matrix
+    from kvpool.tools.sim.runner import run_spec
+    from kvpool.tools.sim.topology import RunSettings, Topology
+
+    duration = 240.0 if args.quick else args.duration
+    scale_duration = 240.0 if args.quick else args.scale_duration
+    specs = matrix(duration, scale_duration, args.quick, args.scale_sessions)
+    if args.only:
+        wanted = set(args.only.split(","))
+        specs = [s for s in specs if s.label in wanted]
+        if not specs:
+            raise SystemExit(f"kvpool simulate: --only matched no run (labels: {', '.join(wanted)})")
+    base = RunSettings(warmup_s=60.0 if args.quick else args.warmup, think=not args.no_think,
+                       think_cap_s=args.think_cap, affinity_max_queue=args.affinity_max_queue)
+    topology = Topology()
+    call = (args.traces, cost_model_path(args), base, topology)
+    # the biggest runs first, so the pool's processes end together
+    order = sorted(specs, key=lambda s: -s.servers * s.sessions_per_server * s.duration_s)
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {s.label: pool.submit(run_spec, s, *call) for s in order}
+        results = {label: f.result() for label, f in futures.items()}
+    return [results[s.label] for s in specs]
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.validate:
+        from kvpool.tools.sim.validate_cmd import main as validate
+
+        return validate(args)
+    from kvpool.tools.sim.report import final_object, plot, table
+
+    if not Path(args.traces).is_dir():
+        print(f"kvpool simulate: no trace folder at {args.traces} (give --traces)", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    results = _run(args)
+    wall = time.perf_counter() - t0
+    print(table(results))
+    if args.plot:
+        for path in plot(results, args.plot):
+            print(f"wrote {path}")
+    final = final_object(results, wall)
+    if args.json:
+        print(json.dumps(final, sort_keys=True))
+    else:
+        print(json.dumps(final, indent=2, sort_keys=True))
+    return 0

@@ -1,0 +1,180 @@
+"""A simulated prefill pipeline: the core's ``PrefillRequest`` against the core's ``BlockManager`` and ``PoolIndex``.
+
+One pipeline serves one request at a time, as stage 0's scheduler does:
+admit (device blocks) → one pool lookup from chunk 0 (``plan_lookup``) →
+restore (every stage reads its objects at once) → compute (stages pipelined
+over chunks) → save (``chunks_to_save`` as one put batch, every stage's object
+of each chunk in its group) → the request's KV stays held until its handoff
+to decode ends. The next request starts when compute ends.
+
+Times come from the cost model; decisions only from the core. The save is
+put_start + put_end at compute end: bytes take no simulated time to land
+(write-through, off the request's critical path).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpool.core.block_manager import BlockManager
+from kvpool.core.chunk_hash import group_id, object_key
+from kvpool.core.pool_index import PoolIndex
+from kvpool.core.pool_records import PutRequestItem, PutStatus
+from kvpool.core.prefill_request import PrefillRequest, try_admit
+from kvpool.core.routing import Placement
+from kvpool.tools.sim.cost_model import CostModel
+from kvpool.tools.sim.events import EventLoop
+from kvpool.tools.sim.metrics import Metrics
+from kvpool.tools.sim.workload import SessionPlay
+from kvpool.workload.weka import Turn
+
+
+@dataclass(slots=True)
+class Job:
+    """One turn in flight, from arrival at the router to the end of decode."""
+
+    job_id: str
+    play: SessionPlay
+    turn: Turn
+    arrival: float
+    placement: Placement | None = None
+    request: PrefillRequest | None = None
+    prefill_start: float = 0.0
+    first_token_at: float = 0.0
+    decode_pages: int = 0
+
+
+@dataclass(slots=True)
+class PipelineSim:
+    """One prefill pipeline on ``server``; ``index`` is the pool its saves and restores use."""
+
+    name: str
+    server: int
+    host: str
+    loop: EventLoop
+    cost: CostModel
+    blocks: BlockManager
+    index: PoolIndex
+    stage_object_bytes: list[int]
+    metrics: Metrics
+    on_prefilled: Callable[[Job], None]
+    dead_hosts: set[str] = field(default_factory=set)  # stores that died (the master may not know yet)
+    queue: deque[Job] = field(default_factory=deque)
+    busy: bool = False
+    _lease: int = 0
+    _readable: int = 0  # leading planned pool chunks whose every object lives on a store still alive
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_object_bytes)
+
+    def enqueue(self, job: Job) -> None:
+        self.queue.append(job)
+        self.kick()
+
+    def kick(self) -> None:
+        """Start the queue head when idle and its blocks fit (else wait for a handoff to free some)."""
+        if self.busy or not self.queue:
+            return
+        job = self.queue[0]
+        request = PrefillRequest(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens, job.play.hashes)
+        if not try_admit(request, self.blocks, self.loop.now, math.inf):
+            return
+        self.queue.popleft()
+        self.busy = True
+        job.request = request
+        job.prefill_start = self.loop.now
+        self.metrics.on_prefill_start(job)
+        ns = job.play.namespace
+        result = self.index.lookup([group_id(ns, h) for h in request.lookup_candidates])
+        self.metrics.master_lookups += 1
+        plan = request.plan_lookup(len(result.groups))
+        self._lease = result.lease_id
+        restored = result.groups[plan.num_device_chunks : plan.num_hit_chunks]
+        self._readable = self._leading_readable(restored)
+        if restored:
+            self.metrics.cross_bytes(self.host, self._remote_bytes(restored))
+        restore_s = self.cost.restore_s(plan.num_pool_chunks, max(self.stage_object_bytes) / self.cost.model.chunk_tokens)
+        self.metrics.on_restore(restore_s, plan.num_pool_chunks)
+        self.loop.after(restore_s, self._restored, job)
+
+    def _leading_readable(self, groups: list) -> int:
+        """A read from a dead store fails (a miss): how far every stage can read, from the head."""
+        if not self.dead_hosts:
+            return len(groups)
+        segments = self.index.segments
+        for i, group in enumerate(groups):
+            for obj in group.members.values():
+                segment = segments.get(obj.segment_id)
+                if segment is None or segment.host in self.dead_hosts:
+                    return i
+        return len(groups)
+
+    def _remote_bytes(self, groups: list) -> dict[str, int]:
+        by_host: dict[str, int] = {}
+        segments = self.index.segments
+        for group in groups:
+            for obj in group.members.values():
+                segment = segments.get(obj.segment_id)
+                if segment is not None and segment.host != self.host:
+                    by_host[segment.host] = by_host.get(segment.host, 0) + obj.size
+        return by_host
+
+    def _restored(self, job: Job) -> None:
+        request = job.request
+        assert request is not None
+        if self._lease:
+            self.index.release_lease(self._lease)
+            self._lease = 0
+        # every stage reads its own objects; a dead store fails every stage's read of its groups alike
+        request.apply_restore([self._readable] * self.num_stages, self.blocks)
+        compute_s = self.cost.compute_s(request.compute_start, request.num_computed_tokens, self.num_stages)
+        self.loop.after(compute_s, self._computed, job)
+
+    def _computed(self, job: Job) -> None:
+        request = job.request
+        assert request is not None
+        request.finish_compute(self.blocks)
+        self._save(job)
+        job.first_token_at = self.loop.now
+        self.metrics.on_prefill_end(job, self)
+        self.busy = False
+        self.on_prefilled(job)
+        self.kick()
+
+    def _save(self, job: Job) -> None:
+        """Write-through: every stage's object of every chunk to save, one batch, committed at once."""
+        request = job.request
+        assert request is not None
+        chunks = request.chunks_to_save
+        if not chunks:
+            return
+        ns = job.play.namespace
+        stages = self.num_stages
+        items = [
+            PutRequestItem(object_key(ns, h, s), group_id(ns, h), stages, self.stage_object_bytes[s])
+            for h in chunks for s in range(stages)
+        ]
+        evicted_before = self.index.counters.evicted_groups
+        outcomes = self.index.put_start(self.host, items)
+        commits = []
+        remote: dict[str, int] = {}
+        for item, outcome in zip(items, outcomes):
+            if outcome.status is PutStatus.RESERVED:
+                commits.append((item.key, 0))
+                segment = outcome.segment
+                if segment is not None and segment.host != self.host:
+                    remote[segment.host] = remote.get(segment.host, 0) + item.size
+        if commits:
+            self.index.put_end(commits)
+        self.metrics.on_save(len(items), len(commits), self.index.counters.evicted_groups - evicted_before)
+        if remote:
+            self.metrics.cross_bytes(self.host, remote)
+
+    def handed_off(self, job: Job) -> None:
+        """Decode has the KV: the hold ends and its blocks may serve the queue head."""
+        self.blocks.free(job.job_id)
+        self.kick()

@@ -1,0 +1,31 @@
+"""Run one entry of the matrix: build the topology and settings from a ``RunSpec`` and simulate it.
+
+A module-level function of plain arguments, so a process pool can run the
+matrix's entries side by side (each in its own interpreter: no shared state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvpool.tools.sim.cost_model import load_cost_model
+from kvpool.tools.sim.engine import Simulation
+from kvpool.tools.sim.report import RunSpec
+from kvpool.tools.sim.topology import RunSettings, Topology
+from kvpool.workload.weka import load_sessions
+
+
+def run_spec(spec: RunSpec, trace_dir: str, cost_path: str, base: RunSettings, topology: Topology) -> dict[str, Any]:
+    cost = load_cost_model(Path(cost_path))
+    traces = load_sessions(trace_dir)
+    settings = replace(
+        base, num_sessions=spec.sessions_per_server * spec.servers, pool=spec.pool, duration_s=spec.duration_s,
+        warmup_s=min(base.warmup_s, spec.duration_s / 2), fail_server_at_s=spec.fail_at_s,
+    )
+    result = Simulation(replace(topology, num_servers=spec.servers), settings, cost, traces).run()
+    result.update(label=spec.label, sessions_per_server=spec.sessions_per_server, fail_at_s=spec.fail_at_s,
+                  window_s=settings.window_s)
+    result["cross_server_gbps_per_nic"] = result["cross_server_bytes_per_s_per_nic"] / 1e9
+    return result

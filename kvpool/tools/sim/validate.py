@@ -1,0 +1,152 @@
+"""Validation against the real system: the simulator's side and the comparison.
+
+The same small configuration — trace sessions at a token scale, concurrency
+1, no think time, a pool large enough that nothing is evicted — run through
+the simulator and through a local cluster (``kvpool replay``) must give the
+same device / pool / computed tokens for every turn, because both run the
+same ``kvpool.core`` decisions in the same order. Times agree only as far
+as the cost model describes the cluster: ``cost_model_cpu.toml`` is measured
+on the host the validation runs on (``throughput_error`` and
+``ttft_p50_error`` say how far off it is).
+
+At a scale s a 64-token block becomes 64/s tokens and a prompt
+``scaled_prompt_tokens`` tokens (``kvpool.workload.tokens``); a chunk is then
+``chunk_size / (64/s)`` blocks, and a full chunk reaches the id-less tail
+only when the tail fills a block, so chunk hashes over block ids split prompts
+exactly as the cluster's token hashes do, except where the rounded-up tail
+fills a whole block (``scaled_session`` gives it an id of its own content).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import xxhash
+
+from kvpool.tools.sim.cost_model import CostModel
+from kvpool.tools.sim.engine import Simulation, layer_split
+from kvpool.tools.sim.metrics import percentile
+from kvpool.tools.sim.topology import GIB, RunSettings, Topology
+from kvpool.workload.tokens import scaled_block_tokens, scaled_prompt_tokens
+from kvpool.workload.weka import Session
+
+
+@dataclass(frozen=True, slots=True)
+class TurnCounts:
+    """One turn's prompt split, as either side reports it."""
+
+    prompt_tokens: int
+    device_tokens: int
+    pool_tokens: int
+    computed_tokens: int
+    ttft_s: float = 0.0
+    output_tokens: int = 0  # the real side's completion tokens (the simulator decodes the trace's, capped)
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationSetup:
+    """The small configuration both sides run (the cluster's flags, in the simulator's terms)."""
+
+    scale: int = 16
+    max_tokens: int = 64
+    context: int = 32768
+    chunk_size: int = 256
+    num_stages: int = 4
+    device_cache_tokens: int = 32768
+    decode_kv_tokens: int = 1 << 20
+
+
+def tail_block_id(last_id: int, input_tokens: int) -> int:
+    """A block id for an id-less tail that fills a whole scaled block (content from ``(last id, input_tokens)``,
+    as ``kvpool.workload.tokens`` makes it); above 2**31, where no trace id lives."""
+    return (1 << 31) | xxhash.xxh32_intdigest(f"{last_id}:{input_tokens}".encode()) >> 1
+
+
+def scaled_session(session: Session, scale: int, max_tokens: int) -> Session:
+    """The session as a replay at ``scale`` sends it: blocks of 64/s tokens, prompts and outputs scaled/capped.
+
+    At a scale the tail is rounded up (``ceil(rem * block_tokens / block_size)``), so it can fill a whole
+    block: a full chunk then ends in tail tokens, and the tail gets a block id of its own content.
+    """
+    block_tokens = scaled_block_tokens(session.block_size, scale)
+    turns = []
+    for t in session.turns:
+        full_blocks, rem = divmod(t.input_tokens, session.block_size)
+        ids = t.hash_ids
+        if len(ids) == full_blocks and -(-rem * block_tokens // session.block_size) == block_tokens:
+            ids = (*ids, tail_block_id(ids[-1] if ids else -1, t.input_tokens))
+        turns.append(replace(t, input_tokens=scaled_prompt_tokens(t.input_tokens, session.block_size, scale),
+                             output_tokens=max(1, min(max_tokens, t.output_tokens)), hash_ids=ids))
+    return replace(session, block_size=block_tokens, turns=tuple(turns))
+
+
+def simulate_sessions(
+    sessions: Sequence[Session], setup: ValidationSetup, cost: CostModel, max_turns: int | None = None,
+    output_tokens: Sequence[int] | None = None,
+) -> tuple[list[TurnCounts], float]:
+    """Play the sessions one after another (concurrency 1, no think time) on one pipeline, at most
+    ``max_turns`` turns; the counts per turn and the simulated seconds it took.
+
+    ``output_tokens``, when given, replaces the outputs of the first turns played, in order (the real
+    side's completion counts: the tiny model stops at its end-of-text token, rarely at the trace's output).
+
+    The KV shape is the cost model's (its bytes time the restores and handoffs), at the setup's chunk;
+    capacities are set in bytes so that a stage holds exactly ``device_cache_tokens`` and decode
+    ``decode_kv_tokens`` (GIB is a power of two: the divisions are exact); the pool is made large.
+    """
+    shape = replace(cost.model, chunk_tokens=setup.chunk_size)
+    cost = replace(cost, model=shape)
+    stage_token_bytes = max(layer_split(shape.num_layers, setup.num_stages)) * shape.kv_entry_bytes
+    topology = Topology(
+        num_servers=1, gpus_per_server=setup.num_stages + 1, num_stages=setup.num_stages, gpus_per_decode_shard=1,
+        device_kv_gib_per_gpu=setup.device_cache_tokens * stage_token_bytes / GIB, decode_page_tokens=1,
+        decode_kv_gib_per_gpu=setup.decode_kv_tokens * shape.kv_bytes_per_token / GIB, store_gib=1024.0,
+        max_context=setup.context,
+    )
+    settings = RunSettings(num_sessions=1, duration_s=1e12, warmup_s=0.0, think=False, start_spread_s=0.0,
+                           max_instances=len(sessions), max_turns=max_turns)
+    scaled = [scaled_session(s, setup.scale, setup.max_tokens) for s in sessions]
+    if output_tokens is not None:
+        outputs = iter(output_tokens)
+        scaled = [replace(s, turns=tuple(replace(t, output_tokens=max(1, next(outputs, t.output_tokens)))
+                                         for t in s.turns)) for s in scaled]
+    sim = Simulation(topology, settings, cost, scaled)
+    sim.run()
+    ttft = iter(sim.metrics.ttft_s)
+    counts = [TurnCounts(d + p + c, d, p, c, next(ttft, 0.0)) for _, d, p, c in sim.metrics.turn_tokens]
+    return counts, sim.loop.now
+
+
+def compare(sim: Sequence[TurnCounts], real: Sequence[TurnCounts], sim_wall_s: float = 0.0,
+            real_wall_s: float = 0.0) -> dict[str, Any]:
+    """The validation's verdict: the real run's turns against the simulator's first as many, in order.
+
+    ``throughput_error`` and ``ttft_p50_error`` are relative ((sim - real) / real; 0.0 when real is 0);
+    throughput is prompt tokens over each side's elapsed (simulated or wall) seconds.
+    """
+    head = list(sim[: len(real)])
+
+    def reuse(turns: Sequence[TurnCounts]) -> float:
+        total = sum(t.prompt_tokens for t in turns)
+        return sum(t.device_tokens + t.pool_tokens for t in turns) / total if total else 0.0
+
+    def relative(a: float, b: float) -> float:
+        return (a - b) / b if b else 0.0
+
+    def split(turns: Sequence[TurnCounts]) -> list[tuple[int, int, int, int]]:
+        return [(t.prompt_tokens, t.device_tokens, t.pool_tokens, t.computed_tokens) for t in turns]
+
+    mismatches = [i for i, (a, b) in enumerate(zip(split(head), split(real))) if a != b]
+    sim_tput = sum(t.prompt_tokens for t in head) / sim_wall_s if sim_wall_s else 0.0
+    real_tput = sum(t.prompt_tokens for t in real) / real_wall_s if real_wall_s else 0.0
+    return {
+        "turns_compared": len(real),
+        "sim_reuse": reuse(head), "real_reuse": reuse(real),
+        "first_mismatch": mismatches[0] if mismatches else -1,
+        "throughput_error": relative(sim_tput, real_tput),
+        "ttft_p50_error": relative(percentile([t.ttft_s for t in head], 50), percentile([t.ttft_s for t in real], 50)),
+        "reuse_equal": len(head) == len(real) and reuse(head) == reuse(real),
+        "token_counts_equal": len(head) == len(real) and not mismatches,
+    }
