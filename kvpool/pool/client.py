@@ -22,6 +22,7 @@ import structlog
 import xxhash
 
 from kvpool import service
+from kvpool.core.master_breaker import MasterBreaker
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import Move, TransferEngine, local_host_name, spins
 
@@ -39,6 +40,10 @@ RPC_TIMEOUT_S = 5.0
 PUT_WAIT_S = 2.0
 RECONNECT_MAX_MS = 250
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# codes that mean "the master could not be reached", not "the master said no"
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# the one call that probes a master known down waits at most this long
+PROBE_TIMEOUT_S = 0.05
 _RESERVED = pool_pb2.PUT_STATUS_RESERVED
 _ALREADY_EXISTS = pool_pb2.PUT_STATUS_ALREADY_EXISTS
 # xxh3 hashes this much in well under a millisecond: cheaper inline than a thread hop
@@ -112,9 +117,52 @@ class PoolClient:
         self._channel = grpc.aio.insecure_channel(master, options=options)
         self._stub = pool_pb2_grpc.PoolMasterStub(self._channel)
         self._regions: list[tuple[int, int]] = []
+        # a master known down is answered at once: lookups miss, puts are not stored
+        self.breaker = MasterBreaker()
+        self._watch: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
         await self._channel.close()
+
+    # ---- the master's reachability ----------------------------------------
+
+    def _start_watch(self) -> None:
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_channel())
+
+    async def _watch_channel(self) -> None:
+        """The channel's own connectivity opens and closes the breaker, so no request has to find out."""
+        state = self._channel.get_state(try_to_connect=False)
+        while True:
+            if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE and not self.breaker.known_down:
+                self._failed("channel")
+            elif state == grpc.ChannelConnectivity.READY and self.breaker.known_down:
+                self.breaker.success()
+                log.info("pool_master_reachable", master=self.master)
+            await self._channel.wait_for_state_change(state)
+            # a channel in failure keeps reconnecting (backoff capped at RECONNECT_MAX_MS)
+            state = self._channel.get_state(try_to_connect=self.breaker.known_down)
+
+    def _failed(self, why: str) -> None:
+        was_down = self.breaker.known_down
+        self.breaker.failure(asyncio.get_running_loop().time())
+        if not was_down:
+            log.warning("pool_master_unreachable", master=self.master, why=why)
+
+    def _admit(self) -> tuple[bool, bool]:
+        """(may call the master now, the call is the probe of a master known down)."""
+        self._start_watch()
+        probing = self.breaker.known_down
+        return self.breaker.allow(asyncio.get_running_loop().time()), probing
+
+    def _outcome(self, exc: grpc.aio.AioRpcError | None) -> None:
+        if exc is not None and exc.code() in _UNREACHABLE:
+            self._failed(exc.code().name)
+        else:
+            self.breaker.success()
 
     def register(self, address: int, size: int) -> None:
         """Register caller memory with the engine once; puts and reads must stay inside it."""
@@ -141,21 +189,32 @@ class PoolClient:
             sums = asyncio.ensure_future(asyncio.to_thread(checksums, objects))
         results = [PutResult.NOT_STORED] * len(objects)
         item = pool_pb2.PutItem
+        allowed, probing = self._admit()
+        if not allowed:
+            if isinstance(sums, asyncio.Future):
+                await asyncio.gather(sums, return_exceptions=True)
+            return results
         try:
             started = await self._stub.PutStart(
                 pool_pb2.PutStartRequest(
                     client_host=self.host_name,
                     items=[item(key=o.key, group_id=o.group_id, group_size=o.group_size, size=o.size) for o in objects],
                 ),
-                timeout=PUT_WAIT_S, wait_for_ready=True,
+                # a probe does not wait for the channel; otherwise ride out a reconnect briefly
+                timeout=PROBE_TIMEOUT_S if probing else PUT_WAIT_S, wait_for_ready=not probing,
             )
         except grpc.aio.AioRpcError as exc:
+            self._outcome(exc)
             if isinstance(sums, asyncio.Future):
                 await asyncio.gather(sums, return_exceptions=True)
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from exc
             log.info("pool_put_not_stored", code=exc.code().name, details=exc.details(), objects=len(objects))
             return results
+        except asyncio.CancelledError:
+            self.breaker.abandoned()
+            raise
+        self._outcome(None)
         reserved: list[int] = []
         moves: list[Move] = []
         for i, (obj, result) in enumerate(zip(objects, started.results)):
@@ -203,15 +262,23 @@ class PoolClient:
         """Leading complete groups with member locations; an unreachable master is a miss."""
         if not group_ids:
             return LookupResult([], 0, 0)
+        allowed, probing = self._admit()
+        if not allowed:
+            return LookupResult([], 0, 0)
+        request = pool_pb2.LookupRequest(group_ids=list(group_ids), lease_ms=lease_ms)
         try:
-            response = await self._call(
-                self._stub.Lookup, pool_pb2.LookupRequest(group_ids=list(group_ids), lease_ms=lease_ms)
-            )
+            if probing:
+                response = await self._probe(self._stub.Lookup, request)
+            else:
+                response = await self._call(self._stub.Lookup, request)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from exc
             log.info("pool_lookup_miss", code=exc.code().name, details=exc.details())
             return LookupResult([], 0, 0)
+        except asyncio.CancelledError:
+            self.breaker.abandoned()
+            raise
         groups = []
         for g in response.groups:
             members = {}
@@ -256,14 +323,33 @@ class PoolClient:
 
     # ---- internals ------------------------------------------------------
 
-    async def _call(self, method, request):  # type: ignore[no-untyped-def]
-        """Idempotent calls: one retry on UNAVAILABLE."""
+    async def _probe(self, method, request):  # type: ignore[no-untyped-def]
+        """The one call to a master known down: a short deadline, no waiting for the channel."""
         try:
-            return await method(request, timeout=RPC_TIMEOUT_S)
+            response = await method(request, timeout=PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in _RETRYABLE:
-                raise
-            return await method(request, timeout=RPC_TIMEOUT_S)
+            self._outcome(exc)
+            raise
+        self._outcome(None)
+        return response
+
+    async def _call(self, method, request):  # type: ignore[no-untyped-def]
+        """Idempotent calls: one retry on UNAVAILABLE. Every answer tells the breaker the master is there."""
+        try:
+            try:
+                response = await method(request, timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise
+                response = await method(request, timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _UNREACHABLE:
+                self._failed(exc.code().name)
+            else:
+                self.breaker.success()
+            raise
+        self.breaker.success()
+        return response
 
     def _check_registered(self, address: int, size: int, field_name: str) -> None:
         for start, end in self._regions:

@@ -23,6 +23,7 @@ KEYS = {
     "saves_skipped_after_outage", "saves_after_outage", "saves_skipped_during_outage", "saves_during_outage",
     "wrong_bytes", "reader_reads", "targets",
     "objects_adopted_after_master_restart", "recovery_target_s",
+    "lookup_wait_ms_max_master_down", "lookups_answered_by_breaker",
 }
 
 
@@ -47,6 +48,8 @@ def test_bench_faults_quick() -> None:
     assert 0 <= result["saves_skipped_during_outage"] <= result["saves_during_outage"]
     assert result["saves_after_outage"] > 0 and result["saves_skipped_after_outage"] == 0
     assert result["master_recovery_s"] > 0
+    # the master is known down after the first failed call: the rest are answered without it
+    assert result["lookups_answered_by_breaker"] >= 1
     assert set(result["targets"]) == {"usable_after_master_restart_99pct", "recovery_within_heartbeat_plus_2s",
                                       "one_store_loses_at_most_60pct", "no_wrong_bytes",
-                                      "no_save_skipped_after_outage"}
+                                      "no_save_skipped_after_outage", "lookup_waits_at_most_50ms_master_down"}

@@ -178,6 +178,7 @@ async def _phases(settings: FaultSettings, pool: LocalPool, client: PoolClient, 
             assert pool.master is not None
             pool.master.kill()
             killed = time.monotonic()
+            out.update(await _master_waits(client, groups.group_ids[0]))
 
             def restart_master() -> float:
                 pool.start_master()
@@ -263,6 +264,19 @@ async def _settled_saves(stages: list[ServiceProcess], skipped0: float, stored0:
             "unaccounted": unaccounted}
 
 
+async def _master_waits(client: PoolClient, group: str, calls: int = 20) -> dict[str, Any]:
+    """How long a lookup waits on a master that was just killed (the breaker answers at once)."""
+    waits = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        found = await client.lookup([group])
+        waits.append((time.perf_counter() - start) * 1000)
+        assert found.num_complete == 0  # a master that is down answers nothing: a miss
+    return {"lookup_wait_ms_max_master_down": round(max(waits), 3),
+            "lookup_wait_ms_p50_master_down": round(sorted(waits)[len(waits) // 2], 3),
+            "lookups_answered_by_breaker": client.breaker.num_refused}
+
+
 def run(settings: FaultSettings, workdir: Path | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-faults-") as tmp:
         return asyncio.run(_run(settings, workdir or Path(tmp)))
@@ -276,6 +290,7 @@ def targets(result: dict[str, Any]) -> dict[str, bool]:
         "one_store_loses_at_most_60pct": result["groups_lost_one_store"] <= 0.6 * groups,
         "no_wrong_bytes": result["wrong_bytes"] == 0,
         "no_save_skipped_after_outage": result["saves_skipped_after_outage"] == 0,
+        "lookup_waits_at_most_50ms_master_down": result["lookup_wait_ms_max_master_down"] <= 50,
     }
 
 
@@ -290,6 +305,8 @@ def format_report(result: dict[str, Any]) -> str:
          f"{r['prompt_failures']} failed; stage saves not stored while the master was down "
          f"{r['saves_skipped_during_outage']}/{r['saves_during_outage']}, after it was back "
          f"{r['saves_skipped_after_outage']}/{r['saves_after_outage']}"),
+        (f"lookups while the master is down: max {r['lookup_wait_ms_max_master_down']} ms, "
+         f"p50 {r['lookup_wait_ms_p50_master_down']} ms ({r['lookups_answered_by_breaker']} answered by the breaker)"),
         (f"one of two stores kill -9: {r['groups_lost_one_store']}/{r['groups']} groups lost "
          f"(that store held {r['groups_expected_lost_one_store']} groups' worth of objects)"),
         f"readers: {r['reader_reads']} reads, {r['reader_misses']} misses, {r['wrong_bytes']} wrong bytes",
