@@ -177,3 +177,15 @@ def test_a_bad_value_in_the_config_file_fails(tmp_path: Path) -> None:
     args = cli.build_parser().parse_args(["store", "--config", str(bad)])
     with pytest.raises(SystemExit, match="segment_size"):
         cli._settings(StoreSettings, "store", args)
+
+
+@pytest.mark.parametrize("unit", sorted(p.name for p in UNIT_DIR.glob("*.service")))
+def test_every_unit_restarts_a_dead_process_within_a_limit(unit: str) -> None:
+    # the same policy as kvpool up's supervisor: restart with a pause, give up after a burst
+    text = (UNIT_DIR / unit).read_text()
+    unit_section = text.split("[Service]")[0]
+    service_section = text.split("[Service]")[1].split("[Install]")[0]
+    assert re.search(r"^Restart=on-failure$", service_section, re.M)
+    assert re.search(r"^RestartSec=\d+$", service_section, re.M)
+    assert re.search(r"^StartLimitIntervalSec=\d+$", unit_section, re.M)
+    assert re.search(r"^StartLimitBurst=\d+$", unit_section, re.M)
