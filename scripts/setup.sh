@@ -23,6 +23,8 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 missing=() tools=()
 for pkg in libibverbs1 librdmacm1 numactl; do installed "$pkg" || missing+=("$pkg"); done
+# the bind shim (kvpool/native/bind_shim.c) is compiled here: a C compiler and libc headers
+command -v gcc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
 if [ "${KVPOOL_TEST_TOOLS:-1}" != 0 ]; then
   installed docker-compose || tools+=(docker-compose)
 fi
@@ -53,4 +55,6 @@ esac
 "${pip[@]}" -e ".[$extras]"
 .venv/bin/python -c "import kvpool.rpc.pool_pb2, mooncake.engine" 2>/dev/null \
   || { [ "$engine" = none ] || { echo "setup: the transfer engine does not import" >&2; exit 1; }; }
+# every transfer-engine process preloads it, so the engine listens on its configured address only
+.venv/bin/python -c "from kvpool import bind_shim; bind_shim.build()"
 echo "setup: ready ($(.venv/bin/python --version), torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'), engine $engine)" >&2

@@ -186,32 +186,48 @@ def _run_master(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_binds_only(transfer_host: str) -> None:
+    """Before anything starts: the transfer engine may listen on ``transfer_host`` only (kvpool/bind_shim.py)."""
+    from kvpool import bind_shim
+
+    try:
+        bind_shim.exec_with_shim(transfer_host, ["-m", "services.cli", *sys.argv[1:]])
+    except (ValueError, bind_shim.ShimUnavailable) as exc:
+        raise SystemExit(f"kvpool: {exc}") from None
+
+
 def _run_store(args: argparse.Namespace) -> int:
-    from kvpool import service
-    from services.store.daemon import serve
     from services.store.settings import StoreSettings
 
     settings = _settings(StoreSettings, "store", args)
+    _engine_binds_only(settings.transfer_host)
+    from kvpool import service
+    from services.store.daemon import serve
+
     service.run(lambda: serve(settings, args.ready_file))
     return 0
 
 
 def _run_prefill(args: argparse.Namespace) -> int:
-    from kvpool import service
-    from services.prefill.server import serve
     from services.prefill.settings import PrefillSettings
 
     settings = _settings(PrefillSettings, "prefill", args)
+    _engine_binds_only(settings.transfer_host)
+    from kvpool import service
+    from services.prefill.server import serve
+
     service.run(lambda: serve(settings, args.ready_file))
     return 0
 
 
 def _run_decode(args: argparse.Namespace) -> int:
-    from kvpool import service
-    from services.decode.server import serve
     from services.decode.settings import DecodeSettings
 
     settings = _settings(DecodeSettings, "decode", args)
+    _engine_binds_only(settings.transfer_host)
+    from kvpool import service
+    from services.decode.server import serve
+
     service.run(lambda: serve(settings, args.ready_file))
     return 0
 

@@ -1,0 +1,134 @@
+"""Transfer-engine processes listen on the cluster's own address only.
+
+The stock Mooncake transfer engine binds its TCP acceptor and its handshake
+listener to the wildcard address (``MC_TCP_BIND_ADDRESS`` changes only the
+address it advertises), and any peer that reaches those ports can read and
+write the process's memory. So every process that owns an engine runs with
+``kvpool/native/bind_shim.c`` preloaded: it rewrites the process's wildcard
+binds to ``KVPOOL_BIND_ADDRESS``. ``exec_with_shim`` is called by each
+engine-owning role first thing; it re-executes the process (same pid) with
+the shim preloaded when it is not yet, building it with the C compiler when no
+build exists (``scripts/setup.sh`` builds it ahead).
+
+``KVPOOL_BIND_SHIM=off`` runs without it, wildcard binds and all; the process
+logs that it does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import ipaddress
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ADDRESS_ENV = "KVPOOL_BIND_ADDRESS"
+SWITCH_ENV = "KVPOOL_BIND_SHIM"
+SOURCE = Path(__file__).with_name("native") / "bind_shim.c"
+
+
+class ShimUnavailable(RuntimeError):
+    """The shim can be neither found nor built (no C compiler)."""
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return f"bind_shim-{digest}.so"
+
+
+def _build_dirs() -> list[Path]:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpool"
+    return [SOURCE.parent, cache]
+
+
+def find() -> Path | None:
+    """The built shim for the current source, if there is one."""
+    name = _build_name()
+    for folder in _build_dirs():
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def build() -> Path:
+    """Build the shim (once per source version); returns its path."""
+    found = find()
+    if found is not None:
+        return found
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise ShimUnavailable("no C compiler to build kvpool/native/bind_shim.c: run scripts/setup.sh, "
+                              f"or set {SWITCH_ENV}=off to let the transfer engine bind every interface")
+    errors = []
+    for folder in _build_dirs():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            # build under a temporary name, then rename: processes starting together never see half a file
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+        except OSError as exc:
+            errors.append(f"{folder}: {exc}")
+            continue
+        done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-Wall", "-o", tmp, str(SOURCE), "-ldl", "-lpthread"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            raise ShimUnavailable(f"building {SOURCE} failed:\n{done.stderr}")
+        os.chmod(tmp, 0o755)
+        target = folder / _build_name()
+        os.replace(tmp, target)
+        return target
+    raise ShimUnavailable("no writable folder for the bind shim: " + "; ".join(errors))
+
+
+def bind_address(host: str) -> str:
+    """The IP address ``host`` names; a wildcard address is refused."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise ValueError(f"transfer_host: cannot resolve {host!r}: {exc}") from None
+        address = ipaddress.ip_address(infos[0][4][0])
+    if address.is_unspecified:
+        raise ValueError(f"transfer_host: {host!r} is the wildcard address; name the address peers reach "
+                         "this engine at (the transfer engine must not listen on every interface)")
+    return str(address)
+
+
+def rewrites() -> int | None:
+    """Wildcard binds the loaded shim rewrote so far; None when it is not loaded."""
+    try:
+        return int(ctypes.c_ulong.in_dll(ctypes.CDLL(None), "kvpool_bind_shim_rewrites").value)
+    except ValueError:
+        return None
+
+
+def exec_with_shim(host: str, argv: list[str]) -> None:
+    """Return once this process runs with the shim bound to ``host``; else re-exec it so.
+
+    ``argv`` follows the interpreter in the new process (``["-m", "pkg", *args]``).
+
+    Call it before anything starts threads or opens sockets: ``execv`` keeps
+    the pid (ready files, parents' signals) and replaces everything else.
+    """
+    if os.environ.get(SWITCH_ENV, "on") == "off":
+        return
+    address = bind_address(host)
+    if os.environ.get(ADDRESS_ENV) == address and rewrites() is not None:
+        return
+    path = build()
+    preload = os.environ.get("LD_PRELOAD", "")
+    if str(path) in preload.split(":") and os.environ.get(ADDRESS_ENV) == address:
+        # we exec'd ourselves with it already, and it did not load
+        raise ShimUnavailable(f"LD_PRELOAD={preload} did not load {path}")
+    env = dict(os.environ)
+    env[ADDRESS_ENV] = address
+    env["LD_PRELOAD"] = ":".join([str(path), *[p for p in preload.split(":") if p]])
+    os.execve(sys.executable, [sys.executable, *argv], env)
