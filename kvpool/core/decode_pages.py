@@ -22,6 +22,18 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def kv_capacity(num_prompt_tokens: int, max_tokens: int) -> int:
+    """KV entries a request can ever need on its shard: every output token but the
+    last is fed back and cached, so ``prompt + max_tokens - 1``."""
+    return num_prompt_tokens + max_tokens - 1
+
+
+def pages_for_request(num_prompt_tokens: int, max_tokens: int, page_size: int) -> int:
+    """Decode pages one request reserves for its whole life: the one count the router's
+    admission and the shard's scheduler both use."""
+    return pages_for(kv_capacity(num_prompt_tokens, max_tokens), page_size)
+
+
 class PageAllocator:
     """Free page ids of one shard.
 

@@ -7,9 +7,30 @@ knows about gRPC.
 
 from __future__ import annotations
 
+import re
+
+# "token_ids[3]: ..." or "sampling.top_p: ...": the raising site names the field first
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])?(?:\.[A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])?)*): ")
+
 
 class KvpoolError(Exception):
-    """Base of every domain error."""
+    """Base of every domain error.
+
+    ``field`` names the request field at fault (None when no one field is):
+    given explicitly, or the leading ``name: `` the raising site wrote. It
+    travels as its own value across gRPC (``kvpool.status``), so no receiver
+    ever reads it back out of the message text. ``retry_after_s`` tells a
+    refused caller when trying again is worthwhile.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if field is None:
+            match = _FIELD_PREFIX.match(message)
+            field = match.group(1) if match else None
+        self.field = field
+        self.retry_after_s = retry_after_s
 
 
 class InvalidArgument(KvpoolError):

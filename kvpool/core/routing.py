@@ -109,19 +109,29 @@ class RoutingPolicy:
         request only. The caller must call ``finish`` with the returned
         placement when the request ends, however it ends.
         """
-        pipeline, reason = self._pick_pipeline(session_key, exclude)
         shard = self._pick_shard()
-        pipeline.in_flight += 1
-        pipeline.placed += 1
+        name, reason = self.place_pipeline(session_key, exclude)
         shard.in_flight += 1
         shard.placed += 1
         shard.promised_pages += num_pages
+        return Placement(name, reason, shard.name, ShardReason.MOST_FREE_PAGES)
+
+    def place_pipeline(self, session_key: str, exclude: Collection[str] = ()) -> tuple[str, PipelineReason]:
+        """Pick a pipeline alone (admission picks the shard) and count the request in flight on
+        it; the caller must call ``finish_pipeline`` when the request ends there."""
+        pipeline, reason = self._pick_pipeline(session_key, exclude)
+        pipeline.in_flight += 1
+        pipeline.placed += 1
         if session_key:
             self._sessions[session_key] = pipeline.name
             self._sessions.move_to_end(session_key)
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
-        return Placement(pipeline.name, reason, shard.name, ShardReason.MOST_FREE_PAGES)
+        return pipeline.name, reason
+
+    def finish_pipeline(self, name: str) -> None:
+        pipeline = self._pipeline(name)
+        pipeline.in_flight = max(0, pipeline.in_flight - 1)
 
     def admitted(self, placement: Placement, num_pages: int) -> None:
         """The shard took the request's pages: they now show in its own free-page reports."""

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool.core.decode_pages import PageAllocator, pages_for
 from kvpool.core.decode_scheduler import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, DecodeScheduler
-from kvpool.core.errors import InvalidArgument
+from kvpool.core.errors import InvalidArgument, ResourceExhausted
 
 
 class Clock:
@@ -130,6 +130,26 @@ def test_release_is_idempotent_and_works_while_waiting() -> None:
     assert s.release("a") is None
 
 
+def test_reserved_before_prefill_holds_pages_then_needs_only_a_slot() -> None:
+    s = scheduler(num_pages=8, max_batch_size=1)
+    a = s.reserve("a", 10, 3)  # 12 entries: 3 pages, taken now
+    assert a.page_ids == [0, 1, 2] and s.num_reserved == 1 and s.num_pages_used == 3
+    with pytest.raises(ResourceExhausted, match="6 needed, 5 free"):
+        s.reserve("b", 20, 4)  # 23 entries: 6 pages
+    assert s.get("b") is None and s.num_pages_used == 3
+    s.submit("c", 4, 1)  # not reserved: waits for pages at admit
+    with pytest.raises(InvalidArgument, match="max_tokens: 10 prompt tokens and max_tokens 4 differ"):
+        s.submit("a", 10, 4)
+    s.submit("a", 10, 3, stop_token_ids=[9])  # queued behind c, its pages kept
+    assert [q.seq_id for q in s.waiting()] == ["c", "a"] and s.num_reserved == 0
+    assert [q.seq_id for q in s.admit()] == ["c"]  # one batch slot
+    assert s.running()[0].page_ids == [3]
+    s.release("c")
+    assert [(q.seq_id, q.page_ids, q.stop_token_ids) for q in s.admit()] == [("a", [0, 1, 2], frozenset({9}))]
+    s.reserve("d", 4, 1)
+    assert s.release("d").seq_id == "d" and s.num_pages_used == 3  # an unused reservation frees at once
+
+
 class DecodeMachine(RuleBasedStateMachine):
     """Random submits, admits, steps and releases; the invariants hold after each."""
 
@@ -148,6 +168,28 @@ class DecodeMachine(RuleBasedStateMachine):
             assert prompt + max_tokens > 40 or pages_for(prompt + max_tokens - 1, 4) > 12
             assert self.s.get(seq_id) is None
 
+    @rule(prompt=st.integers(1, 30), max_tokens=st.integers(1, 20))
+    def reserve(self, prompt: int, max_tokens: int) -> None:
+        seq_id = f"s{self.next_id}"
+        self.next_id += 1
+        free = self.s.pages.num_free
+        try:
+            self.s.reserve(seq_id, prompt, max_tokens)
+        except InvalidArgument:
+            assert prompt + max_tokens > 40 or pages_for(prompt + max_tokens - 1, 4) > 12
+            assert self.s.get(seq_id) is None
+        except ResourceExhausted:
+            assert pages_for(prompt + max_tokens - 1, 4) > free and self.s.get(seq_id) is None
+        else:
+            assert self.s.pages.num_free == free - pages_for(prompt + max_tokens - 1, 4)
+
+    @rule(index=st.integers(0, 20))
+    def start(self, index: int) -> None:
+        reserved = self.s.reserved()
+        if reserved:
+            seq = reserved[index % len(reserved)]
+            self.s.submit(seq.seq_id, seq.num_prompt_tokens, seq.max_tokens, stop_token_ids=[0])
+
     @rule()
     def admit(self) -> None:
         before = self.s.waiting()
@@ -155,7 +197,7 @@ class DecodeMachine(RuleBasedStateMachine):
         assert [q.seq_id for q in admitted] == [q.seq_id for q in before[: len(admitted)]]  # FIFO
         if self.s.num_waiting and self.s.num_running < 3:
             head = self.s.waiting()[0]
-            assert pages_for(head.kv_capacity, 4) > self.s.pages.num_free
+            assert not head.page_ids and pages_for(head.kv_capacity, 4) > self.s.pages.num_free
 
     @rule(token=st.integers(0, 3))
     def step(self, token: int) -> None:
@@ -171,7 +213,7 @@ class DecodeMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 20))
     def release(self, index: int) -> None:
-        seqs = self.s.running() + self.s.waiting()
+        seqs = self.s.running() + self.s.waiting() + self.s.reserved()
         if seqs:
             used = self.s.num_pages_used
             seq = seqs[index % len(seqs)]
@@ -182,10 +224,13 @@ class DecodeMachine(RuleBasedStateMachine):
     @invariant()
     def pages_are_accounted(self) -> None:
         running = self.s.running()
-        held = [p for seq in running for p in seq.page_ids]
+        holders = running + self.s.reserved() + self.s.waiting()
+        held = [p for seq in holders for p in seq.page_ids]
         assert len(held) == len(set(held)) == self.s.num_pages_used
         assert sorted(held + self.s.pages.free_page_ids()) == list(range(12))
-        assert all(not seq.page_ids for seq in self.s.waiting())
+        for seq in self.s.reserved() + self.s.waiting():  # all or nothing: reserved before prefill, or none
+            assert len(seq.page_ids) in (0, pages_for(seq.kv_capacity, 4))
+        assert all(seq.page_ids for seq in self.s.reserved())
         assert len(running) <= 3
 
     @invariant()

@@ -1,0 +1,345 @@
+"""Admission: a request gets its decode room before any prefill work, or waits in a bounded queue.
+
+Pure: no grpc, no I/O; time comes in as numbers from the caller's clock. The
+router calls ``admit`` once per request and ``release`` once when it ends,
+however it ends; both return the queued requests that got a ticket meanwhile.
+
+    admit ─▶ Ticket (pipeline, decode shard, pages, region bytes)    room now
+          └▶ queued (holds nothing) ─▶ Ticket from a later release   room later
+                                     └▶ expired at its deadline      ResourceExhausted
+          └▶ ResourceExhausted(retry_after_s)                         queue full
+          └▶ InvalidArgument(field, limit)                            never fits
+
+Rules:
+- A ticket holds, for the request's whole life, ``pages_for_request`` pages
+  and one receive region (``region_bytes``) on its shard, and an in-flight
+  slot on its pipeline. The sums over live tickets never exceed a shard's
+  pages or arena, so the shard always has the room the router promised:
+  an admitted request is never failed for lack of room.
+- FIFO without overtaking: while anyone is queued, a new request queues
+  behind; a head that does not fit holds back everyone after it.
+- A request that can never fit (its prompt beyond every pipeline's device
+  cache, or prompt + max_tokens beyond every shard's context, pages or
+  arena) is refused at ``admit`` with the field and the limit named.
+- Locality: the shard on the pipeline's own server while it has room, else
+  the one with the most free pages; the reason is a metric label.
+- Retry: a request whose prefill failed UNAVAILABLE before any token may
+  move once to another healthy pipeline, keeping its shard and room.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvpool.core.decode_pages import pages_for_request
+from kvpool.core.decode_regions import REGION_ALIGNMENT
+from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
+from kvpool.core.routing import PipelineReason, RoutingPolicy
+
+MAX_PREFILL_TRIES = 2  # the first try and one retry elsewhere
+
+
+class Locality(enum.Enum):
+    """Why a request's decode shard is where it is (a metric label)."""
+
+    SAME_SERVER = "same_server"  # the pipeline's own server had room
+    LOCAL_FULL = "local_full"  # the pipeline's server has shards, none with room now
+    NO_LOCAL_SHARD = "no_local_shard"  # no healthy shard on the pipeline's server
+    OFF = "off"  # locality disabled: most free pages
+
+
+@dataclass(frozen=True, slots=True)
+class ShardShape:
+    """What admission must know of a shard (from its Stats)."""
+
+    num_pages: int
+    page_size: int
+    arena_bytes: int
+    region_bytes_per_token: int  # every layer's KV entry of one prompt token
+    region_trailer_bytes: int  # what follows the KV in a region (the final position's logits)
+    max_context: int
+
+    def region_bytes(self, num_prompt_tokens: int) -> int:
+        """A region's size in the arena (rounded as the arena rounds it)."""
+        nbytes = num_prompt_tokens * self.region_bytes_per_token + self.region_trailer_bytes
+        return -(-nbytes // REGION_ALIGNMENT) * REGION_ALIGNMENT
+
+
+@dataclass(slots=True)
+class ShardRoom:
+    """One shard as admission counts it."""
+
+    name: str
+    server: str
+    shape: ShardShape | None = None  # unknown until its first Stats
+    healthy: bool = True
+    used_pages: int = 0
+    used_bytes: int = 0
+    num_tickets: int = 0
+
+    @property
+    def free_pages(self) -> int:
+        return self.shape.num_pages - self.used_pages if self.shape else 0
+
+    def fits(self, num_pages: int, region_bytes: int) -> bool:
+        return (self.shape is not None and num_pages <= self.free_pages
+                and self.used_bytes + region_bytes <= self.shape.arena_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRequest:
+    request_id: str
+    session_key: str
+    num_prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """Room held for one request until ``release``."""
+
+    request_id: str
+    pipeline: str
+    pipeline_reason: PipelineReason
+    shard: str
+    locality: Locality
+    num_pages: int
+    region_bytes: int
+    queued_s: float
+    tries: int = 1
+
+
+@dataclass(slots=True)
+class _Queued:
+    request: AdmissionRequest
+    enqueued_at: float
+    deadline: float
+
+
+@dataclass(slots=True)
+class Admitted:
+    """What a call changed: tickets for queued requests, and queued requests that expired."""
+
+    tickets: list[Ticket] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
+
+
+def may_retry(error: KvpoolError, num_tokens_sent: int, tries: int) -> bool:
+    """Retry eligibility: only an unavailable pipeline, only before anything reached the
+    client (prefill has no effect a client could see), and at most once."""
+    return isinstance(error, Unavailable) and num_tokens_sent == 0 and tries < MAX_PREFILL_TRIES
+
+
+class Admission:
+    """Tickets, the queue and the room they count (see the module doc).
+
+    Invariants: a request id is queued, ticketed or unknown; for every shard,
+    ``used_pages``/``used_bytes``/``num_tickets`` are the sums over its live
+    tickets and never exceed its shape; ``len(queue) <= max_queue``; the
+    routing policy's in-flight count of a pipeline equals its live tickets.
+    """
+
+    def __init__(self, routing: RoutingPolicy, shard_servers: dict[str, str], pipeline_servers: dict[str, str],
+                 max_queue: int, queue_timeout_s: float, locality: bool = True) -> None:
+        if max_queue < 0:
+            raise InvalidArgument(f"max_queue: must be >= 0, got {max_queue}")
+        if queue_timeout_s <= 0:
+            raise InvalidArgument(f"queue_timeout_s: must be positive, got {queue_timeout_s}")
+        if set(shard_servers) != set(routing.shards) or set(pipeline_servers) != set(routing.pipelines):
+            raise InvalidArgument("servers: every pipeline and shard needs its server, and only those")
+        self.routing = routing
+        self.shards = {name: ShardRoom(name, server) for name, server in shard_servers.items()}
+        self.pipeline_servers = dict(pipeline_servers)
+        self.pipeline_max_prompt: dict[str, int] = {}
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self.locality = locality
+        self._queue: OrderedDict[str, _Queued] = OrderedDict()
+        self._tickets: dict[str, Ticket] = {}
+
+    # ---- what the router sees ------------------------------------------------
+
+    def set_shard_shape(self, shard: str, shape: ShardShape) -> None:
+        self._shard(shard).shape = shape
+
+    def set_pipeline_max_prompt(self, pipeline: str, num_tokens: int) -> None:
+        """The longest prompt the pipeline's device cache holds."""
+        self.pipeline_max_prompt[pipeline] = num_tokens
+
+    def set_health(self, name: str, healthy: bool) -> bool:
+        if name in self.shards:
+            changed = self.shards[name].healthy != healthy
+            self.shards[name].healthy = healthy
+            self.routing.set_health(name, healthy)
+            return changed
+        return self.routing.set_health(name, healthy)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_admitted(self) -> int:
+        return len(self._tickets)
+
+    def queued_ids(self) -> list[str]:
+        return list(self._queue)
+
+    # ---- decisions -----------------------------------------------------------
+
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """InvalidArgument naming the field and the limit unless the request could ever fit."""
+        if num_prompt_tokens <= 0:
+            raise InvalidArgument(f"prompt: must hold at least one token, got {num_prompt_tokens}", field="prompt")
+        if max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens: must be positive, got {max_tokens}", field="max_tokens")
+        if self.pipeline_max_prompt:
+            limit = max(self.pipeline_max_prompt.values())
+            if num_prompt_tokens > limit:
+                raise InvalidArgument(f"prompt: {num_prompt_tokens} tokens, a prefill device cache holds "
+                                      f"{limit} at most", field="prompt")
+        shapes = [s.shape for s in self.shards.values() if s.shape is not None]
+        if not shapes:
+            return  # nothing known yet: the shards check it themselves
+        context = max(s.max_context for s in shapes)
+        if num_prompt_tokens + max_tokens > context:
+            raise InvalidArgument(f"max_tokens: a {num_prompt_tokens}-token prompt plus {max_tokens} tokens "
+                                  f"exceeds the model's context of {context}", field="max_tokens")
+        if not any(pages_for_request(num_prompt_tokens, max_tokens, s.page_size) <= s.num_pages for s in shapes):
+            limit = max(s.num_pages * s.page_size for s in shapes)
+            raise InvalidArgument(f"max_tokens: a {num_prompt_tokens}-token prompt plus {max_tokens} tokens "
+                                  f"exceeds every decode shard's {limit} KV tokens", field="max_tokens")
+        if not any(s.region_bytes(num_prompt_tokens) <= s.arena_bytes for s in shapes):
+            limit = max(s.arena_bytes // max(1, s.region_bytes_per_token) for s in shapes)
+            raise InvalidArgument(f"prompt: {num_prompt_tokens} tokens, a decode receive arena takes about "
+                                  f"{limit} at most", field="prompt")
+
+    def admit(self, request: AdmissionRequest, now: float) -> Ticket | None:
+        """A ticket now, or None (queued; its ticket comes from a later call's ``Admitted``).
+
+        Raises InvalidArgument (never fits), ResourceExhausted (queue full,
+        with ``retry_after_s``) or Unavailable (no healthy pipeline or shard).
+        """
+        if request.request_id in self._queue or request.request_id in self._tickets:
+            raise InvalidArgument(f"request_id: {request.request_id!r} is already admitted or queued",
+                                  field="request_id")
+        self.check(request.num_prompt_tokens, request.max_tokens)
+        if not any(s.healthy for s in self.shards.values()):
+            raise Unavailable("no healthy decode shard")
+        if not any(p.healthy for p in self.routing.pipelines.values()):
+            raise Unavailable("no healthy prefill pipeline")
+        if not self._queue:
+            ticket = self._try_ticket(request, 0.0)
+            if ticket is not None:
+                return ticket
+        if len(self._queue) >= self.max_queue:
+            raise ResourceExhausted(f"router: the admission queue is full ({self.max_queue} waiting)",
+                                    retry_after_s=self.retry_after_s(now))
+        self._queue[request.request_id] = _Queued(request, now, now + self.queue_timeout_s)
+        return None
+
+    def release(self, request_id: str, now: float) -> Admitted:
+        """End a request wherever it is (ticketed or queued; unknown: nothing), freeing its room,
+        then admit queue heads that fit now."""
+        self._queue.pop(request_id, None)
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is not None:
+            shard = self.shards[ticket.shard]
+            shard.used_pages -= ticket.num_pages
+            shard.used_bytes -= ticket.region_bytes
+            shard.num_tickets -= 1
+            self.routing.finish_pipeline(ticket.pipeline)
+        return self.poll(now)
+
+    def poll(self, now: float) -> Admitted:
+        """Expire queued requests past their deadline, then ticket queue heads while they fit."""
+        result = Admitted()
+        for request_id, queued in list(self._queue.items()):
+            if queued.deadline <= now:
+                del self._queue[request_id]
+                result.expired.append(request_id)
+        while self._queue:
+            queued = next(iter(self._queue.values()))
+            try:
+                ticket = self._try_ticket(queued.request, now - queued.enqueued_at)
+            except Unavailable:
+                break  # nothing healthy now: the head waits for health or its deadline
+            if ticket is None:
+                break  # FIFO: nobody overtakes the head
+            del self._queue[queued.request.request_id]
+            result.tickets.append(ticket)
+        return result
+
+    def retry(self, ticket: Ticket, error: KvpoolError, num_tokens_sent: int, session_key: str) -> Ticket | None:
+        """Move a failed request to another healthy pipeline, keeping its shard and room; None
+        when it may not retry (``may_retry``) or no other pipeline is healthy."""
+        if self._tickets.get(ticket.request_id) != ticket or not may_retry(error, num_tokens_sent, ticket.tries):
+            return None
+        try:
+            pipeline, reason = self.routing.place_pipeline(session_key, exclude={ticket.pipeline})
+        except Unavailable:
+            return None
+        self.routing.finish_pipeline(ticket.pipeline)
+        moved = Ticket(ticket.request_id, pipeline, reason, ticket.shard, ticket.locality, ticket.num_pages,
+                       ticket.region_bytes, ticket.queued_s, ticket.tries + 1)
+        self._tickets[ticket.request_id] = moved
+        return moved
+
+    def retry_after_s(self, now: float) -> float:
+        """When a refused caller should try again: when the queue's head times out at the latest."""
+        if not self._queue:
+            return 1.0
+        head = next(iter(self._queue.values()))
+        return max(1.0, math.ceil(head.deadline - now))
+
+    # ---- internals -----------------------------------------------------------
+
+    def _try_ticket(self, request: AdmissionRequest, queued_s: float) -> Ticket | None:
+        fitting = [s for s in self.shards.values() if s.healthy and s.shape is not None
+                   and s.fits(pages_for_request(request.num_prompt_tokens, request.max_tokens, s.shape.page_size),
+                              s.shape.region_bytes(request.num_prompt_tokens))]
+        if not fitting:
+            if not any(s.healthy for s in self.shards.values()):
+                raise Unavailable("no healthy decode shard")
+            return None
+        pipeline, reason = self.routing.place_pipeline(request.session_key)
+        shard, locality = self._pick_shard(fitting, self.pipeline_servers[pipeline])
+        assert shard.shape is not None  # fitting shards have a shape
+        ticket = Ticket(request.request_id, pipeline, reason, shard.name, locality,
+                        pages_for_request(request.num_prompt_tokens, request.max_tokens, shard.shape.page_size),
+                        shard.shape.region_bytes(request.num_prompt_tokens), queued_s)
+        shard.used_pages += ticket.num_pages
+        shard.used_bytes += ticket.region_bytes
+        shard.num_tickets += 1
+        self._tickets[request.request_id] = ticket
+        return ticket
+
+    def _pick_shard(self, fitting: list[ShardRoom], server: str) -> tuple[ShardRoom, Locality]:
+        def most_free(shards: Iterable[ShardRoom]) -> ShardRoom:
+            return min(shards, key=lambda s: (-s.free_pages, s.num_tickets, s.name))
+
+        if not self.locality:
+            return most_free(fitting), Locality.OFF
+        local = [s for s in fitting if s.server == server]
+        if local:
+            return most_free(local), Locality.SAME_SERVER
+        has_local = any(s.healthy and s.server == server for s in self.shards.values())
+        return most_free(fitting), Locality.LOCAL_FULL if has_local else Locality.NO_LOCAL_SHARD
+
+    def _shard(self, name: str) -> ShardRoom:
+        if name not in self.shards:
+            raise InvalidArgument(f"shard: unknown decode shard {name!r}", field="shard")
+        return self.shards[name]
+
+    def tickets(self) -> list[Ticket]:
+        return list(self._tickets.values())
+
+    def ticket(self, request_id: str) -> Ticket | None:
+        return self._tickets.get(request_id)
+
+    def is_queued(self, request_id: str) -> bool:
+        return request_id in self._queue

@@ -1,0 +1,270 @@
+"""Admission: tickets before prefill, a bounded FIFO queue with deadlines, locality, retries, refusals."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool.core.admission import (
+    Admission,
+    Admitted,
+    AdmissionRequest,
+    Locality,
+    ShardShape,
+    Ticket,
+    may_retry,
+)
+from kvpool.core.decode_pages import pages_for_request
+from kvpool.core.decode_scheduler import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, finish_reason
+from kvpool.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvpool.core.routing import PipelineReason, RoutingPolicy
+
+# a region of a 100-token prompt: 100 * 4000 + 4096 -> 405,504 bytes (99 pages of 4,096)
+SHAPE = ShardShape(num_pages=100, page_size=16, arena_bytes=1_000_000, region_bytes_per_token=4000,
+                   region_trailer_bytes=4096, max_context=4096)
+
+
+def admission(max_queue: int = 4, locality: bool = True, shape: ShardShape = SHAPE) -> Admission:
+    routing = RoutingPolicy.of(["p0", "p1"], ["d0", "d1"])
+    a = Admission(routing, {"d0": "s0", "d1": "s1"}, {"p0": "s0", "p1": "s1"}, max_queue=max_queue,
+                  queue_timeout_s=10.0, locality=locality)
+    a.set_shard_shape("d0", shape)
+    a.set_shard_shape("d1", shape)
+    return a
+
+
+def req(request_id: str, prompt: int = 100, max_tokens: int = 60, session: str = "") -> AdmissionRequest:
+    return AdmissionRequest(request_id, session, prompt, max_tokens)
+
+
+def test_the_one_page_count() -> None:
+    # every output token but the last is cached: prompt + max_tokens - 1 entries
+    assert pages_for_request(100, 60, 16) == 10  # 159 entries
+    assert pages_for_request(100, 61, 16) == 10  # 160 entries: exactly 10 pages
+    assert pages_for_request(100, 62, 16) == 11
+    assert pages_for_request(1, 1, 16) == 1
+
+
+def test_first_token_stop_rules() -> None:
+    stops = frozenset({7})
+    assert finish_reason(7, 1, stops, 10, 5, 100) == FINISH_STOP  # the first token is a stop token
+    assert finish_reason(3, 1, stops, 1, 5, 100) == FINISH_LENGTH  # max_tokens 1: the first token ends it
+    assert finish_reason(7, 1, stops, 1, 5, 100) == FINISH_STOP  # stop wins over length
+    assert finish_reason(3, 1, stops, 10, 99, 100) == FINISH_CONTEXT  # the context is full after it
+    assert finish_reason(3, 1, stops, 10, 5, 100) is None
+
+
+def test_retry_eligibility() -> None:
+    assert may_retry(Unavailable("x"), 0, 1)
+    assert not may_retry(Unavailable("x"), 1, 1)  # a token reached the client
+    assert not may_retry(Unavailable("x"), 0, 2)  # once only
+    assert not may_retry(ResourceExhausted("x"), 0, 1)
+    assert not may_retry(InvalidArgument("x: y"), 0, 1)
+
+
+def test_tickets_hold_pages_and_region_until_release_then_the_queue_moves() -> None:
+    a = admission()
+    t1 = a.admit(req("r1", session="a"), now=0.0)
+    assert t1 == Ticket("r1", "p0", PipelineReason.NEW_SESSION, "d0", Locality.SAME_SERVER, 10, 405_504, 0.0)
+    t2 = a.admit(req("r2"), now=0.0)
+    assert (t2.pipeline, t2.shard, t2.locality) == ("p1", "d1", Locality.SAME_SERVER)
+    t3 = a.admit(req("r3"), now=0.0)  # p0 (fewest placed on a tie), d0: 2 regions = 811,008 bytes fit
+    assert (t3.pipeline, t3.shard) == ("p0", "d0")
+    t4 = a.admit(req("r4"), now=0.0)
+    assert (t4.pipeline, t4.shard) == ("p1", "d1")
+    # both arenas hold 2 regions: the next ones queue and hold nothing
+    assert a.admit(req("r5"), now=1.0) is None
+    assert a.admit(req("r6"), now=2.0) is None
+    assert (a.num_queued, a.num_admitted) == (2, 4)
+    assert (a.shards["d0"].used_pages, a.shards["d0"].used_bytes, a.shards["d0"].num_tickets) == (20, 811_008, 2)
+    moved = a.release("r2", now=3.0)
+    assert [(t.request_id, t.shard, t.queued_s) for t in moved.tickets] == [("r5", "d1", 2.0)]
+    assert moved.expired == []
+    assert a.queued_ids() == ["r6"]
+    assert a.routing.pipelines["p1"].in_flight == 2  # r4 and r5
+
+
+def test_fifo_without_overtaking() -> None:
+    a = admission()
+    for i in range(4):
+        a.admit(req(f"r{i}"), now=0.0)
+    assert a.admit(req("big", prompt=200), now=0.0) is None  # needs 808 KB: waits for an empty arena
+    assert a.admit(req("small", prompt=10), now=0.0) is None  # would fit now, but queues behind the head
+    assert a.release("r0", now=1.0).tickets == []  # d0 has 1 region left: big still does not fit
+    admitted = a.release("r2", now=2.0).tickets  # d0 empty: big, then small
+    assert [t.request_id for t in admitted] == ["big", "small"]
+    assert [t.shard for t in admitted] == ["d0", "d0"]
+
+
+def test_queue_full_is_refused_with_retry_after() -> None:
+    a = admission(max_queue=1)
+    for i in range(4):
+        a.admit(req(f"r{i}"), now=0.0)
+    assert a.admit(req("q"), now=0.0) is None
+    with pytest.raises(ResourceExhausted, match="queue is full") as refused:
+        a.admit(req("over"), now=3.5)
+    assert refused.value.retry_after_s == 7  # the head times out at 10 s
+    assert a.queued_ids() == ["q"]
+
+
+def test_queued_requests_expire_at_their_deadline_and_can_be_dropped() -> None:
+    a = admission()
+    for i in range(4):
+        a.admit(req(f"r{i}"), now=0.0)
+    a.admit(req("q1"), now=0.0)
+    a.admit(req("q2"), now=5.0)
+    assert a.poll(now=9.9).expired == []
+    assert a.poll(now=10.0).expired == ["q1"]
+    assert a.release("q2", now=11.0).tickets == []  # the client went away while queued
+    assert a.num_queued == 0 and a.num_admitted == 4
+
+
+def test_a_request_that_can_never_fit_names_the_field_and_limit() -> None:
+    a = admission()
+    a.set_pipeline_max_prompt("p0", 1024)
+    a.set_pipeline_max_prompt("p1", 2048)
+    with pytest.raises(InvalidArgument, match="2048") as e:
+        a.admit(req("r", prompt=3000), now=0.0)
+    assert e.value.field == "prompt"
+    with pytest.raises(InvalidArgument, match="context of 4096") as e:
+        a.admit(req("r", prompt=2000, max_tokens=2097), now=0.0)
+    assert e.value.field == "max_tokens"
+    with pytest.raises(InvalidArgument, match="1600 KV tokens") as e:
+        a.admit(req("r", prompt=1000, max_tokens=700), now=0.0)
+    assert e.value.field == "max_tokens"
+    with pytest.raises(InvalidArgument, match="receive arena") as e:
+        a.admit(req("r", prompt=300, max_tokens=10), now=0.0)  # 1.2 MB region, 1 MB arena
+    assert e.value.field == "prompt"
+    assert a.num_queued == 0 and a.num_admitted == 0
+
+
+def test_locality_prefers_the_pipelines_server_while_it_has_room() -> None:
+    a = admission()
+    a.set_shard_shape("d1", ShardShape(200, 16, 4_000_000, 4000, 4096, 4096))  # d1 has more room
+    first = a.admit(req("r0", session="x"), now=0.0)
+    assert (first.pipeline, first.shard, first.locality) == ("p0", "d0", Locality.SAME_SERVER)
+    a.admit(req("r1", session="x"), now=0.0)  # affinity: p0 again, d0 again (its last region)
+    third = a.admit(req("r2", session="x"), now=0.0)
+    assert (third.pipeline, third.shard, third.locality) == ("p0", "d1", Locality.LOCAL_FULL)
+    a.set_health("d0", False)
+    fourth = a.admit(req("r3", session="x"), now=0.0)
+    assert (fourth.pipeline, fourth.shard, fourth.locality) == ("p0", "d1", Locality.NO_LOCAL_SHARD)
+    off = admission(locality=False)
+    off.set_shard_shape("d1", ShardShape(200, 16, 4_000_000, 4000, 4096, 4096))
+    assert off.admit(req("r0"), now=0.0).locality == Locality.OFF
+    assert off.admit(req("r1"), now=0.0).shard == "d1"  # most free pages
+
+
+def test_retry_moves_the_pipeline_once_and_keeps_the_room() -> None:
+    a = admission()
+    ticket = a.admit(req("r", session="s"), now=0.0)
+    moved = a.retry(ticket, Unavailable("down"), num_tokens_sent=0, session_key="s")
+    assert moved is not None
+    assert (moved.pipeline, moved.shard, moved.tries, moved.num_pages) == ("p1", ticket.shard, 2, ticket.num_pages)
+    assert (a.routing.pipelines["p0"].in_flight, a.routing.pipelines["p1"].in_flight) == (0, 1)
+    assert a.retry(moved, Unavailable("down"), 0, "s") is None  # at most once
+    assert a.retry(moved, InvalidArgument("x: y"), 0, "s") is None
+    a.release("r", now=1.0)
+    assert a.routing.pipelines["p1"].in_flight == 0 and a.shards[ticket.shard].used_pages == 0
+
+
+def test_unknown_shapes_admit_nothing_and_unhealthy_everything_is_unavailable() -> None:
+    routing = RoutingPolicy.of(["p0"], ["d0"])
+    a = Admission(routing, {"d0": "s0"}, {"p0": "s0"}, max_queue=2, queue_timeout_s=5.0)
+    assert a.admit(req("r"), now=0.0) is None  # no Stats yet: it queues
+    a.set_shard_shape("d0", SHAPE)
+    assert [t.request_id for t in a.poll(now=1.0).tickets] == ["r"]
+    a.set_health("d0", False)
+    with pytest.raises(Unavailable, match="decode shard"):
+        a.admit(req("r2"), now=1.0)
+    with pytest.raises(InvalidArgument, match="request_id"):
+        a.admit(req("r"), now=1.0)
+    with pytest.raises(InvalidArgument, match="servers"):
+        Admission(routing, {}, {"p0": "s0"}, max_queue=2, queue_timeout_s=5.0)
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    """Room counted equals the live tickets' room and never exceeds a shard; ids are in one place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        routing = RoutingPolicy.of(["p0", "p1"], ["d0", "d1", "d2"], affinity_max_queue=2)
+        self.a = Admission(routing, {"d0": "s0", "d1": "s1", "d2": "s1"}, {"p0": "s0", "p1": "s1"},
+                           max_queue=3, queue_timeout_s=5.0)
+        for name, pages in (("d0", 40), ("d1", 20), ("d2", 60)):
+            self.a.set_shard_shape(name, ShardShape(pages, 16, 1_000_000, 2000, 4096, 2048))
+        self.now = 0.0
+        self.next_id = 0
+        self.live: set[str] = set()
+        self.queued: list[str] = []
+
+    def _apply(self, admitted: Admitted) -> None:
+        for request_id in admitted.expired:  # expiry comes first, then the heads that fit
+            self.queued.remove(request_id)
+        for ticket in admitted.tickets:
+            assert ticket.request_id == self.queued.pop(0)  # FIFO
+            self.live.add(ticket.request_id)
+
+    @rule(prompt=st.integers(1, 400), max_tokens=st.integers(1, 400), session=st.sampled_from(["", "a", "b"]))
+    def admit(self, prompt: int, max_tokens: int, session: str) -> None:
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        try:
+            ticket = self.a.admit(AdmissionRequest(request_id, session, prompt, max_tokens), self.now)
+        except (InvalidArgument, ResourceExhausted, Unavailable) as exc:
+            if isinstance(exc, ResourceExhausted):
+                assert len(self.queued) == 3 and exc.retry_after_s >= 1
+            return
+        if ticket is None:
+            self.queued.append(request_id)
+        else:
+            assert not self.queued  # nobody overtakes
+            self.live.add(request_id)
+
+    @precondition(lambda self: self.live or self.queued)
+    @rule(i=st.integers(0, 100))
+    def release(self, i: int) -> None:
+        ids = sorted(self.live) + self.queued
+        request_id = ids[i % len(ids)]
+        if request_id in self.live:
+            self.live.discard(request_id)
+        else:
+            self.queued.remove(request_id)
+        self._apply(self.a.release(request_id, self.now))
+
+    @rule(dt=st.floats(0, 3))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self._apply(self.a.poll(self.now))
+
+    @rule(name=st.sampled_from(["p0", "p1", "d0", "d1", "d2"]), healthy=st.booleans())
+    def health(self, name: str, healthy: bool) -> None:
+        self.a.set_health(name, healthy)
+
+    @invariant()
+    def room_matches_tickets(self) -> None:
+        tickets = self.a.tickets()
+        assert {t.request_id for t in tickets} == self.live
+        assert self.a.queued_ids() == self.queued
+        assert not self.live & set(self.queued)
+        for name, shard in self.a.shards.items():
+            mine = [t for t in tickets if t.shard == name]
+            assert shard.used_pages == sum(t.num_pages for t in mine) <= shard.shape.num_pages
+            assert shard.used_bytes == sum(t.region_bytes for t in mine) <= shard.shape.arena_bytes
+            assert shard.num_tickets == len(mine)
+        for name, pipeline in self.a.routing.pipelines.items():
+            assert pipeline.in_flight == sum(1 for t in tickets if t.pipeline == name)
+
+
+TestAdmissionMachine = AdmissionMachine.TestCase
+TestAdmissionMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+def test_domain_errors_carry_their_field() -> None:
+    assert InvalidArgument("token_ids[3]: 9 is outside the vocabulary").field == "token_ids[3]"
+    assert InvalidArgument("sampling.top_p: must be in (0, 1]").field == "sampling.top_p"
+    assert InvalidArgument("receive arena: no room").field is None  # not an identifier: no field
+    assert InvalidArgument("no room", field="prompt").field == "prompt"
+    assert ResourceExhausted("full", retry_after_s=3).retry_after_s == 3
