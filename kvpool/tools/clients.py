@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import http.client
-import json
+import asyncio
 import sys
 import uuid
 from typing import Any
-from urllib.parse import urlsplit
 
 import grpc
+import httpx
 
 from kvpool import service
 from kvpool.rpc import router_pb2, router_pb2_grpc
+from kvpool.tools.sse import StreamError, stream_events
 
 
 async def generate(router: str, prompt: str, max_tokens: int, temperature: float, session: str) -> int:
@@ -38,7 +38,6 @@ async def generate(router: str, prompt: str, max_tokens: int, temperature: float
 
 def chat(url: str, max_tokens: int, temperature: float) -> int:
     """Read user turns from stdin; each sends the whole conversation so far, as agents do."""
-    parts = urlsplit(url)
     session = f"chat-{uuid.uuid4().hex[:8]}"
     messages: list[dict[str, Any]] = []
     print(f"kvpool chat with {url} (session {session}); an empty line or Ctrl-D ends it", file=sys.stderr)
@@ -52,31 +51,29 @@ def chat(url: str, max_tokens: int, temperature: float) -> int:
         messages.append({"role": "user", "content": line})
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
                 "stream_options": {"include_usage": True}, "prompt_cache_key": session}
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
         try:
-            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            if response.status != 200:
-                print(f"error: HTTP {response.status}: {response.read().decode(errors='replace')}", file=sys.stderr)
-                messages.pop()
+            reply = asyncio.run(_chat_turn(url, body))
+        except StreamError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            messages.pop()
+            continue
+        print()
+        messages.append({"role": "assistant", "content": reply})
+
+
+async def _chat_turn(url: str, body: dict[str, Any]) -> str:
+    """Stream one answer to stdout, its cache figures to stderr; returns the answer."""
+    reply = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+        async for event in stream_events(client, url, "/v1/chat/completions", body):
+            if event.get("usage"):
+                ext = event["usage"].get("kvpool", {})
+                print(f"\n  [cached {event['usage']['prompt_tokens_details']['cached_tokens']} of "
+                      f"{event['usage']['prompt_tokens']} prompt tokens (device {ext.get('device_tokens')}, "
+                      f"pool {ext.get('pool_tokens')})]", file=sys.stderr)
                 continue
-            reply = []
-            for raw in response:
-                data = raw.decode().strip().removeprefix("data: ")
-                if not data or data == "[DONE]":
-                    continue
-                event = json.loads(data)
-                if event.get("usage"):
-                    ext = event["usage"].get("kvpool", {})
-                    print(f"\n  [cached {event['usage']['prompt_tokens_details']['cached_tokens']} of "
-                          f"{event['usage']['prompt_tokens']} prompt tokens (device {ext.get('device_tokens')}, "
-                          f"pool {ext.get('pool_tokens')})]", file=sys.stderr)
-                    continue
-                for choice in event.get("choices", []):
-                    text = choice.get("delta", {}).get("content") or ""
-                    reply.append(text)
-                    print(text, end="", flush=True)
-            print()
-            messages.append({"role": "assistant", "content": "".join(reply)})
-        finally:
-            conn.close()
+            for choice in event.get("choices", []):
+                text = choice.get("delta", {}).get("content") or ""
+                reply.append(text)
+                print(text, end="", flush=True)
+    return "".join(reply)

@@ -10,17 +10,17 @@ client; then a summary. Think time is not played (the demo is about reuse).
 
 from __future__ import annotations
 
-import http.client
-import json
+import asyncio
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+
+import httpx
 
 from kvpool.model import get_config
+from kvpool.tools.sse import served_model, stream_events
 from kvpool.workload.synthetic import synthetic_session
 from kvpool.workload.tokens import session_token_ids
 from kvpool.workload.weka import Session, load_session
@@ -64,38 +64,15 @@ def demo_session(settings: DemoSettings) -> Session:
     return synthetic_session(num_turns=settings.turns)
 
 
-def stream_completion(url: str, body: dict[str, Any], timeout_s: float = 600.0) -> Iterator[dict[str, Any]]:
-    """POST a streaming completion and yield each SSE event's JSON until ``[DONE]``."""
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
-    try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {response.read().decode(errors='replace')}")
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                return
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(f"error in stream: {event['error']}")
-            yield event
-    finally:
-        conn.close()
-
-
-def play_turn(url: str, model: str, session_key: str, prompt: list[int], max_tokens: int) -> TurnFigures:
+async def play_turn(client: httpx.AsyncClient, url: str, model: str, session_key: str, prompt: list[int],
+                    max_tokens: int) -> TurnFigures:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "prompt_cache_key": session_key}
     started = time.perf_counter()
     ttft = 0.0
     usage: dict[str, Any] = {}
     finish = ""
-    for event in stream_completion(url, body):
+    async for event in stream_events(client, url, "/v1/completions", body):
         if event.get("usage"):
             usage = event["usage"]
             continue
@@ -110,23 +87,7 @@ def play_turn(url: str, model: str, session_key: str, prompt: list[int], max_tok
 
 
 def run_demo(url: str, settings: DemoSettings) -> int:
-    model = _served_model(url)
-    session = demo_session(settings)
-    vocab = get_config(model).vocab_size if model in ("tiny", "dsv3-kv", "dsv3-kv-61") else 1024
-    prompts = list(session_token_ids(session, settings.scale, vocab))
-    source = f"trace {settings.trace}" if settings.trace else "built-in synthetic session shaped like the real traces"
-    print(f"\nkvpool demo: {source}")
-    print(f"kvpool demo: session {session.id!r}, {len(prompts)} turns at token scale {settings.scale} "
-          f"(64-token trace blocks become {max(1, 64 // settings.scale)} tokens), model {model}\n", flush=True)
-    header = f"{'turn':>4} {'prompt':>7} {'device':>7} {'pool':>7} {'computed':>8} {'out':>4} {'TTFT ms':>8}"
-    print(header, flush=True)
-    figures: list[TurnFigures] = []
-    for i, (turn, prompt) in enumerate(zip(session.turns, prompts)):
-        max_tokens = max(1, min(settings.max_tokens, -(-turn.output_tokens // settings.scale)))
-        f = play_turn(url, model, session.id, prompt, max_tokens)
-        figures.append(f)
-        print(f"{i:>4} {f.prompt_tokens:>7} {f.device_tokens:>7} {f.pool_tokens:>7} {f.computed_tokens:>8} "
-              f"{f.output_tokens:>4} {f.ttft_s * 1e3:>8.0f}", flush=True)
+    figures = asyncio.run(_play(url, settings))
     total = sum(f.prompt_tokens for f in figures)
     cached = sum(f.device_tokens + f.pool_tokens for f in figures)
     later = figures[1:] or figures
@@ -138,12 +99,25 @@ def run_demo(url: str, settings: DemoSettings) -> int:
     return 0
 
 
-def _served_model(url: str) -> str:
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
-    try:
-        conn.request("GET", "/v1/models")
-        data = json.loads(conn.getresponse().read())
-        return str(data["data"][0]["id"])
-    finally:
-        conn.close()
+async def _play(url: str, settings: DemoSettings) -> list[TurnFigures]:
+    """Every turn in order, one row printed as each answers."""
+    session = demo_session(settings)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+        model, _ = await served_model(client, url)
+        vocab = get_config(model).vocab_size if model in ("tiny", "dsv3-kv", "dsv3-kv-61") else 1024
+        prompts = list(session_token_ids(session, settings.scale, vocab))
+        source = (f"trace {settings.trace}" if settings.trace
+                  else "built-in synthetic session shaped like the real traces")
+        print(f"\nkvpool demo: {source}")
+        print(f"kvpool demo: session {session.id!r}, {len(prompts)} turns at token scale {settings.scale} "
+              f"(64-token trace blocks become {max(1, 64 // settings.scale)} tokens), model {model}\n", flush=True)
+        print(f"{'turn':>4} {'prompt':>7} {'device':>7} {'pool':>7} {'computed':>8} {'out':>4} {'TTFT ms':>8}",
+              flush=True)
+        figures: list[TurnFigures] = []
+        for i, (turn, prompt) in enumerate(zip(session.turns, prompts)):
+            max_tokens = max(1, min(settings.max_tokens, -(-turn.output_tokens // settings.scale)))
+            f = await play_turn(client, url, model, session.id, prompt, max_tokens)
+            figures.append(f)
+            print(f"{i:>4} {f.prompt_tokens:>7} {f.device_tokens:>7} {f.pool_tokens:>7} {f.computed_tokens:>8} "
+                  f"{f.output_tokens:>4} {f.ttft_s * 1e3:>8.0f}", flush=True)
+    return figures

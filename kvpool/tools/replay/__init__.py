@@ -17,8 +17,9 @@ client and closed loop), ``probes`` (metrics and pool stats), ``report``
 
 from __future__ import annotations
 
-from kvpool.tools.replay.engine import ReplayOptions, ReplayResult, TurnRecord, run_replay
+from kvpool.tools.replay.engine import run_replay
 from kvpool.tools.replay.probes import ClusterProbes
+from kvpool.tools.replay.records import ReplayOptions, ReplayResult, TurnRecord
 from kvpool.tools.replay.workload import (
     DeviceCacheTooSmall,
     ReplaySession,

@@ -30,8 +30,9 @@ from typing import Any
 
 from kvpool.core.chunk_hash import chunk_hashes
 from kvpool.model.config import CONFIGS
-from kvpool.tools.replay.engine import ReplayOptions, ReplayResult, run_replay
+from kvpool.tools.replay.engine import run_replay
 from kvpool.tools.replay.probes import ClusterProbes
+from kvpool.tools.replay.records import ReplayOptions, ReplayResult
 from kvpool.tools.replay.topology import Topology, TopologySettings
 from kvpool.tools.replay.topology_netns import BRIDGE_ADDRESS
 from kvpool.tools.replay.workload import ReplayWorkload

@@ -30,7 +30,7 @@ from kvpool.tools.replay.compare import (
     working_set_bytes,
     workload_prompts,
 )
-from kvpool.tools.replay.engine import ReplayOptions
+from kvpool.tools.replay.records import ReplayOptions
 from kvpool.tools.replay.report import json_safe
 from kvpool.tools.replay.topology import TopologySettings
 from kvpool.tools.replay.workload import ReplayWorkload, load_workload

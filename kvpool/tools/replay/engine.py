@@ -29,7 +29,6 @@ in issue order, the order the reuse bound is computed in.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,82 +37,12 @@ from typing import Any
 
 import httpx
 
-from kvpool.tools.replay.probes import ClusterProbes, DecodeSampler, Metrics, pool_stats, snapshot
+from kvpool.tools.replay.probes import ClusterProbes, DecodeSampler, pool_stats, snapshot
+from kvpool.tools.replay.records import ReplayOptions, ReplayResult, TurnRecord
+from kvpool.tools.replay.report import summarize
 from kvpool.tools.replay.schedule import PlannedTurn, SessionSchedule, TurnRef
 from kvpool.tools.replay.workload import ReplaySession, ReplayTurn, ReplayWorkload
-
-CHUNK_SIZE = 256  # the prefill stages' default chunk size
-
-
-@dataclass(slots=True, frozen=True)
-class ReplayOptions:
-    """How to replay: load, time compression, bounds of the run."""
-
-    concurrency: int = 1
-    think_scale: float = 1.0
-    duration_s: float | None = None
-    model: str = ""  # "" asks the router's /v1/models
-    chunk_size: int = CHUNK_SIZE
-    request_timeout_s: float = 600.0
-    progress: bool = False
-
-    def __post_init__(self) -> None:
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency: must be >= 1, got {self.concurrency}")
-        if self.think_scale < 0:
-            raise ValueError(f"think_scale: must be >= 0, got {self.think_scale}")
-
-
-@dataclass(slots=True)
-class TurnRecord:
-    """One request as the client saw it, with the router's ``usage.kvpool`` figures."""
-
-    session_id: str
-    turn: int  # index in the session's kept turns
-    agent_id: str | None
-    issue_index: int
-    prompt_tokens: int
-    max_tokens: int
-    issued_at: float = 0.0  # seconds since the replay started
-    latency_s: float = 0.0
-    ttft_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    completion_tokens: int = 0
-    device_tokens: int = 0
-    pool_tokens: int = 0
-    computed_tokens: int = 0
-    handoff_transfers: int = 0
-    handoff_bytes: int = 0
-    server_ttft_s: float = 0.0
-    pipeline: str = ""
-    shard: str = ""
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class ReplayResult:
-    """One replay at one concurrency: per-request records, service figures, and the summary of it all."""
-
-    concurrency: int
-    wall_s: float
-    records: list[TurnRecord]
-    metrics_before: dict[str, Metrics] = field(default_factory=dict)
-    metrics_after: dict[str, Metrics] = field(default_factory=dict)
-    pool: dict[str, Any] | None = None
-    decode_utilization: list[float] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def errors(self) -> int:
-        return sum(r.error is not None for r in self.records)
-
-
-async def served_model(client: httpx.AsyncClient, url: str) -> tuple[str, int]:
-    """(model id, context length) from the router's ``/v1/models``."""
-    response = await client.get(f"{url}/v1/models", timeout=30.0)
-    response.raise_for_status()
-    model = response.json()["data"][0]
-    return str(model["id"]), int(model.get("max_model_len", 0))
+from kvpool.tools.sse import StreamError, served_model, stream_events
 
 
 async def stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any], record: TurnRecord,
@@ -122,21 +51,8 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     started = clock()
     last = 0.0
     usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            record.error = f"HTTP {response.status_code}: {text[:300]}"
-            return
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event:
-                record.error = f"error event: {event['error']}"
-                return
+    try:
+        async for event in stream_events(client, url, "/v1/completions", body):
             if event.get("usage"):
                 usage = event["usage"]
             if event.get("choices"):
@@ -146,6 +62,9 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 elif event["choices"][0].get("text"):  # the closing finish event carries no token
                     record.itl_s.append(now - last)
                 last = now
+    except StreamError as exc:
+        record.error = str(exc)
+        return
     record.latency_s = clock() - started
     if not usage:
         record.error = "no usage in the stream"
@@ -224,8 +143,6 @@ class _Run:
 async def run_replay(url: str, workload: ReplayWorkload, options: ReplayOptions,
                      probes: ClusterProbes | None = None) -> ReplayResult:
     """Replay ``workload`` against the router at ``url``; figures from ``probes`` when given (see module doc)."""
-    from kvpool.tools.replay.report import summarize
-
     url = url.rstrip("/")
     probes = probes or ClusterProbes(router=url)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)

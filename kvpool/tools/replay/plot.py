@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpool.tools.replay.engine import ReplayResult
+    from kvpool.tools.replay.records import ReplayResult
 
 
 def write_plots(directory: Path, results: Sequence[ReplayResult]) -> list[Path]:

@@ -16,15 +16,13 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvpool.tools.bench.stats import percentile
 from kvpool.tools.replay.probes import Metrics, delta, total
+from kvpool.tools.replay.records import ReplayOptions, ReplayResult
 from kvpool.tools.replay.workload import ReplayWorkload, sent_block_bound
 from kvpool.workload.bounds import chunk_prefix_bound
-
-if TYPE_CHECKING:
-    from kvpool.tools.replay.engine import ReplayOptions, ReplayResult
 
 
 def _ratio(a: float, b: float) -> float:
