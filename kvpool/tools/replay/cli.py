@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvpool.tools.bench.prefill_workload import default_traces_dir
+from kvpool.tools.command_flags import add_report_flags
 from kvpool.tools.replay import (
     ClusterProbes,
     DeviceCacheTooSmall,
@@ -30,7 +32,7 @@ from kvpool.tools.replay import (
 )
 from kvpool.tools.replay.report import format_table, json_safe
 
-DEFAULT_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "agentx-weka"
+DEFAULT_TRACES = default_traces_dir()
 
 
 def add_replay_parser(sub: Any) -> None:
@@ -54,7 +56,7 @@ def add_replay_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="cap on each turn's scaled output tokens")
     p.add_argument("--shared-prefix", action="store_true", help="prepend a prefix common to all sessions, "
                    "system_tokens + tool_tokens long, scaled (weka only)")
-    p.add_argument("--json", action="store_true", help="the last line of output is one JSON object")
+    add_report_flags(p)
     p.add_argument("--plot", metavar="DIR", help="write PNG charts here")
     cluster = p.add_argument_group("the cluster it starts (ignored with --url, except the cache check)")
     cluster.add_argument("--pipelines", type=int, default=1, help="prefill pipelines")
@@ -68,7 +70,6 @@ def add_replay_parser(sub: Any) -> None:
     cluster.add_argument("--chunk-size", type=int, default=256, help="the prefill chunk size (and the bound's)")
     cluster.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float8_e4m3fn"))
     cluster.add_argument("--workdir", help="keep the cluster's logs here")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     from kvpool.tools.replay.compare_cmd import add_compare_arguments
 
     add_compare_arguments(p)
