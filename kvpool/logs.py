@@ -7,6 +7,9 @@ import sys
 
 import structlog
 
+# the levels every command's --log-level takes
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 def configure_logging(level: str = "info", json: bool | None = None) -> None:
     """Route structlog (and stdlib logging) to stderr.

@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvpool.logs import configure_logging
 from kvpool.settings import add_setting_flags, load_settings
 from kvpool.tools.bench.cli import add_bench, run_bench
+from kvpool.tools.command_flags import add_log_level_flag
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="TOML", help="settings file; its [<role>] table is read, flags win")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_level_flag(parser, "info")
     parser.add_argument(
         "--log-format", default="auto", choices=["auto", "json", "console"],
         help="auto: JSON unless stderr is a terminal",
@@ -29,57 +32,55 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-file", metavar="PATH", help="write bound ports as JSON here once serving")
 
 
-def _add_master(sub: Any) -> None:
-    from services.master.settings import MasterSettings
+@dataclass(frozen=True, slots=True)
+class Role:
+    """One role's subcommand. ``settings`` and ``serve`` are ``module:name`` references, imported only when
+    that subcommand is parsed or run (a master never imports torch)."""
 
-    p = sub.add_parser("master", help="run the pool master", description="Run the pool master: object locations, "
-                       "group-LRU eviction, leases, store liveness.")
+    settings: str
+    serve: str
+    help: str
+    description: str
+    owns_transfer_engine: bool = False  # re-executed under the bind shim before it starts (kvpool/bind_shim.py)
+
+
+ROLES: dict[str, Role] = {
+    "master": Role("services.master.settings:MasterSettings", "services.master.server:serve",
+                   "run the pool master", "Run the pool master: object locations, group-LRU eviction, leases, "
+                   "store liveness."),
+    "store": Role("services.store.settings:StoreSettings", "services.store.daemon:serve",
+                  "run a store daemon", "Run a store daemon: one DRAM segment pinned to a NUMA node, registered "
+                  "with the transfer engine and mounted on the master.", owns_transfer_engine=True),
+    "prefill": Role("services.prefill.settings:PrefillSettings", "services.prefill.server:serve",
+                    "run a prefill pipeline stage", "Run one prefill pipeline stage: a contiguous range of layers "
+                    "and their device KV pages. Stage 0 also runs the scheduler (chunk hashing, the shared block "
+                    "table, device → pool → compute planning) and serves the Prefill API. Start the later stages "
+                    "first.", owns_transfer_engine=True),
+    "decode": Role("services.decode.settings:DecodeSettings", "services.decode.server:serve",
+                   "run a decode shard", "Run a decode shard: the whole model over token-major KV pages, "
+                   "continuous batching, sampling and token streaming; receive regions for the prefill handoff.",
+                   owns_transfer_engine=True),
+    "router": Role("services.router.settings:RouterSettings", "services.router.server:serve",
+                   "run the router (gRPC Generate and the OpenAI-compatible HTTP API)", "Run the router: the front "
+                   "door. It places each request on a prefill pipeline (the session's own while its queue is "
+                   "short) and the decode shard with the most free KV pages, and serves gRPC Generate and the "
+                   "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                   "/metrics)."),
+}
+
+
+def _load(reference: str) -> Any:
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _add_role(sub: Any, name: str, role: Role) -> None:
+    p = sub.add_parser(name, help=role.help, description=role.description)
     _common(p)
-    add_setting_flags(p, MasterSettings)
-
-
-def _add_store(sub: Any) -> None:
-    from services.store.settings import StoreSettings
-
-    p = sub.add_parser("store", help="run a store daemon", description="Run a store daemon: one DRAM segment "
-                       "pinned to a NUMA node, registered with the transfer engine and mounted on the master.")
-    _common(p)
-    add_setting_flags(p, StoreSettings)
-
-
-def _add_prefill(sub: Any) -> None:
-    from services.prefill.settings import PrefillSettings
-
-    p = sub.add_parser("prefill", help="run a prefill pipeline stage",
-                       description="Run one prefill pipeline stage: a contiguous range of layers and their device KV "
-                       "pages. Stage 0 also runs the scheduler (chunk hashing, the shared block table, device → pool "
-                       "→ compute planning) and serves the Prefill API. Start the later stages first.")
-    _common(p)
-    add_setting_flags(p, PrefillSettings)
-    p.add_argument("--no-pool", dest="master", action="store_const", const="",
-                   help="run without the pool: device cache only")
-
-
-def _add_decode(sub: Any) -> None:
-    from services.decode.settings import DecodeSettings
-
-    p = sub.add_parser("decode", help="run a decode shard",
-                       description="Run a decode shard: the whole model over token-major KV pages, continuous "
-                       "batching, sampling and token streaming; receive regions for the prefill handoff.")
-    _common(p)
-    add_setting_flags(p, DecodeSettings)
-
-
-def _add_router(sub: Any) -> None:
-    from services.router.settings import RouterSettings
-
-    p = sub.add_parser("router", help="run the router (gRPC Generate and the OpenAI-compatible HTTP API)",
-                       description="Run the router: the front door. It places each request on a prefill pipeline "
-                       "(the session's own while its queue is short) and the decode shard with the most free KV "
-                       "pages, and serves gRPC Generate and the OpenAI-compatible HTTP API "
-                       "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
-    _common(p)
-    add_setting_flags(p, RouterSettings)
+    add_setting_flags(p, _load(role.settings))
+    if name == "prefill":
+        p.add_argument("--no-pool", dest="master", action="store_const", const="",
+                       help="run without the pool: device cache only")
 
 
 def _add_up(sub: Any) -> None:
@@ -109,14 +110,14 @@ def _add_clients(sub: Any) -> None:
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     gen.add_argument("--session", default="", help="session key (keeps the session's history hot)")
-    gen.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_log_level_flag(gen, "warning")
     chat = sub.add_parser("chat", help="an interactive chat with a running cluster",
                           description="A small interactive client: each line you type is a user turn; the "
                           "conversation is resent every turn, as agents do, under one session key.")
     chat.add_argument("--url", default="http://127.0.0.1:8000", help="router HTTP URL (default http://127.0.0.1:8000)")
     chat.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most (default 128)")
     chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    chat.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_log_level_flag(chat, "warning")
 
 
 def _add_pool(sub: Any) -> None:
@@ -145,11 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvpool: disaggregated LLM serving around one shared KV-cache pool in host memory.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_master(sub)
-    _add_store(sub)
-    _add_prefill(sub)
-    _add_decode(sub)
-    _add_router(sub)
+    for name, role in ROLES.items():
+        _add_role(sub, name, role)
     _add_up(sub)
     _add_clients(sub)
     _add_pool(sub)
@@ -176,16 +174,6 @@ def _settings(cls: type, section: str, args: argparse.Namespace) -> Any:
         raise SystemExit(f"kvpool {section}: {exc}") from None
 
 
-def _run_master(args: argparse.Namespace) -> int:
-    from kvpool import service
-    from services.master.server import serve
-    from services.master.settings import MasterSettings
-
-    settings = _settings(MasterSettings, "master", args)
-    service.run(lambda: serve(settings, args.ready_file))
-    return 0
-
-
 def _engine_binds_only(transfer_host: str) -> None:
     """Before anything starts: the transfer engine may listen on ``transfer_host`` only (kvpool/bind_shim.py)."""
     from kvpool import bind_shim
@@ -196,48 +184,14 @@ def _engine_binds_only(transfer_host: str) -> None:
         raise SystemExit(f"kvpool: {exc}") from None
 
 
-def _run_store(args: argparse.Namespace) -> int:
-    from services.store.settings import StoreSettings
-
-    settings = _settings(StoreSettings, "store", args)
-    _engine_binds_only(settings.transfer_host)
+def _run_role(args: argparse.Namespace) -> int:
+    role = ROLES[args.command]
+    settings = _settings(_load(role.settings), args.command, args)
+    if role.owns_transfer_engine:
+        _engine_binds_only(settings.transfer_host)
+    serve = _load(role.serve)
     from kvpool import service
-    from services.store.daemon import serve
 
-    service.run(lambda: serve(settings, args.ready_file))
-    return 0
-
-
-def _run_prefill(args: argparse.Namespace) -> int:
-    from services.prefill.settings import PrefillSettings
-
-    settings = _settings(PrefillSettings, "prefill", args)
-    _engine_binds_only(settings.transfer_host)
-    from kvpool import service
-    from services.prefill.server import serve
-
-    service.run(lambda: serve(settings, args.ready_file))
-    return 0
-
-
-def _run_decode(args: argparse.Namespace) -> int:
-    from services.decode.settings import DecodeSettings
-
-    settings = _settings(DecodeSettings, "decode", args)
-    _engine_binds_only(settings.transfer_host)
-    from kvpool import service
-    from services.decode.server import serve
-
-    service.run(lambda: serve(settings, args.ready_file))
-    return 0
-
-
-def _run_router(args: argparse.Namespace) -> int:
-    from kvpool import service
-    from services.router.server import serve
-    from services.router.settings import RouterSettings
-
-    settings = _settings(RouterSettings, "router", args)
     service.run(lambda: serve(settings, args.ready_file))
     return 0
 
@@ -310,8 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _log(args)
     handlers = {
-        "master": _run_master, "store": _run_store, "prefill": _run_prefill, "decode": _run_decode,
-        "router": _run_router, "up": _run_up, "generate": _run_generate, "chat": _run_chat,
+        **dict.fromkeys(ROLES, _run_role), "up": _run_up, "generate": _run_generate, "chat": _run_chat,
         "pool": _run_pool, "bench": run_bench, "replay": _run_replay, "simulate": _run_simulate,
     }
     try:

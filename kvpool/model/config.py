@@ -145,6 +145,20 @@ def get_config(name: str) -> ModelConfig:
         raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}") from None
 
 
+class ModelSetting:
+    """Base of a settings class with a ``model`` field: the config it names; a bad name is a ValueError naming
+    the field (settings errors name what to fix)."""
+
+    __slots__ = ()
+    model: str
+
+    def model_config(self) -> ModelConfig:
+        try:
+            return get_config(self.model)
+        except ValueError as exc:
+            raise ValueError(f"model: {exc}") from None
+
+
 # KV storage dtypes by name and their bytes per value: what settings and pool
 # namespaces need without importing torch (kv_cache.KV_DTYPES maps the same
 # names to torch dtypes)

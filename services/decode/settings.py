@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.core.setting import setting
-from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES, ModelConfig, get_config
+from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES, ModelSetting
 from kvpool.sizes import parse_size
 
 
 @dataclass(slots=True)
-class DecodeSettings:
+class DecodeSettings(ModelSetting):
     host: str = setting("127.0.0.1", help="listen address")
     port: int = setting(7800, help="gRPC port (0 picks a free one)")
     admin_port: int = setting(9800, help="Prometheus port (0 picks a free one)")
@@ -51,11 +51,6 @@ class DecodeSettings:
         if self.region_deadline_s <= 0:
             raise ValueError(f"region_deadline_s: must be positive, got {self.region_deadline_s}")
 
-    def model_config(self) -> ModelConfig:
-        try:
-            return get_config(self.model)
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"model: {exc}") from None
 
     @property
     def entry_bytes(self) -> int:

@@ -9,8 +9,7 @@ from kvpool.core.setting import setting
 from kvpool.model.config import (
     CONFIGS,
     KV_DTYPE_ITEMSIZES,
-    ModelConfig,
-    get_config,
+    ModelSetting,
     split_layers,
 )
 
@@ -18,7 +17,7 @@ LAYOUT_VERSION = 1
 
 
 @dataclass(slots=True)
-class PrefillSettings:
+class PrefillSettings(ModelSetting):
     stage: int = setting(0, help="this stage's index")
     num_stages: int = setting(4, help="stages in the pipeline")
     host: str = setting("127.0.0.1", help="listen address")
@@ -89,11 +88,6 @@ class PrefillSettings:
         if self.inline_activation_bytes < 0:
             raise ValueError(f"inline_activation_bytes: must be >= 0, got {self.inline_activation_bytes}")
 
-    def model_config(self) -> ModelConfig:
-        try:
-            return get_config(self.model)
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"model: {exc}") from None
 
     @property
     def num_blocks(self) -> int:

@@ -31,7 +31,7 @@ NUMACTL = "/usr/bin/numactl"
 # next_stage drop-in (see deploy/cluster.toml), so @0 and @3 stand for them
 INSTANCES = {"kvpool-store@.service": ["0", "1"], "kvpool-prefill@.service": ["0", "3"],
              "kvpool-decode@.service": ["0", "1"]}
-# the settings class and TOML table of each role, as services/cli.py's _run_<role> uses them
+# the settings class and TOML table of each role, as services/cli.py's ROLES names them
 ROLES: dict[str, type] = {"master": MasterSettings, "store": StoreSettings, "prefill": PrefillSettings,
                           "decode": DecodeSettings, "router": RouterSettings}
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvpool.tools.command_flags import add_report_flags
+
 
 def add_bench(sub: Any) -> None:
     """``kvpool bench <name>``: one parser per benchmark."""
@@ -20,13 +22,11 @@ def add_bench(sub: Any) -> None:
         "throughput, lookup latency and eviction under churn; the same workload against upstream Mooncake "
         "Store and the raw transfer engine in the same run.",
     )
-    pool.add_argument("--json", action="store_true", help="last line of output is one JSON object")
-    pool.add_argument("--quick", action="store_true", help="small run, under two minutes")
+    add_report_flags(pool, quick="small run, under two minutes")
     pool.add_argument("--object-size", type=int, default=256 * 4 * 1152, help="bytes per KV object")
     pool.add_argument("--batch-sizes", default="4,16,64", help="objects per batch, comma separated")
     pool.add_argument("--batches", type=int, help="batches per measurement")
     pool.add_argument("--skip-upstream", action="store_true", help="do not run upstream Mooncake Store")
-    pool.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     prefill = bench_sub.add_parser(
         "prefill", help="replay real agent sessions through the prefill pipeline, pool on vs pool off",
         description="Replays the first turns of real coding-agent sessions (weka traces) as a closed loop of "
@@ -35,8 +35,7 @@ def add_bench(sub: Any) -> None:
         "Reports reuse next to the trace's bounds, device/pool/computed shares, restore times, TTFT, prompt "
         "throughput and logits against a from-scratch computation. Think time is ignored.",
     )
-    prefill.add_argument("--json", action="store_true", help="last line of output is one JSON object")
-    prefill.add_argument("--quick", action="store_true", help="small run, well under three minutes")
+    add_report_flags(prefill, quick="small run, well under three minutes")
     prefill.add_argument("--sessions", type=int,
                          help="sessions to replay, the first by file name (default 4, also with --quick)")
     prefill.add_argument("--turns", type=int, help="first turns of each session (default 10; quick 8)")
@@ -48,7 +47,6 @@ def add_bench(sub: Any) -> None:
                          "(default 8192; quick 4096)")
     prefill.add_argument("--traces", metavar="DIR", help="weka traces directory (default ../shared/traces/agentx-weka "
                          "next to the checkout)")
-    prefill.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     restore = bench_sub.add_parser(
         "restore", help="prefill restore/save throughput at the seed's KV shape vs the raw transfer engine",
         description="Starts a master, two stores and a four-stage pipeline (dsv3-kv-61, fp8 KV) and restores "
@@ -57,11 +55,9 @@ def add_bench(sub: Any) -> None:
         "GB/s, the aggregate over the four stages, the raw engine's aggregate read of the same objects by four "
         "readers, and save throughput from the pages.",
     )
-    restore.add_argument("--json", action="store_true", help="last line of output is one JSON object")
-    restore.add_argument("--quick", action="store_true", help="4K tokens of history only, 3 repeats")
+    add_report_flags(restore, quick="4K tokens of history only, 3 repeats")
     restore.add_argument("--sizes", help="history sizes in tokens, comma separated (default 4096,16384)")
     restore.add_argument("--repeats", type=int, help="restores per size (default 5; quick 3)")
-    restore.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     faults = bench_sub.add_parser(
         "faults", help="the pool through a master kill -9, a store kill -9 and an outage under prefill",
         description="Starts a master, two stores and a four-stage prefill pipeline; four stages save groups while "
@@ -69,24 +65,21 @@ def add_bench(sub: Any) -> None:
         "(recovery time, groups usable without a put, saves skipped), then kills one store (groups lost next to "
         "the share it held). One run; every figure measured in it.",
     )
-    faults.add_argument("--json", action="store_true", help="last line of output is one JSON object")
-    faults.add_argument("--quick", action="store_true", help="small run (16 groups), about a minute and a half")
+    add_report_flags(faults, quick="small run (16 groups), about a minute and a half")
     faults.add_argument("--groups", type=int, help="groups of four 1 MiB members to write (default 64; quick 16)")
-    faults.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     decode = bench_sub.add_parser(
         "decode", help="decode tokens/s of one shard at 1, 4, 16 and 64 concurrent sequences",
         description="Starts one decode shard process (tiny model by default), fills each prompt's KV through "
         "Reserve and real transfer-engine writes from this process, and measures decode tokens per second and "
         "page use at each concurrency; batching_gain is tok/s at 16 over tok/s at 1.",
     )
-    decode.add_argument("--json", action="store_true", help="last line of output is one JSON object")
+    add_report_flags(decode)
     decode.add_argument("--concurrency", default="1,4,16,64", help="concurrent sequences, comma separated")
     decode.add_argument("--prompt-tokens", type=int, default=64, help="prompt length of every sequence")
     decode.add_argument("--max-tokens", type=int, default=64, help="tokens each sequence makes")
     decode.add_argument("--repeats", type=int, default=3, help="runs per concurrency; the median is reported")
     decode.add_argument("--model", default="tiny", help="model config")
     decode.add_argument("--kv-dtype", default="float32", help="KV dtype")
-    decode.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     handoff = bench_sub.add_parser(
         "handoff", help="prefill → decode handoff: gathered large writes vs one write per token per layer",
         description="Two processes on this host, each with a transfer engine: a sender holding one prefill "
@@ -94,8 +87,7 @@ def add_bench(sub: Any) -> None:
         "copy and the gathered path (gather, writes of at most 8 MiB, scatter) in the same run and verifies "
         "decode's pages against the sender's byte for byte after each.",
     )
-    handoff.add_argument("--json", action="store_true", help="last line of output is one JSON object")
-    handoff.add_argument("--quick", action="store_true", help="1,024 tokens unless --tokens says otherwise")
+    add_report_flags(handoff, quick="1,024 tokens unless --tokens says otherwise", log_level=False)
     handoff.add_argument("--tokens", type=int, help="tokens in the request (default 8192; quick 1024)")
     handoff.add_argument("--layers", type=int, default=20, help="layers of the prefill stage")
     handoff.add_argument("--entry-bytes", type=int, default=576, help="bytes per token per layer (576: fp8 MLA)")

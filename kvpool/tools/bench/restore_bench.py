@@ -313,11 +313,3 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     return 0
 
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--sizes")
-    parser.add_argument("--repeats", type=int)
-    raise SystemExit(main(parser.parse_args()))
