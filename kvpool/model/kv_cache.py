@@ -1,4 +1,4 @@
-"""Paged MLA KV cache: layout, slot addressing, and pack/unpack for the pool.
+"""Paged MLA KV cache: layout, slot addressing, and the packed layout of a token range.
 
 A stage's cache is one contiguous tensor `[num_blocks, num_layers,
 block_size, kv_entry_dim]` (block-major pages). Token t of a sequence lives

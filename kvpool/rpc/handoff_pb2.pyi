@@ -41,12 +41,12 @@ class HandoffTarget(_message.Message):
     def __init__(self, region_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[HandoffLayout, _Mapping]] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
-    __slots__ = ("kv_handle", "target")
-    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("request_id", "target")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
-    kv_handle: str
+    request_id: str
     target: HandoffTarget
-    def __init__(self, kv_handle: _Optional[str] = ..., target: _Optional[_Union[HandoffTarget, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., target: _Optional[_Union[HandoffTarget, _Mapping]] = ...) -> None: ...
 
 class StageHandoffFigures(_message.Message):
     __slots__ = ("stage", "transfers", "bytes", "gather_seconds", "write_seconds")

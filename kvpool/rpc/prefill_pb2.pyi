@@ -7,30 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "session_id", "return_logits")
+    __slots__ = ("token_ids", "session_key", "return_logits")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    session_id: str
+    session_key: str
     return_logits: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_id: _Optional[str] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ...) -> None: ...
 
 class StageRestoreFigures(_message.Message):
-    __slots__ = ("stage", "num_chunks_requested", "num_chunks_restored", "bytes", "read_ms", "unpack_ms")
+    __slots__ = ("stage", "num_chunks_requested", "num_chunks_restored", "bytes", "read_ms")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_RESTORED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     READ_MS_FIELD_NUMBER: _ClassVar[int]
-    UNPACK_MS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_chunks_requested: int
     num_chunks_restored: int
     bytes: int
     read_ms: float
-    unpack_ms: float
-    def __init__(self, stage: _Optional[int] = ..., num_chunks_requested: _Optional[int] = ..., num_chunks_restored: _Optional[int] = ..., bytes: _Optional[int] = ..., read_ms: _Optional[float] = ..., unpack_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, stage: _Optional[int] = ..., num_chunks_requested: _Optional[int] = ..., num_chunks_restored: _Optional[int] = ..., bytes: _Optional[int] = ..., read_ms: _Optional[float] = ...) -> None: ...
 
 class PrefillFigures(_message.Message):
     __slots__ = ("num_prompt_tokens", "num_device_tokens", "num_pool_tokens", "num_computed_tokens", "num_pool_chunks_lost", "restore", "restore_wait_ms", "compute_ms", "lookup_ms", "total_ms", "stage_compute_ms")
@@ -59,28 +57,28 @@ class PrefillFigures(_message.Message):
     def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_device_tokens: _Optional[int] = ..., num_pool_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_pool_chunks_lost: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageRestoreFigures, _Mapping]]] = ..., restore_wait_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., lookup_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., stage_compute_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "kv_handle", "logits", "figures", "block_table", "block_size", "kv_hold_s")
+    __slots__ = ("first_token", "request_id", "logits", "figures", "block_table", "block_size", "kv_hold_s")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     FIGURES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_HOLD_S_FIELD_NUMBER: _ClassVar[int]
     first_token: int
-    kv_handle: str
+    request_id: str
     logits: bytes
     figures: PrefillFigures
     block_table: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     kv_hold_s: float
-    def __init__(self, first_token: _Optional[int] = ..., kv_handle: _Optional[str] = ..., logits: _Optional[bytes] = ..., figures: _Optional[_Union[PrefillFigures, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_hold_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[int] = ..., request_id: _Optional[str] = ..., logits: _Optional[bytes] = ..., figures: _Optional[_Union[PrefillFigures, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_hold_s: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("kv_handle",)
-    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
-    kv_handle: str
-    def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

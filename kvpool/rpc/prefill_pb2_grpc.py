@@ -51,7 +51,8 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """Prefill a prompt: restore what the pool holds, compute the rest, return
-        the first output token and a handle to the request's KV.
+        the first output token; the request's KV stays held under its request id
+        until Release or the handoff.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

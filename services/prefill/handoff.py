@@ -189,40 +189,40 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServicer):
         if scheduler is None:
             raise Unavailable("handoff: stage 0 is still waiting for the later stages")
         started = time.perf_counter()
-        if not request.kv_handle:
-            raise InvalidArgument("kv_handle: must not be empty")
+        if not request.request_id:
+            raise InvalidArgument("request_id: must not be empty")
         if not request.HasField("target"):
             raise InvalidArgument("target: missing")
         target = request.target
         layout = target_layout(target)
-        held = scheduler.holds.get(request.kv_handle)
+        held = scheduler.holds.get(request.request_id)
         if held is None:
-            raise NotFound(f"kv_handle: {request.kv_handle!r} is unknown, released or expired")
+            raise NotFound(f"request_id: {request.request_id!r} is unknown, released or expired")
         if layout.num_tokens != held.num_tokens:
             raise InvalidArgument(f"target.layout.num_tokens: {layout.num_tokens}, the request has {held.num_tokens}")
         check_target(target, layout, scheduler.settings.layer_split, self.local.entry_bytes, now_unix_ms())
-        if request.kv_handle in self._in_flight:
-            raise FailedPrecondition(f"kv_handle: {request.kv_handle!r} is being handed off already")
-        self._in_flight.add(request.kv_handle)
+        if request.request_id in self._in_flight:
+            raise FailedPrecondition(f"request_id: {request.request_id!r} is being handed off already")
+        self._in_flight.add(request.request_id)
         # shielded: once writes start, the hold ends with them even if the caller goes away
-        work = asyncio.ensure_future(self._run(request.kv_handle, list(held.block_table), target, started))
+        work = asyncio.ensure_future(self._run(request.request_id, list(held.block_table), target, started))
         return await asyncio.shield(work)
 
     async def _run(
-        self, kv_handle: str, block_table: list[int], target: handoff_pb2.HandoffTarget, started: float
+        self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget, started: float
     ) -> handoff_pb2.HandoffResponse:
-        bound = log.bind(request_id=kv_handle, region_id=target.region_id, endpoint=target.endpoint)
+        bound = log.bind(request_id=request_id, region_id=target.region_id, endpoint=target.endpoint)
         try:
             results = await asyncio.gather(
-                self.local.write_layers(kv_handle, block_table, target),
-                *(self._remote(stage, kv_handle, block_table, target) for stage in range(1, len(self.stages) + 1)),
+                self.local.write_layers(request_id, block_table, target),
+                *(self._remote(stage, request_id, block_table, target) for stage in range(1, len(self.stages) + 1)),
                 return_exceptions=True,
             )
         finally:
-            self._in_flight.discard(kv_handle)
+            self._in_flight.discard(request_id)
         # the hold ends either way: on failure the region is partly written and the request is over
         try:
-            await self.scheduler.release(kv_handle)
+            await self.scheduler.release(request_id)
             released = True
         except NotFound:
             released = False
@@ -230,7 +230,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServicer):
         seconds = time.perf_counter() - started
         if not failed and not released:
             # expired or released meanwhile: its pages may already hold another request's KV
-            failed = [FailedPrecondition(f"kv_handle: {kv_handle!r}'s hold ended during the handoff")]
+            failed = [FailedPrecondition(f"request_id: {request_id!r}'s hold ended during the handoff")]
         if failed:
             self.metrics.requests.labels("failed").inc()
             bound.warning("handoff_failed", ms=round(seconds * 1e3, 2), errors=[str(e) for e in failed])
@@ -248,9 +248,9 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServicer):
         return response
 
     async def _remote(
-        self, stage: int, kv_handle: str, block_table: list[int], target: handoff_pb2.HandoffTarget
+        self, stage: int, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget
     ) -> handoff_pb2.StageHandoffFigures:
-        request = handoff_pb2.WriteLayersRequest(request_id=kv_handle, block_table=block_table, target=target)
+        request = handoff_pb2.WriteLayersRequest(request_id=request_id, block_table=block_table, target=target)
         try:
             return await self.stages[stage - 1].WriteLayers(request, timeout=STAGE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:

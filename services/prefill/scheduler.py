@@ -36,7 +36,7 @@ log = structlog.get_logger(__name__)
 RESTORE_TIMEOUT_S = 60.0
 # beyond every bound of a put (two 5 s RPCs and the engine's 30 s + 1 ns/byte)
 SAVE_DONE_TIMEOUT_S = 120.0
-MAX_SESSION_ID_BYTES = 256
+MAX_SESSION_KEY_BYTES = 256
 
 
 def save_holder(request_id: str) -> str:
@@ -87,7 +87,7 @@ class PrefillScheduler:
 
     # ---- the request path ----------------------------------------------
 
-    def validate(self, token_ids: Sequence[int], session_id: str) -> None:
+    def validate(self, token_ids: Sequence[int], session_key: str) -> None:
         if not token_ids:
             raise InvalidArgument("token_ids: must not be empty")
         vocab = self.config.vocab_size
@@ -104,18 +104,18 @@ class PrefillScheduler:
                 f"token_ids: {len(token_ids)} tokens need {needed} device blocks; the device cache holds "
                 f"{self.blocks.num_blocks} ({self.blocks.num_blocks * self.chunk_size} tokens)"
             )
-        if len(session_id.encode()) > MAX_SESSION_ID_BYTES:
-            raise InvalidArgument(f"session_id: longer than {MAX_SESSION_ID_BYTES} bytes")
+        if len(session_key.encode()) > MAX_SESSION_KEY_BYTES:
+            raise InvalidArgument(f"session_key: longer than {MAX_SESSION_KEY_BYTES} bytes")
 
-    async def prefill(self, token_ids: Sequence[int], session_id: str, return_logits: bool) -> prefill_pb2.PrefillResponse:
-        self.validate(token_ids, session_id)
+    async def prefill(self, token_ids: Sequence[int], session_key: str, return_logits: bool) -> prefill_pb2.PrefillResponse:
+        self.validate(token_ids, session_key)
         started = time.perf_counter()
         request = PrefillRequest(
             uuid.uuid4().hex, len(token_ids), self.chunk_size,
             chunk_hashes(self.namespace, token_ids, self.chunk_size),
         )
         await self._admit(request)
-        bound = log.bind(request_id=request.request_id, session_id=session_id)
+        bound = log.bind(request_id=request.request_id, session_key=session_key)
         work = asyncio.ensure_future(self._run(request, token_ids, return_logits))
         try:
             # shielded: if the caller goes away, the stages are still writing this
@@ -147,7 +147,7 @@ class PrefillScheduler:
                    pool=figures.num_pool_tokens, computed=figures.num_computed_tokens,
                    lost_chunks=figures.num_pool_chunks_lost, total_ms=round(figures.total_ms, 1))
         return prefill_pb2.PrefillResponse(
-            first_token=run.forward.first_token, kv_handle=request.request_id, logits=run.forward.logits,
+            first_token=run.forward.first_token, request_id=request.request_id, logits=run.forward.logits,
             figures=figures, block_table=request.block_table, block_size=self.chunk_size,
             kv_hold_s=self.settings.kv_hold_s,
         )
@@ -286,10 +286,10 @@ class PrefillScheduler:
 
     # ---- holding KV -----------------------------------------------------
 
-    async def release(self, kv_handle: str) -> None:
-        if not self.holds.release(kv_handle):
-            raise NotFound(f"kv_handle: {kv_handle!r} is unknown or already released")
-        await self._free(kv_handle)
+    async def release(self, request_id: str) -> None:
+        if not self.holds.release(request_id):
+            raise NotFound(f"request_id: {request_id!r} is unknown or already released")
+        await self._free(request_id)
 
     async def _free(self, request_id: str) -> None:
         self.blocks.free(request_id)
@@ -317,9 +317,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     @status_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
-        return await self._ready().prefill(list(request.token_ids), request.session_id, request.return_logits)
+        return await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits)
 
     @status_errors
     async def Release(self, request: prefill_pb2.ReleaseRequest, context: Any) -> prefill_pb2.ReleaseResponse:
-        await self._ready().release(request.kv_handle)
+        await self._ready().release(request.request_id)
         return prefill_pb2.ReleaseResponse(released=True)

@@ -36,7 +36,6 @@ def figures_message(stage: int, figures: RestoreFigures) -> prefill_pb2.StageRes
         num_chunks_restored=figures.num_chunks_restored,
         bytes=figures.bytes,
         read_ms=figures.read_ms,
-        unpack_ms=figures.unpack_ms,
     )
 
 

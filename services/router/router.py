@@ -198,9 +198,9 @@ class Router:
             yield first
             if first in request.stop_token_ids or request.max_tokens == 1:
                 usage.finish_reason = "stop" if first in request.stop_token_ids else "length"
-                await self._release_hold(placement, prefill.kv_handle)
+                await self._release_hold(placement, prefill.request_id)
                 return
-            target = await self._handoff(placement, request, prefill.kv_handle, usage)
+            target = await self._handoff(placement, request, prefill.request_id, usage)
             decode_started = time.perf_counter()
             async for token, done in self._decode(placement, request, target, first, usage):
                 if not admitted:
@@ -243,14 +243,14 @@ class Router:
         client = self.pipelines[placement.pipeline]
         try:
             return await client.prefill.Prefill(
-                prefill_pb2.PrefillRequest(token_ids=request.prompt_ids, session_id=request.session_key,
+                prefill_pb2.PrefillRequest(token_ids=request.prompt_ids, session_key=request.session_key,
                                            return_logits=request.temperature > 0),
                 timeout=self.request_timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
             raise from_status(exc, f"prefill pipeline {placement.pipeline}", _PASSED_ON) from None
 
-    async def _handoff(self, placement: Placement, request: GenerationRequest, kv_handle: str,
+    async def _handoff(self, placement: Placement, request: GenerationRequest, request_id: str,
                        usage: Usage) -> handoff_pb2.HandoffTarget:
         pipeline, shard = self.pipelines[placement.pipeline], self.shards[placement.shard]
         layout_request = decode_pb2.ReserveRequest(num_tokens=len(request.prompt_ids), kv_dtype=shard.kv_dtype,
@@ -262,15 +262,15 @@ class Router:
             reserved = await shard.decode.Reserve(layout_request, timeout=CALL_TIMEOUT_S)
             target = reserved.target
             response = await pipeline.handoff.Handoff(
-                handoff_pb2.HandoffRequest(kv_handle=kv_handle, target=target), timeout=CALL_TIMEOUT_S
+                handoff_pb2.HandoffRequest(request_id=request_id, target=target), timeout=CALL_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as exc:
-            await self._release_hold(placement, kv_handle)
+            await self._release_hold(placement, request_id)
             if target is not None:
                 await self._release_region(shard, target.region_id)
             raise from_status(exc, f"handoff {placement.pipeline} → {placement.shard}", _PASSED_ON) from None
         except BaseException:
-            await self._release_hold(placement, kv_handle)
+            await self._release_hold(placement, request_id)
             if target is not None:
                 await self._release_region(shard, target.region_id)
             raise
@@ -312,14 +312,14 @@ class Router:
             pipeline.num_stages = info.num_stages
         return split_layers(shard.num_layers, pipeline.num_stages)
 
-    async def _release_hold(self, placement: Placement, kv_handle: str) -> None:
+    async def _release_hold(self, placement: Placement, request_id: str) -> None:
         try:
             await self.pipelines[placement.pipeline].prefill.Release(
-                prefill_pb2.ReleaseRequest(kv_handle=kv_handle), timeout=5.0)
+                prefill_pb2.ReleaseRequest(request_id=request_id), timeout=5.0)
         except grpc.aio.AioRpcError as exc:
             # NOT_FOUND: the handoff released it already; otherwise its hold expires on its own
             if exc.code() != grpc.StatusCode.NOT_FOUND:
-                log.info("release_failed", kv_handle=kv_handle, code=exc.code().name)
+                log.info("release_failed", request_id=request_id, code=exc.code().name)
 
     async def _release_region(self, shard: ShardClient, region_id: str) -> None:
         try:

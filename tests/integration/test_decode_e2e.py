@@ -50,13 +50,13 @@ def prompt(seed: int, length: int) -> list[int]:
 async def start(stubs, token_ids: list[int], max_tokens: int):  # type: ignore[no-untyped-def]
     """Prefill, reserve, hand off, and open the Generate stream; the stream and the prefill answer."""
     front, handoff, decode = stubs
-    done = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_id="e2e"), timeout=120)
+    done = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="e2e"), timeout=120)
     stats = await decode.Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
     reserve = decode_pb2.ReserveRequest(num_tokens=len(token_ids), entry_bytes=stats.entry_bytes,
                                         kv_dtype=stats.kv_dtype,
                                         layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in SPLIT])
     target = (await decode.Reserve(reserve, timeout=10)).target
-    written = await handoff.Handoff(handoff_pb2.HandoffRequest(kv_handle=done.kv_handle, target=target), timeout=60)
+    written = await handoff.Handoff(handoff_pb2.HandoffRequest(request_id=done.request_id, target=target), timeout=60)
     assert written.bytes == len(token_ids) * CONFIG.num_hidden_layers * stats.entry_bytes
     call = decode.Generate(decode_pb2.DecodeRequest(region_id=target.region_id, prompt_token_ids=token_ids,
                                                     first_token=done.first_token, max_tokens=max_tokens), timeout=120)
@@ -85,5 +85,5 @@ async def test_cancel_frees_pages_on_both_sides(stubs, cluster) -> None:  # type
     await eventually(decode_empty, what="decode pages freed")
     # prefill: the handoff ended the request's hold, so its blocks are no longer held
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await front.Release(prefill_pb2.ReleaseRequest(kv_handle=done.kv_handle), timeout=10)
+        await front.Release(prefill_pb2.ReleaseRequest(request_id=done.request_id), timeout=10)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND

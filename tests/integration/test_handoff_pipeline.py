@@ -116,7 +116,7 @@ async def stubs(pipeline: LocalPipeline) -> AsyncIterator[tuple[prefill_pb2_grpc
 
 
 async def prefill(stub: prefill_pb2_grpc.PrefillStub, token_ids: list[int]) -> prefill_pb2.PrefillResponse:
-    return await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_id="h"), timeout=120)
+    return await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="h"), timeout=120)
 
 
 def clear(region: HostBuffer) -> torch.Tensor:
@@ -133,7 +133,7 @@ async def test_handoff_lands_the_models_kv_for_every_layer_and_token(stubs, rece
     done = await prefill(front, tokens)
     before = handoff_metrics(pipeline)
     response = await handoff.Handoff(
-        handoff_pb2.HandoffRequest(kv_handle=done.kv_handle, target=target(region, engine.endpoint, 600)), timeout=60
+        handoff_pb2.HandoffRequest(request_id=done.request_id, target=target(region, engine.endpoint, 600)), timeout=60
     )
     layout = HandoffLayout.of(600, SPLIT, ENTRY_BYTES)
     assert [(s.stage, s.transfers, s.bytes) for s in response.stages] == [
@@ -148,7 +148,7 @@ async def test_handoff_lands_the_models_kv_for_every_layer_and_token(stubs, rece
     def logged() -> list[dict[str, object]]:
         lines = pipeline.stages[0].log_file.read_text().splitlines()
         events = [json.loads(line) for line in lines if line.startswith("{")]
-        return [e for e in events if e.get("event") == "handoff_done" and e.get("request_id") == done.kv_handle]
+        return [e for e in events if e.get("event") == "handoff_done" and e.get("request_id") == done.request_id]
     await eventually(logged, what="the handoff_done event")
     [event] = logged()
     assert (event["transfers"], event["bytes"], event["region_id"]) == (2, layout.nbytes, "r1")
@@ -165,7 +165,7 @@ async def test_handoff_lands_the_models_kv_for_every_layer_and_token(stubs, rece
 
     # the hold ended with the handoff
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await front.Release(prefill_pb2.ReleaseRequest(kv_handle=done.kv_handle), timeout=10)
+        await front.Release(prefill_pb2.ReleaseRequest(request_id=done.request_id), timeout=10)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -187,13 +187,13 @@ async def test_bad_target_is_rejected_by_field_and_keeps_the_hold(stubs, receive
     done = await prefill(front, prompt(2, 300))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await handoff.Handoff(handoff_pb2.HandoffRequest(
-            kv_handle=done.kv_handle, target=target(region, engine.endpoint, 300, **change)), timeout=30)
+            request_id=done.request_id, target=target(region, engine.endpoint, 300, **change)), timeout=30)
     assert info.value.code() == code
     assert field in info.value.details()
     # nothing moved: the same handle still hands off
     clear(region)
     ok = await handoff.Handoff(
-        handoff_pb2.HandoffRequest(kv_handle=done.kv_handle, target=target(region, engine.endpoint, 300)), timeout=30)
+        handoff_pb2.HandoffRequest(request_id=done.request_id, target=target(region, engine.endpoint, 300)), timeout=30)
     assert ok.bytes == 300 * CONFIG.num_hidden_layers * ENTRY_BYTES
 
 
@@ -202,9 +202,9 @@ async def test_unknown_handle_is_not_found(stubs, receiver) -> None:  # type: ig
     engine, region = receiver
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await handoff.Handoff(
-            handoff_pb2.HandoffRequest(kv_handle="nope", target=target(region, engine.endpoint, 10)), timeout=10)
+            handoff_pb2.HandoffRequest(request_id="nope", target=target(region, engine.endpoint, 10)), timeout=10)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    assert "kv_handle" in info.value.details()
+    assert "request_id" in info.value.details()
 
 
 async def test_unreachable_decode_fails_unavailable_and_ends_the_hold(stubs, receiver) -> None:  # type: ignore[no-untyped-def]
@@ -213,11 +213,11 @@ async def test_unreachable_decode_fails_unavailable_and_ends_the_hold(stubs, rec
     done = await prefill(front, prompt(3, 200))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await handoff.Handoff(handoff_pb2.HandoffRequest(
-            kv_handle=done.kv_handle, target=target(region, "127.0.0.1:1", 200)), timeout=60)
+            request_id=done.request_id, target=target(region, "127.0.0.1:1", 200)), timeout=60)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
     assert "127.0.0.1:1" in info.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as released:
-        await front.Release(prefill_pb2.ReleaseRequest(kv_handle=done.kv_handle), timeout=10)
+        await front.Release(prefill_pb2.ReleaseRequest(request_id=done.request_id), timeout=10)
     assert released.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -233,7 +233,7 @@ async def test_stage_killed_mid_handoff_fails_the_request_cleanly(tmp_path, rece
             assert stage1 is not None
             os.kill(stage1.pid, signal.SIGSTOP)  # stage 1 takes the request but never answers
             call = asyncio.ensure_future(handoff.Handoff(
-                handoff_pb2.HandoffRequest(kv_handle=done.kv_handle, target=target(region, engine.endpoint, 500)),
+                handoff_pb2.HandoffRequest(request_id=done.request_id, target=target(region, engine.endpoint, 500)),
                 timeout=60))
             # mid-handoff: stage 0's part has landed, stage 1's has not
             await eventually(lambda: bool(received[: layout.stage_nbytes(0)].any()), what="stage 0's slab")
@@ -245,6 +245,6 @@ async def test_stage_killed_mid_handoff_fails_the_request_cleanly(tmp_path, rece
             assert "stage 1" in info.value.details()
             # stage 0 let the request go: its hold is over, its pages are free again
             with pytest.raises(grpc.aio.AioRpcError) as released:
-                await front.Release(prefill_pb2.ReleaseRequest(kv_handle=done.kv_handle), timeout=10)
+                await front.Release(prefill_pb2.ReleaseRequest(request_id=done.request_id), timeout=10)
             assert released.value.code() == grpc.StatusCode.NOT_FOUND
             assert local.stages[0].alive

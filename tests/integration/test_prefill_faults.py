@@ -156,5 +156,5 @@ async def test_unreleased_kv_is_released_after_the_hold_time(tmp_path) -> None: 
             second = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(501, 300)), timeout=60)
             assert split(second) == (0, 0, 300)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await front.Release(prefill_pb2.ReleaseRequest(kv_handle=first.kv_handle), timeout=10)
+                await front.Release(prefill_pb2.ReleaseRequest(request_id=first.request_id), timeout=10)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -60,9 +60,9 @@ async def stubs(cluster) -> AsyncIterator[tuple[prefill_pb2_grpc.PrefillStub, po
 
 async def run(stub: prefill_pb2_grpc.PrefillStub, token_ids: list[int], session: str = "s") -> prefill_pb2.PrefillResponse:
     response = await stub.Prefill(
-        prefill_pb2.PrefillRequest(token_ids=token_ids, session_id=session, return_logits=True), timeout=120
+        prefill_pb2.PrefillRequest(token_ids=token_ids, session_key=session, return_logits=True), timeout=120
     )
-    await stub.Release(prefill_pb2.ReleaseRequest(kv_handle=response.kv_handle), timeout=10)
+    await stub.Release(prefill_pb2.ReleaseRequest(request_id=response.request_id), timeout=10)
     return response
 
 
@@ -202,7 +202,7 @@ async def test_device_hit_whose_pool_copy_is_gone_is_written_back(stubs, cluster
 async def test_bad_prompts_are_rejected_by_field(stubs, token_ids: list[int], message: str) -> None:  # type: ignore[no-untyped-def]
     front, _ = stubs
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_id="bad"), timeout=30)
+        await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="bad"), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in (err.value.details() or "")
     # still serving
@@ -213,9 +213,9 @@ async def test_bad_prompts_are_rejected_by_field(stubs, token_ids: list[int], me
 async def test_release_of_unknown_handle_is_not_found(stubs) -> None:  # type: ignore[no-untyped-def]
     front, _ = stubs
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await front.Release(prefill_pb2.ReleaseRequest(kv_handle="nope"), timeout=10)
+        await front.Release(prefill_pb2.ReleaseRequest(request_id="nope"), timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    assert "kv_handle" in (err.value.details() or "")
+    assert "request_id" in (err.value.details() or "")
 
 
 async def test_concurrent_requests_all_complete(stubs) -> None:  # type: ignore[no-untyped-def]

@@ -51,7 +51,7 @@ def add_bench(sub: Any) -> None:
         "restore", help="prefill restore/save throughput at the seed's KV shape vs the raw transfer engine",
         description="Starts a master, two stores and a four-stage pipeline (dsv3-kv-61, fp8 KV) and restores "
         "4K and 16K tokens of history (synthesized into the pool; a 4K prompt is also computed, saved and "
-        "restored, its logits checked) on every stage at once; reports per-stage bytes, read and unpack ms and "
+        "restored, its logits checked) on every stage at once; reports per-stage bytes, read ms and "
         "GB/s, the aggregate over the four stages, the raw engine's aggregate read of the same objects by four "
         "readers, and save throughput from the pages.",
     )

@@ -58,7 +58,7 @@ class Replay:
 
 async def _send(stub: prefill_pb2_grpc.PrefillStub, prompt: Prompt, issue_index: int) -> TurnResult:
     """Prefill one turn, then release its KV at once (no decode yet)."""
-    request = prefill_pb2.PrefillRequest(token_ids=prompt.token_ids, session_id=prompt.session_id,
+    request = prefill_pb2.PrefillRequest(token_ids=prompt.token_ids, session_key=prompt.session_id,
                                          return_logits=prompt.is_last)
     t0 = time.perf_counter()
     response = await stub.Prefill(request, timeout=PREFILL_TIMEOUT_S)

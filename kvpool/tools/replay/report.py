@@ -38,7 +38,7 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
         moved = delta(after[name], before.get(name, {}))
         out["restore_bytes_per_stage"][name] = int(total(moved, "kvpool_prefill_restored_bytes_total"))
         out["saved_bytes_per_stage"][name] = int(total(moved, "kvpool_prefill_saved_bytes_total"))
-        # each stage's read(+verify) into its pages per restore: there is no unpack step any more
+        # each stage's read (and verify) straight into its pages, per restore
         out["restore_seconds_mean_per_stage"][name] = _ratio(
             total(moved, "kvpool_prefill_restore_seconds_sum"), total(moved, "kvpool_prefill_restore_seconds_count"))
         wait_sum += total(moved, "kvpool_prefill_restore_wait_seconds_sum")
