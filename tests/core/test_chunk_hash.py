@@ -101,6 +101,7 @@ def test_encoding_is_the_documented_one() -> None:
     assert chunk_hashes(NS, ids) == [h0.hex(), h1.hex()]
 
 
+@pytest.mark.cluster
 def test_stable_across_processes() -> None:
     code = "from kvpool.core.chunk_hash import chunk_hashes; print(chunk_hashes('ns', list(range(600)))[-1])"
     outputs = {

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kvpool.core
+
+pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKED = ("grpc", "google.protobuf", "torch", "mooncake", "asyncio", "socket", "ssl", "selectors", "numpy")

@@ -7,8 +7,12 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import kvpool.tools.sim
 from tests.core.test_purity import PROBE, ROOT
+
+pytestmark = pytest.mark.cluster
 
 BLOCKED = ("grpc", "google.protobuf", "torch", "mooncake", "numpy", "matplotlib")
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvpool.core.handoff_layout import MAX_TRANSFER_BYTES
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 KEYS = {
     "naive_writes", "gathered_writes", "naive_seconds", "gathered_seconds", "speedup", "bytes", "bytes_verified",

@@ -6,6 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.cluster
+
 
 def test_bench_decode_json_line() -> None:
     out = subprocess.run(

@@ -21,6 +21,8 @@ from kvpool.model import InProcessPipeline, get_config, split_layers
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2, handoff_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.integration.conftest import eventually
 
+pytestmark = pytest.mark.cluster
+
 CONFIG = get_config("tiny")
 SPLIT = split_layers(CONFIG.num_hidden_layers, 2)
 

@@ -18,6 +18,8 @@ from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
 from kvpool.transfer import TransferEngine
 from tests.integration.conftest import eventually
 
+pytestmark = pytest.mark.cluster
+
 TINY = get_config("tiny")
 # 24 pages of 8 tokens: 192 KV entries, so a few long sequences fill it
 SHARD_ARGS = ["--num-pages", "24", "--page-size", "8", "--max-batch-size", "8", "--region-deadline-s", "3",

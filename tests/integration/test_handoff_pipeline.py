@@ -33,6 +33,8 @@ from kvpool.rpc import handoff_pb2, handoff_pb2_grpc, prefill_pb2, prefill_pb2_g
 from kvpool.transfer import HostBuffer, TransferEngine
 from tests.integration.conftest import eventually
 
+pytestmark = pytest.mark.cluster
+
 CHUNK = 256
 DEVICE_TOKENS = 4 * CHUNK
 CONFIG = get_config("tiny")

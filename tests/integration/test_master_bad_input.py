@@ -11,6 +11,8 @@ from kvpool import service
 from kvpool.tools.cluster import LocalPool
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 
+pytestmark = pytest.mark.cluster
+
 Code = grpc.StatusCode
 
 

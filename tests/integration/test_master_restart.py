@@ -19,7 +19,7 @@ from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import HostBuffer
 from tests.integration.conftest import eventually
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.cluster
 
 KB = 1024
 MEMBERS = 4

@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from kvpool.tools.cluster import LocalPool
 from kvpool.pool.client import PoolClient, PutObject, PutResult
 from kvpool.transfer import MAX_IN_FLIGHT, POLL_MIN_BYTES, HostBuffer
+
+pytestmark = pytest.mark.cluster
 
 GROUP = 4  # members per group, as with four pipeline stages
 

@@ -15,6 +15,8 @@ from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import POLL_MIN_BYTES, HostBuffer
 from tests.integration.conftest import eventually
 
+pytestmark = pytest.mark.cluster
+
 
 async def put_singles(client: PoolClient, buffer: HostBuffer, prefix: str, count: int, size: int = 4096) -> list[str]:
     objects = []

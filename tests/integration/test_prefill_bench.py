@@ -23,7 +23,7 @@ from kvpool.tools.bench import prefill_bench
 
 TRACES = prefill_bench.default_traces_dir()
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"real weka traces not present at {TRACES}")
 
 ARGS = ["bench", "prefill", "--json", "--sessions", "2", "--turns", "3", "--scale", "64", "--concurrency", "2",

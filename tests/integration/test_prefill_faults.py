@@ -20,6 +20,8 @@ from tests.integration.test_prefill_pipeline import (
     CHUNK, DEVICE_TOKENS, evict_device, logits_of, prompt, reference_logits, run, saved, split,
 )
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture
 async def cluster(tmp_path) -> AsyncIterator[tuple[LocalPool, LocalPipeline, prefill_pb2_grpc.PrefillStub, pool_pb2_grpc.PoolMasterStub]]:  # type: ignore[no-untyped-def]

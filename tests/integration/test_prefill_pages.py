@@ -24,6 +24,8 @@ from services.prefill.metrics import PrefillMetrics
 from services.prefill.settings import PrefillSettings
 from services.prefill.stage_runner import ChunkToRestore, StageRunner
 
+pytestmark = pytest.mark.cluster
+
 CHUNK = 16
 NUM_BLOCKS = 12
 NUM_STAGES = 4

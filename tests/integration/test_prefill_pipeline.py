@@ -22,6 +22,8 @@ from kvpool.model import get_config
 from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.integration.conftest import eventually
 
+pytestmark = pytest.mark.cluster
+
 CHUNK = 256
 # four 256-token blocks: one ~1000-token prompt fills the device cache, so the
 # next prompt evicts it and its history must come back from the pool

@@ -14,7 +14,7 @@ from kvpool import service
 from kvpool.tools.cluster import LocalDecode, LocalPipeline, LocalPool, ServiceProcess
 from kvpool.rpc import decode_pb2, handoff_pb2, pool_pb2, prefill_pb2, router_pb2
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.cluster
 
 HEALTH = "grpc.health.v1.Health"
 REFLECTION = "grpc.reflection.v1alpha.ServerReflection"

@@ -29,7 +29,7 @@ import pytest
 from kvpool.tools.replay import ClusterProbes, ReplayOptions, check_device_cache, load_workload, run_replay
 from kvpool.tools.up import Cluster, UpSettings
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_CACHE_TOKENS = 2048

@@ -29,7 +29,7 @@ from kvpool.tools.replay.topology_netns import (
 from kvpool.tools.replay.workload import ReplaySession, ReplayTurn, ReplayWorkload
 from kvpool.workload.timelines import AgentTimeline
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.cluster
 
 TINY: dict = {"servers": 2, "stages": 1, "segment_size": "16MiB", "device_cache_tokens": 1024,
               "netns_lock_wait_s": 600.0}  # another run on this host (a CI copy) may hold the namespaces a while

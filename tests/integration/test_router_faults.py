@@ -20,7 +20,7 @@ from kvpool import service
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from kvpool.tools.up import Cluster, UpSettings
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.cluster
 
 
 def start_cluster(workdir: Path) -> Cluster:

@@ -26,7 +26,7 @@ from kvpool.pool.stats import fetch_stats
 from kvpool.rpc import decode_pb2, decode_pb2_grpc
 from kvpool.tools.up import Cluster, UpSettings
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.cluster
 
 MODEL = "tiny"
 

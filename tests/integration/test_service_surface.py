@@ -8,11 +8,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.tools.cluster import LocalPool
 from kvpool.pool.client import PoolClient, PutObject
 from kvpool.transfer import HostBuffer
+
+pytestmark = pytest.mark.cluster
 
 
 def scrape(port: int) -> dict[str, float]:

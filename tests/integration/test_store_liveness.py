@@ -21,7 +21,7 @@ from kvpool.rpc import pool_pb2_grpc
 from services.master.metrics import MasterMetrics
 from services.master.servicer import PoolMasterServicer
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.cluster
 
 FAULTY_HEARTBEATS = (grpc.StatusCode.INTERNAL, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNKNOWN)
 

@@ -45,6 +45,7 @@ def test_percentile_interpolates() -> None:
     assert upstream.percentile([7.0], 99) == 7.0
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_te_raw_baseline() -> None:
     before = child_pids()
@@ -66,6 +67,7 @@ def test_te_raw_baseline() -> None:
     assert child_pids() <= before
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(60)
 def test_mooncake_store_baseline() -> None:
     before = child_pids()
@@ -95,6 +97,7 @@ def test_overfull_segment_is_rejected() -> None:
         upstream.measure_mooncake_store(OBJECT_SIZE, BATCH_SIZE, BATCHES, OBJECT_SIZE)
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(90)
 def test_ours_is_stamped_verified_and_accounted_like_upstream(tmp_path: Path) -> None:
     with pool_bench.same_huge_pages(), LocalPool(num_stores=2, segment_size="64MiB", workdir=tmp_path) as pool:

@@ -58,6 +58,7 @@ def real_units() -> dict[str, str]:
     return {name: (UNIT_DIR / name).read_text() for name in UNITS}
 
 
+@pytest.mark.cluster
 @needs_systemd
 @pytest.mark.parametrize("name", [n for unit in UNITS for n in names_to_verify(unit)])
 def test_systemd_accepts_unit(name: str, tmp_path: Path) -> None:
@@ -75,6 +76,7 @@ def test_every_template_is_verified_as_instances() -> None:
 STORE = "kvpool-store@.service"
 
 
+@pytest.mark.cluster
 @needs_systemd
 @pytest.mark.parametrize(("change", "expected"), [
     # systemd 252 does not expand %i in NUMAMask= and ignores the line with a warning (exit 0)
@@ -98,6 +100,7 @@ def compose_config(compose_file: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120, cwd=compose_file.parent)
 
 
+@pytest.mark.cluster
 @needs_compose
 def test_docker_compose_accepts_compose_file() -> None:
     done = compose_config(ROOT / "compose.yaml")
@@ -105,6 +108,7 @@ def test_docker_compose_accepts_compose_file() -> None:
         f"docker-compose config (exit {done.returncode}):\n{done.stdout}{done.stderr}")
 
 
+@pytest.mark.cluster
 @needs_compose
 def test_docker_compose_check_catches_a_bad_key(tmp_path: Path) -> None:
     text = (ROOT / "compose.yaml").read_text()

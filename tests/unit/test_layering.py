@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 from functools import cache
 from pathlib import Path
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = "kvpool.tools.cluster"
@@ -227,6 +228,7 @@ def test_the_cycle_search_finds_direct_and_longer_loops() -> None:
     assert a_cycle(graph, frozenset({"a", "b"})) == ["a", "b", "a"]
 
 
+@pytest.mark.cluster
 def test_reading_settings_does_not_import_torch() -> None:
     # a master, a store and the command line start without torch (seconds of a
     # master restart's recovery went to importing it)

@@ -126,6 +126,7 @@ def test_numa_nodes_on_this_host() -> None:
 # -- binding -------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 def test_bind_to_node_pins_every_thread() -> None:
     result = run_isolated(
         """
@@ -170,6 +171,7 @@ def test_bind_to_node_pins_every_thread() -> None:
         assert "set_mempolicy failed" in detail
 
 
+@pytest.mark.cluster
 def test_bind_to_node_carries_on_when_mempolicy_is_refused() -> None:
     result = run_isolated(
         """

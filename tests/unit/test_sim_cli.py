@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TRACES = ROOT.parent / "shared" / "traces" / "agentx-weka"
 
 
+@pytest.mark.cluster
 @pytest.mark.skipif(not TRACES.is_dir(), reason="needs ../shared/traces/agentx-weka")
 def test_quick_json_line_has_the_keys() -> None:
     result = subprocess.run(
@@ -35,6 +36,7 @@ def test_quick_json_line_has_the_keys() -> None:
     assert final["sim_speed"] > 0
 
 
+@pytest.mark.cluster
 def test_only_with_no_match_fails_naming_the_flag() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "services.cli", "simulate", "--quick", "--json", "--traces", str(ROOT),
