@@ -21,7 +21,7 @@ import pytest
 from kvpool import bind_shim
 from kvpool.tools.up import Cluster, UpSettings
 
-pytestmark = [pytest.mark.cluster, pytest.mark.integration]
+pytestmark = pytest.mark.cluster
 
 WILDCARDS = {"0.0.0.0", "*", "[::]", "::", "[::ffff:0.0.0.0]"}
 
