@@ -25,7 +25,8 @@ class Tokenizer(Protocol):
 
     def decoder(self) -> TokenDecoder: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            tools: Sequence[Mapping[str, Any]] = ()) -> list[int]: ...
 
 
 class TokenDecoder(Protocol):
@@ -45,8 +46,9 @@ _ROLES = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSI
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255, seven specials follow; any other id of the model's vocabulary decodes to nothing.
 
-    Chat template: ``<|bos|>`` then, per message, its role token, the content's
-    bytes and ``<|end|>``, then ``<|assistant|>`` for the reply.
+    Chat template: ``<|bos|>``, then the tools (if any) as a system turn
+    (``tools_text``), then per message its role token, the content's bytes and
+    ``<|end|>``, then ``<|assistant|>`` for the reply.
     """
 
     vocab_size: int
@@ -62,8 +64,13 @@ class ByteTokenizer:
     def decoder(self) -> _ByteDecoder:
         return _ByteDecoder()
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
         ids = [BOS]
+        if tools:
+            ids.append(SYSTEM)
+            ids.extend(self.encode(tools_text(tools)))
+            ids.append(END)
         for message in messages:
             ids.append(_ROLES[message["role"]])
             ids.extend(self.encode(message["content"]))
@@ -113,14 +120,19 @@ class HFTokenizer:
     def decoder(self) -> _HFDecoder:
         return _HFDecoder(self._tokenizer)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
         if not self._template:
             raise ValueError("model directory has no chat_template in tokenizer_config.json")
         import jinja2  # the template language model directories use
 
+        messages = list(messages)
+        if tools and "tools" not in self._template:
+            # a template that cannot show tools: they go first, as a system message
+            messages = [{"role": "system", "content": tools_text(tools)}, *messages]
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
         text = env.from_string(self._template).render(
-            messages=list(messages), add_generation_prompt=True, bos_token=self._bos_text
+            messages=messages, tools=list(tools) or None, add_generation_prompt=True, bos_token=self._bos_text
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
@@ -145,6 +157,12 @@ class _HFDecoder:
         text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
         new, self._emitted = text[len(self._emitted):], text
         return new
+
+
+def tools_text(tools: Sequence[Mapping[str, Any]]) -> str:
+    """Tool schemas as the prompt shows them: one JSON object a line, keys sorted, so the text (and its cache) is stable."""
+    lines = [json.dumps(tool, separators=(",", ":"), sort_keys=True) for tool in tools]
+    return "# Tools\nYou may call these functions:\n" + "\n".join(lines)
 
 
 def load_tokenizer(model_dir: str | None, vocab_size: int) -> Tokenizer:

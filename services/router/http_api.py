@@ -6,9 +6,13 @@ one JSON answer), ``GET /v1/models``, ``GET /health`` (200 only when every
 service behind the router is healthy), ``GET /metrics`` (Prometheus text).
 
 Errors are OpenAI's shape with ``param`` naming the field: 400 for a client's
-mistake, 503 when no backend can take the request, 429 when the router's
-queue is full. A client that disconnects cancels its request everywhere: the
-generate path runs as a task that is cancelled on ``http.disconnect``.
+mistake, 413 for a body past ``MAX_BODY_BYTES``, 429 with ``Retry-After`` when
+there is no room now, 503 when no backend can take the request. The response
+head waits for the first token, so every error known before it is one of these
+statuses, never a stream event; a failure after it ends the stream with
+OpenAI's error event and ``data: [DONE]``. A client that disconnects cancels
+its request everywhere: the generate path runs as a task that is cancelled on
+``http.disconnect``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from starlette.routing import Route
 from kvpool.core.stop_strings import StopMatcher
 from kvpool.tokenizer import Tokenizer
 from services.router.openai_schema import (
+    MAX_BODY_BYTES,
     ApiError,
     GenerationRequest,
     ModelLimits,
@@ -107,17 +112,18 @@ class HttpApi:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, ApiError: _api_error})
+        return Starlette(routes=routes, exception_handlers={
+            HTTPException: _http_error, ApiError: _api_error, Exception: _server_error})
 
     # ---- routes ---------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body = parse_json(await request.body())
-        return await self._serve(request, parse_completion(body, self.tokenizer, self.limits))
+        body = parse_json(await _read_body(request))
+        return await self._serve(request, parse_completion(body, self.tokenizer, self.limits, request.headers))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = parse_json(await request.body())
-        return await self._serve(request, parse_chat(body, self.tokenizer, self.limits, self.roles))
+        body = parse_json(await _read_body(request))
+        return await self._serve(request, parse_chat(body, self.tokenizer, self.limits, self.roles, request.headers))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -137,11 +143,20 @@ class HttpApi:
     # ---- serving --------------------------------------------------------
 
     async def _serve(self, request: Request, generation: GenerationRequest) -> Response:
+        """Wait for the first token before answering: every error until then is an HTTP status, not a stream event."""
         completion_id = ("cmpl-" if generation.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-        if generation.stream:
-            return StreamingResponse(self._stream(generation, completion_id), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        text, usage = await _until_disconnected(request, self._collect(generation))
+        usage = Usage(prompt_tokens=len(generation.prompt_ids))
+        tokens = self.backend.generate(generation, usage)
+        try:
+            first = await _until_disconnected(request, _first(tokens))
+            if generation.stream:
+                texts = self._texts(generation, usage, tokens, first)
+                return StreamingResponse(self._stream(generation, completion_id, usage, texts),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            text = await _until_disconnected(request, self._collect(generation, usage, tokens, first))
+        except BaseException:
+            await tokens.aclose()  # type: ignore[attr-defined]
+            raise
         choice: dict[str, Any] = {"index": 0, "finish_reason": usage.finish_reason, "logprobs": None}
         if generation.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
@@ -152,28 +167,22 @@ class HttpApi:
         return JSONResponse({"id": completion_id, "object": obj, "created": int(time.time()),
                              "model": self.limits.name, "choices": [choice], "usage": usage.openai()})
 
-    async def _collect(self, generation: GenerationRequest) -> tuple[str, Usage]:
-        parts: list[str] = []
-        usage: Usage | None = None
-        async for delta, final in self._texts(generation):
-            parts.append(delta)
-            usage = final or usage
-        assert usage is not None
-        return "".join(parts), usage
+    async def _collect(self, generation: GenerationRequest, usage: Usage, tokens: AsyncIterator[int],
+                       first: int | None) -> str:
+        return "".join([delta async for delta, _ in self._texts(generation, usage, tokens, first)])
 
-    async def _texts(self, generation: GenerationRequest) -> AsyncIterator[tuple[str, Usage | None]]:
-        """Text deltas as tokens arrive, stop strings applied; the last item carries the usage."""
+    async def _texts(self, generation: GenerationRequest, usage: Usage, tokens: AsyncIterator[int],
+                     first: int | None) -> AsyncIterator[tuple[str, bool]]:
+        """Text deltas as tokens arrive, stop strings applied; the last item is flagged (usage is final then)."""
         decoder = self.tokenizer.decoder()
         stops = StopMatcher.of(generation.stops)
-        usage = Usage(prompt_tokens=len(generation.prompt_ids))
-        tokens = self.backend.generate(generation, usage)
         tail = ""
         try:
-            async for token_id in tokens:
+            async for token_id in _chain(first, tokens):
                 usage.completion_tokens += 1
                 delta = stops.push(decoder.feed(token_id))
                 if delta:
-                    yield delta, None
+                    yield delta, False
                 if stops.stopped:
                     break  # closing the stream below cancels the rest of the generation
             else:
@@ -183,19 +192,21 @@ class HttpApi:
             await tokens.aclose()  # type: ignore[attr-defined]
         if stops.stopped:
             usage.finish_reason = "stop"
-        yield tail, usage
+        yield tail, True
 
-    async def _stream(self, generation: GenerationRequest, completion_id: str) -> AsyncIterator[bytes]:
+    async def _stream(self, generation: GenerationRequest, completion_id: str, usage: Usage,
+                      texts: AsyncIterator[tuple[str, bool]]) -> AsyncIterator[bytes]:
+        """The SSE body, once the first token exists; a later failure is OpenAI's error event, then ``[DONE]``."""
         created = int(time.time())
         chat = generation.kind == "chat"
 
-        def chunk(delta: str | None, finish: str | None = None, usage: Usage | None = None) -> bytes:
+        def chunk(delta: str | None, finish: str | None = None, final: Usage | None = None) -> bytes:
             """One SSE event; ``delta`` None with a finish reason ends the choice, with usage it is the usage chunk."""
             payload: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk" if chat else
                                        "text_completion", "created": created, "model": self.limits.name}
-            if usage is not None:
+            if final is not None:
                 payload["choices"] = []
-                payload["usage"] = usage.openai()
+                payload["usage"] = final.openai()
             elif chat:
                 content = {} if delta is None else {"content": delta}
                 payload["choices"] = [{"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}]
@@ -208,17 +219,54 @@ class HttpApi:
                 yield _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
                             "model": self.limits.name, "choices": [{"index": 0, "delta": {"role": "assistant",
                             "content": ""}, "logprobs": None, "finish_reason": None}]})
-            async for delta, usage in self._texts(generation):
+            async for delta, last in texts:
                 if delta:
                     yield chunk(delta)
-                if usage is not None:
+                if last:
                     yield chunk(None, usage.finish_reason)
                     if generation.include_usage:
-                        yield chunk(None, usage=usage)
+                        yield chunk(None, final=usage)
         except ApiError as exc:
-            # headers are sent already: the error goes in the stream, as OpenAI does
+            # the head is sent already: the error goes in the stream, as OpenAI does
             yield _sse(exc.body())
+        except Exception as exc:  # a bug must still end the stream properly, never cut it
+            log.exception("stream_failed", completion_id=completion_id)
+            yield _sse(ApiError(500, f"the server failed mid-stream: {type(exc).__name__}", None, "server_error",
+                                "server_error").body())
+        finally:
+            await texts.aclose()  # type: ignore[attr-defined]
         yield b"data: [DONE]\n\n"
+
+
+async def _first(tokens: AsyncIterator[int]) -> int | None:
+    """The first token, or None when the generation ended without one."""
+    async for token in tokens:
+        return token
+    return None
+
+
+async def _chain(first: int | None, tokens: AsyncIterator[int]) -> AsyncIterator[int]:
+    if first is None:
+        return
+    yield first
+    async for token in tokens:
+        yield token
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body, refused with 413 past ``MAX_BODY_BYTES`` before it is all read."""
+    too_large = ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", None, "request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -251,7 +299,14 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """A bug: still OpenAI's shape, so a client can parse it (and the log has the trace)."""
+    log.error("request_failed", path=request.url.path, error=repr(exc))
+    error = ApiError(500, f"the server failed: {type(exc).__name__}", None, "server_error", "server_error")
+    return JSONResponse(error.body(), status_code=500)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

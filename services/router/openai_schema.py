@@ -2,37 +2,53 @@
 
 Every rejection is an ``ApiError`` with the HTTP status, OpenAI's error type
 and ``param`` naming the field, so a client's mistake is always a 4xx that
-says what to fix. Fields this server does not implement are refused by name
-when they ask for something (``n`` > 1, ``logprobs``, ``echo``, ...), and
-ignored when they are only hints (``tools``, ``frequency_penalty`` = 0, ...).
+says what to fix. The generation fields themselves (lengths, sampling, seeds,
+session keys) are checked by ``kvpool.core.generation_fields``, the same
+checks the gRPC ``Generate`` runs. Fields this server does not implement are
+refused by name when they ask for something (``n`` > 1, ``logprobs``,
+``response_format`` JSON, a forced ``tool_choice``, ...) and taken as hints
+otherwise; ``tools`` are rendered into the prompt through the chat template.
+docs/api.md lists every field.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.core.stop_strings import MAX_STOP_STRINGS
+from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
+from kvpool.core.generation_fields import (
+    OPENAI_FIELDS,
+    check_length,
+    check_sampling,
+    check_session_key,
+    check_token_ids,
+)
+from kvpool.core.stop_strings import StopMatcher
 from kvpool.tokenizer import Tokenizer
 
-MAX_SESSION_KEY_CHARS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_BODY_BYTES = 32 << 20
+MAX_JSON_DEPTH = 64
+# a client's session, when the body names none: headers agent harnesses send
+SESSION_HEADERS = ("x-session-id", "x-session-affinity")
+DEFAULT_RETRY_AFTER_S = 1
 
 
 class ApiError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, plus its headers."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type_
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -40,6 +56,24 @@ class ApiError(Exception):
 
 def invalid(param: str | None, message: str, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, f"{param}: {message}" if param else message, param, code)
+
+
+def api_error_of(exc: KvpoolError) -> ApiError:
+    """A domain error as the HTTP API answers it: bad input 400, no room now 429 (+ Retry-After), else 503."""
+    if isinstance(exc, InvalidArgument):
+        param = exc.field if exc.field is not None else _leading_field(str(exc))
+        return ApiError(400, str(exc), param, "invalid_value")
+    if isinstance(exc, ResourceExhausted):
+        retry_after = getattr(exc, "retry_after_s", None) or DEFAULT_RETRY_AFTER_S
+        return ApiError(429, str(exc), None, "overloaded", "rate_limit_error",
+                        {"Retry-After": str(max(1, round(retry_after)))})
+    code = "unavailable" if isinstance(exc, Unavailable) else "backend_error"
+    return ApiError(503, str(exc), None, code, "server_error")
+
+
+def _leading_field(message: str) -> str | None:
+    head = message.split(":", 1)[0]
+    return head if head and " " not in head else None
 
 
 @dataclass(slots=True)
@@ -70,16 +104,52 @@ class ModelLimits:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; deeper than ``MAX_JSON_DEPTH`` or holding text UTF-8 cannot carry is a 400."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer past Python's digit limit
         raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
+    _check_tree(body)
     return body
 
 
-def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, limits: ModelLimits) -> GenerationRequest:
+def _check_tree(body: dict[str, Any]) -> None:
+    """Walk the whole body once, without recursion: its depth, and every string and key as valid Unicode."""
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(body, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise invalid(_path(path), f"holds a lone surrogate {value[exc.start]!r} at character {exc.start}, "
+                              "which is not valid Unicode text") from None
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels at {_path(path)}",
+                           _path(path) or None, "invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                stack.append((key, depth, path))
+            stack.append((item, depth + 1, (*path, key)))
+
+
+def _path(path: Sequence[Any]) -> str:
+    text = ""
+    for key in path:
+        text += f"[{key}]" if isinstance(key, int) else (f".{key}" if text else str(key))
+    return text
+
+
+def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, limits: ModelLimits,
+                     headers: Mapping[str, str] | None = None) -> GenerationRequest:
     _check_model(body, limits)
     _refuse_unsupported(body, ("echo", "logprobs", "suffix"), best_of=True)
     prompt = body.get("prompt")
@@ -91,9 +161,7 @@ def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, limits: Mode
         prompt_ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         prompt_ids = [int(t) for t in prompt]
-        for i, token in enumerate(prompt_ids):
-            if not 0 <= token < limits.vocab_size:
-                raise invalid("prompt", f"token id {token} at [{i}] is outside the vocabulary 0..{limits.vocab_size - 1}")
+        _checked(check_token_ids, prompt_ids, limits.vocab_size, "prompt")
     elif isinstance(prompt, list) and not prompt:
         raise invalid("prompt", "must not be empty")
     elif prompt is None:
@@ -101,12 +169,15 @@ def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, limits: Mode
     else:
         raise invalid("prompt", "must be a string or a list of token ids (one prompt per request)")
     max_tokens = _int_field(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-    return _finish(body, "completion", prompt_ids, max_tokens, "max_tokens", tokenizer, limits)
+    assert max_tokens is not None
+    return _finish(body, "completion", prompt_ids, "prompt", max_tokens, "max_tokens", tokenizer, limits, headers)
 
 
-def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, limits: ModelLimits, roles: frozenset[str]) -> GenerationRequest:
+def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, limits: ModelLimits, roles: frozenset[str],
+               headers: Mapping[str, str] | None = None) -> GenerationRequest:
     _check_model(body, limits)
     _refuse_unsupported(body, ("logprobs", "top_logprobs", "audio", "prediction"))
+    _check_tool_fields(body)
     messages = body.get("messages")
     if messages is None:
         raise invalid("messages", "is required", "missing_required_parameter")
@@ -115,7 +186,7 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, limits: ModelLimit
     if not messages:
         raise invalid("messages", "must not be empty")
     rendered = [_message(i, m, roles) for i, m in enumerate(messages)]
-    prompt_ids = tokenizer.apply_chat_template(rendered)
+    prompt_ids = tokenizer.apply_chat_template(rendered, _tools(body))
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         name = "max_completion_tokens"
     else:
@@ -123,30 +194,25 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, limits: ModelLimit
     max_tokens = _int_field(body, name, None)
     if max_tokens is None:
         max_tokens = max(1, min(limits.default_max_tokens, limits.context - len(prompt_ids)))
-    return _finish(body, "chat", prompt_ids, max_tokens, name, tokenizer, limits)
+    return _finish(body, "chat", prompt_ids, "messages", max_tokens, name, tokenizer, limits, headers)
 
 
 # ---- shared fields ------------------------------------------------------------
 
 
-def _finish(body: Mapping[str, Any], kind: str, prompt_ids: list[int], max_tokens: int, max_name: str,
-            tokenizer: Tokenizer, limits: ModelLimits) -> GenerationRequest:
-    if max_tokens < 1:
-        raise invalid(max_name, f"must be at least 1, got {max_tokens}")
-    if len(prompt_ids) + max_tokens > limits.context:
-        raise invalid(max_name, f"the prompt's {len(prompt_ids)} tokens plus {max_tokens} exceed the model's "
-                      f"context of {limits.context} tokens", "context_length_exceeded")
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p <= 0.0:
-        raise invalid("top_p", "must be in (0, 1]")
+def _finish(body: Mapping[str, Any], kind: str, prompt_ids: list[int], prompt_name: str, max_tokens: int,
+            max_name: str, tokenizer: Tokenizer, limits: ModelLimits,
+            headers: Mapping[str, str] | None) -> GenerationRequest:
+    _checked(check_length, len(prompt_ids), max_tokens, limits.context, prompt_name, max_name)
+    temperature = _number(body, "temperature", 1.0)
+    top_p = _number(body, "top_p", 1.0)
     top_k = _int_field(body, "top_k", 0)
-    if top_k is None or top_k < 0:
-        raise invalid("top_k", "must be >= 0 (0: off)")
+    seed = _int_field(body, "seed", None)
+    assert top_k is not None
+    sampling = _checked(check_sampling, temperature, top_p, top_k, seed, limits.vocab_size, OPENAI_FIELDS)
     n = _int_field(body, "n", 1)
     if n != 1:
         raise invalid("n", "only n = 1 is supported", "unsupported_value")
-    seed = _int_field(body, "seed", None)
     stream = _bool(body, "stream", False)
     include_usage = False
     options = body.get("stream_options")
@@ -157,18 +223,27 @@ def _finish(body: Mapping[str, Any], kind: str, prompt_ids: list[int], max_token
             raise invalid("stream_options", "is only allowed with stream: true")
         include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
     return GenerationRequest(
-        kind=kind, model=limits.name, prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, top_k=top_k, seed=seed, stops=_stops(body), stop_token_ids=list(tokenizer.eos_token_ids),
-        stream=stream, include_usage=include_usage, session_key=_session_key(body),
+        kind=kind, model=limits.name, prompt_ids=prompt_ids, max_tokens=max_tokens,
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+        stops=_stops(body), stop_token_ids=list(tokenizer.eos_token_ids), stream=stream,
+        include_usage=include_usage, session_key=_session_key(body, headers or {}),
     )
+
+
+def _checked(check: Any, *args: Any) -> Any:
+    """A core check whose ``InvalidArgument`` becomes a 400 naming the field."""
+    try:
+        return check(*args)
+    except InvalidArgument as exc:
+        raise api_error_of(exc) from None
 
 
 def _check_model(body: Mapping[str, Any], limits: ModelLimits) -> None:
     model = body.get("model")
-    if model is None:
-        return  # lenient: the one model served
+    if model is None or model == "":
+        return  # lenient, missing or empty alike: the one model served
     if not isinstance(model, str) or model != limits.name:
-        raise ApiError(400, f"model: {model!r} is not served here; this server serves {limits.name!r}",
+        raise ApiError(400, f"model: {_show(model)} is not served here; this server serves {limits.name!r}",
                        "model", "model_not_found")
 
 
@@ -185,12 +260,42 @@ def _refuse_unsupported(body: Mapping[str, Any], names: Sequence[str], best_of: 
             raise invalid(name, "is not supported by this server (only 0)", "unsupported_value")
 
 
+def _check_tool_fields(body: Mapping[str, Any]) -> None:
+    """Tools are served as prompt text; what would need constrained output is refused by name."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise invalid("tool_choice", "only \"auto\" and \"none\" are supported: this server cannot force a tool "
+                      "call", "unsupported_value")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls", f"must be true or false, got {_show(parallel)}")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise invalid("response_format", "must be an object such as {\"type\": \"text\"}")
+        if response_format.get("type") != "text":
+            raise invalid("response_format", f"type {response_format.get('type')!r} is not supported: only "
+                          "\"text\" (this server does not constrain output to JSON)", "unsupported_value")
+
+
+def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise invalid("tools", "must be a list of tool objects")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise invalid(f"tools[{i}]", "must be an object such as {\"type\": \"function\", \"function\": {...}}")
+    return tools
+
+
 def _message(i: int, message: Any, roles: frozenset[str]) -> dict[str, str]:
     if not isinstance(message, dict):
         raise invalid(f"messages[{i}]", "must be an object with role and content")
     role = message.get("role")
     if role not in roles:
-        raise invalid(f"messages[{i}].role", f"must be one of {sorted(roles)}, got {role!r}")
+        raise invalid(f"messages[{i}].role", f"must be one of {sorted(roles)}, got {_show(role)}")
     content = message.get("content")
     if content is None:
         text = ""
@@ -222,23 +327,23 @@ def _stops(body: Mapping[str, Any]) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise invalid("stop", "must be a string or a list of strings")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
-    if any(not s for s in stops):
-        raise invalid("stop", "stop strings must not be empty")
+    _checked(StopMatcher.of, stops)
     return stops
 
 
-def _session_key(body: Mapping[str, Any]) -> str:
+def _session_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
+    """The session: ``prompt_cache_key``, else ``user``, else a session header harnesses send."""
     for name in ("prompt_cache_key", "user"):
         value = body.get(name)
         if value is None or value == "":
             continue
         if not isinstance(value, str):
             raise invalid(name, "must be a string")
-        if len(value) > MAX_SESSION_KEY_CHARS:
-            raise invalid(name, f"longer than {MAX_SESSION_KEY_CHARS} characters")
-        return value
+        return _checked(check_session_key, value, name)
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value:
+            return _checked(check_session_key, value, name)
     return ""
 
 
@@ -251,19 +356,20 @@ def _int_field(body: Mapping[str, Any], name: str, default: int | None) -> int |
     if value is None:
         return default
     if not _is_int(value):
-        raise invalid(name, f"must be an integer, got {value!r}")
+        raise invalid(name, f"must be an integer, got {_show(value)}")
     return int(value)
 
 
-def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(name, f"must be a number, got {value!r}")
-    if not low <= value <= high:
-        raise invalid(name, f"must be between {low} and {high}, got {value}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(name, f"must be a number, got {_show(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float's range
+        raise invalid(name, "must be a number in range, got an integer too large for a float") from None
 
 
 def _bool(body: Mapping[str, Any], name: str, default: bool, param: str | None = None) -> bool:
@@ -271,5 +377,10 @@ def _bool(body: Mapping[str, Any], name: str, default: bool, param: str | None =
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise invalid(param or name, f"must be true or false, got {value!r}")
+        raise invalid(param or name, f"must be true or false, got {_show(value)}")
     return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -6,25 +6,52 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import structlog
 import uvicorn
+from google.protobuf.message import DecodeError
 
 from kvpool import service
 from kvpool.core.errors import InvalidArgument, KvpoolError
+from kvpool.core.generation_fields import GRPC_FIELDS, check_length, check_sampling, check_session_key, check_token_ids
 from kvpool.model import get_config
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.status import status_code
 from kvpool.tokenizer import ByteTokenizer, load_tokenizer
 from services.router.http_api import HttpApi, Usage
 from services.router.metrics import RouterMetrics
-from services.router.openai_schema import ApiError, GenerationRequest, ModelLimits
+from services.router.openai_schema import GenerationRequest, ModelLimits, api_error_of
 from services.router.router import Router
 from services.router.settings import RouterSettings
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MalformedRequest:
+    """Bytes that do not parse as the method's message (bad wire format, invalid UTF-8 in a string)."""
+
+    reason: str
+
+
+def add_router(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """Like the generated ``add_RouterServicer_to_server``, but a request that does not parse reaches the
+    servicer as ``MalformedRequest`` (INVALID_ARGUMENT) instead of failing in gRPC as UNKNOWN."""
+
+    def parse(raw: bytes) -> router_pb2.GenerateRequest | MalformedRequest:
+        try:
+            return router_pb2.GenerateRequest.FromString(raw)
+        except DecodeError as exc:
+            return MalformedRequest(str(exc))
+
+    generate = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=parse,
+        response_serializer=router_pb2.GenerateResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvpool.rpc.Router",
+                                                                          {"Generate": generate}),))
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -35,8 +62,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.tokenizer = tokenizer
         self.limits = limits
 
-    async def Generate(self, request: router_pb2.GenerateRequest, context: Any) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def Generate(self, request: router_pb2.GenerateRequest | MalformedRequest,
+                       context: Any) -> AsyncIterator[router_pb2.GenerateResponse]:
         try:
+            if isinstance(request, MalformedRequest):
+                raise InvalidArgument(f"request: not a GenerateRequest ({request.reason})", "request")
             generation = self._validate(request)
         except KvpoolError as exc:
             await context.abort(status_code(exc), str(exc))
@@ -65,34 +95,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ))
 
     def _validate(self, request: router_pb2.GenerateRequest) -> GenerationRequest:
+        """The same checks as the HTTP API (``kvpool.core.generation_fields``), with this API's field names."""
         limits = self.limits
         if request.token_ids and request.text:
-            raise InvalidArgument("token_ids: give the prompt as token_ids or as text, not both")
-        if request.text:
-            prompt = self.tokenizer.encode(request.text)
-        else:
-            prompt = list(request.token_ids)
+            raise InvalidArgument("token_ids: give the prompt as token_ids or as text, not both", "token_ids")
+        prompt = self.tokenizer.encode(request.text) if request.text else list(request.token_ids)
         if not prompt:
-            raise InvalidArgument("token_ids: the prompt must not be empty")
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"token_ids[{bad}]: {prompt[bad]} is outside the vocabulary 0..{limits.vocab_size - 1}")
+            raise InvalidArgument("token_ids: the prompt must not be empty", "token_ids")
+        check_token_ids(prompt, limits.vocab_size, GRPC_FIELDS.prompt)
         sampling = request.sampling
         max_tokens = sampling.max_tokens or 16
-        if len(prompt) + max_tokens > limits.context:
-            raise InvalidArgument(f"sampling.max_tokens: {len(prompt)} prompt tokens plus {max_tokens} exceed the "
-                                  f"model's context of {limits.context}")
-        if sampling.temperature < 0 or sampling.temperature > 2:
-            raise InvalidArgument(f"sampling.temperature: must be in [0, 2], got {sampling.temperature}")
-        top_p = sampling.top_p or 1.0
-        if not 0 < top_p <= 1:
-            raise InvalidArgument(f"sampling.top_p: must be in (0, 1], got {sampling.top_p}")
-        if len(request.session_key) > 256:
-            raise InvalidArgument("session_key: longer than 256 characters")
+        check_length(len(prompt), max_tokens, limits.context, "text" if request.text else "token_ids",
+                     GRPC_FIELDS.max_tokens)
+        checked = check_sampling(sampling.temperature, sampling.top_p or 1.0, sampling.top_k,
+                                 sampling.seed if sampling.HasField("seed") else None, limits.vocab_size, GRPC_FIELDS)
+        check_token_ids(sampling.stop_token_ids, limits.vocab_size, GRPC_FIELDS.stop_token_ids)
+        check_session_key(request.session_key, GRPC_FIELDS.session_key)
         return GenerationRequest(
             kind="completion", model=limits.name, prompt_ids=prompt, max_tokens=max_tokens,
-            temperature=sampling.temperature, top_p=top_p, top_k=sampling.top_k,
-            seed=sampling.seed if sampling.HasField("seed") else None,
+            temperature=checked.temperature, top_p=checked.top_p, top_k=checked.top_k, seed=checked.seed,
             stop_token_ids=list(sampling.stop_token_ids) or list(self.tokenizer.eos_token_ids),
             session_key=request.session_key,
         )
@@ -120,22 +141,13 @@ class _Backend:
                 yield token
         except KvpoolError as exc:
             self.router.metrics.requests.labels(api, "error").inc()
-            raise _api_error(exc) from None
+            raise api_error_of(exc) from None
         finally:
             await tokens.aclose()
         self.router.metrics.requests.labels(api, "ok").inc()
 
     async def health(self) -> dict[str, bool]:
         return await self.router.check_health()
-
-
-def _api_error(exc: KvpoolError) -> ApiError:
-    code = status_code(exc)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ApiError(400, str(exc), str(exc).split(":", 1)[0] or None, "invalid_value")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ApiError(429, str(exc), None, "overloaded", "rate_limit_error")
-    return ApiError(503, str(exc), None, "unavailable", "server_error")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -160,7 +172,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
                     max_in_flight=settings.max_in_flight, request_timeout_s=settings.request_timeout_s)
     servicer = RouterServicer(router, tokenizer, limits)
     handle = await service.create_server(
-        settings.host, settings.port, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
+        settings.host, settings.port, lambda s: add_router(servicer, s),
         service_names=["kvpool.rpc.Router"],
     )
     await handle.set_serving(False)

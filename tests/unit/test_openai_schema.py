@@ -61,9 +61,9 @@ def test_chat_template_and_limits() -> None:
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"n": 2}, "n"),
-        ({"stop": ["a", ""]}, "stop"),
+        ({"stop": ["a", ""]}, "stop[1]"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": 3}, "stop"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -116,6 +116,119 @@ def test_assistant_tool_calls_stay_in_the_prompt() -> None:
         {"role": "user", "content": "run"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
         {"role": "tool", "content": "ok"},
-    ], "tools": [{"type": "function"}]}, TOK, LIMITS, ROLES)
+    ]}, TOK, LIMITS, ROLES)
     text = bytes(t for t in req.prompt_ids if t < 256).decode()
     assert text == 'run[{"id":"1","type":"function"}]ok'
+
+
+# ---- issue 18: every field range-checked, harness fields, sessions ------------------------------------------
+
+WIDE = ModelLimits("tiny", context=4096, vocab_size=1024, default_max_tokens=20)
+
+
+def wide_chat(headers: dict[str, str] | None = None, **body: Any) -> Any:
+    return parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **body}, TOK, WIDE, ROLES,
+                      headers)
+
+
+def test_tools_are_rendered_into_the_prompt_as_a_system_turn() -> None:
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}
+    plain = wide_chat()
+    with_tools = wide_chat(tools=[tool], tool_choice="auto", parallel_tool_calls=True)
+    assert with_tools.prompt_ids[:2] == [BOS, SYSTEM]
+    text = bytes(t for t in with_tools.prompt_ids if t < 256).decode()
+    assert text == ('# Tools\nYou may call these functions:\n{"function":{"name":"read_file","parameters":'
+                    '{"type":"object"}},"type":"function"}hi')
+    assert with_tools.prompt_ids[-len(plain.prompt_ids) + 1:] == plain.prompt_ids[1:]  # the conversation follows
+    assert wide_chat(tools=[tool], tool_choice="none").prompt_ids == with_tools.prompt_ids
+    assert wide_chat(tools=[]).prompt_ids == plain.prompt_ids
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"n": 3}, "n"),
+        ({"tools": "read_file"}, "tools"),
+        ({"tools": ["read_file"]}, "tools[0]"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"stop": ["x" * 257]}, "stop[0]"),
+        ({"prompt_cache_key": "k" * 257}, "prompt_cache_key"),
+        ({"max_tokens": 2**70}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
+    ],
+)
+def test_harness_fields_and_ranges_are_served_or_refused_by_name(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        wide_chat(**body)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert info.value.message.startswith(param)
+
+
+def test_served_values_at_the_edges() -> None:
+    assert wide_chat(seed=-1).seed == 2**64 - 1  # a signed seed keeps its 64-bit pattern
+    assert wide_chat(seed=2**64 - 1).seed == 2**64 - 1
+    assert wide_chat(top_k=2**40).top_k == 0  # past the vocabulary: off
+    assert wide_chat(top_k=-1).top_k == 0
+    assert wide_chat(top_k=5).top_k == 5
+    assert wide_chat(temperature=1e-30).temperature == 0.0  # float32 cannot carry it: greedy
+    assert wide_chat(top_p=1e-300).top_p == 1e-6
+    assert wide_chat(response_format={"type": "text"}, logprobs=False, n=1).max_tokens == 20
+    assert wide_chat(model="").model == wide_chat().model == "tiny"  # missing and empty alike
+
+
+def test_over_the_context_names_the_field_and_the_numbers() -> None:
+    with pytest.raises(ApiError) as info:
+        wide_chat(max_tokens=4091)
+    assert info.value.param == "max_tokens"
+    assert "4096" in info.value.message and "at most 4090" in info.value.message
+    with pytest.raises(ApiError) as info:
+        parse_completion({"prompt": "y" * 4096}, TOK, WIDE)
+    assert info.value.param == "prompt" and "4096 tokens" in info.value.message
+
+
+def test_session_key_from_body_then_headers() -> None:
+    headers = {"x-session-id": "hdr", "x-session-affinity": "aff"}
+    assert wide_chat(headers, prompt_cache_key="pck", user="u").session_key == "pck"
+    assert wide_chat(headers, user="u").session_key == "u"
+    assert wide_chat(headers).session_key == "hdr"
+    assert wide_chat({"x-session-affinity": "aff"}).session_key == "aff"
+    assert wide_chat().session_key == ""
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"prompt": "a\\ud800b"}', "prompt"),
+        (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
+        (b'{"prompt_cache_key": "\\ud800"}', "prompt_cache_key"),
+        (b'{"metadata": {"\\ud800": 1}}', "metadata"),
+    ],
+)
+def test_lone_surrogates_are_400s_naming_where(raw: bytes, param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_json(raw)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_deep_or_huge_json_is_a_400() -> None:
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a": ' + b"[" * 65 + b"]" * 65 + b"}",
+                b'{"seed": ' + b"9" * 5000 + b"}"):
+        with pytest.raises(ApiError) as info:
+            parse_json(raw)
+        assert info.value.status == 400
+    nested = parse_json(b'{"a": ' + b"[" * 63 + b"]" * 63 + b"}")["a"]  # 64 levels with the body: served
+    for _ in range(62):
+        nested = nested[0]
+    assert nested == []

@@ -1,0 +1,227 @@
+"""Random and boundary requests against a real cluster: no 5xx over HTTP, no UNKNOWN or INTERNAL over gRPC.
+
+One small cluster (one one-stage pipeline, one decode shard, no pool) for the
+module. Hypothesis drives the OpenAI HTTP API with bodies built from every
+field a client may send, each drawn from valid, boundary and hostile values
+(NaN, infinities, 64-bit edges, lone surrogates, long strings, deep nesting),
+and the gRPC ``Generate`` with random messages and raw bytes. Every answer
+must be a success or a client error naming what is wrong; a stream that
+starts must end with ``data: [DONE]``. Afterwards a fixed greedy prompt must
+give the same tokens as before.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool.rpc import router_pb2, router_pb2_grpc
+from kvpool.tools.up import Cluster, UpSettings
+
+pytestmark = pytest.mark.cluster
+
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+GREEDY_PROMPT = "def fib(n):"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("fuzz")
+    up = Cluster(UpSettings(pipelines=1, stages=1, decode_shards=1, stores=0, http_port=0, grpc_port=0,
+                            device_cache_tokens=4096, workdir=str(workdir))).start()
+    try:
+        yield up
+    finally:
+        up.stop()
+
+
+@pytest.fixture(scope="module")
+def channel(cluster: Cluster) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.find('router').ready['port']}") as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def greedy_before(cluster: Cluster, channel: grpc.Channel) -> tuple[str, list[int]]:
+    return greedy_now(cluster, channel)
+
+
+def greedy_now(cluster: Cluster, channel: grpc.Channel) -> tuple[str, list[int]]:
+    status, body = post(cluster, "/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": GREEDY_PROMPT, "max_tokens": 6, "temperature": 0}).encode())
+    assert status == 200, body
+    request = router_pb2.GenerateRequest(text=GREEDY_PROMPT, sampling=router_pb2.SamplingParams(max_tokens=6))
+    tokens = [r.token_id for r in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120)
+              if r.WhichOneof("event") == "token_id"]
+    return json.loads(body)["choices"][0]["text"], tokens
+
+
+def post(cluster: Cluster, path: str, raw: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", path, raw, {"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+# ---- strategies ---------------------------------------------------------------
+
+HOSTILE_TEXT = ["", "\ud800", "a\udfffb", "x" * 300, "\x00", "é" * 3, "<|eos|>"]
+text = st.one_of(st.sampled_from(HOSTILE_TEXT), st.text(max_size=12))
+edge_ints = st.sampled_from([-(2**63) - 1, -(2**63), -2, -1, 0, 1, 2, 3, 2**31, 2**32, 2**63, 2**64 - 1, 2**64,
+                             10**30])
+edge_floats = st.one_of(st.sampled_from([0.0, -0.0, 1e-30, 1e-6, 0.5, 1.0, 1.0000001, 2.0, 2.5, -1.0]),
+                        st.floats(allow_nan=True, allow_infinity=True))
+leaf = st.one_of(st.none(), st.booleans(), edge_ints, edge_floats, text)
+json_value = st.recursive(leaf, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
+# valid lengths stay tiny so every served request is quick; the rest are refused
+max_tokens = st.sampled_from([0, 1, 2, 3, -1, 2**31, 2**64, 1.5, "2", True, 40000])
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "wizard", 3])},
+    optional={"content": st.one_of(text, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image"]),
+                                                                          "text": text}), max_size=2), json_value),
+              "tool_calls": json_value, "name": text},
+)
+tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": text}, optional={"parameters": json_value, "description": text})})
+common = {
+    "model": st.sampled_from(["tiny", "", "gpt-4o", 5]),
+    "temperature": edge_floats, "top_p": edge_floats, "top_k": edge_ints, "seed": edge_ints,
+    "stop": st.one_of(text, st.lists(text, max_size=5), json_value),
+    "stream": st.one_of(st.booleans(), leaf),
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.one_of(st.booleans(), leaf)}), leaf),
+    "prompt_cache_key": text, "user": text, "n": edge_ints, "logprobs": st.one_of(st.booleans(), edge_ints),
+    "frequency_penalty": edge_floats, "extra": json_value,
+}
+completion_body = st.fixed_dictionaries({"max_tokens": max_tokens}, optional={
+    **common, "prompt": st.one_of(text, st.lists(st.one_of(edge_ints, st.integers(0, 255)), max_size=6), json_value),
+    "echo": leaf, "best_of": edge_ints, "suffix": text,
+})
+chat_body = st.fixed_dictionaries({"max_tokens": max_tokens}, optional={
+    **common, "messages": st.one_of(st.lists(message, max_size=3), json_value),
+    "tools": st.one_of(st.lists(tool, max_size=2), json_value),
+    "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), json_value),
+    "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+                                 json_value),
+    "parallel_tool_calls": leaf, "top_logprobs": edge_ints, "max_completion_tokens": max_tokens,
+})
+session_headers = st.dictionaries(st.sampled_from(["X-Session-ID", "X-Session-Affinity"]),
+                                  st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=300),
+                                  max_size=2)
+
+
+def check_http_answer(status: int, raw: bytes) -> None:
+    assert status < 500, (status, raw[:500])
+    if status != 200:
+        error = json.loads(raw)["error"]
+        assert error["message"] and error["type"], raw
+        return
+    if raw.startswith(b"data: "):
+        events = [line for line in raw.split(b"\n\n") if line]
+        assert events[-1] == b"data: [DONE]", raw[-300:]
+        for event in events[:-1]:
+            assert "error" not in json.loads(event.removeprefix(b"data: ")), event
+    else:
+        assert json.loads(raw)["usage"]["completion_tokens"] >= 1
+
+
+@FUZZ
+@given(path_and_body=st.one_of(st.tuples(st.just("/v1/completions"), completion_body),
+                               st.tuples(st.just("/v1/chat/completions"), chat_body)),
+       headers=session_headers)
+def test_http_answers_every_body_with_a_success_or_a_client_error(
+    cluster: Cluster, greedy_before: tuple[str, list[int]], path_and_body: tuple[str, dict[str, Any]],
+    headers: dict[str, str],
+) -> None:
+    path, body = path_and_body
+    status, raw = post(cluster, path, json.dumps(body, allow_nan=True).encode(), headers)
+    check_http_answer(status, raw)
+
+
+@FUZZ
+@given(raw=st.one_of(st.binary(max_size=40), st.sampled_from([
+    b"[" * 100_000 + b"]" * 100_000, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", b'{"prompt": "hi", "temperature": NaN}',
+    b'{"prompt": "hi", "top_p": -Infinity}', b'{"prompt": "\\ud800"}', b"\xff\xfe", b"null", b'"a"',
+])), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_http_answers_raw_bytes_with_a_client_error(
+    cluster: Cluster, greedy_before: tuple[str, list[int]], raw: bytes, path: str
+) -> None:
+    status, answer = post(cluster, path, raw)
+    check_http_answer(status, answer)
+
+
+int32 = st.one_of(st.integers(-(2**31), 2**31 - 1), st.integers(0, 300))
+sampling = st.builds(
+    router_pb2.SamplingParams,
+    temperature=st.floats(width=32, allow_nan=True, allow_infinity=True),
+    top_p=st.floats(width=32, allow_nan=True, allow_infinity=True),
+    top_k=st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 5])),
+    seed=st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 2**63, 2**64 - 1])),
+    max_tokens=st.sampled_from([0, 1, 2, 3, 2**32 - 1, 40000]),
+    stop_token_ids=st.lists(int32, max_size=3),
+)
+grpc_request = st.builds(
+    router_pb2.GenerateRequest,
+    token_ids=st.lists(int32, max_size=6),
+    text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=12),
+    session_key=st.text(st.characters(blacklist_categories=("Cs",)), max_size=300),
+    sampling=sampling,
+)
+CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT}
+
+
+@FUZZ
+@given(request=grpc_request)
+def test_grpc_answers_every_request_with_tokens_or_invalid_argument(
+    channel: grpc.Channel, greedy_before: tuple[str, list[int]], request: router_pb2.GenerateRequest
+) -> None:
+    try:
+        answers = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120))
+    except grpc.RpcError as exc:
+        assert exc.code() in CLIENT_ERRORS, (exc.code(), exc.details())
+        assert exc.details().split(":")[0] in {"token_ids", "text", "session_key"} or \
+            exc.details().startswith(("sampling.", "token_ids[")), exc.details()
+        return
+    assert answers[-1].WhichOneof("event") == "usage"
+    assert answers[-1].usage.completion_tokens == len(answers) - 1 >= 1
+
+
+@FUZZ
+@given(raw=st.one_of(st.binary(max_size=40), st.just(b"\x12\x02\xed\xa0")))
+def test_grpc_answers_bytes_that_do_not_parse_with_invalid_argument(
+    channel: grpc.Channel, greedy_before: tuple[str, list[int]], raw: bytes
+) -> None:
+    generate = channel.unary_stream("/kvpool.rpc.Router/Generate")
+    try:
+        list(generate(raw, timeout=120))
+    except grpc.RpcError as exc:
+        assert exc.code() in CLIENT_ERRORS, (exc.code(), exc.details())
+
+
+def test_temperature_nan_over_grpc_is_invalid_argument_naming_it(channel: grpc.Channel) -> None:
+    request = router_pb2.GenerateRequest(token_ids=[1, 2], sampling=router_pb2.SamplingParams(
+        temperature=float("nan"), max_tokens=2))
+    with pytest.raises(grpc.RpcError) as info:
+        list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("sampling.temperature:")
+
+
+def test_greedy_output_is_unchanged_after_the_fuzz(
+    cluster: Cluster, channel: grpc.Channel, greedy_before: tuple[str, list[int]]
+) -> None:
+    assert greedy_now(cluster, channel) == greedy_before
+    assert len(greedy_before[1]) >= 1
