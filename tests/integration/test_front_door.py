@@ -1,7 +1,12 @@
-"""Random and boundary requests against a real cluster: no 5xx over HTTP, no UNKNOWN or INTERNAL over gRPC.
+"""The front door as agent harnesses use it, against a real cluster: statuses before the stream, and a fuzz.
 
-One small cluster (one one-stage pipeline, one decode shard, no pool) for the
-module. Hypothesis drives the OpenAI HTTP API with bodies built from every
+One small cluster (one one-stage pipeline, one decode shard, no pool, one
+request in flight at most so overload is easy to reach) for the module.
+Through the official ``openai`` client and raw HTTP: an over-limit streaming
+request is a 400 and an overloaded one a 429 with ``Retry-After``, both
+before any SSE byte; a failure after the first token ends the stream with
+OpenAI's error event then ``data: [DONE]``; a session header keeps a session
+in place. Hypothesis drives the OpenAI HTTP API with bodies built from every
 field a client may send, each drawn from valid, boundary and hostile values
 (NaN, infinities, 64-bit edges, lone surrogates, long strings, deep nesting),
 and the gRPC ``Generate`` with random messages and raw bytes. Every answer
@@ -18,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -34,9 +40,11 @@ GREEDY_PROMPT = "def fib(n):"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    workdir = tmp_path_factory.mktemp("fuzz")
+    workdir = tmp_path_factory.mktemp("front")
+    config = workdir / "cluster.toml"
+    config.write_text("[router]\nmax_in_flight = 1\n")
     up = Cluster(UpSettings(pipelines=1, stages=1, decode_shards=1, stores=0, http_port=0, grpc_port=0,
-                            device_cache_tokens=4096, workdir=str(workdir))).start()
+                            device_cache_tokens=4096, workdir=str(workdir / "logs")), config=str(config)).start()
     try:
         yield up
     finally:
@@ -47,6 +55,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def channel(cluster: Cluster) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(f"127.0.0.1:{cluster.find('router').ready['port']}") as ch:
         yield ch
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +78,94 @@ def greedy_now(cluster: Cluster, channel: grpc.Channel) -> tuple[str, list[int]]
 
 
 def post(cluster: Cluster, path: str, raw: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    status, _, body = post_with_headers(cluster, path, raw, headers)
+    return status, body
+
+
+def post_with_headers(cluster: Cluster, path: str, raw: bytes,
+                      headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:
     host, port = cluster.http_url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     try:
         conn.request("POST", path, raw, {"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
-        return response.status, response.read()
+        return response.status, response.headers, response.read()
     finally:
         conn.close()
+
+
+def chat_body(**fields: Any) -> bytes:
+    return json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hello"}], **fields}).encode()
+
+
+def served_context(cluster: Cluster) -> int:
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("GET", "/v1/models")
+        return int(json.loads(conn.getresponse().read())["data"][0]["max_model_len"])
+    finally:
+        conn.close()
+
+
+def wait_until_served(cluster: Cluster) -> None:
+    """The router frees a cancelled request's slot as the cancellation reaches it: poll until one is free."""
+    for _ in range(600):
+        status, _ = post(cluster, "/v1/chat/completions", chat_body(max_tokens=1))
+        if status != 429:
+            assert status == 200
+            return
+    raise AssertionError("the router still refuses after the busy request was cancelled")
+
+
+# ---- statuses before the stream ----------------------------------------------------
+
+
+def test_over_limit_streaming_is_a_400_before_any_sse_byte(cluster: Cluster, client: openai.OpenAI) -> None:
+    context = served_context(cluster)
+    status, headers, raw = post_with_headers(cluster, "/v1/chat/completions", chat_body(
+        max_tokens=context, stream=True, stream_options={"include_usage": True}))
+    assert status == 400 and headers["content-type"] == "application/json", raw[:200]
+    error = json.loads(raw)["error"]
+    assert error["param"] == "max_tokens" and str(context) in error["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x" * context, max_tokens=4, stream=True)
+    assert info.value.param == "prompt" and str(context) in info.value.message
+
+
+def test_overloaded_is_a_429_with_retry_after_before_any_sse_byte(cluster: Cluster, client: openai.OpenAI) -> None:
+    busy = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go on"}],
+                                          max_tokens=3000, temperature=0, stream=True)
+    try:
+        next(iter(busy))  # its first chunk: the router's one slot is taken
+        status, headers, raw = post_with_headers(cluster, "/v1/chat/completions", chat_body(max_tokens=4, stream=True))
+        assert status == 429 and int(headers["retry-after"]) >= 1, raw[:200]
+        assert json.loads(raw)["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           stream=True)
+        assert int(info.value.response.headers["retry-after"]) >= 1
+    finally:
+        busy.close()
+    wait_until_served(cluster)
+
+
+def test_a_session_header_keeps_the_session_in_place(cluster: Cluster, client: openai.OpenAI) -> None:
+    def affinity() -> float:
+        host, port = cluster.http_url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvpool_router_placements_total{") and 'kind="pipeline"' in line
+                   and 'reason="affinity"' in line)
+
+    before = affinity()
+    for _ in range(2):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       extra_headers={"X-Session-ID": "harness-session-1"})
+    assert affinity() == before + 1  # the second request found its session
 
 
 # ---- strategies ---------------------------------------------------------------
@@ -105,11 +198,11 @@ common = {
     "prompt_cache_key": text, "user": text, "n": edge_ints, "logprobs": st.one_of(st.booleans(), edge_ints),
     "frequency_penalty": edge_floats, "extra": json_value,
 }
-completion_body = st.fixed_dictionaries({"max_tokens": max_tokens}, optional={
+completion_bodies = st.fixed_dictionaries({"max_tokens": max_tokens}, optional={
     **common, "prompt": st.one_of(text, st.lists(st.one_of(edge_ints, st.integers(0, 255)), max_size=6), json_value),
     "echo": leaf, "best_of": edge_ints, "suffix": text,
 })
-chat_body = st.fixed_dictionaries({"max_tokens": max_tokens}, optional={
+chat_bodies = st.fixed_dictionaries({"max_tokens": max_tokens}, optional={
     **common, "messages": st.one_of(st.lists(message, max_size=3), json_value),
     "tools": st.one_of(st.lists(tool, max_size=2), json_value),
     "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), json_value),
@@ -138,8 +231,8 @@ def check_http_answer(status: int, raw: bytes) -> None:
 
 
 @FUZZ
-@given(path_and_body=st.one_of(st.tuples(st.just("/v1/completions"), completion_body),
-                               st.tuples(st.just("/v1/chat/completions"), chat_body)),
+@given(path_and_body=st.one_of(st.tuples(st.just("/v1/completions"), completion_bodies),
+                               st.tuples(st.just("/v1/chat/completions"), chat_bodies)),
        headers=session_headers)
 def test_http_answers_every_body_with_a_success_or_a_client_error(
     cluster: Cluster, greedy_before: tuple[str, list[int]], path_and_body: tuple[str, dict[str, Any]],
@@ -225,3 +318,22 @@ def test_greedy_output_is_unchanged_after_the_fuzz(
 ) -> None:
     assert greedy_now(cluster, channel) == greedy_before
     assert len(greedy_before[1]) >= 1
+
+
+def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_event_then_done(cluster: Cluster) -> None:
+    """Last: it kills the decode shard."""
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", chat_body(max_tokens=3000, temperature=0, stream=True),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        assert json.loads(response.readline().removeprefix(b"data: "))["choices"][0]["delta"]["role"] == "assistant"
+        cluster.find("decode0").kill()
+        events = [line.strip() for line in response.read().split(b"\n\n") if line.strip()]
+    finally:
+        conn.close()
+    assert events[-1] == b"data: [DONE]"
+    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert error["type"] == "server_error" and error["message"]
