@@ -49,7 +49,7 @@ def test_only_with_no_match_fails_naming_the_flag() -> None:
 def test_validate_uses_this_hosts_cost_model_unless_told() -> None:
     from kvpool.tools.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
     from services.cli import build_parser
-    from kvpool.tools.sim.cli import cost_model_path
+    from kvpool.tools.sim.cost_model import cost_model_path
 
     parser = build_parser()
     assert cost_model_path(parser.parse_args(["simulate", "--validate"])) == str(CPU_COST_MODEL)

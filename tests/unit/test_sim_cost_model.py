@@ -26,7 +26,7 @@ def test_the_default_file_parses_to_its_stated_numbers() -> None:
         ("[decode]\nstep_base_s = \"fast\"\n", "[decode] step_base_s: expected a number, got 'fast'"),
         ("[model]\nchunk_tokens = 256.5\n", "[model] chunk_tokens: expected an integer, got 256.5"),
         ("[handoff]\nbandwidth = 5\n", "[handoff] bandwidth: unknown field"),
-        ("[gpu]\nx = 1\n", "[gpu]: unknown table (expected one of ['decode', 'handoff', 'model', 'prefill', 'restore'])"),
+        ("[gpu]\nx = 1\n", "[gpu]: unknown table (expected one of ['decode', 'fit', 'handoff', 'master', 'model', 'prefill', 'restore'])"),
         ("[decode]\nstep_per_seq_s = nan\n", "[decode] step_per_seq_s: must be finite and >= 0, got nan"),
         ("[model]\nnum_layers = true\n", "[model] num_layers: expected an integer, got True"),
     ],

@@ -36,7 +36,7 @@ def session(*turns: tuple[int, list[int], float]) -> Session:
 
 
 def run(trace: Session, pool: str, num_servers: int = 1, setup: Any = None) -> Simulation:
-    settings = RunSettings(num_sessions=1, duration_s=1000.0, warmup_s=0.0, pool=pool, think_cap_s=1000.0,
+    settings = RunSettings(num_sessions=1, duration_s=1000.0, warmup_s=0.0, pool=pool, think_scale=1.0,
                            start_spread_s=0.0, restart_sessions=False)
     sim = Simulation(topology(num_servers), settings, COST, [trace])
     if setup is not None:
@@ -92,8 +92,8 @@ def test_shared_pool_serves_a_session_that_moved_server_split_does_not() -> None
     assert split.metrics.turn_tokens == [("s0.t0", 0, 0, 522), ("s0.t1", 0, 0, 778)]
     # shared: server 1 read 2 groups (4 objects of 256 B each) from server 0's store, then handed T1's
     # 778 tokens x 4 B to decode shard d0.0 (equal free pages: the first by name); split: the handoff only
-    assert shared.metrics.received["server0"] == 2 * 4 * 256 + 778 * 4
-    assert split.metrics.received["server0"] == 778 * 4
+    assert shared.network.nic_bytes["server0"] == 2 * 4 * 256 + 778 * 4
+    assert split.network.nic_bytes["server0"] == 778 * 4
     # split pools: one master per server, over its prefill-side store only
     assert [sorted(i.segments) for i in split.indexes] == [["server0/numa0"], ["server1/numa0"]]
     assert [sorted(i.segments) for i in shared.indexes] == [
@@ -191,3 +191,69 @@ def test_a_read_from_a_store_that_died_is_a_miss_before_the_master_knows() -> No
     # the lookup still leased the 2 groups: the plan had them, the restore could not read them
     assert sim.metrics.restore_s == [pytest.approx(1.0)]
     assert sim.dropped_objects == 8
+
+
+def test_a_prompt_past_the_context_is_cut_to_its_leading_tokens_and_counted() -> None:
+    # context 1,000 tokens: the 1,500-token turn keeps its leading 996 (room for its 4 output tokens):
+    # 15 block ids, 3 full chunks, of which T0's 2 chunks are device hits
+    trace = session((522, A, 0.0), (1500, list(range(1, 24)), 10.0))
+    settings = RunSettings(num_sessions=1, duration_s=1000.0, warmup_s=0.0, think_scale=1.0, start_spread_s=0.0,
+                           restart_sessions=False)
+    topo = Topology(num_servers=1, device_kv_gib_per_gpu=1024 / GIB, decode_page_tokens=1,
+                    store_gib=(1 << 20) / GIB, max_context=1000)
+    sim = Simulation(topo, settings, COST, [trace])
+    sim.run()
+    assert sim.metrics.turn_tokens == [("s0.t0", 0, 0, 522), ("s0.t1", 512, 0, 484)]
+    assert sim.trace_policy == {"arrivals": 2, "cut_to_context": 1, "tokens_cut": 504, "refused_device_cache": 0,
+                                "refused_decode": 0}
+    # the bound over the played turns: T1's first 8 of 15 blocks were seen in T0
+    assert sim.trace_bound() == pytest.approx(8 * 64 / (522 + 996))
+
+
+def test_think_time_is_the_traces_times_the_stated_scale() -> None:
+    trace = session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0), (778, A + [9, 10, 11, 12], 40.0))
+    settings = RunSettings(num_sessions=1, duration_s=1000.0, warmup_s=0.0, think_scale=0.25, start_spread_s=0.0,
+                           restart_sessions=False)
+    sim = Simulation(topology(1), settings, COST, [trace])
+    sim.run()
+    assert sim.metrics.think_s == [25.0, 10.0]
+
+
+def test_a_lookup_waits_for_the_masters_service_and_puts_queue_behind_it() -> None:
+    from dataclasses import replace
+
+    from kvpool.tools.sim.cost_model import MasterCost
+
+    cost = replace(COST, master=MasterCost(lookup_base_s=0.25, put_base_s=0.5, put_per_object_s=0.125))
+    trace = session((522, A, 0.0))
+    settings = RunSettings(num_sessions=1, duration_s=1000.0, warmup_s=0.0, start_spread_s=0.0,
+                           restart_sessions=False)
+    sim = Simulation(topology(1), settings, cost, [trace])
+    sim.run()
+    # the lookup's 0.25 s precede compute (522/256 chunk-times + 3 to fill); the put (0.5 + 8 objects x
+    # 0.125 s) runs after compute, off the request's path
+    assert sim.metrics.ttft_s == [pytest.approx(0.25 + 522 / 256 + 3.0)]
+    assert sim.masters[0].busy_s == pytest.approx(0.25 + 0.5 + 8 * 0.125)
+    assert sim.metrics.lookup_wait_s == [pytest.approx(0.25)]
+
+
+def test_decode_kv_counts_filled_pages_not_reserved_ones() -> None:
+    from dataclasses import replace
+
+    from kvpool.core.decode_scheduler import DecodeScheduler
+    from kvpool.tools.sim.decode_sim import ShardSim
+    from kvpool.tools.sim.job import Job
+    from kvpool.tools.sim.workload import SessionPlay
+
+    loop = EventLoop()
+    # one-token pages; 10 ms a step (COST)
+    shard = ShardSim("d0", 0, loop, COST, DecodeScheduler(1000, 1, 8, 10_000, loop.clock), lambda j: None,
+                     lambda j: None)
+    trace = session((100, [1], 0.0))
+    assert shard.submit(Job("j", SessionPlay(0, trace), replace(trace.turns[0], output_tokens=10), 0.0))
+    seen = []
+    loop.at(0.035, lambda: seen.append((shard.filled_pages(), shard.scheduler.num_pages_used)))
+    loop.run(1.0)
+    # at 35 ms, 3 of 10 steps done: the prompt's 100 pages + 3 decoded tokens are filled, while admission
+    # reserved the sequence's whole life: 100 + 10 - 1 = 109 pages
+    assert seen == [(103, 109)]

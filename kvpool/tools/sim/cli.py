@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "agentx-weka"
+DEFAULT_TRACES = Path(__file__).resolve().parents[4] / "shared" / "traces" / "agentx-weka"  # ../shared from the repo
 
 
 def add_simulate_parser(sub: Any) -> None:
@@ -40,32 +40,29 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--scale-sessions", type=int, default=28,
                    help="sessions per server in the 8/16/32-server runs (default 28: memory and time on one host)")
     p.add_argument("--warmup", type=float, default=300.0, help="simulated seconds before throughput/TTFT count")
-    p.add_argument("--think-cap", type=float, default=5.0, help="cap on each turn's think time in seconds")
+    p.add_argument("--think-scale", type=float, default=None,
+                   help="each turn's think time is the trace's times this (default: the cost model's [fit] think_scale)")
     p.add_argument("--no-think", action="store_true", help="send each turn as soon as the last one ends")
-    p.add_argument("--affinity-max-queue", type=int, default=4, help="the router's session-affinity threshold")
+    p.add_argument("--affinity", default="4",
+                   help="the router's session-affinity threshold for the seed matrix: strict, none or N (default 4)")
     p.add_argument("--only", help="comma-separated run labels to keep (e.g. calibration,seed-shared-112)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs side by side (processes)")
     p.add_argument("--quick", action="store_true", help="a small matrix, under a minute")
     p.add_argument("--validate", action="store_true",
                    help="run a small configuration in the simulator and on a local cluster (kvpool replay), compare")
+    p.add_argument("--calibrate", action="store_true",
+                   help="fit the cost model's [fit] inputs to the seed's single server at 112 sessions, check 96")
+    p.add_argument("--calibrate-steps", type=int, default=4, help="most fit steps (runs) before the check")
     p.add_argument("--json", action="store_true", help="the last line of output is one JSON object")
     p.add_argument("--plot", metavar="DIR", help="write PNG charts here")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
-def cost_model_path(args: argparse.Namespace) -> str:
-    """``--cost-model``, else the seed's model for the matrix and the local CPU cluster's for ``--validate``."""
-    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
-
-    if args.cost_model:
-        return str(args.cost_model)
-    return str(CPU_COST_MODEL if getattr(args, "validate", False) else DEFAULT_COST_MODEL)
-
-
 def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvpool.tools.sim.cost_model import cost_model_path
     from kvpool.tools.sim.report import matrix
     from kvpool.tools.sim.runner import run_spec
-    from kvpool.tools.sim.topology import RunSettings, Topology
+    from kvpool.tools.sim.topology import RunSettings, Topology, parse_affinity
 
     duration = 240.0 if args.quick else args.duration
     scale_duration = 240.0 if args.quick else args.scale_duration
@@ -75,8 +72,12 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
         specs = [s for s in specs if s.label in wanted]
         if not specs:
             raise SystemExit(f"kvpool simulate: --only matched no run (labels: {', '.join(wanted)})")
+    try:
+        affinity = parse_affinity(args.affinity)
+    except ValueError as exc:
+        raise SystemExit(f"kvpool simulate: {exc}") from None
     base = RunSettings(warmup_s=60.0 if args.quick else args.warmup, think=not args.no_think,
-                       think_cap_s=args.think_cap, affinity_max_queue=args.affinity_max_queue)
+                       think_scale=args.think_scale, affinity_max_queue=affinity)
     topology = Topology()
     call = (args.traces, cost_model_path(args), base, topology)
     # the biggest runs first, so the pool's processes end together
@@ -92,6 +93,10 @@ def main(args: argparse.Namespace) -> int:
         from kvpool.tools.sim.validate_cmd import main as validate
 
         return validate(args)
+    if args.calibrate:
+        from kvpool.tools.sim.calibrate_cmd import main as calibrate
+
+        return calibrate(args)
     from kvpool.tools.sim.report import final_object, plot, table
 
     if not Path(args.traces).is_dir():

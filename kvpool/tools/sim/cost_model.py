@@ -66,11 +66,34 @@ class HandoffCost:
     per_prompt_token_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class MasterCost:
+    """One pool master's service time per operation (it serves one at a time: ``network.MasterQueue``)."""
+
+    lookup_base_s: float = 0.0
+    lookup_per_group_s: float = 0.0
+    put_base_s: float = 0.0  # a save's put_start + put_end, each a call
+    put_per_object_s: float = 0.0
+    release_s: float = 0.0  # a lease's release
+    cpu_scale: float = 1.0  # the master's host against the host the times were measured on (time x this)
+
+
+@dataclass(frozen=True, slots=True)
+class FitInputs:
+    """The calibration's inputs (``kvpool simulate --calibrate`` fits them; everything else is fixed)."""
+
+    device_kv_gib_per_gpu: float = 100.0  # effective KV per GPU, prefill and decode alike
+    prefill_level: float = 1.0  # multiplies every [prefill] chunk time
+    decode_level: float = 1.0  # multiplies every [decode] step time
+    think_scale: float = 1.0  # multiplies each turn's recorded think time
+
+
 # fields that must be > 0 (the rest must be >= 0)
-_POSITIVE = {"num_layers", "kv_entry_bytes", "chunk_tokens", "read_gbps_per_gpu", "gbps", "max_transfer_bytes"}
+_POSITIVE = {"num_layers", "kv_entry_bytes", "chunk_tokens", "read_gbps_per_gpu", "gbps", "max_transfer_bytes",
+             "device_kv_gib_per_gpu", "prefill_level", "decode_level", "cpu_scale"}
 _FLAGS = {"sequential_stages"}  # integers that must be 0 or 1
 _TABLES = {"model": ModelShape, "prefill": PrefillCost, "restore": RestoreCost, "decode": DecodeCost,
-           "handoff": HandoffCost}
+           "handoff": HandoffCost, "master": MasterCost, "fit": FitInputs}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +105,8 @@ class CostModel:
     restore: RestoreCost = RestoreCost()
     decode: DecodeCost = DecodeCost()
     handoff: HandoffCost = HandoffCost()
+    master: MasterCost = MasterCost()
+    fit: FitInputs = FitInputs()
 
     def compute_s(self, first_token: int, num_tokens: int, num_stages: int) -> float:
         """Pipeline time to compute tokens ``[first_token, first_token + num_tokens)``.
@@ -100,10 +125,11 @@ class CostModel:
         num_chunks = num_tokens / c
         mean_context = first_token + (num_tokens - c) / 2 if num_tokens > c else first_token
         per_chunk = p.chunk_base_s + p.chunk_per_context_token_s * mean_context
+        level = self.fit.prefill_level
         if p.sequential_stages:
-            return num_stages * num_chunks * per_chunk
+            return level * num_stages * num_chunks * per_chunk
         last_chunk = p.chunk_base_s + p.chunk_per_context_token_s * (first_token + num_tokens - min(c, num_tokens))
-        return num_chunks * per_chunk + (num_stages - 1) * last_chunk
+        return level * (num_chunks * per_chunk + (num_stages - 1) * last_chunk)
 
     def restore_s(self, num_chunks: int, stage_bytes_per_token: float) -> float:
         """One GPU reads its stage's objects of ``num_chunks`` chunks (the stages read at once)."""
@@ -114,7 +140,18 @@ class CostModel:
 
     def decode_step_s(self, batch_size: int, kv_tokens: float) -> float:
         d = self.decode
-        return d.step_base_s + d.step_per_seq_s * batch_size + d.step_per_kv_token_s * kv_tokens
+        return self.fit.decode_level * (d.step_base_s + d.step_per_seq_s * batch_size + d.step_per_kv_token_s * kv_tokens)
+
+    def lookup_s(self, num_groups: int) -> float:
+        m = self.master
+        return m.cpu_scale * (m.lookup_base_s + m.lookup_per_group_s * num_groups)
+
+    def put_s(self, num_objects: int) -> float:
+        m = self.master
+        return m.cpu_scale * (m.put_base_s + m.put_per_object_s * num_objects)
+
+    def release_s(self) -> float:
+        return self.master.cpu_scale * self.master.release_s
 
     def handoff_s(self, nbytes: int, num_stages: int) -> float:
         """Every stage writes its slab in <= ``max_transfer_bytes`` writes; the stages write at once;
@@ -167,3 +204,11 @@ def load_cost_model(path: Path | str = DEFAULT_COST_MODEL) -> CostModel:
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
     return parse_cost_model(document, str(path))
+
+
+def cost_model_path(args: object) -> str:
+    """``--cost-model``, else the seed's model for the matrix and the local CPU cluster's for ``--validate``."""
+    given = getattr(args, "cost_model", None)
+    if given:
+        return str(given)
+    return str(CPU_COST_MODEL if getattr(args, "validate", False) else DEFAULT_COST_MODEL)

@@ -23,7 +23,7 @@ from kvpool.core.decode_scheduler import DecodeScheduler
 from kvpool.core.errors import InvalidArgument
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
-from kvpool.tools.sim.prefill_sim import Job
+from kvpool.tools.sim.job import Job
 
 
 @dataclass(slots=True)
@@ -53,6 +53,22 @@ class ShardSim:
 
     def free_pages(self) -> int:
         return self.scheduler.pages.num_free
+
+    def filled_pages(self) -> int:
+        """Pages holding KV now: each running sequence's prompt and the tokens it has decoded so far
+        (pages reserved for tokens not yet decoded are not filled)."""
+        page = self.scheduler.page_size
+        into_run = 0
+        if self._stepping and self._step_s > 0:
+            into_run = min(self._run_steps, math.floor((self.loop.now - self._run_start) / self._step_s))
+        filled = 0
+        for seq_id, remaining in self.remaining.items():
+            seq = self.scheduler.get(seq_id)
+            if seq is None:
+                continue
+            decoded = seq.max_tokens - remaining + into_run
+            filled += -(-(seq.num_prompt_tokens + decoded) // page)
+        return filled
 
     def submit(self, job: Job) -> bool:
         """Queue a sequence; False (nothing queued) when it could never run here."""

@@ -6,18 +6,25 @@ prefill pipelines (``BlockManager`` + ``PrefillRequest``), decode shards
 (``PoolIndex``: one over every store of every server when the pool is
 shared; one per server over its prefill-side store only when split), and one
 router (``RoutingPolicy``). Stores heartbeat every second; a store that dies
-stops, and the master drops it after its TTL (``expire_segments``).
+stops, and the master drops it after its TTL (``expire_segments``). Each
+master serves its operations one at a time and each server's NIC is shared by
+the transfers crossing it (``network``).
 
-A session is a closed loop: think (the trace's think time, capped), send a
-turn, wait for its last token, think again; a finished trace makes way for a
-new instance of the next trace, so ``num_sessions`` stay live.
+A session is a closed loop: think (the trace's think time times
+``think_scale``), send a turn, wait for its last token, think again; a
+finished trace makes way for a new instance of the next trace, so
+``num_sessions`` stay live. Trace handling (``trace_policy`` in the summary):
+a prompt past the model's context is cut to its leading tokens
+(``workload.fit_to_context``) and counted; a turn that still could not run
+(more blocks than a device cache, or refused by decode) is counted by name;
+none is dropped silently.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.core.block_manager import BlockManager
@@ -31,12 +38,14 @@ from kvpool.core.routing import RoutingPolicy
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.decode_sim import ShardSim
 from kvpool.tools.sim.events import EventLoop
-from kvpool.tools.sim.metrics import Metrics, percentile
-from kvpool.tools.sim.prefill_sim import Job, PipelineSim
-from kvpool.tools.sim.topology import GIB, RunSettings, Topology
+from kvpool.tools.sim.job import Job
+from kvpool.tools.sim.metrics import Metrics
+from kvpool.tools.sim.network import MasterQueue, Network
+from kvpool.tools.sim.prefill_sim import PipelineSim
+from kvpool.tools.sim.summary import summarize
+from kvpool.tools.sim.topology import AFFINITY_NONE, GIB, RunSettings, Topology
 from kvpool.tools.sim.workload import SessionPlay
-from kvpool.workload.bounds import trace_block_bound
-from kvpool.workload.weka import Session
+from kvpool.workload.weka import Session, Turn
 
 HEARTBEAT_S = 1.0
 SAMPLE_S = 5.0
@@ -57,17 +66,22 @@ class Simulation:
     index_settings: IndexSettings = field(default_factory=IndexSettings)
     loop: EventLoop = field(default_factory=EventLoop)
     indexes: list[PoolIndex] = field(default_factory=list)
+    masters: list[MasterQueue] = field(default_factory=list)
+    network: Network = field(init=False)
     pipelines: dict[str, PipelineSim] = field(default_factory=dict)
     shards: dict[str, ShardSim] = field(default_factory=dict)
     plays: dict[int, SessionPlay] = field(default_factory=dict)
-    prefilled: dict[int, list[int]] = field(default_factory=dict)  # turn indices each instance prefilled
+    trace_policy: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("arrivals", "cut_to_context", "tokens_cut", "refused_device_cache", "refused_decode"), 0))
     metrics: Metrics = field(init=False)
     router: RoutingPolicy = field(init=False)
     _next_instance: int = 0
     _acked: dict[str, int] = field(default_factory=dict)
     _dead_hosts: set[str] = field(default_factory=set)
-    _seen: dict[int, set[str]] = field(default_factory=dict)
-    _bound_hits: int = 0
+    _seen: dict[int, set[str]] = field(default_factory=dict)  # chunk hashes each instance prefilled
+    _seen_blocks: dict[int, set[int]] = field(default_factory=dict)  # block ids each instance prefilled
+    _bound_hits: int = 0  # after warm-up: leading chunks an unlimited prefix cache would hold
+    _block_hits: int = 0  # after warm-up: tokens of blocks seen before in the session (the trace's bound)
     dropped_objects: int = 0
     _finished: int = 0
     _turns_ended: int = 0
@@ -76,9 +90,15 @@ class Simulation:
         if not self.traces:
             raise ValueError("traces: no sessions to play")
         self.metrics = Metrics(self.settings.warmup_s, self.settings.window_s, self.loop.clock)
+        self.network = Network(self.loop, self.topology.nic_gbps * 1e9)
         self._build()
 
     # ---- the cluster --------------------------------------------------------
+
+    @property
+    def think_scale(self) -> float:
+        scale = self.settings.think_scale
+        return self.cost.fit.think_scale if scale is None else scale
 
     def _build(self) -> None:
         topo, cost = self.topology, self.cost
@@ -87,13 +107,12 @@ class Simulation:
         num_blocks = int(topo.device_kv_gib_per_gpu * GIB // max(stage_bytes))
         store_bytes = int(topo.store_gib * GIB)
         shared = self.settings.pool == "shared"
-        if shared:
-            self.indexes = [PoolIndex(settings=self.index_settings, clock=self.loop.clock)]
         for server in range(topo.num_servers):
             host = f"server{server}"
-            if not shared:
+            if not shared or not self.indexes:
                 self.indexes.append(PoolIndex(settings=self.index_settings, clock=self.loop.clock))
-            index = self.indexes[-1]
+                self.masters.append(MasterQueue(self.loop))
+            index, master = self.indexes[-1], self.masters[-1]
             # split: the decode-side stores hold no history (the seed's baseline)
             for numa in range(topo.stores_per_server if shared else 1):
                 index.mount_segment(f"{host}/numa{numa}", f"{host}:{numa}", host, 0, store_bytes, numa)
@@ -101,7 +120,7 @@ class Simulation:
                 name = f"p{server}.{p}"
                 self.pipelines[name] = PipelineSim(
                     name, server, host, self.loop, cost, BlockManager(num_blocks, chunk), index, stage_bytes,
-                    self.metrics, self._prefilled, self._dead_hosts,
+                    self.metrics, self._prefilled, self.network, master, self._dead_hosts,
                 )
             pages = int(topo.gpus_per_decode_shard * topo.decode_kv_gib * GIB
                         // (cost.model.kv_bytes_per_token * topo.decode_page_tokens))
@@ -110,7 +129,9 @@ class Simulation:
                 scheduler = DecodeScheduler(pages, topo.decode_page_tokens, topo.decode_max_batch, topo.max_context,
                                             self.loop.clock)
                 self.shards[name] = ShardSim(name, server, self.loop, cost, scheduler, self._admitted, self._done)
-        self.router = RoutingPolicy.of(self.pipelines, self.shards, affinity_max_queue=self.settings.affinity_max_queue)
+        # AFFINITY_NONE places every turn without its session key (the policy's least-loaded rule)
+        self.router = RoutingPolicy.of(self.pipelines, self.shards,
+                                       affinity_max_queue=max(1, self.settings.affinity_max_queue))
 
     # ---- sessions -----------------------------------------------------------
 
@@ -120,6 +141,7 @@ class Simulation:
         trace = self.traces[(instance + self.settings.seed_offset) % len(self.traces)]
         play = self.plays[instance] = SessionPlay(instance, trace)
         self._seen[instance] = set()
+        self._seen_blocks[instance] = set()
         self._next_turn(play, first=True)
 
     def _next_turn(self, play: SessionPlay, first: bool = False) -> None:
@@ -138,56 +160,74 @@ class Simulation:
                     self.loop.stop()  # every slot played its last session: nothing more will happen
             return
         turn = play.trace.turns[play.next_turn]
-        think = 0.0 if first or not self.settings.think else min(turn.think_time, self.settings.think_cap_s)
+        think = 0.0 if first or not self.settings.think else turn.think_time * self.think_scale
+        if not first and self.metrics.after_warmup():
+            self.metrics.think_s.append(think)
         self.loop.after(think, self._arrive, play)
 
     def _arrive(self, play: SessionPlay) -> None:
-        turn = play.take_turn(self.cost.model.chunk_tokens)
-        # the edge refuses what could never run: past the model's context, or more than a device cache
+        policy = self.trace_policy
+        policy["arrivals"] += 1
+        recorded = play.trace.turns[play.next_turn].input_tokens
+        turn, cut = play.take_turn(self.cost.model.chunk_tokens, self.topology.max_context)
+        if cut:
+            policy["cut_to_context"] += 1
+            policy["tokens_cut"] += recorded - turn.input_tokens
         pipeline = next(iter(self.pipelines.values()))
-        try:
-            next(iter(self.shards.values())).scheduler.check(turn.input_tokens, max(1, turn.output_tokens))
-            too_long = pipeline.blocks.num_blocks_needed(turn.input_tokens) > pipeline.blocks.num_blocks
-        except InvalidArgument:
-            too_long = True
-        if too_long:
-            self.metrics.refused += 1
+        if pipeline.blocks.num_blocks_needed(turn.input_tokens) > pipeline.blocks.num_blocks:
+            policy["refused_device_cache"] += 1  # the edge refuses what no device cache could hold
             self._next_turn(play)
             return
         job = Job(f"{play.key}.t{play.next_turn - 1}", play, turn, self.loop.now)
         job.decode_pages = pages_for(turn.input_tokens + max(1, turn.output_tokens) - 1, self.topology.decode_page_tokens)
         for shard in self.shards.values():
             self.router.report_free_pages(shard.name, shard.free_pages())
-        job.placement = self.router.place(play.key, job.decode_pages)
+        key = "" if self.settings.affinity_max_queue == AFFINITY_NONE else play.key
+        job.placement = self.router.place(key, job.decode_pages)
         self.pipelines[job.placement.pipeline].enqueue(job)
 
     def _prefilled(self, job: Job) -> None:
-        """Prefill ended: count the infinite-cache bound, then hand the KV to decode."""
+        """Prefill ended: count the bounds, then hand the KV to decode (across the NICs when on another server)."""
         request = job.request
         assert request is not None and job.placement is not None
-        self.prefilled.setdefault(job.play.instance, []).append(job.play.next_turn - 1)
-        seen = self._seen[job.play.instance]
-        cap = max_hit_chunks(request.num_tokens, request.chunk_size)
-        hits = 0
-        for h in request.chunk_hashes[:cap]:
-            if h not in seen:
-                break
-            hits += 1
-        self._bound_hits += hits * request.chunk_size
-        seen.update(request.chunk_hashes)
+        self._count_bounds(job.play, job.turn, request.chunk_hashes, request.num_tokens, request.chunk_size)
         pipeline = self.pipelines[job.placement.pipeline]
         shard = self.shards[job.placement.shard]
         nbytes = request.num_tokens * self.cost.model.kv_bytes_per_token
-        if shard.server != pipeline.server:
-            self.metrics.cross_bytes(pipeline.host, {f"server{shard.server}": nbytes})
-        self.loop.after(self.cost.handoff_s(nbytes, self.topology.num_stages), self._handed_off, job)
+        job.handoff_parts = 2 if shard.server != pipeline.server else 1
+        self.loop.after(self.cost.handoff_s(nbytes, self.topology.num_stages), self._handoff_part, job)
+        if job.handoff_parts == 2:
+            self.network.send(pipeline.host, f"server{shard.server}", nbytes, self._handoff_part, job)
+
+    def _count_bounds(self, play: SessionPlay, turn: Turn, hashes: list, num_tokens: int, chunk: int) -> None:
+        """After warm-up: what an unlimited prefix cache (chunks) and the trace itself (any earlier block) allow."""
+        seen, blocks = self._seen[play.instance], self._seen_blocks[play.instance]
+        if self.metrics.after_warmup():
+            hits = 0
+            for h in hashes[: max_hit_chunks(num_tokens, chunk)]:
+                if h not in seen:
+                    break
+                hits += 1
+            self._bound_hits += hits * chunk
+            ids, size = turn.hash_ids, play.trace.block_size
+            reused = sum(1 for h in ids if h in blocks) * size
+            if ids and len(ids) * size > turn.input_tokens and ids[-1] in blocks:
+                reused -= len(ids) * size - turn.input_tokens  # a last partial block holds only the tail
+            self._block_hits += reused
+        seen.update(hashes)
+        blocks.update(turn.hash_ids)
+
+    def _handoff_part(self, job: Job) -> None:
+        job.handoff_parts -= 1
+        if not job.handoff_parts:
+            self._handed_off(job)
 
     def _handed_off(self, job: Job) -> None:
         assert job.placement is not None
         self.pipelines[job.placement.pipeline].handed_off(job)
         self.metrics.on_first_token(job)
         if not self.shards[job.placement.shard].submit(job):
-            self.metrics.refused += 1
+            self.trace_policy["refused_decode"] += 1
             self.router.finish(job.placement, job.decode_pages)
             self._next_turn(job.play)
 
@@ -226,7 +266,8 @@ class Simulation:
         if self.loop.now >= self.settings.warmup_s:
             m = self.metrics
             for shard in self.shards.values():
-                m.decode_use.append(shard.scheduler.num_pages_used / shard.num_pages)
+                m.decode_use.append(shard.filled_pages() / shard.num_pages)
+                m.decode_reserved.append(shard.scheduler.num_pages_used / shard.num_pages)
                 m.decode_waiting.append(shard.scheduler.num_waiting)
             for pipeline in self.pipelines.values():
                 m.prefill_queue.append(len(pipeline.queue))
@@ -248,39 +289,8 @@ class Simulation:
         return self.summary(time.perf_counter() - wall0)
 
     def trace_bound(self) -> float:
-        """The trace's own bound over the turns prefilled (a refused turn reached no cache, so it counts nowhere)."""
-        played = [replace(p.trace, turns=tuple(p.trace.turns[k] for k in self.prefilled.get(i, ())))
-                  for i, p in self.plays.items()]
-        return trace_block_bound(played)
+        """The trace's own bound (any earlier block of the session) over the turns counted after warm-up."""
+        return self._block_hits / (self.metrics.prompt_tokens or 1)
 
     def summary(self, wall_s: float) -> dict[str, Any]:
-        s, m, topo = self.settings, self.metrics, self.topology
-        span = s.duration_s - s.warmup_s
-        indexes = self.indexes
-        out: dict[str, Any] = {
-            "pool": s.pool, "servers": topo.num_servers, "sessions": s.num_sessions, "duration_s": s.duration_s,
-            "turns": m.turns_prefilled, "turns_done": m.turns_done,
-            "throughput_per_gpu": (m.window_prompt_tokens + m.window_output_tokens) / span / topo.num_gpus,
-            **m.shares(),
-            "trace_bound": self.trace_bound(),
-            "chunk_prefix_bound": self._bound_hits / (m.prompt_tokens or 1),
-            "ttft_p50_s": percentile(m.ttft_s, 50), "ttft_p90_s": percentile(m.ttft_s, 90),
-            "queue_p50_s": percentile(m.queue_s, 50), "queue_p90_s": percentile(m.queue_s, 90),
-            "restore_p50_ms": percentile(m.restore_s, 50) * 1e3,
-            "restore_tokens_p50": percentile([float(n) for n in m.restore_tokens], 50) * self.cost.model.chunk_tokens,
-            "decode_kv_use_p50": percentile(m.decode_use, 50),
-            "decode_waiting_mean": sum(m.decode_waiting) / max(1, len(m.decode_waiting)),
-            "prefill_queue_mean": sum(m.prefill_queue) / max(1, len(m.prefill_queue)),
-            "pool_use_p50": percentile(m.pool_use, 50),
-            "write_back_chunks": m.write_back_chunks, "refused": m.refused,
-            "master_lookups_per_s": m.master_lookups / s.duration_s / len(indexes),
-            "master_puts_per_s": m.put_objects / s.duration_s / len(indexes),
-            "master_evictions_per_s": m.evicted_groups / s.duration_s / len(indexes),
-            "cross_server_bytes_per_s_per_nic": (sum(m.sent.values()) + sum(m.received.values()))
-            / s.duration_s / topo.num_servers,
-            "dropped_objects": self.dropped_objects,
-            "wall_s": wall_s, "sim_speed": s.duration_s / max(wall_s, 1e-9), "events": self.loop.num_events,
-        }
-        out["nic_use"] = out["cross_server_bytes_per_s_per_nic"] / (topo.nic_gbps * 1e9)
-        out["windows"] = m.window_series()
-        return out
+        return summarize(self, wall_s)

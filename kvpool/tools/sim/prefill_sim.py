@@ -1,15 +1,18 @@
 """A simulated prefill pipeline: the core's ``PrefillRequest`` against the core's ``BlockManager`` and ``PoolIndex``.
 
 One pipeline serves one request at a time, as stage 0's scheduler does:
-admit (device blocks) → one pool lookup from chunk 0 (``plan_lookup``) →
-restore (every stage reads its objects at once) → compute (stages pipelined
-over chunks) → save (``chunks_to_save`` as one put batch, every stage's object
-of each chunk in its group) → the request's KV stays held until its handoff
-to decode ends. The next request starts when compute ends.
+admit (device blocks) → one pool lookup from chunk 0 (``plan_lookup``),
+queued at the pool's master → restore (every stage reads its objects at
+once; objects on other servers also cross both servers' NICs) → compute
+(stages pipelined over chunks) → save (``chunks_to_save`` as one put batch,
+every stage's object of each chunk in its group, queued at the master) → the
+request's KV stays held until its handoff to decode ends. The next request
+starts when compute ends.
 
-Times come from the cost model; decisions only from the core. The save is
-put_start + put_end at compute end: bytes take no simulated time to land
-(write-through, off the request's critical path).
+Times come from the cost model and the shared resources (``network``);
+decisions only from the core. A save is put_start + put_end when the master
+serves it, off the request's critical path; its bytes to another server's
+store load both NICs but commit does not wait for them.
 """
 
 from __future__ import annotations
@@ -24,27 +27,11 @@ from kvpool.core.chunk_hash import group_id, object_key
 from kvpool.core.pool_index import PoolIndex
 from kvpool.core.pool_records import PutRequestItem, PutStatus
 from kvpool.core.prefill_request import PrefillRequest, try_admit
-from kvpool.core.routing import Placement
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
+from kvpool.tools.sim.job import Job
 from kvpool.tools.sim.metrics import Metrics
-from kvpool.tools.sim.workload import SessionPlay
-from kvpool.workload.weka import Turn
-
-
-@dataclass(slots=True)
-class Job:
-    """One turn in flight, from arrival at the router to the end of decode."""
-
-    job_id: str
-    play: SessionPlay
-    turn: Turn
-    arrival: float
-    placement: Placement | None = None
-    request: PrefillRequest | None = None
-    prefill_start: float = 0.0
-    first_token_at: float = 0.0
-    decode_pages: int = 0
+from kvpool.tools.sim.network import MasterQueue, Network
 
 
 @dataclass(slots=True)
@@ -61,11 +48,14 @@ class PipelineSim:
     stage_object_bytes: list[int]
     metrics: Metrics
     on_prefilled: Callable[[Job], None]
+    network: Network
+    master: MasterQueue
     dead_hosts: set[str] = field(default_factory=set)  # stores that died (the master may not know yet)
     queue: deque[Job] = field(default_factory=deque)
     busy: bool = False
     _lease: int = 0
     _readable: int = 0  # leading planned pool chunks whose every object lives on a store still alive
+    _pending: int = 0  # parts of the restore still in flight (the GPUs' reads, each remote server's bytes)
 
     @property
     def num_stages(self) -> int:
@@ -88,18 +78,35 @@ class PipelineSim:
         job.request = request
         job.prefill_start = self.loop.now
         self.metrics.on_prefill_start(job)
+        self.master.call(self.cost.lookup_s(len(request.lookup_candidates)), self._looked_up, job)
+
+    def _looked_up(self, job: Job) -> None:
+        """The master served the lookup: plan, then read every stage's objects."""
+        request = job.request
+        assert request is not None
+        self.metrics.on_lookup(self.loop.now - job.prefill_start)
         ns = job.play.namespace
         result = self.index.lookup([group_id(ns, h) for h in request.lookup_candidates])
-        self.metrics.master_lookups += 1
         plan = request.plan_lookup(len(result.groups))
         self._lease = result.lease_id
         restored = result.groups[plan.num_device_chunks : plan.num_hit_chunks]
         self._readable = self._leading_readable(restored)
-        if restored:
-            self.metrics.cross_bytes(self.host, self._remote_bytes(restored))
         restore_s = self.cost.restore_s(plan.num_pool_chunks, max(self.stage_object_bytes) / self.cost.model.chunk_tokens)
-        self.metrics.on_restore(restore_s, plan.num_pool_chunks)
-        self.loop.after(restore_s, self._restored, job)
+        remote = self._remote_bytes(restored[: self._readable]) if restored else {}
+        self._pending = 1 + len(remote)
+        job.restore_start = self.loop.now
+        self.loop.after(restore_s, self._restore_part_done, job)
+        for host, nbytes in remote.items():
+            self.network.send(host, self.host, nbytes, self._restore_part_done, job)
+
+    def _restore_part_done(self, job: Job) -> None:
+        self._pending -= 1
+        if self._pending:
+            return
+        request = job.request
+        assert request is not None
+        self.metrics.on_restore(self.loop.now - job.restore_start, request.restore_plan.num_pool_chunks if request.restore_plan else 0)
+        self._restored(job)
 
     def _leading_readable(self, groups: list) -> int:
         """A read from a dead store fails (a miss): how far every stage can read, from the head."""
@@ -127,32 +134,27 @@ class PipelineSim:
         request = job.request
         assert request is not None
         if self._lease:
-            self.index.release_lease(self._lease)
+            self.master.call(self.cost.release_s(), self.index.release_lease, self._lease)
             self._lease = 0
         # every stage reads its own objects; a dead store fails every stage's read of its groups alike
         request.apply_restore([self._readable] * self.num_stages, self.blocks)
-        compute_s = self.cost.compute_s(request.compute_start, request.num_computed_tokens, self.num_stages)
-        self.loop.after(compute_s, self._computed, job)
+        job.compute_s = self.cost.compute_s(request.compute_start, request.num_computed_tokens, self.num_stages)
+        self.loop.after(job.compute_s, self._computed, job)
 
     def _computed(self, job: Job) -> None:
         request = job.request
         assert request is not None
         request.finish_compute(self.blocks)
-        self._save(job)
-        job.first_token_at = self.loop.now
-        self.metrics.on_prefill_end(job, self)
+        chunks = list(request.chunks_to_save)
+        if chunks:
+            self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, job.play.namespace, chunks)
+        self.metrics.on_prefill_end(job)
         self.busy = False
         self.on_prefilled(job)
         self.kick()
 
-    def _save(self, job: Job) -> None:
-        """Write-through: every stage's object of every chunk to save, one batch, committed at once."""
-        request = job.request
-        assert request is not None
-        chunks = request.chunks_to_save
-        if not chunks:
-            return
-        ns = job.play.namespace
+    def _save(self, ns: str, chunks: list) -> None:
+        """Write-through: every stage's object of every chunk to save, one batch, committed when served."""
         stages = self.num_stages
         items = [
             PutRequestItem(object_key(ns, h, s), group_id(ns, h), stages, self.stage_object_bytes[s])
@@ -171,8 +173,8 @@ class PipelineSim:
         if commits:
             self.index.put_end(commits)
         self.metrics.on_save(len(items), len(commits), self.index.counters.evicted_groups - evicted_before)
-        if remote:
-            self.metrics.cross_bytes(self.host, remote)
+        for host, nbytes in remote.items():
+            self.network.send(self.host, host, nbytes)
 
     def handed_off(self, job: Job) -> None:
         """Decode has the KV: the hold ends and its blocks may serve the queue head."""

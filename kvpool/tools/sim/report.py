@@ -27,6 +27,7 @@ class RunSpec:
     pool: str
     duration_s: float
     fail_at_s: float | None = None
+    affinity: int | None = None  # the router's affinity threshold (None: the run settings')
 
 
 def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessions: int = 56) -> list[RunSpec]:

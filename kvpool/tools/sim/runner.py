@@ -2,6 +2,8 @@
 
 A module-level function of plain arguments, so a process pool can run the
 matrix's entries side by side (each in its own interpreter: no shared state).
+The cost model's ``[fit]`` inputs set the device KV per GPU (prefill and
+decode) and, unless the settings give one, the think-time scale.
 """
 
 from __future__ import annotations
@@ -10,21 +12,24 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvpool.tools.sim.cost_model import load_cost_model
+from kvpool.tools.sim.cost_model import CostModel, load_cost_model
 from kvpool.tools.sim.engine import Simulation
 from kvpool.tools.sim.report import RunSpec
 from kvpool.tools.sim.topology import RunSettings, Topology
 from kvpool.workload.weka import load_sessions
 
 
-def run_spec(spec: RunSpec, trace_dir: str, cost_path: str, base: RunSettings, topology: Topology) -> dict[str, Any]:
-    cost = load_cost_model(Path(cost_path))
+def run_spec(spec: RunSpec, trace_dir: str, cost_path: str | CostModel, base: RunSettings,
+             topology: Topology) -> dict[str, Any]:
+    cost = cost_path if isinstance(cost_path, CostModel) else load_cost_model(Path(cost_path))
     traces = load_sessions(trace_dir)
     settings = replace(
         base, num_sessions=spec.sessions_per_server * spec.servers, pool=spec.pool, duration_s=spec.duration_s,
         warmup_s=min(base.warmup_s, spec.duration_s / 2), fail_server_at_s=spec.fail_at_s,
+        affinity_max_queue=base.affinity_max_queue if spec.affinity is None else spec.affinity,
     )
-    result = Simulation(replace(topology, num_servers=spec.servers), settings, cost, traces).run()
+    topology = replace(topology, num_servers=spec.servers, device_kv_gib_per_gpu=cost.fit.device_kv_gib_per_gpu)
+    result = Simulation(topology, settings, cost, traces).run()
     result.update(label=spec.label, sessions_per_server=spec.sessions_per_server, fail_at_s=spec.fail_at_s,
                   window_s=settings.window_s)
     result["cross_server_gbps_per_nic"] = result["cross_server_bytes_per_s_per_nic"] / 1e9

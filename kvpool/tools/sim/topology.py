@@ -30,7 +30,8 @@ class Topology:
     decode_kv_gib_per_gpu: float | None = None  # None: as much as a prefill GPU
     stores_per_server: int = 2
     store_gib: float = 768.0
-    nic_gbps: float = 50.0  # one 400 Gb/s NIC's worth per server (report only: no contention is modelled)
+    # one 400 Gb/s NIC's worth per server, shared by the transfers crossing it (``network.Network``)
+    nic_gbps: float = 50.0
     decode_page_tokens: int = 64
     decode_max_batch: int = 256
     max_context: int = 163_840  # DeepSeek-V3's max_position_embeddings
@@ -74,8 +75,10 @@ class RunSettings:
     warmup_s: float = 300.0  # figures count turns whose prefill ends after this
     pool: str = "shared"
     think: bool = True
-    think_cap_s: float = 5.0  # see docs/simulation.md: the seed's load leaves ~5 s per turn to think
+    think_scale: float | None = None  # each turn's think time is the trace's times this (None: the cost model's [fit])
     start_spread_s: float = 30.0  # sessions start evenly over this
+    # the router's session affinity: stay while the session's pipeline has fewer in flight than this;
+    # AFFINITY_STRICT: always stay; AFFINITY_NONE: every turn goes to the least-loaded pipeline
     affinity_max_queue: int = 4
     fail_server_at_s: float | None = None  # every store of server 0 dies then
     window_s: float = 60.0
@@ -91,5 +94,24 @@ class RunSettings:
             raise ValueError(f"sessions: must be positive, got {self.num_sessions}")
         if not self.duration_s > 0 or self.warmup_s < 0 or self.warmup_s >= self.duration_s:
             raise ValueError(f"warmup_s: must be in [0, duration_s), got {self.warmup_s} of {self.duration_s}")
-        if self.think_cap_s < 0 or self.start_spread_s < 0 or not self.window_s > 0:
-            raise ValueError("think_cap_s, start_spread_s must be >= 0 and window_s > 0")
+        if (self.think_scale is not None and self.think_scale < 0) or self.start_spread_s < 0 or not self.window_s > 0:
+            raise ValueError("think_scale, start_spread_s must be >= 0 and window_s > 0")
+        if self.affinity_max_queue < 0:
+            raise ValueError(f"affinity_max_queue: must be >= 0, got {self.affinity_max_queue}")
+
+
+AFFINITY_STRICT = 1 << 30
+AFFINITY_NONE = 0
+
+
+def affinity_label(threshold: int) -> str:
+    return {AFFINITY_STRICT: "strict", AFFINITY_NONE: "none"}.get(threshold, str(threshold))
+
+
+def parse_affinity(label: str) -> int:
+    """``strict``, ``none`` or a positive threshold; ValueError naming the flag otherwise."""
+    if label in ("strict", "none"):
+        return AFFINITY_STRICT if label == "strict" else AFFINITY_NONE
+    if label.isdigit() and int(label) > 0:
+        return int(label)
+    raise ValueError(f"--affinity: expected strict, none or a positive integer, got {label!r}")

@@ -52,10 +52,9 @@ def _real_side(trace: Path, setup: Any, workdir: Path, duration_s: float) -> tup
 
 def main(args: argparse.Namespace) -> int:
     from kvpool.model import get_config
-    from kvpool.tools.sim.cost_model import load_cost_model
+    from kvpool.tools.sim.cost_model import cost_model_path, load_cost_model
     from kvpool.tools.sim.validate import ValidationSetup, compare, simulate_sessions
     from kvpool.workload.weka import load_session
-    from kvpool.tools.sim.cli import cost_model_path
 
     trace = Path(args.traces) / VALIDATION_TRACE
     if not trace.is_file():

@@ -17,7 +17,7 @@ real sessions share nothing in these per-session-id traces).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpool.core.chunk_hash import ChunkHash, chunk_hashes
 from kvpool.workload.weka import Session, Turn
@@ -56,8 +56,25 @@ class SessionPlay:
     def done(self) -> bool:
         return self.next_turn >= len(self.trace.turns)
 
-    def take_turn(self, chunk_tokens: int) -> Turn:
-        turn = self.trace.turns[self.next_turn]
+    def take_turn(self, chunk_tokens: int, max_context: int | None = None) -> tuple[Turn, bool]:
+        """The next turn as played (cut to ``max_context`` by ``fit_to_context``) and whether it was cut."""
+        recorded = self.trace.turns[self.next_turn]
         self.next_turn += 1
+        turn = recorded if max_context is None else fit_to_context(recorded, self.trace.block_size, max_context)
         self.hashes = turn_chunk_hashes(self.namespace, turn, self.trace.block_size, chunk_tokens)
+        return turn, turn is not recorded
+
+
+def fit_to_context(turn: Turn, block_size: int, max_context: int) -> Turn:
+    """The trace-handling rule for a prompt the model cannot take whole.
+
+    A turn whose prompt plus output passes ``max_context`` keeps the prompt's leading
+    ``max_context - output`` tokens (and their block ids): the history a client that cuts its
+    conversation to the context would resend, so the turn still reuses its session's prefix.
+    The cut is counted by the caller (``trace_policy`` in a run's summary); nothing is refused silently.
+    """
+    output = max(1, turn.output_tokens)
+    if turn.input_tokens + output <= max_context:
         return turn
+    keep = max(1, max_context - output)
+    return replace(turn, input_tokens=keep, hash_ids=turn.hash_ids[: keep // block_size])

@@ -1,0 +1,33 @@
+"""One turn in flight through the simulated cluster (its own module: the pipeline, the shards and the metrics
+all read it, and none of them imports another for it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.core.prefill_request import PrefillRequest
+from kvpool.core.routing import Placement
+from kvpool.tools.sim.workload import SessionPlay
+from kvpool.workload.weka import Turn
+
+
+@dataclass(slots=True)
+class Job:
+    """One turn in flight, from arrival at the router to the end of decode.
+
+    ``turn`` is the turn as played: cut to the model's context when the trace's prompt was longer
+    (``kvpool.tools.sim.workload.fit_to_context``).
+    """
+
+    job_id: str
+    play: SessionPlay
+    turn: Turn
+    arrival: float
+    placement: Placement | None = None
+    request: PrefillRequest | None = None
+    prefill_start: float = 0.0
+    restore_start: float = 0.0
+    first_token_at: float = 0.0  # the handoff's end
+    compute_s: float = 0.0
+    decode_pages: int = 0
+    handoff_parts: int = 0  # the handoff's parts still in flight (its fixed cost; the NICs' bytes)
