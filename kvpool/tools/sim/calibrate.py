@@ -105,40 +105,37 @@ class KvBracket:
         else:
             self.high = kv if self.high is None else min(self.high, kv)
         if self.low is None:
-            return kv * 0.8
+            return kv * 0.95
         if self.high is None:
-            return kv * 1.25
+            return kv * 1.05
         return math.sqrt(self.low * self.high)
 
 
 def next_fit(fit: FitInputs, run: dict[str, Any], cost: CostModel, bracket: KvBracket,
-             damping: float = 0.8) -> FitInputs:
+             damping: float = 0.6) -> FitInputs:
     """One step from a run at ``fit`` (see the module doc); the factors are damped and bounded."""
 
-    def damp(factor: float, lo: float = 0.5, hi: float = 2.0) -> float:
+    def damp(factor: float, lo: float = 0.7, hi: float = 1.4) -> float:
         return min(hi, max(lo, factor)) ** damping
 
-    sessions = run["sessions"]
-    tokens_per_turn = run["throughput_per_gpu"] * GPUS_PER_SERVER / max(run["turns_per_s"], 1e-9)
-    rate_target = SEED_TOKENS_PER_S_PER_GPU * GPUS_PER_SERVER / tokens_per_turn
-    # prefill: the compute a turn may take at the target rate, after its lookup and restore
-    per_turn = run["prefill_busy"] / max(run["turns_per_s"], 1e-9)
-    compute = per_turn * run["prefill_compute_share"]
-    fixed = per_turn - compute
-    prefill = damp((1 / rate_target - fixed) / max(compute, 1e-9))
+    # prefill: at saturation throughput is the pipeline's capacity, inversely proportional to its level;
+    # below it, the load (think time) is what is short, so prefill stays
+    saturated = run["prefill_busy"] > 0.95
+    prefill = damp(run["throughput_per_gpu"] / SEED_TOKENS_PER_S_PER_GPU) if saturated else 1.0
     # device KV: bisection (the share is a cliff, not a line)
     device_kv = bracket.next(fit.device_kv_gib_per_gpu, run["pool_share"]) / fit.device_kv_gib_per_gpu
-    # decode: KV held scales with rate x step time / capacity
-    decode = damp(0.91 / max(run["decode_kv_use_p50"], 1e-9) * run["turns_per_s"] / rate_target * device_kv)
-    # think: what the cycle leaves after TTFT (7 s at the median) and the decode time to come
-    ttft_mean_target = 7.0 * (run["ttft_mean_s"] / run["ttft_p50_s"] if run["ttft_p50_s"] > 1.0 else 1.2)
-    think_mean = sessions / rate_target - ttft_mean_target - run["decode_mean_s"] * decode
+    # decode: KV held = rate x step time x tokens a sequence, over capacity (Little's law)
+    rate = run["throughput_per_gpu"] * (1.0 if saturated else 1.0)
+    decode = damp(0.91 / max(run["decode_kv_use_p50"], 1e-9) * SEED_TOKENS_PER_S_PER_GPU / max(rate, 1e-9)
+                  * device_kv) if run["decode_kv_use_p50"] < 0.97 else damp(0.85)
+    # think: TTFT is the closed loop's remainder (cycle - think - decode): move think by TTFT's excess
+    ratio = run["ttft_mean_s"] / run["ttft_p50_s"] if run["ttft_p50_s"] > 1.0 else 1.2
+    excess = run["ttft_mean_s"] - 7.0 * ratio
     recorded_mean = run["think_mean_s"] / fit.think_scale if fit.think_scale > 0 else 238.0
-    think = max(0.0, think_mean) / recorded_mean
-    think_scale = fit.think_scale * damp(think / fit.think_scale) if fit.think_scale > 0 else think
+    think_mean = max(0.0, run["think_mean_s"] + damping * excess)
     return replace(fit, device_kv_gib_per_gpu=fit.device_kv_gib_per_gpu * device_kv,
                    prefill_level=fit.prefill_level * prefill, decode_level=fit.decode_level * decode,
-                   think_scale=think_scale)
+                   think_scale=think_mean / recorded_mean)
 
 
 def fit_toml(fit: FitInputs) -> str:

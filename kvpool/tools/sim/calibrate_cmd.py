@@ -36,7 +36,9 @@ def _row(fit: Any, run: dict[str, Any]) -> str:
             f"pool {run['pool_share']:.1%}  dec KV {run['decode_kv_use_p50']:.1%}  TTFT p50 "
             f"{run['ttft_p50_s']:.2f}s  queue {run['prefill_queue_mean']:.1f}  reuse {run['reuse_ratio']:.2%} / "
             f"bound {run['trace_bound']:.2%}  restore {run['restore_p50_ms']:.0f}ms  spread "
-            f"{run['stage_spread_mean_s']:.2f}s  busy {run['prefill_busy']:.0%}  (wall {run['wall_s']:.0f}s)")
+            f"{run['stage_spread_mean_s']:.2f}s  busy {run['prefill_busy']:.0%}  TTFT mean {run['ttft_mean_s']:.1f}s  "
+            f"decode mean {run['decode_mean_s']:.1f}s  think mean {run['think_mean_s']:.1f}s  "
+            f"{run['turns_per_s']:.2f} turns/s  (wall {run['wall_s']:.0f}s)")
 
 
 def main(args: argparse.Namespace) -> int:

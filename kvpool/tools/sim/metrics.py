@@ -67,6 +67,7 @@ class Metrics:
     turn_tokens: list[tuple[str, int, int, int]] = field(default_factory=list)
     # per window: [device, pool, computed] prompt tokens of turns prefilled in it
     windows: dict[int, list[int]] = field(default_factory=dict)
+    done_windows: dict[int, int] = field(default_factory=dict)  # prompt + output tokens of turns ending in it
 
     def after_warmup(self) -> bool:
         return self.now() >= self.warmup_s
@@ -108,6 +109,8 @@ class Metrics:
             self.ttft_s.append(self.now() - job.arrival)
 
     def on_decode_done(self, job: Job) -> None:
+        window = int(self.now() // self.window_s)
+        self.done_windows[window] = self.done_windows.get(window, 0) + job.turn.input_tokens + job.turn.output_tokens
         if self.after_warmup():
             self.turns_done += 1
             self.decode_s.append(self.now() - job.first_token_at)
@@ -142,7 +145,8 @@ class Metrics:
         for index in sorted(self.windows):
             device, pool, computed = self.windows[index]
             total = device + pool + computed or 1
-            series.append({"t": index * self.window_s, "reuse": (device + pool) / total, "pool_share": pool / total})
+            series.append({"t": index * self.window_s, "reuse": (device + pool) / total, "pool_share": pool / total,
+                           "tokens_done": self.done_windows.get(index, 0)})
         return series
 
     @staticmethod

@@ -1,10 +1,12 @@
 """The simulator's outputs: the run matrix, a table, the final JSON object, PNG plots.
 
-The matrix follows the seed: shared vs split pools at 32, 64, 96 and 112
-sessions per server on 4 servers, a single-server calibration run, and the
-pool past four servers (8, 16, 32 servers, shared, one server's stores dying
-mid-run). Session counts are per server: the seed's single server carries
-96-112 sessions, and its 4-server comparison is at the same load per server.
+The matrix: the single-server calibration run (112 sessions); the seed's
+4-server comparison, shared against split pools, at 96 and 112 sessions in
+both readings of the seed's words (in total: 24 and 28 per server; per
+server: 96 and 112 each), each at every router affinity threshold (strict,
+2, 4, 8, none); and the pool past four servers (8, 16, 32 servers at the
+calibrated saturating load per server, shared, one server's stores dying
+mid-run, each with its twin without the failure and a split twin).
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SEED_SESSIONS = (32, 64, 96, 112)
+from kvpool.tools.sim.topology import AFFINITY_NONE, AFFINITY_STRICT, affinity_label
+
+SEED_SERVERS = 4
+SEED_SESSIONS = (96, 112)
+READINGS = ("total", "per_server")
+THRESHOLDS = (AFFINITY_STRICT, 2, 4, 8, AFFINITY_NONE)
 SCALE_SERVERS = (8, 16, 32)
 
 
@@ -28,35 +35,49 @@ class RunSpec:
     duration_s: float
     fail_at_s: float | None = None
     affinity: int | None = None  # the router's affinity threshold (None: the run settings')
+    reading: str = ""  # seed runs: "total" or "per_server"
+    seed_sessions: int = 0  # seed runs: 96 or 112 as the seed says it
 
 
-def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessions: int = 56) -> list[RunSpec]:
+def seed_label(reading: str, sessions: int, pool: str, affinity: int) -> str:
+    return f"seed-{reading}-{sessions}-{pool}-{affinity_label(affinity)}"
+
+
+def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessions: int = 112) -> list[RunSpec]:
     """The runs; the scale-out's store failure comes at two thirds of its duration (after warm-up)."""
     if quick:
-        return [
-            RunSpec("calibration", 1, 16, "shared", duration_s),
-            *(RunSpec(f"seed-{pool}-16", 2, 16, pool, duration_s) for pool in ("shared", "split")),
-            RunSpec("scale-4", 4, 8, "shared", scale_duration_s, scale_duration_s * 2 / 3),
-            RunSpec("scale-4-nofail", 4, 8, "shared", scale_duration_s),
-        ]
+        specs = [RunSpec("calibration", 1, 16, "shared", duration_s)]
+        specs += [RunSpec(seed_label("per_server", 16, pool, a), 2, 16, pool, duration_s, affinity=a,
+                          reading="per_server", seed_sessions=16)
+                  for a in (AFFINITY_STRICT, 4) for pool in ("shared", "split")]
+        return specs + [RunSpec("scale-4", 4, 8, "shared", scale_duration_s, scale_duration_s * 2 / 3),
+                        RunSpec("scale-4-nofail", 4, 8, "shared", scale_duration_s),
+                        RunSpec("scale-4-split", 4, 8, "split", scale_duration_s)]
     specs = [RunSpec("calibration", 1, 112, "shared", duration_s)]
-    for n in SEED_SESSIONS:
-        specs += [RunSpec(f"seed-{pool}-{n}", 4, n, pool, duration_s) for pool in ("shared", "split")]
-    for s in SCALE_SERVERS:  # each with its twin without the failure: the loss is their difference
+    for reading in READINGS:
+        for n in SEED_SESSIONS:
+            per_server = n // SEED_SERVERS if reading == "total" else n
+            specs += [RunSpec(seed_label(reading, n, pool, a), SEED_SERVERS, per_server, pool, duration_s,
+                              affinity=a, reading=reading, seed_sessions=n)
+                      for a in THRESHOLDS for pool in ("shared", "split")]
+    for s in SCALE_SERVERS:  # each with its twin without the failure (the loss is their difference) and split
         specs += [RunSpec(f"scale-{s}", s, scale_sessions, "shared", scale_duration_s, scale_duration_s * 2 / 3),
-                  RunSpec(f"scale-{s}-nofail", s, scale_sessions, "shared", scale_duration_s)]
+                  RunSpec(f"scale-{s}-nofail", s, scale_sessions, "shared", scale_duration_s),
+                  RunSpec(f"scale-{s}-split", s, scale_sessions, "split", scale_duration_s)]
     return specs
 
 
 COLUMNS = (
     ("run", "label", "{}"), ("srv", "servers", "{}"), ("sess/srv", "sessions_per_server", "{}"),
-    ("pool", "pool", "{}"), ("tok/s/GPU", "throughput_per_gpu", "{:,.0f}"), ("reuse", "reuse_ratio", "{:.1%}"),
+    ("pool", "pool", "{}"), ("aff", "affinity_label", "{}"), ("tok/s/GPU", "throughput_per_gpu", "{:,.0f}"),
+    ("computed tok/s/GPU", "throughput_per_gpu_computed", "{:,.0f}"), ("reuse", "reuse_ratio", "{:.1%}"),
     ("bound", "trace_bound", "{:.1%}"), ("device", "device_share", "{:.1%}"), ("pool%", "pool_share", "{:.1%}"),
-    ("computed", "computed_share", "{:.1%}"), ("TTFT p50", "ttft_p50_s", "{:.2f}s"), ("p90", "ttft_p90_s", "{:.2f}s"),
+    ("computed", "computed_share", "{:.1%}"), ("TTFT p50", "ttft_p50_s", "{:.2f}s"), ("p99", "ttft_p99_s", "{:.2f}s"),
     ("restore", "restore_p50_ms", "{:.0f}ms"), ("dec KV", "decode_kv_use_p50", "{:.0%}"),
     ("queue p90", "queue_p90_s", "{:.2f}s"), ("x-srv GB/s/NIC", "cross_server_gbps_per_nic", "{:.2f}"),
-    ("lookups/s", "master_lookups_per_s", "{:.1f}"), ("puts/s", "master_puts_per_s", "{:,.0f}"),
-    ("evict/s", "master_evictions_per_s", "{:.1f}"), ("sim x", "sim_speed", "{:.0f}"),
+    ("NIC use", "nic_use", "{:.0%}"), ("master ops/s", "master_ops_per_s", "{:,.0f}"),
+    ("master busy", "master_utilization", "{:.0%}"), ("evict/s", "master_evictions_per_s", "{:.1f}"),
+    ("sim x", "sim_speed", "{:.1f}"),
 )
 
 
@@ -68,40 +89,73 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
+def shared_over_split(results: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per reading and sessions: shared / split throughput at each threshold, and the best of each.
+
+    ``shared_over_split_best``: the best shared threshold's throughput over the best split threshold's, and
+    the lowest shared TTFT p99 over the lowest split TTFT p99 (below 1: shared answers sooner)."""
+    per: dict[str, Any] = {}
+    best: dict[str, Any] = {}
+    seed = [r for r in results if r.get("reading")]
+    for reading in sorted({r["reading"] for r in seed}):
+        for n in sorted({r["seed_sessions"] for r in seed if r["reading"] == reading}):
+            rows = {(r["pool"], r["affinity_label"]): r for r in seed
+                    if r["reading"] == reading and r["seed_sessions"] == n}
+            ratios = {a: rows[("shared", a)]["throughput_per_gpu"] / rows[("split", a)]["throughput_per_gpu"]
+                      for (pool, a) in rows if pool == "shared" and ("split", a) in rows
+                      and rows[("split", a)]["throughput_per_gpu"] > 0}
+            per.setdefault(reading, {})[str(n)] = ratios
+            shared = [r for (pool, _), r in rows.items() if pool == "shared"]
+            split = [r for (pool, _), r in rows.items() if pool == "split"]
+            if not shared or not split:
+                continue
+            top_shared = max(shared, key=lambda r: r["throughput_per_gpu"])
+            top_split = max(split, key=lambda r: r["throughput_per_gpu"])
+            fast_shared = min(shared, key=lambda r: r["ttft_p99_s"])
+            fast_split = min(split, key=lambda r: r["ttft_p99_s"])
+            best.setdefault(reading, {})[str(n)] = {
+                "throughput": top_shared["throughput_per_gpu"] / max(top_split["throughput_per_gpu"], 1e-9),
+                "throughput_thresholds": [top_shared["affinity_label"], top_split["affinity_label"]],
+                "ttft_p99": fast_shared["ttft_p99_s"] / max(fast_split["ttft_p99_s"], 1e-9),
+                "ttft_p99_thresholds": [fast_shared["affinity_label"], fast_split["affinity_label"]],
+            }
+    return per, best
+
+
+SCALE_KEYS = ("throughput_per_gpu", "throughput_per_gpu_computed", "reuse_ratio", "trace_bound", "pool_share",
+              "ttft_p50_s", "ttft_p99_s", "cross_server_gbps_per_nic", "nic_use", "nic_use_peak",
+              "master_ops_per_s", "master_capacity_ops_per_s", "master_utilization", "lookup_wait_p99_ms",
+              "master_lookups_per_s", "master_puts_per_s", "master_evictions_per_s")
+
+
 def final_object(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    """The last JSON line: the seed's comparisons and the scale-out, from the runs' figures."""
+    """The last JSON line: the seed's comparisons, the calibration run and the scale-out, from the runs' figures."""
     by_label = {r["label"]: r for r in results}
-    ratios: dict[str, float] = {}
-    for r in results:
-        if r["label"].startswith("seed-shared-"):
-            split = by_label.get(f"seed-split-{r['sessions_per_server']}")
-            if split and split["throughput_per_gpu"] > 0:
-                ratios[str(r["sessions_per_server"])] = r["throughput_per_gpu"] / split["throughput_per_gpu"]
-    shared = [r for r in results if r["label"].startswith("seed-shared-")]
-    top = max(shared, key=lambda r: r["sessions_per_server"]) if shared else results[0]
+    ratios, best = shared_over_split(results)
     simulated = sum(r["duration_s"] for r in results)
-    keys = ("throughput_per_gpu", "reuse_ratio", "trace_bound", "pool_share", "ttft_p50_s", "restore_p50_ms",
-            "decode_kv_use_p50")
     out: dict[str, Any] = {
         "shared_over_split": ratios,
-        "sessions_per_server": top["sessions_per_server"],
-        "reuse_ratio": top["reuse_ratio"], "trace_bound": top["trace_bound"], "pool_share": top["pool_share"],
-        "device_share": top["device_share"], "computed_share": top["computed_share"],
-        "ttft_p50_s": top["ttft_p50_s"], "ttft_p90_s": top["ttft_p90_s"],
+        "shared_over_split_best": best,
         "sim_speed": simulated / max(wall_s, 1e-9),
         "sim_speed_per_run": {r["label"]: round(r["sim_speed"], 1) for r in results},
         "wall_s": wall_s,
     }
     if "calibration" in by_label:
-        out["calibration"] = {k: by_label["calibration"][k] for k in keys}
+        c = by_label["calibration"]
+        out["calibration"] = {k: c[k] for k in (
+            "throughput_per_gpu", "throughput_per_gpu_computed", "reuse_ratio", "trace_bound", "pool_share",
+            "ttft_p50_s", "restore_p50_ms", "decode_kv_use_p50", "stage_spread_mean_s", "trace_policy")}
     out["scale_out"] = {}
     for r in results:
         base = by_label.get(f"{r['label']}-nofail")
         if not r["label"].startswith("scale-") or base is None:
             continue
-        figures = {k: base[k] for k in (
-            "throughput_per_gpu", "reuse_ratio", "pool_share", "cross_server_gbps_per_nic", "master_lookups_per_s",
-            "master_puts_per_s", "master_evictions_per_s")}
+        figures = {k: base[k] for k in SCALE_KEYS}
+        split = by_label.get(f"{r['label']}-split")
+        if split is not None:
+            figures["shared_over_split"] = base["throughput_per_gpu"] / max(split["throughput_per_gpu"], 1e-9)
+            figures["split_master_utilization"] = split["master_utilization"]
+        figures["sessions_per_server"] = base["sessions_per_server"]
         figures["dropped_objects"] = r["dropped_objects"]
         figures.update(failure_figures(r["windows"], base["windows"], r["fail_at_s"], r["window_s"]))
         out["scale_out"][str(r["servers"])] = figures
@@ -121,15 +175,19 @@ def failure_figures(failed: list[dict[str, float]], base: list[dict[str, float]]
     reuse = {w["t"]: w["reuse"] for w in base}
     drops = [(w["t"], reuse[w["t"]] - w["reuse"]) for w in failed if w["t"] >= fail_at and w["t"] in reuse]
     if not drops:
-        return {"fail_hit_loss": 0.0, "fail_lost_share": 0.0, "fail_recovery_s": 0.0}
+        return {"fail_hit_loss": 0.0, "fail_lost_share": 0.0, "fail_recovery_s": 0.0, "fail_throughput_loss": 0.0}
+    done = {w["t"]: w.get("tokens_done", 0) for w in base}
+    after = sum(w.get("tokens_done", 0) for w in failed if w["t"] >= fail_at)
+    before = sum(v for t, v in done.items() if t >= fail_at)
     worst = max(range(len(drops)), key=lambda i: drops[i][1])
     recovery = next((t + window_s - fail_at for t, d in drops[worst:] if d < 0.01), -1.0)
     return {"fail_hit_loss": drops[worst][1], "fail_lost_share": sum(d for _, d in drops) / len(drops),
-            "fail_recovery_s": recovery}
+            "fail_recovery_s": recovery, "fail_throughput_loss": 1 - after / before if before else 0.0}
 
 
 def plot(results: list[dict[str, Any]], directory: Path | str) -> list[Path]:
-    """PNGs of the matrix (matplotlib, Agg): one figure per figure of merit."""
+    """PNGs (matplotlib, Agg): throughput and TTFT p99 by affinity threshold, shared against split, per
+    reading; reuse per minute in the runs where a server's stores die."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,47 +196,28 @@ def plot(results: list[dict[str, Any]], directory: Path | str) -> list[Path]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    seed = [r for r in results if r["label"].startswith("seed-")]
-    for key, title in (("throughput_per_gpu", "throughput per GPU (tokens/s)"), ("reuse_ratio", "prompt reuse"),
-                       ("pool_share", "pool share of prompt tokens"), ("ttft_p50_s", "TTFT p50 (s)"),
-                       ("ttft_p90_s", "TTFT p90 (s)"), ("restore_p50_ms", "restore per GPU p50 (ms)"),
-                       ("decode_kv_use_p50", "decode KV use p50"), ("queue_p90_s", "prefill queueing p90 (s)")):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for pool in ("shared", "split"):
-            rows = sorted((r for r in seed if r["pool"] == pool), key=lambda r: r["sessions_per_server"])
-            ax.plot([r["sessions_per_server"] for r in rows], [r[key] for r in rows], marker="o", label=pool)
-        if key == "reuse_ratio":
-            rows = sorted((r for r in seed if r["pool"] == "shared"), key=lambda r: r["sessions_per_server"])
-            ax.plot([r["sessions_per_server"] for r in rows], [r["trace_bound"] for r in rows], ls="--",
-                    label="trace bound")
-        ax.set_xlabel("sessions per server (4 servers)")
-        ax.set_title(title)
-        ax.legend()
-        path = directory / f"{key}.png"
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
-        written.append(path)
-    seeds = sorted((r for r in seed if r["pool"] == "shared"), key=lambda r: r["sessions_per_server"])
-    if seeds:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        x = [r["sessions_per_server"] for r in seeds]
-        bottom = [0.0] * len(seeds)
-        for key in ("device_share", "pool_share", "computed_share"):
-            values = [r[key] for r in seeds]
-            ax.bar([str(v) for v in x], values, bottom=bottom, label=key.removesuffix("_share"))
-            bottom = [b + v for b, v in zip(bottom, values)]
-        ax.set_title("prompt tokens by source (shared pool, 4 servers)")
-        ax.legend()
-        path = directory / "token_sources.png"
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
-        written.append(path)
+    seed = [r for r in results if r.get("reading")]
+    for reading in sorted({r["reading"] for r in seed}):
+        for key, title in (("throughput_per_gpu", "tokens/s per GPU"), ("ttft_p99_s", "TTFT p99 (s)")):
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for n in sorted({r["seed_sessions"] for r in seed if r["reading"] == reading}):
+                for pool, style in (("shared", "-"), ("split", "--")):
+                    rows = [r for r in seed if r["reading"] == reading and r["seed_sessions"] == n
+                            and r["pool"] == pool]
+                    ax.plot([r["affinity_label"] for r in rows], [r[key] for r in rows], style, marker="o",
+                            label=f"{n} sessions, {pool}")
+            ax.set_xlabel("router affinity threshold")
+            ax.set_title(f"{title}, 4 servers, sessions {reading.replace('_', ' ')}")
+            ax.legend(fontsize=7)
+            path = directory / f"{key}_{reading}.png"
+            fig.savefig(path, dpi=100, bbox_inches="tight")
+            plt.close(fig)
+            written.append(path)
     for r in (r for r in results if r.get("windows") and r.get("fail_at_s") is not None):
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([w["t"] for w in r["windows"]], [w["reuse"] for w in r["windows"]], label="reuse")
         ax.plot([w["t"] for w in r["windows"]], [w["pool_share"] for w in r["windows"]], label="pool share")
-        if r.get("fail_at_s") is not None:
-            ax.axvline(r["fail_at_s"], color="red", ls=":", label="server 0's stores die")
+        ax.axvline(r["fail_at_s"], color="red", ls=":", label="server 0's stores die")
         ax.set_xlabel("simulated s")
         ax.set_title(f"{r['servers']} servers, shared pool")
         ax.legend()

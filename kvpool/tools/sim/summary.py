@@ -64,6 +64,8 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
         "master_evictions_per_s": m.evicted_groups / s.duration_s / len(sim.indexes),
         "master_ops_per_s": max(q.num_ops for q in sim.masters) / s.duration_s,
         "master_utilization": max(q.busy_s for q in sim.masters) / s.duration_s,
+        # what the busiest master could serve, at this run's mix of operations
+        "master_capacity_ops_per_s": max(q.num_ops / q.busy_s if q.busy_s else 0.0 for q in sim.masters),
         "cross_server_bytes_per_s_per_nic": sum(nic_bytes.values()) / s.duration_s / topo.num_servers,
         "cross_server_bytes_per_s_peak_nic": nic_peak / s.duration_s,
         "dropped_objects": sim.dropped_objects,
