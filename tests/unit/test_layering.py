@@ -25,8 +25,6 @@ LAUNCHER = "kvpool.tools.cluster"
 # one fails here until it leaves this list).
 ALLOWED_CYCLES: dict[frozenset[str], str] = {
     frozenset({"kvpool.core.pool_index", "kvpool.core.pool_eviction"}): "PoolIndex's eviction mixin (issue 15)",
-    frozenset({"kvpool.tools.sim.metrics", "kvpool.tools.sim.prefill_sim"}): "the simulator (issue 15)",
-    frozenset({"kvpool.tools.sim.cli", "kvpool.tools.sim.validate_cmd"}): "the simulate command (issue 15)",
 }
 
 
