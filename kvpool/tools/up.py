@@ -6,33 +6,41 @@ OpenAI-compatible HTTP API on port 8000. ``--config cluster.toml`` reads the
 ``[up]`` table for the shape (and every child reads its own ``[<role>]``
 table from the same file); flags win over both.
 
-Start order is dependency order (master, stores, later prefill stages first,
-decode, router), each child on a free port reported through its ready file.
-``up`` waits for every service to be healthy, prints where each listens, and
-on Ctrl-C or SIGTERM stops them in reverse order: every child gets SIGTERM
-(stores unmount, ports are freed) and, past a grace period, SIGKILL. Children
+The shape is a ``kvpool.tools.cluster`` topology, started by the one
+launcher in dependency order (master, stores, later prefill stages first and
+decode beside them, router), each child on a free port reported through its
+ready file. ``up`` waits for every service to be healthy, prints where each
+listens, and on Ctrl-C or SIGTERM stops them a tier at a time, the router
+first and the master last: every child gets SIGTERM (stores unmount, ports
+are freed) and, past a grace period, SIGKILL. Children
 also die with ``up`` itself (PR_SET_PDEATHSIG), so none is left orphaned.
 """
 
 from __future__ import annotations
 
 import signal
-import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from kvpool.core.setting import setting
-from kvpool.tools.cluster import ServiceFailed, ServiceProcess
 from kvpool.model.config import CONFIGS
+from kvpool.tools.cluster import (
+    Cluster,
+    DecodeSpec,
+    MasterSpec,
+    PipelineSpec,
+    RouterSpec,
+    ServerSpec,
+    ServiceFailed,
+    StoreSpec,
+    Topology,
+)
 
 log = structlog.get_logger(__name__)
-
-READY_TIMEOUT_S = 180.0
-
 
 @dataclass(slots=True)
 class UpSettings:
@@ -66,119 +74,27 @@ class UpSettings:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a TCP port")
 
 
-@dataclass(slots=True)
-class Cluster:
-    """The started services, in start order."""
+def up_topology(settings: UpSettings, config: str | None = None, log_level: str = "warning") -> Topology:
+    """The cluster ``kvpool up`` starts: one host, its processes named ``master``, ``store{i}``,
+    ``p{i}-stage{s}``, ``decode{i}`` and ``router``."""
+    s = settings
+    model = ("--model", s.model, "--kv-dtype", s.kv_dtype)
+    stores = tuple(StoreSpec(f"store{i}", ("--segment-size", s.segment_size, "--numa-node", "0", "--segment-id",
+                                           f"up-store{i}")) for i in range(s.stores if s.pool else 0))
+    pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, "--device-cache-tokens", str(s.device_cache_tokens)),
+                                   pool=s.pool) for i in range(s.pipelines))
+    shards = tuple(DecodeSpec(f"decode{i}", model) for i in range(s.decode_shards))
+    common = ("--log-level", log_level, "--log-format", "json", *(("--config", config) if config else ()))
+    return Topology((ServerSpec(stores=stores, pipelines=pipelines, decode_shards=shards),),
+                    master=MasterSpec() if s.pool else None,
+                    router=RouterSpec(port=s.grpc_port, http_port=s.http_port, args=("--model", s.model)),
+                    host=s.host, common_args=common)
 
-    settings: UpSettings
-    config: str | None = None
-    log_level: str = "warning"
-    services: list[ServiceProcess] = field(default_factory=list)
-    workdir: Path = field(default_factory=Path)
-    _tmp: tempfile.TemporaryDirectory[str] | None = None
 
-    def start(self) -> Cluster:
-        s = self.settings
-        if s.workdir:
-            self.workdir = Path(s.workdir)
-            self.workdir.mkdir(parents=True, exist_ok=True)
-        else:
-            self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-up-")
-            self.workdir = Path(self._tmp.name)
-        try:
-            master = self._start_pool() if s.pool else ""
-            stage0 = [self._start_pipeline(p, master) for p in range(s.pipelines)]
-            shards = [self._start_decode(d) for d in range(s.decode_shards)]
-            self._start_router(stage0, shards)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    # ---- roles ----------------------------------------------------------
-
-    def _start_pool(self) -> str:
-        s = self.settings
-        master = self._run("master", ["master", "--port", "0", "--admin-port", "0"])
-        address = f"{s.host}:{master.ready['port']}"
-        stores = [self._spawn(f"store{i}", ["store", "--master", address, "--port", "0", "--admin-port", "0",
-                                            "--segment-size", s.segment_size, "--numa-node", "0",
-                                            "--segment-id", f"up-store{i}"]) for i in range(s.stores)]
-        for store in stores:
-            self._ready(store)
-        return address
-
-    def _start_pipeline(self, index: int, master: str) -> str:
-        s = self.settings
-        common = ["--num-stages", str(s.stages), "--port", "0", "--admin-port", "0", "--model", s.model,
-                  "--kv-dtype", s.kv_dtype, "--device-cache-tokens", str(s.device_cache_tokens),
-                  *(["--master", master] if master else ["--no-pool"])]
-        later: list[str] = []
-        next_address = ""
-        for stage in range(s.stages - 1, 0, -1):
-            extra = ["--next-stage", next_address] if next_address else []
-            proc = self._run(f"p{index}-stage{stage}", ["prefill", "--stage", str(stage), *common, *extra])
-            next_address = f"{s.host}:{proc.ready['port']}"
-            later.insert(0, next_address)
-        extra = ["--stage-addresses", ",".join(later)] if later else []
-        first = self._run(f"p{index}-stage0", ["prefill", "--stage", "0", *common, *extra])
-        return f"{s.host}:{first.ready['port']}"
-
-    def _start_decode(self, index: int) -> str:
-        s = self.settings
-        proc = self._run(f"decode{index}", ["decode", "--port", "0", "--admin-port", "0", "--model", s.model,
-                                            "--kv-dtype", s.kv_dtype])
-        return f"{s.host}:{proc.ready['port']}"
-
-    def _start_router(self, pipelines: list[str], shards: list[str]) -> None:
-        s = self.settings
-        self._run("router", ["router", "--port", str(s.grpc_port), "--http-port", str(s.http_port),
-                             "--admin-port", "0", "--model", s.model, "--pipelines", ",".join(pipelines),
-                             "--shards", ",".join(shards)])
-
-    # ---- processes ------------------------------------------------------
-
-    def _spawn(self, name: str, args: list[str]) -> ServiceProcess:
-        common = ["--host", self.settings.host, "--log-level", self.log_level, "--log-format", "json"]
-        if self.config:
-            common += ["--config", self.config]
-        proc = ServiceProcess(name, [*args, *common], self.workdir, die_with_parent=True)
-        proc.start()
-        self.services.append(proc)
-        return proc
-
-    def _ready(self, proc: ServiceProcess) -> dict[str, Any]:
-        return proc.wait_ready(timeout_s=READY_TIMEOUT_S)
-
-    def _run(self, name: str, args: list[str]) -> ServiceProcess:
-        proc = self._spawn(name, args)
-        self._ready(proc)
-        return proc
-
-    def stop(self) -> None:
-        """Reverse start order: the router first, the master last (stores unmount on the way out)."""
-        for proc in reversed(self.services):
-            proc.stop()
-        self.services.clear()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def find(self, name: str) -> ServiceProcess:
-        return next(p for p in self.services if p.name == name)
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.settings.host}:{self.find('router').ready['http_port']}"
-
-    def describe(self) -> list[str]:
-        lines = []
-        for proc in self.services:
-            ready = proc.ready
-            where = f"{self.settings.host}:{ready.get('port')}"
-            extra = [f"{k}={ready[k]}" for k in ("http_port", "admin_port", "endpoint") if k in ready]
-            lines.append(f"  {proc.name:<14} {where:<22} pid {ready.get('pid')}  {' '.join(extra)}")
-        return lines
+def up_cluster(settings: UpSettings, config: str | None = None, log_level: str = "warning") -> Cluster:
+    """Not started yet: ``.start()`` it (logs and ready files go to ``settings.workdir`` or a temporary folder)."""
+    workdir = Path(settings.workdir) if settings.workdir else None
+    return Cluster(up_topology(settings, config, log_level), workdir=workdir)
 
 
 def wait_for_stop_signal() -> int:
@@ -202,7 +118,7 @@ def wait_for_stop_signal() -> int:
 
 def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any = None) -> int:
     """Start the cluster, print where everything listens, serve until a signal (or the demo ends), stop."""
-    cluster = Cluster(settings, config=config, log_level=log_level)
+    cluster = up_cluster(settings, config, log_level)
     print(f"kvpool up: starting {settings.pipelines} pipeline(s) of {settings.stages} stages, "
           f"{settings.decode_shards} decode shard(s), {settings.stores} store(s) — logs in "
           f"{settings.workdir or 'a temporary folder'}", flush=True)

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from kvpool import bind_shim
-from kvpool.tools.up import Cluster, UpSettings
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.up import UpSettings, up_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -49,7 +50,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("up")
     settings = UpSettings(stages=1, stores=2, segment_size="32MiB", http_port=0, grpc_port=0,
                           device_cache_tokens=2048, workdir=str(workdir))
-    up = Cluster(settings).start()
+    up = up_cluster(settings).start()
     try:
         yield up
     finally:

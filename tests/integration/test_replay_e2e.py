@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 
 from kvpool.tools.replay import ClusterProbes, ReplayOptions, check_device_cache, load_workload, run_replay
-from kvpool.tools.up import Cluster, UpSettings
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.up import UpSettings, up_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -51,7 +52,7 @@ def write_trace(path: Path) -> Path:
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     settings = UpSettings(http_port=0, grpc_port=0, stages=2, stores=2, segment_size="32MiB",
                           device_cache_tokens=DEVICE_CACHE_TOKENS, workdir=str(tmp_path / "cluster"))
-    started = Cluster(settings).start()
+    started = up_cluster(settings).start()
     try:
         yield started
     finally:

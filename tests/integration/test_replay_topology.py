@@ -17,15 +17,16 @@ import urllib.request
 import pytest
 
 from kvpool.pool.stats import fetch_stats
-from kvpool.tools.replay.compare import run_compare
-from kvpool.tools.replay.engine import ReplayOptions
-from kvpool.tools.replay.topology import Topology, TopologySettings
-from kvpool.tools.replay.topology_netns import (
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.cluster.netns import (
     Network,
     link_names,
     netns_names,
     why_unavailable,
 )
+from kvpool.tools.replay.compare import run_compare
+from kvpool.tools.replay.engine import ReplayOptions
+from kvpool.tools.replay.topology import TopologySettings, side_topology
 from kvpool.tools.replay.workload import ReplaySession, ReplayTurn, ReplayWorkload
 from kvpool.workload.timelines import AgentTimeline
 
@@ -55,7 +56,7 @@ def segment_hosts(master: str) -> dict[str, str]:
 
 
 def test_loopback_shared_pool_has_a_host_name_per_server_and_stops_clean() -> None:
-    topology = Topology(TopologySettings(**TINY, pool="shared", netns=False)).start()
+    topology = Cluster(side_topology(TopologySettings(**TINY, pool="shared", netns=False))).start()
     processes = [p for s in topology.servers for p in s.services] + topology.masters + [topology.router]
     try:
         assert topology.network is None and topology.network_mode.startswith("loopback: loopback asked for")
@@ -64,7 +65,7 @@ def test_loopback_shared_pool_has_a_host_name_per_server_and_stops_clean() -> No
         # one master over both stores of both servers, each store under its server's host name
         assert hosts == {"s0-store-p": "kvr-s0", "s0-store-d": "kvr-s0", "s1-store-p": "kvr-s1",
                          "s1-store-d": "kvr-s1"}
-        answer = complete(topology.url, list(range(300)), "s1")
+        answer = complete(topology.http_url, list(range(300)), "s1")
         assert answer["usage"]["prompt_tokens"] == 300
         assert topology.link_bytes() == [None, None]
     finally:
@@ -74,7 +75,7 @@ def test_loopback_shared_pool_has_a_host_name_per_server_and_stops_clean() -> No
 
 @pytest.mark.skipif(netns_reason() is not None, reason=f"no network namespaces: {netns_reason()}")
 def test_netns_split_pool_one_master_per_server_and_everything_removed() -> None:
-    topology = Topology(TopologySettings(**TINY, pool="split", link_gbit=1.0)).start()
+    topology = Cluster(side_topology(TopologySettings(**TINY, pool="split", link_gbit=1.0))).start()
     processes = [p for s in topology.servers for p in s.services] + [topology.router]
     try:
         assert topology.network is not None and topology.network_mode.startswith("netns: 2 namespaces")
@@ -87,7 +88,7 @@ def test_netns_split_pool_one_master_per_server_and_everything_removed() -> None
             assert segment_hosts(f"{server.address}:{master.ready['port']}") == {
                 f"s{server.index}-store-p": server.host_name}
         before = topology.link_bytes()
-        complete(topology.url, list(range(600)), "s2")
+        complete(topology.http_url, list(range(600)), "s2")
         after = topology.link_bytes()
         # the router (root namespace) reached a pipeline and a shard over some server's link, both ways
         moved = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]  # type: ignore[index]

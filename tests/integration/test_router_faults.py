@@ -18,7 +18,8 @@ import pytest
 
 from kvpool import service
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
-from kvpool.tools.up import Cluster, UpSettings
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.up import UpSettings, up_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -29,7 +30,7 @@ def start_cluster(workdir: Path) -> Cluster:
     config.write_text("[router]\nhealth_interval_s = 0.2\n")
     settings = UpSettings(pipelines=2, stages=2, decode_shards=2, stores=0, http_port=0, grpc_port=0,
                           device_cache_tokens=4096, workdir=str(workdir / "logs"))
-    return Cluster(settings, config=str(config)).start()
+    return up_cluster(settings, str(config)).start()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ import pytest
 
 from kvpool.pool.stats import fetch_stats
 from kvpool.rpc import decode_pb2, decode_pb2_grpc
-from kvpool.tools.up import Cluster, UpSettings
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.up import UpSettings, up_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -39,7 +40,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     config.write_text("[router]\naffinity_max_queue = 1\n[decode]\nkv_bytes = \"64MiB\"\n")
     settings = UpSettings(pipelines=2, stages=2, decode_shards=2, stores=2, segment_size="64MiB", http_port=0,
                           grpc_port=0, device_cache_tokens=4096, workdir=str(workdir / "logs"))
-    up = Cluster(settings, config=str(config)).start()
+    up = up_cluster(settings, str(config)).start()
     try:
         yield up
     finally:
@@ -101,7 +102,7 @@ def test_three_turn_session_equals_the_same_run_without_the_pool(
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0  # later turns reuse earlier prompts
     settings = UpSettings(pipelines=1, stages=2, decode_shards=1, stores=0, http_port=0, grpc_port=0,
                           device_cache_tokens=4096, workdir=str(tmp_path))
-    with_no_pool = Cluster(settings).start()
+    with_no_pool = up_cluster(settings).start()
     try:
         plain = openai.OpenAI(base_url=f"{with_no_pool.http_url}/v1", api_key="unused", max_retries=0, timeout=300)
         assert play_three_turns(plain, "three-turns")[0] == answers

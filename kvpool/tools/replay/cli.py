@@ -1,6 +1,6 @@
 """``kvpool replay``: replay real coding-agent sessions through a whole cluster and report what it served.
 
-By default each concurrency level gets a FRESH cluster (``kvpool.tools.up.Cluster``
+By default each concurrency level gets a FRESH cluster (``kvpool.tools.up.up_cluster``
 sized by the flags; decode and router settings go through a generated TOML
 ``--config``), so a level never starts on the previous level's warm caches;
 ``--url`` targets a running router instead (all levels on it, figures from its
@@ -96,7 +96,7 @@ def write_config(path: Path, args: argparse.Namespace) -> Path:
 
 
 def _probes(cluster: Any) -> ClusterProbes:
-    host = cluster.settings.host
+    host = cluster.topology.host
 
     def root(proc: Any) -> str:
         return f"http://{host}:{proc.ready['admin_port']}"
@@ -114,14 +114,14 @@ def _run_level(args: argparse.Namespace, workload: ReplayWorkload, options: Repl
     if args.url:
         probes = ClusterProbes(router=args.url.rstrip("/"), master=args.master)
         return asyncio.run(run_replay(args.url, workload, options, probes))
-    from kvpool.tools.up import Cluster, UpSettings
+    from kvpool.tools.up import UpSettings, up_cluster
 
     settings = UpSettings(http_port=0, grpc_port=0, pipelines=args.pipelines, stages=args.stages,
                           decode_shards=args.decode_shards, stores=args.stores, segment_size=args.segment_size,
                           kv_dtype=args.kv_dtype, device_cache_tokens=device_cache_tokens,
                           workdir=str(workdir / f"c{options.concurrency}"))
     config = write_config(workdir / f"replay-c{options.concurrency}.toml", args)
-    cluster = Cluster(settings, config=str(config), log_level=args.log_level)
+    cluster = up_cluster(settings, str(config), args.log_level)
     cluster.start()
     try:
         return asyncio.run(run_replay(cluster.http_url, workload, options, _probes(cluster)))

@@ -7,7 +7,7 @@
   master's ``--eviction group|object``); ``reuse_groups_on`` and
   ``reuse_groups_off`` are the prompt-token reuse of each.
 
-Every side gets a fresh ``Topology`` per concurrency level (no side starts on
+Every side gets a fresh cluster per concurrency level (no side starts on
 another's warm caches) and the very same workload. The regime the seed
 measured is a working set larger than one server's pool and smaller than the
 shared pool; ``regime`` says, from the chunks actually sent, whether a run was
@@ -30,11 +30,11 @@ from typing import Any
 
 from kvpool.core.chunk_hash import chunk_hashes
 from kvpool.model.config import CONFIGS
+from kvpool.tools.cluster import Cluster
 from kvpool.tools.replay.engine import run_replay
 from kvpool.tools.replay.probes import ClusterProbes
 from kvpool.tools.replay.records import ReplayOptions, ReplayResult
-from kvpool.tools.replay.topology import Topology, TopologySettings
-from kvpool.tools.replay.topology_netns import BRIDGE_ADDRESS
+from kvpool.tools.replay.topology import TopologySettings, side_topology
 from kvpool.tools.replay.workload import ReplayWorkload
 from kvpool.sizes import format_size, parse_size
 
@@ -113,26 +113,24 @@ class Fault:
     at_s: float
 
 
-def probes_for(topology: Topology) -> ClusterProbes:
+def probes_for(cluster: Cluster) -> ClusterProbes:
     def root(proc: Any, host: str) -> str:
         return f"http://{host}:{proc.ready['admin_port']}"
 
-    stages = {p.name: root(p, s.address) for s in topology.servers for p in s.services if "-stage" in p.name}
+    stages = {p.name: root(p, s.address) for s in cluster.servers for p in s.services if "-stage" in p.name}
     # the report reads decode figures from probes named decode*
-    decode = {f"decode-s{s.index}": root(p, s.address) for s in topology.servers for p in s.services
+    decode = {f"decode-s{s.index}": root(p, s.address) for s in cluster.servers for p in s.services
               if p.name.endswith("-decode")}
-    master = ""
-    if topology.masters:  # shared: the one master; split has one a server and no single pool figure
-        host = BRIDGE_ADDRESS if topology.network is not None else "127.0.0.1"
-        master = f"{host}:{topology.masters[0].ready['port']}"
-    router = topology.router
+    # shared: the one master; split has one a server and no single pool figure
+    master = cluster.master_address if cluster.master is not None else ""
+    router = cluster.router
     assert router is not None
     return ClusterProbes(router=root(router, "127.0.0.1"), stages=stages, decode=decode, master=master)
 
 
-async def _replay(topology: Topology, workload: ReplayWorkload, options: ReplayOptions,
+async def _replay(cluster: Cluster, workload: ReplayWorkload, options: ReplayOptions,
                   fault: Fault | None) -> tuple[ReplayResult, dict[str, Any] | None]:
-    task = asyncio.ensure_future(run_replay(topology.url, workload, options, probes_for(topology)))
+    task = asyncio.ensure_future(run_replay(cluster.http_url, workload, options, probes_for(cluster)))
     if fault is None:
         return await task, None
     loop = asyncio.get_running_loop()
@@ -142,7 +140,7 @@ async def _replay(topology: Topology, workload: ReplayWorkload, options: ReplayO
     killed_at = reaped_at = None
     if not done:
         killed_at = loop.time() - started
-        killed = await asyncio.to_thread(topology.kill_server, fault.server)
+        killed = await asyncio.to_thread(cluster.kill_server, fault.server)
         reaped_at = loop.time() - started
     result = await task
     return result, {"server": fault.server, "at_s": fault.at_s, "killed": killed, "killed_at_s": killed_at,
@@ -171,15 +169,15 @@ def fault_report(result: ReplayResult, at_s: float) -> dict[str, Any]:
 
 def run_side(settings: TopologySettings, workload: ReplayWorkload, options: ReplayOptions,
              fault: Fault | None = None, workdir: Path | None = None) -> dict[str, Any]:
-    """One side at one concurrency on a fresh topology: the engine's summary plus links, regime and fault."""
-    topology = Topology(settings, workdir=workdir)
-    topology.start()
+    """One side at one concurrency on a fresh cluster: the engine's summary plus links, regime and fault."""
+    cluster = Cluster(side_topology(settings), workdir=workdir)
+    cluster.start()
     try:
-        links_before = topology.link_bytes()
-        result, killed = asyncio.run(_replay(topology, workload, options, fault))
-        links_after = topology.link_bytes()
+        links_before = cluster.link_bytes()
+        result, killed = asyncio.run(_replay(cluster, workload, options, fault))
+        links_after = cluster.link_bytes()
     finally:
-        topology.stop()
+        cluster.stop()
     summary = dict(result.summary)
     sent = {(r.session_id, r.turn) for r in result.records}
     by_id = {s.id: s for s in workload.sessions}
@@ -188,7 +186,7 @@ def run_side(settings: TopologySettings, workload: ReplayWorkload, options: Repl
     group_bytes = chunk_nbytes(settings.model, settings.kv_dtype, options.chunk_size)
     summary["regime"] = regime(working_set_bytes(prompts, options.chunk_size, group_bytes),
                                parse_size(settings.segment_size), settings.servers)
-    summary["network_mode"] = topology.network_mode
+    summary["network_mode"] = cluster.network_mode
     summary["link_bytes"] = [None if a is None or b is None else {"in": a[0] - b[0], "out": a[1] - b[1]}
                              for a, b in zip(links_after, links_before, strict=True)]
     if killed is not None and fault is not None:

@@ -1,6 +1,6 @@
 """``kvpool simulate --validate``: one small configuration in the simulator and on a local cluster, compared.
 
-The cluster side is ``kvpool replay``'s (``kvpool.tools.up.Cluster`` + ``kvpool.tools.replay.run_replay``): one session
+The cluster side is ``kvpool replay``'s (``kvpool.tools.up.up_cluster`` + ``kvpool.tools.replay.run_replay``): one session
 file without subagents (so concurrency 1 is one request at a time on both sides), no think time, the tiny
 model, stores large enough that nothing is evicted. The simulator side and the comparison are
 ``kvpool.tools.sim.validate``. The last JSON line ends with ``reuse_equal``, ``token_counts_equal``,
@@ -27,7 +27,7 @@ def _real_side(trace: Path, setup: Any, workdir: Path, duration_s: float) -> tup
     from kvpool.tools.replay import ReplayOptions, load_workload, run_replay
     from kvpool.tools.sim.validate import TurnCounts
     from kvpool.tools.replay.cli import _probes
-    from kvpool.tools.up import Cluster, UpSettings
+    from kvpool.tools.up import UpSettings, up_cluster
 
     config = get_config("tiny")
     workload = load_workload(trace, scale=setup.scale, vocab_size=config.vocab_size, context=setup.context,
@@ -37,7 +37,7 @@ def _real_side(trace: Path, setup: Any, workdir: Path, duration_s: float) -> tup
                           workdir=str(workdir / "cluster"))
     config_path = workdir / "validate.toml"
     config_path.write_text(f"[prefill]\nchunk_size = {setup.chunk_size}\n\n[router]\nrequest_timeout_s = 600.0\n")
-    cluster = Cluster(settings, config=str(config_path), log_level="warning")
+    cluster = up_cluster(settings, str(config_path), "warning")
     cluster.start()
     try:
         options = ReplayOptions(concurrency=1, think_scale=0.0, duration_s=duration_s, chunk_size=setup.chunk_size)

@@ -1,0 +1,117 @@
+"""One ``kvpool <role>`` process: started, waited for, stopped, killed, paused.
+
+The only place that starts ``services.cli``. Every process binds port 0 and
+reports its ports through a ready file, so nothing waits on a fixed sleep and
+parallel runs never collide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Set in a child's environment: it asks for SIGTERM when this process goes
+# (services/cli.py acts on it first thing). Not a preexec_fn: that would make
+# Popen fork() a process that runs gRPC, and gRPC's fork handlers then crash the
+# child before it can exec (grpc/grpc#43055).
+PARENT_PID_ENV = "KVPOOL_DIE_WITH_PARENT_PID"
+
+
+class ServiceFailed(RuntimeError):
+    """A service exited or did not become ready in time; the message carries its log tail."""
+
+
+@dataclass(slots=True)
+class ServiceProcess:
+    """One ``kvpool <role>`` process and its ready file and log."""
+
+    name: str
+    args: list[str]
+    workdir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    ready: dict[str, Any] = field(default_factory=dict)
+    # the child gets SIGTERM when the thread that started it exits (kvpool up:
+    # no orphans even if up itself is killed); start() must run on a thread
+    # that lives as long as the child
+    die_with_parent: bool = False
+    # run under these first, e.g. ``ip netns exec NAME`` (each must exec, keeping the pid)
+    prefix: list[str] = field(default_factory=list)
+
+    @property
+    def ready_file(self) -> Path:
+        return self.workdir / f"{self.name}.ready.json"
+
+    @property
+    def log_file(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def start(self) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        log = self.log_file.open("ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(PARENT_PID_ENV, None)
+        if self.die_with_parent:
+            env[PARENT_PID_ENV] = str(os.getpid())
+        self.proc = subprocess.Popen(
+            [*self.prefix, sys.executable, "-m", "services.cli", *self.args, "--ready-file", str(self.ready_file)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        )
+        log.close()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                self.ready = json.loads(self.ready_file.read_text())
+                return self.ready
+            if self.proc.poll() is not None:
+                raise ServiceFailed(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.02)  # polling a file the child writes, not standing in for work
+        raise ServiceFailed(f"{self.name} not ready after {timeout_s}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """kill -9: no goodbye to anybody."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: the process is frozen (a hung host), its memory kept."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
