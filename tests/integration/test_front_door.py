@@ -29,7 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.tools.up import Cluster, UpSettings
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.up import UpSettings, up_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -43,8 +44,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("front")
     config = workdir / "cluster.toml"
     config.write_text("[router]\nmax_in_flight = 1\n")
-    up = Cluster(UpSettings(pipelines=1, stages=1, decode_shards=1, stores=0, http_port=0, grpc_port=0,
-                            device_cache_tokens=4096, workdir=str(workdir / "logs")), config=str(config)).start()
+    up = up_cluster(UpSettings(pipelines=1, stages=1, decode_shards=1, stores=0, http_port=0, grpc_port=0,
+                               device_cache_tokens=4096, workdir=str(workdir / "logs")), str(config)).start()
     try:
         yield up
     finally:
