@@ -1,146 +1,131 @@
-"""The pool index's eviction and failed-group rules, as a mixin of ``PoolIndex``.
+"""The pool index's eviction and failed-group rules, each an object the index holds.
 
-Eviction: when a put would pass ``high_watermark × capacity``, least recently
-used groups go until ``low_watermark``; then, while the object still does not
-fit, one more at a time. Never a leased group, one being written, or the
-group the put itself joins. ``eviction="object"`` (for comparisons) removes
-one member at a time, as upstream's best-effort groups allow.
-
-Failed groups: a member that failed to save (no space, revoked, timed out)
-fails its group: dropped now, or as soon as no member is in flight, and its
-later members refused for ``failed_group_hold_s`` (a one-member group may be
-saved again at once).
-
-The state these rules act on (groups in LRU order, objects, segments,
-counters) lives in ``PoolIndex``; this module holds only behaviour.
+``Eviction`` frees space for a put; it sees the index only through
+``Evictable`` (groups in LRU order, used bytes, and two ways to free).
+``GroupFailures`` remembers which groups are refused for a while after a
+member failed to save; it knows nothing of the index.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvpool.core.pool_records import (
-    Group,
-    PutOutcome,
-    PutRequestItem,
-    PutStatus,
-    Segment,
-)
-
-if TYPE_CHECKING:
-    from kvpool.core.pool_index import PoolIndex
-
-    _Base = PoolIndex
-else:
-    _Base = object
+from kvpool.core.pool_records import Group, IndexCounters, Segment
 
 
-class Eviction(_Base):
-    __slots__ = ()
+class Evictable(Protocol):
+    """What eviction needs of the index."""
 
-    def _reserve(
+    @property
+    def lru_groups(self) -> OrderedDict[str, Group]:
+        """Every group, least recently used first."""
+        ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def drop_group(self, group_id: str) -> int:
+        """Free every member of a group and forget it; returns members dropped."""
+        ...
+
+    def drop_member(self, group: Group, key: str) -> None:
+        """Free one committed member; a group left with no member is forgotten."""
+        ...
+
+    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
+        """Place ``size`` bytes in the first segment of ``order`` with room, or nowhere."""
+        ...
+
+
+@dataclass(slots=True)
+class Eviction:
+    """Frees space for a put, least recently used group first.
+
+    Invariants:
+    - when a put would pass ``high`` used bytes, groups go until ``low``; then,
+      while the object still does not fit, one more at a time;
+    - never a busy group (leased, or a put in flight), nor the group ``keep``
+      that the put itself joins (evicting it would only leave it incomplete);
+    - ``mode="group"`` removes whole groups; ``mode="object"`` (for
+      comparisons) removes one member at a time, as upstream's best-effort
+      groups allow, and may leave partial groups (lookups never count them);
+    - ``counters.evicted_groups``/``evicted_bytes`` count every group and
+      byte it removed.
+    """
+
+    index: Evictable
+    counters: IndexCounters
+    mode: str = "group"
+
+    def reserve(
         self, order: list[Segment], size: int, high: float, low: float, keep: str = ""
     ) -> tuple[Segment, int] | None:
-        """Place ``size`` bytes: evict to ``low`` used bytes past ``high``, then allocate.
-
-        The group ``keep`` (the one this member joins) is never evicted for it:
-        that would only leave the group incomplete.
-        """
+        """Place ``size`` bytes: evict to ``low`` used bytes past ``high``, then allocate."""
         if not order:
             return None
-        if self.used_bytes + size > high:
-            self._evict_until(lambda: self.used_bytes + size <= low, keep)
+        index = self.index
+        if index.used_bytes + size > high:
+            while index.used_bytes + size > low and self.evict_one(keep):
+                pass
         while True:
-            placed = self._allocate(order, size)
+            placed = index.allocate(order, size)
             if placed is not None:
                 return placed
-            if not self._evict_one(keep):
+            if not self.evict_one(keep):
                 return None
 
-    @staticmethod
-    def _allocate(order: list[Segment], size: int) -> tuple[Segment, int] | None:
-        for segment in order:
-            if segment.allocator.largest_free >= size:
-                offset = segment.allocator.allocate(size)
-                if offset is not None:
-                    return segment, offset
-        return None
-
-    def _evict_until(self, done: Callable[[], bool], keep: str = "") -> None:
-        while not done() and self._evict_one(keep):
-            pass
-
-    def _evict_one(self, keep: str = "") -> bool:
-        for group_id, group in self.groups.items():
-            if not group.busy and group_id != keep:
-                if self.settings.eviction == "object":
-                    self._evict_member(group)
-                    return True
-                self.counters.evicted_groups += 1
-                self.counters.evicted_bytes += sum(m.size for m in group.members.values())
-                self._drop_group(group_id)
+    def evict_one(self, keep: str = "") -> bool:
+        """Evict the least recently used idle group (or, by object, its oldest member); False if none may go."""
+        groups = self.index.lru_groups
+        for group_id, group in groups.items():
+            if group.busy or group_id == keep:
+                continue
+            if self.mode == "object":
+                # all members are committed: the group is not busy
+                key, obj = next(iter(group.members.items()))
+                self.counters.evicted_bytes += obj.size
+                self.index.drop_member(group, key)
+                if group_id not in groups:
+                    self.counters.evicted_groups += 1
                 return True
+            self.counters.evicted_groups += 1
+            self.counters.evicted_bytes += sum(m.size for m in group.members.values())
+            self.index.drop_group(group_id)
+            return True
         return False
 
-    def _evict_member(self, group: Group) -> None:
-        """``eviction="object"``: the group's oldest member alone (all are committed: the group is not busy).
 
-        The rest stay, a partial group that lookups never count, until evicted
-        in turn or made whole again by a put of the missing member.
-        """
-        key, obj = next(iter(group.members.items()))
-        del group.members[key]
-        group.num_committed -= 1
-        self.counters.evicted_bytes += obj.size
-        self._free(obj)
-        if not group.members:
-            self.counters.evicted_groups += 1
-            del self.groups[group.group_id]
-            self._incomplete.pop(group.group_id, None)
+@dataclass(slots=True)
+class GroupFailures:
+    """Groups whose members are refused for ``hold_s`` after one of them failed to save.
 
+    A member that failed (no space, revoked, timed out) fails its group: its
+    other members would only make an incomplete group. A one-member group has
+    no other members to refuse: it may be saved again at once.
 
-class GroupFailures(_Base):
-    __slots__ = ()
+    Invariant: entries are in expiry order (one ``hold_s`` for all, and a group
+    failed again moves to the end), so ``prune`` stops at the first live one.
+    """
 
-    def _fail_group(self, group_id: str, group_size: int) -> None:
-        """A member failed to save: drop the group now, or once no member is in flight; refuse it for a while.
+    hold_s: float
+    clock: Callable[[], float]
+    _until: OrderedDict[str, float] = field(default_factory=OrderedDict)
 
-        A one-member group has no other members to refuse: it may be saved again at once.
-        """
+    def hold(self, group_id: str, group_size: int) -> None:
         if group_size > 1:
-            self._failed[group_id] = self.clock() + self.settings.failed_group_hold_s
-            self._failed.move_to_end(group_id)
-        group = self.groups.get(group_id)
-        if group is None:
-            return
-        group.failed = True
-        if not group.busy:
-            self._drop_failed(group)
+            self._until[group_id] = self.clock() + self.hold_s
+            self._until.move_to_end(group_id)
 
-    def _drop_failed(self, group: Group) -> None:
-        self.counters.failed_groups += 1
-        self._drop_group(group.group_id)
-
-    def _give_back_failed(self, items: Sequence[PutRequestItem], outcomes: list[PutOutcome], failed: set[str]) -> None:
-        """Undo this batch's reservations for groups that failed in it (their writer never sees the space)."""
-        for i, item in enumerate(items):
-            if item.group_id in failed and outcomes[i].status is PutStatus.RESERVED:
-                outcomes[i] = PutOutcome(PutStatus.GROUP_FAILED)
-                obj = self.objects[item.key]
-                group = self.groups[item.group_id]
-                del self._in_flight[item.key]
-                del group.members[item.key]
-                group.num_in_flight -= 1
-                self._free(obj)
-        for group_id in failed:
-            group = self.groups.get(group_id)
-            if group is not None and not group.members:
-                del self.groups[group_id]
-            elif group is not None and not group.busy:
-                self._drop_failed(group)
-
-    def _prune_failed(self) -> None:
+    def prune(self) -> None:
+        """Forget holds that have run out."""
         now = self.clock()
-        while self._failed and next(iter(self._failed.values())) <= now:
-            self._failed.popitem(last=False)
+        until = self._until
+        while until and next(iter(until.values())) <= now:
+            until.popitem(last=False)
+
+    def __contains__(self, group_id: object) -> bool:
+        """Held (as of the last ``prune``)."""
+        return group_id in self._until

@@ -21,54 +21,64 @@ Invariants:
   store has not acknowledged; a store reports what it holds on (re-)mount and
   only what passes ``plan_report`` becomes an object again (block reports,
   see ``pool_recovery``).
+
+The index holds its parts as objects with small interfaces, each in its own
+module: ``SegmentTable`` (space, mounts, heartbeats), ``Eviction``,
+``GroupFailures`` and ``LeaseTable``. Eviction and the segment table see the
+index only through the protocols they declare (``Evictable``,
+``SegmentHost``); nothing here is a mixin, and no part imports the index.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
-from kvpool.core.errors import FailedPrecondition, InvalidArgument
 from kvpool.core.placement import batch_orders, group_first
 from kvpool.core.pool_eviction import Eviction, GroupFailures
+from kvpool.core.pool_leases import LeaseTable
+from kvpool.core.pool_put_checks import check_put_batch, check_put_end
 from kvpool.core.pool_records import (
     Group,
     IndexCounters,
     LookupResult,
+    MountResult,
     ObjectRecord,
     PutOutcome,
     PutRequestItem,
     PutStatus,
     Segment,
+    SegmentChange,
     StoredObject,
 )
 from kvpool.core.pool_segments import SegmentTable
 from kvpool.core.pool_settings import IndexSettings
 
 
-@dataclass(slots=True)
-class PoolIndex(Eviction, GroupFailures, SegmentTable):
-    """Where every object lives, which groups are complete, what to evict."""
+class PoolIndex:
+    """Where every object lives, which groups are complete, what to evict (invariants above)."""
 
-    settings: IndexSettings = field(default_factory=IndexSettings)
-    clock: Callable[[], float] = time.monotonic
-    segments: dict[str, Segment] = field(default_factory=dict)
-    objects: dict[str, StoredObject] = field(default_factory=dict)
-    # LRU order: first entry is the least recently used group.
-    groups: OrderedDict[str, Group] = field(default_factory=OrderedDict)
-    counters: IndexCounters = field(default_factory=IndexCounters)
-    _in_flight: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    _leases: dict[int, tuple[list[Group], float]] = field(default_factory=dict)
-    _lease_expiry: list[tuple[float, int]] = field(default_factory=list)
-    _lease_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
-    # groups that failed to save, with when they may be saved again (in that order)
-    _failed: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    # incomplete groups, with when they are dropped unless a member arrives (in that order)
-    _incomplete: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    __slots__ = (
+        "settings", "clock", "objects", "groups", "counters", "segment_table", "eviction", "failures",
+        "leases", "_in_flight", "_incomplete",
+    )
+
+    def __init__(self, settings: IndexSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings if settings is not None else IndexSettings()
+        self.clock = clock
+        self.objects: dict[str, StoredObject] = {}
+        # LRU order: first entry is the least recently used group.
+        self.groups: OrderedDict[str, Group] = OrderedDict()
+        self.counters = IndexCounters()
+        # puts in flight, with when they started (in that order)
+        self._in_flight: OrderedDict[str, float] = OrderedDict()
+        # incomplete groups, with when they are dropped unless a member arrives (in that order)
+        self._incomplete: OrderedDict[str, float] = OrderedDict()
+        self.failures = GroupFailures(self.settings.failed_group_hold_s, clock)
+        self.leases = LeaseTable(clock)
+        self.segment_table = SegmentTable(self, self.settings, clock, self.counters, self.failures)
+        self.eviction = Eviction(self, self.counters, self.settings.eviction)
 
     # ---- writes ---------------------------------------------------------
 
@@ -81,8 +91,8 @@ class PoolIndex(Eviction, GroupFailures, SegmentTable):
         (``GROUP_FAILED``), later ones are refused.
         """
         self.expire_leases()
-        self._validate_put(items)
-        self._prune_failed()
+        check_put_batch(items, self.segments, self.groups, self.objects)
+        self.failures.prune()
         outcomes: list[PutOutcome] = []
         rotations = batch_orders(
             self.segments.values(), client_host, sum(item.size for item in items), self.settings.stripe_min_bytes
@@ -92,7 +102,7 @@ class PoolIndex(Eviction, GroupFailures, SegmentTable):
         high = self.settings.high_watermark * capacity
         low = self.settings.low_watermark * capacity
         started = self.clock()
-        objects, groups, in_flight, failed = self.objects, self.groups, self._in_flight, self._failed
+        objects, groups, in_flight, failed = self.objects, self.groups, self._in_flight, self.failures
         failed_here: set[str] = set()
         for item in items:
             key = item.key
@@ -107,7 +117,7 @@ class PoolIndex(Eviction, GroupFailures, SegmentTable):
             if group is not None and group.members:
                 # keep a group in one store where room allows
                 order = group_first(order, {m.segment_id for m in group.members.values()}, client_host)
-            placed = self._reserve(order, item.size, high, low, keep=item.group_id)
+            placed = self.eviction.reserve(order, item.size, high, low, keep=item.group_id)
             if placed is None:
                 outcomes.append(PutOutcome(PutStatus.NO_SPACE))
                 failed_here.add(item.group_id)
@@ -133,15 +143,7 @@ class PoolIndex(Eviction, GroupFailures, SegmentTable):
 
     def put_end(self, commits: Sequence[tuple[str, int]]) -> int:
         """Commit in-flight puts (key, checksum); all or none."""
-        seen: set[str] = set()
-        for i, (key, _checksum) in enumerate(commits):
-            if key in seen:
-                raise InvalidArgument(f"items[{i}].key: duplicate key {key!r} in one batch")
-            seen.add(key)
-            if key not in self._in_flight:
-                raise FailedPrecondition(
-                    f"items[{i}].key: no put in flight for {key!r} (never started, revoked or timed out)"
-                )
+        check_put_end(commits, self._in_flight)
         for key, checksum in commits:
             del self._in_flight[key]
             obj = self.objects[key]
@@ -200,7 +202,7 @@ class PoolIndex(Eviction, GroupFailures, SegmentTable):
                 self._mark_incomplete(group_id)
                 continue
             self.counters.abandoned_groups += 1
-            self._drop_group(group_id)
+            self.drop_group(group_id)
             dropped.append(group_id)
         return dropped
 
@@ -222,34 +224,20 @@ class PoolIndex(Eviction, GroupFailures, SegmentTable):
         if not found:
             return LookupResult([], 0, 0.0)
         duration = self.settings.lease_s if lease_s is None else lease_s
-        lease_id = next(self._lease_ids)
-        expires = self.clock() + duration
-        self._leases[lease_id] = (found, expires)
-        heapq.heappush(self._lease_expiry, (expires, lease_id))
-        for group in found:
-            group.num_leases += 1
+        lease_id = self.leases.grant(found, duration)
         self.touch([g.group_id for g in found])
         return LookupResult(found, lease_id, duration)
 
     def release_lease(self, lease_id: int) -> bool:
         """End a lease early (the reader is done); a read counts as a use."""
-        entry = self._leases.pop(lease_id, None)
-        if entry is None:
+        groups = self.leases.release(lease_id)
+        if groups is None:
             return False
-        self._unlease(entry[0])
-        self.touch(g.group_id for g in entry[0] if self.groups.get(g.group_id) is g)
+        self.touch(g.group_id for g in groups if self.groups.get(g.group_id) is g)
         return True
 
     def expire_leases(self) -> int:
-        now = self.clock()
-        expired = 0
-        while self._lease_expiry and self._lease_expiry[0][0] <= now:
-            _, lease_id = heapq.heappop(self._lease_expiry)
-            entry = self._leases.pop(lease_id, None)
-            if entry is not None:
-                self._unlease(entry[0])
-                expired += 1
-        return expired
+        return self.leases.expire()
 
     def exists(self, keys: Iterable[str]) -> list[bool]:
         return [(obj := self.objects.get(key)) is not None and obj.committed for key in keys]
@@ -265,7 +253,7 @@ class PoolIndex(Eviction, GroupFailures, SegmentTable):
             if group.busy:
                 busy.append(group_id)
                 continue
-            self._drop_group(group_id)
+            self.drop_group(group_id)
             removed += 1
         return removed, busy
 
@@ -283,61 +271,27 @@ class PoolIndex(Eviction, GroupFailures, SegmentTable):
     # ---- accounting -----------------------------------------------------
 
     @property
+    def segments(self) -> dict[str, Segment]:
+        return self.segment_table.segments
+
+    @property
     def capacity(self) -> int:
-        return sum(s.size for s in self.segments.values())
+        return self.segment_table.capacity
 
     @property
     def used_bytes(self) -> int:
-        return sum(s.allocator.used_bytes for s in self.segments.values())
+        """Bytes allocated in every segment: a running total, O(1) (a put reads it on every placement)."""
+        return self.segment_table.used_bytes
 
     @property
     def num_leases(self) -> int:
-        return len(self._leases)
+        return len(self.leases)
 
     @property
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
     # ---- internals ------------------------------------------------------
-
-    def _validate_put(self, items: Sequence[PutRequestItem]) -> None:
-        largest = max((s.size for s in self.segments.values()), default=0)
-        declared: dict[str, int] = {}
-        new_members: dict[str, int] = {}
-        seen: set[str] = set()
-        for i, item in enumerate(items):
-            if item.key in seen:
-                raise InvalidArgument(f"items[{i}].key: duplicate key {item.key!r} in one batch")
-            seen.add(item.key)
-            if self.segments and item.size > largest:
-                raise InvalidArgument(
-                    f"items[{i}].size: {item.size} bytes is larger than any segment (largest {largest})"
-                )
-            group = self.groups.get(item.group_id)
-            expected = group.size if group is not None else declared.get(item.group_id)
-            if expected is not None and expected != item.group_size:
-                raise InvalidArgument(
-                    f"items[{i}].group_size: {item.group_size} disagrees with {expected} "
-                    f"declared earlier for group {item.group_id!r}"
-                )
-            declared[item.group_id] = item.group_size
-            if item.key not in self.objects:
-                count = new_members.get(item.group_id, 0) + 1
-                new_members[item.group_id] = count
-                have = len(group.members) if group is not None else 0
-                if have + count > item.group_size:
-                    raise InvalidArgument(
-                        f"items[{i}].key: group {item.group_id!r} already has {have + count - 1} "
-                        f"of {item.group_size} members"
-                    )
-
-    def _drop_group(self, group_id: str) -> int:
-        group = self.groups.pop(group_id)
-        self._incomplete.pop(group_id, None)
-        for key, obj in group.members.items():
-            self._in_flight.pop(key, None)
-            self._free(obj)
-        return len(group.members)
 
     def _revoke(self, key: str) -> None:
         del self._in_flight[key]
@@ -353,16 +307,102 @@ class PoolIndex(Eviction, GroupFailures, SegmentTable):
 
     def _free(self, obj: StoredObject) -> None:
         del self.objects[obj.key]
-        segment = self.segments.get(obj.segment_id)
-        if segment is not None:
-            segment.keys.discard(obj.key)
-            segment.allocator.free(obj.offset)
-            if obj.committed:  # the store holds its record: it must forget it
-                segment.journal.remove(obj.key)
+        self.segment_table.release(obj)
 
-    @staticmethod
-    def _unlease(groups: list[Group]) -> None:
-        # the lease holds the group objects themselves: a group dropped and
-        # re-created under the same id is a new object with its own count
-        for group in groups:
-            group.num_leases -= 1
+    # ---- failed groups --------------------------------------------------
+
+    def _fail_group(self, group_id: str, group_size: int) -> None:
+        """A member failed to save: drop the group now, or once no member is in flight; refuse it for a while."""
+        self.failures.hold(group_id, group_size)
+        group = self.groups.get(group_id)
+        if group is None:
+            return
+        group.failed = True
+        if not group.busy:
+            self._drop_failed(group)
+
+    def _drop_failed(self, group: Group) -> None:
+        self.counters.failed_groups += 1
+        self.drop_group(group.group_id)
+
+    def _give_back_failed(self, items: Sequence[PutRequestItem], outcomes: list[PutOutcome], failed: set[str]) -> None:
+        """Undo this batch's reservations for groups that failed in it (their writer never sees the space)."""
+        for i, item in enumerate(items):
+            if item.group_id in failed and outcomes[i].status is PutStatus.RESERVED:
+                outcomes[i] = PutOutcome(PutStatus.GROUP_FAILED)
+                obj = self.objects[item.key]
+                group = self.groups[item.group_id]
+                del self._in_flight[item.key]
+                del group.members[item.key]
+                group.num_in_flight -= 1
+                self._free(obj)
+        for group_id in failed:
+            group = self.groups.get(group_id)
+            if group is not None and not group.members:
+                del self.groups[group_id]
+            elif group is not None and not group.busy:
+                self._drop_failed(group)
+
+    # ---- segments (the table's calls) -----------------------------------
+
+    def mount_segment(
+        self,
+        segment_id: str,
+        endpoint: str,
+        host: str,
+        base_address: int,
+        size: int,
+        numa_node: int = -1,
+        records: Sequence[ObjectRecord] = (),
+    ) -> MountResult:
+        """See :meth:`SegmentTable.mount`."""
+        return self.segment_table.mount(segment_id, endpoint, host, base_address, size, numa_node, records)
+
+    def unmount_segment(self, segment_id: str) -> int:
+        """Drop a segment and every group with a member in it; returns objects dropped."""
+        return self.segment_table.unmount(segment_id)
+
+    def heartbeat(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[SegmentChange], bool]:
+        """Keep a segment alive; returns the changes its store has not acknowledged, and whether more wait."""
+        return self.segment_table.heartbeat(segment_id, acked_sequence)
+
+    def expire_segments(self) -> list[str]:
+        """Unmount every segment whose store missed heartbeats for the TTL."""
+        return self.segment_table.expire()
+
+    # ---- what the parts see (Evictable, SegmentHost) --------------------
+
+    @property
+    def lru_groups(self) -> OrderedDict[str, Group]:
+        return self.groups
+
+    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
+        return self.segment_table.allocate(order, size)
+
+    def drop_group(self, group_id: str) -> int:
+        group = self.groups.pop(group_id)
+        self._incomplete.pop(group_id, None)
+        for key, obj in group.members.items():
+            self._in_flight.pop(key, None)
+            self._free(obj)
+        return len(group.members)
+
+    def drop_member(self, group: Group, key: str) -> None:
+        obj = group.members.pop(key)
+        group.num_committed -= 1
+        self._free(obj)
+        if not group.members:
+            del self.groups[group.group_id]
+            self._incomplete.pop(group.group_id, None)
+
+    def adopt(self, obj: StoredObject, group_size: int) -> None:
+        self.objects[obj.key] = obj
+        group = self.groups.get(obj.group_id)
+        if group is None:
+            group = self.groups[obj.group_id] = Group(obj.group_id, group_size)
+        group.members[obj.key] = obj
+        group.num_committed += 1
+        if not group.complete:  # its other members are in stores that have not reported yet
+            self._mark_incomplete(obj.group_id)
+        else:
+            self._incomplete.pop(obj.group_id, None)

@@ -1,9 +1,12 @@
-"""The pool index's segment table: mounts with block reports, heartbeats with journals, expiry.
+"""The pool index's segment table: space, mounts with block reports, heartbeats with journals, expiry.
 
-Pure: a mixin of :class:`~kvpool.core.pool_index.PoolIndex` (kept apart so
-each module stays small); it works on the index's own fields.
+Pure. The index holds one ``SegmentTable``; the table sees the index's
+objects and groups only through ``SegmentHost``.
 
-Invariants (with the index's):
+Invariants:
+- ``used_bytes`` and ``capacity`` always equal the sums over the mounted
+  segments' allocators and sizes (kept as running totals: a put reads them
+  on every placement);
 - a segment mounted again with the same endpoint, base address and size is
   the same DRAM: the index keeps what it holds and resyncs the store's records;
 - a segment id back with another identity is a new segment: the old one's
@@ -13,10 +16,12 @@ Invariants (with the index's):
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvpool.core.errors import NotFound
+from kvpool.core.pool_eviction import GroupFailures
 from kvpool.core.pool_records import (
     Group,
     IndexCounters,
@@ -30,22 +35,67 @@ from kvpool.core.pool_recovery import allocator_with_ranges, plan_report
 from kvpool.core.pool_settings import IndexSettings
 
 
-class SegmentTable:
-    """Segment calls of the pool index; every field named here is the index's."""
+class SegmentHost(Protocol):
+    """What the segment table needs of the index."""
 
-    __slots__ = ()
+    @property
+    def objects(self) -> Mapping[str, StoredObject]: ...
+
+    @property
+    def lru_groups(self) -> Mapping[str, Group]: ...
+
+    def drop_group(self, group_id: str) -> int:
+        """Free every member of a group and forget it; returns members dropped."""
+        ...
+
+    def adopt(self, obj: StoredObject, group_size: int) -> None:
+        """A committed object a store reported joins its group."""
+        ...
+
+
+@dataclass(slots=True)
+class SegmentTable:
+    """Every mounted segment, with the space used in them all."""
+
+    index: SegmentHost
     settings: IndexSettings
     clock: Callable[[], float]
-    segments: dict[str, Segment]
-    objects: dict[str, StoredObject]
-    groups: OrderedDict[str, Group]
     counters: IndexCounters
-    _failed: OrderedDict[str, float]
-    _incomplete: OrderedDict[str, float]
+    # groups refused for now: a store's report may not bring one back
+    failures: GroupFailures
+    segments: dict[str, Segment] = field(default_factory=dict)
+    used_bytes: int = 0
+    capacity: int = 0
 
-    # ---- segments -------------------------------------------------------
+    # ---- space ----------------------------------------------------------
 
-    def mount_segment(
+    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
+        for segment in order:
+            allocator = segment.allocator
+            if allocator.largest_free >= size:
+                before = allocator.used_bytes
+                offset = allocator.allocate(size)
+                if offset is not None:
+                    self.used_bytes += allocator.used_bytes - before
+                    return segment, offset
+        return None
+
+    def release(self, obj: StoredObject) -> None:
+        """Give back an object's space; a committed one's store is told to forget it."""
+        segment = self.segments.get(obj.segment_id)
+        if segment is None:
+            return
+        segment.keys.discard(obj.key)
+        allocator = segment.allocator
+        before = allocator.used_bytes
+        allocator.free(obj.offset)
+        self.used_bytes -= before - allocator.used_bytes
+        if obj.committed:  # the store holds its record: it must forget it
+            segment.journal.remove(obj.key)
+
+    # ---- mounts ---------------------------------------------------------
+
+    def mount(
         self,
         segment_id: str,
         endpoint: str,
@@ -69,10 +119,11 @@ class SegmentTable:
             if (existing.endpoint, existing.base_address, existing.size) == (endpoint, base_address, size):
                 existing.last_heartbeat = self.clock()
                 return self._resync(existing, records)
-            self.unmount_segment(segment_id)
-        self._prune_failed()
-        plan = plan_report(records, size, self.settings.alignment, self.objects, self.groups, self._failed)
-        allocator = allocator_with_ranges(size, self.settings.alignment, [(r.offset, r.size) for r in plan.accepted])
+            self.unmount(segment_id)
+        self.failures.prune()
+        alignment = self.settings.alignment
+        plan = plan_report(records, size, alignment, self.index.objects, self.index.lru_groups, self.failures)
+        allocator = allocator_with_ranges(size, alignment, [(r.offset, r.size) for r in plan.accepted])
         segment = self.segments[segment_id] = Segment(
             segment_id=segment_id,
             endpoint=endpoint,
@@ -83,19 +134,12 @@ class SegmentTable:
             allocator=allocator,
             last_heartbeat=self.clock(),
         )
+        self.capacity += size
+        self.used_bytes += allocator.used_bytes
         for record in plan.accepted:
             obj = StoredObject(record.key, record.group_id, segment_id, record.offset, record.size, record.checksum, True)
-            self.objects[record.key] = obj
             segment.keys.add(record.key)
-            group = self.groups.get(record.group_id)
-            if group is None:
-                group = self.groups[record.group_id] = Group(record.group_id, record.group_size)
-            group.members[record.key] = obj
-            group.num_committed += 1
-            if not group.complete:  # its other members are in stores that have not reported yet
-                self._mark_incomplete(record.group_id)
-            else:
-                self._incomplete.pop(record.group_id, None)
+            self.index.adopt(obj, record.group_size)
         self.counters.adopted_objects += len(plan.accepted)
         self.counters.rejected_records += len(plan.rejected_keys)
         return MountResult(True, len(plan.accepted), plan.rejected_keys, 0)
@@ -114,52 +158,47 @@ class SegmentTable:
         return MountResult(False, len(held), rejected, journal.acked)
 
     def _record_of(self, key: str, segment_id: str) -> ObjectRecord | None:
-        obj = self.objects.get(key)
+        obj = self.index.objects.get(key)
         if obj is None or not obj.committed or obj.segment_id != segment_id:
             return None
-        size = self.groups[obj.group_id].size
+        size = self.index.lru_groups[obj.group_id].size
         return ObjectRecord(key, obj.group_id, size, obj.offset, obj.size, obj.checksum)
 
-    def unmount_segment(self, segment_id: str) -> int:
+    def unmount(self, segment_id: str) -> int:
         """Drop a segment and every group with a member in it; returns objects dropped."""
-        segment = self._segment(segment_id, field_name="segment_id")
-        group_ids = {self.objects[key].group_id for key in segment.keys}
+        segment = self.get(segment_id, field_name="segment_id")
+        objects = self.index.objects
+        group_ids = {objects[key].group_id for key in segment.keys}
         dropped = 0
         for group_id in group_ids:
-            dropped += self._drop_group(group_id)
+            dropped += self.index.drop_group(group_id)
         del self.segments[segment_id]
+        self.capacity -= segment.size
+        self.used_bytes -= segment.allocator.used_bytes
         return dropped
+
+    # ---- liveness -------------------------------------------------------
 
     def heartbeat(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[SegmentChange], bool]:
         """Keep a segment alive; returns the changes its store has not acknowledged, and whether more wait."""
-        segment = self._segment(segment_id, field_name="segment_id")
+        segment = self.get(segment_id, field_name="segment_id")
         segment.last_heartbeat = self.clock()
         journal = segment.journal
         journal.ack(acked_sequence)
         changes = journal.pending(self.settings.max_changes_per_heartbeat)
         return changes, len(journal.entries) > len(changes)
 
-    def expire_segments(self) -> list[str]:
+    def expire(self) -> list[str]:
         """Unmount every segment whose store missed heartbeats for the TTL."""
         deadline = self.clock() - self.settings.segment_ttl_s
         dead = [s.segment_id for s in self.segments.values() if s.last_heartbeat < deadline]
         for segment_id in dead:
-            self.unmount_segment(segment_id)
+            self.unmount(segment_id)
             self.counters.dropped_segments += 1
         return dead
 
-    def _segment(self, segment_id: str, field_name: str) -> Segment:
+    def get(self, segment_id: str, field_name: str) -> Segment:
         segment = self.segments.get(segment_id)
         if segment is None:
             raise NotFound(f"{field_name}: unknown segment {segment_id!r}")
         return segment
-
-    # provided by the index
-    def _drop_group(self, group_id: str) -> int:
-        raise NotImplementedError
-
-    def _prune_failed(self) -> None:
-        raise NotImplementedError
-
-    def _mark_incomplete(self, group_id: str) -> None:
-        raise NotImplementedError

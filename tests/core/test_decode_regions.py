@@ -7,14 +7,7 @@ import pytest
 from kvpool.core.decode_regions import RegionTable
 from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvpool.core.handoff_layout import HandoffLayout
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.core.fixtures import Clock
 
 
 def layout(num_tokens: int) -> HandoffLayout:
@@ -22,7 +15,7 @@ def layout(num_tokens: int) -> HandoffLayout:
 
 
 def test_reserve_claim_free_and_exact_offsets() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     table = RegionTable(arena_size=64 << 10, deadline_s=5.0, clock=clock)
     a = table.reserve(layout(3))  # 12 KiB
     b = table.reserve(layout(2))
@@ -40,7 +33,7 @@ def test_reserve_claim_free_and_exact_offsets() -> None:
 
 
 def test_full_arena_and_never_fitting() -> None:
-    table = RegionTable(arena_size=16 << 10, deadline_s=5.0, clock=Clock())
+    table = RegionTable(arena_size=16 << 10, deadline_s=5.0, clock=Clock(100.0))
     table.reserve(layout(3))
     with pytest.raises(ResourceExhausted):
         table.reserve(layout(2))
@@ -49,7 +42,7 @@ def test_full_arena_and_never_fitting() -> None:
 
 
 def test_unclaimed_regions_expire_at_their_deadline_claimed_ones_never() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     table = RegionTable(arena_size=64 << 10, deadline_s=5.0, clock=clock)
     table.reserve(layout(1))
     table.reserve(layout(1))

@@ -10,18 +10,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvpool.core.decode_pages import PageAllocator, pages_for
 from kvpool.core.decode_scheduler import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, DecodeScheduler
 from kvpool.core.errors import InvalidArgument, ResourceExhausted
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.core.fixtures import Clock
 
 
 def scheduler(num_pages: int = 8, page_size: int = 4, max_batch_size: int = 4, max_context: int = 64):
-    return DecodeScheduler(num_pages, page_size, max_batch_size, max_context, Clock())
+    return DecodeScheduler(num_pages, page_size, max_batch_size, max_context, Clock(0.0))
 
 
 def test_pages_lowest_first_and_all_or_nothing_free() -> None:
@@ -112,7 +105,7 @@ def test_context_is_a_stop_rule() -> None:
     s.admit()
     assert [s.on_token("a", 1), s.on_token("a", 1), s.on_token("a", 1)] == [None, None, FINISH_LENGTH]
     # with a context stop reachable only through the rule itself
-    s2 = DecodeScheduler(8, 4, 4, 8, Clock())
+    s2 = DecodeScheduler(8, 4, 4, 8, Clock(0.0))
     s2.submit("b", 5, 3)
     s2.admit()
     s2.max_context = 7  # a shard whose context shrank under a queued request still stops in time
@@ -155,7 +148,7 @@ class DecodeMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.s = DecodeScheduler(num_pages=12, page_size=4, max_batch_size=3, max_context=40, clock=Clock())
+        self.s = DecodeScheduler(num_pages=12, page_size=4, max_batch_size=3, max_context=40, clock=Clock(0.0))
         self.next_id = 0
 
     @rule(prompt=st.integers(1, 30), max_tokens=st.integers(1, 20))

@@ -14,16 +14,10 @@ import pytest
 
 from kvpool.core.pool_index import IndexSettings, PoolIndex
 from kvpool.core.pool_records import PutRequestItem, PutStatus
+from tests.core.fixtures import KB, make_index
 
-KB = 1024
-
-
-def make_index(eviction: str, segment_bytes: int = 8 * KB) -> PoolIndex:
-    # high 0.75 × 8 KiB = 6 KiB, low 0.5 × 8 KiB = 4 KiB
-    index = PoolIndex(IndexSettings(alignment=1, high_watermark=0.75, low_watermark=0.5, eviction=eviction),
-                      clock=lambda: 1000.0)
-    index.mount_segment("seg0", "127.0.0.1:9000", "host0", 0x10000000, segment_bytes)
-    return index
+# high 0.75 × 8 KiB = 6 KiB, low 0.5 × 8 KiB = 4 KiB
+WATERMARKS = {"high_watermark": 0.75, "low_watermark": 0.5}
 
 
 def put_group(index: PoolIndex, group_id: str, members: int = 2, size: int = KB) -> None:
@@ -38,7 +32,7 @@ def partial_groups(index: PoolIndex) -> list[str]:
 
 
 def test_group_eviction_drops_whole_groups() -> None:
-    index = make_index("group")
+    index = make_index(8 * KB, eviction="group", **WATERMARKS)[0]
     for name in "abc":
         put_group(index, name)
     put_group(index, "d")  # 6 KiB + 1 KiB passes the high watermark: free down to 4 KiB
@@ -50,7 +44,7 @@ def test_group_eviction_drops_whole_groups() -> None:
 
 
 def test_object_eviction_leaves_a_partial_group_invisible_to_lookups() -> None:
-    index = make_index("object")
+    index = make_index(8 * KB, eviction="object", **WATERMARKS)[0]
     for name in "abc":
         put_group(index, name)
     put_group(index, "d")  # evicts a/0, a/1, then b/0 alone: used 3 KiB + 1 KiB reaches the low watermark
@@ -66,7 +60,7 @@ def test_object_eviction_leaves_a_partial_group_invisible_to_lookups() -> None:
 
 
 def test_partial_group_whole_again_when_the_missing_member_is_put() -> None:
-    index = make_index("object")
+    index = make_index(8 * KB, eviction="object", **WATERMARKS)[0]
     for name in "abcd":
         put_group(index, name)
     item = PutRequestItem("b/0", "b", 2, KB)
@@ -77,7 +71,7 @@ def test_partial_group_whole_again_when_the_missing_member_is_put() -> None:
 
 
 def test_object_eviction_spares_leased_groups() -> None:
-    index = make_index("object")
+    index = make_index(8 * KB, eviction="object", **WATERMARKS)[0]
     for name in "abc":
         put_group(index, name)
     assert index.lookup(["a"]).lease_id == 1  # a is leased (and now most recent): b, then c, go first
@@ -94,7 +88,7 @@ def test_same_puts_partial_groups_only_with_object_eviction(seed: int) -> None:
     workload = [(f"g{i}", rng.choice([256, 512, 768, 1024]), rng.random() < 0.3) for i in range(200)]
     seen_partial = {}
     for mode in ("group", "object"):
-        index = make_index(mode, segment_bytes=16 * KB)
+        index = make_index(16 * KB, eviction=mode, **WATERMARKS)[0]
         count = 0
         for i, (group_id, size, reread) in enumerate(workload):
             put_group(index, group_id, members=4, size=size)

@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-from kvpool.core.pool_index import IndexSettings, PoolIndex
 from kvpool.core.pool_records import PutRequestItem, PutStatus
+from tests.core.fixtures import KB, make_index
 
-KB = 1024
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_index(segment_bytes: int = 10 * KB, **settings: float) -> tuple[PoolIndex, Clock]:
-    clock = Clock()
-    index = PoolIndex(IndexSettings(alignment=1, failed_group_hold_s=10.0, **settings), clock=clock)
-    index.mount_segment("seg0", "127.0.0.1:9000", "host0", 0x10000000, segment_bytes)
-    return index, clock
+# one 10 KiB segment; a failed group's other members are refused for 10 s
+SMALL = {"segment_bytes": 10 * KB, "failed_group_hold_s": 10.0}
 
 
 def item(group_id: str, member: int, size: int = KB, group_size: int = 4) -> PutRequestItem:
@@ -32,7 +18,7 @@ def statuses(outcomes) -> list[PutStatus]:  # type: ignore[no-untyped-def]
 
 
 def test_no_space_for_a_member_drops_the_committed_others_and_refuses_the_rest() -> None:
-    index, clock = make_index()
+    index, clock = make_index(**SMALL)
     index.put_start("host0", [item("busy", 0, size=8 * KB)])  # in flight: nothing evictable
     index.put_start("host0", [item("g", 0), item("g", 1)])
     index.put_end([("g/0", 1), ("g/1", 2)])
@@ -49,7 +35,7 @@ def test_no_space_for_a_member_drops_the_committed_others_and_refuses_the_rest()
 
 
 def test_members_reserved_earlier_in_the_same_batch_are_given_back() -> None:
-    index, _ = make_index()
+    index, _ = make_index(**SMALL)
     outcomes = index.put_start("host0", [item("a", 0, 3 * KB), item("g", 0, 3 * KB), item("g", 1, 5 * KB),
                                          item("g", 2, KB)])
     # g/1 finds no room (a's 3 KB + g/0's 3 KB are in flight): g/0 is undone, g/2 refused
@@ -60,7 +46,7 @@ def test_members_reserved_earlier_in_the_same_batch_are_given_back() -> None:
 
 
 def test_a_revoked_member_drops_its_group_once_the_others_end() -> None:
-    index, _ = make_index()
+    index, _ = make_index(**SMALL)
     index.put_start("host0", [item("g", 0), item("g", 1), item("g", 2)])
     index.put_end([("g/0", 1)])
     assert index.put_revoke(["g/1"]) == 1
@@ -72,7 +58,7 @@ def test_a_revoked_member_drops_its_group_once_the_others_end() -> None:
 
 
 def test_a_timed_out_member_fails_its_group() -> None:
-    index, clock = make_index(put_timeout_s=30.0)
+    index, clock = make_index(**SMALL, put_timeout_s=30.0)
     index.put_start("host0", [item("g", 0)])
     index.put_end([("g/0", 1)])
     index.put_start("host0", [item("g", 1)])
@@ -83,7 +69,7 @@ def test_a_timed_out_member_fails_its_group() -> None:
 
 
 def test_a_one_member_group_may_be_saved_again_at_once() -> None:
-    index, _ = make_index()
+    index, _ = make_index(**SMALL)
     index.put_start("host0", [item("busy", 0, 10 * KB)])
     assert statuses(index.put_start("host0", [item("s", 0, group_size=1)])) == [PutStatus.NO_SPACE]
     index.put_revoke(["busy/0"])
@@ -91,7 +77,7 @@ def test_a_one_member_group_may_be_saved_again_at_once() -> None:
 
 
 def test_a_group_left_incomplete_is_dropped_after_incomplete_group_s() -> None:
-    index, clock = make_index(incomplete_group_s=30.0)
+    index, clock = make_index(**SMALL, incomplete_group_s=30.0)
     index.put_start("host0", [item("g", 0), item("h", 0)])
     index.put_end([("g/0", 1), ("h/0", 1)])
     clock.now += 20.0
@@ -110,7 +96,7 @@ def test_a_group_left_incomplete_is_dropped_after_incomplete_group_s() -> None:
 
 
 def test_a_complete_group_is_never_dropped_as_incomplete() -> None:
-    index, clock = make_index(incomplete_group_s=30.0)
+    index, clock = make_index(**SMALL, incomplete_group_s=30.0)
     index.put_start("host0", [item("g", m, group_size=2) for m in range(2)])
     index.put_end([("g/0", 1), ("g/1", 2)])
     clock.now += 100.0

@@ -7,24 +7,7 @@ import pytest
 from kvpool.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvpool.core.pool_index import IndexSettings, PoolIndex
 from kvpool.core.pool_records import PutRequestItem, PutStatus
-
-KB = 1024
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_index(segment_bytes: int = 100 * KB, segments: int = 1, **settings: float) -> tuple[PoolIndex, Clock]:
-    clock = Clock()
-    index = PoolIndex(IndexSettings(alignment=1, **settings), clock=clock)
-    for i in range(segments):
-        index.mount_segment(f"seg{i}", f"127.0.0.1:{9000 + i}", f"host{i}", 0x10000000 * (i + 1), segment_bytes)
-    return index, clock
+from tests.core.fixtures import KB, make_index
 
 
 def put_group(index: PoolIndex, group_id: str, members: int = 2, size: int = KB, host: str = "host0") -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpool.core.allocator import Extent
-from kvpool.core.pool_index import IndexSettings, PoolIndex
+from kvpool.core.pool_index import PoolIndex
 from kvpool.core.pool_records import (
     ObjectRecord,
     PutRequestItem,
@@ -13,29 +13,7 @@ from kvpool.core.pool_records import (
     SegmentChange,
 )
 from kvpool.core.pool_recovery import allocator_with_ranges
-
-KB = 1024
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_index(segments: int = 2, **settings: float) -> PoolIndex:
-    index = PoolIndex(IndexSettings(alignment=64, **settings), clock=Clock())
-    for i in range(segments):
-        mount(index, f"seg{i}")
-    return index
-
-
-def mount(index: PoolIndex, segment_id: str, records: list[ObjectRecord] | None = None, size: int = 100 * KB):
-    i = int(segment_id[-1])
-    return index.mount_segment(segment_id, f"127.0.0.1:{9000 + i}", f"host{i}", 0x10000000 * (i + 1), size,
-                               records=records or [])
+from tests.core.fixtures import KB, make_index, mount
 
 
 def put(index: PoolIndex, host: str, key: str, group_id: str, group_size: int, size: int = KB) -> str:
@@ -62,7 +40,7 @@ def rec(key: str, group: str, group_size: int, offset: int, size: int = KB, chec
 
 
 def test_commits_and_removals_reach_the_store_in_order_and_acks_trim() -> None:
-    index = make_index()
+    index = make_index(segments=2, alignment=64)[0]
     put(index, "host0", "a/0", "a", 1)
     put(index, "host0", "b/0", "b", 1)
     assert index.heartbeat("seg0", 0) == ([], False)  # in flight: the store knows nothing yet
@@ -83,7 +61,7 @@ def test_commits_and_removals_reach_the_store_in_order_and_acks_trim() -> None:
 
 
 def test_changes_are_sent_in_bounded_pieces() -> None:
-    index = make_index(max_changes_per_heartbeat=2)
+    index = make_index(segments=2, alignment=64, max_changes_per_heartbeat=2)[0]
     for i in range(3):
         put(index, "host0", f"k{i}/0", f"k{i}", 1)
         index.put_end([(f"k{i}/0", i)])
@@ -94,7 +72,7 @@ def test_changes_are_sent_in_bounded_pieces() -> None:
 
 
 def test_a_restarted_master_adopts_reports_and_a_group_waits_for_all_its_stores() -> None:
-    old = make_index()
+    old = make_index(segments=2, alignment=64)[0]
     put(old, "host0", "g/0", "g", 2)
     put(old, "host1", "g/1", "g", 2)  # the writer's own host first: the group spans both stores
     put(old, "host0", "h/0", "h", 1, size=2 * KB)
@@ -103,7 +81,7 @@ def test_a_restarted_master_adopts_reports_and_a_group_waits_for_all_its_stores(
     reports = {s: list(store_view(old, s).values()) for s in ("seg0", "seg1")}
     assert sorted(r.key for r in reports["seg0"]) == ["g/0", "h/0"]  # never x/0
 
-    new = make_index(segments=0)
+    new = make_index(segments=0, alignment=64)[0]
     result = mount(new, "seg0", reports["seg0"])
     assert (result.fresh, result.adopted, result.rejected_keys, result.sequence) == (True, 2, [], 0)
     assert [g.group_id for g in new.lookup(["h"]).groups] == ["h"]
@@ -122,7 +100,7 @@ def test_a_restarted_master_adopts_reports_and_a_group_waits_for_all_its_stores(
 
 
 def test_records_the_master_cannot_take_are_rejected_never_double_allocated() -> None:
-    new = make_index(segments=1)
+    new = make_index(segments=1, alignment=64)[0]
     put(new, "host0", "taken/0", "taken", 1)  # a put after the restart, before seg1 reported
     put(new, "host0", "full/0", "full", 1)
     new.put_end([("taken/0", 1), ("full/0", 1)])
@@ -145,7 +123,7 @@ def test_records_the_master_cannot_take_are_rejected_never_double_allocated() ->
 
 
 def test_a_group_that_failed_after_the_restart_is_not_brought_back() -> None:
-    new = make_index(segments=1)
+    new = make_index(segments=1, alignment=64)[0]
     put(new, "host0", "f/0", "f", 2)
     assert new.put_revoke(["f/0"]) == 1  # its writer failed: the group is refused for a while
     result = mount(new, "seg1", [rec("f/1", "f", 2, 0)])
@@ -154,7 +132,7 @@ def test_a_group_that_failed_after_the_restart_is_not_brought_back() -> None:
 
 
 def test_same_segment_mounted_again_keeps_the_index_and_resyncs_the_store() -> None:
-    index = make_index(segments=1)
+    index = make_index(segments=1, alignment=64)[0]
     for name in ("a", "b", "c"):
         put(index, "host0", f"{name}/0", name, 1)
         index.put_end([(f"{name}/0", 5)])
@@ -168,7 +146,7 @@ def test_same_segment_mounted_again_keeps_the_index_and_resyncs_the_store() -> N
 
 
 def test_a_segment_back_with_another_identity_keeps_only_its_new_report() -> None:
-    index = make_index(segments=1)
+    index = make_index(segments=1, alignment=64)[0]
     put(index, "host0", "a/0", "a", 1)
     index.put_end([("a/0", 5)])
     result = index.mount_segment("seg0", "127.0.0.1:9000", "host0", 0x70000000, 100 * KB, records=[])
@@ -187,7 +165,7 @@ def test_allocator_with_ranges_holds_exactly_those_ranges() -> None:
 
 
 def test_a_group_whose_other_store_never_reports_is_dropped_in_time() -> None:
-    new = make_index(segments=0, incomplete_group_s=30.0)
+    new = make_index(segments=0, alignment=64, incomplete_group_s=30.0)[0]
     mount(new, "seg0", [rec("g/0", "g", 2, 0), rec("h/0", "h", 1, KB)])
     assert list(new.groups) == ["g", "h"] and new.used_bytes == 2 * KB
     new.clock.now += 30.0
