@@ -209,6 +209,24 @@ class BlockManager:
                 if block.chunk_hash is None:
                     self._free_block_ids.move_to_end(block_id, last=False)
 
+    def forget_cached(self) -> int:
+        """Forget every cached chunk: no block matches a prefix any more.
+
+        For when some stage lost its device KV (it restarted): a device hit must
+        hold on every stage, so none may be claimed. Referenced blocks stay with
+        their requests; free blocks become uncached and move to the LRU end (they
+        are reused first). Returns the number of chunks forgotten.
+        """
+        forgotten = len(self._hash_to_block_id)
+        # free cached blocks go to the LRU end keeping their relative order
+        cached_free = [b for b in self._free_block_ids if self.blocks[b].chunk_hash is not None]
+        for block_id in reversed(cached_free):
+            self._free_block_ids.move_to_end(block_id, last=False)
+        for block_id in self._hash_to_block_id.values():
+            self.blocks[block_id].chunk_hash = None
+        self._hash_to_block_id.clear()
+        return forgotten
+
     # internals
     def _request(self, request_id: str) -> _Request:
         request = self._requests.get(request_id)

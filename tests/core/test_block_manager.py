@@ -65,6 +65,25 @@ def test_freed_blocks_stay_cached_and_hit() -> None:
     assert bm.free_block_ids() == [3, 4, 5, 6, 7]
 
 
+def test_forget_cached_drops_every_hit_and_keeps_live_tables() -> None:
+    bm = BlockManager(8, CHUNK)
+    run(bm, "a", prompt(10))  # blocks 0, 1 cached, 2 partial; a still holds them
+    run(bm, "b", prompt(8, seed=1))  # blocks 3, 4 cached
+    bm.free("b")
+    assert bm.free_block_ids() == [5, 6, 7, 4, 3]
+    assert bm.forget_cached() == 4
+    assert bm.num_cached_blocks == 0
+    assert bm.match_prefix(hashes(prompt(10))) == 0 and bm.match_prefix(hashes(prompt(8, seed=1))) == 0
+    # free blocks that were cached are reused first now (LRU end), in the order they had
+    assert bm.free_block_ids() == [4, 3, 5, 6, 7]
+    assert bm.block_table("a") == [0, 1, 2] and [b.ref_count for b in bm.blocks[:3]] == [1, 1, 1]
+    assert all(b.chunk_hash is None for b in bm.blocks)
+    # a's chunks may be committed again by a later request, nothing else changes
+    bm.free("a")
+    assert bm.free_block_ids() == [0, 1, 2, 4, 3, 5, 6, 7]  # uncached now: each to the LRU end
+    assert bm.forget_cached() == 0
+
+
 def test_lru_eviction_is_tail_first() -> None:
     bm = BlockManager(6, CHUNK)
     a = prompt(12)
@@ -286,6 +305,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         holder_id = data.draw(st.sampled_from(sorted(self.holds)))
         del self.holds[holder_id]
         self.bm.free(holder_id)
+
+    @rule()
+    def forget_cached(self) -> None:
+        # a stage restarted: no chunk may be claimed as a device hit any more
+        tables = {r: self.bm.block_table(r) for r in self.prompts}
+        self.bm.forget_cached()
+        assert self.bm.num_cached_blocks == 0
+        assert {r: self.bm.block_table(r) for r in self.prompts} == tables
 
     @invariant()
     def refcounts_match_tables(self) -> None:
