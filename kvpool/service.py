@@ -59,6 +59,7 @@ async def create_server(
     port: int,
     add_servicers: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str] = (),
+    health_servicer: health.aio.HealthServicer | None = None,
 ) -> ServerHandle:
     """Create and start a server bound to ``host:port`` (port 0 picks one).
 
@@ -67,6 +68,8 @@ async def create_server(
     reflection together with the health and reflection services, so grpcurl
     and similar tools work without the proto files. A name whose descriptor
     is not loaded is an error here, not a reflection miss later.
+    ``health_servicer`` replaces the stock health service (e.g. one that
+    answers for a whole pipeline).
     """
     names = list(dict.fromkeys(service_names))
     known = descriptor_pool.Default()
@@ -77,7 +80,7 @@ async def create_server(
             raise ValueError(f"no protobuf service named {name!r} is loaded; "
                              "service_names takes full names such as 'kvpool.rpc.PoolMaster'") from None
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_servicers(server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -10,6 +10,7 @@ import grpc
 import structlog
 
 from kvpool.core.errors import (
+    DeviceCacheLost,
     FailedPrecondition,
     InvalidArgument,
     KvpoolError,
@@ -28,6 +29,20 @@ _CODES: dict[type[KvpoolError], grpc.StatusCode] = {
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+# errors a caller must tell apart from others of the same code travel by name in
+# the trailing metadata (never parsed out of the message)
+ERROR_KIND_KEY = "kvpool-error-kind"
+_KINDS: dict[str, type[KvpoolError]] = {cls.__name__: cls for cls in (DeviceCacheLost,)}
+
+
+def error_kind(exc: grpc.aio.AioRpcError) -> type[KvpoolError] | None:
+    """The named domain error a downstream service raised, if it named one."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == ERROR_KIND_KEY:
+            return _KINDS.get(value)
+    return None
 
 
 def status_code(error: KvpoolError) -> grpc.StatusCode:
@@ -61,7 +76,9 @@ def status_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitabl
         except KvpoolError as exc:
             code = status_code(exc)
             _log.info("request_rejected", method=method.__name__, code=code.name, reason=str(exc))
-            await context.abort(code, str(exc))
+            kind = type(exc).__name__
+            metadata = ((ERROR_KIND_KEY, kind),) if kind in _KINDS else ()
+            await context.abort(code, str(exc), trailing_metadata=metadata)
             raise  # unreachable: abort raises
 
     return wrapper

@@ -55,3 +55,8 @@ class ResourceExhausted(KvpoolError):
 
 class Unavailable(KvpoolError):
     """A dependency is down or the service is not ready yet."""
+
+
+class DeviceCacheLost(FailedPrecondition):
+    """A stage was asked to read device KV it never wrote: it restarted since
+    stage 0 cached those chunks. No device hit can be trusted on that pipeline."""

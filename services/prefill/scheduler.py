@@ -22,7 +22,7 @@ import torch
 
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
-from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvpool.core.errors import DeviceCacheLost, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvpool.core.prefill_request import KvHolds, PrefillRequest, try_admit
 from kvpool.pool.client import LookupResult, PoolClient
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
@@ -168,6 +168,11 @@ class PrefillScheduler:
         t0 = time.perf_counter()
         try:
             result = await run_stage(self.runner, self.link, forward, inputs, request.block_table)
+        except DeviceCacheLost as exc:
+            # a later stage restarted: its device KV is gone, so no device hit holds on this pipeline
+            forgotten = self.blocks.forget_cached()
+            log.warning("device_cache_dropped", request_id=request.request_id, chunks=forgotten, reason=str(exc))
+            raise Unavailable(f"prefill: {exc}; the pipeline dropped its device cache, retry") from None
         finally:
             if saving:
                 task = asyncio.ensure_future(self._release_after_saves(request.request_id))

@@ -13,6 +13,7 @@ from kvpool import service
 from kvpool.pool.client import PoolClient
 from kvpool.rpc import handoff_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import TransferEngine
+from services.prefill.chain_health import PipelineHealthServicer
 from services.prefill.handoff import HandoffMetrics, HandoffServicer, HandoffStageServicer
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.scheduler import PrefillScheduler, PrefillServicer
@@ -72,9 +73,11 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
             prefill_pb2_grpc.add_PrefillServicer_to_server(front, server)
             handoff_pb2_grpc.add_HandoffServicer_to_server(handoff_front, server)
 
+    health_servicer = PipelineHealthServicer()
     handle = await service.create_server(settings.host, settings.port, add_servicers, service_names=[
         "kvpool.rpc.PrefillStage", "kvpool.rpc.HandoffStage",
-        *(["kvpool.rpc.Prefill", "kvpool.rpc.Handoff"] if settings.stage == 0 else [])])
+        *(["kvpool.rpc.Prefill", "kvpool.rpc.Handoff"] if settings.stage == 0 else [])],
+        health_servicer=health_servicer)
     stop = asyncio.Event()
     service.install_stop_signals(stop)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
@@ -84,6 +87,7 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
         if settings.stage == 0:
             await handle.set_serving(False)
             channels = await wait_for_stages(settings, runner.namespace, stop)
+            health_servicer.watch_stages(channels)
             front.scheduler = PrefillScheduler(
                 runner, link, [prefill_pb2_grpc.PrefillStageStub(c) for c in channels], pool, metrics
             )

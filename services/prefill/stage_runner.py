@@ -32,6 +32,7 @@ import structlog
 import torch
 
 from kvpool.core.chunk_hash import ChunkHash, group_id, object_key
+from kvpool.core.errors import DeviceCacheLost
 from kvpool.core.planner import leading_count
 from kvpool.model import ModelStage, kv_dtype
 from kvpool.model.kv_cache import block_address, block_nbytes, kv_cache_nbytes
@@ -110,6 +111,9 @@ class StageRunner:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{settings.stage}-compute")
         # each request's save, from start until stage 0 asked for its end (save_done)
         self._saves: dict[str, asyncio.Task[SaveFigures]] = {}
+        # blocks whose KV this process wrote (restored or computed): a stage that
+        # restarted has none, and must not compute over blocks stage 0 calls cached
+        self._written = bytearray(settings.num_blocks)
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
@@ -141,6 +145,8 @@ class StageRunner:
         verified = await self.pool.read([(c.location, self.block_address(c.block_id)) for c in chunks[:count]])
         figures.read_ms = (time.perf_counter() - t0) * 1e3
         figures.num_chunks_restored = leading_count(verified)
+        for c in chunks[:figures.num_chunks_restored]:
+            self._written[c.block_id] = 1
         figures.bytes = figures.num_chunks_restored * size
         self.metrics.restored_bytes.inc(figures.bytes)
         self.metrics.restore_seconds.observe(figures.read_ms / 1e3)
@@ -150,9 +156,24 @@ class StageRunner:
 
     async def forward(self, inputs: torch.Tensor, block_table: Sequence[int], compute_start: int) -> torch.Tensor:
         """This stage's layers on tokens [compute_start, compute_start + n)."""
-        return await asyncio.get_running_loop().run_in_executor(
+        self.check_cached(block_table, compute_start)
+        out = await asyncio.get_running_loop().run_in_executor(
             self._compute, self.model.forward, inputs, self.kv_cache, list(block_table), compute_start
         )
+        size = self.settings.chunk_size
+        for block_id in block_table[compute_start // size:-(-(compute_start + inputs.shape[0]) // size)]:
+            self._written[block_id] = 1
+        return out
+
+    def check_cached(self, block_table: Sequence[int], compute_start: int) -> None:
+        """Every block holding tokens before ``compute_start`` must hold KV this process wrote."""
+        num_cached_blocks = -(-compute_start // self.settings.chunk_size)
+        missing = [b for b in block_table[:num_cached_blocks] if not self._written[b]]
+        if missing:
+            raise DeviceCacheLost(
+                f"stage {self.settings.stage}: {len(missing)} of {num_cached_blocks} cached blocks were never "
+                f"written by this process (it restarted); the pipeline's device cache must be dropped"
+            )
 
     # ---- save -----------------------------------------------------------
 

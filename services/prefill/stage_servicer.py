@@ -16,10 +16,10 @@ import structlog
 import torch
 
 from kvpool import service
-from kvpool.core.errors import InvalidArgument, Unavailable
+from kvpool.core.errors import DeviceCacheLost, InvalidArgument, Unavailable
 from kvpool.pool.client import ObjectLocation
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
-from kvpool.status import status_errors
+from kvpool.status import error_kind, status_errors
 from kvpool.transfer import TransferError
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, SaveFigures, StageRunner
 
@@ -114,6 +114,8 @@ class ActivationLink:
         try:
             return await self.next.Forward(onward, timeout=FORWARD_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
+            if error_kind(exc) is DeviceCacheLost:
+                raise DeviceCacheLost(exc.details() or "") from exc
             raise Unavailable(
                 f"stage {self.runner.settings.stage + 1}: {exc.code().name}: {exc.details()}"
             ) from exc

@@ -48,6 +48,9 @@ from services.router.openai_schema import GenerationRequest
 
 log = structlog.get_logger(__name__)
 
+# the health service name under which stage 0 answers for its whole pipeline
+PIPELINE_HEALTH_SERVICE = "kvpool.rpc.Prefill"
+
 # a backend's answer the client must see as such: its own bad input, or no room now (429)
 _PASSED_ON = (InvalidArgument, ResourceExhausted)
 
@@ -121,15 +124,16 @@ class Router:
                 log.warning("backend_health_changed", backend=name, healthy=healthy)
         return backends
 
-    async def _serving(self, stub: health_pb2_grpc.HealthStub) -> bool:
+    async def _serving(self, stub: health_pb2_grpc.HealthStub, service: str = "") -> bool:
         try:
-            response = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
         except grpc.aio.AioRpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
     async def _check_pipeline(self, client: PipelineClient) -> bool:
-        return await self._serving(client.health)
+        # stage 0 answers for the pipeline's service by asking every later stage
+        return await self._serving(client.health, PIPELINE_HEALTH_SERVICE)
 
     async def _check_shard(self, client: ShardClient) -> bool:
         if not await self._serving(client.health):

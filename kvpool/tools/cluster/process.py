@@ -106,6 +106,20 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait()
 
+    def restart(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Start again on the ports it had (peers keep their addresses), after it died or was stopped."""
+        if self.alive:
+            self.stop()
+        ports = {"--port": self.ready.get("port"), "--admin-port": self.ready.get("admin_port"),
+                 "--http-port": self.ready.get("http_port")}
+        args = list(self.args)
+        for i, arg in enumerate(args[:-1]):
+            if arg in ports and ports[arg] is not None:
+                args[i + 1] = str(ports[arg])
+        self.args = args
+        self.start()
+        return self.wait_ready(timeout_s)
+
     def pause(self) -> None:
         """SIGSTOP: the process is frozen (a hung host), its memory kept."""
         if self.proc is not None and self.proc.poll() is None:
