@@ -18,10 +18,11 @@ import pytest
 
 from kvpool import service
 from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.tools.up import Cluster, UpSettings
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.up import UpSettings, up_cluster
 from tests.integration.test_router_faults import until_unhealthy
 
-pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+pytestmark = pytest.mark.cluster
 
 PROMPT = " ".join(f"def step_{i}(x): return x * {i} + {i * i}" for i in range(24))
 
@@ -32,7 +33,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     config.write_text("[router]\nhealth_interval_s = 0.2\n")
     settings = UpSettings(pipelines=1, stages=2, decode_shards=1, stores=1, http_port=0, grpc_port=0,
                           device_cache_tokens=4096, workdir=str(tmp_path / "logs"))
-    up = Cluster(settings, config=str(config)).start()
+    up = up_cluster(settings, str(config)).start()
     try:
         yield up
     finally:
