@@ -14,12 +14,18 @@ listens, and on Ctrl-C or SIGTERM stops them a tier at a time, the router
 first and the master last: every child gets SIGTERM (stores unmount, ports
 are freed) and, past a grace period, SIGKILL. Children
 also die with ``up`` itself (PR_SET_PDEATHSIG), so none is left orphaned.
+While it serves, ``up`` supervises: a process that dies is restarted on its
+ports with backoff (the master first), and one that keeps dying is given up
+on, loudly (``kvpool.tools.cluster.supervisor``); the router's ``/health``
+shows every service's restarts.
 """
 
 from __future__ import annotations
 
 import signal
+import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +45,7 @@ from kvpool.tools.cluster import (
     StoreSpec,
     Topology,
 )
+from kvpool.tools.cluster.supervisor import Supervisor
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +67,8 @@ class UpSettings:
                             choices=("float32", "bfloat16", "float8_e4m3fn"))
     device_cache_tokens: int = setting(16384, help="each prefill stage's device KV capacity in tokens")
     workdir: str = setting("", help="where logs and ready files go", metavar="DIR", default_text="a temporary folder")
+    supervise: bool = setting(True, help="restart a process that dies, with backoff; give up on one that dies more "
+                                         "than 5 times in 2 minutes (--no-supervise: leave it dead)")
 
     def __post_init__(self) -> None:
         for name in ("pipelines", "stages", "decode_shards"):
@@ -74,7 +83,8 @@ class UpSettings:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a TCP port")
 
 
-def up_topology(settings: UpSettings, config: str | None = None, log_level: str = "warning") -> Topology:
+def up_topology(settings: UpSettings, config: str | None = None, log_level: str = "warning",
+                supervisor_status: str = "") -> Topology:
     """The cluster ``kvpool up`` starts: one host, its processes named ``master``, ``store{i}``,
     ``p{i}-stage{s}``, ``decode{i}`` and ``router``."""
     s = settings
@@ -87,18 +97,21 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
     common = ("--log-level", log_level, "--log-format", "json", *(("--config", config) if config else ()))
     return Topology((ServerSpec(stores=stores, pipelines=pipelines, decode_shards=shards),),
                     master=MasterSpec() if s.pool else None,
-                    router=RouterSpec(port=s.grpc_port, http_port=s.http_port, args=("--model", s.model)),
+                    router=RouterSpec(port=s.grpc_port, http_port=s.http_port, args=(
+                        "--model", s.model,
+                        *(("--supervisor-status", supervisor_status) if supervisor_status else ()))),
                     host=s.host, common_args=common)
 
 
-def up_cluster(settings: UpSettings, config: str | None = None, log_level: str = "warning") -> Cluster:
+def up_cluster(settings: UpSettings, config: str | None = None, log_level: str = "warning",
+               supervisor_status: str = "") -> Cluster:
     """Not started yet: ``.start()`` it (logs and ready files go to ``settings.workdir`` or a temporary folder)."""
     workdir = Path(settings.workdir) if settings.workdir else None
-    return Cluster(up_topology(settings, config, log_level), workdir=workdir)
+    return Cluster(up_topology(settings, config, log_level, supervisor_status), workdir=workdir)
 
 
-def wait_for_stop_signal() -> int:
-    """Block until SIGINT or SIGTERM; returns the signal number."""
+def wait_for_stop_signal(tick: Callable[[], None] | None = None) -> int:
+    """Block until SIGINT or SIGTERM, calling ``tick`` twice a second; returns the signal number."""
     received: list[int] = []
     event = threading.Event()
 
@@ -109,7 +122,8 @@ def wait_for_stop_signal() -> int:
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while not event.wait(0.5):
-            pass
+            if tick is not None:
+                tick()
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -118,13 +132,16 @@ def wait_for_stop_signal() -> int:
 
 def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any = None) -> int:
     """Start the cluster, print where everything listens, serve until a signal (or the demo ends), stop."""
-    cluster = up_cluster(settings, config, log_level)
+    status_dir = tempfile.TemporaryDirectory(prefix="kvpool-up-")
+    status_file = Path(status_dir.name) / "supervisor.json"
+    cluster = up_cluster(settings, config, log_level, str(status_file) if settings.supervise else "")
     print(f"kvpool up: starting {settings.pipelines} pipeline(s) of {settings.stages} stages, "
           f"{settings.decode_shards} decode shard(s), {settings.stores} store(s) — logs in "
           f"{settings.workdir or 'a temporary folder'}", flush=True)
     try:
         cluster.start()
     except ServiceFailed as exc:
+        status_dir.cleanup()
         print(f"kvpool up: a service failed to start:\n{exc}", flush=True)
         return 1
     try:
@@ -134,12 +151,17 @@ def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any =
         print(f"kvpool up: OpenAI-compatible API at {cluster.http_url}/v1", flush=True)
         if demo is not None:
             return int(demo(cluster))
+        supervisor = None
+        if settings.supervise:
+            supervisor = Supervisor(cluster, status_file=status_file, say=lambda line: print(line, flush=True))
+            print("kvpool up: a process that dies is restarted (--no-supervise: left dead)", flush=True)
         print("kvpool up: Ctrl-C stops the cluster", flush=True)
-        wait_for_stop_signal()
+        wait_for_stop_signal(supervisor.tick if supervisor is not None else None)
         return 0
     except KeyboardInterrupt:
         return 130
     finally:
         print("kvpool up: stopping", flush=True)
         cluster.stop()
+        status_dir.cleanup()
         print("kvpool up: stopped", flush=True)

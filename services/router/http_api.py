@@ -94,6 +94,10 @@ class GenerateBackend(Protocol):
 
     async def health(self) -> dict[str, bool]: ...
 
+    def supervision(self) -> dict[str, Any] | None:
+        """What the local supervisor reports (restarts per service), when one runs the cluster."""
+        ...
+
 
 @dataclass(slots=True)
 class HttpApi:
@@ -134,8 +138,11 @@ class HttpApi:
     async def health(self, request: Request) -> Response:
         backends = await self.backend.health()
         healthy = bool(backends) and all(backends.values())
-        return JSONResponse({"status": "ok" if healthy else "unhealthy", "backends": backends},
-                            status_code=200 if healthy else 503)
+        body: dict[str, Any] = {"status": "ok" if healthy else "unhealthy", "backends": backends}
+        supervision = self.backend.supervision()
+        if supervision is not None:
+            body["supervisor"] = supervision
+        return JSONResponse(body, status_code=200 if healthy else 503)
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -130,8 +132,9 @@ class _HttpServer(uvicorn.Server):
 class _Backend:
     """The HTTP API's view of the router: generate, with its errors in OpenAI's shape, and health."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, supervisor_status: str = "") -> None:
         self.router = router
+        self.supervisor_status = supervisor_status
 
     async def generate(self, request: GenerationRequest, usage: Usage) -> AsyncIterator[int]:
         api = "chat" if request.kind == "chat" else "completions"
@@ -148,6 +151,14 @@ class _Backend:
 
     async def health(self) -> dict[str, bool]:
         return await self.router.check_health()
+
+    def supervision(self) -> dict[str, Any] | None:
+        if not self.supervisor_status:
+            return None
+        try:
+            return dict(json.loads(Path(self.supervisor_status).read_text()))
+        except (OSError, ValueError) as exc:
+            return {"error": f"supervisor status unreadable: {exc}"}
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -178,7 +189,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     await handle.set_serving(False)
     roles = ByteTokenizer.roles() if isinstance(tokenizer, ByteTokenizer) else frozenset(
         {"system", "developer", "user", "assistant", "tool"})
-    api = HttpApi(_Backend(router), tokenizer, limits, metrics.registry, roles)
+    api = HttpApi(_Backend(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles)
     sock = _bind(settings.host, settings.http_port)
     http = _HttpServer(uvicorn.Config(api.app(), log_config=None, log_level="warning", lifespan="off",
                                       timeout_graceful_shutdown=5))

@@ -5,7 +5,7 @@ their stages, decode shards, the router, a network namespace per server);
 ``launcher.Cluster`` starts and stops it; ``process.ServiceProcess`` is one
 process (the only code that runs ``python -m services.cli``); ``parts`` holds
 a pool, a pipeline or a decode shard on its own; ``netns`` the per-server
-network namespaces and shaped links.
+network namespaces and shaped links; ``supervisor`` restarts what dies.
 """
 
 from __future__ import annotations

@@ -1,0 +1,99 @@
+"""Keeps a local cluster's processes running: ``kvpool up`` restarts what dies.
+
+The policy is ``kvpool.core.restart_policy`` (backoff, a start limit, the
+master first); this module applies it to a started ``Cluster``. A dead
+process is started again with the same arguments on the ports it had, so its
+peers find it where it was: a restarted master takes the pool back from the
+stores' block reports, a restarted later prefill stage makes stage 0 drop its
+device cache (a device hit must hold on every stage), a restarted stage 0
+checks its later stages again.
+
+``tick`` runs on the thread that started the cluster (its children die with
+the thread that started them: PR_SET_PDEATHSIG). Each death and restart is
+logged and written to ``status_file`` (JSON), which the router shows in its
+``/health`` detail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from kvpool.core.restart_policy import RestartPolicy, Supervision
+from kvpool.tools.cluster.launcher import Cluster
+from kvpool.tools.cluster.process import ServiceFailed, ServiceProcess
+
+log = structlog.get_logger(__name__)
+
+_ROLE_RANK = {"master": 0, "store": 1, "decode": 2, "prefill": 3, "router": 1000}
+
+
+def restart_rank(proc: ServiceProcess) -> int:
+    """Master, stores, decode shards, prefill stages from the last down to stage 0, router."""
+    role = proc.args[0] if proc.args else ""
+    rank = _ROLE_RANK.get(role, 500)
+    if role == "prefill" and "--stage" in proc.args:
+        stage = int(proc.args[proc.args.index("--stage") + 1])
+        rank += 100 - stage  # later stages first: stage 0 checks them
+    return rank
+
+
+class Supervisor:
+    def __init__(self, cluster: Cluster, policy: RestartPolicy | None = None, status_file: Path | None = None,
+                 clock: Callable[[], float] = time.monotonic, say: Callable[[str], None] | None = None) -> None:
+        self.cluster = cluster
+        self.clock = clock
+        self.status_file = status_file
+        self.say = say or (lambda line: None)
+        self.supervision = Supervision(policy or RestartPolicy(), {p.name: restart_rank(p) for p in cluster.services})
+        self._dead: set[str] = set()
+        self.write_status()
+
+    def tick(self) -> None:
+        """Notice deaths, restart what is due (blocking while each becomes ready)."""
+        now = self.clock()
+        for proc in self.cluster.services:
+            if proc.name in self._dead or proc.proc is None or proc.alive:
+                continue
+            self._died(proc, f"exited with {proc.proc.returncode}", now)
+        for name in self.supervision.due(self.clock()):
+            proc = self.cluster.find(name)
+            self.supervision.restarting(name)
+            try:
+                proc.restart()
+            except ServiceFailed as exc:
+                log.warning("service_restart_failed", service=name, error=str(exc)[-500:])
+                self._died(proc, "failed to restart", self.clock())
+                continue
+            self._dead.discard(name)
+            restarts = self.supervision.services[name].restarts
+            log.warning("service_restarted", service=name, restarts=restarts, pid=proc.ready.get("pid"))
+            self.say(f"kvpool up: {name} restarted (restart {restarts})")
+        self.write_status()
+
+    def _died(self, proc: ServiceProcess, why: str, now: float) -> None:
+        self._dead.add(proc.name)
+        due = self.supervision.died(proc.name, now)
+        if due is None:
+            policy = self.supervision.policy
+            log.error("service_given_up", service=proc.name, why=why, burst=policy.burst, window_s=policy.window_s)
+            self.say(f"kvpool up: {proc.name} {why}; it died more than {policy.burst} times in "
+                     f"{policy.window_s:g} s: giving up on it (see {proc.log_file})")
+        else:
+            log.warning("service_died", service=proc.name, why=why, restart_in_s=round(due - now, 3))
+            self.say(f"kvpool up: {proc.name} {why}; restarting in {due - now:.1f} s")
+
+    def write_status(self) -> None:
+        if self.status_file is None:
+            return
+        status = self.supervision.summary()
+        for name in status:
+            status[name]["alive"] = self.cluster.find(name).alive
+        tmp = self.status_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"services": status}))
+        os.replace(tmp, self.status_file)
