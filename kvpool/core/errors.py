@@ -37,8 +37,7 @@ class InvalidArgument(KvpoolError):
     """A request field is malformed; the message names the field, and ``field`` holds its name when known."""
 
     def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
+        super().__init__(message, field=field)
 
 
 class NotFound(KvpoolError):
