@@ -8,14 +8,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from kvpool.tools.cluster.launcher import Cluster
 from kvpool.tools.cluster.process import ServiceProcess
 from kvpool.tools.cluster.topology import StoreSpec, decode_topology, pipeline_topology, pool_topology
 
 
+class _Part:
+    """A started part's ``stop`` and ``with`` support; the subclass has ``cluster`` and ``start()``."""
+
+    __slots__ = ()
+    cluster: Cluster | None
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @dataclass(slots=True)
-class LocalPool:
+class LocalPool(_Part):
     """A master and N stores on this host."""
 
     num_stores: int = 2
@@ -60,19 +81,9 @@ class LocalPool:
         args = ("--segment-size", self.segment_size, *self.store_args, *(extra or []))
         return self._started().add_store(0, StoreSpec(name, args))
 
-    def stop(self) -> None:
-        if self.cluster is not None:
-            self.cluster.stop()
-
-    def __enter__(self) -> LocalPool:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
 
 @dataclass(slots=True)
-class LocalPipeline:
+class LocalPipeline(_Part):
     """A prefill pipeline of ``num_stages`` stage processes (``master`` "": without a pool)."""
 
     num_stages: int = 4
@@ -97,19 +108,9 @@ class LocalPipeline:
         self.cluster = Cluster(topology, workdir=self.workdir).start()
         return self
 
-    def stop(self) -> None:
-        if self.cluster is not None:
-            self.cluster.stop()
-
-    def __enter__(self) -> LocalPipeline:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
 
 @dataclass(slots=True)
-class LocalDecode:
+class LocalDecode(_Part):
     """One decode shard process (``kvpool decode``) on this host."""
 
     args: list[str] = field(default_factory=list)
@@ -133,13 +134,3 @@ class LocalDecode:
     def start(self) -> LocalDecode:
         self.cluster = Cluster(decode_topology(self.name, tuple(self.args)), workdir=self.workdir).start()
         return self
-
-    def stop(self) -> None:
-        if self.cluster is not None:
-            self.cluster.stop()
-
-    def __enter__(self) -> LocalDecode:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
