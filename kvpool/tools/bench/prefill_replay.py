@@ -63,7 +63,7 @@ async def _send(stub: prefill_pb2_grpc.PrefillStub, prompt: Prompt, issue_index:
     t0 = time.perf_counter()
     response = await stub.Prefill(request, timeout=PREFILL_TIMEOUT_S)
     latency_ms = (time.perf_counter() - t0) * 1e3
-    await stub.Release(prefill_pb2.ReleaseRequest(kv_handle=response.kv_handle), timeout=30)
+    await stub.Release(prefill_pb2.ReleaseRequest(request_id=response.request_id), timeout=30)
     return TurnResult(prompt, issue_index, latency_ms, response.figures, response.first_token, response.logits)
 
 

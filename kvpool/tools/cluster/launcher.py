@@ -247,13 +247,14 @@ class Cluster:
         if self.topology.master is not None:
             self.restart_master()  # the root namespace, on the bridge: every server reaches it over its link
         # a split master is part of its server: it goes when the server goes
-        own = [(srv, self._master_process(srv, srv.spec.master)) for srv in self.servers if srv.spec.master]
-        for srv, proc in own:
-            proc.wait_ready(timeout_s=READY_TIMEOUT_S)
-            srv.master = proc
-
-    def _master_process(self, srv: Server, spec: MasterSpec) -> ServiceProcess:
-        return self._spawn(spec.name, ["master", "--port", str(spec.port), "--admin-port", "0", *spec.args], srv)
+        for srv in self.servers:
+            if srv.spec.master is not None:
+                spec = srv.spec.master
+                srv.master = self._spawn(spec.name, ["master", "--port", str(spec.port), "--admin-port", "0",
+                                                     *spec.args], srv)
+        for srv in self.servers:
+            if srv.master is not None:
+                srv.master.wait_ready(timeout_s=READY_TIMEOUT_S)
 
     def _start_pipelines(self) -> None:
         """Every pipeline of every server at once, later stages first (stage 0 checks the others)."""
