@@ -16,14 +16,11 @@ from __future__ import annotations
 import ast
 from functools import cache
 from pathlib import Path
+
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = "kvpool.tools.cluster.process"  # the one module that runs services.cli
-
-# Import loops known and being removed elsewhere; each must still exist (a fixed
-# one fails here until it leaves this list).
-ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
 @cache
@@ -210,10 +207,8 @@ def a_cycle(graph: dict[str, set[str]], component: frozenset[str]) -> list[str]:
 def test_no_import_cycles() -> None:
     graph = import_graph()
     components = strongly_connected(graph)
-    loops = [" -> ".join(a_cycle(graph, c)) for c in components if c not in ALLOWED_CYCLES]
+    loops = [" -> ".join(a_cycle(graph, c)) for c in components]
     assert loops == [], "import loops:\n" + "\n".join(loops)
-    gone = [f"{sorted(c)} ({why})" for c, why in ALLOWED_CYCLES.items() if c not in components]
-    assert gone == [], "fixed, take them off ALLOWED_CYCLES: " + "; ".join(gone)
 
 
 def test_the_cycle_search_finds_direct_and_longer_loops() -> None:
