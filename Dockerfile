@@ -1,10 +1,46 @@
-# kvpool image: every role runs from it (see compose.yaml).
-FROM python:3.11-slim-bookworm
+# kvpool image: every role runs from it (see compose.yaml). It holds the
+# project's venv, /opt/kvpool/.venv, and nothing else beyond the base image.
+#
+#   docker build --network host -t kvpool .
+#   docker build --network host --build-arg BASE_IMAGE=kvpool-base:bookworm -t kvpool .
+#       (no registry: scripts/build-local-base.sh builds that base from Debian packages)
+#
+# deploy/build-extra/ (ignored by git) feeds pip in the build stage only:
+#   wheels/*.whl           offered first, e.g. the CPU build of torch where the index has only CUDA builds
+#   ca-certificates.crt    the CA bundle pip trusts, e.g. the host's where a proxy re-signs TLS
+# Neither reaches the final image.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+FROM ${BASE_IMAGE} AS runtime
+# the transfer engine links libibverbs, librdmacm and libcurl even for TCP; stores bind their NUMA node with numactl
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libibverbs1 librdmacm1 numactl \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libibverbs1 librdmacm1 libcurl4 numactl \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM runtime AS build
+# the bind shim (kvpool/native/bind_shim.c) is compiled here, not at run time
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/kvpool
-COPY . .
+COPY deploy/build-extra/ /tmp/build-extra/
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_FIND_LINKS=/tmp/build-extra/wheels
+# torch first and pinned, in its own layer: the project's code changes far more often
+RUN if [ -f /tmp/build-extra/ca-certificates.crt ]; then export PIP_CERT=/tmp/build-extra/ca-certificates.crt; fi \
+ && python3.11 -m venv .venv \
+ && .venv/bin/pip install --quiet torch==2.13.0
+COPY pyproject.toml README.md ./
+COPY kvpool kvpool
+COPY services services
 ARG KVPOOL_ENGINE=cpu
-RUN KVPOOL_ENGINE=${KVPOOL_ENGINE} KVPOOL_TEST_TOOLS=0 scripts/setup.sh
-ENTRYPOINT [".venv/bin/kvpool"]
+# then, away from the sources (cd /): build the shim beside the installed package, check what the roles import
+RUN if [ -f /tmp/build-extra/ca-certificates.crt ]; then export PIP_CERT=/tmp/build-extra/ca-certificates.crt; fi \
+ && .venv/bin/pip install --quiet ".[${KVPOOL_ENGINE}]" \
+ && cd / \
+ && /opt/kvpool/.venv/bin/python -c "from kvpool import bind_shim; print(bind_shim.build())" \
+ && /opt/kvpool/.venv/bin/python -c "import kvpool.rpc.pool_pb2, mooncake.engine, torch"
+
+FROM runtime
+COPY --from=build /opt/kvpool/.venv /opt/kvpool/.venv
+WORKDIR /opt/kvpool
+ENTRYPOINT ["/opt/kvpool/.venv/bin/kvpool"]

@@ -16,13 +16,13 @@ command -v "$python" >/dev/null 2>&1 || python=python3
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# The transfer engine links against libibverbs and librdmacm even for TCP;
+# The transfer engine links against libibverbs, librdmacm and libcurl even for TCP;
 # deploy/systemd's store unit binds its NUMA node with numactl. The tests check
 # compose.yaml with docker-compose (tests/unit/test_deploy_tools.py), which
-# KVPOOL_TEST_TOOLS=0 leaves out (the image does).
+# KVPOOL_TEST_TOOLS=0 leaves out. (The Dockerfile installs its own list.)
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 missing=() tools=()
-for pkg in libibverbs1 librdmacm1 numactl; do installed "$pkg" || missing+=("$pkg"); done
+for pkg in libibverbs1 librdmacm1 libcurl4 numactl; do installed "$pkg" || missing+=("$pkg"); done
 # the bind shim (kvpool/native/bind_shim.c) is compiled here: a C compiler and libc headers
 command -v gcc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
 if [ "${KVPOOL_TEST_TOOLS:-1}" != 0 ]; then

@@ -118,6 +118,12 @@ def _add_clients(sub: Any) -> None:
     chat.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most (default 128)")
     chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     add_log_level_flag(chat, "warning")
+    health = sub.add_parser("health", help="is a service serving? (exit 0: yes)",
+                            description="Ask one service whether it is serving: a host:port asks its gRPC health "
+                            "service, an http:// URL asks for a 200 (the router's /health). Exit 0 when serving, "
+                            "1 otherwise, with the reason on stderr: a container or unit health check.")
+    health.add_argument("address", help="host:port of a gRPC service, or a URL such as http://127.0.0.1:8000/health")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
 
 
 def _add_pool(sub: Any) -> None:
@@ -222,6 +228,12 @@ def _run_chat(args: argparse.Namespace) -> int:
     return chat(args.url, args.max_tokens, args.temperature)
 
 
+def _run_health(args: argparse.Namespace) -> int:
+    from kvpool.tools.health import check
+
+    return check(args.address, args.timeout)
+
+
 def _run_pool(args: argparse.Namespace) -> int:
     from kvpool.pool.stats import fetch_stats, format_stats
 
@@ -265,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log(args)
     handlers = {
         **dict.fromkeys(ROLES, _run_role), "up": _run_up, "generate": _run_generate, "chat": _run_chat,
+        "health": _run_health,
         "pool": _run_pool, "bench": run_bench, "replay": _run_replay, "simulate": _run_simulate,
     }
     try:

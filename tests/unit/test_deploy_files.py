@@ -1,6 +1,7 @@
 """The systemd units and compose file name real roles, flags and values: every
 command parses with the real CLI parser and builds its settings the way the CLI
-does (defaults, then deploy/cluster.toml standing in for /etc/kvpool/cluster.toml,
+does (defaults, then the file mounted or installed as /etc/kvpool/cluster.toml:
+deploy/cluster.toml for the units, deploy/compose/cluster.toml for compose.yaml;
 then flags), so a value that fails validation fails here.
 test_deploy_tools.py checks the same files with systemd-analyze and docker-compose."""
 
@@ -24,8 +25,9 @@ from services.store.settings import StoreSettings
 ROOT = Path(__file__).resolve().parents[2]
 UNIT_DIR = ROOT / "deploy" / "systemd"
 EXAMPLE_CONFIG = ROOT / "deploy" / "cluster.toml"
+COMPOSE_CONFIG = ROOT / "deploy" / "compose" / "cluster.toml"
 INSTALLED_CONFIG = "/etc/kvpool/cluster.toml"
-KVPOOL = "/opt/kvpool/.venv/bin/kvpool"  # the Dockerfile's layout: WORKDIR /opt/kvpool, setup.sh makes .venv
+KVPOOL = "/opt/kvpool/.venv/bin/kvpool"  # the Dockerfile's layout: the venv at /opt/kvpool/.venv
 NUMACTL = "/usr/bin/numactl"
 # the instances each template is started as; prefill @1 and @2 also need a
 # next_stage drop-in (see deploy/cluster.toml), so @0 and @3 stand for them
@@ -80,10 +82,10 @@ def compose_commands() -> list[tuple[str, list[str]]]:
             for m in re.finditer(r"^  ([\w-]+):\n(?:    .*\n)*?    command: (\[[^\]]*\])", text, re.M)]
 
 
-def build_settings(argv: list[str]) -> Any:
-    """Parse ``argv`` and build its settings as ``kvpool <role>`` does, with the
-    example config file in place of the installed one."""
-    argv = [str(EXAMPLE_CONFIG) if a == INSTALLED_CONFIG else a for a in argv]
+def build_settings(argv: list[str], config: Path = EXAMPLE_CONFIG) -> Any:
+    """Parse ``argv`` and build its settings as ``kvpool <role>`` does, with
+    ``config`` in place of the installed or mounted /etc/kvpool/cluster.toml."""
+    argv = [str(config) if a == INSTALLED_CONFIG else a for a in argv]
     args = cli.build_parser().parse_args(argv)
     return cli._settings(ROLES[args.command], args.command, args)
 
@@ -97,10 +99,23 @@ def test_every_unit_and_service_has_a_command() -> None:
         "master", "store-0", "store-1", "prefill-0", "prefill-1", "prefill-2", "prefill-3", "decode-0", "router"}
 
 
-@pytest.mark.parametrize(("name", "argv"), unit_commands() + compose_commands())
+@pytest.mark.parametrize(("name", "argv"), unit_commands())
 def test_command_builds_valid_settings(name: str, argv: list[str]) -> None:
     settings = build_settings(argv)
     assert isinstance(settings, ROLES[argv[0]]), name
+
+
+@pytest.mark.parametrize(("name", "argv"), compose_commands())
+def test_compose_command_reads_the_mounted_file(name: str, argv: list[str]) -> None:
+    assert argv[1:3] == ["--config", INSTALLED_CONFIG], name
+    settings = build_settings(argv, COMPOSE_CONFIG)
+    assert isinstance(settings, ROLES[argv[0]]), name
+
+
+def test_compose_mounts_its_settings_file() -> None:
+    text = (ROOT / "compose.yaml").read_text()
+    mount = f"- ./{COMPOSE_CONFIG.relative_to(ROOT)}:{INSTALLED_CONFIG}:ro"
+    assert text.count(mount) == 1, f"compose.yaml's x-kvpool should mount {mount} once, for every service"
 
 
 @pytest.mark.parametrize("instance", INSTANCES["kvpool-store@.service"])
@@ -117,7 +132,7 @@ def test_prefill_unit_runs_the_stage_it_names(instance: str) -> None:
 
 
 def test_compose_wiring_matches_the_ports_each_service_takes() -> None:
-    settings = {name: build_settings(argv) for name, argv in compose_commands()}
+    settings = {name: build_settings(argv, COMPOSE_CONFIG) for name, argv in compose_commands()}
     stores = [s for name, s in settings.items() if name.startswith("store-")]
     assert len({(s.port, s.admin_port) for s in stores}) == len(stores), "stores on one host need their own ports"
     stages = {s.stage: s for name, s in settings.items() if name.startswith("prefill-")}
