@@ -20,6 +20,10 @@ class ModelConfig:
     weight directory is given. `rope_interleave` is part of the model, not
     of a run: it changes every cached key, so it must match the checkpoint
     (``from_hf_config`` reads it, defaulting to interleaved as HF does).
+    `output_ids` [lo, hi), when set, is every id the sampler may emit: the
+    built-in configs (seeded weights read through the byte-level tokenizer)
+    emit only printable ASCII, so every token they make is visible text. It
+    touches sampling only, never the logits, so reference comparisons stay exact.
     """
 
     name: str
@@ -40,6 +44,7 @@ class ModelConfig:
     # RoPE pairs: False = rotate-half (our seeded configs), True = interleaved
     # pairs (0,1),(2,3),... as DeepSeek's checkpoints and HF's config default
     rope_interleave: bool = False
+    output_ids: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -55,6 +60,8 @@ class ModelConfig:
         # rotate-half RoPE pairs the two halves of the rope dims
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.output_ids is not None and not 0 <= self.output_ids[0] < self.output_ids[1] <= self.vocab_size:
+            raise ValueError(f"output_ids must be a range within the vocabulary, got {self.output_ids}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
 
@@ -72,6 +79,9 @@ class ModelConfig:
         return self.qk_head_dim**-0.5
 
 
+# byte ids " ".."~": one printable character each, whatever comes before or after
+PRINTABLE_ASCII = (0x20, 0x7F)
+
 # tiny: the default everywhere; a 2K-token prefill runs in well under a second
 # on one CPU core.
 TINY = ModelConfig(
@@ -86,6 +96,7 @@ TINY = ModelConfig(
     qk_nope_head_dim=32,
     qk_rope_head_dim=32,
     v_head_dim=32,
+    output_ids=PRINTABLE_ASCII,
 )
 
 # dsv3-kv: DeepSeek-V3's per-layer KV entry (512 + 64 = 576 values) and head
@@ -102,6 +113,7 @@ DSV3_KV = ModelConfig(
     qk_nope_head_dim=128,
     qk_rope_head_dim=64,
     v_head_dim=128,
+    output_ids=PRINTABLE_ASCII,
 )
 
 # dsv3-kv-61: also DeepSeek-V3's depth, so KV bytes per token match V3's.
@@ -121,7 +133,7 @@ def from_hf_config(hf: Mapping[str, Any], name: str = "hf", seed: int = 0) -> Mo
         raise ValueError(f"rope_parameters: {rope.get('rope_type', rope.get('type'))!r} rope scaling is not supported")
     if hf.get("n_routed_experts") and hf.get("first_k_dense_replace", 0) < hf.get("num_hidden_layers", 0):
         raise ValueError("n_routed_experts: MoE layers are not supported (dense MLPs only)")
-    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "seed", "rope_interleave"}
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "seed", "rope_interleave", "output_ids"}
     values = {k: hf[k] for k in names if k in hf}
     theta = rope.get("rope_theta", hf.get("rope_theta"))
     if theta is not None:

@@ -8,6 +8,7 @@ import torch
 
 from kvpool.model.config import ModelConfig
 from kvpool.model.kv_cache import BlockTable
+from kvpool.model.sampling import greedy_token
 from kvpool.model.stage import ModelStage, WeightSource
 
 
@@ -68,7 +69,7 @@ class InProcessPipeline:
         position = prompt_ids.numel()
         tokens: list[int] = []
         for _ in range(num_new_tokens):
-            token = int(logits[-1].argmax())
+            token = greedy_token(logits[-1], self.config)
             tokens.append(token)
             if len(tokens) == num_new_tokens:
                 break

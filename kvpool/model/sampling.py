@@ -7,9 +7,12 @@ tokens whatever else shares its decode steps.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
+
+from kvpool.model.config import ModelConfig
 
 
 @dataclass(slots=True)
@@ -49,3 +52,23 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> int:
         keep = (torch.cumsum(sorted_probs, dim=0) - sorted_probs) < params.top_p
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs, 1, generator=params.generator))
+
+
+@functools.lru_cache(maxsize=8)
+def _blocked(vocab_size: int, output_ids: tuple[int, int]) -> torch.Tensor:
+    blocked = torch.ones(vocab_size, dtype=torch.bool)
+    blocked[output_ids[0]:output_ids[1]] = False
+    return blocked
+
+
+def output_logits(logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Logits [..., vocab] as the sampler sees them: ids outside ``config.output_ids`` at -inf (a copy; the
+    model's own logits are untouched). Unchanged when the config sets no range."""
+    if config.output_ids is None:
+        return logits
+    return logits.masked_fill(_blocked(logits.shape[-1], config.output_ids), float("-inf"))
+
+
+def greedy_token(logits: torch.Tensor, config: ModelConfig) -> int:
+    """The greedy pick of the config's sampler from logits [vocab]."""
+    return int(torch.argmax(output_logits(logits, config)))

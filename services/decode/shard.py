@@ -32,7 +32,7 @@ from kvpool.core.handoff_layout import HandoffLayout
 from kvpool.handoff import scatter_region
 from kvpool.model import kv_dtype as kv_dtype_of
 from kvpool.model.decode import DecodeInput, DecodeModel
-from kvpool.model.sampling import SamplingParams, sample
+from kvpool.model.sampling import SamplingParams, output_logits, sample
 from kvpool.transfer import HostBuffer, TransferEngine
 from services.decode.metrics import DecodeMetrics
 from services.decode.settings import DecodeSettings
@@ -253,7 +253,7 @@ class DecodeShard:
         if not inputs:
             return [], scatter_seconds, 0.0
         started = time.perf_counter()
-        logits = self.model.step(inputs)
+        logits = output_logits(self.model.step(inputs), self.config)  # the model's sampler: its output ids only
         tokens = [sample(row, p) for row, p in zip(logits, params)]
         return tokens, scatter_seconds, time.perf_counter() - started
 

@@ -20,6 +20,7 @@ from kvpool.core.errors import DeviceCacheLost, InvalidArgument, Unavailable
 from kvpool.pool.client import ObjectLocation
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.status import error_kind, status_errors
+from kvpool.model.sampling import greedy_token
 from kvpool.transfer import TransferError
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, SaveFigures, StageRunner
 
@@ -197,7 +198,8 @@ async def run_stage(
     runner.start_save(request.request_id, block_table, request.save_first_chunk, list(request.save_chunk_hashes))
     if runner.model.is_last:
         last = out[-1]
-        response = prefill_pb2.ForwardResponse(first_token=int(torch.argmax(last)))
+        # the model's sampler picks among its output ids only; the logits go back as the model made them
+        response = prefill_pb2.ForwardResponse(first_token=greedy_token(last, runner.config))
         if request.return_logits:
             response.logits = last.to(torch.float32).contiguous().numpy().tobytes()
     else:

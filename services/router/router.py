@@ -31,8 +31,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool import service
 from kvpool.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvpool.core.routing import Placement, RoutingPolicy
-from kvpool.model.config import split_layers
-from kvpool.model.sampling import SamplingParams, sample
+from kvpool.model.config import ModelConfig, split_layers
+from kvpool.model.sampling import SamplingParams, output_logits, sample
 from kvpool.rpc import (
     decode_pb2,
     decode_pb2_grpc,
@@ -83,9 +83,10 @@ class ShardClient:
 class Router:
     """Owns the clients of every pipeline and shard, the placement policy, and the health loop."""
 
-    def __init__(self, pipelines: list[str], shards: list[str], metrics: RouterMetrics,
+    def __init__(self, pipelines: list[str], shards: list[str], metrics: RouterMetrics, model: ModelConfig,
                  affinity_max_queue: int = 4, max_in_flight: int = 256, request_timeout_s: float = 600.0) -> None:
         self.metrics = metrics
+        self.model = model  # its sampler's output ids
         self.policy = RoutingPolicy.of(pipelines, shards, affinity_max_queue=affinity_max_queue)
         self.max_in_flight = max_in_flight
         self.request_timeout_s = request_timeout_s
@@ -190,7 +191,7 @@ class Router:
         usage.device_tokens = figures.num_device_tokens
         usage.pool_tokens = figures.num_pool_tokens
         usage.computed_tokens = figures.num_computed_tokens
-        first = self._first_token(request, prefill)
+        first = self._first_token(request, prefill, self.model)
         usage.ttft_seconds = time.perf_counter() - started
         self.metrics.ttft.observe(usage.ttft_seconds)
         for source, count in (("device", usage.device_tokens), ("pool", usage.pool_tokens),
@@ -236,12 +237,12 @@ class Router:
         return self._pages_for(request, placement.shard)
 
     @staticmethod
-    def _first_token(request: GenerationRequest, prefill: prefill_pb2.PrefillResponse) -> int:
+    def _first_token(request: GenerationRequest, prefill: prefill_pb2.PrefillResponse, model: ModelConfig) -> int:
         if request.temperature == 0.0:
             return prefill.first_token  # greedy: the last stage's argmax
         logits = torch.frombuffer(bytearray(prefill.logits), dtype=torch.float32)
         params = SamplingParams(request.temperature, request.top_p, request.top_k, request.seed or 0)
-        return sample(logits, params)
+        return sample(output_logits(logits, model), params)  # the model's sampler: its output ids only
 
     async def _prefill(self, placement: Placement, request: GenerationRequest) -> prefill_pb2.PrefillResponse:
         client = self.pipelines[placement.pipeline]

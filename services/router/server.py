@@ -180,7 +180,8 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     limits = ModelLimits(settings.model_name, context=config.max_position_embeddings, vocab_size=config.vocab_size)
     metrics = RouterMetrics()
     router = Router(settings.pipelines, settings.shards, metrics, affinity_max_queue=settings.affinity_max_queue,
-                    max_in_flight=settings.max_in_flight, request_timeout_s=settings.request_timeout_s)
+                    max_in_flight=settings.max_in_flight, request_timeout_s=settings.request_timeout_s,
+                    model=config)
     servicer = RouterServicer(router, tokenizer, limits)
     handle = await service.create_server(
         settings.host, settings.port, lambda s: add_router(servicer, s),

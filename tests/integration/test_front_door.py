@@ -6,7 +6,7 @@ Through the official ``openai`` client and raw HTTP: an over-limit streaming
 request is a 400 and an overloaded one a 429 with ``Retry-After``, both
 before any SSE byte; a failure after the first token ends the stream with
 OpenAI's error event then ``data: [DONE]``; a session header keeps a session
-in place. Hypothesis drives the OpenAI HTTP API with bodies built from every
+in place; every token the built-in model streams is visible text. Hypothesis drives the OpenAI HTTP API with bodies built from every
 field a client may send, each drawn from valid, boundary and hostile values
 (NaN, infinities, 64-bit edges, lone surrogates, long strings, deep nesting),
 and the gRPC ``Generate`` with random messages and raw bytes. Every answer
@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.rpc import router_pb2, router_pb2_grpc
+from kvpool.tokenizer import ByteTokenizer
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
 
@@ -167,6 +168,18 @@ def test_a_session_header_keeps_the_session_in_place(cluster: Cluster, client: o
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                        extra_headers={"X-Session-ID": "harness-session-1"})
     assert affinity() == before + 1  # the second request found its session
+
+
+def test_every_streamed_token_is_visible_text_and_the_text_retokenizes_to_the_count(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Write a haiku about caches."}], max_tokens=40,
+        temperature=0.8, seed=11, stream=True, stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    text = "".join(deltas)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 40
+    assert len(deltas) == 40 and all(d.isprintable() for d in deltas)  # one visible character per token
+    assert len(ByteTokenizer(1024).encode(text)) == usage.completion_tokens
 
 
 # ---- strategies ---------------------------------------------------------------

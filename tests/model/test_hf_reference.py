@@ -35,7 +35,7 @@ def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]):
 
 @pytest.mark.parametrize("interleave", [False, True])
 def test_logits_and_greedy_tokens_match_hf(tiny: ModelConfig, interleave: bool) -> None:
-    config = dataclasses.replace(tiny, rope_interleave=interleave, max_position_embeddings=4096)
+    config = dataclasses.replace(tiny, rope_interleave=interleave, max_position_embeddings=4096, output_ids=None)
     weights = init_weights(config)
     model, hf_config = hf_model(config, weights)
     # the config we would load from that checkpoint's config.json keeps its layout
@@ -55,7 +55,7 @@ def test_logits_and_greedy_tokens_match_hf(tiny: ModelConfig, interleave: bool) 
 
 def test_wrong_rope_layout_attends_differently(tiny: ModelConfig) -> None:
     """The layout matters: an interleaved checkpoint run as rotate-half gives other logits."""
-    config = dataclasses.replace(tiny, rope_interleave=True, max_position_embeddings=4096)
+    config = dataclasses.replace(tiny, rope_interleave=True, max_position_embeddings=4096, output_ids=None)
     weights = init_weights(config)
     model, _ = hf_model(config, weights)
     prompt = random_token_ids(config, 40, seed=3)

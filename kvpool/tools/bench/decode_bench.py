@@ -28,6 +28,7 @@ from kvpool.handoff import write_slab
 from kvpool.tools.cluster import LocalDecode, ServiceFailed
 from kvpool.model import InProcessPipeline, get_config, kv_dtype, pack_kv
 from kvpool.model.config import ModelConfig
+from kvpool.model.sampling import greedy_token
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
 from kvpool.transfer import HostBuffer, TransferEngine
 
@@ -93,7 +94,7 @@ class PromptFiller:
         logits, packed = self.prefill(prompt_token_ids)
         reply = await stub.Reserve(self.reserve_request(len(prompt_token_ids)), timeout=30)
         await asyncio.to_thread(self.write, reply.target, packed)
-        return Prepared(reply.target.region_id, list(prompt_token_ids), int(logits.argmax()))
+        return Prepared(reply.target.region_id, list(prompt_token_ids), greedy_token(logits, self.config))
 
 
 def decode_request(prepared: Prepared, max_tokens: int, **sampling: Any) -> decode_pb2.DecodeRequest:
