@@ -27,7 +27,7 @@ MAX_SEED = 2**64 - 1
 MAX_TEMPERATURE = 2.0
 MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
-MAX_SESSION_KEY_CHARS = 256
+MAX_SESSION_KEY_BYTES = 256  # UTF-8 bytes, as prefill's scheduler counts them
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +115,7 @@ def check_text(text: str, field: str) -> str:
 
 
 def check_session_key(key: str, field: str) -> str:
-    if len(key) > MAX_SESSION_KEY_CHARS:
-        raise fail(field, f"longer than {MAX_SESSION_KEY_CHARS} characters ({len(key)})")
-    return check_text(key, field)
+    check_text(key, field)
+    if len(key.encode()) > MAX_SESSION_KEY_BYTES:
+        raise fail(field, f"longer than {MAX_SESSION_KEY_BYTES} bytes of UTF-8 ({len(key.encode())})")
+    return key

@@ -232,3 +232,10 @@ def test_deep_or_huge_json_is_a_400() -> None:
     for _ in range(62):
         nested = nested[0]
     assert nested == []
+
+
+def test_session_keys_are_counted_in_utf8_bytes_as_prefill_counts_them() -> None:
+    assert wide_chat(prompt_cache_key="é" * 128).session_key == "é" * 128  # 256 bytes
+    with pytest.raises(ApiError) as info:
+        wide_chat(prompt_cache_key="é" * 129)
+    assert info.value.param == "prompt_cache_key" and "258" in info.value.message
