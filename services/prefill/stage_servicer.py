@@ -17,10 +17,10 @@ import torch
 
 from kvpool import service
 from kvpool.core.errors import DeviceCacheLost, InvalidArgument, Unavailable
+from kvpool.model.sampling import greedy_token
 from kvpool.pool.client import ObjectLocation
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.status import error_kind, status_errors
-from kvpool.model.sampling import greedy_token
 from kvpool.transfer import TransferError
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, SaveFigures, StageRunner
 

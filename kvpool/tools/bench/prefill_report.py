@@ -38,6 +38,10 @@ def check_logits(results: Sequence[TurnResult], settings: BenchSettings) -> tupl
     """(max |served - reference| over the last turns, every greedy token matched, turns checked)."""
     import torch
 
+    from kvpool.model import get_config
+    from kvpool.model.sampling import greedy_token
+
+    config = get_config(settings.model)
     worst, match, checked = 0.0, True, 0
     for r in results:
         if not r.prompt.is_last:
@@ -47,7 +51,7 @@ def check_logits(results: Sequence[TurnResult], settings: BenchSettings) -> tupl
         if served.numel() != reference.numel():
             return math.inf, False, checked + 1
         worst = max(worst, float((served - reference).abs().max()))
-        match = match and r.first_token == int(torch.argmax(reference))
+        match = match and r.first_token == greedy_token(reference, config)
         checked += 1
     return worst, match, checked
 
