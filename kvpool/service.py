@@ -37,13 +37,63 @@ GRPC_OPTIONS = [
 ]
 
 
+# a stopping service waits until no call has started for this long (its callers
+# saw it not-ready at their next health check: the router checks every second)
+DRAIN_QUIET_S = 1.5
+_UNCOUNTED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class InFlight(grpc.aio.ServerInterceptor):
+    """Counts the calls a server is serving (health checks and reflection aside), for draining."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last_started = 0.0  # event-loop time of the last counted call
+
+    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_UNCOUNTED):
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        return handler  # client-streaming methods: none of ours
+
+    def _start(self) -> None:
+        self.count += 1
+        self.last_started = asyncio.get_running_loop().time()
+
+    def _unary(self, method):  # type: ignore[no-untyped-def]
+        async def counted(request, context):  # type: ignore[no-untyped-def]
+            self._start()
+            try:
+                return await method(request, context)
+            finally:
+                self.count -= 1
+        return counted
+
+    def _stream(self, method):  # type: ignore[no-untyped-def]
+        async def counted(request, context):  # type: ignore[no-untyped-def]
+            self._start()
+            try:
+                async for response in method(request, context):
+                    yield response
+            finally:
+                self.count -= 1
+        return counted
+
+
 @dataclass(slots=True)
 class ServerHandle:
-    """A started gRPC server and its health servicer."""
+    """A started gRPC server, its health servicer and its count of calls in flight."""
 
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    in_flight: InFlight
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -52,6 +102,22 @@ class ServerHandle:
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         await self.health.set("", status)
+
+    async def drain(self, grace_s: float, quiet_s: float = DRAIN_QUIET_S) -> int:
+        """Stop being ready, then keep serving until nothing is in flight and no call started for
+        ``quiet_s`` (callers have seen us not-ready), at most ``grace_s``. Returns the calls left."""
+        await self.set_serving(False)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + grace_s
+        while loop.time() < deadline:
+            if self.in_flight.count == 0 and loop.time() - self.in_flight.last_started >= quiet_s:
+                break
+            await asyncio.sleep(0.05)  # polling two counters
+        left = self.in_flight.count
+        # calls still in flight past the grace period are cut: say so loudly
+        (log.warning if left else log.info)("drained", waited_s=round(loop.time() - started, 3), calls_left=left)
+        return left
 
 
 async def create_server(
@@ -79,7 +145,8 @@ async def create_server(
         except KeyError:
             raise ValueError(f"no protobuf service named {name!r} is loaded; "
                              "service_names takes full names such as 'kvpool.rpc.PoolMaster'") from None
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    in_flight = InFlight()
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[in_flight])
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_servicers(server)
@@ -88,7 +155,7 @@ async def create_server(
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
-    handle = ServerHandle(server, bound, health_servicer)
+    handle = ServerHandle(server, bound, health_servicer, in_flight)
     await handle.set_serving(True)
     return handle
 

@@ -52,7 +52,8 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
         service.write_ready_file(ready_file, port=handle.port, admin_port=admin_port, endpoint=engine.endpoint)
         await stop.wait()
         log.info("decode_shard_stopping")
-        await handle.set_serving(False)
+        # not ready first, then finish what is in flight (a rolling restart loses nothing)
+        await handle.drain(settings.drain_s)
     finally:
         await handle.server.stop(grace=2.0)
         for task in tasks:

@@ -30,8 +30,12 @@ class DecodeSettings(ModelSetting):
     transfer_host: str = setting("127.0.0.1", help="address the transfer engine advertises")
     protocol: str = setting("tcp", help="transfer engine protocol", choices=("tcp", "rdma"))
     device: str = setting("", help="RDMA device names for the transfer engine (rdma only)")
+    drain_s: float = setting(20.0, help="on SIGTERM: seconds to keep serving what is in flight after turning "
+                                         "not-ready (new calls still served until callers notice)")
 
     def __post_init__(self) -> None:
+        if self.drain_s < 0:
+            raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
         self.kv_bytes = parse_size(self.kv_bytes, "kv_bytes")
         self.region_arena_bytes = parse_size(self.region_arena_bytes, "region_arena_bytes")
         if self.kv_dtype not in KV_DTYPE_ITEMSIZES:

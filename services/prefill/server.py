@@ -103,7 +103,8 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
                                  namespace=runner.namespace)
         await stop.wait()
         log.info("prefill_stage_stopping", stage=settings.stage)
-        await handle.set_serving(False)
+        # not ready first, then finish what is in flight (a rolling restart loses nothing)
+        await handle.drain(settings.drain_s)
     finally:
         if sweeper is not None:
             sweeper.cancel()

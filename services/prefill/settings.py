@@ -50,8 +50,12 @@ class PrefillSettings(ModelSetting):
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
     )
+    drain_s: float = setting(20.0, help="on SIGTERM: seconds to keep serving what is in flight after turning "
+                                         "not-ready (new calls still served until callers notice)")
 
     def __post_init__(self) -> None:
+        if self.drain_s < 0:
+            raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
         if isinstance(self.stage_addresses, str):
             self.stage_addresses = [a for a in self.stage_addresses.split(",") if a]
         if self.num_stages < 1:

@@ -193,7 +193,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     api = HttpApi(_Backend(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles)
     sock = _bind(settings.host, settings.http_port)
     http = _HttpServer(uvicorn.Config(api.app(), log_config=None, log_level="warning", lifespan="off",
-                                      timeout_graceful_shutdown=5))
+                                      timeout_graceful_shutdown=max(1, round(settings.drain_s))))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     stop = asyncio.Event()
@@ -213,8 +213,9 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
         health.cancel()
         http.should_exit = True
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(http_task, 10)
-        await handle.server.stop(grace=2.0)
+            await asyncio.wait_for(http_task, settings.drain_s + 5)
+        # streams in flight finish within the drain period
+        await handle.server.stop(grace=settings.drain_s)
         await router.close()
         sock.close()
         log.info("router_stopped")

@@ -35,8 +35,12 @@ class RouterSettings:
     supervisor_status: str = setting(
         "", help="a JSON file where the local supervisor (kvpool up) reports restarts; shown in /health",
         metavar="FILE")
+    drain_s: float = setting(20.0, help="on SIGTERM: seconds to keep serving what is in flight after turning "
+                                         "not-ready (new calls still served until callers notice)")
 
     def __post_init__(self) -> None:
+        if self.drain_s < 0:
+            raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
         for name in ("pipelines", "shards"):
             value = getattr(self, name)
             if isinstance(value, str):
