@@ -30,7 +30,7 @@ class StoreSpec:
 
 @dataclass(frozen=True, slots=True)
 class PipelineSpec:
-    """A prefill pipeline: stage processes ``{name}stage{i}``; every stage gets ``args``. ``pool`` False: ``--no-pool``."""
+    """A prefill pipeline: stage processes ``{name}stage{i}``, each given ``args``; ``pool`` False: ``--no-pool``."""
 
     name: str = ""
     stages: int = 4

@@ -1,0 +1,62 @@
+"""Topologies as data: the shapes kvpool up and replay --compare ask for, and the checks on a topology."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.tools.cluster import PipelineSpec, ServerSpec, StoreSpec, Topology
+from kvpool.tools.cluster.topology import decode_topology, pipeline_topology, pool_topology
+from kvpool.tools.replay.topology import TopologySettings, side_topology
+from kvpool.tools.up import UpSettings, up_topology
+
+
+def test_kvpool_up_default_shape() -> None:
+    topology = up_topology(UpSettings(), config="c.toml", log_level="info")
+    assert topology.names == ("master", "router", "store0", "store1", "decode0",
+                              "p0-stage0", "p0-stage1", "p0-stage2", "p0-stage3")
+    assert topology.common_args == ("--log-level", "info", "--log-format", "json", "--config", "c.toml")
+    assert topology.router is not None and (topology.router.port, topology.router.http_port) == (7900, 8000)
+    [server] = topology.servers
+    assert server.stores[1].args == ("--segment-size", "512MiB", "--numa-node", "0", "--segment-id", "up-store1")
+    assert server.pipelines[0].pool and not topology.netns and topology.die_with_parent
+
+
+def test_kvpool_up_without_a_pool_starts_no_master_and_no_store() -> None:
+    topology = up_topology(UpSettings(stores=0, pipelines=2, stages=1, decode_shards=2))
+    assert topology.master is None
+    assert topology.names == ("router", "decode0", "decode1", "p0-stage0", "p1-stage0")
+    assert [p.pool for p in topology.servers[0].pipelines] == [False, False]
+
+
+def test_compare_sides_shared_and_split() -> None:
+    shared = side_topology(TopologySettings(servers=2, stages=1, pool="shared"))
+    assert shared.names == ("master", "router", "s0-store-p", "s0-store-d", "s0-decode", "s0-stage0",
+                            "s1-store-p", "s1-store-d", "s1-decode", "s1-stage0")
+    assert [s.host_name for s in shared.servers] == ["kvr-s0", "kvr-s1"] and shared.netns
+    split = side_topology(TopologySettings(servers=2, stages=1, pool="split", eviction="object"))
+    assert split.master is None
+    assert split.names == ("router", "s0-master", "s0-store-p", "s0-decode", "s0-stage0",
+                           "s1-master", "s1-store-p", "s1-decode", "s1-stage0")
+    assert split.servers[1].master is not None and split.servers[1].master.args == ("--eviction", "object")
+
+
+def test_one_part_topologies() -> None:
+    assert pool_topology(2, "8MiB").names == ("master", "store0", "store1")
+    assert pipeline_topology(2, "").names == ("stage0", "stage1")
+    assert pipeline_topology(2, "").servers[0].pipelines[0].pool is False
+    assert pipeline_topology(1, "127.0.0.1:7601").master_address == "127.0.0.1:7601"
+    assert decode_topology("d", ("--num-pages", "8")).names == ("d",)
+    assert not pool_topology(1, "8MiB").die_with_parent
+
+
+@pytest.mark.parametrize(("topology", "message"), [
+    (lambda: Topology(()), "at least one"),
+    (lambda: Topology((ServerSpec(stores=(StoreSpec("s"),)),)), "without a master"),
+    (lambda: Topology((ServerSpec(pipelines=(PipelineSpec(),)),)), "without a master"),
+    (lambda: Topology((ServerSpec(pipelines=(PipelineSpec(stages=0, pool=False),)),)), "stages"),
+    (lambda: Topology((ServerSpec(stores=(StoreSpec("a"), StoreSpec("a"))),), master_address="m:1"), "unique"),
+    (lambda: Topology((ServerSpec(),), netns=True), "host_name"),
+])
+def test_bad_topologies_are_refused(topology, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        topology()
