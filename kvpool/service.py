@@ -1,7 +1,8 @@
 """What every kvpool service process shares: a gRPC server with the standard
-health service and server reflection, Prometheus metrics on an admin HTTP
-port, a ready file for whoever started it, and graceful shutdown on
-SIGTERM/SIGINT."""
+health service and server reflection, client channels, Prometheus metrics on
+an admin HTTP port, a ready file for whoever started it, and graceful shutdown
+on SIGTERM/SIGINT. Servers and channels made here carry the request id
+(``kvpool.request_id``) across every call."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -20,6 +22,8 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
+
+from kvpool import request_id
 
 log = structlog.get_logger(__name__)
 
@@ -126,6 +130,7 @@ async def create_server(
     add_servicers: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str] = (),
     health_servicer: health.aio.HealthServicer | None = None,
+    inbound_request_ids: bool = True,
 ) -> ServerHandle:
     """Create and start a server bound to ``host:port`` (port 0 picks one).
 
@@ -136,6 +141,10 @@ async def create_server(
     is not loaded is an error here, not a reflection miss later.
     ``health_servicer`` replaces the stock health service (e.g. one that
     answers for a whole pipeline).
+
+    With ``inbound_request_ids`` a call's ``x-request-id`` metadata is bound
+    around its handler (``kvpool.request_id``); the router, which assigns ids
+    itself, turns it off.
     """
     names = list(dict.fromkeys(service_names))
     known = descriptor_pool.Default()
@@ -146,7 +155,9 @@ async def create_server(
             raise ValueError(f"no protobuf service named {name!r} is loaded; "
                              "service_names takes full names such as 'kvpool.rpc.PoolMaster'") from None
     in_flight = InFlight()
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[in_flight])
+    # in_flight outermost: a call counts as in flight for the whole of its handler
+    interceptors = [in_flight, request_id.RequestIdServerInterceptor()] if inbound_request_ids else [in_flight]
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_servicers(server)
@@ -158,6 +169,11 @@ async def create_server(
     handle = ServerHandle(server, bound, health_servicer, in_flight)
     await handle.set_serving(True)
     return handle
+
+
+def channel(address: str, options: Sequence[tuple[str, Any]] = GRPC_OPTIONS) -> grpc.aio.Channel:
+    """A channel to another kvpool service: its calls carry the bound request id as metadata."""
+    return grpc.aio.insecure_channel(address, options=list(options), interceptors=request_id.client_interceptors())
 
 
 def start_metrics(host: str, port: int, registry: CollectorRegistry) -> int:

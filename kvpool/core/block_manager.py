@@ -189,6 +189,10 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         self._requests[holder_id] = _Request(list(block_ids), 0)
 
+    def has_holder(self, holder_id: str) -> bool:
+        """Whether a request or ``hold`` holds blocks under this id now."""
+        return holder_id in self._requests
+
     def is_private(self, request_id: str, block_id: int) -> bool:
         """Whether only this request references the block and it caches nothing:
         the only blocks a restore may write."""

@@ -114,7 +114,7 @@ class PoolClient:
         self.host_name = host_name or local_host_name()
         options = [o for o in service.GRPC_OPTIONS if o[0] != "grpc.max_reconnect_backoff_ms"]
         options.append(("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS))
-        self._channel = grpc.aio.insecure_channel(master, options=options)
+        self._channel = service.channel(master, options)
         self._stub = pool_pb2_grpc.PoolMasterStub(self._channel)
         self._regions: list[tuple[int, int]] = []
         # a master known down is answered at once: lookups miss, puts are not stored

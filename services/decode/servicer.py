@@ -12,6 +12,7 @@ import structlog
 from kvpool.core.errors import InvalidArgument, KvpoolError
 from kvpool.core.handoff_layout import HandoffLayout
 from kvpool.model.sampling import SamplingParams
+from kvpool.request_id import current_request_id
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
 from kvpool.status import status_code, status_errors
 from services.decode.shard import DecodeShard, Figures
@@ -63,9 +64,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             params = sampling_params(request.sampling)
             region_id = parse_region_id(request.region_id)
             stream = self.shard.generate(region_id, list(request.prompt_token_ids), request.first_token, params,
-                                         request.max_tokens, list(request.stop_token_ids), request.request_id)
+                                         request.max_tokens, list(request.stop_token_ids),
+                                         request.request_id or current_request_id())
             async for event in stream:
                 if isinstance(event, Figures):
+                    log.info("decode_done", tokens=event.num_tokens, finish_reason=event.finish_reason,
+                             queue_s=round(event.queue_seconds, 4), decode_s=round(event.decode_seconds, 4))
                     yield decode_pb2.DecodeResponse(figures=decode_pb2.DecodeFigures(
                         num_tokens=event.num_tokens, finish_reason=event.finish_reason,
                         decode_seconds=event.decode_seconds, queue_seconds=event.queue_seconds,

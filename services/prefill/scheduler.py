@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,9 +21,17 @@ import torch
 
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
-from kvpool.core.errors import DeviceCacheLost, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvpool.core.errors import (
+    DeviceCacheLost,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvpool.core.prefill_request import KvHolds, PrefillRequest, try_admit
 from kvpool.pool.client import LookupResult, PoolClient
+from kvpool.request_id import current_request_id, new_request_id
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.status import status_errors
 from services.prefill.metrics import PrefillMetrics
@@ -107,11 +114,17 @@ class PrefillScheduler:
         if len(session_key.encode()) > MAX_SESSION_KEY_BYTES:
             raise InvalidArgument(f"session_key: longer than {MAX_SESSION_KEY_BYTES} bytes")
 
-    async def prefill(self, token_ids: Sequence[int], session_key: str, return_logits: bool) -> prefill_pb2.PrefillResponse:
+    async def prefill(self, token_ids: Sequence[int], session_key: str, return_logits: bool,
+                      request_id: str = "") -> prefill_pb2.PrefillResponse:
+        """Prefill under ``request_id`` (the caller's, else a fresh one): the KV is held under it."""
         self.validate(token_ids, session_key)
+        request_id = request_id or new_request_id("prefill")
+        # a request's blocks (in flight or held) and its save's hold are keyed by its id
+        if self.blocks.has_holder(request_id) or self.blocks.has_holder(save_holder(request_id)):
+            raise FailedPrecondition(f"request_id: {request_id!r} is in use on this pipeline")
         started = time.perf_counter()
         request = PrefillRequest(
-            uuid.uuid4().hex, len(token_ids), self.chunk_size,
+            request_id, len(token_ids), self.chunk_size,
             chunk_hashes(self.namespace, token_ids, self.chunk_size),
         )
         await self._admit(request)
@@ -322,7 +335,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     @status_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
-        return await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits)
+        return await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
+                                           current_request_id())
 
     @status_errors
     async def Release(self, request: prefill_pb2.ReleaseRequest, context: Any) -> prefill_pb2.ReleaseResponse:

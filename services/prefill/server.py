@@ -32,7 +32,7 @@ class StageMismatch(RuntimeError):
 
 async def wait_for_stages(settings: PrefillSettings, namespace: str, stop: asyncio.Event) -> list[grpc.aio.Channel]:
     """Connect to every later stage and check they form one pipeline with us."""
-    channels = [grpc.aio.insecure_channel(a, options=service.GRPC_OPTIONS) for a in settings.stage_addresses]
+    channels = [service.channel(a) for a in settings.stage_addresses]
     split = settings.layer_split
     deadline = time.monotonic() + STAGES_READY_TIMEOUT_S
     for stage, (address, channel) in enumerate(zip(settings.stage_addresses, channels), start=1):

@@ -63,7 +63,7 @@ class ActivationLink:
     def __init__(self, runner: StageRunner, next_address: str) -> None:
         self.runner = runner
         self.hidden_size = runner.config.hidden_size
-        self._channel = grpc.aio.insecure_channel(next_address, options=service.GRPC_OPTIONS) if next_address else None
+        self._channel = service.channel(next_address) if next_address else None
         self.next = prefill_pb2_grpc.PrefillStageStub(self._channel) if self._channel else None
 
     async def close(self) -> None:

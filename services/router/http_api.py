@@ -4,6 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
 server-sent events in OpenAI's chunk format ending with ``data: [DONE]``, or
 one JSON answer), ``GET /v1/models``, ``GET /health`` (200 only when every
 service behind the router is healthy), ``GET /metrics`` (Prometheus text).
+Every response carries the request's id in ``X-Request-Id``; a completion's
+``id`` is that id (``services.router.http_request_id``).
 
 Errors are OpenAI's shape with ``param`` naming the field: 400 for a client's
 mistake, 413 for a body past ``MAX_BODY_BYTES``, 429 with ``Retry-After`` when
@@ -20,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,6 +30,7 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -44,6 +46,7 @@ from services.router.openai_schema import (
     parse_completion,
     parse_json,
 )
+from services.router.http_request_id import RequestIdMiddleware, request_id_of
 
 log = structlog.get_logger(__name__)
 
@@ -117,7 +120,8 @@ class HttpApi:
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={
-            HTTPException: _http_error, ApiError: _api_error, Exception: _server_error})
+            HTTPException: _http_error, ApiError: _api_error, Exception: _server_error},
+            middleware=[Middleware(RequestIdMiddleware)])
 
     # ---- routes ---------------------------------------------------------
 
@@ -151,7 +155,7 @@ class HttpApi:
 
     async def _serve(self, request: Request, generation: GenerationRequest) -> Response:
         """Wait for the first token before answering: every error until then is an HTTP status, not a stream event."""
-        completion_id = ("cmpl-" if generation.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        completion_id = generation.request_id = request_id_of(request)
         usage = Usage(prompt_tokens=len(generation.prompt_ids))
         tokens = self.backend.generate(generation, usage)
         try:

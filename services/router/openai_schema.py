@@ -93,6 +93,8 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     session_key: str = ""
+    # assigned by the router at the edge (kvpool.request_id); the OpenAI ``id``
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

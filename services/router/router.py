@@ -29,10 +29,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import service
-from kvpool.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
 from kvpool.core.routing import Placement, RoutingPolicy
 from kvpool.model.config import ModelConfig, split_layers
 from kvpool.model.sampling import SamplingParams, output_logits, sample
+from kvpool.request_id import bound_request_id, new_request_id
 from kvpool.rpc import (
     decode_pb2,
     decode_pb2_grpc,
@@ -96,14 +97,14 @@ class Router:
 
     @staticmethod
     def _pipeline_client(address: str) -> PipelineClient:
-        channel = grpc.aio.insecure_channel(address, options=service.GRPC_OPTIONS)
+        channel = service.channel(address)
         return PipelineClient(address, channel, prefill_pb2_grpc.PrefillStub(channel),
                               prefill_pb2_grpc.PrefillStageStub(channel), handoff_pb2_grpc.HandoffStub(channel),
                               health_pb2_grpc.HealthStub(channel))
 
     @staticmethod
     def _shard_client(address: str) -> ShardClient:
-        channel = grpc.aio.insecure_channel(address, options=service.GRPC_OPTIONS)
+        channel = service.channel(address)
         return ShardClient(address, channel, decode_pb2_grpc.DecodeStub(channel), health_pb2_grpc.HealthStub(channel))
 
     async def close(self) -> None:
@@ -156,17 +157,40 @@ class Router:
     # ---- generate -------------------------------------------------------
 
     async def generate(self, request: GenerationRequest, usage: Usage) -> AsyncIterator[int]:
-        """Token ids as they are made (see the module doc); ``usage`` is filled as the request goes."""
-        if self.in_flight >= self.max_in_flight:
-            raise ResourceExhausted(f"router: {self.in_flight} requests in flight, the limit is {self.max_in_flight}")
-        self.in_flight += 1
-        self.metrics.in_flight.set(self.in_flight)
-        try:
-            async for token in self._generate(request, usage):
-                yield token
-        finally:
-            self.in_flight -= 1
+        """Token ids as they are made (see the module doc); ``usage`` is filled as the request goes.
+
+        The request's id is bound throughout: every call it makes carries it and
+        every log line about it names it, ending with one ``generate_ended``.
+        """
+        request.request_id = request.request_id or new_request_id()
+        # the caller's task binds it too (HTTP middleware, gRPC handler): a generator's own binding
+        # holds only in the task that first iterates it
+        with bound_request_id(request.request_id):
+            if self.in_flight >= self.max_in_flight:
+                log.info("generate_refused", in_flight=self.in_flight)
+                raise ResourceExhausted(
+                    f"router: {self.in_flight} requests in flight, the limit is {self.max_in_flight}")
+            self.in_flight += 1
             self.metrics.in_flight.set(self.in_flight)
+            ended = "cancelled"
+            try:
+                async for token in self._generate(request, usage):
+                    yield token
+                ended = "done"
+            except GeneratorExit:
+                ended = "closed"  # the reader stopped: a stop string, or its client went away
+                raise
+            except KvpoolError as exc:
+                ended = type(exc).__name__
+                raise
+            finally:
+                self.in_flight -= 1
+                self.metrics.in_flight.set(self.in_flight)
+                log.info("generate_ended", request_id=request.request_id, session_key=request.session_key,
+                         ended=ended, pipeline=usage.pipeline, shard=usage.shard,
+                         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                         device_tokens=usage.device_tokens, pool_tokens=usage.pool_tokens,
+                         ttft_s=round(usage.ttft_seconds, 4))
 
     async def _generate(self, request: GenerationRequest, usage: Usage) -> AsyncIterator[int]:
         started = time.perf_counter()

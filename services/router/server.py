@@ -20,6 +20,7 @@ from kvpool import service
 from kvpool.core.errors import InvalidArgument, KvpoolError
 from kvpool.core.generation_fields import GRPC_FIELDS, check_length, check_sampling, check_session_key, check_token_ids
 from kvpool.model import get_config
+from kvpool.request_id import METADATA_KEY, bound_request_id, from_metadata, new_request_id
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.status import status_code
 from kvpool.tokenizer import ByteTokenizer, load_tokenizer
@@ -66,13 +67,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request: router_pb2.GenerateRequest | MalformedRequest,
                        context: Any) -> AsyncIterator[router_pb2.GenerateResponse]:
+        # the request's id goes back as initial metadata; a client's own is only logged beside it
+        request_id = new_request_id()
+        client_id = from_metadata(context.invocation_metadata())
+        extra = {"client_request_id": client_id} if client_id else {}
+        await context.send_initial_metadata(((METADATA_KEY, request_id),))
+        with bound_request_id(request_id, **extra):
+            async for response in self._generate(request, context, request_id):
+                yield response
+
+    async def _generate(self, request: router_pb2.GenerateRequest | MalformedRequest, context: Any,
+                        request_id: str) -> AsyncIterator[router_pb2.GenerateResponse]:
         try:
             if isinstance(request, MalformedRequest):
                 raise InvalidArgument(f"request: not a GenerateRequest ({request.reason})", "request")
             generation = self._validate(request)
         except KvpoolError as exc:
+            log.info("request_rejected", method="Generate", reason=str(exc))
             await context.abort(status_code(exc), str(exc))
             return
+        generation.request_id = request_id
         usage = Usage(prompt_tokens=len(generation.prompt_ids))
         decoder = self.tokenizer.decoder() if request.text else None
         tokens = self.router.generate(generation, usage)
@@ -185,7 +199,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     servicer = RouterServicer(router, tokenizer, limits)
     handle = await service.create_server(
         settings.host, settings.port, lambda s: add_router(servicer, s),
-        service_names=["kvpool.rpc.Router"],
+        service_names=["kvpool.rpc.Router"], inbound_request_ids=False,
     )
     await handle.set_serving(False)
     roles = ByteTokenizer.roles() if isinstance(tokenizer, ByteTokenizer) else frozenset(

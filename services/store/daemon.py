@@ -214,7 +214,7 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     stop = asyncio.Event()
     service.install_stop_signals(stop)
-    channel = grpc.aio.insecure_channel(settings.master, options=MASTER_CHANNEL_OPTIONS)
+    channel = service.channel(settings.master, MASTER_CHANNEL_OPTIONS)
     store = Store(settings, engine, segment, pool_pb2_grpc.PoolMasterStub(channel), metrics)
     heartbeat: asyncio.Task[None] | None = None
     try:

@@ -209,12 +209,15 @@ def test_a_held_block_is_not_reused_until_its_save_ends() -> None:
     bm = BlockManager(4, CHUNK)
     table = run(bm, "a", prompt(12))  # blocks 0-2, all hashed
     bm.hold("a/save", table[1:])  # the save reads chunks 1-2
+    assert (bm.has_holder("a"), bm.has_holder("a/save"), bm.has_holder("b")) == (True, True, False)
     bm.free("a")
+    assert (bm.has_holder("a"), bm.has_holder("a/save")) == (False, True)
     assert bm.free_block_ids() == [3, 0]  # 1 and 2 are still referenced by the save
     assert [b.ref_count for b in bm.blocks] == [0, 1, 1, 0]
     with pytest.raises(NoFreeBlocks):
         run(bm, "b", prompt(9, seed=1))  # needs 3 blocks, 2 are allocatable
     bm.free("a/save")
+    assert not bm.has_holder("a/save")
     assert bm.free_block_ids() == [3, 0, 2, 1]  # back on the MRU end, tail first
     assert run(bm, "b", prompt(9, seed=1)) == [3, 0, 2]
 
