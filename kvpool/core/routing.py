@@ -15,6 +15,9 @@ Rules:
   pages the router has promised to requests not yet admitted there.
 - A pipeline or shard that fails its health check is out of rotation until it
   passes again; when none is healthy, placing raises ``Unavailable``.
+- A retry excludes the pipelines that failed the request, for that request
+  only; a session whose own pipeline is excluded moves with reason
+  ``EXCLUDED_AFTER_FAILURE`` (``UNHEALTHY`` is only for a failed health check).
 - Session memory is bounded: the least recently used sessions are forgotten
   past ``max_sessions`` (a forgotten session is placed as a new one).
 """
@@ -34,6 +37,7 @@ class PipelineReason(enum.Enum):
     NEW_SESSION = "new_session"  # no session key, or never seen (or forgotten)
     OVERLOADED = "overloaded"  # the session's pipeline queue reached the threshold
     UNHEALTHY = "unhealthy"  # the session's pipeline is out of rotation
+    EXCLUDED_AFTER_FAILURE = "excluded_after_failure"  # a retry: the session's pipeline failed this request
 
 
 class ShardReason(enum.Enum):
@@ -41,8 +45,8 @@ class ShardReason(enum.Enum):
 
 
 @dataclass(slots=True)
-class Backend:
-    """One pipeline or shard as the router sees it."""
+class Target:
+    """A prefill pipeline or a decode shard the router places requests on: its health and its load."""
 
     name: str
     healthy: bool = True
@@ -66,8 +70,8 @@ class RoutingPolicy:
 
     affinity_max_queue: int = 4
     max_sessions: int = 100_000
-    pipelines: dict[str, Backend] = field(default_factory=dict)
-    shards: dict[str, Backend] = field(default_factory=dict)
+    pipelines: dict[str, Target] = field(default_factory=dict)
+    shards: dict[str, Target] = field(default_factory=dict)
     _sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
@@ -80,9 +84,9 @@ class RoutingPolicy:
     def of(cls, pipelines: Iterable[str], shards: Iterable[str], **settings: int) -> RoutingPolicy:
         policy = cls(**settings)
         for name in pipelines:
-            policy.pipelines[name] = Backend(name)
+            policy.pipelines[name] = Target(name)
         for name in shards:
-            policy.shards[name] = Backend(name)
+            policy.shards[name] = Target(name)
         if not policy.pipelines or not policy.shards:
             raise InvalidArgument("a router needs at least one prefill pipeline and one decode shard")
         return policy
@@ -90,10 +94,10 @@ class RoutingPolicy:
     # ---- what the router sees -------------------------------------------
 
     def set_health(self, name: str, healthy: bool) -> bool:
-        """Mark a backend in or out of rotation; True when that changed its state."""
-        backend = self._backend(name)
-        changed = backend.healthy != healthy
-        backend.healthy = healthy
+        """Mark a pipeline or shard in or out of rotation; True when that changed its state."""
+        target = self._target(name)
+        changed = target.healthy != healthy
+        target.healthy = healthy
         return changed
 
     def report_free_pages(self, shard: str, free_pages: int) -> None:
@@ -151,7 +155,7 @@ class RoutingPolicy:
 
     # ---- internals ------------------------------------------------------
 
-    def _pick_pipeline(self, session_key: str, exclude: Collection[str]) -> tuple[Backend, PipelineReason]:
+    def _pick_pipeline(self, session_key: str, exclude: Collection[str]) -> tuple[Target, PipelineReason]:
         healthy = [p for p in self.pipelines.values() if p.healthy and p.name not in exclude]
         if not healthy:
             raise Unavailable("no healthy prefill pipeline")
@@ -159,7 +163,9 @@ class RoutingPolicy:
         own = self.pipelines.get(own_name) if own_name is not None else None
         if own is None:
             reason = PipelineReason.NEW_SESSION
-        elif not own.healthy or own.name in exclude:
+        elif own.name in exclude:
+            reason = PipelineReason.EXCLUDED_AFTER_FAILURE
+        elif not own.healthy:
             reason = PipelineReason.UNHEALTHY
         elif own.in_flight >= self.affinity_max_queue:
             reason = PipelineReason.OVERLOADED
@@ -167,25 +173,25 @@ class RoutingPolicy:
             return own, PipelineReason.AFFINITY
         return min(healthy, key=lambda p: (p.in_flight, p.placed, p.name)), reason
 
-    def _pick_shard(self) -> Backend:
+    def _pick_shard(self) -> Target:
         healthy = [s for s in self.shards.values() if s.healthy]
         if not healthy:
             raise Unavailable("no healthy decode shard")
         # most free pages (after promises), then fewest in flight, then name
         return min(healthy, key=lambda s: (s.promised_pages - s.free_pages, s.in_flight, s.name))
 
-    def _backend(self, name: str) -> Backend:
-        backend = self.pipelines.get(name) or self.shards.get(name)
-        if backend is None:
-            raise InvalidArgument(f"backend: unknown pipeline or shard {name!r}")
-        return backend
+    def _target(self, name: str) -> Target:
+        target = self.pipelines.get(name) or self.shards.get(name)
+        if target is None:
+            raise InvalidArgument(f"target: unknown pipeline or shard {name!r}")
+        return target
 
-    def _pipeline(self, name: str) -> Backend:
+    def _pipeline(self, name: str) -> Target:
         if name not in self.pipelines:
             raise InvalidArgument(f"pipeline: unknown pipeline {name!r}")
         return self.pipelines[name]
 
-    def _shard(self, name: str) -> Backend:
+    def _shard(self, name: str) -> Target:
         if name not in self.shards:
             raise InvalidArgument(f"shard: unknown decode shard {name!r}")
         return self.shards[name]

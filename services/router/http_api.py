@@ -9,12 +9,12 @@ Every response carries the request's id in ``X-Request-Id``; a completion's
 
 Errors are OpenAI's shape with ``param`` naming the field: 400 for a client's
 mistake, 413 for a body past ``MAX_BODY_BYTES``, 429 with ``Retry-After`` when
-there is no room now, 503 when no backend can take the request. The response
-head waits for the first token, so every error known before it is one of these
-statuses, never a stream event; a failure after it ends the stream with
-OpenAI's error event and ``data: [DONE]``. A client that disconnects cancels
-its request everywhere: the generate path runs as a task that is cancelled on
-``http.disconnect``.
+there is no room now, 503 when no prefill pipeline or decode shard can take
+the request. The response head waits for the first token, so every error known
+before it is one of these statuses, never a stream event; a failure after it
+ends the stream with OpenAI's error event and ``data: [DONE]``. A client that
+disconnects cancels its request everywhere: the generate path runs as a task
+that is cancelled on ``http.disconnect``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Usage:
         }
 
 
-class GenerateBackend(Protocol):
+class RouterView(Protocol):
     """What the HTTP API needs from the router."""
 
     def generate(self, request: GenerationRequest, usage: Usage) -> AsyncIterator[int]:
@@ -104,7 +104,7 @@ class GenerateBackend(Protocol):
 
 @dataclass(slots=True)
 class HttpApi:
-    backend: GenerateBackend
+    router: RouterView
     tokenizer: Tokenizer
     limits: ModelLimits
     registry: CollectorRegistry
@@ -140,10 +140,10 @@ class HttpApi:
         ]})
 
     async def health(self, request: Request) -> Response:
-        backends = await self.backend.health()
-        healthy = bool(backends) and all(backends.values())
-        body: dict[str, Any] = {"status": "ok" if healthy else "unhealthy", "backends": backends}
-        supervision = self.backend.supervision()
+        targets = await self.router.health()
+        healthy = bool(targets) and all(targets.values())
+        body: dict[str, Any] = {"status": "ok" if healthy else "unhealthy", "targets": targets}
+        supervision = self.router.supervision()
         if supervision is not None:
             body["supervisor"] = supervision
         return JSONResponse(body, status_code=200 if healthy else 503)
@@ -157,7 +157,7 @@ class HttpApi:
         """Wait for the first token before answering: every error until then is an HTTP status, not a stream event."""
         completion_id = generation.request_id = request_id_of(request)
         usage = Usage(prompt_tokens=len(generation.prompt_ids))
-        tokens = self.backend.generate(generation, usage)
+        tokens = self.router.generate(generation, usage)
         try:
             first = await _until_disconnected(request, _first(tokens))
             if generation.stream:

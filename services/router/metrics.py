@@ -1,4 +1,4 @@
-"""Prometheus metrics of the router: requests, placement decisions with their reasons, latency, backends."""
+"""Prometheus metrics of the router: requests, placement decisions with their reasons, latency, target health."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ class RouterMetrics:
         self.decode = Histogram("kvpool_router_decode_seconds", "First token to last", buckets=_SECONDS,
                                 registry=r)
         self.in_flight = Gauge("kvpool_router_in_flight", "Requests in flight", registry=r)
-        self.healthy = Gauge("kvpool_router_backend_healthy", "1 while a backend passes its health check",
-                             ["backend"], registry=r)
+        self.healthy = Gauge("kvpool_router_target_healthy",
+                             "1 while a target (prefill pipeline or decode shard) passes its health check",
+                             ["target"], registry=r)
         self.retries = Counter("kvpool_router_retries", "Requests retried on another pipeline before any token",
                                registry=r)

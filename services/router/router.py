@@ -52,7 +52,7 @@ log = structlog.get_logger(__name__)
 # the health service name under which stage 0 answers for its whole pipeline
 PIPELINE_HEALTH_SERVICE = "kvpool.rpc.Prefill"
 
-# a backend's answer the client must see as such: its own bad input, or no room now (429)
+# a pipeline's or shard's answer the client must see as such: its own bad input, or no room now (429)
 _PASSED_ON = (InvalidArgument, ResourceExhausted)
 
 CALL_TIMEOUT_S = 30.0
@@ -114,17 +114,17 @@ class Router:
     # ---- health ---------------------------------------------------------
 
     async def check_health(self) -> dict[str, bool]:
-        """One round of health checks; shards also report their free pages."""
+        """One round of health checks of every target (pipeline or shard); shards also report their free pages."""
         checks = [self._check_pipeline(c) for c in self.pipelines.values()]
         checks += [self._check_shard(c) for c in self.shards.values()]
         results = await asyncio.gather(*checks)
-        backends = dict(zip([*self.pipelines, *self.shards], results))
-        for name, healthy in backends.items():
+        targets = dict(zip([*self.pipelines, *self.shards], results))
+        for name, healthy in targets.items():
             changed = self.policy.set_health(name, healthy)
             self.metrics.healthy.labels(name).set(1 if healthy else 0)
             if changed:
-                log.warning("backend_health_changed", backend=name, healthy=healthy)
-        return backends
+                log.warning("target_health_changed", target=name, healthy=healthy)
+        return targets
 
     async def _serving(self, stub: health_pb2_grpc.HealthStub, service: str = "") -> bool:
         try:

@@ -143,8 +143,8 @@ class _HttpServer(uvicorn.Server):
         yield
 
 
-class _Backend:
-    """The HTTP API's view of the router: generate, with its errors in OpenAI's shape, and health."""
+class _OpenAiRouter:
+    """The router as the HTTP API sees it (``RouterView``): generate, with its errors in OpenAI's shape, and health."""
 
     def __init__(self, router: Router, supervisor_status: str = "") -> None:
         self.router = router
@@ -204,7 +204,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     await handle.set_serving(False)
     roles = ByteTokenizer.roles() if isinstance(tokenizer, ByteTokenizer) else frozenset(
         {"system", "developer", "user", "assistant", "tool"})
-    api = HttpApi(_Backend(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles)
+    api = HttpApi(_OpenAiRouter(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles)
     sock = _bind(settings.host, settings.http_port)
     http = _HttpServer(uvicorn.Config(api.app(), log_config=None, log_level="warning", lifespan="off",
                                       timeout_graceful_shutdown=max(1, round(settings.drain_s))))

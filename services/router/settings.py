@@ -30,7 +30,7 @@ class RouterSettings:
         4, help="a session stays on its pipeline while fewer than this many requests are in flight there"
     )
     max_in_flight: int = setting(256, help="requests in flight at most; more are answered 429")
-    health_interval_s: float = setting(1.0, help="seconds between health checks of every backend")
+    health_interval_s: float = setting(1.0, help="seconds between health checks of every prefill pipeline and decode shard")
     request_timeout_s: float = setting(600.0, help="longest a request may take end to end, in seconds")
     supervisor_status: str = setting(
         "", help="a JSON file where the local supervisor (kvpool up) reports restarts; shown in /health",

@@ -51,8 +51,14 @@ def test_a_retry_excludes_the_pipelines_that_failed_it_without_touching_their_he
     p = policy()
     p.finish(p.place("s", 1))  # the session lives on p0
     retry = p.place("s", 1, exclude={"p0"})
-    assert (retry.pipeline, retry.pipeline_reason) == ("p1", PipelineReason.UNHEALTHY)
+    assert (retry.pipeline, retry.pipeline_reason) == ("p1", PipelineReason.EXCLUDED_AFTER_FAILURE)
     assert p.pipelines["p0"].healthy  # out of rotation for that request only
+    assert p.session_pipeline("s") == "p1"  # the session follows the retry
+    # excluded and unhealthy at once: the exclusion is why this request moved
+    p.set_health("p1", False)
+    assert p.place("s", 1, exclude={"p1"}).pipeline_reason == PipelineReason.EXCLUDED_AFTER_FAILURE
+    assert p.place("s", 1).pipeline_reason == PipelineReason.AFFINITY  # p0, where the last placement went
+    p.set_health("p1", True)
     with pytest.raises(Unavailable, match="no healthy prefill pipeline"):
         p.place("s", 1, exclude={"p0", "p1"})
     assert p.set_health("p1", False) and not p.set_health("p1", False)  # True only when it changed
@@ -129,9 +135,9 @@ class RouterMachine(RuleBasedStateMachine):
 
     @invariant()
     def counts_match(self) -> None:
-        for name, backend in {**self.policy.pipelines, **self.policy.shards}.items():
+        for name, target in {**self.policy.pipelines, **self.policy.shards}.items():
             expected = sum(1 for p, _ in self.open if name in (p.pipeline, p.shard))
-            assert backend.in_flight == expected, name
+            assert target.in_flight == expected, name
         for name, shard in self.policy.shards.items():
             promised = sum(pages for p, pages in self.open if p.shard == name)
             assert shard.promised_pages == promised, name

@@ -53,13 +53,13 @@ async def generate(cluster: Cluster) -> tuple[list[int], router_pb2.GenerateUsag
         return tokens, usage
 
 
-async def until_healthy(cluster: Cluster, backend: str) -> None:
+async def until_healthy(cluster: Cluster, target: str) -> None:
     from tests.integration.conftest import eventually
 
     async def healthy() -> bool:
-        return (await cluster_health(cluster)).get(backend) is True
+        return (await cluster_health(cluster)).get(target) is True
 
-    await eventually(healthy, what=f"{backend} back in rotation")
+    await eventually(healthy, what=f"{target} back in rotation")
 
 
 async def cluster_health(cluster: Cluster) -> dict[str, bool]:
@@ -67,7 +67,7 @@ async def cluster_health(cluster: Cluster) -> dict[str, bool]:
 
     async with httpx.AsyncClient() as client:
         response = await client.get(f"{cluster.http_url}/health", timeout=5)
-        return dict(response.json()["backends"])
+        return dict(response.json()["targets"])
 
 
 async def test_a_restarted_later_stage_leaves_rotation_then_serves_the_same_answer(cluster: Cluster) -> None:

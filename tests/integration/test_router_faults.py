@@ -1,4 +1,4 @@
-"""The router over gRPC, and what it does when backends die: never a silent loss, never a hang.
+"""The router over gRPC, and what it does when pipelines and shards die: never a silent loss, never a hang.
 
 Retry rule under test: a prefill pipeline that fails before the request has
 produced anything is retried once on another pipeline; a failure after a
@@ -35,7 +35,7 @@ def start_cluster(workdir: Path) -> Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """Shared by the tests that leave every backend running."""
+    """Shared by the tests that leave every pipeline and shard running."""
     up = start_cluster(tmp_path_factory.mktemp("router-faults"))
     try:
         yield up
@@ -45,7 +45,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest.fixture
 def doomed(tmp_path: Path) -> Iterator[Cluster]:
-    """A cluster of its own for a test that kills backends."""
+    """A cluster of its own for a test that kills pipelines or shards."""
     up = start_cluster(tmp_path)
     try:
         yield up
@@ -73,8 +73,8 @@ def sampling(max_tokens: int, **kw: float) -> router_pb2.SamplingParams:
     return router_pb2.SamplingParams(max_tokens=max_tokens, **kw)
 
 
-async def until_unhealthy(cluster: Cluster, backend: str, timeout_s: float = 15.0) -> None:
-    """Poll the router's /health until it has taken ``backend`` out of rotation."""
+async def until_unhealthy(cluster: Cluster, target: str, timeout_s: float = 15.0) -> None:
+    """Poll the router's /health until it has taken ``target`` out of rotation."""
     url = cluster.http_url.removeprefix("http://")
     host, port = url.split(":")
     deadline = time.monotonic() + timeout_s
@@ -83,9 +83,9 @@ async def until_unhealthy(cluster: Cluster, backend: str, timeout_s: float = 15.
         writer.write(b"GET /health HTTP/1.0\r\n\r\n")
         body = (await reader.read()).split(b"\r\n\r\n", 1)[1]
         writer.close()
-        if json.loads(body)["backends"].get(backend) is False:
+        if json.loads(body)["targets"].get(target) is False:
             return
-        assert time.monotonic() < deadline, f"{backend} still in rotation after {timeout_s}s"
+        assert time.monotonic() < deadline, f"{target} still in rotation after {timeout_s}s"
         await asyncio.sleep(0.05)
 
 
@@ -145,7 +145,7 @@ async def test_cancelling_mid_stream_frees_the_decode_pages(cluster: Cluster) ->
         await asyncio.sleep(0.05)
 
 
-async def test_dead_backends_are_retried_or_fail_loudly_and_leave_rotation(doomed: Cluster) -> None:
+async def test_dead_targets_are_retried_or_fail_loudly_and_leave_rotation(doomed: Cluster) -> None:
     cluster = doomed
     # a dead pipeline: retried elsewhere before any token
     cluster.find("p0-stage1").kill()  # p0's stage 0 still answers health checks; its pipeline is broken

@@ -158,7 +158,7 @@ def test_models_health_metrics(cluster: Cluster) -> None:
     status, models = get(cluster.http_url, "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
     status, health = get(cluster.http_url, "/health")
-    assert status == 200 and health["status"] == "ok" and len(health["backends"]) == 4
+    assert status == 200 and health["status"] == "ok" and len(health["targets"]) == 4
     status, text = get(cluster.http_url, "/metrics", raw=True)
     assert status == 200 and "kvpool_router_placements_total" in text
 
