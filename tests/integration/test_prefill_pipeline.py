@@ -221,6 +221,23 @@ async def test_release_of_unknown_handle_is_not_found(stubs) -> None:  # type: i
     assert "request_id" in (err.value.details() or "")
 
 
+async def test_the_callers_request_id_names_the_hold_and_is_unique_while_held(stubs) -> None:  # type: ignore[no-untyped-def]
+    front, _ = stubs
+    metadata = (("x-request-id", "cmpl-held-1"),)
+    first = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(70, 40)), metadata=metadata, timeout=120)
+    assert first.request_id == "cmpl-held-1"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(71, 40)), metadata=metadata, timeout=120)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "request_id: 'cmpl-held-1' is in use" in (err.value.details() or "")
+    await front.Release(prefill_pb2.ReleaseRequest(request_id="cmpl-held-1"), timeout=10)
+    again = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(71, 40)), metadata=metadata, timeout=120)
+    assert again.request_id == "cmpl-held-1"  # free again once released
+    await front.Release(prefill_pb2.ReleaseRequest(request_id="cmpl-held-1"), timeout=10)
+    fresh = await run(front, prompt(72, 40))  # no id given: stage 0 makes one
+    assert fresh.request_id.startswith("prefill-") and fresh.request_id != "cmpl-held-1"
+
+
 async def test_concurrent_requests_all_complete(stubs) -> None:  # type: ignore[no-untyped-def]
     """Several requests in flight at once move through the stages together."""
     front, _ = stubs

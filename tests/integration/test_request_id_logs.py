@@ -1,7 +1,7 @@
 """One request, followed by its id through the log of every process it touches.
 
 One small cluster of real processes for the module (``kvpool up``'s
-``Cluster`` at debug level, tiny model): a master, one store, one two-stage
+topology at debug level, tiny model): a master, one store, one two-stage
 prefill pipeline, one decode shard and the router. The request path is
 router → stage 0 → stage 1 (forward, handoff) and stage 0/1 → master (lookup,
 puts), router → decode. The store takes no call on that path (bytes move with
@@ -21,7 +21,8 @@ import pytest
 
 from kvpool.request_id import METADATA_KEY, is_sane
 from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.tools.up import Cluster, UpSettings
+from kvpool.tools.cluster.launcher import Cluster
+from kvpool.tools.up import UpSettings, up_cluster
 from tests.integration.conftest import eventually
 
 pytestmark = pytest.mark.cluster
@@ -35,7 +36,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("reqid")
     settings = UpSettings(pipelines=1, stages=2, decode_shards=1, stores=1, segment_size="64MiB", http_port=0,
                           grpc_port=0, device_cache_tokens=4096, workdir=str(workdir))
-    up = Cluster(settings, log_level="debug").start()
+    up = up_cluster(settings, log_level="debug").start()
     try:
         yield up
     finally:
