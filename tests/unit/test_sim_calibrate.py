@@ -34,9 +34,9 @@ def test_every_figure_within_is_calibrated_and_one_out_is_not() -> None:
 
 def test_the_kv_bracket_bisects_geometrically() -> None:
     bracket = KvBracket()
-    assert bracket.next(50.0, 0.60) == pytest.approx(52.5)  # too much from the pool: more KV
-    assert bracket.next(52.5, 0.20) == pytest.approx((50.0 * 52.5) ** 0.5)
-    assert (bracket.low, bracket.high) == (50.0, 52.5)
+    assert bracket.next(50.0, 0.60) == pytest.approx(50.75)  # too much from the pool: more KV
+    assert bracket.next(50.75, 0.20) == pytest.approx((50.0 * 50.75) ** 0.5)
+    assert (bracket.low, bracket.high) == (50.0, 50.75)
 
 
 def test_a_step_moves_each_input_the_way_its_figure_asks() -> None:

@@ -28,9 +28,10 @@ def write_traces(folder: Path) -> Path:
 @pytest.mark.cluster  # starts the CLI in a process
 def test_quick_json_line_has_the_keys(tmp_path: Path) -> None:
     traces = write_traces(tmp_path / "traces")
+    runs = tmp_path / "runs.jsonl"
     result = subprocess.run(
         [sys.executable, "-m", "services.cli", "simulate", "--quick", "--json", "--traces", str(traces),
-         "--jobs", "1", "--think-scale", "1", "--only", "seed-per_server-16-shared-strict,seed-per_server-16-split-strict,"
+         "--runs-to", str(runs), "--jobs", "1", "--think-scale", "1", "--only", "seed-per_server-16-shared-strict,seed-per_server-16-split-strict,"
          "seed-per_server-16-shared-4,seed-per_server-16-split-4"],
         capture_output=True, text=True, cwd=ROOT, timeout=240,
     )
@@ -44,6 +45,15 @@ def test_quick_json_line_has_the_keys(tmp_path: Path) -> None:
     assert best["throughput"] > 0 and best["ttft_p99"] > 0
     assert {best["throughput_thresholds"][0], best["throughput_thresholds"][1]} <= {"strict", "4"}
     assert final["sim_speed"] > 0
+    # every run was appended as it ended; reporting from them gives the same comparisons
+    assert len(runs.read_text().splitlines()) == 4
+    again = subprocess.run(
+        [sys.executable, "-m", "services.cli", "simulate", "--json", "--traces", str(traces), "--from-runs", str(runs)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert again.returncode == 0, again.stderr
+    replayed = json.loads(again.stdout.strip().splitlines()[-1])
+    assert replayed["shared_over_split"] == final["shared_over_split"]
 
 
 @pytest.mark.cluster

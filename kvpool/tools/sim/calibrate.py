@@ -105,9 +105,9 @@ class KvBracket:
         else:
             self.high = kv if self.high is None else min(self.high, kv)
         if self.low is None:
-            return kv * 0.95
+            return kv * 0.985
         if self.high is None:
-            return kv * 1.05
+            return kv * 1.015
         return math.sqrt(self.low * self.high)
 
 
@@ -129,7 +129,7 @@ def next_fit(fit: FitInputs, run: dict[str, Any], cost: CostModel, bracket: KvBr
     decode = damp(0.91 / max(run["decode_kv_use_p50"], 1e-9) * SEED_TOKENS_PER_S_PER_GPU / max(rate, 1e-9)
                   * device_kv) if run["decode_kv_use_p50"] < 0.97 else damp(0.85)
     # think: TTFT is the closed loop's remainder (cycle - think - decode): move think by TTFT's excess
-    ratio = run["ttft_mean_s"] / run["ttft_p50_s"] if run["ttft_p50_s"] > 1.0 else 1.2
+    ratio = min(1.3, max(1.0, run["ttft_mean_s"] / run["ttft_p50_s"])) if run["ttft_p50_s"] > 0 else 1.2
     excess = run["ttft_mean_s"] - 7.0 * ratio
     recorded_mean = run["think_mean_s"] / fit.think_scale if fit.think_scale > 0 else 238.0
     think_mean = max(0.0, run["think_mean_s"] + damping * excess)

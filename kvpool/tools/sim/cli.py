@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,9 @@ def add_simulate_parser(sub: Any) -> None:
                    help="fit the cost model's [fit] inputs to the seed's single server at 112 sessions, check 96")
     p.add_argument("--calibrate-steps", type=int, default=4, help="most fit steps (runs) before the check")
     p.add_argument("--json", action="store_true", help="the last line of output is one JSON object")
+    p.add_argument("--runs-to", metavar="FILE", help="append each run's figures to FILE (JSON lines) as it ends")
+    p.add_argument("--from-runs", metavar="FILE",
+                   help="report from runs appended by --runs-to (no simulation: the table and the JSON line)")
     p.add_argument("--plot", metavar="DIR", help="write PNG charts here")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
@@ -82,9 +85,14 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     call = (args.traces, cost_model_path(args), base, topology)
     # the biggest runs first, so the pool's processes end together
     order = sorted(specs, key=lambda s: -s.servers * s.sessions_per_server * s.duration_s)
+    results: dict[str, dict[str, Any]] = {}
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {s.label: pool.submit(run_spec, s, *call) for s in order}
-        results = {label: f.result() for label, f in futures.items()}
+        futures = {pool.submit(run_spec, s, *call): s.label for s in order}
+        for future in as_completed(futures):
+            results[futures[future]] = result = future.result()
+            if args.runs_to:  # each run as it ends: a long matrix stopped midway keeps what it finished
+                with open(args.runs_to, "a") as out:
+                    out.write(json.dumps(result, sort_keys=True) + "\n")
     return [results[s.label] for s in specs]
 
 
@@ -103,8 +111,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvpool simulate: no trace folder at {args.traces} (give --traces)", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    results = _run(args)
-    wall = time.perf_counter() - t0
+    if args.from_runs:
+        results = [json.loads(line) for line in Path(args.from_runs).read_text().splitlines() if line.strip()]
+        wall = sum(r["wall_s"] for r in results)
+    else:
+        results = _run(args)
+        wall = time.perf_counter() - t0
     print(table(results))
     if args.plot:
         for path in plot(results, args.plot):
