@@ -25,6 +25,9 @@ RUN apt-get update \
 WORKDIR /opt/kvpool
 COPY deploy/build-extra/ /tmp/build-extra/
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_FIND_LINKS=/tmp/build-extra/wheels
+# PyPI's torch for Linux is the CUDA build (GBs of libraries): --build-arg
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu, or a CPU wheel in build-extra
+ARG PIP_EXTRA_INDEX_URL
 # torch first and pinned, in its own layer: the project's code changes far more often
 RUN if [ -f /tmp/build-extra/ca-certificates.crt ]; then export PIP_CERT=/tmp/build-extra/ca-certificates.crt; fi \
  && python3.11 -m venv .venv \

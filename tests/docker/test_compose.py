@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,9 @@ def health_of_all() -> dict[str, str | None]:
     return {s: container(s)["State"].get("Health", {}).get("Status") for s in SERVICES}
 
 
-def wait_for(what: str, check: Any, timeout_s: float) -> Any:
-    """Poll ``check`` until it returns something truthy; fail with the cluster's logs after ``timeout_s``."""
+def wait_for(what: str, check: Any, timeout_s: float, state: Any = None) -> Any:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout_s`` with ``state()``
+    and the cluster's logs."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
@@ -127,7 +129,7 @@ def wait_for(what: str, check: Any, timeout_s: float) -> Any:
         time.sleep(1)
     logs = subprocess.run(["docker-compose", "-p", PROJECT, "logs", "--tail", "15", "--no-color"],
                           capture_output=True, text=True, cwd=ROOT).stdout
-    pytest.fail(f"{what}: not after {timeout_s:.0f} s\n{logs[-6000:]}")
+    pytest.fail(f"{what}: not after {timeout_s:.0f} s; {state() if state else ''}\n{logs[-6000:]}")
 
 
 def router_healthy() -> bool:
@@ -193,7 +195,13 @@ def test_compose_up_serves_restarts_and_leaves_nothing(cluster: dict[str, float]
 
     # every role runs in its own container, each reported healthy by its own check (the
     # router's may lag its /health by one interval: nothing waits on it)
-    wait_for("every container healthy", lambda: health_of_all() == dict.fromkeys(SERVICES, "healthy"), 60)
+    wait_for("every container healthy", lambda: health_of_all() == dict.fromkeys(SERVICES, "healthy"), 180,
+             health_of_all)
+    # when each container started (depends_on starts it once what it needs is healthy), from the first
+    started = {s: datetime.fromisoformat(container(s)["State"]["StartedAt"][:26].rstrip("Z")) for s in SERVICES}
+    first_start = min(started.values())
+    figure("container starts", ", ".join(f"{s} +{(t - first_start).total_seconds():.0f} s"
+                                          for s, t in sorted(started.items(), key=lambda kv: kv[1])))
 
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
@@ -233,8 +241,7 @@ def test_compose_up_serves_restarts_and_leaves_nothing(cluster: dict[str, float]
                      and int(s["num_complete_groups"]) == int(before["num_complete_groups"]) and s, 120)
     assert after["master_incarnation"] != before["master_incarnation"]
     assert int(after["num_objects"]) == int(before["num_objects"])
-    wait_for("master healthy again", lambda: container("master")["State"].get("Health", {}).get("Status")
-             == "healthy", 120)
+    wait_for("master healthy again", lambda: health_of_all()["master"] == "healthy", 180, health_of_all)
     # and serves the session's next turn
     messages += [{"role": "assistant", "content": second.choices[0].message.content or ""},
                  {"role": "user", "content": "Now run the tests."}]
