@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from kvpool import request_id
+from kvpool import request_id, tls
 
 log = structlog.get_logger(__name__)
 
@@ -157,12 +157,13 @@ async def create_server(
     in_flight = InFlight()
     # in_flight outermost: a call counts as in flight for the whole of its handler
     interceptors = [in_flight, request_id.RequestIdServerInterceptor()] if inbound_request_ids else [in_flight]
+    interceptors += tls.interceptors()  # the caller's certificate must name a role allowed this method
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_servicers(server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = tls.add_port(server, f"{host}:{port}")  # mutual TLS once the process is configured
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()
@@ -173,7 +174,10 @@ async def create_server(
 
 def channel(address: str, options: Sequence[tuple[str, Any]] = GRPC_OPTIONS) -> grpc.aio.Channel:
     """A channel to another kvpool service: its calls carry the bound request id as metadata."""
-    return grpc.aio.insecure_channel(address, options=list(options), interceptors=request_id.client_interceptors())
+    creds = tls.channel_credentials()  # mutual TLS once the process is configured (kvpool/tls.py)
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=request_id.client_interceptors())
+    return grpc.aio.secure_channel(address, creds, options=list(options), interceptors=request_id.client_interceptors())
 
 
 def start_metrics(host: str, port: int, registry: CollectorRegistry) -> int:

@@ -15,6 +15,7 @@ from kvpool.core.errors import (
     InvalidArgument,
     KvpoolError,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
@@ -28,6 +29,7 @@ _CODES: dict[type[KvpoolError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

@@ -22,6 +22,17 @@ from kvpool.tools.bench.cli import add_bench, run_bench
 from kvpool.tools.command_flags import add_log_level_flag
 
 
+def _security_flags(parser: argparse.ArgumentParser) -> None:
+    """The [security] table's flags (kvpool/tls.py): this process's certificate, the CA, plaintext consent."""
+    group = parser.add_argument_group("security", "mutual TLS for gRPC; also the [security] table of --config")
+    group.add_argument("--tls-ca", dest="ca", metavar="FILE", help="the cluster CA (PEM; default $KVPOOL_TLS_CA)")
+    group.add_argument("--tls-cert", dest="cert", metavar="FILE",
+                       help="this process's certificate, its common name its role (default $KVPOOL_TLS_CERT)")
+    group.add_argument("--tls-key", dest="key", metavar="FILE", help="its private key (default $KVPOOL_TLS_KEY)")
+    group.add_argument("--insecure", action="store_true", default=None,
+                       help="serve plaintext gRPC (and, for the router, HTTP without keys) beyond loopback anyway")
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="TOML", help="settings file; its [<role>] table is read, flags win")
     add_log_level_flag(parser, "info")
@@ -64,8 +75,8 @@ ROLES: dict[str, Role] = {
                    "run the router (gRPC Generate and the OpenAI-compatible HTTP API)", "Run the router: the front "
                    "door. It places each request on a prefill pipeline (the session's own while its queue is "
                    "short) and the decode shard with the most free KV pages, and serves gRPC Generate and the "
-                   "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                   "/metrics)."),
+                   "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health; "
+                   "/metrics on the admin port)."),
 }
 
 
@@ -78,6 +89,7 @@ def _add_role(sub: Any, name: str, role: Role) -> None:
     p = sub.add_parser(name, help=role.help, description=role.description)
     _common(p)
     add_setting_flags(p, _load(role.settings))
+    _security_flags(p)
     if name == "prefill":
         p.add_argument("--no-pool", dest="master", action="store_const", const="",
                        help="run without the pool: device cache only")
@@ -190,9 +202,27 @@ def _engine_binds_only(transfer_host: str) -> None:
         raise SystemExit(f"kvpool: {exc}") from None
 
 
+def _secure(args: argparse.Namespace, settings: Any) -> None:
+    """Configure this process's TLS identity; plaintext (or a keyless HTTP API) beyond loopback needs --insecure."""
+    from kvpool import tls
+
+    security = _settings(tls.SecuritySettings, "security", args)
+    hosts = [settings.host, getattr(settings, "transfer_host", "")]
+    try:
+        tls.refuse_plaintext_off_loopback(security, hosts, f"kvpool {args.command}")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if args.command == "router" and not security.insecure and not tls.is_loopback(settings.host):
+        if not (settings.api_key or settings.api_keys_file or os.environ.get("KVPOOL_API_KEY")):
+            raise SystemExit(f"kvpool router: the HTTP API listens on {settings.host} without API keys: give "
+                             "--api-key or --api-keys-file, or --insecure to serve it open anyway")
+    tls.configure(security)
+
+
 def _run_role(args: argparse.Namespace) -> int:
     role = ROLES[args.command]
     settings = _settings(_load(role.settings), args.command, args)
+    _secure(args, settings)
     if role.owns_transfer_engine:
         _engine_binds_only(settings.transfer_host)
     serve = _load(role.serve)
@@ -212,7 +242,13 @@ def _run_up(args: argparse.Namespace) -> int:
 
         trace = "" if args.trace == "synthetic" else (args.trace or default_trace())
         demo_settings = DemoSettings(trace=trace, scale=args.scale, turns=args.turns)
-        demo = lambda cluster: run_demo(cluster.http_url, demo_settings)  # noqa: E731
+
+        def play(cluster: Any) -> int:
+            if settings.api_key:  # the demo's client sends the first key (set now: the router has its file)
+                os.environ["KVPOOL_API_KEY"] = settings.api_key[0]
+            return run_demo(cluster.http_url, demo_settings)
+
+        demo = play
     return run_up(settings, args.config, "warning" if args.log_level == "info" else args.log_level, demo)
 
 

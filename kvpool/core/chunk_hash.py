@@ -9,7 +9,10 @@ Invariants:
   prefixes give equal leading hashes, and a token changed in chunk k changes
   hashes k.. and none before;
 - a hash is a pure function of its inputs, stable across processes, machines
-  and releases (pinned in the tests): pool objects outlive processes.
+  and releases (pinned in the tests): pool objects outlive processes;
+- tenants never share a hash: the chain's root is ``hash_root(namespace,
+  tenant, cache_salt)``, so a tenant (or a request with a ``cache_salt``) can
+  neither hit nor probe another's chunks, in the device cache or the pool.
 """
 
 from __future__ import annotations
@@ -61,11 +64,28 @@ def namespace_fingerprint(
     return xxhash.xxh3_64_hexdigest(canonical.encode("ascii"))
 
 
+DEFAULT_TENANT = "default"
+
+
+def hash_root(namespace: str, tenant: str = "", cache_salt: str = "") -> str:
+    """The root of a request's hash chain: the namespace, its tenant's and its salt's.
+
+    The default tenant ("" or ``"default"``) without a salt keeps the bare
+    namespace, so an open cluster's hashes (and pool objects) are unchanged.
+    Otherwise the root is canonical JSON of the three, so no choice of tenant
+    and salt can equal another's root.
+    """
+    tenant = "" if tenant == DEFAULT_TENANT else tenant
+    if not tenant and not cache_salt:
+        return namespace
+    return json.dumps([namespace, tenant, cache_salt], separators=(",", ":"), ensure_ascii=True)
+
+
 def chunk_hashes(namespace: str, token_ids: Sequence[int], chunk_size: int = CHUNK_SIZE) -> list[ChunkHash]:
     """Chained xxh3_128 hashes of the full chunks of ``token_ids``.
 
     ``H(parent, chunk) = xxh3_128(parent_bytes || uint32le(chunk))`` where
-    ``parent_bytes`` is the UTF-8 namespace for chunk 0 and the previous
+    ``parent_bytes`` is the UTF-8 root (the namespace, or ``hash_root``'s) for chunk 0 and the previous
     16-byte digest after that. The trailing partial chunk is not hashed.
     Token ids must fit in uint32 (``ValueError`` otherwise).
     """

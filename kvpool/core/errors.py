@@ -52,6 +52,10 @@ class ResourceExhausted(KvpoolError):
     """No room (pool space, device blocks, pages) now; the caller may retry later."""
 
 
+class PermissionDenied(KvpoolError):
+    """The caller's role may not make this call (or not on this object)."""
+
+
 class Unavailable(KvpoolError):
     """A dependency is down or the service is not ready yet."""
 

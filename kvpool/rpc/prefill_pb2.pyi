@@ -7,14 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "session_key", "return_logits")
+    __slots__ = ("token_ids", "session_key", "return_logits", "tenant", "cache_salt")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     session_key: str
     return_logits: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    tenant: str
+    cache_salt: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class StageRestoreFigures(_message.Message):
     __slots__ = ("stage", "num_chunks_requested", "num_chunks_restored", "bytes", "read_ms")

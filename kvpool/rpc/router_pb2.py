@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpool/rpc/router.proto\x12\nkvpool.rpc\"\x8b\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x42\x07\n\x05_seed\"u\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0bsession_key\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvpool.rpc.SamplingParams\"\x9e\x02\n\rGenerateUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rdevice_tokens\x18\x03 \x01(\r\x12\x13\n\x0bpool_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x19\n\x11handoff_transfers\x18\x06 \x01(\r\x12\x15\n\rhandoff_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cttft_seconds\x18\x08 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\t \x01(\x01\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x10\n\x08pipeline\x18\x0b \x01(\t\x12\r\n\x05shard\x18\x0c \x01(\t\"i\n\x10GenerateResponse\x12\x12\n\x08token_id\x18\x01 \x01(\x05H\x00\x12*\n\x05usage\x18\x02 \x01(\x0b\x32\x19.kvpool.rpc.GenerateUsageH\x00\x12\x0c\n\x04text\x18\x03 \x01(\tB\x07\n\x05\x65vent2Q\n\x06Router\x12G\n\x08Generate\x12\x1b.kvpool.rpc.GenerateRequest\x1a\x1c.kvpool.rpc.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpool/rpc/router.proto\x12\nkvpool.rpc\"\x8b\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x42\x07\n\x05_seed\"\x89\x01\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0bsession_key\x18\x03 \x01(\t\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvpool.rpc.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x9e\x02\n\rGenerateUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rdevice_tokens\x18\x03 \x01(\r\x12\x13\n\x0bpool_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x19\n\x11handoff_transfers\x18\x06 \x01(\r\x12\x15\n\rhandoff_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cttft_seconds\x18\x08 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\t \x01(\x01\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x10\n\x08pipeline\x18\x0b \x01(\t\x12\r\n\x05shard\x18\x0c \x01(\t\"i\n\x10GenerateResponse\x12\x12\n\x08token_id\x18\x01 \x01(\x05H\x00\x12*\n\x05usage\x18\x02 \x01(\x0b\x32\x19.kvpool.rpc.GenerateUsageH\x00\x12\x0c\n\x04text\x18\x03 \x01(\tB\x07\n\x05\x65vent2Q\n\x06Router\x12G\n\x08Generate\x12\x1b.kvpool.rpc.GenerateRequest\x1a\x1c.kvpool.rpc.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=179
-  _globals['_GENERATEREQUEST']._serialized_start=181
-  _globals['_GENERATEREQUEST']._serialized_end=298
-  _globals['_GENERATEUSAGE']._serialized_start=301
-  _globals['_GENERATEUSAGE']._serialized_end=587
-  _globals['_GENERATERESPONSE']._serialized_start=589
-  _globals['_GENERATERESPONSE']._serialized_end=694
-  _globals['_ROUTER']._serialized_start=696
-  _globals['_ROUTER']._serialized_end=777
+  _globals['_GENERATEREQUEST']._serialized_start=182
+  _globals['_GENERATEREQUEST']._serialized_end=319
+  _globals['_GENERATEUSAGE']._serialized_start=322
+  _globals['_GENERATEUSAGE']._serialized_end=608
+  _globals['_GENERATERESPONSE']._serialized_start=610
+  _globals['_GENERATERESPONSE']._serialized_end=715
+  _globals['_ROUTER']._serialized_start=717
+  _globals['_ROUTER']._serialized_end=798
 # @@protoc_insertion_point(module_scope)

@@ -10,14 +10,15 @@ from typing import Any
 import grpc
 import httpx
 
-from kvpool import service
+from kvpool import service, tls
 from kvpool.rpc import router_pb2, router_pb2_grpc
+from kvpool.tools.api_key import auth_headers
 from kvpool.tools.sse import StreamError, stream_events
 
 
 async def generate(router: str, prompt: str, max_tokens: int, temperature: float, session: str) -> int:
     """Stream one answer to stdout, then its figures to stderr."""
-    async with grpc.aio.insecure_channel(router, options=service.GRPC_OPTIONS) as channel:
+    async with tls.channel(router, options=service.GRPC_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         request = router_pb2.GenerateRequest(text=prompt, session_key=session, sampling=router_pb2.SamplingParams(
             temperature=temperature, max_tokens=max_tokens))
@@ -64,7 +65,7 @@ def chat(url: str, max_tokens: int, temperature: float) -> int:
 async def _chat_turn(url: str, body: dict[str, Any]) -> str:
     """Stream one answer to stdout, its cache figures to stderr; returns the answer."""
     reply = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), headers=auth_headers()) as client:
         async for event in stream_events(client, url, "/v1/chat/completions", body):
             if event.get("usage"):
                 ext = event["usage"].get("kvpool", {})

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from kvpool.model import get_config
+from kvpool.tools.api_key import auth_headers
 from kvpool.tools.sse import served_model, stream_events
 from kvpool.workload.synthetic import synthetic_session
 from kvpool.workload.tokens import session_token_ids
@@ -102,7 +103,7 @@ def run_demo(url: str, settings: DemoSettings) -> int:
 async def _play(url: str, settings: DemoSettings) -> list[TurnFigures]:
     """Every turn in order, one row printed as each answers."""
     session = demo_session(settings)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), headers=auth_headers()) as client:
         model, _ = await served_model(client, url)
         vocab = get_config(model).vocab_size if model in ("tiny", "dsv3-kv", "dsv3-kv-61") else 1024
         prompts = list(session_token_ids(session, settings.scale, vocab))

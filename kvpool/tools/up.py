@@ -34,6 +34,7 @@ import structlog
 
 from kvpool.core.setting import setting
 from kvpool.model.config import CONFIGS
+from kvpool.tools.certs import Identity, ThrowawayCA
 from kvpool.tools.cluster import (
     Cluster,
     DecodeSpec,
@@ -66,11 +67,19 @@ class UpSettings:
     kv_dtype: str = setting("float32", help="KV storage dtype of prefill and decode",
                             choices=("float32", "bfloat16", "float8_e4m3fn"))
     device_cache_tokens: int = setting(16384, help="each prefill stage's device KV capacity in tokens")
+    api_key: list[str] = setting(help="API keys of the HTTP API, each KEY or TENANT=KEY (handed to the router in a "
+                                 "file, never on its command line)", factory=list, metavar="KEY,...",
+                                 default_text="none: the API is open")
+    secure: bool = setting(False, help="mutual TLS between every service: a throwaway CA and one certificate per "
+                           "service (its role its common name) in the workdir's certs/")
+    insecure: bool = setting(False, help="let services on a non-loopback --host serve plaintext gRPC")
     workdir: str = setting("", help="where logs and ready files go", metavar="DIR", default_text="a temporary folder")
     supervise: bool = setting(True, help="restart a process that dies, with backoff; give up on one that dies more "
                                          "than 5 times in 2 minutes (--no-supervise: leave it dead)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):
+            self.api_key = [k for k in self.api_key.split(",") if k]
         for name in ("pipelines", "stages", "decode_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -103,11 +112,42 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
                     host=s.host, common_args=common)
 
 
+@dataclass(slots=True)
+class UpAccess:
+    """What ``kvpool up`` hands each process beyond the topology's flags: the router's keys file, and with
+    ``secure`` each process's certificate of a throwaway CA made in the workdir on the first call."""
+
+    api_keys: list[str]
+    secure: bool = False
+    insecure: bool = False
+    ca: ThrowawayCA | None = None
+    client: Identity | None = None  # an operator's tools (role "client"): kvpool generate, pool stats
+
+    def __call__(self, name: str, args: list[str], host: str, workdir: Path) -> list[str]:
+        extra: list[str] = []
+        if self.secure:
+            if self.ca is None:
+                self.ca = ThrowawayCA(workdir / "certs", hosts=(host,))
+                self.client = self.ca.issue("client")
+            # the certificate names the role, and a store's segment (it may unmount only its own)
+            role = args[0] if args[0] != "store" else f"store/{args[args.index('--segment-id') + 1]}"
+            extra += self.ca.issue(role, file_stem=name).flags()
+        elif self.insecure:
+            extra.append("--insecure")
+        if args[0] == "router" and self.api_keys:
+            keys_file = workdir / "api_keys"  # a file: keys never show on a command line
+            keys_file.touch(mode=0o600)
+            keys_file.write_text("\n".join(self.api_keys) + "\n")
+            extra += ["--api-keys-file", str(keys_file)]
+        return extra
+
+
 def up_cluster(settings: UpSettings, config: str | None = None, log_level: str = "warning",
                supervisor_status: str = "") -> Cluster:
     """Not started yet: ``.start()`` it (logs and ready files go to ``settings.workdir`` or a temporary folder)."""
     workdir = Path(settings.workdir) if settings.workdir else None
-    return Cluster(up_topology(settings, config, log_level, supervisor_status), workdir=workdir)
+    return Cluster(up_topology(settings, config, log_level, supervisor_status), workdir=workdir,
+                   access=UpAccess(settings.api_key, settings.secure, settings.insecure))
 
 
 def wait_for_stop_signal(tick: Callable[[], None] | None = None) -> int:
@@ -149,6 +189,9 @@ def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any =
         for line in cluster.describe():
             print(line, flush=True)
         print(f"kvpool up: OpenAI-compatible API at {cluster.http_url}/v1", flush=True)
+        if isinstance(cluster.access, UpAccess) and cluster.access.client is not None:
+            print("kvpool up: mutual TLS; tools use the client certificate: "
+                  + " ".join(f"{k}={v}" for k, v in cluster.access.client.env().items()), flush=True)
         if demo is not None:
             return int(demo(cluster))
         supervisor = None

@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from kvpool.core.block_manager import BlockManager
-from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
+from kvpool.core.chunk_hash import chunk_hashes, group_id, hash_root, object_key
 from kvpool.core.errors import (
     DeviceCacheLost,
     FailedPrecondition,
@@ -94,7 +94,7 @@ class PrefillScheduler:
 
     # ---- the request path ----------------------------------------------
 
-    def validate(self, token_ids: Sequence[int], session_key: str) -> None:
+    def validate(self, token_ids: Sequence[int], session_key: str, tenant: str = "", cache_salt: str = "") -> None:
         if not token_ids:
             raise InvalidArgument("token_ids: must not be empty")
         vocab = self.config.vocab_size
@@ -113,11 +113,14 @@ class PrefillScheduler:
             )
         if len(session_key.encode()) > MAX_SESSION_KEY_BYTES:
             raise InvalidArgument(f"session_key: longer than {MAX_SESSION_KEY_BYTES} bytes")
+        for name, value in (("tenant", tenant), ("cache_salt", cache_salt)):
+            if len(value.encode()) > MAX_SESSION_KEY_BYTES:
+                raise InvalidArgument(f"{name}: longer than {MAX_SESSION_KEY_BYTES} bytes")
 
     async def prefill(self, token_ids: Sequence[int], session_key: str, return_logits: bool,
-                      request_id: str = "") -> prefill_pb2.PrefillResponse:
+                      request_id: str = "", tenant: str = "", cache_salt: str = "") -> prefill_pb2.PrefillResponse:
         """Prefill under ``request_id`` (the caller's, else a fresh one): the KV is held under it."""
-        self.validate(token_ids, session_key)
+        self.validate(token_ids, session_key, tenant, cache_salt)
         request_id = request_id or new_request_id("prefill")
         # a request's blocks (in flight or held) and its save's hold are keyed by its id
         if self.blocks.has_holder(request_id) or self.blocks.has_holder(save_holder(request_id)):
@@ -125,7 +128,7 @@ class PrefillScheduler:
         started = time.perf_counter()
         request = PrefillRequest(
             request_id, len(token_ids), self.chunk_size,
-            chunk_hashes(self.namespace, token_ids, self.chunk_size),
+            chunk_hashes(hash_root(self.namespace, tenant, cache_salt), token_ids, self.chunk_size),
         )
         await self._admit(request)
         bound = log.bind(request_id=request.request_id, session_key=session_key)
@@ -336,7 +339,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     @status_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
         return await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
-                                           current_request_id())
+                                           current_request_id(), request.tenant,
+                                           request.cache_salt)
 
     @status_errors
     async def Release(self, request: prefill_pb2.ReleaseRequest, context: Any) -> prefill_pb2.ReleaseResponse:

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
 server-sent events in OpenAI's chunk format ending with ``data: [DONE]``, or
 one JSON answer), ``GET /v1/models``, ``GET /health`` (200 only when every
-service behind the router is healthy), ``GET /metrics`` (Prometheus text).
+service behind the router is healthy). Prometheus text is on the admin port
+only; keys, tenants and origins are checked in front (``auth.py``).
 Every response carries the request's id in ``X-Request-Id``; a completion's
 ``id`` is that id (``services.router.http_request_id``).
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -37,6 +38,7 @@ from starlette.routing import Route
 
 from kvpool.core.stop_strings import StopMatcher
 from kvpool.tokenizer import Tokenizer
+from services.router.auth import tenant_of
 from services.router.openai_schema import (
     MAX_BODY_BYTES,
     ApiError,
@@ -117,7 +119,6 @@ class HttpApi:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={
             HTTPException: _http_error, ApiError: _api_error, Exception: _server_error},
@@ -148,13 +149,11 @@ class HttpApi:
             body["supervisor"] = supervision
         return JSONResponse(body, status_code=200 if healthy else 503)
 
-    async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
     # ---- serving --------------------------------------------------------
 
     async def _serve(self, request: Request, generation: GenerationRequest) -> Response:
         """Wait for the first token before answering: every error until then is an HTTP status, not a stream event."""
+        generation.tenant = tenant_of(request.scope)  # auth.ApiGate found it
         completion_id = generation.request_id = request_id_of(request)
         usage = Usage(prompt_tokens=len(generation.prompt_ids))
         tokens = self.router.generate(generation, usage)

@@ -95,6 +95,9 @@ class GenerationRequest:
     session_key: str = ""
     # assigned by the router at the edge (kvpool.request_id); the OpenAI ``id``
     request_id: str = ""
+    # whose cache: the API key's tenant (set by the HTTP API), and the request's own salt
+    tenant: str = ""
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +232,7 @@ def _finish(body: Mapping[str, Any], kind: str, prompt_ids: list[int], prompt_na
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
         stops=_stops(body), stop_token_ids=list(tokenizer.eos_token_ids), stream=stream,
         include_usage=include_usage, session_key=_session_key(body, headers or {}),
+        cache_salt=_cache_salt(body),
     )
 
 
@@ -331,6 +335,16 @@ def _stops(body: Mapping[str, Any]) -> list[str]:
         raise invalid("stop", "must be a string or a list of strings")
     _checked(StopMatcher.of, stops)
     return stops
+
+
+def _cache_salt(body: Mapping[str, Any]) -> str:
+    """vLLM's field: only requests with the same salt share cached prefixes."""
+    value = body.get("cache_salt")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value:
+        raise invalid("cache_salt", "must be a non-empty string")
+    return check_session_key(value, "cache_salt")
 
 
 def _session_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> str:

@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvpool import service
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
 from kvpool.core.routing import Placement, RoutingPolicy
+from kvpool.core.tenancy import scoped_session_key
 from kvpool.model.config import ModelConfig, split_layers
 from kvpool.model.sampling import SamplingParams, output_logits, sample
 from kvpool.request_id import bound_request_id, new_request_id
@@ -246,7 +247,8 @@ class Router:
 
     def _place(self, request: GenerationRequest, tried: set[str]) -> Placement:
         # a retry must not land on a pipeline that already failed this request
-        placement = self.policy.place(request.session_key, self._pages_for(request, None), exclude=tried)
+        session = scoped_session_key(request.tenant, request.session_key)
+        placement = self.policy.place(session, self._pages_for(request, None), exclude=tried)
         self.metrics.placements.labels("pipeline", placement.pipeline, placement.pipeline_reason.value).inc()
         self.metrics.placements.labels("shard", placement.shard, placement.shard_reason.value).inc()
         return placement
@@ -273,7 +275,8 @@ class Router:
         try:
             return await client.prefill.Prefill(
                 prefill_pb2.PrefillRequest(token_ids=request.prompt_ids, session_key=request.session_key,
-                                           return_logits=request.temperature > 0),
+                                           return_logits=request.temperature > 0, tenant=request.tenant,
+                                           cache_salt=request.cache_salt),
                 timeout=self.request_timeout_s,
             )
         except grpc.aio.AioRpcError as exc:

@@ -24,6 +24,7 @@ from kvpool.request_id import METADATA_KEY, bound_request_id, from_metadata, new
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.status import status_code
 from kvpool.tokenizer import ByteTokenizer, load_tokenizer
+from services.router.auth import ApiKeys, gate
 from services.router.http_api import HttpApi, Usage
 from services.router.metrics import RouterMetrics
 from services.router.openai_schema import GenerationRequest, ModelLimits, api_error_of
@@ -127,11 +128,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                  sampling.seed if sampling.HasField("seed") else None, limits.vocab_size, GRPC_FIELDS)
         check_token_ids(sampling.stop_token_ids, limits.vocab_size, GRPC_FIELDS.stop_token_ids)
         check_session_key(request.session_key, GRPC_FIELDS.session_key)
+        check_session_key(request.cache_salt, "cache_salt")
         return GenerationRequest(
             kind="completion", model=limits.name, prompt_ids=prompt, max_tokens=max_tokens,
             temperature=checked.temperature, top_p=checked.top_p, top_k=checked.top_k, seed=checked.seed,
             stop_token_ids=list(sampling.stop_token_ids) or list(self.tokenizer.eos_token_ids),
-            session_key=request.session_key,
+            session_key=request.session_key, cache_salt=request.cache_salt,
         )
 
 
@@ -189,6 +191,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(settings: RouterSettings, ready_file: str | None = None) -> None:
+    try:
+        keys = ApiKeys.load(settings.api_key, settings.api_keys_file)
+    except ValueError as exc:
+        raise SystemExit(f"kvpool router: {exc}") from None
     config = get_config(settings.model)
     tokenizer = load_tokenizer(settings.model_dir or None, config.vocab_size)
     limits = ModelLimits(settings.model_name, context=config.max_position_embeddings, vocab_size=config.vocab_size)
@@ -206,7 +212,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
         {"system", "developer", "user", "assistant", "tool"})
     api = HttpApi(_OpenAiRouter(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles)
     sock = _bind(settings.host, settings.http_port)
-    http = _HttpServer(uvicorn.Config(api.app(), log_config=None, log_level="warning", lifespan="off",
+    http = _HttpServer(uvicorn.Config(gate(api.app(), keys, settings.cors_origins), log_config=None, log_level="warning", lifespan="off",
                                       timeout_graceful_shutdown=max(1, round(settings.drain_s))))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
@@ -218,7 +224,8 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
         await handle.set_serving(True)
         http_port = sock.getsockname()[1]
         log.info("router_serving", address=f"{settings.host}:{handle.port}", http_port=http_port,
-                 admin_port=admin_port, pipelines=settings.pipelines, shards=settings.shards, model=limits.name)
+                 admin_port=admin_port, pipelines=settings.pipelines, shards=settings.shards, model=limits.name,
+                 api_keys=len(keys.tenants), tenants=len(set(keys.tenants.values())))
         service.write_ready_file(ready_file, port=handle.port, http_port=http_port, admin_port=admin_port)
         await stop.wait()
         log.info("router_stopping")

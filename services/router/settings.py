@@ -13,7 +13,7 @@ class RouterSettings:
     host: str = setting("127.0.0.1", help="listen address of the gRPC and HTTP APIs")
     port: int = setting(7900, help="gRPC port (0 picks a free one)")
     http_port: int = setting(8000, help="OpenAI-compatible HTTP port (0 picks a free one)")
-    admin_port: int = setting(9900, help="Prometheus /metrics port (also served on the HTTP port; 0 picks a free one)")
+    admin_port: int = setting(9900, help="Prometheus /metrics port, the only one serving it (0 picks a free one)")
     pipelines: list[str] = setting(
         help="stage-0 addresses of the prefill pipelines", factory=list, metavar="ADDR,...", default_text="none"
     )
@@ -29,6 +29,14 @@ class RouterSettings:
     affinity_max_queue: int = setting(
         4, help="a session stays on its pipeline while fewer than this many requests are in flight there"
     )
+    api_key: list[str] = setting(
+        help="API keys clients send as 'Authorization: Bearer KEY', each KEY or TENANT=KEY (also KVPOOL_API_KEY); "
+        "none and no keys file: the API is open", factory=list, metavar="KEY,...", default_text="none")
+    api_keys_file: str = setting("", help="a file of API keys, one KEY or TENANT=KEY a line", metavar="FILE",
+                                 default_text="none")
+    cors_origins: list[str] = setting(
+        help="browser origins allowed to call the HTTP API (others are refused)", factory=list, metavar="URL,...",
+        default_text="none")
     max_in_flight: int = setting(256, help="requests in flight at most; more are answered 429")
     health_interval_s: float = setting(1.0, help="seconds between health checks of every prefill pipeline and decode shard")
     request_timeout_s: float = setting(600.0, help="longest a request may take end to end, in seconds")
@@ -41,7 +49,7 @@ class RouterSettings:
     def __post_init__(self) -> None:
         if self.drain_s < 0:
             raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
-        for name in ("pipelines", "shards"):
+        for name in ("pipelines", "shards", "api_key", "cors_origins"):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, [a for a in value.split(",") if a])

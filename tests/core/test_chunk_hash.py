@@ -15,6 +15,7 @@ import xxhash
 from kvpool.core.chunk_hash import (
     chunk_hashes,
     group_id,
+    hash_root,
     namespace_fingerprint,
     object_key,
 )
@@ -65,6 +66,25 @@ def test_namespace_changes_every_hash() -> None:
     ids = tokens(768)
     other = namespace_fingerprint("m", "fp8", [(0, 4)], 256, 1)
     assert not set(chunk_hashes(NS, ids)) & set(chunk_hashes(other, ids))
+
+
+def test_tenants_and_salts_never_share_a_hash() -> None:
+    ids = tokens(768)
+    roots = [hash_root(NS), hash_root(NS, "alice"), hash_root(NS, "bob"), hash_root(NS, "alice", "s1"),
+             hash_root(NS, "", "s1"), hash_root(NS, "alice", "s2")]
+    assert len(set(roots)) == len(roots)
+    hashes = [set(chunk_hashes(root, ids)) for root in roots]
+    assert sum(len(h) for h in hashes) == len(set().union(*hashes)) == 3 * len(roots)
+    # within one tenant and salt, equal prefixes still share
+    assert chunk_hashes(hash_root(NS, "alice", "s1"), ids[:512]) == chunk_hashes(hash_root(NS, "alice", "s1"), ids)[:2]
+
+
+def test_the_default_tenant_keeps_the_bare_namespace() -> None:
+    assert hash_root(NS) == hash_root(NS, "default") == hash_root(NS, "", "") == NS
+    # pinned: pool objects of a tenant outlive processes too
+    assert hash_root(NS, "alice", "s1") == f'["{NS}","alice","s1"]'
+    # a separator inside a name cannot forge another tenant's root
+    assert hash_root(NS, 'a","b') != hash_root(NS, "a", "b")
 
 
 def test_namespace_fingerprint_covers_every_field() -> None:

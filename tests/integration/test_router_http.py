@@ -159,7 +159,10 @@ def test_models_health_metrics(cluster: Cluster) -> None:
     assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
     status, health = get(cluster.http_url, "/health")
     assert status == 200 and health["status"] == "ok" and len(health["targets"]) == 4
-    status, text = get(cluster.http_url, "/metrics", raw=True)
+    status, _ = get(cluster.http_url, "/metrics", raw=True)
+    assert status == 404  # metrics are on the admin port only
+    admin = f"http://{cluster.topology.host}:{cluster.find('router').ready['admin_port']}"
+    status, text = get(admin, "/metrics", raw=True)
     assert status == 200 and "kvpool_router_placements_total" in text
 
 

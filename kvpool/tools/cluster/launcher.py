@@ -19,6 +19,7 @@ to call twice.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,8 @@ class Cluster:
     router: ServiceProcess | None = None
     network: Network | None = None
     network_mode: str = ""  # with named servers: "netns: ..." or "loopback: ..." and why
+    # more flags per process (name, args, host, workdir): its credentials (kvpool up's keys and certificates)
+    access: Callable[[str, list[str], str, Path], list[str]] | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     # ---- the whole ------------------------------------------------------
@@ -305,6 +308,8 @@ class Cluster:
             host = BRIDGE_ADDRESS
         if server is not None and server.spec.host_name and args[0] != "master":
             args = [*args, "--transfer-host", server.address]  # its transfer engine listens on its own address
+        if self.access is not None:
+            args = [*args, *self.access(name, args, host, self.workdir)]
         proc = ServiceProcess(name, [*args, "--host", host, *self.topology.common_args], self.workdir,
                               die_with_parent=self.topology.die_with_parent,
                               prefix=server.prefix if server is not None else [])

@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from kvpool.tools.api_key import auth_headers
 from kvpool.tools.replay.probes import ClusterProbes, DecodeSampler, pool_stats, snapshot
 from kvpool.tools.replay.records import ReplayOptions, ReplayResult, TurnRecord
 from kvpool.tools.replay.report import summarize
@@ -147,7 +148,7 @@ async def run_replay(url: str, workload: ReplayWorkload, options: ReplayOptions,
     probes = probes or ClusterProbes(router=url)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(options.request_timeout_s, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=auth_headers()) as client:
         model = options.model or (await served_model(client, url))[0]
         before = await snapshot(client, probes)
         progress = _Progress(workload.num_turns) if options.progress else None

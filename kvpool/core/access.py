@@ -1,0 +1,93 @@
+"""Who may call what on the control plane. Pure.
+
+With mutual TLS every peer presents a certificate of the cluster's CA whose
+common name names its role, and for a store its segment:
+``master``, ``store/<segment_id>``, ``prefill``, ``decode``, ``router``, or
+``client`` (an operator's tools and gRPC ``Generate`` callers).
+
+Invariants:
+- a method not listed in ``POLICY`` is refused (fail closed), except the
+  health and reflection services, open to every authenticated peer;
+- mount, unmount and heartbeat (a segment's life) need the store or master
+  role, and a store acts on its own segment only;
+- pool-wide calls (``Remove``, ``Stats``) need the store or master role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.core.errors import PermissionDenied
+
+ROLES = ("master", "store", "prefill", "decode", "router", "client")
+
+_POOL = "/kvpool.rpc.PoolMaster/"
+_ADMIN = frozenset({"master", "store"})
+_POOL_DATA = frozenset({"master", "prefill"})
+_ROUTER = frozenset({"router"})
+_PREFILL = frozenset({"prefill"})
+
+POLICY: dict[str, frozenset[str]] = {
+    _POOL + "MountSegment": _ADMIN,
+    _POOL + "UnmountSegment": _ADMIN,
+    _POOL + "Heartbeat": _ADMIN,
+    _POOL + "Remove": _ADMIN,
+    _POOL + "Stats": _ADMIN,
+    _POOL + "PutStart": _POOL_DATA,
+    _POOL + "PutEnd": _POOL_DATA,
+    _POOL + "PutRevoke": _POOL_DATA,
+    _POOL + "Lookup": _POOL_DATA,
+    _POOL + "ReleaseLease": _POOL_DATA,
+    _POOL + "Exists": _POOL_DATA,
+    "/kvpool.rpc.Prefill/Prefill": _ROUTER,
+    "/kvpool.rpc.Prefill/Release": _ROUTER,
+    "/kvpool.rpc.PrefillStage/StageInfo": frozenset({"prefill", "router"}),
+    "/kvpool.rpc.PrefillStage/Restore": _PREFILL,
+    "/kvpool.rpc.PrefillStage/Forward": _PREFILL,
+    "/kvpool.rpc.PrefillStage/SaveDone": _PREFILL,
+    "/kvpool.rpc.Handoff/Handoff": _ROUTER,
+    "/kvpool.rpc.HandoffStage/WriteLayers": _PREFILL,
+    "/kvpool.rpc.Decode/Reserve": _ROUTER,
+    "/kvpool.rpc.Decode/Generate": _ROUTER,
+    "/kvpool.rpc.Decode/ReleaseRegion": _ROUTER,
+    "/kvpool.rpc.Decode/Stats": _ROUTER,
+    "/kvpool.rpc.Router/Generate": frozenset({"client", "router"}),
+}
+# a segment's own life: a store may name only its own segment
+OWN_SEGMENT = frozenset({_POOL + "MountSegment", _POOL + "UnmountSegment", _POOL + "Heartbeat"})
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                 "/grpc.reflection.v1.ServerReflection/")
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """An authenticated caller: its role, and the name after ``/`` (a store's segment id)."""
+
+    role: str
+    name: str = ""
+
+    @classmethod
+    def from_common_name(cls, common_name: str) -> Peer:
+        role, _, name = common_name.partition("/")
+        if role not in ROLES:
+            raise PermissionDenied(f"certificate common name {common_name!r} names no role of {', '.join(ROLES)}")
+        return cls(role, name)
+
+
+def is_open(method: str) -> bool:
+    return method.startswith(OPEN_SERVICES)
+
+
+def authorize(method: str, peer: Peer, segment_id: str | None = None) -> None:
+    """Raise ``PermissionDenied`` unless ``peer`` may call ``method`` (on ``segment_id``)."""
+    if is_open(method):
+        return
+    allowed = POLICY.get(method)
+    if allowed is None:
+        raise PermissionDenied(f"{method}: not callable by any role")
+    if peer.role not in allowed:
+        raise PermissionDenied(f"{method}: needs the {' or '.join(sorted(allowed))} role; the caller is "
+                               f"{peer.role}")
+    if method in OWN_SEGMENT and peer.role == "store" and segment_id != peer.name:
+        raise PermissionDenied(f"segment_id: store {peer.name!r} may act on its own segment only, not "
+                               f"{segment_id!r}", field="segment_id")

@@ -1,0 +1,117 @@
+"""``kvpool up --secure --api-key``: mutual TLS everywhere, roles gate the control plane (issue 19).
+
+One secure cluster for the module. Its throwaway CA also issues the
+certificates the tests call with, so each role is tried as itself.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from kvpool.tools.certs import Identity, ThrowawayCA
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.up import UpAccess, UpSettings, up_cluster
+
+pytestmark = pytest.mark.cluster
+
+KEY = "sk-secure-0123456789"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("up")
+    settings = UpSettings(stages=2, stores=2, segment_size="32MiB", http_port=0, grpc_port=0,
+                          device_cache_tokens=2048, api_key=[KEY], secure=True, workdir=str(workdir))
+    up = up_cluster(settings).start()
+    try:
+        yield up
+    finally:
+        up.stop()
+
+
+def access(cluster: Cluster) -> UpAccess:
+    assert isinstance(cluster.access, UpAccess)
+    return cluster.access
+
+
+def address(cluster: Cluster, name: str) -> str:
+    return f"127.0.0.1:{cluster.find(name).ready['port']}"
+
+
+def secure(target: str, who: Identity | None, ca: Path) -> grpc.aio.Channel:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=ca.read_bytes(),
+        private_key=who.key.read_bytes() if who else None,
+        certificate_chain=who.cert.read_bytes() if who else None,
+    )
+    return grpc.aio.secure_channel(target, creds)
+
+
+async def unmount(channel: grpc.aio.Channel, segment_id: str) -> grpc.StatusCode:
+    async with channel:
+        try:
+            await pool_pb2_grpc.PoolMasterStub(channel).UnmountSegment(
+                pool_pb2.UnmountSegmentRequest(segment_id=segment_id), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_completion_runs_over_mutual_tls(cluster: Cluster) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "y" * 600, "max_tokens": 3, "temperature": 0}).encode()
+    request = urllib.request.Request(f"{cluster.http_url}/v1/completions", data=body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 3
+
+
+async def test_no_certificate_no_call(cluster: Cluster) -> None:
+    master = address(cluster, "master")
+    assert access(cluster).ca is not None
+    # plaintext, and TLS without a client certificate, both fail before any method runs
+    assert await unmount(grpc.aio.insecure_channel(master), "up-store0") == grpc.StatusCode.UNAVAILABLE
+    assert await unmount(secure(master, None, access(cluster).ca.ca_path), "up-store0") == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_certificate_of_another_ca_is_refused_whatever_it_claims(cluster: Cluster, tmp_path: Path) -> None:
+    forger = ThrowawayCA(tmp_path / "forged")
+    fake_master = forger.issue("master")
+    assert access(cluster).ca is not None
+    channel = secure(address(cluster, "master"), fake_master, access(cluster).ca.ca_path)
+    assert await unmount(channel, "up-store0") == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_roles_gate_admin_calls_and_a_store_unmounts_only_its_own(cluster: Cluster) -> None:
+    ca = access(cluster).ca
+    assert ca is not None
+    master = address(cluster, "master")
+    for role in ("prefill", "decode", "router", "client"):
+        assert await unmount(secure(master, ca.issue(role, f"t-{role}"), ca.ca_path), "up-store0") == \
+            grpc.StatusCode.PERMISSION_DENIED
+    other_store = ca.issue("store/up-store1", "t-store1")
+    assert await unmount(secure(master, other_store, ca.ca_path), "up-store0") == grpc.StatusCode.PERMISSION_DENIED
+    # the pool still has both segments
+    async with secure(master, ca.issue("master", "t-master"), ca.ca_path) as channel:
+        stats = await pool_pb2_grpc.PoolMasterStub(channel).Stats(pool_pb2.StatsRequest(), timeout=5)
+    assert len(stats.segments) == 2
+
+
+async def test_only_the_router_calls_prefill_and_clients_call_generate(cluster: Cluster) -> None:
+    ca = access(cluster).ca
+    assert ca is not None and access(cluster).client is not None
+    async with secure(address(cluster, "p0-stage0"), access(cluster).client, ca.ca_path) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(token_ids=[1, 2]),
+                                                                timeout=5)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    async with secure(address(cluster, "router"), access(cluster).client, ca.ca_path) as channel:
+        request = router_pb2.GenerateRequest(text="hello", sampling=router_pb2.SamplingParams(max_tokens=2))
+        replies = [r async for r in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60)]
+    assert replies[-1].usage.completion_tokens == 2

@@ -1,0 +1,124 @@
+"""The HTTP API's gate: API keys → tenants, OpenAI's 401 bodies, cross-origin requests refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from services.router.auth import MISSING_KEY, ApiKeys, gate, tenant_of
+
+ALICE, BOB = "sk-alice-0123456789", "sk-bob-9876543210"
+
+
+async def whoami(request: Request) -> JSONResponse:
+    return JSONResponse({"tenant": tenant_of(request.scope)})
+
+
+def client(keys: ApiKeys, cors: tuple[str, ...] = ()) -> TestClient:
+    app = Starlette(routes=[Route("/v1/completions", whoami, methods=["POST"]),
+                            Route("/v1/models", whoami, methods=["GET"]),
+                            Route("/health", whoami, methods=["GET"])])
+    return TestClient(gate(app, keys, cors), base_url="http://127.0.0.1:8000")
+
+
+KEYS = ApiKeys.parse([f"alice={ALICE}", f"bob={BOB}", "# a comment", "", "sk-plain-key-1"], "test")
+
+
+def test_each_key_is_its_tenant_and_a_bare_key_is_default() -> None:
+    c = client(KEYS)
+    for key, tenant in ((ALICE, "alice"), (BOB, "bob"), ("sk-plain-key-1", "default")):
+        r = c.post("/v1/completions", headers={"Authorization": f"Bearer {key}"}, json={})
+        assert (r.status_code, r.json()) == (200, {"tenant": tenant})
+
+
+def test_a_missing_key_gets_openais_401() -> None:
+    c = client(KEYS)
+    for headers in ({}, {"Authorization": "Basic abc"}, {"Authorization": "Bearer "}):
+        r = c.post("/v1/completions", headers=headers, json={})
+        assert r.status_code == 401
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert r.json() == {"error": {"message": MISSING_KEY, "type": "invalid_request_error", "param": None,
+                                      "code": None}}
+    assert c.get("/v1/models").status_code == 401  # every route but /health
+
+
+def test_a_wrong_key_gets_invalid_api_key_and_is_not_echoed() -> None:
+    r = client(KEYS).post("/v1/completions", headers={"Authorization": "Bearer sk-alice-0123456780"}, json={})
+    assert r.status_code == 401
+    error = r.json()["error"]
+    assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+    assert "sk-alice-0123456780" not in error["message"]
+    assert error["message"] == "Incorrect API key provided: sk-************6780."
+
+
+def test_health_stays_open() -> None:
+    r = client(KEYS).get("/health")
+    assert (r.status_code, r.json()) == (200, {"tenant": "default"})
+
+
+def test_without_keys_the_api_is_open_as_tenant_default() -> None:
+    r = client(ApiKeys()).post("/v1/completions", json={})
+    assert (r.status_code, r.json()) == (200, {"tenant": "default"})
+
+
+@pytest.mark.parametrize("keys", [ApiKeys(), KEYS])
+def test_a_cross_origin_post_is_refused_even_a_simple_text_plain_one(keys: ApiKeys) -> None:
+    c = client(keys)
+    headers = {"Origin": "http://evil.example", "Content-Type": "text/plain", "Authorization": f"Bearer {ALICE}"}
+    r = c.post("/v1/completions", headers=headers, content=b'{"prompt": "x"}')
+    assert r.status_code == 403
+    assert r.json()["error"]["code"] == "cross_origin_refused"
+    assert "access-control-allow-origin" not in r.headers
+    for origin in ("null", "http://127.0.0.1:8001", "https://127.0.0.1:8000x"):
+        assert c.post("/v1/completions", headers={**headers, "Origin": origin}).status_code == 403
+    preflight = c.options("/v1/completions", headers={"Origin": "http://evil.example",
+                                                       "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 403
+    # the server's own origin (a page it served) is not cross-origin
+    same = c.post("/v1/completions", headers={**headers, "Origin": "http://127.0.0.1:8000"})
+    assert same.status_code == 200
+
+
+def test_a_configured_origin_gets_cors_answers() -> None:
+    c = client(KEYS, ("https://ide.example",))
+    preflight = c.options("/v1/completions", headers={"Origin": "https://ide.example",
+                                                       "Access-Control-Request-Method": "POST",
+                                                       "Access-Control-Request-Headers": "authorization"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://ide.example"
+    r = c.post("/v1/completions", headers={"Origin": "https://ide.example", "Authorization": f"Bearer {BOB}"},
+               json={})
+    assert (r.status_code, r.json()) == (200, {"tenant": "bob"})
+    assert r.headers["access-control-allow-origin"] == "https://ide.example"
+    assert c.post("/v1/completions", headers={"Origin": "https://ide.example"}, json={}).status_code == 401
+    assert c.post("/v1/completions", headers={"Origin": "https://other.example"}, json={}).status_code == 403
+
+
+def test_keys_from_flag_file_and_environment_together(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"# tenants\nbob={BOB}\n")
+    keys = ApiKeys.load([f"alice={ALICE}"], str(path), {"KVPOOL_API_KEY": "carol=sk-carol-55555555"})
+    assert sorted(keys.tenants.values()) == ["alice", "bob", "carol"]
+    assert keys.tenant_of("sk-carol-55555555") == "carol"
+    assert keys.tenant_of("sk-carol-5555555") is None
+
+
+@pytest.mark.parametrize(("entries", "message"), [
+    (["bad tenant=sk-0123456789"], "tenant 'bad tenant'"),
+    (["alice=short"], "shorter than 8"),
+    ([f"alice={ALICE}", f"bob={ALICE}"], "one key is given to tenants 'alice' and 'bob'"),
+])
+def test_bad_keys_are_refused_naming_why(entries: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ApiKeys.parse(entries, "api_key")
+
+
+def test_a_missing_keys_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="api_keys_file: .* is not a file"):
+        ApiKeys.load([], str(tmp_path / "nope"), {})
