@@ -111,12 +111,19 @@ def add_port(server: grpc.aio.Server, address: str) -> int:
     return server.add_secure_port(address, server_creds)
 
 
-def channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+def channel_credentials() -> grpc.ChannelCredentials | None:
+    """This process's client side of mutual TLS; None: plaintext."""
     creds = credentials()
     if creds is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=creds.ca, private_key=creds.key,
+                                        certificate_chain=creds.cert)
+
+
+def channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    channel_creds = channel_credentials()
+    if channel_creds is None:
         return grpc.aio.insecure_channel(address, options=list(options))
-    channel_creds = grpc.ssl_channel_credentials(root_certificates=creds.ca, private_key=creds.key,
-                                                 certificate_chain=creds.cert)
     return grpc.aio.secure_channel(address, channel_creds, options=list(options))
 
 

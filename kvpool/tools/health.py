@@ -16,10 +16,13 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvpool import tls
+
 
 def grpc_serving(address: str, timeout_s: float) -> str:
     """"" when the server at ``address`` reports SERVING, else why not."""
-    with grpc.insecure_channel(address) as channel:
+    creds = tls.channel_credentials()  # KVPOOL_TLS_*: a secure cluster's
+    with (grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
