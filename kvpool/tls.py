@@ -51,9 +51,6 @@ class SecuritySettings:
         if given and len(given) != 3:
             missing = sorted(set(ENV) - set(given))
             raise ValueError(f"security: {', '.join(missing)} missing (mutual TLS needs ca, cert and key)")
-        for name in given:
-            if not Path(getattr(self, name)).is_file():
-                raise ValueError(f"security.{name}: {getattr(self, name)} is not a file")
 
     @property
     def enabled(self) -> bool:
@@ -73,8 +70,14 @@ _configured: Credentials | None = None
 def configure(settings: SecuritySettings) -> None:
     """This process's identity for every later server and channel."""
     global _configured
-    _configured = (Credentials(Path(settings.ca).read_bytes(), Path(settings.cert).read_bytes(),
-                               Path(settings.key).read_bytes()) if settings.enabled else None)
+    if not settings.enabled:
+        _configured = None
+        return
+    for name in ENV:
+        if not Path(getattr(settings, name)).is_file():
+            raise ValueError(f"security.{name}: {getattr(settings, name)} is not a file")
+    _configured = Credentials(Path(settings.ca).read_bytes(), Path(settings.cert).read_bytes(),
+                              Path(settings.key).read_bytes())
 
 
 def credentials() -> Credentials | None:

@@ -216,7 +216,10 @@ def _secure(args: argparse.Namespace, settings: Any) -> None:
         if not (settings.api_key or settings.api_keys_file or os.environ.get("KVPOOL_API_KEY")):
             raise SystemExit(f"kvpool router: the HTTP API listens on {settings.host} without API keys: give "
                              "--api-key or --api-keys-file, or --insecure to serve it open anyway")
-    tls.configure(security)
+    try:
+        tls.configure(security)
+    except ValueError as exc:
+        raise SystemExit(f"kvpool {args.command}: {exc}") from None
 
 
 def _run_role(args: argparse.Namespace) -> int:
