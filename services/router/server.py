@@ -212,7 +212,8 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
         {"system", "developer", "user", "assistant", "tool"})
     api = HttpApi(_OpenAiRouter(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles)
     sock = _bind(settings.host, settings.http_port)
-    http = _HttpServer(uvicorn.Config(gate(api.app(), keys, settings.cors_origins), log_config=None, log_level="warning", lifespan="off",
+    app = gate(api.app(), keys, settings.cors_origins)  # origins, API keys, tenants (auth.py)
+    http = _HttpServer(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off",
                                       timeout_graceful_shutdown=max(1, round(settings.drain_s))))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
