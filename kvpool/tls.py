@@ -3,7 +3,7 @@
 A process is configured once (``configure``, from the ``[security]`` table,
 its flags, or ``KVPOOL_TLS_CA``/``KVPOOL_TLS_CERT``/``KVPOOL_TLS_KEY``). Then
 ``add_port`` serves TLS that requires a client certificate of the same CA,
-``channel`` dials with this process's certificate, and ``RoleCheck`` holds
+``channel_credentials`` dials with this process's certificate (``kvpool.service.channel``), and ``RoleCheck`` holds
 every call to ``kvpool.core.access``: the caller's certificate names its role.
 Unconfigured, servers and channels are plaintext, as before.
 """
@@ -121,13 +121,6 @@ def channel_credentials() -> grpc.ChannelCredentials | None:
         return None
     return grpc.ssl_channel_credentials(root_certificates=creds.ca, private_key=creds.key,
                                         certificate_chain=creds.cert)
-
-
-def channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    channel_creds = channel_credentials()
-    if channel_creds is None:
-        return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, channel_creds, options=list(options))
 
 
 def interceptors() -> list[grpc.aio.ServerInterceptor]:

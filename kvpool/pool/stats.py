@@ -7,13 +7,13 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from kvpool import service, tls
+from kvpool import service
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.sizes import format_size
 
 
 async def fetch_stats(master: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    async with tls.channel(master, options=service.GRPC_OPTIONS) as channel:
+    async with service.channel(master) as channel:
         try:
             response = await pool_pb2_grpc.PoolMasterStub(channel).Stats(pool_pb2.StatsRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import httpx
 
-from kvpool import service, tls
+from kvpool import service
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.tools.api_key import auth_headers
 from kvpool.tools.sse import StreamError, stream_events
@@ -18,7 +18,7 @@ from kvpool.tools.sse import StreamError, stream_events
 
 async def generate(router: str, prompt: str, max_tokens: int, temperature: float, session: str) -> int:
     """Stream one answer to stdout, then its figures to stderr."""
-    async with tls.channel(router, options=service.GRPC_OPTIONS) as channel:
+    async with service.channel(router) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         request = router_pb2.GenerateRequest(text=prompt, session_key=session, sampling=router_pb2.SamplingParams(
             temperature=temperature, max_tokens=max_tokens))
