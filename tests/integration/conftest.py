@@ -54,3 +54,8 @@ async def eventually(check: Callable[[], object], timeout_s: float = 15.0, what:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+def wait_for(check: Callable[[], object], timeout_s: float = 15.0, what: str = "condition") -> None:
+    """``eventually`` for a test that is not async (no event loop is running)."""
+    asyncio.run(eventually(check, timeout_s, what))

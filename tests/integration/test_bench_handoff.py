@@ -53,9 +53,4 @@ def test_other_shapes_keep_the_counts_exact() -> None:
     assert summary["gathered_writes"] == 1
     assert summary["bytes_verified"] == summary["naive_bytes_verified"] == 77 * 3 * 100
 
-
-def test_bad_arguments_are_refused_by_name() -> None:
-    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", "handoff", "--entry-bytes", "64"],
-                          check=False, capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0
-    assert "--entry-bytes" in done.stderr
+# bad arguments: tests/unit/test_bench_arguments.py (refused before any process starts)

@@ -22,7 +22,6 @@ from kvpool import bind_shim
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
 
-pytestmark = pytest.mark.cluster
 
 WILDCARDS = {"0.0.0.0", "*", "[::]", "::", "[::ffff:0.0.0.0]"}
 
@@ -57,6 +56,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         up.stop()
 
 
+@pytest.mark.cluster
 def test_no_socket_of_a_default_cluster_listens_on_a_wildcard_address(cluster: Cluster) -> None:
     pids = {int(p.ready["pid"]) for p in cluster.services}
     assert len(pids) == 6  # master, 2 stores, 1 stage, decode, router
@@ -70,6 +70,7 @@ def test_no_socket_of_a_default_cluster_listens_on_a_wildcard_address(cluster: C
     assert {host_of(s[1]) for s in sockets} <= {"127.0.0.1", "[::ffff:127.0.0.1]"}
 
 
+@pytest.mark.cluster
 def test_bytes_still_move_between_engines(cluster: Cluster) -> None:
     """A completion crosses the prefill → decode handoff; the pool's save and restore cross the stores."""
     body = json.dumps({"model": "tiny", "prompt": "x" * 600, "max_tokens": 4, "temperature": 0}).encode()
@@ -91,6 +92,7 @@ print(",".join(out))
 """
 
 
+@pytest.mark.cluster
 def test_the_shim_rewrites_wildcard_binds_and_leaves_named_ones(tmp_path: Path) -> None:
     path = bind_shim.build()
     env = {**os.environ, "LD_PRELOAD": str(path), bind_shim.ADDRESS_ENV: "127.0.0.1"}

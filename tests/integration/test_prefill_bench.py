@@ -1,7 +1,7 @@
 """``kvpool bench prefill`` at a tiny size, with the CLI's flags: the report's structural facts.
 
 Real processes (a master, two stores, four stages; then four stages without the
-pool) replay two real sessions × three turns. Nothing here depends on the
+pool) replay two real sessions × two turns. Nothing here depends on the
 machine's speed: only facts that must hold in any run are asserted.
 """
 
@@ -26,7 +26,7 @@ TRACES = prefill_bench.default_traces_dir()
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"real weka traces not present at {TRACES}")
 
-ARGS = ["bench", "prefill", "--json", "--sessions", "2", "--turns", "3", "--scale", "64", "--concurrency", "2",
+ARGS = ["bench", "prefill", "--json", "--sessions", "2", "--turns", "2", "--scale", "64", "--concurrency", "2",
         "--device-cache-tokens", "2048", "--traces", str(TRACES)]
 
 KEYS = {
@@ -69,8 +69,8 @@ def test_missing_traces_is_a_clear_error(tmp_path: Path) -> None:
 def test_report_has_every_key_and_the_settings(report: dict[str, Any]) -> None:
     assert KEYS <= report.keys()
     assert (report["scale"], report["sessions"], report["turns"], report["device_cache_tokens"],
-            report["concurrency"]) == (64, 2, 3, 2048, 2)
-    assert report["num_turns"] + report["num_turns_skipped"] == 2 * 3
+            report["concurrency"]) == (64, 2, 2, 2048, 2)
+    assert report["num_turns"] + report["num_turns_skipped"] == 2 * 2
 
 
 @needs_traces

@@ -14,8 +14,6 @@ from kvpool import service
 from kvpool.tools.cluster import LocalDecode, LocalPipeline, LocalPool, ServiceProcess
 from kvpool.rpc import decode_pb2, handoff_pb2, pool_pb2, prefill_pb2, router_pb2
 
-pytestmark = pytest.mark.cluster
-
 HEALTH = "grpc.health.v1.Health"
 REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
 POOL_MASTER = pool_pb2.DESCRIPTOR.services_by_name["PoolMaster"]
@@ -40,6 +38,7 @@ def list_services(address: str) -> set[str]:
     return {s.name for s in response.list_services_response.service}
 
 
+@pytest.mark.cluster
 def test_master_and_store_list_their_services_and_serve_descriptors(tmp_path: Path) -> None:
     with LocalPool(num_stores=1, segment_size="8MiB", workdir=tmp_path) as pool:
         assert list_services(pool.master_address) == {POOL_MASTER.full_name, HEALTH, REFLECTION}
@@ -62,6 +61,7 @@ def test_master_and_store_list_their_services_and_serve_descriptors(tmp_path: Pa
         assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
+@pytest.mark.cluster
 def test_prefill_stages_list_the_services_they_serve(tmp_path: Path) -> None:
     with LocalPipeline(num_stages=2, master="", workdir=tmp_path) as pipeline:
         first, last = (f"127.0.0.1:{stage.ready['port']}" for stage in pipeline.stages)
@@ -70,6 +70,7 @@ def test_prefill_stages_list_the_services_they_serve(tmp_path: Path) -> None:
         assert list_services(last) == {PREFILL_STAGE, HANDOFF_STAGE, HEALTH, REFLECTION}
 
 
+@pytest.mark.cluster
 def test_decode_shards_and_the_router_list_the_services_they_serve(tmp_path: Path) -> None:
     with LocalPipeline(num_stages=1, master="", workdir=tmp_path / "stages") as pipeline, \
             LocalDecode(["--num-pages", "64"], workdir=tmp_path / "decode") as shard:

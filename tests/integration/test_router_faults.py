@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from kvpool import service
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
+from tests.integration.conftest import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -77,16 +77,15 @@ async def until_unhealthy(cluster: Cluster, target: str, timeout_s: float = 15.0
     """Poll the router's /health until it has taken ``target`` out of rotation."""
     url = cluster.http_url.removeprefix("http://")
     host, port = url.split(":")
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    async def out_of_rotation() -> bool:
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(b"GET /health HTTP/1.0\r\n\r\n")
         body = (await reader.read()).split(b"\r\n\r\n", 1)[1]
         writer.close()
-        if json.loads(body)["targets"].get(target) is False:
-            return
-        assert time.monotonic() < deadline, f"{target} still in rotation after {timeout_s}s"
-        await asyncio.sleep(0.05)
+        return json.loads(body)["targets"].get(target) is False
+
+    await eventually(out_of_rotation, timeout_s, what=f"{target} to leave rotation")
 
 
 async def pages_used(cluster: Cluster, shard: str) -> int:
@@ -139,10 +138,11 @@ async def test_cancelling_mid_stream_frees_the_decode_pages(cluster: Cluster) ->
         used = max([await pages_used(cluster, f"decode{i}") for i in range(2)])
         assert used > 0  # the sequence holds pages while it runs
         call.cancel()
-    deadline = time.monotonic() + 15
-    while any([await pages_used(cluster, f"decode{i}") for i in range(2)]):
-        assert time.monotonic() < deadline, "pages still held after the client cancelled"
-        await asyncio.sleep(0.05)
+
+    async def pages_freed() -> bool:
+        return not any([await pages_used(cluster, f"decode{i}") for i in range(2)])
+
+    await eventually(pages_freed, timeout_s=15, what="pages freed after the client cancelled")
 
 
 async def test_dead_targets_are_retried_or_fail_loudly_and_leave_rotation(doomed: Cluster) -> None:

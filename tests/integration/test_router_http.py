@@ -13,7 +13,6 @@ import http.client
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from kvpool.pool.stats import fetch_stats
 from kvpool.rpc import decode_pb2, decode_pb2_grpc
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
+from tests.integration.conftest import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -190,10 +190,12 @@ def complete_groups(cluster: Cluster) -> int:
 
 
 def wait_for_complete_groups(cluster: Cluster, count: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while complete_groups(cluster) < count:
-        assert time.monotonic() < deadline, f"fewer than {count} complete groups after {timeout_s}s"
-        time.sleep(0.05)  # polling another process's state
+    master = f"127.0.0.1:{cluster.find('master').ready['port']}"
+
+    async def enough() -> bool:
+        return int((await fetch_stats(master))["num_complete_groups"]) >= count
+
+    wait_for(enough, timeout_s, what=f"{count} complete groups")
 
 
 def post(url: str, path: str, body: Any) -> tuple[int, Any]:
@@ -221,17 +223,14 @@ def get(url: str, path: str, raw: bool = False) -> tuple[int, Any]:
 
 
 
-def decode_pages_used(cluster: Cluster) -> int:
-    async def used() -> int:
-        total = 0
-        for proc in cluster.services:
-            if proc.name.startswith("decode"):
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{proc.ready['port']}") as channel:
-                    stats = await decode_pb2_grpc.DecodeStub(channel).Stats(decode_pb2.DecodeStatsRequest(), timeout=5)
-                    total += stats.num_pages_used
-        return total
-
-    return asyncio.run(used())
+async def decode_pages_used(cluster: Cluster) -> int:
+    total = 0
+    for proc in cluster.services:
+        if proc.name.startswith("decode"):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{proc.ready['port']}") as channel:
+                stats = await decode_pb2_grpc.DecodeStub(channel).Stats(decode_pb2.DecodeStatsRequest(), timeout=5)
+                total += stats.num_pages_used
+    return total
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(cluster: Cluster) -> None:
@@ -244,13 +243,14 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(cluster: Cluster) 
     for _ in range(3):
         assert response.readline().startswith(b"data: ")
         response.readline()
-    assert decode_pages_used(cluster) > 0  # the sequence is running
+    assert asyncio.run(decode_pages_used(cluster)) > 0  # the sequence is running
     conn.sock.close()  # the client goes away without a word
     conn.close()
-    deadline = time.monotonic() + 20
-    while decode_pages_used(cluster):
-        assert time.monotonic() < deadline, "decode pages still held after the client disconnected"
-        time.sleep(0.05)
+
+    async def pages_freed() -> bool:
+        return await decode_pages_used(cluster) == 0
+
+    wait_for(pages_freed, timeout_s=20, what="decode pages freed after the client disconnected")
 
 
 def test_kvpool_generate_prints_an_answer_and_its_figures(cluster: Cluster) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.tools.cluster import LocalPool
 from kvpool.pool.client import PoolClient, PutObject
 from kvpool.transfer import HostBuffer
+from tests.integration.conftest import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -68,11 +68,9 @@ async def test_metrics_and_stats_reflect_the_pool(tmp_path: Path, engine, buffer
         assert pool.master is not None
         admin = pool.master.ready["admin_port"]
         # the master refreshes gauges once a second; read until they show our objects
-        deadline = time.monotonic() + 10
+        await eventually(lambda: scrape(admin).get("kvpool_pool_objects") == 3, timeout_s=10,
+                         what="the master's gauges to count 3 objects")
         master = scrape(admin)
-        while master.get("kvpool_pool_objects") != 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            master = scrape(admin)
         assert master["kvpool_pool_objects"] == 3
         assert master["kvpool_pool_capacity_bytes"] == 16 << 20
         assert master["kvpool_pool_used_bytes"] == 3 * 4096

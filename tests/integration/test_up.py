@@ -8,10 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.integration.conftest import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -79,10 +80,8 @@ def test_ctrl_c_stops_every_service_and_frees_the_ports(tmp_path: Path) -> None:
         lines.append(rest)
         assert proc.returncode == 0, "".join(lines)
         assert "kvpool up: stopped" in rest
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.05)  # waiting for other processes to exit
-        assert not [pid for pid in children if alive(pid)], "services left running after Ctrl-C"
+        wait_for(lambda: not any(alive(pid) for pid in children), timeout_s=10,
+                 what="every service to exit after Ctrl-C")
         assert all(port_free(p) for p in ports)
     finally:
         if proc.poll() is None:
@@ -108,10 +107,8 @@ def test_killing_up_itself_takes_its_services_with_it(tmp_path: Path) -> None:
         assert len(children) >= 3  # a stage, decode, router
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 15
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [pid for pid in children if alive(pid)]
+        wait_for(lambda: not any(alive(pid) for pid in children), timeout_s=15,
+                 what="every service to die with up")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,21 @@
+"""Bench commands refuse bad arguments by name before they start any process (no cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.tools.bench import handoff_bench
+from services import cli
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--entry-bytes", "64"], "--entry-bytes: must exceed the 64-value roped key"),
+        (["--tokens", "0"], "--tokens, --layers, --entry-bytes and --repeats must be positive"),
+    ],
+)
+def test_bench_handoff_refuses_bad_arguments_by_name(argv: list[str], flag: str) -> None:
+    args = cli.build_parser().parse_args(["bench", "handoff", *argv])
+    with pytest.raises(SystemExit, match=f"kvpool bench handoff: {flag}"):
+        handoff_bench.main(args)
