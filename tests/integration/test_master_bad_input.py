@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
@@ -10,6 +10,7 @@ import pytest
 from kvpool import service
 from kvpool.tools.cluster import LocalPool
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from tests.integration.conftest import FAST_MASTER
 
 pytestmark = pytest.mark.cluster
 
@@ -59,6 +60,14 @@ CASES = [
      "keys[0]: 600 bytes is longer than 512"),
     ("remove nothing", ("Remove", pool_pb2.RemoveRequest()), Code.INVALID_ARGUMENT, "group_ids: must not be empty"),
 ]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPool]:
+    """One pool for the module: no test here stops a part of it, and only the first reads its state."""
+    with LocalPool(num_stores=2, segment_size="8MiB", master_args=FAST_MASTER,
+                   workdir=tmp_path_factory.mktemp("pool")) as local:
+        yield local
 
 
 @pytest.fixture
