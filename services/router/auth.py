@@ -9,7 +9,9 @@
 - with API keys configured every route but ``GET /health`` needs
   ``Authorization: Bearer KEY``; a missing or unknown key gets OpenAI's 401
   body. The key's tenant is put in ``scope["state"]["tenant"]``;
-- without keys the API is open and every request is tenant ``default``.
+- without keys the API is open and every request is tenant ``default``;
+- each tenant may start ``tenant_rate`` requests a second (``tenant_burst`` at
+  once); past that a POST gets OpenAI's 429 with ``Retry-After``.
 
 Keys come from ``--api-key`` (``KEY`` or ``TENANT=KEY``, comma-separated), a
 keys file (one such entry a line, ``#`` comments) and ``KVPOOL_API_KEY``.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +36,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvpool.core.tenancy import TenantRates
 from services.router.openai_schema import ApiError
 
 API_KEY_ENV = "KVPOOL_API_KEY"
@@ -119,6 +123,7 @@ class ApiGate:
     app: ASGIApp
     keys: ApiKeys
     cors_origins: frozenset[str] = frozenset()
+    rates: TenantRates = field(default_factory=lambda: TenantRates(0.0, 0))  # requests a tenant may start
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -144,6 +149,15 @@ class ApiGate:
                              {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
             tenant = found
+        if scope["method"] == "POST":
+            wait = self.rates.take(tenant, time.monotonic())
+            if wait > 0:
+                response = JSONResponse(ApiError(429, f"Rate limit reached for tenant {tenant}: "
+                                                 f"{self.rates.rate:g} requests/s. Try again in {wait:.2f}s.",
+                                                 None, "rate_limit_exceeded", "requests").body(),
+                                        status_code=429, headers={"Retry-After": str(max(1, round(wait)))})
+                await response(scope, receive, send)
+                return
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
@@ -153,10 +167,11 @@ def _same_origin(origin: str, headers: Headers) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.netloc) and parts.netloc == headers.get("host")
 
 
-def gate(app: ASGIApp, keys: ApiKeys, cors_origins: Iterable[str] = ()) -> ASGIApp:
+def gate(app: ASGIApp, keys: ApiKeys, cors_origins: Iterable[str] = (), tenant_rate: float = 0.0,
+         tenant_burst: int = 1) -> ASGIApp:
     """``app`` behind the gate; configured origins get CORS answers (preflights included) first."""
     origins = frozenset(o.rstrip("/") for o in cors_origins if o)
-    gated: ASGIApp = ApiGate(app, keys, origins)
+    gated: ASGIApp = ApiGate(app, keys, origins, TenantRates(tenant_rate, tenant_burst))
     if origins:
         gated = CORSMiddleware(gated, allow_origins=sorted(origins), allow_methods=["GET", "POST"],
                                allow_headers=["authorization", "content-type"])

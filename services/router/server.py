@@ -212,7 +212,8 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
         {"system", "developer", "user", "assistant", "tool"})
     api = HttpApi(_OpenAiRouter(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles)
     sock = _bind(settings.host, settings.http_port)
-    app = gate(api.app(), keys, settings.cors_origins)  # origins, API keys, tenants (auth.py)
+    # origins, API keys, tenants and their request rates (auth.py)
+    app = gate(api.app(), keys, settings.cors_origins, settings.tenant_rate, settings.tenant_burst)
     http = _HttpServer(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off",
                                       timeout_graceful_shutdown=max(1, round(settings.drain_s))))
     http_task = asyncio.create_task(http.serve(sockets=[sock]))

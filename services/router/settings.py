@@ -34,6 +34,8 @@ class RouterSettings:
         "none and no keys file: the API is open", factory=list, metavar="KEY,...", default_text="none")
     api_keys_file: str = setting("", help="a file of API keys, one KEY or TENANT=KEY a line", metavar="FILE",
                                  default_text="none")
+    tenant_rate: float = setting(0.0, help="requests a second each tenant (API key's) may start; 0: no limit")
+    tenant_burst: int = setting(8, help="requests a tenant may start at once within its rate")
     cors_origins: list[str] = setting(
         help="browser origins allowed to call the HTTP API (others are refused)", factory=list, metavar="URL,...",
         default_text="none")
@@ -49,6 +51,8 @@ class RouterSettings:
     def __post_init__(self) -> None:
         if self.drain_s < 0:
             raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
+        if self.tenant_rate < 0 or self.tenant_burst < 1:
+            raise ValueError("tenant_rate must be >= 0 and tenant_burst >= 1")
         for name in ("pipelines", "shards", "api_key", "cors_origins"):
             value = getattr(self, name)
             if isinstance(value, str):

@@ -222,7 +222,7 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
             await handle.set_serving(True)
             service.write_ready_file(
                 ready_file, port=handle.port, admin_port=admin_port, segment_id=settings.segment_id,
-                endpoint=engine.endpoint, segment_size=segment.size,
+                endpoint=engine.endpoint, segment_size=segment.size, segment_address=segment.address,
             )
             log.info("store_serving", address=f"{settings.host}:{handle.port}", admin_port=admin_port,
                      endpoint=engine.endpoint, segment_size=segment.size, numa_node=settings.numa_node)

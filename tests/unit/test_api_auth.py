@@ -20,11 +20,11 @@ async def whoami(request: Request) -> JSONResponse:
     return JSONResponse({"tenant": tenant_of(request.scope)})
 
 
-def client(keys: ApiKeys, cors: tuple[str, ...] = ()) -> TestClient:
+def client(keys: ApiKeys, cors: tuple[str, ...] = (), rate: float = 0.0, burst: int = 1) -> TestClient:
     app = Starlette(routes=[Route("/v1/completions", whoami, methods=["POST"]),
                             Route("/v1/models", whoami, methods=["GET"]),
                             Route("/health", whoami, methods=["GET"])])
-    return TestClient(gate(app, keys, cors), base_url="http://127.0.0.1:8000")
+    return TestClient(gate(app, keys, cors, rate, burst), base_url="http://127.0.0.1:8000")
 
 
 KEYS = ApiKeys.parse([f"alice={ALICE}", f"bob={BOB}", "# a comment", "", "sk-plain-key-1"], "test")
@@ -122,3 +122,14 @@ def test_bad_keys_are_refused_naming_why(entries: list[str], message: str) -> No
 def test_a_missing_keys_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="api_keys_file: .* is not a file"):
         ApiKeys.load([], str(tmp_path / "nope"), {})
+
+
+def test_a_flooding_tenant_is_held_to_its_rate_and_others_are_not() -> None:
+    c = client(KEYS, rate=0.001, burst=2)  # two now, the next in 1000 s
+    alice, bob = {"Authorization": f"Bearer {ALICE}"}, {"Authorization": f"Bearer {BOB}"}
+    assert [c.post("/v1/completions", headers=alice, json={}).status_code for _ in range(4)] == [200, 200, 429, 429]
+    refused = c.post("/v1/completions", headers=alice, json={})
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(refused.headers["retry-after"]) >= 999
+    assert [c.post("/v1/completions", headers=bob, json={}).status_code for _ in range(2)] == [200, 200]
+    assert c.get("/v1/models", headers=alice).status_code == 200  # only starting requests count
