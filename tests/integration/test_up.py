@@ -45,7 +45,10 @@ def alive(pid: int) -> bool:
 
 
 def port_free(port: int) -> bool:
+    """Nothing listens on ``port``. SO_REUSEADDR as the services bind: without it a port whose server
+    closed a connection first (its end in TIME_WAIT) refuses the bind though no process holds it."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
