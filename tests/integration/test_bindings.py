@@ -2,25 +2,20 @@
 
 The stock transfer engine binds every interface; kvpool/native/bind_shim.c,
 preloaded by every engine-owning role, rewrites those binds to the configured
-transfer host. One ``kvpool up`` cluster for the module: every listening
-socket of its processes is read with ``ss`` and checked.
+transfer host. The shim itself is checked here; every listening socket of a
+running ``kvpool up`` cluster is checked in test_tenants.py (one cluster for both).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpool import bind_shim
-from kvpool.tools.cluster import Cluster
-from kvpool.tools.up import UpSettings, up_cluster
 
 
 WILDCARDS = {"0.0.0.0", "*", "[::]", "::", "[::ffff:0.0.0.0]"}
@@ -42,43 +37,6 @@ def listening(pids: set[int]) -> list[tuple[str, str, int]]:
 def host_of(local: str) -> str:
     host = local.rsplit(":", 1)[0]
     return host.split("%", 1)[0]  # 127.0.0.1%lo: bound to a device as well
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    workdir = tmp_path_factory.mktemp("up")
-    settings = UpSettings(stages=1, stores=2, segment_size="32MiB", http_port=0, grpc_port=0,
-                          device_cache_tokens=2048, workdir=str(workdir))
-    up = up_cluster(settings).start()
-    try:
-        yield up
-    finally:
-        up.stop()
-
-
-@pytest.mark.cluster
-def test_no_socket_of_a_default_cluster_listens_on_a_wildcard_address(cluster: Cluster) -> None:
-    pids = {int(p.ready["pid"]) for p in cluster.services}
-    assert len(pids) == 6  # master, 2 stores, 1 stage, decode, router
-    sockets = listening(pids)
-    engines = {p.name for p in cluster.services} - {"master", "router"}
-    assert engines == {"store0", "store1", "p0-stage0", "decode0"}
-    # each engine listens twice (handshake and TCP transport), each service for gRPC and metrics
-    assert len(sockets) >= 2 * len(engines) + 2 * len(pids)
-    wide = [s for s in sockets if host_of(s[1]) in WILDCARDS]
-    assert wide == []
-    assert {host_of(s[1]) for s in sockets} <= {"127.0.0.1", "[::ffff:127.0.0.1]"}
-
-
-@pytest.mark.cluster
-def test_bytes_still_move_between_engines(cluster: Cluster) -> None:
-    """A completion crosses the prefill → decode handoff; the pool's save and restore cross the stores."""
-    body = json.dumps({"model": "tiny", "prompt": "x" * 600, "max_tokens": 4, "temperature": 0}).encode()
-    request = urllib.request.Request(f"{cluster.http_url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        answer = json.loads(response.read())
-    assert answer["usage"]["completion_tokens"] == 4
 
 
 SNIPPET = """

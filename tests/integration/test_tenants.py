@@ -1,4 +1,4 @@
-"""API keys and tenants on a real cluster (issue 19): ``kvpool up --api-key alice=…,bob=…``.
+"""API keys, tenants and bound sockets on a real cluster (issue 19): ``kvpool up --api-key alice=…,bob=…``.
 
 The cache must not be an oracle across tenants: bob guessing alice's PIN
 learns nothing through ``cached_tokens``, while alice's own sessions still
@@ -17,6 +17,7 @@ import pytest
 
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
+from tests.integration.test_bindings import WILDCARDS, host_of, listening
 
 pytestmark = pytest.mark.cluster
 
@@ -26,7 +27,7 @@ ALICE, BOB = "sk-alice-0123456789", "sk-bob-9876543210"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("up")
-    settings = UpSettings(stages=2, stores=1, segment_size="32MiB", http_port=0, grpc_port=0,
+    settings = UpSettings(stages=1, stores=2, segment_size="32MiB", http_port=0, grpc_port=0,
                           device_cache_tokens=4096, api_key=[f"alice={ALICE}", f"bob={BOB}"], workdir=str(workdir))
     up = up_cluster(settings).start()
     try:
@@ -113,3 +114,15 @@ def test_a_cache_salt_separates_requests_of_one_tenant(cluster: Cluster) -> None
     status, answer = call(cluster.http_url, "/v1/completions",
                           {"model": "tiny", "prompt": "x", "cache_salt": 5}, ALICE)
     assert status == 400 and answer["error"]["param"] == "cache_salt"
+
+
+def test_no_socket_of_the_cluster_listens_on_a_wildcard_address(cluster: Cluster) -> None:
+    pids = {int(p.ready["pid"]) for p in cluster.services}
+    assert len(pids) == 6  # master, 2 stores, 1 stage, decode, router
+    sockets = listening(pids)
+    engines = {p.name for p in cluster.services} - {"master", "router"}
+    assert engines == {"store0", "store1", "p0-stage0", "decode0"}
+    # each engine listens twice (handshake and TCP transport), each service for gRPC and metrics
+    assert len(sockets) >= 2 * len(engines) + 2 * len(pids)
+    assert [s for s in sockets if host_of(s[1]) in WILDCARDS] == []
+    assert {host_of(s[1]) for s in sockets} <= {"127.0.0.1", "[::ffff:127.0.0.1]"}
