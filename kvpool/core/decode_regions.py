@@ -35,6 +35,7 @@ class ReceiveRegion:
     layout: HandoffLayout
     deadline: float
     claimed: bool = False
+    seq_id: str = ""  # the sequence whose pages were reserved with it, if any
 
 
 class RegionTable:
@@ -57,8 +58,11 @@ class RegionTable:
     def num_regions(self) -> int:
         return len(self._regions)
 
-    def reserve(self, layout: HandoffLayout) -> ReceiveRegion:
-        """A region for ``layout``; ResourceExhausted when the arena has no room now."""
+    def reserve(self, layout: HandoffLayout, hold_s: float | None = None) -> ReceiveRegion:
+        """A region for ``layout``, reclaimed if unclaimed after ``hold_s`` (default: the
+        table's ``deadline_s``); ResourceExhausted when the arena has no room now."""
+        if hold_s is not None and hold_s <= 0:
+            raise InvalidArgument(f"hold_s: must be positive, got {hold_s}")
         if layout.nbytes > self._allocator.capacity:
             raise InvalidArgument(
                 f"num_tokens: {layout.nbytes} bytes of KV can never fit the {self._allocator.capacity}-byte "
@@ -68,7 +72,8 @@ class RegionTable:
         if offset is None:
             raise ResourceExhausted(f"receive arena: no room for {layout.nbytes} bytes now")
         region_id, self._next_id = self._next_id, self._next_id + 1
-        region = ReceiveRegion(region_id, offset, layout.nbytes, layout, self._clock() + self.deadline_s)
+        region = ReceiveRegion(region_id, offset, layout.nbytes, layout,
+                               self._clock() + (self.deadline_s if hold_s is None else hold_s))
         self._regions[region.region_id] = region
         return region
 
@@ -93,10 +98,13 @@ class RegionTable:
         self._allocator.free(region.offset)
         return True
 
-    def expire(self) -> list[int]:
-        """Free every unclaimed region past its deadline; their ids."""
+    def get(self, region_id: int) -> ReceiveRegion | None:
+        return self._regions.get(region_id)
+
+    def expire(self) -> list[ReceiveRegion]:
+        """Free every unclaimed region past its deadline; the freed regions."""
         now = self._clock()
-        expired = [r.region_id for r in self._regions.values() if not r.claimed and r.deadline <= now]
-        for region_id in expired:
-            self.free(region_id)
+        expired = [r for r in self._regions.values() if not r.claimed and r.deadline <= now]
+        for region in expired:
+            self.free(region.region_id)
         return expired

@@ -13,7 +13,9 @@ layers are ``[start_k, end_k)``) is
 
 which is exactly what ``kvpool.model.pack_kv`` writes for a token range of a
 stage, so a stage's gather is one pack into a registered slab. Decode scatters
-the region into its token-major pages.
+the region into its token-major pages. After the KV (at ``trailer_offset``)
+come ``trailer_bytes``: the final position's float32 logits, from which
+decode samples the first token.
 
 Transfers: a stage writes its slab in pieces of at most ``max_transfer_bytes``
 (8 MiB): one 8,192-token, 20-layer, 576-byte-entry stage (~94 MB) is 12
@@ -49,8 +51,11 @@ class HandoffLayout:
     num_tokens: int
     layer_split: tuple[tuple[int, int], ...]
     entry_bytes: int
+    trailer_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.trailer_bytes < 0:
+            raise InvalidArgument(f"trailer_bytes: must be >= 0, got {self.trailer_bytes}")
         if self.num_tokens <= 0:
             raise InvalidArgument(f"num_tokens: must be positive, got {self.num_tokens}")
         if self.entry_bytes <= 0:
@@ -66,8 +71,9 @@ class HandoffLayout:
             expected = end
 
     @classmethod
-    def of(cls, num_tokens: int, layer_split: Sequence[Sequence[int]], entry_bytes: int) -> HandoffLayout:
-        return cls(num_tokens, tuple((int(s), int(e)) for s, e in layer_split), entry_bytes)
+    def of(cls, num_tokens: int, layer_split: Sequence[Sequence[int]], entry_bytes: int,
+           trailer_bytes: int = 0) -> HandoffLayout:
+        return cls(num_tokens, tuple((int(s), int(e)) for s, e in layer_split), entry_bytes, trailer_bytes)
 
     @property
     def num_stages(self) -> int:
@@ -86,8 +92,16 @@ class HandoffLayout:
         return sum(self.stage_nbytes(k) for k in range(stage))
 
     @property
-    def nbytes(self) -> int:
+    def kv_nbytes(self) -> int:
         return self.num_layers * self.num_tokens * self.entry_bytes
+
+    @property
+    def trailer_offset(self) -> int:
+        return self.kv_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_nbytes + self.trailer_bytes
 
     def offset(self, layer: int, token: int) -> int:
         """Byte offset of one token's entry of one (global) layer in the region."""

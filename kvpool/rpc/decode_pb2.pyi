@@ -8,16 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("num_tokens", "layer_split", "entry_bytes", "kv_dtype")
+    __slots__ = ("num_tokens", "layer_split", "entry_bytes", "kv_dtype", "max_tokens", "hold_s", "with_logits")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYER_SPLIT_FIELD_NUMBER: _ClassVar[int]
     ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    WITH_LOGITS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     layer_split: _containers.RepeatedCompositeFieldContainer[_handoff_pb2.LayerRange]
     entry_bytes: int
     kv_dtype: str
-    def __init__(self, num_tokens: _Optional[int] = ..., layer_split: _Optional[_Iterable[_Union[_handoff_pb2.LayerRange, _Mapping]]] = ..., entry_bytes: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    max_tokens: int
+    hold_s: float
+    with_logits: bool
+    def __init__(self, num_tokens: _Optional[int] = ..., layer_split: _Optional[_Iterable[_Union[_handoff_pb2.LayerRange, _Mapping]]] = ..., entry_bytes: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_tokens: _Optional[int] = ..., hold_s: _Optional[float] = ..., with_logits: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("target",)
@@ -94,7 +100,7 @@ class DecodeStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeStats(_message.Message):
-    __slots__ = ("model", "num_layers", "entry_bytes", "kv_dtype", "max_context", "page_size", "num_pages", "num_pages_used", "num_running", "num_waiting", "max_batch_size", "num_regions", "region_arena_bytes", "region_bytes_used", "steps")
+    __slots__ = ("model", "num_layers", "entry_bytes", "kv_dtype", "max_context", "page_size", "num_pages", "num_pages_used", "num_running", "num_waiting", "max_batch_size", "num_regions", "region_arena_bytes", "region_bytes_used", "steps", "region_trailer_bytes", "num_reserved")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +116,8 @@ class DecodeStats(_message.Message):
     REGION_ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGION_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    REGION_TRAILER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     entry_bytes: int
@@ -125,4 +133,6 @@ class DecodeStats(_message.Message):
     region_arena_bytes: int
     region_bytes_used: int
     steps: int
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., entry_bytes: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_context: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_pages_used: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_regions: _Optional[int] = ..., region_arena_bytes: _Optional[int] = ..., region_bytes_used: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    region_trailer_bytes: int
+    num_reserved: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., entry_bytes: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., max_context: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_pages_used: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_regions: _Optional[int] = ..., region_arena_bytes: _Optional[int] = ..., region_bytes_used: _Optional[int] = ..., steps: _Optional[int] = ..., region_trailer_bytes: _Optional[int] = ..., num_reserved: _Optional[int] = ...) -> None: ...

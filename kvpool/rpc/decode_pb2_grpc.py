@@ -60,10 +60,11 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Reserve(self, request, context):
-        """A receive region for one request's KV in the shard's registered arena.
-        INVALID_ARGUMENT when the layout disagrees with the shard's model (layer
-        count, entry bytes, dtype); RESOURCE_EXHAUSTED when the arena is full
-        now. A region never claimed by Generate is reclaimed at its deadline.
+        """A receive region for one request's KV in the shard's registered arena,
+        and its pages when max_tokens is set. INVALID_ARGUMENT when the layout
+        disagrees with the shard's model (layer count, entry bytes, dtype);
+        RESOURCE_EXHAUSTED when the arena or the pages are full now. A region
+        never claimed by Generate is reclaimed, with its pages, at its deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -71,16 +72,17 @@ class DecodeServicer:
 
     def Generate(self, request, context):
         """Scatter the region into the sequence's pages, free the region, decode.
-        Streams each token as it is made (the first is prefill's first token),
-        then one message with the figures. A full shard queues the request
-        until pages free up. Cancelling the call frees its pages at once.
+        Streams each token as it is made (the first sampled from the region's
+        logits), then one message with the figures. A request without reserved
+        pages waits for them; one with them waits only for a batch slot.
+        Cancelling the call frees its pages at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseRegion(self, request, context):
-        """Give back a reserved region that will not be used (prefill failed).
+        """Give back a reserved region, and its pages, that will not be used.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -15,14 +15,16 @@ class LayerRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class HandoffLayout(_message.Message):
-    __slots__ = ("num_tokens", "layer_split", "entry_bytes")
+    __slots__ = ("num_tokens", "layer_split", "entry_bytes", "trailer_bytes")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYER_SPLIT_FIELD_NUMBER: _ClassVar[int]
     ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     layer_split: _containers.RepeatedCompositeFieldContainer[LayerRange]
     entry_bytes: int
-    def __init__(self, num_tokens: _Optional[int] = ..., layer_split: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., entry_bytes: _Optional[int] = ...) -> None: ...
+    trailer_bytes: int
+    def __init__(self, num_tokens: _Optional[int] = ..., layer_split: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., entry_bytes: _Optional[int] = ..., trailer_bytes: _Optional[int] = ...) -> None: ...
 
 class HandoffTarget(_message.Message):
     __slots__ = ("region_id", "endpoint", "address", "size", "deadline_unix_ms", "layout")
@@ -77,11 +79,13 @@ class HandoffResponse(_message.Message):
     def __init__(self, region_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageHandoffFigures, _Mapping]]] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class WriteLayersRequest(_message.Message):
-    __slots__ = ("request_id", "block_table", "target")
+    __slots__ = ("request_id", "block_table", "target", "trailer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_table: _containers.RepeatedScalarFieldContainer[int]
     target: HandoffTarget
-    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., target: _Optional[_Union[HandoffTarget, _Mapping]] = ...) -> None: ...
+    trailer: bytes
+    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., target: _Optional[_Union[HandoffTarget, _Mapping]] = ..., trailer: _Optional[bytes] = ...) -> None: ...

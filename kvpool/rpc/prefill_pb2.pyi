@@ -1,3 +1,4 @@
+from kvpool.rpc import handoff_pb2 as _handoff_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "session_key", "return_logits", "tenant", "cache_salt")
+    __slots__ = ("token_ids", "session_key", "return_logits", "tenant", "cache_salt", "target")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     session_key: str
     return_logits: bool
     tenant: str
     cache_salt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    target: _handoff_pb2.HandoffTarget
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ...) -> None: ...
 
 class StageRestoreFigures(_message.Message):
     __slots__ = ("stage", "num_chunks_requested", "num_chunks_restored", "bytes", "read_ms")
@@ -61,22 +64,22 @@ class PrefillFigures(_message.Message):
     def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_device_tokens: _Optional[int] = ..., num_pool_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_pool_chunks_lost: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageRestoreFigures, _Mapping]]] = ..., restore_wait_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., lookup_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., stage_compute_ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "request_id", "logits", "figures", "block_table", "block_size", "kv_hold_s")
+    __slots__ = ("first_token", "request_id", "logits", "figures", "block_table", "block_size", "handoff")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     FIGURES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    KV_HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     request_id: str
     logits: bytes
     figures: PrefillFigures
     block_table: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
-    kv_hold_s: float
-    def __init__(self, first_token: _Optional[int] = ..., request_id: _Optional[str] = ..., logits: _Optional[bytes] = ..., figures: _Optional[_Union[PrefillFigures, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_hold_s: _Optional[float] = ...) -> None: ...
+    handoff: _handoff_pb2.HandoffResponse
+    def __init__(self, first_token: _Optional[int] = ..., request_id: _Optional[str] = ..., logits: _Optional[bytes] = ..., figures: _Optional[_Union[PrefillFigures, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., handoff: _Optional[_Union[_handoff_pb2.HandoffResponse, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

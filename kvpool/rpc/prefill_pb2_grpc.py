@@ -39,27 +39,16 @@ class PrefillStub:
                 request_serializer=kvpool_dot_rpc_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=kvpool_dot_rpc_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.Release = channel.unary_unary(
-                '/kvpool.rpc.Prefill/Release',
-                request_serializer=kvpool_dot_rpc_dot_prefill__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=kvpool_dot_rpc_dot_prefill__pb2.ReleaseResponse.FromString,
-                _registered_method=True)
 
 
 class PrefillServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Prefill a prompt: restore what the pool holds, compute the rest, return
-        the first output token; the request's KV stays held under its request id
-        until Release or the handoff.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Release(self, request, context):
-        """Give the request's KV pages back (the decode handoff is done with them).
+        """Prefill a prompt: restore what the pool holds, compute the rest, and,
+        with a target, write every stage's layers of the prompt's KV and the
+        final position's logits into decode's reserved region. The request's
+        device blocks are free again when it returns, however it ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,11 +61,6 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=kvpool_dot_rpc_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=kvpool_dot_rpc_dot_prefill__pb2.PrefillResponse.SerializeToString,
-            ),
-            'Release': grpc.unary_unary_rpc_method_handler(
-                    servicer.Release,
-                    request_deserializer=kvpool_dot_rpc_dot_prefill__pb2.ReleaseRequest.FromString,
-                    response_serializer=kvpool_dot_rpc_dot_prefill__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -106,33 +90,6 @@ class Prefill:
             '/kvpool.rpc.Prefill/Prefill',
             kvpool_dot_rpc_dot_prefill__pb2.PrefillRequest.SerializeToString,
             kvpool_dot_rpc_dot_prefill__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Release(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.rpc.Prefill/Release',
-            kvpool_dot_rpc_dot_prefill__pb2.ReleaseRequest.SerializeToString,
-            kvpool_dot_rpc_dot_prefill__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,5 +27,11 @@ class DecodeMetrics:
                                 ["finish_reason"], registry=r)
         self.queue_seconds = Histogram("kvpool_decode_queue_seconds", "Wait in the admission queue",
                                        buckets=_SECONDS_BUCKETS, registry=r)
+        self.pages_reserved = Gauge("kvpool_decode_reserved_sequences",
+                                    "Sequences holding pages before their Generate (reserved before prefill)",
+                                    registry=r)
+        self.regions = Gauge("kvpool_decode_regions", "Receive regions reserved or being scattered", registry=r)
+        self.region_bytes_used = Gauge("kvpool_decode_region_bytes_used", "Receive arena bytes held by regions",
+                                       registry=r)
         self.regions_expired = Counter("kvpool_decode_regions_expired",
                                        "Receive regions reclaimed at their deadline", registry=r)

@@ -44,16 +44,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     @status_errors
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
                       ) -> decode_pb2.ReserveResponse:
+        if not math.isfinite(request.hold_s) or request.hold_s < 0:
+            raise InvalidArgument(f"hold_s: must be >= 0, got {request.hold_s}")
+        trailer = self.shard.trailer_bytes if request.with_logits else 0
         layout = HandoffLayout.of(request.num_tokens, [(r.start, r.end) for r in request.layer_split],
-                                  request.entry_bytes)
-        region = self.shard.reserve(layout, request.kv_dtype)
+                                  request.entry_bytes, trailer)
+        region = self.shard.reserve(layout, request.kv_dtype, request.max_tokens, request.hold_s or None)
         # the core's deadline is monotonic; peers get wall-clock milliseconds
         deadline_ms = int((time.time() + region.deadline - self.shard.clock()) * 1000)
         target = handoff_pb2.HandoffTarget(
             region_id=str(region.region_id), endpoint=self.shard.engine.endpoint,
             address=self.shard.region_address(region), size=region.size, deadline_unix_ms=deadline_ms,
             layout=handoff_pb2.HandoffLayout(num_tokens=request.num_tokens, layer_split=request.layer_split,
-                                             entry_bytes=request.entry_bytes),
+                                             entry_bytes=request.entry_bytes, trailer_bytes=trailer),
         )
         return decode_pb2.ReserveResponse(target=target)
 
@@ -97,4 +100,5 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             num_running=sched.num_running, num_waiting=sched.num_waiting, max_batch_size=settings.max_batch_size,
             num_regions=shard.regions.num_regions, region_arena_bytes=settings.region_arena_bytes,
             region_bytes_used=shard.regions.used_bytes, steps=shard.num_steps,
+            region_trailer_bytes=shard.trailer_bytes, num_reserved=sched.num_reserved,
         )

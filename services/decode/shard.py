@@ -3,7 +3,9 @@
 The policy (admission, pages, batch, stop rules, regions) is
 ``kvpool.core.decode_scheduler`` / ``decode_regions`` and runs on the event
 loop only; the model (scatter, step, sampling) runs on the shard's one
-compute thread. Each loop turn is schedule → run → postprocess, as
+compute thread. Every token is sampled here, the first included: a region
+reserved ``with_logits`` carries the final position's logits after the KV,
+and the first token is drawn from them with the request's own generator. Each loop turn is schedule → run → postprocess, as
 nano-vllm's ``LLMEngine.step``.
 
 Freeing is immediate: a finished or cancelled sequence's pages go back to the
@@ -60,6 +62,7 @@ class LiveSequence:
     params: SamplingParams
     last_token: int
     events: asyncio.Queue[int | Figures | BaseException] = field(default_factory=asyncio.Queue)
+    ready: bool = False  # the first token is known: the sequence joins the steps
     region_freed: bool = False
     scatter_seconds: float = 0.0
 
@@ -91,8 +94,15 @@ class DecodeShard:
 
     # -- regions -------------------------------------------------------------------------
 
-    def reserve(self, layout: HandoffLayout, kv_dtype: str) -> ReceiveRegion:
-        """A receive region, after checking the layout against this shard's model."""
+    @property
+    def trailer_bytes(self) -> int:
+        """A ``with_logits`` region's bytes after the KV: float32 logits of the final position."""
+        return self.config.vocab_size * 4
+
+    def reserve(self, layout: HandoffLayout, kv_dtype: str, max_tokens: int = 0, hold_s: float | None = None,
+                ) -> ReceiveRegion:
+        """A receive region, after checking the layout against this shard's model; with
+        ``max_tokens`` the sequence's pages too (both or neither)."""
         if layout.num_layers != self.config.num_hidden_layers:
             raise InvalidArgument(f"layer_split: covers {layout.num_layers} layers, the shard's model has "
                                   f"{self.config.num_hidden_layers}")
@@ -104,7 +114,18 @@ class DecodeShard:
         if layout.num_tokens >= self.config.max_position_embeddings:
             raise InvalidArgument(f"num_tokens: {layout.num_tokens} leaves no room in the model's context of "
                                   f"{self.config.max_position_embeddings}")
-        return self.regions.reserve(layout)
+        if max_tokens:
+            self.scheduler.check(layout.num_tokens, max_tokens)
+        region = self.regions.reserve(layout, hold_s)
+        if max_tokens:
+            region.seq_id = f"region-{region.region_id}"
+            try:
+                self.scheduler.reserve(region.seq_id, layout.num_tokens, max_tokens)
+            except BaseException:
+                self.regions.free(region.region_id)
+                raise
+        self._publish()
+        return region
 
     def region_address(self, region: ReceiveRegion) -> int:
         return self.arena.address + region.offset
@@ -113,16 +134,25 @@ class DecodeShard:
         return torch.frombuffer(self.arena.view(region.offset, region.size), dtype=torch.uint8)
 
     def release_region(self, region_id: int) -> bool:
+        """Give back an unclaimed region and the pages reserved with it, at once."""
         if any(live.region.region_id == region_id for live in self._live.values()):
             raise InvalidArgument(f"region_id: {region_id} is in use by a Generate")
-        return self.regions.free(region_id)
+        region = self.regions.get(region_id)
+        freed = self.regions.free(region_id)
+        if region is not None and region.seq_id:
+            self.scheduler.release(region.seq_id)
+        self._publish()
+        return freed
 
     async def expire_regions_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_S)  # a periodic sweep, not standing in for work
-            for region_id in self.regions.expire():
+            for region in self.regions.expire():
+                if region.seq_id:
+                    self.scheduler.release(region.seq_id)
                 self.metrics.regions_expired.inc()
-                log.info("decode_region_expired", region_id=region_id)
+                log.info("decode_region_expired", region_id=region.region_id)
+                self._publish()
 
     # -- sequences -----------------------------------------------------------------------
 
@@ -133,11 +163,12 @@ class DecodeShard:
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidArgument(f"prompt_token_ids: every id must be in [0, {vocab})")
-        if not 0 <= first_token < vocab:
-            raise InvalidArgument(f"first_token: {first_token} is not in [0, {vocab})")
         self.scheduler.check(len(prompt_token_ids), max_tokens)
+        region = self.regions.get(region_id)
+        if (region is None or not region.layout.trailer_bytes) and not 0 <= first_token < vocab:
+            raise InvalidArgument(f"first_token: {first_token} is not in [0, {vocab})")
         region = self.regions.claim(region_id)
-        seq_id = request_id or uuid.uuid4().hex
+        seq_id = region.seq_id or request_id or uuid.uuid4().hex
         live: LiveSequence | None = None
         try:
             if region.layout.num_tokens != len(prompt_token_ids):
@@ -146,7 +177,7 @@ class DecodeShard:
             if seq_id in self._live:
                 raise InvalidArgument(f"request_id: {seq_id!r} is already decoding here")
             seq = self.scheduler.submit(seq_id, len(prompt_token_ids), max_tokens, stop_token_ids)
-            live = LiveSequence(seq, region, params, first_token)
+            live = LiveSequence(seq, region, params, first_token, ready=not region.layout.trailer_bytes)
             self._live[seq_id] = live
             self._publish()
             self._wake.set()
@@ -162,6 +193,9 @@ class DecodeShard:
                 self._end(live)
             else:
                 self.regions.free(region_id)
+                if region.seq_id:
+                    self.scheduler.release(region.seq_id)
+                self._publish()
 
     def _end(self, live: LiveSequence) -> None:
         """Free a sequence's pages and region now (idempotent)."""
@@ -195,8 +229,11 @@ class DecodeShard:
 
     def _publish(self) -> None:
         self.metrics.pages_used.set(self.scheduler.num_pages_used)
+        self.metrics.pages_reserved.set(self.scheduler.num_reserved)
         self.metrics.queue_length.set(self.scheduler.num_waiting)
         self.metrics.running.set(self.scheduler.num_running)
+        self.metrics.regions.set(self.regions.num_regions)
+        self.metrics.region_bytes_used.set(self.regions.used_bytes)
 
     # -- the step loop -------------------------------------------------------------------
 
@@ -206,11 +243,13 @@ class DecodeShard:
         while True:
             admitted = [self._live[s.seq_id] for s in self.scheduler.admit()]
             for live in admitted:
-                self._emit(live, live.last_token)  # prefill's token is the first; it may end the sequence
+                if live.ready:
+                    self._emit(live, live.last_token)  # a given first token; it may end the sequence
             admitted = [live for live in admitted if self._live.get(live.seq.seq_id) is live]
-            to_scatter = [(live, self.region_tensor(live.region), live.region.layout, list(live.seq.page_ids))
-                          for live in admitted]
-            batch = [live for live in self._live.values() if live.seq.admitted_at is not None]
+            to_scatter = [(live, self.region_tensor(live.region), live.region.layout, list(live.seq.page_ids),
+                           live.params) for live in admitted]
+            # sequences whose first token is drawn in this call join the next step
+            batch = [live for live in self._live.values() if live.seq.admitted_at is not None and live.ready]
             if not batch and not to_scatter:
                 self._publish()
                 self._wake.clear()
@@ -219,7 +258,7 @@ class DecodeShard:
             inputs = [DecodeInput(live.last_token, live.seq.position, list(live.seq.page_ids)) for live in batch]
             params = [live.params for live in batch]
             try:
-                tokens, scatter_seconds, step_seconds = await loop.run_in_executor(
+                tokens, firsts, scatter_seconds, step_seconds = await loop.run_in_executor(
                     self._compute, self._compute_step, to_scatter, inputs, params)
             except Exception as exc:  # a bug, not bad input: fail these sequences, keep serving
                 log.exception("decode_step_failed", batch=len(batch))
@@ -241,21 +280,31 @@ class DecodeShard:
                     continue  # cancelled during the step
                 self.scheduler.on_step(live.seq.seq_id)
                 self._emit(live, token)
+            for live, first in zip(admitted, firsts):
+                if first is not None and self._live.get(live.seq.seq_id) is live:
+                    live.ready = True
+                    self._emit(live, first)  # the first token; it may end the sequence
             self._publish()
 
     def _compute_step(self, to_scatter, inputs: list[DecodeInput], params: list[SamplingParams]):
         """On the compute thread: scatter new sequences' regions, one batched step, sampling."""
-        scatter_seconds = []
-        for _live, region, layout, page_ids in to_scatter:
+        scatter_seconds: list[float] = []
+        firsts: list[int | None] = []
+        for _live, region, layout, page_ids, first_params in to_scatter:
             started = time.perf_counter()
             scatter_region(region, layout, self.model.pages, page_ids)
+            first = None
+            if layout.trailer_bytes:
+                trailer = region[layout.trailer_offset: layout.nbytes].clone().view(torch.float32)
+                first = sample(output_logits(trailer, self.config), first_params)  # the same sampler
+            firsts.append(first)
             scatter_seconds.append(time.perf_counter() - started)
         if not inputs:
-            return [], scatter_seconds, 0.0
+            return [], firsts, scatter_seconds, 0.0
         started = time.perf_counter()
         logits = output_logits(self.model.step(inputs), self.config)  # the model's sampler: its output ids only
         tokens = [sample(row, p) for row, p in zip(logits, params)]
-        return tokens, scatter_seconds, time.perf_counter() - started
+        return tokens, firsts, scatter_seconds, time.perf_counter() - started
 
     def close(self) -> None:
         self._compute.shutdown(wait=True)

@@ -50,8 +50,23 @@ def test_unclaimed_regions_expire_at_their_deadline_claimed_ones_never() -> None
     clock.now = 104.999
     assert table.expire() == []
     clock.now = 105.0
-    assert table.expire() == [1]
+    assert [r.region_id for r in table.expire()] == [1]
     clock.now = 1e9
     assert table.expire() == [] and table.num_regions == 1
     with pytest.raises(InvalidArgument, match="expired"):
         table.claim(1)
+
+
+def test_a_region_may_carry_its_own_hold_and_a_logits_trailer() -> None:
+    clock = Clock()
+    table = RegionTable(arena_size=64 << 10, deadline_s=5.0, clock=clock)
+    with_trailer = HandoffLayout.of(2, [(0, 2)], 1024, trailer_bytes=400)
+    assert (with_trailer.kv_nbytes, with_trailer.trailer_offset, with_trailer.nbytes) == (4096, 4096, 4496)
+    long = table.reserve(with_trailer, hold_s=60.0)
+    assert (long.size, table.used_bytes) == (4496, 8192)  # rounded to the 4 KiB alignment in the arena
+    clock.now = 159.0
+    assert table.expire() == []
+    clock.now = 160.0
+    assert [r.region_id for r in table.expire()] == [long.region_id]
+    with pytest.raises(InvalidArgument, match="hold_s"):
+        table.reserve(with_trailer, hold_s=0.0)

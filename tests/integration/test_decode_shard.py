@@ -149,6 +149,46 @@ async def test_seeded_sampling_is_reproducible(stub, filler) -> None:
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+async def test_pages_reserved_before_prefill_and_every_token_sampled_here(stub, filler, shard) -> None:
+    p = prompt(5, seed=20)
+    prepared = await filler.prepare(stub, p, max_tokens=12, with_logits=True)
+    s = await stats(stub)
+    # 5 + 12 - 1 = 16 entries: 2 pages of 8, held before Generate; the region holds KV then logits
+    assert (s.num_reserved, s.num_pages_used, s.num_regions) == (1, 2, 1)
+    assert s.region_trailer_bytes == TINY.vocab_size * 4
+    assert metric(shard, "kvpool_decode_reserved_sequences") == 1
+    request = decode_request(prepared, 12)
+    request.first_token = 0  # ignored: decode draws the first token from the region's logits
+    tokens, figures = await collect(stub.Generate(request, timeout=60))
+    assert tokens == reference(p, 12) and figures.num_tokens == 12
+    assert metric(shard, "kvpool_decode_reserved_sequences") == 0
+
+
+async def test_a_reservation_given_back_frees_pages_and_region_at_once(stub, filler, shard) -> None:
+    reply = await stub.Reserve(filler.reserve_request(30, max_tokens=50, with_logits=True), timeout=10)
+    assert metric(shard, "kvpool_decode_pages_used") == 10  # 30 + 50 - 1 = 79 entries
+    assert metric(shard, "kvpool_decode_region_bytes_used") > 0
+    assert (await stub.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=reply.target.region_id))).released
+    # at once: the metrics show it before any sweep could run
+    assert metric(shard, "kvpool_decode_pages_used") == 0
+    assert metric(shard, "kvpool_decode_region_bytes_used") == 0
+    assert metric(shard, "kvpool_decode_reserved_sequences") == 0
+    with pytest.raises(grpc.aio.AioRpcError) as full:
+        await stub.Reserve(filler.reserve_request(100, max_tokens=100, with_logits=True), timeout=10)
+    assert full.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pages" in full.value.details()
+
+
+async def test_seeded_sampling_with_the_first_token_drawn_here(stub, filler) -> None:
+    p = prompt(12, seed=21)
+    runs = []
+    for seed in (11, 11, 12):
+        prepared = await filler.prepare(stub, p, max_tokens=16, with_logits=True)
+        request = decode_request(prepared, 16, temperature=1.5, seed=seed)
+        runs.append((await collect(stub.Generate(request, timeout=60)))[0])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert len(runs[0]) == 16
+
+
 async def test_stop_token_ends_the_sequence(stub, filler) -> None:
     p = prompt(10, seed=8)
     expected = reference(p, 10)

@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from kvpool import service
-from kvpool.core.handoff_layout import HandoffLayout
+from kvpool.core.handoff_layout import HandoffLayout, transfer_plan
 from kvpool.handoff import write_slab
 from kvpool.tools.cluster import LocalDecode, ServiceFailed
 from kvpool.model import InProcessPipeline, get_config, kv_dtype, pack_kv
@@ -77,23 +77,32 @@ class PromptFiller:
             logits = self.pipeline.forward(prompt, self.block_table, 0)
         return logits[-1], pack_kv(self.pipeline.kv_caches[0], self.block_table, 0, len(prompt_token_ids))
 
-    def reserve_request(self, num_tokens: int) -> decode_pb2.ReserveRequest:
+    def reserve_request(self, num_tokens: int, max_tokens: int = 0, with_logits: bool = False
+                        ) -> decode_pb2.ReserveRequest:
         return decode_pb2.ReserveRequest(
             num_tokens=num_tokens, layer_split=[handoff_pb2.LayerRange(start=0, end=self.config.num_hidden_layers)],
-            entry_bytes=self.entry_bytes, kv_dtype=self.kv_dtype_name)
+            entry_bytes=self.entry_bytes, kv_dtype=self.kv_dtype_name, max_tokens=max_tokens,
+            with_logits=with_logits)
 
-    def write(self, target: handoff_pb2.HandoffTarget, packed: torch.Tensor) -> None:
-        """Write packed KV into the region with the engine, in the handoff's transfer plan."""
+    def write(self, target: handoff_pb2.HandoffTarget, packed: torch.Tensor, logits: torch.Tensor | None = None
+              ) -> None:
+        """Write packed KV (then the logits, when the region takes them) into the region with the engine."""
         layout = HandoffLayout.of(target.layout.num_tokens, [(r.start, r.end) for r in target.layout.layer_split],
-                                  target.layout.entry_bytes)
-        torch.frombuffer(self.staging.view(0, packed.numel()), dtype=torch.uint8).copy_(packed)
-        write_slab(self.engine, self.staging.address, target.endpoint, target.address, layout.transfers(0))
+                                  target.layout.entry_bytes, target.layout.trailer_bytes)
+        data = packed.view(-1)
+        if layout.trailer_bytes and logits is not None:
+            data = torch.cat((data, logits.to(torch.float32).contiguous().view(torch.uint8)))
+        torch.frombuffer(self.staging.view(0, data.numel()), dtype=torch.uint8).copy_(data)
+        transfers = layout.transfers(0) if not layout.trailer_bytes else transfer_plan(layout.nbytes)
+        write_slab(self.engine, self.staging.address, target.endpoint, target.address, transfers)
 
-    async def prepare(self, stub: decode_pb2_grpc.DecodeStub, prompt_token_ids: list[int]) -> Prepared:
-        """Reserve, prefill here, write the region; the first token is the prompt's greedy one."""
+    async def prepare(self, stub: decode_pb2_grpc.DecodeStub, prompt_token_ids: list[int], max_tokens: int = 0,
+                      with_logits: bool = False) -> Prepared:
+        """Reserve (with ``max_tokens``: the pages too), prefill here, write the region; the first
+        token is the prompt's greedy one (with ``with_logits`` decode samples it itself)."""
         logits, packed = self.prefill(prompt_token_ids)
-        reply = await stub.Reserve(self.reserve_request(len(prompt_token_ids)), timeout=30)
-        await asyncio.to_thread(self.write, reply.target, packed)
+        reply = await stub.Reserve(self.reserve_request(len(prompt_token_ids), max_tokens, with_logits), timeout=30)
+        await asyncio.to_thread(self.write, reply.target, packed, logits)
         return Prepared(reply.target.region_id, list(prompt_token_ids), greedy_token(logits, self.config))
 
 
