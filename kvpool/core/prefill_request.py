@@ -3,7 +3,7 @@
 Pure: no grpc, no torch, no I/O; time comes in as numbers from the caller's
 clock. The scheduler does the I/O between the transitions:
 
-    admit ─▶ plan ─▶ apply_restore ─▶ finish_compute ─▶ hold ─▶ (release | expire)
+    admit ─▶ plan ─▶ apply_restore ─▶ finish_compute ─▶ (handoff, then free)
 
 - ``admit`` takes device blocks: the cached prefix (up to the hit limit)
   shared, fresh blocks for the rest. It changes nothing when they do not fit.
@@ -18,13 +18,14 @@ clock. The scheduler does the I/O between the transitions:
 - ``finish_compute`` marks the computed chunks cached; ``chunks_to_save``
   names them (write-through of every chunk that was not already in the pool,
   the written-back device hits first).
-- ``hold`` keeps the KV for the handoff until released or past its deadline.
+- Nothing is held past the request's Prefill call: decode's region was
+  reserved before it started, so the handoff runs inside the call and the
+  blocks are freed when it returns.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,7 +41,6 @@ class Phase(enum.Enum):
     PLANNED = "planned"
     RESTORED = "restored"
     COMPUTED = "computed"
-    HELD = "held"
 
 
 @dataclass(slots=True)
@@ -62,7 +62,6 @@ class PrefillRequest:
     num_restored_chunks: int = 0
     # leading device-hit chunks known to be in the pool; the rest are written back
     num_device_chunks_in_pool: int = 0
-    hold_deadline: float = math.inf
 
     @property
     def hit_limit(self) -> int:
@@ -182,15 +181,6 @@ class PrefillRequest:
         blocks.commit_chunks(self.request_id, first, self.chunk_hashes[first:])
         self.phase = Phase.COMPUTED
 
-    def hold(self, now: float, hold_s: float) -> None:
-        """Keep the KV for the handoff until ``now + hold_s`` unless released first."""
-        self._expect(Phase.COMPUTED)
-        self.hold_deadline = now + hold_s
-        self.phase = Phase.HELD
-
-    def expired(self, now: float) -> bool:
-        return self.phase is Phase.HELD and self.hold_deadline <= now
-
     # ---- figures --------------------------------------------------------
 
     @property
@@ -236,36 +226,3 @@ def try_admit(request: PrefillRequest, blocks: BlockManager, now: float, deadlin
         if now >= deadline:
             raise ResourceExhausted(f"device cache: {exc}") from None
         return False
-
-
-@dataclass(slots=True)
-class KvHolds:
-    """Requests whose KV stays in the device pages after prefill, each until released or its deadline."""
-
-    hold_s: float
-    _held: dict[str, PrefillRequest] = field(default_factory=dict)
-
-    def hold(self, request: PrefillRequest, now: float) -> None:
-        request.hold(now, self.hold_s)
-        self._held[request.request_id] = request
-
-    def get(self, request_id: str) -> PrefillRequest | None:
-        """The held request, or None when unknown, released or expired."""
-        return self._held.get(request_id)
-
-    def release(self, request_id: str) -> bool:
-        """False when unknown or already released (or expired)."""
-        return self._held.pop(request_id, None) is not None
-
-    def expire(self, now: float) -> list[str]:
-        """Drop and name every hold past its deadline."""
-        expired = [r.request_id for r in self._held.values() if r.expired(now)]
-        for request_id in expired:
-            del self._held[request_id]
-        return expired
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._held

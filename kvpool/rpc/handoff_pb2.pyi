@@ -79,13 +79,11 @@ class HandoffResponse(_message.Message):
     def __init__(self, region_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StageHandoffFigures, _Mapping]]] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class WriteLayersRequest(_message.Message):
-    __slots__ = ("request_id", "block_table", "target", "trailer")
+    __slots__ = ("request_id", "block_table", "target")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
-    TRAILER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_table: _containers.RepeatedScalarFieldContainer[int]
     target: HandoffTarget
-    trailer: bytes
-    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., target: _Optional[_Union[HandoffTarget, _Mapping]] = ..., trailer: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., target: _Optional[_Union[HandoffTarget, _Mapping]] = ...) -> None: ...

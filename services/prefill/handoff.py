@@ -7,14 +7,12 @@ into its part of decode's region (``kvpool.handoff``). The arena holds at
 most the stage's whole device cache, so concurrent handoffs wait for room
 rather than grow memory.
 
-``HandoffServicer`` (stage 0, the front): look the held request up, check
-the target against the pipeline, run every stage's write at once (its own
-locally), then end the request's hold. Invariants: nothing is written
-before the whole request checked out (bad input leaves the hold as it was);
-once writes started, the hold ends whatever the outcome, so a failed
-handoff never leaks pages (the caller prefills again); a slab is freed only
-after the engine stopped reading it (the write is shielded from a caller
-that gives up).
+``HandoffFront`` (stage 0, inside its Prefill): check the target against
+the request and the pipeline before any prefill work, then, after the
+compute, run every stage's write at once (its own locally, with the final
+position's logits after the KV). Invariants: nothing is written before the
+whole target checked out; a slab is freed only after the engine stopped
+reading it (the write is shielded from a caller that gives up).
 """
 
 from __future__ import annotations
@@ -26,18 +24,18 @@ from typing import Any
 
 import grpc
 import structlog
+import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvpool.core.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvpoolError,
-    NotFound,
     ResourceExhausted,
     Unavailable,
 )
-from kvpool.core.handoff_layout import HandoffLayout
-from kvpool.handoff import gather_stage, write_slab
+from kvpool.core.handoff_layout import HandoffLayout, transfer_plan
+from kvpool.handoff import WriteReport, gather_stage, write_slab
 from kvpool.rpc import handoff_pb2, handoff_pb2_grpc
 from kvpool.status import from_status, status_errors
 from kvpool.transfer import TransferError
@@ -70,7 +68,8 @@ def target_layout(target: handoff_pb2.HandoffTarget) -> HandoffLayout:
         raise InvalidArgument("target.layout: missing")
     layout = target.layout
     try:
-        return HandoffLayout.of(layout.num_tokens, [(r.start, r.end) for r in layout.layer_split], layout.entry_bytes)
+        return HandoffLayout.of(layout.num_tokens, [(r.start, r.end) for r in layout.layer_split], layout.entry_bytes,
+                                layout.trailer_bytes)
     except InvalidArgument as exc:
         raise InvalidArgument(f"target.layout.{exc}") from None
 
@@ -118,7 +117,7 @@ class HandoffStageServicer(handoff_pb2_grpc.HandoffStageServicer):
         return await self.write_layers(request.request_id, list(request.block_table), request.target)
 
     async def write_layers(
-        self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget
+        self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget, trailer: bytes = b""
     ) -> handoff_pb2.StageHandoffFigures:
         layout = target_layout(target)
         check_target(target, layout, self.settings.layer_split, self.entry_bytes, now_unix_ms())
@@ -129,13 +128,16 @@ class HandoffStageServicer(handoff_pb2_grpc.HandoffStageServicer):
         if len(set(block_table[:needed])) != needed:
             raise InvalidArgument("block_table: repeats a block id")
         # shielded: if the caller goes away, the engine may still be reading the slab
-        work = asyncio.ensure_future(self._gather_and_write(request_id, block_table[:needed], target, layout))
+        if trailer and len(trailer) != layout.trailer_bytes:
+            raise InvalidArgument(f"target.layout.trailer_bytes: {layout.trailer_bytes}, the logits are {len(trailer)}")
+        work = asyncio.ensure_future(self._gather_and_write(request_id, block_table[:needed], target, layout, trailer))
         return await asyncio.shield(work)
 
     async def _gather_and_write(
-        self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget, layout: HandoffLayout
+        self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget, layout: HandoffLayout,
+        trailer: bytes,
     ) -> handoff_pb2.StageHandoffFigures:
-        nbytes = layout.stage_nbytes(self.stage)
+        nbytes = layout.stage_nbytes(self.stage) + len(trailer)
         try:
             slab = await self.arena.allocate_wait(nbytes, ARENA_WAIT_S)
         except TimeoutError:
@@ -145,8 +147,11 @@ class HandoffStageServicer(handoff_pb2_grpc.HandoffStageServicer):
             raise InvalidArgument(f"target.layout.num_tokens: {exc}") from None
         try:
             t0 = time.perf_counter()
+            slab_tensor = self.arena.tensor(slab, 0, nbytes)
             await asyncio.to_thread(gather_stage, self.runner.kv_cache, block_table, layout.num_tokens,
-                                    self.arena.tensor(slab))
+                                    slab_tensor[: layout.stage_nbytes(self.stage)])
+            if trailer:  # the final logits go right after the KV, from the same slab
+                slab_tensor[layout.stage_nbytes(self.stage):].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
             gather_s = time.perf_counter() - t0
             if target.deadline_unix_ms and target.deadline_unix_ms <= now_unix_ms():
                 raise FailedPrecondition("target.deadline_unix_ms: the reservation expired before the write")
@@ -155,6 +160,13 @@ class HandoffStageServicer(handoff_pb2_grpc.HandoffStageServicer):
                     write_slab, self.runner.engine, slab.address, target.endpoint,
                     target.address + layout.stage_offset(self.stage), layout.transfers(self.stage),
                 )
+                if trailer:
+                    tail = await asyncio.to_thread(
+                        write_slab, self.runner.engine, slab.address + layout.stage_nbytes(self.stage),
+                        target.endpoint, target.address + layout.trailer_offset, transfer_plan(len(trailer)),
+                    )
+                    report = WriteReport(report.transfers + tail.transfers, report.nbytes + tail.nbytes,
+                                          report.seconds + tail.seconds)
             except TransferError as exc:
                 raise Unavailable(f"stage {self.stage}: writing to decode at {target.endpoint} failed: {exc}") from exc
         finally:
@@ -168,69 +180,38 @@ class HandoffStageServicer(handoff_pb2_grpc.HandoffStageServicer):
                                                gather_seconds=gather_s, write_seconds=report.seconds)
 
 
-class HandoffServicer(handoff_pb2_grpc.HandoffServicer):
-    """Stage 0's front; UNAVAILABLE until the later stages have been checked (``attach``)."""
+class HandoffFront:
+    """Stage 0's side of a request's handoff: every stage writes at once (see the module doc)."""
 
-    def __init__(self, local: HandoffStageServicer, metrics: HandoffMetrics) -> None:
+    def __init__(self, local: HandoffStageServicer, metrics: HandoffMetrics,
+                 channels: Sequence[grpc.aio.Channel]) -> None:
         self.local = local
         self.metrics = metrics
-        self.scheduler: Any = None  # PrefillScheduler, once the pipeline checked out
-        self.stages: list[handoff_pb2_grpc.HandoffStageStub] = []
-        self._in_flight: set[str] = set()
+        self.stages = [handoff_pb2_grpc.HandoffStageStub(c) for c in channels]  # stages 1..N-1, in order
 
-    def attach(self, scheduler: Any, channels: Sequence[grpc.aio.Channel]) -> None:
-        """Serve: the scheduler holds the requests; ``channels`` reach stages 1..N-1, in order."""
-        self.stages = [handoff_pb2_grpc.HandoffStageStub(c) for c in channels]
-        self.scheduler = scheduler
-
-    @status_errors
-    async def Handoff(self, request: handoff_pb2.HandoffRequest, context: Any) -> handoff_pb2.HandoffResponse:
-        scheduler = self.scheduler
-        if scheduler is None:
-            raise Unavailable("handoff: stage 0 is still waiting for the later stages")
-        started = time.perf_counter()
-        if not request.request_id:
-            raise InvalidArgument("request_id: must not be empty")
-        if not request.HasField("target"):
-            raise InvalidArgument("target: missing")
-        target = request.target
+    def check(self, target: handoff_pb2.HandoffTarget, num_tokens: int, num_logits: int) -> HandoffLayout:
+        """The target's layout, checked against this request and pipeline before any work."""
         layout = target_layout(target)
-        held = scheduler.holds.get(request.request_id)
-        if held is None:
-            raise NotFound(f"request_id: {request.request_id!r} is unknown, released or expired")
-        if layout.num_tokens != held.num_tokens:
-            raise InvalidArgument(f"target.layout.num_tokens: {layout.num_tokens}, the request has {held.num_tokens}")
-        check_target(target, layout, scheduler.settings.layer_split, self.local.entry_bytes, now_unix_ms())
-        if request.request_id in self._in_flight:
-            raise FailedPrecondition(f"request_id: {request.request_id!r} is being handed off already")
-        self._in_flight.add(request.request_id)
-        # shielded: once writes start, the hold ends with them even if the caller goes away
-        work = asyncio.ensure_future(self._run(request.request_id, list(held.block_table), target, started))
-        return await asyncio.shield(work)
+        if layout.num_tokens != num_tokens:
+            raise InvalidArgument(f"target.layout.num_tokens: {layout.num_tokens}, the prompt has {num_tokens}")
+        if layout.trailer_bytes not in (0, num_logits * 4):
+            raise InvalidArgument(f"target.layout.trailer_bytes: {layout.trailer_bytes}, the final logits take "
+                                  f"{num_logits * 4}")
+        check_target(target, layout, self.local.settings.layer_split, self.local.entry_bytes, now_unix_ms())
+        return layout
 
-    async def _run(
-        self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget, started: float
-    ) -> handoff_pb2.HandoffResponse:
+    async def write(self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget,
+                    trailer: bytes) -> handoff_pb2.HandoffResponse:
+        """Every stage writes its layers (stage 0 also ``trailer`` after the KV); raises the first failure."""
+        started = time.perf_counter()
         bound = log.bind(request_id=request_id, region_id=target.region_id, endpoint=target.endpoint)
-        try:
-            results = await asyncio.gather(
-                self.local.write_layers(request_id, block_table, target),
-                *(self._remote(stage, request_id, block_table, target) for stage in range(1, len(self.stages) + 1)),
-                return_exceptions=True,
-            )
-        finally:
-            self._in_flight.discard(request_id)
-        # the hold ends either way: on failure the region is partly written and the request is over
-        try:
-            await self.scheduler.release(request_id)
-            released = True
-        except NotFound:
-            released = False
+        results = await asyncio.gather(
+            self.local.write_layers(request_id, block_table, target, trailer),
+            *(self._remote(stage, request_id, block_table, target) for stage in range(1, len(self.stages) + 1)),
+            return_exceptions=True,
+        )
         failed = [r for r in results if isinstance(r, BaseException)]
         seconds = time.perf_counter() - started
-        if not failed and not released:
-            # expired or released meanwhile: its pages may already hold another request's KV
-            failed = [FailedPrecondition(f"request_id: {request_id!r}'s hold ended during the handoff")]
         if failed:
             self.metrics.requests.labels("failed").inc()
             bound.warning("handoff_failed", ms=round(seconds * 1e3, 2), errors=[str(e) for e in failed])

@@ -1,5 +1,6 @@
 """Stage 0's scheduler: hash the prompt, plan device → pool → compute, restore
-on every stage, run the pipeline, hold the KV until released.
+on every stage, run the pipeline, write the KV (and the final logits) into
+decode's reserved region, free the blocks.
 
 Every decision is the core's: the block manager (one block table for all
 stages), the hit planner and the request's life (``kvpool.core``). This
@@ -21,19 +22,13 @@ import torch
 
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import chunk_hashes, group_id, hash_root, object_key
-from kvpool.core.errors import (
-    DeviceCacheLost,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-)
-from kvpool.core.prefill_request import KvHolds, PrefillRequest, try_admit
+from kvpool.core.errors import DeviceCacheLost, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from kvpool.core.prefill_request import PrefillRequest, try_admit
 from kvpool.pool.client import LookupResult, PoolClient
 from kvpool.request_id import current_request_id, new_request_id
-from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import status_errors
+from services.prefill.handoff import HandoffFront
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
 from services.prefill.stage_servicer import ActivationLink, figures_message, run_stage
@@ -65,18 +60,20 @@ class RunResult:
     restore: RestoreReport
     forward: prefill_pb2.ForwardResponse
     compute_ms: float
+    handoff: handoff_pb2.HandoffResponse | None = None
 
 
 class PrefillScheduler:
     """Admits prefills against the device cache and runs them through all stages.
 
-    The decisions are the core's (``PrefillRequest``, ``try_admit``,
-    ``KvHolds``); this class does the I/O between them.
+    The decisions are the core's (``PrefillRequest``, ``try_admit``); this
+    class does the I/O between them. A request's blocks are its own only
+    while its Prefill runs: they are freed when it returns, however it ends.
     """
 
     def __init__(
         self, runner: StageRunner, link: ActivationLink, stages: Sequence[prefill_pb2_grpc.PrefillStageStub],
-        pool: PoolClient | None, metrics: PrefillMetrics,
+        pool: PoolClient | None, metrics: PrefillMetrics, handoff: HandoffFront,
     ) -> None:
         self.runner = runner
         self.link = link
@@ -88,7 +85,7 @@ class PrefillScheduler:
         self.namespace = runner.namespace
         self.chunk_size = self.settings.chunk_size
         self.blocks = BlockManager(self.settings.num_blocks, self.chunk_size)
-        self.holds = KvHolds(self.settings.kv_hold_s)
+        self.handoff = handoff
         self._freed = asyncio.Condition()
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -118,13 +115,17 @@ class PrefillScheduler:
                 raise InvalidArgument(f"{name}: longer than {MAX_SESSION_KEY_BYTES} bytes")
 
     async def prefill(self, token_ids: Sequence[int], session_key: str, return_logits: bool,
-                      request_id: str = "", tenant: str = "", cache_salt: str = "") -> prefill_pb2.PrefillResponse:
-        """Prefill under ``request_id`` (the caller's, else a fresh one): the KV is held under it."""
+                      request_id: str = "", tenant: str = "", cache_salt: str = "",
+                      target: handoff_pb2.HandoffTarget | None = None) -> prefill_pb2.PrefillResponse:
+        """Prefill under ``request_id`` (the caller's, else a fresh one); with ``target``, hand the KV off."""
         self.validate(token_ids, session_key, tenant, cache_salt)
         request_id = request_id or new_request_id("prefill")
-        # a request's blocks (in flight or held) and its save's hold are keyed by its id
+        # a request's blocks (in flight) and its save's hold are keyed by its id
         if self.blocks.has_holder(request_id) or self.blocks.has_holder(save_holder(request_id)):
             raise FailedPrecondition(f"request_id: {request_id!r} is in use on this pipeline")
+        trailer = False
+        if target is not None:  # checked before any work: a bad target costs nothing
+            trailer = bool(self.handoff.check(target, len(token_ids), self.config.vocab_size).trailer_bytes)
         started = time.perf_counter()
         request = PrefillRequest(
             request_id, len(token_ids), self.chunk_size,
@@ -132,19 +133,22 @@ class PrefillScheduler:
         )
         await self._admit(request)
         bound = log.bind(request_id=request.request_id, session_key=session_key)
-        work = asyncio.ensure_future(self._run(request, token_ids, return_logits))
+        caller_gone = asyncio.Event()
+        work = asyncio.ensure_future(self._run(request, token_ids, return_logits or trailer, target, caller_gone))
         try:
             # shielded: if the caller goes away, the stages are still writing this
             # request's pages, so its blocks go back only once they are done
             run = await asyncio.shield(work)
         except asyncio.CancelledError:
             bound.info("prefill_cancelled")
+            caller_gone.set()  # no handoff starts for a request nobody waits for
+            # its blocks go back once the stages are done with them, not before
             work.add_done_callback(lambda task: self._free_after(task, request.request_id))
             raise
         except BaseException:
             await self._free(request.request_id)
             raise
-        self.holds.hold(request, time.monotonic())
+        await self._free(request.request_id)  # nothing is held after Prefill returns
         figures = prefill_pb2.PrefillFigures(
             num_prompt_tokens=request.num_tokens,
             num_device_tokens=request.num_device_tokens,
@@ -163,13 +167,14 @@ class PrefillScheduler:
                    pool=figures.num_pool_tokens, computed=figures.num_computed_tokens,
                    lost_chunks=figures.num_pool_chunks_lost, total_ms=round(figures.total_ms, 1))
         return prefill_pb2.PrefillResponse(
-            first_token=run.forward.first_token, request_id=request.request_id, logits=run.forward.logits,
-            figures=figures, block_table=request.block_table, block_size=self.chunk_size,
-            kv_hold_s=self.settings.kv_hold_s,
+            first_token=run.forward.first_token, request_id=request.request_id,
+            logits=run.forward.logits if return_logits else b"", figures=figures, block_table=request.block_table,
+            block_size=self.chunk_size, handoff=run.handoff,
         )
 
-    async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool) -> RunResult:
-        """Restore on every stage, then compute through all stages."""
+    async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool,
+                   target: handoff_pb2.HandoffTarget | None, caller_gone: asyncio.Event) -> RunResult:
+        """Restore on every stage, compute through all stages, then write decode's region."""
         restore = await self._restore(request)
         forward = prefill_pb2.ForwardRequest(
             request_id=request.request_id, block_table=request.block_table, compute_start=request.compute_start,
@@ -196,7 +201,13 @@ class PrefillScheduler:
                 task.add_done_callback(self._releases.discard)
         compute_ms = (time.perf_counter() - t0) * 1e3
         request.finish_compute(self.blocks)
-        return RunResult(restore, result, compute_ms)
+        handoff = None
+        if target is not None:
+            if caller_gone.is_set():
+                raise asyncio.CancelledError  # the caller gave the region back: write nothing into it
+            trailer = result.logits if target.layout.trailer_bytes else b""
+            handoff = await self.handoff.write(request.request_id, list(request.block_table), target, trailer)
+        return RunResult(restore, result, compute_ms, handoff)
 
     async def _release_after_saves(self, request_id: str) -> None:
         """Wait for every stage's save of the request to end, then let its blocks go."""
@@ -233,10 +244,9 @@ class PrefillScheduler:
                 while not try_admit(request, self.blocks, time.monotonic(), deadline):
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._freed.wait(), max(0.0, deadline - time.monotonic()))
-            except ResourceExhausted as exc:
-                raise ResourceExhausted(f"{exc}; {len(self.holds)} requests hold KV (release their handles)") from None
             finally:
                 self.metrics.admission_wait.observe(time.monotonic() - started)
+        self.metrics.device_usage.set(self.blocks.usage)
 
     async def _restore(self, request: PrefillRequest) -> RestoreReport:
         """Look the pool-candidate chunks up, restore them on every stage, apply what all stages got."""
@@ -305,24 +315,13 @@ class PrefillScheduler:
             log.warning("stage_restore_failed", stage=stage, code=exc.code().name, details=exc.details())
             return prefill_pb2.StageRestoreFigures(stage=stage, num_chunks_requested=len(chunks))
 
-    # ---- holding KV -----------------------------------------------------
-
-    async def release(self, request_id: str) -> None:
-        if not self.holds.release(request_id):
-            raise NotFound(f"request_id: {request_id!r} is unknown or already released")
-        await self._free(request_id)
+    # ---- freeing ----------------------------------------------------------
 
     async def _free(self, request_id: str) -> None:
         self.blocks.free(request_id)
+        self.metrics.device_usage.set(self.blocks.usage)  # freed blocks show at once
         async with self._freed:
             self._freed.notify_all()
-
-    async def expire_held_forever(self, interval_s: float = 1.0) -> None:
-        while True:
-            for request_id in self.holds.expire(time.monotonic()):
-                await self._free(request_id)
-                log.info("kv_released_after_timeout", request_id=request_id, hold_s=self.settings.kv_hold_s)
-            await asyncio.sleep(interval_s)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -338,11 +337,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     @status_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
+        target = request.target if request.HasField("target") else None
         return await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
-                                           current_request_id(), request.tenant,
-                                           request.cache_salt)
-
-    @status_errors
-    async def Release(self, request: prefill_pb2.ReleaseRequest, context: Any) -> prefill_pb2.ReleaseResponse:
-        await self._ready().release(request.request_id)
-        return prefill_pb2.ReleaseResponse(released=True)
+                                           current_request_id(), request.tenant, request.cache_salt, target)

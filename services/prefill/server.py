@@ -14,7 +14,7 @@ from kvpool.pool.client import PoolClient
 from kvpool.rpc import handoff_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import TransferEngine
 from services.prefill.chain_health import PipelineHealthServicer
-from services.prefill.handoff import HandoffMetrics, HandoffServicer, HandoffStageServicer
+from services.prefill.handoff import HandoffFront, HandoffMetrics, HandoffStageServicer
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.scheduler import PrefillScheduler, PrefillServicer
 from services.prefill.settings import PrefillSettings
@@ -64,35 +64,31 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
     front = PrefillServicer()
     handoff_metrics = HandoffMetrics(metrics.registry)
     handoff_stage = HandoffStageServicer(runner, handoff_metrics)
-    handoff_front = HandoffServicer(handoff_stage, handoff_metrics)
 
     def add_servicers(server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillStageServicer_to_server(stage_servicer, server)
         handoff_pb2_grpc.add_HandoffStageServicer_to_server(handoff_stage, server)
         if settings.stage == 0:
             prefill_pb2_grpc.add_PrefillServicer_to_server(front, server)
-            handoff_pb2_grpc.add_HandoffServicer_to_server(handoff_front, server)
 
     health_servicer = PipelineHealthServicer()
     handle = await service.create_server(settings.host, settings.port, add_servicers, service_names=[
         "kvpool.rpc.PrefillStage", "kvpool.rpc.HandoffStage",
-        *(["kvpool.rpc.Prefill", "kvpool.rpc.Handoff"] if settings.stage == 0 else [])],
+        *(["kvpool.rpc.Prefill"] if settings.stage == 0 else [])],
         health_servicer=health_servicer)
     stop = asyncio.Event()
     service.install_stop_signals(stop)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     channels: list[grpc.aio.Channel] = []
-    sweeper: asyncio.Task[None] | None = None
     try:
         if settings.stage == 0:
             await handle.set_serving(False)
             channels = await wait_for_stages(settings, runner.namespace, stop)
             health_servicer.watch_stages(channels)
             front.scheduler = PrefillScheduler(
-                runner, link, [prefill_pb2_grpc.PrefillStageStub(c) for c in channels], pool, metrics
+                runner, link, [prefill_pb2_grpc.PrefillStageStub(c) for c in channels], pool, metrics,
+                HandoffFront(handoff_stage, handoff_metrics, channels),
             )
-            handoff_front.attach(front.scheduler, channels)
-            sweeper = asyncio.create_task(front.scheduler.expire_held_forever())
             await handle.set_serving(True)
         start, end = settings.layers
         log.info("prefill_stage_serving", stage=settings.stage, num_stages=settings.num_stages, layers=[start, end],
@@ -106,10 +102,6 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
         # not ready first, then finish what is in flight (a rolling restart loses nothing)
         await handle.drain(settings.drain_s)
     finally:
-        if sweeper is not None:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
         await handle.server.stop(grace=2.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(runner.drain_saves(), 5.0)

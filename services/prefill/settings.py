@@ -40,7 +40,6 @@ class PrefillSettings(ModelSetting):
     stage_addresses: list[str] = setting(
         help="stage 0: addresses of stages 1..N-1, in order", factory=list, metavar="ADDR,...", default_text="none"
     )
-    kv_hold_s: float = setting(30.0, help="release a request's KV this many seconds after its prefill")
     transfer_host: str = setting("127.0.0.1", help="address the transfer engine advertises")
     protocol: str = setting("tcp", help="transfer engine protocol", choices=("tcp", "rdma"))
     device: str = setting("", help="RDMA device names for the transfer engine (rdma only)")
@@ -85,8 +84,6 @@ class PrefillSettings(ModelSetting):
             )
         if 0 < self.stage and not last and not self.next_stage:
             raise ValueError(f"next_stage: stage {self.stage} needs the address of stage {self.stage + 1}")
-        if self.kv_hold_s <= 0:
-            raise ValueError(f"kv_hold_s: must be positive, got {self.kv_hold_s}")
         if self.admission_timeout_s <= 0:
             raise ValueError(f"admission_timeout_s: must be positive, got {self.admission_timeout_s}")
         if self.inline_activation_bytes < 0:

@@ -1,4 +1,4 @@
-"""A prefill request's life: admit, plan, apply the restore, compute, hold, expire — exact block ids and counts."""
+"""A prefill request's life: admit, plan, apply the restore, compute — exact block ids and counts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from kvpool.core.block_manager import BlockManager, NoFreeBlocks
 from kvpool.core.chunk_hash import chunk_hashes
 from kvpool.core.errors import FailedPrecondition, ResourceExhausted
-from kvpool.core.prefill_request import KvHolds, Phase, PrefillRequest, try_admit
+from kvpool.core.prefill_request import Phase, PrefillRequest, try_admit
 
 NS = "ns"
 CHUNK = 4
@@ -106,25 +106,6 @@ def test_admission_waits_then_refuses_past_its_deadline() -> None:
     assert try_admit(waiting, blocks, now=11.0, deadline=10.0)  # freed in time for this try
     with pytest.raises(NoFreeBlocks):
         request("c", list(range(9))).admit(blocks)
-
-
-def test_holds_release_and_expire() -> None:
-    blocks = BlockManager(8, CHUNK)
-    holds = KvHolds(hold_s=30.0)
-    reqs = []
-    for name, start in (("a", 0), ("b", 100), ("c", 200)):
-        req = request(name, list(range(start, start + 5)))
-        run_through(req, blocks, 0, [])
-        reqs.append(req)
-    holds.hold(reqs[0], now=0.0)
-    holds.hold(reqs[1], now=10.0)
-    holds.hold(reqs[2], now=20.0)
-    assert len(holds) == 3 and reqs[1].hold_deadline == 40.0
-    assert holds.release("b") and not holds.release("b")
-    assert holds.expire(now=29.9) == []
-    assert holds.expire(now=30.0) == ["a"]
-    assert "a" not in holds and "c" in holds
-    assert holds.expire(now=50.0) == ["c"] and len(holds) == 0
 
 
 def test_device_hits_the_pool_lost_are_written_back_before_the_computed_chunks() -> None:

@@ -1,11 +1,12 @@
 """The prefill → decode handoff on real processes: a 2-stage pipeline writes into a region here.
 
 This test process plays decode's receive side: a real transfer engine with a
-registered region. Every byte that lands must be the KV the model computes
-for the prompt (built here from the same seeded weights), and scattered into
-token-major pages it must equal the prefill pages entry by entry. Bad input
-is rejected by field and keeps the hold; a stage killed mid-handoff fails the
-request with UNAVAILABLE naming it, and stage 0 releases the hold.
+registered region, reserved before the prefill and passed in it. Every byte
+that lands must be the KV the model computes for the prompt (built here from
+the same seeded weights), then the final position's logits; scattered into
+token-major pages the KV must equal the prefill pages entry by entry. A bad
+target is rejected by field before any work; a stage killed mid-request fails
+it with UNAVAILABLE naming the stage, and stage 0's blocks are free at once.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvpool.handoff import scatter_region
 from kvpool.tools.cluster import LocalPipeline
 from kvpool.model import InProcessPipeline as ReferenceModel
 from kvpool.model import get_config, pack_kv, split_layers
-from kvpool.rpc import handoff_pb2, handoff_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import HostBuffer, TransferEngine
 from tests.integration.conftest import eventually
 
@@ -40,7 +41,8 @@ DEVICE_TOKENS = 4 * CHUNK
 CONFIG = get_config("tiny")
 SPLIT = split_layers(CONFIG.num_hidden_layers, 2)
 ENTRY_BYTES = CONFIG.kv_entry_dim * 4  # float32 pages
-REGION_BYTES = CONFIG.num_hidden_layers * DEVICE_TOKENS * ENTRY_BYTES
+LOGITS_BYTES = CONFIG.vocab_size * 4
+REGION_BYTES = CONFIG.num_hidden_layers * DEVICE_TOKENS * ENTRY_BYTES + LOGITS_BYTES
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -48,14 +50,14 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
 
 
-def reference_kv(token_ids: list[int]) -> torch.Tensor:
+def reference(token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``[layers, tokens, entry bytes]``: the prompt's KV as the model computes it here, from
-    the same seeded weights, packed by the cache's own ``pack_kv``."""
+    the same seeded weights, packed by the cache's own ``pack_kv``; and the final logits."""
     blocks = -(-len(token_ids) // CHUNK)
     model = ReferenceModel(CONFIG, num_blocks=blocks, block_size=CHUNK, stage_bounds=SPLIT)
-    model.forward(torch.tensor(token_ids), list(range(blocks)), 0)
+    logits = model.forward(torch.tensor(token_ids), list(range(blocks)), 0)
     packed = [pack_kv(cache, list(range(blocks)), 0, len(token_ids)) for cache in model.kv_caches]
-    return torch.cat(packed).view(CONFIG.num_hidden_layers, len(token_ids), ENTRY_BYTES)
+    return torch.cat(packed).view(CONFIG.num_hidden_layers, len(token_ids), ENTRY_BYTES), logits[-1]
 
 
 def metric(stage, sample: str) -> float:  # type: ignore[no-untyped-def]
@@ -75,7 +77,7 @@ def handoff_metrics(pipeline: LocalPipeline) -> list[tuple[float, float, float]]
 
 def target(region: HostBuffer, endpoint: str, num_tokens: int, /, **change: object) -> handoff_pb2.HandoffTarget:
     layout = handoff_pb2.HandoffLayout(
-        num_tokens=num_tokens, entry_bytes=ENTRY_BYTES,
+        num_tokens=num_tokens, entry_bytes=ENTRY_BYTES, trailer_bytes=LOGITS_BYTES,
         layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in SPLIT],
     )
     t = handoff_pb2.HandoffTarget(region_id="r1", endpoint=endpoint, address=region.address, size=region.size,
@@ -112,13 +114,14 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPipeline
 
 
 @pytest.fixture
-async def stubs(pipeline: LocalPipeline) -> AsyncIterator[tuple[prefill_pb2_grpc.PrefillStub, handoff_pb2_grpc.HandoffStub]]:
+async def front(pipeline: LocalPipeline) -> AsyncIterator[prefill_pb2_grpc.PrefillStub]:
     async with grpc.aio.insecure_channel(pipeline.address, options=service.GRPC_OPTIONS) as channel:
-        yield prefill_pb2_grpc.PrefillStub(channel), handoff_pb2_grpc.HandoffStub(channel)
+        yield prefill_pb2_grpc.PrefillStub(channel)
 
 
-async def prefill(stub: prefill_pb2_grpc.PrefillStub, token_ids: list[int]) -> prefill_pb2.PrefillResponse:
-    return await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="h"), timeout=120)
+async def prefill(stub: prefill_pb2_grpc.PrefillStub, token_ids: list[int],
+                  to: handoff_pb2.HandoffTarget | None = None) -> prefill_pb2.PrefillResponse:
+    return await stub.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="h", target=to), timeout=120)
 
 
 def clear(region: HostBuffer) -> torch.Tensor:
@@ -127,25 +130,23 @@ def clear(region: HostBuffer) -> torch.Tensor:
     return data
 
 
-async def test_handoff_lands_the_models_kv_for_every_layer_and_token(stubs, receiver, pipeline) -> None:  # type: ignore[no-untyped-def]
-    front, handoff = stubs
+async def test_handoff_lands_the_models_kv_and_final_logits(front, receiver, pipeline) -> None:  # type: ignore[no-untyped-def]
     engine, region = receiver
     received = clear(region)
     tokens = prompt(1, 600)  # 2 full blocks and 88 tokens
-    done = await prefill(front, tokens)
     before = handoff_metrics(pipeline)
-    response = await handoff.Handoff(
-        handoff_pb2.HandoffRequest(request_id=done.request_id, target=target(region, engine.endpoint, 600)), timeout=60
-    )
-    layout = HandoffLayout.of(600, SPLIT, ENTRY_BYTES)
+    done = await prefill(front, tokens, target(region, engine.endpoint, 600))
+    response = done.handoff
+    assert not done.logits  # the caller never gets logits unasked: decode samples from the region's
+    layout = HandoffLayout.of(600, SPLIT, ENTRY_BYTES, LOGITS_BYTES)
+    # stage 0 writes its slab, then the logits; stage 1 its slab: each 0.9 MB slab is one write
     assert [(s.stage, s.transfers, s.bytes) for s in response.stages] == [
-        (k, len(layout.transfers(k)), layout.stage_nbytes(k)) for k in range(2)
-    ]
-    assert (response.transfers, response.bytes) == (2, layout.nbytes)  # each 0.9 MB slab is one write
+        (0, 2, layout.stage_nbytes(0) + LOGITS_BYTES), (1, 1, layout.stage_nbytes(1))]
+    assert (response.transfers, response.bytes) == (3, layout.nbytes)
     # every stage counted its own writes; stage 0 timed the handoff
     after = handoff_metrics(pipeline)
     assert [tuple(a - b for a, b in zip(x, y)) for x, y in zip(after, before)] == [
-        (1, layout.stage_nbytes(0), 1), (1, layout.stage_nbytes(1), 0)]
+        (2, layout.stage_nbytes(0) + LOGITS_BYTES, 1), (1, layout.stage_nbytes(1), 0)]
     # and logged it as one event (JSON: stderr is a file here)
     def logged() -> list[dict[str, object]]:
         lines = pipeline.stages[0].log_file.read_text().splitlines()
@@ -153,10 +154,12 @@ async def test_handoff_lands_the_models_kv_for_every_layer_and_token(stubs, rece
         return [e for e in events if e.get("event") == "handoff_done" and e.get("request_id") == done.request_id]
     await eventually(logged, what="the handoff_done event")
     [event] = logged()
-    assert (event["transfers"], event["bytes"], event["region_id"]) == (2, layout.nbytes, "r1")
-    expected = reference_kv(tokens)
-    assert torch.equal(received[: layout.nbytes], expected.view(-1))  # stages back to back, layer-major
-    assert not received[layout.nbytes :].any()  # nothing past the layout
+    assert (event["transfers"], event["bytes"], event["region_id"]) == (3, layout.nbytes, "r1")
+    expected, logits = reference(tokens)
+    assert torch.equal(received[: layout.kv_nbytes], expected.view(-1))  # stages back to back, layer-major
+    landed = received[layout.trailer_offset: layout.nbytes].clone().view(torch.float32)
+    assert torch.allclose(landed, logits, atol=1e-4) and int(landed.argmax()) == done.first_token
+    assert not received[layout.nbytes:].any()  # nothing past the layout
 
     # decode's side: scattered into token-major pages, every entry equals the prefill pages'
     page_size, page_ids = 16, list(range(37, -1, -1))  # 38 pages, reversed
@@ -164,11 +167,8 @@ async def test_handoff_lands_the_models_kv_for_every_layer_and_token(stubs, rece
     scatter_region(received, layout, pages, page_ids)
     got = torch.stack([pages[page_ids[t // page_size], t % page_size] for t in range(600)])
     assert torch.equal(got.view(torch.uint8), expected.transpose(0, 1))
-
-    # the hold ended with the handoff
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await front.Release(prefill_pb2.ReleaseRequest(request_id=done.request_id), timeout=10)
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    # nothing is held once Prefill returned
+    assert metric(pipeline.stages[0], "kvpool_prefill_device_cache_usage") == 0.0
 
 
 @pytest.mark.parametrize(
@@ -178,75 +178,49 @@ async def test_handoff_lands_the_models_kv_for_every_layer_and_token(stubs, rece
         ({"layout_layer_split": [(0, 4), (5, 8)]}, grpc.StatusCode.INVALID_ARGUMENT, "target.layout.layer_split[1]"),
         ({"layout_entry_bytes": ENTRY_BYTES // 2}, grpc.StatusCode.INVALID_ARGUMENT, "target.layout.entry_bytes"),
         ({"layout_num_tokens": 301}, grpc.StatusCode.INVALID_ARGUMENT, "target.layout.num_tokens"),
+        ({"layout_trailer_bytes": 12}, grpc.StatusCode.INVALID_ARGUMENT, "target.layout.trailer_bytes"),
         ({"size": 300 * CONFIG.num_hidden_layers * ENTRY_BYTES - 1}, grpc.StatusCode.INVALID_ARGUMENT, "target.size"),
         ({"endpoint": ""}, grpc.StatusCode.INVALID_ARGUMENT, "target.endpoint"),
         ({"deadline_unix_ms": 1}, grpc.StatusCode.FAILED_PRECONDITION, "target.deadline_unix_ms"),
     ],
 )
-async def test_bad_target_is_rejected_by_field_and_keeps_the_hold(stubs, receiver, change, code, field) -> None:  # type: ignore[no-untyped-def]
-    front, handoff = stubs
+async def test_bad_target_is_rejected_by_field_before_any_work(front, receiver, pipeline, change, code, field) -> None:  # type: ignore[no-untyped-def]
     engine, region = receiver
-    done = await prefill(front, prompt(2, 300))
+    computed = metric(pipeline.stages[0], "kvpool_prefill_requests_total")
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await handoff.Handoff(handoff_pb2.HandoffRequest(
-            request_id=done.request_id, target=target(region, engine.endpoint, 300, **change)), timeout=30)
+        await prefill(front, prompt(2, 300), target(region, engine.endpoint, 300, **change))
     assert info.value.code() == code
     assert field in info.value.details()
-    # nothing moved: the same handle still hands off
-    clear(region)
-    ok = await handoff.Handoff(
-        handoff_pb2.HandoffRequest(request_id=done.request_id, target=target(region, engine.endpoint, 300)), timeout=30)
-    assert ok.bytes == 300 * CONFIG.num_hidden_layers * ENTRY_BYTES
+    assert metric(pipeline.stages[0], "kvpool_prefill_requests_total") == computed  # no prefill work
+    assert metric(pipeline.stages[0], "kvpool_prefill_device_cache_usage") == 0.0
 
 
-async def test_unknown_handle_is_not_found(stubs, receiver) -> None:  # type: ignore[no-untyped-def]
-    _, handoff = stubs
-    engine, region = receiver
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await handoff.Handoff(
-            handoff_pb2.HandoffRequest(request_id="nope", target=target(region, engine.endpoint, 10)), timeout=10)
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    assert "request_id" in info.value.details()
-
-
-async def test_unreachable_decode_fails_unavailable_and_ends_the_hold(stubs, receiver) -> None:  # type: ignore[no-untyped-def]
-    front, handoff = stubs
+async def test_unreachable_decode_fails_unavailable_and_frees_the_blocks(front, receiver, pipeline) -> None:  # type: ignore[no-untyped-def]
     _, region = receiver  # nothing serves a transfer engine on port 1
-    done = await prefill(front, prompt(3, 200))
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await handoff.Handoff(handoff_pb2.HandoffRequest(
-            request_id=done.request_id, target=target(region, "127.0.0.1:1", 200)), timeout=60)
+        await prefill(front, prompt(3, 200), target(region, "127.0.0.1:1", 200))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
     assert "127.0.0.1:1" in info.value.details()
-    with pytest.raises(grpc.aio.AioRpcError) as released:
-        await front.Release(prefill_pb2.ReleaseRequest(request_id=done.request_id), timeout=10)
-    assert released.value.code() == grpc.StatusCode.NOT_FOUND
+    assert metric(pipeline.stages[0], "kvpool_prefill_device_cache_usage") == 0.0
 
 
-async def test_stage_killed_mid_handoff_fails_the_request_cleanly(tmp_path, receiver) -> None:  # type: ignore[no-untyped-def]
+async def test_stage_killed_mid_request_fails_it_cleanly(tmp_path, receiver) -> None:  # type: ignore[no-untyped-def]
     engine, region = receiver
     received = clear(region)
     with start_pipeline(tmp_path) as local:
         async with grpc.aio.insecure_channel(local.address, options=service.GRPC_OPTIONS) as channel:
-            front, handoff = prefill_pb2_grpc.PrefillStub(channel), handoff_pb2_grpc.HandoffStub(channel)
-            done = await prefill(front, prompt(4, 500))
-            layout = HandoffLayout.of(500, SPLIT, ENTRY_BYTES)
+            front = prefill_pb2_grpc.PrefillStub(channel)
             stage1 = local.stages[1].proc
             assert stage1 is not None
             os.kill(stage1.pid, signal.SIGSTOP)  # stage 1 takes the request but never answers
-            call = asyncio.ensure_future(handoff.Handoff(
-                handoff_pb2.HandoffRequest(request_id=done.request_id, target=target(region, engine.endpoint, 500)),
-                timeout=60))
-            # mid-handoff: stage 0's part has landed, stage 1's has not
-            await eventually(lambda: bool(received[: layout.stage_nbytes(0)].any()), what="stage 0's slab")
-            assert not received[layout.stage_offset(1) : layout.nbytes].any()
+            call = asyncio.ensure_future(prefill(front, prompt(4, 500), target(region, engine.endpoint, 500)))
+            await eventually(lambda: metric(local.stages[0], "kvpool_prefill_device_cache_usage") > 0,
+                             what="the request holding blocks")
             local.stages[1].kill()  # kill -9
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
-            assert "stage 1" in info.value.details()
-            # stage 0 let the request go: its hold is over, its pages are free again
-            with pytest.raises(grpc.aio.AioRpcError) as released:
-                await front.Release(prefill_pb2.ReleaseRequest(request_id=done.request_id), timeout=10)
-            assert released.value.code() == grpc.StatusCode.NOT_FOUND
+            # stage 0 let the request go at once: its blocks are free, nothing reached the region
+            assert metric(local.stages[0], "kvpool_prefill_device_cache_usage") == 0.0
+            assert not received.any()
             assert local.stages[0].alive
