@@ -1,4 +1,9 @@
-"""The service edge: domain errors become gRPC status codes, in one place."""
+"""The service edge: domain errors become gRPC status codes, in one place.
+
+A domain error's ``field`` and ``retry_after_s`` travel as trailing metadata
+(``kvpool-field``, ``kvpool-retry-after-s``) next to the status, so a caller
+rebuilds the same error without ever parsing the message text.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ from kvpool.core.errors import (
 
 _log = structlog.get_logger(__name__)
 R = TypeVar("R")
+
+FIELD_KEY = "kvpool-field"
+RETRY_AFTER_KEY = "kvpool-retry-after-s"
 
 _CODES: dict[type[KvpoolError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -56,15 +64,38 @@ def status_code(error: KvpoolError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def error_metadata(error: KvpoolError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata that carries an error's field and retry hint."""
+    metadata = []
+    if type(error).__name__ in _KINDS:
+        metadata.append((ERROR_KIND_KEY, type(error).__name__))
+    if error.field:
+        metadata.append((FIELD_KEY, error.field))
+    if error.retry_after_s is not None:
+        metadata.append((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"))
+    return tuple(metadata)
+
+
+async def abort(context: grpc.aio.ServicerContext, error: KvpoolError, method: str = "") -> None:
+    """End the call with the error's status, message and metadata (raises, as ``context.abort`` does)."""
+    code = status_code(error)
+    _log.info("request_rejected", method=method, code=code.name, reason=str(error), field=error.field)
+    await context.abort(code, str(error), trailing_metadata=error_metadata(error))
+
+
 def from_status(
     exc: grpc.aio.AioRpcError, where: str, passed_on: tuple[type[KvpoolError], ...]
 ) -> KvpoolError:
-    """A downstream service's error as ours: the kinds in ``passed_on`` keep their meaning
-    (the caller's mistake stays the caller's); anything else means ``where`` is unavailable."""
+    """A downstream service's error as ours: the kinds in ``passed_on`` keep their meaning, message,
+    field and retry hint (the caller's mistake stays the caller's, and ``where`` — an internal
+    address — stays out of it); anything else means ``where`` is unavailable."""
     code = exc.code()
+    metadata = {key: value for key, value in (exc.trailing_metadata() or ()) if isinstance(value, str)}
+    retry_after = metadata.get(RETRY_AFTER_KEY)
     for kind in passed_on:
         if _CODES[kind] == code:
-            return kind(f"{where}: {exc.details()}")
+            return kind(exc.details() or code.name, field=metadata.get(FIELD_KEY) or "",
+                        retry_after_s=float(retry_after) if retry_after else None)
     return Unavailable(f"{where}: {code.name}: {exc.details()}")
 
 
@@ -76,11 +107,7 @@ def status_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitabl
         try:
             return await method(self, request, context)
         except KvpoolError as exc:
-            code = status_code(exc)
-            _log.info("request_rejected", method=method.__name__, code=code.name, reason=str(exc))
-            kind = type(exc).__name__
-            metadata = ((ERROR_KIND_KEY, kind),) if kind in _KINDS else ()
-            await context.abort(code, str(exc), trailing_metadata=metadata)
+            await abort(context, exc, method.__name__)
             raise  # unreachable: abort raises
 
     return wrapper

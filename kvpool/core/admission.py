@@ -63,6 +63,12 @@ class ShardShape:
     region_trailer_bytes: int  # what follows the KV in a region (the final position's logits)
     max_context: int
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt whose region fits the empty arena."""
+        usable = self.arena_bytes // REGION_ALIGNMENT * REGION_ALIGNMENT - self.region_trailer_bytes
+        return max(0, usable // max(1, self.region_bytes_per_token))
+
     def region_bytes(self, num_prompt_tokens: int) -> int:
         """A region's size in the arena (rounded as the arena rounds it)."""
         nbytes = num_prompt_tokens * self.region_bytes_per_token + self.region_trailer_bytes
@@ -214,8 +220,8 @@ class Admission:
             raise InvalidArgument(f"max_tokens: a {num_prompt_tokens}-token prompt plus {max_tokens} tokens "
                                   f"exceeds every decode shard's {limit} KV tokens", field="max_tokens")
         if not any(s.region_bytes(num_prompt_tokens) <= s.arena_bytes for s in shapes):
-            limit = max(s.arena_bytes // max(1, s.region_bytes_per_token) for s in shapes)
-            raise InvalidArgument(f"prompt: {num_prompt_tokens} tokens, a decode receive arena takes about "
+            limit = max(s.max_prompt_tokens for s in shapes)
+            raise InvalidArgument(f"prompt: {num_prompt_tokens} tokens, a decode receive arena takes "
                                   f"{limit} at most", field="prompt")
 
     def admit(self, request: AdmissionRequest, now: float) -> Ticket | None:

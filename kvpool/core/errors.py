@@ -29,7 +29,7 @@ class KvpoolError(Exception):
         if field is None:
             match = _FIELD_PREFIX.match(message)
             field = match.group(1) if match else None
-        self.field = field
+        self.field = field or None  # "": known to name no field (never read from the text)
         self.retry_after_s = retry_after_s
 
 

@@ -14,7 +14,7 @@ from kvpool.core.handoff_layout import HandoffLayout
 from kvpool.model.sampling import SamplingParams
 from kvpool.request_id import current_request_id
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
-from kvpool.status import status_code, status_errors
+from kvpool.status import abort, status_errors
 from services.decode.shard import DecodeShard, Figures
 
 log = structlog.get_logger(__name__)
@@ -80,9 +80,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 else:
                     yield decode_pb2.DecodeResponse(token_id=event)
         except KvpoolError as exc:
-            code = status_code(exc)
-            log.info("request_rejected", method="Generate", code=code.name, reason=str(exc))
-            await context.abort(code, str(exc))
+            await abort(context, exc, "Generate")
 
     @status_errors
     async def ReleaseRegion(self, request: decode_pb2.ReleaseRegionRequest, context: grpc.aio.ServicerContext

@@ -25,5 +25,19 @@ class RouterMetrics:
         self.healthy = Gauge("kvpool_router_target_healthy",
                              "1 while a target (prefill pipeline or decode shard) passes its health check",
                              ["target"], registry=r)
+        self.queued = Counter("kvpool_router_queued", "Requests that waited in the admission queue", registry=r)
+        self.queue_expired = Counter("kvpool_router_queue_expired",
+                                     "Queued requests refused at their deadline (429)", registry=r)
+        self.queue_length = Gauge("kvpool_router_queue_length", "Requests waiting for decode room", registry=r)
+        self.queue_seconds = Histogram("kvpool_router_queue_seconds", "Wait for admission (0 when room was free)",
+                                       buckets=(0.0, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
+        self.admitted = Gauge("kvpool_router_admitted", "Requests holding a ticket (decode room reserved)",
+                              registry=r)
+        self.shard_pages = Gauge("kvpool_router_shard_pages_reserved", "Decode pages the router's tickets hold",
+                                 ["shard"], registry=r)
+        self.shard_region_bytes = Gauge("kvpool_router_shard_region_bytes_reserved",
+                                        "Receive arena bytes the router's tickets hold", ["shard"], registry=r)
+        self.reserve_waits = Counter("kvpool_router_reserve_waits",
+                                     "Reserve retries while decode freed a cancelled request's room", registry=r)
         self.retries = Counter("kvpool_router_retries", "Requests retried on another pipeline before any token",
                                registry=r)

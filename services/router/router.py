@@ -1,159 +1,142 @@
-"""The router's generate path: place, prefill, hand the KV off, decode, stream — and clean up whatever happens.
+"""The router's generate path: admit, reserve decode room, prefill into it, decode, stream — and free
+everything at once whatever happens.
 
-Placement decisions are the core's (``kvpool.core.routing``); this module
-does the calls between them:
+Every decision is the core's (``kvpool.core.admission``): one ``admit`` per
+request hands back a ticket (pipeline, decode shard, pages, region bytes) or
+queues the request, holding nothing, until a ``release`` makes room; one
+``release`` ends it. Between them this module makes the calls:
 
-    place → Prefill (stage 0) → first token → Reserve (decode) → Handoff
-          (every prefill stage writes its layers into the region) → Generate
-          (decode streams the rest)
+    admit (queue) → Reserve (decode: region + pages) → Prefill(target) (every
+          stage computes, then writes its layers and the final logits into the
+          region) → Generate (decode samples every token, the first included)
 
-Faults: a prefill pipeline that answers UNAVAILABLE before the request has
-produced anything is retried once on another healthy pipeline (prefill has
-no effect a client could see, so a retry loses nothing); once a token has
-reached the client, a failure ends the stream with UNAVAILABLE and is never
-retried or hidden. Cancelling (the client went away) cancels the calls in
-flight; the prefill hold is released and an unclaimed region given back, so
-no pages stay taken on either side.
+Faults: a prefill pipeline that answers UNAVAILABLE is retried once on
+another healthy pipeline when the core allows it (nothing reached the
+client); the region and pages stay the request's. Once a token has reached
+the client, a failure ends the stream and is never hidden. Cancelling (the
+client went away) drops a queued request, cancels the calls in flight, gives
+the region and pages back and releases the ticket, at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import structlog
-import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpool import service
-from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
-from kvpool.core.routing import Placement, RoutingPolicy
+from kvpool.core.admission import Admission, Admitted, AdmissionRequest, Ticket
+from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
+from kvpool.core.routing import RoutingPolicy
 from kvpool.core.tenancy import scoped_session_key
-from kvpool.model.config import ModelConfig, split_layers
-from kvpool.model.sampling import SamplingParams, output_logits, sample
 from kvpool.request_id import bound_request_id, new_request_id
-from kvpool.rpc import (
-    decode_pb2,
-    decode_pb2_grpc,
-    handoff_pb2,
-    handoff_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-)
+from kvpool.rpc import decode_pb2, handoff_pb2, prefill_pb2
 from kvpool.status import from_status
+from services.router.backends import Backends, server_of
 from services.router.http_api import Usage
 from services.router.metrics import RouterMetrics
 from services.router.openai_schema import GenerationRequest
 
 log = structlog.get_logger(__name__)
 
-# the health service name under which stage 0 answers for its whole pipeline
-PIPELINE_HEALTH_SERVICE = "kvpool.rpc.Prefill"
-
-# a pipeline's or shard's answer the client must see as such: its own bad input, or no room now (429)
+# a backend's answer the client must see as such: its own bad input, or no room now (429)
 _PASSED_ON = (InvalidArgument, ResourceExhausted)
 
 CALL_TIMEOUT_S = 30.0
-
-
-@dataclass(slots=True)
-class PipelineClient:
-    address: str
-    channel: grpc.aio.Channel
-    prefill: prefill_pb2_grpc.PrefillStub
-    stages: prefill_pb2_grpc.PrefillStageStub
-    handoff: handoff_pb2_grpc.HandoffStub
-    health: health_pb2_grpc.HealthStub
-    num_stages: int = 0
-
-
-@dataclass(slots=True)
-class ShardClient:
-    address: str
-    channel: grpc.aio.Channel
-    decode: decode_pb2_grpc.DecodeStub
-    health: health_pb2_grpc.HealthStub
-    page_size: int = 0
-    kv_dtype: str = ""
-    num_layers: int = 0
-    entry_bytes: int = 0
+# decode frees a cancelled request's room a moment after the router let its ticket go: a Reserve
+# that finds the room still taken waits for it this long at most (the ticket says it is coming)
+RESERVE_WAIT_S = 5.0
+RESERVE_RETRY_S = 0.02
 
 
 class Router:
-    """Owns the clients of every pipeline and shard, the placement policy, and the health loop."""
+    """Admission, the backends' clients and the generate path (see the module doc)."""
 
-    def __init__(self, pipelines: list[str], shards: list[str], metrics: RouterMetrics, model: ModelConfig,
-                 affinity_max_queue: int = 4, max_in_flight: int = 256, request_timeout_s: float = 600.0) -> None:
+    def __init__(self, pipelines: list[str], shards: list[str], metrics: RouterMetrics,
+                 affinity_max_queue: int = 4, max_in_flight: int = 256, request_timeout_s: float = 600.0,
+                 max_queue: int = 64, queue_timeout_s: float = 30.0, locality: bool = True,
+                 servers: dict[str, str] | None = None) -> None:
         self.metrics = metrics
-        self.model = model  # its sampler's output ids
-        self.policy = RoutingPolicy.of(pipelines, shards, affinity_max_queue=affinity_max_queue)
         self.max_in_flight = max_in_flight
         self.request_timeout_s = request_timeout_s
         self.in_flight = 0
-        self.pipelines = {a: self._pipeline_client(a) for a in pipelines}
-        self.shards = {a: self._shard_client(a) for a in shards}
-
-    @staticmethod
-    def _pipeline_client(address: str) -> PipelineClient:
-        channel = service.channel(address)
-        return PipelineClient(address, channel, prefill_pb2_grpc.PrefillStub(channel),
-                              prefill_pb2_grpc.PrefillStageStub(channel), handoff_pb2_grpc.HandoffStub(channel),
-                              health_pb2_grpc.HealthStub(channel))
-
-    @staticmethod
-    def _shard_client(address: str) -> ShardClient:
-        channel = service.channel(address)
-        return ShardClient(address, channel, decode_pb2_grpc.DecodeStub(channel), health_pb2_grpc.HealthStub(channel))
+        names = servers or {}
+        self.admission = Admission(
+            RoutingPolicy.of(pipelines, shards, affinity_max_queue=affinity_max_queue),
+            {s: server_of(s, names) for s in shards}, {p: server_of(p, names) for p in pipelines},
+            max_queue=max_queue, queue_timeout_s=queue_timeout_s, locality=locality,
+        )
+        self.backends = Backends(pipelines, shards, self.admission, metrics)
+        self._waiting: dict[str, asyncio.Future[Ticket]] = {}
 
     async def close(self) -> None:
-        for client in [*self.pipelines.values(), *self.shards.values()]:
-            await client.channel.close()
-
-    # ---- health ---------------------------------------------------------
+        await self.backends.close()
 
     async def check_health(self) -> dict[str, bool]:
-        """One round of health checks of every target (pipeline or shard); shards also report their free pages."""
-        checks = [self._check_pipeline(c) for c in self.pipelines.values()]
-        checks += [self._check_shard(c) for c in self.shards.values()]
-        results = await asyncio.gather(*checks)
-        targets = dict(zip([*self.pipelines, *self.shards], results))
-        for name, healthy in targets.items():
-            changed = self.policy.set_health(name, healthy)
-            self.metrics.healthy.labels(name).set(1 if healthy else 0)
-            if changed:
-                log.warning("target_health_changed", target=name, healthy=healthy)
-        return targets
-
-    async def _serving(self, stub: health_pb2_grpc.HealthStub, service: str = "") -> bool:
-        try:
-            response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            return False
-        return response.status == health_pb2.HealthCheckResponse.SERVING
-
-    async def _check_pipeline(self, client: PipelineClient) -> bool:
-        # stage 0 answers for the pipeline's service by asking every later stage
-        return await self._serving(client.health, PIPELINE_HEALTH_SERVICE)
-
-    async def _check_shard(self, client: ShardClient) -> bool:
-        if not await self._serving(client.health):
-            return False
-        try:
-            stats = await client.decode.Stats(decode_pb2.DecodeStatsRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            return False
-        client.page_size, client.kv_dtype = stats.page_size, stats.kv_dtype
-        client.num_layers, client.entry_bytes = stats.num_layers, stats.entry_bytes
-        self.policy.report_free_pages(client.address, stats.num_pages - stats.num_pages_used)
-        return True
+        healthy = await self.backends.check_health()
+        self._apply(self.admission.poll(time.monotonic()))  # a shard seen (again) may take the queue's head
+        return healthy
 
     async def health_forever(self, interval_s: float) -> None:
         while True:
             await self.check_health()
             await asyncio.sleep(interval_s)
+
+    # ---- admission ------------------------------------------------------
+
+    async def _admit(self, request_id: str, request: GenerationRequest) -> Ticket:
+        """A ticket now, or after waiting in the queue; queued requests hold nothing."""
+        loop = asyncio.get_running_loop()
+        session = scoped_session_key(request.tenant, request.session_key)
+        ticket = self.admission.admit(AdmissionRequest(request_id, session, len(request.prompt_ids),
+                                                       request.max_tokens), loop.time())
+        if ticket is not None:
+            return ticket
+        self.metrics.queued.inc()
+        waiter: asyncio.Future[Ticket] = loop.create_future()
+        self._waiting[request_id] = waiter
+        timer = loop.call_later(self.admission.queue_timeout_s, self._expire)
+        self._publish()
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._waiting.pop(request_id, None)
+            if not waiter.done() or waiter.cancelled():
+                self._release(request_id)  # left the queue (client gone): nothing else to free
+
+    def _expire(self) -> None:
+        self._apply(self.admission.poll(asyncio.get_running_loop().time()))
+
+    def _release(self, request_id: str) -> None:
+        self._apply(self.admission.release(request_id, asyncio.get_running_loop().time()))
+
+    def _apply(self, admitted: Admitted) -> None:
+        """Hand tickets to their waiting requests; refuse the expired ones."""
+        for request_id in admitted.expired:
+            waiter = self._waiting.pop(request_id, None)
+            self.metrics.queue_expired.inc()
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(ResourceExhausted(
+                    f"router: no decode room within the queue's {self.admission.queue_timeout_s:g} s",
+                    retry_after_s=self.admission.retry_after_s(asyncio.get_running_loop().time())))
+        for ticket in admitted.tickets:
+            waiter = self._waiting.pop(ticket.request_id, None)
+            if waiter is None or waiter.done():
+                self._release(ticket.request_id)  # its client went away meanwhile
+            else:
+                waiter.set_result(ticket)
+        self._publish()
+
+    def _publish(self) -> None:
+        self.metrics.queue_length.set(self.admission.num_queued)
+        self.metrics.admitted.set(self.admission.num_admitted)
+        for name, shard in self.admission.shards.items():
+            self.metrics.shard_pages.labels(name).set(shard.used_pages)
+            self.metrics.shard_region_bytes.labels(name).set(shard.used_bytes)
 
     # ---- generate -------------------------------------------------------
 
@@ -170,12 +153,13 @@ class Router:
             if self.in_flight >= self.max_in_flight:
                 log.info("generate_refused", in_flight=self.in_flight)
                 raise ResourceExhausted(
-                    f"router: {self.in_flight} requests in flight, the limit is {self.max_in_flight}")
+                    f"router: {self.in_flight} requests in flight, the limit is {self.max_in_flight}",
+                    retry_after_s=1.0)
             self.in_flight += 1
             self.metrics.in_flight.set(self.in_flight)
             ended = "cancelled"
             try:
-                async for token in self._generate(request, usage):
+                async for token in self._generate(request, usage, request.request_id):
                     yield token
                 ended = "done"
             except GeneratorExit:
@@ -193,168 +177,112 @@ class Router:
                          device_tokens=usage.device_tokens, pool_tokens=usage.pool_tokens,
                          ttft_s=round(usage.ttft_seconds, 4))
 
-    async def _generate(self, request: GenerationRequest, usage: Usage) -> AsyncIterator[int]:
+    async def _generate(self, request: GenerationRequest, usage: Usage, request_id: str) -> AsyncIterator[int]:
         started = time.perf_counter()
-        tried: set[str] = set()
-        while True:
-            placement = self._place(request, tried)
-            usage.pipeline, usage.shard = placement.pipeline, placement.shard
-            try:
-                prefill = await self._prefill(placement, request)
-                break
-            except Unavailable as exc:
-                self.policy.finish(placement, self._pages(request, placement))
-                tried.add(placement.pipeline)
-                if len(tried) > 1 or not any(p.healthy and n not in tried for n, p in self.policy.pipelines.items()):
-                    raise
-                self.metrics.retries.inc()
-                log.warning("prefill_retried_elsewhere", pipeline=placement.pipeline, error=str(exc))
-            except BaseException:
-                self.policy.finish(placement, self._pages(request, placement))
-                raise
-        figures = prefill.figures
-        usage.device_tokens = figures.num_device_tokens
-        usage.pool_tokens = figures.num_pool_tokens
-        usage.computed_tokens = figures.num_computed_tokens
-        first = self._first_token(request, prefill, self.model)
-        usage.ttft_seconds = time.perf_counter() - started
-        self.metrics.ttft.observe(usage.ttft_seconds)
-        for source, count in (("device", usage.device_tokens), ("pool", usage.pool_tokens),
-                              ("computed", usage.computed_tokens)):
-            self.metrics.prompt_tokens.labels(source).inc(count)
-        pages = self._pages(request, placement)
-        admitted = False
+        ticket = await self._admit(request_id, request)
+        queued = time.perf_counter() - started
+        self.metrics.queue_seconds.observe(queued)
+        self.metrics.placements.labels("pipeline", ticket.pipeline, ticket.pipeline_reason.value).inc()
+        self.metrics.placements.labels("shard", ticket.shard, ticket.locality.value).inc()
+        usage.pipeline, usage.shard = ticket.pipeline, ticket.shard
+        target: handoff_pb2.HandoffTarget | None = None
+        first_at = 0.0
         try:
-            yield first
-            if first in request.stop_token_ids or request.max_tokens == 1:
-                usage.finish_reason = "stop" if first in request.stop_token_ids else "length"
-                await self._release_hold(placement, prefill.request_id)
-                return
-            target = await self._handoff(placement, request, prefill.request_id, usage)
-            decode_started = time.perf_counter()
-            async for token, done in self._decode(placement, request, target, first, usage):
-                if not admitted:
-                    admitted = True
-                    self.policy.admitted(placement, pages)
-                if done:
-                    break
+            target = await self._reserve(ticket, request, started)
+            prefill = await self._prefill(ticket, request, target, usage)
+            figures = prefill.figures
+            usage.device_tokens, usage.pool_tokens = figures.num_device_tokens, figures.num_pool_tokens
+            usage.computed_tokens = figures.num_computed_tokens
+            usage.handoff_transfers, usage.handoff_bytes = prefill.handoff.transfers, prefill.handoff.bytes
+            for source, count in (("device", usage.device_tokens), ("pool", usage.pool_tokens),
+                                  ("computed", usage.computed_tokens)):
+                self.metrics.prompt_tokens.labels(source).inc(count)
+            async for token in self._decode(ticket, request, target, usage, request_id):
+                if not first_at:
+                    first_at = time.perf_counter()
+                    usage.ttft_seconds = first_at - started
+                    self.metrics.ttft.observe(usage.ttft_seconds)
                 yield token
-            usage.decode_seconds = time.perf_counter() - decode_started
+            usage.decode_seconds = time.perf_counter() - (first_at or started)
             self.metrics.decode.observe(usage.decode_seconds)
         finally:
-            self.policy.finish(placement, 0 if admitted else pages)
+            if target is not None and not first_at:
+                # reserved, maybe never claimed by a Generate: region and pages back now (a claimed
+                # one is decode's to free, and this is then a no-op)
+                await self._give_back(ticket, target)
+            self._release(request_id)
             self.metrics.completion_tokens.inc(usage.completion_tokens)
 
-    def _place(self, request: GenerationRequest, tried: set[str]) -> Placement:
-        # a retry must not land on a pipeline that already failed this request
-        session = scoped_session_key(request.tenant, request.session_key)
-        placement = self.policy.place(session, self._pages_for(request, None), exclude=tried)
-        self.metrics.placements.labels("pipeline", placement.pipeline, placement.pipeline_reason.value).inc()
-        self.metrics.placements.labels("shard", placement.shard, placement.shard_reason.value).inc()
-        return placement
+    async def _reserve(self, ticket: Ticket, request: GenerationRequest, started: float) -> handoff_pb2.HandoffTarget:
+        """Decode's region and pages for the ticket; the room is the ticket's, so a refusal only
+        means decode has not yet freed a finished request's room."""
+        shard = self.backends.shards[ticket.shard]
+        reserve = decode_pb2.ReserveRequest(
+            num_tokens=len(request.prompt_ids), kv_dtype=shard.kv_dtype, entry_bytes=shard.entry_bytes,
+            max_tokens=request.max_tokens, with_logits=True,
+            hold_s=max(1.0, self.request_timeout_s - (time.perf_counter() - started)),
+            layer_split=[handoff_pb2.LayerRange(start=s, end=e)
+                         for s, e in self.backends.layer_split(ticket.pipeline, ticket.shard)],
+        )
+        deadline = time.monotonic() + RESERVE_WAIT_S
+        while True:
+            try:
+                return (await shard.decode.Reserve(reserve, timeout=CALL_TIMEOUT_S)).target
+            except grpc.aio.AioRpcError as exc:
+                error = from_status(exc, f"decode shard {ticket.shard}", _PASSED_ON)
+                if not isinstance(error, ResourceExhausted) or time.monotonic() > deadline:
+                    raise error from None
+                self.metrics.reserve_waits.inc()
+                await asyncio.sleep(RESERVE_RETRY_S)  # decode is freeing a cancelled request's room
 
-    def _pages_for(self, request: GenerationRequest, shard: str | None) -> int:
-        page_size = max((c.page_size for c in self.shards.values() if shard in (None, c.address)), default=0)
-        if page_size <= 0:
-            return 0
-        return -(-(len(request.prompt_ids) + request.max_tokens) // page_size)
+    async def _prefill(self, ticket: Ticket, request: GenerationRequest, target: handoff_pb2.HandoffTarget,
+                       usage: Usage) -> prefill_pb2.PrefillResponse:
+        while True:
+            client = self.backends.pipelines[ticket.pipeline]
+            try:
+                return await client.prefill.Prefill(
+                    prefill_pb2.PrefillRequest(token_ids=request.prompt_ids, session_key=request.session_key,
+                                               tenant=request.tenant, cache_salt=request.cache_salt,
+                                               target=target), timeout=self.request_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                error = from_status(exc, f"prefill pipeline {ticket.pipeline}", _PASSED_ON)
+            moved = self.admission.retry(ticket, error, 0, scoped_session_key(request.tenant, request.session_key))
+            if moved is None:
+                raise error
+            self.metrics.retries.inc()
+            log.warning("prefill_retried_elsewhere", pipeline=ticket.pipeline, to=moved.pipeline, error=str(error))
+            ticket = moved
+            usage.pipeline = ticket.pipeline
 
-    def _pages(self, request: GenerationRequest, placement: Placement) -> int:
-        return self._pages_for(request, placement.shard)
-
-    @staticmethod
-    def _first_token(request: GenerationRequest, prefill: prefill_pb2.PrefillResponse, model: ModelConfig) -> int:
-        if request.temperature == 0.0:
-            return prefill.first_token  # greedy: the last stage's argmax
-        logits = torch.frombuffer(bytearray(prefill.logits), dtype=torch.float32)
-        params = SamplingParams(request.temperature, request.top_p, request.top_k, request.seed or 0)
-        return sample(output_logits(logits, model), params)  # the model's sampler: its output ids only
-
-    async def _prefill(self, placement: Placement, request: GenerationRequest) -> prefill_pb2.PrefillResponse:
-        client = self.pipelines[placement.pipeline]
-        try:
-            return await client.prefill.Prefill(
-                prefill_pb2.PrefillRequest(token_ids=request.prompt_ids, session_key=request.session_key,
-                                           return_logits=request.temperature > 0, tenant=request.tenant,
-                                           cache_salt=request.cache_salt),
-                timeout=self.request_timeout_s,
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise from_status(exc, f"prefill pipeline {placement.pipeline}", _PASSED_ON) from None
-
-    async def _handoff(self, placement: Placement, request: GenerationRequest, request_id: str,
-                       usage: Usage) -> handoff_pb2.HandoffTarget:
-        pipeline, shard = self.pipelines[placement.pipeline], self.shards[placement.shard]
-        layout_request = decode_pb2.ReserveRequest(num_tokens=len(request.prompt_ids), kv_dtype=shard.kv_dtype,
-                                                   entry_bytes=shard.entry_bytes)
-        target: handoff_pb2.HandoffTarget | None = None
-        try:
-            for start, end in await self._layer_split(pipeline, shard):
-                layout_request.layer_split.add(start=start, end=end)
-            reserved = await shard.decode.Reserve(layout_request, timeout=CALL_TIMEOUT_S)
-            target = reserved.target
-            response = await pipeline.handoff.Handoff(
-                handoff_pb2.HandoffRequest(request_id=request_id, target=target), timeout=CALL_TIMEOUT_S
-            )
-        except grpc.aio.AioRpcError as exc:
-            await self._release_hold(placement, request_id)
-            if target is not None:
-                await self._release_region(shard, target.region_id)
-            raise from_status(exc, f"handoff {placement.pipeline} → {placement.shard}", _PASSED_ON) from None
-        except BaseException:
-            await self._release_hold(placement, request_id)
-            if target is not None:
-                await self._release_region(shard, target.region_id)
-            raise
-        usage.handoff_transfers, usage.handoff_bytes = response.transfers, response.bytes
-        return target
-
-    async def _decode(self, placement: Placement, request: GenerationRequest, target: handoff_pb2.HandoffTarget,
-                      first: int, usage: Usage) -> AsyncIterator[tuple[int, bool]]:
-        shard = self.shards[placement.shard]
+    async def _decode(self, ticket: Ticket, request: GenerationRequest, target: handoff_pb2.HandoffTarget,
+                      usage: Usage, request_id: str) -> AsyncIterator[int]:
+        shard = self.backends.shards[ticket.shard]
+        # an unseeded request draws a fresh seed: two such requests differ; a seeded one is reproducible
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
         call = shard.decode.Generate(
             decode_pb2.DecodeRequest(
-                region_id=target.region_id, prompt_token_ids=request.prompt_ids, first_token=first,
+                region_id=target.region_id, prompt_token_ids=request.prompt_ids,
                 sampling=decode_pb2.DecodeSampling(temperature=request.temperature, top_p=request.top_p,
-                                                   top_k=request.top_k, seed=request.seed or 0),
-                max_tokens=request.max_tokens, stop_token_ids=request.stop_token_ids,
+                                                   top_k=request.top_k, seed=seed),
+                max_tokens=request.max_tokens, stop_token_ids=request.stop_token_ids, request_id=request_id,
             ),
             timeout=self.request_timeout_s,
         )
-        skipped_first = False
         try:
             async for response in call:
                 if response.HasField("figures"):
                     usage.finish_reason = "stop" if response.figures.finish_reason == "stop" else "length"
-                    yield 0, True
                     return
-                if not skipped_first:
-                    skipped_first = True  # decode streams the first token too; the client has it already
-                    continue
-                yield response.token_id, False
+                yield response.token_id
         except grpc.aio.AioRpcError as exc:
-            raise from_status(exc, f"decode shard {placement.shard}", _PASSED_ON) from None
+            raise from_status(exc, f"decode shard {ticket.shard}", _PASSED_ON) from None
         finally:
             call.cancel()  # a no-op once the stream ended; frees the pages when the client went away
 
-    async def _layer_split(self, pipeline: PipelineClient, shard: ShardClient) -> list[tuple[int, int]]:
-        """The pipeline's layer split: its stage count (asked once) over the model's layers."""
-        if not pipeline.num_stages:
-            info = await pipeline.stages.StageInfo(prefill_pb2.StageInfoRequest(), timeout=CALL_TIMEOUT_S)
-            pipeline.num_stages = info.num_stages
-        return split_layers(shard.num_layers, pipeline.num_stages)
-
-    async def _release_hold(self, placement: Placement, request_id: str) -> None:
+    async def _give_back(self, ticket: Ticket, target: handoff_pb2.HandoffTarget) -> None:
+        shard = self.backends.shards[ticket.shard]
         try:
-            await self.pipelines[placement.pipeline].prefill.Release(
-                prefill_pb2.ReleaseRequest(request_id=request_id), timeout=5.0)
+            await shard.decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=target.region_id),
+                                             timeout=5.0)
         except grpc.aio.AioRpcError as exc:
-            # NOT_FOUND: the handoff released it already; otherwise its hold expires on its own
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                log.info("release_failed", request_id=request_id, code=exc.code().name)
-
-    async def _release_region(self, shard: ShardClient, region_id: str) -> None:
-        try:
-            await shard.decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=region_id), timeout=5.0)
-        except grpc.aio.AioRpcError as exc:
-            log.info("region_release_failed", region_id=region_id, code=exc.code().name)  # reclaimed at its deadline
+            log.info("region_release_failed", region_id=target.region_id, code=exc.code().name)  # reclaimed at its hold

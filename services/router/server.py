@@ -22,7 +22,7 @@ from kvpool.core.generation_fields import GRPC_FIELDS, check_length, check_sampl
 from kvpool.model import get_config
 from kvpool.request_id import METADATA_KEY, bound_request_id, from_metadata, new_request_id
 from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.status import status_code
+from kvpool.status import abort, status_code
 from kvpool.tokenizer import ByteTokenizer, load_tokenizer
 from services.router.auth import ApiKeys, gate
 from services.router.http_api import HttpApi, Usage
@@ -32,6 +32,7 @@ from services.router.router import Router
 from services.router.settings import RouterSettings
 
 log = structlog.get_logger(__name__)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +85,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise InvalidArgument(f"request: not a GenerateRequest ({request.reason})", "request")
             generation = self._validate(request)
         except KvpoolError as exc:
-            log.info("request_rejected", method="Generate", reason=str(exc))
-            await context.abort(status_code(exc), str(exc))
+            await abort(context, exc, "Generate")
             return
         generation.request_id = request_id
         usage = Usage(prompt_tokens=len(generation.prompt_ids))
@@ -98,7 +98,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 yield router_pb2.GenerateResponse(token_id=token_id, text=text)
         except KvpoolError as exc:
             self.router.metrics.requests.labels("grpc", "error").inc()
-            await context.abort(status_code(exc), str(exc))
+            await abort(context, exc, "Generate")
             return
         finally:
             await tokens.aclose()
@@ -201,7 +201,8 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     metrics = RouterMetrics()
     router = Router(settings.pipelines, settings.shards, metrics, affinity_max_queue=settings.affinity_max_queue,
                     max_in_flight=settings.max_in_flight, request_timeout_s=settings.request_timeout_s,
-                    model=config)
+                    max_queue=settings.max_queue, queue_timeout_s=settings.queue_timeout_s,
+                    locality=settings.locality, servers=settings.server_of)
     servicer = RouterServicer(router, tokenizer, limits)
     handle = await service.create_server(
         settings.host, settings.port, lambda s: add_router(servicer, s),

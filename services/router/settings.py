@@ -40,6 +40,13 @@ class RouterSettings:
         help="browser origins allowed to call the HTTP API (others are refused)", factory=list, metavar="URL,...",
         default_text="none")
     max_in_flight: int = setting(256, help="requests in flight at most; more are answered 429")
+    max_queue: int = setting(64, help="requests waiting for decode room at most; more are answered 429")
+    queue_timeout_s: float = setting(30.0, help="a request waits this long for decode room, then 429")
+    locality: bool = setting(True, help="prefer the decode shard on the prefill pipeline's own server")
+    servers: list[str] = setting(
+        help="the server of each pipeline or shard, where its address's host does not say it",
+        factory=list, metavar="ADDR=SERVER,...", default_text="the address's host",
+    )
     health_interval_s: float = setting(1.0, help="seconds between health checks of every prefill pipeline and decode shard")
     request_timeout_s: float = setting(600.0, help="longest a request may take end to end, in seconds")
     supervisor_status: str = setting(
@@ -53,7 +60,7 @@ class RouterSettings:
             raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
         if self.tenant_rate < 0 or self.tenant_burst < 1:
             raise ValueError("tenant_rate must be >= 0 and tenant_burst >= 1")
-        for name in ("pipelines", "shards", "api_key", "cors_origins"):
+        for name in ("pipelines", "shards", "api_key", "cors_origins", "servers"):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, [a for a in value.split(",") if a])
@@ -72,10 +79,21 @@ class RouterSettings:
             raise ValueError(f"affinity_max_queue: must be >= 1, got {self.affinity_max_queue}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {self.max_in_flight}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue: must be >= 0, got {self.max_queue}")
+        if self.queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s: must be positive, got {self.queue_timeout_s}")
+        bad = [s for s in self.servers if "=" not in s]
+        if bad:
+            raise ValueError(f"servers: {bad[0]!r} is not ADDR=SERVER")
         if self.health_interval_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("health_interval_s and request_timeout_s must be positive")
         if self.model not in CONFIGS:
             raise ValueError(f"model: {self.model!r} is not one of {sorted(CONFIGS)}")
+
+    @property
+    def server_of(self) -> dict[str, str]:
+        return dict(s.split("=", 1) for s in self.servers)  # type: ignore[misc]
 
     @property
     def model_name(self) -> str:

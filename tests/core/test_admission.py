@@ -134,7 +134,7 @@ def test_a_request_that_can_never_fit_names_the_field_and_limit() -> None:
     with pytest.raises(InvalidArgument, match="1600 KV tokens") as e:
         a.admit(req("r", prompt=1000, max_tokens=700), now=0.0)
     assert e.value.field == "max_tokens"
-    with pytest.raises(InvalidArgument, match="receive arena") as e:
+    with pytest.raises(InvalidArgument, match="receive arena takes 248 at most") as e:
         a.admit(req("r", prompt=300, max_tokens=10), now=0.0)  # 1.2 MB region, 1 MB arena
     assert e.value.field == "prompt"
     assert a.num_queued == 0 and a.num_admitted == 0

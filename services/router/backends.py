@@ -1,0 +1,126 @@
+"""The router's backends: a client per prefill pipeline and decode shard, and the health loop that
+tells admission what each can hold."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpool import service
+from kvpool.core.admission import Admission, ShardShape
+from kvpool.model.config import split_layers
+from kvpool.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.router.metrics import RouterMetrics
+
+log = structlog.get_logger(__name__)
+
+HEALTH_TIMEOUT_S = 2.0
+# the health service name under which stage 0 answers for its whole pipeline
+PIPELINE_HEALTH_SERVICE = "kvpool.rpc.Prefill"
+
+
+def server_of(address: str, servers: dict[str, str]) -> str:
+    """The server a backend runs on: named in ``servers``, else its address's host."""
+    return servers.get(address) or address.rsplit(":", 1)[0]
+
+
+@dataclass(slots=True)
+class PipelineClient:
+    address: str
+    channel: grpc.aio.Channel
+    prefill: prefill_pb2_grpc.PrefillStub
+    stages: prefill_pb2_grpc.PrefillStageStub
+    health: health_pb2_grpc.HealthStub
+    num_stages: int = 0
+
+
+@dataclass(slots=True)
+class ShardClient:
+    address: str
+    channel: grpc.aio.Channel
+    decode: decode_pb2_grpc.DecodeStub
+    health: health_pb2_grpc.HealthStub
+    kv_dtype: str = ""
+    num_layers: int = 0
+    entry_bytes: int = 0
+
+
+class Backends:
+    """Clients of every pipeline and shard; ``check_health`` feeds health and shapes to admission."""
+
+    def __init__(self, pipelines: list[str], shards: list[str], admission: Admission, metrics: RouterMetrics) -> None:
+        self.admission = admission
+        self.metrics = metrics
+        self.pipelines = {a: self._pipeline_client(a) for a in pipelines}
+        self.shards = {a: self._shard_client(a) for a in shards}
+
+    @staticmethod
+    def _pipeline_client(address: str) -> PipelineClient:
+        channel = service.channel(address)
+        return PipelineClient(address, channel, prefill_pb2_grpc.PrefillStub(channel),
+                              prefill_pb2_grpc.PrefillStageStub(channel), health_pb2_grpc.HealthStub(channel))
+
+    @staticmethod
+    def _shard_client(address: str) -> ShardClient:
+        channel = service.channel(address)
+        return ShardClient(address, channel, decode_pb2_grpc.DecodeStub(channel), health_pb2_grpc.HealthStub(channel))
+
+    async def close(self) -> None:
+        for client in [*self.pipelines.values(), *self.shards.values()]:
+            await client.channel.close()
+
+    def layer_split(self, pipeline: str, shard: str) -> list[tuple[int, int]]:
+        return split_layers(self.shards[shard].num_layers, self.pipelines[pipeline].num_stages)
+
+    async def check_health(self) -> dict[str, bool]:
+        """One round of health checks; pipelines report their stages and device cache, shards their shape."""
+        checks = [self._check_pipeline(c) for c in self.pipelines.values()]
+        checks += [self._check_shard(c) for c in self.shards.values()]
+        results = await asyncio.gather(*checks)
+        backends = dict(zip([*self.pipelines, *self.shards], results))
+        for name, healthy in backends.items():
+            changed = self.admission.set_health(name, healthy)
+            self.metrics.healthy.labels(name).set(1 if healthy else 0)
+            if changed:
+                log.warning("target_health_changed", target=name, healthy=healthy)
+        return backends
+
+    async def _serving(self, stub: health_pb2_grpc.HealthStub, service_name: str = "") -> bool:
+        try:
+            response = await stub.Check(health_pb2.HealthCheckRequest(service=service_name),
+                                        timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def _check_pipeline(self, client: PipelineClient) -> bool:
+        # stage 0 answers for the pipeline's service by asking every later stage
+        if not await self._serving(client.health, PIPELINE_HEALTH_SERVICE):
+            return False
+        if not client.num_stages:
+            try:
+                info = await client.stages.StageInfo(prefill_pb2.StageInfoRequest(), timeout=HEALTH_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                return False
+            client.num_stages = info.num_stages
+            self.admission.set_pipeline_max_prompt(client.address, info.num_blocks * info.block_size)
+        return True
+
+    async def _check_shard(self, client: ShardClient) -> bool:
+        if not await self._serving(client.health):
+            return False
+        try:
+            stats = await client.decode.Stats(decode_pb2.DecodeStatsRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        client.kv_dtype, client.num_layers, client.entry_bytes = stats.kv_dtype, stats.num_layers, stats.entry_bytes
+        self.admission.set_shard_shape(client.address, ShardShape(
+            num_pages=stats.num_pages, page_size=stats.page_size, arena_bytes=stats.region_arena_bytes,
+            region_bytes_per_token=stats.num_layers * stats.entry_bytes,
+            region_trailer_bytes=stats.region_trailer_bytes, max_context=stats.max_context,
+        ))
+        return True

@@ -1,0 +1,178 @@
+"""Admission first, on real processes: decode room is reserved before prefill, requests beyond it
+queue (holding nothing) instead of failing, and whatever a request held is free at once when it ends.
+
+One cluster for the module: a two-stage pipeline, one decode shard whose receive
+arena holds two 1,000-token prompts' regions, and the router (``kvpool up``'s own
+``Cluster``). Each test leaves the cluster idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import random
+import signal
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvpool import service
+from kvpool.rpc import router_pb2, router_pb2_grpc
+from kvpool.tools.up import Cluster, UpSettings
+from tests.integration.conftest import eventually
+
+pytestmark = pytest.mark.cluster
+
+PROMPT_TOKENS = 1000
+# a region: 1,000 tokens x 8 layers x 384-byte entries + 4 KiB of logits = 3,076,096 bytes; 2 fit, 3 do not
+ARENA = "6656KiB"
+MAX_QUEUE = 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("admission")
+    config = workdir / "cluster.toml"
+    config.write_text(f"[router]\nhealth_interval_s = 0.2\nmax_queue = {MAX_QUEUE}\nqueue_timeout_s = 300\n"
+                      f"[decode]\nregion_arena_bytes = \"{ARENA}\"\nnum_pages = 1024\npage_size = 16\n")
+    settings = UpSettings(pipelines=1, stages=2, decode_shards=1, stores=0, http_port=0, grpc_port=0,
+                          device_cache_tokens=4096, workdir=str(workdir / "logs"))
+    up = Cluster(settings, config=str(config)).start()
+    try:
+        yield up
+    finally:
+        up.stop()
+
+
+def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 250) for _ in range(length)]
+
+
+def metric(cluster: Cluster, name: str, sample: str) -> float:
+    """One sample from a service's Prometheus page (0 when absent)."""
+    port = cluster.find(name).ready["admin_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(sample + " ")), 0.0)
+
+
+def router_address(cluster: Cluster) -> str:
+    return f"127.0.0.1:{cluster.find('router').ready['port']}"
+
+
+async def generate(channel: grpc.aio.Channel, token_ids: list[int], max_tokens: int) -> list[int]:
+    request = router_pb2.GenerateRequest(token_ids=token_ids, sampling=router_pb2.SamplingParams(max_tokens=max_tokens))
+    return [r.token_id async for r in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=300)
+            if not r.HasField("usage")]
+
+
+def idle(cluster: Cluster) -> bool:
+    """Nothing held anywhere: the router's tickets and queue, decode's pages and regions, prefill's blocks."""
+    return (metric(cluster, "router", "kvpool_router_admitted") == 0
+            and metric(cluster, "router", "kvpool_router_queue_length") == 0
+            and metric(cluster, "decode0", "kvpool_decode_pages_used") == 0
+            and metric(cluster, "decode0", "kvpool_decode_region_bytes_used") == 0
+            and metric(cluster, "p0-stage0", "kvpool_prefill_device_cache_usage") == 0)
+
+
+async def test_a_burst_beyond_the_arena_queues_and_completes_without_errors(cluster: Cluster) -> None:
+    errors = metric(cluster, "router", 'kvpool_router_requests_total{api="grpc",outcome="error"}')
+    queued = metric(cluster, "router", "kvpool_router_queued_total")
+    async with grpc.aio.insecure_channel(router_address(cluster), options=service.GRPC_OPTIONS) as channel:
+        results = await asyncio.gather(*(generate(channel, prompt(i), 8) for i in range(8)))
+    assert [len(tokens) for tokens in results] == [8] * 8
+    # two fit the arena at once: the other six waited for room, none failed
+    assert metric(cluster, "router", "kvpool_router_queued_total") - queued == 6
+    assert metric(cluster, "router", 'kvpool_router_requests_total{api="grpc",outcome="error"}') == errors
+    assert metric(cluster, "router", "kvpool_router_queue_expired_total") == 0
+    assert idle(cluster)
+
+
+async def test_a_client_gone_while_queued_or_in_prefill_frees_everything_at_once(cluster: Cluster) -> None:
+    async with grpc.aio.insecure_channel(router_address(cluster), options=service.GRPC_OPTIONS) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        stage1 = cluster.find("p0-stage1").proc
+        assert stage1 is not None
+        os.kill(stage1.pid, signal.SIGSTOP)  # prefill takes requests but never finishes them
+        try:
+            calls = [stub.Generate(router_pb2.GenerateRequest(
+                token_ids=prompt(100 + i), sampling=router_pb2.SamplingParams(max_tokens=8)), timeout=300)
+                for i in range(3)]
+            reads = [asyncio.ensure_future(call.read()) for call in calls]
+
+            def two_in_prefill_one_queued() -> bool:
+                return (metric(cluster, "router", "kvpool_router_admitted") == 2
+                        and metric(cluster, "router", "kvpool_router_queue_length") == 1
+                        and metric(cluster, "decode0", "kvpool_decode_reserved_sequences") == 2)
+            await eventually(two_in_prefill_one_queued, what="2 requests in prefill, 1 queued")
+            # decode room is taken before any prefill work: pages and both regions
+            assert metric(cluster, "decode0", "kvpool_decode_region_bytes_used") == 2 * 3_076_096
+            calls[2].cancel()  # gone while queued: its place in the queue is freed, nothing else was held
+            await eventually(lambda: metric(cluster, "router", "kvpool_router_queue_length") == 0,
+                             timeout_s=2, what="the queue slot freed")
+            for call in calls[:2]:
+                call.cancel()  # gone during prefill: region and pages back at once, the ticket released
+            await eventually(lambda: metric(cluster, "decode0", "kvpool_decode_pages_used") == 0
+                             and metric(cluster, "decode0", "kvpool_decode_region_bytes_used") == 0
+                             and metric(cluster, "router", "kvpool_router_admitted") == 0,
+                             timeout_s=2, what="decode room freed")
+        finally:
+            os.kill(stage1.pid, signal.SIGCONT)
+        for read in reads:
+            with pytest.raises(asyncio.CancelledError):
+                await read
+    # the prefill side frees the blocks once its stages are done writing them
+    await eventually(lambda: idle(cluster), what="an idle cluster")
+
+
+def post(cluster: Cluster, body: dict[str, object]) -> tuple[int, dict[str, str], dict[str, object]]:
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    status, headers, payload = response.status, dict(response.getheaders()), json.loads(response.read())
+    conn.close()
+    return status, headers, payload
+
+
+async def test_a_full_queue_is_429_with_retry_after_and_a_request_that_never_fits_is_400(cluster: Cluster) -> None:
+    status, _, body = post(cluster, {"model": "tiny", "prompt": prompt(7, 3000), "max_tokens": 4})
+    error = body["error"]
+    assert status == 400 and error["param"] == "prompt" and "takes 2217 at most" in error["message"]  # type: ignore[index]
+    async with grpc.aio.insecure_channel(router_address(cluster), options=service.GRPC_OPTIONS) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        stage1 = cluster.find("p0-stage1").proc
+        assert stage1 is not None
+        os.kill(stage1.pid, signal.SIGSTOP)  # holds the two admitted requests in prefill
+        try:
+            calls = [stub.Generate(router_pb2.GenerateRequest(
+                token_ids=prompt(200 + i), sampling=router_pb2.SamplingParams(max_tokens=4)), timeout=300)
+                for i in range(2 + MAX_QUEUE)]
+            reads = [asyncio.ensure_future(call.read()) for call in calls]
+            await eventually(lambda: metric(cluster, "router", "kvpool_router_queue_length") == MAX_QUEUE,
+                             what="a full queue")
+            status, headers, body = await asyncio.to_thread(
+                post, cluster, {"model": "tiny", "prompt": prompt(300), "max_tokens": 4})
+            assert status == 429 and int(headers["Retry-After"]) >= 1
+            assert "queue is full" in body["error"]["message"]  # type: ignore[index]
+            for call in calls:
+                call.cancel()
+        finally:
+            os.kill(stage1.pid, signal.SIGCONT)
+        await asyncio.gather(*reads, return_exceptions=True)
+    await eventually(lambda: idle(cluster), what="an idle cluster")
+
+
+def test_the_router_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, services.router.server; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.strip() == "False"
