@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvpool import request_id, tls
+from kvpool.rpc_trace import carry_interceptors, trace_interceptors
 
 log = structlog.get_logger(__name__)
 
@@ -158,7 +159,7 @@ async def create_server(
     # in_flight outermost: a call counts as in flight for the whole of its handler
     interceptors = [in_flight, request_id.RequestIdServerInterceptor()] if inbound_request_ids else [in_flight]
     interceptors += tls.interceptors()  # the caller's certificate must name a role allowed this method
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[*interceptors, *trace_interceptors()])
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_servicers(server)
@@ -175,9 +176,10 @@ async def create_server(
 def channel(address: str, options: Sequence[tuple[str, Any]] = GRPC_OPTIONS) -> grpc.aio.Channel:
     """A channel to another kvpool service: its calls carry the bound request id as metadata."""
     creds = tls.channel_credentials()  # mutual TLS once the process is configured (kvpool/tls.py)
+    interceptors = [*request_id.client_interceptors(), *carry_interceptors()]
     if creds is None:
-        return grpc.aio.insecure_channel(address, options=list(options), interceptors=request_id.client_interceptors())
-    return grpc.aio.secure_channel(address, creds, options=list(options), interceptors=request_id.client_interceptors())
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+    return grpc.aio.secure_channel(address, creds, options=list(options), interceptors=interceptors)
 
 
 def start_metrics(host: str, port: int, registry: CollectorRegistry) -> int:

@@ -39,5 +39,8 @@ class RouterMetrics:
                                         "Receive arena bytes the router's tickets hold", ["shard"], registry=r)
         self.reserve_waits = Counter("kvpool_router_reserve_waits",
                                      "Reserve retries while decode freed a cancelled request's room", registry=r)
+        self.handoff_bytes = Counter("kvpool_router_handoff_bytes",
+                                     "Handoff bytes by link: within the pipeline's server, or across servers",
+                                     ["link"], registry=r)
         self.retries = Counter("kvpool_router_retries", "Requests retried on another pipeline before any token",
                                registry=r)

@@ -34,6 +34,7 @@ from kvpool.core.routing import RoutingPolicy
 from kvpool.core.tenancy import scoped_session_key
 from kvpool.request_id import bound_request_id, new_request_id
 from kvpool.rpc import decode_pb2, handoff_pb2, prefill_pb2
+from kvpool.rpc_trace import CURRENT_REQUEST_ID
 from kvpool.status import from_status
 from services.router.backends import Backends, server_of
 from services.router.http_api import Usage
@@ -178,6 +179,7 @@ class Router:
                          ttft_s=round(usage.ttft_seconds, 4))
 
     async def _generate(self, request: GenerationRequest, usage: Usage, request_id: str) -> AsyncIterator[int]:
+        CURRENT_REQUEST_ID.set(request_id)  # the calls below carry it (when traced)
         started = time.perf_counter()
         ticket = await self._admit(request_id, request)
         queued = time.perf_counter() - started
@@ -194,6 +196,7 @@ class Router:
             usage.device_tokens, usage.pool_tokens = figures.num_device_tokens, figures.num_pool_tokens
             usage.computed_tokens = figures.num_computed_tokens
             usage.handoff_transfers, usage.handoff_bytes = prefill.handoff.transfers, prefill.handoff.bytes
+            self.metrics.handoff_bytes.labels(self._link(usage.pipeline, ticket.shard)).inc(usage.handoff_bytes)
             for source, count in (("device", usage.device_tokens), ("pool", usage.pool_tokens),
                                   ("computed", usage.computed_tokens)):
                 self.metrics.prompt_tokens.labels(source).inc(count)
@@ -212,6 +215,10 @@ class Router:
                 await self._give_back(ticket, target)
             self._release(request_id)
             self.metrics.completion_tokens.inc(usage.completion_tokens)
+
+    def _link(self, pipeline: str, shard: str) -> str:
+        same = self.admission.pipeline_servers[pipeline] == self.admission.shards[shard].server
+        return "same_server" if same else "cross_server"
 
     async def _reserve(self, ticket: Ticket, request: GenerationRequest, started: float) -> handoff_pb2.HandoffTarget:
         """Decode's region and pages for the ticket; the room is the ticket's, so a refusal only

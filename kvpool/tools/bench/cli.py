@@ -92,6 +92,30 @@ def add_bench(sub: Any) -> None:
     handoff.add_argument("--layers", type=int, default=20, help="layers of the prefill stage")
     handoff.add_argument("--entry-bytes", type=int, default=576, help="bytes per token per layer (576: fp8 MLA)")
     handoff.add_argument("--repeats", type=int, default=3, help="measured gathered runs (median counts)")
+    path = bench_sub.add_parser(
+        "path", help="a request's path: a burst beyond decode's room queues, not fails; RPCs before the first "
+        "token; handoff bytes across servers",
+        description="Starts a cluster whose decode receive arena holds two long prompts and sends a burst of "
+        "--requests at once: queued_not_failed is true when all complete with none failed and queueing in the "
+        "router's metrics. Every service traces its calls keyed by the request id: critical_path_depth is the "
+        "median longest chain of control RPCs before a request's first token. Then replays the shared traces on "
+        "two logical servers with the router's locality on (and off, unless --quick): "
+        "cross_server_handoff_share is the share of handoff bytes that crossed servers with it on.",
+    )
+    add_report_flags(path, quick="locality on only, 4 sessions of 6 turns")
+    path.add_argument("--requests", type=int, default=8, help="requests in the burst")
+    path.add_argument("--prompt-tokens", type=int, default=2000, help="prompt length of each burst request")
+    path.add_argument("--max-tokens", type=int, default=16, help="tokens each burst request makes")
+    path.add_argument("--stages", type=int, default=2, help="prefill stages")
+    path.add_argument("--skip-replay", action="store_true", help="the burst only")
+    path.add_argument("--traces", default=None, help="weka traces (default ../shared/traces/agentx-weka)")
+    path.add_argument("--sessions", type=int, help="sessions replayed (default 8; quick 4)")
+    path.add_argument("--turns", type=int, help="first turns of each session (default 10; quick 6)")
+    path.add_argument("--scale", type=int, default=32, help="token scale factor of the replay")
+    path.add_argument("--concurrency", type=int, default=4, help="sessions in flight in the replay")
+    path.add_argument("--replay-max-tokens", type=int, default=16, help="output tokens per replayed turn at most")
+    path.add_argument("--loopback", action="store_true", help="no network namespaces: servers share loopback")
+    path.add_argument("--workdir", default="", help="keep logs and the trace here")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -112,6 +136,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from kvpool.tools.bench.prefill_bench import main as bench_prefill
 
         return bench_prefill(args)
+    if args.bench_command == "path":
+        from kvpool.tools.bench.path_bench import main as bench_path
+
+        return bench_path(args)
     if args.bench_command == "decode":
         from kvpool.tools.bench.decode_bench import main as bench_decode
 

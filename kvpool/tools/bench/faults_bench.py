@@ -111,8 +111,7 @@ class Prompts:
         self.sent += 1
         tokens = [rng.randrange(self.vocab) for _ in range(PROMPT_TOKENS)]
         try:
-            response = await self.stub.Prefill(prefill_pb2.PrefillRequest(token_ids=tokens), timeout=120)
-            await self.stub.Release(prefill_pb2.ReleaseRequest(request_id=response.request_id), timeout=30)
+            await self.stub.Prefill(prefill_pb2.PrefillRequest(token_ids=tokens), timeout=120)
             self.chunks += PROMPT_TOKENS // 256
         except grpc.aio.AioRpcError:
             self.failed += 1  # a prefill must not fail for the pool's sake: reported

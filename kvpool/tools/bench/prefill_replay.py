@@ -57,13 +57,12 @@ class Replay:
 
 
 async def _send(stub: prefill_pb2_grpc.PrefillStub, prompt: Prompt, issue_index: int) -> TurnResult:
-    """Prefill one turn, then release its KV at once (no decode yet)."""
+    """Prefill one turn (no decode: its blocks are free when Prefill returns)."""
     request = prefill_pb2.PrefillRequest(token_ids=prompt.token_ids, session_key=prompt.session_id,
                                          return_logits=prompt.is_last)
     t0 = time.perf_counter()
     response = await stub.Prefill(request, timeout=PREFILL_TIMEOUT_S)
     latency_ms = (time.perf_counter() - t0) * 1e3
-    await stub.Release(prefill_pb2.ReleaseRequest(request_id=response.request_id), timeout=30)
     return TurnResult(prompt, issue_index, latency_ms, response.figures, response.first_token, response.logits)
 
 

@@ -145,10 +145,7 @@ def _raw_ceiling(per_stage: list[list[tuple[str, int, int, int]]], repeats: int)
 
 
 async def _send(front: prefill_pb2_grpc.PrefillStub, token_ids: list[int]) -> prefill_pb2.PrefillResponse:
-    response = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, return_logits=True),
-                                   timeout=1800)
-    await front.Release(prefill_pb2.ReleaseRequest(request_id=response.request_id), timeout=30)
-    return response
+    return await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, return_logits=True), timeout=1800)
 
 
 async def _measure_size(pool: LocalPool, size: int, repeats: int, check: bool, workdir: Path,

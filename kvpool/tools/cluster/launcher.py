@@ -292,11 +292,15 @@ class Cluster:
         spec = self.topology.router
         if spec is None:
             return
+        # every backend's server by name: on loopback their addresses alone would not tell them apart
+        servers = ",".join(f"{a}={s.host_name}" for s in self.servers if s.host_name
+                           for a in (*s.pipelines, *s.shards))
         # the root namespace: it reaches every server over its link, clients reach it here
         self.router = self._spawn(spec.name, [
             "router", "--port", str(spec.port), "--http-port", str(spec.http_port), "--admin-port", "0", *spec.args,
             "--pipelines", ",".join(a for s in self.servers for a in s.pipelines),
-            "--shards", ",".join(a for s in self.servers for a in s.shards)], None)
+            "--shards", ",".join(a for s in self.servers for a in s.shards),
+            *(["--servers", servers] if servers else [])], None)
         self.router.wait_ready(timeout_s=READY_TIMEOUT_S)
 
     def _spawn(self, name: str, args: list[str], server: Server | None) -> ServiceProcess:

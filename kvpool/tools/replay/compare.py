@@ -39,7 +39,7 @@ from kvpool.tools.replay.workload import ReplayWorkload
 from kvpool.sizes import format_size, parse_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
-COMPARISONS = {"pool": ("shared", "split"), "groups": ("on", "off")}
+COMPARISONS = {"pool": ("shared", "split"), "groups": ("on", "off"), "locality": ("on", "off")}
 # the master's watermarks: a pool holds about low_watermark of its bytes once eviction runs
 USABLE_SHARE = 0.85
 
@@ -49,13 +49,15 @@ def parse_compare(text: str) -> tuple[str, tuple[str, ...]]:
     what, _, sides_text = text.partition("=")
     sides = tuple(s.strip() for s in sides_text.split(",") if s.strip())
     if what not in COMPARISONS or not sides or set(sides) - set(COMPARISONS[what]) or len(set(sides)) != len(sides):
-        raise ValueError(f"--compare: expected pool=shared,split or groups=on,off, got {text!r}")
+        raise ValueError(f"--compare: expected pool=shared,split, groups=on,off or locality=on,off, got {text!r}")
     return what, sides
 
 
 def side_settings(base: TopologySettings, what: str, side: str) -> TopologySettings:
     if what == "pool":
         return dataclasses.replace(base, pool=side)
+    if what == "locality":
+        return dataclasses.replace(base, locality=side == "on")
     return dataclasses.replace(base, eviction="group" if side == "on" else "object")
 
 
@@ -231,5 +233,8 @@ def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workloa
     if what == "groups":
         for side in sides:
             out[f"reuse_groups_{side}"] = top[side]["reuse_ratio"]
+    if what == "locality":
+        for side in sides:
+            out[f"cross_server_handoff_share_{side}"] = top[side]["cross_server_handoff_share"]
     out["regime"] = next(iter(top.values()))["regime"]
     return out

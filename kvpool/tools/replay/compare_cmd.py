@@ -37,14 +37,15 @@ from kvpool.tools.replay.workload import ReplayWorkload, load_workload
 from kvpool.sizes import format_size, parse_size
 
 SUMMARY_KEYS = ("prompt_tok_s", "reuse_ratio", "device_share", "pool_share", "computed_share", "ttft_p50_s",
-                "turns_sent", "errors", "wall_s", "pool_evicted_groups", "restore_bytes")
+                "turns_sent", "errors", "wall_s", "pool_evicted_groups", "restore_bytes", "cross_server_handoff_share")
 
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("comparisons (--compare): K logical servers, started fresh for every side and level")
     g.add_argument("--compare", metavar="WHAT=A,B",
                    help="pool=shared,split (one pool over every store against one per server) or groups=on,off "
-                   "(whole-group against per-object eviction); the same sessions on each side")
+                   "(whole-group against per-object eviction) or locality=on,off (the router prefers the decode "
+                   "shard on the pipeline's server, or not); the same sessions on each side")
     g.add_argument("--servers", type=int, default=2, help="logical servers: each a pipeline, a decode shard and "
                    "two stores (prefill side, decode side) (default 2)")
     g.add_argument("--turns", type=int, help="keep the first N turns of every weka session, with or without "
@@ -135,7 +136,8 @@ def main(args: argparse.Namespace, levels: list[int]) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     out["planned_regime"] = planned
-    headline = {k: out[k] for k in ("shared_over_split", "reuse_groups_on", "reuse_groups_off") if k in out}
+    headline = {k: out[k] for k in ("shared_over_split", "reuse_groups_on", "reuse_groups_off",
+                                    "cross_server_handoff_share_on", "cross_server_handoff_share_off") if k in out}
     print(f"kvpool replay --compare: {headline}", flush=True)
     if args.json:
         print(json.dumps(json_safe(out)), flush=True)

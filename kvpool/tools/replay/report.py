@@ -61,6 +61,16 @@ def _decode_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> di
     return {"decode_queue_wait_mean_s": _ratio(queue_sum, queue_count)}
 
 
+def _handoff_links(before: dict[str, Metrics], after: dict[str, Metrics]) -> dict[str, Any]:
+    """The share of handoff bytes that crossed servers (the router's count, by link)."""
+    if "router" not in after:
+        return {"cross_server_handoff_share": math.nan}
+    moved = delta(after["router"], before.get("router", {}))
+    cross = total(moved, "kvpool_router_handoff_bytes_total", link="cross_server")
+    same = total(moved, "kvpool_router_handoff_bytes_total", link="same_server")
+    return {"cross_server_handoff_share": _ratio(cross, cross + same), "cross_server_handoff_bytes": int(cross)}
+
+
 def summarize(result: ReplayResult, workload: ReplayWorkload, options: ReplayOptions) -> dict[str, Any]:
     """The flat summary of one replay (see the module doc)."""
     records = result.records
@@ -120,6 +130,7 @@ def summarize(result: ReplayResult, workload: ReplayWorkload, options: ReplayOpt
         "handoff_bytes": sum(r.handoff_bytes for r in ok),
         **_stage_figures(result.metrics_before, result.metrics_after),
         **_decode_figures(result.metrics_before, result.metrics_after),
+        **_handoff_links(result.metrics_before, result.metrics_after),
         "decode_kv_util_peak": max(result.decode_utilization) if result.decode_utilization else math.nan,
         "decode_kv_util_mean": _ratio(sum(result.decode_utilization), len(result.decode_utilization)),
         "scale": workload.scale,

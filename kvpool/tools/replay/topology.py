@@ -54,6 +54,7 @@ class TopologySettings:
     netns_lock_wait_s: float = 30.0  # one run at a time holds the namespaces; wait this long, then loopback
     decode_args: tuple[str, ...] = ()
     master_args: tuple[str, ...] = ()
+    locality: bool = True  # the router prefers the decode shard on the pipeline's own server
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -81,6 +82,7 @@ def side_topology(settings: TopologySettings) -> Topology:
         decode_shards=(DecodeSpec(f"s{i}-decode", (*model, *s.decode_args)),),
     ) for i in range(s.servers))
     return Topology(servers, master=MasterSpec(args=master_args) if s.pool == "shared" else None,
-                    router=RouterSpec(args=("--model", s.model)), host="127.0.0.1",
+                    router=RouterSpec(args=("--model", s.model, "--locality" if s.locality else "--no-locality")),
+                    host="127.0.0.1",
                     common_args=("--log-level", s.log_level, "--log-format", "json"), netns=s.netns,
                     link_gbit=s.link_gbit, netns_lock_wait_s=s.netns_lock_wait_s)
