@@ -103,11 +103,13 @@ class Router:
         self._publish()
         try:
             return await waiter
+        except BaseException:
+            # the client went away while queued (or just as its ticket came): its slot or ticket goes
+            self._release(request_id)
+            raise
         finally:
             timer.cancel()
             self._waiting.pop(request_id, None)
-            if not waiter.done() or waiter.cancelled():
-                self._release(request_id)  # left the queue (client gone): nothing else to free
 
     def _expire(self) -> None:
         self._apply(self.admission.poll(asyncio.get_running_loop().time()))
