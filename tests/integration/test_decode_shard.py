@@ -178,6 +178,17 @@ async def test_a_reservation_given_back_frees_pages_and_region_at_once(stub, fil
     assert full.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pages" in full.value.details()
 
 
+async def test_a_generate_refused_after_its_reservation_frees_it_at_once(stub, filler, shard) -> None:
+    prepared = await filler.prepare(stub, prompt(6, seed=30), max_tokens=10, with_logits=True)
+    assert metric(shard, "kvpool_decode_pages_used") == 2  # 6 + 10 - 1 = 15 entries
+    error = await rejected(stub.Generate(decode_request(prepared, 12), timeout=30))  # not what it reserved
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # the field travels beside the message, never read out of its text
+    assert dict(error.trailing_metadata())["kvpool-field"] == "max_tokens"
+    assert metric(shard, "kvpool_decode_pages_used") == 0
+    assert metric(shard, "kvpool_decode_region_bytes_used") == 0
+
+
 async def test_seeded_sampling_with_the_first_token_drawn_here(stub, filler) -> None:
     p = prompt(12, seed=21)
     runs = []
