@@ -58,7 +58,7 @@ def test_unclaimed_regions_expire_at_their_deadline_claimed_ones_never() -> None
 
 
 def test_a_region_may_carry_its_own_hold_and_a_logits_trailer() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     table = RegionTable(arena_size=64 << 10, deadline_s=5.0, clock=clock)
     with_trailer = HandoffLayout.of(2, [(0, 2)], 1024, trailer_bytes=400)
     assert (with_trailer.kv_nbytes, with_trailer.trailer_offset, with_trailer.nbytes) == (4096, 4096, 4496)
