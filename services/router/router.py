@@ -78,7 +78,7 @@ class Router:
 
     async def check_health(self) -> dict[str, bool]:
         healthy = await self.backends.check_health()
-        self._apply(self.admission.poll(time.monotonic()))  # a shard seen (again) may take the queue's head
+        self._apply(self.admission.poll(asyncio.get_running_loop().time()))  # a shard seen again may take the head
         return healthy
 
     async def health_forever(self, interval_s: float) -> None:

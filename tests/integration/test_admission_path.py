@@ -23,7 +23,8 @@ import pytest
 
 from kvpool import service
 from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.tools.up import Cluster, UpSettings
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.up import UpSettings, up_cluster
 from tests.integration.conftest import eventually
 
 pytestmark = pytest.mark.cluster
@@ -42,7 +43,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                       f"[decode]\nregion_arena_bytes = \"{ARENA}\"\nnum_pages = 1024\npage_size = 16\n")
     settings = UpSettings(pipelines=1, stages=2, decode_shards=1, stores=0, http_port=0, grpc_port=0,
                           device_cache_tokens=4096, workdir=str(workdir / "logs"))
-    up = Cluster(settings, config=str(config)).start()
+    up = up_cluster(settings, str(config)).start()
     try:
         yield up
     finally:

@@ -34,7 +34,8 @@ import grpc
 from kvpool import service
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.rpc_trace import REQUEST_ID_KEY, TRACE_ENV, critical_path_depth
-from kvpool.tools.up import Cluster, UpSettings
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.up import UpSettings, up_cluster
 
 ARENA_REGIONS = 2  # the receive arena holds this many of the burst's regions
 
@@ -86,9 +87,9 @@ def burst(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     previous = os.environ.get(TRACE_ENV)
     os.environ[TRACE_ENV] = str(trace)  # the services inherit it
     try:
-        cluster = Cluster(UpSettings(pipelines=1, stages=args.stages, decode_shards=1, stores=0, http_port=0,
-                                     grpc_port=0, device_cache_tokens=4 * 4096, workdir=str(workdir / "logs")),
-                          config=str(toml)).start()
+        cluster = up_cluster(UpSettings(pipelines=1, stages=args.stages, decode_shards=1, stores=0, http_port=0,
+                                        grpc_port=0, device_cache_tokens=4 * 4096, workdir=str(workdir / "logs")),
+                             str(toml)).start()
     finally:
         if previous is None:
             os.environ.pop(TRACE_ENV, None)
