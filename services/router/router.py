@@ -34,7 +34,6 @@ from kvpool.core.routing import RoutingPolicy
 from kvpool.core.tenancy import scoped_session_key
 from kvpool.request_id import bound_request_id, new_request_id
 from kvpool.rpc import decode_pb2, handoff_pb2, prefill_pb2
-from kvpool.rpc_trace import CURRENT_REQUEST_ID
 from kvpool.status import from_status
 from services.router.backends import Backends, server_of
 from services.router.http_api import Usage
@@ -181,7 +180,6 @@ class Router:
                          ttft_s=round(usage.ttft_seconds, 4))
 
     async def _generate(self, request: GenerationRequest, usage: Usage, request_id: str) -> AsyncIterator[int]:
-        CURRENT_REQUEST_ID.set(request_id)  # the calls below carry it (when traced)
         started = time.perf_counter()
         ticket = await self._admit(request_id, request)
         queued = time.perf_counter() - started
