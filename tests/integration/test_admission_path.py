@@ -39,7 +39,9 @@ MAX_QUEUE = 6
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("admission")
     config = workdir / "cluster.toml"
-    config.write_text(f"[router]\nhealth_interval_s = 0.2\nmax_queue = {MAX_QUEUE}\nqueue_timeout_s = 300\n"
+    # health checks far apart: the tests stop a stage (SIGSTOP) to hold requests in prefill, and a
+    # pipeline whose stage does not answer would leave rotation
+    config.write_text(f"[router]\nhealth_interval_s = 120\nmax_queue = {MAX_QUEUE}\nqueue_timeout_s = 300\n"
                       f"[decode]\nregion_arena_bytes = \"{ARENA}\"\nnum_pages = 1024\npage_size = 16\n")
     settings = UpSettings(pipelines=1, stages=2, decode_shards=1, stores=0, http_port=0, grpc_port=0,
                           device_cache_tokens=4096, workdir=str(workdir / "logs"))
