@@ -19,6 +19,7 @@ from services.router.metrics import RouterMetrics
 log = structlog.get_logger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
+STAGE_INFO_TIMEOUT_S = 15.0
 # the health service name under which stage 0 answers for its whole pipeline
 PIPELINE_HEALTH_SERVICE = "kvpool.rpc.Prefill"
 
@@ -103,7 +104,8 @@ class Backends:
             return False
         if not client.num_stages:
             try:
-                info = await client.stages.StageInfo(prefill_pb2.StageInfoRequest(), timeout=HEALTH_TIMEOUT_S)
+                # asked once per pipeline: a loaded host gets longer than a health check's 2 s
+                info = await client.stages.StageInfo(prefill_pb2.StageInfoRequest(), timeout=STAGE_INFO_TIMEOUT_S)
             except grpc.aio.AioRpcError:
                 return False
             client.num_stages = info.num_stages

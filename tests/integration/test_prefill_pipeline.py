@@ -133,13 +133,18 @@ async def test_incomplete_group_is_never_restored(stubs, cluster) -> None:  # ty
     pool, pipeline = cluster
     tokens = prompt(20, 800)
     await run(front, tokens)
-    await saved(master, 3)
     namespace = pipeline.stages[0].ready["namespace"]
-    # drop chunk 1's group and put back only three of its four members, with bytes
-    # that would be wrong if anyone ever read them
     from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
 
     hashes = chunk_hashes(namespace, tokens, CHUNK)
+    # this prompt's own groups, all written (earlier tests' groups count toward the pool's total)
+    groups = [group_id(namespace, h) for h in hashes]
+
+    async def all_saved() -> bool:
+        return await pooled(master, groups) == len(groups)
+    await eventually(all_saved, what="the prompt's 3 groups in the pool")
+    # drop chunk 1's group and put back only three of its four members, with bytes
+    # that would be wrong if anyone ever read them
     removed = await master.Remove(pool_pb2.RemoveRequest(group_ids=[group_id(namespace, hashes[1])]))
     assert removed.num_removed == 1
     size = CHUNK * 2 * CONFIG.kv_entry_dim * 4
