@@ -22,9 +22,13 @@ shows every service's restarts.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import tempfile
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +47,7 @@ from kvpool.tools.cluster import (
     RouterSpec,
     ServerSpec,
     ServiceFailed,
+    ServiceProcess,
     StoreSpec,
     Topology,
 )
@@ -150,9 +155,11 @@ def up_cluster(settings: UpSettings, config: str | None = None, log_level: str =
                    access=UpAccess(settings.api_key, settings.secure, settings.insecure))
 
 
-def wait_for_stop_signal(tick: Callable[[], None] | None = None) -> int:
-    """Block until SIGINT or SIGTERM, calling ``tick`` twice a second; returns the signal number."""
+def wait_for_stop_signal(tick: Callable[[], None] | None = None, on_hangup: Callable[[], None] | None = None) -> int:
+    """Block until SIGINT or SIGTERM, calling ``tick`` twice a second (and ``on_hangup`` after a SIGHUP);
+    returns the signal number."""
     received: list[int] = []
+    hangups: list[int] = []
     event = threading.Event()
 
     def handler(signum: int, _frame: Any) -> None:
@@ -160,14 +167,40 @@ def wait_for_stop_signal(tick: Callable[[], None] | None = None) -> int:
         event.set()
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if on_hangup is not None:
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, _frame: hangups.append(signum))
     try:
         while not event.wait(0.5):
             if tick is not None:
                 tick()
+            if hangups and on_hangup is not None:
+                hangups.clear()
+                on_hangup()
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
     return received[0]
+
+
+def backend_healthy(cluster: Cluster, proc: ServiceProcess) -> bool:
+    """Whether the router sees ``proc``'s pipeline or shard healthy again (other roles: alive is enough)."""
+    if not proc.alive:
+        return False
+    role = proc.args[0] if proc.args else ""
+    if role not in ("prefill", "decode"):
+        return True
+    server = next(s for s in cluster.servers if proc in s.services)
+    backend = server.address_of(proc)
+    if role == "prefill":
+        backend = next(server.address_of(stages[0]) for stages in server.stages if proc in stages)
+    try:
+        with urllib.request.urlopen(f"{cluster.http_url}/health", timeout=5) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as exc:  # 503 while anything is unhealthy: the body still says what
+        body = json.loads(exc.read())
+    except OSError:
+        return False
+    return bool(body.get("targets", {}).get(backend))
 
 
 def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any = None) -> int:
@@ -194,12 +227,14 @@ def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any =
                   + " ".join(f"{k}={v}" for k, v in cluster.access.client.env().items()), flush=True)
         if demo is not None:
             return int(demo(cluster))
-        supervisor = None
+        supervisor = Supervisor(cluster, status_file=status_file, say=lambda line: print(line, flush=True))
         if settings.supervise:
-            supervisor = Supervisor(cluster, status_file=status_file, say=lambda line: print(line, flush=True))
             print("kvpool up: a process that dies is restarted (--no-supervise: left dead)", flush=True)
+        print(f"kvpool up: `kill -HUP {os.getpid()}` restarts every service but the router one at a time, "
+              "draining each", flush=True)
         print("kvpool up: Ctrl-C stops the cluster", flush=True)
-        wait_for_stop_signal(supervisor.tick if supervisor is not None else None)
+        wait_for_stop_signal(supervisor.tick if settings.supervise else None,
+                             on_hangup=lambda: supervisor.rolling_restart(lambda p: backend_healthy(cluster, p)))
         return 0
     except KeyboardInterrupt:
         return 130

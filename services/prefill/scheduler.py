@@ -88,6 +88,7 @@ class PrefillScheduler:
         self.handoff = handoff
         self._freed = asyncio.Condition()
         self._releases: set[asyncio.Task[None]] = set()
+        self._releasing: dict[str, asyncio.Task[None]] = {}  # by request id
 
     # ---- the request path ----------------------------------------------
 
@@ -127,27 +128,37 @@ class PrefillScheduler:
         if target is not None:  # checked before any work: a bad target costs nothing
             trailer = bool(self.handoff.check(target, len(token_ids), self.config.vocab_size).trailer_bytes)
         started = time.perf_counter()
-        request = PrefillRequest(
-            request_id, len(token_ids), self.chunk_size,
-            chunk_hashes(hash_root(self.namespace, tenant, cache_salt), token_ids, self.chunk_size),
-        )
-        await self._admit(request)
-        bound = log.bind(request_id=request.request_id, session_key=session_key)
-        caller_gone = asyncio.Event()
-        work = asyncio.ensure_future(self._run(request, token_ids, return_logits or trailer, target, caller_gone))
-        try:
-            # shielded: if the caller goes away, the stages are still writing this
-            # request's pages, so its blocks go back only once they are done
-            run = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            bound.info("prefill_cancelled")
-            caller_gone.set()  # no handoff starts for a request nobody waits for
-            # its blocks go back once the stages are done with them, not before
-            work.add_done_callback(lambda task: self._free_after(task, request.request_id))
-            raise
-        except BaseException:
-            await self._free(request.request_id)
-            raise
+        hashes = chunk_hashes(hash_root(self.namespace, tenant, cache_salt), token_ids, self.chunk_size)
+        bound = log.bind(request_id=request_id, session_key=session_key)
+        for attempt in (1, 2):
+            request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes)
+            await self._admit(request)
+            caller_gone = asyncio.Event()
+            work = asyncio.ensure_future(self._run(request, token_ids, return_logits or trailer, target, caller_gone))
+            try:
+                # shielded: if the caller goes away, the stages are still writing this
+                # request's pages, so its blocks go back only once they are done
+                run = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                bound.info("prefill_cancelled")
+                caller_gone.set()  # no handoff starts for a request nobody waits for
+                # its blocks go back once the stages are done with them, not before
+                work.add_done_callback(lambda task: self._free_after(task, request.request_id))
+                raise
+            except DeviceCacheLost as exc:
+                # a later stage restarted and the cache was forgotten: planned again, nothing is a device hit
+                await self._free(request.request_id)
+                release = self._releasing.get(request.request_id)
+                if release is not None:
+                    await asyncio.shield(release)  # the first attempt's saves let go of its blocks
+                if attempt == 2:
+                    raise Unavailable(f"prefill: {exc}") from None
+                bound.info("prefill_planned_again", reason=str(exc))
+                continue
+            except BaseException:
+                await self._free(request.request_id)
+                raise
+            break
         await self._free(request.request_id)  # nothing is held after Prefill returns
         figures = prefill_pb2.PrefillFigures(
             num_prompt_tokens=request.num_tokens,
@@ -193,12 +204,14 @@ class PrefillScheduler:
             # a later stage restarted: its device KV is gone, so no device hit holds on this pipeline
             forgotten = self.blocks.forget_cached()
             log.warning("device_cache_dropped", request_id=request.request_id, chunks=forgotten, reason=str(exc))
-            raise Unavailable(f"prefill: {exc}; the pipeline dropped its device cache, retry") from None
+            raise
         finally:
             if saving:
                 task = asyncio.ensure_future(self._release_after_saves(request.request_id))
                 self._releases.add(task)
+                self._releasing[request.request_id] = task
                 task.add_done_callback(self._releases.discard)
+                task.add_done_callback(self._forget_release)
         compute_ms = (time.perf_counter() - t0) * 1e3
         request.finish_compute(self.blocks)
         handoff = None
@@ -208,6 +221,11 @@ class PrefillScheduler:
             trailer = result.logits if target.layout.trailer_bytes else b""
             handoff = await self.handoff.write(request.request_id, list(request.block_table), target, trailer)
         return RunResult(restore, result, compute_ms, handoff)
+
+    def _forget_release(self, task: asyncio.Task[None]) -> None:
+        for request_id, running in list(self._releasing.items()):
+            if running is task:
+                del self._releasing[request_id]
 
     async def _release_after_saves(self, request_id: str) -> None:
         """Wait for every stage's save of the request to end, then let its blocks go."""

@@ -106,10 +106,11 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait()
 
-    def restart(self, timeout_s: float = 120.0) -> dict[str, Any]:
-        """Start again on the ports it had (peers keep their addresses), after it died or was stopped."""
+    def restart(self, timeout_s: float = 120.0, stop_timeout_s: float = 10.0) -> dict[str, Any]:
+        """Start again on the ports it had (peers keep their addresses), after it died or was stopped;
+        a live one is stopped first (SIGTERM: it drains, SIGKILL after ``stop_timeout_s``)."""
         if self.alive:
-            self.stop()
+            self.stop(stop_timeout_s)
         ports = {"--port": self.ready.get("port"), "--admin-port": self.ready.get("admin_port"),
                  "--http-port": self.ready.get("http_port")}
         args = list(self.args)

@@ -76,6 +76,53 @@ class Supervisor:
             self.say(f"kvpool up: {name} restarted (restart {restarts})")
         self.write_status()
 
+    def rolling_restart(self, healthy: Callable[[ServiceProcess], bool], settle_timeout_s: float = 120.0,
+                        stop_timeout_s: float = 30.0) -> list[str]:
+        """Restart every service but the router, one at a time, each back and healthy before the next.
+
+        A stopping service drains (not-ready, then what it holds finishes), so
+        with two or more pipelines and shards no request fails: the router
+        places around the one that is restarting. The router, the front door,
+        is left running (restart it behind a load balancer of two). Returns the
+        services restarted, in order.
+        """
+        order = sorted((p for p in self.cluster.services if p is not self.cluster.router), key=restart_rank)
+        done = []
+        for proc in order:
+            # never take one down while another is down: that one is restarted first
+            if not self._all_back(settle_timeout_s):
+                self.say("kvpool up: rolling restart stopped: a service is down and not coming back")
+                break
+            self.say(f"kvpool up: rolling restart: {proc.name}")
+            try:
+                proc.restart(stop_timeout_s=stop_timeout_s)
+            except ServiceFailed as exc:
+                log.error("rolling_restart_failed", service=proc.name, error=str(exc)[-500:])
+                self.say(f"kvpool up: rolling restart stopped: {proc.name} did not come back (see {proc.log_file})")
+                break
+            deadline = self.clock() + settle_timeout_s
+            while not healthy(proc) and self.clock() < deadline:
+                time.sleep(0.1)  # polling the router's view of health
+            log.info("service_rolled", service=proc.name, healthy=healthy(proc))
+            done.append(proc.name)
+            self.tick()
+        self.say(f"kvpool up: rolling restart done ({len(done)} of {len(order)} services)")
+        return done
+
+    def _all_back(self, timeout_s: float) -> bool:
+        """Tick until every service not given up on is alive again (False after ``timeout_s``)."""
+        deadline = self.clock() + timeout_s
+        while True:
+            self.tick()
+            down = [p.name for p in self.cluster.services
+                    if not p.alive and not self.supervision.services[p.name].gave_up]
+            if not down:
+                return True
+            if self.clock() >= deadline:
+                log.error("rolling_restart_blocked", down=down)
+                return False
+            time.sleep(0.1)  # the next tick restarts what is due
+
     def _died(self, proc: ServiceProcess, why: str, now: float) -> None:
         self._dead.add(proc.name)
         due = self.supervision.died(proc.name, now)
