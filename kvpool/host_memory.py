@@ -30,8 +30,9 @@ def available_bytes() -> int | None:
     return available
 
 
-def check_fits(service: str, sizes: Mapping[str, int]) -> None:
-    """ValueError naming the settings when ``sizes`` exceed what the host has available now."""
+def refuse_unless_fits(service: str, sizes: Mapping[str, int]) -> None:
+    """Exit (SystemExit, no traceback) with a message naming the settings when ``sizes`` exceed what the host has
+    available now; a service calls it before it allocates anything."""
     message = memory_refusal(service, sizes, available_bytes())
     if message is not None:
-        raise ValueError(message)
+        raise SystemExit(f"kvpool {message}")

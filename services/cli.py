@@ -110,7 +110,7 @@ def _add_up(sub: Any) -> None:
     p.add_argument("--trace", metavar="FILE", help="with --demo: a weka-format session file, or 'synthetic' for a "
                    "built-in session shaped like the real traces (default: the first real session when "
                    "../shared/traces/agentx-weka lies beside the checkout, else synthetic)")
-    p.add_argument("--turns", type=int, default=12, help="with --demo: turns to play (default 12)")
+    p.add_argument("--turns", type=int, default=6, help="with --demo: turns each session plays (default 6)")
     p.add_argument("--scale", type=int, default=16, help="with --demo: token scale factor (default 16)")
 
 
@@ -245,6 +245,12 @@ def _run_up(args: argparse.Namespace) -> int:
 
         trace = "" if args.trace == "synthetic" else (args.trace or default_trace())
         demo_settings = DemoSettings(trace=trace, scale=args.scale, turns=args.turns)
+        if getattr(args, "device_cache_tokens", None) is None:
+            # one session's history fits the device, two do not: revisits come from the pool
+            from kvpool.model import get_config
+            from kvpool.tools.demo import demo_device_cache_tokens
+
+            settings.device_cache_tokens = demo_device_cache_tokens(demo_settings, get_config(settings.model).vocab_size)
 
         def play(cluster: Any) -> int:
             if settings.api_key:  # the demo's client sends the first key (set now: the router has its file)

@@ -10,7 +10,9 @@ from collections.abc import Mapping
 
 
 def _size(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.0f} MiB" if num_bytes < 2**30 else f"{num_bytes / 2**30:.1f} GiB"
+    if num_bytes < 2**30:
+        return f"{num_bytes / 2**20:.0f} MiB"
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes < 2**40 else f"{num_bytes / 2**40:.1f} TiB"
 
 
 def memory_refusal(service: str, sizes: Mapping[str, int], available_bytes: int | None) -> str | None:

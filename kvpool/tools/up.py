@@ -36,7 +36,11 @@ from typing import Any
 
 import structlog
 
+from kvpool.core.memory_budget import memory_refusal
 from kvpool.core.setting import setting
+from kvpool.host_memory import available_bytes
+from kvpool.settings import load_settings
+from kvpool.sizes import format_size
 from kvpool.model.config import CONFIGS
 from kvpool.tools.certs import Identity, ThrowawayCA
 from kvpool.tools.cluster import (
@@ -71,7 +75,11 @@ class UpSettings:
     model: str = setting("tiny", help="model config of every service", choices=tuple(CONFIGS))
     kv_dtype: str = setting("float32", help="KV storage dtype of prefill and decode",
                             choices=("float32", "bfloat16", "float8_e4m3fn"))
-    device_cache_tokens: int = setting(16384, help="each prefill stage's device KV capacity in tokens")
+    device_cache_tokens: int = setting(32768, help="each prefill stage's device KV capacity in tokens (the longest "
+                                                   "prompt it serves)")
+    region_arena_bytes: str = setting("128MiB", help="each decode shard's receive arena (the prompts' KV in flight "
+                                                     "from prefill; 128MiB holds a 32K-token tiny prompt)",
+                                      metavar="SIZE")
     api_key: list[str] = setting(help="API keys of the HTTP API, each KEY or TENANT=KEY (handed to the router in a "
                                  "file, never on its command line)", factory=list, metavar="KEY,...",
                                  default_text="none: the API is open")
@@ -107,7 +115,8 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
                                            f"up-store{i}")) for i in range(s.stores if s.pool else 0))
     pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, "--device-cache-tokens", str(s.device_cache_tokens)),
                                    pool=s.pool) for i in range(s.pipelines))
-    shards = tuple(DecodeSpec(f"decode{i}", model) for i in range(s.decode_shards))
+    shards = tuple(DecodeSpec(f"decode{i}", (*model, "--region-arena-bytes", s.region_arena_bytes))
+                   for i in range(s.decode_shards))
     common = ("--log-level", log_level, "--log-format", "json", *(("--config", config) if config else ()))
     return Topology((ServerSpec(stores=stores, pipelines=pipelines, decode_shards=shards),),
                     master=MasterSpec() if s.pool else None,
@@ -203,6 +212,31 @@ def backend_healthy(cluster: Cluster, proc: ServiceProcess) -> bool:
     return bool(body.get("targets", {}).get(backend))
 
 
+def memory_budget(settings: UpSettings, config: str | None) -> dict[str, int]:
+    """What every service will allocate, by role, from the same settings each child reads (its ``[<role>]``
+    table, then the flags ``up`` gives it)."""
+    from services.decode.settings import DecodeSettings
+    from services.prefill.settings import PrefillSettings
+    from services.store.settings import StoreSettings
+
+    s = settings
+    model = {"model": s.model, "kv_dtype": s.kv_dtype}
+    budget: dict[str, int] = {}
+    if s.pool:
+        store = load_settings(StoreSettings, "store", config, {"segment_size": s.segment_size})
+        budget["pool segments"] = s.stores * sum(store.memory().values())
+    prefill = 0
+    for stage in range(s.stages):
+        stage_settings = load_settings(PrefillSettings, "prefill", config, {
+            **model, "device_cache_tokens": s.device_cache_tokens, "stage": stage, "num_stages": s.stages,
+            "stage_addresses": ["later-stage"] * (s.stages - 1), "next_stage": "next-stage"})
+        prefill += sum(stage_settings.memory().values())
+    budget["prefill device caches"] = s.pipelines * prefill
+    decode = load_settings(DecodeSettings, "decode", config, {**model, "region_arena_bytes": s.region_arena_bytes})
+    budget["decode pages and arenas"] = s.decode_shards * sum(decode.memory().values())
+    return budget
+
+
 def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any = None) -> int:
     """Start the cluster, print where everything listens, serve until a signal (or the demo ends), stop."""
     status_dir = tempfile.TemporaryDirectory(prefix="kvpool-up-")
@@ -211,6 +245,15 @@ def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any =
     print(f"kvpool up: starting {settings.pipelines} pipeline(s) of {settings.stages} stages, "
           f"{settings.decode_shards} decode shard(s), {settings.stores} store(s) — logs in "
           f"{settings.workdir or 'a temporary folder'}", flush=True)
+    budget = memory_budget(settings, config)
+    print(f"kvpool up: memory budget {format_size(sum(budget.values()))} "
+          f"({', '.join(f'{what} {format_size(n)}' for what, n in budget.items())}; each process's runtime "
+          "comes on top)", flush=True)
+    refusal = memory_refusal("up", budget, available_bytes())
+    if refusal is not None:
+        status_dir.cleanup()
+        print(f"kvpool {refusal}", flush=True)
+        return 1
     try:
         cluster.start()
     except ServiceFailed as exc:

@@ -8,6 +8,7 @@ import contextlib
 import grpc
 import structlog
 
+from kvpool.host_memory import refuse_unless_fits
 from kvpool import service
 from kvpool.rpc import decode_pb2_grpc
 from kvpool.transfer import TransferEngine
@@ -20,6 +21,7 @@ log = structlog.get_logger(__name__)
 
 
 async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None:
+    refuse_unless_fits("decode", settings.memory())
     engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
     metrics = DecodeMetrics(settings.num_pages)
     shard = DecodeShard(settings, engine, metrics)

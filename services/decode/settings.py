@@ -56,6 +56,10 @@ class DecodeSettings(ModelSetting):
             raise ValueError(f"region_deadline_s: must be positive, got {self.region_deadline_s}")
 
 
+    def memory(self) -> dict[str, int]:
+        """Host bytes this shard allocates, by the setting that sizes them."""
+        return {"kv_bytes": self.num_pages * self.page_nbytes, "region_arena_bytes": int(self.region_arena_bytes)}
+
     @property
     def entry_bytes(self) -> int:
         return self.model_config().kv_entry_dim * KV_DTYPE_ITEMSIZES[self.kv_dtype]

@@ -9,6 +9,7 @@ import time
 import grpc
 import structlog
 
+from kvpool.host_memory import refuse_unless_fits
 from kvpool import service
 from kvpool.pool.client import PoolClient
 from kvpool.rpc import handoff_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -55,6 +56,7 @@ async def wait_for_stages(settings: PrefillSettings, namespace: str, stop: async
 
 
 async def serve(settings: PrefillSettings, ready_file: str | None = None) -> None:
+    refuse_unless_fits(f"prefill stage {settings.stage}", settings.memory())
     engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
     pool = PoolClient(settings.master, engine) if settings.master else None
     metrics = PrefillMetrics()

@@ -90,6 +90,13 @@ class PrefillSettings(ModelSetting):
             raise ValueError(f"inline_activation_bytes: must be >= 0, got {self.inline_activation_bytes}")
 
 
+    def memory(self) -> dict[str, int]:
+        """Host bytes this stage allocates, by the setting that sizes them: the KV pages, and the two activation
+        arenas sized for the longest prompt the cache holds (as ``StageRunner`` allocates them)."""
+        config = self.model_config()
+        max_tokens = min(config.max_position_embeddings, self.device_cache_tokens)
+        return {"device_cache_tokens": self.num_blocks * self.chunk_nbytes + 2 * 2 * max_tokens * config.hidden_size * 4}
+
     @property
     def num_blocks(self) -> int:
         return self.device_cache_tokens // self.chunk_size

@@ -100,11 +100,18 @@ class GenerationRequest:
     cache_salt: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ModelLimits:
+    """The served model's name and limits; ``context`` is what the cluster serves now (the router's health
+    rounds update it, see ``kvpool.core.served_context``)."""
+
     name: str
     context: int
     vocab_size: int
+    model_context: int = 0  # the model's own; 0: ``context`` as first given
+
+    def __post_init__(self) -> None:
+        self.model_context = self.model_context or self.context
     default_max_tokens: int = 512  # chat, when the client gives no limit (capped by the context left)
 
 

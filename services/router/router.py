@@ -31,6 +31,7 @@ import structlog
 from kvpool.core.admission import Admission, Admitted, AdmissionRequest, Ticket
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
 from kvpool.core.routing import RoutingPolicy
+from kvpool.core.served_context import ShardLimits, served_context
 from kvpool.core.tenancy import scoped_session_key
 from kvpool.request_id import bound_request_id, new_request_id
 from kvpool.rpc import decode_pb2, handoff_pb2, prefill_pb2
@@ -38,7 +39,7 @@ from kvpool.status import from_status
 from services.router.backends import Backends, server_of
 from services.router.http_api import Usage
 from services.router.metrics import RouterMetrics
-from services.router.openai_schema import GenerationRequest
+from services.router.openai_schema import GenerationRequest, ModelLimits
 
 log = structlog.get_logger(__name__)
 
@@ -58,8 +59,9 @@ class Router:
     def __init__(self, pipelines: list[str], shards: list[str], metrics: RouterMetrics,
                  affinity_max_queue: int = 4, max_in_flight: int = 256, request_timeout_s: float = 600.0,
                  max_queue: int = 64, queue_timeout_s: float = 30.0, locality: bool = True,
-                 servers: dict[str, str] | None = None) -> None:
+                 servers: dict[str, str] | None = None, limits: ModelLimits | None = None) -> None:
         self.metrics = metrics
+        self.limits = limits  # its context follows every health round (kvpool.core.served_context)
         self.max_in_flight = max_in_flight
         self.request_timeout_s = request_timeout_s
         self.in_flight = 0
@@ -78,6 +80,12 @@ class Router:
     async def check_health(self) -> dict[str, bool]:
         healthy = await self.backends.check_health()
         self._apply(self.admission.poll(asyncio.get_running_loop().time()))  # a shard seen again may take the head
+        if self.limits is not None:  # what /v1/models advertises and the front door enforces
+            shapes = [s.shape for s in self.admission.shards.values() if s.shape is not None]
+            self.limits.context = served_context(
+                self.limits.model_context, self.admission.pipeline_max_prompt.values(),
+                [ShardLimits(s.max_context, s.num_pages, s.page_size, s.arena_bytes, s.region_bytes_per_token,
+                             s.region_trailer_bytes) for s in shapes])
         return healthy
 
     async def health_forever(self, interval_s: float) -> None:

@@ -202,7 +202,8 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     router = Router(settings.pipelines, settings.shards, metrics, affinity_max_queue=settings.affinity_max_queue,
                     max_in_flight=settings.max_in_flight, request_timeout_s=settings.request_timeout_s,
                     max_queue=settings.max_queue, queue_timeout_s=settings.queue_timeout_s,
-                    locality=settings.locality, servers=settings.server_of)
+                    locality=settings.locality, servers=settings.server_of,
+                    limits=limits)
     servicer = RouterServicer(router, tokenizer, limits)
     handle = await service.create_server(
         settings.host, settings.port, lambda s: add_router(servicer, s),

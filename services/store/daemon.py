@@ -22,6 +22,7 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from kvpool.host_memory import refuse_unless_fits
 from kvpool import service
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import HostBuffer, TransferEngine, local_host_name
@@ -202,6 +203,7 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
     else:
         log.info("numa_bound", node=binding.node, cpus=binding.cpus,
                  memory_policy_applied=binding.memory_policy_applied, detail=binding.detail)
+    refuse_unless_fits("store", settings.memory())
     segment = HostBuffer(int(settings.segment_size))
     numa.mbind_range(segment.address, segment.size, settings.numa_node)
     segment.touch()

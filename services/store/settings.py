@@ -37,3 +37,7 @@ class StoreSettings:
             self.admin_port = 9610 + self.numa_node
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s: must be positive, got {self.heartbeat_interval_s}")
+
+    def memory(self) -> dict[str, int]:
+        """Host bytes this store allocates, by the setting that sizes them."""
+        return {"segment_size": int(self.segment_size)}

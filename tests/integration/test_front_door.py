@@ -123,6 +123,13 @@ def wait_until_served(cluster: Cluster) -> None:
 # ---- statuses before the stream ----------------------------------------------------
 
 
+def test_the_advertised_context_is_what_the_cluster_serves(cluster: Cluster, client: openai.OpenAI) -> None:
+    # the device cache (4,096 tokens) is the tightest limit: a 4,096-token prompt plus one token
+    assert served_context(cluster) == 4097
+    full = client.completions.create(model="tiny", prompt=[65] * 4096, max_tokens=1, temperature=0)
+    assert full.usage.prompt_tokens == 4096 and full.usage.completion_tokens == 1
+
+
 def test_over_limit_streaming_is_a_400_before_any_sse_byte(cluster: Cluster, client: openai.OpenAI) -> None:
     context = served_context(cluster)
     status, headers, raw = post_with_headers(cluster, "/v1/chat/completions", chat_body(
