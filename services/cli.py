@@ -258,7 +258,10 @@ def _run_up(args: argparse.Namespace) -> int:
             return run_demo(cluster.http_url, demo_settings)
 
         demo = play
-    return run_up(settings, args.config, "warning" if args.log_level == "info" else args.log_level, demo)
+    from services.memory_budget import memory_budget
+
+    return run_up(settings, args.config, "warning" if args.log_level == "info" else args.log_level, demo,
+                  memory_budget(settings, args.config))
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -39,7 +39,6 @@ import structlog
 from kvpool.core.memory_budget import memory_refusal
 from kvpool.core.setting import setting
 from kvpool.host_memory import available_bytes
-from kvpool.settings import load_settings
 from kvpool.sizes import format_size
 from kvpool.model.config import CONFIGS
 from kvpool.tools.certs import Identity, ThrowawayCA
@@ -212,32 +211,8 @@ def backend_healthy(cluster: Cluster, proc: ServiceProcess) -> bool:
     return bool(body.get("targets", {}).get(backend))
 
 
-def memory_budget(settings: UpSettings, config: str | None) -> dict[str, int]:
-    """What every service will allocate, by role, from the same settings each child reads (its ``[<role>]``
-    table, then the flags ``up`` gives it)."""
-    from services.decode.settings import DecodeSettings
-    from services.prefill.settings import PrefillSettings
-    from services.store.settings import StoreSettings
-
-    s = settings
-    model = {"model": s.model, "kv_dtype": s.kv_dtype}
-    budget: dict[str, int] = {}
-    if s.pool:
-        store = load_settings(StoreSettings, "store", config, {"segment_size": s.segment_size})
-        budget["pool segments"] = s.stores * sum(store.memory().values())
-    prefill = 0
-    for stage in range(s.stages):
-        stage_settings = load_settings(PrefillSettings, "prefill", config, {
-            **model, "device_cache_tokens": s.device_cache_tokens, "stage": stage, "num_stages": s.stages,
-            "stage_addresses": ["later-stage"] * (s.stages - 1), "next_stage": "next-stage"})
-        prefill += sum(stage_settings.memory().values())
-    budget["prefill device caches"] = s.pipelines * prefill
-    decode = load_settings(DecodeSettings, "decode", config, {**model, "region_arena_bytes": s.region_arena_bytes})
-    budget["decode pages and arenas"] = s.decode_shards * sum(decode.memory().values())
-    return budget
-
-
-def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any = None) -> int:
+def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any = None,
+           budget: dict[str, int] | None = None) -> int:
     """Start the cluster, print where everything listens, serve until a signal (or the demo ends), stop."""
     status_dir = tempfile.TemporaryDirectory(prefix="kvpool-up-")
     status_file = Path(status_dir.name) / "supervisor.json"
@@ -245,15 +220,15 @@ def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any =
     print(f"kvpool up: starting {settings.pipelines} pipeline(s) of {settings.stages} stages, "
           f"{settings.decode_shards} decode shard(s), {settings.stores} store(s) — logs in "
           f"{settings.workdir or 'a temporary folder'}", flush=True)
-    budget = memory_budget(settings, config)
-    print(f"kvpool up: memory budget {format_size(sum(budget.values()))} "
-          f"({', '.join(f'{what} {format_size(n)}' for what, n in budget.items())}; each process's runtime "
-          "comes on top)", flush=True)
-    refusal = memory_refusal("up", budget, available_bytes())
-    if refusal is not None:
-        status_dir.cleanup()
-        print(f"kvpool {refusal}", flush=True)
-        return 1
+    if budget:  # by role, from the settings every child reads (services/memory_budget.py)
+        print(f"kvpool up: memory budget {format_size(sum(budget.values()))} "
+              f"({', '.join(f'{what} {format_size(n)}' for what, n in budget.items())}; each process's runtime "
+              "comes on top)", flush=True)
+        refusal = memory_refusal("up", budget, available_bytes())
+        if refusal is not None:
+            status_dir.cleanup()
+            print(f"kvpool {refusal}", flush=True)
+            return 1
     try:
         cluster.start()
     except ServiceFailed as exc:

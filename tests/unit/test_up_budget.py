@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpool.tools.up import UpSettings, memory_budget
+from kvpool.tools.up import UpSettings
+from services.memory_budget import memory_budget
 
 MiB = 1 << 20
 PAGE = 16 * 8 * 96 * 4  # 16 tokens x 8 layers x 96 float32 values
