@@ -34,10 +34,7 @@ class KvpoolError(Exception):
 
 
 class InvalidArgument(KvpoolError):
-    """A request field is malformed; the message names the field, and ``field`` holds its name when known."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message, field=field)
+    """A request field is malformed; the message names the field, and ``field`` holds its name."""
 
 
 class NotFound(KvpoolError):

@@ -62,7 +62,7 @@ class Sampling:
 
 
 def fail(field: str, message: str) -> InvalidArgument:
-    return InvalidArgument(f"{field}: {message}", field)
+    return InvalidArgument(f"{field}: {message}", field=field)
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, seed: int | None, vocab_size: int,

@@ -109,8 +109,9 @@ class HandoffStageServicer(handoff_pb2_grpc.HandoffStageServicer):
         self.settings = runner.settings
         self.stage = runner.settings.stage
         self.entry_bytes = runner.kv_cache.shape[-1] * runner.kv_cache.element_size()
-        # a request never holds more than the device cache: one such slab at a time at most
-        self.arena = Arena("handoff", self.settings.num_blocks * self.settings.chunk_nbytes, runner.engine)
+        # a request never holds more than the device cache: one such slab at a time at most, plus the
+        # final logits the last stage writes after its KV
+        self.arena = Arena("handoff", self.settings.handoff_arena_bytes, runner.engine)
 
     @status_errors
     async def WriteLayers(self, request: handoff_pb2.WriteLayersRequest, context: Any) -> handoff_pb2.StageHandoffFigures:

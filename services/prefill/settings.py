@@ -90,12 +90,18 @@ class PrefillSettings(ModelSetting):
             raise ValueError(f"inline_activation_bytes: must be >= 0, got {self.inline_activation_bytes}")
 
 
+    @property
+    def handoff_arena_bytes(self) -> int:
+        """The handoff slab of the longest prompt the device cache holds, and the final logits after it."""
+        return self.num_blocks * self.chunk_nbytes + self.model_config().vocab_size * 4
+
     def memory(self) -> dict[str, int]:
-        """Host bytes this stage allocates, by the setting that sizes them: the KV pages, and the two activation
-        arenas sized for the longest prompt the cache holds (as ``StageRunner`` allocates them)."""
+        """Host bytes this stage allocates, by the setting that sizes them: the KV pages, the handoff arena, and
+        the two activation arenas sized for the longest prompt the cache holds (as ``StageRunner`` allocates them)."""
         config = self.model_config()
         max_tokens = min(config.max_position_embeddings, self.device_cache_tokens)
-        return {"device_cache_tokens": self.num_blocks * self.chunk_nbytes + 2 * 2 * max_tokens * config.hidden_size * 4}
+        return {"device_cache_tokens": self.num_blocks * self.chunk_nbytes + self.handoff_arena_bytes
+                + 2 * 2 * max_tokens * config.hidden_size * 4}
 
     @property
     def num_blocks(self) -> int:

@@ -82,7 +82,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         request_id: str) -> AsyncIterator[router_pb2.GenerateResponse]:
         try:
             if isinstance(request, MalformedRequest):
-                raise InvalidArgument(f"request: not a GenerateRequest ({request.reason})", "request")
+                raise InvalidArgument(f"request: not a GenerateRequest ({request.reason})", field="request")
             generation = self._validate(request)
         except KvpoolError as exc:
             await abort(context, exc, "Generate")
@@ -115,10 +115,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """The same checks as the HTTP API (``kvpool.core.generation_fields``), with this API's field names."""
         limits = self.limits
         if request.token_ids and request.text:
-            raise InvalidArgument("token_ids: give the prompt as token_ids or as text, not both", "token_ids")
+            raise InvalidArgument("token_ids: give the prompt as token_ids or as text, not both", field="token_ids")
         prompt = self.tokenizer.encode(request.text) if request.text else list(request.token_ids)
         if not prompt:
-            raise InvalidArgument("token_ids: the prompt must not be empty", "token_ids")
+            raise InvalidArgument("token_ids: the prompt must not be empty", field="token_ids")
         check_token_ids(prompt, limits.vocab_size, GRPC_FIELDS.prompt)
         sampling = request.sampling
         max_tokens = sampling.max_tokens or 16

@@ -19,7 +19,8 @@ def pages(kv_bytes: int) -> int:
 def test_the_default_budget_by_role() -> None:
     # tiny, float32: 96 values x 4 bytes per token per layer; four stages of two layers each
     kv_per_stage = 32768 * 2 * 96 * 4
-    arenas_per_stage = 2 * (2 * 32768 * 256 * 4)  # send and receive activations for the longest prompt
+    # send and receive activations for the longest prompt; the handoff slab (its KV and the final logits)
+    arenas_per_stage = 2 * (2 * 32768 * 256 * 4) + kv_per_stage + 1024 * 4
     assert memory_budget(UpSettings(), None) == {
         "pool segments": 2 * 512 * MiB,
         "prefill device caches": 4 * (kv_per_stage + arenas_per_stage),
