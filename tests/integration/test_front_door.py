@@ -161,8 +161,7 @@ def test_overloaded_is_a_429_with_retry_after_before_any_sse_byte(cluster: Clust
 
 def test_a_session_header_keeps_the_session_in_place(cluster: Cluster, client: openai.OpenAI) -> None:
     def affinity() -> float:
-        host, port = cluster.http_url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn = http.client.HTTPConnection("127.0.0.1", int(cluster.find("router").ready["admin_port"]), timeout=60)
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
         conn.close()
