@@ -24,8 +24,9 @@ MiB = 1 << 20
 def test_parse_compare() -> None:
     assert parse_compare("pool=shared,split") == ("pool", ("shared", "split"))
     assert parse_compare("groups=on,off") == ("groups", ("on", "off"))
-    for bad in ("pool=shared,shared", "pool=shared,both", "groups", "eviction=on,off", "pool="):
-        with pytest.raises(ValueError, match="expected pool=shared,split or groups=on,off"):
+    assert parse_compare("locality=on,off") == ("locality", ("on", "off"))
+    for bad in ("pool=shared,shared", "pool=shared,both", "groups", "eviction=on,off", "pool=", "locality=on,on"):
+        with pytest.raises(ValueError, match="expected pool=shared,split, groups=on,off or locality=on,off"):
             parse_compare(bad)
 
 
