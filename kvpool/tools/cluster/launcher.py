@@ -314,6 +314,10 @@ class Cluster:
             args = [*args, "--transfer-host", server.address]  # its transfer engine listens on its own address
         if self.access is not None:
             args = [*args, *self.access(name, args, host, self.workdir)]
+        elif self.network is not None and host != self.topology.host:
+            # the per-server namespaces are a private bridge this launcher made on this host: nothing
+            # outside it reaches their addresses, so plaintext there is consented to here, explicitly
+            args = [*args, "--insecure"]
         proc = ServiceProcess(name, [*args, "--host", host, *self.topology.common_args], self.workdir,
                               die_with_parent=self.topology.die_with_parent,
                               prefix=server.prefix if server is not None else [])
