@@ -42,9 +42,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # health checks far apart: the tests stop a stage (SIGSTOP) to hold requests in prefill, and a
     # pipeline whose stage does not answer would leave rotation
     config.write_text(f"[router]\nhealth_interval_s = 120\nmax_queue = {MAX_QUEUE}\nqueue_timeout_s = 300\n"
-                      f"[decode]\nregion_arena_bytes = \"{ARENA}\"\nnum_pages = 1024\npage_size = 16\n")
+                      "[decode]\nnum_pages = 1024\npage_size = 16\n")
+    # kvpool up passes each shard's arena as a flag (flags win over the file): the shape says it
     settings = UpSettings(pipelines=1, stages=2, decode_shards=1, stores=0, http_port=0, grpc_port=0,
-                          device_cache_tokens=4096, workdir=str(workdir / "logs"))
+                          device_cache_tokens=4096, region_arena_bytes=ARENA, workdir=str(workdir / "logs"))
     up = up_cluster(settings, str(config)).start()
     try:
         yield up
@@ -147,7 +148,8 @@ def post(cluster: Cluster, body: dict[str, object]) -> tuple[int, dict[str, str]
 async def test_a_full_queue_is_429_with_retry_after_and_a_request_that_never_fits_is_400(cluster: Cluster) -> None:
     status, _, body = post(cluster, {"model": "tiny", "prompt": prompt(7, 3000), "max_tokens": 4})
     error = body["error"]
-    assert status == 400 and error["param"] == "prompt" and "takes 2217 at most" in error["message"]  # type: ignore[index]
+    # the served context (2,218 tokens: the arena's room) is checked before any work, naming the limit
+    assert status == 400 and error["param"] == "prompt" and "at most 2217 prompt tokens" in error["message"]  # type: ignore[index]
     async with grpc.aio.insecure_channel(router_address(cluster), options=service.GRPC_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         stage1 = cluster.find("p0-stage1").proc
