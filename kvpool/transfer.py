@@ -204,7 +204,13 @@ class TransferEngine:
             for first in range(0, n, MAX_IN_FLIGHT):
                 last = min(first + MAX_IN_FLIGHT, n)
                 try:
-                    sync(endpoint, local[first:last], remote[first:last], sizes[first:last])
+                    try:
+                        sync(endpoint, local[first:last], remote[first:last], sizes[first:last])
+                    except TransferError as exc:
+                        # once more, on a new connection: a session cached for an endpoint whose process
+                        # was replaced (a store restarted on the same port) fails once; the move is idempotent
+                        log.info("transfer_retried", endpoint=endpoint, objects=last - first, error=str(exc))
+                        sync(endpoint, local[first:last], remote[first:last], sizes[first:last])
                 except TransferError as exc:
                     log.warning("transfer_failed", endpoint=endpoint, objects=last - first, error=str(exc))
                     continue
