@@ -343,12 +343,9 @@ class PoolClient:
                     raise
                 response = await method(request, timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _UNREACHABLE:
-                self._failed(exc.code().name)
-            else:
-                self.breaker.success()
+            self._outcome(exc)
             raise
-        self.breaker.success()
+        self._outcome(None)
         return response
 
     def _check_registered(self, address: int, size: int, field_name: str) -> None:
