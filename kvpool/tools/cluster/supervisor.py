@@ -89,8 +89,9 @@ class Supervisor:
         order = sorted((p for p in self.cluster.services if p is not self.cluster.router), key=restart_rank)
         done = []
         for proc in order:
-            # never take one down while another is down: that one is restarted first
-            if not self._all_back(settle_timeout_s):
+            # never take one down while another is down or not yet back in the router's rotation (a shard
+            # the supervisor just restarted is alive before the router has seen it healthy): that one first
+            if not self._all_back(settle_timeout_s, healthy):
                 self.say("kvpool up: rolling restart stopped: a service is down and not coming back")
                 break
             self.say(f"kvpool up: rolling restart: {proc.name}")
@@ -109,13 +110,13 @@ class Supervisor:
         self.say(f"kvpool up: rolling restart done ({len(done)} of {len(order)} services)")
         return done
 
-    def _all_back(self, timeout_s: float) -> bool:
-        """Tick until every service not given up on is alive again (False after ``timeout_s``)."""
+    def _all_back(self, timeout_s: float, healthy: Callable[[ServiceProcess], bool]) -> bool:
+        """Tick until every service not given up on is alive and healthy again (False after ``timeout_s``)."""
         deadline = self.clock() + timeout_s
         while True:
             self.tick()
             down = [p.name for p in self.cluster.services
-                    if not p.alive and not self.supervision.services[p.name].gave_up]
+                    if not self.supervision.services[p.name].gave_up and not (p.alive and healthy(p))]
             if not down:
                 return True
             if self.clock() >= deadline:

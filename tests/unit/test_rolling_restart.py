@@ -1,0 +1,92 @@
+"""The rolling restart's order: never take a service down while another is not back in rotation.
+
+The supervisor drives the launcher's process objects; here they are small
+stand-ins that record what was restarted and report health as the router
+would, so the order can be checked exactly and without timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpool.tools.cluster.supervisor import Supervisor
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    alive: bool = True
+    proc: object = "started"  # the supervisor only asks whether there is one
+    log_file: str = ""
+    ready: dict = field(default_factory=dict)
+
+    def restart(self, timeout_s: float = 120.0, stop_timeout_s: float = 10.0) -> dict:
+        log.append(self.name)
+        self.alive = True
+        return self.ready
+
+
+@dataclass
+class Cluster:
+    services: list[Proc]
+    router: Proc
+
+    def find(self, name: str) -> Proc:
+        return next(p for p in self.services if p.name == name)
+
+
+log: list[str] = []
+
+
+def test_a_shard_alive_but_not_yet_healthy_is_waited_for_before_the_next_goes_down() -> None:
+    log.clear()
+    router = Proc("router", ["router"])
+    d0, d1 = Proc("decode0", ["decode"]), Proc("decode1", ["decode"])
+    cluster = Cluster([Proc("master", ["master"]), d0, d1, router], router)
+    clock = [0.0]
+
+    def tick_clock() -> float:
+        clock[0] += 0.05
+        return clock[0]
+
+    # decode1 was restarted a moment ago: alive, but the router has not seen it healthy for a few polls
+    polls_until_d1_healthy = [5]
+
+    def healthy(p: Proc) -> bool:
+        if p is d1 and polls_until_d1_healthy[0] > 0:
+            polls_until_d1_healthy[0] -= 1
+            return False
+        return p.alive
+
+    order_seen: list[tuple[str, bool]] = []
+    original = d0.restart
+
+    def d0_restart(timeout_s: float = 120.0, stop_timeout_s: float = 10.0) -> dict:
+        order_seen.append(("decode0", healthy(d1)))
+        return original(timeout_s, stop_timeout_s)
+
+    d0.restart = d0_restart  # type: ignore[method-assign]
+    sup = Supervisor(cluster, clock=tick_clock)  # type: ignore[arg-type]
+    done = sup.rolling_restart(healthy, settle_timeout_s=10.0)
+    assert done == ["master", "decode0", "decode1"]
+    assert order_seen == [("decode0", True)]  # decode1 was back in rotation before decode0 went down
+
+
+def test_a_service_never_healthy_stops_the_rolling_restart() -> None:
+    log.clear()
+    router = Proc("router", ["router"])
+    d0, d1 = Proc("decode0", ["decode"]), Proc("decode1", ["decode"])
+    cluster = Cluster([Proc("master", ["master"]), d0, d1, router], router)
+    clock = [0.0]
+
+    def tick_clock() -> float:
+        clock[0] += 1.0
+        return clock[0]
+
+    said: list[str] = []
+    sup = Supervisor(cluster, clock=tick_clock, say=said.append)  # type: ignore[arg-type]
+    done = sup.rolling_restart(lambda p: p is not d1 and p.alive, settle_timeout_s=5.0)
+    assert done == []  # decode1 never in rotation: nothing else may be taken down
+    assert log == []
+    assert any("a service is down and not coming back" in line for line in said)
