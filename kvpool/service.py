@@ -7,6 +7,7 @@ on SIGTERM/SIGINT. Servers and channels made here carry the request id
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import signal
@@ -19,11 +20,14 @@ import grpc
 import structlog
 import uvloop
 from google.protobuf import descriptor_pool
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvpool import request_id, tls
+from kvpool.core.errors import InvalidArgument
+from kvpool.status import abort
 from kvpool.rpc_trace import carry_interceptors, trace_interceptors
 
 log = structlog.get_logger(__name__)
@@ -89,6 +93,67 @@ class InFlight(grpc.aio.ServerInterceptor):
             finally:
                 self.count -= 1
         return counted
+
+
+@dataclass(frozen=True, slots=True)
+class Unparsed:
+    """Request bytes that did not parse as the method's message (bad wire format, invalid UTF-8 in a string)."""
+
+    message: str
+    reason: str
+
+
+def _input_type(method: str) -> str:
+    """The request message's full name of ``/package.Service/Method``; the path itself if it is not loaded."""
+    service_name, _, method_name = method.lstrip("/").partition("/")
+    try:
+        return descriptor_pool.Default().FindServiceByName(service_name).FindMethodByName(method_name).input_type.full_name
+    except (KeyError, AttributeError):
+        return method
+
+
+class ParseRequests(grpc.aio.ServerInterceptor):
+    """Every method of every server: bytes that do not parse as its request message are answered
+    INVALID_ARGUMENT naming the message (field ``request``), not the UNKNOWN gRPC gives a failed deserializer.
+
+    The deserializer hands such bytes on as ``Unparsed``; the behavior refuses it before the servicer sees it,
+    so servicers only ever get parsed messages. Innermost, so the other interceptors keep its deserializer."""
+
+    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler  # client-streaming methods: none of ours
+        message, deserialize = _input_type(details.method), handler.request_deserializer
+
+        def parse(raw: bytes) -> Any:
+            try:
+                return deserialize(raw)
+            except DecodeError as exc:
+                return Unparsed(message, str(exc))
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(request, Unparsed):
+                await abort(context, InvalidArgument(f"request: not a {request.message} ({request.reason})",
+                                                     field="request"), details.method)
+
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def checked_unary(request, context):  # type: ignore[no-untyped-def]
+                await refuse(request, context)
+                return await unary(request, context)
+            return grpc.unary_unary_rpc_method_handler(checked_unary, parse, handler.response_serializer)
+        stream = handler.unary_stream
+        if inspect.isasyncgenfunction(stream):
+            async def checked_stream(request, context):  # type: ignore[no-untyped-def]
+                await refuse(request, context)
+                async for response in stream(request, context):
+                    yield response
+        else:  # a coroutine that writes through context.write (the health service's Watch)
+            async def checked_stream(request, context):  # type: ignore[no-untyped-def]
+                await refuse(request, context)
+                return await stream(request, context)
+        return grpc.unary_stream_rpc_method_handler(checked_stream, parse, handler.response_serializer)
 
 
 @dataclass(slots=True)
@@ -159,7 +224,9 @@ async def create_server(
     # in_flight outermost: a call counts as in flight for the whole of its handler
     interceptors = [in_flight, request_id.RequestIdServerInterceptor()] if inbound_request_ids else [in_flight]
     interceptors += tls.interceptors()  # the caller's certificate must name a role allowed this method
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[*interceptors, *trace_interceptors()])
+    # ParseRequests innermost: the handler it returns (its deserializer) is the one the others wrap
+    interceptors += [*trace_interceptors(), ParseRequests()]
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_servicers(server)

@@ -7,14 +7,12 @@ import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import structlog
 import uvicorn
-from google.protobuf.message import DecodeError
 
 from kvpool import service
 from kvpool.core.errors import InvalidArgument, KvpoolError
@@ -35,30 +33,6 @@ log = structlog.get_logger(__name__)
 
 
 
-@dataclass(frozen=True, slots=True)
-class MalformedRequest:
-    """Bytes that do not parse as the method's message (bad wire format, invalid UTF-8 in a string)."""
-
-    reason: str
-
-
-def add_router(servicer: RouterServicer, server: grpc.aio.Server) -> None:
-    """Like the generated ``add_RouterServicer_to_server``, but a request that does not parse reaches the
-    servicer as ``MalformedRequest`` (INVALID_ARGUMENT) instead of failing in gRPC as UNKNOWN."""
-
-    def parse(raw: bytes) -> router_pb2.GenerateRequest | MalformedRequest:
-        try:
-            return router_pb2.GenerateRequest.FromString(raw)
-        except DecodeError as exc:
-            return MalformedRequest(str(exc))
-
-    generate = grpc.unary_stream_rpc_method_handler(
-        servicer.Generate, request_deserializer=parse,
-        response_serializer=router_pb2.GenerateResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvpool.rpc.Router",
-                                                                          {"Generate": generate}),))
-
-
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """gRPC Generate: the same path as the HTTP API, token ids or text in, tokens then usage out."""
 
@@ -67,7 +41,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.tokenizer = tokenizer
         self.limits = limits
 
-    async def Generate(self, request: router_pb2.GenerateRequest | MalformedRequest,
+    async def Generate(self, request: router_pb2.GenerateRequest,
                        context: Any) -> AsyncIterator[router_pb2.GenerateResponse]:
         # the request's id goes back as initial metadata; a client's own is only logged beside it
         request_id = new_request_id()
@@ -78,11 +52,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async for response in self._generate(request, context, request_id):
                 yield response
 
-    async def _generate(self, request: router_pb2.GenerateRequest | MalformedRequest, context: Any,
+    async def _generate(self, request: router_pb2.GenerateRequest, context: Any,
                         request_id: str) -> AsyncIterator[router_pb2.GenerateResponse]:
         try:
-            if isinstance(request, MalformedRequest):
-                raise InvalidArgument(f"request: not a GenerateRequest ({request.reason})", field="request")
             generation = self._validate(request)
         except KvpoolError as exc:
             await abort(context, exc, "Generate")
@@ -206,7 +178,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
                     limits=limits)
     servicer = RouterServicer(router, tokenizer, limits)
     handle = await service.create_server(
-        settings.host, settings.port, lambda s: add_router(servicer, s),
+        settings.host, settings.port, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
         service_names=["kvpool.rpc.Router"], inbound_request_ids=False,
     )
     await handle.set_serving(False)

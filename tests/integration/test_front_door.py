@@ -32,6 +32,7 @@ from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.tokenizer import ByteTokenizer
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
+from tests.integration.unparsed_bytes import HEALTH, assert_unparsable_bytes_refused
 
 pytestmark = pytest.mark.cluster
 
@@ -322,6 +323,20 @@ def test_grpc_answers_bytes_that_do_not_parse_with_invalid_argument(
         list(generate(raw, timeout=120))
     except grpc.RpcError as exc:
         assert exc.code() in CLIENT_ERRORS, (exc.code(), exc.details())
+
+
+def test_every_service_answers_bytes_that_do_not_parse_with_invalid_argument_naming_the_message(
+    cluster: Cluster,
+) -> None:
+    """The one mapping every server shares (``kvpool.service.ParseRequests``): prefill, decode and router here,
+    the master and the stores in test_master_bad_input.py."""
+    def address(name: str) -> str:
+        return f"127.0.0.1:{cluster.find(name).ready['port']}"
+
+    assert assert_unparsable_bytes_refused(address("p0-stage0"), [
+        "kvpool.rpc.Prefill", "kvpool.rpc.PrefillStage", "kvpool.rpc.HandoffStage", HEALTH]) >= 8
+    assert assert_unparsable_bytes_refused(address("decode0"), ["kvpool.rpc.Decode", HEALTH]) >= 6
+    assert assert_unparsable_bytes_refused(address("router"), ["kvpool.rpc.Router", HEALTH]) >= 3
 
 
 def test_temperature_nan_over_grpc_is_invalid_argument_naming_it(channel: grpc.Channel) -> None:

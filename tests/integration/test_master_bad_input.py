@@ -11,6 +11,7 @@ from kvpool import service
 from kvpool.tools.cluster import LocalPool
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from tests.integration.conftest import FAST_MASTER
+from tests.integration.unparsed_bytes import HEALTH, assert_unparsable_bytes_refused
 
 pytestmark = pytest.mark.cluster
 
@@ -99,3 +100,9 @@ async def test_health_service_reports_serving(pool: LocalPool) -> None:
         async with grpc.aio.insecure_channel(target) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, target
+
+
+def test_bytes_that_do_not_parse_are_invalid_argument_naming_the_message(pool: LocalPool) -> None:
+    assert assert_unparsable_bytes_refused(pool.master_address, ["kvpool.rpc.PoolMaster", HEALTH]) >= 13
+    for store in pool.stores:  # a store serves health (and reflection) only
+        assert assert_unparsable_bytes_refused(f"127.0.0.1:{store.ready['port']}", [HEALTH]) >= 2
