@@ -88,7 +88,8 @@ def from_status(
 ) -> KvpoolError:
     """A downstream service's error as ours: the kinds in ``passed_on`` keep their meaning, message,
     field and retry hint (the caller's mistake stays the caller's, and ``where`` — an internal
-    address — stays out of it); anything else means ``where`` is unavailable."""
+    address — stays out of it); anything else means ``where`` is unavailable (keeping the field
+    an UNAVAILABLE answer named)."""
     code = exc.code()
     metadata = {key: value for key, value in (exc.trailing_metadata() or ()) if isinstance(value, str)}
     retry_after = metadata.get(RETRY_AFTER_KEY)
@@ -96,7 +97,10 @@ def from_status(
         if _CODES[kind] == code:
             return kind(exc.details() or code.name, field=metadata.get(FIELD_KEY) or "",
                         retry_after_s=float(retry_after) if retry_after else None)
-    return Unavailable(f"{where}: {code.name}: {exc.details()}")
+    # an unavailable backend's own field says which part it could not reach (a prefill that
+    # could not write to its decode ``target``), so the caller can blame the right one
+    field = metadata.get(FIELD_KEY) if code == grpc.StatusCode.UNAVAILABLE else None
+    return Unavailable(f"{where}: {code.name}: {exc.details()}", field=field or "")
 
 
 def status_errors(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:

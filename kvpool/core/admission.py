@@ -23,8 +23,14 @@ Rules:
   arena) is refused at ``admit`` with the field and the limit named.
 - Locality: the shard on the pipeline's own server while it has room, else
   the one with the most free pages; the reason is a metric label.
-- Retry: a request whose prefill failed UNAVAILABLE before any token may
-  move once to another healthy pipeline, keeping its shard and room.
+- Retry (``retry_move``), only for an UNAVAILABLE part and only before any
+  token reached the client: a failed prefill pipeline moves the request once
+  to another healthy pipeline, keeping its shard and room; a decode shard
+  that is down or unreachable (a call to it failed, or prefill could not
+  write to it: the error names the field ``target``) moves it once to another
+  healthy shard with room, whose room it takes instead (``move_shard``), and
+  the request is prefilled again there: its prefix is in the device cache or
+  the pool by then, so little is computed twice.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import enum
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpool.core.decode_pages import pages_for_request
 from kvpool.core.decode_regions import REGION_ALIGNMENT
@@ -41,6 +47,9 @@ from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, 
 from kvpool.core.routing import PipelineReason, RoutingPolicy
 
 MAX_PREFILL_TRIES = 2  # the first try and one retry elsewhere
+MAX_SHARD_TRIES = 2  # the first shard and one other
+# the field a prefill error names when it is the decode target (not the pipeline) that failed
+TARGET_FIELD = "target"
 
 
 class Locality(enum.Enum):
@@ -116,7 +125,8 @@ class Ticket:
     num_pages: int
     region_bytes: int
     queued_s: float
-    tries: int = 1
+    tries: int = 1  # pipelines tried
+    shard_tries: int = 1  # decode shards tried
 
 
 @dataclass(slots=True)
@@ -134,10 +144,28 @@ class Admitted:
     expired: list[str] = field(default_factory=list)
 
 
+class Move(enum.Enum):
+    """Where a failed request may go (``retry_move``)."""
+
+    PIPELINE = "pipeline"  # another pipeline; same shard, same room
+    SHARD = "shard"  # another shard, its room instead; prefilled again
+
+
 def may_retry(error: KvpoolError, num_tokens_sent: int, tries: int) -> bool:
-    """Retry eligibility: only an unavailable pipeline, only before anything reached the
-    client (prefill has no effect a client could see), and at most once."""
+    """Retry eligibility: only an unavailable part, only before anything reached the client
+    (nothing it could have seen is repeated), and at most once per kind of part."""
     return isinstance(error, Unavailable) and num_tokens_sent == 0 and tries < MAX_PREFILL_TRIES
+
+
+def retry_move(error: KvpoolError, num_tokens_sent: int, ticket: Ticket, at_decode: bool) -> Move | None:
+    """Where the request may go after ``error``; None: it fails with it.
+
+    ``at_decode``: the failed call was to the ticket's shard (Reserve, Generate).
+    A prefill error naming ``target`` is the shard's too: prefill could not write to it.
+    """
+    if at_decode or error.field == TARGET_FIELD:
+        return Move.SHARD if may_retry(error, num_tokens_sent, ticket.shard_tries) else None
+    return Move.PIPELINE if may_retry(error, num_tokens_sent, ticket.tries) else None
 
 
 class Admission:
@@ -283,16 +311,36 @@ class Admission:
     def retry(self, ticket: Ticket, error: KvpoolError, num_tokens_sent: int, session_key: str) -> Ticket | None:
         """Move a failed request to another healthy pipeline, keeping its shard and room; None
         when it may not retry (``may_retry``) or no other pipeline is healthy."""
-        if self._tickets.get(ticket.request_id) != ticket or not may_retry(error, num_tokens_sent, ticket.tries):
+        if (self._tickets.get(ticket.request_id) != ticket
+                or retry_move(error, num_tokens_sent, ticket, at_decode=False) is not Move.PIPELINE):
             return None
         try:
             pipeline, reason = self.routing.place_pipeline(session_key, exclude={ticket.pipeline})
         except Unavailable:
             return None
         self.routing.finish_pipeline(ticket.pipeline)
-        moved = Ticket(ticket.request_id, pipeline, reason, ticket.shard, ticket.locality, ticket.num_pages,
-                       ticket.region_bytes, ticket.queued_s, ticket.tries + 1)
+        moved = replace(ticket, pipeline=pipeline, pipeline_reason=reason, tries=ticket.tries + 1)
         self._tickets[ticket.request_id] = moved
+        return moved
+
+    def move_shard(self, ticket: Ticket, request: AdmissionRequest, error: KvpoolError, num_tokens_sent: int,
+                   at_decode: bool) -> Ticket | None:
+        """Move a request whose decode shard failed to another healthy shard with room now, taking
+        that room and giving the old back; the pipeline stays. None when it may not
+        (``retry_move``) or no other shard has room: the request fails with ``error``."""
+        if (self._tickets.get(ticket.request_id) != ticket
+                or retry_move(error, num_tokens_sent, ticket, at_decode) is not Move.SHARD):
+            return None
+        fitting = [s for s in self._fitting(request) if s.name != ticket.shard]
+        if not fitting:
+            return None
+        old = self.shards[ticket.shard]
+        old.used_pages -= ticket.num_pages
+        old.used_bytes -= ticket.region_bytes
+        old.num_tickets -= 1
+        shard, locality = self._pick_shard(fitting, self.pipeline_servers[ticket.pipeline])
+        moved = self._hold(replace(ticket, shard=shard.name, locality=locality, shard_tries=ticket.shard_tries + 1),
+                           shard, request)
         return moved
 
     def retry_after_s(self, now: float) -> float:
@@ -304,20 +352,28 @@ class Admission:
 
     # ---- internals -----------------------------------------------------------
 
+    def _fitting(self, request: AdmissionRequest) -> list[ShardRoom]:
+        return [s for s in self.shards.values() if s.healthy and s.shape is not None
+                and s.fits(pages_for_request(request.num_prompt_tokens, request.max_tokens, s.shape.page_size),
+                           s.shape.region_bytes(request.num_prompt_tokens))]
+
     def _try_ticket(self, request: AdmissionRequest, queued_s: float) -> Ticket | None:
-        fitting = [s for s in self.shards.values() if s.healthy and s.shape is not None
-                   and s.fits(pages_for_request(request.num_prompt_tokens, request.max_tokens, s.shape.page_size),
-                              s.shape.region_bytes(request.num_prompt_tokens))]
+        fitting = self._fitting(request)
         if not fitting:
             if not any(s.healthy for s in self.shards.values()):
                 raise Unavailable("no healthy decode shard")
             return None
         pipeline, reason = self.routing.place_pipeline(request.session_key)
         shard, locality = self._pick_shard(fitting, self.pipeline_servers[pipeline])
+        return self._hold(Ticket(request.request_id, pipeline, reason, shard.name, locality, 0, 0, queued_s),
+                          shard, request)
+
+    def _hold(self, ticket: Ticket, shard: ShardRoom, request: AdmissionRequest) -> Ticket:
+        """The ticket with ``shard``'s room for ``request``, counted there and live."""
         assert shard.shape is not None  # fitting shards have a shape
-        ticket = Ticket(request.request_id, pipeline, reason, shard.name, locality,
-                        pages_for_request(request.num_prompt_tokens, request.max_tokens, shard.shape.page_size),
-                        shard.shape.region_bytes(request.num_prompt_tokens), queued_s)
+        ticket = replace(ticket, num_pages=pages_for_request(request.num_prompt_tokens, request.max_tokens,
+                                                             shard.shape.page_size),
+                         region_bytes=shard.shape.region_bytes(request.num_prompt_tokens))
         shard.used_pages += ticket.num_pages
         shard.used_bytes += ticket.region_bytes
         shard.num_tickets += 1

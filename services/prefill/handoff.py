@@ -169,7 +169,9 @@ class HandoffStageServicer(handoff_pb2_grpc.HandoffStageServicer):
                     report = WriteReport(report.transfers + tail.transfers, report.nbytes + tail.nbytes,
                                           report.seconds + tail.seconds)
             except TransferError as exc:
-                raise Unavailable(f"stage {self.stage}: writing to decode at {target.endpoint} failed: {exc}") from exc
+                # field "target": the decode shard failed, not this pipeline (the router moves the request)
+                raise Unavailable(f"stage {self.stage}: writing to decode at {target.endpoint} failed: {exc}",
+                                  field="target") from exc
         finally:
             self.arena.free(slab)
         self.metrics.transfers.inc(report.transfers)

@@ -44,3 +44,5 @@ class RouterMetrics:
                                      ["link"], registry=r)
         self.retries = Counter("kvpool_router_retries", "Requests retried on another pipeline before any token",
                                registry=r)
+        self.shard_moves = Counter("kvpool_router_shard_moves",
+                                   "Requests moved to another decode shard before any token", registry=r)

@@ -10,10 +10,14 @@ queues the request, holding nothing, until a ``release`` makes room; one
           stage computes, then writes its layers and the final logits into the
           region) → Generate (decode samples every token, the first included)
 
-Faults: a prefill pipeline that answers UNAVAILABLE is retried once on
-another healthy pipeline when the core allows it (nothing reached the
-client); the region and pages stay the request's. Once a token has reached
-the client, a failure ends the stream and is never hidden. Cancelling (the
+Faults (the core decides, ``kvpool.core.admission.retry_move``): a prefill
+pipeline that answers UNAVAILABLE is retried once on another healthy pipeline
+when nothing reached the client; the region and pages stay the request's. A
+decode shard that is down or unreachable before the first token (Reserve or
+Generate failed, or prefill could not write to it) moves the request once to
+another shard: its room there, a new Reserve and Prefill (the prefix is in the
+device cache or the pool by then). Once a token has reached the client, a
+failure ends the stream and is never hidden. Cancelling (the
 client went away) drops a queued request, cancels the calls in flight, gives
 the region and pages back and releases the ticket, at once.
 """
@@ -98,9 +102,7 @@ class Router:
     async def _admit(self, request_id: str, request: GenerationRequest) -> Ticket:
         """A ticket now, or after waiting in the queue; queued requests hold nothing."""
         loop = asyncio.get_running_loop()
-        session = scoped_session_key(request.tenant, request.session_key)
-        ticket = self.admission.admit(AdmissionRequest(request_id, session, len(request.prompt_ids),
-                                                       request.max_tokens), loop.time())
+        ticket = self.admission.admit(_admission_request(request_id, request), loop.time())
         if ticket is not None:
             return ticket
         self.metrics.queued.inc()
@@ -193,36 +195,55 @@ class Router:
         queued = time.perf_counter() - started
         self.metrics.queue_seconds.observe(queued)
         self.metrics.placements.labels("pipeline", ticket.pipeline, ticket.pipeline_reason.value).inc()
-        self.metrics.placements.labels("shard", ticket.shard, ticket.locality.value).inc()
-        usage.pipeline, usage.shard = ticket.pipeline, ticket.shard
-        target: handoff_pb2.HandoffTarget | None = None
         first_at = 0.0
         try:
-            target = await self._reserve(ticket, request, started)
-            prefill = await self._prefill(ticket, request, target, usage)
-            figures = prefill.figures
-            usage.device_tokens, usage.pool_tokens = figures.num_device_tokens, figures.num_pool_tokens
-            usage.computed_tokens = figures.num_computed_tokens
-            usage.handoff_transfers, usage.handoff_bytes = prefill.handoff.transfers, prefill.handoff.bytes
-            self.metrics.handoff_bytes.labels(self._link(usage.pipeline, ticket.shard)).inc(usage.handoff_bytes)
-            for source, count in (("device", usage.device_tokens), ("pool", usage.pool_tokens),
-                                  ("computed", usage.computed_tokens)):
-                self.metrics.prompt_tokens.labels(source).inc(count)
-            async for token in self._decode(ticket, request, target, usage, request_id):
-                if not first_at:
-                    first_at = time.perf_counter()
-                    usage.ttft_seconds = first_at - started
-                    self.metrics.ttft.observe(usage.ttft_seconds)
-                yield token
-            usage.decode_seconds = time.perf_counter() - (first_at or started)
-            self.metrics.decode.observe(usage.decode_seconds)
+            while True:
+                self.metrics.placements.labels("shard", ticket.shard, ticket.locality.value).inc()
+                usage.pipeline, usage.shard = ticket.pipeline, ticket.shard
+                target: handoff_pb2.HandoffTarget | None = None
+                at_decode = True  # which call failed: the shard's (Reserve, Generate) or prefill's
+                try:
+                    target = await self._reserve(ticket, request, started)
+                    at_decode = False
+                    prefill = await self._prefill(ticket, request, target, usage)
+                    self._count_prefill(prefill, usage, ticket.shard)
+                    at_decode = True
+                    async for token in self._decode(ticket, request, target, usage, request_id):
+                        if not first_at:
+                            first_at = time.perf_counter()
+                            usage.ttft_seconds = first_at - started
+                            self.metrics.ttft.observe(usage.ttft_seconds)
+                        yield token
+                    usage.decode_seconds = time.perf_counter() - (first_at or started)
+                    self.metrics.decode.observe(usage.decode_seconds)
+                    return
+                except KvpoolError as error:
+                    current = self.admission.ticket(request_id) or ticket  # prefill may have moved the pipeline
+                    moved = None if first_at else self.admission.move_shard(
+                        current, _admission_request(request_id, request), error, 0, at_decode)
+                    if moved is None:
+                        raise
+                    self.metrics.shard_moves.inc()
+                    log.warning("decode_moved_elsewhere", shard=current.shard, to=moved.shard, error=str(error))
+                    ticket = moved
+                finally:
+                    if target is not None and not first_at:
+                        # reserved, maybe never claimed by a Generate: region and pages back now (a claimed
+                        # one is decode's to free, and this is then a no-op); a dead shard's are gone
+                        await self._give_back(usage.shard, target)
         finally:
-            if target is not None and not first_at:
-                # reserved, maybe never claimed by a Generate: region and pages back now (a claimed
-                # one is decode's to free, and this is then a no-op)
-                await self._give_back(ticket, target)
             self._release(request_id)
             self.metrics.completion_tokens.inc(usage.completion_tokens)
+
+    def _count_prefill(self, prefill: prefill_pb2.PrefillResponse, usage: Usage, shard: str) -> None:
+        figures = prefill.figures
+        usage.device_tokens, usage.pool_tokens = figures.num_device_tokens, figures.num_pool_tokens
+        usage.computed_tokens = figures.num_computed_tokens
+        usage.handoff_transfers, usage.handoff_bytes = prefill.handoff.transfers, prefill.handoff.bytes
+        self.metrics.handoff_bytes.labels(self._link(usage.pipeline, shard)).inc(usage.handoff_bytes)
+        for source, count in (("device", usage.device_tokens), ("pool", usage.pool_tokens),
+                              ("computed", usage.computed_tokens)):
+            self.metrics.prompt_tokens.labels(source).inc(count)
 
     def _link(self, pipeline: str, shard: str) -> str:
         same = self.admission.pipeline_servers[pipeline] == self.admission.shards[shard].server
@@ -294,10 +315,15 @@ class Router:
         finally:
             call.cancel()  # a no-op once the stream ended; frees the pages when the client went away
 
-    async def _give_back(self, ticket: Ticket, target: handoff_pb2.HandoffTarget) -> None:
-        shard = self.backends.shards[ticket.shard]
+    async def _give_back(self, shard_name: str, target: handoff_pb2.HandoffTarget) -> None:
+        shard = self.backends.shards[shard_name]
         try:
             await shard.decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=target.region_id),
                                              timeout=5.0)
         except grpc.aio.AioRpcError as exc:
             log.info("region_release_failed", region_id=target.region_id, code=exc.code().name)  # reclaimed at its hold
+
+
+def _admission_request(request_id: str, request: GenerationRequest) -> AdmissionRequest:
+    return AdmissionRequest(request_id, scoped_session_key(request.tenant, request.session_key),
+                            len(request.prompt_ids), request.max_tokens)

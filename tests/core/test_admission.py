@@ -12,9 +12,11 @@ from kvpool.core.admission import (
     Admitted,
     AdmissionRequest,
     Locality,
+    Move,
     ShardShape,
     Ticket,
     may_retry,
+    retry_move,
 )
 from kvpool.core.decode_pages import pages_for_request
 from kvpool.core.decode_scheduler import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, finish_reason
@@ -170,6 +172,61 @@ def test_retry_moves_the_pipeline_once_and_keeps_the_room() -> None:
     assert a.routing.pipelines["p1"].in_flight == 0 and a.shards[ticket.shard].used_pages == 0
 
 
+def test_retry_move_blames_the_part_that_failed() -> None:
+    first = Ticket("r", "p0", PipelineReason.NEW_SESSION, "d0", Locality.SAME_SERVER, 10, 405_504, 0.0)
+    assert retry_move(Unavailable("stage 1 down"), 0, first, at_decode=False) is Move.PIPELINE
+    assert retry_move(Unavailable("decode down"), 0, first, at_decode=True) is Move.SHARD
+    # prefill could not write to its decode target: the shard failed, not the pipeline
+    assert retry_move(Unavailable("target: writing to decode failed", field="target"), 0, first, False) is Move.SHARD
+    assert retry_move(Unavailable("decode down"), 1, first, at_decode=True) is None  # a token reached the client
+    assert retry_move(ResourceExhausted("no room"), 0, first, at_decode=True) is None
+    assert retry_move(InvalidArgument("prompt: too long"), 0, first, at_decode=True) is None
+    moved_pipeline = Ticket("r", "p1", PipelineReason.EXCLUDED_AFTER_FAILURE, "d0", Locality.SAME_SERVER, 10,
+                            405_504, 0.0, tries=2)
+    assert retry_move(Unavailable("down"), 0, moved_pipeline, at_decode=False) is None  # once per kind
+    assert retry_move(Unavailable("down"), 0, moved_pipeline, at_decode=True) is Move.SHARD
+    moved_shard = Ticket("r", "p0", PipelineReason.NEW_SESSION, "d1", Locality.LOCAL_FULL, 10, 405_504, 0.0,
+                         shard_tries=2)
+    assert retry_move(Unavailable("down"), 0, moved_shard, at_decode=True) is None
+    assert retry_move(Unavailable("down"), 0, moved_shard, at_decode=False) is Move.PIPELINE
+
+
+def test_move_shard_takes_the_other_shards_room_and_gives_the_old_back() -> None:
+    a = admission()
+    request = req("r", session="s")
+    ticket = a.admit(request, now=0.0)
+    assert (ticket.pipeline, ticket.shard, ticket.num_pages) == ("p0", "d0", 10)
+    # a pipeline's failure is not the shard's to handle, nor a failure after a token
+    assert a.move_shard(ticket, request, Unavailable("down"), 0, at_decode=False) is None
+    assert a.move_shard(ticket, request, Unavailable("down"), 1, at_decode=True) is None
+    moved = a.move_shard(ticket, request, Unavailable("decode d0: UNAVAILABLE"), 0, at_decode=True)
+    assert moved is not None
+    assert (moved.pipeline, moved.shard, moved.locality, moved.shard_tries, moved.tries) == (
+        "p0", "d1", Locality.LOCAL_FULL, 2, 1)
+    assert (moved.num_pages, moved.region_bytes) == (10, 405_504)
+    assert (a.shards["d0"].used_pages, a.shards["d0"].used_bytes, a.shards["d0"].num_tickets) == (0, 0, 0)
+    assert (a.shards["d1"].used_pages, a.shards["d1"].used_bytes, a.shards["d1"].num_tickets) == (10, 405_504, 1)
+    assert a.ticket("r") == moved and a.routing.pipelines["p0"].in_flight == 1
+    assert a.move_shard(ticket, request, Unavailable("x"), 0, at_decode=True) is None  # a stale ticket
+    assert a.move_shard(moved, request, Unavailable("x"), 0, at_decode=True) is None  # once
+    a.release("r", now=1.0)
+    assert a.shards["d1"].used_pages == 0 and a.routing.pipelines["p0"].in_flight == 0
+
+
+def test_move_shard_needs_another_healthy_shard_with_room() -> None:
+    a = admission()
+    request = req("r")
+    ticket = a.admit(request, now=0.0)
+    a.set_health("d1", False)
+    assert a.move_shard(ticket, request, Unavailable("down"), 0, at_decode=True) is None
+    assert a.shards["d0"].used_pages == 10  # nothing moved: the request still holds its room until release
+    a.set_health("d1", True)
+    a.admit(req("other", max_tokens=60 + 80 * 16), now=0.0)  # 90 pages on d1, p1's own shard
+    assert a.shards["d1"].free_pages == 10
+    big = req("r", max_tokens=61 + 16)  # 11 pages: more than d1 has free
+    assert a.move_shard(ticket, big, Unavailable("down"), 0, at_decode=True) is None
+
+
 def test_unknown_shapes_admit_nothing_and_unhealthy_everything_is_unavailable() -> None:
     routing = RoutingPolicy.of(["p0"], ["d0"])
     a = Admission(routing, {"d0": "s0"}, {"p0": "s0"}, max_queue=2, queue_timeout_s=5.0)
@@ -199,6 +256,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.live: set[str] = set()
         self.queued: list[str] = []
+        self.requests: dict[str, AdmissionRequest] = {}
 
     def _apply(self, admitted: Admitted) -> None:
         for request_id in admitted.expired:  # expiry comes first, then the heads that fit
@@ -211,8 +269,9 @@ class AdmissionMachine(RuleBasedStateMachine):
     def admit(self, prompt: int, max_tokens: int, session: str) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
+        self.requests[request_id] = AdmissionRequest(request_id, session, prompt, max_tokens)
         try:
-            ticket = self.a.admit(AdmissionRequest(request_id, session, prompt, max_tokens), self.now)
+            ticket = self.a.admit(self.requests[request_id], self.now)
         except (InvalidArgument, ResourceExhausted, Unavailable) as exc:
             if isinstance(exc, ResourceExhausted):
                 assert len(self.queued) == 3 and exc.retry_after_s >= 1
@@ -233,6 +292,19 @@ class AdmissionMachine(RuleBasedStateMachine):
         else:
             self.queued.remove(request_id)
         self._apply(self.a.release(request_id, self.now))
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), at_decode=st.booleans())
+    def fail(self, i: int, at_decode: bool) -> None:
+        """A live request's shard (or pipeline) fails before any token: it moves or stays put."""
+        request_id = sorted(self.live)[i % len(self.live)]
+        ticket = self.a.ticket(request_id)
+        assert ticket is not None
+        moved = (self.a.move_shard(ticket, self.requests[request_id], Unavailable("down"), 0, at_decode) if at_decode
+                 else self.a.retry(ticket, Unavailable("down"), 0, self.requests[request_id].session_key))
+        if moved is not None:
+            assert moved.shard != ticket.shard if at_decode else moved.pipeline != ticket.pipeline
+            assert self.a.ticket(request_id) == moved
 
     @rule(dt=st.floats(0, 3))
     def tick(self, dt: float) -> None:

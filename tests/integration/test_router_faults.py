@@ -1,15 +1,19 @@
 """The router over gRPC, and what it does when pipelines and shards die: never a silent loss, never a hang.
 
 Retry rule under test: a prefill pipeline that fails before the request has
-produced anything is retried once on another pipeline; a failure after a
-token reached the client ends the stream with UNAVAILABLE.
+produced anything is retried once on another pipeline, a decode shard that
+is down before the first token moves the request to another shard; a failure
+after a token reached the client ends the stream with UNAVAILABLE (over HTTP:
+OpenAI's error event, then ``data: [DONE]``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -24,11 +28,11 @@ from tests.integration.conftest import eventually
 pytestmark = pytest.mark.cluster
 
 
-def start_cluster(workdir: Path) -> Cluster:
+def start_cluster(workdir: Path, health_interval_s: float = 0.2, pipelines: int = 2, stages: int = 2) -> Cluster:
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "cluster.toml"
-    config.write_text("[router]\nhealth_interval_s = 0.2\n")
-    settings = UpSettings(pipelines=2, stages=2, decode_shards=2, stores=0, http_port=0, grpc_port=0,
+    config.write_text(f"[router]\nhealth_interval_s = {health_interval_s}\n")
+    settings = UpSettings(pipelines=pipelines, stages=stages, decode_shards=2, stores=0, http_port=0, grpc_port=0,
                           device_cache_tokens=4096, workdir=str(workdir / "logs"))
     return up_cluster(settings, str(config)).start()
 
@@ -173,3 +177,50 @@ async def test_dead_targets_are_retried_or_fail_loudly_and_leave_rotation(doomed
     await until_unhealthy(cluster, address(cluster, shard))
     _, _, usage = await generate(cluster, router_pb2.GenerateRequest(text="next", sampling=sampling(4)))
     assert usage.shard != address(cluster, shard)
+
+
+def stream_http(cluster: Cluster, body: dict[str, object], on_first: Callable[[], None]) -> list[bytes]:
+    """POST a streaming completion; ``on_first`` runs once the first token's event arrived; every SSE line."""
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    lines = []
+    for raw in response:
+        line = raw.strip()
+        if not line:
+            continue
+        lines.append(line)
+        if len(lines) == 1:
+            on_first()
+    conn.close()
+    return lines
+
+
+async def test_a_dead_shard_before_the_first_token_moves_the_request(tmp_path: Path) -> None:
+    # health checks far apart: the router still believes the killed shard is up, so its
+    # requests find it dead themselves
+    cluster = start_cluster(tmp_path, health_interval_s=600, pipelines=1, stages=1)
+    try:
+        request = router_pb2.GenerateRequest(text="the same question", sampling=sampling(6))
+        before, _, first = await generate(cluster, request)
+        dead = next(name for name in ("decode0", "decode1") if address(cluster, name) == first.shard)
+        alive = "decode1" if dead == "decode0" else "decode0"
+        cluster.find(dead).kill()
+        # an idle router places the same way: on the dead shard first, then moved before any token
+        after, _, moved = await generate(cluster, request)
+        assert moved.shard == address(cluster, alive)
+        assert after == before  # greedy: the same answer from the other shard
+        admin = cluster.find("router").ready["admin_port"]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10).read().decode()
+        assert "kvpool_router_shard_moves_total 1.0" in metrics
+        # a request already streaming when its shard dies ends with the error event, then [DONE]
+        body = {"model": "tiny", "prompt": "go on and on " * 10, "max_tokens": 3000, "temperature": 0,
+                "stream": True}
+        lines = await asyncio.to_thread(stream_http, cluster, body, cluster.find(alive).kill)
+        assert lines[-1] == b"data: [DONE]"
+        error = json.loads(lines[-2].removeprefix(b"data: "))
+        assert (error["error"]["type"], error["error"]["code"]) == ("server_error", "unavailable"), error
+    finally:
+        cluster.stop()
