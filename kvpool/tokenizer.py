@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvpool.model.hf_checkpoint import chat_template
+
 NUM_BYTES = 256
 
 
@@ -107,12 +109,16 @@ class HFTokenizer:
         self._tokenizer = _Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = self._tokenizer.get_vocab_size()
         config = _read_json(model_dir / "tokenizer_config.json")
-        self._template = config.get("chat_template")
-        eos = config.get("eos_token")
-        eos_text = eos.get("content") if isinstance(eos, dict) else eos
-        eos_id = self._tokenizer.token_to_id(eos_text) if isinstance(eos_text, str) else None
-        self.eos_token_ids = (eos_id,) if eos_id is not None else ()
-        self._bos_text = config.get("bos_token") if isinstance(config.get("bos_token"), str) else ""
+        self._template = chat_template(model_dir)
+        eos_text = _token_text(config.get("eos_token"))
+        eos_id = self._tokenizer.token_to_id(eos_text) if eos_text else None
+        # generation stops at the tokenizer's EOS and at generation_config.json's (what transformers' generate
+        # stops at), as the large servers do
+        generation_eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+        ids = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+        self.eos_token_ids = tuple(dict.fromkeys(
+            i for i in (eos_id, *ids) if isinstance(i, int) and not isinstance(i, bool)))
+        self._bos_text = _token_text(config.get("bos_token"))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
@@ -177,6 +183,12 @@ def load_tokenizer(model_dir: str | None, vocab_size: int) -> Tokenizer:
                 )
             return tokenizer
     return ByteTokenizer(vocab_size)
+
+
+def _token_text(token: Any) -> str:
+    """A special token as tokenizer_config.json gives it: its text, or an object with its ``content``."""
+    text = token.get("content") if isinstance(token, dict) else token
+    return text if isinstance(text, str) else ""
 
 
 def _read_json(path: Path) -> dict[str, Any]:

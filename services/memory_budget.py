@@ -18,7 +18,7 @@ def memory_budget(settings: Any, config: str | None) -> dict[str, int]:
     """What every service will allocate, by role, from the same settings each child reads (its ``[<role>]``
     table, then the flags ``up`` gives it)."""
     s = settings
-    model = {"model": s.model, "kv_dtype": s.kv_dtype}
+    model = {"model": s.model, "model_dir": s.model_dir, "kv_dtype": s.kv_dtype}
     budget: dict[str, int] = {}
     if s.pool:
         store = load_settings(StoreSettings, "store", config, {"segment_size": s.segment_size})

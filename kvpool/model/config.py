@@ -3,11 +3,71 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Mapping
+import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class YarnScaling:
+    """YaRN RoPE scaling as DeepSeek-V3 configures it (``rope_scaling`` ``{"type": "yarn", ...}``), computed as
+    Hugging Face transformers computes it (``_compute_yarn_parameters``, ``yarn_apply_mscale``).
+
+    Invariant: it changes every roped key (the frequencies and the cos/sin factor), so, like the rope layout,
+    it is part of the model and must match the checkpoint.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0  # 0: absent (HF then takes the factor's own mscale)
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # None: from factor, mscale and mscale_all_dim
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0 or not math.isfinite(self.factor):
+            raise ValueError(f"rope_scaling.factor: must be positive, got {self.factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError("rope_scaling.original_max_position_embeddings: must be positive, "
+                             f"got {self.original_max_position_embeddings}")
+
+    @staticmethod
+    def _mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """What cos and sin are multiplied by (HF's ``attention_scaling``)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return self._mscale(self.factor, self.mscale) / self._mscale(self.factor, self.mscale_all_dim)
+        return self._mscale(self.factor)
+
+    @property
+    def softmax_factor(self) -> float:
+        """What the attention's softmax scale is multiplied by (DeepSeek's mscale squared)."""
+        return self._mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    def inv_freq(self, dim: int, theta: float) -> list[float]:
+        """The dim // 2 inverse frequencies: interpolated below the correction range, extrapolated above it."""
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # as HF: no division by zero
+        freqs = []
+        for i in range(dim // 2):
+            extrapolated = theta ** (-2 * i / dim)
+            keep = 1.0 - min(max((i - low) / (high - low), 0.0), 1.0)  # 1: extrapolate (high frequencies)
+            freqs.append(extrapolated / self.factor * (1 - keep) + extrapolated * keep)
+        return freqs
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +79,8 @@ class ModelConfig:
     key (`qk_rope_head_dim`). `seed` selects the seeded weights used when no
     weight directory is given. `rope_interleave` is part of the model, not
     of a run: it changes every cached key, so it must match the checkpoint
-    (``from_hf_config`` reads it, defaulting to interleaved as HF does).
+    (``from_hf_config`` reads it, defaulting to interleaved as HF does); so is
+    `rope_scaling` (None: plain RoPE; else YaRN, as DeepSeek-V3).
     `output_ids` [lo, hi), when set, is every id the sampler may emit: the
     built-in configs (seeded weights read through the byte-level tokenizer)
     emit only printable ASCII, so every token they make is visible text. It
@@ -44,6 +105,7 @@ class ModelConfig:
     # RoPE pairs: False = rotate-half (our seeded configs), True = interleaved
     # pairs (0,1),(2,3),... as DeepSeek's checkpoints and HF's config default
     rope_interleave: bool = False
+    rope_scaling: YarnScaling | None = None
     output_ids: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -76,7 +138,8 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return self.qk_head_dim**-0.5
+        scale = self.qk_head_dim**-0.5
+        return scale * self.rope_scaling.softmax_factor if self.rope_scaling is not None else scale
 
 
 # byte ids " ".."~": one printable character each, whatever comes before or after
@@ -122,53 +185,12 @@ DSV3_KV_61 = dataclasses.replace(DSV3_KV, name="dsv3-kv-61", num_hidden_layers=6
 CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (TINY, DSV3_KV, DSV3_KV_61)}
 
 
-def from_hf_config(hf: Mapping[str, Any], name: str = "hf", seed: int = 0) -> ModelConfig:
-    """A ModelConfig from a Hugging Face DeepSeek-V3 ``config.json`` (dense MLP only).
-
-    A loaded checkpoint's rope layout is its config's ``rope_interleave``,
-    interleaved when absent (HF's default and every DeepSeek checkpoint).
-    """
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"rope_parameters: {rope.get('rope_type', rope.get('type'))!r} rope scaling is not supported")
-    if hf.get("n_routed_experts") and hf.get("first_k_dense_replace", 0) < hf.get("num_hidden_layers", 0):
-        raise ValueError("n_routed_experts: MoE layers are not supported (dense MLPs only)")
-    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "seed", "rope_interleave", "output_ids"}
-    values = {k: hf[k] for k in names if k in hf}
-    theta = rope.get("rope_theta", hf.get("rope_theta"))
-    if theta is not None:
-        values["rope_theta"] = float(theta)
-    interleave = hf.get("rope_interleave")
-    return ModelConfig(name=name, seed=seed, rope_interleave=True if interleave is None else bool(interleave),
-                       **values)
-
-
-def load_hf_config(directory: str | Path, name: str | None = None) -> ModelConfig:
-    """``from_hf_config`` of ``directory/config.json``."""
-    path = Path(directory) / "config.json"
-    return from_hf_config(json.loads(path.read_text()), name or Path(directory).name)
-
-
 def get_config(name: str) -> ModelConfig:
     """Registered config by name; use `dataclasses.replace` to vary one."""
     try:
         return CONFIGS[name]
     except KeyError:
         raise ValueError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}") from None
-
-
-class ModelSetting:
-    """Base of a settings class with a ``model`` field: the config it names; a bad name is a ValueError naming
-    the field (settings errors name what to fix)."""
-
-    __slots__ = ()
-    model: str
-
-    def model_config(self) -> ModelConfig:
-        try:
-            return get_config(self.model)
-        except ValueError as exc:
-            raise ValueError(f"model: {exc}") from None
 
 
 # KV storage dtypes by name and their bytes per value: what settings and pool

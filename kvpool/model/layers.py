@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvpool.model.config import YarnScaling
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * weight over the last dim."""
@@ -24,6 +26,8 @@ class RotaryEmbedding:
 
     Invariant: `cos` and `sin` are [max_positions, dim // 2] float32. The
     tables are built in float64 so every machine rounds them the same way.
+    With YaRN `scaling` the frequencies are YaRN's and both tables carry its
+    cos/sin factor, as in HF's DeepSeek-V3.
     """
 
     cos: torch.Tensor
@@ -31,13 +35,18 @@ class RotaryEmbedding:
 
     @classmethod
     def build(
-        cls, dim: int, theta: float, max_positions: int, device: torch.device | str = "cpu"
+        cls, dim: int, theta: float, max_positions: int, device: torch.device | str = "cpu",
+        scaling: YarnScaling | None = None,
     ) -> RotaryEmbedding:
-        inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        if scaling is None:
+            inv_freq, factor = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim), 1.0
+        else:
+            inv_freq = torch.tensor(scaling.inv_freq(dim, theta), dtype=torch.float64)
+            factor = scaling.cos_sin_factor
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         return cls(
-            cos=angles.cos().to(torch.float32).to(device),
-            sin=angles.sin().to(torch.float32).to(device),
+            cos=(angles.cos() * factor).to(torch.float32).to(device),
+            sin=(angles.sin() * factor).to(torch.float32).to(device),
         )
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, interleave: bool = False) -> torch.Tensor:

@@ -82,7 +82,8 @@ class ModelStage:
         self.lm_head = w["lm_head.weight"] if self.is_last else None
         self.layers = [self._layer(w, i) for i in range(layer_start, layer_end)]
         self.rotary = RotaryEmbedding.build(
-            config.qk_rope_head_dim, config.rope_theta, config.max_position_embeddings, self.device
+            config.qk_rope_head_dim, config.rope_theta, config.max_position_embeddings, self.device,
+            config.rope_scaling,
         )
 
     def _layer(self, w: Mapping[str, torch.Tensor], index: int) -> DecoderLayer:

@@ -72,6 +72,10 @@ class UpSettings:
     segment_size: str = setting("512MiB", help="DRAM each store contributes to the pool", metavar="SIZE")
     pool: bool = setting(True, help="share a KV pool (--no-pool: the pipelines use their device cache only)")
     model: str = setting("tiny", help="model config of every service", choices=tuple(CONFIGS))
+    model_dir: str = setting("", help="serve a Hugging Face DeepSeek-V3-architecture directory (config.json, "
+                             "safetensors weights, tokenizer.json, chat template): every prefill stage, decode "
+                             "shard and the router read it; overrides --model", metavar="DIR",
+                             default_text="the built-in --model")
     kv_dtype: str = setting("float32", help="KV storage dtype of prefill and decode",
                             choices=("float32", "bfloat16", "float8_e4m3fn"))
     device_cache_tokens: int = setting(32768, help="each prefill stage's device KV capacity in tokens (the longest "
@@ -102,6 +106,14 @@ class UpSettings:
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a TCP port")
+        if self.model_dir:  # checked whole before any process starts; every child gets the absolute path
+            from kvpool.model.hf_checkpoint import checked_model_dir
+
+            self.model_dir = str(Path(self.model_dir).resolve())
+            checked_model_dir(self.model_dir)
+            if self.stages > checked_model_dir(self.model_dir).config.num_hidden_layers:
+                raise ValueError(f"stages: {self.stages} stages for the model's "
+                                 f"{checked_model_dir(self.model_dir).config.num_hidden_layers} layers")
 
 
 def up_topology(settings: UpSettings, config: str | None = None, log_level: str = "warning",
@@ -109,7 +121,8 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
     """The cluster ``kvpool up`` starts: one host, its processes named ``master``, ``store{i}``,
     ``p{i}-stage{s}``, ``decode{i}`` and ``router``."""
     s = settings
-    model = ("--model", s.model, "--kv-dtype", s.kv_dtype)
+    model_dir = ("--model-dir", s.model_dir) if s.model_dir else ()
+    model = ("--model", s.model, *model_dir, "--kv-dtype", s.kv_dtype)
     stores = tuple(StoreSpec(f"store{i}", ("--segment-size", s.segment_size, "--numa-node", "0", "--segment-id",
                                            f"up-store{i}")) for i in range(s.stores if s.pool else 0))
     pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, "--device-cache-tokens", str(s.device_cache_tokens)),
@@ -120,7 +133,7 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
     return Topology((ServerSpec(stores=stores, pipelines=pipelines, decode_shards=shards),),
                     master=MasterSpec() if s.pool else None,
                     router=RouterSpec(port=s.grpc_port, http_port=s.http_port, args=(
-                        "--model", s.model,
+                        "--model", s.model, *model_dir,
                         *(("--supervisor-status", supervisor_status) if supervisor_status else ()))),
                     host=s.host, common_args=common)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.core.setting import setting
-from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES, ModelSetting
+from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES
+from kvpool.model.model_setting import ModelSetting
 from kvpool.sizes import parse_size
 
 
@@ -15,6 +16,9 @@ class DecodeSettings(ModelSetting):
     port: int = setting(7800, help="gRPC port (0 picks a free one)")
     admin_port: int = setting(9800, help="Prometheus port (0 picks a free one)")
     model: str = setting("tiny", help="model config", choices=tuple(CONFIGS))
+    model_dir: str = setting("", help="serve a Hugging Face DeepSeek-V3-architecture directory (config.json, "
+                             "safetensors weights, tokenizer, chat template); overrides --model", metavar="DIR",
+                             default_text="the built-in --model")
     weights: str = setting("", help="load weights from a safetensors directory", metavar="DIR",
                            default_text="seeded")
     kv_dtype: str = setting("float32", help="KV storage dtype (the prefill's)", choices=tuple(sorted(KV_DTYPE_ITEMSIZES)))
@@ -40,7 +44,9 @@ class DecodeSettings(ModelSetting):
         self.region_arena_bytes = parse_size(self.region_arena_bytes, "region_arena_bytes")
         if self.kv_dtype not in KV_DTYPE_ITEMSIZES:
             raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {sorted(KV_DTYPE_ITEMSIZES)}")
-        self.model_config()  # raises on an unknown model
+        if self.weights and self.model_dir:
+            raise ValueError("weights: --model-dir brings its own weights; give one of --weights and --model-dir")
+        self.model_config()  # raises on an unknown model or a directory it cannot serve
         for name in ("page_size", "max_batch_size", "torch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

@@ -79,7 +79,7 @@ class DecodeShard:
         self.clock = clock
         torch.set_num_threads(settings.torch_threads)
         self.model = DecodeModel(self.config, settings.num_pages, settings.page_size,
-                                 kv_dtype_of(settings.kv_dtype), settings.weights or None)
+                                 kv_dtype_of(settings.kv_dtype), settings.weights or settings.model_dir or None)
         self.scheduler = DecodeScheduler(settings.num_pages, settings.page_size, settings.max_batch_size,
                                          self.config.max_position_embeddings, clock)
         self.regions = RegionTable(settings.region_arena_bytes, settings.region_deadline_s, clock)

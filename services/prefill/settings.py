@@ -6,12 +6,8 @@ from dataclasses import dataclass
 
 from kvpool.core.chunk_hash import namespace_fingerprint
 from kvpool.core.setting import setting
-from kvpool.model.config import (
-    CONFIGS,
-    KV_DTYPE_ITEMSIZES,
-    ModelSetting,
-    split_layers,
-)
+from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES, split_layers
+from kvpool.model.model_setting import ModelSetting
 
 LAYOUT_VERSION = 1
 
@@ -27,8 +23,11 @@ class PrefillSettings(ModelSetting):
     # "" runs without a pool (device cache only); --no-pool says so on the command line
     master: str = setting("127.0.0.1:7601", help="pool master address")
     model: str = setting("tiny", help="model config", choices=tuple(CONFIGS))
+    model_dir: str = setting("", help="serve a Hugging Face DeepSeek-V3-architecture directory (config.json, "
+                             "safetensors weights, tokenizer, chat template); overrides --model", metavar="DIR",
+                             default_text="the built-in --model")
     model_id: str = setting(
-        "", help="weights identity in the pool namespace", default_text="model name and seed"
+        "", help="weights identity in the pool namespace", default_text="model name and seed; with --model-dir a hash of its config and weights"
     )
     weights: str = setting("", help="load weights from a safetensors directory", metavar="DIR",
                            default_text="seeded")
@@ -67,7 +66,9 @@ class PrefillSettings(ModelSetting):
             self.admin_port = 9700 + self.stage
         if self.kv_dtype not in KV_DTYPE_ITEMSIZES:
             raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not one of {sorted(KV_DTYPE_ITEMSIZES)}")
-        config = self.model_config()  # raises on an unknown model
+        if self.weights and self.model_dir:
+            raise ValueError("weights: --model-dir brings its own weights; give one of --weights and --model-dir")
+        config = self.model_config()  # raises on an unknown model or a directory it cannot serve
         if self.num_stages > config.num_hidden_layers:
             raise ValueError(f"num_stages: {self.num_stages} stages for {config.num_hidden_layers} layers")
         if self.chunk_size <= 0:
@@ -125,6 +126,10 @@ class PrefillSettings(ModelSetting):
     def namespace(self) -> str:
         config = self.model_config()
         model_id = self.model_id or f"{config.name}:seed{config.seed}"
+        if not self.model_id and self.model_dir:
+            from kvpool.model.hf_checkpoint import model_fingerprint
+
+            model_id = f"{config.name}:sha256:{model_fingerprint(self.model_dir)}"
         return namespace_fingerprint(model_id, self.kv_dtype, self.layer_split, self.chunk_size, LAYOUT_VERSION)
 
     @property

@@ -82,7 +82,7 @@ class StageRunner:
         self.settings = settings
         self.config = settings.model_config()
         start, end = settings.layers
-        self.model = ModelStage(self.config, start, end, weights=settings.weights or None)
+        self.model = ModelStage(self.config, start, end, weights=settings.weights or settings.model_dir or None)
         dtype = kv_dtype(settings.kv_dtype)
         nbytes = kv_cache_nbytes(self.config, end - start, settings.num_blocks, settings.chunk_size, dtype)
         self._kv_memory: HostBuffer | None = None

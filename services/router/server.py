@@ -17,7 +17,6 @@ import uvicorn
 from kvpool import service
 from kvpool.core.errors import InvalidArgument, KvpoolError
 from kvpool.core.generation_fields import GRPC_FIELDS, check_length, check_sampling, check_session_key, check_token_ids
-from kvpool.model import get_config
 from kvpool.request_id import METADATA_KEY, bound_request_id, from_metadata, new_request_id
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.status import abort, status_code
@@ -167,7 +166,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
         keys = ApiKeys.load(settings.api_key, settings.api_keys_file)
     except ValueError as exc:
         raise SystemExit(f"kvpool router: {exc}") from None
-    config = get_config(settings.model)
+    config = settings.model_config()
     tokenizer = load_tokenizer(settings.model_dir or None, config.vocab_size)
     limits = ModelLimits(settings.model_name, context=config.max_position_embeddings, vocab_size=config.vocab_size)
     metrics = RouterMetrics()

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from kvpool.core.setting import setting
 from kvpool.model.config import CONFIGS
+from kvpool.model.model_setting import ModelSetting
 
 
 @dataclass(slots=True)
-class RouterSettings:
+class RouterSettings(ModelSetting):
     host: str = setting("127.0.0.1", help="listen address of the gRPC and HTTP APIs")
     port: int = setting(7900, help="gRPC port (0 picks a free one)")
     http_port: int = setting(8000, help="OpenAI-compatible HTTP port (0 picks a free one)")
@@ -22,8 +23,9 @@ class RouterSettings:
     )
     model: str = setting("tiny", help="model config (its vocabulary and context)", choices=tuple(CONFIGS))
     model_dir: str = setting(
-        "", help="a model directory whose tokenizer.json and chat template to use", metavar="DIR",
-        default_text="byte-level tokenizer",
+        "", help="serve a Hugging Face DeepSeek-V3-architecture directory: its context and vocabulary, its "
+        "tokenizer.json and chat template (the prefill and decode serve its weights); overrides --model",
+        metavar="DIR", default_text="the built-in --model and the byte-level tokenizer",
     )
     served_model_name: str = setting("", help="the model name clients send", default_text="the model config's name")
     affinity_max_queue: int = setting(
@@ -88,8 +90,7 @@ class RouterSettings:
             raise ValueError(f"servers: {bad[0]!r} is not ADDR=SERVER")
         if self.health_interval_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("health_interval_s and request_timeout_s must be positive")
-        if self.model not in CONFIGS:
-            raise ValueError(f"model: {self.model!r} is not one of {sorted(CONFIGS)}")
+        self.model_config()  # raises on an unknown model or a directory it cannot serve
 
     @property
     def server_of(self) -> dict[str, str]:
@@ -97,4 +98,4 @@ class RouterSettings:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name or (self.model_config().name if self.model_dir else self.model)

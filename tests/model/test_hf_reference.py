@@ -9,7 +9,7 @@ import torch
 import transformers  # a dev dependency: the reference must run here, never be skipped
 
 from kvpool.model import InProcessPipeline, ModelConfig, init_weights
-from kvpool.model.config import from_hf_config
+from kvpool.model.hf_checkpoint import from_hf_config
 from tests.model.inputs import max_abs_diff, random_token_ids
 
 
@@ -70,7 +70,23 @@ def test_hf_configs_we_cannot_run_are_refused() -> None:
             "qk_rope_head_dim": 8, "v_head_dim": 8}
     assert from_hf_config(base).rope_interleave is True  # absent: DeepSeek's (and HF's) interleaved layout
     assert from_hf_config({**base, "rope_interleave": False}).rope_interleave is False
-    with pytest.raises(ValueError, match="rope_parameters"):
+    with pytest.raises(ValueError, match="rope_parameters: 'linear' rope scaling is not supported"):
+        from_hf_config({**base, "rope_scaling": {"type": "linear", "factor": 4}})
+    with pytest.raises(ValueError, match="rope_parameters.original_max_position_embeddings: missing"):
         from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 40}})
     with pytest.raises(ValueError, match="n_routed_experts"):
         from_hf_config({**base, "n_routed_experts": 8, "first_k_dense_replace": 1})
+    for field, value, message in (
+        ("model_type", "llama", "model_type: 'llama' is not supported"),
+        ("architectures", ["LlamaForCausalLM"], "architectures: .* has no 'DeepseekV3ForCausalLM'"),
+        ("quantization_config", {"quant_method": "fp8"}, "quantization_config: quantized weights"),
+        ("num_key_value_heads", 1, "num_key_value_heads: 1 differs from num_attention_heads 2"),
+        ("hidden_act", "gelu", "hidden_act: 'gelu' is not supported"),
+        ("tie_word_embeddings", True, "tie_word_embeddings: true is not supported"),
+        ("attention_bias", True, "attention_bias: true is not supported"),
+        ("kv_lora_rank", 16.0, "kv_lora_rank: must be an integer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            from_hf_config({**base, field: value})
+    with pytest.raises(ValueError, match="v_head_dim: missing"):
+        from_hf_config({k: v for k, v in base.items() if k != "v_head_dim"})
