@@ -4,7 +4,8 @@ The router streams OpenAI-style events: ``data: {json}`` lines, ``data:
 [DONE]`` last. An HTTP error comes as a status before any stream byte, an
 error found later as an event with an ``error`` field; both raise
 :class:`StreamError`, so a caller never mistakes a failed request for a short
-answer. Used by ``kvpool up --demo``, ``kvpool chat``, the replay and the tests.
+answer. So does a stream that ends without ``[DONE]`` (``silent``: nothing
+said it failed). Used by ``kvpool up --demo``, ``kvpool chat``, the replay and the tests.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ DONE = "[DONE]"
 
 
 class StreamError(RuntimeError):
-    """An HTTP error status (``status`` set) or an error event in the stream (``status`` None)."""
+    """An HTTP error status (``status`` set), an error event in the stream (``status`` None), or a
+    stream cut short with neither (``silent``)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, silent: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.silent = silent
 
 
 def parse_event(line: str) -> dict[str, Any] | None:
@@ -52,6 +55,7 @@ async def stream_events(client: httpx.AsyncClient, url: str, path: str,
             event = parse_event(line)
             if event is not None:
                 yield event
+    raise StreamError("the stream ended without [DONE]", silent=True)
 
 
 async def served_model(client: httpx.AsyncClient, url: str) -> tuple[str, int]:

@@ -70,6 +70,10 @@ def add_replay_parser(sub: Any) -> None:
     cluster.add_argument("--chunk-size", type=int, default=256, help="the prefill chunk size (and the bound's)")
     cluster.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float8_e4m3fn"))
     cluster.add_argument("--workdir", help="keep the cluster's logs here")
+    p.add_argument("--chaos", metavar="SPEC", help="run the sessions twice on a supervised cluster, clean then "
+                   "with these faults, and report what each cost, e.g. kill:store0@30s,kill:master@60s,"
+                   "kill:p1-stage2@90s,kill:decode1@120s,slow:store1=200ms@150s,corrupt:store0@180s "
+                   "(kvpool.tools.replay.chaos)")
     from kvpool.tools.replay.compare_cmd import add_compare_arguments
 
     add_compare_arguments(p)
@@ -134,6 +138,7 @@ def main(args: argparse.Namespace) -> int:
     from kvpool.model import get_config
 
     levels = _levels(args.concurrency)
+    faults = _chaos_faults(args) if args.chaos else None  # a bad SPEC stops here, before any process
     if args.compare:
         from kvpool.tools.replay.compare_cmd import main as compare
 
@@ -155,6 +160,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvpool replay: {exc}") from None
     print(f"kvpool replay: {len(workload.sessions)} sessions, {workload.num_turns} turns, "
           f"{workload.prompt_tokens:,} prompt tokens at --scale {args.scale}; levels {levels}", flush=True)
+    if faults is not None:
+        return _run_chaos(args, workload, faults, device_cache_tokens)
     results: list[ReplayResult] = []
     with tempfile.TemporaryDirectory(prefix="kvpool-replay-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
@@ -179,3 +186,35 @@ def main(args: argparse.Namespace) -> int:
             last["levels"] = summaries
         print(json.dumps(json_safe(last)), flush=True)
     return 0 if all(s["errors"] == 0 for s in summaries) else 1
+
+
+def _chaos_faults(args: argparse.Namespace) -> list[Any]:
+    """The SPEC's faults, checked against the cluster's names; exit 2 naming the bad part."""
+    from kvpool.core.chaos_spec import ChaosSpecError, check_targets, parse_chaos
+    from kvpool.tools.replay.chaos import cluster_names
+
+    try:
+        if args.url or args.compare:
+            raise ChaosSpecError(args.chaos, "--chaos starts its own clusters: not with --url or --compare")
+        if args.kv_dtype != "float32":
+            raise ChaosSpecError(args.chaos, "answers are compared exactly: --kv-dtype must be float32")
+        faults = parse_chaos(args.chaos)
+        check_targets(faults, cluster_names(args.stores, args.pipelines, args.stages, args.decode_shards))
+    except ChaosSpecError as exc:
+        print(f"kvpool replay: --{exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return faults
+
+
+def _run_chaos(args: argparse.Namespace, workload: ReplayWorkload, faults: list[Any], device_cache_tokens: int) -> int:
+    from kvpool.tools.replay.chaos import main_chaos
+    from kvpool.tools.replay.chaos_report import format_chaos_table
+
+    with tempfile.TemporaryDirectory(prefix="kvpool-chaos-") as tmp:
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+        report = main_chaos(args, workload, faults, device_cache_tokens, write_config, _probes, workdir)
+    print(format_chaos_table(report), flush=True)
+    if args.json:
+        print(json.dumps(json_safe(report)), flush=True)
+    ok = report["wrong_outputs"] == 0 and report["lost_silently"] == 0 and report["recovered_all"]
+    return 0 if ok else 1

@@ -57,6 +57,7 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any],
             if event.get("usage"):
                 usage = event["usage"]
             if event.get("choices"):
+                record.text += event["choices"][0].get("text") or ""
                 now = clock()
                 if not record.ttft_s:
                     record.ttft_s = now - started
@@ -65,10 +66,13 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 last = now
     except StreamError as exc:
         record.error = str(exc)
+        record.status = exc.status or 0
+        record.lost = exc.silent
         return
     record.latency_s = clock() - started
     if not usage:
         record.error = "no usage in the stream"
+        record.lost = True  # it ended as if done, yet it is not
         return
     ext = usage.get("kvpool", {})
     record.completion_tokens = int(usage.get("completion_tokens", 0))
@@ -167,7 +171,7 @@ async def run_replay(url: str, workload: ReplayWorkload, options: ReplayOptions,
         wall_s = time.perf_counter() - run.started
         after = await snapshot(client, probes)
     result = ReplayResult(options.concurrency, wall_s, run.records, before, after, await pool_stats(probes.master),
-                          sampler.samples)
+                          sampler.samples, started_at=run.started)
     result.summary = summarize(result, workload, options)
     return result
 

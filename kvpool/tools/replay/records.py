@@ -57,6 +57,9 @@ class TurnRecord:
     pipeline: str = ""
     shard: str = ""
     error: str | None = None
+    status: int = 0  # the HTTP status of a refused request; 0: none (an error event, a transport error)
+    lost: bool = False  # the stream ended without [DONE] or usage and without saying it failed
+    text: str = ""  # the answer as streamed
 
 
 @dataclass(slots=True)
@@ -71,6 +74,7 @@ class ReplayResult:
     pool: dict[str, Any] | None = None
     decode_utilization: list[float] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    started_at: float = 0.0  # time.perf_counter() when the first session started
 
     @property
     def errors(self) -> int:
