@@ -20,7 +20,7 @@ TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "age
 def test_chaos_run_kills_and_corrupts_stores_without_a_wrong_answer(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "services.cli", "replay", str(TRACES / "trace_0001.json"),
                "--chaos", "kill:store0@2s,corrupt:store1@4s", "--sessions", "1", "--concurrency", "1",
-               "--scale", "128", "--max-tokens", "4", "--think-scale", "0", "--duration", "12",
+               "--scale", "128", "--max-tokens", "4", "--think-scale", "0", "--duration", "8",
                "--pipelines", "1", "--stages", "1", "--decode-shards", "1", "--segment-size", "32MiB",
                "--device-cache-tokens", "4096", "--workdir", str(tmp_path), "--json"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ})
