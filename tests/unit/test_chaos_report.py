@@ -44,3 +44,20 @@ def test_no_window_back_within_ten_percent_is_not_recovered() -> None:
     report = chaos_report(clean, chaos, [("slow:store1=200ms@2s", 2.0)])
     assert report["faults"][0]["recovered_s"] is None and report["recovered_all"] is False
     assert report["faults"][0]["ttft_p50_chaos_s"] == 1.2 and report["faults"][0]["ttft_p50_clean_s"] == 1.0
+
+
+def test_a_killed_process_downtime_against_the_run_without_a_pool() -> None:
+    clean = [turn(i, float(i)) for i in range(12)]
+    chaos = [turn(i, float(i), ttft=2.0 if 3 <= i < 6 else 1.0) for i in range(12)]
+    no_pool = [turn(i, float(i), ttft=1.6, reused=0) for i in range(12)]
+    report = chaos_report(clean, chaos, [("kill:master@3s", 3.0)], back={"kill:master@3s": 6.0}, no_pool=no_pool)
+    row = report["faults"][0]
+    assert (row["down_s"], row["down_turns"], row["down_ttft_p50_s"], row["no_pool_ttft_p50_s"]) == (3.0, 3, 2.0, 1.6)
+    assert row["down_ttft_vs_no_pool"] == 1.25
+    assert "down_s" not in chaos_report(clean, chaos, [("kill:master@3s", 3.0)])["faults"][0]  # never back
+
+
+def test_pool_share_before_a_fault() -> None:
+    records = [turn(i, float(i), pool_tokens=40 if i < 5 else 0) for i in range(10)]
+    row = chaos_report(records, records, [("kill:master@5s", 5.0)])["faults"][0]
+    assert row["pool_share_before"] == 0.4  # 5 turns of 100 prompt tokens, 40 from the pool each

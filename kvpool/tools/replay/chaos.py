@@ -97,6 +97,7 @@ class ChaosRun:
     faults: list[Fault] = field(default_factory=list)
     say: Callable[[str], None] = print
     injected: list[tuple[str, float]] = field(default_factory=list)  # (label, perf_counter when done)
+    back: dict[str, float] = field(default_factory=dict)  # a killed process's label: perf_counter when ready again
 
     def run(self, workload: ReplayWorkload, options: ReplayOptions) -> ReplayResult:
         supervisor = Supervisor(self.cluster, say=self.say)
@@ -119,6 +120,7 @@ class ChaosRun:
                 while pending and time.perf_counter() - started >= pending[0].at_s:
                     helpers += self._inject(pending.pop(0), stop)
                 supervisor.tick()
+                self._note_back()
                 thread.join(TICK_S)
         finally:
             stop.set()
@@ -128,6 +130,14 @@ class ChaosRun:
         if "error" in box:
             raise box["error"]
         return box["result"]
+
+    def _note_back(self) -> None:
+        """A killed process the supervisor has restarted (tick returns once it is ready) is back now."""
+        for fault in self.faults:
+            if (fault.kind is FaultKind.KILL and fault.label not in self.back
+                    and any(label == fault.label for label, _ in self.injected)
+                    and self.cluster.find(fault.target).alive):
+                self.back[fault.label] = time.perf_counter()
 
     def _inject(self, fault: Fault, stop: threading.Event) -> list[threading.Thread]:
         proc = self.cluster.find(fault.target)
@@ -151,6 +161,11 @@ def fault_times(run: ChaosRun, result: ReplayResult) -> list[tuple[str, float]]:
     return [(label, at - result.started_at) for label, at in run.injected]
 
 
+def back_times(run: ChaosRun, result: ReplayResult) -> dict[str, float]:
+    """When each killed process was ready again, in the replay's own clock."""
+    return {label: at - result.started_at for label, at in run.back.items()}
+
+
 def workdir_of(base: Path, phase: str) -> Path:
     path = base / phase
     path.mkdir(parents=True, exist_ok=True)
@@ -168,9 +183,13 @@ def main_chaos(args: Any, workload: ReplayWorkload, faults: list[Fault], device_
     options = ReplayOptions(concurrency=level, think_scale=args.think_scale, duration_s=args.duration,
                             chunk_size=args.chunk_size)
     results: dict[str, tuple[ChaosRun, ReplayResult]] = {}
-    for phase, phase_faults in (("clean", []), ("chaos", faults)):
+    phases: list[tuple[str, list[Fault]]] = [("clean", []), ("chaos", faults)]
+    if any(f.kind is FaultKind.KILL and f.target == "master" for f in faults):
+        phases.append(("no_pool", []))  # the master outage's bound: the same turns without any pool
+    for phase, phase_faults in phases:
         settings = UpSettings(http_port=0, grpc_port=0, pipelines=args.pipelines, stages=args.stages,
-                              decode_shards=args.decode_shards, stores=args.stores, segment_size=args.segment_size,
+                              decode_shards=args.decode_shards, stores=0 if phase == "no_pool" else args.stores,
+                              segment_size=args.segment_size,
                               kv_dtype="float32", device_cache_tokens=device_cache_tokens,
                               workdir=str(workdir_of(workdir, phase)))
         cluster = up_cluster(settings, str(write_config(workdir / f"chaos-{phase}.toml", args)), args.log_level)
@@ -182,4 +201,6 @@ def main_chaos(args: Any, workload: ReplayWorkload, faults: list[Fault], device_
         finally:
             cluster.stop()
     chaos_run, chaos_result = results["chaos"]
-    return chaos_report(results["clean"][1].records, chaos_result.records, fault_times(chaos_run, chaos_result))
+    no_pool = results["no_pool"][1].records if "no_pool" in results else None
+    return chaos_report(results["clean"][1].records, chaos_result.records, fault_times(chaos_run, chaos_result),
+                        back_times(chaos_run, chaos_result), no_pool)

@@ -29,6 +29,7 @@ from kvpool.tools.replay.records import TurnRecord
 
 WINDOW = 8  # turns compared at once when deciding recovery
 TOLERANCE = 0.10
+BEFORE_S = 30.0  # "before a fault": the answered turns issued this long before it
 
 
 def _key(record: TurnRecord) -> tuple[str, int]:
@@ -57,9 +58,24 @@ def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 4) if values else None
 
 
-def chaos_report(clean: Sequence[TurnRecord], chaos: Sequence[TurnRecord],
-                 faults: Sequence[tuple[str, float]]) -> dict[str, Any]:
-    """The JSON report; ``faults`` are (label, seconds after the chaos run started) in time order."""
+def _outage(owned: Sequence[TurnRecord], until_s: float, no_pool: Sequence[TurnRecord]) -> dict[str, Any]:
+    """A killed process's downtime: its turns' median TTFT, and the same turns' run without a pool."""
+    down = [r for r in owned if r.issued_at < until_s and r.error is None]
+    twins = {_key(r): r for r in no_pool if r.error is None}
+    paired = [r for r in down if _key(r) in twins]
+    chaos_p50 = _median([r.ttft_s for r in paired])
+    no_pool_p50 = _median([twins[_key(r)].ttft_s for r in paired])
+    return {"down_turns": len(down), "down_ttft_p50_s": _median([r.ttft_s for r in down]),
+            "down_ttft_p50_paired_s": chaos_p50, "no_pool_ttft_p50_s": no_pool_p50,
+            "down_ttft_vs_no_pool": None if not chaos_p50 or not no_pool_p50 else round(chaos_p50 / no_pool_p50, 3)}
+
+
+def chaos_report(clean: Sequence[TurnRecord], chaos: Sequence[TurnRecord], faults: Sequence[tuple[str, float]],
+                 back: dict[str, float] | None = None, no_pool: Sequence[TurnRecord] | None = None) -> dict[str, Any]:
+    """The JSON report; ``faults`` are (label, seconds after the chaos run started) in time order;
+    ``back``: when each killed process was ready again (its downtime's turns are reported apart, and
+    held against ``no_pool``, the same sessions on a cluster without a pool, when given)."""
+    back = back or {}
     twins = {_key(r): r for r in clean}
     issued = {_key(r) for r in chaos}
     last_issued: dict[str, int] = {}
@@ -95,6 +111,12 @@ def chaos_report(clean: Sequence[TurnRecord], chaos: Sequence[TurnRecord],
             "ttft_p50_chaos_s": _median([r.ttft_s for r in compared]),
             "recovered_s": None if recovered is None else round(recovered, 2),
         })
+        earlier = [r for r in ordered if at_s - BEFORE_S <= r.issued_at < at_s and r.error is None]
+        rows[-1]["pool_share_before"] = round(
+            sum(r.pool_tokens for r in earlier) / max(1, sum(r.prompt_tokens for r in earlier)), 4)
+        if label in back:
+            rows[-1]["down_s"] = round(back[label] - at_s, 2)
+            rows[-1].update(_outage(owned, back[label], no_pool or []))
     before = [r for r in ordered if not faults or r.issued_at < faults[0][1]]
     return {
         "turns": len(chaos), "clean_turns": len(clean), "clean_errors": sum(r.error is not None for r in clean),
@@ -119,6 +141,12 @@ def format_chaos_table(report: dict[str, Any]) -> str:
                      f"| {row['lost_silently']} | {row['wrong_outputs']} | {row['reuse_clean']:.1%} → "
                      f"{row['reuse_chaos']:.1%} | {row['ttft_p50_clean_s']} → {row['ttft_p50_chaos_s']} "
                      f"| {recovered} |")
+    for row in report["faults"]:
+        if "down_s" in row:
+            lines.append(f"\n{row['fault']}: down {row['down_s']:g} s, {row['down_turns']} turns answered meanwhile, "
+                         f"TTFT p50 {row['down_ttft_p50_paired_s']} s vs {row['no_pool_ttft_p50_s']} s for the same "
+                         f"turns without a pool (x{row['down_ttft_vs_no_pool']}); pool share in the "
+                         f"{BEFORE_S:g} s before {row['pool_share_before']:.1%}")
     lines.append(f"\nturns {report['turns']}, failed {report['failed']}, lost silently {report['lost_silently']}, "
                  f"wrong outputs {report['wrong_outputs']}, recovered_all {report['recovered_all']}")
     return "\n".join(lines)
