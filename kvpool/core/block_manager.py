@@ -15,11 +15,22 @@ Invariants:
   the pages) holds a reference through ``hold`` until that I/O ends, so it is
   never reused, and never a restore's target, while the bytes are in flight.
 
-Eviction order: the free list runs LRU → MRU; allocation takes the LRU end and
-only then forgets that block's hash (lazy eviction). Blocks start in id order
-(block 0 first). ``free`` returns a request's hashed blocks to the MRU end in
-reverse table order, so a prompt's tail is evicted before its head, and its
-unhashed blocks to the LRU end, since they cache nothing.
+Eviction order: the free list runs LRU → MRU, every uncached block before
+every cached one; allocation takes the LRU end and only then forgets that
+block's hash (lazy eviction). Blocks start in id order (block 0 first).
+``free`` returns a request's hashed blocks to the MRU end in reverse table
+order, so a prompt's tail is evicted before its head, and its unhashed blocks
+to the LRU end, since they cache nothing.
+
+Tenants: a block in use or cached belongs to the tenant whose request took
+it (``tenant_blocks`` counts them); a free uncached block is no one's. An
+allocation takes uncached free blocks first (they cost no one anything); a
+cached one is chosen by ``tenant_shares``'s rule with shares of
+``num_blocks``: a tenant over its share (with the allocation) reuses its own
+least recently used cached blocks first, then those of the tenants furthest
+over their share, and only then the free list's LRU end. That last step is
+taken even by a tenant over its share: a request always gets its blocks when
+enough are free. With one tenant the order is the plain LRU order above.
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.core.chunk_hash import ChunkHash
+from kvpool.core.chunk_hash import DEFAULT_TENANT, ChunkHash
 from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.core.tenant_shares import TenantShares, VictimOrder
 
 
 class NoFreeBlocks(ResourceExhausted):
@@ -46,6 +58,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     chunk_hash: ChunkHash | None = None
+    tenant: str | None = None  # whose KV it holds: in use or cached; None when free and uncached
 
 
 @dataclass(slots=True)
@@ -57,7 +70,7 @@ class _Request:
 class BlockManager:
     """Request-level API over a pool of ``num_blocks`` blocks (see module doc)."""
 
-    def __init__(self, num_blocks: int, chunk_size: int) -> None:
+    def __init__(self, num_blocks: int, chunk_size: int, shares: TenantShares | None = None) -> None:
         if num_blocks <= 0 or chunk_size <= 0:
             raise InvalidArgument(f"num_blocks and chunk_size must be positive, got {num_blocks}, {chunk_size}")
         self.num_blocks = num_blocks
@@ -67,6 +80,10 @@ class BlockManager:
         self._free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block_id: dict[ChunkHash, int] = {}
         self._requests: dict[str, _Request] = {}
+        self.shares = shares if shares is not None else TenantShares()
+        # blocks each tenant holds (in use or cached), and its cached free blocks LRU first
+        self.tenant_blocks: dict[str, int] = {}
+        self._cached_free: dict[str, OrderedDict[int, None]] = {}
 
     # queries
     @property
@@ -113,11 +130,13 @@ class BlockManager:
         chunk_hashes: Sequence[ChunkHash],
         num_tokens: int,
         num_device_hit_chunks: int,
+        tenant: str = DEFAULT_TENANT,
     ) -> list[int]:
-        """Block table for the whole prompt: the first ``num_device_hit_chunks``
+        """Block table for the whole prompt of ``tenant``: the first ``num_device_hit_chunks``
         blocks are the cached ones (ref'd, taken off the free list), the rest
-        fresh. ``chunk_hashes`` are the prompt's full-chunk hashes. Raises
-        ``NoFreeBlocks`` (state untouched) if the fresh blocks do not fit."""
+        fresh (chosen by the tenants' rule, module doc). ``chunk_hashes`` are the
+        prompt's full-chunk hashes. Raises ``NoFreeBlocks`` (state untouched) if
+        the fresh blocks do not fit."""
         if request_id in self._requests:
             raise InvalidArgument(f"request_id {request_id!r} already has a block table")
         if num_tokens <= 0:
@@ -144,9 +163,10 @@ class BlockManager:
         for block_id in hit_block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self._free_block_ids[block_id]
+                self._take_free(block)
             block.ref_count += 1
-        block_table = hit_block_ids + [self._allocate_block() for _ in range(num_new)]
+        victims = self.shares.victim_order(self.tenant_blocks, tenant, num_new, self.num_blocks, any_allowed=True)
+        block_table = hit_block_ids + [self._allocate_block(victims) for _ in range(num_new)]
         self._requests[request_id] = _Request(block_table, num_full_chunks)
         return list(block_table)
 
@@ -212,6 +232,9 @@ class BlockManager:
                 self._free_block_ids[block_id] = None
                 if block.chunk_hash is None:
                     self._free_block_ids.move_to_end(block_id, last=False)
+                    self._set_tenant(block, None)
+                elif block.tenant is not None:  # always: a block in use has its tenant
+                    self._cached_free.setdefault(block.tenant, OrderedDict())[block_id] = None
 
     def forget_cached(self) -> int:
         """Forget every cached chunk: no block matches a prefix any more.
@@ -226,6 +249,8 @@ class BlockManager:
         cached_free = [b for b in self._free_block_ids if self.blocks[b].chunk_hash is not None]
         for block_id in reversed(cached_free):
             self._free_block_ids.move_to_end(block_id, last=False)
+            self._set_tenant(self.blocks[block_id], None)  # free and uncached: no one's
+        self._cached_free.clear()
         for block_id in self._hash_to_block_id.values():
             self.blocks[block_id].chunk_hash = None
         self._hash_to_block_id.clear()
@@ -238,11 +263,46 @@ class BlockManager:
             raise NotFound(f"request_id {request_id!r} has no block table")
         return request
 
-    def _allocate_block(self) -> int:
-        block_id, _ = self._free_block_ids.popitem(last=False)
-        block = self.blocks[block_id]
+    def _allocate_block(self, victims: VictimOrder) -> int:
+        block = self._pick_free(victims)
+        self._take_free(block)
         if block.chunk_hash is not None:  # lazy eviction
             del self._hash_to_block_id[block.chunk_hash]
             block.chunk_hash = None
+        self._set_tenant(block, victims.tenant)
         block.ref_count = 1
-        return block_id
+        return block.block_id
+
+    def _pick_free(self, victims: VictimOrder) -> Block:
+        """The free block to reuse: an uncached one, else by the tenants' rule (module doc)."""
+        head = self.blocks[next(iter(self._free_block_ids))]
+        if head.chunk_hash is None:
+            return head  # uncached blocks lead the free list
+        if victims.own and (own := self._cached_free.get(victims.tenant)):
+            return self.blocks[next(iter(own))]
+        over = self.shares.most_over(victims, self.tenant_blocks)
+        for tenant in over:  # every tenant over its share with a cached free block has one
+            if tenant in self._cached_free:
+                return self.blocks[next(iter(self._cached_free[tenant]))]
+        return head  # a request always gets its blocks: the global LRU
+
+    def _take_free(self, block: Block) -> None:
+        """Take a free block off the free list (and off its tenant's cached free blocks)."""
+        del self._free_block_ids[block.block_id]
+        if block.chunk_hash is not None and block.tenant is not None:
+            cached = self._cached_free[block.tenant]
+            del cached[block.block_id]
+            if not cached:
+                del self._cached_free[block.tenant]
+
+    def _set_tenant(self, block: Block, tenant: str | None) -> None:
+        if block.tenant == tenant:
+            return
+        counts = self.tenant_blocks
+        if block.tenant is not None:
+            counts[block.tenant] -= 1
+            if not counts[block.tenant]:
+                del counts[block.tenant]
+        if tenant is not None:
+            counts[tenant] = counts.get(tenant, 0) + 1
+        block.tenant = tenant

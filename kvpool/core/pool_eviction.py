@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpool.core.pool_records import Group, IndexCounters, Segment
+from kvpool.core.tenant_shares import TenantShares, VictimOrder
 
 
 class Evictable(Protocol):
@@ -22,6 +23,20 @@ class Evictable(Protocol):
     @property
     def lru_groups(self) -> OrderedDict[str, Group]:
         """Every group, least recently used first."""
+        ...
+
+    def tenant_groups(self, tenant: str) -> OrderedDict[str, Group]:
+        """One tenant's groups, least recently used first."""
+        ...
+
+    @property
+    def tenant_bytes(self) -> dict[str, int]:
+        """Bytes each tenant holds (tenants holding none are absent)."""
+        ...
+
+    @property
+    def share_capacity(self) -> float:
+        """The bytes tenants' shares divide."""
         ...
 
     @property
@@ -42,11 +57,19 @@ class Evictable(Protocol):
 
 @dataclass(slots=True)
 class Eviction:
-    """Frees space for a put, least recently used group first.
+    """Frees space for a put of one tenant, least recently used group first within the rule of shares.
 
     Invariants:
-    - when a put would pass ``high`` used bytes, groups go until ``low``; then,
-      while the object still does not fit, one more at a time;
+    - victims follow ``TenantShares.victim_order`` (``tenant_shares``'s rule,
+      shares of ``index.share_capacity``, fixed for the put of one object): a
+      tenant over its share loses its own oldest groups first, then the
+      tenants furthest over theirs do; a tenant within its share never loses a
+      group to a tenant over its share;
+    - when a put would pass ``high`` used bytes, groups of the putting tenant
+      (if over) and of tenants over their share go until ``low``; then, while
+      the object still does not fit, one more at a time, and only then, for a
+      tenant within its share, any group in global LRU order (step 3 of the
+      rule); a tenant over its share that finds nothing gets no space;
     - never a busy group (leased, or a put in flight), nor the group ``keep``
       that the put itself joins (evicting it would only leave it incomplete);
     - ``mode="group"`` removes whole groups; ``mode="object"`` (for
@@ -59,39 +82,63 @@ class Eviction:
     index: Evictable
     counters: IndexCounters
     mode: str = "group"
+    shares: TenantShares = field(default_factory=TenantShares)
 
     def reserve(
-        self, order: list[Segment], size: int, high: float, low: float, keep: str = ""
+        self, order: list[Segment], size: int, high: float, low: float, keep: str = "", tenant: str = "default"
     ) -> tuple[Segment, int] | None:
-        """Place ``size`` bytes: evict to ``low`` used bytes past ``high``, then allocate."""
+        """Place ``size`` bytes of ``tenant``: evict to ``low`` used bytes past ``high``, then allocate."""
         if not order:
             return None
         index = self.index
+        victims: VictimOrder | None = None
         if index.used_bytes + size > high:
-            while index.used_bytes + size > low and self.evict_one(keep):
+            victims = self.victim_order(tenant, size)
+            while index.used_bytes + size > low and self.evict_one(victims, keep, any_allowed=False):
                 pass
         while True:
             placed = index.allocate(order, size)
             if placed is not None:
                 return placed
-            if not self.evict_one(keep):
+            if victims is None:
+                victims = self.victim_order(tenant, size)
+            if not self.evict_one(victims, keep, any_allowed=True):
                 return None
 
-    def evict_one(self, keep: str = "") -> bool:
-        """Evict the least recently used idle group (or, by object, its oldest member); False if none may go."""
-        groups = self.index.lru_groups
+    def victim_order(self, tenant: str, size: int) -> VictimOrder:
+        index = self.index
+        return self.shares.victim_order(index.tenant_bytes, tenant, size, index.share_capacity, any_allowed=True)
+
+    def evict_one(self, victims: VictimOrder, keep: str = "", any_allowed: bool = True) -> bool:
+        """Evict one idle group (or, by object, one member) by the rule; False if none may go."""
+        index = self.index
+        if victims.own and self._evict_first(index.tenant_groups(victims.tenant), keep):
+            return True
+        # the tenants furthest over their share, re-ranked after each group they lose
+        tried: list[str] = []
+        while over := self.shares.most_over(victims, index.tenant_bytes, tried):
+            if self._evict_first(index.tenant_groups(over[0]), keep):
+                return True
+            tried.append(over[0])  # nothing of it may go: the next one
+        return any_allowed and victims.then_any and self._evict_first(index.lru_groups, keep)
+
+    def _evict_first(self, groups: OrderedDict[str, Group], keep: str) -> bool:
+        """Evict the first idle group of ``groups`` (LRU first), or by object its oldest member."""
         for group_id, group in groups.items():
             if group.busy or group_id == keep:
                 continue
+            by_tenant = self.counters.evicted_groups_by_tenant
             if self.mode == "object":
                 # all members are committed: the group is not busy
                 key, obj = next(iter(group.members.items()))
                 self.counters.evicted_bytes += obj.size
                 self.index.drop_member(group, key)
-                if group_id not in groups:
+                if group_id not in self.index.lru_groups:
                     self.counters.evicted_groups += 1
+                    by_tenant[group.tenant] = by_tenant.get(group.tenant, 0) + 1
                 return True
             self.counters.evicted_groups += 1
+            by_tenant[group.tenant] = by_tenant.get(group.tenant, 0) + 1
             self.counters.evicted_bytes += sum(m.size for m in group.members.values())
             self.index.drop_group(group_id)
             return True

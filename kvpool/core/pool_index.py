@@ -5,9 +5,14 @@ protobuf to these calls; unit tests drive it directly.
 
 Invariants:
 - a group is visible to lookups only when every declared member is committed;
-- eviction removes whole groups, least recently used first, and never a group
-  that is leased or has a put in flight (``eviction="object"``, for comparisons
-  only, removes one member at a time and may leave partial groups, invisible);
+- eviction removes whole groups, least recently used first within the rule
+  of tenants' shares (``tenant_shares``: a tenant over its share loses its
+  own groups first, and a tenant within its share never loses one to a
+  tenant over it), and never a group that is leased or has a put in flight
+  (``eviction="object"``, for comparisons only, removes one member at a time
+  and may leave partial groups, invisible);
+- a group belongs to the tenant of its first writer; ``tenants`` holds each
+  tenant's groups in LRU order and its bytes (``pool_tenants``);
 - eviction starts when used bytes would pass ``high_watermark × capacity`` and
   frees down to ``low_watermark × capacity``;
 - every allocated byte belongs to exactly one object (committed or in flight);
@@ -54,6 +59,8 @@ from kvpool.core.pool_records import (
 )
 from kvpool.core.pool_segments import SegmentTable
 from kvpool.core.pool_settings import IndexSettings
+from kvpool.core.pool_tenants import TenantLedger
+from kvpool.core.tenant_shares import TenantShares, tenant_name
 
 
 class PoolIndex:
@@ -61,7 +68,7 @@ class PoolIndex:
 
     __slots__ = (
         "settings", "clock", "objects", "groups", "counters", "segment_table", "eviction", "failures",
-        "leases", "_in_flight", "_incomplete",
+        "leases", "tenants", "shares", "_in_flight", "_incomplete",
     )
 
     def __init__(self, settings: IndexSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -70,6 +77,8 @@ class PoolIndex:
         self.objects: dict[str, StoredObject] = {}
         # LRU order: first entry is the least recently used group.
         self.groups: OrderedDict[str, Group] = OrderedDict()
+        self.tenants = TenantLedger()
+        self.shares = TenantShares.parse(self.settings.tenant_weights)
         self.counters = IndexCounters()
         # puts in flight, with when they started (in that order)
         self._in_flight: OrderedDict[str, float] = OrderedDict()
@@ -78,7 +87,7 @@ class PoolIndex:
         self.failures = GroupFailures(self.settings.failed_group_hold_s, clock)
         self.leases = LeaseTable(clock)
         self.segment_table = SegmentTable(self, self.settings, clock, self.counters, self.failures)
-        self.eviction = Eviction(self, self.counters, self.settings.eviction)
+        self.eviction = Eviction(self, self.counters, self.settings.eviction, self.shares)
 
     # ---- writes ---------------------------------------------------------
 
@@ -117,7 +126,9 @@ class PoolIndex:
             if group is not None and group.members:
                 # keep a group in one store where room allows
                 order = group_first(order, {m.segment_id for m in group.members.values()}, client_host)
-            placed = self.eviction.reserve(order, item.size, high, low, keep=item.group_id)
+            # a group is its first writer's
+            tenant = group.tenant if group is not None else tenant_name(item.tenant)
+            placed = self.eviction.reserve(order, item.size, high, low, keep=item.group_id, tenant=tenant)
             if placed is None:
                 outcomes.append(PutOutcome(PutStatus.NO_SPACE))
                 failed_here.add(item.group_id)
@@ -125,12 +136,13 @@ class PoolIndex:
                 continue
             num_placed += 1
             segment, offset = placed
-            obj = StoredObject(key, item.group_id, segment.segment_id, offset, item.size)
-            objects[key] = obj
-            segment.keys.add(key)
             group = groups.get(item.group_id)  # eviction may have dropped it meanwhile
             if group is None:
-                group = groups[item.group_id] = Group(item.group_id, item.group_size)
+                group = self._new_group(item.group_id, item.group_size, tenant)
+            obj = StoredObject(key, item.group_id, segment.segment_id, offset, item.size, tenant=group.tenant)
+            objects[key] = obj
+            self.tenants.add_object(obj)
+            segment.keys.add(key)
             group.members[key] = obj
             group.num_in_flight += 1
             self._mark_incomplete(item.group_id)
@@ -155,7 +167,7 @@ class PoolIndex:
             if group.complete:
                 self._incomplete.pop(obj.group_id, None)
             self.segments[obj.segment_id].journal.add(
-                ObjectRecord(key, obj.group_id, group.size, obj.offset, obj.size, checksum)
+                ObjectRecord(key, obj.group_id, group.size, obj.offset, obj.size, checksum, obj.tenant)
             )
             if group.failed and group.num_in_flight == 0:
                 self._drop_failed(group)
@@ -264,9 +276,12 @@ class PoolIndex:
         before it, so within one request the tail is made older than the head
         and is evicted first.
         """
+        groups, tenants = self.groups, self.tenants
         for group_id in reversed(list(group_ids)):
-            if group_id in self.groups:
-                self.groups.move_to_end(group_id)
+            group = groups.get(group_id)
+            if group is not None:
+                groups.move_to_end(group_id)
+                tenants.touch(group)
 
     # ---- accounting -----------------------------------------------------
 
@@ -301,13 +316,23 @@ class PoolIndex:
         group.num_in_flight -= 1
         self._free(obj)
         if not group.members:
-            del self.groups[obj.group_id]
+            self._forget_group(group)
         self.counters.revoked_puts += 1
         self._fail_group(obj.group_id, group.size)
 
     def _free(self, obj: StoredObject) -> None:
         del self.objects[obj.key]
+        self.tenants.remove_object(obj)
         self.segment_table.release(obj)
+
+    def _new_group(self, group_id: str, size: int, tenant: str) -> Group:
+        group = self.groups[group_id] = Group(group_id, size, tenant=tenant)
+        self.tenants.add_group(group)
+        return group
+
+    def _forget_group(self, group: Group) -> None:
+        del self.groups[group.group_id]
+        self.tenants.remove_group(group)
 
     # ---- failed groups --------------------------------------------------
 
@@ -339,7 +364,7 @@ class PoolIndex:
         for group_id in failed:
             group = self.groups.get(group_id)
             if group is not None and not group.members:
-                del self.groups[group_id]
+                self._forget_group(group)
             elif group is not None and not group.busy:
                 self._drop_failed(group)
 
@@ -376,11 +401,24 @@ class PoolIndex:
     def lru_groups(self) -> OrderedDict[str, Group]:
         return self.groups
 
+    def tenant_groups(self, tenant: str) -> OrderedDict[str, Group]:
+        return self.tenants.groups_of(tenant)
+
+    @property
+    def tenant_bytes(self) -> dict[str, int]:
+        return self.tenants.bytes
+
+    @property
+    def share_capacity(self) -> float:
+        """What tenants' shares divide: the bytes the pool fills before it evicts."""
+        return self.settings.high_watermark * self.capacity
+
     def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
         return self.segment_table.allocate(order, size)
 
     def drop_group(self, group_id: str) -> int:
-        group = self.groups.pop(group_id)
+        group = self.groups[group_id]
+        self._forget_group(group)
         self._incomplete.pop(group_id, None)
         for key, obj in group.members.items():
             self._in_flight.pop(key, None)
@@ -392,14 +430,16 @@ class PoolIndex:
         group.num_committed -= 1
         self._free(obj)
         if not group.members:
-            del self.groups[group.group_id]
+            self._forget_group(group)
             self._incomplete.pop(group.group_id, None)
 
     def adopt(self, obj: StoredObject, group_size: int) -> None:
-        self.objects[obj.key] = obj
         group = self.groups.get(obj.group_id)
         if group is None:
-            group = self.groups[obj.group_id] = Group(obj.group_id, group_size)
+            group = self._new_group(obj.group_id, group_size, obj.tenant)
+        obj.tenant = group.tenant  # a group is one tenant's, whatever a report says
+        self.objects[obj.key] = obj
+        self.tenants.add_object(obj)
         group.members[obj.key] = obj
         group.num_committed += 1
         if not group.complete:  # its other members are in stores that have not reported yet

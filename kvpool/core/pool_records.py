@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvpool.core.allocator import SegmentAllocator
+from kvpool.core.chunk_hash import DEFAULT_TENANT
 
 
 class PutStatus(enum.Enum):
@@ -24,6 +25,8 @@ class PutRequestItem:
     group_id: str
     group_size: int
     size: int
+    # whose chunk: a group's tenant is its first writer's (tenant_shares)
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(slots=True)
@@ -38,6 +41,8 @@ class IndexCounters:
     abandoned_groups: int = 0
     adopted_objects: int = 0
     rejected_records: int = 0
+    # groups evicted, by the tenant whose group it was
+    evicted_groups_by_tenant: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,6 +55,7 @@ class ObjectRecord:
     offset: int
     size: int
     checksum: int
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,6 +126,7 @@ class StoredObject:
     size: int
     checksum: int = 0
     committed: bool = False
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(slots=True)
@@ -134,6 +141,7 @@ class Group:
     num_leases: int = 0
     # a member failed to save: the group is dropped once no member is in flight
     failed: bool = False
+    tenant: str = DEFAULT_TENANT
 
     @property
     def complete(self) -> bool:

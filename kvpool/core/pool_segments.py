@@ -33,6 +33,7 @@ from kvpool.core.pool_records import (
 )
 from kvpool.core.pool_recovery import allocator_with_ranges, plan_report
 from kvpool.core.pool_settings import IndexSettings
+from kvpool.core.tenant_shares import tenant_name
 
 
 class SegmentHost(Protocol):
@@ -137,7 +138,8 @@ class SegmentTable:
         self.capacity += size
         self.used_bytes += allocator.used_bytes
         for record in plan.accepted:
-            obj = StoredObject(record.key, record.group_id, segment_id, record.offset, record.size, record.checksum, True)
+            obj = StoredObject(record.key, record.group_id, segment_id, record.offset, record.size, record.checksum, True,
+                               tenant_name(record.tenant))
             segment.keys.add(record.key)
             self.index.adopt(obj, record.group_size)
         self.counters.adopted_objects += len(plan.accepted)
@@ -162,7 +164,7 @@ class SegmentTable:
         if obj is None or not obj.committed or obj.segment_id != segment_id:
             return None
         size = self.index.lru_groups[obj.group_id].size
-        return ObjectRecord(key, obj.group_id, size, obj.offset, obj.size, obj.checksum)
+        return ObjectRecord(key, obj.group_id, size, obj.offset, obj.size, obj.checksum, obj.tenant)
 
     def unmount(self, segment_id: str) -> int:
         """Drop a segment and every group with a member in it; returns objects dropped."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.core.setting import setting
+from kvpool.core.tenant_shares import parse_weights
 
 
 @dataclass(slots=True)
@@ -34,6 +35,13 @@ class IndexSettings:
         4096, help="most changes to a segment's committed objects sent to its store in one heartbeat response "
         "(it asks again at once for the rest)",
     )
+    tenant_weights: list[str] = setting(
+        help="each tenant's weight in the pool, TENANT=WEIGHT (comma-separated); a tenant not named weighs 1. "
+        "A tenant's share is its weight over the weights of the tenants holding chunks, of the bytes under the "
+        "high watermark; a tenant over its share loses its own oldest chunks first and never evicts a tenant "
+        "within its share (docs/security.md)", factory=list, metavar="TENANT=WEIGHT,...",
+        default_text="none: equal shares",
+    )
     eviction: str = setting(
         "group", choices=("group", "object"),
         help="group: evict a chunk's members together (never a partial group); object: evict each member on "
@@ -55,5 +63,8 @@ class IndexSettings:
             raise ValueError(f"stripe_min_bytes must be positive, got {self.stripe_min_bytes}")
         if self.max_changes_per_heartbeat <= 0:
             raise ValueError(f"max_changes_per_heartbeat must be positive, got {self.max_changes_per_heartbeat}")
+        if isinstance(self.tenant_weights, str):
+            self.tenant_weights = [w for w in self.tenant_weights.split(",") if w]
+        parse_weights(self.tenant_weights)  # raises naming the bad entry
         if self.eviction not in ("group", "object"):
             raise ValueError(f"eviction must be 'group' or 'object', got {self.eviction!r}")

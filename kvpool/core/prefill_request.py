@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvpool.core.block_manager import BlockManager, NoFreeBlocks
-from kvpool.core.chunk_hash import ChunkHash
+from kvpool.core.chunk_hash import DEFAULT_TENANT, ChunkHash
 from kvpool.core.errors import FailedPrecondition, ResourceExhausted
 from kvpool.core.planner import RestorePlan, max_hit_chunks, plan_restore
 
@@ -62,6 +62,8 @@ class PrefillRequest:
     num_restored_chunks: int = 0
     # leading device-hit chunks known to be in the pool; the rest are written back
     num_device_chunks_in_pool: int = 0
+    # whose request: its share of the device cache decides whose cached blocks its fresh ones reuse
+    tenant: str = DEFAULT_TENANT
 
     @property
     def hit_limit(self) -> int:
@@ -74,7 +76,8 @@ class PrefillRequest:
         """Take device blocks; ``NoFreeBlocks`` (nothing changed) when they do not fit now."""
         self._expect(Phase.NEW)
         num_device = blocks.match_prefix(self.chunk_hashes[: self.hit_limit])
-        self.block_table = blocks.allocate(self.request_id, self.chunk_hashes, self.num_tokens, num_device)
+        self.block_table = blocks.allocate(self.request_id, self.chunk_hashes, self.num_tokens, num_device,
+                                           self.tenant)
         self.num_device_chunks = num_device
         self.phase = Phase.ADMITTED
 

@@ -55,3 +55,37 @@ class TenantRates:
             return 0.0
         self._tokens[tenant] = tokens
         return (1.0 - tokens) / self.rate
+
+
+OTHER_TENANTS = "other"
+
+
+@dataclass(slots=True)
+class TenantLabels:
+    """Metric labels of tenants, bounded: the first ``limit`` tenants seen keep their
+    name for good, every later one counts as ``"other"``.
+
+    Invariants: at most ``limit + 1`` labels ever; a tenant's label never
+    changes, so a per-tenant counter stays monotonic.
+    """
+
+    limit: int = 16
+    _named: dict[str, None] = field(default_factory=dict)
+
+    def label(self, tenant: str) -> str:
+        if tenant in self._named:
+            return tenant
+        if len(self._named) < self.limit and tenant != OTHER_TENANTS:
+            self._named[tenant] = None
+            return tenant
+        return OTHER_TENANTS
+
+    def totals(self, values: dict[str, int]) -> dict[str, int]:
+        """``values`` by tenant summed by label; every label seen so far is present (0 when nothing)."""
+        totals = dict.fromkeys(self._named, 0)
+        for tenant, value in values.items():
+            label = self.label(tenant)
+            totals[label] = totals.get(label, 0) + value
+        if len(self._named) >= self.limit:
+            totals.setdefault(OTHER_TENANTS, 0)
+        return totals

@@ -171,8 +171,9 @@ class PoolClient:
 
     # ---- writes ---------------------------------------------------------
 
-    async def put(self, objects: Sequence[PutObject]) -> list[PutResult]:
-        """Store a batch; per object STORED, EXISTS or NOT_STORED, in order."""
+    async def put(self, objects: Sequence[PutObject], tenant: str = "") -> list[PutResult]:
+        """Store a batch of ``tenant``'s chunks (its share of the pool decides what room
+        it may make); per object STORED, EXISTS or NOT_STORED, in order."""
         if not objects:
             return []
         total = 0
@@ -197,7 +198,7 @@ class PoolClient:
         try:
             started = await self._stub.PutStart(
                 pool_pb2.PutStartRequest(
-                    client_host=self.host_name,
+                    client_host=self.host_name, tenant=tenant,
                     items=[item(key=o.key, group_id=o.group_id, group_size=o.group_size, size=o.size) for o in objects],
                 ),
                 # a probe does not wait for the channel; otherwise ride out a reconnect briefly

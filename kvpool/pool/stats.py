@@ -37,6 +37,12 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"  revoked    {stats['revoked_puts']} puts",
         f"  segments   {len(stats['segments'])}",
     ]
+    for tenant in stats["tenants"]:
+        lines.append(
+            f"  tenant {tenant['tenant'][:24]:24}  {format_size(int(tenant['bytes']))} of a "
+            f"{format_size(int(tenant['share_bytes']))} share, {tenant['num_groups']} groups, "
+            f"{tenant['evicted_groups']} evicted"
+        )
     for seg in stats["segments"]:
         cap = int(seg["capacity_bytes"])
         lines.append(

@@ -53,20 +53,22 @@ class MountSegmentResponse(_message.Message):
     def __init__(self, master_incarnation: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., rejected_keys: _Optional[_Iterable[str]] = ..., sequence: _Optional[int] = ..., num_adopted: _Optional[int] = ...) -> None: ...
 
 class ObjectRecord(_message.Message):
-    __slots__ = ("key", "group_id", "group_size", "offset", "size", "checksum")
+    __slots__ = ("key", "group_id", "group_size", "offset", "size", "checksum", "tenant")
     KEY_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     key: str
     group_id: str
     group_size: int
     offset: int
     size: int
     checksum: int
-    def __init__(self, key: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, key: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SegmentChange(_message.Message):
     __slots__ = ("sequence", "added", "removed_key")
@@ -121,12 +123,14 @@ class PutItem(_message.Message):
     def __init__(self, key: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("client_host", "items")
+    __slots__ = ("client_host", "items", "tenant")
     CLIENT_HOST_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     client_host: str
     items: _containers.RepeatedCompositeFieldContainer[PutItem]
-    def __init__(self, client_host: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, client_host: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Location(_message.Message):
     __slots__ = ("segment_id", "endpoint", "address", "size")
@@ -290,8 +294,22 @@ class SegmentStats(_message.Message):
     acked_sequence: int
     def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., host: _Optional[str] = ..., numa_node: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., sequence: _Optional[int] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
 
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "bytes", "num_groups", "evicted_groups", "share_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    bytes: int
+    num_groups: int
+    evicted_groups: int
+    share_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., bytes: _Optional[int] = ..., num_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., share_bytes: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "num_objects", "num_groups", "num_complete_groups", "num_puts_in_flight", "num_leases", "evicted_groups", "evicted_bytes", "revoked_puts", "high_watermark", "low_watermark", "segments", "master_incarnation", "failed_groups", "adopted_objects", "rejected_records", "abandoned_groups")
+    __slots__ = ("capacity_bytes", "used_bytes", "num_objects", "num_groups", "num_complete_groups", "num_puts_in_flight", "num_leases", "evicted_groups", "evicted_bytes", "revoked_puts", "high_watermark", "low_watermark", "segments", "master_incarnation", "failed_groups", "adopted_objects", "rejected_records", "abandoned_groups", "tenants")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +328,7 @@ class StatsResponse(_message.Message):
     ADOPTED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     ABANDONED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     num_objects: int
@@ -328,4 +347,5 @@ class StatsResponse(_message.Message):
     adopted_objects: int
     rejected_records: int
     abandoned_groups: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ..., failed_groups: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., rejected_records: _Optional[int] = ..., abandoned_groups: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ..., failed_groups: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., rejected_records: _Optional[int] = ..., abandoned_groups: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...

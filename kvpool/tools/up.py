@@ -38,6 +38,7 @@ import structlog
 
 from kvpool.core.memory_budget import memory_refusal
 from kvpool.core.setting import setting
+from kvpool.core.tenant_shares import parse_weights
 from kvpool.host_memory import available_bytes
 from kvpool.sizes import format_size
 from kvpool.model.config import CONFIGS
@@ -86,6 +87,10 @@ class UpSettings:
     api_key: list[str] = setting(help="API keys of the HTTP API, each KEY or TENANT=KEY (handed to the router in a "
                                  "file, never on its command line)", factory=list, metavar="KEY,...",
                                  default_text="none: the API is open")
+    tenant_weights: list[str] = setting(help="each tenant's weight in the pool and the device caches, TENANT=WEIGHT "
+                                        "(handed to the master and every prefill stage); a tenant not named weighs "
+                                        "1", factory=list, metavar="TENANT=WEIGHT,...",
+                                        default_text="none: equal shares")
     secure: bool = setting(False, help="mutual TLS between every service: a throwaway CA and one certificate per "
                            "service (its role its common name) in the workdir's certs/")
     insecure: bool = setting(False, help="let services on a non-loopback --host serve plaintext gRPC")
@@ -96,6 +101,9 @@ class UpSettings:
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
             self.api_key = [k for k in self.api_key.split(",") if k]
+        if isinstance(self.tenant_weights, str):
+            self.tenant_weights = [w for w in self.tenant_weights.split(",") if w]
+        parse_weights(self.tenant_weights)  # raises naming the bad entry
         for name in ("pipelines", "stages", "decode_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -123,15 +131,17 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
     s = settings
     model_dir = ("--model-dir", s.model_dir) if s.model_dir else ()
     model = ("--model", s.model, *model_dir, "--kv-dtype", s.kv_dtype)
+    weights = ("--tenant-weights", ",".join(s.tenant_weights)) if s.tenant_weights else ()
     stores = tuple(StoreSpec(f"store{i}", ("--segment-size", s.segment_size, "--numa-node", "0", "--segment-id",
                                            f"up-store{i}")) for i in range(s.stores if s.pool else 0))
-    pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, "--device-cache-tokens", str(s.device_cache_tokens)),
+    pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, "--device-cache-tokens", str(s.device_cache_tokens),
+                                                        *weights),
                                    pool=s.pool) for i in range(s.pipelines))
     shards = tuple(DecodeSpec(f"decode{i}", (*model, "--region-arena-bytes", s.region_arena_bytes))
                    for i in range(s.decode_shards))
     common = ("--log-level", log_level, "--log-format", "json", *(("--config", config) if config else ()))
     return Topology((ServerSpec(stores=stores, pipelines=pipelines, decode_shards=shards),),
-                    master=MasterSpec() if s.pool else None,
+                    master=MasterSpec(args=weights) if s.pool else None,
                     router=RouterSpec(port=s.grpc_port, http_port=s.http_port, args=(
                         "--model", s.model, *model_dir,
                         *(("--supervisor-status", supervisor_status) if supervisor_status else ()))),

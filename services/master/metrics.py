@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvpool.core.pool_index import PoolIndex
+from kvpool.core.tenancy import TenantLabels
 
 
 class MasterMetrics:
@@ -36,7 +37,14 @@ class MasterMetrics:
                                      "Changes to committed objects not yet acknowledged by their stores", registry=r)
         self.lookup_groups = Counter("kvpool_pool_lookup_groups", "Groups asked for in lookups", registry=r)
         self.lookup_hit_groups = Counter("kvpool_pool_lookup_hit_groups", "Groups found complete in lookups", registry=r)
+        # by tenant, bounded: the first 16 tenants by name, the rest as "other"
+        self.tenant_labels = TenantLabels()
+        self.tenant_bytes = Gauge("kvpool_pool_tenant_bytes", "Bytes each tenant holds in the pool "
+                                  "(committed and in flight)", ["tenant"], registry=r)
+        self.tenant_evicted_groups = Counter("kvpool_pool_tenant_evicted_groups",
+                                             "Groups evicted, by the tenant whose group it was", ["tenant"], registry=r)
         self._last = (0, 0, 0, 0, 0, 0, 0, 0)
+        self._last_evicted: dict[str, int] = {}
 
     def observe_lookup(self, requested: int, hit: int) -> None:
         self.lookup_groups.inc(requested)
@@ -60,3 +68,12 @@ class MasterMetrics:
             if after > before:
                 counter.inc(after - before)
         self._last = now
+        labels = self.tenant_labels
+        for label, value in labels.totals(index.tenant_bytes).items():
+            self.tenant_bytes.labels(label).set(value)
+        evicted = labels.totals(c.evicted_groups_by_tenant)
+        for label, value in evicted.items():
+            delta = value - self._last_evicted.get(label, 0)
+            if delta > 0:
+                self.tenant_evicted_groups.labels(label).inc(delta)
+        self._last_evicted = evicted

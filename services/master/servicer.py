@@ -10,6 +10,7 @@ import structlog
 
 from kvpool.core.errors import InvalidArgument, ResourceExhausted
 from kvpool.core.pool_index import PoolIndex
+from kvpool.core.tenant_shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool_records import (
     ObjectRecord,
     PutRequestItem,
@@ -69,7 +70,7 @@ def check_record(i: int, record: pool_pb2.ObjectRecord) -> None:
 def record_message(record: ObjectRecord) -> pool_pb2.ObjectRecord:
     return pool_pb2.ObjectRecord(
         key=record.key, group_id=record.group_id, group_size=record.group_size,
-        offset=record.offset, size=record.size, checksum=record.checksum,
+        offset=record.offset, size=record.size, checksum=record.checksum, tenant=record.tenant,
     )
 
 
@@ -77,6 +78,13 @@ def change_message(change: SegmentChange) -> pool_pb2.SegmentChange:
     if change.added is not None:
         return pool_pb2.SegmentChange(sequence=change.sequence, added=record_message(change.added))
     return pool_pb2.SegmentChange(sequence=change.sequence, removed_key=change.removed_key)
+
+
+def check_tenant(tenant: str, field_name: str) -> str:
+    """The tenant named (bounded: it is a metric label and a key of the index), "" the default one."""
+    if len(tenant.encode()) > MAX_TENANT_BYTES:
+        raise InvalidArgument(f"{field_name}: longer than {MAX_TENANT_BYTES} bytes")
+    return tenant_name(tenant)
 
 
 def check_batch(count: int, field_name: str) -> None:
@@ -109,7 +117,8 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         records = []
         for i, r in enumerate(request.records):
             check_record(i, r)
-            records.append(ObjectRecord(r.key, r.group_id, r.group_size, r.offset, r.size, r.checksum))
+            tenant = check_tenant(r.tenant, f"records[{i}].tenant")
+            records.append(ObjectRecord(r.key, r.group_id, r.group_size, r.offset, r.size, r.checksum, tenant))
         result = self.index.mount_segment(
             request.segment_id, request.endpoint, request.host, request.base_address, request.size, request.numa_node,
             records,
@@ -150,13 +159,14 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     @status_errors
     async def PutStart(self, request: pool_pb2.PutStartRequest, context: Any) -> pool_pb2.PutStartResponse:
         check_batch(len(request.items), "items")
+        tenant = check_tenant(request.tenant, "tenant")
         items = []
         for i, item in enumerate(request.items):
             key, group_id, group_size, size = item.key, item.group_id, item.group_size, item.size
             # one cheap test per item; the precise message only for a bad one
             if not (name_ok(key) and name_ok(group_id) and 1 <= group_size <= MAX_GROUP_SIZE and size > 0):
                 check_put_item(i, item)
-            items.append(PutRequestItem(key, group_id, group_size, size))
+            items.append(PutRequestItem(key, group_id, group_size, size, tenant))
         evicted_before = self.index.counters.evicted_groups
         outcomes = self.index.put_start(request.client_host, items)
         if self.index.counters.evicted_groups != evicted_before:
@@ -266,6 +276,12 @@ def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
         rejected_records=index.counters.rejected_records,
         abandoned_groups=index.counters.abandoned_groups,
     )
+    by_tenant = index.counters.evicted_groups_by_tenant
+    held = index.tenant_bytes
+    shares = index.shares.shares(held, next(iter(held), "default"), index.share_capacity) if held else {}
+    for tenant in sorted(set(held) | set(by_tenant)):
+        response.tenants.add(tenant=tenant, bytes=held.get(tenant, 0), num_groups=len(index.tenant_groups(tenant)),
+                             evicted_groups=by_tenant.get(tenant, 0), share_bytes=int(shares.get(tenant, 0)))
     for segment in sorted(index.segments.values(), key=lambda s: s.segment_id):
         response.segments.add(
             segment_id=segment.segment_id,

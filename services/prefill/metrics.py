@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvpool.core.tenancy import TenantLabels
 from kvpool.rpc import prefill_pb2
 
 # Prometheus convention: base units, seconds
@@ -38,6 +39,10 @@ class PrefillMetrics:
                                       buckets=_SECONDS_BUCKETS, registry=r)
         self.device_usage = Gauge("kvpool_prefill_device_cache_usage", "Share of device blocks referenced",
                                   registry=r)
+        # stage 0: blocks each tenant holds (in use or cached); the first 16 tenants by name, the rest "other"
+        self.tenant_labels = TenantLabels()
+        self.tenant_blocks = Gauge("kvpool_prefill_tenant_device_blocks",
+                                   "Device blocks each tenant holds, in use or cached", ["tenant"], registry=r)
         # every stage: its own share of each restore (read straight into the pages, verified as it lands)
         self.restore_seconds = Histogram("kvpool_prefill_restore_seconds",
                                          "One request's restore on this stage: read and verify into the pages",
@@ -46,6 +51,10 @@ class PrefillMetrics:
         self.admission_wait = Histogram("kvpool_prefill_admission_wait_seconds",
                                         "Wait for free device blocks before a prefill starts",
                                         buckets=_SECONDS_BUCKETS, registry=r)
+
+    def observe_tenants(self, tenant_blocks: dict[str, int]) -> None:
+        for label, value in self.tenant_labels.totals(tenant_blocks).items():
+            self.tenant_blocks.labels(label).set(value)
 
     def observe(self, figures: prefill_pb2.PrefillFigures, device_usage: float) -> None:
         self.requests.inc()

@@ -24,6 +24,7 @@ from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import chunk_hashes, group_id, hash_root, object_key
 from kvpool.core.errors import DeviceCacheLost, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from kvpool.core.prefill_request import PrefillRequest, try_admit
+from kvpool.core.tenant_shares import MAX_TENANT_BYTES, TenantShares, tenant_name
 from kvpool.pool.client import LookupResult, PoolClient
 from kvpool.request_id import current_request_id, new_request_id
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
@@ -84,7 +85,8 @@ class PrefillScheduler:
         self.config = runner.config
         self.namespace = runner.namespace
         self.chunk_size = self.settings.chunk_size
-        self.blocks = BlockManager(self.settings.num_blocks, self.chunk_size)
+        self.blocks = BlockManager(self.settings.num_blocks, self.chunk_size,
+                                   TenantShares.parse(self.settings.tenant_weights))
         self.handoff = handoff
         self._freed = asyncio.Condition()
         self._releases: set[asyncio.Task[None]] = set()
@@ -111,9 +113,10 @@ class PrefillScheduler:
             )
         if len(session_key.encode()) > MAX_SESSION_KEY_BYTES:
             raise InvalidArgument(f"session_key: longer than {MAX_SESSION_KEY_BYTES} bytes")
-        for name, value in (("tenant", tenant), ("cache_salt", cache_salt)):
-            if len(value.encode()) > MAX_SESSION_KEY_BYTES:
-                raise InvalidArgument(f"{name}: longer than {MAX_SESSION_KEY_BYTES} bytes")
+        # a tenant is a key of the pool's and the device cache's shares, and a metric label
+        for name, value, limit in (("tenant", tenant, MAX_TENANT_BYTES), ("cache_salt", cache_salt, MAX_SESSION_KEY_BYTES)):
+            if len(value.encode()) > limit:
+                raise InvalidArgument(f"{name}: longer than {limit} bytes")
 
     async def prefill(self, token_ids: Sequence[int], session_key: str, return_logits: bool,
                       request_id: str = "", tenant: str = "", cache_salt: str = "",
@@ -131,10 +134,11 @@ class PrefillScheduler:
         hashes = chunk_hashes(hash_root(self.namespace, tenant, cache_salt), token_ids, self.chunk_size)
         bound = log.bind(request_id=request_id, session_key=session_key)
         for attempt in (1, 2):
-            request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes)
+            request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant))
             await self._admit(request)
             caller_gone = asyncio.Event()
-            work = asyncio.ensure_future(self._run(request, token_ids, return_logits or trailer, target, caller_gone))
+            work = asyncio.ensure_future(
+                self._run(request, token_ids, return_logits or trailer, target, caller_gone, tenant))
             try:
                 # shielded: if the caller goes away, the stages are still writing this
                 # request's pages, so its blocks go back only once they are done
@@ -184,13 +188,14 @@ class PrefillScheduler:
         )
 
     async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool,
-                   target: handoff_pb2.HandoffTarget | None, caller_gone: asyncio.Event) -> RunResult:
+                   target: handoff_pb2.HandoffTarget | None, caller_gone: asyncio.Event,
+                   tenant: str = "") -> RunResult:
         """Restore on every stage, compute through all stages, then write decode's region."""
         restore = await self._restore(request)
         forward = prefill_pb2.ForwardRequest(
             request_id=request.request_id, block_table=request.block_table, compute_start=request.compute_start,
             num_tokens=request.num_tokens, save_first_chunk=request.save_first_chunk,
-            save_chunk_hashes=request.chunks_to_save, return_logits=return_logits,
+            save_chunk_hashes=request.chunks_to_save, return_logits=return_logits, tenant=tenant,
         )
         inputs = torch.tensor(token_ids[request.compute_start:], dtype=torch.int64)
         saving = self.pool is not None and bool(forward.save_chunk_hashes)
@@ -265,6 +270,7 @@ class PrefillScheduler:
             finally:
                 self.metrics.admission_wait.observe(time.monotonic() - started)
         self.metrics.device_usage.set(self.blocks.usage)
+        self.metrics.observe_tenants(self.blocks.tenant_blocks)
 
     async def _restore(self, request: PrefillRequest) -> RestoreReport:
         """Look the pool-candidate chunks up, restore them on every stage, apply what all stages got."""
@@ -338,6 +344,7 @@ class PrefillScheduler:
     async def _free(self, request_id: str) -> None:
         self.blocks.free(request_id)
         self.metrics.device_usage.set(self.blocks.usage)  # freed blocks show at once
+        self.metrics.observe_tenants(self.blocks.tenant_blocks)
         async with self._freed:
             self._freed.notify_all()
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvpool.core.chunk_hash import namespace_fingerprint
 from kvpool.core.setting import setting
+from kvpool.core.tenant_shares import parse_weights
 from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES, split_layers
 from kvpool.model.model_setting import ModelSetting
 
@@ -45,6 +46,12 @@ class PrefillSettings(ModelSetting):
     inline_activation_bytes: int = setting(
         65536, help="hidden states at or below this many bytes travel inside the RPC, larger ones by the engine"
     )
+    tenant_weights: list[str] = setting(
+        help="stage 0: each tenant's weight in the device cache, TENANT=WEIGHT (comma-separated); a tenant not "
+        "named weighs 1. A tenant over its share (its weight over the weights of the tenants holding blocks) "
+        "reuses its own oldest cached blocks first (docs/security.md)", factory=list, metavar="TENANT=WEIGHT,...",
+        default_text="none: equal shares",
+    )
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
     )
@@ -54,6 +61,9 @@ class PrefillSettings(ModelSetting):
     def __post_init__(self) -> None:
         if self.drain_s < 0:
             raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
+        if isinstance(self.tenant_weights, str):
+            self.tenant_weights = [w for w in self.tenant_weights.split(",") if w]
+        parse_weights(self.tenant_weights)  # raises naming the bad entry
         if isinstance(self.stage_addresses, str):
             self.stage_addresses = [a for a in self.stage_addresses.split(",") if a]
         if self.num_stages < 1:

@@ -178,9 +178,10 @@ class StageRunner:
     # ---- save -----------------------------------------------------------
 
     def start_save(
-        self, request_id: str, block_table: Sequence[int], first_chunk: int, chunk_hashes: Sequence[ChunkHash]
+        self, request_id: str, block_table: Sequence[int], first_chunk: int, chunk_hashes: Sequence[ChunkHash],
+        tenant: str = "",
     ) -> None:
-        """Put the chunks to the pool straight from their blocks, in the background.
+        """Put ``tenant``'s chunks to the pool straight from their blocks, in the background.
 
         Nothing is copied, so nothing can be dropped for want of staging
         space; the blocks must stay unused until ``save_done`` (stage 0 holds
@@ -197,7 +198,7 @@ class StageRunner:
         if len(self._saves) >= MAX_FINISHED_SAVES:
             for done in [r for r, t in self._saves.items() if t.done()]:
                 del self._saves[done]
-        self._saves[request_id] = asyncio.create_task(self._put(objects))
+        self._saves[request_id] = asyncio.create_task(self._put(objects, tenant))
 
     async def save_done(self, request_id: str) -> SaveFigures:
         """Wait for a request's save to end (at once if it had none) and forget it."""
@@ -210,12 +211,12 @@ class StageRunner:
             if task.done():
                 self._saves.pop(request_id, None)
 
-    async def _put(self, objects: list[PutObject]) -> SaveFigures:
+    async def _put(self, objects: list[PutObject], tenant: str) -> SaveFigures:
         assert self.pool is not None
         figures = SaveFigures()
         t0 = time.perf_counter()
         try:
-            results = await self.pool.put(objects)
+            results = await self.pool.put(objects, tenant)
         except Exception:  # a save is best effort: never take the stage down
             log.exception("save_failed", chunks=len(objects))
             self.metrics.saves_skipped.labels("failed").inc(len(objects))

@@ -195,7 +195,8 @@ async def run_stage(
     out = await runner.forward(inputs, block_table, request.compute_start)
     compute_ms = (time.perf_counter() - t0) * 1e3
     # the put reads the pages in the background; stage 0 keeps those blocks until save_done
-    runner.start_save(request.request_id, block_table, request.save_first_chunk, list(request.save_chunk_hashes))
+    runner.start_save(request.request_id, block_table, request.save_first_chunk, list(request.save_chunk_hashes),
+                      request.tenant)
     if runner.model.is_last:
         last = out[-1]
         # the model's sampler picks among its output ids only; the logits go back as the model made them

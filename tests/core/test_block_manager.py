@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpool.core.block_manager import BlockManager, NoFreeBlocks
 from kvpool.core.chunk_hash import ChunkHash, chunk_hashes
 from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.core.tenant_shares import TenantShares, parse_weights
 
 NS = "ns"
 CHUNK = 4
@@ -31,6 +32,67 @@ def run(bm: BlockManager, request_id: str, ids: list[int], commit: bool = True, 
     if commit:
         bm.commit_chunks(request_id, hit, hs[hit:])
     return table
+
+
+def run_as(bm: BlockManager, tenant: str, request_id: str, ids: list[int]) -> list[int]:
+    """``run`` for ``tenant``: its hashes are rooted at it, as the scheduler's are."""
+    hs = chunk_hashes(f"{NS}/{tenant}", ids, CHUNK)
+    table = bm.allocate(request_id, hs, len(ids), bm.match_prefix(hs), tenant)
+    bm.commit_chunks(request_id, 0, hs)
+    return table
+
+
+def cached_of(bm: BlockManager, tenant: str, ids: list[int]) -> int:
+    return bm.match_prefix(chunk_hashes(f"{NS}/{tenant}", ids, CHUNK))
+
+
+def test_a_tenant_over_its_device_share_reuses_its_own_oldest_blocks() -> None:
+    bm = BlockManager(8, CHUNK)
+    assert run_as(bm, "alice", "a", prompt(8)) == [0, 1]
+    bm.free("a")
+    for i in range(3):
+        run_as(bm, "flood", f"f{i}", prompt(8, seed=i + 1))
+        bm.free(f"f{i}")
+    assert bm.free_block_ids() == [1, 0, 3, 2, 5, 4, 7, 6]
+    assert bm.tenant_blocks == {"alice": 2, "flood": 6}
+    # flood (6 of a 4-block share) takes its own least recently used blocks, not alice's older ones
+    assert run_as(bm, "flood", "f3", prompt(8, seed=4)) == [3, 2]
+    assert cached_of(bm, "alice", prompt(8)) == 2
+    bm.free("f3")
+    # alice, within her share, takes from flood, the tenant over its share
+    assert run_as(bm, "alice", "a2", prompt(8, seed=9)) == [5, 4]
+    assert cached_of(bm, "alice", prompt(8)) == 2
+    assert bm.tenant_blocks == {"alice": 4, "flood": 4}
+
+
+def test_a_request_over_its_share_still_gets_blocks_from_the_lru_end() -> None:
+    bm = BlockManager(4, CHUNK)
+    run_as(bm, "alice", "a", prompt(4))
+    bm.free("a")
+    # flood holds none cached: its 3 blocks come uncached, then from alice's (the only cached one)
+    assert run_as(bm, "flood", "f", prompt(16, seed=1)) == [1, 2, 3, 0]
+    assert bm.tenant_blocks == {"flood": 4} and cached_of(bm, "alice", prompt(4)) == 0
+
+
+def test_one_tenant_evicts_in_plain_lru_order() -> None:
+    weighted = BlockManager(8, CHUNK, TenantShares(parse_weights(["alice=3"])))
+    plain = BlockManager(8, CHUNK)
+    for bm in (weighted, plain):
+        for i in range(6):
+            run(bm, f"r{i}", prompt(9, seed=i))
+            bm.free(f"r{i}")
+    assert weighted.free_block_ids() == plain.free_block_ids()
+    assert [b.chunk_hash for b in weighted.blocks] == [b.chunk_hash for b in plain.blocks]
+
+
+def test_forgotten_and_unhashed_blocks_are_no_ones() -> None:
+    bm = BlockManager(8, CHUNK)
+    run_as(bm, "alice", "a", prompt(10))
+    assert bm.tenant_blocks == {"alice": 3}
+    bm.free("a")
+    assert bm.tenant_blocks == {"alice": 2}  # the partial block caches nothing
+    bm.forget_cached()
+    assert bm.tenant_blocks == {}
 
 
 def snapshot(bm: BlockManager) -> tuple:
@@ -246,6 +308,8 @@ def test_only_private_unhashed_blocks_are_restore_targets() -> None:
 
 
 BASES = [prompt(40, seed=s) for s in range(3)]
+# bases 0 and 1 are the flooder's (they share no prefix: its hashes), base 2 alice's
+TENANT_OF_BASE = ("flood", "flood", "alice")
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -267,13 +331,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         before = snapshot(self.bm)
+        tenant = TENANT_OF_BASE[base]
+        usage = dict(self.bm.tenant_blocks)
+        shares = self.bm.shares.shares(usage, tenant, self.bm.num_blocks)
+        cached = {b.block_id: b.tenant for b in self.bm.blocks if b.chunk_hash is not None}
         try:
-            table = self.bm.allocate(request_id, hs, num_tokens, hit)
+            table = self.bm.allocate(request_id, hs, num_tokens, hit, tenant)
         except NoFreeBlocks:
             assert snapshot(self.bm) == before
             return
         assert len(table) == -(-num_tokens // CHUNK)
         self.prompts[request_id] = hs
+        num_new = len(table) - hit
+        over = usage.get(tenant, 0) + num_new > shares[tenant]
+        lost = {owner for b, owner in cached.items() if self.bm.blocks[b].chunk_hash is None and owner != tenant}
+        for owner in lost:
+            if over and usage[owner] <= shares[owner]:
+                # a tenant over its share takes from one within only when none of its own cached blocks is free
+                assert all(b.ref_count or b.chunk_hash is None for b in self.bm.blocks if b.tenant == tenant)
 
     @precondition(lambda self: self.prompts)
     @rule(data=st.data())
@@ -333,6 +408,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         free = self.bm.free_block_ids()
         assert len(free) == len(set(free)) == self.bm.num_free_blocks
         assert set(free) == {b.block_id for b in self.bm.blocks if b.ref_count == 0}
+
+    @invariant()
+    def tenants_own_exactly_the_used_and_cached_blocks(self) -> None:
+        counts: dict[str, int] = {}
+        for b in self.bm.blocks:
+            assert (b.tenant is None) == (b.ref_count == 0 and b.chunk_hash is None)
+            if b.tenant is not None:
+                counts[b.tenant] = counts.get(b.tenant, 0) + 1
+        assert self.bm.tenant_blocks == counts
+
+    @invariant()
+    def uncached_free_blocks_lead_the_free_list(self) -> None:
+        cached = [self.bm.blocks[b].chunk_hash is not None for b in self.bm.free_block_ids()]
+        assert cached == sorted(cached)
 
     @invariant()
     def hash_map_is_a_bijection(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.core.tenancy import TenantRates, scoped_session_key
+from kvpool.core.tenancy import TenantLabels, TenantRates, scoped_session_key
 
 
 def test_session_keys_of_two_tenants_never_meet() -> None:
@@ -49,3 +49,12 @@ def test_tokens_stay_within_the_burst_and_tenants_apart(steps: list[tuple[str, f
             assert wait == alone.take("a", now)
         assert all(0.0 <= t <= 4 for t in rates._tokens.values())
         assert wait >= 0.0
+
+
+def test_tenant_labels_are_bounded_and_never_change() -> None:
+    labels = TenantLabels(limit=2)
+    assert labels.totals({"b": 5, "a": 1, "c": 2, "d": 3}) == {"b": 5, "a": 1, "other": 5}
+    assert labels.totals({"c": 7}) == {"b": 0, "a": 0, "other": 7}  # "c" stays other; b and a stay at 0
+    assert [labels.label(t) for t in ("a", "c", "other")] == ["a", "other", "other"]
+    fresh = TenantLabels(limit=2)
+    assert fresh.totals({}) == {} and fresh.label("other") == "other"  # no tenant takes the bucket's name

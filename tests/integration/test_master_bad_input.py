@@ -42,6 +42,8 @@ CASES = [
                                  item(key="ns/g/1", group_id="ns/g", group_size=3)),
      Code.INVALID_ARGUMENT, "items[1].group_size: 3 disagrees with 2"),
     ("empty batch", ("PutStart", pool_pb2.PutStartRequest()), Code.INVALID_ARGUMENT, "items: must not be empty"),
+    ("oversized tenant", ("PutStart", pool_pb2.PutStartRequest(client_host="h", items=[item()], tenant="t" * 65)),
+     Code.INVALID_ARGUMENT, "tenant: longer than 64 bytes"),
     ("put end never started", ("PutEnd", pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key="ns/zz/0")])),
      Code.FAILED_PRECONDITION, "items[0].key: no put in flight for 'ns/zz/0'"),
     ("unknown segment heartbeat", ("Heartbeat", pool_pb2.HeartbeatRequest(segment_id="nope")),

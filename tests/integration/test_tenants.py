@@ -2,21 +2,30 @@
 
 The cache must not be an oracle across tenants: bob guessing alice's PIN
 learns nothing through ``cached_tokens``, while alice's own sessions still
-share her prefixes. One cluster for the module.
+share her prefixes; and one tenant flooding the pool evicts only its own
+chunks beyond its share. One cluster for the module, its pool small (two
+16 MiB segments, 768 KiB a chunk of the tiny model: 38 chunks under the high
+watermark, 19 a tenant's share).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
+from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from tests.integration.conftest import wait_for
 from tests.integration.test_bindings import WILDCARDS, host_of, listening
 
 pytestmark = pytest.mark.cluster
@@ -27,7 +36,7 @@ ALICE, BOB = "sk-alice-0123456789", "sk-bob-9876543210"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("up")
-    settings = UpSettings(stages=1, stores=2, segment_size="32MiB", http_port=0, grpc_port=0,
+    settings = UpSettings(stages=1, stores=2, segment_size="16MiB", http_port=0, grpc_port=0,
                           device_cache_tokens=4096, api_key=[f"alice={ALICE}", f"bob={BOB}"], workdir=str(workdir))
     up = up_cluster(settings).start()
     try:
@@ -114,6 +123,65 @@ def test_a_cache_salt_separates_requests_of_one_tenant(cluster: Cluster) -> None
     status, answer = call(cluster.http_url, "/v1/completions",
                           {"model": "tiny", "prompt": "x", "cache_salt": 5}, ALICE)
     assert status == 400 and answer["error"]["param"] == "cache_salt"
+
+
+def samples(cluster: Cluster, name: str) -> dict[tuple[str, str], float]:
+    """A service's Prometheus samples by (name, its tenant or result label or "")."""
+    admin = cluster.find(name).ready["admin_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    return {(s.name, s.labels.get("tenant", s.labels.get("result", s.labels.get("reason", "")))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def saves_ended(cluster: Cluster) -> float:
+    """Chunks stage 0 has finished saving (stored, found stored, or not stored)."""
+    got = samples(cluster, "p0-stage0")
+    return sum(v for (name, _), v in got.items()
+               if name in ("kvpool_prefill_saves_stored_total", "kvpool_prefill_saves_skipped_total"))
+
+
+def tenants(cluster: Cluster) -> tuple[pool_pb2.StatsResponse, dict[str, pool_pb2.TenantStats]]:
+    stats = asyncio.run(master_stats(cluster))
+    return stats, {t.tenant: t for t in stats.tenants}
+
+
+async def master_stats(cluster: Cluster) -> pool_pb2.StatsResponse:
+    async with grpc.aio.insecure_channel(cluster.master_address) as channel:
+        return await pool_pb2_grpc.PoolMasterStub(channel).Stats(pool_pb2.StatsRequest(), timeout=10)
+
+
+def flood_prompt(i: int) -> str:
+    # 2,100 bytes, 8 full chunks; no two share a first chunk
+    return f"Flood number {i:03d}. " + "All work and no play makes Jack a dull boy. " * 47
+
+
+def test_a_flooding_tenant_evicts_only_its_own_oldest_chunks(cluster: Cluster) -> None:
+    history = "Bob's long session: the design review notes. " * 12  # 552 bytes, 2 chunks
+    saved = saves_ended(cluster)
+    assert cached(cluster, BOB, history, "bob-history") == 0
+    wait_for(lambda: saves_ended(cluster) >= saved + 2, what="bob's saves")
+    stats, before = tenants(cluster)
+    bob = before["bob"]
+    assert 0 < bob.bytes < bob.share_bytes  # bob within his share
+    for i in range(6):  # 48 chunks of alice: past her share, past the whole pool
+        assert cached(cluster, ALICE, flood_prompt(i), f"flood-{i}") == 0
+    wait_for(lambda: saves_ended(cluster) >= saved + 2 + 48, what="alice's saves")
+    stats, after = tenants(cluster)
+    none = pool_pb2.TenantStats()
+    assert after["alice"].evicted_groups - before.get("alice", none).evicted_groups >= 8
+    assert after["bob"].evicted_groups == bob.evicted_groups == 0
+    assert after["bob"].bytes == bob.bytes
+    assert stats.used_bytes > 0.8 * stats.capacity_bytes  # the pool did fill
+    # bob's earlier session still finds his history; alice's newest flood is whole, her oldest gone
+    assert cached(cluster, BOB, history, "bob-history") == 512
+    assert cached(cluster, ALICE, flood_prompt(5), "flood-5") == 2048
+    assert cached(cluster, ALICE, flood_prompt(0), "flood-0") == 0
+    # stage 0's device cache counts each tenant's blocks, and the master each tenant's bytes
+    device = samples(cluster, "p0-stage0")
+    assert device[("kvpool_prefill_tenant_device_blocks", "alice")] > 0
+    wait_for(lambda: samples(cluster, "master").get(("kvpool_pool_tenant_bytes", "bob")) == bob.bytes,
+             what="the master's gauges (refreshed each second)")
 
 
 def test_no_socket_of_the_cluster_listens_on_a_wildcard_address(cluster: Cluster) -> None:
