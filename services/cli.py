@@ -248,9 +248,11 @@ def _run_up(args: argparse.Namespace) -> int:
         if getattr(args, "device_cache_tokens", None) is None:
             # one session's history fits the device, two do not: revisits come from the pool
             from kvpool.model import get_config
+            from kvpool.model.hf_checkpoint import checked_model_dir
             from kvpool.tools.demo import demo_device_cache_tokens
 
-            settings.device_cache_tokens = demo_device_cache_tokens(demo_settings, get_config(settings.model).vocab_size)
+            config = checked_model_dir(settings.model_dir).config if settings.model_dir else get_config(settings.model)
+            settings.device_cache_tokens = demo_device_cache_tokens(demo_settings, config.vocab_size)
 
         def play(cluster: Any) -> int:
             if settings.api_key:  # the demo's client sends the first key (set now: the router has its file)

@@ -7,13 +7,24 @@ bytes as ids 0..255 (``kvpool.tokenizer.ByteTokenizer``); this writes a
 the client's counts are the server's.
 
     python -m kvpool.tools.byte_tokenizer_dir DIR
+    python -m kvpool.tools.byte_tokenizer_dir --hub-cache HF_HOME   # as the Hub model kvpool/byte-tokenizer
+
+aiperf 0.13 decodes a trace's token blocks in worker processes that force
+``HF_HUB_OFFLINE=1``, and offline it looks every tokenizer name up as a Hub
+cache snapshot, a directory path included (which fails). ``--hub-cache`` writes
+the tokenizer as a local Hugging Face cache entry (``HF_HOME/hub/models--kvpool--byte-tokenizer``,
+``refs/main`` naming its one snapshot): with ``HF_HOME`` pointing there, the
+name ``kvpool/byte-tokenizer`` loads offline in every process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
+
+HUB_NAME = "kvpool/byte-tokenizer"
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -44,7 +55,28 @@ def write_byte_tokenizer(directory: str | Path, context: int = 32768) -> Path:
     return path
 
 
+def write_hub_cache_entry(hf_home: str | Path, name: str = HUB_NAME) -> Path:
+    """The tokenizer as the Hub model ``name`` in the cache under ``hf_home`` (``$HF_HOME``); returns the snapshot.
+
+    The snapshot's name is the files' sha1 (any 40 hex digits serve: it only has to match ``refs/main``)."""
+    repo = Path(hf_home) / "hub" / f"models--{name.replace('/', '--')}"
+    staging = write_byte_tokenizer(repo / "staging")
+    files = sorted(staging.iterdir())
+    commit = hashlib.sha1(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        file.replace(snapshot / file.name)
+    staging.rmdir()
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m kvpool.tools.byte_tokenizer_dir DIR")
-    print(write_byte_tokenizer(sys.argv[1]))
+    if len(sys.argv) == 3 and sys.argv[1] == "--hub-cache":
+        print(write_hub_cache_entry(sys.argv[2]))
+    elif len(sys.argv) == 2:
+        print(write_byte_tokenizer(sys.argv[1]))
+    else:
+        raise SystemExit("usage: python -m kvpool.tools.byte_tokenizer_dir DIR | --hub-cache HF_HOME")

@@ -118,10 +118,9 @@ class UpSettings:
             from kvpool.model.hf_checkpoint import checked_model_dir
 
             self.model_dir = str(Path(self.model_dir).resolve())
-            checked_model_dir(self.model_dir)
-            if self.stages > checked_model_dir(self.model_dir).config.num_hidden_layers:
-                raise ValueError(f"stages: {self.stages} stages for the model's "
-                                 f"{checked_model_dir(self.model_dir).config.num_hidden_layers} layers")
+            layers = checked_model_dir(self.model_dir).config.num_hidden_layers
+            if self.stages > layers:
+                raise ValueError(f"stages: {self.stages} stages for the model's {layers} layers")
 
 
 def up_topology(settings: UpSettings, config: str | None = None, log_level: str = "warning",
