@@ -124,10 +124,10 @@ class Eviction:
 
     def _evict_first(self, groups: OrderedDict[str, Group], keep: str) -> bool:
         """Evict the first idle group of ``groups`` (LRU first), or by object its oldest member."""
+        by_tenant = self.counters.evicted_groups_by_tenant
         for group_id, group in groups.items():
             if group.busy or group_id == keep:
                 continue
-            by_tenant = self.counters.evicted_groups_by_tenant
             if self.mode == "object":
                 # all members are committed: the group is not busy
                 key, obj = next(iter(group.members.items()))

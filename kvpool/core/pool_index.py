@@ -6,13 +6,10 @@ protobuf to these calls; unit tests drive it directly.
 Invariants:
 - a group is visible to lookups only when every declared member is committed;
 - eviction removes whole groups, least recently used first within the rule
-  of tenants' shares (``tenant_shares``: a tenant over its share loses its
-  own groups first, and a tenant within its share never loses one to a
-  tenant over it), and never a group that is leased or has a put in flight
+  of tenants' shares (``tenant_shares``; a group is its first writer's
+  tenant's), never a group that is leased or has a put in flight
   (``eviction="object"``, for comparisons only, removes one member at a time
   and may leave partial groups, invisible);
-- a group belongs to the tenant of its first writer; ``tenants`` holds each
-  tenant's groups in LRU order and its bytes (``pool_tenants``);
 - eviction starts when used bytes would pass ``high_watermark × capacity`` and
   frees down to ``low_watermark × capacity``;
 - every allocated byte belongs to exactly one object (committed or in flight);
@@ -28,8 +25,8 @@ Invariants:
   see ``pool_recovery``).
 
 The index holds its parts as objects with small interfaces, each in its own
-module: ``SegmentTable`` (space, mounts, heartbeats), ``Eviction``,
-``GroupFailures`` and ``LeaseTable``. Eviction and the segment table see the
+module: ``GroupTable`` (groups and tenants in LRU order), ``SegmentTable``
+(space, mounts, heartbeats), ``Eviction``, ``GroupFailures`` and ``LeaseTable``. Eviction and the segment table see the
 index only through the protocols they declare (``Evictable``,
 ``SegmentHost``); nothing here is a mixin, and no part imports the index.
 """
@@ -42,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvpool.core.placement import batch_orders, group_first
 from kvpool.core.pool_eviction import Eviction, GroupFailures
+from kvpool.core.pool_groups import GroupTable
 from kvpool.core.pool_leases import LeaseTable
 from kvpool.core.pool_put_checks import check_put_batch, check_put_end
 from kvpool.core.pool_records import (
@@ -59,7 +57,6 @@ from kvpool.core.pool_records import (
 )
 from kvpool.core.pool_segments import SegmentTable
 from kvpool.core.pool_settings import IndexSettings
-from kvpool.core.pool_tenants import TenantLedger
 from kvpool.core.tenant_shares import TenantShares, tenant_name
 
 
@@ -68,16 +65,15 @@ class PoolIndex:
 
     __slots__ = (
         "settings", "clock", "objects", "groups", "counters", "segment_table", "eviction", "failures",
-        "leases", "tenants", "shares", "_in_flight", "_incomplete",
+        "leases", "group_table", "shares", "_in_flight", "_incomplete",
     )
 
     def __init__(self, settings: IndexSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings if settings is not None else IndexSettings()
         self.clock = clock
         self.objects: dict[str, StoredObject] = {}
-        # LRU order: first entry is the least recently used group.
-        self.groups: OrderedDict[str, Group] = OrderedDict()
-        self.tenants = TenantLedger()
+        self.group_table = GroupTable()
+        self.groups = self.group_table.groups  # LRU order: the first is the least recently used
         self.shares = TenantShares.parse(self.settings.tenant_weights)
         self.counters = IndexCounters()
         # puts in flight, with when they started (in that order)
@@ -138,10 +134,10 @@ class PoolIndex:
             segment, offset = placed
             group = groups.get(item.group_id)  # eviction may have dropped it meanwhile
             if group is None:
-                group = self._new_group(item.group_id, item.group_size, tenant)
+                group = self.group_table.add(Group(item.group_id, item.group_size, tenant=tenant))
             obj = StoredObject(key, item.group_id, segment.segment_id, offset, item.size, tenant=group.tenant)
             objects[key] = obj
-            self.tenants.add_object(obj)
+            self.group_table.add_object(obj)
             segment.keys.add(key)
             group.members[key] = obj
             group.num_in_flight += 1
@@ -276,12 +272,7 @@ class PoolIndex:
         before it, so within one request the tail is made older than the head
         and is evicted first.
         """
-        groups, tenants = self.groups, self.tenants
-        for group_id in reversed(list(group_ids)):
-            group = groups.get(group_id)
-            if group is not None:
-                groups.move_to_end(group_id)
-                tenants.touch(group)
+        self.group_table.touch(group_ids)
 
     # ---- accounting -----------------------------------------------------
 
@@ -316,23 +307,14 @@ class PoolIndex:
         group.num_in_flight -= 1
         self._free(obj)
         if not group.members:
-            self._forget_group(group)
+            self.group_table.remove(group)
         self.counters.revoked_puts += 1
         self._fail_group(obj.group_id, group.size)
 
     def _free(self, obj: StoredObject) -> None:
         del self.objects[obj.key]
-        self.tenants.remove_object(obj)
+        self.group_table.remove_object(obj)
         self.segment_table.release(obj)
-
-    def _new_group(self, group_id: str, size: int, tenant: str) -> Group:
-        group = self.groups[group_id] = Group(group_id, size, tenant=tenant)
-        self.tenants.add_group(group)
-        return group
-
-    def _forget_group(self, group: Group) -> None:
-        del self.groups[group.group_id]
-        self.tenants.remove_group(group)
 
     # ---- failed groups --------------------------------------------------
 
@@ -364,7 +346,7 @@ class PoolIndex:
         for group_id in failed:
             group = self.groups.get(group_id)
             if group is not None and not group.members:
-                self._forget_group(group)
+                self.group_table.remove(group)
             elif group is not None and not group.busy:
                 self._drop_failed(group)
 
@@ -402,11 +384,11 @@ class PoolIndex:
         return self.groups
 
     def tenant_groups(self, tenant: str) -> OrderedDict[str, Group]:
-        return self.tenants.groups_of(tenant)
+        return self.group_table.of_tenant(tenant)
 
     @property
     def tenant_bytes(self) -> dict[str, int]:
-        return self.tenants.bytes
+        return self.group_table.tenant_bytes
 
     @property
     def share_capacity(self) -> float:
@@ -418,7 +400,7 @@ class PoolIndex:
 
     def drop_group(self, group_id: str) -> int:
         group = self.groups[group_id]
-        self._forget_group(group)
+        self.group_table.remove(group)
         self._incomplete.pop(group_id, None)
         for key, obj in group.members.items():
             self._in_flight.pop(key, None)
@@ -430,16 +412,16 @@ class PoolIndex:
         group.num_committed -= 1
         self._free(obj)
         if not group.members:
-            self._forget_group(group)
+            self.group_table.remove(group)
             self._incomplete.pop(group.group_id, None)
 
     def adopt(self, obj: StoredObject, group_size: int) -> None:
         group = self.groups.get(obj.group_id)
         if group is None:
-            group = self._new_group(obj.group_id, group_size, obj.tenant)
+            group = self.group_table.add(Group(obj.group_id, group_size, tenant=obj.tenant))
         obj.tenant = group.tenant  # a group is one tenant's, whatever a report says
         self.objects[obj.key] = obj
-        self.tenants.add_object(obj)
+        self.group_table.add_object(obj)
         group.members[obj.key] = obj
         group.num_committed += 1
         if not group.complete:  # its other members are in stores that have not reported yet

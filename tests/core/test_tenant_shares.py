@@ -157,9 +157,9 @@ def test_the_ledger_follows_every_way_a_group_leaves() -> None:
     clock.now += 2
     index.revoke_expired_puts()
     assert index.tenant_bytes == {"alice": KB}
-    assert {t: list(g) for t, g in index.tenants.lru.items()} == {"alice": ["a2"]}
+    assert {t: list(g) for t, g in index.group_table.by_tenant.items()} == {"alice": ["a2"]}
     index.unmount_segment("seg0")
-    assert index.tenant_bytes == {} and index.tenants.lru == {}
+    assert index.tenant_bytes == {} and index.group_table.by_tenant == {}
 
 
 # ---- the invariant under random steps -------------------------------------
