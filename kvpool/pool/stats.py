@@ -35,14 +35,15 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"  leases     {stats['num_leases']}",
         f"  evictions  {stats['evicted_groups']} groups, {format_size(int(stats['evicted_bytes']))}",
         f"  revoked    {stats['revoked_puts']} puts",
-        f"  segments   {len(stats['segments'])}",
+        f"  tenants    {len(stats['tenants'])}",
     ]
     for tenant in stats["tenants"]:
         lines.append(
-            f"  tenant {tenant['tenant'][:24]:24}  {format_size(int(tenant['bytes']))} of a "
-            f"{format_size(int(tenant['share_bytes']))} share, {tenant['num_groups']} groups, "
+            f"    {tenant['tenant'][:24]:24}  {format_size(int(tenant['bytes']))} of a "
+            f"{format_size(int(tenant['share_bytes']))} share  {tenant['num_groups']} groups, "
             f"{tenant['evicted_groups']} evicted"
         )
+    lines.append(f"  segments   {len(stats['segments'])}")
     for seg in stats["segments"]:
         cap = int(seg["capacity_bytes"])
         lines.append(

@@ -1,0 +1,24 @@
+"""``kvpool pool stats`` shows each tenant's part of the pool beside its share."""
+
+from __future__ import annotations
+
+from google.protobuf.json_format import MessageToDict
+
+from kvpool.pool.stats import format_stats
+from kvpool.rpc import pool_pb2
+
+
+def test_each_tenant_is_listed_with_its_share() -> None:
+    stats = pool_pb2.StatsResponse(capacity_bytes=32 << 20, used_bytes=28 << 20, high_watermark=0.9,
+                                   low_watermark=0.85, master_incarnation="abc")
+    stats.tenants.add(tenant="alice", bytes=17 << 20, num_groups=22, evicted_groups=30, share_bytes=15099494)
+    stats.tenants.add(tenant="bob", bytes=11 << 20, num_groups=14, share_bytes=15099494)
+    text = format_stats(MessageToDict(stats, preserving_proto_field_name=True,
+                                      always_print_fields_with_no_presence=True))
+    lines = text.splitlines()
+    start = lines.index("  tenants    2")
+    assert lines[start + 1:start + 4] == [
+        "    alice                     17.0 MiB of a 14.4 MiB share  22 groups, 30 evicted",
+        "    bob                       11.0 MiB of a 14.4 MiB share  14 groups, 0 evicted",
+        "  segments   0",
+    ]
