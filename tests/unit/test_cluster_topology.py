@@ -21,6 +21,16 @@ def test_kvpool_up_default_shape() -> None:
     assert server.pipelines[0].pool and not topology.netns and topology.die_with_parent
 
 
+def test_kvpool_up_hands_tenant_weights_to_the_master_and_every_stage() -> None:
+    topology = up_topology(UpSettings(tenant_weights="alice=3,bob=1", stages=2))  # type: ignore[arg-type]
+    assert topology.master is not None and topology.master.args == ("--tenant-weights", "alice=3,bob=1")
+    [pipeline] = topology.servers[0].pipelines
+    assert pipeline.args[-2:] == ("--tenant-weights", "alice=3,bob=1")
+    assert up_topology(UpSettings()).master.args == ()  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="tenant_weights"):
+        UpSettings(tenant_weights=["alice=0"])
+
+
 def test_kvpool_up_without_a_pool_starts_no_master_and_no_store() -> None:
     topology = up_topology(UpSettings(stores=0, pipelines=2, stages=1, decode_shards=2))
     assert topology.master is None
