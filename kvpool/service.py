@@ -107,7 +107,8 @@ def _input_type(method: str) -> str:
     """The request message's full name of ``/package.Service/Method``; the path itself if it is not loaded."""
     service_name, _, method_name = method.lstrip("/").partition("/")
     try:
-        return descriptor_pool.Default().FindServiceByName(service_name).FindMethodByName(method_name).input_type.full_name
+        service = descriptor_pool.Default().FindServiceByName(service_name)
+        return service.FindMethodByName(method_name).input_type.full_name
     except (KeyError, AttributeError):
         return method
 

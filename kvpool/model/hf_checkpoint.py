@@ -73,7 +73,8 @@ def from_hf_config(hf: Mapping[str, Any], name: str = "hf", seed: int = 0) -> Mo
         if key not in hf:
             raise ValueError(f"{key}: missing")
         value = hf[key]
-        if not (isinstance(value, int) and not isinstance(value, bool)) and not (key == "q_lora_rank" and value is None):
+        integer = isinstance(value, int) and not isinstance(value, bool)
+        if not integer and not (key == "q_lora_rank" and value is None):
             raise ValueError(f"{key}: must be an integer, got {value!r}")
         values[key] = value
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})

@@ -101,8 +101,8 @@ def edit_config(**fields: object):  # type: ignore[no-untyped-def]
      "model_dir: DIR/config.json: rope_parameters: 'longrope' rope scaling is not supported"),
     (edit_config(hidden_size=32), "model_dir: DIR/model.safetensors: model.embed_tokens.weight has shape [64, 64], "
      "config.json makes it [64, 32]"),
-    (edit_config(num_hidden_layers=3, first_k_dense_replace=3), "model_dir: DIR: weight model.layers.2.input_layernorm.weight is in no "
-     "*.safetensors file"),
+    (edit_config(num_hidden_layers=3, first_k_dense_replace=3),
+     "model_dir: DIR: weight model.layers.2.input_layernorm.weight is in no *.safetensors file"),
     (lambda p: (p / "model.safetensors").unlink(), "model_dir: DIR: no *.safetensors weights"),
     (lambda p: (p / "model.safetensors").write_bytes(b"\x00"), "model_dir: DIR/model.safetensors: not a safetensors"),
     (lambda p: (p / "tokenizer.json").unlink(), "model_dir: DIR/tokenizer.json: missing"),
