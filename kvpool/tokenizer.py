@@ -130,16 +130,22 @@ class HFTokenizer:
                             tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
         if not self._template:
             raise ValueError("model directory has no chat_template in tokenizer_config.json")
-        import jinja2  # the template language model directories use
+        from jinja2 import StrictUndefined, TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # a directory's template is code: sandboxed, as HF
+
 
         messages = list(messages)
         if tools and "tools" not in self._template:
             # a template that cannot show tools: they go first, as a system message
             messages = [{"role": "system", "content": tools_text(tools)}, *messages]
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(self._template).render(
-            messages=messages, tools=list(tools) or None, add_generation_prompt=True, bos_token=self._bos_text
-        )
+        env = ImmutableSandboxedEnvironment(undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        try:
+            text = env.from_string(self._template).render(
+                messages=messages, tools=list(tools) or None, add_generation_prompt=True, bos_token=self._bos_text
+            )
+        except TemplateError as exc:  # the template refuses these messages (or cannot render them): the caller's
+            raise ValueError(f"messages: the model's chat template refused them: {exc}") from None
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
 
@@ -183,6 +189,13 @@ def load_tokenizer(model_dir: str | None, vocab_size: int) -> Tokenizer:
                 )
             return tokenizer
     return ByteTokenizer(vocab_size)
+
+
+def _raise_template_error(message: str) -> None:
+    """``raise_exception`` of Hugging Face chat templates."""
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
 
 
 def _token_text(token: Any) -> str:

@@ -198,7 +198,10 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, limits: ModelLimit
     if not messages:
         raise invalid("messages", "must not be empty")
     rendered = [_message(i, m, roles) for i, m in enumerate(messages)]
-    prompt_ids = tokenizer.apply_chat_template(rendered, _tools(body))
+    try:
+        prompt_ids = tokenizer.apply_chat_template(rendered, _tools(body))
+    except ValueError as exc:  # a model directory's template refusing the messages
+        raise invalid("messages", str(exc).removeprefix("messages: ")) from None
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         name = "max_completion_tokens"
     else:

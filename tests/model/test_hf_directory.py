@@ -74,6 +74,22 @@ def test_the_tokenizer_and_chat_template_are_the_directory_s(model_dir: Path) ->
     assert "".join(decoder.feed(i) for i in (9, 10, 1)) + decoder.flush() == "w5 w6"
 
 
+def test_a_template_that_refuses_the_messages_is_a_value_error_naming_them(model_dir: Path, tmp_path: Path) -> None:
+    """Rendered sandboxed as transformers renders it, ``raise_exception`` included (the HTTP API answers 400)."""
+    path = tmp_path / "strict"
+    shutil.copytree(model_dir, path)
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}")
+    tokenizer = HFTokenizer(path)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "w1"}]) == [5]
+    with pytest.raises(ValueError, match="messages: the model's chat template refused them: no system role"):
+        tokenizer.apply_chat_template([{"role": "system", "content": "w1"}])
+    with pytest.raises(ValueError, match="messages: the model's chat template refused them"):  # no sandbox escape
+        (path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+        HFTokenizer(path).apply_chat_template([{"role": "user", "content": "w1"}])
+
+
 def broken(model_dir: Path, tmp_path: Path, change) -> str:  # type: ignore[no-untyped-def]
     path = tmp_path / "broken"
     shutil.copytree(model_dir, path)
