@@ -7,6 +7,7 @@ pipeline of two stages and one decode shard read it; transformers' ``generate`` 
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -50,12 +51,18 @@ def post(cluster: Cluster, path: str, body: dict[str, object]) -> dict[str, obje
         return json.loads(response.read())  # type: ignore[no-any-return]
 
 
+@functools.cache
+def reference(model_dir: Path) -> tuple[transformers.DeepseekV3ForCausalLM, transformers.PreTrainedTokenizerBase]:
+    return load_reference(model_dir), transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
 def transformers_text(model_dir: Path, prompt_ids: list[int]) -> str:
     """What transformers' greedy generate writes for the prompt, decoded as the server decodes (EOS stops it)."""
+    model, tokenizer = reference(model_dir)
     with torch.inference_mode():
-        ids = load_reference(model_dir).generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS,
-                                                 do_sample=False)[0, len(prompt_ids):].tolist()
-    return transformers.AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=True)
+        ids = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS,
+                             do_sample=False)[0, len(prompt_ids):].tolist()
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_the_models_endpoint_names_the_directory_and_its_context(cluster: Cluster) -> None:
@@ -69,7 +76,7 @@ def test_greedy_completion_equals_transformers_generate(cluster: Cluster, model_
     prompt = words(list(range(30, 64)) + list(range(4, 30)))
     answer = post(cluster, "/v1/completions", {"model": "tiny-dsv3", "prompt": prompt, "max_tokens": MAX_TOKENS,
                                                "temperature": 0})
-    prompt_ids = transformers.AutoTokenizer.from_pretrained(model_dir)(prompt, add_special_tokens=False).input_ids
+    prompt_ids = reference(model_dir)[1](prompt, add_special_tokens=False).input_ids
     assert answer["usage"]["prompt_tokens"] == len(prompt_ids) == 60  # type: ignore[index]
     expected = transformers_text(model_dir, prompt_ids)
     assert expected and answer["choices"][0]["text"] == expected  # type: ignore[index]
@@ -81,7 +88,7 @@ def test_greedy_chat_through_the_directory_s_template_equals_transformers_genera
     messages = [{"role": "user", "content": words(list(range(10, 40)))}]
     answer = post(cluster, "/v1/chat/completions", {"model": "tiny-dsv3", "messages": messages,
                                                     "max_tokens": MAX_TOKENS, "temperature": 0})
-    prompt_ids = transformers.AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+    prompt_ids = reference(model_dir)[1].apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert answer["usage"]["prompt_tokens"] == len(prompt_ids)  # type: ignore[index]
     expected = transformers_text(model_dir, prompt_ids)
