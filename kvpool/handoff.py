@@ -8,9 +8,11 @@ gRPC. One request's KV goes:
    tokens from its paged cache into one registered staging slab (exactly the
    stage's part of the region, layer-major: what ``kvpool.model.pack_kv``
    writes);
+   (streaming: ``gather_range`` packs one token range as the forward passes it);
 2. ``write_slab``: the stage writes the slab in the plan's transfers (at most
    8 MiB each) to the same offsets of its part of decode's receive region;
-3. ``scatter_region``: decode copies the region into its token-major pages.
+3. ``scatter_region``: decode copies the region into its token-major pages
+   (``scatter_range``: one landed part, as it lands).
 
 ``write_naive`` is the direct per-token-per-layer copy (prefill page slot
 to decode page slot, no gather, no scatter) that the gathered path
@@ -73,6 +75,55 @@ def gather_stage(kv_cache: torch.Tensor, block_table: BlockTable, num_tokens: in
         block = block_bytes(kv_cache, block_id).view(num_layers, block_size, entry_bytes)
         slab[:, first : first + count].copy_(block[:, :count])
     return out
+
+
+def gather_range(kv_cache: torch.Tensor, block_table: BlockTable, token_start: int, token_end: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """Pack tokens ``[token_start, token_end)`` of every layer of one stage's cache into ``out``.
+
+    ``out``: a contiguous uint8 tensor of ``layers × (token_end - token_start) × entry`` bytes,
+    layer-major (the slab ``kvpool.core.handoff_layout.range_transfers`` writes). One strided
+    copy per block the range touches.
+    """
+    table = as_block_table(block_table, kv_cache.device)
+    check_block_table(kv_cache, table, token_end)
+    block_size, entry_bytes = kv_cache.shape[2], kv_cache.shape[-1] * kv_cache.element_size()
+    num_layers = block_nbytes(kv_cache) // (block_size * entry_bytes)
+    n = token_end - token_start
+    if not 0 <= token_start < token_end:
+        raise ValueError(f"token range: [{token_start}, {token_end}) is empty or negative")
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != num_layers * n * entry_bytes:
+        raise ValueError(f"out: must be a contiguous uint8 tensor of {num_layers * n * entry_bytes} bytes")
+    slab = out.view(num_layers, n, entry_bytes)
+    ids = table.tolist()
+    t = token_start
+    while t < token_end:
+        block, slot = divmod(t, block_size)
+        count = min(block_size - slot, token_end - t)
+        source = block_bytes(kv_cache, ids[block]).view(num_layers, block_size, entry_bytes)
+        slab[:, t - token_start: t - token_start + count].copy_(source[:, slot: slot + count])
+        t += count
+    return out
+
+
+def scatter_range(region: torch.Tensor, layout: HandoffLayout, pages: torch.Tensor, page_ids: BlockTable,
+                  stage: int, token_start: int, token_end: int) -> None:
+    """Copy tokens ``[token_start, token_end)`` of one stage's layers from a region into decode's pages.
+
+    The same placement as ``scatter_region`` (token t of layer l to
+    ``pages[page_ids[t // page_size], t % page_size, l]``), for one landed part:
+    one indexed copy. The caller checked the range against the layout.
+    """
+    num_pages, page_size, num_layers, entry_dim = pages.shape
+    entry_bytes = entry_dim * pages.element_size()
+    start, end = layout.layer_split[stage]
+    offset = layout.stage_offset(stage)
+    word = _word_dtype(entry_bytes, region, pages)
+    words = entry_bytes // word.itemsize
+    rows = pages.view(torch.uint8).view(num_pages * page_size, num_layers, entry_bytes).view(word)
+    slab = region[offset: offset + layout.stage_nbytes(stage)].view(word).view(end - start, layout.num_tokens, words)
+    slots = token_slots(as_block_table(page_ids, pages.device), token_start, token_end, page_size)
+    rows[slots, start:end] = slab[:, token_start:token_end].transpose(0, 1)
 
 
 def write_slab(

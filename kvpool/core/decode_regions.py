@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kvpool.core.allocator import SegmentAllocator
 from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.core.handoff_landing import LandedParts
 from kvpool.core.handoff_layout import HandoffLayout
 
 Clock = Callable[[], float]
@@ -36,6 +37,11 @@ class ReceiveRegion:
     deadline: float
     claimed: bool = False
     seq_id: str = ""  # the sequence whose pages were reserved with it, if any
+    landed: LandedParts | None = None  # what prefill told us has landed (and was scattered, with pages)
+
+    def __post_init__(self) -> None:
+        if self.landed is None:
+            self.landed = LandedParts(self.layout)
 
 
 class RegionTable:

@@ -17,6 +17,11 @@ the region into its token-major pages. After the KV (at ``trailer_offset``)
 come ``trailer_bytes``: the final position's float32 logits, from which
 decode samples the first token.
 
+Streaming: a stage writes each token range of its layers as soon as its
+forward has passed it (``range_transfers``): the range is gathered into a
+slab ``[stage layers, tokens, entry]`` and lands as one write per layer (a
+run of the range's tokens, cut at ``max_transfer_bytes``) at the offsets above.
+
 Transfers: a stage writes its slab in pieces of at most ``max_transfer_bytes``
 (8 MiB): one 8,192-token, 20-layer, 576-byte-entry stage (~94 MB) is 12
 writes, where a per-token-per-layer copy would be 163,840 writes of 576 bytes.
@@ -120,6 +125,38 @@ class HandoffLayout:
         if not 0 <= stage < len(self.layer_split):
             raise InvalidArgument(f"stage: {stage} is outside 0..{len(self.layer_split) - 1}")
         return self.layer_split[stage]
+
+
+@dataclass(frozen=True, slots=True)
+class RangeTransfer:
+    """One write of a token range: ``length`` bytes from ``slab_offset`` of the range's slab to
+    ``region_offset`` of the region."""
+
+    slab_offset: int
+    region_offset: int
+    length: int
+
+
+def range_transfers(layout: HandoffLayout, stage: int, token_start: int, token_end: int,
+                    max_transfer_bytes: int = MAX_TRANSFER_BYTES) -> list[RangeTransfer]:
+    """The writes of tokens ``[token_start, token_end)`` of one stage's layers, layer by layer.
+
+    The range's slab is layer-major (``[layers, token_end - token_start, entry]``): layer i's run
+    is contiguous in both slab and region, so it is one write, or several when past
+    ``max_transfer_bytes``.
+    """
+    start, end = layout._stage(stage)
+    if not 0 <= token_start < token_end <= layout.num_tokens:
+        raise InvalidArgument(f"token range: [{token_start}, {token_end}) is not inside 0..{layout.num_tokens}")
+    entry = layout.entry_bytes
+    run = (token_end - token_start) * entry
+    base = layout.stage_offset(stage)
+    out = []
+    for i in range(end - start):
+        region = base + (i * layout.num_tokens + token_start) * entry
+        for t in transfer_plan(run, max_transfer_bytes):
+            out.append(RangeTransfer(i * run + t.offset, region + t.offset, t.length))
+    return out
 
 
 def transfer_plan(nbytes: int, max_transfer_bytes: int = MAX_TRANSFER_BYTES) -> list[Transfer]:

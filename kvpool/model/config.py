@@ -182,7 +182,13 @@ DSV3_KV = ModelConfig(
 # dsv3-kv-61: also DeepSeek-V3's depth, so KV bytes per token match V3's.
 DSV3_KV_61 = dataclasses.replace(DSV3_KV, name="dsv3-kv-61", num_hidden_layers=61)
 
-CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (TINY, DSV3_KV, DSV3_KV_61)}
+# dsv3-kv-lean: dsv3-kv's KV (8 layers of 576-value entries: the same bytes per token) with
+# one attention head of 16 + 64 query/key dims and 16 value dims, so a 16K-token prefill's
+# attention costs about a tenth of dsv3-kv's on a CPU (``kvpool bench path``'s cases).
+DSV3_KV_LEAN = dataclasses.replace(DSV3_KV, name="dsv3-kv-lean", num_attention_heads=1, qk_nope_head_dim=16,
+                                   v_head_dim=16)
+
+CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (TINY, DSV3_KV, DSV3_KV_61, DSV3_KV_LEAN)}
 
 
 def get_config(name: str) -> ModelConfig:

@@ -62,18 +62,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, region_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[DecodeSampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class DecodeFigures(_message.Message):
-    __slots__ = ("num_tokens", "finish_reason", "decode_seconds", "queue_seconds", "scatter_seconds")
+    __slots__ = ("num_tokens", "finish_reason", "decode_seconds", "queue_seconds", "scatter_seconds", "first_token_unix_ms")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SCATTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     finish_reason: str
     decode_seconds: float
     queue_seconds: float
     scatter_seconds: float
-    def __init__(self, num_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., decode_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., scatter_seconds: _Optional[float] = ...) -> None: ...
+    first_token_unix_ms: float
+    def __init__(self, num_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., decode_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., scatter_seconds: _Optional[float] = ..., first_token_unix_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_id", "figures")
@@ -82,6 +84,28 @@ class DecodeResponse(_message.Message):
     token_id: int
     figures: DecodeFigures
     def __init__(self, token_id: _Optional[int] = ..., figures: _Optional[_Union[DecodeFigures, _Mapping]] = ...) -> None: ...
+
+class LandedRequest(_message.Message):
+    __slots__ = ("region_id", "stage", "token_start", "token_end", "trailer")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    stage: int
+    token_start: int
+    token_end: int
+    trailer: bool
+    def __init__(self, region_id: _Optional[str] = ..., stage: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., trailer: _Optional[bool] = ...) -> None: ...
+
+class LandedResponse(_message.Message):
+    __slots__ = ("scatter_seconds", "complete")
+    SCATTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    scatter_seconds: float
+    complete: bool
+    def __init__(self, scatter_seconds: _Optional[float] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRegionRequest(_message.Message):
     __slots__ = ("region_id",)

@@ -44,6 +44,11 @@ class DecodeStub:
                 request_serializer=kvpool_dot_rpc_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=kvpool_dot_rpc_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Landed = channel.unary_unary(
+                '/kvpool.rpc.Decode/Landed',
+                request_serializer=kvpool_dot_rpc_dot_decode__pb2.LandedRequest.SerializeToString,
+                response_deserializer=kvpool_dot_rpc_dot_decode__pb2.LandedResponse.FromString,
+                _registered_method=True)
         self.ReleaseRegion = channel.unary_unary(
                 '/kvpool.rpc.Decode/ReleaseRegion',
                 request_serializer=kvpool_dot_rpc_dot_decode__pb2.ReleaseRegionRequest.SerializeToString,
@@ -81,6 +86,15 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Landed(self, request, context):
+        """A prefill stage's token range of its layers (or the trailer) has landed
+        in a region: scatter it into the reserved pages now. Generate starts
+        without any scatter once every part has landed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseRegion(self, request, context):
         """Give back a reserved region, and its pages, that will not be used.
         """
@@ -107,6 +121,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvpool_dot_rpc_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=kvpool_dot_rpc_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Landed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Landed,
+                    request_deserializer=kvpool_dot_rpc_dot_decode__pb2.LandedRequest.FromString,
+                    response_serializer=kvpool_dot_rpc_dot_decode__pb2.LandedResponse.SerializeToString,
             ),
             'ReleaseRegion': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseRegion,
@@ -173,6 +192,33 @@ class Decode:
             '/kvpool.rpc.Decode/Generate',
             kvpool_dot_rpc_dot_decode__pb2.DecodeRequest.SerializeToString,
             kvpool_dot_rpc_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Landed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.rpc.Decode/Landed',
+            kvpool_dot_rpc_dot_decode__pb2.LandedRequest.SerializeToString,
+            kvpool_dot_rpc_dot_decode__pb2.LandedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,20 +27,22 @@ class HandoffLayout(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., layer_split: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., entry_bytes: _Optional[int] = ..., trailer_bytes: _Optional[int] = ...) -> None: ...
 
 class HandoffTarget(_message.Message):
-    __slots__ = ("region_id", "endpoint", "address", "size", "deadline_unix_ms", "layout")
+    __slots__ = ("region_id", "endpoint", "address", "size", "deadline_unix_ms", "layout", "notify_address")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NOTIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     region_id: str
     endpoint: str
     address: int
     size: int
     deadline_unix_ms: int
     layout: HandoffLayout
-    def __init__(self, region_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[HandoffLayout, _Mapping]] = ...) -> None: ...
+    notify_address: str
+    def __init__(self, region_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[HandoffLayout, _Mapping]] = ..., notify_address: _Optional[str] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
     __slots__ = ("request_id", "target")
@@ -51,18 +53,26 @@ class HandoffRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., target: _Optional[_Union[HandoffTarget, _Mapping]] = ...) -> None: ...
 
 class StageHandoffFigures(_message.Message):
-    __slots__ = ("stage", "transfers", "bytes", "gather_seconds", "write_seconds")
+    __slots__ = ("stage", "transfers", "bytes", "gather_seconds", "write_seconds", "scatter_seconds", "ranges", "forward_end_unix_ms", "last_write_end_unix_ms")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     GATHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SCATTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_END_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LAST_WRITE_END_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     transfers: int
     bytes: int
     gather_seconds: float
     write_seconds: float
-    def __init__(self, stage: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ...) -> None: ...
+    scatter_seconds: float
+    ranges: int
+    forward_end_unix_ms: float
+    last_write_end_unix_ms: float
+    def __init__(self, stage: _Optional[int] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., gather_seconds: _Optional[float] = ..., write_seconds: _Optional[float] = ..., scatter_seconds: _Optional[float] = ..., ranges: _Optional[int] = ..., forward_end_unix_ms: _Optional[float] = ..., last_write_end_unix_ms: _Optional[float] = ...) -> None: ...
 
 class HandoffResponse(_message.Message):
     __slots__ = ("region_id", "stages", "transfers", "bytes", "seconds")

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from kvpool.rpc import handoff_pb2 as kvpool_dot_rpc_dot_handoff__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -23,77 +22,3 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
-
-
-class HandoffStageStub:
-    """Missing associated documentation comment in .proto file."""
-
-    def __init__(self, channel):
-        """Constructor.
-
-        Args:
-            channel: A grpc.Channel.
-        """
-        self.WriteLayers = channel.unary_unary(
-                '/kvpool.rpc.HandoffStage/WriteLayers',
-                request_serializer=kvpool_dot_rpc_dot_handoff__pb2.WriteLayersRequest.SerializeToString,
-                response_deserializer=kvpool_dot_rpc_dot_handoff__pb2.StageHandoffFigures.FromString,
-                _registered_method=True)
-
-
-class HandoffStageServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def WriteLayers(self, request, context):
-        """Gather this stage's layers of the given tokens and write them into its
-        part of the region. Stage 0 calls it on every later stage.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_HandoffStageServicer_to_server(servicer, server):
-    rpc_method_handlers = {
-            'WriteLayers': grpc.unary_unary_rpc_method_handler(
-                    servicer.WriteLayers,
-                    request_deserializer=kvpool_dot_rpc_dot_handoff__pb2.WriteLayersRequest.FromString,
-                    response_serializer=kvpool_dot_rpc_dot_handoff__pb2.StageHandoffFigures.SerializeToString,
-            ),
-    }
-    generic_handler = grpc.method_handlers_generic_handler(
-            'kvpool.rpc.HandoffStage', rpc_method_handlers)
-    server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('kvpool.rpc.HandoffStage', rpc_method_handlers)
-
-
- # This class is part of an EXPERIMENTAL API.
-class HandoffStage:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def WriteLayers(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpool.rpc.HandoffStage/WriteLayers',
-            kvpool_dot_rpc_dot_handoff__pb2.WriteLayersRequest.SerializeToString,
-            kvpool_dot_rpc_dot_handoff__pb2.StageHandoffFigures.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.rpc import handoff_pb2 as kvpool_dot_rpc_dot_handoff__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvpool/rpc/prefill.proto\x12\nkvpool.rpc\x1a\x18kvpool/rpc/handoff.proto\"\x9e\x01\n\x0ePrefillRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0bsession_key\x18\x02 \x01(\t\x12\x15\n\rreturn_logits\x18\x03 \x01(\x08\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12)\n\x06target\x18\x06 \x01(\x0b\x32\x19.kvpool.rpc.HandoffTarget\"\x90\x01\n\x13StageRestoreFigures\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x1c\n\x14num_chunks_requested\x18\x02 \x01(\r\x12\x1b\n\x13num_chunks_restored\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07read_ms\x18\x05 \x01(\x01J\x04\x08\x06\x10\x07R\tunpack_ms\"\xb8\x02\n\x0ePrefillFigures\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11num_device_tokens\x18\x02 \x01(\r\x12\x17\n\x0fnum_pool_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_pool_chunks_lost\x18\x05 \x01(\r\x12\x30\n\x07restore\x18\x06 \x03(\x0b\x32\x1f.kvpool.rpc.StageRestoreFigures\x12\x17\n\x0frestore_wait_ms\x18\x07 \x01(\x01\x12\x12\n\ncompute_ms\x18\x08 \x01(\x01\x12\x11\n\tlookup_ms\x18\t \x01(\x01\x12\x10\n\x08total_ms\x18\n \x01(\x01\x12\x18\n\x10stage_compute_ms\x18\x0b \x03(\x01\"\xdf\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06logits\x18\x03 \x01(\x0c\x12+\n\x07\x66igures\x18\x04 \x01(\x0b\x32\x1a.kvpool.rpc.PrefillFigures\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12,\n\x07handoff\x18\x08 \x01(\x0b\x32\x1b.kvpool.rpc.HandoffResponseJ\x04\x08\x07\x10\x08R\tkv_hold_s\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x12\n\x10StageInfoRequest\"\xb4\x01\n\x11StageInfoResponse\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stages\x18\x02 \x01(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tnamespace\x18\x07 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x08 \x01(\t\"\x85\x01\n\x0cRestoreChunk\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x05\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\x04\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\x0b\n\x03key\x18\x07 \x01(\t\"N\n\x0eRestoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x18.kvpool.rpc.RestoreChunk\"C\n\x0fRestoreResponse\x12\x30\n\x07\x66igures\x18\x01 \x01(\x0b\x32\x1f.kvpool.rpc.StageRestoreFigures\"v\n\nActivation\x12\x0e\n\x06inline\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\"\xec\x01\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_table\x18\x02 \x03(\x05\x12\x15\n\rcompute_start\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12*\n\nactivation\x18\x05 \x01(\x0b\x32\x16.kvpool.rpc.Activation\x12\x18\n\x10save_first_chunk\x18\x06 \x01(\r\x12\x19\n\x11save_chunk_hashes\x18\x07 \x03(\t\x12\x15\n\rreturn_logits\x18\x08 \x01(\x08\x12\x0e\n\x06tenant\x18\t \x01(\t\"P\n\x0f\x46orwardResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x0e\n\x06logits\x18\x02 \x01(\x0c\x12\x18\n\x10stage_compute_ms\x18\x03 \x03(\x01\"%\n\x0fSaveDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x80\x01\n\x10SaveDoneResponse\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stored\x18\x02 \x01(\r\x12\x12\n\nnum_exists\x18\x03 \x01(\r\x12\x16\n\x0enum_not_stored\x18\x04 \x01(\r\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0e\n\x06put_ms\x18\x06 \x01(\x01\x32M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.kvpool.rpc.PrefillRequest\x1a\x1b.kvpool.rpc.PrefillResponse2\xa7\x02\n\x0cPrefillStage\x12H\n\tStageInfo\x12\x1c.kvpool.rpc.StageInfoRequest\x1a\x1d.kvpool.rpc.StageInfoResponse\x12\x42\n\x07Restore\x12\x1a.kvpool.rpc.RestoreRequest\x1a\x1b.kvpool.rpc.RestoreResponse\x12\x42\n\x07\x46orward\x12\x1a.kvpool.rpc.ForwardRequest\x1a\x1b.kvpool.rpc.ForwardResponse\x12\x45\n\x08SaveDone\x12\x1b.kvpool.rpc.SaveDoneRequest\x1a\x1c.kvpool.rpc.SaveDoneResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvpool/rpc/prefill.proto\x12\nkvpool.rpc\x1a\x18kvpool/rpc/handoff.proto\"\xbd\x01\n\x0ePrefillRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0bsession_key\x18\x02 \x01(\t\x12\x15\n\rreturn_logits\x18\x03 \x01(\x08\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12)\n\x06target\x18\x06 \x01(\x0b\x32\x19.kvpool.rpc.HandoffTarget\x12\x1d\n\x15handoff_after_prefill\x18\x07 \x01(\x08\"\x90\x01\n\x13StageRestoreFigures\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x1c\n\x14num_chunks_requested\x18\x02 \x01(\r\x12\x1b\n\x13num_chunks_restored\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07read_ms\x18\x05 \x01(\x01J\x04\x08\x06\x10\x07R\tunpack_ms\"\xb8\x02\n\x0ePrefillFigures\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11num_device_tokens\x18\x02 \x01(\r\x12\x17\n\x0fnum_pool_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_pool_chunks_lost\x18\x05 \x01(\r\x12\x30\n\x07restore\x18\x06 \x03(\x0b\x32\x1f.kvpool.rpc.StageRestoreFigures\x12\x17\n\x0frestore_wait_ms\x18\x07 \x01(\x01\x12\x12\n\ncompute_ms\x18\x08 \x01(\x01\x12\x11\n\tlookup_ms\x18\t \x01(\x01\x12\x10\n\x08total_ms\x18\n \x01(\x01\x12\x18\n\x10stage_compute_ms\x18\x0b \x03(\x01\"\xdf\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06logits\x18\x03 \x01(\x0c\x12+\n\x07\x66igures\x18\x04 \x01(\x0b\x32\x1a.kvpool.rpc.PrefillFigures\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12,\n\x07handoff\x18\x08 \x01(\x0b\x32\x1b.kvpool.rpc.HandoffResponseJ\x04\x08\x07\x10\x08R\tkv_hold_s\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x12\n\x10StageInfoRequest\"\xb4\x01\n\x11StageInfoResponse\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stages\x18\x02 \x01(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tnamespace\x18\x07 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x08 \x01(\t\"\x85\x01\n\x0cRestoreChunk\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x05\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\x04\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\x0b\n\x03key\x18\x07 \x01(\t\"N\n\x0eRestoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x18.kvpool.rpc.RestoreChunk\"C\n\x0fRestoreResponse\x12\x30\n\x07\x66igures\x18\x01 \x01(\x0b\x32\x1f.kvpool.rpc.StageRestoreFigures\"v\n\nActivation\x12\x0e\n\x06inline\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\"\xb6\x02\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_table\x18\x02 \x03(\x05\x12\x15\n\rcompute_start\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12*\n\nactivation\x18\x05 \x01(\x0b\x32\x16.kvpool.rpc.Activation\x12\x18\n\x10save_first_chunk\x18\x06 \x01(\r\x12\x19\n\x11save_chunk_hashes\x18\x07 \x03(\t\x12\x15\n\rreturn_logits\x18\x08 \x01(\x08\x12\x0e\n\x06tenant\x18\t \x01(\t\x12)\n\x06target\x18\n \x01(\x0b\x32\x19.kvpool.rpc.HandoffTarget\x12\x1d\n\x15handoff_after_prefill\x18\x0b \x01(\x08\"(\n\x12HandoffDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"P\n\x0f\x46orwardResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x0e\n\x06logits\x18\x02 \x01(\x0c\x12\x18\n\x10stage_compute_ms\x18\x03 \x03(\x01\"%\n\x0fSaveDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x80\x01\n\x10SaveDoneResponse\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stored\x18\x02 \x01(\r\x12\x12\n\nnum_exists\x18\x03 \x01(\r\x12\x16\n\x0enum_not_stored\x18\x04 \x01(\r\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0e\n\x06put_ms\x18\x06 \x01(\x01\x32M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.kvpool.rpc.PrefillRequest\x1a\x1b.kvpool.rpc.PrefillResponse2\xf7\x02\n\x0cPrefillStage\x12H\n\tStageInfo\x12\x1c.kvpool.rpc.StageInfoRequest\x1a\x1d.kvpool.rpc.StageInfoResponse\x12\x42\n\x07Restore\x12\x1a.kvpool.rpc.RestoreRequest\x1a\x1b.kvpool.rpc.RestoreResponse\x12\x42\n\x07\x46orward\x12\x1a.kvpool.rpc.ForwardRequest\x1a\x1b.kvpool.rpc.ForwardResponse\x12N\n\x0bHandoffDone\x12\x1e.kvpool.rpc.HandoffDoneRequest\x1a\x1f.kvpool.rpc.StageHandoffFigures\x12\x45\n\x08SaveDone\x12\x1b.kvpool.rpc.SaveDoneRequest\x1a\x1c.kvpool.rpc.SaveDoneResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,39 +33,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpool.rpc.prefill_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=67
-  _globals['_PREFILLREQUEST']._serialized_end=225
-  _globals['_STAGERESTOREFIGURES']._serialized_start=228
-  _globals['_STAGERESTOREFIGURES']._serialized_end=372
-  _globals['_PREFILLFIGURES']._serialized_start=375
-  _globals['_PREFILLFIGURES']._serialized_end=687
-  _globals['_PREFILLRESPONSE']._serialized_start=690
-  _globals['_PREFILLRESPONSE']._serialized_end=913
-  _globals['_RELEASEREQUEST']._serialized_start=915
-  _globals['_RELEASEREQUEST']._serialized_end=951
-  _globals['_RELEASERESPONSE']._serialized_start=953
-  _globals['_RELEASERESPONSE']._serialized_end=988
-  _globals['_STAGEINFOREQUEST']._serialized_start=990
-  _globals['_STAGEINFOREQUEST']._serialized_end=1008
-  _globals['_STAGEINFORESPONSE']._serialized_start=1011
-  _globals['_STAGEINFORESPONSE']._serialized_end=1191
-  _globals['_RESTORECHUNK']._serialized_start=1194
-  _globals['_RESTORECHUNK']._serialized_end=1327
-  _globals['_RESTOREREQUEST']._serialized_start=1329
-  _globals['_RESTOREREQUEST']._serialized_end=1407
-  _globals['_RESTORERESPONSE']._serialized_start=1409
-  _globals['_RESTORERESPONSE']._serialized_end=1476
-  _globals['_ACTIVATION']._serialized_start=1478
-  _globals['_ACTIVATION']._serialized_end=1596
-  _globals['_FORWARDREQUEST']._serialized_start=1599
-  _globals['_FORWARDREQUEST']._serialized_end=1835
-  _globals['_FORWARDRESPONSE']._serialized_start=1837
-  _globals['_FORWARDRESPONSE']._serialized_end=1917
-  _globals['_SAVEDONEREQUEST']._serialized_start=1919
-  _globals['_SAVEDONEREQUEST']._serialized_end=1956
-  _globals['_SAVEDONERESPONSE']._serialized_start=1959
-  _globals['_SAVEDONERESPONSE']._serialized_end=2087
-  _globals['_PREFILL']._serialized_start=2089
-  _globals['_PREFILL']._serialized_end=2166
-  _globals['_PREFILLSTAGE']._serialized_start=2169
-  _globals['_PREFILLSTAGE']._serialized_end=2464
+  _globals['_PREFILLREQUEST']._serialized_end=256
+  _globals['_STAGERESTOREFIGURES']._serialized_start=259
+  _globals['_STAGERESTOREFIGURES']._serialized_end=403
+  _globals['_PREFILLFIGURES']._serialized_start=406
+  _globals['_PREFILLFIGURES']._serialized_end=718
+  _globals['_PREFILLRESPONSE']._serialized_start=721
+  _globals['_PREFILLRESPONSE']._serialized_end=944
+  _globals['_RELEASEREQUEST']._serialized_start=946
+  _globals['_RELEASEREQUEST']._serialized_end=982
+  _globals['_RELEASERESPONSE']._serialized_start=984
+  _globals['_RELEASERESPONSE']._serialized_end=1019
+  _globals['_STAGEINFOREQUEST']._serialized_start=1021
+  _globals['_STAGEINFOREQUEST']._serialized_end=1039
+  _globals['_STAGEINFORESPONSE']._serialized_start=1042
+  _globals['_STAGEINFORESPONSE']._serialized_end=1222
+  _globals['_RESTORECHUNK']._serialized_start=1225
+  _globals['_RESTORECHUNK']._serialized_end=1358
+  _globals['_RESTOREREQUEST']._serialized_start=1360
+  _globals['_RESTOREREQUEST']._serialized_end=1438
+  _globals['_RESTORERESPONSE']._serialized_start=1440
+  _globals['_RESTORERESPONSE']._serialized_end=1507
+  _globals['_ACTIVATION']._serialized_start=1509
+  _globals['_ACTIVATION']._serialized_end=1627
+  _globals['_FORWARDREQUEST']._serialized_start=1630
+  _globals['_FORWARDREQUEST']._serialized_end=1940
+  _globals['_HANDOFFDONEREQUEST']._serialized_start=1942
+  _globals['_HANDOFFDONEREQUEST']._serialized_end=1982
+  _globals['_FORWARDRESPONSE']._serialized_start=1984
+  _globals['_FORWARDRESPONSE']._serialized_end=2064
+  _globals['_SAVEDONEREQUEST']._serialized_start=2066
+  _globals['_SAVEDONEREQUEST']._serialized_end=2103
+  _globals['_SAVEDONERESPONSE']._serialized_start=2106
+  _globals['_SAVEDONERESPONSE']._serialized_end=2234
+  _globals['_PREFILL']._serialized_start=2236
+  _globals['_PREFILL']._serialized_end=2313
+  _globals['_PREFILLSTAGE']._serialized_start=2316
+  _globals['_PREFILLSTAGE']._serialized_end=2691
 # @@protoc_insertion_point(module_scope)

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from kvpool.rpc import handoff_pb2 as kvpool_dot_rpc_dot_handoff__pb2
 from kvpool.rpc import prefill_pb2 as kvpool_dot_rpc_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -125,6 +126,11 @@ class PrefillStageStub:
                 request_serializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.HandoffDone = channel.unary_unary(
+                '/kvpool.rpc.PrefillStage/HandoffDone',
+                request_serializer=kvpool_dot_rpc_dot_prefill__pb2.HandoffDoneRequest.SerializeToString,
+                response_deserializer=kvpool_dot_rpc_dot_handoff__pb2.StageHandoffFigures.FromString,
+                _registered_method=True)
         self.SaveDone = channel.unary_unary(
                 '/kvpool.rpc.PrefillStage/SaveDone',
                 request_serializer=kvpool_dot_rpc_dot_prefill__pb2.SaveDoneRequest.SerializeToString,
@@ -156,6 +162,14 @@ class PrefillStageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HandoffDone(self, request, context):
+        """Wait until this stage's writes of a request into decode's region ended
+        (they started inside its Forward) and report them; fails as they did.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SaveDone(self, request, context):
         """Wait until this stage's save of a request ended (its puts read straight
         from the pages, so stage 0 keeps those blocks from reuse until then).
@@ -181,6 +195,11 @@ def add_PrefillStageServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.FromString,
                     response_serializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.SerializeToString,
+            ),
+            'HandoffDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandoffDone,
+                    request_deserializer=kvpool_dot_rpc_dot_prefill__pb2.HandoffDoneRequest.FromString,
+                    response_serializer=kvpool_dot_rpc_dot_handoff__pb2.StageHandoffFigures.SerializeToString,
             ),
             'SaveDone': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveDone,
@@ -269,6 +288,33 @@ class PrefillStage:
             '/kvpool.rpc.PrefillStage/Forward',
             kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.SerializeToString,
             kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandoffDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.rpc.PrefillStage/HandoffDone',
+            kvpool_dot_rpc_dot_prefill__pb2.HandoffDoneRequest.SerializeToString,
+            kvpool_dot_rpc_dot_handoff__pb2.StageHandoffFigures.FromString,
             options,
             channel_credentials,
             insecure,

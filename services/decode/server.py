@@ -32,6 +32,9 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
 
     handle = await service.create_server(settings.host, settings.port, add_servicers,
                                          service_names=["kvpool.rpc.Decode"])
+    # where prefill stages tell us a part of a region landed (a wildcard listen address is not one)
+    host = settings.transfer_host if settings.host in ("", "0.0.0.0", "::", "[::]") else settings.host
+    shard.notify_address = f"{host}:{handle.port}"
     stop = asyncio.Event()
     service.install_stop_signals(stop)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)

@@ -57,6 +57,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             address=self.shard.region_address(region), size=region.size, deadline_unix_ms=deadline_ms,
             layout=handoff_pb2.HandoffLayout(num_tokens=request.num_tokens, layer_split=request.layer_split,
                                              entry_bytes=request.entry_bytes, trailer_bytes=trailer),
+            notify_address=self.shard.notify_address,
         )
         return decode_pb2.ReserveResponse(target=target)
 
@@ -76,11 +77,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     yield decode_pb2.DecodeResponse(figures=decode_pb2.DecodeFigures(
                         num_tokens=event.num_tokens, finish_reason=event.finish_reason,
                         decode_seconds=event.decode_seconds, queue_seconds=event.queue_seconds,
-                        scatter_seconds=event.scatter_seconds))
+                        scatter_seconds=event.scatter_seconds, first_token_unix_ms=event.first_token_unix_ms))
                 else:
                     yield decode_pb2.DecodeResponse(token_id=event)
         except KvpoolError as exc:
             await abort(context, exc, "Generate")
+
+    @status_errors
+    async def Landed(self, request: decode_pb2.LandedRequest, context: grpc.aio.ServicerContext
+                     ) -> decode_pb2.LandedResponse:
+        seconds, complete = await self.shard.landed(parse_region_id(request.region_id), request.stage,
+                                                    request.token_start, request.token_end, request.trailer)
+        return decode_pb2.LandedResponse(scatter_seconds=seconds, complete=complete)
 
     @status_errors
     async def ReleaseRegion(self, request: decode_pb2.ReleaseRegionRequest, context: grpc.aio.ServicerContext

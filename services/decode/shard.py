@@ -29,9 +29,9 @@ import torch
 
 from kvpool.core.decode_regions import ReceiveRegion, RegionTable
 from kvpool.core.decode_scheduler import DecodeScheduler, DecodeSequence
-from kvpool.core.errors import InvalidArgument
+from kvpool.core.errors import FailedPrecondition, InvalidArgument
 from kvpool.core.handoff_layout import HandoffLayout
-from kvpool.handoff import scatter_region
+from kvpool.handoff import scatter_range, scatter_region
 from kvpool.model import kv_dtype as kv_dtype_of
 from kvpool.model.decode import DecodeInput, DecodeModel
 from kvpool.model.sampling import SamplingParams, output_logits, sample
@@ -51,6 +51,7 @@ class Figures:
     decode_seconds: float
     queue_seconds: float
     scatter_seconds: float
+    first_token_unix_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -65,6 +66,7 @@ class LiveSequence:
     ready: bool = False  # the first token is known: the sequence joins the steps
     region_freed: bool = False
     scatter_seconds: float = 0.0
+    first_token_unix_ms: float = 0.0
 
 
 class DecodeShard:
@@ -89,6 +91,7 @@ class DecodeShard:
         engine.register(self.arena.address, self.arena.size)
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-compute")
         self._live: dict[str, LiveSequence] = {}
+        self.notify_address = ""  # this shard's gRPC address, for Landed (the server sets it)
         self._wake = asyncio.Event()
         self.num_steps = 0
 
@@ -143,6 +146,30 @@ class DecodeShard:
             self.scheduler.release(region.seq_id)
         self._publish()
         return freed
+
+    async def landed(self, region_id: int, stage: int, token_start: int, token_end: int,
+                     trailer: bool) -> tuple[float, bool]:
+        """A part of a region landed: scatter it into the reserved pages now (on the compute
+        thread, between steps); the scatter's seconds and whether every part has landed."""
+        region = self.regions.get(region_id)
+        if region is None:
+            raise FailedPrecondition(f"region_id: {region_id} is not reserved on this shard (used, released or "
+                                     "expired)")
+        if region.claimed:
+            raise FailedPrecondition(f"region_id: {region_id} is already decoding")
+        assert region.landed is not None
+        region.landed.check(stage, token_start, token_end, trailer)
+        seconds = 0.0
+        seq = self.scheduler.get(region.seq_id) if region.seq_id else None
+        if seq is not None and token_start < token_end:
+            started = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(
+                self._compute, scatter_range, self.region_tensor(region), region.layout, self.model.pages,
+                list(seq.page_ids), stage, token_start, token_end)
+            seconds = time.perf_counter() - started
+        if self.regions.get(region_id) is region and (seq is not None or token_start == token_end):
+            region.landed.land(stage, token_start, token_end, trailer)  # scattered (or nothing to scatter)
+        return seconds, region.landed.complete
 
     async def expire_regions_forever(self) -> None:
         while True:
@@ -213,7 +240,7 @@ class DecodeShard:
         now = self.clock()
         admitted = seq.admitted_at if seq.admitted_at is not None else now
         figures = Figures(seq.num_output_tokens, reason, now - admitted, admitted - seq.submitted_at,
-                          live.scatter_seconds)
+                          live.scatter_seconds, live.first_token_unix_ms)
         self.metrics.requests.labels(reason).inc()
         self.metrics.queue_seconds.observe(figures.queue_seconds)
         live.events.put_nowait(figures)
@@ -247,7 +274,8 @@ class DecodeShard:
                     self._emit(live, live.last_token)  # a given first token; it may end the sequence
             admitted = [live for live in admitted if self._live.get(live.seq.seq_id) is live]
             to_scatter = [(live, self.region_tensor(live.region), live.region.layout, list(live.seq.page_ids),
-                           live.params) for live in admitted]
+                           live.params, bool(live.region.landed and live.region.landed.complete))
+                          for live in admitted]
             # sequences whose first token is drawn in this call join the next step
             batch = [live for live in self._live.values() if live.seq.admitted_at is not None and live.ready]
             if not batch and not to_scatter:
@@ -283,6 +311,7 @@ class DecodeShard:
             for live, first in zip(admitted, firsts):
                 if first is not None and self._live.get(live.seq.seq_id) is live:
                     live.ready = True
+                    live.first_token_unix_ms = time.time() * 1e3
                     self._emit(live, first)  # the first token; it may end the sequence
             self._publish()
 
@@ -290,9 +319,10 @@ class DecodeShard:
         """On the compute thread: scatter new sequences' regions, one batched step, sampling."""
         scatter_seconds: list[float] = []
         firsts: list[int | None] = []
-        for _live, region, layout, page_ids, first_params in to_scatter:
+        for _live, region, layout, page_ids, first_params, scattered in to_scatter:
             started = time.perf_counter()
-            scatter_region(region, layout, self.model.pages, page_ids)
+            if not scattered:  # parts landed without notice (an older prefill): all of it now
+                scatter_region(region, layout, self.model.pages, page_ids)
             first = None
             if layout.trailer_bytes:
                 trailer = region[layout.trailer_offset: layout.nbytes].clone().view(torch.float32)

@@ -1,18 +1,20 @@
-"""The prefill side of the handoff: every stage writes its layers, stage 0 fans out.
+"""The prefill side of the handoff: every stage streams its layers to decode as its forward passes them.
 
-``HandoffStageServicer`` (every stage): gather this stage's layers of a
-request's tokens from its pages into one slab of its registered handoff
-arena, then write the slab in the layout's transfers (at most 8 MiB each)
-into its part of decode's region (``kvpool.handoff``). The arena holds at
-most the stage's whole device cache, so concurrent handoffs wait for room
-rather than grow memory.
+``StageHandoff`` (every stage): for a request with a target, ``begin`` a
+``RequestWrites``; the stage's Forward hands it each token range whose KV is
+final (the restored prefix at once, then each piece of the forward as it
+ends, the last stage also the final logits). Each range is gathered from the
+pages into one slab of the stage's registered handoff arena and written in
+the layout's transfers (one per layer, at most 8 MiB each) into the stage's
+part of decode's region (``kvpool.handoff``), then decode is told
+(``Decode.Landed``) and scatters it into the request's pages while prefill
+goes on. Stage 0 collects every stage's figures after the forward
+(``HandoffDone``), which also raises a stage's write failure.
 
-``HandoffFront`` (stage 0, inside its Prefill): check the target against
-the request and the pipeline before any prefill work, then, after the
-compute, run every stage's write at once (its own locally, with the final
-position's logits after the KV). Invariants: nothing is written before the
-whole target checked out; a slab is freed only after the engine stopped
-reading it (the write is shielded from a caller that gives up).
+Invariants: nothing is written before the whole target checked out (stage
+0, before any work); a slab is freed only after the engine stopped reading
+it; the writes of a request run to their end even if its caller goes away
+(the pages they read stay the request's until stage 0 has them all done).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -34,10 +36,11 @@ from kvpool.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvpool.core.handoff_layout import HandoffLayout, transfer_plan
-from kvpool.handoff import WriteReport, gather_stage, write_slab
-from kvpool.rpc import handoff_pb2, handoff_pb2_grpc
-from kvpool.status import from_status, status_errors
+from kvpool import service
+from kvpool.core.handoff_layout import HandoffLayout, range_transfers, transfer_plan
+from kvpool.handoff import gather_range
+from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
+from kvpool.status import from_status
 from kvpool.transfer import TransferError
 from services.prefill.arena import Arena
 from services.prefill.stage_runner import StageRunner
@@ -45,7 +48,10 @@ from services.prefill.stage_runner import StageRunner
 log = structlog.get_logger(__name__)
 
 ARENA_WAIT_S = 30.0  # for room in the handoff arena, at most
-STAGE_TIMEOUT_S = 120.0  # one stage's gather + write, as stage 0 waits for it
+STAGE_TIMEOUT_S = 120.0  # one stage's writes after its forward, as stage 0 waits for them
+LANDED_TIMEOUT_S = 30.0
+# finished handoffs nobody asked about (stage 0 gone) are forgotten past this many
+MAX_FINISHED = 1024
 _SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
 
@@ -56,7 +62,7 @@ class HandoffMetrics:
         self.transfers = Counter("kvpool_handoff_transfers", "Writes this stage issued into decode regions",
                                  registry=registry)
         self.bytes = Counter("kvpool_handoff_bytes", "Bytes this stage wrote into decode regions", registry=registry)
-        self.seconds = Histogram("kvpool_handoff_seconds", "Handoff time at stage 0, request to the last byte",
+        self.seconds = Histogram("kvpool_handoff_seconds", "Handoff time at stage 0, forward end to the last byte",
                                  buckets=_SECONDS_BUCKETS, registry=registry)
         self.requests = Counter("kvpool_handoff_requests", "Handoffs stage 0 ran, by outcome", ["outcome"],
                                 registry=registry)
@@ -100,8 +106,56 @@ def now_unix_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class HandoffStageServicer(handoff_pb2_grpc.HandoffStageServicer):
-    """Gathers and writes this stage's layers of a request (see the module doc)."""
+@dataclass(slots=True)
+class WriteTotals:
+    transfers: int = 0
+    nbytes: int = 0
+    ranges: int = 0
+    gather_s: float = 0.0
+    write_s: float = 0.0
+    scatter_s: float = 0.0
+    forward_end_unix_ms: float = 0.0
+    last_write_end_unix_ms: float = 0.0
+
+
+class RequestWrites:
+    """One request's writes from one stage: each final token range, in the background."""
+
+    def __init__(self, owner: StageHandoff, request_id: str, block_table: list[int],
+                 target: handoff_pb2.HandoffTarget, layout: HandoffLayout) -> None:
+        self.owner = owner
+        self.request_id = request_id
+        self.block_table = block_table
+        self.target = target
+        self.layout = layout
+        self.totals = WriteTotals()
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def write(self, token_start: int, token_end: int, trailer: bytes = b"") -> None:
+        """Start writing tokens ``[token_start, token_end)`` of this stage's layers (and ``trailer``)."""
+        if token_start >= token_end and not trailer:
+            return
+        self.tasks.append(asyncio.ensure_future(self.owner.write_range(self, token_start, token_end, trailer)))
+
+    def forward_ended(self) -> None:
+        self.totals.forward_end_unix_ms = time.time() * 1e3
+
+    async def finish(self) -> handoff_pb2.StageHandoffFigures:
+        """Wait for every write; the figures, or the first failure."""
+        results = await asyncio.gather(*self.tasks, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            error = failed[0]
+            raise error if isinstance(error, KvpoolError) else Unavailable(f"handoff: {error}")
+        t = self.totals
+        return handoff_pb2.StageHandoffFigures(
+            stage=self.owner.stage, transfers=t.transfers, bytes=t.nbytes, gather_seconds=t.gather_s,
+            write_seconds=t.write_s, scatter_seconds=t.scatter_s, ranges=t.ranges,
+            forward_end_unix_ms=t.forward_end_unix_ms, last_write_end_unix_ms=t.last_write_end_unix_ms)
+
+
+class StageHandoff:
+    """This stage's handoff writes of every request (see the module doc)."""
 
     def __init__(self, runner: StageRunner, metrics: HandoffMetrics) -> None:
         self.runner = runner
@@ -109,36 +163,59 @@ class HandoffStageServicer(handoff_pb2_grpc.HandoffStageServicer):
         self.settings = runner.settings
         self.stage = runner.settings.stage
         self.entry_bytes = runner.kv_cache.shape[-1] * runner.kv_cache.element_size()
-        # a request never holds more than the device cache: one such slab at a time at most, plus the
-        # final logits the last stage writes after its KV
         self.arena = Arena("handoff", self.settings.handoff_arena_bytes, runner.engine)
+        self._requests: dict[str, RequestWrites] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
 
-    @status_errors
-    async def WriteLayers(self, request: handoff_pb2.WriteLayersRequest, context: Any) -> handoff_pb2.StageHandoffFigures:
-        return await self.write_layers(request.request_id, list(request.block_table), request.target)
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self.arena.close()
 
-    async def write_layers(
-        self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget, trailer: bytes = b""
-    ) -> handoff_pb2.StageHandoffFigures:
+    def check(self, target: handoff_pb2.HandoffTarget, num_tokens: int, num_logits: int) -> HandoffLayout:
+        """The target's layout, checked against this request and pipeline before any work (stage 0)."""
+        layout = target_layout(target)
+        if layout.num_tokens != num_tokens:
+            raise InvalidArgument(f"target.layout.num_tokens: {layout.num_tokens}, the prompt has {num_tokens}")
+        if layout.trailer_bytes not in (0, num_logits * 4):
+            raise InvalidArgument(f"target.layout.trailer_bytes: {layout.trailer_bytes}, the final logits take "
+                                  f"{num_logits * 4}")
+        check_target(target, layout, self.settings.layer_split, self.entry_bytes, now_unix_ms())
+        return layout
+
+    def begin(self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget) -> RequestWrites:
+        """A request's writes from this stage; checked like stage 0 checked them."""
         layout = target_layout(target)
         check_target(target, layout, self.settings.layer_split, self.entry_bytes, now_unix_ms())
-        block_size, num_blocks = self.settings.chunk_size, self.settings.num_blocks
-        needed = -(-layout.num_tokens // block_size)
-        if len(block_table) < needed or any(not 0 <= b < num_blocks for b in block_table[:needed]):
-            raise InvalidArgument(f"block_table: {layout.num_tokens} tokens need {needed} block ids in 0..{num_blocks - 1}")
-        if len(set(block_table[:needed])) != needed:
-            raise InvalidArgument("block_table: repeats a block id")
-        # shielded: if the caller goes away, the engine may still be reading the slab
+        if len(self._requests) >= MAX_FINISHED:
+            for done in [r for r, w in self._requests.items() if all(t.done() for t in w.tasks)]:
+                del self._requests[done]
+        writes = RequestWrites(self, request_id, block_table, target, layout)
+        self._requests[request_id] = writes
+        return writes
+
+    async def done(self, request_id: str) -> handoff_pb2.StageHandoffFigures:
+        """Wait for a request's writes from this stage (at once if it had none) and forget them."""
+        writes = self._requests.pop(request_id, None)
+        if writes is None:
+            return handoff_pb2.StageHandoffFigures(stage=self.stage)
+        figures = await asyncio.shield(writes.finish())
+        self.metrics.transfers.inc(figures.transfers)
+        self.metrics.bytes.inc(figures.bytes)
+        log.info("handoff_stage_written", request_id=request_id, stage=self.stage,
+                 region_id=writes.target.region_id, ranges=figures.ranges, transfers=figures.transfers,
+                 bytes=figures.bytes, gather_ms=round(figures.gather_seconds * 1e3, 2),
+                 write_ms=round(figures.write_seconds * 1e3, 2), scatter_ms=round(figures.scatter_seconds * 1e3, 2))
+        return figures
+
+    async def write_range(self, writes: RequestWrites, token_start: int, token_end: int, trailer: bytes) -> None:
+        """Gather, write and announce one range (see the module doc); raises what failed."""
+        layout, target, totals = writes.layout, writes.target, writes.totals
         if trailer and len(trailer) != layout.trailer_bytes:
             raise InvalidArgument(f"target.layout.trailer_bytes: {layout.trailer_bytes}, the logits are {len(trailer)}")
-        work = asyncio.ensure_future(self._gather_and_write(request_id, block_table[:needed], target, layout, trailer))
-        return await asyncio.shield(work)
-
-    async def _gather_and_write(
-        self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget, layout: HandoffLayout,
-        trailer: bytes,
-    ) -> handoff_pb2.StageHandoffFigures:
-        nbytes = layout.stage_nbytes(self.stage) + len(trailer)
+        plan = range_transfers(layout, self.stage, token_start, token_end) if token_start < token_end else []
+        kv_nbytes = sum(t.length for t in plan)
+        nbytes = kv_nbytes + len(trailer)
         try:
             slab = await self.arena.allocate_wait(nbytes, ARENA_WAIT_S)
         except TimeoutError:
@@ -149,93 +226,52 @@ class HandoffStageServicer(handoff_pb2_grpc.HandoffStageServicer):
         try:
             t0 = time.perf_counter()
             slab_tensor = self.arena.tensor(slab, 0, nbytes)
-            await asyncio.to_thread(gather_stage, self.runner.kv_cache, block_table, layout.num_tokens,
-                                    slab_tensor[: layout.stage_nbytes(self.stage)])
-            if trailer:  # the final logits go right after the KV, from the same slab
-                slab_tensor[layout.stage_nbytes(self.stage):].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
-            gather_s = time.perf_counter() - t0
+            if plan:
+                await asyncio.to_thread(gather_range, self.runner.kv_cache, writes.block_table, token_start,
+                                        token_end, slab_tensor[:kv_nbytes])
+            if trailer:  # the final logits go right after the range, from the same slab
+                slab_tensor[kv_nbytes:].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+            t1 = time.perf_counter()
             if target.deadline_unix_ms and target.deadline_unix_ms <= now_unix_ms():
                 raise FailedPrecondition("target.deadline_unix_ms: the reservation expired before the write")
-            try:
-                report = await asyncio.to_thread(
-                    write_slab, self.runner.engine, slab.address, target.endpoint,
-                    target.address + layout.stage_offset(self.stage), layout.transfers(self.stage),
-                )
-                if trailer:
-                    tail = await asyncio.to_thread(
-                        write_slab, self.runner.engine, slab.address + layout.stage_nbytes(self.stage),
-                        target.endpoint, target.address + layout.trailer_offset, transfer_plan(len(trailer)),
-                    )
-                    report = WriteReport(report.transfers + tail.transfers, report.nbytes + tail.nbytes,
-                                          report.seconds + tail.seconds)
-            except TransferError as exc:
-                # field "target": the decode shard failed, not this pipeline (the router moves the request)
-                raise Unavailable(f"stage {self.stage}: writing to decode at {target.endpoint} failed: {exc}",
-                                  field="target") from exc
+            local = [slab.address + t.slab_offset for t in plan]
+            remote = [target.address + t.region_offset for t in plan]
+            sizes = [t.length for t in plan]
+            if trailer:
+                for t in transfer_plan(len(trailer)):
+                    local.append(slab.address + kv_nbytes + t.offset)
+                    remote.append(target.address + layout.trailer_offset + t.offset)
+                    sizes.append(t.length)
+            done = await asyncio.to_thread(self.runner.engine.move, target.endpoint, local, remote, sizes, True)
+            if not all(done):
+                raise Unavailable(f"stage {self.stage}: writing to decode at {target.endpoint} failed: "
+                                  f"{done.count(False)} of {len(sizes)} transfers")
+            t2 = time.perf_counter()
         finally:
             self.arena.free(slab)
-        self.metrics.transfers.inc(report.transfers)
-        self.metrics.bytes.inc(report.nbytes)
-        log.info("handoff_stage_written", request_id=request_id, stage=self.stage, region_id=target.region_id,
-                 transfers=report.transfers, bytes=report.nbytes, gather_ms=round(gather_s * 1e3, 2),
-                 write_ms=round(report.seconds * 1e3, 2))
-        return handoff_pb2.StageHandoffFigures(stage=self.stage, transfers=report.transfers, bytes=report.nbytes,
-                                               gather_seconds=gather_s, write_seconds=report.seconds)
+        totals.transfers += len(sizes)
+        totals.nbytes += nbytes
+        totals.ranges += 1
+        totals.gather_s += t1 - t0
+        totals.write_s += t2 - t1
+        totals.last_write_end_unix_ms = max(totals.last_write_end_unix_ms, time.time() * 1e3)
+        totals.scatter_s += await self._landed(target, token_start, token_end, bool(trailer))
 
-
-class HandoffFront:
-    """Stage 0's side of a request's handoff: every stage writes at once (see the module doc)."""
-
-    def __init__(self, local: HandoffStageServicer, metrics: HandoffMetrics,
-                 channels: Sequence[grpc.aio.Channel]) -> None:
-        self.local = local
-        self.metrics = metrics
-        self.stages = [handoff_pb2_grpc.HandoffStageStub(c) for c in channels]  # stages 1..N-1, in order
-
-    def check(self, target: handoff_pb2.HandoffTarget, num_tokens: int, num_logits: int) -> HandoffLayout:
-        """The target's layout, checked against this request and pipeline before any work."""
-        layout = target_layout(target)
-        if layout.num_tokens != num_tokens:
-            raise InvalidArgument(f"target.layout.num_tokens: {layout.num_tokens}, the prompt has {num_tokens}")
-        if layout.trailer_bytes not in (0, num_logits * 4):
-            raise InvalidArgument(f"target.layout.trailer_bytes: {layout.trailer_bytes}, the final logits take "
-                                  f"{num_logits * 4}")
-        check_target(target, layout, self.local.settings.layer_split, self.local.entry_bytes, now_unix_ms())
-        return layout
-
-    async def write(self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget,
-                    trailer: bytes) -> handoff_pb2.HandoffResponse:
-        """Every stage writes its layers (stage 0 also ``trailer`` after the KV); raises the first failure."""
-        started = time.perf_counter()
-        bound = log.bind(request_id=request_id, region_id=target.region_id, endpoint=target.endpoint)
-        results = await asyncio.gather(
-            self.local.write_layers(request_id, block_table, target, trailer),
-            *(self._remote(stage, request_id, block_table, target) for stage in range(1, len(self.stages) + 1)),
-            return_exceptions=True,
-        )
-        failed = [r for r in results if isinstance(r, BaseException)]
-        seconds = time.perf_counter() - started
-        if failed:
-            self.metrics.requests.labels("failed").inc()
-            bound.warning("handoff_failed", ms=round(seconds * 1e3, 2), errors=[str(e) for e in failed])
-            error = failed[0]
-            raise error if isinstance(error, KvpoolError) else Unavailable(f"handoff: {error}")
-        stages = [r for r in results if isinstance(r, handoff_pb2.StageHandoffFigures)]
-        response = handoff_pb2.HandoffResponse(
-            region_id=target.region_id, stages=stages, transfers=sum(s.transfers for s in stages),
-            bytes=sum(s.bytes for s in stages), seconds=seconds,
-        )
-        self.metrics.requests.labels("ok").inc()
-        self.metrics.seconds.observe(seconds)
-        bound.info("handoff_done", transfers=response.transfers, bytes=response.bytes, ms=round(seconds * 1e3, 2),
-                   stages=len(stages))
-        return response
-
-    async def _remote(
-        self, stage: int, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget
-    ) -> handoff_pb2.StageHandoffFigures:
-        request = handoff_pb2.WriteLayersRequest(request_id=request_id, block_table=block_table, target=target)
+    async def _landed(self, target: handoff_pb2.HandoffTarget, token_start: int, token_end: int,
+                      trailer: bool) -> float:
+        """Tell decode a part landed (it scatters it now); its scatter time. No address: decode
+        scatters everything at Generate (an older shard)."""
+        if not target.notify_address:
+            return 0.0
+        channel = self._channels.get(target.notify_address)
+        if channel is None:
+            channel = self._channels[target.notify_address] = service.channel(target.notify_address)
+        request = decode_pb2.LandedRequest(region_id=target.region_id, stage=self.stage,
+                                           token_start=token_start if token_start < token_end else 0,
+                                           token_end=token_end if token_start < token_end else 0, trailer=trailer)
         try:
-            return await self.stages[stage - 1].WriteLayers(request, timeout=STAGE_TIMEOUT_S)
+            response = await decode_pb2_grpc.DecodeStub(channel).Landed(request, timeout=LANDED_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            raise from_status(exc, f"stage {stage}", (InvalidArgument, FailedPrecondition)) from None
+            raise from_status(exc, f"stage {self.stage}: decode at {target.notify_address}",
+                              (InvalidArgument, FailedPrecondition)) from None
+        return response.scatter_seconds

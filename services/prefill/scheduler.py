@@ -1,6 +1,7 @@
 """Stage 0's scheduler: hash the prompt, plan device → pool → compute, restore
-on every stage, run the pipeline, write the KV (and the final logits) into
-decode's reserved region, free the blocks.
+on every stage, run the pipeline (every stage streams its KV, the last stage
+also the final logits, into decode's reserved region as its forward passes
+them), collect the handoff's figures, free the blocks.
 
 Every decision is the core's: the block manager (one block table for all
 stages), the hit planner and the request's life (``kvpool.core``). This
@@ -22,14 +23,21 @@ import torch
 
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import chunk_hashes, group_id, hash_root, object_key
-from kvpool.core.errors import DeviceCacheLost, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from kvpool.core.errors import (
+    DeviceCacheLost,
+    FailedPrecondition,
+    InvalidArgument,
+    KvpoolError,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvpool.core.prefill_request import PrefillRequest, try_admit
 from kvpool.core.tenant_shares import MAX_TENANT_BYTES, TenantShares, tenant_name
 from kvpool.pool.client import LookupResult, PoolClient
 from kvpool.request_id import current_request_id, new_request_id
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
-from kvpool.status import status_errors
-from services.prefill.handoff import HandoffFront
+from kvpool.status import from_status, status_errors
+from services.prefill.handoff import HandoffMetrics, StageHandoff
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
 from services.prefill.stage_servicer import ActivationLink, figures_message, run_stage
@@ -39,6 +47,7 @@ log = structlog.get_logger(__name__)
 RESTORE_TIMEOUT_S = 60.0
 # beyond every bound of a put (two 5 s RPCs and the engine's 30 s + 1 ns/byte)
 SAVE_DONE_TIMEOUT_S = 120.0
+STAGE_TIMEOUT_S = 120.0  # one stage's handoff writes after its forward, as stage 0 waits for them
 MAX_SESSION_KEY_BYTES = 256
 
 
@@ -74,7 +83,7 @@ class PrefillScheduler:
 
     def __init__(
         self, runner: StageRunner, link: ActivationLink, stages: Sequence[prefill_pb2_grpc.PrefillStageStub],
-        pool: PoolClient | None, metrics: PrefillMetrics, handoff: HandoffFront,
+        pool: PoolClient | None, metrics: PrefillMetrics, handoff: StageHandoff, handoff_metrics: HandoffMetrics,
     ) -> None:
         self.runner = runner
         self.link = link
@@ -88,6 +97,7 @@ class PrefillScheduler:
         self.blocks = BlockManager(self.settings.num_blocks, self.chunk_size,
                                    TenantShares.parse(self.settings.tenant_weights))
         self.handoff = handoff
+        self.handoff_metrics = handoff_metrics
         self._freed = asyncio.Condition()
         self._releases: set[asyncio.Task[None]] = set()
         self._releasing: dict[str, asyncio.Task[None]] = {}  # by request id
@@ -120,32 +130,30 @@ class PrefillScheduler:
 
     async def prefill(self, token_ids: Sequence[int], session_key: str, return_logits: bool,
                       request_id: str = "", tenant: str = "", cache_salt: str = "",
-                      target: handoff_pb2.HandoffTarget | None = None) -> prefill_pb2.PrefillResponse:
+                      target: handoff_pb2.HandoffTarget | None = None,
+                      handoff_after_prefill: bool = False) -> prefill_pb2.PrefillResponse:
         """Prefill under ``request_id`` (the caller's, else a fresh one); with ``target``, hand the KV off."""
         self.validate(token_ids, session_key, tenant, cache_salt)
         request_id = request_id or new_request_id("prefill")
         # a request's blocks (in flight) and its save's hold are keyed by its id
         if self.blocks.has_holder(request_id) or self.blocks.has_holder(save_holder(request_id)):
             raise FailedPrecondition(f"request_id: {request_id!r} is in use on this pipeline")
-        trailer = False
         if target is not None:  # checked before any work: a bad target costs nothing
-            trailer = bool(self.handoff.check(target, len(token_ids), self.config.vocab_size).trailer_bytes)
+            self.handoff.check(target, len(token_ids), self.config.vocab_size)
         started = time.perf_counter()
         hashes = chunk_hashes(hash_root(self.namespace, tenant, cache_salt), token_ids, self.chunk_size)
         bound = log.bind(request_id=request_id, session_key=session_key)
         for attempt in (1, 2):
             request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant))
             await self._admit(request)
-            caller_gone = asyncio.Event()
             work = asyncio.ensure_future(
-                self._run(request, token_ids, return_logits or trailer, target, caller_gone, tenant))
+                self._run(request, token_ids, return_logits, target, handoff_after_prefill, tenant))
             try:
                 # shielded: if the caller goes away, the stages are still writing this
                 # request's pages, so its blocks go back only once they are done
                 run = await asyncio.shield(work)
             except asyncio.CancelledError:
                 bound.info("prefill_cancelled")
-                caller_gone.set()  # no handoff starts for a request nobody waits for
                 # its blocks go back once the stages are done with them, not before
                 work.add_done_callback(lambda task: self._free_after(task, request.request_id))
                 raise
@@ -188,15 +196,19 @@ class PrefillScheduler:
         )
 
     async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool,
-                   target: handoff_pb2.HandoffTarget | None, caller_gone: asyncio.Event,
+                   target: handoff_pb2.HandoffTarget | None, handoff_after_prefill: bool,
                    tenant: str = "") -> RunResult:
-        """Restore on every stage, compute through all stages, then write decode's region."""
+        """Restore on every stage, compute through all stages (streaming into decode's region), collect
+        the handoff."""
         restore = await self._restore(request)
         forward = prefill_pb2.ForwardRequest(
             request_id=request.request_id, block_table=request.block_table, compute_start=request.compute_start,
             num_tokens=request.num_tokens, save_first_chunk=request.save_first_chunk,
             save_chunk_hashes=request.chunks_to_save, return_logits=return_logits, tenant=tenant,
+            handoff_after_prefill=handoff_after_prefill,
         )
+        if target is not None:
+            forward.target.CopyFrom(target)
         inputs = torch.tensor(token_ids[request.compute_start:], dtype=torch.int64)
         saving = self.pool is not None and bool(forward.save_chunk_hashes)
         if saving:
@@ -204,7 +216,14 @@ class PrefillScheduler:
             self.blocks.hold(save_holder(request.request_id), request.save_block_ids)
         t0 = time.perf_counter()
         try:
-            result = await run_stage(self.runner, self.link, forward, inputs, request.block_table)
+            try:
+                result = await run_stage(self.runner, self.link, forward, inputs, request.block_table, self.handoff)
+            except BaseException:
+                if target is not None:  # every stage's writes read this request's pages: they end first
+                    with contextlib.suppress(Exception):
+                        await self._handoff_done(request.request_id, target)
+                raise
+            handoff = await self._handoff_done(request.request_id, target) if target is not None else None
         except DeviceCacheLost as exc:
             # a later stage restarted: its device KV is gone, so no device hit holds on this pipeline
             forgotten = self.blocks.forget_cached()
@@ -219,13 +238,42 @@ class PrefillScheduler:
                 task.add_done_callback(self._forget_release)
         compute_ms = (time.perf_counter() - t0) * 1e3
         request.finish_compute(self.blocks)
-        handoff = None
-        if target is not None:
-            if caller_gone.is_set():
-                raise asyncio.CancelledError  # the caller gave the region back: write nothing into it
-            trailer = result.logits if target.layout.trailer_bytes else b""
-            handoff = await self.handoff.write(request.request_id, list(request.block_table), target, trailer)
         return RunResult(restore, result, compute_ms, handoff)
+
+    async def _handoff_done(self, request_id: str, target: handoff_pb2.HandoffTarget) -> handoff_pb2.HandoffResponse:
+        """Every stage's writes of the request ended: their figures, or the first failure."""
+        started = time.perf_counter()
+        bound = log.bind(request_id=request_id, region_id=target.region_id, endpoint=target.endpoint)
+        results = await asyncio.gather(
+            self.handoff.done(request_id),
+            *(self._handoff_done_remote(stage, request_id) for stage in range(1, self.settings.num_stages)),
+            return_exceptions=True,
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            self.handoff_metrics.requests.labels("failed").inc()
+            bound.warning("handoff_failed", errors=[str(e) for e in failed])
+            error = failed[0]
+            raise error if isinstance(error, KvpoolError) else Unavailable(f"handoff: {error}")
+        stages = [r for r in results if isinstance(r, handoff_pb2.StageHandoffFigures)]
+        forward_end = max(s.forward_end_unix_ms for s in stages)
+        last_byte = max(s.last_write_end_unix_ms for s in stages)
+        response = handoff_pb2.HandoffResponse(
+            region_id=target.region_id, stages=stages, transfers=sum(s.transfers for s in stages),
+            bytes=sum(s.bytes for s in stages), seconds=max(0.0, last_byte - forward_end) / 1e3,
+        )
+        self.handoff_metrics.requests.labels("ok").inc()
+        self.handoff_metrics.seconds.observe(response.seconds)
+        bound.info("handoff_done", transfers=response.transfers, bytes=response.bytes,
+                   after_forward_ms=round(response.seconds * 1e3, 2), wait_ms=round((time.perf_counter() - started) * 1e3, 2))
+        return response
+
+    async def _handoff_done_remote(self, stage: int, request_id: str) -> handoff_pb2.StageHandoffFigures:
+        try:
+            return await self.stages[stage - 1].HandoffDone(prefill_pb2.HandoffDoneRequest(request_id=request_id),
+                                                            timeout=STAGE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise from_status(exc, f"stage {stage}", (InvalidArgument, FailedPrecondition)) from None
 
     def _forget_release(self, task: asyncio.Task[None]) -> None:
         for request_id, running in list(self._releasing.items()):
@@ -364,4 +412,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
         target = request.target if request.HasField("target") else None
         return await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
-                                           current_request_id(), request.tenant, request.cache_salt, target)
+                                           current_request_id(), request.tenant, request.cache_salt, target,
+                                           request.handoff_after_prefill)

@@ -12,10 +12,10 @@ import structlog
 from kvpool.host_memory import refuse_unless_fits
 from kvpool import service
 from kvpool.pool.client import PoolClient
-from kvpool.rpc import handoff_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import TransferEngine
 from services.prefill.chain_health import PipelineHealthServicer
-from services.prefill.handoff import HandoffFront, HandoffMetrics, HandoffStageServicer
+from services.prefill.handoff import HandoffMetrics, StageHandoff
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.scheduler import PrefillScheduler, PrefillServicer
 from services.prefill.settings import PrefillSettings
@@ -62,20 +62,19 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
     metrics = PrefillMetrics()
     runner = StageRunner(settings, engine, pool, metrics)
     link = ActivationLink(runner, settings.next_address)
-    stage_servicer = PrefillStageServicer(runner, link)
-    front = PrefillServicer()
     handoff_metrics = HandoffMetrics(metrics.registry)
-    handoff_stage = HandoffStageServicer(runner, handoff_metrics)
+    handoff = StageHandoff(runner, handoff_metrics)
+    stage_servicer = PrefillStageServicer(runner, link, handoff)
+    front = PrefillServicer()
 
     def add_servicers(server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillStageServicer_to_server(stage_servicer, server)
-        handoff_pb2_grpc.add_HandoffStageServicer_to_server(handoff_stage, server)
         if settings.stage == 0:
             prefill_pb2_grpc.add_PrefillServicer_to_server(front, server)
 
     health_servicer = PipelineHealthServicer()
     handle = await service.create_server(settings.host, settings.port, add_servicers, service_names=[
-        "kvpool.rpc.PrefillStage", "kvpool.rpc.HandoffStage",
+        "kvpool.rpc.PrefillStage",
         *(["kvpool.rpc.Prefill"] if settings.stage == 0 else [])],
         health_servicer=health_servicer)
     stop = asyncio.Event()
@@ -89,7 +88,7 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
             health_servicer.watch_stages(channels)
             front.scheduler = PrefillScheduler(
                 runner, link, [prefill_pb2_grpc.PrefillStageStub(c) for c in channels], pool, metrics,
-                HandoffFront(handoff_stage, handoff_metrics, channels),
+                handoff, handoff_metrics,
             )
             await handle.set_serving(True)
         start, end = settings.layers
@@ -110,6 +109,7 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
         for channel in channels:
             await channel.close()
         await link.close()
+        await handoff.close()
         if pool is not None:
             await pool.close()
         runner.close()

@@ -36,6 +36,9 @@ class PrefillSettings(ModelSetting):
     chunk_size: int = setting(256, help="tokens per chunk and device block")
     device_cache_tokens: int = setting(65536, help="device KV capacity in tokens")
     torch_threads: int = setting(1, help="torch compute threads")
+    forward_piece_tokens: int = setting(
+        2048, help="the forward runs in pieces of this many tokens (a multiple of chunk_size); each piece's KV "
+                   "streams to decode as soon as the piece ends")
     next_stage: str = setting("", help="stages 1..N-2: the next stage's address", metavar="ADDR")
     stage_addresses: list[str] = setting(
         help="stage 0: addresses of stages 1..N-1, in order", factory=list, metavar="ADDR,...", default_text="none"
@@ -87,6 +90,9 @@ class PrefillSettings(ModelSetting):
             raise ValueError(f"device_cache_tokens: {self.device_cache_tokens} is less than one chunk")
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads: must be >= 1, got {self.torch_threads}")
+        if self.forward_piece_tokens <= 0 or self.forward_piece_tokens % self.chunk_size:
+            raise ValueError(f"forward_piece_tokens: {self.forward_piece_tokens} is not a positive multiple of "
+                             f"chunk_size {self.chunk_size}")
         last = self.stage == self.num_stages - 1
         if self.stage == 0 and self.num_stages > 1 and len(self.stage_addresses) != self.num_stages - 1:
             raise ValueError(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -154,16 +154,33 @@ class StageRunner:
 
     # ---- compute --------------------------------------------------------
 
-    async def forward(self, inputs: torch.Tensor, block_table: Sequence[int], compute_start: int) -> torch.Tensor:
-        """This stage's layers on tokens [compute_start, compute_start + n)."""
+    async def forward(self, inputs: torch.Tensor, block_table: Sequence[int], compute_start: int,
+                      on_piece: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        """This stage's layers on tokens [compute_start, compute_start + n), in pieces.
+
+        A piece ends at a multiple of ``forward_piece_tokens``; once it has, its
+        KV is final and ``on_piece(start, end)`` is called (the handoff streams it).
+        Every request runs the same pieces, so its output does not depend on
+        when its KV is handed off.
+        """
         self.check_cached(block_table, compute_start)
-        out = await asyncio.get_running_loop().run_in_executor(
-            self._compute, self.model.forward, inputs, self.kv_cache, list(block_table), compute_start
-        )
-        size = self.settings.chunk_size
-        for block_id in block_table[compute_start // size:-(-(compute_start + inputs.shape[0]) // size)]:
-            self._written[block_id] = 1
-        return out
+        loop = asyncio.get_running_loop()
+        piece, size = self.settings.forward_piece_tokens, self.settings.chunk_size
+        end = compute_start + inputs.shape[0]
+        outputs = []
+        start = compute_start
+        while start < end:
+            stop = min(end, (start // piece + 1) * piece)
+            out = await loop.run_in_executor(
+                self._compute, self.model.forward, inputs[start - compute_start: stop - compute_start],
+                self.kv_cache, list(block_table), start)
+            for block_id in block_table[start // size:-(-stop // size)]:
+                self._written[block_id] = 1
+            outputs.append(out)
+            if on_piece is not None:
+                on_piece(start, stop)
+            start = stop
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def check_cached(self, block_table: Sequence[int], compute_start: int) -> None:
         """Every block holding tokens before ``compute_start`` must hold KV this process wrote."""

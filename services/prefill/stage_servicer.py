@@ -19,9 +19,10 @@ from kvpool import service
 from kvpool.core.errors import DeviceCacheLost, InvalidArgument, Unavailable
 from kvpool.model.sampling import greedy_token
 from kvpool.pool.client import ObjectLocation
-from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import error_kind, status_errors
 from kvpool.transfer import TransferError
+from services.prefill.handoff import StageHandoff
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, SaveFigures, StageRunner
 
 log = structlog.get_logger(__name__)
@@ -126,9 +127,10 @@ class ActivationLink:
 
 
 class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
-    def __init__(self, runner: StageRunner, link: ActivationLink) -> None:
+    def __init__(self, runner: StageRunner, link: ActivationLink, handoff: StageHandoff) -> None:
         self.runner = runner
         self.link = link
+        self.handoff = handoff
         self.settings = runner.settings
         self.restores: dict[str, asyncio.Future[RestoreFigures]] = {}
         # Forwards in progress: a SaveDone that overtakes one waits for it to start its save
@@ -175,7 +177,15 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         self, request: prefill_pb2.ForwardRequest, num_new: int, block_table: list[int]
     ) -> prefill_pb2.ForwardResponse:
         inputs = await self.link.receive(request.activation, num_new)
-        return await run_stage(self.runner, self.link, request, inputs, block_table)
+        return await run_stage(self.runner, self.link, request, inputs, block_table, self.handoff)
+
+    @status_errors
+    async def HandoffDone(self, request: prefill_pb2.HandoffDoneRequest, context: Any
+                          ) -> handoff_pb2.StageHandoffFigures:
+        forward = self.forwards.get(request.request_id)
+        if forward is not None:
+            await asyncio.wait([forward])  # its writes start inside it
+        return await self.handoff.done(request.request_id)
 
     @status_errors
     async def SaveDone(self, request: prefill_pb2.SaveDoneRequest, context: Any) -> prefill_pb2.SaveDoneResponse:
@@ -188,12 +198,25 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
 
 async def run_stage(
     runner: StageRunner, link: ActivationLink, request: prefill_pb2.ForwardRequest, inputs: torch.Tensor,
-    block_table: list[int],
+    block_table: list[int], handoff: StageHandoff,
 ) -> prefill_pb2.ForwardResponse:
-    """Compute this stage, start saving its completed chunks, forward onward."""
+    """Compute this stage, streaming its KV to decode as it becomes final, start saving, forward onward.
+
+    With a target, the cached prefix is final at once and each forward piece
+    when it ends; the last stage also writes the final logits. Bench mode
+    ``handoff_after_prefill`` writes the whole part only once every later
+    stage has computed. The writes run in the background: ``HandoffDone``
+    waits for them.
+    """
+    writes = handoff.begin(request.request_id, block_table, request.target) if request.HasField("target") else None
+    stream = writes is not None and not request.handoff_after_prefill
+    if stream and request.compute_start:
+        writes.write(0, request.compute_start)  # restored or device-cached: final already
     t0 = time.perf_counter()
-    out = await runner.forward(inputs, block_table, request.compute_start)
+    out = await runner.forward(inputs, block_table, request.compute_start, writes.write if stream else None)
     compute_ms = (time.perf_counter() - t0) * 1e3
+    if writes is not None:
+        writes.forward_ended()
     # the put reads the pages in the background; stage 0 keeps those blocks until save_done
     runner.start_save(request.request_id, block_table, request.save_first_chunk, list(request.save_chunk_hashes),
                       request.tenant)
@@ -201,9 +224,15 @@ async def run_stage(
         last = out[-1]
         # the model's sampler picks among its output ids only; the logits go back as the model made them
         response = prefill_pb2.ForwardResponse(first_token=greedy_token(last, runner.config))
+        logits = last.to(torch.float32).contiguous().numpy().tobytes()
         if request.return_logits:
-            response.logits = last.to(torch.float32).contiguous().numpy().tobytes()
+            response.logits = logits
+        if writes is not None:
+            trailer = logits if request.target.layout.trailer_bytes else b""
+            writes.write(0, 0 if stream else request.num_tokens, trailer)
     else:
         response = await link.send(out, request)
+        if writes is not None and not stream:
+            writes.write(0, request.num_tokens)  # every later stage has computed
     response.stage_compute_ms.insert(0, compute_ms)
     return response

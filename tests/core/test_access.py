@@ -43,7 +43,8 @@ def test_each_method_has_exactly_its_callers() -> None:
     assert callers["/kvpool.rpc.Prefill/Prefill"] == {"router"}
     assert callers["/kvpool.rpc.PrefillStage/Forward"] == {"prefill"}
     assert callers["/kvpool.rpc.PrefillStage/StageInfo"] == {"prefill", "router"}
-    assert callers["/kvpool.rpc.HandoffStage/WriteLayers"] == {"prefill"}
+    assert callers["/kvpool.rpc.PrefillStage/HandoffDone"] == {"prefill"}
+    assert callers["/kvpool.rpc.Decode/Landed"] == {"prefill"}
     assert callers["/kvpool.rpc.Decode/Generate"] == {"router"}
     assert callers["/kvpool.rpc.Router/Generate"] == {"client", "router"}
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.handoff_layout import MAX_TRANSFER_BYTES, HandoffLayout, Transfer, num_naive_writes, transfer_plan
+from kvpool.core.handoff_layout import (
+    MAX_TRANSFER_BYTES,
+    HandoffLayout,
+    RangeTransfer,
+    Transfer,
+    num_naive_writes,
+    range_transfers,
+    transfer_plan,
+)
 
 
 def test_the_seeds_example_is_12_writes_instead_of_163840() -> None:
@@ -63,3 +71,30 @@ def test_out_of_range_lookups() -> None:
         layout.offset(0, 4)
     with pytest.raises(InvalidArgument, match="^stage"):
         layout.stage_nbytes(1)
+
+
+def test_a_token_range_is_one_write_per_layer_at_the_layouts_offsets() -> None:
+    layout = HandoffLayout.of(num_tokens=10, layer_split=[(0, 2), (2, 5)], entry_bytes=8)
+    # stage 1, tokens [4, 7): three layers, each a 24-byte run; slab layer-major
+    assert range_transfers(layout, 1, 4, 7) == [
+        RangeTransfer(0, 160 + 4 * 8, 24), RangeTransfer(24, 160 + (10 + 4) * 8, 24),
+        RangeTransfer(48, 160 + (20 + 4) * 8, 24)]
+    assert range_transfers(layout, 1, 4, 7)[2].region_offset == layout.offset(4, 4)
+    # a run past the cap is cut: 10 tokens of 8 bytes at 32 bytes a write
+    assert range_transfers(layout, 0, 0, 10, 32) == [
+        RangeTransfer(0, 0, 32), RangeTransfer(32, 32, 32), RangeTransfer(64, 64, 16),
+        RangeTransfer(80, 80, 32), RangeTransfer(112, 112, 32), RangeTransfer(144, 144, 16)]
+
+
+def test_a_16k_stage_of_dsv3_streams_in_2048_token_ranges_of_one_write_per_layer() -> None:
+    layout = HandoffLayout.of(16384, [(0, 2), (2, 4), (4, 6), (6, 8)], 576)
+    ranges = [range_transfers(layout, 3, start, start + 2048) for start in range(0, 16384, 2048)]
+    assert [len(r) for r in ranges] == [2] * 8  # 1.2 MB runs: each under 8 MiB
+    assert sum(t.length for r in ranges for t in r) == layout.stage_nbytes(3)
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 0), (-1, 3), (5, 11), (7, 3)])
+def test_a_bad_token_range_is_refused(start: int, end: int) -> None:
+    layout = HandoffLayout.of(10, [(0, 2)], 8)
+    with pytest.raises(InvalidArgument, match="^token range"):
+        range_transfers(layout, 0, start, end)

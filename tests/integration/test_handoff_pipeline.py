@@ -7,6 +7,7 @@ the same seeded weights), then the final position's logits; scattered into
 token-major pages the KV must equal the prefill pages entry by entry. A bad
 target is rejected by field before any work; a stage killed mid-request fails
 it with UNAVAILABLE naming the stage, and stage 0's blocks are free at once.
+(This receiver names no notify address: no stage sends Decode.Landed.)
 """
 
 from __future__ import annotations
@@ -140,14 +141,15 @@ async def test_handoff_lands_the_models_kv_and_final_logits(front, receiver, pip
     response = done.handoff
     assert not done.logits  # the caller never gets logits unasked: decode samples from the region's
     layout = HandoffLayout.of(600, SPLIT, ENTRY_BYTES, LOGITS_BYTES)
-    # stage 0 writes its slab, then the logits; stage 1 its slab: each 0.9 MB slab is one write
-    assert [(s.stage, s.transfers, s.bytes) for s in response.stages] == [
-        (0, 2, layout.stage_nbytes(0) + LOGITS_BYTES), (1, 1, layout.stage_nbytes(1))]
-    assert (response.transfers, response.bytes) == (3, layout.nbytes)
+    # each stage writes its layers of the one forward piece, one write per layer; the last stage then the logits
+    per_stage = [(e - b, layout.stage_nbytes(k)) for k, (b, e) in enumerate(SPLIT)]
+    assert [(s.stage, s.ranges, s.transfers, s.bytes) for s in response.stages] == [
+        (0, 1, *per_stage[0]), (1, 2, per_stage[1][0] + 1, per_stage[1][1] + LOGITS_BYTES)]
+    assert (response.transfers, response.bytes) == (CONFIG.num_hidden_layers + 1, layout.nbytes)
     # every stage counted its own writes; stage 0 timed the handoff
     after = handoff_metrics(pipeline)
     assert [tuple(a - b for a, b in zip(x, y)) for x, y in zip(after, before)] == [
-        (2, layout.stage_nbytes(0) + LOGITS_BYTES, 1), (1, layout.stage_nbytes(1), 0)]
+        (per_stage[0][0], per_stage[0][1], 1), (per_stage[1][0] + 1, per_stage[1][1] + LOGITS_BYTES, 0)]
     # and logged it as one event (JSON: stderr is a file here)
     def logged() -> list[dict[str, object]]:
         lines = pipeline.stages[0].log_file.read_text().splitlines()
@@ -155,7 +157,7 @@ async def test_handoff_lands_the_models_kv_and_final_logits(front, receiver, pip
         return [e for e in events if e.get("event") == "handoff_done" and e.get("request_id") == done.request_id]
     await eventually(logged, what="the handoff_done event")
     [event] = logged()
-    assert (event["transfers"], event["bytes"], event["region_id"]) == (3, layout.nbytes, "r1")
+    assert (event["transfers"], event["bytes"], event["region_id"]) == (CONFIG.num_hidden_layers + 1, layout.nbytes, "r1")
     expected, logits = reference(tokens)
     assert torch.equal(received[: layout.kv_nbytes], expected.view(-1))  # stages back to back, layer-major
     landed = received[layout.trailer_offset: layout.nbytes].clone().view(torch.float32)
@@ -221,7 +223,9 @@ async def test_stage_killed_mid_request_fails_it_cleanly(tmp_path, receiver) -> 
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
-            # stage 0 let the request go at once: its blocks are free, nothing reached the region
+            # stage 0 let the request go at once: its blocks are free; only stage 0's part (streamed right
+            # after its forward) reached the region, which is the failed request's own
             assert metric(local.stages[0], "kvpool_prefill_device_cache_usage") == 0.0
-            assert not received.any()
+            layout = HandoffLayout.of(500, SPLIT, ENTRY_BYTES, LOGITS_BYTES)
+            assert not received[layout.stage_offset(1):].any()
             assert local.stages[0].alive

@@ -12,14 +12,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvpool import service
 from kvpool.tools.cluster import LocalDecode, LocalPipeline, LocalPool, ServiceProcess
-from kvpool.rpc import decode_pb2, handoff_pb2, pool_pb2, prefill_pb2, router_pb2
+from kvpool.rpc import decode_pb2, pool_pb2, prefill_pb2, router_pb2
 
 HEALTH = "grpc.health.v1.Health"
 REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
 POOL_MASTER = pool_pb2.DESCRIPTOR.services_by_name["PoolMaster"]
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 PREFILL_STAGE = prefill_pb2.DESCRIPTOR.services_by_name["PrefillStage"].full_name
-HANDOFF_STAGE = handoff_pb2.DESCRIPTOR.services_by_name["HandoffStage"].full_name
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 ROUTER = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
@@ -65,8 +64,8 @@ def test_prefill_stages_list_the_services_they_serve(tmp_path: Path) -> None:
     with LocalPipeline(num_stages=2, master="", workdir=tmp_path) as pipeline:
         first, last = (f"127.0.0.1:{stage.ready['port']}" for stage in pipeline.stages)
         # stage 0 also serves the Prefill API; the later stages do not
-        assert list_services(first) == {PREFILL, PREFILL_STAGE, HANDOFF_STAGE, HEALTH, REFLECTION}
-        assert list_services(last) == {PREFILL_STAGE, HANDOFF_STAGE, HEALTH, REFLECTION}
+        assert list_services(first) == {PREFILL, PREFILL_STAGE, HEALTH, REFLECTION}
+        assert list_services(last) == {PREFILL_STAGE, HEALTH, REFLECTION}
 
 
 @pytest.mark.cluster

@@ -24,7 +24,10 @@ def test_tiny_is_small_and_long() -> None:
 
 
 def test_registry() -> None:
-    assert set(CONFIGS) == {"tiny", "dsv3-kv", "dsv3-kv-61"}
+    assert set(CONFIGS) == {"tiny", "dsv3-kv", "dsv3-kv-61", "dsv3-kv-lean"}
+    # the lean one keeps dsv3-kv's KV bytes per token: 8 layers of 576-value entries
+    lean, dsv3 = get_config("dsv3-kv-lean"), get_config("dsv3-kv")
+    assert (lean.kv_entry_dim, lean.num_hidden_layers) == (dsv3.kv_entry_dim, dsv3.num_hidden_layers) == (576, 8)
     with pytest.raises(ValueError, match="unknown model config"):
         get_config("gpt-2")
 

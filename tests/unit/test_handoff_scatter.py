@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.core.handoff_layout import HandoffLayout
-from kvpool.handoff import gather_stage, scatter_region
+from kvpool.core.handoff_layout import HandoffLayout, range_transfers
+from kvpool.handoff import gather_range, gather_stage, scatter_range, scatter_region
 from kvpool.model import allocate_kv_cache, get_config, pack_kv, unpack_kv
 
 CONFIG = get_config("tiny")
@@ -134,3 +134,32 @@ def test_scatter_rejects_what_disagrees_with_the_layout() -> None:
         scatter_region(region, layout, pages, [0, 1, 4])
     with pytest.raises(ValueError, match="page_ids"):
         scatter_region(region, layout, pages, [0, 1, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_streamed_ranges_land_and_scatter_exactly_as_the_whole_region(dtype: torch.dtype) -> None:
+    # a stage's part written range by range (prefix, then forward pieces, in any order), each range
+    # scattered as it lands: region and pages end byte for byte as gathering and scattering it whole
+    num_tokens, split = 37, ((0, 2), (2, 5), (5, 6))
+    entry_bytes = CONFIG.kv_entry_dim * dtype.itemsize
+    layout = HandoffLayout.of(num_tokens, split, entry_bytes)
+    stages = [prefill_stage(end - start, num_tokens, dtype, seed=k) for k, (start, end) in enumerate(split)]
+    whole = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    for k, (cache, _) in enumerate(stages):
+        offset = layout.stage_offset(k)
+        gather_stage(cache, BLOCK_TABLE, num_tokens, whole[offset: offset + layout.stage_nbytes(k)])
+    page_size, page_ids = 8, [10, 3, 6, 1, 8]
+    expected = torch.zeros(12, page_size, 6, entry_bytes, dtype=torch.uint8).view(dtype)
+    scatter_region(whole, layout, expected, page_ids)
+
+    region = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    pages = torch.zeros_like(expected)
+    for k, (cache, _) in enumerate(stages):
+        for start, end in ((8, 16), (0, 8), (16, 35), (35, 37)):  # not chunk-sized, out of order
+            slab = torch.zeros((split[k][1] - split[k][0]) * (end - start) * entry_bytes, dtype=torch.uint8)
+            gather_range(cache, BLOCK_TABLE, start, end, slab)
+            for t in range_transfers(layout, k, start, end):  # the writes, as the engine makes them
+                region[t.region_offset: t.region_offset + t.length] = slab[t.slab_offset: t.slab_offset + t.length]
+            scatter_range(region, layout, pages, page_ids, k, start, end)
+    assert torch.equal(region, whole)
+    assert torch.equal(pages.view(torch.uint8), expected.view(torch.uint8))

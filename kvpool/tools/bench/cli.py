@@ -107,7 +107,11 @@ def add_bench(sub: Any) -> None:
     path.add_argument("--prompt-tokens", type=int, default=2000, help="prompt length of each burst request")
     path.add_argument("--max-tokens", type=int, default=16, help="tokens each burst request makes")
     path.add_argument("--stages", type=int, default=2, help="prefill stages")
-    path.add_argument("--skip-replay", action="store_true", help="the burst only")
+    path.add_argument("--skip-replay", action="store_true", help="no replay (burst and cases)")
+    path.add_argument("--skip-cases", action="store_true", help="no handoff cases (push against after-prefill)")
+    path.add_argument("--cases-only", action="store_true", help="the handoff cases only")
+    path.add_argument("--case-requests", type=int, default=3,
+                      help="requests per mode in the 4k and warm cases (16k cold: one fewer)")
     path.add_argument("--traces", default=None, help="weka traces (default ../shared/traces/agentx-weka)")
     path.add_argument("--sessions", type=int, help="sessions replayed (default 8; quick 4)")
     path.add_argument("--turns", type=int, help="first turns of each session (default 10; quick 6)")

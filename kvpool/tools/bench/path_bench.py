@@ -1,7 +1,8 @@
-"""``kvpool bench path``: a request's way through the cluster — admission under a burst, the control
-RPCs before its first token, and how much of the handoff crosses servers.
+"""``kvpool bench path``: a request's way through the cluster — the handoff streamed during prefill
+(``cases``: push against after-prefill, see ``path_cases``), admission under a burst, the control RPCs
+before its first token, and how much of the handoff crosses servers.
 
-Three figures, each from one run here:
+Beside ``cases``, three figures, each from one run here:
 
 - ``queued_not_failed``: a burst of ``--requests`` concurrent long requests (8)
   against a decode receive arena that holds two of them; true when every one
@@ -164,7 +165,18 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-path-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        result: dict[str, Any] = {"burst": burst(args, workdir / "burst")}
+        result: dict[str, Any] = {}
+        if not args.skip_cases:
+            from kvpool.tools.bench.path_cases import run_cases
+
+            result["cases"] = run_cases(args, workdir / "cases")
+        if args.cases_only:
+            if args.json:
+                print(json.dumps(result, default=str))
+            else:
+                print(json.dumps(result, indent=1, default=str))
+            return 0 if all(result["cases"]["targets"].values()) else 1
+        result["burst"] = burst(args, workdir / "burst")
         if not args.skip_replay:
             result["locality"] = locality(args, workdir / "replay")
     b = result["burst"]
@@ -175,6 +187,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, default=str))
     else:
+        if "cases" in result:
+            print(f"cases: {json.dumps(result['cases'], default=str)}")
         print(f"burst: {b['completed']}/{b['requests']} completed, {b['errors']} errors, {b['queued']} queued "
               f"(arena holds {b['arena_regions']}); queued_not_failed={b['queued_not_failed']}")
         print(f"critical_path_depth (median) {b['critical_path_depth']}; calls before the first token: "

@@ -1,0 +1,186 @@
+"""``kvpool bench path``'s cases: the handoff streamed during prefill against the handoff after it.
+
+One cluster (4 prefill stages, 1 decode shard, no pool: warm turns hit the
+device cache) at ``dsv3-kv-lean`` with float8 KV: dsv3-kv's KV bytes per
+token (8 layers × 576 bytes), with one narrow attention head so a 16K-token
+prefill fits a CPU (see docs/benchmarks.md). Three cases, each request run
+in both modes side by side (alternating):
+
+- ``4k_cold`` and ``16k_cold``: fresh random prompts;
+- ``16k_warm``: the last 16K cold prompt's first 61 chunks (95.3%) and a
+  fresh tail, so the prefix is a device hit and only the tail is computed.
+
+The bench plays the router's part itself (decode ``Reserve`` → stage 0
+``Prefill(target)`` → decode ``Generate``) so it can read every stage's
+handoff figures. Per request: ``ttft_ms`` and ``second_token_ms`` from the
+Reserve to the first and second token; for push, ``handoff_exposed_ms``,
+from the last stage's forward end to decode's first token, and
+``handoff_total_ms``, every stage's gathers, writes and decode's scatters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvpool import service
+from kvpool.model import get_config
+from kvpool.model.config import split_layers
+from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2, prefill_pb2, prefill_pb2_grpc
+from kvpool.tools.up import UpSettings, up_cluster
+
+MODEL = "dsv3-kv-lean"
+KV_DTYPE = "float8_e4m3fn"
+STAGES = 4
+CHUNK = 256
+WARM_CHUNKS = 61  # of 64: 95.3% of a 16K prompt cached
+MODES = ("push", "after_prefill")
+
+
+def _ms(values: list[float]) -> float | None:
+    return round(statistics.median(values), 2) if values else None
+
+
+class CaseClient:
+    """The router's calls for one request, with the figures the router does not keep."""
+
+    def __init__(self, prefill_address: str, decode_address: str) -> None:
+        self.prefill_channel = service.channel(prefill_address)
+        self.decode_channel = service.channel(decode_address)
+        self.prefill = prefill_pb2_grpc.PrefillStub(self.prefill_channel)
+        self.decode = decode_pb2_grpc.DecodeStub(self.decode_channel)
+        config = get_config(MODEL)
+        self.split = split_layers(config.num_hidden_layers, STAGES)
+        self.entry_bytes = config.kv_entry_dim  # float8: one byte a value
+
+    async def close(self) -> None:
+        await self.prefill_channel.close()
+        await self.decode_channel.close()
+
+    async def run(self, token_ids: list[int], mode: str) -> dict[str, Any]:
+        started = time.perf_counter()
+        reserve = decode_pb2.ReserveRequest(
+            num_tokens=len(token_ids), kv_dtype=KV_DTYPE, entry_bytes=self.entry_bytes, max_tokens=2,
+            with_logits=True, hold_s=600, layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in self.split])
+        target = (await self.decode.Reserve(reserve, timeout=60)).target
+        done = await self.prefill.Prefill(prefill_pb2.PrefillRequest(
+            token_ids=token_ids, session_key="bench-path", target=target,
+            handoff_after_prefill=mode == "after_prefill"), timeout=900)
+        call = self.decode.Generate(decode_pb2.DecodeRequest(
+            region_id=target.region_id, prompt_token_ids=token_ids, max_tokens=2,
+            sampling=decode_pb2.DecodeSampling(temperature=0)), timeout=120)
+        tokens, times, figures = [], [], None
+        async for response in call:
+            if response.HasField("figures"):
+                figures = response.figures
+            else:
+                tokens.append(response.token_id)
+                times.append(time.perf_counter())
+        stages = done.handoff.stages
+        forward_end = max(s.forward_end_unix_ms for s in stages)
+        assert figures is not None
+        return {
+            "tokens": tokens,
+            "ttft_ms": (times[0] - started) * 1e3,
+            "second_token_ms": (times[1] - started) * 1e3 if len(times) > 1 else None,
+            "handoff_exposed_ms": figures.first_token_unix_ms - forward_end,
+            "handoff_total_ms": 1e3 * (sum(s.gather_seconds + s.write_seconds + s.scatter_seconds for s in stages)
+                                       + figures.scatter_seconds),
+            "writes": done.handoff.transfers, "bytes": done.handoff.bytes,
+            "computed_tokens": done.figures.num_computed_tokens,
+            "per_stage": [{"stage": s.stage, "ranges": s.ranges, "writes": s.transfers, "bytes": s.bytes,
+                           "gather_ms": round(s.gather_seconds * 1e3, 2), "write_ms": round(s.write_seconds * 1e3, 2),
+                           "scatter_ms": round(s.scatter_seconds * 1e3, 2),
+                           "after_forward_ms": round(s.last_write_end_unix_ms - forward_end, 2)} for s in stages],
+        }
+
+
+async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int) -> dict[str, Any]:
+    rng = random.Random(17)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    cases: dict[str, Any] = {}
+    last_cold: list[int] = []
+    errors = 0
+    for name, length, warm in (("4k_cold", 4096, False), ("16k_cold", 16384, False), ("16k_warm", 16384, True)):
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+        for i in range(reps[name]):
+            prompts = {}
+            for m in (MODES if i % 2 == 0 else MODES[::-1]):  # alternate which mode goes first
+                prompt = last_cold[: WARM_CHUNKS * CHUNK] + fresh(length - WARM_CHUNKS * CHUNK) if warm else fresh(length)
+                prompts[m] = prompt
+                try:
+                    runs[m].append(await client.run(prompt, m))
+                except (grpc.aio.AioRpcError, AssertionError) as exc:
+                    errors += 1
+                    runs[m].append({"error": str(exc)})
+                if not warm:
+                    last_cold = prompt
+        ok = {m: [r for r in runs[m] if "error" not in r] for m in MODES}
+        cases[name] = {
+            "prompt_tokens": length, "requests_per_mode": reps[name],
+            **{m: {"ttft_ms_p50": _ms([r["ttft_ms"] for r in ok[m]]),
+                   "second_token_ms_p50": _ms([r["second_token_ms"] for r in ok[m] if r["second_token_ms"]]),
+                   "handoff_exposed_ms_p50": _ms([r["handoff_exposed_ms"] for r in ok[m]]),
+                   "handoff_total_ms_p50": _ms([r["handoff_total_ms"] for r in ok[m]]),
+                   "computed_tokens": [r["computed_tokens"] for r in ok[m]]} for m in MODES},
+            "handoff_exposed_ms_p50": _ms([r["handoff_exposed_ms"] for r in ok["push"]]),
+            "handoff_total_ms_p50": _ms([r["handoff_total_ms"] for r in ok["push"]]),
+            "push_writes": ok["push"][0]["writes"] if ok["push"] else None,
+            "push_bytes": ok["push"][0]["bytes"] if ok["push"] else None,
+            "push_per_stage": ok["push"][-1]["per_stage"] if ok["push"] else None,
+        }
+    cases["errors"] = errors
+    return cases
+
+
+def check(cases: dict[str, Any]) -> dict[str, bool]:
+    """The issue's targets, each by name."""
+    out: dict[str, bool] = {"errors_zero": cases.get("errors") == 0}
+    cold = cases.get("16k_cold", {})
+    if cold.get("handoff_exposed_ms_p50") is not None and cold.get("handoff_total_ms_p50"):
+        out["16k_cold_exposed_le_0.4_total"] = cold["handoff_exposed_ms_p50"] <= 0.4 * cold["handoff_total_ms_p50"]
+    for name in ("4k_cold", "16k_cold", "16k_warm"):
+        case = cases.get(name)
+        if not case:
+            continue
+        for key in ("ttft_ms_p50", "second_token_ms_p50"):
+            push, after = case["push"][key], case["after_prefill"][key]
+            if push is not None and after is not None:
+                out[f"{name}_{key}_push_le_after_x1.05"] = push <= after * 1.05
+    return out
+
+
+def run_cases(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Start the cases' cluster, run every case in both modes, stop it."""
+    reps = {"4k_cold": args.case_requests, "16k_cold": max(1, args.case_requests - 1),
+            "16k_warm": args.case_requests}
+    workdir.mkdir(parents=True, exist_ok=True)
+    cluster = up_cluster(UpSettings(pipelines=1, stages=STAGES, decode_shards=1, stores=0, pool=False, http_port=0,
+                                    grpc_port=0, model=MODEL, kv_dtype=KV_DTYPE, device_cache_tokens=4 * 16384,
+                                    region_arena_bytes="160MiB", workdir=str(workdir / "logs"))).start()
+    try:
+        client = CaseClient(f"127.0.0.1:{cluster.find('p0-stage0').ready['port']}",
+                            f"127.0.0.1:{cluster.find('decode0').ready['port']}")
+
+        async def go() -> dict[str, Any]:
+            try:
+                return await _run_cases(client, reps, get_config(MODEL).vocab_size)
+            finally:
+                await client.close()
+
+        cases = asyncio.run(go())
+    finally:
+        cluster.stop()
+    cases["model"], cases["kv_dtype"], cases["stages"], cases["decode_shards"] = MODEL, KV_DTYPE, STAGES, 1
+    cases["targets"] = check(cases)
+    return cases
