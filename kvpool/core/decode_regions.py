@@ -7,9 +7,17 @@ to exactly one Generate, ``free`` returns it. A region reserved but never
 claimed is reclaimed at its deadline by ``expire`` — a writer that died
 never leaks the arena.
 
-Invariants: a region id is issued once; a region is reserved, claimed or
-gone, and only a reserved one can be claimed or expire; the arena bytes in
-use equal the sum of live regions' (rounded) sizes.
+Prefill stages write a region while they compute, and each asks decode
+whether the region is still reserved right before each write (``Landed``
+with no range). So a region given back (``free`` with ``grace_s``) or
+expired leaves the table at once but its bytes stay allocated for
+``writer_grace_s`` more: a write that passed its check just before lands in
+bytes nobody else holds yet.
+
+Invariants: a region id is issued once; a region is reserved, claimed,
+draining or gone, and only a reserved one can be claimed or expire; the
+arena bytes in use equal the sum of live and draining regions' (rounded)
+sizes.
 """
 
 from __future__ import annotations
@@ -47,13 +55,15 @@ class ReceiveRegion:
 class RegionTable:
     """The shard's receive regions over one arena of ``arena_size`` bytes."""
 
-    def __init__(self, arena_size: int, deadline_s: float, clock: Clock) -> None:
+    def __init__(self, arena_size: int, deadline_s: float, clock: Clock, writer_grace_s: float = 0.0) -> None:
         if deadline_s <= 0:
             raise InvalidArgument(f"deadline_s: must be positive, got {deadline_s}")
         self._allocator = SegmentAllocator(arena_size, alignment=REGION_ALIGNMENT)
         self.deadline_s = deadline_s
         self._clock = clock
         self._regions: dict[int, ReceiveRegion] = {}
+        self._draining: list[tuple[float, ReceiveRegion]] = []  # (bytes free at, region)
+        self.writer_grace_s = writer_grace_s
         self._next_id = 1
 
     @property
@@ -96,21 +106,33 @@ class RegionTable:
         region.claimed = True
         return region
 
-    def free(self, region_id: int) -> bool:
-        """Give a region back; False if it was already gone (idempotent)."""
+    def free(self, region_id: int, grace_s: float = 0.0) -> bool:
+        """Give a region back (its bytes after ``grace_s``); False if it was already gone (idempotent)."""
         region = self._regions.pop(region_id, None)
         if region is None:
             return False
-        self._allocator.free(region.offset)
+        if grace_s > 0:
+            self._draining.append((self._clock() + grace_s, region))
+        else:
+            self._allocator.free(region.offset)
         return True
+
+    @property
+    def num_draining(self) -> int:
+        return len(self._draining)
 
     def get(self, region_id: int) -> ReceiveRegion | None:
         return self._regions.get(region_id)
 
     def expire(self) -> list[ReceiveRegion]:
-        """Free every unclaimed region past its deadline; the freed regions."""
+        """Free every unclaimed region past its deadline (its bytes after the writers' grace) and the
+        bytes of draining regions past theirs; the expired regions."""
         now = self._clock()
+        drained = [r for at, r in self._draining if at <= now]
+        self._draining = [(at, r) for at, r in self._draining if at > now]
+        for region in drained:
+            self._allocator.free(region.offset)
         expired = [r for r in self._regions.values() if not r.claimed and r.deadline <= now]
         for region in expired:
-            self.free(region.region_id)
+            self.free(region.region_id, self.writer_grace_s)
         return expired

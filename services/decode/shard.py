@@ -41,7 +41,10 @@ from services.decode.settings import DecodeSettings
 
 log = structlog.get_logger(__name__)
 
-EXPIRE_INTERVAL_S = 0.5
+EXPIRE_INTERVAL_S = 0.25
+# a region given back keeps its bytes this long: a prefill write that checked the region just
+# before it went lands in bytes nobody else holds (kvpool.core.decode_regions)
+WRITER_GRACE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +87,7 @@ class DecodeShard:
                                  kv_dtype_of(settings.kv_dtype), settings.weights or settings.model_dir or None)
         self.scheduler = DecodeScheduler(settings.num_pages, settings.page_size, settings.max_batch_size,
                                          self.config.max_position_embeddings, clock)
-        self.regions = RegionTable(settings.region_arena_bytes, settings.region_deadline_s, clock)
+        self.regions = RegionTable(settings.region_arena_bytes, settings.region_deadline_s, clock, WRITER_GRACE_S)
         # the receive arena: registered once, regions are carved from it
         self.arena = HostBuffer(settings.region_arena_bytes)
         self.arena.touch()
@@ -141,7 +144,7 @@ class DecodeShard:
         if any(live.region.region_id == region_id for live in self._live.values()):
             raise InvalidArgument(f"region_id: {region_id} is in use by a Generate")
         region = self.regions.get(region_id)
-        freed = self.regions.free(region_id)
+        freed = self.regions.free(region_id, WRITER_GRACE_S)
         if region is not None and region.seq_id:
             self.scheduler.release(region.seq_id)
         self._publish()
@@ -174,7 +177,11 @@ class DecodeShard:
     async def expire_regions_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRE_INTERVAL_S)  # a periodic sweep, not standing in for work
-            for region in self.regions.expire():
+            draining = self.regions.num_draining
+            expired = self.regions.expire()
+            if draining != self.regions.num_draining:
+                self._publish()  # drained bytes show at once
+            for region in expired:
                 if region.seq_id:
                     self.scheduler.release(region.seq_id)
                 self.metrics.regions_expired.inc()

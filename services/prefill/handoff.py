@@ -234,6 +234,8 @@ class StageHandoff:
             t1 = time.perf_counter()
             if target.deadline_unix_ms and target.deadline_unix_ms <= now_unix_ms():
                 raise FailedPrecondition("target.deadline_unix_ms: the reservation expired before the write")
+            # still reserved? (given back, its bytes stay decode's a moment longer than this write takes)
+            await self._landed(target, 0, 0, False)
             local = [slab.address + t.slab_offset for t in plan]
             remote = [target.address + t.region_offset for t in plan]
             sizes = [t.length for t in plan]

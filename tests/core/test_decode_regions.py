@@ -70,3 +70,28 @@ def test_a_region_may_carry_its_own_hold_and_a_logits_trailer() -> None:
     assert [r.region_id for r in table.expire()] == [long.region_id]
     with pytest.raises(InvalidArgument, match="hold_s"):
         table.reserve(with_trailer, hold_s=0.0)
+
+
+def test_a_region_given_back_keeps_its_bytes_for_the_writers_grace_then_frees_them() -> None:
+    # prefill checks the region right before each write: a write that passed the check lands in
+    # bytes no other region holds yet
+    clock = Clock(100.0)
+    table = RegionTable(arena_size=16 << 10, deadline_s=5.0, clock=clock, writer_grace_s=0.5)
+    a = table.reserve(layout(3))  # 12 KiB of 16
+    assert table.free(a.region_id, grace_s=0.5)
+    assert table.get(a.region_id) is None and table.num_regions == 0 and table.num_draining == 1
+    assert table.used_bytes == 12 << 10
+    with pytest.raises(ResourceExhausted):
+        table.reserve(layout(2))  # the bytes are still the writers'
+    clock.now = 100.499
+    assert table.expire() == [] and table.used_bytes == 12 << 10
+    clock.now = 100.5
+    assert table.expire() == [] and table.used_bytes == 0 and table.num_draining == 0
+    assert table.reserve(layout(3)).offset == 0
+    # an expired region drains the same way
+    clock.now = 105.5
+    [expired] = table.expire()
+    assert expired.region_id == 2 and table.used_bytes == 12 << 10 and table.num_draining == 1
+    clock.now = 106.0
+    table.expire()
+    assert table.used_bytes == 0

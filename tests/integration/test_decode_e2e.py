@@ -4,7 +4,9 @@ Decode reserves a region and the sequence's pages first; Prefill takes the
 region as its target, and every prefill stage writes its layers into it, stage
 0 the final logits too; decode scatters it into its pages and samples every
 token, the first included. Greedy output must equal the single-process
-reference token for token.
+reference token for token. The stages run their forward in 256-token pieces,
+each streamed to decode as it ends; the same requests with the handoff after
+the last forward (the bench mode) give the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ SPLIT = split_layers(CONFIG.num_hidden_layers, 2)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPipeline, LocalDecode]]:
     workdir = tmp_path_factory.mktemp("e2e")
-    with LocalPipeline(num_stages=2, workdir=workdir, stage_args=["--device-cache-tokens", "1024"]) as pipeline, \
+    with LocalPipeline(num_stages=2, workdir=workdir, stage_args=["--device-cache-tokens", "1024",
+                                                                      "--forward-piece-tokens", "256"]) as pipeline, \
             LocalDecode(["--num-pages", "64", "--page-size", "16"], workdir=workdir) as shard:
         yield pipeline, shard
 
@@ -50,7 +53,8 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
 
 
-async def start(stubs, token_ids: list[int], max_tokens: int, **sampling: float):  # type: ignore[no-untyped-def]
+async def start(stubs, token_ids: list[int], max_tokens: int, tenant: str = "", after_prefill: bool = False,  # type: ignore[no-untyped-def]
+                **sampling: float):
     """Reserve (region and pages), prefill into the region, and open the Generate stream."""
     front, decode = stubs
     stats = await decode.Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
@@ -58,7 +62,8 @@ async def start(stubs, token_ids: list[int], max_tokens: int, **sampling: float)
                                         kv_dtype=stats.kv_dtype, max_tokens=max_tokens, with_logits=True,
                                         layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in SPLIT])
     target = (await decode.Reserve(reserve, timeout=10)).target
-    done = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="e2e", target=target),
+    done = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="e2e", target=target,
+                                                          tenant=tenant, handoff_after_prefill=after_prefill),
                                timeout=120)
     assert done.handoff.bytes == len(token_ids) * CONFIG.num_hidden_layers * stats.entry_bytes + CONFIG.vocab_size * 4
     assert not done.logits  # nobody asked: decode samples from the region's logits
@@ -74,6 +79,25 @@ async def test_greedy_output_through_the_handoff_equals_the_reference(stubs) -> 
     tokens = [r.token_id async for r in call if r.HasField("token_id")]
     reference = InProcessPipeline(CONFIG, num_blocks=8, block_size=64)
     assert tokens == reference.generate_greedy(torch.tensor(token_ids), list(range(8)), 20)
+
+
+async def test_streamed_and_after_prefill_handoffs_give_the_same_greedy_output(stubs) -> None:  # type: ignore[no-untyped-def]
+    outputs, ranges = {}, {}
+    for mode in ("push", "after_prefill"):
+        runs = []
+        # a cold 700-token prompt (three forward pieces), then a turn whose first 512 tokens are device hits
+        for turn, token_ids in enumerate((prompt(7, 700), prompt(7, 700)[:512] + prompt(8, 150))):
+            call, done = await start(stubs, token_ids, 8, tenant=f"t-{mode}", after_prefill=mode == "after_prefill")
+            runs.append([r.token_id async for r in call if r.HasField("token_id")])
+            ranges[mode, turn] = ([s.ranges for s in done.handoff.stages], done.figures.num_device_tokens)
+        outputs[mode] = runs
+    assert outputs["push"] == outputs["after_prefill"] and all(len(r) == 8 for r in outputs["push"])
+    # pushed: each stage one range a piece (the cached prefix one more), the last stage also the logits
+    assert ranges["push", 0] == ([3, 4], 0)
+    assert ranges["push", 1] == ([2, 3], 512)
+    # after the last forward: each stage its whole part at once (the last with the logits)
+    assert ranges["after_prefill", 0] == ([1, 1], 0)
+    assert ranges["after_prefill", 1] == ([1, 1], 512)
 
 
 async def test_one_random_stream_per_request_from_the_first_token(stubs) -> None:  # type: ignore[no-untyped-def]

@@ -132,7 +132,9 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int) -> di
                    "second_token_ms_p50": _ms([r["second_token_ms"] for r in ok[m] if r["second_token_ms"]]),
                    "handoff_exposed_ms_p50": _ms([r["handoff_exposed_ms"] for r in ok[m]]),
                    "handoff_total_ms_p50": _ms([r["handoff_total_ms"] for r in ok[m]]),
-                   "computed_tokens": [r["computed_tokens"] for r in ok[m]]} for m in MODES},
+                   "computed_tokens": [r["computed_tokens"] for r in ok[m]],
+                   "ttft_ms": [round(r["ttft_ms"], 1) for r in runs[m] if "error" not in r],
+                   "second_token_ms": [round(r["second_token_ms"] or 0, 1) for r in ok[m]]} for m in MODES},
             "handoff_exposed_ms_p50": _ms([r["handoff_exposed_ms"] for r in ok["push"]]),
             "handoff_total_ms_p50": _ms([r["handoff_total_ms"] for r in ok["push"]]),
             "push_writes": ok["push"][0]["writes"] if ok["push"] else None,
@@ -169,10 +171,11 @@ def run_cases(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                     grpc_port=0, model=MODEL, kv_dtype=KV_DTYPE, device_cache_tokens=4 * 16384,
                                     region_arena_bytes="160MiB", workdir=str(workdir / "logs"))).start()
     try:
-        client = CaseClient(f"127.0.0.1:{cluster.find('p0-stage0').ready['port']}",
-                            f"127.0.0.1:{cluster.find('decode0').ready['port']}")
+        addresses = (f"127.0.0.1:{cluster.find('p0-stage0').ready['port']}",
+                     f"127.0.0.1:{cluster.find('decode0').ready['port']}")
 
         async def go() -> dict[str, Any]:
+            client = CaseClient(*addresses)  # channels belong to this loop
             try:
                 return await _run_cases(client, reps, get_config(MODEL).vocab_size)
             finally:
