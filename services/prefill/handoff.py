@@ -246,8 +246,9 @@ class StageHandoff:
                     sizes.append(t.length)
             done = await asyncio.to_thread(self.runner.engine.move, target.endpoint, local, remote, sizes, True)
             if not all(done):
+                # field "target": the decode shard failed, not this pipeline (the router moves the request)
                 raise Unavailable(f"stage {self.stage}: writing to decode at {target.endpoint} failed: "
-                                  f"{done.count(False)} of {len(sizes)} transfers")
+                                  f"{done.count(False)} of {len(sizes)} transfers", field="target")
             t2 = time.perf_counter()
         finally:
             self.arena.free(slab)
@@ -274,6 +275,9 @@ class StageHandoff:
         try:
             response = await decode_pb2_grpc.DecodeStub(channel).Landed(request, timeout=LANDED_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            raise from_status(exc, f"stage {self.stage}: decode at {target.notify_address}",
-                              (InvalidArgument, FailedPrecondition)) from None
+            error = from_status(exc, f"stage {self.stage}: decode at {target.notify_address}",
+                                (InvalidArgument, FailedPrecondition))
+            if isinstance(error, Unavailable):  # decode is down or unreachable: blame the target
+                raise Unavailable(error.message, field="target") from None
+            raise error from None
         return response.scatter_seconds

@@ -10,6 +10,11 @@ in both modes side by side (alternating):
 - ``16k_warm``: the last 16K cold prompt's first 61 chunks (95.3%) and a
   fresh tail, so the prefix is a device hit and only the tail is computed.
 
+Each request's prompt runs once in each mode, under a tenant of its own (no
+cache shared between modes; warm turns under the tenant whose cache holds
+their prefix), so both modes do the same work; their greedy tokens must be
+identical (``greedy_identical``).
+
 The bench plays the router's part itself (decode ``Reserve`` → stage 0
 ``Prefill(target)`` → decode ``Generate``) so it can read every stage's
 handoff figures. Per request: ``ttft_ms`` and ``second_token_ms`` from the
@@ -64,14 +69,14 @@ class CaseClient:
         await self.prefill_channel.close()
         await self.decode_channel.close()
 
-    async def run(self, token_ids: list[int], mode: str) -> dict[str, Any]:
+    async def run(self, token_ids: list[int], mode: str, tenant: str) -> dict[str, Any]:
         started = time.perf_counter()
         reserve = decode_pb2.ReserveRequest(
             num_tokens=len(token_ids), kv_dtype=KV_DTYPE, entry_bytes=self.entry_bytes, max_tokens=2,
             with_logits=True, hold_s=600, layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in self.split])
         target = (await self.decode.Reserve(reserve, timeout=60)).target
         done = await self.prefill.Prefill(prefill_pb2.PrefillRequest(
-            token_ids=token_ids, session_key="bench-path", target=target,
+            token_ids=token_ids, session_key="bench-path", tenant=tenant, target=target,
             handoff_after_prefill=mode == "after_prefill"), timeout=900)
         call = self.decode.Generate(decode_pb2.DecodeRequest(
             region_id=target.region_id, prompt_token_ids=token_ids, max_tokens=2,
@@ -102,7 +107,7 @@ class CaseClient:
         }
 
 
-async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int) -> dict[str, Any]:
+async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int, modes: tuple[str, ...]) -> dict[str, Any]:
     rng = random.Random(17)
 
     def fresh(n: int) -> list[int]:
@@ -110,22 +115,31 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int) -> di
 
     cases: dict[str, Any] = {}
     last_cold: list[int] = []
-    errors = 0
+    tenants: dict[str, str] = {}  # per mode: whose device cache holds the last cold prompt
+    errors = identical = compared = 0
     for name, length, warm in (("4k_cold", 4096, False), ("16k_cold", 16384, False), ("16k_warm", 16384, True)):
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for i in range(reps[name]):
-            prompts = {}
-            for m in (MODES if i % 2 == 0 else MODES[::-1]):  # alternate which mode goes first
-                prompt = last_cold[: WARM_CHUNKS * CHUNK] + fresh(length - WARM_CHUNKS * CHUNK) if warm else fresh(length)
-                prompts[m] = prompt
+            # the same prompt in every mode, each mode its own tenant: the same work, no shared cache
+            prompt = last_cold[: WARM_CHUNKS * CHUNK] + fresh(length - WARM_CHUNKS * CHUNK) if warm else fresh(length)
+            tokens = {}
+            for m in (modes if i % 2 == 0 else modes[::-1]):  # alternate which mode goes first
+                tenant = tenants[m] if warm else f"{m}-{name}-{i}"
                 try:
-                    runs[m].append(await client.run(prompt, m))
+                    run = await client.run(prompt, m, tenant)
+                    runs[m].append(run)
+                    tokens[m] = run["tokens"]
                 except (grpc.aio.AioRpcError, AssertionError) as exc:
                     errors += 1
                     runs[m].append({"error": str(exc)})
                 if not warm:
-                    last_cold = prompt
-        ok = {m: [r for r in runs[m] if "error" not in r] for m in MODES}
+                    tenants[m] = tenant
+            if not warm:
+                last_cold = prompt
+            if len(tokens) == len(modes) > 1:
+                compared += 1
+                identical += len({tuple(t) for t in tokens.values()}) == 1
+        ok = {m: [r for r in runs[m] if "error" not in r] for m in modes}
         cases[name] = {
             "prompt_tokens": length, "requests_per_mode": reps[name],
             **{m: {"ttft_ms_p50": _ms([r["ttft_ms"] for r in ok[m]]),
@@ -134,26 +148,34 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int) -> di
                    "handoff_total_ms_p50": _ms([r["handoff_total_ms"] for r in ok[m]]),
                    "computed_tokens": [r["computed_tokens"] for r in ok[m]],
                    "ttft_ms": [round(r["ttft_ms"], 1) for r in runs[m] if "error" not in r],
-                   "second_token_ms": [round(r["second_token_ms"] or 0, 1) for r in ok[m]]} for m in MODES},
-            "handoff_exposed_ms_p50": _ms([r["handoff_exposed_ms"] for r in ok["push"]]),
-            "handoff_total_ms_p50": _ms([r["handoff_total_ms"] for r in ok["push"]]),
-            "push_writes": ok["push"][0]["writes"] if ok["push"] else None,
-            "push_bytes": ok["push"][0]["bytes"] if ok["push"] else None,
-            "push_per_stage": ok["push"][-1]["per_stage"] if ok["push"] else None,
+                   "second_token_ms": [round(r["second_token_ms"] or 0, 1) for r in ok[m]]} for m in modes},
+        }
+        push = ok.get("push", [])
+        cases[name] |= {
+            "handoff_exposed_ms_p50": _ms([r["handoff_exposed_ms"] for r in push]),
+            "handoff_total_ms_p50": _ms([r["handoff_total_ms"] for r in push]),
+            "push_writes": push[0]["writes"] if push else None,
+            "push_bytes": push[0]["bytes"] if push else None,
+            "push_per_stage": push[-1]["per_stage"] if push else None,
         }
     cases["errors"] = errors
+    # greedy (temperature 0) first and second tokens of the same prompt, push against after-prefill
+    cases["greedy_identical"] = f"{identical}/{compared}"
     return cases
 
 
 def check(cases: dict[str, Any]) -> dict[str, bool]:
     """The issue's targets, each by name."""
     out: dict[str, bool] = {"errors_zero": cases.get("errors") == 0}
+    identical, _, compared = str(cases.get("greedy_identical", "0/0")).partition("/")
+    if int(compared):
+        out["greedy_identical"] = identical == compared
     cold = cases.get("16k_cold", {})
     if cold.get("handoff_exposed_ms_p50") is not None and cold.get("handoff_total_ms_p50"):
         out["16k_cold_exposed_le_0.4_total"] = cold["handoff_exposed_ms_p50"] <= 0.4 * cold["handoff_total_ms_p50"]
     for name in ("4k_cold", "16k_cold", "16k_warm"):
         case = cases.get(name)
-        if not case:
+        if not case or "push" not in case or "after_prefill" not in case:
             continue
         for key in ("ttft_ms_p50", "second_token_ms_p50"):
             push, after = case["push"][key], case["after_prefill"][key]
@@ -164,6 +186,7 @@ def check(cases: dict[str, Any]) -> dict[str, bool]:
 
 def run_cases(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Start the cases' cluster, run every case in both modes, stop it."""
+    modes = MODES if args.handoff == "both" else (args.handoff.replace("-", "_"),)
     reps = {"4k_cold": args.case_requests, "16k_cold": max(1, args.case_requests - 1),
             "16k_warm": args.case_requests}
     workdir.mkdir(parents=True, exist_ok=True)
@@ -177,7 +200,7 @@ def run_cases(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         async def go() -> dict[str, Any]:
             client = CaseClient(*addresses)  # channels belong to this loop
             try:
-                return await _run_cases(client, reps, get_config(MODEL).vocab_size)
+                return await _run_cases(client, reps, get_config(MODEL).vocab_size, modes)
             finally:
                 await client.close()
 
