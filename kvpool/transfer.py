@@ -188,8 +188,12 @@ class TransferEngine:
         sizes: list[int],
         write: bool,
         landed: Callable[[int], None] | None = None,
+        poll: bool = False,
     ) -> list[bool]:
         """Write local→remote (or read remote→local) each object; per-object success.
+
+        ``poll``: never the spinning sync call, whatever the size (a move that
+        overlaps compute on the same host must leave the cores to it).
 
         Blocking: run it in a worker thread. ``landed(i)`` runs in this thread
         as soon as object ``i`` has completed, so a reader can verify it while
@@ -199,7 +203,7 @@ class TransferEngine:
         """
         n = len(sizes)
         done = [False] * n
-        if spins(sum(sizes)):
+        if not poll and spins(sum(sizes)):
             sync = self.write_sync if write else self.read_sync
             for first in range(0, n, MAX_IN_FLIGHT):
                 last = min(first + MAX_IN_FLIGHT, n)

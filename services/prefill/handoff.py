@@ -244,7 +244,9 @@ class StageHandoff:
                     local.append(slab.address + kv_nbytes + t.offset)
                     remote.append(target.address + layout.trailer_offset + t.offset)
                     sizes.append(t.length)
-            done = await asyncio.to_thread(self.runner.engine.move, target.endpoint, local, remote, sizes, True)
+            # polled, never spinning: this write overlaps the stage's own and the next stages' compute
+            done = await asyncio.to_thread(self.runner.engine.move, target.endpoint, local, remote, sizes, True,
+                                           None, True)
             if not all(done):
                 # field "target": the decode shard failed, not this pipeline (the router moves the request)
                 raise Unavailable(f"stage {self.stage}: writing to decode at {target.endpoint} failed: "

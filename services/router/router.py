@@ -7,8 +7,9 @@ queues the request, holding nothing, until a ``release`` makes room; one
 ``release`` ends it. Between them this module makes the calls:
 
     admit (queue) → Reserve (decode: region + pages) → Prefill(target) (every
-          stage computes, then writes its layers and the final logits into the
-          region) → Generate (decode samples every token, the first included)
+          stage streams its layers into the region as its forward passes them,
+          decode scatters each part as it lands; the last stage adds the final
+          logits) → Generate (decode samples every token, the first included)
 
 Faults (the core decides, ``kvpool.core.admission.retry_move``): a prefill
 pipeline that answers UNAVAILABLE is retried once on another healthy pipeline
