@@ -266,10 +266,34 @@ def write_ready_file(path: str | None, **fields: object) -> None:
     tmp.replace(target)
 
 
+class Stop(asyncio.Event):
+    """Set by SIGTERM or SIGINT, which differ in how a draining server waits.
+
+    SIGTERM (systemd, a rolling restart): turn not-ready and keep serving until
+    callers have seen it (``DRAIN_QUIET_S`` without a new call). SIGINT
+    (Ctrl-C, or ``kvpool up`` stopping the whole cluster after its router):
+    nobody routes here any more, so finish what is in flight and exit.
+    ``quick`` is never unset: a SIGTERM after a SIGINT changes nothing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quick = False
+
+    def interrupt(self) -> None:
+        self.quick = True
+        self.set()
+
+    @property
+    def quiet_s(self) -> float:
+        """How long a drain waits for no new call once in-flight calls are done."""
+        return 0.0 if self.quick else DRAIN_QUIET_S
+
+
 def install_stop_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.interrupt if isinstance(stop, Stop) else stop.set)
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:

@@ -35,7 +35,7 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
     # where prefill stages tell us a part of a region landed (a wildcard listen address is not one)
     host = settings.transfer_host if settings.host in ("", "0.0.0.0", "::", "[::]") else settings.host
     shard.notify_address = f"{host}:{handle.port}"
-    stop = asyncio.Event()
+    stop = service.Stop()
     service.install_stop_signals(stop)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     tasks = [asyncio.create_task(shard.run()), asyncio.create_task(shard.expire_regions_forever())]
@@ -58,7 +58,7 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
         await stop.wait()
         log.info("decode_shard_stopping")
         # not ready first, then finish what is in flight (a rolling restart loses nothing)
-        await handle.drain(settings.drain_s)
+        await handle.drain(settings.drain_s, stop.quiet_s)
     finally:
         await handle.server.stop(grace=2.0)
         for task in tasks:

@@ -77,7 +77,7 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
         "kvpool.rpc.PrefillStage",
         *(["kvpool.rpc.Prefill"] if settings.stage == 0 else [])],
         health_servicer=health_servicer)
-    stop = asyncio.Event()
+    stop = service.Stop()
     service.install_stop_signals(stop)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     channels: list[grpc.aio.Channel] = []
@@ -101,7 +101,7 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
         await stop.wait()
         log.info("prefill_stage_stopping", stage=settings.stage)
         # not ready first, then finish what is in flight (a rolling restart loses nothing)
-        await handle.drain(settings.drain_s)
+        await handle.drain(settings.drain_s, stop.quiet_s)
     finally:
         await handle.server.stop(grace=2.0)
         with contextlib.suppress(Exception):

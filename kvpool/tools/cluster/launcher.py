@@ -18,6 +18,7 @@ to call twice.
 
 from __future__ import annotations
 
+import signal
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,10 +130,12 @@ class Cluster:
                  [p for s in self.servers for p in s.stores],
                  [p for s in self.servers if (p := s.master) is not None] + ([self.master] if self.master else [])]
         try:
-            for procs in tiers:
-                for proc in procs:  # SIGTERM to the whole tier, then wait for each
+            for i, procs in enumerate(tiers):
+                # the router drains (SIGTERM); behind it nobody routes any more, so the rest only
+                # finish what they hold (SIGINT: no wait for callers to notice, kvpool/service.py Stop)
+                for proc in procs:  # the whole tier at once, then wait for each
                     if proc.alive:
-                        proc.proc.terminate()  # type: ignore[union-attr]
+                        proc.proc.send_signal(signal.SIGTERM if i == 0 else signal.SIGINT)  # type: ignore[union-attr]
                 for proc in procs:
                     proc.stop()
         finally:
