@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # the tier guard: only tests marked ``cluster`` may start processes
 from tests.process_guard import (  # noqa: F401  (pytest finds hooks by name)
     pytest_addoption,
@@ -17,3 +19,18 @@ pytest_plugins = ("pytester",)
 
 # keep every process in the tests to one compute thread (CI has 2 cores)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Cluster tests first, those allowed the longest timeout first among them, opt-in tests skipped
+    here last: the parallel workers each start on a long file and the short ones fill the tail
+    (the order is kept: addopts has --no-loadscope-reorder)."""
+
+    def timeout(item: pytest.Item) -> float:
+        marker = item.get_closest_marker("timeout")
+        return float(marker.args[0] if marker is not None and marker.args else item.config.getini("timeout"))
+
+    def skipped(item: pytest.Item) -> bool:
+        return any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+
+    items.sort(key=lambda item: (skipped(item), item.get_closest_marker("cluster") is None, -timeout(item)))
