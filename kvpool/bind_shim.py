@@ -110,6 +110,25 @@ def rewrites() -> int | None:
         return None
 
 
+def child_env(host: str, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a child engine process that will serve its transfer engine on ``host``, with the
+    shim already preloaded, so the child's ``exec_with_shim`` finds itself set up and does not exec
+    itself again (one interpreter start less per process).
+
+    Unchanged when the shim is switched off or not built, or ``host`` does not resolve: the child
+    then does it all itself, and says why if it cannot. A child whose settings name another host
+    still execs itself with its own.
+    """
+    if env.get(SWITCH_ENV, "on") == "off" or (path := find()) is None:
+        return env
+    try:
+        address = bind_address(host)
+    except ValueError:
+        return env
+    preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and p != str(path)]
+    return {**env, ADDRESS_ENV: address, "LD_PRELOAD": ":".join([str(path), *preload])}
+
+
 def exec_with_shim(host: str, argv: list[str]) -> None:
     """Return once this process runs with the shim bound to ``host``; else re-exec it so.
 

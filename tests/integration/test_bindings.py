@@ -67,3 +67,20 @@ def test_a_wildcard_transfer_host_is_refused() -> None:
         bind_shim.bind_address("0.0.0.0")
     assert bind_shim.bind_address("::1") == "::1"
     assert bind_shim.bind_address("localhost") in {"127.0.0.1", "::1"}
+
+
+@pytest.mark.cluster
+def test_a_child_started_with_the_shim_preloaded_does_not_exec_itself_again() -> None:
+    """The launcher preloads the shim for engine roles (kvpool/tools/cluster/process.py): one interpreter
+    start per process, not two. Without it, the child execs itself under the shim."""
+    code = ("from kvpool import bind_shim; bind_shim.exec_with_shim('127.0.0.1', ['-c', 'print(\"again\")']); "
+            "print('once', bind_shim.rewrites())")
+    plain = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True)
+    preloaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               env=bind_shim.child_env("127.0.0.1", dict(os.environ)))
+    assert plain.stdout.strip() == "again", plain.stderr
+    assert preloaded.stdout.strip() == "once 0", preloaded.stderr  # loaded, no bind rewritten yet
+    # another host than the child will serve on: it execs itself with its own
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=bind_shim.child_env("127.0.0.2", dict(os.environ)))
+    assert other.stdout.strip() == "again", other.stderr

@@ -17,11 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool import bind_shim
+
 # Set in a child's environment: it asks for SIGTERM when this process goes
 # (services/cli.py acts on it first thing). Not a preexec_fn: that would make
 # Popen fork() a process that runs gRPC, and gRPC's fork handlers then crash the
 # child before it can exec (grpc/grpc#43055).
 PARENT_PID_ENV = "KVPOOL_DIE_WITH_PARENT_PID"
+# roles that own a transfer engine: started with the bind shim preloaded (kvpool/bind_shim.py)
+ENGINE_ROLES = ("store", "prefill", "decode")
 
 
 class ServiceFailed(RuntimeError):
@@ -59,11 +63,19 @@ class ServiceProcess:
         env.pop(PARENT_PID_ENV, None)
         if self.die_with_parent:
             env[PARENT_PID_ENV] = str(os.getpid())
+        if self.args and self.args[0] in ENGINE_ROLES:
+            env = bind_shim.child_env(self._transfer_host(), env)
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "services.cli", *self.args, "--ready-file", str(self.ready_file)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
         )
         log.close()
+
+    def _transfer_host(self) -> str:
+        """The host this role's transfer engine serves on, as its flags say (else the settings' default)."""
+        if "--transfer-host" in self.args[:-1]:
+            return self.args[self.args.index("--transfer-host") + 1]
+        return "127.0.0.1"
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
         assert self.proc is not None, "start() first"
