@@ -157,6 +157,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     if not config.getoption("--tier-audit"):
         return
+    if getattr(config.option, "numprocesses", None):  # the workers counted, not this process
+        terminalreporter.section(f"tests marked {MARKER} that started no process themselves")
+        terminalreporter.write_line("--tier-audit counts in the pytest process: run it with -n 0")
+        return
     started = _started(config)
     idle = []
     for item in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
