@@ -10,9 +10,8 @@ in both modes side by side (alternating):
 - ``16k_warm``: the last 16K cold prompt's first 61 chunks (95.3%) and a
   fresh tail, so the prefix is a device hit and only the tail is computed.
 
-Each request's prompt runs once in each mode, under a tenant of its own (no
-cache shared between modes; warm turns under the tenant whose cache holds
-their prefix), so both modes do the same work; their greedy tokens must be
+Each request's prompt runs once in each mode, each mode under its own tenant
+(no cache shared between modes), so both modes do the same work; their greedy tokens must be
 identical (``greedy_identical``).
 
 The bench plays the router's part itself (decode ``Reserve`` → stage 0
@@ -124,7 +123,9 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int, modes
             prompt = last_cold[: WARM_CHUNKS * CHUNK] + fresh(length - WARM_CHUNKS * CHUNK) if warm else fresh(length)
             tokens = {}
             for m in (modes if i % 2 == 0 else modes[::-1]):  # alternate which mode goes first
-                tenant = tenants[m] if warm else f"{m}-{name}-{i}"
+                # one tenant per mode: a tenant per request would leave each a device-cache share too
+                # small to keep a warm prefix (kvpool.core.tenant_shares)
+                tenant = tenants[m] if warm else f"bench-{m}"
                 try:
                     run = await client.run(prompt, m, tenant)
                     runs[m].append(run)
