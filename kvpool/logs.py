@@ -23,6 +23,9 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     if not isinstance(numeric, int):
         raise ValueError(f"log level {level!r} is not one of debug, info, warning, error")
     logging.basicConfig(level=numeric, stream=sys.stderr, format="%(message)s")
+    # the HTTP client logs every request at info: our own request logs say more, once
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(numeric, logging.WARNING))
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[
