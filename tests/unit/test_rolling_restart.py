@@ -7,6 +7,7 @@ would, so the order can be checked exactly and without timing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpool.tools.cluster.supervisor import Supervisor
@@ -16,13 +17,14 @@ from kvpool.tools.cluster.supervisor import Supervisor
 class Proc:
     name: str
     args: list[str]
+    restarted: list[str]  # the cluster's record of restarts, in order
     alive: bool = True
     proc: object = "started"  # the supervisor only asks whether there is one
     log_file: str = ""
     ready: dict = field(default_factory=dict)
 
     def restart(self, timeout_s: float = 120.0, stop_timeout_s: float = 10.0) -> dict:
-        log.append(self.name)
+        self.restarted.append(self.name)
         self.alive = True
         return self.ready
 
@@ -36,20 +38,24 @@ class Cluster:
         return next(p for p in self.services if p.name == name)
 
 
-log: list[str] = []
+def master_two_shards_router() -> tuple[Cluster, Proc, Proc, list[str]]:
+    restarted: list[str] = []
+    router = Proc("router", ["router"], restarted)
+    d0, d1 = Proc("decode0", ["decode"], restarted), Proc("decode1", ["decode"], restarted)
+    return Cluster([Proc("master", ["master"], restarted), d0, d1, router], router), d0, d1, restarted
+
+
+def ticking(step_s: float) -> Callable[[], float]:
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += step_s
+        return now[0]
+    return clock
 
 
 def test_a_shard_alive_but_not_yet_healthy_is_waited_for_before_the_next_goes_down() -> None:
-    log.clear()
-    router = Proc("router", ["router"])
-    d0, d1 = Proc("decode0", ["decode"]), Proc("decode1", ["decode"])
-    cluster = Cluster([Proc("master", ["master"]), d0, d1, router], router)
-    clock = [0.0]
-
-    def tick_clock() -> float:
-        clock[0] += 0.05
-        return clock[0]
-
+    cluster, d0, d1, restarted = master_two_shards_router()
     # decode1 was restarted a moment ago: alive, but the router has not seen it healthy for a few polls
     polls_until_d1_healthy = [5]
 
@@ -67,26 +73,17 @@ def test_a_shard_alive_but_not_yet_healthy_is_waited_for_before_the_next_goes_do
         return original(timeout_s, stop_timeout_s)
 
     d0.restart = d0_restart  # type: ignore[method-assign]
-    sup = Supervisor(cluster, clock=tick_clock)  # type: ignore[arg-type]
+    sup = Supervisor(cluster, clock=ticking(0.05))  # type: ignore[arg-type]
     done = sup.rolling_restart(healthy, settle_timeout_s=10.0)
-    assert done == ["master", "decode0", "decode1"]
+    assert done == ["master", "decode0", "decode1"] == restarted
     assert order_seen == [("decode0", True)]  # decode1 was back in rotation before decode0 went down
 
 
 def test_a_service_never_healthy_stops_the_rolling_restart() -> None:
-    log.clear()
-    router = Proc("router", ["router"])
-    d0, d1 = Proc("decode0", ["decode"]), Proc("decode1", ["decode"])
-    cluster = Cluster([Proc("master", ["master"]), d0, d1, router], router)
-    clock = [0.0]
-
-    def tick_clock() -> float:
-        clock[0] += 1.0
-        return clock[0]
-
+    cluster, _, d1, restarted = master_two_shards_router()
     said: list[str] = []
-    sup = Supervisor(cluster, clock=tick_clock, say=said.append)  # type: ignore[arg-type]
+    sup = Supervisor(cluster, clock=ticking(1.0), say=said.append)  # type: ignore[arg-type]
     done = sup.rolling_restart(lambda p: p is not d1 and p.alive, settle_timeout_s=5.0)
     assert done == []  # decode1 never in rotation: nothing else may be taken down
-    assert log == []
+    assert restarted == []
     assert any("a service is down and not coming back" in line for line in said)
