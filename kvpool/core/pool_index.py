@@ -16,6 +16,8 @@ Invariants:
 - a group with a member that failed to save (no space, revoked, timed out) is
   dropped at once, or as soon as no member is in flight, and its other
   members are refused for ``failed_group_hold_s``;
+- a group a reader found corrupt (``pool_corrupt``) is invisible to lookups
+  and dropped once no lease holds it;
 - a group still incomplete ``incomplete_group_s`` after its last member
   arrived, with nothing in flight, is dropped (its other writers died, or the
   stores with its other members never re-reported after a master restart);
@@ -35,9 +37,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvpool.core.placement import batch_orders, group_first
+from kvpool.core.pool_corrupt import condemn, droppable
 from kvpool.core.pool_eviction import Eviction, GroupFailures
 from kvpool.core.pool_groups import GroupTable
 from kvpool.core.pool_leases import LeaseTable
@@ -226,7 +229,7 @@ class PoolIndex:
         found: list[Group] = []
         for group_id in group_ids:
             group = self.groups.get(group_id)
-            if group is None or not group.complete:
+            if group is None or not group.complete or group.corrupt:
                 break
             found.append(group)
         if not found:
@@ -236,16 +239,31 @@ class PoolIndex:
         self.touch([g.group_id for g in found])
         return LookupResult(found, lease_id, duration)
 
-    def release_lease(self, lease_id: int) -> bool:
-        """End a lease early (the reader is done); a read counts as a use."""
+    def release_lease(self, lease_id: int, corrupt_group_ids: Collection[str] = ()) -> bool:
+        """End a lease early (the reader is done); a read counts as a use.
+
+        ``corrupt_group_ids``: groups of this lease with a member whose bytes
+        failed their checksum; they are hidden now and dropped once no lease
+        holds them (``pool_corrupt``). Unknown to an ended or expired lease.
+        """
         groups = self.leases.release(lease_id)
         if groups is None:
             return False
-        self.touch(g.group_id for g in groups if self.groups.get(g.group_id) is g)
+        condemn(groups, self.groups, corrupt_group_ids)
+        self.touch(g.group_id for g in groups if self.groups.get(g.group_id) is g and not g.corrupt)
+        self._drop_corrupt(groups)
         return True
 
     def expire_leases(self) -> int:
-        return self.leases.expire()
+        """End every lease past its time; returns how many condemned groups that dropped."""
+        return self._drop_corrupt(self.leases.expire())
+
+    def _drop_corrupt(self, ended: Iterable[Group]) -> int:
+        dropped = droppable(ended, self.groups)
+        for group in dropped:
+            self.counters.corrupt_groups += 1
+            self.drop_group(group.group_id)
+        return len(dropped)
 
     def exists(self, keys: Iterable[str]) -> list[bool]:
         return [(obj := self.objects.get(key)) is not None and obj.committed for key in keys]

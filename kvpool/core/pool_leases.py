@@ -41,15 +41,16 @@ class LeaseTable:
             _unlease(groups)
         return groups
 
-    def expire(self) -> int:
-        """End every lease past its time; returns how many."""
+    def expire(self) -> list[Group]:
+        """End every lease past its time; returns the groups they held (a group once per lease)."""
         now = self.clock()
-        expired = 0
+        ended: list[Group] = []
         while self._expiry and self._expiry[0][0] <= now:
             _, lease_id = heapq.heappop(self._expiry)
-            if self.release(lease_id) is not None:
-                expired += 1
-        return expired
+            groups = self.release(lease_id)
+            if groups is not None:
+                ended.extend(groups)
+        return ended
 
     def __len__(self) -> int:
         return len(self._leases)

@@ -39,6 +39,8 @@ class IndexCounters:
     dropped_segments: int = 0
     failed_groups: int = 0
     abandoned_groups: int = 0
+    # dropped because a reader found a member failing its checksum (``pool_corrupt``)
+    corrupt_groups: int = 0
     adopted_objects: int = 0
     rejected_records: int = 0
     # groups evicted, by the tenant whose group it was
@@ -141,6 +143,8 @@ class Group:
     num_leases: int = 0
     # a member failed to save: the group is dropped once no member is in flight
     failed: bool = False
+    # a reader found a member failing its checksum: hidden, dropped once no lease holds it
+    corrupt: bool = False
     tenant: str = DEFAULT_TENANT
 
     @property

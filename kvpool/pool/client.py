@@ -16,6 +16,7 @@ import enum
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
 import grpc
 import structlog
@@ -48,6 +49,14 @@ _RESERVED = pool_pb2.PUT_STATUS_RESERVED
 _ALREADY_EXISTS = pool_pb2.PUT_STATUS_ALREADY_EXISTS
 # xxh3 hashes this much in well under a millisecond: cheaper inline than a thread hop
 INLINE_CHECKSUM_BYTES = 1 << 20
+
+
+class ReadStatus(enum.Enum):
+    VERIFIED = "verified"
+    # the bytes arrived and do not hash to the object's checksum: the pool's copy is bad
+    CORRUPT = "corrupt"
+    # the transfer failed (store gone, unreachable): says nothing of the copy
+    NOT_READ = "not_read"
 
 
 class PutResult(enum.Enum):
@@ -291,25 +300,35 @@ class PoolClient:
 
     async def read(self, items: Sequence[tuple[ObjectLocation, int]]) -> list[bool]:
         """Read each object into the local address given with it; True where it verified."""
+        return [s is ReadStatus.VERIFIED for s in await self.read_checked(items)]
+
+    async def read_checked(self, items: Sequence[tuple[ObjectLocation, int]]) -> list[ReadStatus]:
+        """Read each object into the local address given with it; per object, whether it
+        verified, arrived corrupt, or was not read."""
         for i, (loc, address) in enumerate(items):
             self._check_registered(address, loc.size, f"items[{i}]")
-        verified = await self._transfer(
+        statuses = await self._transfer(
             [Move(loc.endpoint, address, loc.address, loc.size) for loc, address in items],
             write=False,
             expected=[loc.checksum for loc, _ in items],
         )
-        bad = [loc.key for ok, (loc, _) in zip(verified, items) if not ok]
+        bad = [loc.key for status, (loc, _) in zip(statuses, items) if status is not ReadStatus.VERIFIED]
         if bad:
-            log.warning("pool_read_miss", objects=len(bad), first_key=bad[0])
-        return verified
+            corrupt = sum(s is ReadStatus.CORRUPT for s in statuses)
+            log.warning("pool_read_miss", objects=len(bad), corrupt=corrupt, first_key=bad[0])
+        return statuses
 
-    async def release(self, lease_id: int) -> None:
+    async def release(self, lease_id: int, corrupt_group_ids: Sequence[str] = ()) -> None:
+        """End a lease; ``corrupt_group_ids``: its groups whose bytes failed their checksum
+        (the master drops them, so the next save stores them afresh)."""
         if lease_id == 0:
             return
+        request = pool_pb2.ReleaseLeaseRequest(lease_id=lease_id, corrupt_group_ids=list(corrupt_group_ids))
         try:
-            await self._call(self._stub.ReleaseLease, pool_pb2.ReleaseLeaseRequest(lease_id=lease_id))
+            await self._call(self._stub.ReleaseLease, request)
         except grpc.aio.AioRpcError as exc:
-            log.info("pool_release_failed", code=exc.code().name)  # the lease expires on its own
+            # the lease expires on its own; a corrupt group is reported again by its next reader
+            log.info("pool_release_failed", code=exc.code().name, corrupt_groups=len(corrupt_group_ids))
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         response = await self._call(self._stub.Exists, pool_pb2.ExistsRequest(keys=list(keys)))
@@ -355,11 +374,19 @@ class PoolClient:
                 return
         raise ValueError(f"{field_name}: [{address:#x}, +{size}) is not inside memory registered with this client")
 
-    async def _transfer(self, moves: list[Move], write: bool, expected: list[int] | None = None) -> list[bool]:
+    @overload
+    async def _transfer(self, moves: list[Move], write: bool) -> list[bool]: ...
+
+    @overload
+    async def _transfer(self, moves: list[Move], write: bool, expected: list[int]) -> list[ReadStatus]: ...
+
+    async def _transfer(self, moves: list[Move], write: bool,
+                        expected: list[int] | None = None) -> list[bool] | list[ReadStatus]:
         """One batch per remote endpoint, endpoints in parallel; per-move success.
 
         With ``expected`` checksums each object is verified in the worker
-        thread as soon as it lands, while later objects are still in flight.
+        thread as soon as it lands, while later objects are still in flight,
+        and each move's answer is a ``ReadStatus``.
         """
         if not moves:
             return []
@@ -368,7 +395,7 @@ class PoolClient:
             by_endpoint[move.endpoint].append(i)
         engine = self.engine
 
-        def one(indices: list[int]) -> list[bool]:
+        def one(indices: list[int]) -> list[Any]:
             batch = [moves[i] for i in indices]
             endpoint = batch[0].endpoint
             local = [m.local for m in batch]
@@ -383,18 +410,19 @@ class PoolClient:
                 verified[j] = checksum(local[j], sizes[j]) == want[j]
 
             done = engine.move(endpoint, local, remote, sizes, write, landed=verify)
-            return [d and v for d, v in zip(done, verified)]
+            return [ReadStatus.NOT_READ if not d else ReadStatus.VERIFIED if v else ReadStatus.CORRUPT
+                    for d, v in zip(done, verified)]
 
         if all(spins(sum(moves[i].size for i in idx)) for idx in by_endpoint.values()):
             # every endpoint's move spins a core: run them one after the other in
             # one thread, so the spinners do not fight over cores
-            def all_in_turn() -> list[list[bool]]:
+            def all_in_turn() -> list[list[Any]]:
                 return [one(idx) for idx in by_endpoint.values()]
 
             outcomes = await asyncio.to_thread(all_in_turn)
         else:
             outcomes = await asyncio.gather(*(asyncio.to_thread(one, idx) for idx in by_endpoint.values()))
-        result = [False] * len(moves)
+        result: list[Any] = [False if expected is None else ReadStatus.NOT_READ] * len(moves)
         for indices, flags in zip(by_endpoint.values(), outcomes):
             for i, flag in zip(indices, flags):
                 result[i] = flag

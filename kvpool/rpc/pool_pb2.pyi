@@ -229,10 +229,12 @@ class LookupResponse(_message.Message):
     def __init__(self, num_complete: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "corrupt_group_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    corrupt_group_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[int] = ..., corrupt_group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ("released",)

@@ -26,18 +26,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., handoff_after_prefill: _Optional[bool] = ...) -> None: ...
 
 class StageRestoreFigures(_message.Message):
-    __slots__ = ("stage", "num_chunks_requested", "num_chunks_restored", "bytes", "read_ms")
+    __slots__ = ("stage", "num_chunks_requested", "num_chunks_restored", "bytes", "read_ms", "corrupt_chunk_indexes")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_RESTORED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     READ_MS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_CHUNK_INDEXES_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_chunks_requested: int
     num_chunks_restored: int
     bytes: int
     read_ms: float
-    def __init__(self, stage: _Optional[int] = ..., num_chunks_requested: _Optional[int] = ..., num_chunks_restored: _Optional[int] = ..., bytes: _Optional[int] = ..., read_ms: _Optional[float] = ...) -> None: ...
+    corrupt_chunk_indexes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stage: _Optional[int] = ..., num_chunks_requested: _Optional[int] = ..., num_chunks_restored: _Optional[int] = ..., bytes: _Optional[int] = ..., read_ms: _Optional[float] = ..., corrupt_chunk_indexes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillFigures(_message.Message):
     __slots__ = ("num_prompt_tokens", "num_device_tokens", "num_pool_tokens", "num_computed_tokens", "num_pool_chunks_lost", "restore", "restore_wait_ms", "compute_ms", "lookup_ms", "total_ms", "stage_compute_ms")

@@ -33,6 +33,9 @@ class MasterMetrics:
                                         "Records in stores' block reports that did not become objects", registry=r)
         self.abandoned_groups = Counter("kvpool_pool_abandoned_groups",
                                         "Groups dropped for staying incomplete with nothing in flight", registry=r)
+        self.corrupt_groups = Counter("kvpool_pool_corrupt_groups",
+                                      "Groups dropped because a reader found a member failing its checksum",
+                                      registry=r)
         self.unacked_changes = Gauge("kvpool_pool_unacked_changes",
                                      "Changes to committed objects not yet acknowledged by their stores", registry=r)
         self.lookup_groups = Counter("kvpool_pool_lookup_groups", "Groups asked for in lookups", registry=r)
@@ -43,7 +46,7 @@ class MasterMetrics:
                                   "(committed and in flight)", ["tenant"], registry=r)
         self.tenant_evicted_groups = Counter("kvpool_pool_tenant_evicted_groups",
                                              "Groups evicted, by the tenant whose group it was", ["tenant"], registry=r)
-        self._last = (0, 0, 0, 0, 0, 0, 0, 0)
+        self._last = (0, 0, 0, 0, 0, 0, 0, 0, 0)
         self._last_evicted: dict[str, int] = {}
 
     def observe_lookup(self, requested: int, hit: int) -> None:
@@ -61,9 +64,10 @@ class MasterMetrics:
         self.unacked_changes.set(sum(len(s.journal.entries) for s in index.segments.values()))
         c = index.counters
         now = (c.evicted_groups, c.evicted_bytes, c.revoked_puts, c.dropped_segments, c.failed_groups,
-               c.adopted_objects, c.rejected_records, c.abandoned_groups)
+               c.adopted_objects, c.rejected_records, c.abandoned_groups, c.corrupt_groups)
         counters = (self.evicted_groups, self.evicted_bytes, self.revoked_puts, self.dropped_segments,
-                    self.failed_groups, self.adopted_objects, self.rejected_records, self.abandoned_groups)
+                    self.failed_groups, self.adopted_objects, self.rejected_records, self.abandoned_groups,
+                    self.corrupt_groups)
         for counter, before, after in zip(counters, self._last, now):
             if after > before:
                 counter.inc(after - before)

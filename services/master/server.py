@@ -30,7 +30,9 @@ async def _sweep(index: PoolIndex, metrics: MasterMetrics, interval_s: float) ->
         revoked = index.revoke_expired_puts()
         if revoked:
             log.warning("puts_revoked_after_timeout", count=len(revoked), first_key=revoked[0])
-        index.expire_leases()
+        dropped = index.expire_leases()
+        if dropped:
+            log.warning("corrupt_groups_dropped", count=dropped, when="their last lease expired")
         metrics.refresh(index)
         await asyncio.sleep(interval_s)
 

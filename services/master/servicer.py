@@ -235,7 +235,19 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def ReleaseLease(self, request: pool_pb2.ReleaseLeaseRequest, context: Any) -> pool_pb2.ReleaseLeaseResponse:
-        return pool_pb2.ReleaseLeaseResponse(released=self.index.release_lease(request.lease_id))
+        corrupt = request.corrupt_group_ids
+        if not corrupt:
+            return pool_pb2.ReleaseLeaseResponse(released=self.index.release_lease(request.lease_id))
+        if len(corrupt) > MAX_BATCH:
+            raise InvalidArgument(f"corrupt_group_ids: {len(corrupt)} entries is more than {MAX_BATCH} in one call")
+        check_names(corrupt, "corrupt_group_ids")
+        before = self.index.counters.corrupt_groups
+        released = self.index.release_lease(request.lease_id, frozenset(corrupt))
+        # a reader got these groups' bytes but not their checksums: the pool's copies are bad
+        log.warning("corrupt_groups_reported", lease_id=request.lease_id, count=len(corrupt),
+                    first_group_id=corrupt[0], dropped=self.index.counters.corrupt_groups - before,
+                    lease_known=released)
+        return pool_pb2.ReleaseLeaseResponse(released=released)
 
     @status_errors
     async def Exists(self, request: pool_pb2.ExistsRequest, context: Any) -> pool_pb2.ExistsResponse:

@@ -32,6 +32,9 @@ class PrefillMetrics:
                                     registry=r)
         self.restored_bytes = Counter("kvpool_prefill_restored_bytes",
                                       "Bytes this stage restored from the pool straight into its pages", registry=r)
+        self.corrupt_objects = Counter("kvpool_prefill_corrupt_objects",
+                                       "Objects this stage read from the pool that failed their checksum "
+                                       "(recomputed; their groups reported to the master)", registry=r)
         self.saved_bytes = Counter("kvpool_prefill_saved_bytes",
                                    "Bytes this stage stored in the pool straight from its pages", registry=r)
         self.save_seconds = Histogram("kvpool_prefill_save_seconds",

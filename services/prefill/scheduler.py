@@ -341,9 +341,21 @@ class PrefillScheduler:
                 report.stages = await self._restore_on_stages(request, lookup)
                 report.wait_ms = (time.perf_counter() - t1) * 1e3
         finally:
-            await self.pool.release(lookup.lease_id)
+            corrupt = self._corrupt_groups(request, report.stages)
+            await self.pool.release(lookup.lease_id, corrupt)
         request.apply_restore([s.num_chunks_restored for s in report.stages], self.blocks)
         return report
+
+    def _corrupt_groups(self, request: PrefillRequest, stages: Sequence[prefill_pb2.StageRestoreFigures]) -> list[str]:
+        """Groups of the lease with an object some stage got but could not verify: the master
+        drops them when the lease ends, so this request's save stores them afresh."""
+        indexes = sorted({i for s in stages for i in s.corrupt_chunk_indexes if i < len(request.chunk_hashes)})
+        if not indexes:
+            return []
+        group_ids = [group_id(self.namespace, request.chunk_hashes[i]) for i in indexes]
+        log.warning("corrupt_groups_reported", request_id=request.request_id, count=len(group_ids),
+                    first_chunk_index=indexes[0], first_group_id=group_ids[0])
+        return group_ids
 
     async def _restore_on_stages(
         self, request: PrefillRequest, lookup: LookupResult

@@ -26,7 +26,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -36,7 +36,7 @@ from kvpool.core.errors import DeviceCacheLost
 from kvpool.core.planner import leading_count
 from kvpool.model import ModelStage, kv_dtype
 from kvpool.model.kv_cache import block_address, block_nbytes, kv_cache_nbytes
-from kvpool.pool.client import ObjectLocation, PoolClient, PutObject, PutResult
+from kvpool.pool.client import ObjectLocation, PoolClient, PutObject, PutResult, ReadStatus
 from kvpool.transfer import HostBuffer, TransferEngine
 from services.prefill.arena import Arena
 from services.prefill.metrics import PrefillMetrics
@@ -61,6 +61,8 @@ class RestoreFigures:
     num_chunks_restored: int = 0
     bytes: int = 0
     read_ms: float = 0.0  # reading and verifying: objects land straight in the pages
+    # chunks whose object arrived but failed its checksum (stage 0 names their groups to the master)
+    corrupt_chunk_indexes: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -142,9 +144,13 @@ class StageRunner:
         if not count:
             return figures
         t0 = time.perf_counter()
-        verified = await self.pool.read([(c.location, self.block_address(c.block_id)) for c in chunks[:count]])
+        statuses = await self.pool.read_checked([(c.location, self.block_address(c.block_id))
+                                                 for c in chunks[:count]])
         figures.read_ms = (time.perf_counter() - t0) * 1e3
-        figures.num_chunks_restored = leading_count(verified)
+        figures.num_chunks_restored = leading_count(s is ReadStatus.VERIFIED for s in statuses)
+        figures.corrupt_chunk_indexes = [c.chunk_index for c, s in zip(chunks, statuses) if s is ReadStatus.CORRUPT]
+        if figures.corrupt_chunk_indexes:
+            self.metrics.corrupt_objects.inc(len(figures.corrupt_chunk_indexes))
         for c in chunks[:figures.num_chunks_restored]:
             self._written[c.block_id] = 1
         figures.bytes = figures.num_chunks_restored * size

@@ -38,6 +38,7 @@ def figures_message(stage: int, figures: RestoreFigures) -> prefill_pb2.StageRes
         num_chunks_restored=figures.num_chunks_restored,
         bytes=figures.bytes,
         read_ms=figures.read_ms,
+        corrupt_chunk_indexes=figures.corrupt_chunk_indexes,
     )
 
 

@@ -62,6 +62,8 @@ CASES = [
     ("exists oversized", ("Exists", pool_pb2.ExistsRequest(keys=["x" * 600])), Code.INVALID_ARGUMENT,
      "keys[0]: 600 bytes is longer than 512"),
     ("remove nothing", ("Remove", pool_pb2.RemoveRequest()), Code.INVALID_ARGUMENT, "group_ids: must not be empty"),
+    ("release naming an empty corrupt group", ("ReleaseLease", pool_pb2.ReleaseLeaseRequest(
+        lease_id=1, corrupt_group_ids=["ns/a", ""])), Code.INVALID_ARGUMENT, "corrupt_group_ids[1]: must not be empty"),
 ]
 
 

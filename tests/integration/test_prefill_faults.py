@@ -69,7 +69,27 @@ async def test_corrupted_object_is_recomputed(cluster) -> None:  # type: ignore[
     assert split(again) == (0, 256, 644)
     assert again.figures.num_pool_chunks_lost == 2
     assert [f.num_chunks_restored for f in again.figures.restore] == [3, 3, 1, 3]
+    assert [list(f.corrupt_chunk_indexes) for f in again.figures.restore] == [[], [], [1], []]
     assert_same_answer(again, tokens)
+    assert metric(pipeline.stages[2], "kvpool_prefill_corrupt_objects_total") == 1.0
+
+    # the corrupt group left the pool with the lease, and the recompute's save put it back
+    groups = [group_id(namespace, h) for h in hashes]
+
+    async def whole_prefix_in_pool() -> bool:
+        found = await master.Lookup(pool_pb2.LookupRequest(group_ids=groups))
+        await master.ReleaseLease(pool_pb2.ReleaseLeaseRequest(lease_id=found.lease_id))
+        return len(found.groups) == 3
+
+    await eventually(whole_prefix_in_pool, what="the corrupt chunk saved again")
+    assert pool.master is not None
+    await eventually(lambda: metric(pool.master, "kvpool_pool_corrupt_groups_total") == 1.0,
+                     what="the master counted one corrupt group dropped")
+    await evict_device(front, seed=101)
+    healed = await run(front, tokens)
+    assert split(healed) == (0, 768, 132)
+    assert [list(f.corrupt_chunk_indexes) for f in healed.figures.restore] == [[]] * 4
+    assert_same_answer(healed, tokens)
 
 
 async def test_store_dead_before_the_master_noticed_is_recomputed(cluster) -> None:  # type: ignore[no-untyped-def]
