@@ -31,6 +31,15 @@ least recently used cached blocks first, then those of the tenants furthest
 over their share, and only then the free list's LRU end. That last step is
 taken even by a tenant over its share: a request always gets its blocks when
 enough are free. With one tenant the order is the plain LRU order above.
+
+Sessions (retention by session, not chunk recency alone): a request may name
+its session (``allocate(session=...)``); its hashed blocks that reach ref
+count 0 are that session's cached blocks. ``touch_session`` (a turn of the
+session starts, or a prefetch stages it) moves all of them to the MRU end,
+including chunks the current prompt does not reach (a sub-agent's branch, a
+history cut to the context), so the free list runs sessions idle longest
+first. ``end_session`` (the client said the session is over) uncaches them:
+they move to the LRU end and are reused first.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from dataclasses import dataclass
 
 from kvpool.core.chunk_hash import DEFAULT_TENANT, ChunkHash
 from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.core.sessions import SessionId
 from kvpool.core.tenant_shares import TenantShares, VictimOrder
 
 
@@ -59,12 +69,14 @@ class Block:
     ref_count: int = 0
     chunk_hash: ChunkHash | None = None
     tenant: str | None = None  # whose KV it holds: in use or cached; None when free and uncached
+    session: SessionId | None = None  # free and cached: the session that last used it
 
 
 @dataclass(slots=True)
 class _Request:
     block_table: list[int]
     num_full_chunks: int
+    session: SessionId | None = None
 
 
 class BlockManager:
@@ -84,6 +96,7 @@ class BlockManager:
         # blocks each tenant holds (in use or cached), and its cached free blocks LRU first
         self.tenant_blocks: dict[str, int] = {}
         self._cached_free: dict[str, OrderedDict[int, None]] = {}
+        self._session_free: dict[SessionId, OrderedDict[int, None]] = {}  # each session's cached free blocks
 
     # queries
     @property
@@ -131,6 +144,7 @@ class BlockManager:
         num_tokens: int,
         num_device_hit_chunks: int,
         tenant: str = DEFAULT_TENANT,
+        session: SessionId | None = None,
     ) -> list[int]:
         """Block table for the whole prompt of ``tenant``: the first ``num_device_hit_chunks``
         blocks are the cached ones (ref'd, taken off the free list), the rest
@@ -167,7 +181,7 @@ class BlockManager:
             block.ref_count += 1
         victims = self.shares.victim_order(self.tenant_blocks, tenant, num_new, self.num_blocks, any_allowed=True)
         block_table = hit_block_ids + [self._allocate_block(victims) for _ in range(num_new)]
-        self._requests[request_id] = _Request(block_table, num_full_chunks)
+        self._requests[request_id] = _Request(block_table, num_full_chunks, session)
         return list(block_table)
 
     def commit_chunks(self, request_id: str, chunk_index_start: int, chunk_hashes: Sequence[ChunkHash]) -> None:
@@ -235,6 +249,47 @@ class BlockManager:
                     self._set_tenant(block, None)
                 elif block.tenant is not None:  # always: a block in use has its tenant
                     self._cached_free.setdefault(block.tenant, OrderedDict())[block_id] = None
+                    block.session = request.session
+                    if request.session is not None:
+                        self._session_free.setdefault(request.session, OrderedDict())[block_id] = None
+
+    def touch_session(self, session: SessionId) -> int:
+        """The session is active: its cached free blocks become the most recently used, keeping
+        their order. Returns how many moved."""
+        owned = self._session_free.get(session)
+        if not owned:
+            return 0
+        for block_id in owned:
+            self._free_block_ids.move_to_end(block_id)
+            self._cached_free[self.blocks[block_id].tenant or ""].move_to_end(block_id)
+        return len(owned)
+
+    def end_session(self, session: SessionId) -> int:
+        """The session is over: its cached free blocks are uncached and reused first (LRU end).
+        Blocks a request still holds are left to it. Returns how many were released."""
+        owned = self._session_free.get(session)
+        if not owned:
+            return 0
+        released = list(owned)
+        for block_id in reversed(released):
+            block = self.blocks[block_id]
+            self._take_free(block)
+            assert block.chunk_hash is not None  # a session's free blocks are cached
+            del self._hash_to_block_id[block.chunk_hash]
+            block.chunk_hash = None
+            self._set_tenant(block, None)
+            self._free_block_ids[block_id] = None
+            self._free_block_ids.move_to_end(block_id, last=False)
+        return len(released)
+
+    def session_blocks(self, session: SessionId) -> list[int]:
+        """The session's cached free blocks, least recently used first."""
+        return list(self._session_free.get(session, ()))
+
+    @property
+    def num_uncached_free_blocks(self) -> int:
+        """Free blocks that cache nothing (they lead the free list): what costs no one anything."""
+        return self.num_free_blocks - sum(len(c) for c in self._cached_free.values())
 
     def forget_cached(self) -> int:
         """Forget every cached chunk: no block matches a prefix any more.
@@ -250,7 +305,9 @@ class BlockManager:
         for block_id in reversed(cached_free):
             self._free_block_ids.move_to_end(block_id, last=False)
             self._set_tenant(self.blocks[block_id], None)  # free and uncached: no one's
+            self.blocks[block_id].session = None
         self._cached_free.clear()
+        self._session_free.clear()
         for block_id in self._hash_to_block_id.values():
             self.blocks[block_id].chunk_hash = None
         self._hash_to_block_id.clear()
@@ -294,6 +351,12 @@ class BlockManager:
             del cached[block.block_id]
             if not cached:
                 del self._cached_free[block.tenant]
+        if block.session is not None:
+            owned = self._session_free[block.session]
+            del owned[block.block_id]
+            if not owned:
+                del self._session_free[block.session]
+            block.session = None
 
     def _set_tenant(self, block: Block, tenant: str | None) -> None:
         if block.tenant == tenant:

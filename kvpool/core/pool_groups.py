@@ -46,6 +46,19 @@ class GroupTable:
                 groups.move_to_end(group_id)
                 by_tenant[group.tenant].move_to_end(group_id)
 
+    def demote(self, group_ids: Iterable[str]) -> int:
+        """Make groups the least recently used, the last named evicted first (a prefix's tail before its
+        head). Returns how many were found."""
+        groups, by_tenant = self.groups, self.by_tenant
+        found = 0
+        for group_id in group_ids:
+            group = groups.get(group_id)
+            if group is not None:
+                groups.move_to_end(group_id, last=False)
+                by_tenant[group.tenant].move_to_end(group_id, last=False)
+                found += 1
+        return found
+
     def add_object(self, obj: StoredObject) -> None:
         self.tenant_bytes[obj.tenant] = self.tenant_bytes.get(obj.tenant, 0) + obj.size
 

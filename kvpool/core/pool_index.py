@@ -292,6 +292,11 @@ class PoolIndex:
         """
         self.group_table.touch(group_ids)
 
+    def demote(self, group_ids: Iterable[str]) -> int:
+        """Lower groups to the front of eviction (a session that ended: ``session_end``), the last named
+        first; nothing else changes (a leased group is still never evicted). Returns how many exist."""
+        return self.group_table.demote(group_ids)
+
     # ---- accounting -----------------------------------------------------
 
     @property

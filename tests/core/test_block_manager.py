@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpool.core.block_manager import BlockManager, NoFreeBlocks
 from kvpool.core.chunk_hash import ChunkHash, chunk_hashes
 from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.core.sessions import SessionId
 from kvpool.core.tenant_shares import TenantShares, parse_weights
 
 NS = "ns"
@@ -307,9 +308,68 @@ def test_only_private_unhashed_blocks_are_restore_targets() -> None:
     assert not bm.is_private("b", 2)
 
 
+ALICE, BOB = SessionId("t", "alice"), SessionId("t", "bob")
+
+
+def run_session(bm: BlockManager, request_id: str, ids: list[int], session: SessionId) -> list[int]:
+    hs = hashes(ids)
+    table = bm.allocate(request_id, hs, len(ids), bm.match_prefix(hs), session=session)
+    bm.commit_chunks(request_id, 0, hs)
+    return table
+
+
+def test_a_session_turn_keeps_its_whole_history_over_chunk_recency() -> None:
+    bm = BlockManager(8, CHUNK)
+    run_session(bm, "a1", prompt(8), ALICE)  # alice's main history: blocks 0, 1
+    bm.free("a1")
+    run_session(bm, "b1", prompt(8, seed=1), BOB)  # blocks 2, 3
+    bm.free("b1")
+    run_session(bm, "a2", prompt(4, seed=2), ALICE)  # alice's sub-agent: block 4 (no prefix in common)
+    assert bm.free_block_ids() == [5, 6, 7, 1, 0, 3, 2]  # chunk recency: alice's main history is the oldest
+    assert bm.touch_session(ALICE) == 2  # alice is active: her cached free blocks move to the MRU end
+    assert bm.free_block_ids() == [5, 6, 7, 3, 2, 1, 0]
+    bm.free("a2")
+    assert bm.session_blocks(ALICE) == [1, 0, 4]
+    assert bm.session_blocks(BOB) == [3, 2]
+    # bob, idle longest, loses his blocks first: tail first
+    assert run(bm, "c", prompt(20, seed=3)) == [5, 6, 7, 3, 2]
+    assert bm.session_blocks(BOB) == []
+    assert bm.match_prefix(hashes(prompt(8))) == 2
+
+
+def test_end_session_uncaches_its_free_blocks_and_they_go_first() -> None:
+    bm = BlockManager(6, CHUNK)
+    run_session(bm, "a1", prompt(8), ALICE)
+    run_session(bm, "b1", prompt(8, seed=1), BOB)
+    bm.free("b1")
+    bm.free("a1")  # alice is the most recent
+    assert (bm.num_uncached_free_blocks, bm.free_block_ids()) == (2, [4, 5, 3, 2, 1, 0])
+    assert bm.end_session(ALICE) == 2
+    assert bm.free_block_ids() == [1, 0, 4, 5, 3, 2]  # in their order: the tail is reused first
+    assert bm.match_prefix(hashes(prompt(8))) == 0 and bm.match_prefix(hashes(prompt(8, seed=1))) == 2
+    assert (bm.num_uncached_free_blocks, bm.tenant_blocks) == (4, {"default": 2})
+    assert bm.end_session(ALICE) == 0  # nothing left
+    # a block the session's live request holds is left to it
+    run_session(bm, "b2", prompt(8, seed=1), BOB)
+    assert bm.end_session(BOB) == 0 and bm.match_prefix(hashes(prompt(8, seed=1))) == 2
+
+
+def test_sessions_of_two_tenants_with_one_key_are_two_sessions() -> None:
+    bm = BlockManager(6, CHUNK)
+    mine, theirs = SessionId("t1", "s"), SessionId("t2", "s")
+    run_session(bm, "a", prompt(8), mine)
+    run_session(bm, "b", prompt(8, seed=1), theirs)
+    bm.free("a")
+    bm.free("b")
+    assert bm.end_session(theirs) == 2
+    assert bm.session_blocks(mine) == [1, 0]
+    assert bm.match_prefix(hashes(prompt(8))) == 2
+
+
 BASES = [prompt(40, seed=s) for s in range(3)]
 # bases 0 and 1 are the flooder's (they share no prefix: its hashes), base 2 alice's
 TENANT_OF_BASE = ("flood", "flood", "alice")
+SESSIONS = (SessionId("flood", "s0"), SessionId("flood", "s1"), SessionId("alice", "s0"))
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -336,7 +396,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         shares = self.bm.shares.shares(usage, tenant, self.bm.num_blocks)
         cached = {b.block_id: b.tenant for b in self.bm.blocks if b.chunk_hash is not None}
         try:
-            table = self.bm.allocate(request_id, hs, num_tokens, hit, tenant)
+            table = self.bm.allocate(request_id, hs, num_tokens, hit, tenant, session=SESSIONS[base])
         except NoFreeBlocks:
             assert snapshot(self.bm) == before
             return
@@ -384,6 +444,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         del self.holds[holder_id]
         self.bm.free(holder_id)
 
+    @rule(base=st.integers(0, 2))
+    def touch_session(self, base: int) -> None:
+        owned = self.bm.session_blocks(SESSIONS[base])
+        moved = self.bm.touch_session(SESSIONS[base])
+        assert moved == len(owned)
+        assert self.bm.free_block_ids()[len(self.bm.free_block_ids()) - moved:] == owned
+
+    @rule(base=st.integers(0, 2))
+    def end_session(self, base: int) -> None:
+        owned = self.bm.session_blocks(SESSIONS[base])
+        assert self.bm.end_session(SESSIONS[base]) == len(owned)
+        assert self.bm.free_block_ids()[: len(owned)] == owned
+        assert all(self.bm.blocks[b].chunk_hash is None for b in owned)
+
     @rule()
     def forget_cached(self) -> None:
         # a stage restarted: no chunk may be claimed as a device hit any more
@@ -422,6 +496,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def uncached_free_blocks_lead_the_free_list(self) -> None:
         cached = [self.bm.blocks[b].chunk_hash is not None for b in self.bm.free_block_ids()]
         assert cached == sorted(cached)
+
+    @invariant()
+    def session_blocks_are_exactly_the_cached_free_ones_of_a_session(self) -> None:
+        owned = [b for s in SESSIONS for b in self.bm.session_blocks(s)]
+        assert len(owned) == len(set(owned))
+        assert set(owned) == {b.block_id for b in self.bm.blocks if b.session is not None}
+        for b in self.bm.blocks:
+            if b.session is not None:
+                assert b.ref_count == 0 and b.chunk_hash is not None
+        cached_free = sum(1 for b in self.bm.free_block_ids() if self.bm.blocks[b].chunk_hash is not None)
+        assert self.bm.num_uncached_free_blocks == self.bm.num_free_blocks - cached_free
 
     @invariant()
     def hash_map_is_a_bijection(self) -> None:

@@ -34,6 +34,7 @@ from kvpool.core.planner import max_hit_chunks
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.pool_index import PoolIndex
 from kvpool.core.pool_settings import IndexSettings
+from kvpool.core.prefill_queue import PrefillQueue, QueueOrder, WorkWeights
 from kvpool.core.routing import RoutingPolicy
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.decode_sim import ShardSim
@@ -107,6 +108,10 @@ class Simulation:
         num_blocks = int(topo.device_kv_gib_per_gpu * GIB // max(stage_bytes))
         store_bytes = int(topo.store_gib * GIB)
         shared = self.settings.pool == "shared"
+        order = QueueOrder.WORK if self.settings.sched == "session" else QueueOrder.FIFO
+        level = cost.fit.prefill_level
+        weights = WorkWeights(chunk, cost.prefill.chunk_base_s * level, cost.prefill.chunk_per_context_token_s * level,
+                              cost.restore_s(1, max(stage_bytes) / chunk) / chunk)
         for server in range(topo.num_servers):
             host = f"server{server}"
             if not shared or not self.indexes:
@@ -121,6 +126,7 @@ class Simulation:
                 self.pipelines[name] = PipelineSim(
                     name, server, host, self.loop, cost, BlockManager(num_blocks, chunk), index, stage_bytes,
                     self.metrics, self._prefilled, self.network, master, self._dead_hosts,
+                    PrefillQueue(order, self.settings.max_wait_s), weights,
                 )
             pages = int(topo.gpus_per_decode_shard * topo.decode_kv_gib * GIB
                         // (cost.model.kv_bytes_per_token * topo.decode_page_tokens))

@@ -18,7 +18,6 @@ store load both NICs but commit does not wait for them.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, object_key
 from kvpool.core.pool_index import PoolIndex
 from kvpool.core.pool_records import PutRequestItem, PutStatus
+from kvpool.core.prefill_queue import PrefillQueue, WorkWeights, prefill_work_s
 from kvpool.core.prefill_request import PrefillRequest, try_admit
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
@@ -51,7 +51,9 @@ class PipelineSim:
     network: Network
     master: MasterQueue
     dead_hosts: set[str] = field(default_factory=set)  # stores that died (the master may not know yet)
-    queue: deque[Job] = field(default_factory=deque)
+    queue: PrefillQueue = field(default_factory=PrefillQueue)
+    work_weights: WorkWeights = field(default_factory=WorkWeights)
+    _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
     busy: bool = False
     _lease: int = 0
     _readable: int = 0  # leading planned pool chunks whose every object lives on a store still alive
@@ -62,18 +64,36 @@ class PipelineSim:
         return len(self.stage_object_bytes)
 
     def enqueue(self, job: Job) -> None:
-        self.queue.append(job)
+        self._waiting[job.job_id] = job
+        self.queue.push(job.job_id, self.estimate_work_s(job), self.loop.now)
         self.kick()
 
+    def estimate_work_s(self, job: Job) -> float:
+        """What the turn brings, as stage 0 sees it on arrival: the device's cached prefix (a read-only
+        match), the pool's complete groups after it (read-only, no lease), the rest computed."""
+        hashes, chunk = job.play.hashes, self.cost.model.chunk_tokens
+        num_device = self.blocks.match_prefix(hashes)
+        groups, ns = self.index.groups, job.play.namespace
+        num_pool = 0
+        for h in hashes[num_device:]:
+            group = groups.get(group_id(ns, h))
+            if group is None or not group.complete:
+                break
+            num_pool += 1
+        num_tokens = job.turn.input_tokens
+        cached = min((num_device + num_pool) * chunk, num_tokens - 1)
+        return prefill_work_s(num_tokens, cached, min(cached, num_pool * chunk), self.work_weights)
+
     def kick(self) -> None:
-        """Start the queue head when idle and its blocks fit (else wait for a handoff to free some)."""
-        if self.busy or not self.queue:
+        """Start the queue's next request (its order) when idle and its blocks fit (else wait for a handoff)."""
+        if self.busy or not len(self.queue):
             return
-        job = self.queue[0]
+        job = self._waiting[self.queue.peek(self.loop.now) or ""]
         request = PrefillRequest(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens, job.play.hashes)
         if not try_admit(request, self.blocks, self.loop.now, math.inf):
             return
-        self.queue.popleft()
+        self.queue.pop(self.loop.now)
+        del self._waiting[job.job_id]
         self.busy = True
         job.request = request
         job.prefill_start = self.loop.now

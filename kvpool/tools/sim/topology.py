@@ -86,8 +86,16 @@ class RunSettings:
     max_turns: int | None = None  # end the run when this many turns have ended (decode done or refused)
     max_instances: int | None = None  # with restarts: stop starting sessions after this many (then the run ends)
     seed_offset: int = 0  # session k plays trace (k + seed_offset) % num_traces
+    # "fifo": the seed's prefill queue; "session": session-aware prefill (the work-aware queue with aging,
+    # retention by session, prefetch during think time: kvpool.core.prefill_queue, kvpool.core.sessions)
+    sched: str = "fifo"
+    max_wait_s: float = 30.0  # the work-aware queue's aging bound
 
     def __post_init__(self) -> None:
+        if self.sched not in SCHEDS:
+            raise ValueError(f"sched: must be one of {', '.join(SCHEDS)}, got {self.sched!r}")
+        if not self.max_wait_s > 0:
+            raise ValueError(f"max_wait_s: must be positive, got {self.max_wait_s}")
         if self.pool not in ("shared", "split"):
             raise ValueError(f"pool: must be 'shared' or 'split', got {self.pool!r}")
         if self.num_sessions <= 0:
@@ -100,6 +108,7 @@ class RunSettings:
             raise ValueError(f"affinity_max_queue: must be >= 0, got {self.affinity_max_queue}")
 
 
+SCHEDS = ("fifo", "session")
 AFFINITY_STRICT = 1 << 30
 AFFINITY_NONE = 0
 

@@ -1,0 +1,219 @@
+"""Sessions as prefill sees them: when each was last active, when its next turn is expected, and prefetch.
+
+Pure: no grpc, no I/O; time comes in as numbers from the caller's clock.
+
+A session is named by ``SessionId(tenant, key)``: two tenants using the same
+``session_key`` are two sessions (tenants never share or probe each other's
+cache, so they never share a session either).
+
+``SessionTable`` (invariants): a session is *active* from ``turn_started`` to
+``turn_ended``; ``idle_order`` runs the sessions with no turn in flight, the
+ended ones first (``end=True``: nothing of theirs will be asked for again),
+then by the time their last turn ended, idle longest first; the table holds
+at most ``max_sessions`` (the one idle longest is forgotten first).
+
+Prefetch (``plan_prefetch``, ``prefetch_at``): when a turn ends, the session's
+next prompt will begin with this one's full chunks. What of it the device
+cache lost can be staged from the pool ahead of the next turn, at low
+priority: it takes only blocks that cache nothing (``budget``), never a live
+session's cached ones, and the caller cancels it when a real request needs
+the blocks. ``PrefetchLedger`` counts its bytes: prefetched, used (a later
+turn's device hit covered them) and wasted (evicted or cancelled before use,
+or the session ended).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvpool.core.chunk_hash import ChunkHash
+from kvpool.core.errors import InvalidArgument
+
+MAX_EXPECTED_NEXT_S = 86_400.0  # a day: an hint beyond it says nothing useful about staging
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SessionId:
+    """A session key scoped by its tenant (``tenant_name``: "" is the default tenant)."""
+
+    tenant: str
+    key: str
+
+
+def check_expected_next_s(value: float | None) -> None:
+    """InvalidArgument naming ``expected_next_s`` unless absent or in [0, a day]."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_EXPECTED_NEXT_S:
+        raise InvalidArgument(f"expected_next_s: must be a number of seconds in [0, {MAX_EXPECTED_NEXT_S:g}], "
+                              f"got {value!r}", field="expected_next_s")
+
+
+@dataclass(slots=True)
+class SessionState:
+    session: SessionId
+    last_active: float
+    turns_in_flight: int = 0
+    ended: bool = False
+    expected_at: float | None = None  # when its next turn is expected (a hint), else None
+    chunk_hashes: list[ChunkHash] = field(default_factory=list)  # the last turn's full chunks
+    pipeline: str = ""
+
+
+class SessionTable:
+    """Every session's activity (see the module doc for the invariants)."""
+
+    def __init__(self, max_sessions: int = 100_000) -> None:
+        if max_sessions < 1:
+            raise InvalidArgument(f"max_sessions: must be >= 1, got {max_sessions}")
+        self.max_sessions = max_sessions
+        self._idle: OrderedDict[SessionId, SessionState] = OrderedDict()  # idle longest first; ended at the front
+        self._active: dict[SessionId, SessionState] = {}
+
+    def __len__(self) -> int:
+        return len(self._idle) + len(self._active)
+
+    def get(self, session: SessionId) -> SessionState | None:
+        return self._active.get(session) or self._idle.get(session)
+
+    def turn_started(self, session: SessionId, now: float, pipeline: str = "") -> SessionState:
+        state = self._idle.pop(session, None) or self._active.get(session) or SessionState(session, now)
+        state.turns_in_flight += 1
+        state.last_active = now
+        state.ended = False
+        state.expected_at = None
+        if pipeline:
+            state.pipeline = pipeline
+        self._active[session] = state
+        self._bound()
+        return state
+
+    def turn_ended(self, session: SessionId, now: float, chunk_hashes: Sequence[ChunkHash] = (),
+                   expected_next_s: float | None = None, end: bool = False) -> SessionState:
+        """The turn's last token went out; ``end``: the client says the session is over."""
+        check_expected_next_s(expected_next_s)
+        state = self._active.get(session)
+        if state is None:
+            raise InvalidArgument(f"session_key: {session.key!r} of tenant {session.tenant!r} has no turn in flight",
+                                  field="session_key")
+        state.turns_in_flight -= 1
+        state.last_active = now
+        state.ended = end
+        state.expected_at = None if end or expected_next_s is None else now + expected_next_s
+        if chunk_hashes:
+            state.chunk_hashes = list(chunk_hashes)
+        if state.turns_in_flight == 0:
+            del self._active[session]
+            self._idle[session] = state
+            if end:
+                self._idle.move_to_end(session, last=False)
+        return state
+
+    def forget(self, session: SessionId) -> SessionState | None:
+        return self._active.pop(session, None) or self._idle.pop(session, None)
+
+    def idle_order(self) -> list[SessionId]:
+        """Sessions with no turn in flight: ended first, then idle longest first."""
+        return list(self._idle)
+
+    def _bound(self) -> None:
+        while len(self) > self.max_sessions and self._idle:
+            self._idle.popitem(last=False)
+
+
+# ---- prefetch ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchPlan:
+    """Stage chunks ``[first_chunk, first_chunk + num_chunks)`` of the session's last prompt."""
+
+    first_chunk: int
+    num_chunks: int
+
+
+def prefetch_at(turn_ended_at: float, expected_next_s: float | None, lead_s: float) -> float:
+    """When to stage: ``lead_s`` before the expected next turn, or at once without a hint."""
+    if lead_s < 0:
+        raise InvalidArgument(f"lead_s: must be >= 0, got {lead_s}")
+    if expected_next_s is None:
+        return turn_ended_at
+    return turn_ended_at + max(0.0, expected_next_s - lead_s)
+
+
+def plan_prefetch(num_chunks: int, num_device_chunks: int, num_pool_chunks: int, budget_blocks: int) -> PrefetchPlan:
+    """What to stage of a prompt of ``num_chunks`` full chunks: after the device's cached prefix
+    (``num_device_chunks``), the complete pool groups that follow it (``num_pool_chunks``), at most
+    ``budget_blocks`` (the blocks it may take without evicting anyone's cache). Nothing when the
+    device already holds it all, the pool has nothing after it, or there is no budget."""
+    if min(num_chunks, num_device_chunks, num_pool_chunks) < 0 or num_device_chunks > num_chunks:
+        raise InvalidArgument(f"plan_prefetch({num_chunks}, {num_device_chunks}, {num_pool_chunks})")
+    count = max(0, min(num_pool_chunks, num_chunks - num_device_chunks, budget_blocks))
+    return PrefetchPlan(num_device_chunks, count)
+
+
+def prefetch_budget(num_uncached_free_blocks: int, num_blocks_wanted: int, reserve_blocks: int) -> int:
+    """Blocks a prefetch may take: free blocks that cache nothing, less what queued requests want
+    (``num_blocks_wanted``) and a reserve. Zero under pressure: a prefetch never makes a real
+    request wait for blocks and never evicts a cached chunk."""
+    return max(0, num_uncached_free_blocks - num_blocks_wanted - reserve_blocks)
+
+
+@dataclass(slots=True)
+class PrefetchLedger:
+    """Bytes prefetched, used and wasted, and the chunks still pending per session.
+
+    Invariants: ``used + wasted + pending == prefetched`` (bytes); a chunk is
+    pending for one session at most once.
+    """
+
+    chunk_bytes: int
+    prefetched_bytes: int = 0
+    used_bytes: int = 0
+    wasted_bytes: int = 0
+    _pending: dict[SessionId, set[ChunkHash]] = field(default_factory=dict)
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(len(p) for p in self._pending.values()) * self.chunk_bytes
+
+    def staged(self, session: SessionId, chunk_hashes: Iterable[ChunkHash]) -> int:
+        """Chunks a prefetch put in the device cache; returns how many were new."""
+        pending = self._pending.setdefault(session, set())
+        before = len(pending)
+        pending.update(chunk_hashes)
+        added = len(pending) - before
+        self.prefetched_bytes += added * self.chunk_bytes
+        return added
+
+    def turn_started(self, session: SessionId, device_hit: Iterable[ChunkHash]) -> tuple[int, int]:
+        """A turn of the session found ``device_hit`` on the device: pending chunks among them were
+        used, the rest wasted (evicted before the turn, or not part of its prompt). Returns bytes
+        (used, wasted)."""
+        pending = self._pending.pop(session, None)
+        if not pending:
+            return 0, 0
+        used = len(pending.intersection(device_hit)) * self.chunk_bytes
+        wasted = len(pending) * self.chunk_bytes - used
+        self.used_bytes += used
+        self.wasted_bytes += wasted
+        return used, wasted
+
+    def cancelled(self, nbytes: int) -> None:
+        """A prefetch stopped before its chunks were staged: the bytes it read are wasted."""
+        self.prefetched_bytes += nbytes
+        self.wasted_bytes += nbytes
+
+    def dropped(self, session: SessionId) -> int:
+        """The session ended or its prefetch was cancelled: its pending chunks are wasted (bytes)."""
+        pending = self._pending.pop(session, None)
+        wasted = len(pending) * self.chunk_bytes if pending else 0
+        self.wasted_bytes += wasted
+        return wasted
+
+    @property
+    def wasted_share(self) -> float:
+        """Wasted over prefetched bytes (0 when nothing was prefetched)."""
+        return self.wasted_bytes / self.prefetched_bytes if self.prefetched_bytes else 0.0
