@@ -2,7 +2,8 @@
 
 Retry rule under test: a prefill pipeline that fails before the request has
 produced anything is retried once on another pipeline, a decode shard that
-is down before the first token moves the request to another shard; a failure
+is down before the first token (before its Reserve, or after it while the
+prefill runs) moves the request to another shard; a failure
 after a token reached the client ends the stream with UNAVAILABLE (over HTTP:
 OpenAI's error event, then ``data: [DONE]``).
 """
@@ -198,6 +199,19 @@ def stream_http(cluster: Cluster, body: dict[str, object], on_first: Callable[[]
     return lines
 
 
+async def num_reserved(cluster: Cluster, shard: str) -> int:
+    """Requests holding a region and pages on ``shard`` before their Generate."""
+    async with grpc.aio.insecure_channel(address(cluster, shard)) as channel:
+        stats = await decode_pb2_grpc.DecodeStub(channel).Stats(decode_pb2.DecodeStatsRequest(), timeout=5)
+        return stats.num_reserved
+
+
+def shard_moves(cluster: Cluster) -> str:
+    admin = cluster.find("router").ready["admin_port"]
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10).read().decode()
+    return next(line for line in metrics.splitlines() if line.startswith("kvpool_router_shard_moves_total "))
+
+
 async def test_a_dead_shard_before_the_first_token_moves_the_request(tmp_path: Path) -> None:
     # health checks far apart: the router still believes the killed shard is up, so its
     # requests find it dead themselves
@@ -207,14 +221,27 @@ async def test_a_dead_shard_before_the_first_token_moves_the_request(tmp_path: P
         before, _, first = await generate(cluster, request)
         dead = next(name for name in ("decode0", "decode1") if address(cluster, name) == first.shard)
         alive = "decode1" if dead == "decode0" else "decode0"
-        cluster.find(dead).kill()
-        # an idle router places the same way: on the dead shard first, then moved before any token
+        # the shard dies after its Reserve, before the first token: the prefill is held (its
+        # stage frozen) while the region is reserved, the shard is killed, then prefill's
+        # handoff finds it dead and the request moves with a new Reserve and Prefill
+        stage = cluster.find("p0-stage0")
+        stage.pause()
+        try:
+            call = asyncio.ensure_future(generate(cluster, request))
+            await eventually(lambda: num_reserved(cluster, dead), what=f"a region reserved on {dead}")
+            assert await num_reserved(cluster, alive) == 0
+            cluster.find(dead).kill()
+        finally:
+            stage.resume()
+        after_reserve, _, moved = await call
+        assert moved.shard == address(cluster, alive)
+        assert after_reserve == before  # greedy: the same answer from the other shard
+        assert shard_moves(cluster) == "kvpool_router_shard_moves_total 1.0"
+        # an idle router places the same way: on the dead shard first (its Reserve fails), then moved
         after, _, moved = await generate(cluster, request)
         assert moved.shard == address(cluster, alive)
-        assert after == before  # greedy: the same answer from the other shard
-        admin = cluster.find("router").ready["admin_port"]
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10).read().decode()
-        assert "kvpool_router_shard_moves_total 1.0" in metrics
+        assert after == before
+        assert shard_moves(cluster) == "kvpool_router_shard_moves_total 2.0"
         # a request already streaming when its shard dies ends with the error event, then [DONE]
         body = {"model": "tiny", "prompt": "go on and on " * 10, "max_tokens": 3000, "temperature": 0,
                 "stream": True}
