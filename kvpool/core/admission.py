@@ -4,7 +4,7 @@ Pure: no grpc, no I/O; time comes in as numbers from the caller's clock. The
 router calls ``admit`` once per request and ``release`` once when it ends,
 however it ends; both return the queued requests that got a ticket meanwhile.
 
-    admit ─▶ Ticket (pipeline, decode shard, pages, region bytes)    room now
+    admit ─▶ Ticket (pipeline, decode shard, pages, region bytes, blocks)   room now
           └▶ queued (holds nothing) ─▶ Ticket from a later release   room later
                                      └▶ expired at its deadline      ResourceExhausted
           └▶ ResourceExhausted(retry_after_s)                         queue full
@@ -13,11 +13,18 @@ however it ends; both return the queued requests that got a ticket meanwhile.
 Rules:
 - A ticket holds, for the request's whole life, ``pages_for_request`` pages
   and one receive region (``region_bytes``) on its shard, and an in-flight
-  slot on its pipeline. The sums over live tickets never exceed a shard's
-  pages or arena, so the shard always has the room the router promised:
-  an admitted request is never failed for lack of room.
+  slot on its pipeline. Until ``prefill_ended`` (its first token is out: no
+  move prefills it again) it also holds its prompt's device blocks on its
+  pipeline (``num_blocks``, every chunk counted, shared prefix or not). The
+  sums over live tickets never exceed a shard's pages or arena, nor a
+  pipeline's device cache, so the shard and stage 0 always have the room the
+  router promised: an admitted request is never failed for lack of room.
+  (Stage 0 may still wait, briefly, for blocks a finished request's pool
+  saves read: those end within the saves' own bounds.)
 - FIFO without overtaking: while anyone is queued, a new request queues
   behind; a head that does not fit holds back everyone after it.
+- A pipeline whose device cache has no room for the request now is left out
+  (``DEVICE_CACHE_FULL`` when it is the session's own); none with room: queued.
 - A request that can never fit (its prompt beyond every pipeline's device
   cache, or prompt + max_tokens beyond every shard's context, pages or
   arena) is refused at ``admit`` with the field and the limit named.
@@ -41,92 +48,25 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from kvpool.core.admission_room import (
+    AdmissionRequest,
+    Locality,
+    PipelineRoom,
+    ShardRoom,
+    ShardShape,
+    Ticket,
+)
 from kvpool.core.decode_pages import pages_for_request
-from kvpool.core.decode_regions import REGION_ALIGNMENT
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
-from kvpool.core.routing import PipelineReason, RoutingPolicy
+from kvpool.core.routing import RoutingPolicy
 
 MAX_PREFILL_TRIES = 2  # the first try and one retry elsewhere
 MAX_SHARD_TRIES = 2  # the first shard and one other
 # the field a prefill error names when it is the decode target (not the pipeline) that failed
 TARGET_FIELD = "target"
 
-
-class Locality(enum.Enum):
-    """Why a request's decode shard is where it is (a metric label)."""
-
-    SAME_SERVER = "same_server"  # the pipeline's own server had room
-    LOCAL_FULL = "local_full"  # the pipeline's server has shards, none with room now
-    NO_LOCAL_SHARD = "no_local_shard"  # no healthy shard on the pipeline's server
-    OFF = "off"  # locality disabled: most free pages
-
-
-@dataclass(frozen=True, slots=True)
-class ShardShape:
-    """What admission must know of a shard (from its Stats)."""
-
-    num_pages: int
-    page_size: int
-    arena_bytes: int
-    region_bytes_per_token: int  # every layer's KV entry of one prompt token
-    region_trailer_bytes: int  # what follows the KV in a region (the final position's logits)
-    max_context: int
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        """The longest prompt whose region fits the empty arena."""
-        usable = self.arena_bytes // REGION_ALIGNMENT * REGION_ALIGNMENT - self.region_trailer_bytes
-        return max(0, usable // max(1, self.region_bytes_per_token))
-
-    def region_bytes(self, num_prompt_tokens: int) -> int:
-        """A region's size in the arena (rounded as the arena rounds it)."""
-        nbytes = num_prompt_tokens * self.region_bytes_per_token + self.region_trailer_bytes
-        return -(-nbytes // REGION_ALIGNMENT) * REGION_ALIGNMENT
-
-
-@dataclass(slots=True)
-class ShardRoom:
-    """One shard as admission counts it."""
-
-    name: str
-    server: str
-    shape: ShardShape | None = None  # unknown until its first Stats
-    healthy: bool = True
-    used_pages: int = 0
-    used_bytes: int = 0
-    num_tickets: int = 0
-
-    @property
-    def free_pages(self) -> int:
-        return self.shape.num_pages - self.used_pages if self.shape else 0
-
-    def fits(self, num_pages: int, region_bytes: int) -> bool:
-        return (self.shape is not None and num_pages <= self.free_pages
-                and self.used_bytes + region_bytes <= self.shape.arena_bytes)
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionRequest:
-    request_id: str
-    session_key: str
-    num_prompt_tokens: int
-    max_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Ticket:
-    """Room held for one request until ``release``."""
-
-    request_id: str
-    pipeline: str
-    pipeline_reason: PipelineReason
-    shard: str
-    locality: Locality
-    num_pages: int
-    region_bytes: int
-    queued_s: float
-    tries: int = 1  # pipelines tried
-    shard_tries: int = 1  # decode shards tried
+__all__ = ["Admission", "AdmissionRequest", "Admitted", "Locality", "Move", "ShardShape", "Ticket", "may_retry",
+           "retry_move"]
 
 
 @dataclass(slots=True)
@@ -173,7 +113,9 @@ class Admission:
 
     Invariants: a request id is queued, ticketed or unknown; for every shard,
     ``used_pages``/``used_bytes``/``num_tickets`` are the sums over its live
-    tickets and never exceed its shape; ``len(queue) <= max_queue``; the
+    tickets and never exceed its shape; for every pipeline, ``used_blocks`` is
+    the sum of ``num_blocks`` over its tickets still prefilling and never
+    exceeds its ``num_blocks``; ``len(queue) <= max_queue``; the
     routing policy's in-flight count of a pipeline equals its live tickets.
     """
 
@@ -188,21 +130,30 @@ class Admission:
         self.routing = routing
         self.shards = {name: ShardRoom(name, server) for name, server in shard_servers.items()}
         self.pipeline_servers = dict(pipeline_servers)
-        self.pipeline_max_prompt: dict[str, int] = {}
+        self.pipelines = {name: PipelineRoom(name) for name in pipeline_servers}
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.locality = locality
         self._queue: OrderedDict[str, _Queued] = OrderedDict()
         self._tickets: dict[str, Ticket] = {}
+        self._prefilling: set[str] = set()  # tickets whose blocks their pipeline still counts
 
     # ---- what the router sees ------------------------------------------------
 
     def set_shard_shape(self, shard: str, shape: ShardShape) -> None:
         self._shard(shard).shape = shape
 
-    def set_pipeline_max_prompt(self, pipeline: str, num_tokens: int) -> None:
-        """The longest prompt the pipeline's device cache holds."""
-        self.pipeline_max_prompt[pipeline] = num_tokens
+    def set_pipeline_shape(self, pipeline: str, num_blocks: int, block_size: int) -> None:
+        """The pipeline's device cache (from its StageInfo): until known, it takes no ticket."""
+        if num_blocks <= 0 or block_size <= 0:
+            raise InvalidArgument(f"num_blocks, block_size: must be positive, got {num_blocks}, {block_size}")
+        room = self._pipeline(pipeline)
+        room.num_blocks, room.block_size = num_blocks, block_size
+
+    @property
+    def pipeline_max_prompt(self) -> dict[str, int]:
+        """The longest prompt each known pipeline's device cache holds."""
+        return {name: p.max_prompt_tokens for name, p in self.pipelines.items() if p.known}
 
     def set_health(self, name: str, healthy: bool) -> bool:
         if name in self.shards:
@@ -231,8 +182,8 @@ class Admission:
             raise InvalidArgument(f"prompt: must hold at least one token, got {num_prompt_tokens}", field="prompt")
         if max_tokens <= 0:
             raise InvalidArgument(f"max_tokens: must be positive, got {max_tokens}", field="max_tokens")
-        if self.pipeline_max_prompt:
-            limit = max(self.pipeline_max_prompt.values())
+        if limits := self.pipeline_max_prompt:
+            limit = max(limits.values())
             if num_prompt_tokens > limit:
                 raise InvalidArgument(f"prompt: {num_prompt_tokens} tokens, a prefill device cache holds "
                                       f"{limit} at most", field="prompt")
@@ -282,12 +233,24 @@ class Admission:
         self._queue.pop(request_id, None)
         ticket = self._tickets.pop(request_id, None)
         if ticket is not None:
+            self._end_prefill(ticket)
             shard = self.shards[ticket.shard]
             shard.used_pages -= ticket.num_pages
             shard.used_bytes -= ticket.region_bytes
             shard.num_tickets -= 1
             self.routing.finish_pipeline(ticket.pipeline)
         return self.poll(now)
+
+    def prefill_ended(self, request_id: str, now: float) -> Admitted:
+        """The request's first token is out, so nothing prefills it again (no move after a token):
+        its pipeline's device blocks go back, then queue heads that fit now get tickets."""
+        ticket = self._tickets.get(request_id)
+        if ticket is not None:
+            self._end_prefill(ticket)
+        return self.poll(now)
+
+    def is_prefilling(self, request_id: str) -> bool:
+        return request_id in self._prefilling
 
     def poll(self, now: float) -> Admitted:
         """Expire queued requests past their deadline, then ticket queue heads while they fit."""
@@ -309,17 +272,24 @@ class Admission:
         return result
 
     def retry(self, ticket: Ticket, error: KvpoolError, num_tokens_sent: int, session_key: str) -> Ticket | None:
-        """Move a failed request to another healthy pipeline, keeping its shard and room; None
-        when it may not retry (``may_retry``) or no other pipeline is healthy."""
-        if (self._tickets.get(ticket.request_id) != ticket
+        """Move a failed request to another healthy pipeline with device room for it now, keeping
+        its shard and room there; None when it may not retry (``may_retry``) or no other pipeline
+        is healthy and has room (nothing changes)."""
+        if (self._tickets.get(ticket.request_id) != ticket or ticket.request_id not in self._prefilling
                 or retry_move(error, num_tokens_sent, ticket, at_decode=False) is not Move.PIPELINE):
             return None
+        num_tokens = ticket.num_prompt_tokens
+        full = {p.name for p in self.pipelines.values() if not p.fits(num_tokens)}
         try:
-            pipeline, reason = self.routing.place_pipeline(session_key, exclude={ticket.pipeline})
+            pipeline, reason = self.routing.place_pipeline(session_key, exclude={ticket.pipeline}, full=full)
         except Unavailable:
             return None
+        self._end_prefill(ticket)
         self.routing.finish_pipeline(ticket.pipeline)
-        moved = replace(ticket, pipeline=pipeline, pipeline_reason=reason, tries=ticket.tries + 1)
+        room = self.pipelines[pipeline]
+        moved = replace(ticket, pipeline=pipeline, pipeline_reason=reason, tries=ticket.tries + 1,
+                        num_blocks=room.blocks_for(num_tokens))
+        self._start_prefill(moved)
         self._tickets[ticket.request_id] = moved
         return moved
 
@@ -328,7 +298,7 @@ class Admission:
         """Move a request whose decode shard failed to another healthy shard with room now, taking
         that room and giving the old back; the pipeline stays. None when it may not
         (``retry_move``) or no other shard has room: the request fails with ``error``."""
-        if (self._tickets.get(ticket.request_id) != ticket
+        if (self._tickets.get(ticket.request_id) != ticket or ticket.request_id not in self._prefilling
                 or retry_move(error, num_tokens_sent, ticket, at_decode) is not Move.SHARD):
             return None
         fitting = [s for s in self._fitting(request) if s.name != ticket.shard]
@@ -363,10 +333,27 @@ class Admission:
             if not any(s.healthy for s in self.shards.values()):
                 raise Unavailable("no healthy decode shard")
             return None
-        pipeline, reason = self.routing.place_pipeline(request.session_key)
+        full = {p.name for p in self.pipelines.values() if not p.fits(request.num_prompt_tokens)}
+        if all(not t.healthy or t.name in full for t in self.routing.pipelines.values()):
+            if not any(t.healthy for t in self.routing.pipelines.values()):
+                raise Unavailable("no healthy prefill pipeline")
+            return None  # no device cache has room now: stage 0 would only wait for it
+        pipeline, reason = self.routing.place_pipeline(request.session_key, full=full)
         shard, locality = self._pick_shard(fitting, self.pipeline_servers[pipeline])
-        return self._hold(Ticket(request.request_id, pipeline, reason, shard.name, locality, 0, 0, queued_s),
-                          shard, request)
+        ticket = Ticket(request.request_id, pipeline, reason, shard.name, locality, 0, 0, queued_s,
+                        num_blocks=self.pipelines[pipeline].blocks_for(request.num_prompt_tokens),
+                        num_prompt_tokens=request.num_prompt_tokens)
+        self._start_prefill(ticket)
+        return self._hold(ticket, shard, request)
+
+    def _start_prefill(self, ticket: Ticket) -> None:
+        self.pipelines[ticket.pipeline].used_blocks += ticket.num_blocks
+        self._prefilling.add(ticket.request_id)
+
+    def _end_prefill(self, ticket: Ticket) -> None:
+        if ticket.request_id in self._prefilling:
+            self._prefilling.discard(ticket.request_id)
+            self.pipelines[ticket.pipeline].used_blocks -= ticket.num_blocks
 
     def _hold(self, ticket: Ticket, shard: ShardRoom, request: AdmissionRequest) -> Ticket:
         """The ticket with ``shard``'s room for ``request``, counted there and live."""
@@ -391,6 +378,11 @@ class Admission:
             return most_free(local), Locality.SAME_SERVER
         has_local = any(s.healthy and s.server == server for s in self.shards.values())
         return most_free(fitting), Locality.LOCAL_FULL if has_local else Locality.NO_LOCAL_SHARD
+
+    def _pipeline(self, name: str) -> PipelineRoom:
+        if name not in self.pipelines:
+            raise InvalidArgument(f"pipeline: unknown prefill pipeline {name!r}", field="pipeline")
+        return self.pipelines[name]
 
     def _shard(self, name: str) -> ShardRoom:
         if name not in self.shards:

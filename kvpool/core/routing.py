@@ -18,6 +18,8 @@ Rules:
 - A retry excludes the pipelines that failed the request, for that request
   only; a session whose own pipeline is excluded moves with reason
   ``EXCLUDED_AFTER_FAILURE`` (``UNHEALTHY`` is only for a failed health check).
+  Admission leaves out the pipelines whose device cache has no room for the
+  request now; a session whose own is one moves with ``DEVICE_CACHE_FULL``.
 - Session memory is bounded: the least recently used sessions are forgotten
   past ``max_sessions`` (a forgotten session is placed as a new one).
 """
@@ -38,6 +40,7 @@ class PipelineReason(enum.Enum):
     OVERLOADED = "overloaded"  # the session's pipeline queue reached the threshold
     UNHEALTHY = "unhealthy"  # the session's pipeline is out of rotation
     EXCLUDED_AFTER_FAILURE = "excluded_after_failure"  # a retry: the session's pipeline failed this request
+    DEVICE_CACHE_FULL = "device_cache_full"  # the session's pipeline has no device blocks for it now
 
 
 class ShardReason(enum.Enum):
@@ -120,10 +123,12 @@ class RoutingPolicy:
         shard.promised_pages += num_pages
         return Placement(name, reason, shard.name, ShardReason.MOST_FREE_PAGES)
 
-    def place_pipeline(self, session_key: str, exclude: Collection[str] = ()) -> tuple[str, PipelineReason]:
+    def place_pipeline(self, session_key: str, exclude: Collection[str] = (),
+                       full: Collection[str] = ()) -> tuple[str, PipelineReason]:
         """Pick a pipeline alone (admission picks the shard) and count the request in flight on
-        it; the caller must call ``finish_pipeline`` when the request ends there."""
-        pipeline, reason = self._pick_pipeline(session_key, exclude)
+        it; the caller must call ``finish_pipeline`` when the request ends there. Pipelines in
+        ``full`` (no device blocks for this request now) are out for it, as excluded ones are."""
+        pipeline, reason = self._pick_pipeline(session_key, exclude, full)
         pipeline.in_flight += 1
         pipeline.placed += 1
         if session_key:
@@ -155,8 +160,9 @@ class RoutingPolicy:
 
     # ---- internals ------------------------------------------------------
 
-    def _pick_pipeline(self, session_key: str, exclude: Collection[str]) -> tuple[Target, PipelineReason]:
-        healthy = [p for p in self.pipelines.values() if p.healthy and p.name not in exclude]
+    def _pick_pipeline(self, session_key: str, exclude: Collection[str],
+                       full: Collection[str] = ()) -> tuple[Target, PipelineReason]:
+        healthy = [p for p in self.pipelines.values() if p.healthy and p.name not in exclude and p.name not in full]
         if not healthy:
             raise Unavailable("no healthy prefill pipeline")
         own_name = self._sessions.get(session_key) if session_key else None
@@ -167,6 +173,8 @@ class RoutingPolicy:
             reason = PipelineReason.EXCLUDED_AFTER_FAILURE
         elif not own.healthy:
             reason = PipelineReason.UNHEALTHY
+        elif own.name in full:
+            reason = PipelineReason.DEVICE_CACHE_FULL
         elif own.in_flight >= self.affinity_max_queue:
             reason = PipelineReason.OVERLOADED
         else:

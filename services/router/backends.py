@@ -109,7 +109,7 @@ class Backends:
             except grpc.aio.AioRpcError:
                 return False
             client.num_stages = info.num_stages
-            self.admission.set_pipeline_max_prompt(client.address, info.num_blocks * info.block_size)
+            self.admission.set_pipeline_shape(client.address, info.num_blocks, info.block_size)
         return True
 
     async def _check_shard(self, client: ShardClient) -> bool:

@@ -37,6 +37,9 @@ class RouterMetrics:
                                  ["shard"], registry=r)
         self.shard_region_bytes = Gauge("kvpool_router_shard_region_bytes_reserved",
                                         "Receive arena bytes the router's tickets hold", ["shard"], registry=r)
+        self.pipeline_blocks = Gauge("kvpool_router_pipeline_blocks_reserved",
+                                     "Prefill device-cache blocks the router's tickets hold until their first token",
+                                     ["pipeline"], registry=r)
         self.reserve_waits = Counter("kvpool_router_reserve_waits",
                                      "Reserve retries while decode freed a cancelled request's room", registry=r)
         self.handoff_bytes = Counter("kvpool_router_handoff_bytes",

@@ -2,9 +2,11 @@
 everything at once whatever happens.
 
 Every decision is the core's (``kvpool.core.admission``): one ``admit`` per
-request hands back a ticket (pipeline, decode shard, pages, region bytes) or
-queues the request, holding nothing, until a ``release`` makes room; one
-``release`` ends it. Between them this module makes the calls:
+request hands back a ticket (pipeline, decode shard, pages, region bytes, the
+pipeline's device blocks) or queues the request, holding nothing, until a
+``release`` makes room; the first token gives the device blocks back
+(``prefill_ended``); one ``release`` ends it. Between them this module makes
+the calls:
 
     admit (queue) → Reserve (decode: region + pages) → Prefill(target) (every
           stage streams its layers into the region as its forward passes them,
@@ -150,6 +152,8 @@ class Router:
         for name, shard in self.admission.shards.items():
             self.metrics.shard_pages.labels(name).set(shard.used_pages)
             self.metrics.shard_region_bytes.labels(name).set(shard.used_bytes)
+        for name, pipeline in self.admission.pipelines.items():
+            self.metrics.pipeline_blocks.labels(name).set(pipeline.used_blocks)
 
     # ---- generate -------------------------------------------------------
 
@@ -214,6 +218,8 @@ class Router:
                             first_at = time.perf_counter()
                             usage.ttft_seconds = first_at - started
                             self.metrics.ttft.observe(usage.ttft_seconds)
+                            # never prefilled again now: the pipeline's device blocks go to the queue
+                            self._apply(self.admission.prefill_ended(request_id, asyncio.get_running_loop().time()))
                         yield token
                     usage.decode_seconds = time.perf_counter() - (first_at or started)
                     self.metrics.decode.observe(usage.decode_seconds)

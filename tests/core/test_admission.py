@@ -18,9 +18,12 @@ from kvpool.core.admission import (
     may_retry,
     retry_move,
 )
+from kvpool.core.block_manager import BlockManager
+from kvpool.core.chunk_hash import ChunkHash
 from kvpool.core.decode_pages import pages_for_request
 from kvpool.core.decode_scheduler import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, finish_reason
 from kvpool.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvpool.core.prefill_request import PrefillRequest
 from kvpool.core.routing import PipelineReason, RoutingPolicy
 
 # a region of a 100-token prompt: 100 * 4000 + 4096 -> 405,504 bytes (99 pages of 4,096)
@@ -34,6 +37,8 @@ def admission(max_queue: int = 4, locality: bool = True, shape: ShardShape = SHA
                   queue_timeout_s=10.0, locality=locality)
     a.set_shard_shape("d0", shape)
     a.set_shard_shape("d1", shape)
+    for pipeline in ("p0", "p1"):
+        a.set_pipeline_shape(pipeline, 64, 16)  # 1,024 tokens: a 100-token prompt takes 7 blocks
     return a
 
 
@@ -69,7 +74,8 @@ def test_retry_eligibility() -> None:
 def test_tickets_hold_pages_and_region_until_release_then_the_queue_moves() -> None:
     a = admission()
     t1 = a.admit(req("r1", session="a"), now=0.0)
-    assert t1 == Ticket("r1", "p0", PipelineReason.NEW_SESSION, "d0", Locality.SAME_SERVER, 10, 405_504, 0.0)
+    assert t1 == Ticket("r1", "p0", PipelineReason.NEW_SESSION, "d0", Locality.SAME_SERVER, 10, 405_504, 0.0,
+                        num_blocks=7, num_prompt_tokens=100)
     t2 = a.admit(req("r2"), now=0.0)
     assert (t2.pipeline, t2.shard, t2.locality) == ("p1", "d1", Locality.SAME_SERVER)
     t3 = a.admit(req("r3"), now=0.0)  # p0 (fewest placed on a tie), d0: 2 regions = 811,008 bytes fit
@@ -125,8 +131,8 @@ def test_queued_requests_expire_at_their_deadline_and_can_be_dropped() -> None:
 
 def test_a_request_that_can_never_fit_names_the_field_and_limit() -> None:
     a = admission()
-    a.set_pipeline_max_prompt("p0", 1024)
-    a.set_pipeline_max_prompt("p1", 2048)
+    a.set_pipeline_shape("p0", 64, 16)
+    a.set_pipeline_shape("p1", 128, 16)
     with pytest.raises(InvalidArgument, match="2048") as e:
         a.admit(req("r", prompt=3000), now=0.0)
     assert e.value.field == "prompt"
@@ -232,6 +238,8 @@ def test_unknown_shapes_admit_nothing_and_unhealthy_everything_is_unavailable() 
     a = Admission(routing, {"d0": "s0"}, {"p0": "s0"}, max_queue=2, queue_timeout_s=5.0)
     assert a.admit(req("r"), now=0.0) is None  # no Stats yet: it queues
     a.set_shard_shape("d0", SHAPE)
+    assert a.poll(now=0.5).tickets == []  # nor StageInfo: the pipeline's device cache is unknown
+    a.set_pipeline_shape("p0", 64, 16)
     assert [t.request_id for t in a.poll(now=1.0).tickets] == ["r"]
     a.set_health("d0", False)
     with pytest.raises(Unavailable, match="decode shard"):
@@ -240,6 +248,62 @@ def test_unknown_shapes_admit_nothing_and_unhealthy_everything_is_unavailable() 
         a.admit(req("r"), now=1.0)
     with pytest.raises(InvalidArgument, match="servers"):
         Admission(routing, {}, {"p0": "s0"}, max_queue=2, queue_timeout_s=5.0)
+
+
+def stage0_admits(blocks: BlockManager, request_id: str, num_tokens: int, prefix: str = "") -> None:
+    """What stage 0 does with a ticketed request: take its device blocks now (``NoFreeBlocks`` if it
+    would have to wait), the computed chunks cached for later prompts of the same prefix."""
+    hashes = [ChunkHash(f"{prefix or request_id}/{i}") for i in range(num_tokens // blocks.chunk_size)]
+    request = PrefillRequest(request_id, num_tokens, blocks.chunk_size, hashes)
+    request.admit(blocks)
+    blocks.commit_chunks(request_id, request.num_device_chunks, hashes[request.num_device_chunks:])
+
+
+def test_an_admitted_request_finds_its_device_blocks_free_at_stage_0() -> None:
+    # the failure this prevents: both tickets issued at once, the second waited at stage 0 for blocks
+    # the first held through its whole prefill, and failed there at admission_timeout_s
+    routing = RoutingPolicy.of(["p0"], ["d0"])
+    a = Admission(routing, {"d0": "s0"}, {"p0": "s0"}, max_queue=4, queue_timeout_s=60.0)
+    a.set_shard_shape("d0", ShardShape(10_000, 16, 100_000_000, 4000, 4096, 8192))  # decode room for many
+    a.set_pipeline_shape("p0", 8, 256)  # stage 0 holds 2,048 tokens
+    stage0 = BlockManager(8, 256)
+    first = a.admit(req("a", prompt=1500, max_tokens=8), now=0.0)
+    assert first is not None and first.num_blocks == 6
+    stage0_admits(stage0, "a", 1500)
+    assert a.admit(req("b", prompt=1500, max_tokens=8), now=0.0) is None  # 6 + 6 > 8 blocks: it queues
+    assert a.admit(req("c", prompt=300, max_tokens=8), now=0.0) is None  # 2 blocks would fit: FIFO
+    assert (a.pipelines["p0"].used_blocks, a.num_admitted, a.num_queued) == (6, 1, 2)
+    assert a.release("nobody", now=1.0).tickets == []
+    # a's first token: it is never prefilled again, its blocks go to the queue's head
+    stage0.free("a")
+    admitted = a.prefill_ended("a", now=2.0).tickets
+    assert [(t.request_id, t.num_blocks, t.queued_s) for t in admitted] == [("b", 6, 2.0), ("c", 2, 2.0)]
+    stage0_admits(stage0, "b", 1500)  # no wait: the blocks the router counted are free there
+    stage0_admits(stage0, "c", 300)
+    assert (a.pipelines["p0"].used_blocks, a.shards["d0"].num_tickets) == (8, 3)
+    assert not a.is_prefilling("a") and a.is_prefilling("b")
+    a.release("a", now=3.0)  # its decode room goes; no blocks counted twice
+    assert a.pipelines["p0"].used_blocks == 8
+    a.release("b", now=4.0)  # ended before a token (a failure): its blocks go back with it
+    assert a.pipelines["p0"].used_blocks == 2
+
+
+def test_a_session_whose_pipeline_is_full_moves_and_a_retry_needs_room() -> None:
+    a = admission()
+    a.set_pipeline_shape("p0", 10, 16)  # 160 tokens: one 100-token prompt (7 blocks) at a time
+    first = a.admit(req("r0", session="s"), now=0.0)
+    assert (first.pipeline, first.pipeline_reason, first.num_blocks) == ("p0", PipelineReason.NEW_SESSION, 7)
+    second = a.admit(req("r1", session="s"), now=0.0)
+    assert (second.pipeline, second.pipeline_reason) == ("p1", PipelineReason.DEVICE_CACHE_FULL)
+    assert (a.pipelines["p0"].used_blocks, a.pipelines["p1"].used_blocks) == (7, 7)
+    # p1's stage fails r1: p0 has no room for it now, so it does not move (it fails with its error)
+    assert a.retry(second, Unavailable("stage 1 down"), 0, "s") is None
+    a.prefill_ended("r0", now=1.0)
+    moved = a.retry(second, Unavailable("stage 1 down"), 0, "s")
+    assert moved is not None and (moved.pipeline, moved.num_blocks) == ("p0", 7)
+    assert (a.pipelines["p0"].used_blocks, a.pipelines["p1"].used_blocks) == (7, 0)
+    a.prefill_ended("r1", now=2.0)  # after its first token nothing moves it
+    assert a.move_shard(moved, req("r1", session="s"), Unavailable("down"), 0, at_decode=True) is None
 
 
 class AdmissionMachine(RuleBasedStateMachine):
@@ -252,6 +316,12 @@ class AdmissionMachine(RuleBasedStateMachine):
                            max_queue=3, queue_timeout_s=5.0)
         for name, pages in (("d0", 40), ("d1", 20), ("d2", 60)):
             self.a.set_shard_shape(name, ShardShape(pages, 16, 1_000_000, 2000, 4096, 2048))
+        # stage 0 of each pipeline, as the real one takes and frees blocks (freed here at the first
+        # token, later than the real one does): every ticket must find its blocks free there at once
+        self.stage0: dict[str, BlockManager] = {}
+        for name, num_blocks in (("p0", 24), ("p1", 40)):
+            self.a.set_pipeline_shape(name, num_blocks, 16)
+            self.stage0[name] = BlockManager(num_blocks, 16)
         self.now = 0.0
         self.next_id = 0
         self.live: set[str] = set()
@@ -263,7 +333,19 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.queued.remove(request_id)
         for ticket in admitted.tickets:
             assert ticket.request_id == self.queued.pop(0)  # FIFO
-            self.live.add(ticket.request_id)
+            self._prefill(ticket)
+
+    def _prefill(self, ticket: Ticket) -> None:
+        """Stage 0 takes the ticket's blocks without waiting (NoFreeBlocks would fail the test)."""
+        self.live.add(ticket.request_id)
+        request = self.requests[ticket.request_id]
+        stage0_admits(self.stage0[ticket.pipeline], ticket.request_id, request.num_prompt_tokens,
+                      request.session_key)
+
+    def _prefill_over(self, request_id: str) -> None:
+        ticket = self.a.ticket(request_id)
+        if ticket is not None and self.a.is_prefilling(request_id):
+            self.stage0[ticket.pipeline].free(request_id)
 
     @rule(prompt=st.integers(1, 400), max_tokens=st.integers(1, 400), session=st.sampled_from(["", "a", "b"]))
     def admit(self, prompt: int, max_tokens: int, session: str) -> None:
@@ -280,7 +362,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.queued.append(request_id)
         else:
             assert not self.queued  # nobody overtakes
-            self.live.add(request_id)
+            self._prefill(ticket)
 
     @precondition(lambda self: self.live or self.queued)
     @rule(i=st.integers(0, 100))
@@ -288,10 +370,18 @@ class AdmissionMachine(RuleBasedStateMachine):
         ids = sorted(self.live) + self.queued
         request_id = ids[i % len(ids)]
         if request_id in self.live:
+            self._prefill_over(request_id)
             self.live.discard(request_id)
         else:
             self.queued.remove(request_id)
         self._apply(self.a.release(request_id, self.now))
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100))
+    def first_token(self, i: int) -> None:
+        request_id = sorted(self.live)[i % len(self.live)]
+        self._prefill_over(request_id)
+        self._apply(self.a.prefill_ended(request_id, self.now))
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100), at_decode=st.booleans())
@@ -300,11 +390,18 @@ class AdmissionMachine(RuleBasedStateMachine):
         request_id = sorted(self.live)[i % len(self.live)]
         ticket = self.a.ticket(request_id)
         assert ticket is not None
+        prefilling = self.a.is_prefilling(request_id)
         moved = (self.a.move_shard(ticket, self.requests[request_id], Unavailable("down"), 0, at_decode) if at_decode
                  else self.a.retry(ticket, Unavailable("down"), 0, self.requests[request_id].session_key))
         if moved is not None:
+            assert prefilling  # nothing moves once its first token is out
             assert moved.shard != ticket.shard if at_decode else moved.pipeline != ticket.pipeline
             assert self.a.ticket(request_id) == moved
+            if not at_decode:  # prefilled again on the new pipeline: the old stage 0 let go
+                self.stage0[ticket.pipeline].free(request_id)
+                request = self.requests[request_id]
+                stage0_admits(self.stage0[moved.pipeline], request_id, request.num_prompt_tokens,
+                              request.session_key)
 
     @rule(dt=st.floats(0, 3))
     def tick(self, dt: float) -> None:
@@ -328,6 +425,9 @@ class AdmissionMachine(RuleBasedStateMachine):
             assert shard.num_tickets == len(mine)
         for name, pipeline in self.a.routing.pipelines.items():
             assert pipeline.in_flight == sum(1 for t in tickets if t.pipeline == name)
+            prefilling = [t for t in tickets if t.pipeline == name and self.a.is_prefilling(t.request_id)]
+            room = self.a.pipelines[name]
+            assert room.used_blocks == sum(t.num_blocks for t in prefilling) <= room.num_blocks
 
 
 TestAdmissionMachine = AdmissionMachine.TestCase
