@@ -134,6 +134,20 @@ def test_a_session_moved_to_another_pipeline_gets_its_history_from_the_pool(
     assert k["pool_tokens"] > 0 and k["device_tokens"] == 0  # a cold device: the history came from the pool
 
 
+def test_a_seeded_request_is_reproducible_and_unseeded_ones_differ(client: openai.OpenAI) -> None:
+    # under one chunk: nothing is cached, every answer is computed alike wherever it is placed
+    prompt = "Sampling through the router: " * 3
+
+    def sample(seed: int | None) -> str:
+        extra = {} if seed is None else {"seed": seed}
+        answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=1.5, **extra)
+        assert answer.usage is not None and answer.usage.completion_tokens == 24
+        return answer.choices[0].text
+
+    assert sample(1234) == sample(1234)  # one stream of randomness per request, from its seed
+    assert sample(None) != sample(None)  # unseeded: a fresh seed each, never the same default
+
+
 def test_bad_requests_are_400s_naming_the_field(cluster: Cluster, client: openai.OpenAI) -> None:
     cases: list[tuple[str, Any, str | None]] = [
         ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
