@@ -27,9 +27,10 @@ import grpc
 REQUEST_ID_KEY = "x-request-id"
 PARENT_SPAN_KEY = "x-parent-span"
 TRACE_ENV = "KVPOOL_RPC_TRACE"
-# calls that run beside the request, not on its way to the first token
-OFF_PATH_METHODS = frozenset({"/kvpool.rpc.PrefillStage/SaveDone", "/kvpool.rpc.PoolMaster/Release",
-                              "/kvpool.rpc.PoolMaster/PutStart", "/kvpool.rpc.PoolMaster/PutEnd"})
+# calls that run beside the request, not on its way to the first token (the saves; the pool lease's
+# ReleaseLease is not one of them: stage 0 awaits it before the forward)
+OFF_PATH_METHODS = frozenset({"/kvpool.rpc.PrefillStage/SaveDone", "/kvpool.rpc.PoolMaster/PutStart",
+                              "/kvpool.rpc.PoolMaster/PutEnd", "/kvpool.rpc.PoolMaster/PutRevoke"})
 
 
 CURRENT_SPAN: contextvars.ContextVar[str] = contextvars.ContextVar("kvpool_span", default="")
@@ -135,16 +136,21 @@ def carry_interceptors() -> list[Any]:
     return [_CarryUnary(), _CarryStream()] if os.environ.get(TRACE_ENV) else []
 
 
-def critical_path_depth(calls: list[dict[str, Any]], first_token_at: float) -> int:
-    """The control RPCs a request made, one after another, before its first token.
+def critical_path(calls: list[dict[str, Any]], first_token_at: float) -> list[str]:
+    """The control RPCs a request made, one after another, before its first token: the methods
+    (``Service/Method``) of the longest such chain, in the order they started.
 
-    The trace is a tree (each call names its caller's span). A call counts
-    itself plus its children's longest chain — children that ran one after
-    another add up, children that overlapped (a fan-out to every stage) count
-    as the deepest of them — over the calls that started before the first
-    token, leaving out those that run beside the request (``OFF_PATH_METHODS``).
-    The entry call (the client's, to the router), when traced under the same
-    id, is not counted.
+    The trace is a tree (each call names its caller's span; a call made by a
+    task its handler started names that handler, even when it runs after the
+    handler returned). A call counts itself plus its children's longest chain —
+    children that ran one after another add up, children that overlapped (a
+    fan-out to every stage) count as the deepest of them — over the calls that
+    started before the first token, leaving out those that run beside the
+    request (``OFF_PATH_METHODS``). Every stage's Decode.Landed calls (a check
+    before each write, an announce after it) run one after another within the
+    stage, so they chain, though they overlap the later pieces' compute. The
+    entry call (the client's, to the router), when traced under the same id,
+    is not counted.
     """
     kept = [c for c in calls if c["start"] < first_token_at and c["method"] not in OFF_PATH_METHODS]
     spans = {c["span"] for c in kept}
@@ -152,19 +158,26 @@ def critical_path_depth(calls: list[dict[str, Any]], first_token_at: float) -> i
     for c in kept:
         children.setdefault(c["parent"] if c["parent"] in spans else "", []).append(c)
 
-    def chain(siblings: list[dict[str, Any]]) -> int:
+    def chain(siblings: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ordered = sorted(siblings, key=lambda c: c["start"])
-        best = [depth(c) for c in ordered]
+        best = [nested(c) for c in ordered]
         for j, c in enumerate(ordered):
             for i in range(j):
-                if ordered[i]["end"] <= c["start"]:
-                    best[j] = max(best[j], best[i] + depth(c))
-        return max(best, default=0)
+                if ordered[i]["end"] <= c["start"] and len(best[i]) + len(nested(c)) > len(best[j]):
+                    best[j] = best[i] + nested(c)
+        return max(best, key=len, default=[])
 
-    def depth(call: dict[str, Any]) -> int:
-        return 1 + chain(children.get(call["span"], []))
+    def nested(call: dict[str, Any]) -> list[dict[str, Any]]:
+        return [call, *chain(children.get(call["span"], []))]
 
     roots = children.get("", [])
     if len(roots) == 1 and roots[0]["method"] == "/kvpool.rpc.Router/Generate":
-        return chain(children.get(roots[0]["span"], []))  # the client's own call is the entry, not a hop
-    return chain(roots)
+        path = chain(children.get(roots[0]["span"], []))  # the client's own call is the entry, not a hop
+    else:
+        path = chain(roots)
+    return [c["method"].removeprefix("/kvpool.rpc.") for c in sorted(path, key=lambda c: c["start"])]
+
+
+def critical_path_depth(calls: list[dict[str, Any]], first_token_at: float) -> int:
+    """How many control RPCs ``critical_path`` holds."""
+    return len(critical_path(calls, first_token_at))

@@ -10,7 +10,9 @@ Beside ``cases``, three figures, each from one run here:
 - ``critical_path_depth``: per request, the longest chain of control RPCs before
   its first token (each after the one before it, or nested in it), from the
   interceptor trace every service writes keyed by the request id
-  (``kvpool.rpc_trace``); the median over the burst.
+  (``kvpool.rpc_trace``); the median over the burst, with that chain's methods
+  (``critical_path``). The burst's cluster has a pool (one store), as deployed:
+  its Lookup is on the path; every stage's Decode.Landed calls chain too.
 - ``cross_server_handoff_share``: handoff bytes that crossed servers over all
   handoff bytes, from a replay of the shared traces on two logical servers with
   locality on (and off, side by side, with ``--no-quick``).
@@ -34,7 +36,7 @@ import grpc
 
 from kvpool import service
 from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.rpc_trace import REQUEST_ID_KEY, TRACE_ENV, critical_path_depth
+from kvpool.rpc_trace import REQUEST_ID_KEY, TRACE_ENV, critical_path
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
 
@@ -82,14 +84,17 @@ def burst(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     arena = -(-region // 4096) * 4096 * ARENA_REGIONS + 4096
     workdir.mkdir(parents=True, exist_ok=True)
     toml = workdir / "cluster.toml"
-    toml.write_text(f"[router]\nmax_queue = {args.requests}\nqueue_timeout_s = 600\n"
-                    f"[decode]\nregion_arena_bytes = {arena}\n")
+    toml.write_text(f"[router]\nmax_queue = {args.requests}\nqueue_timeout_s = 600\n")
     trace = workdir / "rpc-trace.jsonl"
     previous = os.environ.get(TRACE_ENV)
     os.environ[TRACE_ENV] = str(trace)  # the services inherit it
     try:
-        cluster = up_cluster(UpSettings(pipelines=1, stages=args.stages, decode_shards=1, stores=0, http_port=0,
-                                        grpc_port=0, device_cache_tokens=4 * 4096, workdir=str(workdir / "logs")),
+        # the arena as kvpool up's flag: up passes every shard's arena as one, and flags win over the file
+        # with a pool, as deployed: its Lookup (and a hit's lease and restores) are on the path
+        cluster = up_cluster(UpSettings(pipelines=1, stages=args.stages, decode_shards=1, stores=1,
+                                        segment_size="64MiB", http_port=0,
+                                        grpc_port=0, device_cache_tokens=4 * 4096, region_arena_bytes=str(arena),
+                                        workdir=str(workdir / "logs")),
                              str(toml)).start()
     finally:
         if previous is None:
@@ -108,8 +113,8 @@ def burst(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     for line in trace.read_text().splitlines() if trace.exists() else []:
         call = json.loads(line)
         calls.setdefault(call["request_id"], []).append(call)
-    depths = [critical_path_depth(calls.get(r["request_id"], []), r["first_token_at"])
-              for r in results if r["first_token_at"]]
+    paths = [critical_path(calls.get(r["request_id"], []), r["first_token_at"]) for r in results if r["first_token_at"]]
+    depths = [len(path) for path in paths]
     per_request = [{"request_id": r["request_id"], "tokens": r["tokens"], "finish_reason": r["finish_reason"],
                     "error": r["error"],
                     "ttft_s": r["first_token_at"] - r["started"] if r["first_token_at"] else None,
@@ -125,6 +130,8 @@ def burst(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "queued_not_failed": completed == args.requests and errors == 0 and queued > 0,
         "critical_path_depth": statistics.median(depths) if depths else None,
         "critical_path_depths": depths,
+        # the chain itself, of a request at the median depth: what the figure counts
+        "critical_path": sorted(paths, key=len)[len(paths) // 2] if paths else [],
         "ttft_p50_s": statistics.median([p["ttft_s"] for p in per_request if p["ttft_s"] is not None] or [0.0]),
         "per_request": per_request,
     }
@@ -191,8 +198,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"cases: {json.dumps(result['cases'], default=str)}")
         print(f"burst: {b['completed']}/{b['requests']} completed, {b['errors']} errors, {b['queued']} queued "
               f"(arena holds {b['arena_regions']}); queued_not_failed={b['queued_not_failed']}")
-        print(f"critical_path_depth (median) {b['critical_path_depth']}; calls before the first token: "
-              f"{b['per_request'][0]['calls']}")
+        print(f"critical_path_depth (median) {b['critical_path_depth']}: {' > '.join(b['critical_path'])}")
         if "locality" in result:
             for side in ("on", "off"):
                 if side in result["locality"]:
