@@ -12,7 +12,12 @@ in both modes side by side (alternating):
 
 Each request's prompt runs once in each mode, each mode under its own tenant
 (no cache shared between modes), so both modes do the same work; their greedy tokens must be
-identical (``greedy_identical``).
+identical (``greedy_identical``). The two runs of a prompt are a pair, run back
+to back, the mode going first alternating: a prompt's compute varies by ±25%
+on a shared host, more than the handoff, so beside each mode's p50 every case
+reports the median of the per-pair ratios push / after-prefill
+(``pair_ratio_p50``), which compares the modes on the same prompt at about the
+same load, and the host's 1-minute load average at each pair's start.
 
 The bench plays the router's part itself (decode ``Reserve`` → stage 0
 ``Prefill(target)`` → decode ``Generate``) so it can read every stage's
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import time
@@ -118,10 +124,14 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int, modes
     errors = identical = compared = 0
     for name, length, warm in (("4k_cold", 4096, False), ("16k_cold", 16384, False), ("16k_warm", 16384, True)):
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        pairs: list[dict[str, dict[str, Any]]] = []  # per prompt: each mode's run, when both ran
+        loads: list[float] = []
         for i in range(reps[name]):
+            loads.append(round(os.getloadavg()[0], 2))
             # the same prompt in every mode, each mode its own tenant: the same work, no shared cache
             prompt = last_cold[: WARM_CHUNKS * CHUNK] + fresh(length - WARM_CHUNKS * CHUNK) if warm else fresh(length)
             tokens = {}
+            pair: dict[str, dict[str, Any]] = {}
             for m in (modes if i % 2 == 0 else modes[::-1]):  # alternate which mode goes first
                 # one tenant per mode: a tenant per request would leave each a device-cache share too
                 # small to keep a warm prefix (kvpool.core.tenant_shares)
@@ -130,6 +140,7 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int, modes
                     run = await client.run(prompt, m, tenant)
                     runs[m].append(run)
                     tokens[m] = run["tokens"]
+                    pair[m] = run
                 except (grpc.aio.AioRpcError, AssertionError) as exc:
                     errors += 1
                     runs[m].append({"error": str(exc)})
@@ -137,6 +148,8 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int, modes
                     tenants[m] = tenant
             if not warm:
                 last_cold = prompt
+            if len(pair) == len(modes) > 1:
+                pairs.append(pair)
             if len(tokens) == len(modes) > 1:
                 compared += 1
                 identical += len({tuple(t) for t in tokens.values()}) == 1
@@ -158,11 +171,24 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int, modes
             "push_writes": push[0]["writes"] if push else None,
             "push_bytes": push[0]["bytes"] if push else None,
             "push_per_stage": push[-1]["per_stage"] if push else None,
+            "pairs": len(pairs),
+            "pair_ratio_p50": _pair_ratios(pairs),
+            "load_1m": loads,
         }
     cases["errors"] = errors
     # greedy (temperature 0) first and second tokens of the same prompt, push against after-prefill
     cases["greedy_identical"] = f"{identical}/{compared}"
     return cases
+
+
+def _pair_ratios(pairs: list[dict[str, dict[str, Any]]]) -> dict[str, float | None]:
+    """Median over the pairs of push's figure over after-prefill's, for the same prompt."""
+    out: dict[str, float | None] = {}
+    for key in ("ttft_ms", "second_token_ms"):
+        ratios = [p["push"][key] / p["after_prefill"][key] for p in pairs
+                  if p.get("push", {}).get(key) and p.get("after_prefill", {}).get(key)]
+        out[key] = round(statistics.median(ratios), 4) if ratios else None
+    return out
 
 
 def check(cases: dict[str, Any]) -> dict[str, bool]:
