@@ -198,6 +198,7 @@ async def create_server(
     service_names: Iterable[str] = (),
     health_servicer: health.aio.HealthServicer | None = None,
     inbound_request_ids: bool = True,
+    reuse_port: bool = False,
 ) -> ServerHandle:
     """Create and start a server bound to ``host:port`` (port 0 picks one).
 
@@ -211,7 +212,9 @@ async def create_server(
 
     With ``inbound_request_ids`` a call's ``x-request-id`` metadata is bound
     around its handler (``kvpool.request_id``); the router, which assigns ids
-    itself, turns it off.
+    itself, turns it off. ``reuse_port``: another process may listen on the
+    same port beside this one (SO_REUSEPORT: a router's successor during a
+    handover); off, a second bind fails, as a port conflict should.
     """
     names = list(dict.fromkeys(service_names))
     known = descriptor_pool.Default()
@@ -227,7 +230,8 @@ async def create_server(
     interceptors += tls.interceptors()  # the caller's certificate must name a role allowed this method
     # ParseRequests innermost: the handler it returns (its deserializer) is the one the others wrap
     interceptors += [*trace_interceptors(), ParseRequests()]
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    options = [o for o in GRPC_OPTIONS if o[0] != "grpc.so_reuseport"] + [("grpc.so_reuseport", int(reuse_port))]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_servicers(server)

@@ -141,8 +141,9 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
     common = ("--log-level", log_level, "--log-format", "json", *(("--config", config) if config else ()))
     return Topology((ServerSpec(stores=stores, pipelines=pipelines, decode_shards=shards),),
                     master=MasterSpec(args=weights) if s.pool else None,
+                    # --reuse-port: a rolling restart hands the router over to a second one on its ports
                     router=RouterSpec(port=s.grpc_port, http_port=s.http_port, args=(
-                        "--model", s.model, *model_dir,
+                        "--model", s.model, *model_dir, "--reuse-port",
                         *(("--supervisor-status", supervisor_status) if supervisor_status else ()))),
                     host=s.host, common_args=common)
 
@@ -270,8 +271,8 @@ def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any =
         supervisor = Supervisor(cluster, status_file=status_file, say=lambda line: print(line, flush=True))
         if settings.supervise:
             print("kvpool up: a process that dies is restarted (--no-supervise: left dead)", flush=True)
-        print(f"kvpool up: `kill -HUP {os.getpid()}` restarts every service but the router one at a time, "
-              "draining each", flush=True)
+        print(f"kvpool up: `kill -HUP {os.getpid()}` restarts every service one at a time, draining each "
+              "(the router last: a second router takes its ports before it drains)", flush=True)
         print("kvpool up: Ctrl-C stops the cluster", flush=True)
         wait_for_stop_signal(supervisor.tick if settings.supervise else None,
                              on_hangup=lambda: supervisor.rolling_restart(lambda p: backend_healthy(cluster, p)))

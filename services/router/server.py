@@ -148,9 +148,11 @@ class _OpenAiRouter:
             return {"error": f"supervisor status unreadable: {exc}"}
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # a successor router listens beside this one during a handover
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -178,13 +180,13 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     servicer = RouterServicer(router, tokenizer, limits)
     handle = await service.create_server(
         settings.host, settings.port, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
-        service_names=["kvpool.rpc.Router"], inbound_request_ids=False,
+        service_names=["kvpool.rpc.Router"], inbound_request_ids=False, reuse_port=settings.reuse_port,
     )
     await handle.set_serving(False)
     roles = ByteTokenizer.roles() if isinstance(tokenizer, ByteTokenizer) else frozenset(
         {"system", "developer", "user", "assistant", "tool"})
     api = HttpApi(_OpenAiRouter(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles)
-    sock = _bind(settings.host, settings.http_port)
+    sock = _bind(settings.host, settings.http_port, settings.reuse_port)
     # origins, API keys, tenants and their request rates (auth.py)
     app = gate(api.app(), keys, settings.cors_origins, settings.tenant_rate, settings.tenant_burst)
     http = _HttpServer(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off",

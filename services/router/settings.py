@@ -54,6 +54,9 @@ class RouterSettings(ModelSetting):
     supervisor_status: str = setting(
         "", help="a JSON file where the local supervisor (kvpool up) reports restarts; shown in /health",
         metavar="FILE")
+    reuse_port: bool = setting(
+        False, help="bind the gRPC and HTTP ports with SO_REUSEPORT, so that a successor router can listen on them "
+        "before this one drains (kvpool up hands its router over this way in a rolling restart)")
     drain_s: float = setting(20.0, help="on SIGTERM: seconds to keep serving what is in flight after turning "
                                          "not-ready (new calls still served until callers notice)")
 

@@ -9,8 +9,9 @@
   cached chunks and plans the request again (pool or compute): every answer
   equals the one before the crash;
 - a decode shard that gets SIGTERM mid-stream finishes the stream (drain);
-- SIGHUP restarts every service but the router one at a time under load with
-  no failed request and no changed answer.
+- SIGHUP restarts every service one at a time under load, the router last
+  (handed over to a second router on its ports before it drains), with no
+  failed request and no changed answer.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ async def test_operations(up: Up) -> None:
         usage = next(e["usage"] for e in reversed(events) if e.get("usage"))
         assert usage["completion_tokens"] == 300
 
-        # -- SIGHUP: everything but the router restarts, one at a time, under load ---------------
+        # -- SIGHUP: everything restarts, one at a time, under load; the router is handed over ----
+        router_before = up.ready("router")
         up.proc.send_signal(signal.SIGHUP)
         failures: list[str] = []
         served = 0
@@ -177,12 +179,19 @@ async def test_operations(up: Up) -> None:
                 served += 1
                 if answer != expected[s]:
                     failures.append(f"{s}: {answer!r} != {expected[s]!r}")
-        assert up.printed("rolling restart done (8 of 8 services)"), "".join(up.lines)
+        assert up.printed("rolling restart done (9 of 9 services)"), "".join(up.lines)
         assert failures == [] and served > 0
+        router_after = up.ready("router")
+        assert router_after["pid"] != router_before["pid"]  # a new router, on the same ports
+        assert (router_after["port"], router_after["http_port"]) == (router_before["port"], router_before["http_port"])
+        with pytest.raises(ProcessLookupError):
+            os.kill(router_before["pid"], 0)  # the first one drained and exited
+        assert (await complete(client, "s0"))["choices"][0]["text"] == expected["s0"]
     out = up.stop()
     assert up.proc.returncode == 0
     assert "master exited with -9; restarting in" in out
-    for name in ("master", "store0", "p0-stage1", "p0-stage0", "p1-stage1", "p1-stage0", "decode0", "decode1"):
+    for name in ("master", "store0", "p0-stage1", "p0-stage0", "p1-stage1", "p1-stage0", "decode0", "decode1",
+                 "router"):
         assert f"rolling restart: {name}" in out
 
 

@@ -31,8 +31,13 @@ class Proc:
 
 @dataclass
 class Cluster:
-    services: list[Proc]
+    members: list[Proc]
     router: Proc
+
+    @property
+    def services(self) -> list[Proc]:
+        """As the launcher's: the router last, whichever router it is now."""
+        return [p for p in self.members if p.name != "router"] + [self.router]
 
     def find(self, name: str) -> Proc:
         return next(p for p in self.services if p.name == name)
@@ -87,3 +92,56 @@ def test_a_service_never_healthy_stops_the_rolling_restart() -> None:
     assert done == []  # decode1 never in rotation: nothing else may be taken down
     assert restarted == []
     assert any("a service is down and not coming back" in line for line in said)
+
+
+@dataclass
+class Router(Proc):
+    """A router stand-in: its successor is another stand-in on the same ports; every step is recorded."""
+
+    events: list[str] = field(default_factory=list)
+    generation: int = 0
+
+    def successor(self) -> Router:
+        self.events.append(f"router{self.generation + 1} made")
+        return Router(self.name, list(self.args), self.restarted, alive=False, events=self.events,
+                      generation=self.generation + 1)
+
+    def start(self) -> None:
+        self.events.append(f"router{self.generation} started")
+        self.alive = True
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict:
+        self.events.append(f"router{self.generation} ready")
+        return self.ready
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        self.events.append(f"router{self.generation} stopped")
+        self.alive = False
+        return 0
+
+
+def test_the_router_is_handed_over_last_its_successor_listening_before_it_drains() -> None:
+    restarted: list[str] = []
+    router = Router("router", ["router", "--reuse-port"], restarted)
+    d0 = Proc("decode0", ["decode"], restarted)
+    cluster = Cluster([Proc("master", ["master"], restarted), d0, router], router)
+    said: list[str] = []
+    sup = Supervisor(cluster, clock=ticking(0.05), say=said.append)  # type: ignore[arg-type]
+    done = sup.rolling_restart(lambda p: p.alive, settle_timeout_s=10.0)
+    assert done == ["master", "decode0", "router"]
+    assert restarted == ["master", "decode0"]  # the router is never restarted in place
+    assert router.events == ["router1 made", "router1 started", "router1 ready", "router0 stopped"]
+    assert cluster.router is not router and cluster.router.alive and not router.alive
+    assert said[-1] == "kvpool up: rolling restart done (3 of 3 services)"
+
+
+def test_a_router_without_reuse_port_is_left_running() -> None:
+    restarted: list[str] = []
+    router = Router("router", ["router"], restarted)
+    cluster = Cluster([Proc("master", ["master"], restarted), router], router)
+    said: list[str] = []
+    done = Supervisor(cluster, clock=ticking(0.05), say=said.append).rolling_restart(  # type: ignore[arg-type]
+        lambda p: p.alive, settle_timeout_s=10.0)
+    assert done == ["master"] and router.events == [] and cluster.router is router
+    assert "started without --reuse-port; left running" in said[-2]
+    assert said[-1] == "kvpool up: rolling restart done (1 of 2 services)"

@@ -123,15 +123,28 @@ class ServiceProcess:
         a live one is stopped first (SIGTERM: it drains, SIGKILL after ``stop_timeout_s``)."""
         if self.alive:
             self.stop(stop_timeout_s)
-        ports = {"--port": self.ready.get("port"), "--admin-port": self.ready.get("admin_port"),
-                 "--http-port": self.ready.get("http_port")}
+        self.args = self._pinned_args({"--port": self.ready.get("port"), "--admin-port": self.ready.get("admin_port"),
+                                       "--http-port": self.ready.get("http_port")})
+        self.start()
+        return self.wait_ready(timeout_s)
+
+    def successor(self) -> ServiceProcess:
+        """A second process of this service on the same gRPC and HTTP ports, not started yet.
+
+        Both listen at once only if the service binds them with SO_REUSEPORT
+        (a router started with ``--reuse-port``); the admin port is a new one.
+        """
+        args = self._pinned_args({"--port": self.ready.get("port"), "--admin-port": 0,
+                                  "--http-port": self.ready.get("http_port")})
+        return ServiceProcess(self.name, args, self.workdir, die_with_parent=self.die_with_parent,
+                              prefix=list(self.prefix))
+
+    def _pinned_args(self, ports: dict[str, Any]) -> list[str]:
         args = list(self.args)
         for i, arg in enumerate(args[:-1]):
             if arg in ports and ports[arg] is not None:
                 args[i + 1] = str(ports[arg])
-        self.args = args
-        self.start()
-        return self.wait_ready(timeout_s)
+        return args
 
     def pause(self) -> None:
         """SIGSTOP: the process is frozen (a hung host), its memory kept."""

@@ -78,21 +78,26 @@ class Supervisor:
 
     def rolling_restart(self, healthy: Callable[[ServiceProcess], bool], settle_timeout_s: float = 120.0,
                         stop_timeout_s: float = 30.0) -> list[str]:
-        """Restart every service but the router, one at a time, each back and healthy before the next.
+        """Restart every service one at a time, each back and healthy before the next, the router last.
 
         A stopping service drains (not-ready, then what it holds finishes), so
         with two or more pipelines and shards no request fails: the router
         places around the one that is restarting. The router, the front door,
-        is left running (restart it behind a load balancer of two). Returns the
-        services restarted, in order.
+        is handed over instead (``hand_over_router``): its successor listens on
+        the same ports before it drains. Returns the services restarted, in order.
         """
-        order = sorted((p for p in self.cluster.services if p is not self.cluster.router), key=restart_rank)
+        router = self.cluster.router
+        order = sorted((p for p in self.cluster.services if p is not router), key=restart_rank)
         done = []
-        for proc in order:
+        for proc in [*order, *([router] if router is not None else [])]:
             # never take one down while another is down or not yet back in the router's rotation (a shard
             # the supervisor just restarted is alive before the router has seen it healthy): that one first
             if not self._all_back(settle_timeout_s, healthy):
                 self.say("kvpool up: rolling restart stopped: a service is down and not coming back")
+                break
+            if proc is router:
+                if self.hand_over_router(settle_timeout_s, stop_timeout_s):
+                    done.append(proc.name)
                 break
             self.say(f"kvpool up: rolling restart: {proc.name}")
             try:
@@ -107,8 +112,40 @@ class Supervisor:
             log.info("service_rolled", service=proc.name, healthy=healthy(proc))
             done.append(proc.name)
             self.tick()
-        self.say(f"kvpool up: rolling restart done ({len(done)} of {len(order)} services)")
+        self.say(f"kvpool up: rolling restart done ({len(done)} of {len(order) + (router is not None)} services)")
         return done
+
+    def hand_over_router(self, ready_timeout_s: float = 120.0, stop_timeout_s: float = 30.0) -> bool:
+        """Start a second router on the router's ports, then drain the first: the front door never closes.
+
+        Both bind with SO_REUSEPORT (``--reuse-port``), so while both run the
+        kernel spreads new connections over the two; the old one then stops
+        accepting and finishes its streams within its drain period, and its
+        clients' next connections reach the successor. A router started
+        without ``--reuse-port`` is left running (said so). True once handed over.
+        """
+        old = self.cluster.router
+        if old is None:
+            return False
+        if "--reuse-port" not in old.args:
+            self.say("kvpool up: rolling restart: the router was started without --reuse-port; left running")
+            return False
+        self.say("kvpool up: rolling restart: router (handed over to a second router on its ports)")
+        new = old.successor()
+        try:
+            new.start()
+            new.wait_ready(ready_timeout_s)
+        except ServiceFailed as exc:
+            new.stop()
+            log.error("router_hand_over_failed", error=str(exc)[-500:])
+            self.say(f"kvpool up: rolling restart: the second router did not start; the first serves on "
+                     f"(see {new.log_file})")
+            return False
+        self.cluster.router = new  # the supervisor now watches the successor
+        old.stop(stop_timeout_s)  # SIGTERM: not-ready, stop accepting, finish its streams
+        log.info("service_rolled", service=old.name, pid=new.ready.get("pid"), handed_over=True)
+        self.tick()
+        return True
 
     def _all_back(self, timeout_s: float, healthy: Callable[[ServiceProcess], bool]) -> bool:
         """Tick until every service not given up on is alive and healthy again (False after ``timeout_s``)."""
