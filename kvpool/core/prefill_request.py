@@ -33,6 +33,7 @@ from kvpool.core.block_manager import BlockManager, NoFreeBlocks
 from kvpool.core.chunk_hash import DEFAULT_TENANT, ChunkHash
 from kvpool.core.errors import FailedPrecondition, ResourceExhausted
 from kvpool.core.planner import RestorePlan, max_hit_chunks, plan_restore
+from kvpool.core.sessions import SessionId
 
 
 class Phase(enum.Enum):
@@ -64,6 +65,8 @@ class PrefillRequest:
     num_device_chunks_in_pool: int = 0
     # whose request: its share of the device cache decides whose cached blocks its fresh ones reuse
     tenant: str = DEFAULT_TENANT
+    # whose turn (scoped by tenant): its freed blocks are that session's cached blocks (retention by session)
+    session: SessionId | None = None
 
     @property
     def hit_limit(self) -> int:
@@ -77,7 +80,7 @@ class PrefillRequest:
         self._expect(Phase.NEW)
         num_device = blocks.match_prefix(self.chunk_hashes[: self.hit_limit])
         self.block_table = blocks.allocate(self.request_id, self.chunk_hashes, self.num_tokens, num_device,
-                                           self.tenant)
+                                           self.tenant, self.session)
         self.num_device_chunks = num_device
         self.phase = Phase.ADMITTED
 

@@ -53,6 +53,10 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="fit the cost model's [fit] inputs to the seed's single server at 112 sessions, check 96")
     p.add_argument("--calibrate-steps", type=int, default=4, help="most fit steps (runs) before the check")
+    p.add_argument("--compare", metavar="sched=fifo,session",
+                   help="session-aware prefill against the FIFO queue on the calibrated server: a closed loop of "
+                   "--sessions and an open loop at 90%% of its capacity (docs/simulation.md)")
+    p.add_argument("--sessions", type=int, default=112, help="--compare: closed-loop sessions (default 112)")
     p.add_argument("--json", action="store_true", help="the last line of output is one JSON object")
     p.add_argument("--runs-to", metavar="FILE", help="append each run's figures to FILE (JSON lines) as it ends")
     p.add_argument("--from-runs", metavar="FILE",
@@ -101,6 +105,10 @@ def main(args: argparse.Namespace) -> int:
         from kvpool.tools.sim.validate_cmd import main as validate
 
         return validate(args)
+    if args.compare:
+        from kvpool.tools.sim.compare_sched import main as compare
+
+        return compare(args)
     if args.calibrate:
         from kvpool.tools.sim.calibrate_cmd import main as calibrate
 

@@ -43,6 +43,7 @@ from kvpool.tools.sim.job import Job
 from kvpool.tools.sim.metrics import Metrics
 from kvpool.tools.sim.network import MasterQueue, Network
 from kvpool.tools.sim.prefill_sim import PipelineSim
+from kvpool.tools.sim.session_sim import SessionAware
 from kvpool.tools.sim.summary import summarize
 from kvpool.tools.sim.topology import AFFINITY_NONE, GIB, RunSettings, Topology
 from kvpool.tools.sim.workload import SessionPlay
@@ -76,6 +77,7 @@ class Simulation:
         ("arrivals", "cut_to_context", "tokens_cut", "refused_device_cache", "refused_decode"), 0))
     metrics: Metrics = field(init=False)
     router: RoutingPolicy = field(init=False)
+    sessions: SessionAware | None = None  # sched=session
     _next_instance: int = 0
     _acked: dict[str, int] = field(default_factory=dict)
     _dead_hosts: set[str] = field(default_factory=set)
@@ -109,6 +111,8 @@ class Simulation:
         store_bytes = int(topo.store_gib * GIB)
         shared = self.settings.pool == "shared"
         order = QueueOrder.WORK if self.settings.sched == "session" else QueueOrder.FIFO
+        if self.settings.sched == "session":
+            self.sessions = SessionAware(cost.model.kv_bytes_per_token * chunk)
         level = cost.fit.prefill_level
         weights = WorkWeights(chunk, cost.prefill.chunk_base_s * level, cost.prefill.chunk_per_context_token_s * level,
                               cost.restore_s(1, max(stage_bytes) / chunk) / chunk)
@@ -126,7 +130,7 @@ class Simulation:
                 self.pipelines[name] = PipelineSim(
                     name, server, host, self.loop, cost, BlockManager(num_blocks, chunk), index, stage_bytes,
                     self.metrics, self._prefilled, self.network, master, self._dead_hosts,
-                    PrefillQueue(order, self.settings.max_wait_s), weights,
+                    PrefillQueue(order, self.settings.max_wait_s), weights, self.sessions,
                 )
             pages = int(topo.gpus_per_decode_shard * topo.decode_kv_gib * GIB
                         // (cost.model.kv_bytes_per_token * topo.decode_page_tokens))
@@ -157,6 +161,8 @@ class Simulation:
                 self.loop.stop()
                 return
         if play.done:
+            if self.settings.open_loop_sessions_per_s is not None:
+                return  # open loop: sessions arrive on their own clock
             limit = self.settings.max_instances
             if self.settings.restart_sessions and (limit is None or self._next_instance < limit):
                 self._start_session()  # the slot goes on with the next trace
@@ -190,7 +196,10 @@ class Simulation:
             self.router.report_free_pages(shard.name, shard.free_pages())
         key = "" if self.settings.affinity_max_queue == AFFINITY_NONE else play.key
         job.placement = self.router.place(key, job.decode_pages)
-        self.pipelines[job.placement.pipeline].enqueue(job)
+        pipeline = self.pipelines[job.placement.pipeline]
+        if self.sessions is not None:
+            self.sessions.arrived(job, pipeline)
+        pipeline.enqueue(job)
 
     def _prefilled(self, job: Job) -> None:
         """Prefill ended: count the bounds, then hand the KV to decode (across the NICs when on another server)."""
@@ -235,6 +244,7 @@ class Simulation:
         if not self.shards[job.placement.shard].submit(job):
             self.trace_policy["refused_decode"] += 1
             self.router.finish(job.placement, job.decode_pages)
+            self._turn_ended(job)
             self._next_turn(job.play)
 
     def _admitted(self, job: Job) -> None:
@@ -245,7 +255,18 @@ class Simulation:
         assert job.placement is not None
         self.router.finish(job.placement)
         self.metrics.on_decode_done(job)
+        self._turn_ended(job)
         self._next_turn(job.play)
+
+    def _turn_ended(self, job: Job) -> None:
+        """sched=session: the client's hints ride on the turn's end: ``session_end`` on its last turn,
+        else ``expected_next_s`` (the next turn's think time as this run plays it)."""
+        if self.sessions is None or job.placement is None:
+            return
+        play = job.play
+        end = play.done
+        expected = None if end or not self.settings.think else play.trace.turns[play.next_turn].think_time * self.think_scale
+        self.sessions.turn_ended(job, self.pipelines[job.placement.pipeline], expected, end)
 
     # ---- stores, sampling, failure -----------------------------------------
 
@@ -285,8 +306,12 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         s = self.settings
         wall0 = time.perf_counter()
-        for k in range(s.num_sessions):
-            self.loop.at(k * s.start_spread_s / s.num_sessions, self._start_session)
+        if s.open_loop_sessions_per_s is not None:
+            for k in range(int(s.duration_s * s.open_loop_sessions_per_s) + 1):
+                self.loop.at(k / s.open_loop_sessions_per_s, self._start_session)
+        else:
+            for k in range(s.num_sessions):
+                self.loop.at(k * s.start_spread_s / s.num_sessions, self._start_session)
         self.loop.at(HEARTBEAT_S, self._heartbeat)
         self.loop.at(0.0, self._sample)
         if s.fail_server_at_s is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvpool.core.prefill_request import PrefillRequest
 from kvpool.core.routing import Placement
+from kvpool.core.sessions import SessionId
 from kvpool.tools.sim.workload import SessionPlay
 from kvpool.workload.weka import Turn
 
@@ -31,3 +32,11 @@ class Job:
     compute_s: float = 0.0
     decode_pages: int = 0
     handoff_parts: int = 0  # the handoff's parts still in flight (its fixed cost; the NICs' bytes)
+
+
+SIM_TENANT = "sim"
+
+
+def session_of(job: Job) -> SessionId:
+    """The turn's session, scoped by the simulator's one tenant."""
+    return SessionId(SIM_TENANT, job.play.key)

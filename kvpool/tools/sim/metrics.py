@@ -43,6 +43,7 @@ class Metrics:
     window_output_tokens: int = 0
     window_computed_tokens: int = 0
     turns_done: int = 0
+    counted_turns: int = 0  # turns prefilled after warm-up
     ttft_s: list[float] = field(default_factory=list)
     queue_s: list[float] = field(default_factory=list)
     restore_s: list[float] = field(default_factory=list)
@@ -94,6 +95,7 @@ class Metrics:
         counts = (request.num_device_tokens, request.num_pool_tokens, request.num_computed_tokens)
         self.turn_tokens.append((job.job_id, *counts))
         if self.after_warmup():
+            self.counted_turns += 1
             self.spread_s.append(self.now() - job.prefill_start)
             self.prefill_busy_s += self.now() - job.prefill_start
             self.compute_s += job.compute_s

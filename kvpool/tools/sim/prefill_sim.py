@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, object_key
@@ -29,9 +30,12 @@ from kvpool.core.prefill_queue import PrefillQueue, WorkWeights, prefill_work_s
 from kvpool.core.prefill_request import PrefillRequest, try_admit
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
-from kvpool.tools.sim.job import Job
+from kvpool.tools.sim.job import Job, session_of
 from kvpool.tools.sim.metrics import Metrics
 from kvpool.tools.sim.network import MasterQueue, Network
+
+if TYPE_CHECKING:
+    from kvpool.tools.sim.session_sim import SessionAware
 
 
 @dataclass(slots=True)
@@ -53,6 +57,7 @@ class PipelineSim:
     dead_hosts: set[str] = field(default_factory=set)  # stores that died (the master may not know yet)
     queue: PrefillQueue = field(default_factory=PrefillQueue)
     work_weights: WorkWeights = field(default_factory=WorkWeights)
+    sessions: SessionAware | None = None  # sched=session: retention, session end, prefetch
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
     busy: bool = False
     _lease: int = 0
@@ -62,6 +67,20 @@ class PipelineSim:
     @property
     def num_stages(self) -> int:
         return len(self.stage_object_bytes)
+
+    @property
+    def stage_bytes_per_token(self) -> float:
+        """The largest stage's bytes of one token (the stages restore at once: the largest sets the time)."""
+        return max(self.stage_object_bytes) / self.cost.model.chunk_tokens
+
+    def blocks_wanted(self) -> int:
+        """Fresh blocks the next queued request needs (a prefetch must leave them free)."""
+        request_id = self.queue.peek(self.loop.now)
+        if request_id is None:
+            return 0
+        job = self._waiting[request_id]
+        hashes = job.play.hashes
+        return self.blocks.num_blocks_needed(job.turn.input_tokens) - self.blocks.match_prefix(hashes)
 
     def enqueue(self, job: Job) -> None:
         self._waiting[job.job_id] = job
@@ -90,12 +109,19 @@ class PipelineSim:
             return
         job = self._waiting[self.queue.peek(self.loop.now) or ""]
         request = PrefillRequest(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens, job.play.hashes)
+        if self.sessions is not None:
+            request.session = session_of(job)
         if not try_admit(request, self.blocks, self.loop.now, math.inf):
+            if self.sessions is not None and self.name in self.sessions.in_flight:
+                self.sessions.cancel(self)  # device pressure: the prefetch gives its blocks back
+                self.kick()
             return
         self.queue.pop(self.loop.now)
         del self._waiting[job.job_id]
         self.busy = True
         job.request = request
+        if self.sessions is not None:
+            self.sessions.admitted(job)
         job.prefill_start = self.loop.now
         self.metrics.on_prefill_start(job)
         self.master.call(self.cost.lookup_s(len(request.lookup_candidates)), self._looked_up, job)
@@ -109,6 +135,8 @@ class PipelineSim:
         result = self.index.lookup([group_id(ns, h) for h in request.lookup_candidates])
         plan = request.plan_lookup(len(result.groups))
         self._lease = result.lease_id
+        if plan.num_pool_chunks and self.sessions is not None:
+            self.sessions.cancel(self)  # a real restore takes the restore path: the prefetch yields
         restored = result.groups[plan.num_device_chunks : plan.num_hit_chunks]
         self._readable = self._leading_readable(restored)
         restore_s = self.cost.restore_s(plan.num_pool_chunks, max(self.stage_object_bytes) / self.cost.model.chunk_tokens)

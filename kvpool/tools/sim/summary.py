@@ -75,4 +75,12 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
     out["nic_use"] = out["cross_server_bytes_per_s_per_nic"] / nic
     out["nic_use_peak"] = out["cross_server_bytes_per_s_peak_nic"] / nic
     out["windows"] = m.window_series()
+    out["sched"] = s.sched
+    out["prompt_tok_s"] = m.window_prompt_tokens / span
+    # restore time on the critical path, per turn prefilled (a turn that restores nothing adds 0)
+    out["restore_critical_s_per_turn"] = sum(m.restore_s) / max(1, m.counted_turns)
+    out["errors"] = sim.trace_policy["refused_device_cache"] + sim.trace_policy["refused_decode"]
+    out["queue_overdue_pops"] = sum(p.queue.num_overdue_pops for p in sim.pipelines.values())
+    if sim.sessions is not None:
+        out.update(sim.sessions.figures())
     return out

@@ -90,10 +90,15 @@ class RunSettings:
     # retention by session, prefetch during think time: kvpool.core.prefill_queue, kvpool.core.sessions)
     sched: str = "fifo"
     max_wait_s: float = 30.0  # the work-aware queue's aging bound
+    # open loop: a new session (the next trace) starts every 1/rate s whatever the system does, and each
+    # plays its trace once (think, turn, think...); None: the closed loop of ``num_sessions`` slots
+    open_loop_sessions_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.sched not in SCHEDS:
             raise ValueError(f"sched: must be one of {', '.join(SCHEDS)}, got {self.sched!r}")
+        if self.open_loop_sessions_per_s is not None and not self.open_loop_sessions_per_s > 0:
+            raise ValueError(f"open_loop_sessions_per_s: must be positive, got {self.open_loop_sessions_per_s}")
         if not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s: must be positive, got {self.max_wait_s}")
         if self.pool not in ("shared", "split"):

@@ -1,0 +1,125 @@
+"""``kvpool simulate --compare sched=fifo,session``: session-aware prefill against the FIFO queue, side by side.
+
+Two pairs of runs on the calibrated single server (the cost model's ``[fit]``),
+each pair identical but for ``RunSettings.sched``:
+
+- **closed loop**, ``--sessions`` (default 112) session slots, each thinking,
+  sending a turn and waiting for its last token (the calibration's regime);
+- **open loop**, new sessions arriving at a fixed rate whatever the server
+  does, each playing its trace once: the rate offers 90% of the capacity,
+  the capacity being the prompt tokens per second the closed-loop FIFO run
+  prefilled (it saturates prefill), over the mean prompt tokens of a trace as
+  played (cut to the context).
+
+The closed pair runs first (the open rate comes from it), each pair in two
+processes. Figures count after the warm-up, as in every simulated run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvpool.tools.sim.report import RunSpec
+from kvpool.tools.sim.runner import _sessions, run_spec
+from kvpool.tools.sim.topology import RunSettings, Topology
+from kvpool.tools.sim.workload import fit_to_context
+
+SIDES = ("fifo", "session")
+OPEN_LOAD = 0.9
+KEEP = ("throughput_per_gpu", "prompt_tok_s", "reuse_ratio", "device_share", "pool_share", "computed_share",
+        "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "queue_p50_s", "queue_p90_s", "restore_p50_ms",
+        "restore_critical_s_per_turn", "prefill_busy", "turns", "errors", "prefetched_bytes", "prefetch_used_bytes",
+        "prefetch_wasted_bytes", "prefetch_pending_bytes", "wasted_prefetch_share", "prefetches",
+        "prefetches_cancelled", "prefetches_skipped_pressure", "queue_overdue_pops")
+
+
+def parse_sched_compare(text: str) -> None:
+    """Only ``sched=fifo,session``; SystemExit naming the flag otherwise."""
+    what, _, sides = text.partition("=")
+    if what != "sched" or tuple(sides.split(",")) != SIDES:
+        raise SystemExit(f"kvpool simulate: --compare: expected sched=fifo,session, got {text!r}")
+
+
+def mean_session_prompt_tokens(trace_dir: str, chunk_tokens: int, max_context: int) -> float:
+    """Prompt tokens one trace instance sends, as played (each turn cut to the context), averaged."""
+    traces = _sessions(trace_dir)
+    total = sum(fit_to_context(t, s.block_size, max_context).input_tokens for s in traces for t in s.turns)
+    return total / len(traces)
+
+
+def ratios(fifo: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
+    def over(key: str) -> float:
+        return session[key] / fifo[key] if fifo[key] else 0.0
+
+    return {
+        "ttft_p50_session_over_fifo": over("ttft_p50_s"), "ttft_p99_session_over_fifo": over("ttft_p99_s"),
+        "ttft_mean_session_over_fifo": over("ttft_mean_s"),
+        "throughput_session_over_fifo": over("throughput_per_gpu"),
+        "prompt_throughput_session_over_fifo": over("prompt_tok_s"),
+        "restore_critical_session_over_fifo": over("restore_critical_s_per_turn"),
+        "reuse_session": session["reuse_ratio"], "reuse_fifo": fifo["reuse_ratio"],
+        "wasted_prefetch_share": session["wasted_prefetch_share"],
+        "errors": fifo["errors"] + session["errors"],
+    }
+
+
+def _pair(settings: list[RunSettings], spec: RunSpec, args: argparse.Namespace, cost_path: str,
+          topology: Topology) -> list[dict[str, Any]]:
+    with ProcessPoolExecutor(max_workers=max(1, min(2, args.jobs))) as pool:
+        futures = [pool.submit(run_spec, spec, args.traces, cost_path, s, topology) for s in settings]
+        results = [f.result() for f in futures]
+    return [{k: r[k] for k in KEEP if k in r} | {"sched": r["sched"]} for r in results]
+
+
+def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
+    from kvpool.tools.sim.cost_model import load_cost_model
+
+    parse_sched_compare(args.compare)
+    duration = 240.0 if args.quick else args.duration
+    warmup = min(60.0 if args.quick else args.warmup, duration / 2)
+    sessions = args.sessions
+    topology = Topology()
+    base = RunSettings(warmup_s=warmup, duration_s=duration, think=not args.no_think, think_scale=args.think_scale)
+    spec = RunSpec("calibration", 1, sessions, "shared", duration)
+    closed = _pair([replace(base, sched=s) for s in SIDES], spec, args, cost_path, topology)
+    cost = load_cost_model(Path(cost_path))
+    per_session = mean_session_prompt_tokens(args.traces, cost.model.chunk_tokens, topology.max_context)
+    rate = OPEN_LOAD * closed[0]["prompt_tok_s"] / per_session
+    opened = _pair([replace(base, sched=s, open_loop_sessions_per_s=rate) for s in SIDES], spec, args, cost_path,
+                   topology)
+    out = ratios(*closed)
+    out["closed_loop"] = {"sessions": sessions, **{s: r for s, r in zip(SIDES, closed)}}
+    out["open_loop"] = {"load": OPEN_LOAD, "sessions_per_s": rate, "mean_session_prompt_tokens": per_session,
+                        **ratios(*opened), **{s: r for s, r in zip(SIDES, opened)}}
+    out["errors"] += out["open_loop"]["errors"]
+    out["duration_s"], out["warmup_s"] = duration, warmup
+    return out
+
+
+def table(out: dict[str, Any]) -> str:
+    rows = [("run", "sched", "tok/s/GPU", "reuse", "TTFT p50", "p99", "mean", "queue p90", "restore/turn",
+             "prefetched", "used", "wasted")]
+    for loop in ("closed_loop", "open_loop"):
+        for side in SIDES:
+            r = out[loop][side]
+            rows.append((loop, side, f"{r['throughput_per_gpu']:,.0f}", f"{r['reuse_ratio']:.1%}",
+                         f"{r['ttft_p50_s']:.2f}s", f"{r['ttft_p99_s']:.2f}s", f"{r['ttft_mean_s']:.2f}s",
+                         f"{r['queue_p90_s']:.2f}s", f"{r['restore_critical_s_per_turn'] * 1e3:.0f}ms",
+                         f"{r.get('prefetched_bytes', 0) / 1e9:.1f}GB", f"{r.get('prefetch_used_bytes', 0) / 1e9:.1f}GB",
+                         f"{r.get('prefetch_wasted_bytes', 0) / 1e9:.1f}GB"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvpool.tools.sim.cost_model import cost_model_path
+
+    out = run_compare(args, cost_model_path(args))
+    print(table(out))
+    print(json.dumps(out, sort_keys=True) if args.json else json.dumps(out, indent=2, sort_keys=True))
+    return 0

@@ -1,0 +1,99 @@
+"""sched=session in the simulator on hand-made traces: the work-aware queue's order, session end, prefetch (exact)."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from kvpool.core.sessions import SessionId
+from kvpool.tools.sim.compare_sched import parse_sched_compare, ratios
+from kvpool.tools.sim.engine import Simulation
+from kvpool.tools.sim.job import SIM_TENANT
+from kvpool.tools.sim.topology import RunSettings
+from kvpool.workload.weka import Session
+from tests.unit.test_sim_engine import COST, session, topology
+
+A = list(range(1, 9))  # 2 full chunks and a partial one
+
+
+def run(traces: list[Session], sched: str, **settings: object) -> Simulation:
+    base = RunSettings(num_sessions=len(traces), duration_s=1000.0, warmup_s=0.0, think_scale=1.0,
+                       start_spread_s=0.0, restart_sessions=False, sched=sched)
+    sim = Simulation(topology(1), RunSettings(**{**{f: getattr(base, f) for f in base.__slots__}, **settings}),
+                     COST, traces)
+    sim.run()
+    return sim
+
+
+def test_the_work_aware_queue_serves_the_short_turn_before_the_long_one() -> None:
+    # all arrive at 0: s0 starts at once; s1 (a cold 3 chunks) and s2 (a cold half chunk) wait behind it
+    traces = [session((522, A, 0.0)), session((778, list(range(21, 33)), 0.0)), session((128, [41, 42], 0.0))]
+    fifo = [t[0] for t in run(traces, "fifo").metrics.turn_tokens]
+    work = [t[0] for t in run(traces, "session").metrics.turn_tokens]
+    assert fifo == ["s0.t0", "s1.t0", "s2.t0"]
+    assert work == ["s0.t0", "s2.t0", "s1.t0"]
+
+
+def test_aging_bounds_the_wait_the_long_turn_goes_first_once_overdue() -> None:
+    traces = [session((522, A, 0.0)), session((778, list(range(21, 33)), 0.0)), session((128, [41, 42], 0.0))]
+    # s0 computes for 2 + 10/256 chunk-times + 3 to fill (~5 s): by then s1 has waited past 1 s
+    sim = run(traces, "session", max_wait_s=1.0)
+    assert [t[0] for t in sim.metrics.turn_tokens] == ["s0.t0", "s1.t0", "s2.t0"]
+    assert sim.pipelines["p0.0"].queue.num_overdue_pops == 2
+
+
+def test_a_sessions_last_turn_releases_its_device_blocks_fifo_keeps_them() -> None:
+    traces = [session((522, A, 0.0))]
+    assert run(traces, "fifo").pipelines["p0.0"].blocks.num_cached_blocks == 2
+    sim = run(traces, "session")
+    blocks = sim.pipelines["p0.0"].blocks
+    assert blocks.num_cached_blocks == 0 and blocks.num_uncached_free_blocks == blocks.num_blocks
+    assert sim.sessions is not None and len(sim.sessions.sessions) == 0
+
+
+def test_a_history_the_device_lost_during_think_time_is_prefetched_and_used() -> None:
+    # s0's T0 caches A's 2 chunks; s1's only turn (3 chunks + a partial: all 4 blocks) evicts them, then
+    # ends its session (its blocks are released, uncached); 1 s before s0's T1 (think 100 s, the hint),
+    # the pool's copy of A is staged into those blocks, and T1 finds A on the device
+    traces = [session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0)), session((778, list(range(21, 33)), 0.0))]
+    fifo = run(traces, "fifo")
+    sim = run(traces, "session")
+    assert [t for t in fifo.metrics.turn_tokens if t[0] == "s0.t1"] == [("s0.t1", 0, 512, 266)]
+    assert [t for t in sim.metrics.turn_tokens if t[0] == "s0.t1"] == [("s0.t1", 512, 0, 266)]
+    assert sim.sessions is not None
+    figures = sim.sessions.figures()
+    chunk_bytes = 4 * 1 * 256  # 4 layers x 1 byte x 256 tokens
+    assert (figures["prefetches"], figures["prefetched_bytes"], figures["prefetch_used_bytes"],
+            figures["prefetch_wasted_bytes"]) == (1, 2 * chunk_bytes, 2 * chunk_bytes, 0)
+    # the restore left the critical path: T1 waited on no read
+    assert fifo.metrics.restore_s == [pytest.approx(1.0)] and sim.metrics.restore_s == []
+
+
+def test_without_the_hint_nothing_is_prefetched() -> None:
+    traces = [session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0)), session((778, list(range(21, 33)), 0.0))]
+    sim = run(traces, "session", think=False)
+    assert sim.sessions is not None and sim.sessions.figures()["prefetches"] == 0
+
+
+def test_sessions_are_scoped_by_the_simulators_tenant() -> None:
+    traces = [session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0))]
+    sim = run(traces, "session", duration_s=50.0)  # between the turns
+    assert sim.sessions is not None
+    assert sim.sessions.sessions.idle_order() == [SessionId(SIM_TENANT, "s0")]
+
+
+def test_compare_flag_and_ratios() -> None:
+    parse_sched_compare("sched=fifo,session")
+    for bad in ("sched=session,fifo", "pool=shared,split", "sched=fifo"):
+        with pytest.raises(SystemExit, match="--compare"):
+            parse_sched_compare(bad)
+    fifo = {"ttft_p50_s": 4.0, "ttft_p99_s": 10.0, "ttft_mean_s": 5.0, "throughput_per_gpu": 100.0,
+            "prompt_tok_s": 90.0, "restore_critical_s_per_turn": 0.2, "reuse_ratio": 0.9,
+            "wasted_prefetch_share": 0.0, "errors": 0}
+    session_side = dict(fifo, ttft_p50_s=1.0, ttft_p99_s=9.0, throughput_per_gpu=101.0, restore_critical_s_per_turn=0.1,
+                        reuse_ratio=0.91, wasted_prefetch_share=0.25, errors=1)
+    out = ratios(fifo, session_side)
+    assert out == {"ttft_p50_session_over_fifo": 0.25, "ttft_p99_session_over_fifo": 0.9,
+                   "ttft_mean_session_over_fifo": 1.0, "throughput_session_over_fifo": 1.01,
+                   "prompt_throughput_session_over_fifo": 1.0, "restore_critical_session_over_fifo": 0.5,
+                   "reuse_session": 0.91, "reuse_fifo": 0.9, "wasted_prefetch_share": 0.25, "errors": 1}
