@@ -40,6 +40,7 @@ POLICY: dict[str, frozenset[str]] = {
     _POOL + "ReleaseLease": _POOL_DATA,
     _POOL + "Exists": _POOL_DATA,
     "/kvpool.rpc.Prefill/Prefill": _ROUTER,
+    "/kvpool.rpc.Prefill/Prefetch": _ROUTER,  # session hints at a turn's end
     "/kvpool.rpc.PrefillStage/StageInfo": frozenset({"prefill", "router"}),
     "/kvpool.rpc.PrefillStage/Restore": _PREFILL,
     "/kvpool.rpc.PrefillStage/Forward": _PREFILL,

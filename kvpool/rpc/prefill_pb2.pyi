@@ -25,6 +25,30 @@ class PrefillRequest(_message.Message):
     handoff_after_prefill: bool
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., handoff_after_prefill: _Optional[bool] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("session_key", "tenant", "cache_salt", "session_end", "expected_next_s")
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_END_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_NEXT_S_FIELD_NUMBER: _ClassVar[int]
+    session_key: str
+    tenant: str
+    cache_salt: str
+    session_end: bool
+    expected_next_s: float
+    def __init__(self, session_key: _Optional[str] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., session_end: _Optional[bool] = ..., expected_next_s: _Optional[float] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("known", "num_blocks_released", "scheduled")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    num_blocks_released: int
+    scheduled: bool
+    def __init__(self, known: _Optional[bool] = ..., num_blocks_released: _Optional[int] = ..., scheduled: _Optional[bool] = ...) -> None: ...
+
 class StageRestoreFigures(_message.Message):
     __slots__ = ("stage", "num_chunks_requested", "num_chunks_restored", "bytes", "read_ms", "corrupt_chunk_indexes")
     STAGE_FIELD_NUMBER: _ClassVar[int]

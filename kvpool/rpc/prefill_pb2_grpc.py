@@ -40,6 +40,11 @@ class PrefillStub:
                 request_serializer=kvpool_dot_rpc_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=kvpool_dot_rpc_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvpool.rpc.Prefill/Prefetch',
+                request_serializer=kvpool_dot_rpc_dot_prefill__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvpool_dot_rpc_dot_prefill__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -55,6 +60,17 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """A session's turn ended (session-aware prefill, low priority): stage its
+        last prompt's history from the pool into device blocks on every stage,
+        expected_next_s ahead of its next turn, into blocks that cache nothing
+        (skipped under device pressure, never making a real request wait); or,
+        with session_end, release the session's cached device blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -62,6 +78,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=kvpool_dot_rpc_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=kvpool_dot_rpc_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvpool_dot_rpc_dot_prefill__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvpool_dot_rpc_dot_prefill__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +112,33 @@ class Prefill:
             '/kvpool.rpc.Prefill/Prefill',
             kvpool_dot_rpc_dot_prefill__pb2.PrefillRequest.SerializeToString,
             kvpool_dot_rpc_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.rpc.Prefill/Prefetch',
+            kvpool_dot_rpc_dot_prefill__pb2.PrefetchRequest.SerializeToString,
+            kvpool_dot_rpc_dot_prefill__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,6 +32,7 @@ from kvpool.core.errors import (
     Unavailable,
 )
 from kvpool.core.prefill_request import PrefillRequest, try_admit
+from kvpool.core.sessions import SessionId
 from kvpool.core.tenant_shares import MAX_TENANT_BYTES, TenantShares, tenant_name
 from kvpool.pool.client import LookupResult, PoolClient
 from kvpool.request_id import current_request_id, new_request_id
@@ -39,6 +40,7 @@ from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import from_status, status_errors
 from services.prefill.handoff import HandoffMetrics, StageHandoff
 from services.prefill.metrics import PrefillMetrics
+from services.prefill.prefetch import PrefetchMetrics, SessionPrefetcher
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
 from services.prefill.stage_servicer import ActivationLink, figures_message, run_stage
 
@@ -101,6 +103,9 @@ class PrefillScheduler:
         self._freed = asyncio.Condition()
         self._releases: set[asyncio.Task[None]] = set()
         self._releasing: dict[str, asyncio.Task[None]] = {}  # by request id
+        # session-aware prefill: retention by session, staging ahead of a session's next turn
+        self.prefetcher = SessionPrefetcher(self, PrefetchMetrics(metrics.registry),
+                                            runner.chunk_nbytes * self.settings.num_stages)
 
     # ---- the request path ----------------------------------------------
 
@@ -143,9 +148,22 @@ class PrefillScheduler:
         started = time.perf_counter()
         hashes = chunk_hashes(hash_root(self.namespace, tenant, cache_salt), token_ids, self.chunk_size)
         bound = log.bind(request_id=request_id, session_key=session_key)
+        session = SessionId(tenant_name(tenant), session_key) if session_key else None
+        self.prefetcher.turn_started(session)
+        try:
+            return await self._prefill(request_id, token_ids, hashes, session, return_logits, tenant, target,
+                                       handoff_after_prefill, started, bound)
+        finally:
+            self.prefetcher.turn_ended(session, hashes)
+
+    async def _prefill(self, request_id: str, token_ids: Sequence[int], hashes: list[Any], session: SessionId | None,
+                       return_logits: bool, tenant: str, target: handoff_pb2.HandoffTarget | None,
+                       handoff_after_prefill: bool, started: float, bound: Any) -> prefill_pb2.PrefillResponse:
         for attempt in (1, 2):
-            request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant))
+            request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant),
+                                     session=session)
             await self._admit(request)
+            self.prefetcher.admitted(request)
             work = asyncio.ensure_future(
                 self._run(request, token_ids, return_logits, target, handoff_after_prefill, tenant))
             try:
@@ -419,6 +437,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.scheduler is None:
             raise Unavailable("prefill: stage 0 is still waiting for the later stages")
         return self.scheduler
+
+    @status_errors
+    async def Prefetch(self, request: prefill_pb2.PrefetchRequest, context: Any) -> prefill_pb2.PrefetchResponse:
+        expected = request.expected_next_s if request.HasField("expected_next_s") else None
+        scheduler = self._ready()
+        if not request.session_key:
+            raise InvalidArgument("session_key: a prefetch needs the session", field="session_key")
+        scheduler.validate([0], request.session_key, request.tenant, request.cache_salt)
+        known, released, scheduled = scheduler.prefetcher.prefetch(
+            request.session_key, request.tenant, request.session_end, expected)
+        return prefill_pb2.PrefetchResponse(known=known, num_blocks_released=released, scheduled=scheduled)
 
     @status_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:

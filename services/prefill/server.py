@@ -104,6 +104,8 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
         await handle.drain(settings.drain_s, stop.quiet_s)
     finally:
         await handle.server.stop(grace=2.0)
+        if front.scheduler is not None:
+            await front.scheduler.prefetcher.close()  # stagings waiting for their time: dropped
         with contextlib.suppress(Exception):
             await asyncio.wait_for(runner.drain_saves(), 5.0)
         for channel in channels:

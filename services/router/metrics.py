@@ -25,6 +25,9 @@ class RouterMetrics:
         self.healthy = Gauge("kvpool_router_target_healthy",
                              "1 while a target (prefill pipeline or decode shard) passes its health check",
                              ["target"], registry=r)
+        self.prefetch_calls = Counter("kvpool_router_prefetch_calls",
+                                      "Session hints sent to a pipeline at a turn's end, by kind", ["kind"],
+                                      registry=r)
         self.queued = Counter("kvpool_router_queued", "Requests that waited in the admission queue", registry=r)
         self.queue_expired = Counter("kvpool_router_queue_expired",
                                      "Queued requests refused at their deadline (429)", registry=r)

@@ -26,6 +26,7 @@ from kvpool.core.generation_fields import (
     check_session_key,
     check_token_ids,
 )
+from kvpool.core.sessions import check_expected_next_s
 from kvpool.core.stop_strings import StopMatcher
 from kvpool.tokenizer import Tokenizer
 
@@ -98,6 +99,9 @@ class GenerationRequest:
     # whose cache: the API key's tenant (set by the HTTP API), and the request's own salt
     tenant: str = ""
     cache_salt: str = ""
+    # kvpool extensions (session-aware prefill): the session is over; its next turn in about this many s
+    session_end: bool = False
+    expected_next_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -237,12 +241,14 @@ def _finish(body: Mapping[str, Any], kind: str, prompt_ids: list[int], prompt_na
         if not stream:
             raise invalid("stream_options", "is only allowed with stream: true")
         include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
+    session_key = _session_key(body, headers or {})
+    session_end, expected_next_s = _session_hints(body, session_key)
     return GenerationRequest(
         kind=kind, model=limits.name, prompt_ids=prompt_ids, max_tokens=max_tokens,
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
         stops=_stops(body), stop_token_ids=list(tokenizer.eos_token_ids), stream=stream,
-        include_usage=include_usage, session_key=_session_key(body, headers or {}),
-        cache_salt=_cache_salt(body),
+        include_usage=include_usage, session_key=session_key, cache_salt=_cache_salt(body),
+        session_end=session_end, expected_next_s=expected_next_s,
     )
 
 
@@ -355,6 +361,22 @@ def _cache_salt(body: Mapping[str, Any]) -> str:
     if not isinstance(value, str) or not value:
         raise invalid("cache_salt", "must be a non-empty string")
     return check_session_key(value, "cache_salt")
+
+
+def _session_hints(body: Mapping[str, Any], session_key: str) -> tuple[bool, float | None]:
+    """kvpool's extensions ``session_end`` and ``expected_next_s`` (docs/api.md): hints about the session
+    the request belongs to, so each needs one, and they contradict each other."""
+    session_end = _bool(body, "session_end", False)
+    expected: float | None = None
+    if body.get("expected_next_s") is not None:
+        expected = _number(body, "expected_next_s", 0.0)
+        _checked(check_expected_next_s, expected)
+    for name, given in (("session_end", session_end), ("expected_next_s", expected is not None)):
+        if given and not session_key:
+            raise invalid(name, "needs a session: give prompt_cache_key (or user)")
+    if session_end and expected is not None:
+        raise invalid("expected_next_s", "not with session_end: true (no turn follows)")
+    return session_end, expected
 
 
 def _session_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> str:

@@ -80,6 +80,7 @@ class Router:
         )
         self.backends = Backends(pipelines, shards, self.admission, metrics)
         self._waiting: dict[str, asyncio.Future[Ticket]] = {}
+        self._prefetches: set[asyncio.Task[None]] = set()  # fire-and-forget: a turn's end never waits on them
 
     async def close(self) -> None:
         await self.backends.close()
@@ -188,6 +189,9 @@ class Router:
             finally:
                 self.in_flight -= 1
                 self.metrics.in_flight.set(self.in_flight)
+                hinted = request.session_end or request.expected_next_s is not None
+                if ended in ("done", "closed") and hinted and usage.pipeline:
+                    self._turn_ended(request, usage.pipeline)
                 log.info("generate_ended", request_id=request.request_id, session_key=request.session_key,
                          ended=ended, pipeline=usage.pipeline, shard=usage.shard,
                          prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
@@ -241,6 +245,26 @@ class Router:
         finally:
             self._release(request_id)
             self.metrics.completion_tokens.inc(usage.completion_tokens)
+
+    def _turn_ended(self, request: GenerationRequest, pipeline: str) -> None:
+        """Session-aware prefill, for a turn that carried a hint (a session key comes with each): the
+        session's pipeline stages its history for the next turn, ``expected_next_s`` ahead (or, with
+        ``session_end``, lets it go), off this request's path; a failure only costs the hint."""
+        task = asyncio.ensure_future(self._prefetch(request, pipeline))
+        self._prefetches.add(task)
+        task.add_done_callback(self._prefetches.discard)
+
+    async def _prefetch(self, request: GenerationRequest, pipeline: str) -> None:
+        message = prefill_pb2.PrefetchRequest(session_key=request.session_key, tenant=request.tenant,
+                                              cache_salt=request.cache_salt, session_end=request.session_end)
+        if request.expected_next_s is not None:
+            message.expected_next_s = request.expected_next_s
+        try:
+            await self.backends.pipelines[pipeline].prefill.Prefetch(message, timeout=CALL_TIMEOUT_S)
+            self.metrics.prefetch_calls.labels("session_end" if request.session_end else "stage").inc()
+        except grpc.aio.AioRpcError as exc:
+            self.metrics.prefetch_calls.labels("failed").inc()
+            log.info("prefetch_call_failed", pipeline=pipeline, code=exc.code().name)
 
     def _count_prefill(self, prefill: prefill_pb2.PrefillResponse, usage: Usage, shard: str) -> None:
         figures = prefill.figures

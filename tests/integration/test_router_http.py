@@ -180,6 +180,39 @@ def test_models_health_metrics(cluster: Cluster) -> None:
     assert status == 200 and "kvpool_router_placements_total" in text
 
 
+def test_session_hints_reach_the_sessions_pipeline(cluster: Cluster, client: openai.OpenAI) -> None:
+    prompt = "".join(chr(ord("a") + (i * 11) % 26) for i in range(1200))
+    ask = {"model": MODEL, "max_tokens": 2, "temperature": 0}
+    router = f"http://{cluster.topology.host}:{cluster.find('router').ready['admin_port']}"
+    stages = [f"http://{cluster.topology.host}:{p.ready['admin_port']}" for p in cluster.services
+              if p.name.endswith("stage0")]
+
+    def count(name: str, urls: list[str]) -> float:
+        return sum(metric(get(url, "/metrics", raw=True)[1], name) for url in urls)
+
+    client.completions.create(prompt=prompt, **ask, extra_body={"prompt_cache_key": "hints", "expected_next_s": 0})
+    # the router sent the hint when the turn ended; the history was still on its pipeline's device: nothing staged
+    wait_for(lambda: count('kvpool_router_prefetch_calls_total{kind="stage"}', [router]) == 1
+             and count('kvpool_prefetch_hints_total{outcome="on_device"}', stages) == 1, what="the staging hint")
+    second = client.completions.create(prompt=prompt + "more", **ask,
+                                       extra_body={"prompt_cache_key": "hints", "session_end": True})
+    assert second.usage.prompt_tokens_details.cached_tokens >= 1024
+    wait_for(lambda: count('kvpool_router_prefetch_calls_total{kind="session_end"}', [router]) == 1
+             and count('kvpool_prefetch_hints_total{outcome="session_end"}', stages) == 1, what="the session's end")
+    for body, param in (({"expected_next_s": -1, "prompt_cache_key": "hints"}, "expected_next_s"),
+                        ({"session_end": True}, "session_end")):
+        status, answer = post(cluster.http_url, "/v1/completions", {"model": MODEL, "prompt": "hi", **body})
+        assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def metric(text: str, name: str) -> float:
+    """A sample's value in Prometheus text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_eight_concurrent_sessions_over_two_pipelines_and_two_shards(client: openai.OpenAI) -> None:
     def session(i: int) -> set[tuple[str, str]]:
         seen = set()

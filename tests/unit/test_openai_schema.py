@@ -239,3 +239,33 @@ def test_session_keys_are_counted_in_utf8_bytes_as_prefill_counts_them() -> None
     with pytest.raises(ApiError) as info:
         wide_chat(prompt_cache_key="é" * 129)
     assert info.value.param == "prompt_cache_key" and "258" in info.value.message
+
+
+def test_session_hints_are_served() -> None:
+    req = completion(prompt_cache_key="s1", expected_next_s=12.5)
+    assert (req.session_end, req.expected_next_s) == (False, 12.5)
+    req = chat(prompt_cache_key="s1", session_end=True)
+    assert (req.session_end, req.expected_next_s) == (True, None)
+    assert completion(prompt_cache_key="s1", expected_next_s=0).expected_next_s == 0.0
+    assert (completion().session_end, completion().expected_next_s) == (False, None)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt_cache_key": "s", "session_end": "yes"}, "session_end"),
+        ({"prompt_cache_key": "s", "session_end": 1}, "session_end"),
+        ({"prompt_cache_key": "s", "expected_next_s": -1}, "expected_next_s"),
+        ({"prompt_cache_key": "s", "expected_next_s": 86_401}, "expected_next_s"),
+        ({"prompt_cache_key": "s", "expected_next_s": "5"}, "expected_next_s"),
+        ({"prompt_cache_key": "s", "expected_next_s": True}, "expected_next_s"),
+        ({"session_end": True}, "session_end"),  # a hint needs a session
+        ({"expected_next_s": 3}, "expected_next_s"),
+        ({"prompt_cache_key": "s", "session_end": True, "expected_next_s": 3}, "expected_next_s"),
+    ],
+)
+def test_session_hints_refused_by_name(body: dict[str, Any], param: str) -> None:
+    for parse in (completion, chat):
+        with pytest.raises(ApiError) as exc:
+            parse(**body)
+        assert exc.value.status == 400 and exc.value.param == param

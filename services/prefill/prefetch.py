@@ -1,0 +1,175 @@
+"""Stage 0's session-aware prefill: each session's last prompt, staging it ahead of the next turn, session end.
+
+The decisions are the core's (``kvpool.core.sessions``: the session table, the
+prefetch budget and its byte ledger; ``BlockManager.touch_session``/
+``end_session``); this module times them and does the I/O:
+
+- every prefill names its session (``SessionId(tenant, session_key)``): its
+  blocks are that session's cached blocks when freed, and its arrival touches
+  them (retention by session);
+- ``Prefetch`` (the router calls it when a turn ends) either releases the
+  session's cached blocks (``session_end``) or schedules a staging
+  ``expected_next_s - LEAD_S`` from now: what the device lost of the session's
+  last prompt is restored from the pool on every stage, through the same
+  restore path a prefill takes, into blocks that cache nothing, at most the
+  core's budget (``prefetch_budget``). Low priority: a staging that finds no
+  budget, or the session's next turn already here, does nothing; one waiting
+  for its time is cancelled when the session's turn arrives or it ends; one
+  reading is never cancelled (the stages write straight into its blocks), and
+  holds its few blocks only for that read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter
+
+from kvpool.core.chunk_hash import ChunkHash
+from kvpool.core.errors import ResourceExhausted
+from kvpool.core.prefill_request import PrefillRequest, try_admit
+from kvpool.core.sessions import PrefetchLedger, SessionId, SessionTable, check_expected_next_s, prefetch_budget
+from kvpool.core.tenant_shares import tenant_name
+
+if TYPE_CHECKING:
+    from services.prefill.scheduler import PrefillScheduler
+
+log = structlog.get_logger(__name__)
+
+LEAD_S = 1.0  # stage this long before the expected next turn
+RESERVE_SHARE = 0.02  # of the device's blocks a staging always leaves free
+MAX_SESSIONS = 10_000
+
+
+class PrefetchMetrics:
+    """``kvpool_prefetch_bytes{kind}``: prefetched, used (a turn's device hit covered them), wasted."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.bytes = Counter("kvpool_prefetch_bytes", "Session prefetch bytes (every stage) by kind",
+                             ["kind"], registry=registry)
+        self.hints = Counter("kvpool_prefetch_hints", "Session hints (Prefetch calls) by outcome: a staging's "
+                             "(staged, on_device, pressure, pool_miss, turn_came, failed), session_end, unknown",
+                             ["outcome"], registry=registry)
+        self.released_blocks = Counter("kvpool_prefetch_released_blocks",
+                                       "Cached device blocks session_end released", registry=registry)
+
+
+class SessionPrefetcher:
+    """Invariant: at most one staging task per session; the ledger's used + wasted + pending bytes equal
+    the prefetched bytes (``PrefetchLedger``)."""
+
+    def __init__(self, scheduler: PrefillScheduler, metrics: PrefetchMetrics, chunk_bytes: int) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.sessions = SessionTable(MAX_SESSIONS)
+        self.ledger = PrefetchLedger(chunk_bytes)
+        self._waiting: dict[SessionId, asyncio.Task[None]] = {}  # stagings waiting for their time
+        self._serial = 0
+
+    # ---- a prefill's life -----------------------------------------------------
+
+    def turn_started(self, session: SessionId | None) -> None:
+        if session is None:
+            return
+        waiting = self._waiting.pop(session, None)
+        if waiting is not None:
+            waiting.cancel()  # its turn came first
+        self.sessions.turn_started(session, time.monotonic())
+        self.scheduler.blocks.touch_session(session)
+
+    def admitted(self, request: PrefillRequest) -> None:
+        if request.session is None:
+            return
+        used0, wasted0 = self.ledger.used_bytes, self.ledger.wasted_bytes
+        self.ledger.turn_started(request.session, request.chunk_hashes[: request.num_device_chunks])
+        self.metrics.bytes.labels("used").inc(self.ledger.used_bytes - used0)
+        self.metrics.bytes.labels("wasted").inc(self.ledger.wasted_bytes - wasted0)
+
+    def turn_ended(self, session: SessionId | None, chunk_hashes: list[ChunkHash]) -> None:
+        if session is not None and self.sessions.get(session) is not None:
+            self.sessions.turn_ended(session, time.monotonic(), chunk_hashes)
+
+    # ---- the RPC --------------------------------------------------------------
+
+    def prefetch(self, session_key: str, tenant: str, session_end: bool,
+                 expected_next_s: float | None) -> tuple[bool, int, bool]:
+        """(known, blocks released, staging scheduled); InvalidArgument naming a bad hint."""
+        check_expected_next_s(expected_next_s)
+        session = SessionId(tenant_name(tenant), session_key)
+        state = self.sessions.get(session)
+        if state is None or not session_key:
+            self.metrics.hints.labels("unknown").inc()
+            return False, 0, False
+        waiting = self._waiting.pop(session, None)
+        if waiting is not None:
+            waiting.cancel()
+        if session_end:
+            released = self.scheduler.blocks.end_session(session)
+            self.metrics.hints.labels("session_end").inc()
+            self.metrics.released_blocks.inc(released)
+            self.metrics.bytes.labels("wasted").inc(self.ledger.dropped(session))
+            self.sessions.forget(session)
+            return True, released, False
+        delay = 0.0 if expected_next_s is None else max(0.0, expected_next_s - LEAD_S)
+        task = asyncio.ensure_future(self._stage_later(session, delay))
+        self._waiting[session] = task
+        task.add_done_callback(lambda t: self._waiting.pop(session, None) if self._waiting.get(session) is t else None)
+        return True, 0, True
+
+    async def close(self) -> None:
+        for task in list(self._waiting.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # ---- staging --------------------------------------------------------------
+
+    async def _stage_later(self, session: SessionId, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self._waiting.pop(session, None)  # reading now: no longer cancellable
+        try:
+            outcome = await self._stage(session)
+        except Exception as exc:  # low priority: a failed staging is a miss later, never an error
+            outcome = "failed"
+            log.info("prefetch_failed", session_key=session.key, error=str(exc))
+        self.metrics.hints.labels(outcome).inc()
+
+    async def _stage(self, session: SessionId) -> str:
+        state = self.sessions.get(session)
+        if state is None or state.turns_in_flight:
+            return "turn_came"
+        scheduler = self.scheduler
+        blocks, chunk = scheduler.blocks, scheduler.chunk_size
+        hashes = state.chunk_hashes
+        num_device = blocks.match_prefix(hashes)
+        if num_device >= len(hashes):
+            return "on_device"
+        # one extra block for the last position every request computes (it caches nothing)
+        budget = prefetch_budget(blocks.num_uncached_free_blocks, 1, int(blocks.num_blocks * RESERVE_SHARE))
+        end = min(len(hashes), num_device + budget)
+        if end <= num_device or scheduler.pool is None:
+            return "pressure"
+        self._serial += 1
+        holder = f"prefetch/{self._serial}"
+        request = PrefillRequest(holder, end * chunk + 1, chunk, list(hashes[:end]), tenant=session.tenant,
+                                 session=session)
+        try:
+            if not try_admit(request, blocks, time.monotonic(), time.monotonic() + 1.0):
+                return "pressure"
+        except ResourceExhausted:
+            return "pressure"
+        try:
+            report = await scheduler._restore(request)  # every stage reads its own objects into the blocks
+        finally:
+            await scheduler._free(holder)
+        restored = request.num_restored_chunks
+        staged = request.chunk_hashes[request.num_device_chunks: request.num_device_chunks + restored]
+        added = self.ledger.staged(session, staged)
+        self.metrics.bytes.labels("prefetched").inc(added * self.ledger.chunk_bytes)
+        log.info("prefetch_staged", session_key=session.key, chunks=restored,
+                 bytes=sum(s.bytes for s in report.stages))
+        return "staged" if restored else "pool_miss"
