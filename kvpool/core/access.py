@@ -32,6 +32,7 @@ POLICY: dict[str, frozenset[str]] = {
     _POOL + "UnmountSegment": _ADMIN,
     _POOL + "Heartbeat": _ADMIN,
     _POOL + "Remove": _ADMIN,
+    _POOL + "Demote": _POOL_DATA,  # stage 0, when a session ends
     _POOL + "Stats": _ADMIN,
     _POOL + "PutStart": _POOL_DATA,
     _POOL + "PutEnd": _POOL_DATA,

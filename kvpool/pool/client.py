@@ -30,6 +30,7 @@ from kvpool.transfer import Move, TransferEngine, local_host_name, spins
 log = structlog.get_logger(__name__)
 
 RPC_TIMEOUT_S = 5.0
+DEMOTE_BATCH = 4096  # the master takes at most this many names a call
 # Lookups fail fast when the master cannot be reached: a lookup that cannot be
 # answered now is a miss (the caller computes). A put waits for the master at
 # most PUT_WAIT_S: long enough to ride out the channel's reconnect (its backoff
@@ -337,6 +338,14 @@ class PoolClient:
     async def remove(self, group_ids: Sequence[str]) -> tuple[int, list[str]]:
         response = await self._stub.Remove(pool_pb2.RemoveRequest(group_ids=list(group_ids)), timeout=RPC_TIMEOUT_S)
         return response.num_removed, list(response.busy_group_ids)
+
+    async def demote(self, group_ids: Sequence[str]) -> int:
+        """Lower groups to the front of eviction (a session ended), at most the master's batch per call."""
+        demoted = 0
+        for start in range(0, len(group_ids), DEMOTE_BATCH):
+            request = pool_pb2.DemoteRequest(group_ids=list(group_ids[start:start + DEMOTE_BATCH]))
+            demoted += (await self._call(self._stub.Demote, request)).num_demoted
+        return demoted
 
     async def stats(self) -> pool_pb2.StatsResponse:
         return await self._call(self._stub.Stats, pool_pb2.StatsRequest())

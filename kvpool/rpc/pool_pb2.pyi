@@ -268,6 +268,18 @@ class RemoveResponse(_message.Message):
     busy_group_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, num_removed: _Optional[int] = ..., busy_group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class DemoteRequest(_message.Message):
+    __slots__ = ("group_ids",)
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DemoteResponse(_message.Message):
+    __slots__ = ("num_demoted",)
+    NUM_DEMOTED_FIELD_NUMBER: _ClassVar[int]
+    num_demoted: int
+    def __init__(self, num_demoted: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -84,6 +84,11 @@ class PoolMasterStub:
                 request_serializer=kvpool_dot_rpc_dot_pool__pb2.RemoveRequest.SerializeToString,
                 response_deserializer=kvpool_dot_rpc_dot_pool__pb2.RemoveResponse.FromString,
                 _registered_method=True)
+        self.Demote = channel.unary_unary(
+                '/kvpool.rpc.PoolMaster/Demote',
+                request_serializer=kvpool_dot_rpc_dot_pool__pb2.DemoteRequest.SerializeToString,
+                response_deserializer=kvpool_dot_rpc_dot_pool__pb2.DemoteResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvpool.rpc.PoolMaster/Stats',
                 request_serializer=kvpool_dot_rpc_dot_pool__pb2.StatsRequest.SerializeToString,
@@ -157,6 +162,15 @@ class PoolMasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Demote(self, request, context):
+        """A session ended (session-aware prefill): its groups become the first
+        evicted, the last named first; nothing else changes (a leased group is
+        still never evicted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -215,6 +229,11 @@ def add_PoolMasterServicer_to_server(servicer, server):
                     servicer.Remove,
                     request_deserializer=kvpool_dot_rpc_dot_pool__pb2.RemoveRequest.FromString,
                     response_serializer=kvpool_dot_rpc_dot_pool__pb2.RemoveResponse.SerializeToString,
+            ),
+            'Demote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Demote,
+                    request_deserializer=kvpool_dot_rpc_dot_pool__pb2.DemoteRequest.FromString,
+                    response_serializer=kvpool_dot_rpc_dot_pool__pb2.DemoteResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -492,6 +511,33 @@ class PoolMaster:
             '/kvpool.rpc.PoolMaster/Remove',
             kvpool_dot_rpc_dot_pool__pb2.RemoveRequest.SerializeToString,
             kvpool_dot_rpc_dot_pool__pb2.RemoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Demote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.rpc.PoolMaster/Demote',
+            kvpool_dot_rpc_dot_pool__pb2.DemoteRequest.SerializeToString,
+            kvpool_dot_rpc_dot_pool__pb2.DemoteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -263,6 +263,12 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         return pool_pb2.RemoveResponse(num_removed=removed, busy_group_ids=busy)
 
     @status_errors
+    async def Demote(self, request: pool_pb2.DemoteRequest, context: Any) -> pool_pb2.DemoteResponse:
+        check_batch(len(request.group_ids), "group_ids")
+        check_names(request.group_ids, "group_ids")
+        return pool_pb2.DemoteResponse(num_demoted=self.index.demote(request.group_ids))
+
+    @status_errors
     async def Stats(self, request: pool_pb2.StatsRequest, context: Any) -> pool_pb2.StatsResponse:
         return stats_message(self.index, self.incarnation)
 

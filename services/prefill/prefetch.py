@@ -7,8 +7,9 @@ prefetch budget and its byte ledger; ``BlockManager.touch_session``/
 - every prefill names its session (``SessionId(tenant, session_key)``): its
   blocks are that session's cached blocks when freed, and its arrival touches
   them (retention by session);
-- ``Prefetch`` (the router calls it when a turn ends) either releases the
-  session's cached blocks (``session_end``) or schedules a staging
+- ``Prefetch`` (the router calls it when a hinted turn ends) either releases
+  the session's cached blocks and demotes its pool groups to the front of
+  eviction (``session_end``), or schedules a staging
   ``expected_next_s - LEAD_S`` from now: what the device lost of the session's
   last prompt is restored from the pool on every stage, through the same
   restore path a prefill takes, into blocks that cache nothing, at most the
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from kvpool.core.chunk_hash import ChunkHash
+from kvpool.core.chunk_hash import ChunkHash, group_id
 from kvpool.core.errors import ResourceExhausted
 from kvpool.core.prefill_request import PrefillRequest, try_admit
 from kvpool.core.sessions import PrefetchLedger, SessionId, SessionTable, check_expected_next_s, prefetch_budget
@@ -68,6 +69,7 @@ class SessionPrefetcher:
         self.sessions = SessionTable(MAX_SESSIONS)
         self.ledger = PrefetchLedger(chunk_bytes)
         self._waiting: dict[SessionId, asyncio.Task[None]] = {}  # stagings waiting for their time
+        self._demotes: set[asyncio.Task[None]] = set()
         self._serial = 0
 
     # ---- a prefill's life -----------------------------------------------------
@@ -113,6 +115,11 @@ class SessionPrefetcher:
             self.metrics.released_blocks.inc(released)
             self.metrics.bytes.labels("wasted").inc(self.ledger.dropped(session))
             self.sessions.forget(session)
+            if self.scheduler.pool is not None and state.chunk_hashes:
+                ns = self.scheduler.namespace
+                task = asyncio.ensure_future(self._demote([group_id(ns, h) for h in state.chunk_hashes]))
+                self._demotes.add(task)
+                task.add_done_callback(self._demotes.discard)
             return True, released, False
         delay = 0.0 if expected_next_s is None else max(0.0, expected_next_s - LEAD_S)
         task = asyncio.ensure_future(self._stage_later(session, delay))
@@ -120,7 +127,19 @@ class SessionPrefetcher:
         task.add_done_callback(lambda t: self._waiting.pop(session, None) if self._waiting.get(session) is t else None)
         return True, 0, True
 
+    async def _demote(self, group_ids: list[str]) -> None:
+        """The ended session's pool groups go first at the next eviction (the tail first); a failure
+        leaves them in plain LRU order, nothing worse."""
+        assert self.scheduler.pool is not None
+        try:
+            await self.scheduler.pool.demote(group_ids)
+        except Exception as exc:
+            log.info("pool_demote_failed", groups=len(group_ids), error=str(exc))
+
     async def close(self) -> None:
+        for task in list(self._demotes):
+            with contextlib.suppress(Exception):
+                await task
         for task in list(self._waiting.values()):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

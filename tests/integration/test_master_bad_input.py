@@ -62,6 +62,9 @@ CASES = [
     ("exists oversized", ("Exists", pool_pb2.ExistsRequest(keys=["x" * 600])), Code.INVALID_ARGUMENT,
      "keys[0]: 600 bytes is longer than 512"),
     ("remove nothing", ("Remove", pool_pb2.RemoveRequest()), Code.INVALID_ARGUMENT, "group_ids: must not be empty"),
+    ("demote nothing", ("Demote", pool_pb2.DemoteRequest()), Code.INVALID_ARGUMENT, "group_ids: must not be empty"),
+    ("demote an empty name", ("Demote", pool_pb2.DemoteRequest(group_ids=["ns/a", ""])), Code.INVALID_ARGUMENT,
+     "group_ids[1]: must not be empty"),
     ("release naming an empty corrupt group", ("ReleaseLease", pool_pb2.ReleaseLeaseRequest(
         lease_id=1, corrupt_group_ids=["ns/a", ""])), Code.INVALID_ARGUMENT, "corrupt_group_ids[1]: must not be empty"),
 ]
@@ -94,6 +97,9 @@ async def test_bad_input_is_rejected_by_field_and_master_keeps_serving(stub: poo
     assert started.results[0].status == pool_pb2.PUT_STATUS_RESERVED
     ended = await stub.PutEnd(pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key="ns/a/0", checksum=1)]), timeout=5)
     assert ended.num_committed == 1
+    # a session's end demotes the groups the pool holds, and only those
+    demoted = await stub.Demote(pool_pb2.DemoteRequest(group_ids=["ns/a", "ns/gone"]), timeout=5)
+    assert demoted.num_demoted == 1  # ns/a is held, ns/gone is not
 
 
 async def test_health_service_reports_serving(pool: LocalPool) -> None:

@@ -29,7 +29,7 @@ def test_the_work_aware_queue_serves_the_short_turn_before_the_long_one() -> Non
     # all arrive at 0: s0 starts at once; s1 (a cold 3 chunks) and s2 (a cold half chunk) wait behind it
     traces = [session((522, A, 0.0)), session((778, list(range(21, 33)), 0.0)), session((128, [41, 42], 0.0))]
     fifo = [t[0] for t in run(traces, "fifo").metrics.turn_tokens]
-    work = [t[0] for t in run(traces, "session").metrics.turn_tokens]
+    work = [t[0] for t in run(traces, "session", max_wait_s=30.0).metrics.turn_tokens]
     assert fifo == ["s0.t0", "s1.t0", "s2.t0"]
     assert work == ["s0.t0", "s2.t0", "s1.t0"]
 

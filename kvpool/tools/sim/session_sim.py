@@ -82,7 +82,7 @@ class SessionAware:
         self.sessions.turn_ended(session, now, hashes, expected_next_s, end)
         if end:
             pipeline.blocks.end_session(session)
-            pipeline.index.demote([group_id(job.play.namespace, h) for h in reversed(hashes)])
+            pipeline.index.demote([group_id(job.play.namespace, h) for h in hashes])  # the tail goes first
             self.ledger.dropped(session)
             self.sessions.forget(session)
             return

@@ -89,7 +89,7 @@ class RunSettings:
     # "fifo": the seed's prefill queue; "session": session-aware prefill (the work-aware queue with aging,
     # retention by session, prefetch during think time: kvpool.core.prefill_queue, kvpool.core.sessions)
     sched: str = "fifo"
-    max_wait_s: float = 30.0  # the work-aware queue's aging bound
+    max_wait_s: float = 4.0  # the work-aware queue's aging bound (docs/simulation.md: the sweep that chose it)
     # open loop: a new session (the next trace) starts every 1/rate s whatever the system does, and each
     # plays its trace once (think, turn, think...); None: the closed loop of ``num_sessions`` slots
     open_loop_sessions_per_s: float | None = None
