@@ -138,6 +138,19 @@ def _add_clients(sub: Any) -> None:
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
 
 
+def _add_certs(sub: Any) -> None:
+    p = sub.add_parser("certs", help="credentials for compose.yaml's cluster: a CA, one certificate per service, "
+                       "an API key", description="Write a new throwaway CA and, for each of compose.yaml's services "
+                       "and an operator's client, a folder of its own: ca.pem, cert.pem and key.pem (its common "
+                       "name its role), which compose mounts read-only into that container only. The router's "
+                       "folder also holds the API keys file, the client's the key to send (api_key).")
+    p.add_argument("folder", help="where to write them (compose.yaml mounts ./deploy/compose/tls)")
+    p.add_argument("--host", action="append", default=[], metavar="HOST",
+                   help="a further address the certificates are valid for (always: 127.0.0.1, ::1, localhost)")
+    p.add_argument("--days", type=int, default=90, help="how long they stay valid (default 90)")
+    p.add_argument("--force", action="store_true", help="replace credentials already in the folder")
+
+
 def _add_pool(sub: Any) -> None:
     p = sub.add_parser("pool", help="inspect the pool")
     pool_sub = p.add_subparsers(dest="pool_command", required=True)
@@ -168,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_role(sub, name, role)
     _add_up(sub)
     _add_clients(sub)
+    _add_certs(sub)
     _add_pool(sub)
     add_bench(sub)
     _add_replay(sub)
@@ -284,6 +298,24 @@ def _run_health(args: argparse.Namespace) -> int:
     return check(args.address, args.timeout)
 
 
+def _run_certs(args: argparse.Namespace) -> int:
+    import datetime
+    from pathlib import Path
+
+    from kvpool.tools.certs import write_compose_credentials
+
+    folder = Path(args.folder)
+    if args.days < 1:
+        raise SystemExit("kvpool certs: --days must be at least 1")
+    if (folder / "ca.pem").exists() and not args.force:
+        raise SystemExit(f"kvpool certs: {folder} already holds credentials (a running cluster uses them): "
+                         "--force replaces them")
+    identities = write_compose_credentials(folder, tuple(args.host), datetime.timedelta(days=args.days))
+    print(f"kvpool certs: a CA and {len(identities)} certificates in {folder}/<service>/, valid {args.days} days; "
+          f"the API key is in {folder}/client/api_key")
+    return 0
+
+
 def _run_pool(args: argparse.Namespace) -> int:
     from kvpool.pool.stats import fetch_stats, format_stats
 
@@ -327,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log(args)
     handlers = {
         **dict.fromkeys(ROLES, _run_role), "up": _run_up, "generate": _run_generate, "chat": _run_chat,
-        "health": _run_health,
+        "health": _run_health, "certs": _run_certs,
         "pool": _run_pool, "bench": run_bench, "replay": _run_replay, "simulate": _run_simulate,
     }
     try:

@@ -1,6 +1,10 @@
-"""compose.yaml for real: build the image, `docker-compose up -d`, two turns of
-one session through the OpenAI API, the master killed by its host PID comes back
-(restart: on-failure) with the pool, and `down` leaves nothing of the project.
+"""compose.yaml for real: build the image, `kvpool certs` and `docker-compose up -d`,
+two turns of one session through the OpenAI API with the cluster's API key, the
+master killed by its host PID comes back (restart: on-failure) with the pool, and
+`down` leaves nothing of the project. The cluster runs with mutual TLS as
+compose.yaml does by default: each container mounts only its own credentials,
+read-only; a plaintext gRPC client, a client certificate calling an admin method
+and a request without the key are refused.
 
 Opt-in (KVPOOL_DOCKER_TESTS=1): it needs a docker daemon and docker-compose (v1)
 and builds an image. Where no registry answers, the base image comes from
@@ -26,7 +30,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpool import tls
+from kvpool.rpc import pool_pb2, pool_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "kvpooldockertest"
@@ -37,6 +46,9 @@ HEALTH_URL = "http://127.0.0.1:8000/health"
 PORTS = [7601, 9601, 7610, 9610, 7611, 9611, 7700, 7701, 7702, 7703, 9700, 9701, 9702, 9703,
          7800, 9800, 7900, 8000, 9900]
 SERVICES = {"master", "store-0", "store-1", "prefill-0", "prefill-1", "prefill-2", "prefill-3", "decode-0", "router"}
+# the gRPC port of each service (the rest of PORTS: metrics and the HTTP API)
+GRPC_PORTS = {"master": 7601, "store-0": 7610, "store-1": 7611, "prefill-0": 7700, "prefill-1": 7701,
+              "prefill-2": 7702, "prefill-3": 7703, "decode-0": 7800, "router": 7900}
 
 pytestmark = [
     pytest.mark.cluster,
@@ -159,6 +171,39 @@ def port_taken(port: int) -> bool:
     return False
 
 
+def identity(folder: Path) -> tls.SecuritySettings:
+    return tls.SecuritySettings(ca=str(folder / "ca.pem"), cert=str(folder / "cert.pem"), key=str(folder / "key.pem"))
+
+
+def secure_channel(port: int, folder: Path) -> grpc.Channel:
+    creds = tls.Credentials(*((folder / name).read_bytes() for name in ("ca.pem", "cert.pem", "key.pem")))
+    return grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert))
+
+
+def health(channel: grpc.Channel) -> str:
+    """The health service's answer, or the status code of the call's failure."""
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    except grpc.RpcError as exc:
+        return exc.code().name  # type: ignore[attr-defined, no-any-return]
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+@pytest.fixture(scope="module")
+def credentials(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """`kvpool certs` into a folder of the test's (compose.yaml mounts it through KVPOOL_TLS_DIR); the test
+    process dials as the master, the role pool stats needs."""
+    folder = tmp_path_factory.mktemp("compose-tls")
+    run(sys.executable, "-m", "services.cli", "certs", str(folder))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVPOOL_TLS_DIR", str(folder))
+        tls.configure(identity(folder / "master"))
+        try:
+            yield folder
+        finally:
+            tls.configure(tls.SecuritySettings(ca="", cert="", key=""))
+
+
 @pytest.fixture(scope="module")
 def image() -> str:
     for tool in ("docker", "docker-compose"):
@@ -176,7 +221,7 @@ def image() -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(image: str) -> Iterator[dict[str, float]]:
+def cluster(image: str, credentials: Path) -> Iterator[dict[str, Any]]:
     taken = [p for p in PORTS if port_taken(p)]
     assert not taken, f"ports compose.yaml's services need are taken on this host: {taken}"
     assert not any(project_objects().values()), f"{PROJECT} is already up: docker-compose -p {PROJECT} down"
@@ -184,15 +229,16 @@ def cluster(image: str) -> Iterator[dict[str, float]]:
     try:
         compose("up", "-d", timeout=900, env={"KVPOOL_BASE_IMAGE": image})
         wait_for("router /health 200", router_healthy, 600)
-        yield {"up_start": start}
+        yield {"up_start": start, "credentials": credentials}
     finally:
         subprocess.run(["docker-compose", "-p", PROJECT, "down", "--timeout", "20"], cwd=ROOT,
                        capture_output=True, timeout=300)
 
 
-def test_compose_up_serves_restarts_and_leaves_nothing(cluster: dict[str, float]) -> None:
+def test_compose_up_serves_restarts_and_leaves_nothing(cluster: dict[str, Any]) -> None:
     import openai
 
+    credentials: Path = cluster["credentials"]
     # every role runs in its own container, each reported healthy by its own check (the
     # router's may lag its /health by one interval: nothing waits on it)
     wait_for("every container healthy", lambda: health_of_all() == dict.fromkeys(SERVICES, "healthy"), 180,
@@ -203,7 +249,8 @@ def test_compose_up_serves_restarts_and_leaves_nothing(cluster: dict[str, float]
     figure("container starts", ", ".join(f"{s} +{(t - first_start).total_seconds():.0f} s"
                                           for s, t in sorted(started.items(), key=lambda kv: kv[1])))
 
-    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused", max_retries=0, timeout=300)
+    api_key = (credentials / "client" / "api_key").read_text().strip()
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=api_key, max_retries=0, timeout=300)
     model = client.models.list().data[0].id
     session = "docker-session"
     messages: list[dict[str, str]] = [
@@ -212,7 +259,8 @@ def test_compose_up_serves_restarts_and_leaves_nothing(cluster: dict[str, float]
     ]
     first = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
                                            extra_body={"prompt_cache_key": session})
-    figure("up to first completion", f"{time.monotonic() - cluster['up_start']:.0f} s")
+    figure("up to first completion", f"{time.monotonic() - cluster['up_start']:.0f} s (load average "
+           f"{', '.join(f'{x:.1f}' for x in os.getloadavg())})")
     assert first.usage is not None and first.usage.prompt_tokens > 512
     messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
                  {"role": "user", "content": "Tool output: main.py util.py. Open main.py."}]
@@ -222,6 +270,8 @@ def test_compose_up_serves_restarts_and_leaves_nothing(cluster: dict[str, float]
     # the first turn's whole chunks (256 tokens each) are served from cache, not recomputed
     whole_chunks = first.usage.prompt_tokens // 256 * 256
     assert second.usage.prompt_tokens_details.cached_tokens >= whole_chunks, second.usage
+
+    check_credentials_are_required(credentials, model)
 
     # the pool holds the turns' chunks (saved off the request path: wait until no put is in flight)
     before = wait_for("pool holds the session", lambda: (s := pool_stats()) and len(s["segments"]) == 2
@@ -257,3 +307,30 @@ def test_compose_up_serves_restarts_and_leaves_nothing(cluster: dict[str, float]
     mounts = Path("/proc/self/mountinfo").read_text()
     assert not [i for i in ids if i in mounts] and not [m for m in merged if m in mounts]
     assert not [p for p in PORTS if port_taken(p)], "a port is still held after down"
+
+
+def check_credentials_are_required(credentials: Path, model: str) -> None:
+    """Each container mounts its own credentials only, read-only; the image holds none; every gRPC port
+    refuses a plaintext client and serves one with a certificate of the cluster's CA, whose role still
+    gates admin methods; the HTTP API refuses a request without the key."""
+    import openai
+
+    for service in SERVICES:
+        mounts = {m["Destination"]: m for m in container(service)["Mounts"]}
+        tls_mount = mounts["/etc/kvpool/tls"]
+        assert (tls_mount["Source"], tls_mount["RW"]) == (str(credentials / service), False), tls_mount
+    run("docker", "run", "--rm", "--network", "none", "--entrypoint", "/bin/sh", "kvpool", "-c",
+        "test ! -e /etc/kvpool")  # nothing of the credentials is built in
+    for service, port in GRPC_PORTS.items():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as plain:
+            assert health(plain) == "UNAVAILABLE", f"{service} answered a plaintext client"
+        with secure_channel(port, credentials / "client") as channel:
+            assert health(channel) == "SERVING", service
+    with secure_channel(GRPC_PORTS["master"], credentials / "client") as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            pool_pb2_grpc.PoolMasterStub(channel).UnmountSegment(
+                pool_pb2.UnmountSegmentRequest(segment_id="store-0"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    keyless = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="not-the-key", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        keyless.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)

@@ -112,10 +112,20 @@ def test_compose_command_reads_the_mounted_file(name: str, argv: list[str]) -> N
     assert isinstance(settings, ROLES[argv[0]]), name
 
 
+def compose_volumes() -> dict[str, list[str]]:
+    """Each service's ``volumes: [...]`` line (a YAML flow list: aliases bare, paths quoted)."""
+    text = (ROOT / "compose.yaml").read_text()
+    return {m.group(1): [v.strip().strip('"') for v in m.group(2).split(",")]
+            for m in re.finditer(r"^  ([\w-]+):\n(?:    .*\n)*?    volumes: \[([^\]]*)\]", text, re.M)}
+
+
 def test_compose_mounts_its_settings_file() -> None:
     text = (ROOT / "compose.yaml").read_text()
-    mount = f"- ./{COMPOSE_CONFIG.relative_to(ROOT)}:{INSTALLED_CONFIG}:ro"
-    assert text.count(mount) == 1, f"compose.yaml's x-kvpool should mount {mount} once, for every service"
+    mount = f"x-settings: &settings ./{COMPOSE_CONFIG.relative_to(ROOT)}:{INSTALLED_CONFIG}:ro"
+    assert text.count(mount) == 1, f"compose.yaml should name its settings mount once: {mount}"
+    volumes = compose_volumes()
+    assert set(volumes) == {name for name, _ in compose_commands()}
+    assert all(v[0] == "*settings" for v in volumes.values()), volumes
 
 
 @pytest.mark.parametrize("instance", INSTANCES["kvpool-store@.service"])
