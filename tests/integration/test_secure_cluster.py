@@ -14,7 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvpool import tls
 from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from kvpool.tools.bench.prefill_replay import _pool_stats
 from kvpool.tools.certs import Identity, ThrowawayCA
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpAccess, UpSettings, up_cluster
@@ -115,3 +117,20 @@ async def test_only_the_router_calls_prefill_and_clients_call_generate(cluster: 
         request = router_pb2.GenerateRequest(text="hello", sampling=router_pb2.SamplingParams(max_tokens=2))
         replies = [r async for r in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60)]
     assert replies[-1].usage.completion_tokens == 2
+
+
+async def test_a_bench_client_dials_with_the_process_identity(cluster: Cluster) -> None:
+    # the benchmarks' channels are kvpool.service.channel: plaintext unless the process has an identity
+    ca = access(cluster).ca
+    assert ca is not None
+    master = address(cluster, "master")
+    with pytest.raises(grpc.aio.AioRpcError) as plaintext:
+        await _pool_stats(master)
+    assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+    bench = ca.issue("master", "t-bench")
+    tls.configure(tls.SecuritySettings(ca=str(bench.ca), cert=str(bench.cert), key=str(bench.key)))
+    try:
+        stats = await _pool_stats(master)
+    finally:
+        tls.configure(tls.SecuritySettings(ca="", cert="", key=""))
+    assert stats["capacity_bytes"] == 2 * 32 * 2**20  # both stores' 32 MiB segments

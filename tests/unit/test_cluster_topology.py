@@ -70,3 +70,14 @@ def test_one_part_topologies() -> None:
 def test_bad_topologies_are_refused(topology, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message):
         topology()
+
+
+def test_a_child_inherits_no_tls_identity_from_its_launcher(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # a bench or tool with KVPOOL_TLS_* of its own starts plaintext children; kvpool up --secure passes flags
+    from kvpool.tools.cluster.process import PARENT_PID_ENV, ServiceProcess
+
+    parent = {"KVPOOL_TLS_CA": "/ca.pem", "KVPOOL_TLS_CERT": "/c.pem", "KVPOOL_TLS_KEY": "/k.pem",
+              PARENT_PID_ENV: "1", "HOME": "/root"}
+    env = ServiceProcess("master", ["master"], tmp_path).child_env(parent)
+    assert env == {"HOME": "/root", "PYTHONUNBUFFERED": "1"}
+    assert parent["KVPOOL_TLS_CA"] == "/ca.pem"  # the launcher's own identity is untouched

@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import torch
 
 from kvpool import service
@@ -114,7 +113,7 @@ def decode_request(prepared: Prepared, max_tokens: int, **sampling: Any) -> deco
 
 async def _measure(address: str, filler: PromptFiller, concurrency: int, prompt_tokens: int,
                    max_tokens: int) -> dict[str, Any]:
-    async with grpc.aio.insecure_channel(address, options=service.GRPC_OPTIONS) as channel:
+    async with service.channel(address) as channel:
         stub = decode_pb2_grpc.DecodeStub(channel)
         generator = torch.Generator().manual_seed(concurrency)
         prepared = []

@@ -167,7 +167,7 @@ async def _phases(settings: FaultSettings, pool: LocalPool, client: PoolClient, 
                            "groups_before": groups_before}
     with LocalPipeline(num_stages=NUM_STAGES, master=pool.master_address, workdir=workdir / "stages",
                        stage_args=["--device-cache-tokens", str(settings.device_cache_tokens)]) as pipeline:
-        async with grpc.aio.insecure_channel(pipeline.address, options=service.GRPC_OPTIONS) as channel:
+        async with service.channel(pipeline.address) as channel:
             prompts = Prompts(prefill_pb2_grpc.PrefillStub(channel), vocab)
             await prompts.one()  # warm: the stages' first compute pays for lazy set-up
             skipped0, stored0 = await asyncio.to_thread(stage_saves, pipeline.stages)
@@ -187,7 +187,7 @@ async def _phases(settings: FaultSettings, pool: LocalPool, client: PoolClient, 
             first = groups.group_ids[0]
             # the probe's own channel retries every 0.1 s: it measures when the pool
             # answers again, not a long-lived client's reconnect backoff
-            async with grpc.aio.insecure_channel(pool.master_address, options=PROBE_OPTIONS) as probe_channel:
+            async with service.channel(pool.master_address, PROBE_OPTIONS) as probe_channel:
                 probe = pool_pb2_grpc.PoolMasterStub(probe_channel)
 
                 async def hit() -> bool:

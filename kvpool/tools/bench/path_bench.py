@@ -70,7 +70,7 @@ async def _burst(address: str, num_requests: int, prompt_tokens: int, max_tokens
         return {"request_id": request_id, "started": started, "first_token_at": first_at, "tokens": tokens,
                 "finish_reason": finish, "error": error}
 
-    async with grpc.aio.insecure_channel(address, options=service.GRPC_OPTIONS) as channel:
+    async with service.channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         return list(await asyncio.gather(*(one(i, stub) for i in range(num_requests))))
 

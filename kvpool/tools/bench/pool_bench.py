@@ -29,8 +29,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from kvpool import service
 from kvpool.tools.bench.stats import percentile
 from kvpool.tools.bench.worker_protocol import BenchError, huge_page_bytes, thp_mode, total_or_none
@@ -130,7 +128,7 @@ async def _poll_used(master: str, stop: asyncio.Event) -> tuple[int, int, float,
     """Sample the master's occupancy until ``stop``; returns (max used, capacity, high, low)."""
     max_used = capacity = 0
     high = low = math.nan
-    async with grpc.aio.insecure_channel(master, options=service.GRPC_OPTIONS) as channel:
+    async with service.channel(master) as channel:
         stub = pool_pb2_grpc.PoolMasterStub(channel)
         while not stop.is_set():
             stats = await stub.Stats(pool_pb2.StatsRequest(), timeout=5)

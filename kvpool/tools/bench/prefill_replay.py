@@ -8,8 +8,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from kvpool import service
 from kvpool.tools.bench.prefill_workload import BenchSettings, Prompt, Workload
 from kvpool.core.chunk_hash import chunk_hashes
@@ -79,7 +77,7 @@ async def replay(address: str, workload: Workload, concurrency: int, mode: str) 
                 issued += 1
                 results.append(await _send(stub, prompt, issued - 1))
 
-    async with grpc.aio.insecure_channel(address, options=service.GRPC_OPTIONS) as channel:
+    async with service.channel(address) as channel:
         stub = prefill_pb2_grpc.PrefillStub(channel)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(stub) for _ in range(min(concurrency, len(workload.sessions)))))
@@ -89,7 +87,7 @@ async def replay(address: str, workload: Workload, concurrency: int, mode: str) 
 
 
 async def _pool_stats(master: str) -> dict[str, int]:
-    async with grpc.aio.insecure_channel(master, options=service.GRPC_OPTIONS) as channel:
+    async with service.channel(master) as channel:
         stats = await pool_pb2_grpc.PoolMasterStub(channel).Stats(pool_pb2.StatsRequest(), timeout=10)
     return {
         "capacity_bytes": stats.capacity_bytes, "used_bytes": stats.used_bytes,

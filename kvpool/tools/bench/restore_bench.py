@@ -42,7 +42,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from kvpool import service
@@ -157,7 +156,7 @@ async def _measure_size(pool: LocalPool, size: int, repeats: int, check: bool, w
                        stage_args=stage_args) as pipeline:
         namespace = pipeline.stages[0].ready["namespace"]
         client = PoolClient(pool.master_address, engine)
-        async with grpc.aio.insecure_channel(pipeline.address, options=service.GRPC_OPTIONS) as channel:
+        async with service.channel(pipeline.address) as channel:
             front = prefill_pb2_grpc.PrefillStub(channel)
             # object sizes per stage from one chunk's layers (15 or 16 layers at 576 bytes, fp8)
             config = get_config(MODEL)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool import bind_shim
+from kvpool import bind_shim, tls
 
 # Set in a child's environment: it asks for SIGTERM when this process goes
 # (services/cli.py acts on it first thing). Not a preexec_fn: that would make
@@ -59,17 +59,26 @@ class ServiceProcess:
     def start(self) -> None:
         self.ready_file.unlink(missing_ok=True)
         log = self.log_file.open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop(PARENT_PID_ENV, None)
-        if self.die_with_parent:
-            env[PARENT_PID_ENV] = str(os.getpid())
-        if self.args and self.args[0] in ENGINE_ROLES:
-            env = bind_shim.child_env(self._transfer_host(), env)
+        env = self.child_env(os.environ)
         self.proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "services.cli", *self.args, "--ready-file", str(self.ready_file)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
         )
         log.close()
+
+    def child_env(self, parent: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+        """The child's environment: ``parent``'s, less what is this process's own."""
+        env = dict(parent, PYTHONUNBUFFERED="1")
+        env.pop(PARENT_PID_ENV, None)
+        # a child's identity comes from its flags (kvpool up --secure) only: KVPOOL_TLS_* here is this
+        # process's own (a tool's, a bench's), and would give every child one role
+        for name in tls.ENV.values():
+            env.pop(name, None)
+        if self.die_with_parent:
+            env[PARENT_PID_ENV] = str(os.getpid())
+        if self.args and self.args[0] in ENGINE_ROLES:
+            env = bind_shim.child_env(self._transfer_host(), env)
+        return env
 
     def _transfer_host(self) -> str:
         """The host this role's transfer engine serves on, as its flags say (else the settings' default)."""
