@@ -44,6 +44,12 @@ GRPC_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+# grpc takes min_reconnect_backoff as the time a connection attempt may take (its
+# "min connect timeout"). 100 ms fits a loopback TCP connect, not a TLS handshake:
+# several round trips between two processes, each of which must be scheduled. On a
+# loaded host secure connects failed with "Handshake read failed (Endpoint closing)"
+# (a 4-stage compose cluster at load 28 on 2 cores), so secure channels allow 2 s.
+TLS_CONNECT_TIMEOUT_MS = 2000
 
 
 # a stopping service waits until no call has started for this long (its callers
@@ -251,7 +257,10 @@ def channel(address: str, options: Sequence[tuple[str, Any]] = GRPC_OPTIONS) -> 
     interceptors = [*request_id.client_interceptors(), *carry_interceptors()]
     if creds is None:
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
-    return grpc.aio.secure_channel(address, creds, options=list(options), interceptors=interceptors)
+    given = dict(options).get("grpc.min_reconnect_backoff_ms", 0)
+    secure_options = [o for o in options if o[0] != "grpc.min_reconnect_backoff_ms"]
+    secure_options.append(("grpc.min_reconnect_backoff_ms", max(given, TLS_CONNECT_TIMEOUT_MS)))
+    return grpc.aio.secure_channel(address, creds, options=secure_options, interceptors=interceptors)
 
 
 def start_metrics(host: str, port: int, registry: CollectorRegistry) -> int:
