@@ -231,6 +231,12 @@ def cluster(image: str, credentials: Path) -> Iterator[dict[str, Any]]:
         wait_for("router /health 200", router_healthy, 600)
         yield {"up_start": start, "credentials": credentials}
     finally:
+        # what each container said, kept past `down` (printed with -s): the first thing to read on a failure
+        logs = subprocess.run(["docker-compose", "-p", PROJECT, "logs", "--no-color", "--timestamps"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300).stdout
+        saved = credentials.parent / "compose-logs.txt"
+        saved.write_text(logs)
+        figure("container logs", str(saved))
         subprocess.run(["docker-compose", "-p", PROJECT, "down", "--timeout", "20"], cwd=ROOT,
                        capture_output=True, timeout=300)
 
