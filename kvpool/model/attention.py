@@ -152,15 +152,40 @@ def _causal_attention(
     outputs = []
     for start in range(0, n, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, n)
-        num_keys = num_cached_tokens + end
-        block_q, block_k, block_v = query[:, :, start:end], key[:, :, :num_keys], value[:, :, :num_keys]
-        if num_cached_tokens + start == 0:
+        first, num_keys = num_cached_tokens + start, num_cached_tokens + end
+        block_q = query[:, :, start:end]
+        if first == 0:
             # square block at position 0: top-left causal == ours, and it skips masked tiles
-            out = F.scaled_dot_product_attention(block_q, block_k, block_v, is_causal=True, scale=scale)
+            out = F.scaled_dot_product_attention(block_q, key[:, :, :num_keys], value[:, :, :num_keys],
+                                                 is_causal=True, scale=scale)
+        elif _FLASH_CPU is not None and query.device.type == "cpu":
+            out = _prefix_then_diagonal(block_q, key[:, :, :num_keys], value[:, :, :num_keys], first, scale)
         else:
             key_pos = torch.arange(num_keys, device=query.device)
             query_pos = torch.arange(start, end, device=query.device) + num_cached_tokens
             mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-            out = F.scaled_dot_product_attention(block_q, block_k, block_v, attn_mask=mask, scale=scale)
+            out = F.scaled_dot_product_attention(block_q, key[:, :, :num_keys], value[:, :, :num_keys],
+                                                 attn_mask=mask, scale=scale)
         outputs.append(out[0, ..., :value_dim])
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+# PyTorch's CPU flash kernel, with the log-sum-exp SDPA keeps to itself (torch pins it: 2.13.0)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefix_then_diagonal(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int, scale: float
+) -> torch.Tensor:
+    """A query block at positions first .. first + n - 1 over keys 0 .. first + n - 1, without a mask.
+
+    The keys before ``first`` are all visible: one unmasked call. The last n
+    keys form a square the block sees causally: one ``is_causal`` call, which
+    skips its masked tiles. The two softmaxes merge exactly by their
+    log-sum-exps. A boolean mask over all keys instead costs ~1.4x as much.
+    """
+    out_prefix, lse_prefix = _FLASH_CPU(query, key[:, :, :first], value[:, :, :first], scale=scale)
+    out_diag, lse_diag = _FLASH_CPU(query, key[:, :, first:], value[:, :, first:], is_causal=True, scale=scale)
+    top = torch.maximum(lse_prefix, lse_diag)
+    w_prefix, w_diag = torch.exp(lse_prefix - top).unsqueeze(-1), torch.exp(lse_diag - top).unsqueeze(-1)
+    return ((out_prefix * w_prefix + out_diag * w_diag) / (w_prefix + w_diag)).to(query.dtype)

@@ -96,3 +96,20 @@ def test_dsv3_kv_shape_matches_dense_reference() -> None:
     assert model.kv_caches[0].shape == (8, 2, 16, 576)  # block-major: [blocks, layers, tokens, entry]
     logits = model(token_ids, scrambled_block_table(8), 0)
     assert max_abs_diff(logits, dense_logits(config, weights, token_ids)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_after_a_prefix_merges_exactly_what_a_mask_computes(dtype: torch.dtype,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # the unmasked prefix and the causal square, merged by log-sum-exp, against one boolean mask
+    generator = torch.Generator().manual_seed(5)
+    heads, n, cached, dim = 3, 70, 130, 64
+    query = torch.randn(heads, n, dim, generator=generator).to(dtype)
+    key = torch.randn(heads, cached + n, dim, generator=generator).to(dtype)
+    value = torch.randn(heads, cached + n, 32, generator=generator).to(dtype)
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 32)
+    merged = attention_module._causal_attention(query, key, value, cached, 0.125)
+    monkeypatch.setattr(attention_module, "_FLASH_CPU", None)
+    masked = attention_module._causal_attention(query, key, value, cached, 0.125)
+    assert merged.dtype == masked.dtype == dtype and merged.shape == (heads, n, 32)
+    assert max_abs_diff(merged.float(), masked.float()) <= (1e-6 if dtype == torch.float32 else 2e-2)
