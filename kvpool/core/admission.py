@@ -32,7 +32,8 @@ Rules:
   the one with the most free pages; the reason is a metric label.
 - Retry (``retry_move``), only for an UNAVAILABLE part and only before any
   token reached the client: a failed prefill pipeline moves the request once
-  to another healthy pipeline, keeping its shard and room; a decode shard
+  to another healthy pipeline, keeping its shard and room (when none has
+  device room now, the request waits for some: ``retry_may_wait``); a decode shard
   that is down or unreachable (a call to it failed, or prefill could not
   write to it: the error names the field ``target``) moves it once to another
   healthy shard with room, whose room it takes instead (``move_shard``), and
@@ -292,6 +293,17 @@ class Admission:
         self._start_prefill(moved)
         self._tickets[ticket.request_id] = moved
         return moved
+
+    def retry_may_wait(self, ticket: Ticket, error: KvpoolError, num_tokens_sent: int) -> bool:
+        """``retry`` may move this request once another pipeline has device room: it may retry
+        (``retry_move``) and some other healthy pipeline's cache could hold it, only not now. The
+        request then waits for room (a first token or a release frees blocks), keeping its shard's."""
+        if (self._tickets.get(ticket.request_id) != ticket or ticket.request_id not in self._prefilling
+                or retry_move(error, num_tokens_sent, ticket, at_decode=False) is not Move.PIPELINE):
+            return False
+        return any(t.healthy and t.name != ticket.pipeline
+                   and ticket.num_prompt_tokens <= self.pipelines[t.name].max_prompt_tokens
+                   for t in self.routing.pipelines.values())
 
     def move_shard(self, ticket: Ticket, request: AdmissionRequest, error: KvpoolError, num_tokens_sent: int,
                    at_decode: bool) -> Ticket | None:

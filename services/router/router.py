@@ -15,7 +15,8 @@ the calls:
 
 Faults (the core decides, ``kvpool.core.admission.retry_move``): a prefill
 pipeline that answers UNAVAILABLE is retried once on another healthy pipeline
-when nothing reached the client; the region and pages stay the request's. A
+when nothing reached the client (waiting, within the queue's timeout, for
+device room there if it has none now); the region and pages stay the request's. A
 decode shard that is down or unreachable before the first token (Reserve or
 Generate failed, or prefill could not write to it) moves the request once to
 another shard: its room there, a new Reserve and Prefill (the prefix is in the
@@ -58,6 +59,8 @@ CALL_TIMEOUT_S = 30.0
 # that finds the room still taken waits for it this long at most (the ticket says it is coming)
 RESERVE_WAIT_S = 5.0
 RESERVE_RETRY_S = 0.02
+# a request waiting for device room to be retried on another pipeline looks again at least this often
+ROOM_RECHECK_S = 0.5
 
 
 class Router:
@@ -80,6 +83,8 @@ class Router:
         )
         self.backends = Backends(pipelines, shards, self.admission, metrics)
         self._waiting: dict[str, asyncio.Future[Ticket]] = {}
+        # set (and replaced) whenever admission may have freed room: a request waiting to be retried looks again
+        self._room_freed = asyncio.Event()
         self._prefetches: set[asyncio.Task[None]] = set()  # fire-and-forget: a turn's end never waits on them
 
     async def close(self) -> None:
@@ -145,6 +150,8 @@ class Router:
                 self._release(ticket.request_id)  # its client went away meanwhile
             else:
                 waiter.set_result(ticket)
+        self._room_freed.set()
+        self._room_freed = asyncio.Event()
         self._publish()
 
     def _publish(self) -> None:
@@ -313,13 +320,33 @@ class Router:
                                                target=target), timeout=self.request_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 error = from_status(exc, f"prefill pipeline {ticket.pipeline}", _PASSED_ON)
-            moved = self.admission.retry(ticket, error, 0, scoped_session_key(request.tenant, request.session_key))
+            session = scoped_session_key(request.tenant, request.session_key)
+            moved = self.admission.retry(ticket, error, 0, session)
+            if moved is None and self.admission.retry_may_wait(ticket, error, 0):
+                moved = await self._retry_when_room(ticket, error, session)
             if moved is None:
                 raise error
             self.metrics.retries.inc()
             log.warning("prefill_retried_elsewhere", pipeline=ticket.pipeline, to=moved.pipeline, error=str(error))
             ticket = moved
             usage.pipeline = ticket.pipeline
+
+    async def _retry_when_room(self, ticket: Ticket, error: KvpoolError, session: str) -> Ticket | None:
+        """Wait, within the queue's timeout, until another pipeline has device room for a request its
+        own pipeline failed (a first token or a release frees blocks), then move it there."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.admission.queue_timeout_s
+        log.info("prefill_retry_waits_for_room", pipeline=ticket.pipeline, error=str(error))
+        while loop.time() < deadline:
+            freed = self._room_freed
+            try:
+                await asyncio.wait_for(freed.wait(), min(ROOM_RECHECK_S, max(0.0, deadline - loop.time())))
+            except TimeoutError:
+                pass  # health may have changed meanwhile: ask again
+            moved = self.admission.retry(ticket, error, 0, session)
+            if moved is not None or not self.admission.retry_may_wait(ticket, error, 0):
+                return moved
+        return None
 
     async def _decode(self, ticket: Ticket, request: GenerationRequest, target: handoff_pb2.HandoffTarget,
                       usage: Usage, request_id: str) -> AsyncIterator[int]:

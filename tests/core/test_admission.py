@@ -178,6 +178,39 @@ def test_retry_moves_the_pipeline_once_and_keeps_the_room() -> None:
     assert a.routing.pipelines["p1"].in_flight == 0 and a.shards[ticket.shard].used_pages == 0
 
 
+def test_a_retry_with_no_device_room_elsewhere_waits_for_it() -> None:
+    a = admission(max_queue=0, shape=ShardShape(1000, 16, 100_000_000, 4000, 4096, 4096))
+    a.set_health("p1", False)
+    # p0's cache (64 blocks of 16): 9 prompts of 100 tokens (7 blocks each) still prefilling take 63
+    on_p0 = [a.admit(req(f"f{i}"), now=0.0) for i in range(9)]
+    assert {t.pipeline for t in on_p0} == {"p0"} and a.pipelines["p0"].used_blocks == 63
+    a.set_health("p1", True)
+    on_p1 = a.admit(req("r"), now=0.0)
+    assert on_p1.pipeline == "p1"
+    down = Unavailable("stage 2 down")
+    assert a.retry(on_p1, down, 0, "") is None  # p0 has no room now
+    assert a.retry_may_wait(on_p1, down, 0)  # ... but could hold it: the request waits
+    assert not a.retry_may_wait(on_p1, down, 1)  # a token reached the client: never moved
+    assert not a.retry_may_wait(on_p1, InvalidArgument("x: y"), 0)
+    a.prefill_ended("f0", now=1.0)  # its first token is out: its 7 blocks go
+    moved = a.retry(on_p1, down, 0, "")
+    assert moved is not None and (moved.pipeline, moved.shard, moved.tries) == ("p0", on_p1.shard, 2)
+    assert a.pipelines["p0"].used_blocks == 63 and a.pipelines["p1"].used_blocks == 0
+    assert not a.retry_may_wait(moved, down, 0)  # moved once already: a second failure is final
+
+
+def test_no_retry_wait_without_another_healthy_pipeline_that_could_hold_it() -> None:
+    a = admission()
+    ticket = a.admit(req("r"), now=0.0)
+    other = "p1" if ticket.pipeline == "p0" else "p0"
+    a.set_health(other, False)
+    assert not a.retry_may_wait(ticket, Unavailable("down"), 0)
+    a.set_health(other, True)
+    assert a.retry_may_wait(ticket, Unavailable("down"), 0)
+    a.release("r", now=0.0)
+    assert not a.retry_may_wait(ticket, Unavailable("down"), 0)  # no longer a live ticket
+
+
 def test_retry_move_blames_the_part_that_failed() -> None:
     first = Ticket("r", "p0", PipelineReason.NEW_SESSION, "d0", Locality.SAME_SERVER, 10, 405_504, 0.0)
     assert retry_move(Unavailable("stage 1 down"), 0, first, at_decode=False) is Move.PIPELINE
