@@ -50,6 +50,9 @@ log = structlog.get_logger(__name__)
 ARENA_WAIT_S = 30.0  # for room in the handoff arena, at most
 STAGE_TIMEOUT_S = 120.0  # one stage's writes after its forward, as stage 0 waits for them
 LANDED_TIMEOUT_S = 30.0
+# a Landed that found no connection is sent once more, waiting this long for one: the first call on a new
+# channel can fail to connect on a loaded host (seen at load 30 on 2 cores), and landing is idempotent
+LANDED_RECONNECT_S = 5.0
 # finished handoffs nobody asked about (stage 0 gone) are forgotten past this many
 MAX_FINISHED = 1024
 _SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
@@ -274,8 +277,15 @@ class StageHandoff:
         request = decode_pb2.LandedRequest(region_id=target.region_id, stage=self.stage,
                                            token_start=token_start if token_start < token_end else 0,
                                            token_end=token_end if token_start < token_end else 0, trailer=trailer)
+        stub = decode_pb2_grpc.DecodeStub(channel)
         try:
-            response = await decode_pb2_grpc.DecodeStub(channel).Landed(request, timeout=LANDED_TIMEOUT_S)
+            try:
+                response = await stub.Landed(request, timeout=LANDED_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                log.info("landed_resent", region_id=target.region_id, stage=self.stage, details=exc.details())
+                response = await stub.Landed(request, timeout=LANDED_RECONNECT_S, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             error = from_status(exc, f"stage {self.stage}: decode at {target.notify_address}",
                                 (InvalidArgument, FailedPrecondition))
