@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvpool.core.chunk_hash import ChunkHash, group_id
 from kvpool.core.errors import ResourceExhausted
+from kvpool.core.prefill_queue import WorkWeights, prefill_work_s
 from kvpool.core.prefill_request import PrefillRequest, try_admit
 from kvpool.core.sessions import PrefetchLedger, SessionId, SessionTable, check_expected_next_s, prefetch_budget
 from kvpool.core.tenant_shares import tenant_name
@@ -44,6 +45,7 @@ log = structlog.get_logger(__name__)
 LEAD_S = 1.0  # stage this long before the expected next turn
 RESERVE_SHARE = 0.02  # of the device's blocks a staging always leaves free
 MAX_SESSIONS = 10_000
+WORK_WEIGHTS = WorkWeights()  # the gate orders by these (the seed's GPUs; only their ratios matter for an order)
 
 
 class PrefetchMetrics:
@@ -94,6 +96,21 @@ class SessionPrefetcher:
     def turn_ended(self, session: SessionId | None, chunk_hashes: list[ChunkHash]) -> None:
         if session is not None and self.sessions.get(session) is not None:
             self.sessions.turn_ended(session, time.monotonic(), chunk_hashes)
+
+    def work_s(self, hashes: list[ChunkHash], num_tokens: int, session: SessionId | None) -> float:
+        """The gate's estimate of a prompt's work: the device's cached prefix is free, what else the
+        session's last prompt shares with it is restored (the pool holds it), the rest is computed."""
+        chunk = self.scheduler.chunk_size
+        num_device = self.scheduler.blocks.match_prefix(hashes)
+        state = self.sessions.get(session) if session is not None else None
+        known = 0
+        for a, b in zip(state.chunk_hashes if state is not None else (), hashes):
+            if a != b:
+                break
+            known += 1
+        cached = min(max(num_device, known) * chunk, num_tokens - 1)
+        restore = min(cached, max(0, known - num_device) * chunk)
+        return prefill_work_s(num_tokens, cached, restore, WORK_WEIGHTS)
 
     # ---- the RPC --------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from kvpool.request_id import current_request_id, new_request_id
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import from_status, status_errors
 from services.prefill.handoff import HandoffMetrics, StageHandoff
+from services.prefill.gate import WorkGate
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.prefetch import PrefetchMetrics, SessionPrefetcher
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
@@ -103,7 +104,9 @@ class PrefillScheduler:
         self._freed = asyncio.Condition()
         self._releases: set[asyncio.Task[None]] = set()
         self._releasing: dict[str, asyncio.Task[None]] = {}  # by request id
-        # session-aware prefill: retention by session, staging ahead of a session's next turn
+        # session-aware prefill: the work-aware gate (--sched session), retention by session, staging
+        self.gate = (WorkGate(self.settings.sched_slots, self.settings.sched_max_wait_s)
+                     if self.settings.sched == "session" else None)
         self.prefetcher = SessionPrefetcher(self, PrefetchMetrics(metrics.registry),
                                             runner.chunk_nbytes * self.settings.num_stages)
 
@@ -149,10 +152,12 @@ class PrefillScheduler:
         hashes = chunk_hashes(hash_root(self.namespace, tenant, cache_salt), token_ids, self.chunk_size)
         bound = log.bind(request_id=request_id, session_key=session_key)
         session = SessionId(tenant_name(tenant), session_key) if session_key else None
+        work_s = self.prefetcher.work_s(hashes, len(token_ids), session)
         self.prefetcher.turn_started(session)
         try:
-            return await self._prefill(request_id, token_ids, hashes, session, return_logits, tenant, target,
-                                       handoff_after_prefill, started, bound)
+            async with self.gate.slot(request_id, work_s) if self.gate else contextlib.nullcontext():
+                return await self._prefill(request_id, token_ids, hashes, session, return_logits, tenant, target,
+                                           handoff_after_prefill, started, bound)
         finally:
             self.prefetcher.turn_ended(session, hashes)
 

@@ -55,6 +55,11 @@ class PrefillSettings(ModelSetting):
         "reuses its own oldest cached blocks first (docs/security.md)", factory=list, metavar="TENANT=WEIGHT,...",
         default_text="none: equal shares",
     )
+    sched: str = setting("fifo", help="stage 0: fifo runs every admitted prefill at once (the stages interleave "
+                         "their pieces); session gates them through the core's work-aware queue (least work first, "
+                         "aging at --sched-max-wait-s), --sched-slots at a time", choices=("fifo", "session"))
+    sched_slots: int = setting(2, help="stage 0, --sched session: prefills running through the stages at once")
+    sched_max_wait_s: float = setting(4.0, help="stage 0, --sched session: a prefill waiting this long goes first")
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
     )

@@ -97,3 +97,27 @@ def test_compare_flag_and_ratios() -> None:
                    "ttft_mean_session_over_fifo": 1.0, "throughput_session_over_fifo": 1.01,
                    "prompt_throughput_session_over_fifo": 1.0, "restore_critical_session_over_fifo": 0.5,
                    "reuse_session": 0.91, "reuse_fifo": 0.9, "wasted_prefetch_share": 0.25, "errors": 1}
+
+
+def test_replay_compare_sched_sides_and_hints() -> None:
+    from kvpool.tools.replay.compare import parse_compare, sched_ratios, side_settings
+    from kvpool.tools.replay.engine import session_hints
+    from kvpool.tools.replay.topology import TopologySettings, side_topology
+    from kvpool.tools.replay.workload import ReplaySession, ReplayTurn
+
+    assert parse_compare("sched=fifo,session") == ("sched", ("fifo", "session"))
+    with pytest.raises(ValueError, match="sched=fifo,session"):
+        parse_compare("sched=fifo,lifo")
+    side = side_settings(TopologySettings(), "sched", "session")
+    args = side_topology(side).servers[0].pipelines[0].args
+    assert args[args.index("--sched") + 1] == "session"
+    turns = tuple(ReplayTurn(i, 10.0 * i, think, 64, (i,), 64, 4) for i, think in enumerate((0.0, 30.0, 8.0)))
+    session = ReplaySession("s", "s", 64, 0.0, 0, turns, ())
+    assert [session_hints(session, t, 0.5) for t in turns] == [
+        {"expected_next_s": 15.0}, {"expected_next_s": 4.0}, {"session_end": True}]
+    fifo = {"ttft_p50_s": 2.0, "ttft_p99_s": 4.0, "prompt_tok_s": 100.0, "restore_wait_total_s": 1.0,
+            "reuse_ratio": 0.8, "errors": 0}
+    out = sched_ratios(fifo, dict(fifo, ttft_p50_s=1.0, prompt_tok_s=99.0, prefetched_bytes=100,
+                                  prefetch_used_bytes=80, prefetch_wasted_bytes=20, errors=0))
+    assert (out["ttft_p50_session_over_fifo"], out["throughput_session_over_fifo"], out["wasted_prefetch_share"],
+            out["errors"]) == (0.5, 0.99, 0.2, 0)

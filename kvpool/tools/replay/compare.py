@@ -39,7 +39,8 @@ from kvpool.tools.replay.workload import ReplayWorkload
 from kvpool.sizes import format_size, parse_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
-COMPARISONS = {"pool": ("shared", "split"), "groups": ("on", "off"), "locality": ("on", "off")}
+COMPARISONS = {"pool": ("shared", "split"), "groups": ("on", "off"), "locality": ("on", "off"),
+               "sched": ("fifo", "session")}
 # the master's watermarks: a pool holds about low_watermark of its bytes once eviction runs
 USABLE_SHARE = 0.85
 
@@ -49,7 +50,8 @@ def parse_compare(text: str) -> tuple[str, tuple[str, ...]]:
     what, _, sides_text = text.partition("=")
     sides = tuple(s.strip() for s in sides_text.split(",") if s.strip())
     if what not in COMPARISONS or not sides or set(sides) - set(COMPARISONS[what]) or len(set(sides)) != len(sides):
-        raise ValueError(f"--compare: expected pool=shared,split, groups=on,off or locality=on,off, got {text!r}")
+        raise ValueError(f"--compare: expected pool=shared,split, groups=on,off, locality=on,off or "
+                         f"sched=fifo,session, got {text!r}")
     return what, sides
 
 
@@ -58,6 +60,8 @@ def side_settings(base: TopologySettings, what: str, side: str) -> TopologySetti
         return dataclasses.replace(base, pool=side)
     if what == "locality":
         return dataclasses.replace(base, locality=side == "on")
+    if what == "sched":
+        return dataclasses.replace(base, sched=side)
     return dataclasses.replace(base, eviction="group" if side == "on" else "object")
 
 
@@ -207,6 +211,8 @@ def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workloa
         for side in sides:
             where = workdir / f"{what}-{side}-c{level}" if workdir is not None else None
             settings, level_options = side_settings(base, what, side), dataclasses.replace(options, concurrency=level)
+            if what == "sched":  # the session side's clients send the hints
+                level_options = dataclasses.replace(level_options, session_hints=side == "session")
             summary = run_side(settings, workload, level_options, fault, where)
             if fault is not None and summary.get("kill", {}).get("killed"):
                 # the reuse a kill costs: against the same side and requests with no kill
@@ -236,5 +242,23 @@ def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workloa
     if what == "locality":
         for side in sides:
             out[f"cross_server_handoff_share_{side}"] = top[side]["cross_server_handoff_share"]
+    if what == "sched" and {"fifo", "session"} <= set(top):
+        out.update(sched_ratios(top["fifo"], top["session"]))
     out["regime"] = next(iter(top.values()))["regime"]
     return out
+
+
+def sched_ratios(fifo: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
+    """The session-aware side over the FIFO side, the same keys as ``kvpool simulate --compare sched=...``."""
+    def over(key: str) -> float:
+        return session[key] / fifo[key] if fifo.get(key) else math.nan
+
+    prefetched = session.get("prefetched_bytes", 0)
+    return {"ttft_p50_session_over_fifo": over("ttft_p50_s"), "ttft_p99_session_over_fifo": over("ttft_p99_s"),
+            "throughput_session_over_fifo": over("prompt_tok_s"),
+            "restore_wait_total_session_over_fifo": over("restore_wait_total_s"),
+            "reuse_session": session["reuse_ratio"], "reuse_fifo": fifo["reuse_ratio"],
+            "prefetched_bytes": prefetched, "prefetch_used_bytes": session.get("prefetch_used_bytes", 0),
+            "prefetch_wasted_bytes": session.get("prefetch_wasted_bytes", 0),
+            "wasted_prefetch_share": session.get("prefetch_wasted_bytes", 0) / prefetched if prefetched else 0.0,
+            "errors": fifo["errors"] + session["errors"]}

@@ -45,7 +45,8 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compare", metavar="WHAT=A,B",
                    help="pool=shared,split (one pool over every store against one per server) or groups=on,off "
                    "(whole-group against per-object eviction) or locality=on,off (the router prefers the decode "
-                   "shard on the pipeline's server, or not); the same sessions on each side")
+                   "shard on the pipeline's server, or not) or sched=fifo,session (stage 0's work-aware gate and "
+                   "the clients' session hints, or neither); the same sessions on each side")
     g.add_argument("--servers", type=int, default=2, help="logical servers: each a pipeline, a decode shard and "
                    "two stores (prefill side, decode side) (default 2)")
     g.add_argument("--turns", type=int, help="keep the first N turns of every weka session, with or without "

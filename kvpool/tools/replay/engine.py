@@ -105,6 +105,8 @@ class _Run:
         prompt = session.token_ids(turn, self.workload.scale, self.workload.vocab_size)
         body = {"model": self.model, "prompt": prompt, "max_tokens": turn.max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "prompt_cache_key": session.id}
+        if self.options.session_hints:
+            body.update(session_hints(session, turn, self.options.think_scale))
         try:
             await stream_turn(self.client, self.url, body, record)
         except Exception as exc:  # noqa: BLE001 - any failure is this request's error; the replay goes on
@@ -143,6 +145,14 @@ class _Run:
             if arrival > time.perf_counter():
                 await asyncio.sleep(arrival - time.perf_counter())
             await self.session(session)
+
+
+def session_hints(session: ReplaySession, turn: ReplayTurn, think_scale: float) -> dict[str, Any]:
+    """kvpool's session hints for one turn: ``session_end`` on the session's last turn, else
+    ``expected_next_s``, the next turn's think time as this replay plays it."""
+    if turn.index + 1 >= len(session.turns):
+        return {"session_end": True}
+    return {"expected_next_s": min(86_400.0, session.turns[turn.index + 1].think_time * think_scale)}
 
 
 async def run_replay(url: str, workload: ReplayWorkload, options: ReplayOptions,

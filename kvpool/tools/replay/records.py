@@ -25,6 +25,9 @@ class ReplayOptions:
     chunk_size: int = CHUNK_SIZE
     request_timeout_s: float = 600.0
     progress: bool = False
+    # session-aware prefill's hints on every turn: expected_next_s (the next turn's think time as replayed),
+    # session_end on a session's last turn
+    session_hints: bool = False
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:

@@ -34,8 +34,11 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
     out: dict[str, Any] = {"restore_bytes_per_stage": {}, "saved_bytes_per_stage": {},
                            "restore_seconds_mean_per_stage": {}}
     wait_sum = wait_count = queue_sum = queue_count = 0.0
+    prefetch = dict.fromkeys(("prefetched", "used", "wasted"), 0.0)
     for name in sorted(n for n in after if "stage" in n):
         moved = delta(after[name], before.get(name, {}))
+        for kind in prefetch:  # stage 0's session prefetch (bytes on every stage)
+            prefetch[kind] += total(moved, "kvpool_prefetch_bytes_total", kind=kind)
         out["restore_bytes_per_stage"][name] = int(total(moved, "kvpool_prefill_restored_bytes_total"))
         out["saved_bytes_per_stage"][name] = int(total(moved, "kvpool_prefill_saved_bytes_total"))
         # each stage's read (and verify) straight into its pages, per restore
@@ -49,6 +52,11 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
     out["restore_wait_mean_s"] = _ratio(wait_sum, wait_count)
     out["restores"] = int(wait_count)
     out["prefill_queue_wait_mean_s"] = _ratio(queue_sum, queue_count)
+    # the restore on the critical path, per restore (each pipeline's stage 0: first stage start to last finish)
+    out["restore_wait_total_s"] = wait_sum
+    out["prefetched_bytes"] = int(prefetch["prefetched"])
+    out["prefetch_used_bytes"] = int(prefetch["used"])
+    out["prefetch_wasted_bytes"] = int(prefetch["wasted"])
     return out
 
 

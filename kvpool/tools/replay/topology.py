@@ -55,6 +55,7 @@ class TopologySettings:
     decode_args: tuple[str, ...] = ()
     master_args: tuple[str, ...] = ()
     locality: bool = True  # the router prefers the decode shard on the pipeline's own server
+    sched: str = "fifo"  # stage 0's --sched (session: the work-aware gate)
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -78,7 +79,8 @@ def side_topology(settings: TopologySettings) -> Topology:
         master=MasterSpec(f"s{i}-master", args=master_args) if s.pool == "split" else None,
         stores=tuple(StoreSpec(f"s{i}-store-{side}", ("--segment-size", s.segment_size, "--numa-node", "0",
                                                        "--segment-id", f"s{i}-store-{side}")) for side in sides),
-        pipelines=(PipelineSpec(f"s{i}-", s.stages, (*model, "--device-cache-tokens", str(s.device_cache_tokens))),),
+        pipelines=(PipelineSpec(f"s{i}-", s.stages, (*model, "--device-cache-tokens", str(s.device_cache_tokens),
+                                                        "--sched", s.sched)),),
         decode_shards=(DecodeSpec(f"s{i}-decode", (*model, *s.decode_args)),),
     ) for i in range(s.servers))
     return Topology(servers, master=MasterSpec(args=master_args) if s.pool == "shared" else None,

@@ -1,0 +1,61 @@
+"""Stage 0's gate in front of the pipeline (``--sched session``): the core's work-aware queue with aging.
+
+At most ``slots`` prefills run through the stages at once; the others wait in
+``kvpool.core.prefill_queue.PrefillQueue`` (least work first, a request
+waiting ``max_wait_s`` goes before every other). Without the gate
+(``--sched fifo``, the default) every admitted prefill runs at once and the
+stages' compute threads interleave their pieces in arrival order.
+
+Invariants: ``running <= slots``; a request waits only while every slot is
+taken; a waiter that is cancelled leaves the queue, and a slot it was handed
+passes on to the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from kvpool.core.prefill_queue import PrefillQueue, QueueOrder
+
+
+class WorkGate:
+    def __init__(self, slots: int, max_wait_s: float) -> None:
+        self.slots = slots
+        self.running = 0
+        self.queue = PrefillQueue(QueueOrder.WORK, max_wait_s)
+        self._waiters: dict[str, asyncio.Future[None]] = {}
+
+    @asynccontextmanager
+    async def slot(self, request_id: str, work_s: float) -> AsyncIterator[None]:
+        """Hold one of the slots for the body (in the queue's order when all are taken)."""
+        if self.running < self.slots and not len(self.queue):
+            self.running += 1
+        else:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters[request_id] = waiter
+            self.queue.push(request_id, work_s, time.monotonic())
+            try:
+                await waiter  # handed a slot (running counts it already)
+            except asyncio.CancelledError:
+                if self.queue.remove(request_id):
+                    self._waiters.pop(request_id, None)
+                elif waiter.done() and not waiter.cancelled():  # handed a slot as it was cancelled: pass it on
+                    self._leave()
+                raise
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        self.running -= 1
+        while self.running < self.slots and len(self.queue):
+            request_id = self.queue.pop(time.monotonic())
+            waiter = self._waiters.pop(request_id)
+            if waiter.cancelled():
+                continue  # its caller is gone (it leaves without a slot)
+            self.running += 1
+            waiter.set_result(None)

@@ -1,0 +1,56 @@
+"""Stage 0's work-aware gate: order, slots, and a cancelled waiter (asyncio only, no process)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.prefill.gate import WorkGate
+
+
+async def hold(gate: WorkGate, name: str, work: float, order: list[str], release: asyncio.Event) -> None:
+    async with gate.slot(name, work):
+        order.append(name)
+        await release.wait()
+
+
+def test_least_work_runs_first_within_the_slots_and_a_cancelled_waiter_leaves() -> None:
+    async def main() -> None:
+        gate, order = WorkGate(slots=1, max_wait_s=60.0), []
+        go = {n: asyncio.Event() for n in "abcd"}
+        tasks = {n: asyncio.ensure_future(hold(gate, n, w, order, go[n])) for n, w in
+                 (("a", 9.0), ("b", 5.0), ("c", 1.0), ("d", 3.0))}
+        await asyncio.sleep(0.01)
+        assert (order, gate.running, len(gate.queue)) == (["a"], 1, 3)
+        tasks["d"].cancel()  # its client went away while it waited
+        await asyncio.sleep(0.01)
+        assert len(gate.queue) == 2
+        go["a"].set()
+        await asyncio.sleep(0.01)
+        assert order == ["a", "c"]
+        go["c"].set()
+        await asyncio.sleep(0.01)
+        assert order == ["a", "c", "b"]
+        go["b"].set()
+        await asyncio.gather(tasks["a"], tasks["b"], tasks["c"])
+        assert (gate.running, len(gate.queue)) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_slot_handed_to_a_cancelled_waiter_passes_on() -> None:
+    async def main() -> None:
+        gate, order = WorkGate(slots=1, max_wait_s=60.0), []
+        go = {n: asyncio.Event() for n in "abc"}
+        a = asyncio.ensure_future(hold(gate, "a", 1.0, order, go["a"]))
+        await asyncio.sleep(0.01)
+        b = asyncio.ensure_future(hold(gate, "b", 1.0, order, go["b"]))
+        c = asyncio.ensure_future(hold(gate, "c", 2.0, order, go["c"]))
+        await asyncio.sleep(0.01)
+        go["a"].set()  # a leaves: b is handed the slot ...
+        await asyncio.sleep(0)
+        b.cancel()  # ... and cancelled before it runs
+        go["c"].set()
+        await asyncio.gather(a, c)
+        assert order == ["a", "c"] and (gate.running, len(gate.queue)) == (0, 0)
+
+    asyncio.run(main())
