@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter
@@ -35,10 +35,9 @@ from kvpool.core.errors import ResourceExhausted
 from kvpool.core.prefill_queue import WorkWeights, prefill_work_s
 from kvpool.core.prefill_request import PrefillRequest, try_admit
 from kvpool.core.sessions import PrefetchLedger, SessionId, SessionTable, check_expected_next_s, prefetch_budget
+from kvpool.core.block_manager import BlockManager
 from kvpool.core.tenant_shares import tenant_name
-
-if TYPE_CHECKING:
-    from services.prefill.scheduler import PrefillScheduler
+from kvpool.pool.client import PoolClient
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +45,20 @@ LEAD_S = 1.0  # stage this long before the expected next turn
 RESERVE_SHARE = 0.02  # of the device's blocks a staging always leaves free
 MAX_SESSIONS = 10_000
 WORK_WEIGHTS = WorkWeights()  # the gate orders by these (the seed's GPUs; only their ratios matter for an order)
+
+
+class PrefillScheduler(Protocol):
+    """What staging needs of stage 0's scheduler (``scheduler.PrefillScheduler``): its block table, the
+    pool, and its restore and free, so a staging takes the very path a prefill's restore takes."""
+
+    blocks: BlockManager
+    chunk_size: int
+    namespace: str
+    pool: PoolClient | None
+
+    async def _restore(self, request: PrefillRequest) -> Any: ...
+
+    async def _free(self, request_id: str) -> None: ...
 
 
 class PrefetchMetrics:

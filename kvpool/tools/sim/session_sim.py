@@ -21,14 +21,16 @@ The decisions are the core's (``kvpool.core.sessions``, ``BlockManager.touch_ses
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id
+from kvpool.core.pool_index import PoolIndex
 from kvpool.core.sessions import PrefetchLedger, SessionId, SessionTable, plan_prefetch, prefetch_at, prefetch_budget
+from kvpool.tools.sim.cost_model import CostModel
+from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import SIM_TENANT, Job, session_of
-
-if TYPE_CHECKING:
-    from kvpool.tools.sim.prefill_sim import PipelineSim
+from kvpool.tools.sim.network import MasterQueue
 
 LEAD_S = 1.0  # start this long, plus the whole history's restore time, before the expected next turn
 RESERVE_SHARE = 0.02  # of the device's blocks a prefetch always leaves free
@@ -156,6 +158,24 @@ class SessionAware:
                 "prefetch_wasted_bytes": ledger.wasted_bytes, "prefetch_pending_bytes": ledger.pending_bytes,
                 "wasted_prefetch_share": ledger.wasted_share, "prefetches": self.num_prefetches,
                 "prefetches_cancelled": self.num_cancelled, "prefetches_skipped_pressure": self.num_skipped_pressure}
+
+
+class PipelineSim(Protocol):
+    """What prefetch needs of a simulated pipeline (``prefill_sim.PipelineSim``)."""
+
+    name: str
+    loop: EventLoop
+    cost: CostModel
+    blocks: BlockManager
+    index: PoolIndex
+    master: MasterQueue
+
+    @property
+    def stage_bytes_per_token(self) -> float: ...
+
+    def blocks_wanted(self) -> int: ...
+
+    def kick(self) -> None: ...
 
 
 def _served() -> None:
