@@ -25,7 +25,7 @@ or the session ended).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.core.chunk_hash import ChunkHash
@@ -188,15 +188,21 @@ class PrefetchLedger:
         self.prefetched_bytes += added * self.chunk_bytes
         return added
 
-    def turn_started(self, session: SessionId, device_hit: Iterable[ChunkHash]) -> tuple[int, int]:
+    def turn_started(self, session: SessionId, device_hit: Iterable[ChunkHash],
+                     cached: Callable[[ChunkHash], bool]) -> tuple[int, int]:
         """A turn of the session found ``device_hit`` on the device: pending chunks among them were
-        used, the rest wasted (evicted before the turn, or not part of its prompt). Returns bytes
+        used; pending chunks the device no longer caches (``cached`` says) were evicted unused, wasted;
+        the rest stay pending (this turn did not reach them: a sub-agent's branch, say). Returns bytes
         (used, wasted)."""
-        pending = self._pending.pop(session, None)
+        pending = self._pending.get(session)
         if not pending:
             return 0, 0
-        used = len(pending.intersection(device_hit)) * self.chunk_bytes
-        wasted = len(pending) * self.chunk_bytes - used
+        hit = pending.intersection(device_hit)
+        lost = {h for h in pending - hit if not cached(h)}
+        pending -= hit | lost
+        if not pending:
+            del self._pending[session]
+        used, wasted = len(hit) * self.chunk_bytes, len(lost) * self.chunk_bytes
         self.used_bytes += used
         self.wasted_bytes += wasted
         return used, wasted

@@ -102,7 +102,9 @@ class SessionPrefetcher:
         if request.session is None:
             return
         used0, wasted0 = self.ledger.used_bytes, self.ledger.wasted_bytes
-        self.ledger.turn_started(request.session, request.chunk_hashes[: request.num_device_chunks])
+        cached = self.scheduler.blocks.cached_block_id
+        self.ledger.turn_started(request.session, request.chunk_hashes[: request.num_device_chunks],
+                                 lambda h: cached(h) is not None)
         self.metrics.bytes.labels("used").inc(self.ledger.used_bytes - used0)
         self.metrics.bytes.labels("wasted").inc(self.ledger.wasted_bytes - wasted0)
 

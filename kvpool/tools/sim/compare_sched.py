@@ -9,7 +9,15 @@ each pair identical but for ``RunSettings.sched``:
   does, each playing its trace once: the rate offers 90% of the capacity,
   the capacity being the prompt tokens per second the closed-loop FIFO run
   prefilled (it saturates prefill), over the mean prompt tokens of a trace as
-  played (cut to the context).
+  played (cut to the context). Fewer sessions live at once than in the closed
+  loop, so the device holds more of their histories and a token costs less:
+  at that rate prefill is far from busy. So a pilot FIFO run at that rate
+  measures how busy prefill is, and the rate is scaled so prefill is busy 90%
+  of what the closed FIFO run's was (its saturation); the pilot's figures are
+  reported (``token_rate_pilot``). A session lives long (tens of turns of
+  think, TTFT and decode), so each open run starts with the sessions a steady
+  state holds (rate × the closed FIFO run's session lifetime: turns a trace ×
+  its mean think + TTFT + decode) and warms up ``OPEN_WARMUP_S``.
 
 The closed pair runs first (the open rate comes from it), each pair in two
 processes. Figures count after the warm-up, as in every simulated run.
@@ -31,7 +39,8 @@ from kvpool.tools.sim.workload import fit_to_context
 
 SIDES = ("fifo", "session")
 OPEN_LOAD = 0.9
-KEEP = ("throughput_per_gpu", "prompt_tok_s", "reuse_ratio", "device_share", "pool_share", "computed_share",
+OPEN_WARMUP_S = 1200.0
+KEEP = ("throughput_per_gpu", "think_mean_s", "decode_mean_s", "prompt_tok_s", "reuse_ratio", "device_share", "pool_share", "computed_share",
         "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "queue_p50_s", "queue_p90_s", "restore_p50_ms",
         "restore_critical_s_per_turn", "prefill_busy", "turns", "errors", "prefetched_bytes", "prefetch_used_bytes",
         "prefetch_wasted_bytes", "prefetch_pending_bytes", "wasted_prefetch_share", "prefetches",
@@ -90,11 +99,28 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     cost = load_cost_model(Path(cost_path))
     per_session = mean_session_prompt_tokens(args.traces, cost.model.chunk_tokens, topology.max_context)
     rate = OPEN_LOAD * closed[0]["prompt_tok_s"] / per_session
-    opened = _pair([replace(base, sched=s, open_loop_sessions_per_s=rate) for s in SIDES], spec, args, cost_path,
-                   topology)
+    traces = _sessions(args.traces)
+    turns = sum(len(t.turns) for t in traces) / len(traces)
+    fifo = closed[0]
+    lifetime = turns * (fifo["think_mean_s"] + fifo["ttft_mean_s"] + fifo["decode_mean_s"])
+    open_warmup = 60.0 if args.quick else OPEN_WARMUP_S
+    counted = duration - warmup
+    open_spec = replace(spec, duration_s=open_warmup + counted)
+
+    def open_settings(sched: str, sessions_per_s: float) -> RunSettings:
+        return replace(base, sched=sched, open_loop_sessions_per_s=sessions_per_s, warmup_s=open_warmup,
+                       duration_s=open_warmup + counted, open_loop_initial_sessions=round(sessions_per_s * lifetime))
+
+    pilot = _pair([open_settings("fifo", rate)], open_spec, args, cost_path, topology)[0]
+    token_rate = rate
+    rate = token_rate * OPEN_LOAD * fifo["prefill_busy"] / max(pilot["prefill_busy"], 1e-9)
+    opened = _pair([open_settings(s, rate) for s in SIDES], open_spec, args, cost_path, topology)
     out = ratios(*closed)
     out["closed_loop"] = {"sessions": sessions, **{s: r for s, r in zip(SIDES, closed)}}
     out["open_loop"] = {"load": OPEN_LOAD, "sessions_per_s": rate, "mean_session_prompt_tokens": per_session,
+                        "initial_sessions": round(rate * lifetime), "warmup_s": open_warmup,
+                        "prefill_busy_over_closed_fifo": opened[0]["prefill_busy"] / fifo["prefill_busy"],
+                        "token_rate_pilot": {"sessions_per_s": token_rate, **pilot},
                         **ratios(*opened), **{s: r for s, r in zip(SIDES, opened)}}
     out["errors"] += out["open_loop"]["errors"]
     out["duration_s"], out["warmup_s"] = duration, warmup

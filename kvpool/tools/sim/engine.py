@@ -307,6 +307,8 @@ class Simulation:
         s = self.settings
         wall0 = time.perf_counter()
         if s.open_loop_sessions_per_s is not None:
+            for k in range(s.open_loop_initial_sessions):
+                self.loop.at(k * s.start_spread_s / s.open_loop_initial_sessions, self._start_session)
             for k in range(int(s.duration_s * s.open_loop_sessions_per_s) + 1):
                 self.loop.at(k / s.open_loop_sessions_per_s, self._start_session)
         else:

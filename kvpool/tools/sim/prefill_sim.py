@@ -121,7 +121,7 @@ class PipelineSim:
         self.busy = True
         job.request = request
         if self.sessions is not None:
-            self.sessions.admitted(job)
+            self.sessions.admitted(job, self)
         job.prefill_start = self.loop.now
         self.metrics.on_prefill_start(job)
         self.master.call(self.cost.lookup_s(len(request.lookup_candidates)), self._looked_up, job)

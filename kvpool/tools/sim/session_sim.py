@@ -72,10 +72,12 @@ class SessionAware:
         self.sessions.turn_started(session, pipeline.loop.now, pipeline.name)
         pipeline.blocks.touch_session(session)
 
-    def admitted(self, job: Job) -> None:
+    def admitted(self, job: Job, pipeline: PipelineSim) -> None:
         request = job.request
         assert request is not None
-        self.ledger.turn_started(session_of(job), request.chunk_hashes[: request.num_device_chunks])
+        cached = pipeline.blocks.cached_block_id
+        self.ledger.turn_started(session_of(job), request.chunk_hashes[: request.num_device_chunks],
+                                 lambda h: cached(h) is not None)
 
     def turn_ended(self, job: Job, pipeline: PipelineSim, expected_next_s: float | None, end: bool) -> None:
         session = session_of(job)

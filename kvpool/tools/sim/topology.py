@@ -93,6 +93,9 @@ class RunSettings:
     # open loop: a new session (the next trace) starts every 1/rate s whatever the system does, and each
     # plays its trace once (think, turn, think...); None: the closed loop of ``num_sessions`` slots
     open_loop_sessions_per_s: float | None = None
+    # open loop: sessions already running at the start (over ``start_spread_s``), so the load is near its
+    # steady state after a shorter warm-up (a session lives ~20 minutes at the calibrated pace)
+    open_loop_initial_sessions: int = 0
 
     def __post_init__(self) -> None:
         if self.sched not in SCHEDS:
