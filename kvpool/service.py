@@ -34,6 +34,17 @@ log = structlog.get_logger(__name__)
 
 # KV batches are large; control messages are not, but location lists for a
 # long prompt can reach a few MB.
+# grpc takes min_reconnect_backoff as the time one connection attempt may take (its
+# "min connect timeout"), not only as a backoff floor. 100 ms fitted a loopback TCP
+# connect, not a peer that must be scheduled to answer: a TLS handshake's round
+# trips ("Handshake read failed (Endpoint closing)", a 4-stage compose cluster at
+# load 28 on 2 cores) or a plaintext peer's HTTP/2 SETTINGS ("timed out before
+# receiving SETTINGS frame", a decode shard's Reserve under bench load). A dead
+# peer refuses the connect at once, so this costs waiting only on a frozen one.
+CONNECT_TIMEOUT_MS = 2000
+
+# KV batches are large; control messages are not, but location lists for a
+# long prompt can reach a few MB.
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
@@ -41,15 +52,9 @@ GRPC_OPTIONS = [
     # a restarted peer is found again within ~2 s instead of grpc's default
     # backoff of up to two minutes
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-# grpc takes min_reconnect_backoff as the time a connection attempt may take (its
-# "min connect timeout"). 100 ms fits a loopback TCP connect, not a TLS handshake:
-# several round trips between two processes, each of which must be scheduled. On a
-# loaded host secure connects failed with "Handshake read failed (Endpoint closing)"
-# (a 4-stage compose cluster at load 28 on 2 cores), so secure channels allow 2 s.
-TLS_CONNECT_TIMEOUT_MS = 2000
 
 
 # a stopping service waits until no call has started for this long (its callers
@@ -257,10 +262,7 @@ def channel(address: str, options: Sequence[tuple[str, Any]] = GRPC_OPTIONS) -> 
     interceptors = [*request_id.client_interceptors(), *carry_interceptors()]
     if creds is None:
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
-    given = dict(options).get("grpc.min_reconnect_backoff_ms", 0)
-    secure_options = [o for o in options if o[0] != "grpc.min_reconnect_backoff_ms"]
-    secure_options.append(("grpc.min_reconnect_backoff_ms", max(given, TLS_CONNECT_TIMEOUT_MS)))
-    return grpc.aio.secure_channel(address, creds, options=secure_options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, creds, options=list(options), interceptors=interceptors)
 
 
 def start_metrics(host: str, port: int, registry: CollectorRegistry) -> int:
