@@ -9,7 +9,8 @@ test swallowed still fails it after the phase.
 Invariant: while a test not marked ``cluster`` runs, no Python-level path to
 a new process (``_posixsubprocess.fork_exec`` under ``subprocess`` and
 multiprocessing's helpers, ``os.fork``/``forkpty``/``posix_spawn``/``system``,
-``multiprocessing`` process start) succeeds. An in-process transfer engine or
+``multiprocessing`` process start, a fork asked of the launcher's zygote)
+succeeds. An in-process transfer engine or
 gRPC server is not a process and is allowed.
 
 ``--tier-audit`` prints, at the end, the tests marked ``cluster`` that started
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+from kvpool.tools.cluster import zygote
 
 MARKER = "cluster"
 
@@ -96,6 +99,8 @@ def install() -> None:
     _wrap(os, "posix_spawnp", lambda path, *a, **k: f"os.posix_spawnp {path!r}")
     _wrap(os, "system", lambda command, *a, **k: f"os.system {command!r}")
     _wrap(multiprocessing.process.BaseProcess, "start", lambda self, *a, **k: f"multiprocessing start of {self.name}")
+    # a zygote already running forks without any of the above in this process
+    _wrap(zygote.Zygote, "spawn", lambda self, module, args, *a, **k: f"zygote fork of {module} {' '.join(args)!r}")
 
 
 def take_refusals() -> list[str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool import bind_shim, tls
+from kvpool.tools.cluster.zygote import ForkedProcess, ZygoteGone, zygote
 
 # Set in a child's environment: it asks for SIGTERM when this process goes
 # (services/cli.py acts on it first thing). Not a preexec_fn: that would make
@@ -26,6 +27,9 @@ from kvpool import bind_shim, tls
 PARENT_PID_ENV = "KVPOOL_DIE_WITH_PARENT_PID"
 # roles that own a transfer engine: started with the bind shim preloaded (kvpool/bind_shim.py)
 ENGINE_ROLES = ("store", "prefill", "decode")
+# roles that run the model: forked from the zygote, which has imported torch (kvpool/tools/cluster/zygote.py)
+TORCH_ROLES = ("prefill", "decode")
+SERVICE_MODULE = "services.cli"
 
 
 class ServiceFailed(RuntimeError):
@@ -39,7 +43,7 @@ class ServiceProcess:
     name: str
     args: list[str]
     workdir: Path
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ForkedProcess | None = None
     ready: dict[str, Any] = field(default_factory=dict)
     # the child gets SIGTERM when the thread that started it exits (kvpool up:
     # no orphans even if up itself is killed); start() must run on a thread
@@ -58,13 +62,29 @@ class ServiceProcess:
 
     def start(self) -> None:
         self.ready_file.unlink(missing_ok=True)
-        log = self.log_file.open("ab")
         env = self.child_env(os.environ)
-        self.proc = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "services.cli", *self.args, "--ready-file", str(self.ready_file)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-        )
-        log.close()
+        args = [*self.args, "--ready-file", str(self.ready_file)]
+        if self.args and self.args[0] in TORCH_ROLES and not self.prefix:
+            self.proc = self._fork(args, env)
+            if self.proc is not None:
+                return
+        with self.log_file.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [*self.prefix, sys.executable, "-m", "services.cli", *args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            )
+
+    def _fork(self, args: list[str], env: dict[str, str]) -> ForkedProcess | None:
+        """Fork it from this process's zygote; None when the zygote is off or gone (start it plainly)."""
+        found = zygote({k: v for k, v in env.items() if k not in (bind_shim.ADDRESS_ENV, PARENT_PID_ENV)})
+        if found is None:
+            return None
+        if self.die_with_parent:  # its parent is the zygote, which goes when this process goes
+            env = {**env, PARENT_PID_ENV: str(found.proc.pid)}
+        try:
+            return found.spawn(SERVICE_MODULE, args, env, str(self.log_file))
+        except ZygoteGone:
+            return None
 
     def child_env(self, parent: dict[str, str] | os._Environ[str]) -> dict[str, str]:
         """The child's environment: ``parent``'s, less what is this process's own."""

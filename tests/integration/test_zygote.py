@@ -1,0 +1,92 @@
+"""The zygote: forked children look like started ones, exits and signals are exact, it goes with its starter."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.tools.cluster import PARENT_PID_ENV, LocalDecode
+from kvpool.tools.cluster.zygote import ForkedProcess, Zygote
+
+from tests.integration.conftest import wait_for
+from tests.integration.test_bindings import WILDCARDS, host_of, listening
+
+pytestmark = pytest.mark.cluster
+
+CHILD = "tests.integration.zygote_child"
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    started = Zygote(dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    yield started
+    started.close()
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+
+
+def test_a_child_gets_its_own_argv_env_and_log_and_reports_its_exit_code(zygote: Zygote, tmp_path: Path) -> None:
+    log = tmp_path / "child.log"
+    child = zygote.spawn(CHILD, ["exit", "3"], env(ZYGOTE_TEST="yes"), str(log))
+    assert child.wait(timeout=60) == 3
+    assert child.poll() == 3
+    said = log.read_text()
+    # argv and env are the request's, not the zygote's; torch came imported; Ctrl-C raises as in any Python
+    assert f"argv ['exit', '3'] env yes cwd {os.getcwd()} torch True sigint True" in said, said
+
+
+def test_kill_and_wait_answer_as_popen_does(zygote: Zygote, tmp_path: Path) -> None:
+    child = zygote.spawn(CHILD, ["pause", "0"], env(), str(tmp_path / "child.log"))
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0.2)
+    assert child.poll() is None
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == -signal.SIGTERM
+    child.kill()  # after its exit: reaches nobody, raises nothing
+    assert child.returncode == -signal.SIGTERM
+
+
+def test_the_zygote_runs_one_thread_and_is_every_childs_parent(zygote: Zygote, tmp_path: Path) -> None:
+    assert len(os.listdir(f"/proc/{zygote.proc.pid}/task")) == 1
+    child = zygote.spawn(CHILD, ["pause", "0"], env(), str(tmp_path / "child.log"))
+    try:
+        stat = Path(f"/proc/{child.pid}/stat").read_text()
+        assert int(stat.rsplit(")", 1)[1].split()[1]) == zygote.proc.pid
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+
+
+def test_a_service_asked_to_die_with_its_parent_goes_with_the_zygote(tmp_path: Path) -> None:
+    own = Zygote(dict(os.environ))
+    ready = tmp_path / "master.ready.json"
+    master = own.spawn("services.cli", ["master", "--port", "0", "--admin-port", "0", "--ready-file", str(ready)],
+                       dict(os.environ, **{PARENT_PID_ENV: str(own.proc.pid)}), str(tmp_path / "master.log"))
+    wait_for(ready.exists, timeout_s=120, what="the master ready")
+    own.close()  # as when the launcher exits
+    assert own.proc.returncode == 0
+
+    def master_gone() -> bool:
+        return master.poll() is not None
+
+    wait_for(master_gone, timeout_s=60, what="the master gone with its zygote")
+    assert master.wait(timeout=1) is not None
+
+
+def test_torch_roles_are_forked_and_their_transfer_engine_binds_the_transfer_host(tmp_path: Path) -> None:
+    with LocalDecode(workdir=tmp_path) as shard:
+        proc = shard.process.proc
+        assert isinstance(proc, ForkedProcess)
+        # still the zygote's image: it did not exec itself again to get the shim
+        assert b"zygote_server" in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        sockets = listening({proc.pid})
+        assert len(sockets) >= 3, sockets  # gRPC, metrics and the transfer engine at least
+        assert all(host_of(local) not in WILDCARDS for _, local, _ in sockets), sockets
