@@ -171,21 +171,38 @@ def _add_simulate(sub: Any) -> None:
     add_simulate_parser(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# every command but the roles, by the function that adds its parser (one adds three)
+_ADDERS: dict[str, Any] = {
+    "up": _add_up, "generate": _add_clients, "chat": _add_clients, "health": _add_clients, "certs": _add_certs,
+    "pool": _add_pool,
+    "bench": add_bench, "replay": _add_replay, "simulate": _add_simulate,
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole ``kvpool`` parser; given a known ``command``, only that command's flags are built and the
+    others are bare names: a role starting up skips the tools' imports (cryptography, httpx, ...) and the
+    flag tables of every other command, about a second of CPU per process on a loaded host."""
     parser = argparse.ArgumentParser(
         prog="kvpool",
         description="kvpool: disaggregated LLM serving around one shared KV-cache pool in host memory.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, role in ROLES.items():
-        _add_role(sub, name, role)
-    _add_up(sub)
-    _add_clients(sub)
-    _add_certs(sub)
-    _add_pool(sub)
-    add_bench(sub)
-    _add_replay(sub)
-    _add_simulate(sub)
+    names = [*ROLES, *_ADDERS]
+    wanted = _ADDERS.get(command or "", command)  # the adder of a tool, the name of a role
+    built: set[str] = set()
+    for name in names:
+        if name in built:
+            continue
+        if command in names and _ADDERS.get(name, name) != wanted:
+            sub.add_parser(name)  # its name only: argparse still knows every command
+            continue
+        before = set(sub.choices)
+        if name in ROLES:
+            _add_role(sub, name, ROLES[name])
+        else:
+            _ADDERS[name](sub)
+        built |= set(sub.choices) - before
     return parser
 
 
@@ -354,7 +371,8 @@ def _die_with_parent_if_asked() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _die_with_parent_if_asked()
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv and not argv[0].startswith("-") else None)
     args = parser.parse_args(argv)
     _log(args)
     handlers = {
