@@ -43,7 +43,7 @@ from services.prefill.gate import WorkGate
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.prefetch import PrefetchMetrics, SessionPrefetcher
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
-from services.prefill.stage_servicer import ActivationLink, figures_message, run_stage
+from services.prefill.stage_servicer import ActivationLink, figures_message, keep_deadline, run_stage
 
 log = structlog.get_logger(__name__)
 
@@ -457,6 +457,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     @status_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
         target = request.target if request.HasField("target") else None
+        keep_deadline(context)
         return await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
                                            current_request_id(), request.tenant, request.cache_salt, target,
                                            request.handoff_after_prefill)

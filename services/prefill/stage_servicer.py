@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -28,7 +29,22 @@ from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, SaveFi
 log = structlog.get_logger(__name__)
 
 ARENA_WAIT_S = 30.0
-FORWARD_TIMEOUT_S = 600.0
+FORWARD_TIMEOUT_S = 600.0  # only for a caller that set no deadline
+
+# the deadline of the call being served (monotonic): a stage waits on the next one exactly as long as its own
+# caller waits on it, so a long prompt on a busy host fails at the client's deadline, not at a fixed one
+_deadline: ContextVar[float | None] = ContextVar("forward_deadline", default=None)
+
+
+def keep_deadline(context: Any) -> None:
+    """Carry the served call's deadline (if any) to the forwards this task makes."""
+    remaining = context.time_remaining() if context is not None else None
+    _deadline.set(None if remaining is None else time.monotonic() + remaining)
+
+
+def forward_timeout_s() -> float:
+    deadline = _deadline.get()
+    return FORWARD_TIMEOUT_S if deadline is None else max(0.001, deadline - time.monotonic())
 
 
 def figures_message(stage: int, figures: RestoreFigures) -> prefill_pb2.StageRestoreFigures:
@@ -115,7 +131,7 @@ class ActivationLink:
         onward.CopyFrom(request)
         onward.activation.CopyFrom(activation)
         try:
-            return await self.next.Forward(onward, timeout=FORWARD_TIMEOUT_S)
+            return await self.next.Forward(onward, timeout=forward_timeout_s())
         except grpc.aio.AioRpcError as exc:
             if error_kind(exc) is DeviceCacheLost:
                 raise DeviceCacheLost(exc.details() or "") from exc
@@ -169,6 +185,7 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         pending = self.restores.get(request.request_id)
         if pending is not None:
             await asyncio.wait([pending])  # its pages must hold the restored KV before we compute over them
+        keep_deadline(context)
         task = asyncio.ensure_future(self._forward(request, num_new, block_table))
         self.forwards[request.request_id] = task
         task.add_done_callback(lambda _: self.forwards.pop(request.request_id, None))
