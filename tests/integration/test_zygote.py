@@ -43,6 +43,14 @@ def test_a_child_gets_its_own_argv_env_and_log_and_reports_its_exit_code(zygote:
     assert f"argv ['exit', '3'] env yes cwd {os.getcwd()} torch True sigint True" in said, said
 
 
+def test_forked_children_draw_different_random_numbers(zygote: Zygote, tmp_path: Path) -> None:
+    logs = [tmp_path / f"child{i}.log" for i in range(2)]
+    for log in logs:
+        assert zygote.spawn(CHILD, ["exit", "0"], env(), str(log)).wait(timeout=60) == 0
+    drawn = [log.read_text().split("random ")[1].split()[0] for log in logs]
+    assert drawn[0] != drawn[1], drawn
+
+
 def test_kill_and_wait_answer_as_popen_does(zygote: Zygote, tmp_path: Path) -> None:
     child = zygote.spawn(CHILD, ["pause", "0"], env(), str(tmp_path / "child.log"))
     with pytest.raises(subprocess.TimeoutExpired):

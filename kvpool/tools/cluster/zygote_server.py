@@ -8,6 +8,7 @@ before a fork.
 from __future__ import annotations
 
 import os
+import random
 import runpy
 import selectors
 import signal
@@ -84,6 +85,8 @@ def _become(request: dict[str, Any]) -> None:
     os.close(null)
     os.close(log)
     sys.argv = [request["module"], *request["args"]]
+    # every fork would otherwise draw the same "random" numbers the zygote was seeded with
+    random.seed()
 
 
 def main() -> int:
