@@ -168,6 +168,8 @@ class PrefillScheduler:
             request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant),
                                      session=session)
             await self._admit(request)
+            # the admission order (kvpool simulate --validate replays the simulator in it)
+            bound.info("prefill_admitted", attempt=attempt, tokens=request.num_tokens)
             self.prefetcher.admitted(request)
             work = asyncio.ensure_future(
                 self._run(request, token_ids, return_logits, target, handoff_after_prefill, tenant))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,28 +82,57 @@ def test_validate_uses_this_hosts_cost_model_unless_told() -> None:
 @pytest.mark.skipif(not (TRACES / "trace_0002.json").is_file(), reason="needs ../shared/traces/agentx-weka")
 def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    # no cluster in a unit test: the "real" side is the simulator's own first 5 turns, 3 output tokens each,
-    # timed by the CPU cost model, so the verdict is exact: equal counts, no error
-    from dataclasses import replace
-
+    # no cluster in a unit test: the "real" side is the simulator's own replay of the three validation
+    # sessions, round robin, 45 turns, 3 output tokens each, timed by the CPU cost model, so the verdict is
+    # exact: equal counts, no timing error, and the small pool restores and evicts
     from kvpool.tools.sim.cost_model import CPU_COST_MODEL, load_cost_model
-    from kvpool.tools.sim.validate import ValidationSetup, simulate_sessions
+    from kvpool.tools.sim.validate import ValidationSetup, replay_sessions
     from kvpool.workload.weka import load_session
     from kvpool.tools.sim import validate_cmd as simulate_validate
     from services.cli import build_parser
 
-    setup = ValidationSetup(context=32768)
-    turns, span = simulate_sessions([load_session(TRACES / "trace_0002.json")], setup,
-                                    load_cost_model(CPU_COST_MODEL), max_turns=5, output_tokens=[3] * 5)
-    fake = [replace(t, output_tokens=3) for t in turns]
-    monkeypatch.setattr(simulate_validate, "_real_side", lambda *a: (fake, span, {"errors": 0, "pool": {}}))
+    sessions = [load_session(TRACES / name) for name in simulate_validate.VALIDATION_TRACES]
+    order = [(k, i) for i in range(33) for k, s in enumerate(sessions) if i < len(s.turns)][:45]
+    setup = ValidationSetup(context=32768, device_cache_tokens=simulate_validate.DEVICE_CACHE_TOKENS,
+                            store_bytes=simulate_validate.SEGMENT_BYTES)
+    turns, span, pool = replay_sessions(sessions, setup, load_cost_model(CPU_COST_MODEL), order,
+                                        dict.fromkeys(order, 3))
+    fake = {key: replace(t, output_tokens=3) for key, t in turns.items()}
+    real = {"turns": fake, "order": order, "wall_s": span, "pool": {"evicted_groups": pool["evictions"]}, "errors": 0}
+    monkeypatch.setattr(simulate_validate, "_real_side", lambda *a: real)
     args = build_parser().parse_args(["simulate", "--validate", "--quick", "--json", "--traces", str(TRACES)])
     assert simulate_validate.main(args) == 0
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert list(final)[-4:] == ["reuse_equal", "token_counts_equal", "throughput_error", "ttft_p50_error"]
-    assert final["cost_model"] == "cost_model_cpu.toml"
-    assert final["turns_compared"] == 5 and final["real_output_tokens"] == 15
-    assert final["reuse_equal"] is True and final["token_counts_equal"] is True
-    assert final["throughput_error"] == pytest.approx(0.0) and final["ttft_p50_error"] == pytest.approx(0.0)
-    # with the trace's (longer) outputs the simulated session takes longer: lower throughput
-    assert final["throughput_error_trace_outputs"] < 0
+    assert list(final)[-5:] == ["pool_tokens", "evictions", "token_counts_equal", "throughput_error", "ttft_p50_error"]
+    assert final["cost_model"] == "cost_model_cpu.toml" and final["runs"] == 1
+    assert final["turns_compared"] == 45 and final["mismatched_turns"] == []
+    assert final["pool_tokens"] == final["real_pool_tokens"] == sum(t.pool_tokens for t in turns.values()) > 0
+    assert final["evictions"] == final["real_evictions"] == pool["evictions"] > 0
+    assert final["token_counts_equal"] is True
+    assert final["throughput_error"] == pytest.approx(0.0) and final["ttft_p50_error"] == 0.0
+
+
+def test_admission_order_from_stage_zeros_events(tmp_path: Path) -> None:
+    from kvpool.tools.sim.validate_cmd import admission_order
+
+    def event(request_id: str, session_key: str, name: str = "prefill_admitted") -> str:
+        return json.dumps({"event": name, "request_id": request_id, "session_key": session_key})
+
+    (tmp_path / "prefill-0.log").write_text("\n".join([
+        event("r1", "b"), event("r2", "a"), "not json prefill_admitted", event("r3", "b", "prefill_done"),
+        event("r2", "a"),  # planned again after a lost device cache: the same request
+        event("r4", "other"), event("r5", "a"), event("r6", "b"),
+    ]) + "\n")
+    assert admission_order(tmp_path, ["a", "b"]) == [(1, 0), (0, 0), (0, 1), (1, 1)]
+
+
+def test_recorded_order_queue_admits_only_the_next_recorded_request() -> None:
+    from kvpool.tools.sim.validate import RecordedOrderQueue
+
+    queue = RecordedOrderQueue(["s1.t0", "s0.t0", "s0.t1"])
+    queue.push("s0.t0", 1.0, 0.0)
+    assert len(queue) == 0 and queue.peek(0.0) is None and queue.pop(0.0) is None  # s1.t0 goes first
+    queue.push("s1.t0", 9.0, 1.0)
+    assert len(queue) == 2 and queue.peek(1.0) == "s1.t0"
+    assert queue.pop(1.0) == "s1.t0" and queue.pop(1.0) == "s0.t0"
+    assert len(queue) == 0 and queue.peek(2.0) is None

@@ -49,7 +49,9 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs side by side (processes)")
     p.add_argument("--quick", action="store_true", help="a small matrix, under a minute")
     p.add_argument("--validate", action="store_true",
-                   help="run a small configuration in the simulator and on a local cluster (kvpool replay), compare")
+                   help="replay a few concurrent sessions on a local cluster (kvpool replay) with a pool that "
+                   "evicts, then in the simulator in the cluster's admission order; compare turn by turn")
+    p.add_argument("--runs", type=int, default=1, help="--validate: whole comparisons to run (timing median, spread)")
     p.add_argument("--calibrate", action="store_true",
                    help="fit the cost model's [fit] inputs to the seed's single server at 112 sessions, check 96")
     p.add_argument("--calibrate-steps", type=int, default=4, help="most fit steps (runs) before the check")

@@ -19,7 +19,8 @@ fills a whole block (``scaled_session`` gives it an id of its own content).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -56,6 +57,7 @@ class ValidationSetup:
     num_stages: int = 4
     device_cache_tokens: int = 32768
     decode_kv_tokens: int = 1 << 20
+    store_bytes: int = 1 << 40  # each of the two stores' segment (the pool is both)
 
 
 def tail_block_id(last_id: int, input_tokens: int) -> int:
@@ -102,7 +104,7 @@ def simulate_sessions(
     topology = Topology(
         num_servers=1, gpus_per_server=setup.num_stages + 1, num_stages=setup.num_stages, gpus_per_decode_shard=1,
         device_kv_gib_per_gpu=setup.device_cache_tokens * stage_token_bytes / GIB, decode_page_tokens=1,
-        decode_kv_gib_per_gpu=setup.decode_kv_tokens * shape.kv_bytes_per_token / GIB, store_gib=1024.0,
+        decode_kv_gib_per_gpu=setup.decode_kv_tokens * shape.kv_bytes_per_token / GIB, store_gib=setup.store_bytes / GIB,
         max_context=setup.context,
     )
     settings = RunSettings(num_sessions=1, duration_s=1e12, warmup_s=0.0, think=False, start_spread_s=0.0,
@@ -117,6 +119,84 @@ def simulate_sessions(
     ttft = iter(sim.metrics.ttft_s)
     counts = [TurnCounts(d + p + c, d, p, c, next(ttft, 0.0)) for _, d, p, c in sim.metrics.turn_tokens]
     return counts, sim.loop.now
+
+
+class RecordedOrderQueue:
+    """A pipeline's queue that admits requests only in the order the cluster's stage 0 admitted them.
+
+    Invariant: ``peek`` is the next recorded id once that request has arrived, else None; nothing else is
+    ever admitted before it. ``len`` counts the waiting requests only while the head can go (the pipeline
+    starts a request only when ``len`` is non-zero).
+    """
+
+    num_overdue_pops = 0  # no aging: the recorded order is the order
+
+    def __init__(self, order: Sequence[str]) -> None:
+        self._order = deque(order)
+        self._waiting: set[str] = set()
+
+    def _head(self) -> str | None:
+        return self._order[0] if self._order and self._order[0] in self._waiting else None
+
+    def __len__(self) -> int:
+        return len(self._waiting) if self._head() is not None else 0
+
+    def push(self, request_id: str, work: float, now: float) -> None:
+        self._waiting.add(request_id)
+
+    def peek(self, now: float) -> str | None:
+        return self._head()
+
+    def pop(self, now: float) -> str | None:
+        head = self._head()
+        if head is not None:
+            self._order.popleft()
+            self._waiting.discard(head)
+        return head
+
+
+def replay_sessions(
+    sessions: Sequence[Session], setup: ValidationSetup, cost: CostModel, order: Sequence[tuple[int, int]],
+    output_tokens: Mapping[tuple[int, int], int] | None = None,
+) -> tuple[dict[tuple[int, int], TurnCounts], float, dict[str, int]]:
+    """Play the sessions at once (one slot each, no think time) on one pipeline, admitting turns in the
+    cluster's recorded ``order`` of (session index, turn index); every turn of ``order`` and no other.
+
+    The counts per (session, turn), the simulated seconds, and the pool's counters (``pool_tokens`` and
+    ``evictions``: groups the simulated master evicted). ``output_tokens`` replaces the outputs of the
+    turns it names (the real side's completion counts). The shape is as in ``simulate_sessions``.
+    """
+    shape = replace(cost.model, chunk_tokens=setup.chunk_size)
+    cost = replace(cost, model=shape)
+    stage_token_bytes = max(layer_split(shape.num_layers, setup.num_stages)) * shape.kv_entry_bytes
+    topology = Topology(
+        num_servers=1, gpus_per_server=setup.num_stages + 1, num_stages=setup.num_stages, gpus_per_decode_shard=1,
+        device_kv_gib_per_gpu=setup.device_cache_tokens * stage_token_bytes / GIB, decode_page_tokens=1,
+        decode_kv_gib_per_gpu=setup.decode_kv_tokens * shape.kv_bytes_per_token / GIB,
+        store_gib=setup.store_bytes / GIB, max_context=setup.context,
+    )
+    settings = RunSettings(num_sessions=len(sessions), duration_s=1e12, warmup_s=0.0, think=False,
+                           start_spread_s=0.0, max_instances=len(sessions), max_turns=len(order))
+    outputs = output_tokens or {}
+    scaled = []
+    for k, session in enumerate(sessions):
+        s = scaled_session(session, setup.scale, setup.max_tokens)
+        scaled.append(replace(s, turns=tuple(replace(t, output_tokens=max(1, outputs.get((k, i), t.output_tokens)))
+                                             for i, t in enumerate(s.turns))))
+    sim = Simulation(topology, settings, cost, scaled)
+    # instance k plays sessions[k] (no restarts past len(sessions)): job ids are "s{k}.t{turn}"
+    for pipeline in sim.pipelines.values():
+        pipeline.queue = RecordedOrderQueue([f"s{k}.t{i}" for k, i in order])  # type: ignore[assignment]
+    sim.run()
+    counts = {}
+    for job_id, d, p, c in sim.metrics.turn_tokens:
+        session_key, turn = job_id.split(".t")
+        counts[(int(session_key[1:]), int(turn))] = TurnCounts(d + p + c, d, p, c)
+    ttft = sorted(sim.metrics.ttft_s)
+    pool = {"pool_tokens": sum(t.pool_tokens for t in counts.values()),
+            "evictions": sum(i.counters.evicted_groups for i in sim.indexes),
+            "ttft_p50_s": percentile(ttft, 50) if ttft else 0.0}
+    return counts, sim.loop.now, pool
 
 
 def compare(sim: Sequence[TurnCounts], real: Sequence[TurnCounts], sim_wall_s: float = 0.0,

@@ -1,11 +1,15 @@
-"""``kvpool simulate --validate``: one small configuration in the simulator and on a local cluster, compared.
+"""``kvpool simulate --validate``: a few concurrent sessions in the simulator and on a local cluster, compared.
 
-The cluster side is ``kvpool replay``'s (``kvpool.tools.up.up_cluster`` + ``kvpool.tools.replay.run_replay``): one session
-file without subagents (so concurrency 1 is one request at a time on both sides), no think time, the tiny
-model, stores large enough that nothing is evicted. The simulator side and the comparison are
-``kvpool.tools.sim.validate``. The last JSON line ends with ``reuse_equal``, ``token_counts_equal``,
-``throughput_error`` and ``ttft_p50_error``. The simulator's times come from ``cost_model_cpu.toml`` (measured
-on this host for this cluster) unless ``--cost-model`` names another.
+The cluster side is ``kvpool replay``'s (``kvpool.tools.up.up_cluster`` + ``kvpool.tools.replay.run_replay``):
+``VALIDATION_TRACES`` (no sub-agents: one request in flight per session) at once, no think time, the tiny
+model, a device cache (``DEVICE_CACHE_TOKENS``) too small for every session's history, so turns restore
+from the pool, and two stores of ``SEGMENT_BYTES`` each, too small for every history, so the master evicts.
+Stage 0 logs each admission (``prefill_admitted``, with its session key); the simulator admits the same
+turns in that order (``kvpool.tools.sim.validate.replay_sessions``), and every turn's device / pool /
+computed tokens must be equal. The last JSON line ends with ``pool_tokens``, ``evictions``,
+``token_counts_equal``, ``throughput_error`` and ``ttft_p50_error``. The simulator's times come from
+``cost_model_cpu.toml`` (measured on this host for this cluster) unless ``--cost-model`` names another;
+``--runs N`` repeats the whole comparison and reports the timing errors' median and spread.
 """
 
 from __future__ import annotations
@@ -13,84 +17,159 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-VALIDATION_TRACE = "trace_0002.json"  # 33 turns, no subagents, 16-70K tokens (1-4.4K at scale 16)
+# no sub-agents, 14-33 turns each of 1-4.4K tokens at scale 16
+VALIDATION_TRACES = ("trace_0002.json", "trace_0019.json", "trace_0021.json")
 DURATION_S = 90.0
+DEVICE_CACHE_TOKENS = 4608  # 18 chunks a stage: the longest prompt (4,361 tokens) fits, three histories do not
+SEGMENT_BYTES = 8 << 20  # two stores of 8 MiB: 21 groups of 4 x 196,608 B, fewer than the histories hold
 
 
-def _real_side(trace: Path, setup: Any, workdir: Path, duration_s: float) -> tuple[list[Any], float, dict[str, Any]]:
+def admission_order(workdir: Path, session_ids: list[str]) -> list[tuple[int, int]]:
+    """(session index, turn index) in the order stage 0 admitted them, from its ``prefill_admitted`` events.
+
+    Each session has one request in flight, so its n-th admitted request is its turn n; a request planned
+    again after a lost device cache (a second attempt, the same request id) is counted once.
+    """
+    index = {sid: k for k, sid in enumerate(session_ids)}
+    events = []
+    for path in sorted(workdir.rglob("*")):
+        if not path.is_file():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if "prefill_admitted" not in line:
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "prefill_admitted" and event.get("session_key") in index:
+                events.append(event)
+    order: list[tuple[int, int]] = []
+    turns = [0] * len(session_ids)
+    seen: set[str] = set()
+    for event in events:
+        if event["request_id"] in seen:
+            continue
+        seen.add(event["request_id"])
+        k = index[event["session_key"]]
+        order.append((k, turns[k]))
+        turns[k] += 1
+    return order
+
+
+def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float) -> dict[str, Any]:
     from kvpool.model import get_config
     from kvpool.tools.replay import ReplayOptions, load_workload, run_replay
-    from kvpool.tools.sim.validate import TurnCounts
     from kvpool.tools.replay.cli import _probes
+    from kvpool.tools.sim.validate import TurnCounts
     from kvpool.tools.up import UpSettings, up_cluster
 
     config = get_config("tiny")
-    workload = load_workload(trace, scale=setup.scale, vocab_size=config.vocab_size, context=setup.context,
-                             max_tokens=setup.max_tokens)
+    loaded = [load_workload(t, scale=setup.scale, vocab_size=config.vocab_size, context=setup.context,
+                            max_tokens=setup.max_tokens) for t in traces]
+    if any(w.skipped_turns for w in loaded):
+        raise SystemExit("kvpool simulate --validate: a validation trace lost turns to the replay's limits")
+    workload = replace(loaded[0], sessions=[s for w in loaded for s in w.sessions])
+    session_ids = [s.id for s in workload.sessions]
     settings = UpSettings(http_port=0, grpc_port=0, pipelines=1, stages=setup.num_stages, decode_shards=1,
-                          stores=2, segment_size="1GiB", device_cache_tokens=setup.device_cache_tokens,
+                          stores=2, segment_size=f"{setup.store_bytes >> 20}MiB", device_cache_tokens=setup.device_cache_tokens,
                           workdir=str(workdir / "cluster"))
     config_path = workdir / "validate.toml"
     config_path.write_text(f"[prefill]\nchunk_size = {setup.chunk_size}\n\n[router]\nrequest_timeout_s = 600.0\n")
-    cluster = up_cluster(settings, str(config_path), "warning")
+    cluster = up_cluster(settings, str(config_path), "info")  # info: stage 0's prefill_admitted events
     cluster.start()
     try:
-        options = ReplayOptions(concurrency=1, think_scale=0.0, duration_s=duration_s, chunk_size=setup.chunk_size)
+        options = ReplayOptions(concurrency=len(session_ids), think_scale=0.0, duration_s=duration_s,
+                                chunk_size=setup.chunk_size)
         result = asyncio.run(run_replay(cluster.http_url, workload, options, _probes(cluster)))
     finally:
         cluster.stop()
-    records = sorted((r for r in result.records if r.error is None), key=lambda r: r.issue_index)
-    turns = [TurnCounts(r.prompt_tokens, r.device_tokens, r.pool_tokens, r.computed_tokens, r.ttft_s,
-                        r.completion_tokens) for r in records]
-    return turns, result.wall_s, {"errors": sum(r.error is not None for r in result.records), "pool": result.pool}
+    order = admission_order(workdir / "cluster", session_ids)
+    index = {sid: k for k, sid in enumerate(session_ids)}
+    turns = {(index[r.session_id], r.turn): TurnCounts(r.prompt_tokens, r.device_tokens, r.pool_tokens,
+                                                      r.computed_tokens, r.ttft_s, r.completion_tokens)
+             for r in result.records if r.error is None}
+    return {"turns": turns, "order": order, "wall_s": result.wall_s, "pool": result.pool or {},
+            "errors": sum(r.error is not None for r in result.records)}
+
+
+def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]) -> dict[str, Any]:
+    """The simulator in the cluster's admission order against the cluster's turns."""
+    from kvpool.tools.sim.metrics import percentile
+    from kvpool.tools.sim.validate import replay_sessions
+
+    real_turns = real["turns"]
+    sim_turns, sim_span, sim_pool = replay_sessions(
+        sessions, setup, cost, real["order"], {key: t.output_tokens for key, t in real_turns.items()})
+    keys = sorted(real_turns)
+    mismatches = [key for key in keys if key not in sim_turns or _split(sim_turns[key]) != _split(real_turns[key])]
+    # throughput: prompt tokens of the turns both sides ran over each side's span
+    prompt = sum(real_turns[k].prompt_tokens for k in keys)
+    sim_tput, real_tput = prompt / sim_span if sim_span else 0.0, prompt / real["wall_s"] if real["wall_s"] else 0.0
+    real_ttft = percentile([real_turns[k].ttft_s for k in keys], 50)
+    return {
+        "turns_compared": len(keys), "turns_admitted": len(real["order"]), "real_errors": real["errors"],
+        "mismatched_turns": [list(k) for k in mismatches[:10]],
+        "real_pool_tokens": sum(real_turns[k].pool_tokens for k in keys),
+        "real_evictions": int(real["pool"].get("evicted_groups", -1)),
+        "real_wall_s": real["wall_s"], "sim_span_s": sim_span,
+        "pool_tokens": sum(sim_turns[k].pool_tokens for k in keys if k in sim_turns),
+        "evictions": sim_pool["evictions"],
+        "token_counts_equal": bool(keys) and not mismatches,
+        "throughput_error": (sim_tput - real_tput) / real_tput if real_tput else 0.0,
+        "ttft_p50_error": (sim_pool["ttft_p50_s"] - real_ttft) / real_ttft if real_ttft else 0.0,
+    }
+
+
+def _split(t: Any) -> tuple[int, int, int, int]:
+    return (t.prompt_tokens, t.device_tokens, t.pool_tokens, t.computed_tokens)
 
 
 def main(args: argparse.Namespace) -> int:
     from kvpool.model import get_config
     from kvpool.tools.sim.cost_model import cost_model_path, load_cost_model
-    from kvpool.tools.sim.validate import ValidationSetup, compare, simulate_sessions
+    from kvpool.tools.sim.validate import ValidationSetup
     from kvpool.workload.weka import load_session
 
-    trace = Path(args.traces) / VALIDATION_TRACE
-    if not trace.is_file():
-        print(f"kvpool simulate --validate: no {trace} (give --traces)")
+    traces = [Path(args.traces) / name for name in VALIDATION_TRACES]
+    missing = [str(t) for t in traces if not t.is_file()]
+    if missing:
+        print(f"kvpool simulate --validate: no {', '.join(missing)} (give --traces)")
         return 2
-    setup = ValidationSetup(context=get_config("tiny").max_position_embeddings)
+    setup = ValidationSetup(context=get_config("tiny").max_position_embeddings, device_cache_tokens=DEVICE_CACHE_TOKENS,
+                            store_bytes=SEGMENT_BYTES)
     cost_path = cost_model_path(args)
     cost = load_cost_model(cost_path)  # a bad file fails before the cluster starts
-    with tempfile.TemporaryDirectory(prefix="kvpool-validate-") as tmp:
-        real_turns, real_wall, extra = _real_side(trace, setup, Path(tmp), 30.0 if args.quick else DURATION_S)
-    t0 = time.perf_counter()
-    # as many turns as the cluster answered in its time (and in its order: one session, concurrency 1)
-    # the simulator decodes what the cluster decoded: the tiny random-weight model stops at its end-of-text
-    # token, mostly well before the trace's output (the same turns with the trace's outputs: *_trace_outputs)
-    sessions = [load_session(trace)]
-    sim_turns, sim_span = simulate_sessions(sessions, setup, cost, max_turns=len(real_turns),
-                                            output_tokens=[t.output_tokens for t in real_turns])
-    sim_wall = time.perf_counter() - t0
-    verdict = compare(sim_turns, real_turns, sim_wall_s=sim_span, real_wall_s=real_wall)
-    trace_turns, trace_span = simulate_sessions(sessions, setup, cost, max_turns=len(real_turns))
-    with_trace_outputs = compare(trace_turns, real_turns, sim_wall_s=trace_span, real_wall_s=real_wall)
-    rows = ["turn  prompt  sim device/pool/computed  real device/pool/computed  TTFT sim/real ms  real out"]
-    for i, (s, r) in enumerate(zip(sim_turns, real_turns)):
-        rows.append(f"{i:4d}  {r.prompt_tokens:6d}  {s.device_tokens:6d}/{s.pool_tokens:6d}/{s.computed_tokens:6d}"
-                    f"      {r.device_tokens:6d}/{r.pool_tokens:6d}/{r.computed_tokens:6d}"
-                    f"    {s.ttft_s * 1e3:7.0f}/{r.ttft_s * 1e3:7.0f}  {r.output_tokens:4d}")
-    print("\n".join(rows))
-    out = {"trace": trace.name, "scale": setup.scale, "cost_model": Path(cost_path).name,
-           "sim_span_s": sim_span, "sim_wall_s": sim_wall, "real_wall_s": real_wall,
-           "real_errors": extra["errors"],
-           "real_output_tokens": sum(t.output_tokens for t in real_turns),
-           "throughput_error_trace_outputs": with_trace_outputs["throughput_error"], **verdict}
-    # the verdict's four keys last, as the issue asks
-    ordered = {k: v for k, v in out.items() if k not in _LAST} | {k: out[k] for k in _LAST}
-    print(json.dumps(ordered) if args.json else json.dumps(ordered, indent=2))
-    return 0 if verdict["token_counts_equal"] else 1
+    sessions = [load_session(t) for t in traces]
+    runs = []
+    for _ in range(max(1, args.runs)):
+        with tempfile.TemporaryDirectory(prefix="kvpool-validate-") as tmp:
+            real = _real_side(traces, setup, Path(tmp), 30.0 if args.quick else DURATION_S)
+        t0 = time.perf_counter()
+        run = compare_one(sessions, setup, cost, real)
+        run["sim_wall_s"] = time.perf_counter() - t0
+        runs.append(run)
+        print(json.dumps(run))
+    last = runs[-1]
+    errors = {key: [r[key] for r in runs] for key in ("throughput_error", "ttft_p50_error")}
+    out = {"traces": list(VALIDATION_TRACES), "scale": setup.scale, "cost_model": Path(cost_path).name,
+           "device_cache_tokens": setup.device_cache_tokens, "segment_bytes": setup.store_bytes, "runs": len(runs),
+           **{k: v for k, v in last.items() if k not in _LAST},
+           **{f"{key}_runs": values for key, values in errors.items()},
+           **{f"{key}_spread": max(values) - min(values) for key, values in errors.items()},
+           "pool_tokens": min(r["pool_tokens"] for r in runs), "evictions": min(r["evictions"] for r in runs),
+           "token_counts_equal": all(r["token_counts_equal"] for r in runs),
+           # the median over the runs (one run: its own)
+           **{key: statistics.median(values) for key, values in errors.items()}}
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+    return 0 if out["token_counts_equal"] else 1
 
 
-_LAST = ("reuse_equal", "token_counts_equal", "throughput_error", "ttft_p50_error")
+_LAST = ("pool_tokens", "evictions", "token_counts_equal", "throughput_error", "ttft_p50_error")
