@@ -38,6 +38,7 @@ import structlog
 
 from kvpool.core.admission import Admission, Admitted, AdmissionRequest, Ticket
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
+from kvpool.core.public_errors import backend_label, public_error
 from kvpool.core.routing import RoutingPolicy
 from kvpool.core.served_context import ShardLimits, served_context
 from kvpool.core.tenancy import scoped_session_key
@@ -192,7 +193,12 @@ class Router:
                 raise
             except KvpoolError as exc:
                 ended = type(exc).__name__
-                raise
+                log.info("generate_failed", request_id=request.request_id, error=str(exc))
+                # both APIs answer with this: no internal address reaches a client, whoever raised it
+                public = public_error(exc)
+                if public is exc:
+                    raise
+                raise public from None
             finally:
                 self.in_flight -= 1
                 self.metrics.in_flight.set(self.in_flight)
@@ -303,7 +309,7 @@ class Router:
             try:
                 return (await shard.decode.Reserve(reserve, timeout=CALL_TIMEOUT_S)).target
             except grpc.aio.AioRpcError as exc:
-                error = from_status(exc, f"decode shard {ticket.shard}", _PASSED_ON)
+                error = self._backend_error(exc, "decode shard", ticket.shard, request.request_id)
                 if not isinstance(error, ResourceExhausted) or time.monotonic() > deadline:
                     raise error from None
                 self.metrics.reserve_waits.inc()
@@ -319,7 +325,7 @@ class Router:
                                                tenant=request.tenant, cache_salt=request.cache_salt,
                                                target=target), timeout=self.request_timeout_s)
             except grpc.aio.AioRpcError as exc:
-                error = from_status(exc, f"prefill pipeline {ticket.pipeline}", _PASSED_ON)
+                error = self._backend_error(exc, "prefill pipeline", ticket.pipeline, request.request_id)
             session = scoped_session_key(request.tenant, request.session_key)
             moved = self.admission.retry(ticket, error, 0, session)
             if moved is None and self.admission.retry_may_wait(ticket, error, 0):
@@ -369,9 +375,18 @@ class Router:
                     return
                 yield response.token_id
         except grpc.aio.AioRpcError as exc:
-            raise from_status(exc, f"decode shard {ticket.shard}", _PASSED_ON) from None
+            raise self._backend_error(exc, "decode shard", ticket.shard, request_id) from None
         finally:
             call.cancel()  # a no-op once the stream ended; frees the pages when the client went away
+
+    def _backend_error(self, exc: grpc.aio.AioRpcError, kind: str, name: str, request_id: str) -> KvpoolError:
+        """A backend's failure as the client may see it (``kvpool.core.public_errors``): the backend by
+        its index, no address anywhere; the whole story goes to this log line, with the request id."""
+        names = list(self.backends.pipelines if kind == "prefill pipeline" else self.backends.shards)
+        error = from_status(exc, backend_label(kind, names, name), _PASSED_ON)
+        log.warning("backend_call_failed", request_id=request_id, backend=f"{kind} {name}",
+                    code=exc.code().name, details=exc.details())
+        return public_error(error)
 
     async def _give_back(self, shard_name: str, target: handoff_pb2.HandoffTarget) -> None:
         shard = self.backends.shards[shard_name]

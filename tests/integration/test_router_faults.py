@@ -174,6 +174,10 @@ async def test_dead_targets_are_retried_or_fail_loudly_and_leave_rotation(doomed
                             break
         assert shard, "the request ended before a shard could be killed"
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        # the client reads which shard failed by its index, never an internal address
+        details = info.value.details()
+        assert details.startswith("decode shard ") and address(cluster, shard).rsplit(":", 1)[0] not in details, \
+            details
     # the dead shard leaves rotation: the next requests are served by the other one
     await until_unhealthy(cluster, address(cluster, shard))
     _, _, usage = await generate(cluster, router_pb2.GenerateRequest(text="next", sampling=sampling(4)))
