@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tomllib
+import types
 import typing
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,27 +30,30 @@ def load_settings(cls: type[T], section: str, config_path: str | None, flags: di
     """
     known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     values: dict[str, Any] = {}
-    if config_path:
-        path = Path(config_path)
-        if not path.is_file():
-            raise ValueError(f"--config: {path} is not a file")
-        with path.open("rb") as fh:
-            try:
-                document = tomllib.load(fh)
-            except tomllib.TOMLDecodeError as exc:
-                raise ValueError(f"--config: {path}: {exc}") from exc
-        table = document.get(section, {})
-        if not isinstance(table, dict):
-            raise ValueError(f"--config: [{section}] in {path} must be a table")
-        for key, value in table.items():
-            name = key.replace("-", "_")
-            if name not in known:
-                raise ValueError(f"--config: unknown setting {section}.{key} in {path}")
-            values[name] = value
+    table = read_config(config_path).get(section, {}) if config_path else {}
+    if not isinstance(table, dict):
+        raise ValueError(f"--config: [{section}] in {config_path} must be a table")
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(f"--config: unknown setting {section}.{key} in {config_path}")
+        values[name] = value
     for name, value in flags.items():
         if value is not None and name in known:
             values[name] = value
     return cls(**values)
+
+
+def read_config(config_path: str) -> dict[str, Any]:
+    """The whole TOML document of ``--config``, its tables by name."""
+    path = Path(config_path)
+    if not path.is_file():
+        raise ValueError(f"--config: {path} is not a file")
+    with path.open("rb") as fh:
+        try:
+            return tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"--config: {path}: {exc}") from exc
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, cls: type, skip: Iterable[str] = ()) -> None:
@@ -67,6 +71,9 @@ def add_setting_flags(parser: argparse.ArgumentParser, cls: type, skip: Iterable
         if not meta or not meta.get("flag", True) or f.name in skipped:
             continue
         kind = hints[f.name]
+        if typing.get_origin(kind) is types.UnionType and type(None) in typing.get_args(kind):
+            # "int | None": None means "not set here", the flag still takes an int
+            kind = next(k for k in typing.get_args(kind) if k is not type(None))
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": _help(f)}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

@@ -276,7 +276,7 @@ def _run_up(args: argparse.Namespace) -> int:
 
         trace = "" if args.trace == "synthetic" else (args.trace or default_trace())
         demo_settings = DemoSettings(trace=trace, scale=args.scale, turns=args.turns)
-        if getattr(args, "device_cache_tokens", None) is None:
+        if settings.device_cache_tokens is None:
             # one session's history fits the device, two do not: revisits come from the pool
             from kvpool.model import get_config
             from kvpool.model.hf_checkpoint import checked_model_dir

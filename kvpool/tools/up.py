@@ -42,6 +42,7 @@ from kvpool.core.tenant_shares import parse_weights
 from kvpool.host_memory import available_bytes
 from kvpool.sizes import format_size
 from kvpool.model.config import CONFIGS
+from kvpool.settings import read_config
 from kvpool.tools.certs import Identity, ThrowawayCA
 from kvpool.tools.cluster import (
     Cluster,
@@ -70,7 +71,8 @@ class UpSettings:
     stages: int = setting(4, help="stages per prefill pipeline")
     decode_shards: int = setting(1, help="decode shards")
     stores: int = setting(2, help="store daemons (one per NUMA node in production)")
-    segment_size: str = setting("512MiB", help="DRAM each store contributes to the pool", metavar="SIZE")
+    segment_size: str | None = setting(None, help="DRAM each store contributes to the pool", metavar="SIZE",
+                                       default_text="512MiB, unless the [store] table sets it")
     pool: bool = setting(True, help="share a KV pool (--no-pool: the pipelines use their device cache only)")
     model: str = setting("tiny", help="model config of every service", choices=tuple(CONFIGS))
     model_dir: str = setting("", help="serve a Hugging Face DeepSeek-V3-architecture directory (config.json, "
@@ -79,11 +81,12 @@ class UpSettings:
                              default_text="the built-in --model")
     kv_dtype: str = setting("float32", help="KV storage dtype of prefill and decode",
                             choices=("float32", "bfloat16", "float8_e4m3fn"))
-    device_cache_tokens: int = setting(32768, help="each prefill stage's device KV capacity in tokens (the longest "
-                                                   "prompt it serves)")
-    region_arena_bytes: str = setting("128MiB", help="each decode shard's receive arena (the prompts' KV in flight "
-                                                     "from prefill; 128MiB holds a 32K-token tiny prompt)",
-                                      metavar="SIZE")
+    device_cache_tokens: int | None = setting(None, help="each prefill stage's device KV capacity in tokens (the "
+                                              "longest prompt it serves)",
+                                              default_text="32768, unless the [prefill] table sets it")
+    region_arena_bytes: str | None = setting(None, help="each decode shard's receive arena (the prompts' KV in "
+                                             "flight from prefill; 128MiB holds a 32K-token tiny prompt)",
+                                             metavar="SIZE", default_text="128MiB, unless the [decode] table sets it")
     api_key: list[str] = setting(help="API keys of the HTTP API, each KEY or TENANT=KEY (handed to the router in a "
                                  "file, never on its command line)", factory=list, metavar="KEY,...",
                                  default_text="none: the API is open")
@@ -123,6 +126,33 @@ class UpSettings:
                 raise ValueError(f"stages: {self.stages} stages for the model's {layers} layers")
 
 
+    def handed(self, config_tables: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """The settings ``up`` puts on each role's command line (flags win over the role's table): one
+        given to ``up`` (flag or ``[up]``) always; else ``up``'s default, unless the role's own table sets
+        it, which the child then reads itself."""
+        handed: dict[str, dict[str, Any]] = {role: {} for role, _, _ in SIZED_BY_UP}
+        for role, name, default in SIZED_BY_UP:
+            table = config_tables.get(role, {})
+            value = getattr(self, name)
+            if value is not None:
+                handed[role][name] = value
+            elif name not in table and name.replace("_", "-") not in table:
+                handed[role][name] = default
+        return handed
+
+
+# each service's own setting that ``up`` sizes for a cluster on one host: (role's table, setting, up's default)
+SIZED_BY_UP: tuple[tuple[str, str, Any], ...] = (
+    ("store", "segment_size", "512MiB"),
+    ("prefill", "device_cache_tokens", 32768),
+    ("decode", "region_arena_bytes", "128MiB"),
+)
+
+
+def _flags(values: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(part for name, value in values.items() for part in ("--" + name.replace("_", "-"), str(value)))
+
+
 def up_topology(settings: UpSettings, config: str | None = None, log_level: str = "warning",
                 supervisor_status: str = "") -> Topology:
     """The cluster ``kvpool up`` starts: one host, its processes named ``master``, ``store{i}``,
@@ -131,13 +161,12 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
     model_dir = ("--model-dir", s.model_dir) if s.model_dir else ()
     model = ("--model", s.model, *model_dir, "--kv-dtype", s.kv_dtype)
     weights = ("--tenant-weights", ",".join(s.tenant_weights)) if s.tenant_weights else ()
-    stores = tuple(StoreSpec(f"store{i}", ("--segment-size", s.segment_size, "--numa-node", "0", "--segment-id",
+    handed = s.handed(read_config(config) if config else {})
+    stores = tuple(StoreSpec(f"store{i}", (*_flags(handed["store"]), "--numa-node", "0", "--segment-id",
                                            f"up-store{i}")) for i in range(s.stores if s.pool else 0))
-    pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, "--device-cache-tokens", str(s.device_cache_tokens),
-                                                        *weights),
+    pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, *_flags(handed["prefill"]), *weights),
                                    pool=s.pool) for i in range(s.pipelines))
-    shards = tuple(DecodeSpec(f"decode{i}", (*model, "--region-arena-bytes", s.region_arena_bytes))
-                   for i in range(s.decode_shards))
+    shards = tuple(DecodeSpec(f"decode{i}", (*model, *_flags(handed["decode"]))) for i in range(s.decode_shards))
     common = ("--log-level", log_level, "--log-format", "json", *(("--config", config) if config else ()))
     return Topology((ServerSpec(stores=stores, pipelines=pipelines, decode_shards=shards),),
                     master=MasterSpec(args=weights) if s.pool else None,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpool.tools.up import UpSettings
+from kvpool.settings import load_settings, read_config
+from kvpool.tools.cluster import Topology
+from kvpool.tools.up import UpSettings, up_topology
 from services.memory_budget import memory_budget
 
 MiB = 1 << 20
@@ -35,3 +37,40 @@ def test_the_budget_follows_the_config_file_and_the_shape(tmp_path: Path) -> Non
     assert budget["pool segments"] == 3 * 64 * MiB  # up's flag wins over the file, as for the child
     assert budget["decode pages and arenas"] == 2 * (pages(1024 * MiB) + 128 * MiB)
     assert "pool segments" not in memory_budget(UpSettings(stores=0), None)
+
+
+def _args(topology: Topology) -> dict[str, tuple[str, ...]]:
+    server = topology.servers[0]
+    return {"store": server.stores[0].args, "prefill": server.pipelines[0].args, "decode": server.decode_shards[0].args}
+
+
+def _value(args: tuple[str, ...], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_up_sizes_a_service_only_where_its_own_table_is_silent(tmp_path: Path) -> None:
+    config = tmp_path / "cluster.toml"
+    config.write_text('[prefill]\ndevice_cache_tokens = 8192\n[decode]\nregion-arena-bytes = "32MiB"\n')
+    args = _args(up_topology(UpSettings(), str(config)))
+    # the child reads its own table: up puts nothing on its command line that would win over it
+    assert _value(args["prefill"], "--device-cache-tokens") is None
+    assert _value(args["decode"], "--region-arena-bytes") is None
+    assert _value(args["store"], "--segment-size") == "512MiB"  # [store] is silent: up's default
+    assert memory_budget(UpSettings(), str(config))["decode pages and arenas"] == pages(256 * MiB) + 32 * MiB
+    # no file: up's defaults, as before
+    args = _args(up_topology(UpSettings(), None))
+    assert (_value(args["prefill"], "--device-cache-tokens"), _value(args["decode"], "--region-arena-bytes"),
+            _value(args["store"], "--segment-size")) == ("32768", "128MiB", "512MiB")
+
+
+def test_what_the_user_gives_up_wins_over_the_service_table(tmp_path: Path) -> None:
+    config = tmp_path / "cluster.toml"
+    config.write_text('[up]\nregion_arena_bytes = "96MiB"\n[prefill]\ndevice_cache_tokens = 8192\n'
+                      '[decode]\nregion_arena_bytes = "32MiB"\n[store]\nsegment_size = "1GiB"\n')
+    settings = load_settings(UpSettings, "up", str(config), {"device_cache_tokens": 4096, "segment_size": None})
+    args = _args(up_topology(settings, str(config)))
+    assert _value(args["prefill"], "--device-cache-tokens") == "4096"  # up's flag
+    assert _value(args["decode"], "--region-arena-bytes") == "96MiB"  # up's table
+    assert _value(args["store"], "--segment-size") is None  # [store] says 1GiB; up was told nothing
+    assert settings.handed(read_config(str(config))) == {
+        "store": {}, "prefill": {"device_cache_tokens": 4096}, "decode": {"region_arena_bytes": "96MiB"}}
