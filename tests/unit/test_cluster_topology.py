@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvpool.tools.cluster import PipelineSpec, ServerSpec, StoreSpec, Topology
@@ -10,11 +12,13 @@ from kvpool.tools.replay.topology import TopologySettings, side_topology
 from kvpool.tools.up import UpSettings, up_topology
 
 
-def test_kvpool_up_default_shape() -> None:
-    topology = up_topology(UpSettings(), config="c.toml", log_level="info")
+def test_kvpool_up_default_shape(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"  # up reads the roles' tables: a file it is given must exist
+    config.write_text("")
+    topology = up_topology(UpSettings(), config=str(config), log_level="info")
     assert topology.names == ("master", "router", "store0", "store1", "decode0",
                               "p0-stage0", "p0-stage1", "p0-stage2", "p0-stage3")
-    assert topology.common_args == ("--log-level", "info", "--log-format", "json", "--config", "c.toml")
+    assert topology.common_args == ("--log-level", "info", "--log-format", "json", "--config", str(config))
     assert topology.router is not None and (topology.router.port, topology.router.http_port) == (7900, 8000)
     [server] = topology.servers
     assert server.stores[1].args == ("--segment-size", "512MiB", "--numa-node", "0", "--segment-id", "up-store1")
