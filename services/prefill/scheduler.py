@@ -428,6 +428,7 @@ class PrefillScheduler:
 
     async def _free(self, request_id: str) -> None:
         self.blocks.free(request_id)
+        log.info("blocks_freed", holder=request_id)  # with prefill_admitted: stage 0's block events in order
         self.metrics.device_usage.set(self.blocks.usage)  # freed blocks show at once
         self.metrics.observe_tenants(self.blocks.tenant_blocks)
         async with self._freed:

@@ -92,13 +92,18 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
     from services.cli import build_parser
 
     sessions = [load_session(TRACES / name) for name in simulate_validate.VALIDATION_TRACES]
-    order = [(k, i) for i in range(33) for k, s in enumerate(sessions) if i < len(s.turns)][:45]
+    order = [f"s{k}.t{i}" for i in range(33) for k, s in enumerate(sessions) if i < len(s.turns)][:45]
+    # one request at a time: admitted, its blocks freed, its save's freed
+    events = [(kind, name) for request_id in order
+              for kind, name in (("admit", request_id), ("free", request_id), ("free", request_id + "/save"))]
     setup = ValidationSetup(context=32768, device_cache_tokens=simulate_validate.DEVICE_CACHE_TOKENS,
                             store_bytes=simulate_validate.SEGMENT_BYTES)
-    turns, span, pool = replay_sessions(sessions, setup, load_cost_model(CPU_COST_MODEL), order,
-                                        dict.fromkeys(order, 3))
+    keys = [simulate_validate.turn_key(r) for r in order]
+    turns, span, pool = replay_sessions(sessions, setup, load_cost_model(CPU_COST_MODEL), events,
+                                        dict.fromkeys(keys, 3))
+    assert pool["events_left"] == 0
     fake = {key: replace(t, output_tokens=3) for key, t in turns.items()}
-    real = {"turns": fake, "order": order, "wall_s": span, "pool": {"evicted_groups": pool["evictions"]}, "errors": 0}
+    real = {"turns": fake, "events": events, "wall_s": span, "pool": {"evicted_groups": pool["evictions"]}, "errors": 0}
     monkeypatch.setattr(simulate_validate, "_real_side", lambda *a: real)
     args = build_parser().parse_args(["simulate", "--validate", "--quick", "--json", "--traces", str(TRACES)])
     assert simulate_validate.main(args) == 0
@@ -112,27 +117,46 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
     assert final["throughput_error"] == pytest.approx(0.0) and final["ttft_p50_error"] == 0.0
 
 
-def test_admission_order_from_stage_zeros_events(tmp_path: Path) -> None:
-    from kvpool.tools.sim.validate_cmd import admission_order
+def test_block_events_from_stage_zeros_log(tmp_path: Path) -> None:
+    from kvpool.tools.sim.validate_cmd import block_events, turn_key
 
-    def event(request_id: str, session_key: str, name: str = "prefill_admitted") -> str:
-        return json.dumps({"event": name, "request_id": request_id, "session_key": session_key})
+    def event(name: str, **fields: str) -> str:
+        return json.dumps({"event": name, **fields})
 
     (tmp_path / "prefill-0.log").write_text("\n".join([
-        event("r1", "b"), event("r2", "a"), "not json prefill_admitted", event("r3", "b", "prefill_done"),
-        event("r2", "a"),  # planned again after a lost device cache: the same request
-        event("r4", "other"), event("r5", "a"), event("r6", "b"),
+        event("prefill_admitted", request_id="r1", session_key="b"),
+        event("prefill_admitted", request_id="r2", session_key="a"),
+        "not json prefill_admitted",
+        event("prefill_done", request_id="r1", session_key="b"),
+        event("blocks_freed", holder="r1"),
+        event("prefill_admitted", request_id="r2", session_key="a"),  # planned again: the same request
+        event("prefill_admitted", request_id="r4", session_key="other"),
+        event("blocks_freed", holder="r4"),
+        event("blocks_freed", holder="r1/save"),
+        event("prefill_admitted", request_id="r5", session_key="a"),
+        event("blocks_freed", holder="r2"),
     ]) + "\n")
-    assert admission_order(tmp_path, ["a", "b"]) == [(1, 0), (0, 0), (0, 1), (1, 1)]
+    assert block_events(tmp_path, ["a", "b"]) == [
+        ("admit", "s1.t0"), ("admit", "s0.t0"), ("free", "s1.t0"), ("free", "s1.t0/save"), ("admit", "s0.t1"),
+        ("free", "s0.t0")]
+    assert turn_key("s12.t3") == (12, 3)
 
 
 def test_recorded_order_queue_admits_only_the_next_recorded_request() -> None:
-    from kvpool.tools.sim.validate import RecordedOrderQueue
+    from kvpool.tools.sim.events import EventLoop
+    from kvpool.tools.sim.validate import RecordedBlockEvents, RecordedOrderQueue
 
-    queue = RecordedOrderQueue(["s1.t0", "s0.t0", "s0.t1"])
+    loop = EventLoop()
+    events = RecordedBlockEvents([("admit", "s1.t0"), ("free", "s1.t0"), ("admit", "s0.t0")], loop)
+    queue = RecordedOrderQueue(events)
     queue.push("s0.t0", 1.0, 0.0)
     assert len(queue) == 0 and queue.peek(0.0) is None and queue.pop(0.0) is None  # s1.t0 goes first
     queue.push("s1.t0", 9.0, 1.0)
-    assert len(queue) == 2 and queue.peek(1.0) == "s1.t0"
-    assert queue.pop(1.0) == "s1.t0" and queue.pop(1.0) == "s0.t0"
-    assert len(queue) == 0 and queue.peek(2.0) is None
+    assert len(queue) == 2 and queue.peek(1.0) == "s1.t0" and queue.pop(1.0) == "s1.t0"
+    assert len(queue) == 0  # s0.t0 waits for s1.t0's release
+    freed: list[str] = []
+    events.release("s9.t9/save", freed.append)  # not in the order: at once
+    events.release("s1.t0", freed.append)
+    assert freed == ["s9.t9/save"]
+    loop.run(1.0)
+    assert freed == ["s9.t9/save", "s1.t0"] and queue.pop(1.0) == "s0.t0" and events.num_left == 0

@@ -58,6 +58,9 @@ class PipelineSim:
     queue: PrefillQueue = field(default_factory=PrefillQueue)
     work_weights: WorkWeights = field(default_factory=WorkWeights)
     sessions: SessionAware | None = None  # sched=session: retention, session end, prefetch
+    # the validation's hook: runs each release of blocks (a request's, "<id>/save") when the cluster's
+    # recorded order of stage 0's block events reaches it; None: at once
+    release_gate: Callable[[str, Callable[[str], None]], None] | None = None
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
     busy: bool = False
     _lease: int = 0
@@ -186,6 +189,8 @@ class PipelineSim:
             self._lease = 0
         # every stage reads its own objects; a dead store fails every stage's read of its groups alike
         request.apply_restore([self._readable] * self.num_stages, self.blocks)
+        if request.chunks_to_save:  # as stage 0 does: the save reads these blocks, they stay off the free list
+            self.blocks.hold(f"{job.job_id}/save", request.save_block_ids)
         job.compute_s = self.cost.compute_s(request.compute_start, request.num_computed_tokens, self.num_stages)
         self.loop.after(job.compute_s, self._computed, job)
 
@@ -194,15 +199,32 @@ class PipelineSim:
         assert request is not None
         request.finish_compute(self.blocks)
         chunks = list(request.chunks_to_save)
-        if chunks:
-            self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, job.play.namespace, chunks)
+        holder, ns = f"{job.job_id}/save", job.play.namespace
+        if self.release_gate is not None:
+            # the validation: the put lands where the cluster's save ended, in its recorded order (a save
+            # of nothing releases nothing, in its place)
+            self.release_gate(holder, lambda h: self._save(ns, chunks, h) if chunks else self._free_now(h))
+        elif chunks:
+            self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, ns, chunks, holder)
         self.metrics.on_prefill_end(job)
         self.busy = False
         self.on_prefilled(job)
         self.kick()
 
-    def _save(self, ns: str, chunks: list) -> None:
-        """Write-through: every stage's object of every chunk to save, one batch, committed when served."""
+    def _release(self, holder: str) -> None:
+        if self.release_gate is None:
+            self._free_now(holder)
+        else:
+            self.release_gate(holder, self._free_now)
+
+    def _free_now(self, holder: str) -> None:
+        if self.blocks.has_holder(holder):
+            self.blocks.free(holder)
+        self.kick()
+
+    def _save(self, ns: str, chunks: list, holder: str) -> None:
+        """Write-through: every stage's object of every chunk to save, one batch, committed when served;
+        the save's hold on its blocks ends then."""
         stages = self.num_stages
         items = [
             PutRequestItem(object_key(ns, h, s), group_id(ns, h), stages, self.stage_object_bytes[s])
@@ -223,8 +245,8 @@ class PipelineSim:
         self.metrics.on_save(len(items), len(commits), self.index.counters.evicted_groups - evicted_before)
         for host, nbytes in remote.items():
             self.network.send(self.host, host, nbytes)
+        self._free_now(holder)
 
     def handed_off(self, job: Job) -> None:
         """Decode has the KV: the hold ends and its blocks may serve the queue head."""
-        self.blocks.free(job.job_id)
-        self.kick()
+        self._release(job.job_id)

@@ -20,7 +20,7 @@ fills a whole block (``scaled_session`` gives it an id of its own content).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,6 +28,7 @@ import xxhash
 
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.engine import Simulation, layer_split
+from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.metrics import percentile
 from kvpool.tools.sim.topology import GIB, RunSettings, Topology
 from kvpool.workload.tokens import scaled_block_tokens, scaled_prompt_tokens
@@ -121,22 +122,66 @@ def simulate_sessions(
     return counts, sim.loop.now
 
 
-class RecordedOrderQueue:
-    """A pipeline's queue that admits requests only in the order the cluster's stage 0 admitted them.
+BlockEvent = tuple[str, str]  # ("admit", request id) or ("free", holder: a request id or "<request id>/save")
 
-    Invariant: ``peek`` is the next recorded id once that request has arrived, else None; nothing else is
-    ever admitted before it. ``len`` counts the waiting requests only while the head can go (the pipeline
-    starts a request only when ``len`` is non-zero).
+
+class RecordedBlockEvents:
+    """Stage 0's block events in the cluster's recorded order, as a gate for the simulated pipeline.
+
+    Invariant: an event the order names runs only once every event before it has run, admissions
+    included; a release the order does not name (a save the cluster did not make) runs at once.
+    """
+
+    def __init__(self, events: Sequence[BlockEvent], loop: EventLoop) -> None:
+        self._events = deque(events)
+        self._named = set(events)
+        self._deferred: dict[BlockEvent, Callable[[], None]] = {}
+        self._loop = loop
+
+    @property
+    def num_left(self) -> int:
+        """Recorded events the run did not reach (0: it followed the whole order)."""
+        return len(self._events)
+
+    def head(self) -> BlockEvent | None:
+        return self._events[0] if self._events else None
+
+    def release(self, holder: str, free: Callable[[str], None]) -> None:
+        """The pipeline's ``release_gate``: free ``holder`` when the order reaches it."""
+        event = ("free", holder)
+        if event not in self._named:
+            free(holder)
+            return
+        self._deferred[event] = lambda: free(holder)
+        self._loop.after(0.0, self.drain)
+
+    def admitted(self) -> None:
+        self._events.popleft()
+        self._loop.after(0.0, self.drain)  # not inside the pipeline's kick: it is mid-admission
+
+    def drain(self) -> None:
+        while self._events and self._events[0] in self._deferred:
+            run = self._deferred.pop(self._events.popleft())
+            run()
+
+
+class RecordedOrderQueue:
+    """A pipeline's queue that admits a request only when the recorded block events reach its admission.
+
+    Invariant: ``peek`` is the request whose admission is the next recorded event once it has arrived,
+    else None. ``len`` counts the waiting requests only while that one can go (the pipeline starts a
+    request only when ``len`` is non-zero).
     """
 
     num_overdue_pops = 0  # no aging: the recorded order is the order
 
-    def __init__(self, order: Sequence[str]) -> None:
-        self._order = deque(order)
+    def __init__(self, events: RecordedBlockEvents) -> None:
+        self._events = events
         self._waiting: set[str] = set()
 
     def _head(self) -> str | None:
-        return self._order[0] if self._order and self._order[0] in self._waiting else None
+        head = self._events.head()
+        return head[1] if head is not None and head[0] == "admit" and head[1] in self._waiting else None
 
     def __len__(self) -> int:
         return len(self._waiting) if self._head() is not None else 0
@@ -150,17 +195,18 @@ class RecordedOrderQueue:
     def pop(self, now: float) -> str | None:
         head = self._head()
         if head is not None:
-            self._order.popleft()
             self._waiting.discard(head)
+            self._events.admitted()
         return head
 
 
 def replay_sessions(
-    sessions: Sequence[Session], setup: ValidationSetup, cost: CostModel, order: Sequence[tuple[int, int]],
+    sessions: Sequence[Session], setup: ValidationSetup, cost: CostModel, events: Sequence[BlockEvent],
     output_tokens: Mapping[tuple[int, int], int] | None = None,
-) -> tuple[dict[tuple[int, int], TurnCounts], float, dict[str, int]]:
-    """Play the sessions at once (one slot each, no think time) on one pipeline, admitting turns in the
-    cluster's recorded ``order`` of (session index, turn index); every turn of ``order`` and no other.
+) -> tuple[dict[tuple[int, int], TurnCounts], float, dict[str, Any]]:
+    """Play the sessions at once (one slot each, no think time) on one pipeline, admitting turns and
+    releasing their blocks in the cluster's recorded order of stage 0's block ``events`` (request ids
+    ``s{session index}.t{turn index}``); every turn admitted there and no other.
 
     The counts per (session, turn), the simulated seconds, and the pool's counters (``pool_tokens`` and
     ``evictions``: groups the simulated master evicted). ``output_tokens`` replaces the outputs of the
@@ -175,8 +221,10 @@ def replay_sessions(
         decode_kv_gib_per_gpu=setup.decode_kv_tokens * shape.kv_bytes_per_token / GIB,
         store_gib=setup.store_bytes / GIB, max_context=setup.context,
     )
-    settings = RunSettings(num_sessions=len(sessions), duration_s=1e12, warmup_s=0.0, think=False,
-                           start_spread_s=0.0, max_instances=len(sessions), max_turns=len(order))
+    admits = [request_id for kind, request_id in events if kind == "admit"]
+    # a bound on simulated time: an order the simulator could not follow stops there, not never
+    settings = RunSettings(num_sessions=len(sessions), duration_s=3600.0, warmup_s=0.0, think=False,
+                           start_spread_s=0.0, max_instances=len(sessions), max_turns=len(admits))
     outputs = output_tokens or {}
     scaled = []
     for k, session in enumerate(sessions):
@@ -185,8 +233,10 @@ def replay_sessions(
                                              for i, t in enumerate(s.turns))))
     sim = Simulation(topology, settings, cost, scaled)
     # instance k plays sessions[k] (no restarts past len(sessions)): job ids are "s{k}.t{turn}"
-    for pipeline in sim.pipelines.values():
-        pipeline.queue = RecordedOrderQueue([f"s{k}.t{i}" for k, i in order])  # type: ignore[assignment]
+    recorded = RecordedBlockEvents(events, sim.loop)
+    for pipeline in sim.pipelines.values():  # one
+        pipeline.queue = RecordedOrderQueue(recorded)  # type: ignore[assignment]
+        pipeline.release_gate = recorded.release
     sim.run()
     counts = {}
     for job_id, d, p, c in sim.metrics.turn_tokens:
@@ -195,7 +245,7 @@ def replay_sessions(
     ttft = sorted(sim.metrics.ttft_s)
     pool = {"pool_tokens": sum(t.pool_tokens for t in counts.values()),
             "evictions": sum(i.counters.evicted_groups for i in sim.indexes),
-            "ttft_p50_s": percentile(ttft, 50) if ttft else 0.0}
+            "ttft_p50_s": percentile(ttft, 50) if ttft else 0.0, "events_left": recorded.num_left}
     return counts, sim.loop.now, pool
 
 

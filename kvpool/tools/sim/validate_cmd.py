@@ -31,37 +31,47 @@ DEVICE_CACHE_TOKENS = 4608  # 18 chunks a stage: the longest prompt (4,361 token
 SEGMENT_BYTES = 8 << 20  # two stores of 8 MiB: 21 groups of 4 x 196,608 B, fewer than the histories hold
 
 
-def admission_order(workdir: Path, session_ids: list[str]) -> list[tuple[int, int]]:
-    """(session index, turn index) in the order stage 0 admitted them, from its ``prefill_admitted`` events.
+def block_events(workdir: Path, session_ids: list[str]) -> list[tuple[str, str]]:
+    """Stage 0's block events in its log's order, named as the simulator names requests
+    (``s{session index}.t{turn index}``): ("admit", id) from ``prefill_admitted``, ("free", id or
+    "id/save") from ``blocks_freed``.
 
-    Each session has one request in flight, so its n-th admitted request is its turn n; a request planned
-    again after a lost device cache (a second attempt, the same request id) is counted once.
+    Each session has one request in flight, so its n-th admitted request is its turn n. A request planned
+    again after a lost device cache (a second attempt, the same request id) is admitted once; events of
+    requests outside the sessions (none in a validation) are left out.
     """
     index = {sid: k for k, sid in enumerate(session_ids)}
-    events = []
+    lines = []
     for path in sorted(workdir.rglob("*")):
-        if not path.is_file():
-            continue
-        for line in path.read_text(errors="replace").splitlines():
-            if "prefill_admitted" not in line:
-                continue
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("event") == "prefill_admitted" and event.get("session_key") in index:
-                events.append(event)
-    order: list[tuple[int, int]] = []
+        if path.is_file():
+            lines += [line for line in path.read_text(errors="replace").splitlines()
+                      if "prefill_admitted" in line or "blocks_freed" in line]
+    names: dict[str, str] = {}
     turns = [0] * len(session_ids)
-    seen: set[str] = set()
-    for event in events:
-        if event["request_id"] in seen:
+    out: list[tuple[str, str]] = []
+    for line in lines:  # one stage-0 log: its lines are in the order the events happened
+        try:
+            event = json.loads(line)
+        except ValueError:
             continue
-        seen.add(event["request_id"])
-        k = index[event["session_key"]]
-        order.append((k, turns[k]))
-        turns[k] += 1
-    return order
+        if event.get("event") == "prefill_admitted" and event.get("session_key") in index:
+            if event["request_id"] in names:
+                continue
+            k = index[event["session_key"]]
+            names[event["request_id"]] = name = f"s{k}.t{turns[k]}"
+            turns[k] += 1
+            out.append(("admit", name))
+        elif event.get("event") == "blocks_freed":
+            request_id, save, _ = str(event.get("holder", "")).partition("/save")
+            if request_id in names:
+                out.append(("free", names[request_id] + ("/save" if save else "")))
+    return out
+
+
+def turn_key(request_id: str) -> tuple[int, int]:
+    """``s{k}.t{i}`` → (k, i)."""
+    session, turn = request_id.split(".t")
+    return int(session[1:]), int(turn)
 
 
 def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float) -> dict[str, Any]:
@@ -91,12 +101,12 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float)
         result = asyncio.run(run_replay(cluster.http_url, workload, options, _probes(cluster)))
     finally:
         cluster.stop()
-    order = admission_order(workdir / "cluster", session_ids)
+    events = block_events(workdir / "cluster", session_ids)
     index = {sid: k for k, sid in enumerate(session_ids)}
     turns = {(index[r.session_id], r.turn): TurnCounts(r.prompt_tokens, r.device_tokens, r.pool_tokens,
                                                       r.computed_tokens, r.ttft_s, r.completion_tokens)
              for r in result.records if r.error is None}
-    return {"turns": turns, "order": order, "wall_s": result.wall_s, "pool": result.pool or {},
+    return {"turns": turns, "events": events, "wall_s": result.wall_s, "pool": result.pool or {},
             "errors": sum(r.error is not None for r in result.records)}
 
 
@@ -107,7 +117,7 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
 
     real_turns = real["turns"]
     sim_turns, sim_span, sim_pool = replay_sessions(
-        sessions, setup, cost, real["order"], {key: t.output_tokens for key, t in real_turns.items()})
+        sessions, setup, cost, real["events"], {key: t.output_tokens for key, t in real_turns.items()})
     keys = sorted(real_turns)
     mismatches = [key for key in keys if key not in sim_turns or _split(sim_turns[key]) != _split(real_turns[key])]
     # throughput: prompt tokens of the turns both sides ran over each side's span
@@ -115,7 +125,8 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
     sim_tput, real_tput = prompt / sim_span if sim_span else 0.0, prompt / real["wall_s"] if real["wall_s"] else 0.0
     real_ttft = percentile([real_turns[k].ttft_s for k in keys], 50)
     return {
-        "turns_compared": len(keys), "turns_admitted": len(real["order"]), "real_errors": real["errors"],
+        "turns_compared": len(keys), "turns_admitted": sum(kind == "admit" for kind, _ in real["events"]),
+        "events_not_followed": sim_pool["events_left"], "real_errors": real["errors"],
         "mismatched_turns": [list(k) for k in mismatches[:10]],
         "real_pool_tokens": sum(real_turns[k].pool_tokens for k in keys),
         "real_evictions": int(real["pool"].get("evicted_groups", -1)),
