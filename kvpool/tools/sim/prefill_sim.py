@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, object_key
 from kvpool.core.pool_index import PoolIndex
-from kvpool.core.pool_records import PutRequestItem, PutStatus
+from kvpool.core.pool_records import LookupResult, PutRequestItem, PutStatus
 from kvpool.core.prefill_queue import PrefillQueue, WorkWeights, prefill_work_s
 from kvpool.core.prefill_request import PrefillRequest, try_admit
 from kvpool.tools.sim.cost_model import CostModel
@@ -60,7 +60,7 @@ class PipelineSim:
     sessions: SessionAware | None = None  # sched=session: retention, session end, prefetch
     # the validation's hook: runs each release of blocks (a request's, "<id>/save") when the cluster's
     # recorded order of stage 0's block events reaches it; None: at once
-    release_gate: Callable[[str, Callable[[str], None]], None] | None = None
+    release_gate: Callable[[str, Callable[[str], object]], None] | None = None
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
     busy: bool = False
     _lease: int = 0
@@ -127,15 +127,23 @@ class PipelineSim:
             self.sessions.admitted(job, self)
         job.prefill_start = self.loop.now
         self.metrics.on_prefill_start(job)
-        self.master.call(self.cost.lookup_s(len(request.lookup_candidates)), self._looked_up, job)
+        lookup_s = self.cost.lookup_s(len(request.lookup_candidates))
+        if self.release_gate is not None:  # the validation: the pool as it was at admission, before later events
+            self.master.call(lookup_s, self._looked_up, job, self._lookup(job))
+        else:
+            self.master.call(lookup_s, self._looked_up, job)
 
-    def _looked_up(self, job: Job) -> None:
+    def _lookup(self, job: Job) -> LookupResult:
+        assert job.request is not None
+        return self.index.lookup([group_id(job.play.namespace, h) for h in job.request.lookup_candidates])
+
+    def _looked_up(self, job: Job, result: LookupResult | None = None) -> None:
         """The master served the lookup: plan, then read every stage's objects."""
         request = job.request
         assert request is not None
         self.metrics.on_lookup(self.loop.now - job.prefill_start)
-        ns = job.play.namespace
-        result = self.index.lookup([group_id(ns, h) for h in request.lookup_candidates])
+        if result is None:
+            result = self._lookup(job)
         plan = request.plan_lookup(len(result.groups))
         self._lease = result.lease_id
         if plan.num_pool_chunks and self.sessions is not None:
@@ -211,12 +219,6 @@ class PipelineSim:
         self.on_prefilled(job)
         self.kick()
 
-    def _release(self, holder: str) -> None:
-        if self.release_gate is None:
-            self._free_now(holder)
-        else:
-            self.release_gate(holder, self._free_now)
-
     def _free_now(self, holder: str) -> None:
         if self.blocks.has_holder(holder):
             self.blocks.free(holder)
@@ -249,4 +251,7 @@ class PipelineSim:
 
     def handed_off(self, job: Job) -> None:
         """Decode has the KV: the hold ends and its blocks may serve the queue head."""
-        self._release(job.job_id)
+        if self.release_gate is None:
+            self._free_now(job.job_id)
+        else:
+            self.release_gate(job.job_id, self._free_now)

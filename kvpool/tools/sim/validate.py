@@ -146,7 +146,7 @@ class RecordedBlockEvents:
     def head(self) -> BlockEvent | None:
         return self._events[0] if self._events else None
 
-    def release(self, holder: str, free: Callable[[str], None]) -> None:
+    def release(self, holder: str, free: Callable[[str], object]) -> None:
         """The pipeline's ``release_gate``: free ``holder`` when the order reaches it."""
         event = ("free", holder)
         if event not in self._named:

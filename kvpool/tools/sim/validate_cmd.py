@@ -4,10 +4,12 @@ The cluster side is ``kvpool replay``'s (``kvpool.tools.up.up_cluster`` + ``kvpo
 ``VALIDATION_TRACES`` (no sub-agents: one request in flight per session) at once, no think time, the tiny
 model, a device cache (``DEVICE_CACHE_TOKENS``) too small for every session's history, so turns restore
 from the pool, and two stores of ``SEGMENT_BYTES`` each, too small for every history, so the master evicts.
-Stage 0 logs each admission (``prefill_admitted``, with its session key); the simulator admits the same
-turns in that order (``kvpool.tools.sim.validate.replay_sessions``), and every turn's device / pool /
-computed tokens must be equal. The last JSON line ends with ``pool_tokens``, ``evictions``,
-``token_counts_equal``, ``throughput_error`` and ``ttft_p50_error``. The simulator's times come from
+Stage 0 logs each admission (``prefill_admitted``) and each release of a request's blocks and of its
+save's (``blocks_freed``); the simulator admits, frees, and commits each save in that recorded order
+(``kvpool.tools.sim.validate.replay_sessions``), and every turn's device / pool / computed tokens should be
+equal. What it does not follow is the master's own order of the four stages' puts against other requests'
+lookups: the turns that differ are listed (``mismatched_turns``). The last JSON line ends with
+``pool_tokens``, ``evictions``, ``token_counts_equal``, ``throughput_error`` and ``ttft_p50_error``. The simulator's times come from
 ``cost_model_cpu.toml`` (measured on this host for this cluster) unless ``--cost-model`` names another;
 ``--runs N`` repeats the whole comparison and reports the timing errors' median and spread.
 """
