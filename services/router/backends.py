@@ -37,6 +37,7 @@ class PipelineClient:
     stages: prefill_pb2_grpc.PrefillStageStub
     health: health_pb2_grpc.HealthStub
     num_stages: int = 0
+    stage_info_due: bool = True  # until StageInfo answers after the pipeline (re)entered rotation
 
 
 @dataclass(slots=True)
@@ -101,14 +102,17 @@ class Backends:
     async def _check_pipeline(self, client: PipelineClient) -> bool:
         # stage 0 answers for the pipeline's service by asking every later stage
         if not await self._serving(client.health, PIPELINE_HEALTH_SERVICE):
+            # what comes back may be a restarted stage 0 with another device cache: ask it again then
+            # (num_stages stays: a request admitted just before still splits its layers by it)
+            client.stage_info_due = True
             return False
-        if not client.num_stages:
+        if client.stage_info_due:
             try:
-                # asked once per pipeline: a loaded host gets longer than a health check's 2 s
+                # asked once each time it comes into rotation: a loaded host gets longer than a health check's 2 s
                 info = await client.stages.StageInfo(prefill_pb2.StageInfoRequest(), timeout=STAGE_INFO_TIMEOUT_S)
             except grpc.aio.AioRpcError:
                 return False
-            client.num_stages = info.num_stages
+            client.num_stages, client.stage_info_due = info.num_stages, False
             self.admission.set_pipeline_shape(client.address, info.num_blocks, info.block_size)
         return True
 

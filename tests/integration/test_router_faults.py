@@ -182,6 +182,23 @@ async def test_dead_targets_are_retried_or_fail_loudly_and_leave_rotation(doomed
     await until_unhealthy(cluster, address(cluster, shard))
     _, _, usage = await generate(cluster, router_pb2.GenerateRequest(text="next", sampling=sampling(4)))
     assert usage.shard != address(cluster, shard)
+    # the broken pipeline comes back with a smaller device cache: the router asks its StageInfo again,
+    # and the context it serves (the smallest prompt limit + 1) follows
+    assert served_context(cluster) == 4096 + 1
+    for name in ("p0-stage1", "p0-stage0"):
+        stage = cluster.find(name)
+        stage.args[stage.args.index("--device-cache-tokens") + 1] = "2048"
+        stage.restart()
+    await eventually(lambda: served_context(cluster) == 2048 + 1, timeout_s=30,
+                     what="the router to take p0's new device cache")
+    _, _, usage = await generate(cluster, router_pb2.GenerateRequest(text="again", sampling=sampling(4)))
+    assert usage.completion_tokens == 4 or usage.finish_reason == "stop"
+
+
+def served_context(cluster: Cluster) -> int:
+    """The context the router's /v1/models advertises (it follows every pipeline's device cache)."""
+    with urllib.request.urlopen(f"{cluster.http_url}/v1/models", timeout=10) as response:
+        return int(json.loads(response.read())["data"][0]["max_model_len"])
 
 
 def stream_http(cluster: Cluster, body: dict[str, object], on_first: Callable[[], None]) -> list[bytes]:
