@@ -110,7 +110,7 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert list(final)[-5:] == ["pool_tokens", "evictions", "token_counts_equal", "throughput_error", "ttft_p50_error"]
     assert final["cost_model"] == "cost_model_cpu.toml" and final["runs"] == 1
-    assert final["turns_compared"] == 45 and final["mismatched_turns"] == []
+    assert final["turns_compared"] == 45 and final["mismatched_turns"] == [] and final["num_mismatched_turns"] == 0
     assert final["pool_tokens"] == final["real_pool_tokens"] == sum(t.pool_tokens for t in turns.values()) > 0
     assert final["evictions"] == final["real_evictions"] == pool["evictions"] > 0
     assert final["token_counts_equal"] is True

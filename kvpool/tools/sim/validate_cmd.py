@@ -129,7 +129,7 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
     return {
         "turns_compared": len(keys), "turns_admitted": sum(kind == "admit" for kind, _ in real["events"]),
         "events_not_followed": sim_pool["events_left"], "real_errors": real["errors"],
-        "mismatched_turns": [list(k) for k in mismatches[:10]],
+        "num_mismatched_turns": len(mismatches), "mismatched_turns": [list(k) for k in mismatches[:10]],
         "real_pool_tokens": sum(real_turns[k].pool_tokens for k in keys),
         "real_evictions": int(real["pool"].get("evicted_groups", -1)),
         "real_wall_s": real["wall_s"], "sim_span_s": sim_span,
@@ -175,6 +175,7 @@ def main(args: argparse.Namespace) -> int:
     out = {"traces": list(VALIDATION_TRACES), "scale": setup.scale, "cost_model": Path(cost_path).name,
            "device_cache_tokens": setup.device_cache_tokens, "segment_bytes": setup.store_bytes, "runs": len(runs),
            **{k: v for k, v in last.items() if k not in _LAST},
+           "num_mismatched_turns_runs": [r["num_mismatched_turns"] for r in runs],
            **{f"{key}_runs": values for key, values in errors.items()},
            **{f"{key}_spread": max(values) - min(values) for key, values in errors.items()},
            "pool_tokens": min(r["pool_tokens"] for r in runs), "evictions": min(r["evictions"] for r in runs),
