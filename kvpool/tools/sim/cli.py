@@ -59,6 +59,9 @@ def add_simulate_parser(sub: Any) -> None:
                    help="session-aware prefill against the FIFO queue on the calibrated server: a closed loop of "
                    "--sessions and an open loop at 90%% of its capacity (docs/simulation.md)")
     p.add_argument("--sessions", type=int, default=112, help="--compare: closed-loop sessions (default 112)")
+    p.add_argument("--open-rate", type=float, default=None, metavar="SESSIONS_PER_S",
+                   help="--compare: the open loop's session arrival rate (default: prefill 90%% as busy as in the "
+                   "closed FIFO run, found by a pilot run)")
     p.add_argument("--json", action="store_true", help="the last line of output is one JSON object")
     p.add_argument("--runs-to", metavar="FILE", help="append each run's figures to FILE (JSON lines) as it ends")
     p.add_argument("--from-runs", metavar="FILE",

@@ -111,9 +111,13 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
         return replace(base, sched=sched, open_loop_sessions_per_s=sessions_per_s, warmup_s=open_warmup,
                        duration_s=open_warmup + counted, open_loop_initial_sessions=round(sessions_per_s * lifetime))
 
-    pilot = _pair([open_settings("fifo", rate)], open_spec, args, cost_path, topology)[0]
     token_rate = rate
-    rate = token_rate * OPEN_LOAD * fifo["prefill_busy"] / max(pilot["prefill_busy"], 1e-9)
+    pilot: dict[str, Any] = {}
+    if args.open_rate is not None:  # the rate given: no pilot
+        rate = args.open_rate
+    else:
+        pilot = _pair([open_settings("fifo", rate)], open_spec, args, cost_path, topology)[0]
+        rate = token_rate * OPEN_LOAD * fifo["prefill_busy"] / max(pilot["prefill_busy"], 1e-9)
     opened = _pair([open_settings(s, rate) for s in SIDES], open_spec, args, cost_path, topology)
     out = ratios(*closed)
     out["closed_loop"] = {"sessions": sessions, **{s: r for s, r in zip(SIDES, closed)}}
