@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpool import bind_shim
 from kvpool.tools.cluster import PARENT_PID_ENV, LocalDecode
+from kvpool.tools.cluster import zygote as zygote_module
 from kvpool.tools.cluster.zygote import ForkedProcess, Zygote
 
 from tests.integration.conftest import wait_for
@@ -87,6 +89,18 @@ def test_a_service_asked_to_die_with_its_parent_goes_with_the_zygote(tmp_path: P
 
     wait_for(master_gone, timeout_s=60, what="the master gone with its zygote")
     assert master.wait(timeout=1) is not None
+
+
+def test_a_child_that_needs_another_preload_gets_another_zygote(tmp_path: Path) -> None:
+    """The bind shim built after the zygote started: a child preloading it must not be forked from a zygote
+    without it (its own check would find the shim asked for and not loaded, and refuse to start)."""
+    base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    plain = zygote_module.zygote(base)
+    assert plain is not None and zygote_module.zygote(dict(base)) is plain
+    shim = bind_shim.build()
+    preloaded = zygote_module.zygote({**base, "LD_PRELOAD": str(shim)})
+    assert preloaded is not None and preloaded is not plain and plain.alive
+    assert str(shim) in Path(f"/proc/{preloaded.proc.pid}/maps").read_text()
 
 
 def test_torch_roles_are_forked_and_their_transfer_engine_binds_the_transfer_host(tmp_path: Path) -> None:

@@ -124,6 +124,8 @@ class Zygote:
         self._next_id = 0
         self._ready: int | None = None
         self.gone = False
+        # fixed at its exec: a child needing another preload (the bind shim built meanwhile) needs another zygote
+        self.preload = env.get("LD_PRELOAD", "")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool.tools.cluster.zygote_server", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
@@ -194,11 +196,12 @@ _zygote: Zygote | None = None
 
 
 def zygote(env: dict[str, str]) -> Zygote | None:
-    """This process's zygote, started with ``env`` on first use (again if it died); None when switched off."""
+    """This process's zygote, started with ``env`` on first use, again if it died or ``env`` preloads
+    something else (the old one keeps serving the children it has); None when switched off."""
     global _zygote
     if os.environ.get(SWITCH_ENV, "on") == "off":
         return None
     with _lock:
-        if _zygote is None or not _zygote.alive:
+        if _zygote is None or not _zygote.alive or _zygote.preload != env.get("LD_PRELOAD", ""):
             _zygote = Zygote(env)
         return _zygote
