@@ -25,8 +25,11 @@ def test_parse_compare() -> None:
     assert parse_compare("pool=shared,split") == ("pool", ("shared", "split"))
     assert parse_compare("groups=on,off") == ("groups", ("on", "off"))
     assert parse_compare("locality=on,off") == ("locality", ("on", "off"))
-    for bad in ("pool=shared,shared", "pool=shared,both", "groups", "eviction=on,off", "pool=", "locality=on,on"):
-        with pytest.raises(ValueError, match="expected pool=shared,split, groups=on,off or locality=on,off"):
+    assert parse_compare("sched=fifo,session") == ("sched", ("fifo", "session"))
+    for bad in ("pool=shared,shared", "pool=shared,both", "groups", "eviction=on,off", "pool=", "locality=on,on",
+                "sched=fifo,lifo"):
+        with pytest.raises(ValueError, match="expected pool=shared,split, groups=on,off, locality=on,off or "
+                                             "sched=fifo,session"):
             parse_compare(bad)
 
 
