@@ -1,4 +1,5 @@
-"""``kvpool replay --chaos`` end to end, small: two faults on a supervised cluster, the JSON's shape, and
+"""``kvpool replay --chaos`` end to end, small: three store faults on a supervised cluster (kill, slow, corrupt;
+the master, stage and decode-shard kills are test_operations' and test_router_faults'), the JSON's shape, and
 no answer that differs from the clean run's (the full run with every fault is in docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "age
 
 
 @pytest.mark.skipif(not TRACES.is_dir(), reason="needs ../shared/traces")
-def test_chaos_run_kills_and_corrupts_stores_without_a_wrong_answer(tmp_path: Path) -> None:
+def test_chaos_run_kills_slows_and_corrupts_stores_without_a_wrong_answer(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "services.cli", "replay", str(TRACES / "trace_0001.json"),
-               "--chaos", "kill:store0@2s,corrupt:store1@4s", "--sessions", "1", "--concurrency", "1",
+               "--chaos", "kill:store0@2s,slow:store1=200ms@3s,corrupt:store1@4s", "--sessions", "1", "--concurrency", "1",
                "--scale", "128", "--max-tokens", "4", "--think-scale", "0", "--duration", "8",
                "--pipelines", "1", "--stages", "1", "--decode-shards", "1", "--segment-size", "32MiB",
                "--device-cache-tokens", "4096", "--workdir", str(tmp_path), "--json"]
@@ -27,7 +28,7 @@ def test_chaos_run_kills_and_corrupts_stores_without_a_wrong_answer(tmp_path: Pa
     assert out.returncode in (0, 1), out.stderr[-2000:]  # 1: a fault not recovered within a short run
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(report) >= {"wrong_outputs", "lost_silently", "failed", "faults", "recovered_all"}
-    assert [f["fault"] for f in report["faults"]] == ["kill:store0@2s", "corrupt:store1@4s"]
+    assert [f["fault"] for f in report["faults"]] == ["kill:store0@2s", "slow:store1=200ms@3s", "corrupt:store1@4s"]
     assert report["turns"] > 0 and report["clean_errors"] == 0
     assert report["wrong_outputs"] == 0 and report["lost_silently"] == 0, report
     for fault in report["faults"]:
