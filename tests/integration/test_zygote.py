@@ -100,7 +100,12 @@ def test_a_child_that_needs_another_preload_gets_another_zygote(tmp_path: Path) 
     shim = bind_shim.build()
     preloaded = zygote_module.zygote({**base, "LD_PRELOAD": str(shim)})
     assert preloaded is not None and preloaded is not plain and plain.alive
-    assert str(shim) in Path(f"/proc/{preloaded.proc.pid}/maps").read_text()
+    child = preloaded.spawn(CHILD, ["pause", "0"], env(), str(tmp_path / "child.log"))
+    try:
+        assert str(shim) in Path(f"/proc/{child.pid}/maps").read_text()
+    finally:
+        child.kill()
+        child.wait(timeout=60)
 
 
 def test_torch_roles_are_forked_and_their_transfer_engine_binds_the_transfer_host(tmp_path: Path) -> None:
