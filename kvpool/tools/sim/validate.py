@@ -85,6 +85,21 @@ def scaled_session(session: Session, scale: int, max_tokens: int) -> Session:
     return replace(session, block_size=block_tokens, turns=tuple(turns))
 
 
+def _setup_topology(setup: ValidationSetup, cost: CostModel) -> tuple[CostModel, Topology]:
+    """The cost model at the setup's chunk, and one server sized as the setup's cluster: a stage holds
+    exactly ``device_cache_tokens`` and decode ``decode_kv_tokens`` (GIB is a power of two: the divisions
+    are exact)."""
+    shape = replace(cost.model, chunk_tokens=setup.chunk_size)
+    stage_token_bytes = max(layer_split(shape.num_layers, setup.num_stages)) * shape.kv_entry_bytes
+    topology = Topology(
+        num_servers=1, gpus_per_server=setup.num_stages + 1, num_stages=setup.num_stages, gpus_per_decode_shard=1,
+        device_kv_gib_per_gpu=setup.device_cache_tokens * stage_token_bytes / GIB, decode_page_tokens=1,
+        decode_kv_gib_per_gpu=setup.decode_kv_tokens * shape.kv_bytes_per_token / GIB,
+        store_gib=setup.store_bytes / GIB, max_context=setup.context,
+    )
+    return replace(cost, model=shape), topology
+
+
 def simulate_sessions(
     sessions: Sequence[Session], setup: ValidationSetup, cost: CostModel, max_turns: int | None = None,
     output_tokens: Sequence[int] | None = None,
@@ -99,15 +114,7 @@ def simulate_sessions(
     capacities are set in bytes so that a stage holds exactly ``device_cache_tokens`` and decode
     ``decode_kv_tokens`` (GIB is a power of two: the divisions are exact); the pool is made large.
     """
-    shape = replace(cost.model, chunk_tokens=setup.chunk_size)
-    cost = replace(cost, model=shape)
-    stage_token_bytes = max(layer_split(shape.num_layers, setup.num_stages)) * shape.kv_entry_bytes
-    topology = Topology(
-        num_servers=1, gpus_per_server=setup.num_stages + 1, num_stages=setup.num_stages, gpus_per_decode_shard=1,
-        device_kv_gib_per_gpu=setup.device_cache_tokens * stage_token_bytes / GIB, decode_page_tokens=1,
-        decode_kv_gib_per_gpu=setup.decode_kv_tokens * shape.kv_bytes_per_token / GIB, store_gib=setup.store_bytes / GIB,
-        max_context=setup.context,
-    )
+    cost, topology = _setup_topology(setup, cost)
     settings = RunSettings(num_sessions=1, duration_s=1e12, warmup_s=0.0, think=False, start_spread_s=0.0,
                            max_instances=len(sessions), max_turns=max_turns)
     scaled = [scaled_session(s, setup.scale, setup.max_tokens) for s in sessions]
@@ -212,15 +219,7 @@ def replay_sessions(
     ``evictions``: groups the simulated master evicted). ``output_tokens`` replaces the outputs of the
     turns it names (the real side's completion counts). The shape is as in ``simulate_sessions``.
     """
-    shape = replace(cost.model, chunk_tokens=setup.chunk_size)
-    cost = replace(cost, model=shape)
-    stage_token_bytes = max(layer_split(shape.num_layers, setup.num_stages)) * shape.kv_entry_bytes
-    topology = Topology(
-        num_servers=1, gpus_per_server=setup.num_stages + 1, num_stages=setup.num_stages, gpus_per_decode_shard=1,
-        device_kv_gib_per_gpu=setup.device_cache_tokens * stage_token_bytes / GIB, decode_page_tokens=1,
-        decode_kv_gib_per_gpu=setup.decode_kv_tokens * shape.kv_bytes_per_token / GIB,
-        store_gib=setup.store_bytes / GIB, max_context=setup.context,
-    )
+    cost, topology = _setup_topology(setup, cost)
     admits = [request_id for kind, request_id in events if kind == "admit"]
     # a bound on simulated time: an order the simulator could not follow stops there, not never
     settings = RunSettings(num_sessions=len(sessions), duration_s=3600.0, warmup_s=0.0, think=False,
