@@ -45,9 +45,10 @@ class ServiceProcess:
     workdir: Path
     proc: subprocess.Popen[bytes] | ForkedProcess | None = None
     ready: dict[str, Any] = field(default_factory=dict)
-    # the child gets SIGTERM when the thread that started it exits (kvpool up:
-    # no orphans even if up itself is killed); start() must run on a thread
-    # that lives as long as the child
+    # the child gets SIGTERM when its starter goes (kvpool up: no orphans even
+    # if up itself is killed). Started plainly, that is the thread that called
+    # start(), which must live as long as the child; forked, it is the zygote,
+    # which lives as long as this process
     die_with_parent: bool = False
     # run under these first, e.g. ``ip netns exec NAME`` (each must exec, keeping the pid)
     prefix: list[str] = field(default_factory=list)
