@@ -1,10 +1,12 @@
-"""Stage 0's gate in front of the pipeline (``--sched session``): the core's work-aware queue with aging.
+"""Stage 0's gate in front of the pipeline (``--sched-slots``): the core's prefill queue in front of a few slots.
 
 At most ``slots`` prefills run through the stages at once; the others wait in
-``kvpool.core.prefill_queue.PrefillQueue`` (least work first, a request
-waiting ``max_wait_s`` goes before every other). Without the gate
-(``--sched fifo``, the default) every admitted prefill runs at once and the
-stages' compute threads interleave their pieces in arrival order.
+``kvpool.core.prefill_queue.PrefillQueue`` in its ``order``: arrival
+(``--sched fifo``), or least work first with a request waiting ``max_wait_s``
+going before every other (``--sched session``). Both orders get the same
+slots, so a comparison of the two differs only in the order. Without a gate
+(``--sched-slots 0``, fifo's default) every admitted prefill runs at once and
+the stages' compute threads interleave their pieces in arrival order.
 
 Invariants: ``running <= slots``; a request waits only while every slot is
 taken; a waiter that is cancelled leaves the queue, and a slot it was handed
@@ -21,11 +23,11 @@ from contextlib import asynccontextmanager
 from kvpool.core.prefill_queue import PrefillQueue, QueueOrder
 
 
-class WorkGate:
-    def __init__(self, slots: int, max_wait_s: float) -> None:
+class PrefillGate:
+    def __init__(self, slots: int, max_wait_s: float, order: QueueOrder = QueueOrder.WORK) -> None:
         self.slots = slots
         self.running = 0
-        self.queue = PrefillQueue(QueueOrder.WORK, max_wait_s)
+        self.queue = PrefillQueue(order, max_wait_s)
         self._waiters: dict[str, asyncio.Future[None]] = {}
 
     @asynccontextmanager

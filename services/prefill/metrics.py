@@ -54,6 +54,10 @@ class PrefillMetrics:
         self.admission_wait = Histogram("kvpool_prefill_admission_wait_seconds",
                                         "Wait for free device blocks before a prefill starts",
                                         buckets=_SECONDS_BUCKETS, registry=r)
+        # stage 0: the wait for a slot of the gate (--sched-slots), before the wait for blocks
+        self.gate_wait = Histogram("kvpool_prefill_gate_wait_seconds",
+                                   "Wait for a slot of stage 0's gate (--sched-slots) before a prefill starts",
+                                   buckets=_SECONDS_BUCKETS, registry=r)
 
     def observe_tenants(self, tenant_blocks: dict[str, int]) -> None:
         for label, value in self.tenant_labels.totals(tenant_blocks).items():

@@ -31,6 +31,7 @@ from kvpool.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.prefill_request import PrefillRequest, try_admit
 from kvpool.core.sessions import SessionId
 from kvpool.core.tenant_shares import MAX_TENANT_BYTES, TenantShares, tenant_name
@@ -39,7 +40,7 @@ from kvpool.request_id import current_request_id, new_request_id
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import from_status, status_errors
 from services.prefill.handoff import HandoffMetrics, StageHandoff
-from services.prefill.gate import WorkGate
+from services.prefill.gate import PrefillGate
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.prefetch import PrefetchMetrics, SessionPrefetcher
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
@@ -104,9 +105,10 @@ class PrefillScheduler:
         self._freed = asyncio.Condition()
         self._releases: set[asyncio.Task[None]] = set()
         self._releasing: dict[str, asyncio.Task[None]] = {}  # by request id
-        # session-aware prefill: the work-aware gate (--sched session), retention by session, staging
-        self.gate = (WorkGate(self.settings.sched_slots, self.settings.sched_max_wait_s)
-                     if self.settings.sched == "session" else None)
+        # the gate (--sched-slots) in --sched's order; session-aware prefill: retention by session, staging
+        order = QueueOrder.WORK if self.settings.sched == "session" else QueueOrder.FIFO
+        self.gate = (PrefillGate(self.settings.sched_slots, self.settings.sched_max_wait_s, order)
+                     if self.settings.sched_slots else None)
         self.prefetcher = SessionPrefetcher(self, PrefetchMetrics(metrics.registry),
                                             runner.chunk_nbytes * self.settings.num_stages)
 
@@ -156,6 +158,8 @@ class PrefillScheduler:
         self.prefetcher.turn_started(session)
         try:
             async with self.gate.slot(request_id, work_s) if self.gate else contextlib.nullcontext():
+                if self.gate is not None:
+                    self.metrics.gate_wait.observe(time.perf_counter() - started)
                 return await self._prefill(request_id, token_ids, hashes, session, return_logits, tenant, target,
                                            handoff_after_prefill, started, bound)
         finally:

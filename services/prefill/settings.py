@@ -55,10 +55,12 @@ class PrefillSettings(ModelSetting):
         "reuses its own oldest cached blocks first (docs/security.md)", factory=list, metavar="TENANT=WEIGHT,...",
         default_text="none: equal shares",
     )
-    sched: str = setting("fifo", help="stage 0: fifo runs every admitted prefill at once (the stages interleave "
-                         "their pieces); session gates them through the core's work-aware queue (least work first, "
-                         "aging at --sched-max-wait-s), --sched-slots at a time", choices=("fifo", "session"))
-    sched_slots: int = setting(2, help="stage 0, --sched session: prefills running through the stages at once")
+    sched: str = setting("fifo", help="stage 0: the order of the prefills waiting for a slot (--sched-slots): "
+                         "fifo, arrival order; session, the core's work-aware queue (least work first, aging at "
+                         "--sched-max-wait-s)", choices=("fifo", "session"))
+    sched_slots: int = setting(-1, help="stage 0: prefills running through the stages at once, the others "
+                               "waiting in --sched's order; 0: no limit (every admitted prefill at once, the "
+                               "stages interleaving their pieces)", default_text="0 with fifo, 2 with session")
     sched_max_wait_s: float = setting(4.0, help="stage 0, --sched session: a prefill waiting this long goes first")
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
@@ -69,6 +71,8 @@ class PrefillSettings(ModelSetting):
     def __post_init__(self) -> None:
         if self.drain_s < 0:
             raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
+        if self.sched_slots < 0:  # not given: no gate in arrival order, 2 slots in the work-aware one
+            self.sched_slots = 2 if self.sched == "session" else 0
         if isinstance(self.tenant_weights, str):
             self.tenant_weights = [w for w in self.tenant_weights.split(",") if w]
         parse_weights(self.tenant_weights)  # raises naming the bad entry

@@ -1,13 +1,15 @@
-"""Stage 0's work-aware gate: order, slots, and a cancelled waiter (asyncio only, no process)."""
+"""Stage 0's gate: order (work-aware or FIFO), slots, and a cancelled waiter (asyncio only, no process)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from services.prefill.gate import WorkGate
+from kvpool.core.prefill_queue import QueueOrder
+from services.prefill.gate import PrefillGate
+from services.prefill.settings import PrefillSettings
 
 
-async def hold(gate: WorkGate, name: str, work: float, order: list[str], release: asyncio.Event) -> None:
+async def hold(gate: PrefillGate, name: str, work: float, order: list[str], release: asyncio.Event) -> None:
     async with gate.slot(name, work):
         order.append(name)
         await release.wait()
@@ -15,7 +17,7 @@ async def hold(gate: WorkGate, name: str, work: float, order: list[str], release
 
 def test_least_work_runs_first_within_the_slots_and_a_cancelled_waiter_leaves() -> None:
     async def main() -> None:
-        gate, order = WorkGate(slots=1, max_wait_s=60.0), []
+        gate, order = PrefillGate(slots=1, max_wait_s=60.0), []
         go = {n: asyncio.Event() for n in "abcd"}
         tasks = {n: asyncio.ensure_future(hold(gate, n, w, order, go[n])) for n, w in
                  (("a", 9.0), ("b", 5.0), ("c", 1.0), ("d", 3.0))}
@@ -39,7 +41,7 @@ def test_least_work_runs_first_within_the_slots_and_a_cancelled_waiter_leaves() 
 
 def test_a_slot_handed_to_a_cancelled_waiter_passes_on() -> None:
     async def main() -> None:
-        gate, order = WorkGate(slots=1, max_wait_s=60.0), []
+        gate, order = PrefillGate(slots=1, max_wait_s=60.0), []
         go = {n: asyncio.Event() for n in "abc"}
         a = asyncio.ensure_future(hold(gate, "a", 1.0, order, go["a"]))
         await asyncio.sleep(0.01)
@@ -54,3 +56,27 @@ def test_a_slot_handed_to_a_cancelled_waiter_passes_on() -> None:
         assert order == ["a", "c"] and (gate.running, len(gate.queue)) == (0, 0)
 
     asyncio.run(main())
+
+
+def test_the_fifo_order_takes_the_same_slots_in_arrival_order() -> None:
+    async def main() -> None:
+        gate, order = PrefillGate(slots=1, max_wait_s=60.0, order=QueueOrder.FIFO), []
+        go = {n: asyncio.Event() for n in "abcd"}
+        tasks = [asyncio.ensure_future(hold(gate, n, w, order, go[n])) for n, w in
+                 (("a", 9.0), ("b", 5.0), ("c", 1.0), ("d", 3.0))]
+        await asyncio.sleep(0.01)
+        for name in "abcd":
+            go[name].set()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+        assert order == ["a", "b", "c", "d"] and (gate.running, len(gate.queue)) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_sched_slots_default_to_no_gate_with_fifo_and_two_with_session() -> None:
+    def slots(**given: object) -> int:
+        return PrefillSettings(num_stages=1, **given).sched_slots  # type: ignore[arg-type]
+
+    assert (slots(), slots(sched="session")) == (0, 2)
+    assert (slots(sched="fifo", sched_slots=3), slots(sched="session", sched_slots=0)) == (3, 0)

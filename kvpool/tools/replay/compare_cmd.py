@@ -56,6 +56,10 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    "the shared pool holds 3/5 of it, eviction pressure)")
     g.add_argument("--link-gbit", type=float, default=10.0, help="each server's link, shaped with tc, each way "
                    "(namespaces only; default 10)")
+    g.add_argument("--sched-slots", type=int, default=2, metavar="N",
+                   help="sched=: stage 0's gate on both sides, N prefills through the stages at once, the others "
+                   "waiting in arrival order (fifo) or least work first (session); 0: no gate on either side, "
+                   "every admitted prefill at once (default 2)")
     g.add_argument("--loopback", action="store_true", help="no network namespaces even where they work")
     g.add_argument("--kill-server", type=int, metavar="N", help="kill every process of server N ... ")
     g.add_argument("--at", type=float, metavar="S", help="... S seconds into each replay")
@@ -81,6 +85,8 @@ def _check(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
         raise SystemExit("kvpool replay: --kill-server N and --at S go together")
     if args.kill_server is not None and not 0 <= args.kill_server < args.servers:
         raise SystemExit(f"kvpool replay: --kill-server: no server {args.kill_server} of {args.servers}")
+    if args.sched_slots < 0:
+        raise SystemExit(f"kvpool replay: --sched-slots: must be >= 0, got {args.sched_slots}")
     if args.turns is not None and args.turns < 1:
         raise SystemExit(f"kvpool replay: --turns: must be >= 1, got {args.turns}")
     if str(args.trace).endswith(".jsonl"):
@@ -115,7 +121,8 @@ def main(args: argparse.Namespace, levels: list[int]) -> int:
     base = TopologySettings(servers=args.servers, stages=args.stages, segment_size=segment,
                             device_cache_tokens=device_tokens, kv_dtype=args.kv_dtype, netns=not args.loopback,
                             link_gbit=args.link_gbit, log_level=args.log_level,
-                            decode_args=("--num-pages", str(args.decode_pages)) if args.decode_pages else ())
+                            decode_args=("--num-pages", str(args.decode_pages)) if args.decode_pages else (),
+                            sched_slots=args.sched_slots if what == "sched" else -1)
     options = ReplayOptions(concurrency=levels[-1], think_scale=args.think_scale, duration_s=args.duration,
                             chunk_size=chunk, progress=False)
     fault = Fault(args.kill_server, args.at) if args.kill_server is not None else None

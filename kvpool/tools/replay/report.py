@@ -33,12 +33,17 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
     """Restored/saved bytes per prefill stage and the restore wait on each pipeline's stage 0, from /metrics."""
     out: dict[str, Any] = {"restore_bytes_per_stage": {}, "saved_bytes_per_stage": {},
                            "restore_seconds_mean_per_stage": {}}
-    wait_sum = wait_count = queue_sum = queue_count = 0.0
+    wait_sum = wait_count = queue_sum = queue_count = gate_sum = gate_count = 0.0
     prefetch = dict.fromkeys(("prefetched", "used", "wasted"), 0.0)
+    hints: dict[str, int] = {}
     for name in sorted(n for n in after if "stage" in n):
         moved = delta(after[name], before.get(name, {}))
         for kind in prefetch:  # stage 0's session prefetch (bytes on every stage)
             prefetch[kind] += total(moved, "kvpool_prefetch_bytes_total", kind=kind)
+        for key, value in moved.items():  # what each session hint came to (staged, on_device, pressure, ...)
+            if key.startswith("kvpool_prefetch_hints_total{") and value:
+                outcome = key.partition('outcome="')[2].partition('"')[0]
+                hints[outcome] = hints.get(outcome, 0) + int(value)
         out["restore_bytes_per_stage"][name] = int(total(moved, "kvpool_prefill_restored_bytes_total"))
         out["saved_bytes_per_stage"][name] = int(total(moved, "kvpool_prefill_saved_bytes_total"))
         # each stage's read (and verify) straight into its pages, per restore
@@ -48,15 +53,19 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
         wait_count += total(moved, "kvpool_prefill_restore_wait_seconds_count")
         queue_sum += total(moved, "kvpool_prefill_admission_wait_seconds_sum")
         queue_count += total(moved, "kvpool_prefill_admission_wait_seconds_count")
+        gate_sum += total(moved, "kvpool_prefill_gate_wait_seconds_sum")
+        gate_count += total(moved, "kvpool_prefill_gate_wait_seconds_count")
     out["restore_bytes"] = sum(out["restore_bytes_per_stage"].values())
     out["restore_wait_mean_s"] = _ratio(wait_sum, wait_count)
     out["restores"] = int(wait_count)
     out["prefill_queue_wait_mean_s"] = _ratio(queue_sum, queue_count)
+    out["prefill_gate_wait_mean_s"] = _ratio(gate_sum, gate_count)  # nan without a gate
     # the restore on the critical path, per restore (each pipeline's stage 0: first stage start to last finish)
     out["restore_wait_total_s"] = wait_sum
     out["prefetched_bytes"] = int(prefetch["prefetched"])
     out["prefetch_used_bytes"] = int(prefetch["used"])
     out["prefetch_wasted_bytes"] = int(prefetch["wasted"])
+    out["prefetch_hints"] = hints
     return out
 
 
@@ -76,7 +85,10 @@ def _handoff_links(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
     moved = delta(after["router"], before.get("router", {}))
     cross = total(moved, "kvpool_router_handoff_bytes_total", link="cross_server")
     same = total(moved, "kvpool_router_handoff_bytes_total", link="same_server")
-    return {"cross_server_handoff_share": _ratio(cross, cross + same), "cross_server_handoff_bytes": int(cross)}
+    return {"cross_server_handoff_share": _ratio(cross, cross + same), "cross_server_handoff_bytes": int(cross),
+            # the router's admission queue (decode room and the pipeline's device blocks), in front of stage 0
+            "router_queue_wait_mean_s": _ratio(total(moved, "kvpool_router_queue_seconds_sum"),
+                                               total(moved, "kvpool_router_queue_seconds_count"))}
 
 
 def summarize(result: ReplayResult, workload: ReplayWorkload, options: ReplayOptions) -> dict[str, Any]:

@@ -55,7 +55,8 @@ class TopologySettings:
     decode_args: tuple[str, ...] = ()
     master_args: tuple[str, ...] = ()
     locality: bool = True  # the router prefers the decode shard on the pipeline's own server
-    sched: str = "fifo"  # stage 0's --sched (session: the work-aware gate)
+    sched: str = "fifo"  # stage 0's --sched: the gate's order (session: the work-aware queue)
+    sched_slots: int = -1  # stage 0's --sched-slots (-1: its default)
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -80,7 +81,9 @@ def side_topology(settings: TopologySettings) -> Topology:
         stores=tuple(StoreSpec(f"s{i}-store-{side}", ("--segment-size", s.segment_size, "--numa-node", "0",
                                                        "--segment-id", f"s{i}-store-{side}")) for side in sides),
         pipelines=(PipelineSpec(f"s{i}-", s.stages, (*model, "--device-cache-tokens", str(s.device_cache_tokens),
-                                                        "--sched", s.sched)),),
+                                                        "--sched", s.sched,
+                                                        *(("--sched-slots", str(s.sched_slots))
+                                                          if s.sched_slots >= 0 else ()))),),
         decode_shards=(DecodeSpec(f"s{i}-decode", (*model, *s.decode_args)),),
     ) for i in range(s.servers))
     return Topology(servers, master=MasterSpec(args=master_args) if s.pool == "shared" else None,
