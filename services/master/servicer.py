@@ -169,8 +169,11 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             items.append(PutRequestItem(key, group_id, group_size, size, tenant))
         evicted_before = self.index.counters.evicted_groups
         outcomes = self.index.put_start(request.client_host, items)
-        if self.index.counters.evicted_groups != evicted_before:
-            log.info("groups_evicted", count=self.index.counters.evicted_groups - evicted_before)
+        evicted = self.index.counters.evicted_groups - evicted_before
+        if evicted:
+            log.info("groups_evicted", count=evicted)
+        # the master's order of operations (kvpool simulate --validate follows it); a no-op unless debug
+        log.debug("pool_op", op="put_start", first_key=items[0].key, items=len(items), evicted=evicted)
         if all(o.status is PutStatus.NO_SPACE for o in outcomes):
             raise ResourceExhausted(
                 f"items: no space for {len(items)} objects (pool {self.index.used_bytes}/"
@@ -197,13 +200,16 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         commits = [(item.key, item.checksum) for item in request.items]
         check_names([key for key, _ in commits], "items", ".key")
         committed = self.index.put_end(commits)
+        log.debug("pool_op", op="put_end", first_key=commits[0][0], items=committed)
         return pool_pb2.PutEndResponse(num_committed=committed)
 
     @status_errors
     async def PutRevoke(self, request: pool_pb2.PutRevokeRequest, context: Any) -> pool_pb2.PutRevokeResponse:
         check_batch(len(request.keys), "keys")
         check_names(request.keys, "keys")
-        return pool_pb2.PutRevokeResponse(num_revoked=self.index.put_revoke(request.keys))
+        revoked = self.index.put_revoke(request.keys)
+        log.debug("pool_op", op="put_revoke", first_key=request.keys[0], items=revoked)
+        return pool_pb2.PutRevokeResponse(num_revoked=revoked)
 
     # ---- reads ----------------------------------------------------------
 
@@ -216,6 +222,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             raise InvalidArgument(f"lease_ms: {request.lease_ms} is outside 0..{MAX_LEASE_MS}")
         lease_s = request.lease_ms / 1000 if request.lease_ms else None
         result = self.index.lookup(group_ids, lease_s)
+        log.debug("pool_op", op="lookup", groups=len(group_ids), complete=len(result.groups), lease_id=result.lease_id)
         response = pool_pb2.LookupResponse(
             num_complete=len(result.groups), lease_id=result.lease_id, lease_ms=round(result.lease_s * 1000)
         )
@@ -237,7 +244,9 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     async def ReleaseLease(self, request: pool_pb2.ReleaseLeaseRequest, context: Any) -> pool_pb2.ReleaseLeaseResponse:
         corrupt = request.corrupt_group_ids
         if not corrupt:
-            return pool_pb2.ReleaseLeaseResponse(released=self.index.release_lease(request.lease_id))
+            released = self.index.release_lease(request.lease_id)
+            log.debug("pool_op", op="release", lease_id=request.lease_id, released=released)
+            return pool_pb2.ReleaseLeaseResponse(released=released)
         if len(corrupt) > MAX_BATCH:
             raise InvalidArgument(f"corrupt_group_ids: {len(corrupt)} entries is more than {MAX_BATCH} in one call")
         check_names(corrupt, "corrupt_group_ids")

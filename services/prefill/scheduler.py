@@ -156,6 +156,8 @@ class PrefillScheduler:
         session = SessionId(tenant_name(tenant), session_key) if session_key else None
         work_s = self.prefetcher.work_s(hashes, len(token_ids), session)
         self.prefetcher.turn_started(session)
+        # the session's cached blocks were touched: a block event (kvpool simulate --validate follows it)
+        bound.debug("prefill_arrived")
         try:
             async with self.gate.slot(request_id, work_s) if self.gate else contextlib.nullcontext():
                 if self.gate is not None:
