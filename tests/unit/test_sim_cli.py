@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -142,6 +143,58 @@ def test_block_events_from_stage_zeros_log(tmp_path: Path) -> None:
     assert turn_key("s12.t3") == (12, 3)
 
 
+def test_recorded_orders_read_arrivals_and_the_masters_pool_operations(tmp_path: Path) -> None:
+    from kvpool.tools.sim.validate_cmd import recorded_orders
+
+    def event(name: str, **fields: object) -> str:
+        return json.dumps({"event": name, **fields})
+
+    (tmp_path / "p0-stage0.log").write_text("\n".join([
+        event("prefill_arrived", request_id="r1", session_key="b"),
+        event("prefill_arrived", request_id="r2", session_key="a"),
+        event("prefill_admitted", request_id="r2", session_key="a"),
+        event("prefill_admitted", request_id="r1", session_key="b"),
+        event("blocks_freed", holder="r2"),
+    ]) + "\n")
+    (tmp_path / "master.log").write_text("\n".join([
+        event("pool_op", op="lookup", groups=3, complete=2, lease_id=7, request_id="r2"),
+        event("pool_op", op="put_start", first_key="ns/h1/3", items=2, evicted=1, request_id="r1"),
+        event("pool_op", op="lookup", groups=1, complete=0, lease_id=0, request_id="r9"),  # not a session's
+        event("pool_op", op="put_end", first_key="ns/h1/3", items=2, request_id="r1"),
+        event("pool_op", op="release", lease_id=7, released=True, request_id="r2"),
+        event("rpc_served", method="Lookup", request_id="r2"),
+    ]) + "\n")
+    blocks, ops = recorded_orders(tmp_path, ["a", "b"])
+    # names follow each session's requests in the order they arrive
+    assert blocks == [("touch", "s1.t0"), ("touch", "s0.t0"), ("admit", "s0.t0"), ("admit", "s1.t0"),
+                      ("free", "s0.t0")]
+    assert ops == [(("lookup", "s0.t0"), 2), (("put_start", "s1.t0/3"), 1), (("put_end", "s1.t0/3"), 2),
+                   (("release", "s0.t0"), 1)]
+
+
+def test_recorded_pool_ops_apply_in_the_recorded_order_and_count_differing_outcomes() -> None:
+    from kvpool.tools.sim.events import EventLoop
+    from kvpool.tools.sim.validate import RecordedPoolOps
+
+    loop = EventLoop()
+    master = RecordedPoolOps([(("lookup", "s0.t0"), 2), (("put_start", "s1.t0/0"), 0), (("put_end", "s1.t0/0"), 3)],
+                             loop)
+    applied: list[str] = []
+
+    def apply(name: str, figure: int) -> Callable[[], int]:
+        return lambda: applied.append(name) or figure
+
+    master.run(("put_start", "s1.t0/0"), apply("put_start", 0))  # waits for the lookup
+    master.run(("lookup", "s9.t9"), apply("other lookup", 5))  # not recorded: at once
+    loop.run(1.0)
+    assert applied == ["other lookup"] and master.num_left == 3
+    master.run(("lookup", "s0.t0"), apply("lookup", 1))  # the cluster's lookup found 2 groups
+    master.run(("put_end", "s1.t0/0"), apply("put_end", 3))
+    loop.run(2.0)
+    assert applied == ["other lookup", "lookup", "put_start", "put_end"] and master.num_left == 0
+    assert master.differing == [("lookup", "s0.t0")]
+
+
 def test_recorded_order_queue_admits_only_the_next_recorded_request() -> None:
     from kvpool.tools.sim.events import EventLoop
     from kvpool.tools.sim.validate import RecordedBlockEvents, RecordedOrderQueue
@@ -155,8 +208,8 @@ def test_recorded_order_queue_admits_only_the_next_recorded_request() -> None:
     assert len(queue) == 2 and queue.peek(1.0) == "s1.t0" and queue.pop(1.0) == "s1.t0"
     assert len(queue) == 0  # s0.t0 waits for s1.t0's release
     freed: list[str] = []
-    events.release("s9.t9/save", freed.append)  # not in the order: at once
-    events.release("s1.t0", freed.append)
+    events.run(("free", "s9.t9/save"), lambda: freed.append("s9.t9/save"))  # not in the order: at once
+    events.run(("free", "s1.t0"), lambda: freed.append("s1.t0"))
     assert freed == ["s9.t9/save"]
     loop.run(1.0)
     assert freed == ["s9.t9/save", "s1.t0"] and queue.pop(1.0) == "s0.t0" and events.num_left == 0

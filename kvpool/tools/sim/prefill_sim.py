@@ -1,7 +1,8 @@
 """A simulated prefill pipeline: the core's ``PrefillRequest`` against the core's ``BlockManager`` and ``PoolIndex``.
 
-One pipeline serves one request at a time, as stage 0's scheduler does:
-admit (device blocks) → one pool lookup from chunk 0 (``plan_lookup``),
+A turn's arrival touches its session's cached device blocks (the most
+recently used while it waits), as stage 0 does for every turn. One pipeline
+serves one request at a time: admit (device blocks) → one pool lookup from chunk 0 (``plan_lookup``),
 queued at the pool's master → restore (every stage reads its objects at
 once; objects on other servers also cross both servers' NICs) → compute
 (stages pipelined over chunks) → save (``chunks_to_save`` as one put batch,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvpool.core.block_manager import BlockManager
@@ -58,9 +60,12 @@ class PipelineSim:
     queue: PrefillQueue = field(default_factory=PrefillQueue)
     work_weights: WorkWeights = field(default_factory=WorkWeights)
     sessions: SessionAware | None = None  # sched=session: retention, session end, prefetch
-    # the validation's hook: runs each release of blocks (a request's, "<id>/save") when the cluster's
-    # recorded order of stage 0's block events reaches it; None: at once
-    release_gate: Callable[[str, Callable[[str], object]], None] | None = None
+    # the validation's hooks (set together): ``block_gate`` runs each of stage 0's block events (a turn's
+    # touch of its session on arrival, "touch"; a release of a request's blocks or its save's, "free") and
+    # ``pool_gate`` each pool operation (a lookup, a lease's release, each stage's put start and end)
+    # when the cluster's recorded order reaches it; None: at once, without the per-stage puts
+    block_gate: Callable[[tuple[str, str], Callable[[], object]], None] | None = None
+    pool_gate: Callable[[tuple[str, str], Callable[[], int | None]], None] | None = None
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
     busy: bool = False
     _lease: int = 0
@@ -87,8 +92,17 @@ class PipelineSim:
 
     def enqueue(self, job: Job) -> None:
         self._waiting[job.job_id] = job
+        # as stage 0 does on every turn's arrival: the session's cached free blocks become the most recent
+        if self.block_gate is None:
+            self.blocks.touch_session(session_of(job))
+        else:
+            self.block_gate(("touch", job.job_id), partial(self._touch, job))
         self.queue.push(job.job_id, self.estimate_work_s(job), self.loop.now)
         self.kick()
+
+    def _touch(self, job: Job) -> None:
+        self.blocks.touch_session(session_of(job))
+        self.kick()  # its admission may be the next event
 
     def estimate_work_s(self, job: Job) -> float:
         """What the turn brings, as stage 0 sees it on arrival: the device's cached prefix (a read-only
@@ -112,8 +126,7 @@ class PipelineSim:
             return
         job = self._waiting[self.queue.peek(self.loop.now) or ""]
         request = PrefillRequest(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens, job.play.hashes)
-        if self.sessions is not None:
-            request.session = session_of(job)
+        request.session = session_of(job)  # as stage 0's: its freed blocks are the session's
         if not try_admit(request, self.blocks, self.loop.now, math.inf):
             if self.sessions is not None and self.name in self.sessions.in_flight:
                 self.sessions.cancel(self)  # device pressure: the prefetch gives its blocks back
@@ -128,10 +141,15 @@ class PipelineSim:
         job.prefill_start = self.loop.now
         self.metrics.on_prefill_start(job)
         lookup_s = self.cost.lookup_s(len(request.lookup_candidates))
-        if self.release_gate is not None:  # the validation: the pool as it was at admission, before later events
-            self.master.call(lookup_s, self._looked_up, job, self._lookup(job))
+        if self.pool_gate is not None:  # the validation: the lookup at its place in the master's order
+            self.master.call(lookup_s, self.pool_gate, ("lookup", job.job_id), partial(self._gated_lookup, job))
         else:
             self.master.call(lookup_s, self._looked_up, job)
+
+    def _gated_lookup(self, job: Job) -> int:
+        result = self._lookup(job)
+        self._looked_up(job, result)
+        return len(result.groups)
 
     def _lookup(self, job: Job) -> LookupResult:
         assert job.request is not None
@@ -192,7 +210,11 @@ class PipelineSim:
     def _restored(self, job: Job) -> None:
         request = job.request
         assert request is not None
-        if self._lease:
+        if self.pool_gate is not None:  # a lease of 0 (none) releases nothing, as the cluster's client sends nothing
+            self.master.call(self.cost.release_s(), self.pool_gate, ("release", job.job_id),
+                             partial(self.index.release_lease, self._lease))
+            self._lease = 0
+        elif self._lease:
             self.master.call(self.cost.release_s(), self.index.release_lease, self._lease)
             self._lease = 0
         # every stage reads its own objects; a dead store fails every stage's read of its groups alike
@@ -208,16 +230,55 @@ class PipelineSim:
         request.finish_compute(self.blocks)
         chunks = list(request.chunks_to_save)
         holder, ns = f"{job.job_id}/save", job.play.namespace
-        if self.release_gate is not None:
-            # the validation: the put lands where the cluster's save ended, in its recorded order (a save
-            # of nothing releases nothing, in its place)
-            self.release_gate(holder, lambda h: self._save(ns, chunks, h) if chunks else self._free_now(h))
+        if self.pool_gate is not None:
+            self._save_by_stage(job.job_id, ns, chunks)
         elif chunks:
             self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, ns, chunks, holder)
         self.metrics.on_prefill_end(job)
         self.busy = False
         self.on_prefilled(job)
         self.kick()
+
+    def _save_by_stage(self, request_id: str, ns: str, chunks: list) -> None:
+        """The validation: each stage puts its own objects (start, then end), each at its place in the
+        master's recorded order, as the cluster's stages put from their own processes; the save's blocks
+        go when every stage's put has ended, at their place in stage 0's order (a save of nothing
+        releases nothing, in its place)."""
+        assert self.pool_gate is not None and self.block_gate is not None
+        holder, gate = f"{request_id}/save", self.block_gate
+        if not chunks:
+            gate(("free", holder), partial(self._free_now, holder))
+            return
+        left = [self.num_stages]
+
+        def stage_ended() -> None:
+            left[0] -= 1
+            if not left[0]:
+                gate(("free", holder), partial(self._free_now, holder))
+
+        for stage in range(self.num_stages):
+            self.master.call(self.cost.put_s(len(chunks)), self.pool_gate, ("put_start", f"{request_id}/{stage}"),
+                             partial(self._put_stage, request_id, ns, chunks, stage, stage_ended))
+
+    def _put_stage(self, request_id: str, ns: str, chunks: list, stage: int, ended: Callable[[], None]) -> int:
+        """One stage's put start; its put end goes to the gate. Returns the groups it evicted."""
+        assert self.pool_gate is not None
+        items = [PutRequestItem(object_key(ns, h, stage), group_id(ns, h), self.num_stages,
+                                self.stage_object_bytes[stage]) for h in chunks]
+        evicted_before = self.index.counters.evicted_groups
+        outcomes = self.index.put_start(self.host, items)
+        commits = [(item.key, 0) for item, o in zip(items, outcomes) if o.status is PutStatus.RESERVED]
+        evicted = self.index.counters.evicted_groups - evicted_before
+        self.metrics.on_save(len(items), len(commits), evicted)
+
+        def commit() -> int:
+            if commits:  # the cluster's client sends no put end when nothing was reserved
+                self.index.put_end(commits)
+            ended()
+            return len(commits)
+
+        self.pool_gate(("put_end", f"{request_id}/{stage}"), commit)
+        return evicted
 
     def _free_now(self, holder: str) -> None:
         if self.blocks.has_holder(holder):
@@ -251,7 +312,7 @@ class PipelineSim:
 
     def handed_off(self, job: Job) -> None:
         """Decode has the KV: the hold ends and its blocks may serve the queue head."""
-        if self.release_gate is None:
+        if self.block_gate is None:
             self._free_now(job.job_id)
         else:
-            self.release_gate(job.job_id, self._free_now)
+            self.block_gate(("free", job.job_id), partial(self._free_now, job.job_id))

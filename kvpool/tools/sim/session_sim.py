@@ -69,8 +69,7 @@ class SessionAware:
 
     def arrived(self, job: Job, pipeline: PipelineSim) -> None:
         session = session_of(job)
-        self.sessions.turn_started(session, pipeline.loop.now, pipeline.name)
-        pipeline.blocks.touch_session(session)
+        self.sessions.turn_started(session, pipeline.loop.now, pipeline.name)  # the pipeline touches its blocks
 
     def admitted(self, job: Job, pipeline: PipelineSim) -> None:
         request = job.request

@@ -7,7 +7,10 @@ same device / pool / computed tokens for every turn, because both run the
 same ``kvpool.core`` decisions in the same order. Times agree only as far
 as the cost model describes the cluster: ``cost_model_cpu.toml`` is measured
 on the host the validation runs on (``throughput_error`` and
-``ttft_p50_error`` say how far off it is).
+``ttft_p50_error`` say how far off it is). ``replay_sessions`` plays several
+sessions at once, with a pool that evicts, in the cluster's recorded orders of
+stage 0's block events (``RecordedBlockEvents``) and of the master's pool
+operations (``RecordedPoolOps``).
 
 At a scale s a 64-token block becomes 64/s tokens and a prompt
 ``scaled_prompt_tokens`` tokens (``kvpool.workload.tokens``); a chunk is then
@@ -26,6 +29,7 @@ from typing import Any
 
 import xxhash
 
+from kvpool.core.pool_settings import IndexSettings
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.engine import Simulation, layer_split
 from kvpool.tools.sim.events import EventLoop
@@ -129,20 +133,23 @@ def simulate_sessions(
     return counts, sim.loop.now
 
 
-BlockEvent = tuple[str, str]  # ("admit", request id) or ("free", holder: a request id or "<request id>/save")
+# ("touch", request id): its arrival touched its session's blocks; ("admit", request id); or ("free", holder:
+# a request id or "<request id>/save")
+BlockEvent = tuple[str, str]
 
 
 class RecordedBlockEvents:
     """Stage 0's block events in the cluster's recorded order, as a gate for the simulated pipeline.
 
     Invariant: an event the order names runs only once every event before it has run, admissions
-    included; a release the order does not name (a save the cluster did not make) runs at once.
+    included; an event the order does not name (a save the cluster did not make, a touch a log without
+    touches does not show) runs at once.
     """
 
     def __init__(self, events: Sequence[BlockEvent], loop: EventLoop) -> None:
         self._events = deque(events)
         self._named = set(events)
-        self._deferred: dict[BlockEvent, Callable[[], None]] = {}
+        self._deferred: dict[BlockEvent, Callable[[], object]] = {}
         self._loop = loop
 
     @property
@@ -153,13 +160,12 @@ class RecordedBlockEvents:
     def head(self) -> BlockEvent | None:
         return self._events[0] if self._events else None
 
-    def release(self, holder: str, free: Callable[[str], object]) -> None:
-        """The pipeline's ``release_gate``: free ``holder`` when the order reaches it."""
-        event = ("free", holder)
+    def run(self, event: BlockEvent, apply: Callable[[], object]) -> None:
+        """The pipeline's ``block_gate``: apply ``event`` when the order reaches it."""
         if event not in self._named:
-            free(holder)
+            apply()
             return
-        self._deferred[event] = lambda: free(holder)
+        self._deferred[event] = apply
         self._loop.after(0.0, self.drain)
 
     def admitted(self) -> None:
@@ -170,6 +176,47 @@ class RecordedBlockEvents:
         while self._events and self._events[0] in self._deferred:
             run = self._deferred.pop(self._events.popleft())
             run()
+
+
+PoolOp = tuple[str, str]  # (op, holder): ("lookup" | "release", request id) or ("put_start" | "put_end", "<id>/<stage>")
+
+
+class RecordedPoolOps:
+    """The master's operations in the cluster's recorded order, as a gate for the simulated pool.
+
+    Invariant: an operation the order names runs only once every operation before it has run; one the
+    order does not name (an operation the cluster did not make) runs at once. ``figures`` holds the
+    cluster's outcome of each named operation (a lookup's complete groups, a put start's evictions) and
+    ``differing`` the operations whose simulated outcome was not that.
+    """
+
+    def __init__(self, ops: Sequence[tuple[PoolOp, int]], loop: EventLoop) -> None:
+        self._ops = deque(op for op, _ in ops)
+        self.figures = {op: figure for op, figure in ops}
+        self._deferred: dict[PoolOp, Callable[[], int | None]] = {}
+        self._loop = loop
+        self.differing: list[PoolOp] = []
+
+    @property
+    def num_left(self) -> int:
+        """Recorded operations the run did not reach (0: it followed the whole order)."""
+        return len(self._ops)
+
+    def run(self, op: PoolOp, apply: Callable[[], int | None]) -> None:
+        """Apply ``op`` to the pool when the order reaches it (``apply`` returns its outcome's figure, or
+        None where there is none to compare)."""
+        if op not in self.figures:
+            apply()
+            return
+        self._deferred[op] = apply
+        self._loop.after(0.0, self.drain)
+
+    def drain(self) -> None:
+        while self._ops and self._ops[0] in self._deferred:
+            op = self._ops.popleft()
+            figure = self._deferred.pop(op)()
+            if figure is not None and figure != self.figures[op]:
+                self.differing.append(op)
 
 
 class RecordedOrderQueue:
@@ -209,11 +256,14 @@ class RecordedOrderQueue:
 
 def replay_sessions(
     sessions: Sequence[Session], setup: ValidationSetup, cost: CostModel, events: Sequence[BlockEvent],
-    output_tokens: Mapping[tuple[int, int], int] | None = None,
+    output_tokens: Mapping[tuple[int, int], int] | None = None, pool_ops: Sequence[tuple[PoolOp, int]] = (),
 ) -> tuple[dict[tuple[int, int], TurnCounts], float, dict[str, Any]]:
     """Play the sessions at once (one slot each, no think time) on one pipeline, admitting turns and
     releasing their blocks in the cluster's recorded order of stage 0's block ``events`` (request ids
-    ``s{session index}.t{turn index}``); every turn admitted there and no other.
+    ``s{session index}.t{turn index}``); every turn admitted there and no other. Each pool operation
+    (a lookup, a lease's release, each stage's put start and end) is applied in the recorded order of the
+    master's ``pool_ops``, with the cluster's outcome of each (``RecordedPoolOps``); leases do not expire
+    (an expired one shows as a release that differs).
 
     The counts per (session, turn), the simulated seconds, and the pool's counters (``pool_tokens`` and
     ``evictions``: groups the simulated master evicted). ``output_tokens`` replaces the outputs of the
@@ -230,12 +280,14 @@ def replay_sessions(
         s = scaled_session(session, setup.scale, setup.max_tokens)
         scaled.append(replace(s, turns=tuple(replace(t, output_tokens=max(1, outputs.get((k, i), t.output_tokens)))
                                              for i, t in enumerate(s.turns))))
-    sim = Simulation(topology, settings, cost, scaled)
+    sim = Simulation(topology, settings, cost, scaled, index_settings=IndexSettings(lease_s=1e9))
     # instance k plays sessions[k] (no restarts past len(sessions)): job ids are "s{k}.t{turn}"
     recorded = RecordedBlockEvents(events, sim.loop)
+    master = RecordedPoolOps(pool_ops, sim.loop)
     for pipeline in sim.pipelines.values():  # one
         pipeline.queue = RecordedOrderQueue(recorded)  # type: ignore[assignment]
-        pipeline.release_gate = recorded.release
+        pipeline.block_gate = recorded.run
+        pipeline.pool_gate = master.run
     sim.run()
     counts = {}
     for job_id, d, p, c in sim.metrics.turn_tokens:
@@ -244,7 +296,8 @@ def replay_sessions(
     ttft = sorted(sim.metrics.ttft_s)
     pool = {"pool_tokens": sum(t.pool_tokens for t in counts.values()),
             "evictions": sum(i.counters.evicted_groups for i in sim.indexes),
-            "ttft_p50_s": percentile(ttft, 50) if ttft else 0.0, "events_left": recorded.num_left}
+            "ttft_p50_s": percentile(ttft, 50) if ttft else 0.0, "events_left": recorded.num_left,
+            "pool_ops_left": master.num_left, "pool_ops_differing": master.differing}
     return counts, sim.loop.now, pool
 
 

@@ -4,11 +4,14 @@ The cluster side is ``kvpool replay``'s (``kvpool.tools.up.up_cluster`` + ``kvpo
 ``VALIDATION_TRACES`` (no sub-agents: one request in flight per session) at once, no think time, the tiny
 model, a device cache (``DEVICE_CACHE_TOKENS``) too small for every session's history, so turns restore
 from the pool, and two stores of ``SEGMENT_BYTES`` each, too small for every history, so the master evicts.
-Stage 0 logs each admission (``prefill_admitted``) and each release of a request's blocks and of its
-save's (``blocks_freed``); the simulator admits, frees, and commits each save in that recorded order
-(``kvpool.tools.sim.validate.replay_sessions``), and every turn's device / pool / computed tokens should be
-equal. What it does not follow is the master's own order of the four stages' puts against other requests'
-lookups: the turns that differ are listed (``mismatched_turns``). The last JSON line ends with
+The cluster runs at log level debug and records two orders: stage 0's block events (each turn's arrival,
+which touches its session's cached blocks, ``prefill_arrived``; each admission, ``prefill_admitted``; each
+release of a request's blocks and of its save's, ``blocks_freed``) and the master's pool operations (each
+lookup, lease release, and each stage's put start and put end, ``pool_op``, with its outcome). The
+simulator applies each of those in its recorded order (``kvpool.tools.sim.validate.replay_sessions``), so
+every turn's device / pool / computed tokens should be equal; the turns that differ are listed
+(``mismatched_turns``), and so are the pool operations whose outcome differed (``pool_ops_differing``:
+a lookup's complete groups, a put's evictions). The last JSON line ends with
 ``pool_tokens``, ``evictions``, ``token_counts_equal``, ``throughput_error`` and ``ttft_p50_error``. The simulator's times come from
 ``cost_model_cpu.toml`` (measured on this host for this cluster) unless ``--cost-model`` names another;
 ``--runs N`` repeats the whole comparison and reports the timing errors' median and spread.
@@ -28,46 +31,75 @@ from typing import Any
 
 # no sub-agents, 14-33 turns each of 1-4.4K tokens at scale 16
 VALIDATION_TRACES = ("trace_0002.json", "trace_0019.json", "trace_0021.json")
-DURATION_S = 90.0
+DURATION_S = 180.0  # every turn of the three sessions on a loaded host (71 turns took 73 s; 90 s once ran only 57)
 DEVICE_CACHE_TOKENS = 4608  # 18 chunks a stage: the longest prompt (4,361 tokens) fits, three histories do not
 SEGMENT_BYTES = 8 << 20  # two stores of 8 MiB: 21 groups of 4 x 196,608 B, fewer than the histories hold
 
 
 def block_events(workdir: Path, session_ids: list[str]) -> list[tuple[str, str]]:
-    """Stage 0's block events in its log's order, named as the simulator names requests
-    (``s{session index}.t{turn index}``): ("admit", id) from ``prefill_admitted``, ("free", id or
-    "id/save") from ``blocks_freed``.
+    """Stage 0's block events in its log's order (``recorded_orders``' first part)."""
+    return recorded_orders(workdir, session_ids)[0]
 
-    Each session has one request in flight, so its n-th admitted request is its turn n. A request planned
-    again after a lost device cache (a second attempt, the same request id) is admitted once; events of
-    requests outside the sessions (none in a validation) are left out.
+
+def recorded_orders(workdir: Path, session_ids: list[str]) -> tuple[list[tuple[str, str]], list[Any]]:
+    """The cluster's two recorded orders, named as the simulator names requests (``s{session index}.t{turn
+    index}``): stage 0's block events and the master's pool operations, each in its own log's order.
+
+    Block events: ("touch", id) from ``prefill_arrived`` (debug level: a turn's arrival touches its
+    session's cached blocks), ("admit", id) from ``prefill_admitted``, ("free", id or "id/save") from
+    ``blocks_freed``. Each session has one request in flight, so its n-th request is its turn n. A request
+    planned again after a lost device cache (a second attempt, the same request id) is admitted once;
+    events of requests outside the sessions (none in a validation) are left out.
+
+    Pool operations (the master's ``pool_op`` events, debug level): ((op, holder), figure), holder the
+    request's name, or "name/stage" for a put (the stage from its first key, ``object_key``'s last part);
+    figure: a lookup's complete groups, a release's 1 (released) or 0, a put start's groups evicted, a put
+    end's objects committed.
     """
     index = {sid: k for k, sid in enumerate(session_ids)}
-    lines = []
+    stage0: list[dict[str, Any]] = []
+    master: list[dict[str, Any]] = []
     for path in sorted(workdir.rglob("*")):
-        if path.is_file():
-            lines += [line for line in path.read_text(errors="replace").splitlines()
-                      if "prefill_admitted" in line or "blocks_freed" in line]
+        if not path.is_file():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            wanted = "prefill_admitted" in line or "blocks_freed" in line or "prefill_arrived" in line
+            if not wanted and "pool_op" not in line:
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            (stage0 if wanted else master).append(event)
     names: dict[str, str] = {}
     turns = [0] * len(session_ids)
-    out: list[tuple[str, str]] = []
-    for line in lines:  # one stage-0 log: its lines are in the order the events happened
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "prefill_admitted" and event.get("session_key") in index:
-            if event["request_id"] in names:
+    seen: set[tuple[str, str]] = set()
+    blocks: list[tuple[str, str]] = []
+    for event in stage0:  # one stage-0 log: its lines are in the order the events happened
+        kind = {"prefill_arrived": "touch", "prefill_admitted": "admit"}.get(str(event.get("event")))
+        if kind is not None and event.get("session_key") in index:
+            request_id = event["request_id"]
+            if (kind, request_id) in seen:
                 continue
-            k = index[event["session_key"]]
-            names[event["request_id"]] = name = f"s{k}.t{turns[k]}"
-            turns[k] += 1
-            out.append(("admit", name))
+            seen.add((kind, request_id))
+            if request_id not in names:
+                k = index[event["session_key"]]
+                names[request_id] = f"s{k}.t{turns[k]}"
+                turns[k] += 1
+            blocks.append((kind, names[request_id]))
         elif event.get("event") == "blocks_freed":
             request_id, save, _ = str(event.get("holder", "")).partition("/save")
             if request_id in names:
-                out.append(("free", names[request_id] + ("/save" if save else "")))
-    return out
+                blocks.append(("free", names[request_id] + ("/save" if save else "")))
+    figure = {"lookup": "complete", "release": "released", "put_start": "evicted", "put_end": "items"}
+    ops: list[Any] = []
+    for event in master:  # one master's log: its operations in the order it served them
+        op, name = event.get("op"), names.get(str(event.get("request_id")))
+        if event.get("event") != "pool_op" or op not in figure or name is None:
+            continue
+        holder = f"{name}/{str(event.get('first_key', '')).rpartition('/')[2]}" if op.startswith("put") else name
+        ops.append(((op, holder), int(event.get(figure[op], 0))))
+    return blocks, ops
 
 
 def turn_key(request_id: str) -> tuple[int, int]:
@@ -95,7 +127,8 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float)
                           workdir=str(workdir / "cluster"))
     config_path = workdir / "validate.toml"
     config_path.write_text(f"[prefill]\nchunk_size = {setup.chunk_size}\n\n[router]\nrequest_timeout_s = 600.0\n")
-    cluster = up_cluster(settings, str(config_path), "info")  # info: stage 0's prefill_admitted events
+    # debug: stage 0's block events (info) and the master's pool_op events (debug)
+    cluster = up_cluster(settings, str(config_path), "debug")
     cluster.start()
     try:
         options = ReplayOptions(concurrency=len(session_ids), think_scale=0.0, duration_s=duration_s,
@@ -103,12 +136,12 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float)
         result = asyncio.run(run_replay(cluster.http_url, workload, options, _probes(cluster)))
     finally:
         cluster.stop()
-    events = block_events(workdir / "cluster", session_ids)
+    events, pool_ops = recorded_orders(workdir / "cluster", session_ids)
     index = {sid: k for k, sid in enumerate(session_ids)}
     turns = {(index[r.session_id], r.turn): TurnCounts(r.prompt_tokens, r.device_tokens, r.pool_tokens,
                                                       r.computed_tokens, r.ttft_s, r.completion_tokens)
              for r in result.records if r.error is None}
-    return {"turns": turns, "events": events, "wall_s": result.wall_s, "pool": result.pool or {},
+    return {"turns": turns, "events": events, "pool_ops": pool_ops, "wall_s": result.wall_s, "pool": result.pool or {},
             "errors": sum(r.error is not None for r in result.records)}
 
 
@@ -119,7 +152,8 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
 
     real_turns = real["turns"]
     sim_turns, sim_span, sim_pool = replay_sessions(
-        sessions, setup, cost, real["events"], {key: t.output_tokens for key, t in real_turns.items()})
+        sessions, setup, cost, real["events"], {key: t.output_tokens for key, t in real_turns.items()},
+        real.get("pool_ops", ()))
     keys = sorted(real_turns)
     mismatches = [key for key in keys if key not in sim_turns or _split(sim_turns[key]) != _split(real_turns[key])]
     # throughput: prompt tokens of the turns both sides ran over each side's span
@@ -128,7 +162,10 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
     real_ttft = percentile([real_turns[k].ttft_s for k in keys], 50)
     return {
         "turns_compared": len(keys), "turns_admitted": sum(kind == "admit" for kind, _ in real["events"]),
-        "events_not_followed": sim_pool["events_left"], "real_errors": real["errors"],
+        "events_not_followed": sim_pool["events_left"], "pool_ops_followed": len(real.get("pool_ops", ())),
+        "pool_ops_not_followed": sim_pool["pool_ops_left"],
+        "pool_ops_differing": [list(op) for op in sim_pool["pool_ops_differing"][:10]],
+        "num_pool_ops_differing": len(sim_pool["pool_ops_differing"]), "real_errors": real["errors"],
         "num_mismatched_turns": len(mismatches), "mismatched_turns": [list(k) for k in mismatches[:10]],
         "real_pool_tokens": sum(real_turns[k].pool_tokens for k in keys),
         "real_evictions": int(real["pool"].get("evicted_groups", -1)),
