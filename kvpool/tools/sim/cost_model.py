@@ -39,6 +39,19 @@ class PrefillCost:
     # 1: each stage computes the request's whole span before the next stage starts (num_stages
     # stage-times per chunk, no fill), as kvpool's stage processes do with one forward per request
     sequential_stages: int = 0
+    # tokens a stage forwards at once and passes on (0: one chunk): the next stage starts a piece when the
+    # previous stage has finished it, so a request shorter than a piece goes through the stages one after
+    # another (``stage_times``)
+    forward_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """One request's compute on one stage: ``span_s`` in all; its first and its last forwarded piece."""
+
+    span_s: float
+    first_piece_s: float
+    last_piece_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,27 +122,40 @@ class CostModel:
     fit: FitInputs = FitInputs()
 
     def compute_s(self, first_token: int, num_tokens: int, num_stages: int) -> float:
-        """Pipeline time to compute tokens ``[first_token, first_token + num_tokens)``.
+        """Time through an idle pipeline to compute tokens ``[first_token, first_token + num_tokens)``.
 
-        Stages overlap on successive chunks, so the pipeline takes one stage's
-        time per chunk plus ``num_stages - 1`` chunk times to fill; a chunk's
-        cost is linear in its context, so the sum over chunks is closed form
-        (no per-chunk work: a turn computes up to ~450 chunks). With
-        ``prefill.sequential_stages`` the stages run one after another over
-        the whole span: ``num_stages`` stage-times per chunk, no fill.
+        A stage forwards a request in pieces (``stage_times``); the next stage
+        takes each piece when the previous one has finished it, so an idle
+        pipeline takes one stage's span plus ``num_stages - 1`` piece times to
+        fill (one chunk's by default; with ``prefill.sequential_stages`` the
+        whole span: ``num_stages`` spans). A chunk's cost is linear in its
+        context, so every sum is closed form (no per-chunk work: a turn
+        computes up to ~450 chunks).
         """
         if num_tokens <= 0:
             return 0.0
+        t = self.stage_times(first_token, num_tokens)
+        return t.span_s + (num_stages - 1) * max(t.first_piece_s, t.last_piece_s)
+
+    def _piece_s(self, first_token: float, num_tokens: float) -> float:
+        """One stage's time for tokens ``[first_token, first_token + num_tokens)`` (chunks at their mean context)."""
         c = self.model.chunk_tokens
         p = self.prefill
-        num_chunks = num_tokens / c
         mean_context = first_token + (num_tokens - c) / 2 if num_tokens > c else first_token
-        per_chunk = p.chunk_base_s + p.chunk_per_context_token_s * mean_context
-        level = self.fit.prefill_level
-        if p.sequential_stages:
-            return level * num_stages * num_chunks * per_chunk
-        last_chunk = p.chunk_base_s + p.chunk_per_context_token_s * (first_token + num_tokens - min(c, num_tokens))
-        return level * (num_chunks * per_chunk + (num_stages - 1) * last_chunk)
+        return self.fit.prefill_level * num_tokens / c * (p.chunk_base_s + p.chunk_per_context_token_s * mean_context)
+
+    def stage_times(self, first_token: int, num_tokens: int) -> StageTimes:
+        """One stage's span over the request, and its first and last piece of ``forward_tokens`` (one chunk
+        when 0; the whole span with ``sequential_stages``): what the flow of stages needs
+        (``prefill_sim.stage_schedule``)."""
+        if num_tokens <= 0:
+            return StageTimes(0.0, 0.0, 0.0)
+        span = self._piece_s(first_token, num_tokens)
+        if self.prefill.sequential_stages:
+            return StageTimes(span, span, span)
+        piece = min(self.prefill.forward_tokens or self.model.chunk_tokens, num_tokens)
+        return StageTimes(span, self._piece_s(first_token, piece),
+                          self._piece_s(first_token + num_tokens - piece, piece))
 
     def restore_s(self, num_chunks: int, stage_bytes_per_token: float) -> float:
         """One GPU reads its stage's objects of ``num_chunks`` chunks (the stages read at once)."""

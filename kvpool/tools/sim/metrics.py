@@ -49,7 +49,7 @@ class Metrics:
     restore_s: list[float] = field(default_factory=list)
     restore_tokens: list[int] = field(default_factory=list)
     spread_s: list[float] = field(default_factory=list)  # first stage starts -> last stage finishes
-    prefill_busy_s: float = 0.0  # pipelines' time from a request's start to its compute's end
+    prefill_busy_s: float = 0.0  # stage 0's time from a request's admission to its own compute's end
     compute_s: float = 0.0  # of which computing
     decode_s: list[float] = field(default_factory=list)  # handoff's end -> last token
     think_s: list[float] = field(default_factory=list)  # each think scheduled after warm-up
@@ -87,6 +87,10 @@ class Metrics:
             self.restore_s.append(seconds)
             self.restore_tokens.append(num_chunks)
 
+    def on_stage0_done(self, seconds: float) -> None:
+        if self.after_warmup():
+            self.prefill_busy_s += seconds
+
     def on_prefill_end(self, job: Job) -> None:
         request = job.request
         assert request is not None
@@ -97,7 +101,6 @@ class Metrics:
         if self.after_warmup():
             self.counted_turns += 1
             self.spread_s.append(self.now() - job.prefill_start)
-            self.prefill_busy_s += self.now() - job.prefill_start
             self.compute_s += job.compute_s
             for i, n in enumerate((request.num_tokens, *counts)):
                 self.counted[i] += n

@@ -1,14 +1,16 @@
 """A simulated prefill pipeline: the core's ``PrefillRequest`` against the core's ``BlockManager`` and ``PoolIndex``.
 
 A turn's arrival touches its session's cached device blocks (the most
-recently used while it waits), as stage 0 does for every turn. One pipeline
-serves one request at a time: admit (device blocks) → one pool lookup from chunk 0 (``plan_lookup``),
-queued at the pool's master → restore (every stage reads its objects at
-once; objects on other servers also cross both servers' NICs) → compute
-(stages pipelined over chunks) → save (``chunks_to_save`` as one put batch,
-every stage's object of each chunk in its group, queued at the master) → the
-request's KV stays held until its handoff to decode ends. The next request
-starts when compute ends.
+recently used while it waits), as stage 0 does for every turn. Stage 0
+admits one request at a time, when it is free itself: admit (device
+blocks) → one pool lookup from chunk 0 (``plan_lookup``), queued at the
+pool's master → restore (each stage reads its own objects when it is free;
+objects on other servers also cross both servers' NICs) → compute (the
+stages as a flow shop over the request's forwarded pieces: ``stages``) →
+save (``chunks_to_save`` as one put batch, every stage's object of each
+chunk in its group, queued at the master) → the request's KV stays held
+until its handoff to decode ends. The next request is admitted when stage 0
+has computed its part, while the later stages still work on this one.
 
 Times come from the cost model and the shared resources (``network``);
 decisions only from the core. A save is put_start + put_end when the master
@@ -35,6 +37,7 @@ from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job, session_of
 from kvpool.tools.sim.metrics import Metrics
 from kvpool.tools.sim.network import MasterQueue, Network
+from kvpool.tools.sim.stages import StageFlow
 
 if TYPE_CHECKING:
     from kvpool.tools.sim.session_sim import SessionAware
@@ -67,7 +70,9 @@ class PipelineSim:
     block_gate: Callable[[tuple[str, str], Callable[[], object]], None] | None = None
     pool_gate: Callable[[tuple[str, str], Callable[[], int | None]], None] | None = None
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
-    busy: bool = False
+    busy: bool = False  # stage 0 holds a request (admitted, not yet through its own compute)
+    flow: StageFlow | None = None  # the stages' next free times (made on first use: num_stages)
+    _read_s: float = 0.0  # one stage's share of the restore in progress
     _lease: int = 0
     _readable: int = 0  # leading planned pool chunks whose every object lives on a store still alive
     _pending: int = 0  # parts of the restore still in flight (the GPUs' reads, each remote server's bytes)
@@ -171,6 +176,7 @@ class PipelineSim:
         restore_s = self.cost.restore_s(plan.num_pool_chunks, max(self.stage_object_bytes) / self.cost.model.chunk_tokens)
         remote = self._remote_bytes(restored[: self._readable]) if restored else {}
         self._pending = 1 + len(remote)
+        self._read_s = restore_s
         job.restore_start = self.loop.now
         self.loop.after(restore_s, self._restore_part_done, job)
         for host, nbytes in remote.items():
@@ -221,10 +227,22 @@ class PipelineSim:
         request.apply_restore([self._readable] * self.num_stages, self.blocks)
         if request.chunks_to_save:  # as stage 0 does: the save reads these blocks, they stay off the free list
             self.blocks.hold(f"{job.job_id}/save", request.save_block_ids)
-        job.compute_s = self.cost.compute_s(request.compute_start, request.num_computed_tokens, self.num_stages)
-        self.loop.after(job.compute_s, self._computed, job)
+        if self.flow is None:
+            self.flow = StageFlow(self.num_stages)
+        times = self.cost.stage_times(request.compute_start, request.num_computed_tokens)
+        ends = self.flow.schedule(job.restore_start, self.loop.now, self._read_s, times)
+        job.compute_s = times.span_s
+        self.loop.at(ends[0], self._stage0_done, job)
+        self.loop.at(ends[-1], self._computed, job)
+
+    def _stage0_done(self, job: Job) -> None:
+        """Stage 0 computed its part: it admits the next request while the later stages go on."""
+        self.metrics.on_stage0_done(self.loop.now - job.prefill_start)
+        self.busy = False
+        self.kick()
 
     def _computed(self, job: Job) -> None:
+        """The last stage computed its part: commit, save, hand off."""
         request = job.request
         assert request is not None
         request.finish_compute(self.blocks)
@@ -235,7 +253,6 @@ class PipelineSim:
         elif chunks:
             self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, ns, chunks, holder)
         self.metrics.on_prefill_end(job)
-        self.busy = False
         self.on_prefilled(job)
         self.kick()
 

@@ -1,0 +1,50 @@
+"""The prefill stages as a flow shop: exact times of overlapping requests (kvpool.tools.sim.stages)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.tools.sim.cost_model import CostModel, ModelShape, PrefillCost, StageTimes
+from kvpool.tools.sim.stages import StageFlow
+
+
+def test_an_idle_pipeline_ends_one_span_plus_the_fill_after_the_restore() -> None:
+    flow = StageFlow(4)
+    # restore from t=1 to t=2 on every stage; 3 s a stage, pieces of 1 s
+    assert flow.schedule(1.0, 2.0, 1.0, StageTimes(3.0, 1.0, 1.0)) == [5.0, 6.0, 7.0, 8.0]
+    assert flow.free_at == [5.0, 6.0, 7.0, 8.0]
+
+
+def test_a_second_request_waits_for_each_stage_and_its_spread_grows() -> None:
+    flow = StageFlow(4)
+    flow.schedule(0.0, 1.0, 1.0, StageTimes(3.0, 1.0, 1.0))  # stages end at 4, 5, 6, 7
+    # stage 0 takes the next at 4 (lookup served at 4, its read to 5); stage s reads once free: 5+1, 6+1, 7+1
+    ends = flow.schedule(4.0, 5.0, 1.0, StageTimes(3.0, 1.0, 1.0))
+    # stage 1: read ends 6, start max(6, 5 + 1) = 6, end max(9, 8 + 1) = 9; stage 2: read ends 7, start 7,
+    # end max(10, 10) = 10; stage 3: read ends 8, start 8, end 11
+    assert ends == [8.0, 9.0, 10.0, 11.0]
+    # stages that forward a request whole: the second request's stage 1 reads only after its compute of
+    # the first, so its first stage start (2.5) to last stage end (7.0) is 4.5 s against the first's 4.5
+    # plus the wait: here the read hides behind stage 0's compute
+    flow2 = StageFlow(2)
+    flow2.schedule(0.0, 0.5, 0.5, StageTimes(2.0, 2.0, 2.0))  # sequential: stage 0 ends 2.5, stage 1 4.5
+    assert flow2.schedule(2.5, 3.0, 0.5, StageTimes(2.0, 2.0, 2.0)) == [5.0, 7.0]  # stage 1 reads 4.5-5.0
+
+
+def test_a_request_shorter_than_a_piece_goes_through_the_stages_one_after_another() -> None:
+    cost = CostModel(model=ModelShape(num_layers=4, kv_entry_bytes=1, chunk_tokens=256),
+                     prefill=PrefillCost(chunk_base_s=1.0, chunk_per_context_token_s=0.0, forward_tokens=1024))
+    # 768 tokens, one piece of 768: 3 chunk-times a stage, each stage after the previous
+    assert cost.stage_times(0, 768) == StageTimes(3.0, 3.0, 3.0)
+    assert cost.compute_s(0, 768, 4) == pytest.approx(12.0)
+    # 2,048 tokens: 8 chunk-times a stage, pieces of 4: one span plus 3 pieces to fill
+    assert cost.stage_times(0, 2048) == StageTimes(8.0, 4.0, 4.0)
+    assert cost.compute_s(0, 2048, 4) == pytest.approx(8.0 + 3 * 4.0)
+    # one chunk per piece (the default): the old pipeline over chunks
+    chunked = CostModel(prefill=PrefillCost(chunk_base_s=1.0, chunk_per_context_token_s=0.0))
+    assert chunked.compute_s(0, 2048, 4) == pytest.approx(8.0 + 3 * 1.0)
+
+
+def test_a_flow_needs_a_stage() -> None:
+    with pytest.raises(ValueError, match="num_stages"):
+        StageFlow(0)
