@@ -121,3 +121,25 @@ def test_replay_compare_sched_sides_and_hints() -> None:
                                   prefetch_used_bytes=80, prefetch_wasted_bytes=20, errors=0))
     assert (out["ttft_p50_session_over_fifo"], out["throughput_session_over_fifo"], out["wasted_prefetch_share"],
             out["errors"]) == (0.5, 0.99, 0.2, 0)
+
+
+def test_a_turns_arrival_touches_its_sessions_cached_blocks_in_fifo_too() -> None:
+    # as stage 0 does for every turn: while s0's turn waits, its session's cached block is the most recently used
+    from kvpool.tools.sim.job import Job
+    from kvpool.tools.sim.workload import SessionPlay
+
+    trace = session((257, [1, 2, 3, 4, 5], 0.0))
+    settings = RunSettings(num_sessions=1, duration_s=1000.0, warmup_s=0.0, start_spread_s=0.0, sched="fifo")
+    pipeline = Simulation(topology(1), settings, COST, [trace]).pipelines["p0.0"]  # not run: driven by hand
+    blocks = pipeline.blocks
+    for request_id, key in (("a", "s0"), ("b", "s1")):
+        blocks.allocate(request_id, [key.encode()], 256, 0, session=SessionId(SIM_TENANT, key))
+        blocks.commit_chunks(request_id, 0, [key.encode()])
+        blocks.free(request_id)
+    a, b = blocks.cached_block_id(b"s0"), blocks.cached_block_id(b"s1")
+    assert blocks.free_block_ids()[-2:] == [a, b]
+    play = SessionPlay(0, trace)
+    turn, _ = play.take_turn(256)
+    pipeline.busy = True  # the turn waits
+    pipeline.enqueue(Job("s0.t0", play, turn, 0.0))
+    assert blocks.free_block_ids()[-2:] == [b, a] and len(pipeline.queue) == 1
