@@ -39,7 +39,9 @@ session starts, or a prefetch stages it) moves all of them to the MRU end,
 including chunks the current prompt does not reach (a sub-agent's branch, a
 history cut to the context), so the free list runs sessions idle longest
 first. ``end_session`` (the client said the session is over) uncaches them:
-they move to the LRU end and are reused first.
+they move to the LRU end and are reused first; ``end_session(max_blocks=n)``
+uncaches only the n least recently used of them (a prefetch taking room from
+a session expected later than its own).
 """
 
 from __future__ import annotations
@@ -264,13 +266,15 @@ class BlockManager:
             self._cached_free[self.blocks[block_id].tenant or ""].move_to_end(block_id)
         return len(owned)
 
-    def end_session(self, session: SessionId) -> int:
+    def end_session(self, session: SessionId, max_blocks: int | None = None) -> int:
         """The session is over: its cached free blocks are uncached and reused first (LRU end).
-        Blocks a request still holds are left to it. Returns how many were released."""
+        Blocks a request still holds are left to it. With ``max_blocks``, only that many of them, its
+        least recently used first (the tail of its history: the prefix stays). Returns how many were
+        released."""
         owned = self._session_free.get(session)
         if not owned:
             return 0
-        released = list(owned)
+        released = list(owned)[:max_blocks]
         for block_id in reversed(released):
             block = self.blocks[block_id]
             self._take_free(block)

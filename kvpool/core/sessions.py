@@ -14,10 +14,11 @@ at most ``max_sessions`` (the one idle longest is forgotten first).
 
 Prefetch (``plan_prefetch``, ``prefetch_at``): when a turn ends, the session's
 next prompt will begin with this one's full chunks. What of it the device
-cache lost can be staged from the pool ahead of the next turn, at low
-priority: it takes only blocks that cache nothing (``budget``), never a live
-session's cached ones, and the caller cancels it when a real request needs
-the blocks. ``PrefetchLedger`` counts its bytes: prefetched, used (a later
+cache lost can be staged from the pool ahead of the next turn (``prefetch_lead_s``
+before it), at low priority: it takes only blocks that cache nothing, or the
+cached blocks of idle sessions expected back after it (``donors``), never a
+session's with a turn in flight (``prefetch_budget``), and the caller cancels
+it when a real request needs the blocks. ``PrefetchLedger`` counts its bytes: prefetched, used (a later
 turn's device hit covered them) and wasted (evicted or cancelled before use,
 or the session ended).
 """
@@ -111,12 +112,30 @@ class SessionTable:
                 self._idle.move_to_end(session, last=False)
         return state
 
+    def expect(self, session: SessionId, now: float, expected_next_s: float) -> None:
+        """The client's hint came after the turn ended: its next turn is expected at ``now + expected_next_s``."""
+        check_expected_next_s(expected_next_s)
+        state = self.get(session)
+        if state is not None and not state.turns_in_flight and not state.ended:
+            state.expected_at = now + expected_next_s
+
     def forget(self, session: SessionId) -> SessionState | None:
         return self._active.pop(session, None) or self._idle.pop(session, None)
 
     def idle_order(self) -> list[SessionId]:
         """Sessions with no turn in flight: ended first, then idle longest first."""
         return list(self._idle)
+
+    def donors(self, session: SessionId, due_at: float) -> list[SessionId]:
+        """Idle sessions whose cached blocks a staging for ``session`` (due at ``due_at``) may take:
+        those not expected back before it (a later ``expected_at``, or no hint), the ones needed last
+        first: no hint (idle longest first), then the latest expected. A session with a turn in flight
+        never gives, nor does the staged one (Belady's rule: evict what is wanted furthest ahead)."""
+        unhinted = [s for s, state in self._idle.items() if state.expected_at is None and s != session]
+        hinted = sorted(((state.expected_at, s) for s, state in self._idle.items()
+                         if state.expected_at is not None and state.expected_at > due_at and s != session),
+                        key=lambda e: -e[0])
+        return unhinted + [s for _, s in hinted]
 
     def _bound(self) -> None:
         while len(self) > self.max_sessions and self._idle:
@@ -154,11 +173,22 @@ def plan_prefetch(num_chunks: int, num_device_chunks: int, num_pool_chunks: int,
     return PrefetchPlan(num_device_chunks, count)
 
 
-def prefetch_budget(num_uncached_free_blocks: int, num_blocks_wanted: int, reserve_blocks: int) -> int:
-    """Blocks a prefetch may take: free blocks that cache nothing, less what queued requests want
-    (``num_blocks_wanted``) and a reserve. Zero under pressure: a prefetch never makes a real
-    request wait for blocks and never evicts a cached chunk."""
-    return max(0, num_uncached_free_blocks - num_blocks_wanted - reserve_blocks)
+def prefetch_budget(num_uncached_free_blocks: int, num_blocks_wanted: int, reserve_blocks: int,
+                    num_donor_blocks: int = 0) -> int:
+    """Blocks a prefetch may take: free blocks that cache nothing, plus the cached free blocks of
+    sessions expected back after the staged one (``num_donor_blocks``, ``SessionTable.donors``), less
+    what queued requests want (``num_blocks_wanted``) and a reserve. Zero under pressure: a prefetch
+    never makes a real request wait for blocks and never evicts a chunk wanted before its own."""
+    return max(0, num_uncached_free_blocks + num_donor_blocks - num_blocks_wanted - reserve_blocks)
+
+
+def prefetch_lead_s(num_chunks: int, restore_s_per_chunk: float, margin_s: float) -> float:
+    """How long before the expected next turn to stage ``num_chunks``: their restore (at
+    ``restore_s_per_chunk``, as measured) plus ``margin_s``. Later is better, so long as it ends in
+    time: the later it stages, the less the device can lose of it again before the turn."""
+    if num_chunks < 0 or restore_s_per_chunk < 0 or margin_s < 0:
+        raise InvalidArgument(f"prefetch_lead_s({num_chunks}, {restore_s_per_chunk}, {margin_s})")
+    return margin_s + num_chunks * restore_s_per_chunk
 
 
 @dataclass(slots=True)

@@ -9,11 +9,14 @@ prefetch budget and its byte ledger; ``BlockManager.touch_session``/
   them (retention by session);
 - ``Prefetch`` (the router calls it when a hinted turn ends) either releases
   the session's cached blocks and demotes its pool groups to the front of
-  eviction (``session_end``), or schedules a staging
-  ``expected_next_s - LEAD_S`` from now: what the device lost of the session's
-  last prompt is restored from the pool on every stage, through the same
-  restore path a prefill takes, into blocks that cache nothing, at most the
-  core's budget (``prefetch_budget``). Low priority: a staging that finds no
+  eviction (``session_end``), or schedules a staging just ahead of
+  ``expected_next_s`` (``prefetch_lead_s``: the history's restore at the
+  restore time per chunk this pipeline measured, plus ``LEAD_MARGIN_S``):
+  what the device lost of the session's last prompt is restored from the
+  pool on every stage, through the same restore path a prefill takes, into
+  blocks that cache nothing or that sessions expected back later gave up
+  (``SessionTable.donors``), at most the core's budget
+  (``prefetch_budget``). Low priority: a staging that finds no
   budget, or the session's next turn already here, does nothing; one waiting
   for its time is cancelled when the session's turn arrives or it ends; one
   reading is never cancelled (the stages write straight into its blocks), and
@@ -34,14 +37,22 @@ from kvpool.core.chunk_hash import ChunkHash, group_id
 from kvpool.core.errors import ResourceExhausted
 from kvpool.core.prefill_queue import WorkWeights, prefill_work_s
 from kvpool.core.prefill_request import PrefillRequest, try_admit
-from kvpool.core.sessions import PrefetchLedger, SessionId, SessionTable, check_expected_next_s, prefetch_budget
+from kvpool.core.sessions import (
+    PrefetchLedger,
+    SessionId,
+    SessionTable,
+    check_expected_next_s,
+    prefetch_budget,
+    prefetch_lead_s,
+)
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.tenant_shares import tenant_name
 from kvpool.pool.client import PoolClient
 
 log = structlog.get_logger(__name__)
 
-LEAD_S = 1.0  # stage this long before the expected next turn
+LEAD_MARGIN_S = 0.1  # a staging ends this long before the expected next turn (its lookup's RPCs, the hint's)
+FIRST_RESTORE_S_PER_CHUNK = 0.02  # until this pipeline measured one (one chunk on every stage at once)
 RESERVE_SHARE = 0.02  # of the device's blocks a staging always leaves free
 MAX_SESSIONS = 10_000
 WORK_WEIGHTS = WorkWeights()  # the gate orders by these (the seed's GPUs; only their ratios matter for an order)
@@ -86,6 +97,7 @@ class SessionPrefetcher:
         self._waiting: dict[SessionId, asyncio.Task[None]] = {}  # stagings waiting for their time
         self._demotes: set[asyncio.Task[None]] = set()
         self._serial = 0
+        self.restore_s_per_chunk = FIRST_RESTORE_S_PER_CHUNK  # a moving mean of what restores took here
 
     # ---- a prefill's life -----------------------------------------------------
 
@@ -107,6 +119,11 @@ class SessionPrefetcher:
                                  lambda h: cached(h) is not None)
         self.metrics.bytes.labels("used").inc(self.ledger.used_bytes - used0)
         self.metrics.bytes.labels("wasted").inc(self.ledger.wasted_bytes - wasted0)
+
+    def observe_restore(self, num_chunks: int, seconds: float) -> None:
+        """A restore of ``num_chunks`` took ``seconds`` (first stage start to last end): the lead's estimate."""
+        if num_chunks > 0:
+            self.restore_s_per_chunk += 0.2 * (seconds / num_chunks - self.restore_s_per_chunk)
 
     def turn_ended(self, session: SessionId | None, chunk_hashes: list[ChunkHash]) -> None:
         if session is not None and self.sessions.get(session) is not None:
@@ -153,7 +170,11 @@ class SessionPrefetcher:
                 self._demotes.add(task)
                 task.add_done_callback(self._demotes.discard)
             return True, released, False
-        delay = 0.0 if expected_next_s is None else max(0.0, expected_next_s - LEAD_S)
+        delay = 0.0
+        if expected_next_s is not None:
+            self.sessions.expect(session, time.monotonic(), expected_next_s)
+            lead = prefetch_lead_s(len(state.chunk_hashes), self.restore_s_per_chunk, LEAD_MARGIN_S)
+            delay = max(0.0, expected_next_s - lead)
         task = asyncio.ensure_future(self._stage_later(session, delay))
         self._waiting[session] = task
         task.add_done_callback(lambda t: self._waiting.pop(session, None) if self._waiting.get(session) is t else None)
@@ -199,11 +220,20 @@ class SessionPrefetcher:
         num_device = blocks.match_prefix(hashes)
         if num_device >= len(hashes):
             return "on_device"
+        # room: blocks that cache nothing, then those of idle sessions expected back after this one
+        donors = self.sessions.donors(session, state.expected_at if state.expected_at is not None else time.monotonic())
+        donor_blocks = [(d, len(blocks.session_blocks(d))) for d in donors]
+        reserve = int(blocks.num_blocks * RESERVE_SHARE)
         # one extra block for the last position every request computes (it caches nothing)
-        budget = prefetch_budget(blocks.num_uncached_free_blocks, 1, int(blocks.num_blocks * RESERVE_SHARE))
+        budget = prefetch_budget(blocks.num_uncached_free_blocks, 1, reserve, sum(n for _, n in donor_blocks))
         end = min(len(hashes), num_device + budget)
         if end <= num_device or scheduler.pool is None:
             return "pressure"
+        short = (end - num_device) - max(0, blocks.num_uncached_free_blocks - 1 - reserve)
+        for donor, owned in donor_blocks:  # the session wanted last gives first, its history's tail first
+            if short <= 0:
+                break
+            short -= blocks.end_session(donor, min(owned, short))
         self._serial += 1
         holder = f"prefetch/{self._serial}"
         request = PrefillRequest(holder, end * chunk + 1, chunk, list(hashes[:end]), tenant=session.tenant,
@@ -218,6 +248,7 @@ class SessionPrefetcher:
         finally:
             await scheduler._free(holder)
         restored = request.num_restored_chunks
+        self.observe_restore(restored, report.wait_ms / 1e3)
         staged = request.chunk_hashes[request.num_device_chunks: request.num_device_chunks + restored]
         added = self.ledger.staged(session, staged)
         self.metrics.bytes.labels("prefetched").inc(added * self.ledger.chunk_bytes)

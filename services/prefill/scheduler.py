@@ -217,6 +217,8 @@ class PrefillScheduler:
             stage_compute_ms=list(run.forward.stage_compute_ms),
         )
         self.metrics.observe(figures, self.blocks.usage)
+        if request.num_pool_tokens:
+            self.prefetcher.observe_restore(request.num_pool_tokens // self.chunk_size, run.restore.wait_ms / 1e3)
         bound.info("prefill_done", tokens=request.num_tokens, device=figures.num_device_tokens,
                    pool=figures.num_pool_tokens, computed=figures.num_computed_tokens,
                    lost_chunks=figures.num_pool_chunks_lost, total_ms=round(figures.total_ms, 1))

@@ -354,6 +354,18 @@ def test_end_session_uncaches_its_free_blocks_and_they_go_first() -> None:
     assert bm.end_session(BOB) == 0 and bm.match_prefix(hashes(prompt(8, seed=1))) == 2
 
 
+def test_end_session_with_a_limit_uncaches_the_tail_of_its_history_first() -> None:
+    bm = BlockManager(8, CHUNK)
+    run_session(bm, "a1", prompt(16), ALICE)  # chunks 0-3 in blocks 0-3
+    bm.free("a1")
+    assert bm.session_blocks(ALICE) == [3, 2, 1, 0]
+    assert bm.end_session(ALICE, max_blocks=2) == 2
+    assert bm.session_blocks(ALICE) == [1, 0] and bm.match_prefix(hashes(prompt(16))) == 2
+    assert bm.free_block_ids()[:2] == [3, 2]  # uncached: reused first
+    assert bm.end_session(ALICE, max_blocks=0) == 0 and bm.end_session(ALICE, max_blocks=5) == 2
+    assert bm.match_prefix(hashes(prompt(16))) == 0 and bm.num_uncached_free_blocks == 8
+
+
 def test_sessions_of_two_tenants_with_one_key_are_two_sessions() -> None:
     bm = BlockManager(6, CHUNK)
     mine, theirs = SessionId("t1", "s"), SessionId("t2", "s")

@@ -17,6 +17,7 @@ from kvpool.core.sessions import (
     plan_prefetch,
     prefetch_at,
     prefetch_budget,
+    prefetch_lead_s,
 )
 from kvpool.core.pool_records import PutRequestItem
 from tests.core.fixtures import KB, make_index
@@ -79,6 +80,37 @@ def test_prefetch_timing_and_plan() -> None:
     assert prefetch_budget(10, 4, 2) == 4 and prefetch_budget(3, 4, 2) == 0
     with pytest.raises(InvalidArgument):
         plan_prefetch(3, 4, 0, 1)
+
+
+def test_donors_are_idle_sessions_wanted_after_the_staged_one_the_last_wanted_first() -> None:
+    table = SessionTable()
+    D, E = SessionId("t", "d"), SessionId("t", "e")
+    for session in (A, B, C, D, E):
+        table.turn_started(session, 0.0)
+    table.turn_ended(A, 1.0, expected_next_s=5.0)  # due at 6
+    table.turn_ended(B, 2.0, expected_next_s=20.0)  # due at 22
+    table.turn_ended(C, 3.0)  # no hint yet
+    table.expect(C, 3.5, 40.0)  # the router's hint after the turn: due at 43.5
+    table.turn_ended(D, 4.0)  # no hint at all
+    # E still has a turn in flight: never a donor; a hint for it is ignored
+    table.expect(E, 4.0, 1.0)
+    assert table.get(E).expected_at is None
+    assert table.donors(A, 6.0) == [D, C, B]  # no hint first, then the latest expected
+    assert table.donors(B, 22.0) == [D, C]  # A is due before B: it keeps its blocks
+    assert table.donors(D, 4.0) == [C, B, A]
+    with pytest.raises(InvalidArgument):
+        table.expect(A, 0.0, -1.0)
+
+
+def test_prefetch_lead_and_a_budget_with_donors() -> None:
+    assert prefetch_lead_s(0, 0.02, 0.1) == 0.1
+    assert prefetch_lead_s(10, 0.02, 0.1) == pytest.approx(0.3)
+    assert prefetch_at(100.0, 1.0, prefetch_lead_s(10, 0.02, 0.1)) == pytest.approx(100.7)
+    with pytest.raises(InvalidArgument):
+        prefetch_lead_s(-1, 0.02, 0.1)
+    # 3 uncached free blocks, 1 wanted, 1 kept: 1 block; donors' 6 cached blocks make it 7
+    assert prefetch_budget(3, 1, 1) == 1 and prefetch_budget(3, 1, 1, num_donor_blocks=6) == 7
+    assert prefetch_budget(0, 1, 1, num_donor_blocks=1) == 0
 
 
 def test_ledger_counts_prefetched_used_and_wasted_bytes() -> None:
