@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpool import bind_shim
-from kvpool.tools.cluster import PARENT_PID_ENV, LocalDecode
+from kvpool.tools.cluster import PARENT_PID_ENV, LocalDecode, LocalPool
 from kvpool.tools.cluster import zygote as zygote_module
 from kvpool.tools.cluster.zygote import ForkedProcess, Zygote
 
@@ -116,4 +116,19 @@ def test_torch_roles_are_forked_and_their_transfer_engine_binds_the_transfer_hos
         assert b"zygote_server" in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         sockets = listening({proc.pid})
         assert len(sockets) >= 3, sockets  # gRPC, metrics and the transfer engine at least
+        assert all(host_of(local) not in WILDCARDS for _, local, _ in sockets), sockets
+
+
+def test_the_other_roles_are_forked_from_a_zygote_without_torch(tmp_path: Path) -> None:
+    """A master and its stores fork from the light zygote: torch is never mapped, and a store's transfer
+    engine still binds only the transfer host (the shim is preloaded there too)."""
+    with LocalPool(num_stores=1, segment_size="16MiB", workdir=tmp_path) as pool:
+        procs = [pool.master.proc, pool.stores[0].proc]
+        for proc in procs:
+            assert isinstance(proc, ForkedProcess)
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+            assert "libtorch" not in maps
+        assert str(bind_shim.find()) in Path(f"/proc/{procs[1].pid}/maps").read_text()
+        sockets = listening({procs[1].pid})
+        assert len(sockets) >= 2, sockets  # gRPC and the transfer engine at least
         assert all(host_of(local) not in WILDCARDS for _, local, _ in sockets), sockets

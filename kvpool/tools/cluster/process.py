@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool import bind_shim, tls
-from kvpool.tools.cluster.zygote import ForkedProcess, ZygoteGone, zygote
+from kvpool.tools.cluster.zygote import LIGHT, TORCH, ForkedProcess, ZygoteGone, zygote
 
 # Set in a child's environment: it asks for SIGTERM when this process goes
 # (services/cli.py acts on it first thing). Not a preexec_fn: that would make
@@ -27,7 +27,8 @@ from kvpool.tools.cluster.zygote import ForkedProcess, ZygoteGone, zygote
 PARENT_PID_ENV = "KVPOOL_DIE_WITH_PARENT_PID"
 # roles that own a transfer engine: started with the bind shim preloaded (kvpool/bind_shim.py)
 ENGINE_ROLES = ("store", "prefill", "decode")
-# roles that run the model: forked from the zygote, which has imported torch (kvpool/tools/cluster/zygote.py)
+# roles that run the model: forked from the zygote that has imported torch, the others from the one that
+# has not (kvpool/tools/cluster/zygote.py)
 TORCH_ROLES = ("prefill", "decode")
 SERVICE_MODULE = "services.cli"
 
@@ -65,7 +66,7 @@ class ServiceProcess:
         self.ready_file.unlink(missing_ok=True)
         env = self.child_env(os.environ)
         args = [*self.args, "--ready-file", str(self.ready_file)]
-        if self.args and self.args[0] in TORCH_ROLES and not self.prefix:
+        if self.args and not self.prefix:  # under a prefix (another netns) it must exec
             self.proc = self._fork(args, env)
             if self.proc is not None:
                 return
@@ -77,7 +78,8 @@ class ServiceProcess:
 
     def _fork(self, args: list[str], env: dict[str, str]) -> ForkedProcess | None:
         """Fork it from this process's zygote; None when the zygote is off or gone (start it plainly)."""
-        found = zygote({k: v for k, v in env.items() if k not in (bind_shim.ADDRESS_ENV, PARENT_PID_ENV)})
+        modules = TORCH if self.args[0] in TORCH_ROLES else LIGHT
+        found = zygote({k: v for k, v in env.items() if k not in (bind_shim.ADDRESS_ENV, PARENT_PID_ENV)}, modules)
         if found is None:
             return None
         if self.die_with_parent:  # its parent is the zygote, which goes when this process goes

@@ -1,11 +1,13 @@
-"""Torch roles start by forking one process that has imported torch, not by starting Python again.
+"""Services start by forking a process that has imported their code, not by starting Python again.
 
 Importing torch costs a prefill stage or a decode shard about 2.5 s of CPU
 before it does anything, and a 4-stage ``kvpool up`` starts its stages one
-after another (each learns the next one's port). So the launcher keeps one
-*zygote* per launching process (``python -m kvpool.tools.cluster.zygote_server``),
-started with the bind shim preloaded, which imports torch and the model once
-and then forks a ``kvpool <role>`` child per request, each in ~50 ms.
+after another (each learns the next one's port); a master, store or router
+spends ~0.4 s importing gRPC, protobuf and its own modules. So the launcher
+keeps a *zygote* (``python -m kvpool.tools.cluster.zygote_server``) per set of
+modules and preloaded library: one imports torch and the model (``TORCH``),
+one the torch-free roles (``LIGHT``: a router never carries torch). Each then
+forks a ``kvpool <role>`` child per request, in ~50 ms.
 
 Invariants:
 
@@ -40,6 +42,10 @@ import weakref
 from typing import Any
 
 SWITCH_ENV = "KVPOOL_ZYGOTE"
+# what a zygote imports before it forks: fork-safe modules (no thread, socket or gRPC object at import;
+# the zygote checks that it still runs one thread)
+TORCH = ("torch", "kvpool.model.stage", "kvpool.model.decode", "kvpool.model.weights")
+LIGHT = ("services.cli", "services.master.server", "services.router.server", "services.store.daemon")
 _MAX_MESSAGE = 1 << 20
 # a child whose exit status went with its zygote (it outlived the zygote)
 UNKNOWN_EXIT = 255
@@ -115,7 +121,7 @@ class ForkedProcess:
 class Zygote:
     """The launching process's zygote: started on first use, forks on request, gone with its starter."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], modules: tuple[str, ...] = TORCH) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         self.changed = threading.Condition()
@@ -126,8 +132,9 @@ class Zygote:
         self.gone = False
         # fixed at its exec: a child needing another preload (the bind shim built meanwhile) needs another zygote
         self.preload = env.get("LD_PRELOAD", "")
+        self.modules = modules
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.tools.cluster.zygote_server", str(theirs.fileno())],
+            [sys.executable, "-m", "kvpool.tools.cluster.zygote_server", str(theirs.fileno()), *modules],
             pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
@@ -192,16 +199,17 @@ class Zygote:
 
 
 _lock = threading.Lock()
-_zygote: Zygote | None = None
+_zygotes: dict[tuple[tuple[str, ...], str], Zygote] = {}
 
 
-def zygote(env: dict[str, str]) -> Zygote | None:
-    """This process's zygote, started with ``env`` on first use, again if it died or ``env`` preloads
-    something else (the old one keeps serving the children it has); None when switched off."""
-    global _zygote
+def zygote(env: dict[str, str], modules: tuple[str, ...] = TORCH) -> Zygote | None:
+    """This process's zygote for ``modules`` and ``env``'s preload, started with ``env`` on first use
+    and again if it died (the old one keeps serving the children it has); None when switched off."""
     if os.environ.get(SWITCH_ENV, "on") == "off":
         return None
+    key = (modules, env.get("LD_PRELOAD", ""))
     with _lock:
-        if _zygote is None or not _zygote.alive or _zygote.preload != env.get("LD_PRELOAD", ""):
-            _zygote = Zygote(env)
-        return _zygote
+        found = _zygotes.get(key)
+        if found is None or not found.alive:
+            found = _zygotes[key] = Zygote(env, modules)
+        return found

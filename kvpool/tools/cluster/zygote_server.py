@@ -1,7 +1,7 @@
 """The zygote's own loop (see :mod:`kvpool.tools.cluster.zygote`): import once, fork on request, report exits.
 
-Run as ``python -m kvpool.tools.cluster.zygote_server FD``, FD being its end
-of the socket pair. Nothing here runs a thread, listens, or touches gRPC
+Run as ``python -m kvpool.tools.cluster.zygote_server FD MODULE...``, FD being
+its end of the socket pair and the modules those it imports before forking. Nothing here runs a thread, listens, or touches gRPC
 before a fork.
 """
 
@@ -17,9 +17,6 @@ import sys
 from typing import Any
 
 from kvpool.tools.cluster.zygote import receive, send
-
-# fork-safe modules worth sharing: no threads, sockets or gRPC state at import
-PRELOAD = ("torch", "kvpool.model.stage", "kvpool.model.decode", "kvpool.model.weights")
 
 
 def _serve(sock: socket.socket) -> dict[str, Any] | None:
@@ -94,11 +91,12 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the launcher and the services
     # one OpenMP thread here, so that importing torch starts no thread pool (children set their own count)
     os.environ["OMP_NUM_THREADS"] = "1"
-    for name in PRELOAD:
+    modules = sys.argv[2:]
+    for name in modules:
         __import__(name)
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:  # a fork would leave them behind mid-state: refuse, and the launcher starts processes plainly
-        print(f"kvpool zygote: {threads} threads after importing {PRELOAD}; not forking", file=sys.stderr)
+        print(f"kvpool zygote: {threads} threads after importing {modules}; not forking", file=sys.stderr)
         return 1
     send(sock, {"ready": os.getpid()})
     request = _serve(sock)
