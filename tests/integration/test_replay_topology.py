@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import subprocess
 import urllib.request
 
@@ -24,6 +25,7 @@ from kvpool.tools.cluster.netns import (
     netns_names,
     why_unavailable,
 )
+from kvpool.tools.cluster.zygote import ForkedProcess
 from kvpool.tools.replay.compare import run_compare
 from kvpool.tools.replay.engine import ReplayOptions
 from kvpool.tools.replay.topology import TopologySettings, side_topology
@@ -83,6 +85,13 @@ def test_netns_split_pool_one_master_per_server_and_everything_removed() -> None
         assert [s.address for s in topology.servers] == ["10.77.0.10", "10.77.0.11"]
         assert topology.masters == []  # split: each master is one of its server's processes
         for server in topology.servers:
+            # forked from the zygote, each process moved itself into its server's namespace (its host
+            # name is checked through the stores' segments below)
+            server_net = os.stat(f"/run/netns/{server.place.netns}").st_ino
+            assert server_net != os.stat("/proc/self/ns/net").st_ino
+            for process in server.services:
+                assert isinstance(process.proc, ForkedProcess), process.name
+                assert process.proc is not None and os.stat(f"/proc/{process.proc.pid}/ns/net").st_ino == server_net
             master = next(p for p in server.services if p.name.endswith("-master"))
             # only the prefill-side store, under the server's own name, reached over its namespace's address
             assert segment_hosts(f"{server.address}:{master.ready['port']}") == {

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpool.tools.cluster.netns import BRIDGE_ADDRESS, NetnsUnavailable, Network, ServerLink, netns_prefix, uts_works
+from kvpool.tools.cluster.netns import BRIDGE_ADDRESS, NetnsUnavailable, Network, Place, ServerLink, uts_works
 from kvpool.tools.cluster.process import ServiceProcess
 from kvpool.tools.cluster.topology import MasterSpec, PipelineSpec, ServerSpec, StoreSpec, Topology
 
@@ -38,7 +38,7 @@ class Server:
     index: int
     spec: ServerSpec
     address: str
-    prefix: list[str]  # runs a process in its namespace under its host name
+    place: Place  # its namespace and host name
     link: ServerLink | None = None
     master: ServiceProcess | None = None  # a split pool's own master
     stores: list[ServiceProcess] = field(default_factory=list)
@@ -235,10 +235,9 @@ class Cluster:
                 reason = f"no network namespaces ({exc})"
         uts = uts_works() if named else None
         for i, (spec, link) in enumerate(zip(t.servers, links, strict=True)):
-            prefix = netns_prefix(link.netns if link else None, spec.host_name if spec.host_name and uts is None
-                                  else None)
+            place = Place(link.netns if link else None, spec.host_name if spec.host_name and uts is None else None)
             address = link.address if link else t.host
-            self.servers.append(Server(i, spec, address, prefix, link))
+            self.servers.append(Server(i, spec, address, place, link))
         if not named:
             return
         if self.network is not None:
@@ -323,6 +322,6 @@ class Cluster:
             args = [*args, "--insecure"]
         proc = ServiceProcess(name, [*args, "--host", host, *self.topology.common_args], self.workdir,
                               die_with_parent=self.topology.die_with_parent,
-                              prefix=server.prefix if server is not None else [])
+                              place=server.place if server is not None else Place())
         proc.start()
         return proc

@@ -20,10 +20,12 @@ made, and is safe to call twice or after a half-made ``create``.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -34,6 +36,9 @@ BRIDGE = "kvr-br"
 SUBNET = "10.77.0"
 BRIDGE_ADDRESS = f"{SUBNET}.1"
 LOCK_PATH = Path("/run/kvpool-replay-netns.lock")
+# <sched.h>
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWUTS = 0x04000000
 
 
 class NetnsUnavailable(RuntimeError):
@@ -180,6 +185,44 @@ class Network:
                     os.close(fd)
                     raise NetnsUnavailable(f"another run holds {LOCK_PATH} (its namespaces are in use)") from None
                 time.sleep(0.2)  # waiting for another run to let go of the network
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a process runs: a network namespace (None: this one) and a host name of its own (None: ours)."""
+
+    netns: str | None = None
+    host_name: str | None = None
+
+    @property
+    def here(self) -> bool:
+        return self.netns is None and self.host_name is None
+
+    def prefix(self) -> list[str]:
+        """The command prefix that runs a process here (see :func:`netns_prefix`)."""
+        return netns_prefix(self.netns, self.host_name)
+
+    def forkable(self) -> bool:
+        """Whether a forked child can move itself here: joining a namespace needs root (the prefix's
+        ``unshare`` maps a user namespace otherwise)."""
+        return self.here or os.geteuid() == 0
+
+
+def enter(netns: str | None, host_name: str | None) -> None:
+    """Move this single-threaded process into ``netns`` and a UTS namespace of its own named ``host_name``,
+    as the :func:`netns_prefix` commands do for an exec'd one (a zygote's fork does this instead)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if netns is not None:
+        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into netns {netns}")
+        finally:
+            os.close(fd)
+    if host_name is not None:
+        if libc.unshare(_CLONE_NEWUTS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare of the UTS namespace")
+        socket.sethostname(host_name)
 
 
 def netns_prefix(netns: str | None, host_name: str | None) -> list[str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool import bind_shim, tls
+from kvpool.tools.cluster.netns import Place
 from kvpool.tools.cluster.zygote import LIGHT, TORCH, ForkedProcess, ZygoteGone, zygote
 
 # Set in a child's environment: it asks for SIGTERM when this process goes
@@ -51,8 +52,9 @@ class ServiceProcess:
     # start(), which must live as long as the child; forked, it is the zygote,
     # which lives as long as this process
     die_with_parent: bool = False
-    # run under these first, e.g. ``ip netns exec NAME`` (each must exec, keeping the pid)
-    prefix: list[str] = field(default_factory=list)
+    # where it runs: another network namespace, a host name of its own (forked, the child moves itself
+    # there; started plainly, under ``ip netns exec`` and ``unshare --uts``)
+    place: Place = field(default_factory=Place)
 
     @property
     def ready_file(self) -> Path:
@@ -66,13 +68,13 @@ class ServiceProcess:
         self.ready_file.unlink(missing_ok=True)
         env = self.child_env(os.environ)
         args = [*self.args, "--ready-file", str(self.ready_file)]
-        if self.args and not self.prefix:  # under a prefix (another netns) it must exec
+        if self.args and self.place.forkable():
             self.proc = self._fork(args, env)
             if self.proc is not None:
                 return
         with self.log_file.open("ab") as log:
             self.proc = subprocess.Popen(
-                [*self.prefix, sys.executable, "-m", "services.cli", *args],
+                [*self.place.prefix(), sys.executable, "-m", "services.cli", *args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             )
 
@@ -85,7 +87,7 @@ class ServiceProcess:
         if self.die_with_parent:  # its parent is the zygote, which goes when this process goes
             env = {**env, PARENT_PID_ENV: str(found.proc.pid)}
         try:
-            return found.spawn(SERVICE_MODULE, args, env, str(self.log_file))
+            return found.spawn(SERVICE_MODULE, args, env, str(self.log_file), self.place.netns, self.place.host_name)
         except ZygoteGone:
             return None
 
@@ -169,7 +171,7 @@ class ServiceProcess:
         args = self._pinned_args({"--port": self.ready.get("port"), "--admin-port": 0,
                                   "--http-port": self.ready.get("http_port")})
         return ServiceProcess(self.name, args, self.workdir, die_with_parent=self.die_with_parent,
-                              prefix=list(self.prefix))
+                              place=self.place)
 
     def _pinned_args(self, ports: dict[str, Any]) -> list[str]:
         args = list(self.args)

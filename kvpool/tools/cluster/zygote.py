@@ -161,16 +161,17 @@ class Zygote:
                     self._answers[int(message["id"])] = (message, fds)
                 self.changed.notify_all()
 
-    def spawn(self, module: str, args: list[str], env: dict[str, str], log: str,
-              timeout_s: float = 120.0) -> ForkedProcess:
-        """Fork ``python -m module *args`` with ``env``, stdout and stderr appended to ``log``."""
+    def spawn(self, module: str, args: list[str], env: dict[str, str], log: str, netns: str | None = None,
+              host_name: str | None = None, timeout_s: float = 120.0) -> ForkedProcess:
+        """Fork ``python -m module *args`` with ``env``, stdout and stderr appended to ``log``, in network
+        namespace ``netns`` and under ``host_name`` (a UTS namespace of its own) where given."""
         with self.changed:
             if not self.changed.wait_for(lambda: self._ready is not None or self.gone, timeout_s) or self.gone:
                 raise ZygoteGone(f"the zygote did not start (exit code {self.proc.poll()})")
             request_id, self._next_id = self._next_id, self._next_id + 1
             try:
                 send(self._sock, {"id": request_id, "module": module, "args": args, "env": env, "log": log,
-                                  "cwd": os.getcwd()})
+                                  "cwd": os.getcwd(), "netns": netns, "host_name": host_name})
             except OSError as exc:
                 raise ZygoteGone(f"the zygote is gone: {exc}") from None
             if not self.changed.wait_for(lambda: request_id in self._answers or self.gone, timeout_s) or (

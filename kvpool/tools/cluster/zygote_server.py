@@ -16,6 +16,7 @@ import socket
 import sys
 from typing import Any
 
+from kvpool.tools.cluster.netns import enter
 from kvpool.tools.cluster.zygote import receive, send
 
 
@@ -71,6 +72,13 @@ def _become(request: dict[str, Any]) -> None:
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request.get("netns") or request.get("host_name"):
+        try:
+            enter(request.get("netns"), request.get("host_name"))
+        except OSError as exc:  # as `ip netns exec` would: said on its log, and it does not start
+            os.write(os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644),
+                     f"kvpool zygote: cannot enter {request.get('netns')} / {request.get('host_name')}: {exc}\n".encode())
+            os._exit(1)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
