@@ -37,8 +37,9 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--duration", type=float, default=900.0, help="simulated seconds per seed run (default 900)")
     p.add_argument("--scale-duration", type=float, default=600.0,
                    help="simulated seconds per 8/16/32-server run (default 600; server 0's stores die at 2/3 of it)")
-    p.add_argument("--scale-sessions", type=int, default=28,
-                   help="sessions per server in the 8/16/32-server runs (default 28: memory and time on one host)")
+    p.add_argument("--scale-sessions", type=int, default=112,
+                   help="sessions per server in the 8/16/32-server runs (default 112: the calibrated server's "
+                   "saturating load)")
     p.add_argument("--warmup", type=float, default=300.0, help="simulated seconds before throughput/TTFT count")
     p.add_argument("--think-scale", type=float, default=None,
                    help="each turn's think time is the trace's times this (default: the cost model's [fit] think_scale)")
