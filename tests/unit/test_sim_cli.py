@@ -150,6 +150,7 @@ def test_recorded_orders_read_arrivals_and_the_masters_pool_operations(tmp_path:
         return json.dumps({"event": name, **fields})
 
     (tmp_path / "p0-stage0.log").write_text("\n".join([
+        event("prefill_arrived", request_id="r0", session_key="a"),  # refused before admission: no turn
         event("prefill_arrived", request_id="r1", session_key="b"),
         event("prefill_arrived", request_id="r2", session_key="a"),
         event("prefill_admitted", request_id="r2", session_key="a"),
@@ -165,7 +166,7 @@ def test_recorded_orders_read_arrivals_and_the_masters_pool_operations(tmp_path:
         event("rpc_served", method="Lookup", request_id="r2"),
     ]) + "\n")
     blocks, ops = recorded_orders(tmp_path, ["a", "b"])
-    # names follow each session's requests in the order they arrive
+    # a session's n-th admitted request is its turn n
     assert blocks == [("touch", "s1.t0"), ("touch", "s0.t0"), ("admit", "s0.t0"), ("admit", "s1.t0"),
                       ("free", "s0.t0")]
     assert ops == [(("lookup", "s0.t0"), 2), (("put_start", "s1.t0/3"), 1), (("put_end", "s1.t0/3"), 2),
@@ -213,3 +214,22 @@ def test_recorded_order_queue_admits_only_the_next_recorded_request() -> None:
     assert freed == ["s9.t9/save"]
     loop.run(1.0)
     assert freed == ["s9.t9/save", "s1.t0"] and queue.pop(1.0) == "s0.t0" and events.num_left == 0
+
+
+def test_replay_follows_a_lookup_the_master_served_before_an_earlier_admissions() -> None:
+    # the cluster's stage 0 admits s0.t0, then s1.t0, and its master serves s1.t0's lookup first: the
+    # simulated stage 0 must not hold s0.t0 (waiting for its lookup) before it admits s1.t0
+    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, load_cost_model
+    from kvpool.tools.sim.validate import ValidationSetup, replay_sessions
+    from tests.unit.test_sim_engine import session
+
+    sessions = [session((8192, list(range(1000 * k, 1000 * k + 128)), 0.0)) for k in range(2)]  # 2 chunks at scale 16
+    events = [("touch", "s0.t0"), ("touch", "s1.t0"), ("admit", "s0.t0"), ("admit", "s1.t0"), ("free", "s0.t0"),
+              ("free", "s1.t0")]
+    ops = [(("lookup", "s1.t0"), 0), (("lookup", "s0.t0"), 0)]
+    setup = ValidationSetup(context=32768, device_cache_tokens=4608, store_bytes=8 << 20)
+    turns, _, pool = replay_sessions(sessions, setup, load_cost_model(CPU_COST_MODEL), events, pool_ops=ops)
+    assert pool["events_left"] == 0 and pool["pool_ops_left"] == 0 and pool["stopped_at"] == (None, None)
+    assert pool["pool_ops_differing"] == []
+    assert {key: (t.device_tokens, t.pool_tokens, t.computed_tokens) for key, t in turns.items()} == {
+        (0, 0): (0, 0, 512), (1, 0): (0, 0, 512)}

@@ -32,6 +32,11 @@ class Job:
     compute_s: float = 0.0
     decode_pages: int = 0
     handoff_parts: int = 0  # the handoff's parts still in flight (its fixed cost; the NICs' bytes)
+    # its restore in flight (the pipeline's, per request: under validation stage 0 may hold several)
+    lease: int = 0
+    readable: int = 0  # leading planned pool chunks whose every object lives on a store still alive
+    restore_parts: int = 0  # parts of the restore still in flight (the GPUs' reads, each remote server's bytes)
+    read_s: float = 0.0  # one stage's share of the restore
 
 
 SIM_TENANT = "sim"

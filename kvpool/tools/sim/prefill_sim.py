@@ -72,10 +72,6 @@ class PipelineSim:
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
     busy: bool = False  # stage 0 holds a request (admitted, not yet through its own compute)
     flow: StageFlow | None = None  # the stages' next free times (made on first use: num_stages)
-    _read_s: float = 0.0  # one stage's share of the restore in progress
-    _lease: int = 0
-    _readable: int = 0  # leading planned pool chunks whose every object lives on a store still alive
-    _pending: int = 0  # parts of the restore still in flight (the GPUs' reads, each remote server's bytes)
 
     @property
     def num_stages(self) -> int:
@@ -139,7 +135,9 @@ class PipelineSim:
             return
         self.queue.pop(self.loop.now)
         del self._waiting[job.job_id]
-        self.busy = True
+        # under validation the recorded order alone admits: the cluster's stage 0 admits while earlier
+        # requests are still looked up (holding it would stall an order where a later lookup came first)
+        self.busy = self.block_gate is None
         job.request = request
         if self.sessions is not None:
             self.sessions.admitted(job, self)
@@ -150,6 +148,8 @@ class PipelineSim:
             self.master.call(lookup_s, self.pool_gate, ("lookup", job.job_id), partial(self._gated_lookup, job))
         else:
             self.master.call(lookup_s, self._looked_up, job)
+        if not self.busy:  # the validation: the next recorded admission may follow at once
+            self.kick()
 
     def _gated_lookup(self, job: Job) -> int:
         result = self._lookup(job)
@@ -168,23 +168,23 @@ class PipelineSim:
         if result is None:
             result = self._lookup(job)
         plan = request.plan_lookup(len(result.groups))
-        self._lease = result.lease_id
+        job.lease = result.lease_id
         if plan.num_pool_chunks and self.sessions is not None:
             self.sessions.cancel(self)  # a real restore takes the restore path: the prefetch yields
         restored = result.groups[plan.num_device_chunks : plan.num_hit_chunks]
-        self._readable = self._leading_readable(restored)
+        job.readable = self._leading_readable(restored)
         restore_s = self.cost.restore_s(plan.num_pool_chunks, max(self.stage_object_bytes) / self.cost.model.chunk_tokens)
-        remote = self._remote_bytes(restored[: self._readable]) if restored else {}
-        self._pending = 1 + len(remote)
-        self._read_s = restore_s
+        remote = self._remote_bytes(restored[: job.readable]) if restored else {}
+        job.restore_parts = 1 + len(remote)
+        job.read_s = restore_s
         job.restore_start = self.loop.now
         self.loop.after(restore_s, self._restore_part_done, job)
         for host, nbytes in remote.items():
             self.network.send(host, self.host, nbytes, self._restore_part_done, job)
 
     def _restore_part_done(self, job: Job) -> None:
-        self._pending -= 1
-        if self._pending:
+        job.restore_parts -= 1
+        if job.restore_parts:
             return
         request = job.request
         assert request is not None
@@ -218,19 +218,19 @@ class PipelineSim:
         assert request is not None
         if self.pool_gate is not None:  # a lease of 0 (none) releases nothing, as the cluster's client sends nothing
             self.master.call(self.cost.release_s(), self.pool_gate, ("release", job.job_id),
-                             partial(self.index.release_lease, self._lease))
-            self._lease = 0
-        elif self._lease:
-            self.master.call(self.cost.release_s(), self.index.release_lease, self._lease)
-            self._lease = 0
+                             partial(self.index.release_lease, job.lease))
+            job.lease = 0
+        elif job.lease:
+            self.master.call(self.cost.release_s(), self.index.release_lease, job.lease)
+            job.lease = 0
         # every stage reads its own objects; a dead store fails every stage's read of its groups alike
-        request.apply_restore([self._readable] * self.num_stages, self.blocks)
+        request.apply_restore([job.readable] * self.num_stages, self.blocks)
         if request.chunks_to_save:  # as stage 0 does: the save reads these blocks, they stay off the free list
             self.blocks.hold(f"{job.job_id}/save", request.save_block_ids)
         if self.flow is None:
             self.flow = StageFlow(self.num_stages)
         times = self.cost.stage_times(request.compute_start, request.num_computed_tokens)
-        ends = self.flow.schedule(job.restore_start, self.loop.now, self._read_s, times)
+        ends = self.flow.schedule(job.restore_start, self.loop.now, job.read_s, times)
         job.compute_s = times.span_s
         self.loop.at(ends[0], self._stage0_done, job)
         self.loop.at(ends[-1], self._computed, job)

@@ -47,7 +47,9 @@ class StageFlow:
             else:
                 read_end = max(stage0_read_end, max(read_from, self.free_at[s]) + read_s)
             if s == 0:
-                start = read_end
+                # its GPU computes one request at a time (a no-op when stage 0 admits only when free; a
+                # validation admits in the cluster's order)
+                start = max(read_end, self.free_at[0])
                 end = start + times.span_s
             else:
                 start = max(read_end, start + times.first_piece_s)

@@ -202,6 +202,9 @@ class RecordedPoolOps:
         """Recorded operations the run did not reach (0: it followed the whole order)."""
         return len(self._ops)
 
+    def head(self) -> PoolOp | None:
+        return self._ops[0] if self._ops else None
+
     def run(self, op: PoolOp, apply: Callable[[], int | None]) -> None:
         """Apply ``op`` to the pool when the order reaches it (``apply`` returns its outcome's figure, or
         None where there is none to compare)."""
@@ -297,7 +300,9 @@ def replay_sessions(
     pool = {"pool_tokens": sum(t.pool_tokens for t in counts.values()),
             "evictions": sum(i.counters.evicted_groups for i in sim.indexes),
             "ttft_p50_s": percentile(ttft, 50) if ttft else 0.0, "events_left": recorded.num_left,
-            "pool_ops_left": master.num_left, "pool_ops_differing": master.differing}
+            "pool_ops_left": master.num_left, "pool_ops_differing": master.differing,
+            # where an order the simulator could not follow stopped (None: followed to its end)
+            "stopped_at": (recorded.head(), master.head())}
     return counts, sim.loop.now, pool
 
 

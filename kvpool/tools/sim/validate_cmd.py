@@ -47,9 +47,10 @@ def recorded_orders(workdir: Path, session_ids: list[str]) -> tuple[list[tuple[s
 
     Block events: ("touch", id) from ``prefill_arrived`` (debug level: a turn's arrival touches its
     session's cached blocks), ("admit", id) from ``prefill_admitted``, ("free", id or "id/save") from
-    ``blocks_freed``. Each session has one request in flight, so its n-th request is its turn n. A request
-    planned again after a lost device cache (a second attempt, the same request id) is admitted once;
-    events of requests outside the sessions (none in a validation) are left out.
+    ``blocks_freed``. Each session has one request in flight, so its n-th admitted request is its turn n; an
+    attempt never admitted (refused before its admission and retried under another id) is no turn, and its
+    events are left out. A request planned again after a lost device cache (a second attempt, the same
+    request id) is admitted once; events of requests outside the sessions (none in a validation) are left out.
 
     Pool operations (the master's ``pool_op`` events, debug level): ((op, holder), figure), holder the
     request's name, or "name/stage" for a put (the stage from its first key, ``object_key``'s last part);
@@ -71,22 +72,24 @@ def recorded_orders(workdir: Path, session_ids: list[str]) -> tuple[list[tuple[s
             except ValueError:
                 continue
             (stage0 if wanted else master).append(event)
+    # a session's n-th admitted request is its turn n (an attempt that never got admitted is no turn)
     names: dict[str, str] = {}
     turns = [0] * len(session_ids)
+    for event in stage0:
+        request_id = event.get("request_id")
+        if event.get("event") == "prefill_admitted" and event.get("session_key") in index and request_id not in names:
+            k = index[event["session_key"]]
+            names[request_id] = f"s{k}.t{turns[k]}"
+            turns[k] += 1
     seen: set[tuple[str, str]] = set()
     blocks: list[tuple[str, str]] = []
     for event in stage0:  # one stage-0 log: its lines are in the order the events happened
         kind = {"prefill_arrived": "touch", "prefill_admitted": "admit"}.get(str(event.get("event")))
-        if kind is not None and event.get("session_key") in index:
-            request_id = event["request_id"]
-            if (kind, request_id) in seen:
-                continue
-            seen.add((kind, request_id))
-            if request_id not in names:
-                k = index[event["session_key"]]
-                names[request_id] = f"s{k}.t{turns[k]}"
-                turns[k] += 1
-            blocks.append((kind, names[request_id]))
+        if kind is not None:
+            name = names.get(event.get("request_id"))
+            if name is not None and (kind, name) not in seen:
+                seen.add((kind, name))
+                blocks.append((kind, name))
         elif event.get("event") == "blocks_freed":
             request_id, save, _ = str(event.get("holder", "")).partition("/save")
             if request_id in names:
@@ -163,7 +166,7 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
     return {
         "turns_compared": len(keys), "turns_admitted": sum(kind == "admit" for kind, _ in real["events"]),
         "events_not_followed": sim_pool["events_left"], "pool_ops_followed": len(real.get("pool_ops", ())),
-        "pool_ops_not_followed": sim_pool["pool_ops_left"],
+        "pool_ops_not_followed": sim_pool["pool_ops_left"], "orders_stopped_at": sim_pool["stopped_at"],
         "pool_ops_differing": [list(op) for op in sim_pool["pool_ops_differing"][:10]],
         "num_pool_ops_differing": len(sim_pool["pool_ops_differing"]), "real_errors": real["errors"],
         "num_mismatched_turns": len(mismatches), "mismatched_turns": [list(k) for k in mismatches[:10]],
