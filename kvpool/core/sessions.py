@@ -17,7 +17,7 @@ next prompt will begin with this one's full chunks. What of it the device
 cache lost can be staged from the pool ahead of the next turn (``prefetch_lead_s``
 before it), at low priority: it takes only blocks that cache nothing, or the
 cached blocks of idle sessions expected back after it (``donors``), never a
-session's with a turn in flight (``prefetch_budget``), and the caller cancels
+session's with a turn in flight or without a hint (``prefetch_budget``), and the caller cancels
 it when a real request needs the blocks. ``PrefetchLedger`` counts its bytes: prefetched, used (a later
 turn's device hit covered them) and wasted (evicted or cancelled before use,
 or the session ended).
@@ -126,16 +126,16 @@ class SessionTable:
         """Sessions with no turn in flight: ended first, then idle longest first."""
         return list(self._idle)
 
-    def donors(self, session: SessionId, due_at: float) -> list[SessionId]:
-        """Idle sessions whose cached blocks a staging for ``session`` (due at ``due_at``) may take:
-        those not expected back before it (a later ``expected_at``, or no hint), the ones needed last
-        first: no hint (idle longest first), then the latest expected. A session with a turn in flight
-        never gives, nor does the staged one (Belady's rule: evict what is wanted furthest ahead)."""
-        unhinted = [s for s, state in self._idle.items() if state.expected_at is None and s != session]
-        hinted = sorted(((state.expected_at, s) for s, state in self._idle.items()
-                         if state.expected_at is not None and state.expected_at > due_at and s != session),
-                        key=lambda e: -e[0])
-        return unhinted + [s for _, s in hinted]
+    def donors(self, session: SessionId, due_at: float, keep: Callable[[SessionId], bool] = lambda s: False
+               ) -> list[SessionId]:
+        """Idle sessions whose cached blocks a staging for ``session`` (due at ``due_at``) may take: those
+        whose next turn is expected after it, the latest expected first (Belady's rule: give up what is
+        wanted furthest ahead). Never one with a turn in flight, one with no hint (it may be back any
+        moment: its hint comes when its last token went out), the staged one, nor one ``keep`` names
+        (say, one whose own staging is on the device, waiting for its turn)."""
+        hinted = [(state.expected_at, s) for s, state in self._idle.items()
+                  if state.expected_at is not None and state.expected_at > due_at and s != session and not keep(s)]
+        return [s for _, s in sorted(hinted, key=lambda e: -e[0])]
 
     def _bound(self) -> None:
         while len(self) > self.max_sessions and self._idle:
@@ -236,6 +236,10 @@ class PrefetchLedger:
         self.used_bytes += used
         self.wasted_bytes += wasted
         return used, wasted
+
+    def is_pending(self, session: SessionId) -> bool:
+        """Chunks staged for the session wait for its next turn."""
+        return bool(self._pending.get(session))
 
     def cancelled(self, nbytes: int) -> None:
         """A prefetch stopped before its chunks were staged: the bytes it read are wasted."""

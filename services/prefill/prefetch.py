@@ -16,7 +16,12 @@ prefetch budget and its byte ledger; ``BlockManager.touch_session``/
   pool on every stage, through the same restore path a prefill takes, into
   blocks that cache nothing or that sessions expected back later gave up
   (``SessionTable.donors``), at most the core's budget
-  (``prefetch_budget``). Low priority: a staging that finds no
+  (``prefetch_budget``). The staged blocks stay held for the session's
+  next turn (its arrival lets them go to the turn as device hits): the
+  router queues a turn before stage 0 sees it, and unheld they were the
+  next allocation's victims meanwhile. A real request short of blocks takes
+  every held staging back first (``unpin_all``: they stay cached, evictable,
+  so a prefetch never makes a real request wait). Low priority: a staging that finds no
   budget, or the session's next turn already here, does nothing; one waiting
   for its time is cancelled when the session's turn arrives or it ends; one
   reading is never cancelled (the stages write straight into its blocks), and
@@ -83,6 +88,8 @@ class PrefetchMetrics:
                              ["outcome"], registry=registry)
         self.released_blocks = Counter("kvpool_prefetch_released_blocks",
                                        "Cached device blocks session_end released", registry=registry)
+        self.unpinned = Counter("kvpool_prefetch_unpinned", "Stagings held for their session's turn that a real "
+                                "request short of blocks took back before the turn came", registry=registry)
 
 
 class SessionPrefetcher:
@@ -95,6 +102,7 @@ class SessionPrefetcher:
         self.sessions = SessionTable(MAX_SESSIONS)
         self.ledger = PrefetchLedger(chunk_bytes)
         self._waiting: dict[SessionId, asyncio.Task[None]] = {}  # stagings waiting for their time
+        self._pinned: dict[SessionId, str] = {}  # staged blocks held (by this holder id) for the session's turn
         self._demotes: set[asyncio.Task[None]] = set()
         self._serial = 0
         self.restore_s_per_chunk = FIRST_RESTORE_S_PER_CHUNK  # a moving mean of what restores took here
@@ -108,7 +116,22 @@ class SessionPrefetcher:
         if waiting is not None:
             waiting.cancel()  # its turn came first
         self.sessions.turn_started(session, time.monotonic())
+        self._unpin(session)  # its staged blocks go to this turn: cached, most recently used
         self.scheduler.blocks.touch_session(session)
+
+    def _unpin(self, session: SessionId) -> bool:
+        holder = self._pinned.pop(session, None)
+        if holder is None:
+            return False
+        self.scheduler.blocks.free(holder)
+        return True
+
+    def unpin_all(self) -> int:
+        """A real request is short of blocks: every held staging goes back to the cache (still cached,
+        now evictable). Returns how many; the caller tries its admission again."""
+        count = sum(self._unpin(session) for session in list(self._pinned))
+        self.metrics.unpinned.inc(count)
+        return count
 
     def admitted(self, request: PrefillRequest) -> None:
         if request.session is None:
@@ -159,6 +182,7 @@ class SessionPrefetcher:
         if waiting is not None:
             waiting.cancel()
         if session_end:
+            self._unpin(session)
             released = self.scheduler.blocks.end_session(session)
             self.metrics.hints.labels("session_end").inc()
             self.metrics.released_blocks.inc(released)
@@ -190,6 +214,7 @@ class SessionPrefetcher:
             log.info("pool_demote_failed", groups=len(group_ids), error=str(exc))
 
     async def close(self) -> None:
+        self.unpin_all()
         for task in list(self._demotes):
             with contextlib.suppress(Exception):
                 await task
@@ -221,7 +246,8 @@ class SessionPrefetcher:
         if num_device >= len(hashes):
             return "on_device"
         # room: blocks that cache nothing, then those of idle sessions expected back after this one
-        donors = self.sessions.donors(session, state.expected_at if state.expected_at is not None else time.monotonic())
+        due_at = state.expected_at if state.expected_at is not None else time.monotonic()
+        donors = self.sessions.donors(session, due_at, keep=self.ledger.is_pending)
         donor_blocks = [(d, len(blocks.session_blocks(d))) for d in donors]
         reserve = int(blocks.num_blocks * RESERVE_SHARE)
         # one extra block for the last position every request computes (it caches nothing)
@@ -245,9 +271,16 @@ class SessionPrefetcher:
             return "pressure"
         try:
             report = await scheduler._restore(request)  # every stage reads its own objects into the blocks
-        finally:
+        except BaseException:
             await scheduler._free(holder)
+            raise
         restored = request.num_restored_chunks
+        state = self.sessions.get(session)
+        if restored and state is not None and not state.turns_in_flight:
+            self._unpin(session)
+            self._pinned[session] = holder  # held for its turn (unpin_all takes it back under pressure)
+        else:
+            await scheduler._free(holder)  # its turn came meanwhile (the blocks are its device hits), or nothing
         self.observe_restore(restored, report.wait_ms / 1e3)
         staged = request.chunk_hashes[request.num_device_chunks: request.num_device_chunks + restored]
         added = self.ledger.staged(session, staged)

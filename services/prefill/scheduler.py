@@ -346,6 +346,8 @@ class PrefillScheduler:
         async with self._freed:
             try:
                 while not try_admit(request, self.blocks, time.monotonic(), deadline):
+                    if self.prefetcher.unpin_all():  # held stagings yield to a real request
+                        continue
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._freed.wait(), max(0.0, deadline - time.monotonic()))
             finally:

@@ -95,9 +95,10 @@ def test_donors_are_idle_sessions_wanted_after_the_staged_one_the_last_wanted_fi
     # E still has a turn in flight: never a donor; a hint for it is ignored
     table.expect(E, 4.0, 1.0)
     assert table.get(E).expected_at is None
-    assert table.donors(A, 6.0) == [D, C, B]  # no hint first, then the latest expected
-    assert table.donors(B, 22.0) == [D, C]  # A is due before B: it keeps its blocks
+    assert table.donors(A, 6.0) == [C, B]  # the latest expected first; D (no hint) keeps its blocks
+    assert table.donors(B, 22.0) == [C]  # A is due before B: it keeps its blocks
     assert table.donors(D, 4.0) == [C, B, A]
+    assert table.donors(D, 4.0, keep=lambda s: s == B) == [C, A]  # B's own staging waits on the device
     with pytest.raises(InvalidArgument):
         table.expect(A, 0.0, -1.0)
 
@@ -117,6 +118,7 @@ def test_ledger_counts_prefetched_used_and_wasted_bytes() -> None:
     ledger = PrefetchLedger(chunk_bytes=100)
     assert ledger.staged(A, H("1", "2", "3")) == 3
     assert ledger.staged(A, H("3", "4")) == 1  # "3" is pending already
+    assert ledger.is_pending(A) and not ledger.is_pending(B)
     # "3" was evicted before the turn; "4" is still cached but this turn did not reach it: pending
     assert ledger.turn_started(A, H("1", "2", "9"), lambda h: h != "3") == (200, 100)
     assert ledger.pending_bytes == 100
