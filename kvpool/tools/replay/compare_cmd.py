@@ -60,6 +60,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    help="sched=: stage 0's gate on both sides, N prefills through the stages at once, the others "
                    "waiting in arrival order (fifo) or least work first (session); 0: no gate on either side, "
                    "every admitted prefill at once (default 2)")
+    g.add_argument("--sched-max-wait-s", type=float, default=0.0, metavar="S",
+                   help="sched=: the session side's aging bound (a prefill waiting S goes first; default: stage "
+                   "0's, 4 s, chosen in the simulator for the seed's GPUs: scale it with the turn's service time)")
     g.add_argument("--loopback", action="store_true", help="no network namespaces even where they work")
     g.add_argument("--kill-server", type=int, metavar="N", help="kill every process of server N ... ")
     g.add_argument("--at", type=float, metavar="S", help="... S seconds into each replay")
@@ -85,6 +88,8 @@ def _check(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
         raise SystemExit("kvpool replay: --kill-server N and --at S go together")
     if args.kill_server is not None and not 0 <= args.kill_server < args.servers:
         raise SystemExit(f"kvpool replay: --kill-server: no server {args.kill_server} of {args.servers}")
+    if args.sched_max_wait_s < 0:
+        raise SystemExit(f"kvpool replay: --sched-max-wait-s: must be >= 0, got {args.sched_max_wait_s}")
     if args.sched_slots < 0:
         raise SystemExit(f"kvpool replay: --sched-slots: must be >= 0, got {args.sched_slots}")
     if args.turns is not None and args.turns < 1:
@@ -122,7 +127,8 @@ def main(args: argparse.Namespace, levels: list[int]) -> int:
                             device_cache_tokens=device_tokens, kv_dtype=args.kv_dtype, netns=not args.loopback,
                             link_gbit=args.link_gbit, log_level=args.log_level,
                             decode_args=("--num-pages", str(args.decode_pages)) if args.decode_pages else (),
-                            sched_slots=args.sched_slots if what == "sched" else -1)
+                            sched_slots=args.sched_slots if what == "sched" else -1,
+                            sched_max_wait_s=args.sched_max_wait_s if what == "sched" else 0.0)
     options = ReplayOptions(concurrency=levels[-1], think_scale=args.think_scale, duration_s=args.duration,
                             chunk_size=chunk, progress=False)
     fault = Fault(args.kill_server, args.at) if args.kill_server is not None else None

@@ -57,6 +57,7 @@ class TopologySettings:
     locality: bool = True  # the router prefers the decode shard on the pipeline's own server
     sched: str = "fifo"  # stage 0's --sched: the gate's order (session: the work-aware queue)
     sched_slots: int = -1  # stage 0's --sched-slots (-1: its default)
+    sched_max_wait_s: float = 0.0  # stage 0's --sched-max-wait-s (0: its default)
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -83,7 +84,9 @@ def side_topology(settings: TopologySettings) -> Topology:
         pipelines=(PipelineSpec(f"s{i}-", s.stages, (*model, "--device-cache-tokens", str(s.device_cache_tokens),
                                                         "--sched", s.sched,
                                                         *(("--sched-slots", str(s.sched_slots))
-                                                          if s.sched_slots >= 0 else ()))),),
+                                                          if s.sched_slots >= 0 else ()),
+                                                        *(("--sched-max-wait-s", str(s.sched_max_wait_s))
+                                                          if s.sched_max_wait_s > 0 else ()))),),
         decode_shards=(DecodeSpec(f"s{i}-decode", (*model, *s.decode_args)),),
     ) for i in range(s.servers))
     return Topology(servers, master=MasterSpec(args=master_args) if s.pool == "shared" else None,

@@ -6,15 +6,19 @@ each pair identical but for ``RunSettings.sched``:
 - **closed loop**, ``--sessions`` (default 112) session slots, each thinking,
   sending a turn and waiting for its last token (the calibration's regime);
 - **open loop**, new sessions arriving at a fixed rate whatever the server
-  does, each playing its trace once: the rate offers 90% of the capacity,
-  the capacity being the prompt tokens per second the closed-loop FIFO run
-  prefilled (it saturates prefill), over the mean prompt tokens of a trace as
-  played (cut to the context). Fewer sessions live at once than in the closed
-  loop, so the device holds more of their histories and a token costs less:
-  at that rate prefill is far from busy. So a pilot FIFO run at that rate
-  measures how busy prefill is, and the rate is scaled so prefill is busy 90%
-  of what the closed FIFO run's was (its saturation); the pilot's figures are
-  reported (``token_rate_pilot``). A session lives long (tens of turns of
+  does, each playing its trace once, at 90% of the open loop's capacity:
+  the highest arrival rate the FIFO server keeps up with (it prefills at
+  least ``SUSTAINED`` of the prompt tokens offered, rate × the mean prompt
+  tokens of a trace as played, and prefill is busy at most ``SATURATED_BUSY``:
+  an open queue past its capacity keeps prefill busy all the time). The closed loop's capacity does not carry
+  over: fewer sessions live at once, so the device holds more of their
+  histories and a token costs less, until a rate where it no longer holds
+  them and every turn restores its whole history (the device cache's
+  cliff). So FIFO runs at ``GRID`` points between the closed run's token
+  rate (its prompt tokens per second over a trace's) and the rate scaled so
+  prefill would be as busy as in the closed FIFO run, side by side; the
+  capacity is the highest point sustained, and every point is reported
+  (``capacity_sweep``). A session lives long (tens of turns of
   think, TTFT and decode), so each open run starts with the sessions a steady
   state holds (rate × the closed FIFO run's session lifetime: turns a trace ×
   its mean think + TTFT + decode) and warms up ``OPEN_WARMUP_S``.
@@ -39,6 +43,11 @@ from kvpool.tools.sim.workload import fit_to_context
 
 SIDES = ("fifo", "session")
 OPEN_LOAD = 0.9
+# the server keeps up with the arrivals: it prefills this share of the prompt tokens offered (a trace's
+# tokens vary widely, so a counted window holds fewer or more than the mean) and prefill is not saturated
+SUSTAINED = 0.9
+SATURATED_BUSY = 0.95
+GRID = 4  # FIFO runs of the capacity sweep, evenly from the closed run's token rate up
 OPEN_WARMUP_S = 1200.0
 KEEP = ("throughput_per_gpu", "think_mean_s", "decode_mean_s", "prompt_tok_s", "reuse_ratio", "device_share", "pool_share", "computed_share",
         "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "queue_p50_s", "queue_p90_s", "restore_p50_ms",
@@ -79,7 +88,7 @@ def ratios(fifo: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
 
 def _pair(settings: list[RunSettings], spec: RunSpec, args: argparse.Namespace, cost_path: str,
           topology: Topology) -> list[dict[str, Any]]:
-    with ProcessPoolExecutor(max_workers=max(1, min(2, args.jobs))) as pool:
+    with ProcessPoolExecutor(max_workers=max(1, min(len(settings), args.jobs))) as pool:
         futures = [pool.submit(run_spec, spec, args.traces, cost_path, s, topology) for s in settings]
         results = [f.result() for f in futures]
     return [{k: r[k] for k in KEEP if k in r} | {"sched": r["sched"]} for r in results]
@@ -111,20 +120,32 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
         return replace(base, sched=sched, open_loop_sessions_per_s=sessions_per_s, warmup_s=open_warmup,
                        duration_s=open_warmup + counted, open_loop_initial_sessions=round(sessions_per_s * lifetime))
 
-    token_rate = rate
-    pilot: dict[str, Any] = {}
-    if args.open_rate is not None:  # the rate given: no pilot
+    token_rate = rate / OPEN_LOAD  # the closed FIFO run's prompt tokens/s, in sessions/s
+    sweep: list[dict[str, Any]] = []
+    capacity: float | None = None
+    if args.open_rate is not None:  # the rate given: no sweep
         rate = args.open_rate
     else:
-        pilot = _pair([open_settings("fifo", rate)], open_spec, args, cost_path, topology)[0]
-        rate = token_rate * OPEN_LOAD * fifo["prefill_busy"] / max(pilot["prefill_busy"], 1e-9)
+        pilot = _pair([open_settings("fifo", token_rate)], open_spec, args, cost_path, topology)[0]
+        busy_rate = token_rate * fifo["prefill_busy"] / max(pilot["prefill_busy"], 1e-9)
+        rates = [token_rate + (busy_rate - token_rate) * k / (GRID - 1) for k in range(1, GRID)]
+        runs = [pilot, *_pair([open_settings("fifo", r) for r in rates], open_spec, args, cost_path, topology)]
+        for r, run in zip([token_rate, *rates], runs):
+            offered = r * per_session
+            sweep.append({"sessions_per_s": r, "offered_prompt_tok_s": offered, "served_share": run["prompt_tok_s"] / offered,
+                          "prefill_busy": run["prefill_busy"], "ttft_p50_s": run["ttft_p50_s"],
+                          "device_share": run["device_share"]})
+        sustained = [p["sessions_per_s"] for p in sweep
+                     if p["served_share"] >= SUSTAINED and p["prefill_busy"] <= SATURATED_BUSY]
+        capacity = max(sustained) if sustained else token_rate
+        rate = OPEN_LOAD * capacity
     opened = _pair([open_settings(s, rate) for s in SIDES], open_spec, args, cost_path, topology)
     out = ratios(*closed)
     out["closed_loop"] = {"sessions": sessions, **{s: r for s, r in zip(SIDES, closed)}}
     out["open_loop"] = {"load": OPEN_LOAD, "sessions_per_s": rate, "mean_session_prompt_tokens": per_session,
                         "initial_sessions": round(rate * lifetime), "warmup_s": open_warmup,
                         "prefill_busy_over_closed_fifo": opened[0]["prefill_busy"] / fifo["prefill_busy"],
-                        "token_rate_pilot": {"sessions_per_s": token_rate, **pilot},
+                        "capacity_sweep": sweep, "capacity_sessions_per_s": capacity,
                         **ratios(*opened), **{s: r for s, r in zip(SIDES, opened)}}
     out["errors"] += out["open_loop"]["errors"]
     out["duration_s"], out["warmup_s"] = duration, warmup
