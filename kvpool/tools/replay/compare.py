@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,16 +205,24 @@ def run_side(settings: TopologySettings, workload: ReplayWorkload, options: Repl
 
 def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workload: ReplayWorkload,
                 levels: Sequence[int], options: ReplayOptions, fault: Fault | None = None,
-                workdir: Path | None = None, on_side: Any = None) -> dict[str, Any]:
-    """Every side at every level (fresh topologies), then the comparison's headline figures."""
+                workdir: Path | None = None, on_side: Any = None, at_once: bool = False) -> dict[str, Any]:
+    """Every side at every level (fresh topologies), then the comparison's headline figures; ``at_once``:
+    the sides of a level run at the same time (without a fault), so a load that moves moves for both."""
     per_side: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for level in levels:
-        for side in sides:
+        def one_side(side: str) -> tuple[dict[str, Any], Path | None, TopologySettings, ReplayOptions]:
             where = workdir / f"{what}-{side}-c{level}" if workdir is not None else None
             settings, level_options = side_settings(base, what, side), dataclasses.replace(options, concurrency=level)
             if what == "sched":  # the session side's clients send the hints
                 level_options = dataclasses.replace(level_options, session_hints=side == "session")
-            summary = run_side(settings, workload, level_options, fault, where)
+            return run_side(settings, workload, level_options, fault, where), where, settings, level_options
+
+        if at_once and fault is None:  # every side at the same time: each sees the host's load as the others do
+            with ThreadPoolExecutor(len(sides)) as pool:
+                done = list(pool.map(one_side, sides))
+        else:
+            done = [one_side(side) for side in sides]
+        for side, (summary, where, settings, level_options) in zip(sides, done):
             if fault is not None and summary.get("kill", {}).get("killed"):
                 # the reuse a kill costs: against the same side and requests with no kill
                 calm = run_side(settings, workload, level_options, None,

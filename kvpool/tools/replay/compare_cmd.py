@@ -63,6 +63,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sched-max-wait-s", type=float, default=0.0, metavar="S",
                    help="sched=: the session side's aging bound (a prefill waiting S goes first; default: stage "
                    "0's, 4 s, chosen in the simulator for the seed's GPUs: scale it with the turn's service time)")
+    g.add_argument("--sides-at-once", action="store_true",
+                   help="run every side's cluster and replay at the same time (not with --kill-server): on a "
+                   "shared host a load that moves then moves for every side, where one after the other it does not")
     g.add_argument("--loopback", action="store_true", help="no network namespaces even where they work")
     g.add_argument("--kill-server", type=int, metavar="N", help="kill every process of server N ... ")
     g.add_argument("--at", type=float, metavar="S", help="... S seconds into each replay")
@@ -146,7 +149,8 @@ def main(args: argparse.Namespace, levels: list[int]) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="kvpool-compare-") as tmp:
             workdir = Path(args.workdir) if args.workdir else Path(tmp)
-            out = run_compare(what, sides, base, workload, levels, options, fault, workdir, on_side)
+            out = run_compare(what, sides, base, workload, levels, options, fault, workdir, on_side,
+                              at_once=args.sides_at_once)
     finally:
         signal.signal(signal.SIGTERM, previous)
     out["planned_regime"] = planned
