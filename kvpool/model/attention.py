@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.model.config import ModelConfig
-from kvpool.model.kv_cache import read_kv, write_kv
+from kvpool.model.kv_cache import read_kv_blocks, token_slots, write_kv
 from kvpool.model.layers import RotaryEmbedding, rms_norm
 
 # queries per attention call: bounds the [heads, queries, keys] score tensor
@@ -64,7 +64,7 @@ class MLAttention:
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_layer: torch.Tensor,
-        slots: torch.Tensor,
+        block_table: torch.Tensor,
         num_cached_tokens: int,
         absorb: bool | None = None,
     ) -> torch.Tensor:
@@ -72,8 +72,8 @@ class MLAttention:
 
         x: [n, hidden] at `positions` = num_cached_tokens + arange(n).
         kv_layer: this layer's pages [num_blocks, block_size, kv_entry_dim].
-        slots: cache slot of every token 0 .. num_cached_tokens + n - 1; the
-        new tokens' entries are written to the last n slots first.
+        block_table: the sequence's blocks, covering num_cached_tokens + n
+        tokens; the new tokens' entries are written to their slots first.
         absorb: fold kv_b_proj into the query/output (cheap for few queries)
         instead of expanding every cached latent; None picks the cheaper.
         """
@@ -93,10 +93,12 @@ class MLAttention:
         latent, k_pe = F.linear(x, self.kv_a_proj_with_mqa).split([rank, rope], dim=-1)
         latent = rms_norm(latent, self.kv_a_layernorm, cfg.rms_norm_eps)
         k_pe = rotary.apply(k_pe, positions, cfg.rope_interleave)
-        write_kv(kv_layer, slots[num_cached_tokens:], torch.cat((latent, k_pe), dim=-1))
+        total = num_cached_tokens + n
+        write_kv(kv_layer, token_slots(block_table, num_cached_tokens, total, kv_layer.shape[1]),
+                 torch.cat((latent, k_pe), dim=-1))
 
         # read back through the cache dtype so fresh and restored KV match
-        entries = read_kv(kv_layer, slots, x.dtype)  # [T, rank + rope]
+        entries = read_kv_blocks(kv_layer, block_table, total, x.dtype)  # [T, rank + rope]
         if absorb is None:
             absorb = self._absorb_is_cheaper(n)
         w_kv = self.kv_b_proj.view(heads, nope + cfg.v_head_dim, rank)
@@ -111,14 +113,20 @@ class MLAttention:
             value = key
         else:
             kv = F.linear(entries[:, :rank], self.kv_b_proj).view(-1, heads, nope + cfg.v_head_dim)
-            k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
             k_rope = entries[:, rank:].unsqueeze(1).expand(-1, heads, -1)
             query = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)
-            key = torch.cat((k_nope, k_rope), dim=-1).transpose(0, 1)
-            value = v.transpose(0, 1)
+            key = torch.cat((kv[..., :nope], k_rope), dim=-1).transpose(0, 1)
+            # the fast SDPA kernel wants the value as wide as the key: where v is at least as wide as the
+            # rope part (and no wider than the key), the last qk_head_dim columns of [k_nope | v] are such
+            # a value with no copy (the k_nope columns' outputs are dropped below); else _causal_attention pads
+            window = rope <= cfg.v_head_dim <= cfg.qk_head_dim
+            value = kv[..., -cfg.qk_head_dim:] if window else kv[..., nope:]
+            value = value.transpose(0, 1)
         out = _causal_attention(query, key, value, num_cached_tokens, cfg.softmax_scale)
         if absorb:
             out = torch.einsum("hnr,hvr->hnv", out[..., :rank], w_uv)
+        else:
+            out = out[..., -cfg.v_head_dim:]
         return F.linear(out.transpose(0, 1).reshape(n, heads * cfg.v_head_dim), self.o_proj)
 
     def _absorb_is_cheaper(self, num_queries: int) -> bool:

@@ -147,9 +147,9 @@ class ModelStage:
             )
         table = as_block_table(block_table, self.device)
         check_block_table(kv_cache, table, total)
-        slots = token_slots(table, 0, total, kv_cache.shape[2])
         if slot_mapping is not None and not torch.equal(
-            torch.as_tensor(slot_mapping, dtype=torch.int64, device=self.device), slots[num_cached_tokens:]
+            torch.as_tensor(slot_mapping, dtype=torch.int64, device=self.device),
+            token_slots(table, num_cached_tokens, total, kv_cache.shape[2]),
         ):
             raise ValueError("slot_mapping disagrees with block_table for the new tokens")
         positions = torch.arange(num_cached_tokens, total, device=self.device)
@@ -161,7 +161,7 @@ class ModelStage:
             x = inputs.to(self.device, torch.float32)
         for local, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_layernorm, eps)
-            h = layer.self_attn.forward(h, positions, self.rotary, kv_layer(kv_cache, local), slots, num_cached_tokens)
+            h = layer.self_attn.forward(h, positions, self.rotary, kv_layer(kv_cache, local), table, num_cached_tokens)
             x = x + h
             x = x + layer.mlp.forward(rms_norm(x, layer.post_attention_layernorm, eps))
         if self.is_last:

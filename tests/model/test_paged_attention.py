@@ -9,7 +9,7 @@ import torch
 
 from kvpool.model import InProcessPipeline, ModelConfig, ModelStage, get_config, init_weights, token_slots
 from kvpool.model import attention as attention_module
-from kvpool.model.kv_cache import kv_layer
+from kvpool.model.kv_cache import KV_DTYPES, kv_layer, read_kv, read_kv_blocks
 from tests.model.dense_reference import dense_logits
 from tests.model.inputs import max_abs_diff, random_token_ids, scrambled_block_table
 
@@ -34,6 +34,17 @@ def test_without_q_lora_matches_dense_reference(tiny: ModelConfig) -> None:
     assert max_abs_diff(logits, dense_logits(config, weights, token_ids)) <= TOLERANCE
 
 
+@pytest.mark.parametrize("v_head_dim", [16, 32, 48, 96])
+def test_every_value_width_matches_dense_reference(tiny: ModelConfig, v_head_dim: int) -> None:
+    """v narrower than the rope part or wider than the key is padded; in between, the value is a window
+    of [k_nope | v] (qk_head_dim 64 here: 16 and 96 pad, 32 and 48 take the window)."""
+    config = dataclasses.replace(tiny, v_head_dim=v_head_dim, num_hidden_layers=2)
+    weights = init_weights(config)
+    token_ids = random_token_ids(config, 100)
+    logits = InProcessPipeline(config, 16, 16, weights=weights)(token_ids, scrambled_block_table(16), 0)
+    assert max_abs_diff(logits, dense_logits(config, weights, token_ids)) <= TOLERANCE
+
+
 def test_decode_steps_match_dense_reference(tiny: ModelConfig, tiny_weights) -> None:
     # one token at a time takes the absorbed path; the prefill takes the expanded one
     token_ids = random_token_ids(tiny, 70)
@@ -50,14 +61,13 @@ def test_absorbed_attention_equals_expanded(tiny: ModelConfig, tiny_weights, num
     attention = stage.layers[0].self_attn
     num_cached, block_size = 50, 16
     table = scrambled_block_table(8)
-    slots = token_slots(table, 0, num_cached + num_new, block_size)
     cache = stage.allocate_kv_cache(8, block_size)
     hidden = torch.randn(num_cached + num_new, tiny.hidden_size, generator=torch.Generator().manual_seed(3))
     positions = torch.arange(num_cached + num_new)
-    attention.forward(hidden[:num_cached], positions[:num_cached], stage.rotary, kv_layer(cache, 0), slots[:num_cached], 0)
+    attention.forward(hidden[:num_cached], positions[:num_cached], stage.rotary, kv_layer(cache, 0), table, 0)
     new_positions = positions[num_cached:]
     outputs = [
-        attention.forward(hidden[num_cached:], new_positions, stage.rotary, kv_layer(cache, 0), slots, num_cached, absorb=absorb)
+        attention.forward(hidden[num_cached:], new_positions, stage.rotary, kv_layer(cache, 0), table, num_cached, absorb=absorb)
         for absorb in (True, False)
     ]
     assert max_abs_diff(outputs[0], outputs[1]) <= 1e-5
@@ -113,3 +123,13 @@ def test_a_block_after_a_prefix_merges_exactly_what_a_mask_computes(dtype: torch
     masked = attention_module._causal_attention(query, key, value, cached, 0.125)
     assert merged.dtype == masked.dtype == dtype and merged.shape == (heads, n, 32)
     assert max_abs_diff(merged.float(), masked.float()) <= (1e-6 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", sorted(KV_DTYPES))
+@pytest.mark.parametrize("num_tokens", [1, 16, 37, 128])
+def test_reading_whole_blocks_equals_reading_slots(tiny: ModelConfig, dtype: str, num_tokens: int) -> None:
+    cache = torch.randn(10, 2, 16, tiny.kv_entry_dim).to(KV_DTYPES[dtype])
+    table = scrambled_block_table(10)
+    layer = kv_layer(cache, 1)
+    by_slots = read_kv(layer, token_slots(table, 0, num_tokens, 16), torch.float32)
+    assert torch.equal(read_kv_blocks(layer, table, num_tokens, torch.float32), by_slots)
