@@ -23,7 +23,13 @@ import structlog
 log = structlog.get_logger(__name__)
 
 # Transparent huge pages for every HostBuffer (KVPOOL_HUGE_PAGES=0 turns them off).
-HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KVPOOL_HUGE_PAGES", "1") != "0"
+HUGE_PAGES_ENV = "KVPOOL_HUGE_PAGES"
+
+
+def huge_pages() -> bool:
+    """Read when a buffer is made, not at import: a process forked from a zygote that imported this
+    module gets its own environment only afterwards."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get(HUGE_PAGES_ENV, "1") != "0"
 
 # The engine's sync batch calls spin a core on the batch status until the last
 # byte lands. From this many bytes up, ``move`` submits each object as its own
@@ -78,7 +84,7 @@ class HostBuffer:
         if self.size <= 0:
             raise ValueError(f"buffer size must be positive, got {self.size}")
         self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if HUGE_PAGES:
+        if huge_pages():
             # 2 MiB pages where the kernel has them: far fewer faults on touch and
             # TLB misses in every copy in and out (batch transfers ~5-15% faster)
             with contextlib.suppress(OSError):

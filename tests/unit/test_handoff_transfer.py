@@ -7,6 +7,7 @@ decode's token-major pages; a peer that is gone fails with its name.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 
 import pytest
@@ -126,3 +127,13 @@ def test_a_peer_that_is_gone_fails_naming_it(engine, cache) -> None:  # type: ig
     destinations = torch.arange(TOKENS * LAYERS, dtype=torch.int64) * ENTRY + (1 << 30)
     with pytest.raises(TransferError, match="127.0.0.1:1"):
         write_naive(engine, cache, BLOCK_TABLE, TOKENS, "127.0.0.1:1", destinations)
+
+
+def test_the_huge_page_switch_is_read_when_a_buffer_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not at import: a store forked from a zygote that imported kvpool.transfer gets its environment after."""
+    from kvpool import transfer
+
+    monkeypatch.setenv(transfer.HUGE_PAGES_ENV, "0")
+    assert transfer.huge_pages() is False
+    monkeypatch.setenv(transfer.HUGE_PAGES_ENV, "1")
+    assert transfer.huge_pages() is hasattr(mmap, "MADV_HUGEPAGE")
