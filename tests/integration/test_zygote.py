@@ -132,3 +132,17 @@ def test_the_other_roles_are_forked_from_a_zygote_without_torch(tmp_path: Path) 
         sockets = listening({procs[1].pid})
         assert len(sockets) >= 2, sockets  # gRPC and the transfer engine at least
         assert all(host_of(local) not in WILDCARDS for _, local, _ in sockets), sockets
+
+
+def test_a_master_and_a_store_share_one_zygote_and_the_master_is_not_rebound(tmp_path: Path) -> None:
+    """One light zygote per launcher: the master's comes preloaded with the shim (for the stores), which
+    leaves a process without KVPOOL_BIND_ADDRESS alone: the master listens where its flags say."""
+    with LocalPool(num_stores=1, segment_size="16MiB", workdir=tmp_path) as pool:
+        master, store = pool.master.proc, pool.stores[0].proc
+        assert isinstance(master, ForkedProcess) and isinstance(store, ForkedProcess)
+        assert master._zygote is store._zygote
+        assert str(bind_shim.find()) in Path(f"/proc/{master.pid}/maps").read_text()
+        sockets = {local for _, local, _ in listening({master.pid})}
+        assert any(local.endswith(f":{pool.master.ready['port']}") for local in sockets), sockets
+        # gRPC binds 127.0.0.1 on a dual-stack socket: it shows as the mapped address
+        assert all(host_of(local) in ("127.0.0.1", "[::ffff:127.0.0.1]") for local in sockets), sockets

@@ -81,7 +81,13 @@ class ServiceProcess:
     def _fork(self, args: list[str], env: dict[str, str]) -> ForkedProcess | None:
         """Fork it from this process's zygote; None when the zygote is off or gone (start it plainly)."""
         modules = TORCH if self.args[0] in TORCH_ROLES else LIGHT
-        found = zygote({k: v for k, v in env.items() if k not in (bind_shim.ADDRESS_ENV, PARENT_PID_ENV)}, modules)
+        base = {k: v for k, v in env.items() if k not in (bind_shim.ADDRESS_ENV, PARENT_PID_ENV)}
+        if self.args[0] not in ENGINE_ROLES:
+            # the stores' zygote serves a master or router too: the shim it preloads rewrites nothing in a
+            # process without KVPOOL_BIND_ADDRESS (and the child's own environment has no LD_PRELOAD)
+            base = {k: v for k, v in bind_shim.child_env(self._transfer_host(), base).items()
+                    if k != bind_shim.ADDRESS_ENV}
+        found = zygote(base, modules)
         if found is None:
             return None
         if self.die_with_parent:  # its parent is the zygote, which goes when this process goes
