@@ -1,7 +1,8 @@
 """What an API client may read of a backend's failure: the failure, never an internal address.
 
 The router names its backends to clients by their place in its configuration
-(``prefill pipeline 0``, ``decode shard 1``), never by host:port, and a
+(``prefill pipeline 0``, ``decode shard 1``), never by host:port: in errors and
+in a served request's usage alike (``served_by``). A
 backend's own message (which may quote a stage's, a decode's or a transfer
 engine's address, or gRPC's ``ipv4:127.0.0.1:45937``) reaches the client with
 every address replaced by ``<address>``. The full message stays in the
@@ -34,6 +35,17 @@ def redact_addresses(text: str) -> str:
 def backend_label(kind: str, names: list[str], name: str) -> str:
     """A backend as a client may see it: ``kind`` and its index among the configured ``names``."""
     return f"{kind} {names.index(name)}" if name in names else f"{kind} {REDACTED}"
+
+
+PIPELINE = "prefill pipeline"
+SHARD = "decode shard"
+
+
+def served_by(pipelines: list[str], shards: list[str], pipeline: str, shard: str) -> tuple[str, str]:
+    """The pipeline and shard that served a request, as its usage names them to the client (the
+    same labels its errors use); ``""`` for one the request never reached."""
+    return (backend_label(PIPELINE, pipelines, pipeline) if pipeline else "",
+            backend_label(SHARD, shards, shard) if shard else "")
 
 
 def public_error(error: KvpoolError) -> KvpoolError:

@@ -67,8 +67,11 @@ class Usage:
     ttft_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str = "length"  # "stop" (a stop token) or "length" (max_tokens or the context)
-    pipeline: str = ""
+    pipeline: str = ""  # the internal address: the router's and its log's, never a client's
     shard: str = ""
+    # what the client reads (``kvpool.core.public_errors.served_by``): "prefill pipeline 0", "decode shard 1"
+    pipeline_label: str = ""
+    shard_label: str = ""
 
     def openai(self) -> dict[str, Any]:
         return {
@@ -84,8 +87,8 @@ class Usage:
                 "handoff_bytes": self.handoff_bytes,
                 "ttft_seconds": self.ttft_seconds,
                 "decode_seconds": self.decode_seconds,
-                "pipeline": self.pipeline,
-                "shard": self.shard,
+                "pipeline": self.pipeline_label,
+                "shard": self.shard_label,
             },
         }
 

@@ -38,7 +38,7 @@ import structlog
 
 from kvpool.core.admission import Admission, Admitted, AdmissionRequest, Ticket
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
-from kvpool.core.public_errors import backend_label, public_error
+from kvpool.core.public_errors import PIPELINE, SHARD, backend_label, public_error, served_by
 from kvpool.core.routing import RoutingPolicy
 from kvpool.core.served_context import ShardLimits, served_context
 from kvpool.core.tenancy import scoped_session_key
@@ -205,8 +205,12 @@ class Router:
                 hinted = request.session_end or request.expected_next_s is not None
                 if ended in ("done", "closed") and hinted and usage.pipeline:
                     self._turn_ended(request, usage.pipeline)
+                # the client reads the labels; this line maps them to the addresses, by request id
+                usage.pipeline_label, usage.shard_label = served_by(
+                    list(self.backends.pipelines), list(self.backends.shards), usage.pipeline, usage.shard)
                 log.info("generate_ended", request_id=request.request_id, session_key=request.session_key,
                          ended=ended, pipeline=usage.pipeline, shard=usage.shard,
+                         pipeline_label=usage.pipeline_label, shard_label=usage.shard_label,
                          prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                          device_tokens=usage.device_tokens, pool_tokens=usage.pool_tokens,
                          ttft_s=round(usage.ttft_seconds, 4))
@@ -309,7 +313,7 @@ class Router:
             try:
                 return (await shard.decode.Reserve(reserve, timeout=CALL_TIMEOUT_S)).target
             except grpc.aio.AioRpcError as exc:
-                error = self._backend_error(exc, "decode shard", ticket.shard, request.request_id)
+                error = self._backend_error(exc, SHARD, ticket.shard, request.request_id)
                 if not isinstance(error, ResourceExhausted) or time.monotonic() > deadline:
                     raise error from None
                 self.metrics.reserve_waits.inc()
@@ -325,7 +329,7 @@ class Router:
                                                tenant=request.tenant, cache_salt=request.cache_salt,
                                                target=target), timeout=self.request_timeout_s)
             except grpc.aio.AioRpcError as exc:
-                error = self._backend_error(exc, "prefill pipeline", ticket.pipeline, request.request_id)
+                error = self._backend_error(exc, PIPELINE, ticket.pipeline, request.request_id)
             session = scoped_session_key(request.tenant, request.session_key)
             moved = self.admission.retry(ticket, error, 0, session)
             if moved is None and self.admission.retry_may_wait(ticket, error, 0):
@@ -375,14 +379,14 @@ class Router:
                     return
                 yield response.token_id
         except grpc.aio.AioRpcError as exc:
-            raise self._backend_error(exc, "decode shard", ticket.shard, request_id) from None
+            raise self._backend_error(exc, SHARD, ticket.shard, request_id) from None
         finally:
             call.cancel()  # a no-op once the stream ended; frees the pages when the client went away
 
     def _backend_error(self, exc: grpc.aio.AioRpcError, kind: str, name: str, request_id: str) -> KvpoolError:
         """A backend's failure as the client may see it (``kvpool.core.public_errors``): the backend by
         its index, no address anywhere; the whole story goes to this log line, with the request id."""
-        names = list(self.backends.pipelines if kind == "prefill pipeline" else self.backends.shards)
+        names = list(self.backends.pipelines if kind == PIPELINE else self.backends.shards)
         error = from_status(exc, backend_label(kind, names, name), _PASSED_ON)
         log.warning("backend_call_failed", request_id=request_id, backend=f"{kind} {name}",
                     code=exc.code().name, details=exc.details())

@@ -79,7 +79,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             device_tokens=usage.device_tokens, pool_tokens=usage.pool_tokens, computed_tokens=usage.computed_tokens,
             handoff_transfers=usage.handoff_transfers, handoff_bytes=usage.handoff_bytes,
             ttft_seconds=usage.ttft_seconds, decode_seconds=usage.decode_seconds,
-            finish_reason=usage.finish_reason, pipeline=usage.pipeline, shard=usage.shard,
+            finish_reason=usage.finish_reason, pipeline=usage.pipeline_label, shard=usage.shard_label,
         ))
 
     def _validate(self, request: router_pb2.GenerateRequest) -> GenerationRequest:

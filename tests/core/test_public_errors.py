@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvpool.core.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvpool.core.public_errors import backend_label, public_error, redact_addresses
+from kvpool.core.public_errors import backend_label, public_error, redact_addresses, served_by
 
 
 def test_the_issue_message_loses_its_address() -> None:
@@ -33,6 +33,15 @@ def test_backend_label_is_the_configured_index() -> None:
     names = ["127.0.0.1:45937", "127.0.0.1:45939"]
     assert backend_label("prefill pipeline", names, "127.0.0.1:45939") == "prefill pipeline 1"
     assert backend_label("decode shard", names, "10.0.0.1:1") == "decode shard <address>"
+
+
+def test_served_by_names_both_backends_as_the_errors_do() -> None:
+    pipelines, shards = ["127.0.0.1:45937", "127.0.0.1:45939"], ["127.0.0.1:5001", "127.0.0.1:5002"]
+    assert served_by(pipelines, shards, "127.0.0.1:45939", "127.0.0.1:5001") == \
+        ("prefill pipeline 1", "decode shard 0")
+    assert served_by(pipelines, shards, "127.0.0.1:45937", "") == ("prefill pipeline 0", "")
+    assert served_by(pipelines, shards, "", "") == ("", "")
+    assert served_by(pipelines, shards, "10.0.0.1:1", "127.0.0.1:5002") == ("prefill pipeline <address>", "decode shard 1")
 
 
 def test_public_error_keeps_class_field_and_retry_hint() -> None:

@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from kvpool import service
+from kvpool.core.public_errors import PIPELINE, SHARD, backend_label
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
@@ -60,6 +61,14 @@ def doomed(tmp_path: Path) -> Iterator[Cluster]:
 
 def address(cluster: Cluster, name: str) -> str:
     return f"127.0.0.1:{cluster.find(name).ready['port']}"
+
+
+def label(cluster: Cluster, kind: str, name: str) -> str:
+    """How a response's usage names process ``name``: ``kind`` and its index in the router's configuration."""
+    args = cluster.find("router").args
+    configured = args[args.index("--pipelines" if kind == PIPELINE else "--shards") + 1].split(",")
+    assert address(cluster, name) in configured, (name, configured)
+    return backend_label(kind, configured, address(cluster, name))
 
 
 async def generate(cluster: Cluster, request: router_pb2.GenerateRequest) -> tuple[list[int], str, router_pb2.GenerateUsage]:
@@ -157,7 +166,7 @@ async def test_dead_targets_are_retried_or_fail_loudly_and_leave_rotation(doomed
     results = [await generate(cluster, router_pb2.GenerateRequest(text=f"prompt {i}", session_key=f"s{i}",
                                                                    sampling=sampling(4))) for i in range(4)]
     pipelines = {usage.pipeline for _, _, usage in results}
-    assert pipelines == {address(cluster, "p1-stage0")}  # every request answered, by the healthy pipeline
+    assert pipelines == {label(cluster, PIPELINE, "p1-stage0")}  # every request answered, by the healthy pipeline
     # a decode shard dying mid-stream: the request fails with UNAVAILABLE, never a clean-looking end
     async with grpc.aio.insecure_channel(address(cluster, "router"), options=service.GRPC_OPTIONS) as channel:
         call = router_pb2_grpc.RouterStub(channel).Generate(
@@ -181,7 +190,7 @@ async def test_dead_targets_are_retried_or_fail_loudly_and_leave_rotation(doomed
     # the dead shard leaves rotation: the next requests are served by the other one
     await until_unhealthy(cluster, address(cluster, shard))
     _, _, usage = await generate(cluster, router_pb2.GenerateRequest(text="next", sampling=sampling(4)))
-    assert usage.shard != address(cluster, shard)
+    assert usage.shard != label(cluster, SHARD, shard)
     # the broken pipeline comes back with a smaller device cache: the router asks its StageInfo again,
     # and the context it serves (the smallest prompt limit + 1) follows
     assert served_context(cluster) == 4096 + 1
@@ -240,7 +249,7 @@ async def test_a_dead_shard_before_the_first_token_moves_the_request(tmp_path: P
     try:
         request = router_pb2.GenerateRequest(text="the same question", sampling=sampling(6))
         before, _, first = await generate(cluster, request)
-        dead = next(name for name in ("decode0", "decode1") if address(cluster, name) == first.shard)
+        dead = next(name for name in ("decode0", "decode1") if label(cluster, SHARD, name) == first.shard)
         alive = "decode1" if dead == "decode0" else "decode0"
         # the shard dies after its Reserve, before the first token: the prefill is held (its
         # stage frozen) while the region is reserved, the shard is killed, then prefill's
@@ -255,12 +264,12 @@ async def test_a_dead_shard_before_the_first_token_moves_the_request(tmp_path: P
         finally:
             stage.resume()
         after_reserve, _, moved = await call
-        assert moved.shard == address(cluster, alive)
+        assert moved.shard == label(cluster, SHARD, alive)
         assert after_reserve == before  # greedy: the same answer from the other shard
         assert shard_moves(cluster) == "kvpool_router_shard_moves_total 1.0"
         # an idle router places the same way: on the dead shard first (its Reserve fails), then moved
         after, _, moved = await generate(cluster, request)
-        assert moved.shard == address(cluster, alive)
+        assert moved.shard == label(cluster, SHARD, alive)
         assert after == before
         assert shard_moves(cluster) == "kvpool_router_shard_moves_total 2.0"
         # a request already streaming when its shard dies ends with the error event, then [DONE]

@@ -228,7 +228,9 @@ def test_eight_concurrent_sessions_over_two_pipelines_and_two_shards(client: ope
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(session, range(8)))  # raises on any error
     used = set().union(*results)
-    assert len({p for p, _ in used}) == 2 and len({s for _, s in used}) == 2
+    # named as errors name them, never by address
+    assert {p for p, _ in used} == {"prefill pipeline 0", "prefill pipeline 1"}
+    assert {s for _, s in used} == {"decode shard 0", "decode shard 1"}
 
 
 def complete_groups(cluster: Cluster) -> int:
