@@ -20,6 +20,11 @@ pytest_plugins = ("pytester",)
 
 # keep every process in the tests to one compute thread (CI has 2 cores)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# no transparent huge pages for the suite's buffers: on a host whose memory is fragmented, each 2 MiB fault
+# in a madvised region compacts memory first, and a 4-stage pipeline then cost 7.8-11.4 s of CPU to start
+# instead of 4.0-5.2 s (the suite starts hundreds of processes). They are a throughput setting, on by
+# default and measured by the benches; tests/unit/test_handoff_transfer.py checks a buffer asks for them.
+os.environ.setdefault("KVPOOL_HUGE_PAGES", "0")
 
 # Hypothesis's own clocks are wall-clock assertions: a 200 ms deadline per example and a health check
 # that data generation is not "too slow". On a host shared by a parallel run they failed examples that

@@ -137,3 +137,21 @@ def test_the_huge_page_switch_is_read_when_a_buffer_is_made(monkeypatch: pytest.
     assert transfer.huge_pages() is False
     monkeypatch.setenv(transfer.HUGE_PAGES_ENV, "1")
     assert transfer.huge_pages() is hasattr(mmap, "MADV_HUGEPAGE")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no transparent huge pages here")
+def test_a_buffer_asks_for_huge_pages_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool import transfer
+
+    monkeypatch.delenv(transfer.HUGE_PAGES_ENV, raising=False)  # the suite turns them off for its processes
+    flags = {}
+    for asked in (True, False):
+        if not asked:
+            monkeypatch.setenv(transfer.HUGE_PAGES_ENV, "0")
+        buffer = transfer.HostBuffer(4 << 20)
+        start = f"{buffer.address:x}-"
+        smaps = open("/proc/self/smaps").read().split("\n")
+        at = next(i for i, line in enumerate(smaps) if line.startswith(start))
+        flags[asked] = next(line for line in smaps[at:] if line.startswith("VmFlags:")).split()[1:]
+        buffer.close()
+    assert "hg" in flags[True] and "hg" not in flags[False]
