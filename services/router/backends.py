@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import service
 from kvpool.core.admission import Admission, ShardShape
+from kvpool.core.health_checks import Check, HealthVerdicts
 from kvpool.model.config import split_layers
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.router.metrics import RouterMetrics
@@ -20,6 +21,9 @@ log = structlog.get_logger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
 STAGE_INFO_TIMEOUT_S = 15.0
+# late health checks in a row that take a backend out of rotation (kvpool.core.health_checks): one late
+# answer on a loaded host turned requests that would have queued into 503s
+LATE_CHECKS_OUT = 2
 # the health service name under which stage 0 answers for its whole pipeline
 PIPELINE_HEALTH_SERVICE = "kvpool.rpc.Prefill"
 
@@ -57,6 +61,7 @@ class Backends:
     def __init__(self, pipelines: list[str], shards: list[str], admission: Admission, metrics: RouterMetrics) -> None:
         self.admission = admission
         self.metrics = metrics
+        self.verdicts = HealthVerdicts(LATE_CHECKS_OUT)
         self.pipelines = {a: self._pipeline_client(a) for a in pipelines}
         self.shards = {a: self._shard_client(a) for a in shards}
 
@@ -83,50 +88,62 @@ class Backends:
         checks = [self._check_pipeline(c) for c in self.pipelines.values()]
         checks += [self._check_shard(c) for c in self.shards.values()]
         results = await asyncio.gather(*checks)
-        backends = dict(zip([*self.pipelines, *self.shards], results))
-        for name, healthy in backends.items():
+        backends = {}
+        for name, check in zip([*self.pipelines, *self.shards], results, strict=True):
+            backends[name] = healthy = self.verdicts.record(name, check)
+            if check is Check.LATE:
+                log.info("health_check_late", target=name, late_in_a_row=self.verdicts.late_in_a_row(name),
+                         healthy=healthy)
             changed = self.admission.set_health(name, healthy)
             self.metrics.healthy.labels(name).set(1 if healthy else 0)
             if changed:
                 log.warning("target_health_changed", target=name, healthy=healthy)
         return backends
 
-    async def _serving(self, stub: health_pb2_grpc.HealthStub, service_name: str = "") -> bool:
+    async def _serving(self, stub: health_pb2_grpc.HealthStub, service_name: str = "") -> Check:
         try:
             response = await stub.Check(health_pb2.HealthCheckRequest(service=service_name),
                                         timeout=HEALTH_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
-        return response.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as exc:
+            return _failed(exc)
+        return Check.SERVING if response.status == health_pb2.HealthCheckResponse.SERVING else Check.DOWN
 
-    async def _check_pipeline(self, client: PipelineClient) -> bool:
+    async def _check_pipeline(self, client: PipelineClient) -> Check:
         # stage 0 answers for the pipeline's service by asking every later stage
-        if not await self._serving(client.health, PIPELINE_HEALTH_SERVICE):
+        check = await self._serving(client.health, PIPELINE_HEALTH_SERVICE)
+        if check is Check.DOWN:
             # what comes back may be a restarted stage 0 with another device cache: ask it again then
             # (num_stages stays: a request admitted just before still splits its layers by it)
             client.stage_info_due = True
-            return False
+        if check is not Check.SERVING:
+            return check
         if client.stage_info_due:
             try:
                 # asked once each time it comes into rotation: a loaded host gets longer than a health check's 2 s
                 info = await client.stages.StageInfo(prefill_pb2.StageInfoRequest(), timeout=STAGE_INFO_TIMEOUT_S)
-            except grpc.aio.AioRpcError:
-                return False
+            except grpc.aio.AioRpcError as exc:
+                return _failed(exc)
             client.num_stages, client.stage_info_due = info.num_stages, False
             self.admission.set_pipeline_shape(client.address, info.num_blocks, info.block_size)
-        return True
+        return Check.SERVING
 
-    async def _check_shard(self, client: ShardClient) -> bool:
-        if not await self._serving(client.health):
-            return False
+    async def _check_shard(self, client: ShardClient) -> Check:
+        check = await self._serving(client.health)
+        if check is not Check.SERVING:
+            return check
         try:
             stats = await client.decode.Stats(decode_pb2.DecodeStatsRequest(), timeout=HEALTH_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
+        except grpc.aio.AioRpcError as exc:
+            return _failed(exc)
         client.kv_dtype, client.num_layers, client.entry_bytes = stats.kv_dtype, stats.num_layers, stats.entry_bytes
         self.admission.set_shard_shape(client.address, ShardShape(
             num_pages=stats.num_pages, page_size=stats.page_size, arena_bytes=stats.region_arena_bytes,
             region_bytes_per_token=stats.num_layers * stats.entry_bytes,
             region_trailer_bytes=stats.region_trailer_bytes, max_context=stats.max_context,
         ))
-        return True
+        return Check.SERVING
+
+
+def _failed(exc: grpc.aio.AioRpcError) -> Check:
+    """A check that raised: late when its deadline passed (a busy host), down otherwise (refused, gone)."""
+    return Check.LATE if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else Check.DOWN
