@@ -22,11 +22,12 @@ shows every service's restarts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import tempfile
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -217,28 +218,41 @@ def up_cluster(settings: UpSettings, config: str | None = None, log_level: str =
 
 def wait_for_stop_signal(tick: Callable[[], None] | None = None, on_hangup: Callable[[], None] | None = None) -> int:
     """Block until SIGINT or SIGTERM, calling ``tick`` twice a second (and ``on_hangup`` after a SIGHUP);
-    returns the signal number."""
+    returns the signal number.
+
+    The handlers only append to a list: a handler that takes a lock (``Event.set``) deadlocks when a second
+    signal arrives while the first handler holds it (Ctrl-C pressed twice, or a wrapper forwarding a
+    signal), and ``kvpool up`` then hung with every service stopped. The signal's byte on a wakeup pipe
+    ends the wait at once.
+    """
     received: list[int] = []
     hangups: list[int] = []
-    event = threading.Event()
-
-    def handler(signum: int, _frame: Any) -> None:
-        received.append(signum)
-        event.set()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     if on_hangup is not None:
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, _frame: hangups.append(signum))
+    previous_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     try:
-        while not event.wait(0.5):
+        while not received:
+            select.select([wake_r], [], [], 0.5)
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 512)
+            if received:
+                break
             if tick is not None:
                 tick()
             if hangups and on_hangup is not None:
                 hangups.clear()
                 on_hangup()
     finally:
+        signal.set_wakeup_fd(previous_wakeup)
         for sig, old in previous.items():
             signal.signal(sig, old)
+        os.close(wake_r)
+        os.close(wake_w)
     return received[0]
 
 
