@@ -136,90 +136,77 @@ def simulate_sessions(
 # ("touch", request id): its arrival touched its session's blocks; ("admit", request id); or ("free", holder:
 # a request id or "<request id>/save")
 BlockEvent = tuple[str, str]
+# (op, holder): ("lookup" | "release", request id) or ("put_start" | "put_end", "<request id>/<stage>")
+PoolOp = tuple[str, str]
 
 
-class RecordedBlockEvents:
-    """Stage 0's block events in the cluster's recorded order, as a gate for the simulated pipeline.
+class _RecordedOrder:
+    """Steps in a recorded order, as a gate: a step the order names runs only once every step before it
+    has run; a step the order does not name runs at once."""
+
+    def __init__(self, steps: Sequence[tuple[str, str]], loop: EventLoop) -> None:
+        self._steps = deque(steps)
+        self._named = set(steps)
+        self._deferred: dict[tuple[str, str], Callable[[], Any]] = {}
+        self._loop = loop
+
+    @property
+    def num_left(self) -> int:
+        """Recorded steps the run did not reach (0: it followed the whole order)."""
+        return len(self._steps)
+
+    def head(self) -> tuple[str, str] | None:
+        return self._steps[0] if self._steps else None
+
+    def run(self, step: tuple[str, str], apply: Callable[[], Any]) -> None:
+        """Apply ``step`` when the order reaches it."""
+        if step not in self._named:
+            apply()
+            return
+        self._deferred[step] = apply
+        self._loop.after(0.0, self.drain)
+
+    def drain(self) -> None:
+        while self._steps and self._steps[0] in self._deferred:
+            step = self._steps.popleft()
+            self._ran(step, self._deferred.pop(step)())
+
+    def _ran(self, step: tuple[str, str], outcome: Any) -> None:
+        """What a subclass checks once a named step has run."""
+
+
+class RecordedBlockEvents(_RecordedOrder):
+    """Stage 0's block events in the cluster's recorded order, as a gate for the simulated pipeline
+    (``run`` is the pipeline's ``block_gate``).
 
     Invariant: an event the order names runs only once every event before it has run, admissions
     included; an event the order does not name (a save the cluster did not make, a touch a log without
     touches does not show) runs at once.
     """
 
-    def __init__(self, events: Sequence[BlockEvent], loop: EventLoop) -> None:
-        self._events = deque(events)
-        self._named = set(events)
-        self._deferred: dict[BlockEvent, Callable[[], object]] = {}
-        self._loop = loop
-
-    @property
-    def num_left(self) -> int:
-        """Recorded events the run did not reach (0: it followed the whole order)."""
-        return len(self._events)
-
-    def head(self) -> BlockEvent | None:
-        return self._events[0] if self._events else None
-
-    def run(self, event: BlockEvent, apply: Callable[[], object]) -> None:
-        """The pipeline's ``block_gate``: apply ``event`` when the order reaches it."""
-        if event not in self._named:
-            apply()
-            return
-        self._deferred[event] = apply
-        self._loop.after(0.0, self.drain)
-
     def admitted(self) -> None:
-        self._events.popleft()
+        self._steps.popleft()
         self._loop.after(0.0, self.drain)  # not inside the pipeline's kick: it is mid-admission
 
-    def drain(self) -> None:
-        while self._events and self._events[0] in self._deferred:
-            run = self._deferred.pop(self._events.popleft())
-            run()
 
-
-PoolOp = tuple[str, str]  # (op, holder): ("lookup" | "release", request id) or ("put_start" | "put_end", "<id>/<stage>")
-
-
-class RecordedPoolOps:
+class RecordedPoolOps(_RecordedOrder):
     """The master's operations in the cluster's recorded order, as a gate for the simulated pool.
 
     Invariant: an operation the order names runs only once every operation before it has run; one the
     order does not name (an operation the cluster did not make) runs at once. ``figures`` holds the
     cluster's outcome of each named operation (a lookup's complete groups, a put start's evictions) and
-    ``differing`` the operations whose simulated outcome was not that.
+    ``differing`` the operations whose simulated outcome was not that (``apply`` returns its outcome's
+    figure, or None where there is none to compare).
     """
 
     def __init__(self, ops: Sequence[tuple[PoolOp, int]], loop: EventLoop) -> None:
-        self._ops = deque(op for op, _ in ops)
+        super().__init__([op for op, _ in ops], loop)
         self.figures = {op: figure for op, figure in ops}
-        self._deferred: dict[PoolOp, Callable[[], int | None]] = {}
-        self._loop = loop
         self.differing: list[PoolOp] = []
 
-    @property
-    def num_left(self) -> int:
-        """Recorded operations the run did not reach (0: it followed the whole order)."""
-        return len(self._ops)
-
-    def head(self) -> PoolOp | None:
-        return self._ops[0] if self._ops else None
-
-    def run(self, op: PoolOp, apply: Callable[[], int | None]) -> None:
-        """Apply ``op`` to the pool when the order reaches it (``apply`` returns its outcome's figure, or
-        None where there is none to compare)."""
-        if op not in self.figures:
-            apply()
-            return
-        self._deferred[op] = apply
-        self._loop.after(0.0, self.drain)
-
-    def drain(self) -> None:
-        while self._ops and self._ops[0] in self._deferred:
-            op = self._ops.popleft()
-            figure = self._deferred.pop(op)()
-            if figure is not None and figure != self.figures[op]:
-                self.differing.append(op)
+    def _ran(self, step: PoolOp, outcome: int | None) -> None:
+        if outcome is not None and outcome != self.figures[step]:
+            self.differing.append(step)
 
 
 class RecordedOrderQueue:
