@@ -124,8 +124,8 @@ def test_a_second_stop_signal_inside_the_first_handler_does_not_hang_the_wait() 
     ``kvpool up`` with every service stopped. A tracer sends the second signal exactly then (as the
     handler starts, and right after it takes any lock); the old handlers hang here every time."""
     try:
-        result = subprocess.run([sys.executable, "-m", "tests.integration.stop_signal_child"], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                                check=False)
+        result = subprocess.run([sys.executable, "-m", "tests.integration.stop_signal_child"], capture_output=True,
+                                text=True, timeout=60, cwd=ROOT, check=False)
     except subprocess.TimeoutExpired:
         pytest.fail("wait_for_stop_signal hung on a second signal inside its handler")
     assert result.returncode == 0, result.stderr

@@ -131,9 +131,6 @@ class Zygote:
         self._next_id = 0
         self._ready: int | None = None
         self.gone = False
-        # fixed at its exec: a child needing another preload (the bind shim built meanwhile) needs another zygote
-        self.preload = env.get("LD_PRELOAD", "")
-        self.modules = modules
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpool.tools.cluster.zygote_server", str(theirs.fileno()), *modules],
             pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
@@ -209,6 +206,8 @@ def zygote(env: dict[str, str], modules: tuple[str, ...] = TORCH) -> Zygote | No
     and again if it died (the old one keeps serving the children it has); None when switched off."""
     if os.environ.get(SWITCH_ENV, "on") == "off":
         return None
+    # a preload is fixed at the zygote's exec: a child needing another (the bind shim built meanwhile)
+    # needs another zygote
     key = (modules, env.get("LD_PRELOAD", ""))
     with _lock:
         found = _zygotes.get(key)

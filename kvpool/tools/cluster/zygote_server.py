@@ -1,8 +1,8 @@
 """The zygote's own loop (see :mod:`kvpool.tools.cluster.zygote`): import once, fork on request, report exits.
 
 Run as ``python -m kvpool.tools.cluster.zygote_server FD MODULE...``, FD being
-its end of the socket pair and the modules those it imports before forking. Nothing here runs a thread, listens, or touches gRPC
-before a fork.
+its end of the socket pair and the modules those it imports before forking.
+Nothing here runs a thread, listens, or touches gRPC before a fork.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def _become(request: dict[str, Any]) -> None:
         try:
             enter(request.get("netns"), request.get("host_name"))
         except OSError as exc:  # as `ip netns exec` would: said on its log, and it does not start
-            os.write(os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644),
-                     f"kvpool zygote: cannot enter {request.get('netns')} / {request.get('host_name')}: {exc}\n".encode())
+            with open(request["log"], "a") as log:
+                log.write(f"kvpool zygote: cannot enter {request.get('netns')} / {request.get('host_name')}: {exc}\n")
             os._exit(1)
     os.chdir(request["cwd"])
     os.environ.clear()
