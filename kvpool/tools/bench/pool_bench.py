@@ -37,6 +37,10 @@ from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.sizes import format_size
 
 SMALL_OBJECT = 4096
+# Small batches are timed this many times whatever --batches says: a p50 of 6 small batches
+# (--quick) moved by ±30% from run to run on a quiet host (one batch of 64 × 4 KiB takes
+# ~11 ms, so 60 cost under a second and pin the median within a few percent).
+SMALL_BATCHES = 60
 CHURN_SEGMENT = 16 << 20
 CHURN_OBJECT = 256 << 10
 # Huge pages are off for every side while this bench runs. Our HostBuffers (client
@@ -181,7 +185,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = args.object_size
     largest = max(batch_sizes)
     # room for every batch without eviction, so puts measure placement and transfer, not churn
-    volume = (batches + 1) * size * (sum(batch_sizes) + (repeats - 1) * largest) + (batches + 1) * 64 * SMALL_OBJECT
+    volume = ((batches + 1) * size * (sum(batch_sizes) + (repeats - 1) * largest)
+              + (SMALL_BATCHES + 1) * 64 * SMALL_OBJECT)
     segment = max(256 << 20, volume // 2 * 5 // 4)
     report: dict[str, Any] = {"object_size": size, "batches": batches, "segment_bytes": segment, "ours": {}}
     upstream = None
@@ -195,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     report["ours"][f"kv_batch{b}"] = require_clean(
                         f"ours, batch {b}", measure_ours(pool.master_address, size, b, batches, f"kv{b}"))
             report["ours"]["small_batch64"] = require_clean(
-                "ours, small objects", measure_ours(pool.master_address, SMALL_OBJECT, 64, batches, "small"))
+                "ours, small objects", measure_ours(pool.master_address, SMALL_OBJECT, 64, SMALL_BATCHES, "small"))
             # the headline comparison, interleaved so machine noise hits all three alike
             ours, mooncake, te_raw, te_polled = [], [], [], []
             for r in range(repeats):
@@ -305,9 +310,9 @@ def summarize(report: dict[str, Any], largest_batch: int) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any], summary: dict[str, Any]) -> str:
     lines = [
-        f"kvpool bench pool — objects of {format_size(report['object_size'])}, {report['batches']} batches each; "
-        "GB/s = verified bytes / elapsed seconds for every system; the largest-batch rows are medians "
-        "of interleaved repeats"
+        f"kvpool bench pool — objects of {format_size(report['object_size'])}, {report['batches']} batches each "
+        f"({SMALL_BATCHES} of {format_size(SMALL_OBJECT)} objects); GB/s = verified bytes / elapsed seconds "
+        "for every system; the largest-batch rows are medians of interleaved repeats"
     ]
     lines.append(f"{'':22}{'put GB/s':>10}{'get GB/s':>10}{'put p50':>10}{'get p50':>10}{'lookup p50':>12}")
     for name, r in report["ours"].items():
