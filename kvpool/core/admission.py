@@ -21,8 +21,15 @@ Rules:
   router promised: an admitted request is never failed for lack of room.
   (Stage 0 may still wait, briefly, for blocks a finished request's pool
   saves read: those end within the saves' own bounds.)
-- FIFO without overtaking: while anyone is queued, a new request queues
-  behind; a head that does not fit holds back everyone after it.
+- The queue's order (``kvpool.core.admission_queue``): ``FIFO`` (the
+  default) or ``WORK`` (least estimated work first, aging at ``max_wait_s``).
+  In either order nobody overtakes the head: a new request takes a ticket at
+  once only if it would be the head (FIFO: the queue is empty; WORK: also when
+  nobody is overdue and it brings less work than the head), and a head that
+  does not fit holds back everyone after it. So a big request is never
+  starved by small ones that fit: the work order passes it over only until it
+  is overdue, and then, as the oldest overdue, it is the head and waits only
+  for room (which ``check`` says can come).
 - A pipeline whose device cache has no room for the request now is left out
   (``DEVICE_CACHE_FULL`` when it is the session's own); none with room: queued.
 - A request that can never fit (its prompt beyond every pipeline's device
@@ -45,7 +52,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -57,8 +63,10 @@ from kvpool.core.admission_room import (
     ShardShape,
     Ticket,
 )
+from kvpool.core.admission_queue import AdmissionQueue, admission_work_s
 from kvpool.core.decode_pages import pages_for_request
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
+from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.routing import RoutingPolicy
 
 MAX_PREFILL_TRIES = 2  # the first try and one retry elsewhere
@@ -66,15 +74,8 @@ MAX_SHARD_TRIES = 2  # the first shard and one other
 # the field a prefill error names when it is the decode target (not the pipeline) that failed
 TARGET_FIELD = "target"
 
-__all__ = ["Admission", "AdmissionRequest", "Admitted", "Locality", "Move", "ShardShape", "Ticket", "may_retry",
-           "retry_move"]
-
-
-@dataclass(slots=True)
-class _Queued:
-    request: AdmissionRequest
-    enqueued_at: float
-    deadline: float
+__all__ = ["Admission", "AdmissionRequest", "Admitted", "Locality", "Move", "QueueOrder", "ShardShape", "Ticket",
+           "may_retry", "retry_move"]
 
 
 @dataclass(slots=True)
@@ -121,7 +122,8 @@ class Admission:
     """
 
     def __init__(self, routing: RoutingPolicy, shard_servers: dict[str, str], pipeline_servers: dict[str, str],
-                 max_queue: int, queue_timeout_s: float, locality: bool = True) -> None:
+                 max_queue: int, queue_timeout_s: float, locality: bool = True,
+                 order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0) -> None:
         if max_queue < 0:
             raise InvalidArgument(f"max_queue: must be >= 0, got {max_queue}")
         if queue_timeout_s <= 0:
@@ -135,7 +137,7 @@ class Admission:
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.locality = locality
-        self._queue: OrderedDict[str, _Queued] = OrderedDict()
+        self._queue = AdmissionQueue(order, max_wait_s)
         self._tickets: dict[str, Ticket] = {}
         self._prefilling: set[str] = set()  # tickets whose blocks their pipeline still counts
 
@@ -173,7 +175,16 @@ class Admission:
         return len(self._tickets)
 
     def queued_ids(self) -> list[str]:
-        return list(self._queue)
+        """In arrival order (not the order they will leave in)."""
+        return self._queue.ids()
+
+    @property
+    def queue(self) -> AdmissionQueue:
+        return self._queue
+
+    def work_s(self, request: AdmissionRequest) -> float:
+        """The queue's estimate of the request's prefill work (``admission_work_s``)."""
+        return admission_work_s(request.num_prompt_tokens, self.routing.session_tokens(request.session_key))
 
     # ---- decisions -----------------------------------------------------------
 
@@ -218,20 +229,21 @@ class Admission:
             raise Unavailable("no healthy decode shard")
         if not any(p.healthy for p in self.routing.pipelines.values()):
             raise Unavailable("no healthy prefill pipeline")
-        if not self._queue:
+        work_s = self.work_s(request)
+        if self._queue.leads(work_s, now):  # it would be the head: nobody to overtake
             ticket = self._try_ticket(request, 0.0)
             if ticket is not None:
                 return ticket
         if len(self._queue) >= self.max_queue:
             raise ResourceExhausted(f"router: the admission queue is full ({self.max_queue} waiting)",
                                     retry_after_s=self.retry_after_s(now))
-        self._queue[request.request_id] = _Queued(request, now, now + self.queue_timeout_s)
+        self._queue.push(request, work_s, now, now + self.queue_timeout_s)
         return None
 
     def release(self, request_id: str, now: float) -> Admitted:
         """End a request wherever it is (ticketed or queued; unknown: nothing), freeing its room,
         then admit queue heads that fit now."""
-        self._queue.pop(request_id, None)
+        self._queue.remove(request_id)
         ticket = self._tickets.pop(request_id, None)
         if ticket is not None:
             self._end_prefill(ticket)
@@ -256,19 +268,17 @@ class Admission:
     def poll(self, now: float) -> Admitted:
         """Expire queued requests past their deadline, then ticket queue heads while they fit."""
         result = Admitted()
-        for request_id, queued in list(self._queue.items()):
-            if queued.deadline <= now:
-                del self._queue[request_id]
-                result.expired.append(request_id)
-        while self._queue:
-            queued = next(iter(self._queue.values()))
+        for request_id in self._queue.expired(now):
+            self._queue.remove(request_id)
+            result.expired.append(request_id)
+        while (queued := self._queue.head(now)) is not None:
             try:
                 ticket = self._try_ticket(queued.request, now - queued.enqueued_at)
             except Unavailable:
                 break  # nothing healthy now: the head waits for health or its deadline
             if ticket is None:
-                break  # FIFO: nobody overtakes the head
-            del self._queue[queued.request.request_id]
+                break  # nobody overtakes the head, in either order
+            self._queue.pop_head(now)
             result.tickets.append(ticket)
         return result
 
@@ -329,8 +339,7 @@ class Admission:
         """When a refused caller should try again: when the queue's head times out at the latest."""
         if not self._queue:
             return 1.0
-        head = next(iter(self._queue.values()))
-        return max(1.0, math.ceil(head.deadline - now))
+        return max(1.0, math.ceil(self._queue.oldest().deadline - now))
 
     # ---- internals -----------------------------------------------------------
 
@@ -350,7 +359,8 @@ class Admission:
             if not any(t.healthy for t in self.routing.pipelines.values()):
                 raise Unavailable("no healthy prefill pipeline")
             return None  # no device cache has room now: stage 0 would only wait for it
-        pipeline, reason = self.routing.place_pipeline(request.session_key, full=full)
+        pipeline, reason = self.routing.place_pipeline(request.session_key, full=full,
+                                                       num_tokens=request.num_prompt_tokens)
         shard, locality = self._pick_shard(fitting, self.pipeline_servers[pipeline])
         ticket = Ticket(request.request_id, pipeline, reason, shard.name, locality, 0, 0, queued_s,
                         num_blocks=self.pipelines[pipeline].blocks_for(request.num_prompt_tokens),

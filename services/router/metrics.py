@@ -31,6 +31,11 @@ class RouterMetrics:
         self.queued = Counter("kvpool_router_queued", "Requests that waited in the admission queue", registry=r)
         self.queue_expired = Counter("kvpool_router_queue_expired",
                                      "Queued requests refused at their deadline (429)", registry=r)
+        self.queue_order = Gauge("kvpool_router_queue_order", "1 for the admission queue's order (--sched: fifo "
+                                 "or work)", ["order"], registry=r)
+        self.queue_overdue = Counter("kvpool_router_queue_overdue",
+                                     "Queued requests ticketed first because they waited --sched-max-wait-s (session "
+                                     "order's aging)", registry=r)
         self.queue_length = Gauge("kvpool_router_queue_length", "Requests waiting for decode room", registry=r)
         self.queue_seconds = Histogram("kvpool_router_queue_seconds", "Wait for admission (0 when room was free)",
                                        buckets=(0.0, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)

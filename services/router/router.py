@@ -38,6 +38,7 @@ import structlog
 
 from kvpool.core.admission import Admission, Admitted, AdmissionRequest, Ticket
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
+from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.public_errors import PIPELINE, SHARD, backend_label, public_error, served_by
 from kvpool.core.routing import RoutingPolicy
 from kvpool.core.served_context import ShardLimits, served_context
@@ -70,7 +71,8 @@ class Router:
     def __init__(self, pipelines: list[str], shards: list[str], metrics: RouterMetrics,
                  affinity_max_queue: int = 4, max_in_flight: int = 256, request_timeout_s: float = 600.0,
                  max_queue: int = 64, queue_timeout_s: float = 30.0, locality: bool = True,
-                 servers: dict[str, str] | None = None, limits: ModelLimits | None = None) -> None:
+                 servers: dict[str, str] | None = None, limits: ModelLimits | None = None,
+                 order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0) -> None:
         self.metrics = metrics
         self.limits = limits  # its context follows every health round (kvpool.core.served_context)
         self.max_in_flight = max_in_flight
@@ -80,13 +82,16 @@ class Router:
         self.admission = Admission(
             RoutingPolicy.of(pipelines, shards, affinity_max_queue=affinity_max_queue),
             {s: server_of(s, names) for s in shards}, {p: server_of(p, names) for p in pipelines},
-            max_queue=max_queue, queue_timeout_s=queue_timeout_s, locality=locality,
+            max_queue=max_queue, queue_timeout_s=queue_timeout_s, locality=locality, order=order,
+            max_wait_s=max_wait_s,
         )
+        metrics.queue_order.labels(order.value).set(1)
         self.backends = Backends(pipelines, shards, self.admission, metrics)
         self._waiting: dict[str, asyncio.Future[Ticket]] = {}
         # set (and replaced) whenever admission may have freed room: a request waiting to be retried looks again
         self._room_freed = asyncio.Event()
         self._prefetches: set[asyncio.Task[None]] = set()  # fire-and-forget: a turn's end never waits on them
+        self._overdue_seen = 0  # the queue's aging pops already counted in metrics
 
     async def close(self) -> None:
         await self.backends.close()
@@ -157,6 +162,9 @@ class Router:
 
     def _publish(self) -> None:
         self.metrics.queue_length.set(self.admission.num_queued)
+        overdue = self.admission.queue.num_overdue_pops
+        self.metrics.queue_overdue.inc(overdue - self._overdue_seen)
+        self._overdue_seen = overdue
         self.metrics.admitted.set(self.admission.num_admitted)
         for name, shard in self.admission.shards.items():
             self.metrics.shard_pages.labels(name).set(shard.used_pages)

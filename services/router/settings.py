@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.setting import setting
 from kvpool.model.config import CONFIGS
 from kvpool.model.model_setting import ModelSetting
@@ -45,6 +46,13 @@ class RouterSettings(ModelSetting):
     max_queue: int = setting(64, help="requests waiting for decode room at most; more are answered 429")
     queue_timeout_s: float = setting(30.0, help="a request waits this long for decode room, then 429")
     locality: bool = setting(True, help="prefer the decode shard on the prefill pipeline's own server")
+    sched: str = setting("fifo", help="the admission queue's order (requests waiting for decode room and device "
+                         "blocks): fifo, arrival order; session, least estimated work first (the prompt's tokens "
+                         "beyond the session's last prompt, all of them for a new session), a request waiting "
+                         "--sched-max-wait-s going before every other; in both a head that does not fit holds "
+                         "back the rest", choices=("fifo", "session"))
+    sched_max_wait_s: float = setting(4.0, help="--sched session: a queued request waiting this long goes first "
+                                      "(oldest first), and no later request passes it")
     servers: list[str] = setting(
         help="the server of each pipeline or shard, where its address's host does not say it",
         factory=list, metavar="ADDR=SERVER,...", default_text="the address's host",
@@ -88,12 +96,19 @@ class RouterSettings(ModelSetting):
             raise ValueError(f"max_queue: must be >= 0, got {self.max_queue}")
         if self.queue_timeout_s <= 0:
             raise ValueError(f"queue_timeout_s: must be positive, got {self.queue_timeout_s}")
+        if not self.sched_max_wait_s > 0:
+            raise ValueError(f"sched_max_wait_s: must be positive, got {self.sched_max_wait_s}")
         bad = [s for s in self.servers if "=" not in s]
         if bad:
             raise ValueError(f"servers: {bad[0]!r} is not ADDR=SERVER")
         if self.health_interval_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("health_interval_s and request_timeout_s must be positive")
         self.model_config()  # raises on an unknown model or a directory it cannot serve
+
+    @property
+    def queue_order(self) -> QueueOrder:
+        """The admission queue's order (``--sched``)."""
+        return QueueOrder.WORK if self.sched == "session" else QueueOrder.FIFO
 
     @property
     def server_of(self) -> dict[str, str]:

@@ -45,8 +45,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compare", metavar="WHAT=A,B",
                    help="pool=shared,split (one pool over every store against one per server) or groups=on,off "
                    "(whole-group against per-object eviction) or locality=on,off (the router prefers the decode "
-                   "shard on the pipeline's server, or not) or sched=fifo,session (stage 0's work-aware gate and "
-                   "the clients' session hints, or neither); the same sessions on each side")
+                   "shard on the pipeline's server, or not) or sched=fifo,session (the router's admission queue and "
+                   "stage 0's gate work-aware, and the clients' session hints, or neither); the same sessions on "
+                   "each side")
     g.add_argument("--servers", type=int, default=2, help="logical servers: each a pipeline, a decode shard and "
                    "two stores (prefill side, decode side) (default 2)")
     g.add_argument("--turns", type=int, help="keep the first N turns of every weka session, with or without "
@@ -61,8 +62,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    "waiting in arrival order (fifo) or least work first (session); 0: no gate on either side, "
                    "every admitted prefill at once (default 2)")
     g.add_argument("--sched-max-wait-s", type=float, default=0.0, metavar="S",
-                   help="sched=: the session side's aging bound (a prefill waiting S goes first; default: stage "
-                   "0's, 4 s, chosen in the simulator for the seed's GPUs: scale it with the turn's service time)")
+                   help="sched=: the session side's aging bound, at stage 0's gate and the router's queue (a "
+                   "request waiting S goes first; default: theirs, 4 s, chosen in the simulator for the seed's "
+                   "GPUs: scale it with the turn's service time)")
     g.add_argument("--sides-at-once", action="store_true",
                    help="run every side's cluster and replay at the same time (not with --kill-server): on a "
                    "shared host a load that moves then moves for every side, where one after the other it does not")

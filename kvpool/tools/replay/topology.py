@@ -55,9 +55,9 @@ class TopologySettings:
     decode_args: tuple[str, ...] = ()
     master_args: tuple[str, ...] = ()
     locality: bool = True  # the router prefers the decode shard on the pipeline's own server
-    sched: str = "fifo"  # stage 0's --sched: the gate's order (session: the work-aware queue)
+    sched: str = "fifo"  # stage 0's and the router's --sched: the gate's and the admission queue's order
     sched_slots: int = -1  # stage 0's --sched-slots (-1: its default)
-    sched_max_wait_s: float = 0.0  # stage 0's --sched-max-wait-s (0: its default)
+    sched_max_wait_s: float = 0.0  # stage 0's and the router's --sched-max-wait-s (0: their default)
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -90,7 +90,10 @@ def side_topology(settings: TopologySettings) -> Topology:
         decode_shards=(DecodeSpec(f"s{i}-decode", (*model, *s.decode_args)),),
     ) for i in range(s.servers))
     return Topology(servers, master=MasterSpec(args=master_args) if s.pool == "shared" else None,
-                    router=RouterSpec(args=("--model", s.model, "--locality" if s.locality else "--no-locality")),
+                    router=RouterSpec(args=("--model", s.model, "--locality" if s.locality else "--no-locality",
+                                            "--sched", s.sched,
+                                            *(("--sched-max-wait-s", str(s.sched_max_wait_s))
+                                              if s.sched_max_wait_s > 0 else ()))),
                     host="127.0.0.1",
                     common_args=("--log-level", s.log_level, "--log-format", "json"), netns=s.netns,
                     link_gbit=s.link_gbit, netns_lock_wait_s=s.netns_lock_wait_s)

@@ -1,0 +1,123 @@
+"""The router's admission queue: requests waiting for room, each with a deadline, in FIFO or work order.
+
+Pure: no grpc, no I/O; time comes in as numbers from the caller's clock.
+
+The order is the prefill queue's (``kvpool.core.prefill_queue.PrefillQueue``,
+the same ``QueueOrder``): ``FIFO`` is arrival order; ``WORK`` takes the
+least estimated work first and a request waiting ``max_wait_s`` or more
+before every other, oldest first.
+
+The work the router can estimate (``admission_work_s``): it sees no device
+cache, only the prompt's length and, per session, the length of the prompt it
+last placed on a pipeline (``RoutingPolicy.session_tokens``, bounded and
+forgotten with the session). A session's turn usually extends its last
+prompt, so the router counts that prefix as cached and the tokens beyond it
+as computed at their context; an unknown session (or none) computes its whole
+prompt. The restore is left out: the router cannot tell a prefix still on the
+device from one in the pool, and a restore costs far less than the compute it
+saves (stage 0's gate refines the estimate with the device cache it owns).
+
+Invariants: a request id is queued at most once; ``ids`` are in arrival
+order; ``head`` is the request the order serves next (``PrefillQueue.peek``),
+and the oldest request always has the earliest deadline (one timeout for all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.core.admission_room import AdmissionRequest
+from kvpool.core.errors import InvalidArgument
+from kvpool.core.prefill_queue import PrefillQueue, QueueOrder, WorkWeights, prefill_work_s
+
+# the gate's weights (services/prefill/prefetch.py): only their ratios matter for an order
+ROUTER_WORK_WEIGHTS = WorkWeights()
+
+
+def admission_work_s(num_prompt_tokens: int, last_session_tokens: int | None,
+                     weights: WorkWeights = ROUTER_WORK_WEIGHTS) -> float:
+    """The router's estimate of a prompt's prefill work (see the module doc): the tokens beyond the
+    session's last prompt (``None``: unknown session, the whole prompt), at their context; at least
+    the last token is computed, as stage 0 always computes it."""
+    if num_prompt_tokens <= 0 or (last_session_tokens is not None and last_session_tokens < 0):
+        raise InvalidArgument(f"admission_work_s({num_prompt_tokens}, {last_session_tokens})")
+    cached = min(last_session_tokens or 0, num_prompt_tokens - 1)
+    return prefill_work_s(num_prompt_tokens, cached, 0, weights)
+
+
+@dataclass(slots=True)
+class QueuedRequest:
+    request: AdmissionRequest
+    enqueued_at: float
+    deadline: float
+    work_s: float
+
+
+class AdmissionQueue:
+    """Queued requests and their order (see the module doc)."""
+
+    def __init__(self, order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0) -> None:
+        self._order = PrefillQueue(order, max_wait_s)
+        self._queued: dict[str, QueuedRequest] = {}  # insertion order: arrival order
+
+    @property
+    def order(self) -> QueueOrder:
+        return self._order.order
+
+    @property
+    def max_wait_s(self) -> float:
+        return self._order.max_wait_s
+
+    @property
+    def num_overdue_pops(self) -> int:
+        """Requests taken because aging made them the head (how often the bound binds)."""
+        return self._order.num_overdue_pops
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._queued
+
+    def push(self, request: AdmissionRequest, work_s: float, now: float, deadline: float) -> None:
+        self._order.push(request.request_id, work_s, now)  # raises on a duplicate or a bad work
+        self._queued[request.request_id] = QueuedRequest(request, now, deadline, work_s)
+
+    def remove(self, request_id: str) -> QueuedRequest | None:
+        """Take a request out wherever it is (it ended, expired or got a ticket)."""
+        if self._order.remove(request_id):
+            return self._queued.pop(request_id)
+        return None
+
+    def head(self, now: float) -> QueuedRequest | None:
+        """The request the order serves next; None when empty."""
+        request_id = self._order.peek(now)
+        return None if request_id is None else self._queued[request_id]
+
+    def pop_head(self, now: float) -> QueuedRequest:
+        """Take ``head(now)`` (counting an aging pop); InvalidArgument when empty."""
+        return self._queued.pop(self._order.pop(now))
+
+    def leads(self, work_s: float, now: float) -> bool:
+        """Whether a request arriving now with ``work_s`` would be the head: the queue is empty, or
+        (``WORK``) nobody is overdue and it brings strictly less work than the head (ties: the earlier)."""
+        head = self.head(now)
+        if head is None:
+            return True
+        if self.order is QueueOrder.FIFO or now - self.oldest().enqueued_at >= self.max_wait_s:
+            return False
+        return work_s < head.work_s
+
+    def oldest(self) -> QueuedRequest:
+        """The request queued longest (the earliest deadline); InvalidArgument when empty."""
+        if not self._queued:
+            raise InvalidArgument("oldest: the queue is empty")
+        return next(iter(self._queued.values()))
+
+    def expired(self, now: float) -> list[str]:
+        """Ids whose deadline has come, in arrival order (not removed)."""
+        return [request_id for request_id, q in self._queued.items() if q.deadline <= now]
+
+    def ids(self) -> list[str]:
+        """Queued ids in arrival order."""
+        return list(self._queued)

@@ -1,0 +1,228 @@
+"""The admission queue's order: FIFO, or least estimated work first with aging (the router's ``--sched``)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvpool.core.admission import Admission, Admitted, AdmissionRequest, QueueOrder, ShardShape
+from kvpool.core.admission_queue import AdmissionQueue, admission_work_s
+from kvpool.core.decode_pages import pages_for_request
+from kvpool.core.errors import InvalidArgument, ResourceExhausted
+from kvpool.core.prefill_queue import WorkWeights, prefill_work_s
+from kvpool.core.routing import RoutingPolicy
+
+# a region of a 100-token prompt: 100 * 4000 + 4096 -> 405,504 bytes; 120 tokens 484,096; 150 tokens 604,096
+SHAPE = ShardShape(num_pages=100, page_size=16, arena_bytes=1_000_000, region_bytes_per_token=4000,
+                   region_trailer_bytes=4096, max_context=4096)
+W = WorkWeights()
+MACHINE_SHAPE = ShardShape(60, 16, 1_000_000, 2000, 4096, 2048)  # the state machine's one shard
+
+
+def admission(order: QueueOrder, max_wait_s: float = 5.0) -> Admission:
+    routing = RoutingPolicy.of(["p0", "p1"], ["d0", "d1"])
+    a = Admission(routing, {"d0": "s0", "d1": "s1"}, {"p0": "s0", "p1": "s1"}, max_queue=4,
+                  queue_timeout_s=10.0, order=order, max_wait_s=max_wait_s)
+    for shard in ("d0", "d1"):
+        a.set_shard_shape(shard, SHAPE)
+    for pipeline in ("p0", "p1"):
+        a.set_pipeline_shape(pipeline, 64, 16)
+    return a
+
+
+def req(request_id: str, prompt: int = 100, session: str = "") -> AdmissionRequest:
+    return AdmissionRequest(request_id, session, prompt, 60)
+
+
+def full(a: Admission) -> None:
+    """Four 100-token tickets fill both arenas (two regions each); r0 is session s's first turn, on d0."""
+    tickets = [a.admit(req(f"r{i}", session="s" if i == 0 else ""), now=0.0) for i in range(4)]
+    assert [(t.request_id, t.shard) for t in tickets] == [("r0", "d0"), ("r1", "d1"), ("r2", "d0"), ("r3", "d1")]
+
+
+def test_the_work_estimate_counts_the_tokens_beyond_the_sessions_last_prompt() -> None:
+    assert admission_work_s(150, None) == prefill_work_s(150, 0, 0, W)  # unknown: the whole prompt
+    assert admission_work_s(120, 100) == prefill_work_s(120, 100, 0, W)  # 20 tokens at context 100..120
+    assert admission_work_s(80, 100) == prefill_work_s(80, 79, 0, W)  # shorter than the last: its last token
+    assert admission_work_s(120, 100) < admission_work_s(30, None)
+    for bad in ((0, None), (10, -1)):
+        with pytest.raises(InvalidArgument):
+            admission_work_s(*bad)
+
+
+def test_routing_remembers_each_sessions_last_prompt_and_forgets_it_with_the_session() -> None:
+    policy = RoutingPolicy.of(["p0"], ["d0"], max_sessions=2)
+    policy.place_pipeline("a", num_tokens=100)
+    policy.place_pipeline("b", num_tokens=200)
+    policy.place_pipeline("a", num_tokens=300)
+    policy.place_pipeline("", num_tokens=50)  # no session: nothing remembered
+    assert (policy.session_tokens("a"), policy.session_tokens("b"), policy.session_tokens("")) == (300, 200, None)
+    policy.place_pipeline("c", num_tokens=400)  # b was used least recently: forgotten, both its facts
+    assert (policy.session_tokens("b"), policy.session_pipeline("b")) == (None, None)
+    assert policy.session_tokens("c") == 400
+    assert len(policy._session_tokens) == len(policy._sessions) == 2
+
+
+def test_a_session_turn_passes_a_new_session_that_does_not_fit_where_fifo_holds_it_back() -> None:
+    for order, expected in ((QueueOrder.FIFO, []), (QueueOrder.WORK, ["turn"])):
+        a = admission(order)
+        full(a)
+        assert a.admit(req("new", prompt=150), now=0.0) is None  # 150 tokens of work
+        assert a.admit(req("turn", prompt=120, session="s"), now=1.0) is None  # 20 tokens beyond s's 100
+        assert a.queued_ids() == ["new", "turn"]  # arrival order, whatever the order
+        # d1 frees one region: 594,496 bytes hold the 120-token turn, not the 150-token newcomer
+        assert [t.request_id for t in a.release("r1", now=2.0).tickets] == expected, order
+        assert a.routing.session_tokens("s") == (120 if order is QueueOrder.WORK else 100)
+
+
+def test_a_new_request_that_would_lead_and_fits_takes_a_ticket_at_once() -> None:
+    for order, expected in ((QueueOrder.FIFO, None), (QueueOrder.WORK, "d1")):
+        a = admission(order)
+        full(a)
+        assert a.admit(req("new", prompt=150), now=0.0) is None
+        assert a.release("r1", now=1.0).tickets == []  # room for 120 tokens on d1, the head needs 150
+        ticket = a.admit(req("turn", prompt=120, session="s"), now=2.0)
+        assert (ticket.shard if ticket else None) == expected, order
+        # the same work as the head (ties: the earlier arrival) queues behind it
+        assert a.admit(req("same", prompt=150), now=2.0) is None
+
+
+def test_an_overdue_request_is_the_head_and_no_smaller_one_passes_it() -> None:
+    a = admission(QueueOrder.WORK, max_wait_s=5.0)
+    full(a)
+    assert a.admit(req("new", prompt=150), now=0.0) is None
+    assert a.admit(req("turn", prompt=120, session="s"), now=6.0) is None  # new is overdue: turn queues behind
+    assert a.release("r1", now=6.5).tickets == []  # room for turn, not for new: the overdue head holds it back
+    admitted = a.release("r3", now=7.0)  # d1 empty: new (overdue, by aging); turn no longer fits there
+    assert [(t.request_id, t.queued_s) for t in admitted.tickets] == [("new", 7.0)]
+    assert [(t.request_id, t.shard, t.queued_s) for t in a.release("r2", now=8.0).tickets] == [("turn", "d0", 2.0)]
+    assert a.queue.num_overdue_pops == 1
+
+
+def test_aging_makes_a_big_request_the_head_once_it_is_overdue() -> None:
+    a = admission(QueueOrder.WORK, max_wait_s=5.0)
+    full(a)
+    assert a.admit(req("new", prompt=150), now=0.0) is None
+    assert a.admit(req("turn", prompt=120, session="s"), now=1.0) is None
+    assert a.queue.head(4.9).request.request_id == "turn"
+    assert a.queue.head(5.0).request.request_id == "new"
+    # expiry still goes by each request's deadline, in arrival order; the refusal's hint is the oldest's
+    assert a.retry_after_s(now=3.0) == 7
+    assert a.poll(now=10.0).expired == ["new"]
+    assert a.queued_ids() == ["turn"]
+
+
+def test_the_queue_checks_its_input() -> None:
+    q = AdmissionQueue(QueueOrder.WORK, 1.0)
+    q.push(req("a"), 1.0, now=0.0, deadline=9.0)
+    with pytest.raises(InvalidArgument, match="already queued"):
+        q.push(req("a"), 1.0, now=0.0, deadline=9.0)
+    with pytest.raises(InvalidArgument):
+        q.push(req("b"), -1.0, now=0.0, deadline=9.0)
+    assert "b" not in q and len(q) == 1
+    assert q.remove("a") is not None and q.remove("a") is None
+    with pytest.raises(InvalidArgument):
+        q.oldest()
+    with pytest.raises(InvalidArgument):
+        AdmissionQueue(QueueOrder.WORK, 0.0)
+
+
+def model_head(queued: list[tuple[str, float, float]], now: float, max_wait_s: float) -> str:
+    """The reference order: (id, work, enqueued_at) in arrival order; the oldest if overdue, else least work."""
+    if now - queued[0][2] >= max_wait_s:
+        return queued[0][0]
+    return min(enumerate(queued), key=lambda iq: (iq[1][1], iq[0]))[1][0]
+
+
+class WorkOrderMachine(RuleBasedStateMachine):
+    """Against a reference model: every ticket from the queue was the order's head when it left, the queue
+    keeps arrival order, and after every call the head (if any) does not fit; room stays consistent."""
+
+    MAX_WAIT_S = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        routing = RoutingPolicy.of(["p0"], ["d0"])
+        self.a = Admission(routing, {"d0": "s0"}, {"p0": "s0"}, max_queue=5, queue_timeout_s=6.0,
+                           order=QueueOrder.WORK, max_wait_s=self.MAX_WAIT_S)
+        self.a.set_shard_shape("d0", MACHINE_SHAPE)
+        self.a.set_pipeline_shape("p0", 40, 16)
+        self.now = 0.0
+        self.next_id = 0
+        self.live: set[str] = set()
+        self.queued: list[tuple[str, float, float]] = []  # (id, work, enqueued_at), arrival order
+        self.requests: dict[str, AdmissionRequest] = {}
+
+    def _apply(self, admitted: Admitted) -> None:
+        for request_id in admitted.expired:
+            self.queued = [q for q in self.queued if q[0] != request_id]
+        for ticket in admitted.tickets:
+            head = model_head(self.queued, self.now, self.MAX_WAIT_S)
+            assert ticket.request_id == head  # in the order, nobody overtaking the head
+            self.queued = [q for q in self.queued if q[0] != head]
+            self.live.add(head)
+
+    def _head_does_not_fit(self) -> None:
+        if self.queued:
+            head = self.requests[model_head(self.queued, self.now, self.MAX_WAIT_S)]
+            shard, pipeline = self.a.shards["d0"], self.a.pipelines["p0"]
+            assert not (shard.fits(pages_for_request(head.num_prompt_tokens, head.max_tokens, 16),
+                                   MACHINE_SHAPE.region_bytes(head.num_prompt_tokens))
+                        and pipeline.fits(head.num_prompt_tokens))
+
+    @rule(prompt=st.integers(1, 600), session=st.sampled_from(["", "a", "b", "c"]))
+    def admit(self, prompt: int, session: str) -> None:
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        request = self.requests[request_id] = AdmissionRequest(request_id, session, prompt, 20)
+        work = admission_work_s(prompt, self.a.routing.session_tokens(session))
+        leads = not self.queued or (
+            self.now - self.queued[0][2] < self.MAX_WAIT_S
+            and work < min(w for _, w, _ in self.queued))
+        try:
+            ticket = self.a.admit(request, self.now)
+        except InvalidArgument:
+            return  # never fits
+        except ResourceExhausted:  # queue full: the model's queue is full too
+            assert len(self.queued) == 5
+            return
+        if ticket is None:
+            self.queued.append((request_id, work, self.now))
+        else:
+            assert leads  # a ticket at once only for a request that would be the head
+            self.live.add(request_id)
+        self._head_does_not_fit()
+
+    @rule(i=st.integers(0, 100), first_token=st.booleans())
+    def end(self, i: int, first_token: bool) -> None:
+        ids = sorted(self.live) + [q[0] for q in self.queued]
+        if not ids:
+            return
+        request_id = ids[i % len(ids)]
+        if first_token and request_id in self.live:
+            self._apply(self.a.prefill_ended(request_id, self.now))
+        else:
+            self.live.discard(request_id)
+            self.queued = [q for q in self.queued if q[0] != request_id]
+            self._apply(self.a.release(request_id, self.now))
+        self._head_does_not_fit()
+
+    @rule(dt=st.floats(0, 1.5))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self._apply(self.a.poll(self.now))
+        self._head_does_not_fit()
+
+    @invariant()
+    def queue_matches_the_model(self) -> None:
+        assert self.a.queued_ids() == [q[0] for q in self.queued]
+        assert {t.request_id for t in self.a.tickets()} == self.live
+        shard = self.a.shards["d0"]
+        assert shard.used_pages == sum(t.num_pages for t in self.a.tickets()) <= 60
+        assert self.a.pipelines["p0"].used_blocks <= 40
+
+
+TestWorkOrderMachine = WorkOrderMachine.TestCase
+TestWorkOrderMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
