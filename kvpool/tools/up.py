@@ -58,6 +58,7 @@ from kvpool.tools.cluster import (
     Topology,
 )
 from kvpool.tools.cluster.supervisor import Supervisor
+from kvpool import host_numa
 
 log = structlog.get_logger(__name__)
 
@@ -71,7 +72,8 @@ class UpSettings:
     pipelines: int = setting(1, help="prefill pipelines")
     stages: int = setting(4, help="stages per prefill pipeline")
     decode_shards: int = setting(1, help="decode shards")
-    stores: int = setting(2, help="store daemons (one per NUMA node in production)")
+    stores: int = setting(2, help="store daemons, store i on the i-th NUMA node that has CPUs, round robin "
+                          "(one per node in production; a [store] table's numa_node wins)")
     segment_size: str | None = setting(None, help="DRAM each store contributes to the pool", metavar="SIZE",
                                        default_text="512MiB, unless the [store] table sets it")
     pool: bool = setting(True, help="share a KV pool (--no-pool: the pipelines use their device cache only)")
@@ -150,6 +152,13 @@ SIZED_BY_UP: tuple[tuple[str, str, Any], ...] = (
 )
 
 
+def store_numa_nodes(num_stores: int, nodes: dict[int, list[int]]) -> list[int]:
+    """The NUMA node of each store ``up`` starts: the nodes that have CPUs, round robin (one store per
+    node is the production shape; a store pins to its node's CPUs, so a memory-only node cannot take one)."""
+    usable = sorted(node for node, cpus in nodes.items() if cpus) or [0]
+    return [usable[i % len(usable)] for i in range(num_stores)]
+
+
 def _flags(values: dict[str, Any]) -> tuple[str, ...]:
     return tuple(part for name, value in values.items() for part in ("--" + name.replace("_", "-"), str(value)))
 
@@ -162,9 +171,16 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
     model_dir = ("--model-dir", s.model_dir) if s.model_dir else ()
     model = ("--model", s.model, *model_dir, "--kv-dtype", s.kv_dtype)
     weights = ("--tenant-weights", ",".join(s.tenant_weights)) if s.tenant_weights else ()
-    handed = s.handed(read_config(config) if config else {})
-    stores = tuple(StoreSpec(f"store{i}", (*_flags(handed["store"]), "--numa-node", "0", "--segment-id",
-                                           f"up-store{i}")) for i in range(s.stores if s.pool else 0))
+    tables = read_config(config) if config else {}
+    handed = s.handed(tables)
+    num_stores = s.stores if s.pool else 0
+    store_table = tables.get("store", {})
+    if "numa_node" in store_table or "numa-node" in store_table:
+        nodes: list[tuple[str, ...]] = [()] * num_stores  # the [store] table's node, read by each store
+    else:
+        nodes = [("--numa-node", str(n)) for n in store_numa_nodes(num_stores, host_numa.numa_nodes())]
+    stores = tuple(StoreSpec(f"store{i}", (*_flags(handed["store"]), *nodes[i], "--segment-id", f"up-store{i}"))
+                   for i in range(num_stores))
     pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, *_flags(handed["prefill"]), *weights),
                                    pool=s.pool) for i in range(s.pipelines))
     shards = tuple(DecodeSpec(f"decode{i}", (*model, *_flags(handed["decode"]))) for i in range(s.decode_shards))

@@ -9,7 +9,8 @@ import pytest
 from kvpool.tools.cluster import PipelineSpec, ServerSpec, StoreSpec, Topology
 from kvpool.tools.cluster.topology import decode_topology, pipeline_topology, pool_topology
 from kvpool.tools.replay.topology import TopologySettings, side_topology
-from kvpool.tools.up import UpSettings, up_topology
+from kvpool.tools.up import UpSettings, store_numa_nodes, up_topology
+from kvpool.host_numa import numa_nodes
 
 
 def test_kvpool_up_default_shape(tmp_path: Path) -> None:
@@ -21,8 +22,24 @@ def test_kvpool_up_default_shape(tmp_path: Path) -> None:
     assert topology.common_args == ("--log-level", "info", "--log-format", "json", "--config", str(config))
     assert topology.router is not None and (topology.router.port, topology.router.http_port) == (7900, 8000)
     [server] = topology.servers
-    assert server.stores[1].args == ("--segment-size", "512MiB", "--numa-node", "0", "--segment-id", "up-store1")
+    node = str(store_numa_nodes(2, numa_nodes())[1])  # "0" on a one-node host
+    assert server.stores[1].args == ("--segment-size", "512MiB", "--numa-node", node, "--segment-id", "up-store1")
     assert server.pipelines[0].pool and not topology.netns and topology.die_with_parent
+
+
+def test_kvpool_up_puts_stores_on_the_nodes_with_cpus_round_robin() -> None:
+    two = {0: [0, 1], 1: [2, 3]}
+    assert store_numa_nodes(4, two) == [0, 1, 0, 1]
+    assert store_numa_nodes(2, {0: [0, 1], 1: [], 2: [4]}) == [0, 2]  # node 1 is memory-only
+    assert store_numa_nodes(3, {0: [0]}) == [0, 0, 0]
+    assert store_numa_nodes(0, two) == []
+
+
+def test_kvpool_up_leaves_the_node_to_a_store_table_that_names_it(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("[store]\nnuma_node = 1\n")
+    [server] = up_topology(UpSettings(), config=str(config)).servers
+    assert all("--numa-node" not in store.args for store in server.stores)
 
 
 def test_kvpool_up_hands_tenant_weights_to_the_master_and_every_stage() -> None:

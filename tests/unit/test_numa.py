@@ -12,16 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.host_numa import format_cpulist, numa_nodes, parse_cpulist
 from services.store import numa
-from services.store.numa import (
-    MPOL_BIND,
-    bind_to_node,
-    format_cpulist,
-    get_memory_policy,
-    mbind_range,
-    numa_nodes,
-    parse_cpulist,
-)
+from services.store.numa import MPOL_BIND, bind_to_node, get_memory_policy, mbind_range
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
