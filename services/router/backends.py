@@ -21,8 +21,8 @@ log = structlog.get_logger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
 STAGE_INFO_TIMEOUT_S = 15.0
-# late health checks in a row that take a backend out of rotation (kvpool.core.health_checks): one late
-# answer on a loaded host turned requests that would have queued into 503s
+# late health checks in a row that take a backend out of rotation by default (--health-late-checks,
+# kvpool.core.health_checks): one late answer on a loaded host turned requests that would have queued into 503s
 LATE_CHECKS_OUT = 2
 # the health service name under which stage 0 answers for its whole pipeline
 PIPELINE_HEALTH_SERVICE = "kvpool.rpc.Prefill"
@@ -58,10 +58,11 @@ class ShardClient:
 class Backends:
     """Clients of every pipeline and shard; ``check_health`` feeds health and shapes to admission."""
 
-    def __init__(self, pipelines: list[str], shards: list[str], admission: Admission, metrics: RouterMetrics) -> None:
+    def __init__(self, pipelines: list[str], shards: list[str], admission: Admission, metrics: RouterMetrics,
+                 late_checks_out: int = LATE_CHECKS_OUT) -> None:
         self.admission = admission
         self.metrics = metrics
-        self.verdicts = HealthVerdicts(LATE_CHECKS_OUT)
+        self.verdicts = HealthVerdicts(late_checks_out)
         self.pipelines = {a: self._pipeline_client(a) for a in pipelines}
         self.shards = {a: self._shard_client(a) for a in shards}
 

@@ -46,7 +46,7 @@ from kvpool.core.tenancy import scoped_session_key
 from kvpool.request_id import bound_request_id, new_request_id
 from kvpool.rpc import decode_pb2, handoff_pb2, prefill_pb2
 from kvpool.status import from_status
-from services.router.backends import Backends, server_of
+from services.router.backends import LATE_CHECKS_OUT, Backends, server_of
 from services.router.http_api import Usage
 from services.router.metrics import RouterMetrics
 from services.router.openai_schema import GenerationRequest, ModelLimits
@@ -72,7 +72,8 @@ class Router:
                  affinity_max_queue: int = 4, max_in_flight: int = 256, request_timeout_s: float = 600.0,
                  max_queue: int = 64, queue_timeout_s: float = 30.0, locality: bool = True,
                  servers: dict[str, str] | None = None, limits: ModelLimits | None = None,
-                 order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0) -> None:
+                 order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0,
+                 late_checks_out: int = LATE_CHECKS_OUT) -> None:
         self.metrics = metrics
         self.limits = limits  # its context follows every health round (kvpool.core.served_context)
         self.max_in_flight = max_in_flight
@@ -86,7 +87,7 @@ class Router:
             max_wait_s=max_wait_s,
         )
         metrics.queue_order.labels(order.value).set(1)
-        self.backends = Backends(pipelines, shards, self.admission, metrics)
+        self.backends = Backends(pipelines, shards, self.admission, metrics, late_checks_out)
         self._waiting: dict[str, asyncio.Future[Ticket]] = {}
         # set (and replaced) whenever admission may have freed room: a request waiting to be retried looks again
         self._room_freed = asyncio.Event()

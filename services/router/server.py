@@ -176,7 +176,8 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
                     max_in_flight=settings.max_in_flight, request_timeout_s=settings.request_timeout_s,
                     max_queue=settings.max_queue, queue_timeout_s=settings.queue_timeout_s,
                     locality=settings.locality, servers=settings.server_of,
-                    limits=limits, order=settings.queue_order, max_wait_s=settings.sched_max_wait_s)
+                    limits=limits, order=settings.queue_order, max_wait_s=settings.sched_max_wait_s,
+                    late_checks_out=settings.health_late_checks)
     servicer = RouterServicer(router, tokenizer, limits)
     handle = await service.create_server(
         settings.host, settings.port, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),

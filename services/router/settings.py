@@ -58,6 +58,9 @@ class RouterSettings(ModelSetting):
         factory=list, metavar="ADDR=SERVER,...", default_text="the address's host",
     )
     health_interval_s: float = setting(1.0, help="seconds between health checks of every prefill pipeline and decode shard")
+    health_late_checks: int = setting(2, help="health checks in a row without an answer within their deadline that take "
+                                      "a pipeline or shard out of rotation (one that refuses or answers not-serving "
+                                      "goes out at once; a late one may only be busy)")
     request_timeout_s: float = setting(600.0, help="longest a request may take end to end, in seconds")
     supervisor_status: str = setting(
         "", help="a JSON file where the local supervisor (kvpool up) reports restarts; shown in /health",
@@ -101,6 +104,8 @@ class RouterSettings(ModelSetting):
         bad = [s for s in self.servers if "=" not in s]
         if bad:
             raise ValueError(f"servers: {bad[0]!r} is not ADDR=SERVER")
+        if self.health_late_checks < 1:
+            raise ValueError(f"health_late_checks: must be >= 1, got {self.health_late_checks}")
         if self.health_interval_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("health_interval_s and request_timeout_s must be positive")
         self.model_config()  # raises on an unknown model or a directory it cannot serve

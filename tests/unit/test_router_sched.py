@@ -56,3 +56,20 @@ def test_replay_sched_sides_set_the_router_and_stage_0_alike() -> None:
             assert args[args.index("--sched-max-wait-s") + 1] == "10.0"
     router_args = side_topology(TopologySettings()).router.args  # no bound given: the router's own default
     assert "--sched-max-wait-s" not in router_args and router_args[router_args.index("--sched") + 1] == "fifo"
+
+
+def test_the_router_flag_sets_how_many_late_health_checks_take_a_backend_out() -> None:
+    assert router_settings().health_late_checks == 2
+    settings = router_settings("--health-late-checks", "3")
+    with pytest.raises(SystemExit, match="health_late_checks"):
+        router_settings("--health-late-checks", "0")
+
+    async def misses(settings: RouterSettings) -> int:
+        router = Router(settings.pipelines, settings.shards, RouterMetrics(),
+                        late_checks_out=settings.health_late_checks)
+        try:
+            return router.backends.verdicts.misses
+        finally:
+            await router.close()
+
+    assert asyncio.run(misses(settings)) == 3
