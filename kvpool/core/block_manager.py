@@ -14,6 +14,8 @@ Invariants:
 - a block some I/O reads from (a save writing it to the pool straight from
   the pages) holds a reference through ``hold`` until that I/O ends, so it is
   never reused, and never a restore's target, while the bytes are in flight.
+  A hold is no session's turn: blocks it releases last stay the cached blocks
+  of the session whose request last took them.
 
 Eviction order: the free list runs LRU → MRU, every uncached block before
 every cached one; allocation takes the LRU end and only then forgets that
@@ -72,6 +74,7 @@ class Block:
     chunk_hash: ChunkHash | None = None
     tenant: str | None = None  # whose KV it holds: in use or cached; None when free and uncached
     session: SessionId | None = None  # free and cached: the session that last used it
+    user: SessionId | None = None  # in use: the session of the request that last took it (a hold's blocks keep it)
 
 
 @dataclass(slots=True)
@@ -79,6 +82,7 @@ class _Request:
     block_table: list[int]
     num_full_chunks: int
     session: SessionId | None = None
+    held: bool = False  # a ``hold``: no request of its own; its blocks stay their user's session's
 
 
 class BlockManager:
@@ -183,6 +187,8 @@ class BlockManager:
             block.ref_count += 1
         victims = self.shares.victim_order(self.tenant_blocks, tenant, num_new, self.num_blocks, any_allowed=True)
         block_table = hit_block_ids + [self._allocate_block(victims) for _ in range(num_new)]
+        for block_id in block_table:
+            self.blocks[block_id].user = session
         self._requests[request_id] = _Request(block_table, num_full_chunks, session)
         return list(block_table)
 
@@ -223,7 +229,7 @@ class BlockManager:
             raise InvalidArgument("block_ids repeats a block id")
         for block_id in block_ids:
             self.blocks[block_id].ref_count += 1
-        self._requests[holder_id] = _Request(list(block_ids), 0)
+        self._requests[holder_id] = _Request(list(block_ids), 0, held=True)
 
     def has_holder(self, holder_id: str) -> bool:
         """Whether a request or ``hold`` holds blocks under this id now."""
@@ -251,9 +257,12 @@ class BlockManager:
                     self._set_tenant(block, None)
                 elif block.tenant is not None:  # always: a block in use has its tenant
                     self._cached_free.setdefault(block.tenant, OrderedDict())[block_id] = None
-                    block.session = request.session
-                    if request.session is not None:
-                        self._session_free.setdefault(request.session, OrderedDict())[block_id] = None
+                    # a hold released last (a save ending after the handoff) leaves the blocks to the
+                    # session that used them: else its next turn's touch would miss them
+                    session = block.user if request.held else request.session
+                    block.session = session
+                    if session is not None:
+                        self._session_free.setdefault(session, OrderedDict())[block_id] = None
 
     def touch_session(self, session: SessionId) -> int:
         """The session is active: its cached free blocks become the most recently used, keeping

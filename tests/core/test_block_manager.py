@@ -337,6 +337,24 @@ def test_a_session_turn_keeps_its_whole_history_over_chunk_recency() -> None:
     assert bm.match_prefix(hashes(prompt(8))) == 2
 
 
+def test_blocks_a_save_releases_after_the_handoff_stay_the_sessions() -> None:
+    """A save that ends after its request was freed must not orphan the blocks: the session's next turn
+    touches them like the rest of its history (before, they were no session's and aged out first)."""
+    bm = BlockManager(8, CHUNK)
+    table = bm.allocate("a1", hashes(prompt(12)), 12, 0, session=ALICE)  # blocks 0-2
+    bm.commit_chunks("a1", 0, hashes(prompt(12)))
+    bm.hold("a1/save", table[1:])  # the save reads chunks 1-2 and ends last
+    bm.free("a1")
+    assert bm.session_blocks(ALICE) == [0]
+    run_session(bm, "b1", prompt(8, seed=1), BOB)  # blocks 3-4
+    bm.free("b1")
+    bm.free("a1/save")
+    assert bm.session_blocks(ALICE) == [0, 2, 1]
+    assert bm.free_block_ids() == [5, 6, 7, 0, 4, 3, 2, 1]
+    assert bm.touch_session(ALICE) == 3  # her whole history goes behind bob's
+    assert bm.free_block_ids() == [5, 6, 7, 4, 3, 0, 2, 1]
+
+
 def test_end_session_uncaches_its_free_blocks_and_they_go_first() -> None:
     bm = BlockManager(6, CHUNK)
     run_session(bm, "a1", prompt(8), ALICE)
