@@ -48,7 +48,7 @@ def test_a_sessions_last_turn_releases_its_device_blocks_fifo_keeps_them() -> No
     sim = run(traces, "session")
     blocks = sim.pipelines["p0.0"].blocks
     assert blocks.num_cached_blocks == 0 and blocks.num_uncached_free_blocks == blocks.num_blocks
-    assert sim.sessions is not None and len(sim.sessions.sessions) == 0
+    assert sim.sessions is not None and len(sim.sessions.policies["p0.0"].sessions) == 0
 
 
 def test_a_history_the_device_lost_during_think_time_is_prefetched_and_used() -> None:
@@ -79,7 +79,7 @@ def test_sessions_are_scoped_by_the_simulators_tenant() -> None:
     traces = [session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0))]
     sim = run(traces, "session", duration_s=50.0)  # between the turns
     assert sim.sessions is not None
-    assert sim.sessions.sessions.idle_order() == [SessionId(SIM_TENANT, "s0")]
+    assert sim.sessions.policies["p0.0"].sessions.idle_order() == [SessionId(SIM_TENANT, "s0")]
 
 
 def test_compare_flag_and_ratios() -> None:

@@ -82,15 +82,6 @@ class PipelineSim:
         """The largest stage's bytes of one token (the stages restore at once: the largest sets the time)."""
         return max(self.stage_object_bytes) / self.cost.model.chunk_tokens
 
-    def blocks_wanted(self) -> int:
-        """Fresh blocks the next queued request needs (a prefetch must leave them free)."""
-        request_id = self.queue.peek(self.loop.now)
-        if request_id is None:
-            return 0
-        job = self._waiting[request_id]
-        hashes = job.play.hashes
-        return self.blocks.num_blocks_needed(job.turn.input_tokens) - self.blocks.match_prefix(hashes)
-
     def enqueue(self, job: Job) -> None:
         self._waiting[job.job_id] = job
         # as stage 0 does on every turn's arrival: the session's cached free blocks become the most recent
@@ -129,9 +120,8 @@ class PipelineSim:
         request = PrefillRequest(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens, job.play.hashes)
         request.session = session_of(job)  # as stage 0's: its freed blocks are the session's
         if not try_admit(request, self.blocks, self.loop.now, math.inf):
-            if self.sessions is not None and self.name in self.sessions.in_flight:
-                self.sessions.cancel(self)  # device pressure: the prefetch gives its blocks back
-                self.kick()
+            if self.sessions is not None and self.sessions.unpin_all(self):
+                self.kick()  # held stagings yield to a real request (as stage 0's admission)
             return
         self.queue.pop(self.loop.now)
         del self._waiting[job.job_id]
@@ -169,12 +159,10 @@ class PipelineSim:
             result = self._lookup(job)
         plan = request.plan_lookup(len(result.groups))
         job.lease = result.lease_id
-        if plan.num_pool_chunks and self.sessions is not None:
-            self.sessions.cancel(self)  # a real restore takes the restore path: the prefetch yields
         restored = result.groups[plan.num_device_chunks : plan.num_hit_chunks]
-        job.readable = self._leading_readable(restored)
+        job.readable = self.leading_readable(restored)
         restore_s = self.cost.restore_s(plan.num_pool_chunks, max(self.stage_object_bytes) / self.cost.model.chunk_tokens)
-        remote = self._remote_bytes(restored[: job.readable]) if restored else {}
+        remote = self.remote_bytes(restored[: job.readable]) if restored else {}
         job.restore_parts = 1 + len(remote)
         job.read_s = restore_s
         job.restore_start = self.loop.now
@@ -188,10 +176,13 @@ class PipelineSim:
             return
         request = job.request
         assert request is not None
-        self.metrics.on_restore(self.loop.now - job.restore_start, request.restore_plan.num_pool_chunks if request.restore_plan else 0)
+        num_chunks = request.restore_plan.num_pool_chunks if request.restore_plan else 0
+        self.metrics.on_restore(self.loop.now - job.restore_start, num_chunks)
+        if self.sessions is not None:  # as stage 0 does: the prefetch's lead follows the measured restores
+            self.sessions.observe_restore(self, num_chunks, self.loop.now - job.restore_start)
         self._restored(job)
 
-    def _leading_readable(self, groups: list) -> int:
+    def leading_readable(self, groups: list) -> int:
         """A read from a dead store fails (a miss): how far every stage can read, from the head."""
         if not self.dead_hosts:
             return len(groups)
@@ -203,7 +194,7 @@ class PipelineSim:
                     return i
         return len(groups)
 
-    def _remote_bytes(self, groups: list) -> dict[str, int]:
+    def remote_bytes(self, groups: list) -> dict[str, int]:
         by_host: dict[str, int] = {}
         segments = self.index.segments
         for group in groups:
