@@ -12,13 +12,13 @@ ended ones first (``end=True``: nothing of theirs will be asked for again),
 then by the time their last turn ended, idle longest first; the table holds
 at most ``max_sessions`` (the one idle longest is forgotten first).
 
-Prefetch (``plan_prefetch``, ``prefetch_at``): when a turn ends, the session's
-next prompt will begin with this one's full chunks. What of it the device
-cache lost can be staged from the pool ahead of the next turn (``prefetch_lead_s``
-before it), at low priority: it takes only blocks that cache nothing, or the
-cached blocks of idle sessions expected back after it (``donors``), never a
-session's with a turn in flight or without a hint (``prefetch_budget``), and the caller cancels
-it when a real request needs the blocks. ``PrefetchLedger`` counts its bytes: prefetched, used (a later
+Prefetch (its policy: ``kvpool.core.session_prefetch``): when a turn ends, the
+session's next prompt will begin with this one's full chunks. What of it the
+device cache lost can be staged from the pool ahead of the next turn
+(``prefetch_lead_s`` before it), at low priority: it takes only blocks that cache
+nothing, or the cached blocks of idle sessions expected back after it
+(``donors``), never a session's with a turn in flight or without a hint
+(``prefetch_budget``). ``PrefetchLedger`` counts its bytes: prefetched, used (a later
 turn's device hit covered them) and wasted (evicted or cancelled before use,
 or the session ended).
 """
@@ -145,34 +145,6 @@ class SessionTable:
 # ---- prefetch ----------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class PrefetchPlan:
-    """Stage chunks ``[first_chunk, first_chunk + num_chunks)`` of the session's last prompt."""
-
-    first_chunk: int
-    num_chunks: int
-
-
-def prefetch_at(turn_ended_at: float, expected_next_s: float | None, lead_s: float) -> float:
-    """When to stage: ``lead_s`` before the expected next turn, or at once without a hint."""
-    if lead_s < 0:
-        raise InvalidArgument(f"lead_s: must be >= 0, got {lead_s}")
-    if expected_next_s is None:
-        return turn_ended_at
-    return turn_ended_at + max(0.0, expected_next_s - lead_s)
-
-
-def plan_prefetch(num_chunks: int, num_device_chunks: int, num_pool_chunks: int, budget_blocks: int) -> PrefetchPlan:
-    """What to stage of a prompt of ``num_chunks`` full chunks: after the device's cached prefix
-    (``num_device_chunks``), the complete pool groups that follow it (``num_pool_chunks``), at most
-    ``budget_blocks`` (the blocks it may take without evicting anyone's cache). Nothing when the
-    device already holds it all, the pool has nothing after it, or there is no budget."""
-    if min(num_chunks, num_device_chunks, num_pool_chunks) < 0 or num_device_chunks > num_chunks:
-        raise InvalidArgument(f"plan_prefetch({num_chunks}, {num_device_chunks}, {num_pool_chunks})")
-    count = max(0, min(num_pool_chunks, num_chunks - num_device_chunks, budget_blocks))
-    return PrefetchPlan(num_device_chunks, count)
-
-
 def prefetch_budget(num_uncached_free_blocks: int, num_blocks_wanted: int, reserve_blocks: int,
                     num_donor_blocks: int = 0) -> int:
     """Blocks a prefetch may take: free blocks that cache nothing, plus the cached free blocks of
@@ -240,11 +212,6 @@ class PrefetchLedger:
     def is_pending(self, session: SessionId) -> bool:
         """Chunks staged for the session wait for its next turn."""
         return bool(self._pending.get(session))
-
-    def cancelled(self, nbytes: int) -> None:
-        """A prefetch stopped before its chunks were staged: the bytes it read are wasted."""
-        self.prefetched_bytes += nbytes
-        self.wasted_bytes += nbytes
 
     def dropped(self, session: SessionId) -> int:
         """The session ended or its prefetch was cancelled: its pending chunks are wasted (bytes)."""

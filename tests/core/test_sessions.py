@@ -14,8 +14,6 @@ from kvpool.core.sessions import (
     SessionId,
     SessionTable,
     check_expected_next_s,
-    plan_prefetch,
-    prefetch_at,
     prefetch_budget,
     prefetch_lead_s,
 )
@@ -68,18 +66,8 @@ def test_expected_next_s_is_checked_naming_the_field(value: object) -> None:
     assert exc.value.field == "expected_next_s"
 
 
-def test_prefetch_timing_and_plan() -> None:
-    assert prefetch_at(100.0, None, 2.0) == 100.0
-    assert prefetch_at(100.0, 10.0, 2.0) == 108.0
-    assert prefetch_at(100.0, 1.0, 2.0) == 100.0
-    # 10 chunks, 4 on the device, the pool has 5 after them, budget 3 blocks
-    assert (plan_prefetch(10, 4, 5, 3).first_chunk, plan_prefetch(10, 4, 5, 3).num_chunks) == (4, 3)
-    assert plan_prefetch(10, 4, 5, 100).num_chunks == 5
-    assert plan_prefetch(10, 10, 5, 100).num_chunks == 0  # all on the device already
-    assert plan_prefetch(10, 4, 5, 0).num_chunks == 0  # no budget: under pressure
+def test_a_budget_leaves_what_is_wanted_and_a_reserve() -> None:
     assert prefetch_budget(10, 4, 2) == 4 and prefetch_budget(3, 4, 2) == 0
-    with pytest.raises(InvalidArgument):
-        plan_prefetch(3, 4, 0, 1)
 
 
 def test_donors_are_idle_sessions_wanted_after_the_staged_one_the_last_wanted_first() -> None:
@@ -106,7 +94,6 @@ def test_donors_are_idle_sessions_wanted_after_the_staged_one_the_last_wanted_fi
 def test_prefetch_lead_and_a_budget_with_donors() -> None:
     assert prefetch_lead_s(0, 0.02, 0.1) == 0.1
     assert prefetch_lead_s(10, 0.02, 0.1) == pytest.approx(0.3)
-    assert prefetch_at(100.0, 1.0, prefetch_lead_s(10, 0.02, 0.1)) == pytest.approx(100.7)
     with pytest.raises(InvalidArgument):
         prefetch_lead_s(-1, 0.02, 0.1)
     # 3 uncached free blocks, 1 wanted, 1 kept: 1 block; donors' 6 cached blocks make it 7
@@ -124,10 +111,9 @@ def test_ledger_counts_prefetched_used_and_wasted_bytes() -> None:
     assert ledger.pending_bytes == 100
     assert ledger.turn_started(A, H("1", "2", "4"), lambda h: True) == (100, 0)
     ledger.staged(B, H("5"))
-    ledger.cancelled(50)
     assert ledger.dropped(B) == 100 and ledger.dropped(B) == 0
-    assert (ledger.prefetched_bytes, ledger.used_bytes, ledger.wasted_bytes, ledger.pending_bytes) == (550, 300, 250, 0)
-    assert ledger.wasted_share == 250 / 550
+    assert (ledger.prefetched_bytes, ledger.used_bytes, ledger.wasted_bytes, ledger.pending_bytes) == (500, 300, 200, 0)
+    assert ledger.wasted_share == 200 / 500
     assert ledger.turn_started(C, H("1"), lambda h: True) == (0, 0)
 
 
