@@ -28,6 +28,7 @@ class Job:
     request: PrefillRequest | None = None
     prefill_start: float = 0.0
     restore_start: float = 0.0
+    restored_at: float = 0.0  # its restore (every part) ended
     first_token_at: float = 0.0  # the handoff's end
     compute_s: float = 0.0
     decode_pages: int = 0

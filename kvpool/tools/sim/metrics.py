@@ -12,6 +12,7 @@ compares them one by one).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,8 @@ class Metrics:
     turns_done: int = 0
     counted_turns: int = 0  # turns prefilled after warm-up
     ttft_s: list[float] = field(default_factory=list)
+    # per counted turn: its TTFT and its parts (queue, lookup, restore, after the restore: compute and handoff)
+    ttft_parts: list[tuple[float, float, float, float, float]] = field(default_factory=list)
     queue_s: list[float] = field(default_factory=list)
     restore_s: list[float] = field(default_factory=list)
     restore_tokens: list[int] = field(default_factory=list)
@@ -112,6 +115,9 @@ class Metrics:
         job.first_token_at = self.now()
         if job.arrival >= self.warmup_s:
             self.ttft_s.append(self.now() - job.arrival)
+            self.ttft_parts.append((self.now() - job.arrival, job.prefill_start - job.arrival,
+                                    job.restore_start - job.prefill_start, job.restored_at - job.restore_start,
+                                    self.now() - job.restored_at))
 
     def on_decode_done(self, job: Job) -> None:
         window = int(self.now() // self.window_s)
@@ -157,3 +163,22 @@ class Metrics:
     @staticmethod
     def median(values: list[float]) -> float:
         return statistics.median(values) if values else 0.0
+
+
+def ttft_breakdown(parts: list[tuple[float, float, float, float, float]]) -> dict[str, dict[str, float]]:
+    """Where turns' TTFT goes, as mean seconds of each part: over all counted turns, the turns around the
+    median (TTFT between its 40th and 60th percentiles) and the slowest (at or above the 99th)."""
+    ttfts = sorted(p[0] for p in parts)
+
+    def band(lo: float, hi: float) -> dict[str, float]:
+        rows = [p for p in parts if lo <= p[0] <= hi]
+        n = max(1, len(rows))
+        return {"turns": len(rows), "ttft_s": sum(r[0] for r in rows) / n, "queue_s": sum(r[1] for r in rows) / n,
+                "lookup_s": sum(r[2] for r in rows) / n, "restore_s": sum(r[3] for r in rows) / n,
+                "after_restore_s": sum(r[4] for r in rows) / n}
+
+    if not ttfts:
+        return {}
+    return {"all": band(-math.inf, math.inf), "p40_p60": band(percentile(ttfts, 40), percentile(ttfts, 60)),
+            "p99_up": band(percentile(ttfts, 99), math.inf)}
+

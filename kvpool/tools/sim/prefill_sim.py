@@ -176,6 +176,7 @@ class PipelineSim:
             return
         request = job.request
         assert request is not None
+        job.restored_at = self.loop.now
         num_chunks = request.restore_plan.num_pool_chunks if request.restore_plan else 0
         self.metrics.on_restore(self.loop.now - job.restore_start, num_chunks)
         if self.sessions is not None:  # as stage 0 does: the prefetch's lead follows the measured restores

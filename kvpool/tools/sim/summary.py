@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.tools.sim.metrics import percentile
+from kvpool.tools.sim.metrics import percentile, ttft_breakdown
 
 
 def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
@@ -80,6 +80,7 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
     # restore time on the critical path, per turn prefilled (a turn that restores nothing adds 0)
     out["restore_critical_s_per_turn"] = sum(m.restore_s) / max(1, m.counted_turns)
     out["errors"] = sim.trace_policy["refused_device_cache"] + sim.trace_policy["refused_decode"]
+    out["ttft_breakdown"] = ttft_breakdown(m.ttft_parts)
     out["queue_overdue_pops"] = sum(p.queue.num_overdue_pops for p in sim.pipelines.values())
     if sim.sessions is not None:
         out.update(sim.sessions.figures())
