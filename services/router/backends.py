@@ -41,7 +41,9 @@ class PipelineClient:
     stages: prefill_pb2_grpc.PrefillStageStub
     health: health_pb2_grpc.HealthStub
     num_stages: int = 0
-    stage_info_due: bool = True  # until StageInfo answers after the pipeline (re)entered rotation
+    # until StageInfo answers after the pipeline (re)entered rotation or its connection broke
+    stage_info_due: bool = True
+    num_reconnects: int = 0  # connections that broke (each may have been a restarted stage 0)
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ class Backends:
         self.verdicts = HealthVerdicts(late_checks_out)
         self.pipelines = {a: self._pipeline_client(a) for a in pipelines}
         self.shards = {a: self._shard_client(a) for a in shards}
+        self._watchers: list[asyncio.Task[None]] = []  # started by the first health round (a loop runs then)
 
     @staticmethod
     def _pipeline_client(address: str) -> PipelineClient:
@@ -78,14 +81,35 @@ class Backends:
         return ShardClient(address, channel, decode_pb2_grpc.DecodeStub(channel), health_pb2_grpc.HealthStub(channel))
 
     async def close(self) -> None:
+        for watcher in self._watchers:
+            watcher.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
         for client in [*self.pipelines.values(), *self.shards.values()]:
             await client.channel.close()
+
+    @staticmethod
+    async def _watch_connection(client: PipelineClient) -> None:
+        """Ask StageInfo again whenever the connection to stage 0 breaks: a stage 0 restarted (with
+        another device cache, say) between two health rounds answers the next one as serving, and
+        a request's call may have reconnected to it before that round even looks."""
+        ready = grpc.ChannelConnectivity.READY
+        state = client.channel.get_state()
+        while True:
+            await client.channel.wait_for_state_change(state)
+            new = client.channel.get_state()
+            if state is ready and new is not ready:
+                client.stage_info_due = True
+                client.num_reconnects += 1
+                log.info("pipeline_connection_broke", target=client.address, state=new.name)
+            state = new
 
     def layer_split(self, pipeline: str, shard: str) -> list[tuple[int, int]]:
         return split_layers(self.shards[shard].num_layers, self.pipelines[pipeline].num_stages)
 
     async def check_health(self) -> dict[str, bool]:
         """One round of health checks; pipelines report their stages and device cache, shards their shape."""
+        if not self._watchers:
+            self._watchers = [asyncio.ensure_future(self._watch_connection(c)) for c in self.pipelines.values()]
         checks = [self._check_pipeline(c) for c in self.pipelines.values()]
         checks += [self._check_shard(c) for c in self.shards.values()]
         results = await asyncio.gather(*checks)
