@@ -40,7 +40,8 @@ count 0 are that session's cached blocks. ``touch_session`` (a turn of the
 session starts, or a prefetch stages it) moves all of them to the MRU end,
 including chunks the current prompt does not reach (a sub-agent's branch, a
 history cut to the context), so the free list runs sessions idle longest
-first. ``end_session`` (the client said the session is over) uncaches them:
+first. ``touch_sessions`` (before an admission from a queue) orders the waiting
+sessions so that the next served is evicted last. ``end_session`` (the client said the session is over) uncaches them:
 they move to the LRU end and are reused first; ``end_session(max_blocks=n)``
 uncaches only the n least recently used of them (a prefetch taking room from
 a session expected later than its own).
@@ -274,6 +275,14 @@ class BlockManager:
             self._free_block_ids.move_to_end(block_id)
             self._cached_free[self.blocks[block_id].tenant or ""].move_to_end(block_id)
         return len(owned)
+
+    def touch_sessions(self, sessions: Sequence[SessionId]) -> int:
+        """Sessions whose turns wait, in the order they will be served: each one's cached free blocks become
+        more recently used than those of every session after it, so the next served is the last evicted.
+        (Arrival order alone makes the oldest waiter, the next served, the least recently used: once the
+        waiters' histories exceed the free blocks, each admission evicted the next one's.) Returns how many
+        blocks moved."""
+        return sum(self.touch_session(session) for session in reversed(sessions))
 
     def end_session(self, session: SessionId, max_blocks: int | None = None) -> int:
         """The session is over: its cached free blocks are uncached and reused first (LRU end).

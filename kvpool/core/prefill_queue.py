@@ -140,6 +140,17 @@ class PrefillQueue:
     def waited_s(self, request_id: str, now: float) -> float:
         return now - self._arrivals[request_id].enqueued_at
 
+    def serving_order(self, now: float) -> list[str]:
+        """Queued ids in the order they would be popped at ``now`` with no arrival meanwhile: the overdue
+        oldest first, then (``WORK``) least work, ties by arrival; ``FIFO``: push order. (With ``WORK``,
+        waiting on makes more of them overdue: this is the order as of ``now``.)"""
+        if self.order is QueueOrder.FIFO:
+            return list(self._arrivals)
+        entries = self._arrivals.values()
+        overdue = [e.request_id for e in entries if now - e.enqueued_at >= self.max_wait_s]
+        rest = sorted((e for e in entries if now - e.enqueued_at < self.max_wait_s), key=lambda e: (e.work, e.seq))
+        return overdue + [e.request_id for e in rest]
+
     def ids(self) -> list[str]:
         """Queued ids in push order."""
         return list(self._arrivals)

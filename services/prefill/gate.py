@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from kvpool.core.prefill_queue import PrefillQueue, QueueOrder
+from kvpool.core.sessions import SessionId
 
 
 class PrefillGate:
@@ -29,15 +30,18 @@ class PrefillGate:
         self.running = 0
         self.queue = PrefillQueue(order, max_wait_s)
         self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._sessions: dict[str, SessionId] = {}  # waiters' sessions (those that named one)
 
     @asynccontextmanager
-    async def slot(self, request_id: str, work_s: float) -> AsyncIterator[None]:
+    async def slot(self, request_id: str, work_s: float, session: SessionId | None = None) -> AsyncIterator[None]:
         """Hold one of the slots for the body (in the queue's order when all are taken)."""
         if self.running < self.slots and not len(self.queue):
             self.running += 1
         else:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters[request_id] = waiter
+            if session is not None:
+                self._sessions[request_id] = session
             self.queue.push(request_id, work_s, time.monotonic())
             try:
                 await waiter  # handed a slot (running counts it already)
@@ -47,10 +51,16 @@ class PrefillGate:
                 elif waiter.done() and not waiter.cancelled():  # handed a slot as it was cancelled: pass it on
                     self._leave()
                 raise
+            finally:
+                self._sessions.pop(request_id, None)
         try:
             yield
         finally:
             self._leave()
+
+    def waiting_sessions(self, now: float) -> list[SessionId]:
+        """The sessions of the requests still waiting, in the order they will be served (as of ``now``)."""
+        return [s for i in self.queue.serving_order(now) if (s := self._sessions.get(i)) is not None]
 
     def _leave(self) -> None:
         self.running -= 1

@@ -159,7 +159,7 @@ class PrefillScheduler:
         # the session's cached blocks were touched: a block event (kvpool simulate --validate follows it)
         bound.debug("prefill_arrived")
         try:
-            async with self.gate.slot(request_id, work_s) if self.gate else contextlib.nullcontext():
+            async with self.gate.slot(request_id, work_s, session) if self.gate else contextlib.nullcontext():
                 if self.gate is not None:
                     self.metrics.gate_wait.observe(time.perf_counter() - started)
                 return await self._prefill(request_id, token_ids, hashes, session, return_logits, tenant, target,
@@ -343,6 +343,11 @@ class PrefillScheduler:
         """Take device blocks (device hits are ref'd first), waiting while others hold them."""
         started = time.monotonic()
         deadline = started + self.settings.admission_timeout_s
+        if self.gate is not None:
+            # the histories of this request and of those still waiting, in serving order: the next served is
+            # the last evicted (arrival order alone made the oldest waiter, served next, the first evicted)
+            waiting = [request.session] if request.session is not None else []
+            self.blocks.touch_sessions(waiting + self.gate.waiting_sessions(started))
         async with self._freed:
             try:
                 while not try_admit(request, self.blocks, time.monotonic(), deadline):

@@ -355,6 +355,22 @@ def test_blocks_a_save_releases_after_the_handoff_stay_the_sessions() -> None:
     assert bm.free_block_ids() == [5, 6, 7, 4, 3, 0, 2, 1]
 
 
+def test_touch_sessions_makes_the_next_served_the_last_evicted() -> None:
+    """Turns of alice, bob and carol wait, bob's to be served first: arrival order alone left bob's history
+    the least recently used, the first an admission would take."""
+    carol = SessionId("t", "carol")
+    bm = BlockManager(8, CHUNK)
+    for request_id, seed, session in (("b1", 1, BOB), ("a1", 0, ALICE), ("c1", 2, carol)):
+        run_session(bm, request_id, prompt(8, seed=seed), session)
+        bm.free(request_id)
+    assert bm.free_block_ids() == [6, 7, 1, 0, 3, 2, 5, 4]  # bob's 0-1, alice's 2-3, carol's 4-5
+    assert bm.touch_sessions([BOB, carol, ALICE]) == 6
+    assert bm.free_block_ids() == [6, 7, 3, 2, 5, 4, 1, 0]  # alice's go first, bob's last
+    assert bm.touch_sessions([]) == 0 and bm.touch_sessions([SessionId("t", "dave")]) == 0
+    table = bm.allocate("d1", hashes(prompt(16, seed=3)), 16, 0)  # 4 fresh: the 2 uncached, then alice's
+    assert table == [6, 7, 3, 2] and bm.match_prefix(hashes(prompt(8, seed=1))) == 2
+
+
 def test_end_session_uncaches_its_free_blocks_and_they_go_first() -> None:
     bm = BlockManager(6, CHUNK)
     run_session(bm, "a1", prompt(8), ALICE)
@@ -480,6 +496,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         moved = self.bm.touch_session(SESSIONS[base])
         assert moved == len(owned)
         assert self.bm.free_block_ids()[len(self.bm.free_block_ids()) - moved:] == owned
+
+    @rule(order=st.permutations(range(3)))
+    def touch_sessions(self, order: list[int]) -> None:
+        served = [SESSIONS[i] for i in order]
+        owned = [b for s in reversed(served) for b in self.bm.session_blocks(s)]
+        assert self.bm.touch_sessions(served) == len(owned)
+        free = self.bm.free_block_ids()
+        assert free[len(free) - len(owned):] == owned  # the first served at the MRU end
 
     @rule(base=st.integers(0, 2))
     def end_session(self, base: int) -> None:

@@ -38,6 +38,15 @@ def test_aging_puts_overdue_requests_first_oldest_first() -> None:
     assert queue.num_overdue_pops == 2
 
 
+def test_serving_order_is_the_pop_order_as_of_now() -> None:
+    queue = filled(QueueOrder.WORK, [9.0, 8.0, 1.0, 8.0], max_wait_s=10.0)  # pushed at 0, 1, 2, 3
+    assert queue.serving_order(9.9) == ["r2", "r1", "r3", "r0"]  # least work, ties by arrival
+    assert queue.serving_order(11.0) == ["r0", "r1", "r2", "r3"]  # r0 and r1 overdue: oldest first
+    assert [queue.pop(11.0) for _ in range(4)] == ["r0", "r1", "r2", "r3"]
+    fifo = filled(QueueOrder.FIFO, [5.0, 1.0, 3.0])
+    assert fifo.serving_order(0.0) == ["r0", "r1", "r2"]
+
+
 def test_remove_and_repush_of_an_id() -> None:
     queue = filled(QueueOrder.WORK, [1.0, 2.0])
     assert queue.remove("r0") and not queue.remove("r0")
@@ -121,6 +130,13 @@ class QueueMachine(RuleBasedStateMachine):
     def holds_exactly_the_queued(self) -> None:
         assert len(self.queue) == len(self.model)
         assert self.queue.ids() == sorted(self.model, key=lambda r: self.model[r][2])
+
+    @invariant()
+    def serving_order_starts_with_the_next_pop(self) -> None:
+        order = self.queue.serving_order(self.now)
+        assert sorted(order) == sorted(self.model)
+        assert (order[0] if order else None) == self.queue.peek(self.now)
+        assert self.fifo.serving_order(self.now) == self.fifo.ids()
 
 
 TestQueueMachine = QueueMachine.TestCase

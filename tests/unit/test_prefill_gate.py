@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from kvpool.core.prefill_queue import QueueOrder
+from kvpool.core.sessions import SessionId
 from services.prefill.gate import PrefillGate
 from services.prefill.settings import PrefillSettings
 
@@ -80,3 +81,30 @@ def test_sched_slots_default_to_no_gate_with_fifo_and_two_with_session() -> None
 
     assert (slots(), slots(sched="session")) == (0, 2)
     assert (slots(sched="fifo", sched_slots=3), slots(sched="session", sched_slots=0)) == (3, 0)
+
+
+def test_waiting_sessions_come_in_serving_order_and_leave_with_their_waiter() -> None:
+    """What the scheduler touches before an admission (the next served the last evicted)."""
+
+    async def held(gate: PrefillGate, name: str, work: float, release: asyncio.Event) -> None:
+        async with gate.slot(name, work, SessionId("t", name)):
+            await release.wait()
+
+    async def main() -> None:
+        gate = PrefillGate(slots=1, max_wait_s=60.0)
+        go = {n: asyncio.Event() for n in "abcd"}
+        tasks = {n: asyncio.ensure_future(held(gate, n, w, go[n])) for n, w in
+                 (("a", 9.0), ("b", 5.0), ("c", 1.0), ("d", 3.0))}
+        await asyncio.sleep(0.01)
+        assert gate.waiting_sessions(0.0) == [SessionId("t", n) for n in "cdb"]  # a runs; least work first
+        tasks["d"].cancel()
+        await asyncio.sleep(0.01)
+        assert gate.waiting_sessions(0.0) == [SessionId("t", n) for n in "cb"]
+        go["a"].set()
+        await asyncio.sleep(0.01)
+        assert gate.waiting_sessions(0.0) == [SessionId("t", "b")]  # c was served
+        go["b"].set(), go["c"].set()
+        await asyncio.gather(tasks["a"], tasks["b"], tasks["c"])
+        assert gate.waiting_sessions(0.0) == [] and gate._sessions == {}
+
+    asyncio.run(main())

@@ -1,7 +1,10 @@
 """A simulated prefill pipeline: the core's ``PrefillRequest`` against the core's ``BlockManager`` and ``PoolIndex``.
 
 A turn's arrival touches its session's cached device blocks (the most
-recently used while it waits), as stage 0 does for every turn. Stage 0
+recently used while it waits), as stage 0 does for every turn; before each
+admission the waiting turns' sessions are touched in serving order, the
+next served last (``BlockManager.touch_sessions``, as the gated stage 0
+does). Stage 0
 admits one request at a time, when it is free itself: admit (device
 blocks) → one pool lookup from chunk 0 (``plan_lookup``), queued at the
 pool's master → restore (each stage reads its own objects when it is free;
@@ -117,6 +120,10 @@ class PipelineSim:
         if self.busy or not len(self.queue):
             return
         job = self._waiting[self.queue.peek(self.loop.now) or ""]
+        if len(self.queue) > 1 and self.block_gate is None:
+            # as stage 0's gate before an admission: the waiting histories in serving order, the next served
+            # the last evicted (under validation the cluster runs ungated: it admits on arrival)
+            self.blocks.touch_sessions([session_of(self._waiting[i]) for i in self.queue.serving_order(self.loop.now)])
         request = PrefillRequest(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens, job.play.hashes)
         request.session = session_of(job)  # as stage 0's: its freed blocks are the session's
         if not try_admit(request, self.blocks, self.loop.now, math.inf):
