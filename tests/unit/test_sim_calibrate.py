@@ -48,3 +48,13 @@ def test_a_step_moves_each_input_the_way_its_figure_asks() -> None:
     assert slow.think_scale > 0.02  # TTFT too long: more think time, less load
     idle = next_fit(fit, run(prefill_busy=0.7, ttft_mean_s=1.0, ttft_p50_s=0.5), CostModel(), KvBracket())
     assert idle.prefill_level == 1.0 and idle.think_scale < 0.02  # not saturated: more load, same prefill
+
+
+def test_the_check_reports_each_whole_window_after_the_warm_up() -> None:
+    from kvpool.tools.sim.calibrate_cmd import counted_windows
+
+    windows = [{"t": t, "pool_share": 0.1 * k, "reuse": 0.95, "tokens_done": 2_400_000.0 * k}
+               for k, t in enumerate((0.0, 300.0, 600.0, 900.0))]
+    got = counted_windows(windows, warmup=300.0, duration=1100.0, window_s=300.0, gpus=8)
+    assert got == [{"t": 300.0, "pool_share": 0.1, "reuse": 0.95, "throughput_per_gpu": 1000.0},
+                   {"t": 600.0, "pool_share": 0.2, "reuse": 0.95, "throughput_per_gpu": 2000.0}]

@@ -36,6 +36,7 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
         "turns_per_s": m.turns_done / span,
         **m.shares(),
         "trace_bound": sim.trace_bound(),
+        "counted_turns": m.counted_turns, "counted_prompt_tokens": m.prompt_tokens,
         "chunk_prefix_bound": sim._bound_hits / (m.prompt_tokens or 1),
         "ttft_p50_s": percentile(m.ttft_s, 50), "ttft_p90_s": percentile(m.ttft_s, 90),
         "ttft_p99_s": percentile(m.ttft_s, 99),
