@@ -65,6 +65,7 @@ class Usage:
     handoff_transfers: int = 0
     handoff_bytes: int = 0
     ttft_seconds: float = 0.0
+    queued_seconds: float = 0.0  # in the router's admission queue (a part of ttft_seconds)
     decode_seconds: float = 0.0
     finish_reason: str = "length"  # "stop" (a stop token) or "length" (max_tokens or the context)
     pipeline: str = ""  # the internal address: the router's and its log's, never a client's

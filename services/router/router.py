@@ -222,12 +222,13 @@ class Router:
                          pipeline_label=usage.pipeline_label, shard_label=usage.shard_label,
                          prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                          device_tokens=usage.device_tokens, pool_tokens=usage.pool_tokens,
-                         ttft_s=round(usage.ttft_seconds, 4))
+                         ttft_s=round(usage.ttft_seconds, 4), queued_s=round(usage.queued_seconds, 4),
+                         queue_order=self.admission.queue.order.value)
 
     async def _generate(self, request: GenerationRequest, usage: Usage, request_id: str) -> AsyncIterator[int]:
         started = time.perf_counter()
         ticket = await self._admit(request_id, request)
-        queued = time.perf_counter() - started
+        usage.queued_seconds = queued = time.perf_counter() - started
         self.metrics.queue_seconds.observe(queued)
         self.metrics.placements.labels("pipeline", ticket.pipeline, ticket.pipeline_reason.value).inc()
         first_at = 0.0

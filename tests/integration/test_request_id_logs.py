@@ -88,6 +88,7 @@ async def test_one_request_is_named_in_the_log_of_every_process_it_touches(clust
     assert lines["store0"] == []
     router = next(e for e in lines["router"] if e["event"] == "generate_ended")
     assert (router["ended"], router["session_key"], router["completion_tokens"]) == ("done", "trace-me", 4)
+    assert router["queue_order"] == "fifo" and 0 <= router["queued_s"] <= router["ttft_s"]  # the default order
 
 
 async def test_streamed_chunks_carry_the_id_and_a_client_id_is_kept_beside_it(cluster: Cluster) -> None:
