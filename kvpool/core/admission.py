@@ -68,6 +68,7 @@ from kvpool.core.decode_pages import pages_for_request
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
 from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.routing import RoutingPolicy
+from kvpool.core.session_prefix import matched_prefix
 
 MAX_PREFILL_TRIES = 2  # the first try and one retry elsewhere
 MAX_SHARD_TRIES = 2  # the first shard and one other
@@ -184,7 +185,8 @@ class Admission:
 
     def work_s(self, request: AdmissionRequest) -> float:
         """The queue's estimate of the request's prefill work (``admission_work_s``)."""
-        return admission_work_s(request.num_prompt_tokens, self.routing.session_tokens(request.session_key))
+        matched = matched_prefix(self.routing.session_prefixes(request.session_key), request.token_ids)
+        return admission_work_s(request.num_prompt_tokens, matched.num_tokens if matched is not None else 0)
 
     # ---- decisions -----------------------------------------------------------
 
@@ -360,7 +362,7 @@ class Admission:
                 raise Unavailable("no healthy prefill pipeline")
             return None  # no device cache has room now: stage 0 would only wait for it
         pipeline, reason = self.routing.place_pipeline(request.session_key, full=full,
-                                                       num_tokens=request.num_prompt_tokens)
+                                                       token_ids=request.token_ids)
         shard, locality = self._pick_shard(fitting, self.pipeline_servers[pipeline])
         ticket = Ticket(request.request_id, pipeline, reason, shard.name, locality, 0, 0, queued_s,
                         num_blocks=self.pipelines[pipeline].blocks_for(request.num_prompt_tokens),

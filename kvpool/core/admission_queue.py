@@ -8,14 +8,19 @@ least estimated work first and a request waiting ``max_wait_s`` or more
 before every other, oldest first.
 
 The work the router can estimate (``admission_work_s``): it sees no device
-cache, only the prompt's length and, per session, the length of the prompt it
-last placed on a pipeline (``RoutingPolicy.session_tokens``, bounded and
-forgotten with the session). A session's turn usually extends its last
-prompt, so the router counts that prefix as cached and the tokens beyond it
-as computed at their context; an unknown session (or none) computes its whole
-prompt. The restore is left out: the router cannot tell a prefix still on the
-device from one in the pool, and a restore costs far less than the compute it
-saves (stage 0's gate refines the estimate with the device cache it owns).
+cache, only the prompt and, per session, a fingerprint of each of the last
+few prompts it placed (``kvpool.core.session_prefix``: a length and a
+digest of those tokens, kept by ``RoutingPolicy`` and forgotten with the
+session). A turn that extends one of them (its first
+tokens hash the same) counts the longest such prefix as cached and the
+tokens beyond it as computed at their context; anything else (an unknown
+session, a subagent's own prompt under its parent's key) computes its whole
+prompt. Several fingerprints, because an agent's subagents share its session
+key and interleave with it: each one's next turn extends its own last
+prompt. The restore is left out: the router cannot tell a prefix still on
+the device from one in the pool, and a restore costs far less than the
+compute it saves (stage 0's gate refines the estimate with the device cache
+it owns).
 
 Invariants: a request id is queued at most once; ``ids`` are in arrival
 order; ``head`` is the request the order serves next (``PrefillQueue.peek``),
@@ -32,16 +37,14 @@ from kvpool.core.prefill_queue import PrefillQueue, QueueOrder, WorkWeights, pre
 
 # the gate's weights (services/prefill/prefetch.py): only their ratios matter for an order
 ROUTER_WORK_WEIGHTS = WorkWeights()
-
-
-def admission_work_s(num_prompt_tokens: int, last_session_tokens: int | None,
+def admission_work_s(num_prompt_tokens: int, num_cached_tokens: int,
                      weights: WorkWeights = ROUTER_WORK_WEIGHTS) -> float:
-    """The router's estimate of a prompt's prefill work (see the module doc): the tokens beyond the
-    session's last prompt (``None``: unknown session, the whole prompt), at their context; at least
-    the last token is computed, as stage 0 always computes it."""
-    if num_prompt_tokens <= 0 or (last_session_tokens is not None and last_session_tokens < 0):
-        raise InvalidArgument(f"admission_work_s({num_prompt_tokens}, {last_session_tokens})")
-    cached = min(last_session_tokens or 0, num_prompt_tokens - 1)
+    """The router's estimate of a prompt's prefill work (see the module doc): the tokens beyond
+    ``num_cached_tokens`` (the longest remembered prompt it extends; 0: none), at their context; at
+    least the last token is computed, as stage 0 always computes it."""
+    if num_prompt_tokens <= 0 or num_cached_tokens < 0:
+        raise InvalidArgument(f"admission_work_s({num_prompt_tokens}, {num_cached_tokens})")
+    cached = min(num_cached_tokens, num_prompt_tokens - 1)
     return prefill_work_s(num_prompt_tokens, cached, 0, weights)
 
 

@@ -8,7 +8,8 @@ per pipeline; their ``used_*`` fields are the sums over its live tickets.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from kvpool.core.decode_regions import REGION_ALIGNMENT
 from kvpool.core.routing import PipelineReason
@@ -29,6 +30,8 @@ class AdmissionRequest:
     session_key: str
     num_prompt_tokens: int
     max_tokens: int
+    # the prompt itself, for the queue's work estimate (the session's remembered prompts it extends)
+    token_ids: Sequence[int] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

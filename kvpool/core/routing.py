@@ -22,19 +22,20 @@ Rules:
   request now; a session whose own is one moves with ``DEVICE_CACHE_FULL``.
 - Session memory is bounded: the least recently used sessions are forgotten
   past ``max_sessions`` (a forgotten session is placed as a new one). Besides
-  its pipeline, a session remembers one number, the length of the prompt last
-  placed for it (``session_tokens``: admission's work estimate), forgotten
-  with it.
+  its pipeline, a session remembers its last few prompts as fingerprints
+  (``session_prefixes``, ``kvpool.core.session_prefix``: admission's work
+  estimate), forgotten with it.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.core.errors import InvalidArgument, Unavailable
+from kvpool.core.session_prefix import PromptPrefix, remember_prompt
 
 
 class PipelineReason(enum.Enum):
@@ -79,7 +80,7 @@ class RoutingPolicy:
     pipelines: dict[str, Target] = field(default_factory=dict)
     shards: dict[str, Target] = field(default_factory=dict)
     _sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
-    _session_tokens: dict[str, int] = field(default_factory=dict)  # the same keys as _sessions, or fewer
+    _session_prefixes: dict[str, tuple[PromptPrefix, ...]] = field(default_factory=dict)  # keys: in _sessions
 
     def __post_init__(self) -> None:
         if self.affinity_max_queue < 1:
@@ -128,22 +129,23 @@ class RoutingPolicy:
         return Placement(name, reason, shard.name, ShardReason.MOST_FREE_PAGES)
 
     def place_pipeline(self, session_key: str, exclude: Collection[str] = (),
-                       full: Collection[str] = (), num_tokens: int = 0) -> tuple[str, PipelineReason]:
+                       full: Collection[str] = (), token_ids: Sequence[int] = ()) -> tuple[str, PipelineReason]:
         """Pick a pipeline alone (admission picks the shard) and count the request in flight on
         it; the caller must call ``finish_pipeline`` when the request ends there. Pipelines in
         ``full`` (no device blocks for this request now) are out for it, as excluded ones are.
-        ``num_tokens`` (> 0): the prompt's length, remembered as the session's ``session_tokens``."""
+        ``token_ids`` (the prompt, when given) join the session's ``session_prefixes``."""
         pipeline, reason = self._pick_pipeline(session_key, exclude, full)
         pipeline.in_flight += 1
         pipeline.placed += 1
         if session_key:
             self._sessions[session_key] = pipeline.name
             self._sessions.move_to_end(session_key)
-            if num_tokens > 0:
-                self._session_tokens[session_key] = num_tokens
+            if token_ids:
+                self._session_prefixes[session_key] = remember_prompt(
+                    self._session_prefixes.get(session_key, ()), token_ids)
             while len(self._sessions) > self.max_sessions:
                 forgotten, _ = self._sessions.popitem(last=False)
-                self._session_tokens.pop(forgotten, None)
+                self._session_prefixes.pop(forgotten, None)
         return pipeline.name, reason
 
     def finish_pipeline(self, name: str) -> None:
@@ -166,9 +168,9 @@ class RoutingPolicy:
     def session_pipeline(self, session_key: str) -> str | None:
         return self._sessions.get(session_key)
 
-    def session_tokens(self, session_key: str) -> int | None:
-        """The length of the prompt last placed for the session; None: unknown, forgotten or not given."""
-        return self._session_tokens.get(session_key) if session_key else None
+    def session_prefixes(self, session_key: str) -> tuple[PromptPrefix, ...]:
+        """The session's last few placed prompts, newest last; none: unknown, forgotten or no key."""
+        return self._session_prefixes.get(session_key, ()) if session_key else ()
 
     # ---- internals ------------------------------------------------------
 

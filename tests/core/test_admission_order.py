@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool.core.admission import Admission, Admitted, AdmissionRequest, QueueOrder, ShardShape
 from kvpool.core.admission_queue import AdmissionQueue, admission_work_s
+from kvpool.core.session_prefix import MAX_SESSION_PREFIXES, matched_prefix, remember_prompt
 from kvpool.core.decode_pages import pages_for_request
 from kvpool.core.errors import InvalidArgument, ResourceExhausted
 from kvpool.core.prefill_queue import WorkWeights, prefill_work_s
@@ -32,67 +33,96 @@ def admission(order: QueueOrder, max_wait_s: float = 5.0) -> Admission:
     return a
 
 
-def req(request_id: str, prompt: int = 100, session: str = "") -> AdmissionRequest:
-    return AdmissionRequest(request_id, session, prompt, 60)
+def req(request_id: str, prompt: int = 100, session: str = "", base: int = 0) -> AdmissionRequest:
+    """Prompts of one ``base`` extend each other: tokens base, base + 1, ..."""
+    return AdmissionRequest(request_id, session, prompt, 60, list(range(base, base + prompt)))
 
 
 def full(a: Admission) -> None:
     """Four 100-token tickets fill both arenas (two regions each); r0 is session s's first turn, on d0."""
-    tickets = [a.admit(req(f"r{i}", session="s" if i == 0 else ""), now=0.0) for i in range(4)]
+    tickets = [a.admit(req(f"r{i}", session="s" if i == 0 else "", base=1000 * i), now=0.0) for i in range(4)]
     assert [(t.request_id, t.shard) for t in tickets] == [("r0", "d0"), ("r1", "d1"), ("r2", "d0"), ("r3", "d1")]
 
 
-def test_the_work_estimate_counts_the_tokens_beyond_the_sessions_last_prompt() -> None:
-    assert admission_work_s(150, None) == prefill_work_s(150, 0, 0, W)  # unknown: the whole prompt
+def test_the_work_estimate_counts_the_tokens_beyond_the_cached_prefix() -> None:
+    assert admission_work_s(150, 0) == prefill_work_s(150, 0, 0, W)  # nothing remembered: the whole prompt
     assert admission_work_s(120, 100) == prefill_work_s(120, 100, 0, W)  # 20 tokens at context 100..120
-    assert admission_work_s(80, 100) == prefill_work_s(80, 79, 0, W)  # shorter than the last: its last token
-    assert admission_work_s(120, 100) < admission_work_s(30, None)
-    for bad in ((0, None), (10, -1)):
+    assert admission_work_s(100, 100) == prefill_work_s(100, 99, 0, W)  # the same prompt again: its last token
+    assert admission_work_s(120, 100) < admission_work_s(30, 0)
+    for bad in ((0, 0), (10, -1)):
         with pytest.raises(InvalidArgument):
             admission_work_s(*bad)
 
 
-def test_routing_remembers_each_sessions_last_prompt_and_forgets_it_with_the_session() -> None:
+def tokens(base: int, n: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+def test_a_session_remembers_its_timelines_last_prompts_and_a_turn_matches_the_one_it_extends() -> None:
+    parent1, sub1 = tokens(0, 300), tokens(5000, 80)  # an agent and its subagent, under one session key
+    prefixes = remember_prompt(remember_prompt((), parent1), sub1)
+    assert [p.num_tokens for p in prefixes] == [300, 80]
+    assert matched_prefix(prefixes, tokens(0, 340)).num_tokens == 300  # the parent's next turn
+    assert matched_prefix(prefixes, tokens(5000, 95)).num_tokens == 80  # the subagent's
+    assert matched_prefix(prefixes, tokens(0, 200)) is None  # shorter than the parent's: not an extension
+    assert matched_prefix(prefixes, tokens(9000, 400)) is None  # a new timeline
+    assert matched_prefix(prefixes, [1, *tokens(1, 339)]) is None  # one token differs
+    # a turn replaces the prompt it extends; a new timeline is added, the oldest going past the bound
+    prefixes = remember_prompt(prefixes, tokens(0, 340))
+    assert [p.num_tokens for p in prefixes] == [80, 340]
+    for i in range(5):
+        prefixes = remember_prompt(prefixes, tokens(10_000 * (i + 1), 10 + i))
+    assert [p.num_tokens for p in prefixes] == [11, 12, 13, 14] and MAX_SESSION_PREFIXES == 4
+    again = remember_prompt(prefixes, tokens(40_000, 13))  # the same prompt again: once, now the newest
+    assert [p.num_tokens for p in again] == [11, 12, 14, 13]
+
+
+def test_routing_keeps_a_sessions_prompts_and_forgets_them_with_the_session() -> None:
     policy = RoutingPolicy.of(["p0"], ["d0"], max_sessions=2)
-    policy.place_pipeline("a", num_tokens=100)
-    policy.place_pipeline("b", num_tokens=200)
-    policy.place_pipeline("a", num_tokens=300)
-    policy.place_pipeline("", num_tokens=50)  # no session: nothing remembered
-    assert (policy.session_tokens("a"), policy.session_tokens("b"), policy.session_tokens("")) == (300, 200, None)
-    policy.place_pipeline("c", num_tokens=400)  # b was used least recently: forgotten, both its facts
-    assert (policy.session_tokens("b"), policy.session_pipeline("b")) == (None, None)
-    assert policy.session_tokens("c") == 400
-    assert len(policy._session_tokens) == len(policy._sessions) == 2
+    policy.place_pipeline("a", token_ids=tokens(0, 100))
+    policy.place_pipeline("b", token_ids=tokens(0, 200))
+    policy.place_pipeline("a", token_ids=tokens(0, 300))
+    policy.place_pipeline("", token_ids=tokens(0, 50))  # no session: nothing remembered
+    assert [p.num_tokens for p in policy.session_prefixes("a")] == [300]
+    assert policy.session_prefixes("") == ()
+    policy.place_pipeline("c", token_ids=tokens(0, 400))  # b was used least recently: forgotten, both its facts
+    assert (policy.session_prefixes("b"), policy.session_pipeline("b")) == ((), None)
+    assert len(policy._session_prefixes) == len(policy._sessions) == 2
 
 
 def test_a_session_turn_passes_a_new_session_that_does_not_fit_where_fifo_holds_it_back() -> None:
     for order, expected in ((QueueOrder.FIFO, []), (QueueOrder.WORK, ["turn"])):
         a = admission(order)
         full(a)
-        assert a.admit(req("new", prompt=150), now=0.0) is None  # 150 tokens of work
+        assert a.admit(req("new", prompt=150, base=9000), now=0.0) is None  # 150 tokens of work
         assert a.admit(req("turn", prompt=120, session="s"), now=1.0) is None  # 20 tokens beyond s's 100
         assert a.queued_ids() == ["new", "turn"]  # arrival order, whatever the order
         # d1 frees one region: 594,496 bytes hold the 120-token turn, not the 150-token newcomer
         assert [t.request_id for t in a.release("r1", now=2.0).tickets] == expected, order
-        assert a.routing.session_tokens("s") == (120 if order is QueueOrder.WORK else 100)
+        assert [p.num_tokens for p in a.routing.session_prefixes("s")] == [120 if order is QueueOrder.WORK else 100]
+    # a subagent's own prompt under the session's key is no extension: it is estimated whole
+    a = admission(QueueOrder.WORK)
+    full(a)
+    assert a.work_s(req("sub", prompt=120, session="s", base=7000)) == admission_work_s(120, 0)
+    assert a.work_s(req("turn", prompt=120, session="s")) == admission_work_s(120, 100)
 
 
 def test_a_new_request_that_would_lead_and_fits_takes_a_ticket_at_once() -> None:
     for order, expected in ((QueueOrder.FIFO, None), (QueueOrder.WORK, "d1")):
         a = admission(order)
         full(a)
-        assert a.admit(req("new", prompt=150), now=0.0) is None
+        assert a.admit(req("new", prompt=150, base=9000), now=0.0) is None
         assert a.release("r1", now=1.0).tickets == []  # room for 120 tokens on d1, the head needs 150
         ticket = a.admit(req("turn", prompt=120, session="s"), now=2.0)
         assert (ticket.shard if ticket else None) == expected, order
         # the same work as the head (ties: the earlier arrival) queues behind it
-        assert a.admit(req("same", prompt=150), now=2.0) is None
+        assert a.admit(req("same", prompt=150, base=8000), now=2.0) is None
 
 
 def test_an_overdue_request_is_the_head_and_no_smaller_one_passes_it() -> None:
     a = admission(QueueOrder.WORK, max_wait_s=5.0)
     full(a)
-    assert a.admit(req("new", prompt=150), now=0.0) is None
+    assert a.admit(req("new", prompt=150, base=9000), now=0.0) is None
     assert a.admit(req("turn", prompt=120, session="s"), now=6.0) is None  # new is overdue: turn queues behind
     assert a.release("r1", now=6.5).tickets == []  # room for turn, not for new: the overdue head holds it back
     admitted = a.release("r3", now=7.0)  # d1 empty: new (overdue, by aging); turn no longer fits there
@@ -104,7 +134,7 @@ def test_an_overdue_request_is_the_head_and_no_smaller_one_passes_it() -> None:
 def test_aging_makes_a_big_request_the_head_once_it_is_overdue() -> None:
     a = admission(QueueOrder.WORK, max_wait_s=5.0)
     full(a)
-    assert a.admit(req("new", prompt=150), now=0.0) is None
+    assert a.admit(req("new", prompt=150, base=9000), now=0.0) is None
     assert a.admit(req("turn", prompt=120, session="s"), now=1.0) is None
     assert a.queue.head(4.9).request.request_id == "turn"
     assert a.queue.head(5.0).request.request_id == "new"
@@ -172,12 +202,14 @@ class WorkOrderMachine(RuleBasedStateMachine):
                                    MACHINE_SHAPE.region_bytes(head.num_prompt_tokens))
                         and pipeline.fits(head.num_prompt_tokens))
 
-    @rule(prompt=st.integers(1, 600), session=st.sampled_from(["", "a", "b", "c"]))
-    def admit(self, prompt: int, session: str) -> None:
+    @rule(prompt=st.integers(1, 600), session=st.sampled_from(["", "a", "b", "c"]), timeline=st.integers(0, 2))
+    def admit(self, prompt: int, session: str, timeline: int) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        request = self.requests[request_id] = AdmissionRequest(request_id, session, prompt, 20)
-        work = admission_work_s(prompt, self.a.routing.session_tokens(session))
+        base = 1000 * ("abc".find(session) + 1) + 100_000 * timeline  # a session's timelines extend their own
+        request = self.requests[request_id] = AdmissionRequest(request_id, session, prompt, 20,
+                                                               tokens(base, prompt))
+        work = self.a.work_s(request)
         leads = not self.queued or (
             self.now - self.queued[0][2] < self.MAX_WAIT_S
             and work < min(w for _, w, _ in self.queued))
