@@ -37,6 +37,10 @@ Rules:
   arena) is refused at ``admit`` with the field and the limit named.
 - Locality: the shard on the pipeline's own server while it has room, else
   the one with the most free pages; the reason is a metric label.
+- A part missing (no healthy pipeline, or no healthy shard: one is
+  restarting): with ``health_wait_s`` > 0 a request queues as if for room
+  and gets ``Admitted.unavailable`` after waiting that long with the part
+  still missing; with 0 (or a full queue) it is refused at once.
 - Retry (``retry_move``), only for an UNAVAILABLE part and only before any
   token reached the client: a failed prefill pipeline moves the request once
   to another healthy pipeline, keeping its shard and room (when none has
@@ -46,6 +50,9 @@ Rules:
   healthy shard with room, whose room it takes instead (``move_shard``), and
   the request is prefilled again there: its prefix is in the device cache or
   the pool by then, so little is computed twice.
+  With no other pipeline, and ``health_wait_s`` > 0, a request its pipeline
+  failed retries there once a health round begun after the failure finds it
+  serving (``retry(failed_round=...)``): a stage restarted behind it.
 """
 
 from __future__ import annotations
@@ -81,10 +88,13 @@ __all__ = ["Admission", "AdmissionRequest", "Admitted", "Locality", "Move", "Que
 
 @dataclass(slots=True)
 class Admitted:
-    """What a call changed: tickets for queued requests, and queued requests that expired."""
+    """What a call changed: tickets for queued requests, queued requests that expired waiting for
+    room, and queued requests that waited ``health_wait_s`` with a part missing (``unavailable``:
+    request id → which part, e.g. "no healthy prefill pipeline")."""
 
     tickets: list[Ticket] = field(default_factory=list)
     expired: list[str] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)
 
 
 class Move(enum.Enum):
@@ -124,7 +134,9 @@ class Admission:
 
     def __init__(self, routing: RoutingPolicy, shard_servers: dict[str, str], pipeline_servers: dict[str, str],
                  max_queue: int, queue_timeout_s: float, locality: bool = True,
-                 order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0) -> None:
+                 order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0, health_wait_s: float = 0.0) -> None:
+        if not health_wait_s >= 0:
+            raise InvalidArgument(f"health_wait_s: must be >= 0, got {health_wait_s}")
         if max_queue < 0:
             raise InvalidArgument(f"max_queue: must be >= 0, got {max_queue}")
         if queue_timeout_s <= 0:
@@ -141,6 +153,10 @@ class Admission:
         self._queue = AdmissionQueue(order, max_wait_s)
         self._tickets: dict[str, Ticket] = {}
         self._prefilling: set[str] = set()  # tickets whose blocks their pipeline still counts
+        self.health_wait_s = health_wait_s
+        self._missing_since: float | None = None  # since when no pipeline or no shard has been healthy
+        self.health_round = 0  # health rounds begun (``begin_health_round``)
+        self._serving_round: dict[str, int] = {}  # pipeline -> the last round that found it healthy
 
     # ---- what the router sees ------------------------------------------------
 
@@ -159,7 +175,14 @@ class Admission:
         """The longest prompt each known pipeline's device cache holds."""
         return {name: p.max_prompt_tokens for name, p in self.pipelines.items() if p.known}
 
+    def begin_health_round(self) -> int:
+        """A round of health checks starts: what it finds (``set_health``) is counted as this round's."""
+        self.health_round += 1
+        return self.health_round
+
     def set_health(self, name: str, healthy: bool) -> bool:
+        if healthy and name in self.pipelines:
+            self._serving_round[name] = self.health_round
         if name in self.shards:
             changed = self.shards[name].healthy != healthy
             self.shards[name].healthy = healthy
@@ -227,12 +250,11 @@ class Admission:
             raise InvalidArgument(f"request_id: {request.request_id!r} is already admitted or queued",
                                   field="request_id")
         self.check(request.num_prompt_tokens, request.max_tokens)
-        if not any(s.healthy for s in self.shards.values()):
-            raise Unavailable("no healthy decode shard")
-        if not any(p.healthy for p in self.routing.pipelines.values()):
-            raise Unavailable("no healthy prefill pipeline")
+        missing = self._missing(now)
+        if missing is not None and (self.health_wait_s == 0 or len(self._queue) >= self.max_queue):
+            raise Unavailable(missing)
         work_s = self.work_s(request)
-        if self._queue.leads(work_s, now):  # it would be the head: nobody to overtake
+        if missing is None and self._queue.leads(work_s, now):  # it would be the head: nobody to overtake
             ticket = self._try_ticket(request, 0.0)
             if ticket is not None:
                 return ticket
@@ -268,11 +290,18 @@ class Admission:
         return request_id in self._prefilling
 
     def poll(self, now: float) -> Admitted:
-        """Expire queued requests past their deadline, then ticket queue heads while they fit."""
+        """Expire queued requests past their deadline, or waiting ``health_wait_s`` for a missing part,
+        then ticket queue heads while they fit."""
         result = Admitted()
         for request_id in self._queue.expired(now):
             self._queue.remove(request_id)
             result.expired.append(request_id)
+        missing = self._missing(now)
+        if (missing is not None and self.health_wait_s > 0 and self._missing_since is not None
+                and now - self._missing_since >= self.health_wait_s):
+            for request_id in self._queue.enqueued_before(now - self.health_wait_s):  # each waited that long
+                self._queue.remove(request_id)
+                result.unavailable[request_id] = missing
         while (queued := self._queue.head(now)) is not None:
             try:
                 ticket = self._try_ticket(queued.request, now - queued.enqueued_at)
@@ -284,10 +313,16 @@ class Admission:
             result.tickets.append(ticket)
         return result
 
-    def retry(self, ticket: Ticket, error: KvpoolError, num_tokens_sent: int, session_key: str) -> Ticket | None:
+    def retry(self, ticket: Ticket, error: KvpoolError, num_tokens_sent: int, session_key: str,
+              failed_round: int | None = None) -> Ticket | None:
         """Move a failed request to another healthy pipeline with device room for it now, keeping
         its shard and room there; None when it may not retry (``may_retry``) or no other pipeline
-        is healthy and has room (nothing changes)."""
+        is healthy and has room (nothing changes).
+
+        ``failed_round``: the ``health_round`` when it failed. With no other pipeline, the request
+        may then go to its own again once a health round begun after the failure found that one
+        serving (a stage restarted behind it, or a passing fault): prefill has no effect a client
+        could see, so this is the one retry, not a repeat of anything."""
         if (self._tickets.get(ticket.request_id) != ticket or ticket.request_id not in self._prefilling
                 or retry_move(error, num_tokens_sent, ticket, at_decode=False) is not Move.PIPELINE):
             return None
@@ -296,7 +331,13 @@ class Admission:
         try:
             pipeline, reason = self.routing.place_pipeline(session_key, exclude={ticket.pipeline}, full=full)
         except Unavailable:
-            return None
+            if failed_round is None or self._serving_round.get(ticket.pipeline, 0) <= failed_round:
+                return None
+            try:  # its own again: the blocks it holds there are its room
+                pipeline, reason = self.routing.place_pipeline(
+                    session_key, exclude=set(self.pipelines) - {ticket.pipeline})
+            except Unavailable:
+                return None
         self._end_prefill(ticket)
         self.routing.finish_pipeline(ticket.pipeline)
         room = self.pipelines[pipeline]
@@ -306,13 +347,17 @@ class Admission:
         self._tickets[ticket.request_id] = moved
         return moved
 
-    def retry_may_wait(self, ticket: Ticket, error: KvpoolError, num_tokens_sent: int) -> bool:
+    def retry_may_wait(self, ticket: Ticket, error: KvpoolError, num_tokens_sent: int,
+                       own_too: bool = False) -> bool:
         """``retry`` may move this request once another pipeline has device room: it may retry
         (``retry_move``) and some other healthy pipeline's cache could hold it, only not now. The
-        request then waits for room (a first token or a release frees blocks), keeping its shard's."""
+        request then waits for room (a first token or a release frees blocks), keeping its shard's.
+        ``own_too`` (with ``health_wait_s``): or once its own pipeline is seen serving again."""
         if (self._tickets.get(ticket.request_id) != ticket or ticket.request_id not in self._prefilling
                 or retry_move(error, num_tokens_sent, ticket, at_decode=False) is not Move.PIPELINE):
             return False
+        if own_too and self.health_wait_s > 0:
+            return True
         return any(t.healthy and t.name != ticket.pipeline
                    and ticket.num_prompt_tokens <= self.pipelines[t.name].max_prompt_tokens
                    for t in self.routing.pipelines.values())
@@ -344,6 +389,19 @@ class Admission:
         return max(1.0, math.ceil(self._queue.oldest().deadline - now))
 
     # ---- internals -----------------------------------------------------------
+
+    def _missing(self, now: float) -> str | None:
+        """The part no request can be served without, when none of it is healthy (and since when)."""
+        missing = None
+        if not any(s.healthy for s in self.shards.values()):
+            missing = "no healthy decode shard"
+        elif not any(p.healthy for p in self.routing.pipelines.values()):
+            missing = "no healthy prefill pipeline"
+        if missing is None:
+            self._missing_since = None
+        elif self._missing_since is None:
+            self._missing_since = now
+        return missing
 
     def _fitting(self, request: AdmissionRequest) -> list[ShardRoom]:
         return [s for s in self.shards.values() if s.healthy and s.shape is not None

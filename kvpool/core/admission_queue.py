@@ -121,6 +121,10 @@ class AdmissionQueue:
         """Ids whose deadline has come, in arrival order (not removed)."""
         return [request_id for request_id, q in self._queued.items() if q.deadline <= now]
 
+    def enqueued_before(self, when: float) -> list[str]:
+        """Ids queued at ``when`` or earlier, in arrival order (not removed)."""
+        return [request_id for request_id, q in self._queued.items() if q.enqueued_at <= when]
+
     def ids(self) -> list[str]:
         """Queued ids in arrival order."""
         return list(self._queued)

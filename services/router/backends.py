@@ -108,6 +108,7 @@ class Backends:
 
     async def check_health(self) -> dict[str, bool]:
         """One round of health checks; pipelines report their stages and device cache, shards their shape."""
+        self.admission.begin_health_round()  # what this round finds is newer than any failure before it
         if not self._watchers:
             self._watchers = [asyncio.ensure_future(self._watch_connection(c)) for c in self.pipelines.values()]
         checks = [self._check_pipeline(c) for c in self.pipelines.values()]

@@ -37,7 +37,7 @@ import grpc
 import structlog
 
 from kvpool.core.admission import Admission, Admitted, AdmissionRequest, Ticket
-from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
+from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
 from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.public_errors import PIPELINE, SHARD, backend_label, public_error, served_by
 from kvpool.core.routing import RoutingPolicy
@@ -73,7 +73,7 @@ class Router:
                  max_queue: int = 64, queue_timeout_s: float = 30.0, locality: bool = True,
                  servers: dict[str, str] | None = None, limits: ModelLimits | None = None,
                  order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0,
-                 late_checks_out: int = LATE_CHECKS_OUT) -> None:
+                 late_checks_out: int = LATE_CHECKS_OUT, health_wait_s: float = 0.0) -> None:
         self.metrics = metrics
         self.limits = limits  # its context follows every health round (kvpool.core.served_context)
         self.max_in_flight = max_in_flight
@@ -84,7 +84,7 @@ class Router:
             RoutingPolicy.of(pipelines, shards, affinity_max_queue=affinity_max_queue),
             {s: server_of(s, names) for s in shards}, {p: server_of(p, names) for p in pipelines},
             max_queue=max_queue, queue_timeout_s=queue_timeout_s, locality=locality, order=order,
-            max_wait_s=max_wait_s,
+            max_wait_s=max_wait_s, health_wait_s=health_wait_s,
         )
         metrics.queue_order.labels(order.value).set(1)
         self.backends = Backends(pipelines, shards, self.admission, metrics, late_checks_out)
@@ -151,6 +151,11 @@ class Router:
                 waiter.set_exception(ResourceExhausted(
                     f"router: no decode room within the queue's {self.admission.queue_timeout_s:g} s",
                     retry_after_s=self.admission.retry_after_s(asyncio.get_running_loop().time())))
+        for request_id, missing in admitted.unavailable.items():
+            waiter = self._waiting.pop(request_id, None)
+            self.metrics.queue_expired.inc()
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(Unavailable(f"{missing} for {self.admission.health_wait_s:g} s"))
         for ticket in admitted.tickets:
             waiter = self._waiting.pop(ticket.request_id, None)
             if waiter is None or waiter.done():
@@ -340,31 +345,37 @@ class Router:
                                                target=target), timeout=self.request_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 error = self._backend_error(exc, PIPELINE, ticket.pipeline, request.request_id)
+            failed_round = self.admission.health_round
             session = scoped_session_key(request.tenant, request.session_key)
             moved = self.admission.retry(ticket, error, 0, session)
-            if moved is None and self.admission.retry_may_wait(ticket, error, 0):
-                moved = await self._retry_when_room(ticket, error, session)
+            if moved is None and self.admission.retry_may_wait(ticket, error, 0, own_too=True):
+                moved = await self._retry_when_room(ticket, error, session, failed_round)
             if moved is None:
                 raise error
             self.metrics.retries.inc()
-            log.warning("prefill_retried_elsewhere", pipeline=ticket.pipeline, to=moved.pipeline, error=str(error))
+            log.warning("prefill_retried_elsewhere" if moved.pipeline != ticket.pipeline else "prefill_retried",
+                        pipeline=ticket.pipeline, to=moved.pipeline, error=str(error))
             ticket = moved
             usage.pipeline = ticket.pipeline
 
-    async def _retry_when_room(self, ticket: Ticket, error: KvpoolError, session: str) -> Ticket | None:
+    async def _retry_when_room(self, ticket: Ticket, error: KvpoolError, session: str,
+                               failed_round: int) -> Ticket | None:
         """Wait, within the queue's timeout, until another pipeline has device room for a request its
-        own pipeline failed (a first token or a release frees blocks), then move it there."""
+        own pipeline failed (a first token or a release frees blocks), then move it there; or, within
+        ``--health-wait-s``, until a health round begun after the failure finds its own serving again."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.admission.queue_timeout_s
-        log.info("prefill_retry_waits_for_room", pipeline=ticket.pipeline, error=str(error))
+        now = loop.time()
+        deadline, own_until = now + self.admission.queue_timeout_s, now + self.admission.health_wait_s
+        log.info("prefill_retry_waits", pipeline=ticket.pipeline, error=str(error))
         while loop.time() < deadline:
             freed = self._room_freed
             try:
                 await asyncio.wait_for(freed.wait(), min(ROOM_RECHECK_S, max(0.0, deadline - loop.time())))
             except TimeoutError:
                 pass  # health may have changed meanwhile: ask again
-            moved = self.admission.retry(ticket, error, 0, session)
-            if moved is not None or not self.admission.retry_may_wait(ticket, error, 0):
+            own = loop.time() < own_until
+            moved = self.admission.retry(ticket, error, 0, session, failed_round if own else None)
+            if moved is not None or not self.admission.retry_may_wait(ticket, error, 0, own_too=own):
                 return moved
         return None
 

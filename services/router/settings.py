@@ -45,6 +45,10 @@ class RouterSettings(ModelSetting):
     max_in_flight: int = setting(256, help="requests in flight at most; more are answered 429")
     max_queue: int = setting(64, help="requests waiting for decode room at most; more are answered 429")
     queue_timeout_s: float = setting(30.0, help="a request waits this long for decode room, then 429")
+    health_wait_s: float = setting(10.0, help="while no prefill pipeline or no decode shard is healthy (one is "
+                                   "restarting), a request waits this long for one, then 503; and a request whose "
+                                   "only pipeline failed before any token waits as long to retry once it serves "
+                                   "again. 0: 503 at once")
     locality: bool = setting(True, help="prefer the decode shard on the prefill pipeline's own server")
     sched: str = setting("fifo", help="the admission queue's order (requests waiting for decode room and device "
                          "blocks): fifo, arrival order; session, least estimated work first (the prompt's tokens "
@@ -97,6 +101,8 @@ class RouterSettings(ModelSetting):
             raise ValueError(f"max_in_flight: must be >= 1, got {self.max_in_flight}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue: must be >= 0, got {self.max_queue}")
+        if self.health_wait_s < 0:
+            raise ValueError(f"health_wait_s: must be >= 0, got {self.health_wait_s}")
         if self.queue_timeout_s <= 0:
             raise ValueError(f"queue_timeout_s: must be positive, got {self.queue_timeout_s}")
         if not self.sched_max_wait_s > 0:

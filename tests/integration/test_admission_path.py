@@ -40,8 +40,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("admission")
     config = workdir / "cluster.toml"
     # health checks far apart: the tests stop a stage (SIGSTOP) to hold requests in prefill, and a
-    # pipeline whose stage does not answer would leave rotation
-    config.write_text(f"[router]\nhealth_interval_s = 120\nmax_queue = {MAX_QUEUE}\nqueue_timeout_s = 300\n"
+    # pipeline whose stage does not answer would leave rotation; a request whose pipeline failed waits
+    # 1 s (not 10) for it to serve again: the stage a test stops does not come back by itself
+    config.write_text(f"[router]\nhealth_interval_s = 120\nhealth_wait_s = 1\nmax_queue = {MAX_QUEUE}\n"
+                      "queue_timeout_s = 300\n"
                       "[decode]\nnum_pages = 1024\npage_size = 16\n")
     # kvpool up passes each shard's arena as a flag (flags win over the file): the shape says it
     settings = UpSettings(pipelines=1, stages=2, decode_shards=1, stores=0, http_port=0, grpc_port=0,
@@ -188,7 +190,8 @@ async def test_a_request_failing_after_admission_frees_everything_before_its_ans
     # every field is validated at the front door, before admission (one validator, no input fails later):
     # what fails after admission is a part. Stage 1 is gone: the request got its ticket, its decode
     # region and pages and stage 0's blocks, then its Prefill failed; with one pipeline and one shard it
-    # cannot move, so it is a 503 before any byte, and all it held is free when that answer arrives
+    # cannot move, and its own pipeline is not seen serving again within --health-wait-s, so it is a 503
+    # before any byte, and all it held is free when that answer arrives
     errors = metric(cluster, "router", 'kvpool_router_requests_total{api="completions",outcome="error"}')
     stage1 = cluster.find("p0-stage1")
     stage1.stop()
