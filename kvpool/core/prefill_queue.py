@@ -11,6 +11,12 @@ Two orders (``QueueOrder``, the ``sched=`` of the comparisons):
   request waits without bound: once overdue, only requests overdue before it
   and the one being served stand ahead of it.
 
+- ``RATIO``: highest response ratio next, (waited + work) / work: short
+  requests go first, and every waiting request's ratio grows with its wait,
+  a long one's more slowly, so none waits without bound and no fixed bound
+  turns the order into FIFO when every wait exceeds it (a saturated queue).
+  Ties by arrival. ``max_wait_s`` plays no part.
+
 Invariants: a request id is queued at most once; ``len`` counts the queued;
 ``FIFO`` pops in push order; ``WORK`` pops the oldest request when it is
 overdue, else the least work (earliest push on a tie).
@@ -35,6 +41,10 @@ from kvpool.core.errors import InvalidArgument
 class QueueOrder(enum.Enum):
     FIFO = "fifo"
     WORK = "work"
+    RATIO = "ratio"
+
+
+RATIO_FLOOR_S = 1e-3  # RATIO: work below this counts as this (a turn computing a handful of tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +88,11 @@ class _Entry:
     seq: int
 
 
+def _ratio_key(entry: _Entry, now: float) -> tuple[float, int]:
+    """RATIO's order, highest first: the response ratio, then the earlier arrival."""
+    return (now - entry.enqueued_at + entry.work) / max(entry.work, RATIO_FLOOR_S), -entry.seq
+
+
 class PrefillQueue:
     """Requests waiting for a pipeline, popped in ``order`` (see the module doc)."""
 
@@ -115,6 +130,8 @@ class PrefillQueue:
         """The request to serve next, or None when empty."""
         if not self._arrivals:
             return None
+        if self.order is QueueOrder.RATIO:
+            return max(self._arrivals.values(), key=lambda e: _ratio_key(e, now)).request_id
         oldest = next(iter(self._arrivals.values()))
         if self.order is QueueOrder.FIFO or now - oldest.enqueued_at >= self.max_wait_s:
             return oldest.request_id
@@ -147,6 +164,8 @@ class PrefillQueue:
         if self.order is QueueOrder.FIFO:
             return list(self._arrivals)
         entries = self._arrivals.values()
+        if self.order is QueueOrder.RATIO:
+            return [e.request_id for e in sorted(entries, key=lambda e: _ratio_key(e, now), reverse=True)]
         overdue = [e.request_id for e in entries if now - e.enqueued_at >= self.max_wait_s]
         rest = sorted((e for e in entries if now - e.enqueued_at < self.max_wait_s), key=lambda e: (e.work, e.seq))
         return overdue + [e.request_id for e in rest]

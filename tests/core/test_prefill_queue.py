@@ -47,6 +47,22 @@ def test_serving_order_is_the_pop_order_as_of_now() -> None:
     assert fifo.serving_order(0.0) == ["r0", "r1", "r2"]
 
 
+def test_ratio_order_pops_the_highest_response_ratio_its_wait_ages_every_request() -> None:
+    queue = filled(QueueOrder.RATIO, [5.0, 1.0, 3.0, 1.0])  # pushed at 0, 1, 2, 3
+    # at 4 s: r0 (4 + 5) / 5 = 1.8, r1 4.0, r2 (2 + 3) / 3 = 1.67, r3 2.0; least work alone would take r2 before r0
+    assert queue.serving_order(4.0) == ["r1", "r3", "r0", "r2"]
+    assert [queue.pop(4.0) for _ in range(4)] == ["r1", "r3", "r0", "r2"]
+    queue.push("long", 100.0, now=0.0)
+    queue.push("short", 1.0, now=999.5)
+    queue.push("empty", 0.0, now=999.9)  # below the floor: counts as 1 ms of work, (0.1 + 0) / 0.001 = 100
+    assert queue.pop(1000.0) == "empty"
+    assert queue.pop(1000.0) == "long"  # (1000 + 100) / 100 = 11 against (0.5 + 1) / 1 = 1.5
+    assert queue.pop(1000.0) == "short" and queue.num_overdue_pops == 0
+    queue.push("a", 2.0, now=0.0)
+    queue.push("b", 2.0, now=0.0)
+    assert queue.pop(1.0) == "a"  # a tie: by arrival
+
+
 def test_remove_and_repush_of_an_id() -> None:
     queue = filled(QueueOrder.WORK, [1.0, 2.0])
     assert queue.remove("r0") and not queue.remove("r0")

@@ -110,7 +110,7 @@ class Simulation:
         num_blocks = int(topo.device_kv_gib_per_gpu * GIB // max(stage_bytes))
         store_bytes = int(topo.store_gib * GIB)
         shared = self.settings.pool == "shared"
-        order = QueueOrder.WORK if self.settings.sched == "session" else QueueOrder.FIFO
+        order = QueueOrder(self.settings.session_order) if self.settings.sched == "session" else QueueOrder.FIFO
         if self.settings.sched == "session":
             self.sessions = SessionAware(cost.model.kv_bytes_per_token * chunk)
         level = cost.fit.prefill_level

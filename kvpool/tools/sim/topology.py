@@ -90,6 +90,9 @@ class RunSettings:
     # retention by session, prefetch during think time: kvpool.core.prefill_queue, kvpool.core.sessions)
     sched: str = "fifo"
     max_wait_s: float = 4.0  # the work-aware queue's aging bound (docs/simulation.md: the sweep that chose it)
+    # sched=session: the queue's order, "work" (least work first, aging at max_wait_s) or "ratio" (highest
+    # response ratio next: kvpool.core.prefill_queue)
+    session_order: str = "work"
     # open loop: a new session (the next trace) starts every 1/rate s whatever the system does, and each
     # plays its trace once (think, turn, think...); None: the closed loop of ``num_sessions`` slots
     open_loop_sessions_per_s: float | None = None
@@ -104,6 +107,8 @@ class RunSettings:
             raise ValueError(f"open_loop_sessions_per_s: must be positive, got {self.open_loop_sessions_per_s}")
         if not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s: must be positive, got {self.max_wait_s}")
+        if self.session_order not in ("work", "ratio"):
+            raise ValueError(f"session_order: must be 'work' or 'ratio', got {self.session_order!r}")
         if self.pool not in ("shared", "split"):
             raise ValueError(f"pool: must be 'shared' or 'split', got {self.pool!r}")
         if self.num_sessions <= 0:
