@@ -13,9 +13,9 @@ Two orders (``QueueOrder``, the ``sched=`` of the comparisons):
 
 - ``RATIO``: highest response ratio next, (waited + work) / work: short
   requests go first, and every waiting request's ratio grows with its wait,
-  a long one's more slowly, so none waits without bound and no fixed bound
-  turns the order into FIFO when every wait exceeds it (a saturated queue).
-  Ties by arrival. ``max_wait_s`` plays no part.
+  a long one's more slowly. Ties by arrival. Aging as in ``WORK``: overdue
+  requests go first, oldest first (a ratio alone lets a stream of short
+  requests hold a long one back for minutes: the simulator's closed loop).
 
 Invariants: a request id is queued at most once; ``len`` counts the queued;
 ``FIFO`` pops in push order; ``WORK`` pops the oldest request when it is
@@ -130,11 +130,11 @@ class PrefillQueue:
         """The request to serve next, or None when empty."""
         if not self._arrivals:
             return None
-        if self.order is QueueOrder.RATIO:
-            return max(self._arrivals.values(), key=lambda e: _ratio_key(e, now)).request_id
         oldest = next(iter(self._arrivals.values()))
         if self.order is QueueOrder.FIFO or now - oldest.enqueued_at >= self.max_wait_s:
             return oldest.request_id
+        if self.order is QueueOrder.RATIO:
+            return max(self._arrivals.values(), key=lambda e: _ratio_key(e, now)).request_id
         heap = self._by_work
         while heap:
             _, seq, request_id = heap[0]
@@ -150,7 +150,7 @@ class PrefillQueue:
         if request_id is None:
             raise InvalidArgument("pop: the queue is empty")
         entry = self._arrivals.pop(request_id)
-        if self.order is QueueOrder.WORK and now - entry.enqueued_at >= self.max_wait_s:
+        if self.order is not QueueOrder.FIFO and now - entry.enqueued_at >= self.max_wait_s:
             self.num_overdue_pops += 1
         return request_id
 
@@ -164,10 +164,12 @@ class PrefillQueue:
         if self.order is QueueOrder.FIFO:
             return list(self._arrivals)
         entries = self._arrivals.values()
-        if self.order is QueueOrder.RATIO:
-            return [e.request_id for e in sorted(entries, key=lambda e: _ratio_key(e, now), reverse=True)]
         overdue = [e.request_id for e in entries if now - e.enqueued_at >= self.max_wait_s]
-        rest = sorted((e for e in entries if now - e.enqueued_at < self.max_wait_s), key=lambda e: (e.work, e.seq))
+        waiting = [e for e in entries if now - e.enqueued_at < self.max_wait_s]
+        if self.order is QueueOrder.RATIO:
+            rest = sorted(waiting, key=lambda e: _ratio_key(e, now), reverse=True)
+        else:
+            rest = sorted(waiting, key=lambda e: (e.work, e.seq))
         return overdue + [e.request_id for e in rest]
 
     def ids(self) -> list[str]:

@@ -52,6 +52,7 @@ def test_ratio_order_pops_the_highest_response_ratio_its_wait_ages_every_request
     # at 4 s: r0 (4 + 5) / 5 = 1.8, r1 4.0, r2 (2 + 3) / 3 = 1.67, r3 2.0; least work alone would take r2 before r0
     assert queue.serving_order(4.0) == ["r1", "r3", "r0", "r2"]
     assert [queue.pop(4.0) for _ in range(4)] == ["r1", "r3", "r0", "r2"]
+    queue = PrefillQueue(QueueOrder.RATIO, max_wait_s=10_000.0)
     queue.push("long", 100.0, now=0.0)
     queue.push("short", 1.0, now=999.5)
     queue.push("empty", 0.0, now=999.9)  # below the floor: counts as 1 ms of work, (0.1 + 0) / 0.001 = 100
@@ -61,6 +62,10 @@ def test_ratio_order_pops_the_highest_response_ratio_its_wait_ages_every_request
     queue.push("a", 2.0, now=0.0)
     queue.push("b", 2.0, now=0.0)
     assert queue.pop(1.0) == "a"  # a tie: by arrival
+    # aging as in WORK: past max_wait_s the oldest goes first, whatever the ratios
+    aged = filled(QueueOrder.RATIO, [50.0, 0.5], max_wait_s=5.0)  # pushed at 0, 1
+    assert aged.serving_order(4.0) == ["r1", "r0"] and aged.serving_order(5.0) == ["r0", "r1"]
+    assert aged.pop(5.0) == "r0" and aged.num_overdue_pops == 1
 
 
 def test_remove_and_repush_of_an_id() -> None:
