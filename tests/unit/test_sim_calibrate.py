@@ -46,6 +46,9 @@ def test_a_step_moves_each_input_the_way_its_figure_asks() -> None:
     assert slow.prefill_level < 1.0  # saturated below 44K: a faster prefill
     assert slow.device_kv_gib_per_gpu < 50.0  # the pool serves too little: less device KV
     assert slow.think_scale > 0.02  # TTFT too long: more think time, less load
+    # above 44K at 91%: prefill slows the rate to 44K, so decode must take longer to hold 91% there
+    fast = next_fit(fit, run(throughput_per_gpu=48_000.0), CostModel(), KvBracket())
+    assert fast.prefill_level > 1.0 and fast.decode_level > 1.0
     idle = next_fit(fit, run(prefill_busy=0.7, ttft_mean_s=1.0, ttft_p50_s=0.5), CostModel(), KvBracket())
     assert idle.prefill_level == 1.0 and idle.think_scale < 0.02  # not saturated: more load, same prefill
 

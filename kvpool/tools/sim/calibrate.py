@@ -124,9 +124,10 @@ def next_fit(fit: FitInputs, run: dict[str, Any], cost: CostModel, bracket: KvBr
     prefill = damp(run["throughput_per_gpu"] / SEED_TOKENS_PER_S_PER_GPU) if saturated else 1.0
     # device KV: bisection (the share is a cliff, not a line)
     device_kv = bracket.next(fit.device_kv_gib_per_gpu, run["pool_share"]) / fit.device_kv_gib_per_gpu
-    # decode: KV held = rate x step time x tokens a sequence, over capacity (Little's law)
-    rate = run["throughput_per_gpu"] * (1.0 if saturated else 1.0)
-    decode = damp(0.91 / max(run["decode_kv_use_p50"], 1e-9) * SEED_TOKENS_PER_S_PER_GPU / max(rate, 1e-9)
+    # decode: KV held = rate x decode time x tokens a sequence, over capacity (Little's law); when saturated
+    # the prefill step brings the rate to 44K, so the decode time must make 91% at that rate, not this one's
+    rate_after = SEED_TOKENS_PER_S_PER_GPU if saturated else run["throughput_per_gpu"]
+    decode = damp(0.91 / max(run["decode_kv_use_p50"], 1e-9) * run["throughput_per_gpu"] / max(rate_after, 1e-9)
                   * device_kv) if run["decode_kv_use_p50"] < 0.97 else damp(0.85)
     # think: TTFT is the closed loop's remainder (cycle - think - decode): move think by TTFT's excess
     ratio = min(1.3, max(1.0, run["ttft_mean_s"] / run["ttft_p50_s"])) if run["ttft_p50_s"] > 0 else 1.2
