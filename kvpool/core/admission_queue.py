@@ -60,6 +60,8 @@ class AdmissionQueue:
     """Queued requests and their order (see the module doc)."""
 
     def __init__(self, order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0) -> None:
+        if order not in (QueueOrder.FIFO, QueueOrder.WORK):  # ``leads`` knows these two
+            raise InvalidArgument(f"order: the admission queue takes fifo or work, got {order.value}", field="order")
         self._order = PrefillQueue(order, max_wait_s)
         self._queued: dict[str, QueuedRequest] = {}  # insertion order: arrival order
 

@@ -157,6 +157,8 @@ def test_the_queue_checks_its_input() -> None:
         q.oldest()
     with pytest.raises(InvalidArgument):
         AdmissionQueue(QueueOrder.WORK, 0.0)
+    with pytest.raises(InvalidArgument, match="fifo or work"):
+        AdmissionQueue(QueueOrder.RATIO, 4.0)
 
 
 def model_head(queued: list[tuple[str, float, float]], now: float, max_wait_s: float) -> str:
