@@ -52,7 +52,7 @@ class RouterSettings(ModelSetting):
     locality: bool = setting(True, help="prefer the decode shard on the prefill pipeline's own server")
     sched: str = setting("fifo", help="the admission queue's order (requests waiting for decode room and device "
                          "blocks): fifo, arrival order; session, least estimated work first (the prompt's tokens "
-                         "beyond the session's last prompt, all of them for a new session), a request waiting "
+                         "beyond the session's last prompt it extends, all of them when none), a request waiting "
                          "--sched-max-wait-s going before every other; in both a head that does not fit holds "
                          "back the rest", choices=("fifo", "session"))
     sched_max_wait_s: float = setting(4.0, help="--sched session: a queued request waiting this long goes first "
