@@ -57,6 +57,8 @@ class PrefillScheduler(Protocol):
 
     async def _free(self, request_id: str) -> None: ...
 
+    def blocks_released(self, holders: list[str]) -> None: ...
+
 
 class PrefetchMetrics:
     """``kvpool_prefetch_bytes{kind}``: prefetched, used (a turn's device hit covered them), wasted."""
@@ -90,13 +92,19 @@ class SessionPrefetcher:
         if session is None:
             return
         self._cancel_waiting(session)  # its turn came first
+        held = self.policy.pinned.get(session)
         self.policy.turn_started(session, time.monotonic())
+        if held is not None and self.policy.pinned.get(session) != held:
+            self.scheduler.blocks_released([held])  # its blocks are this turn's now, and evictable
 
     def unpin_all(self) -> int:
         """A real request is short of blocks: every held staging goes back to the cache (still cached,
         now evictable). Returns how many; the caller tries its admission again."""
+        held = list(self.policy.pinned.values())
         count = self.policy.unpin_all()
         self.metrics.unpinned.inc(count)
+        if count:
+            self.scheduler.blocks_released(held)
         return count
 
     def admitted(self, request: PrefillRequest) -> None:

@@ -443,9 +443,24 @@ class PrefillScheduler:
 
     async def _free(self, request_id: str) -> None:
         self.blocks.free(request_id)
-        log.info("blocks_freed", holder=request_id)  # with prefill_admitted: stage 0's block events in order
+        self._blocks_freed([request_id])
+        await self._wake_waiters()
+
+    def blocks_released(self, holders: list[str]) -> None:
+        """Holders the prefetch policy let go of itself (a held staging, to its turn or to a request short
+        of blocks): log them as any free is logged, and wake the requests waiting for blocks."""
+        self._blocks_freed(holders)
+        task = asyncio.ensure_future(self._wake_waiters())  # the caller may hold the condition's lock
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    def _blocks_freed(self, holders: list[str]) -> None:
+        for holder in holders:
+            log.info("blocks_freed", holder=holder)  # with prefill_admitted: stage 0's block events in order
         self.metrics.device_usage.set(self.blocks.usage)  # freed blocks show at once
         self.metrics.observe_tenants(self.blocks.tenant_blocks)
+
+    async def _wake_waiters(self) -> None:
         async with self._freed:
             self._freed.notify_all()
 
