@@ -233,3 +233,20 @@ def test_replay_follows_a_lookup_the_master_served_before_an_earlier_admissions(
     assert pool["pool_ops_differing"] == []
     assert {key: (t.device_tokens, t.pool_tokens, t.computed_tokens) for key, t in turns.items()} == {
         (0, 0): (0, 0, 512), (1, 0): (0, 0, 512)}
+
+
+def test_the_queue_flags_reach_the_compared_runs_settings() -> None:
+    from kvpool.tools.sim.compare_sched import run_compare
+    from services import cli
+
+    def args(*flags: str) -> object:
+        return cli.build_parser("simulate").parse_args(["simulate", "--compare", "sched=fifo,session", *flags])
+
+    parsed = args("--sched-max-wait-s", "2.5", "--session-order", "ratio")
+    assert (parsed.sched_max_wait_s, parsed.session_order) == (2.5, "ratio")
+    defaults = args()
+    assert (defaults.sched_max_wait_s, defaults.session_order) == (4.0, "work")  # RunSettings' own defaults
+    with pytest.raises(SystemExit, match="max_wait_s: must be positive"):  # checked before any run starts
+        run_compare(args("--sched-max-wait-s", "0"), "unused.toml")  # type: ignore[arg-type]
+    with pytest.raises(SystemExit):
+        args("--session-order", "lifo")

@@ -60,6 +60,12 @@ def add_simulate_parser(sub: Any) -> None:
                    help="session-aware prefill against the FIFO queue on the calibrated server: a closed loop of "
                    "--sessions and an open loop at 90%% of its capacity (docs/simulation.md)")
     p.add_argument("--sessions", type=int, default=112, help="--compare: closed-loop sessions (default 112)")
+    p.add_argument("--sched-max-wait-s", type=float, default=4.0, metavar="S",
+                   help="sched=session: a prefill waiting this long goes first, oldest first (the queue's aging "
+                        "bound; default 4, the services' --sched-max-wait-s)")
+    p.add_argument("--session-order", default="work", choices=("work", "ratio"),
+                   help="sched=session: the queue's order, least work first or highest response ratio next "
+                        "(default work)")
     p.add_argument("--open-rate", type=float, default=None, metavar="SESSIONS_PER_S",
                    help="--compare: the open loop's session arrival rate (default: prefill 90%% as busy as in the "
                    "closed FIFO run, found by a pilot run)")
@@ -89,8 +95,12 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
         affinity = parse_affinity(args.affinity)
     except ValueError as exc:
         raise SystemExit(f"kvpool simulate: {exc}") from None
-    base = RunSettings(warmup_s=60.0 if args.quick else args.warmup, think=not args.no_think,
-                       think_scale=args.think_scale, affinity_max_queue=affinity)
+    try:
+        base = RunSettings(warmup_s=60.0 if args.quick else args.warmup, think=not args.no_think,
+                           think_scale=args.think_scale, affinity_max_queue=affinity,
+                           max_wait_s=args.sched_max_wait_s, session_order=args.session_order)
+    except ValueError as exc:
+        raise SystemExit(f"kvpool simulate: {exc}") from None
     topology = Topology()
     call = (args.traces, cost_model_path(args), base, topology)
     # the biggest runs first, so the pool's processes end together

@@ -103,7 +103,11 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     warmup = min(60.0 if args.quick else args.warmup, duration / 2)
     sessions = args.sessions
     topology = Topology()
-    base = RunSettings(warmup_s=warmup, duration_s=duration, think=not args.no_think, think_scale=args.think_scale)
+    try:
+        base = RunSettings(warmup_s=warmup, duration_s=duration, think=not args.no_think, think_scale=args.think_scale,
+                           max_wait_s=args.sched_max_wait_s, session_order=args.session_order)
+    except ValueError as exc:
+        raise SystemExit(f"kvpool simulate: {exc}") from None
     spec = RunSpec("calibration", 1, sessions, "shared", duration)
     closed = _pair([replace(base, sched=s) for s in SIDES], spec, args, cost_path, topology)
     cost = load_cost_model(Path(cost_path))
