@@ -145,17 +145,11 @@ class Router:
     def _apply(self, admitted: Admitted) -> None:
         """Hand tickets to their waiting requests; refuse the expired ones."""
         for request_id in admitted.expired:
-            waiter = self._waiting.pop(request_id, None)
-            self.metrics.queue_expired.inc()
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(ResourceExhausted(
-                    f"router: no decode room within the queue's {self.admission.queue_timeout_s:g} s",
-                    retry_after_s=self.admission.retry_after_s(asyncio.get_running_loop().time())))
+            self._refuse(request_id, ResourceExhausted(
+                f"router: no decode room within the queue's {self.admission.queue_timeout_s:g} s",
+                retry_after_s=self.admission.retry_after_s(asyncio.get_running_loop().time())))
         for request_id, missing in admitted.unavailable.items():
-            waiter = self._waiting.pop(request_id, None)
-            self.metrics.queue_expired.inc()
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(Unavailable(f"{missing} for {self.admission.health_wait_s:g} s"))
+            self._refuse(request_id, Unavailable(f"{missing} for {self.admission.health_wait_s:g} s"))
         for ticket in admitted.tickets:
             waiter = self._waiting.pop(ticket.request_id, None)
             if waiter is None or waiter.done():
@@ -165,6 +159,13 @@ class Router:
         self._room_freed.set()
         self._room_freed = asyncio.Event()
         self._publish()
+
+    def _refuse(self, request_id: str, error: KvpoolError) -> None:
+        """A queued request leaves without a ticket: its waiter gets ``error``."""
+        waiter = self._waiting.pop(request_id, None)
+        self.metrics.queue_expired.inc()
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
 
     def _publish(self) -> None:
         self.metrics.queue_length.set(self.admission.num_queued)
