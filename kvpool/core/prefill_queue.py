@@ -1,4 +1,4 @@
-"""The queue in front of a prefill pipeline: FIFO, or work-aware with aging that bounds every wait.
+"""The queue in front of a prefill pipeline: FIFO, or work-aware with bounds on what reordering costs.
 
 Pure: no grpc, no I/O; time comes in as numbers from the caller's clock.
 
@@ -17,9 +17,28 @@ Two orders (``QueueOrder``, the ``sched=`` of the comparisons):
   requests go first, oldest first (a ratio alone lets a stream of short
   requests hold a long one back for minutes: the simulator's closed loop).
 
+Bypass budget (``max_bypass_s``, for ``WORK`` and ``RATIO``): wall-clock
+aging does not say how much a request was delayed *by reordering* (at
+saturation every wait passes any small bound, and the order becomes FIFO).
+The budget does: each request is pushed with a credit of ``max_bypass_s``
+seconds of estimated work. When a request is popped, every older request
+still queued is overtaken and its credit is debited the popped request's
+work; a request may be popped only if no older request's credit would go
+negative (so the oldest is always poppable). Among the poppable, the order
+decides. Aging still applies first (an overdue pop is the oldest's, which
+overtakes nobody).
+
 Invariants: a request id is queued at most once; ``len`` counts the queued;
 ``FIFO`` pops in push order; ``WORK`` pops the oldest request when it is
-overdue, else the least work (earliest push on a tie).
+overdue, else the least work (earliest push on a tie) among those the
+budget lets go. No credit is ever negative, so the work popped between a
+request's push and its pop is at most the work queued at its push plus
+``max_bypass_s``: with one server whose service times are the estimates, a
+request waits at most what it would wait under FIFO plus ``max_bypass_s``
+(the unfinished work at its arrival is the same under any order that never
+idles). Cost: ``push`` O(1) (``WORK``: O(log n)); with a finite budget,
+``pop``/``peek`` scan the queue, O(n), and ``serving_order`` plays the pops,
+O(n²); without one, ``WORK`` pops from a heap and ``RATIO`` scans.
 
 Why aging and not pure shortest-first: at saturation, reordering cannot lower
 the mean wait with throughput held (Little's law); it moves wait from short
@@ -32,6 +51,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -86,6 +106,7 @@ class _Entry:
     work: float
     enqueued_at: float
     seq: int
+    credit: float  # the bypass budget left: how much more younger work may still overtake it
 
 
 def _ratio_key(entry: _Entry, now: float) -> tuple[float, int]:
@@ -94,17 +115,30 @@ def _ratio_key(entry: _Entry, now: float) -> tuple[float, int]:
 
 
 class PrefillQueue:
-    """Requests waiting for a pipeline, popped in ``order`` (see the module doc)."""
+    """Requests waiting for a pipeline, popped in ``order`` (see the module doc for the invariants).
 
-    def __init__(self, order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 30.0) -> None:
+    ``max_wait_s``: aging's wall-clock bound (``math.inf``: none); ``max_bypass_s``: the bypass budget in
+    seconds of estimated work (``math.inf``: none; ``FIFO`` overtakes nobody and ignores both).
+    """
+
+    def __init__(self, order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 30.0,
+                 max_bypass_s: float = math.inf) -> None:
         if not max_wait_s > 0:
-            raise InvalidArgument(f"max_wait_s: must be positive, got {max_wait_s}")
+            raise InvalidArgument(f"max_wait_s: must be positive, got {max_wait_s}", field="max_wait_s")
+        if not max_bypass_s >= 0:
+            raise InvalidArgument(f"max_bypass_s: must be >= 0, got {max_bypass_s}", field="max_bypass_s")
         self.order = order
         self.max_wait_s = max_wait_s
+        self.max_bypass_s = max_bypass_s
         self._arrivals: OrderedDict[str, _Entry] = OrderedDict()  # push order: the oldest first
         self._by_work: list[tuple[float, int, str]] = []  # a heap; entries of popped ids are skipped lazily
         self._seq = itertools.count()
         self.num_overdue_pops = 0  # pops decided by aging (a metric: how often the bound binds)
+        self.num_budget_pops = 0  # pops where the budget held the order's first choice back
+
+    @property
+    def _budgeted(self) -> bool:
+        return self.order is not QueueOrder.FIFO and self.max_bypass_s < math.inf
 
     def __len__(self) -> int:
         return len(self._arrivals)
@@ -115,11 +149,11 @@ class PrefillQueue:
     def push(self, request_id: str, work: float, now: float) -> None:
         if request_id in self._arrivals:
             raise InvalidArgument(f"request_id: {request_id!r} is already queued", field="request_id")
-        if not work >= 0:
-            raise InvalidArgument(f"work: must be >= 0, got {work}")
-        entry = _Entry(request_id, work, now, next(self._seq))
+        if not 0 <= work < math.inf:
+            raise InvalidArgument(f"work: must be finite and >= 0, got {work}", field="work")
+        entry = _Entry(request_id, work, now, next(self._seq), self.max_bypass_s)
         self._arrivals[request_id] = entry
-        if self.order is QueueOrder.WORK:
+        if self.order is QueueOrder.WORK and not self._budgeted:
             heapq.heappush(self._by_work, (work, entry.seq, request_id))
 
     def remove(self, request_id: str) -> bool:
@@ -133,6 +167,9 @@ class PrefillQueue:
         oldest = next(iter(self._arrivals.values()))
         if self.order is QueueOrder.FIFO or now - oldest.enqueued_at >= self.max_wait_s:
             return oldest.request_id
+        if self._budgeted:
+            entries = list(self._arrivals.values())
+            return entries[self._pick(entries, [e.credit for e in entries], now)[0]].request_id
         if self.order is QueueOrder.RATIO:
             return max(self._arrivals.values(), key=lambda e: _ratio_key(e, now)).request_id
         heap = self._by_work
@@ -144,11 +181,38 @@ class PrefillQueue:
             heapq.heappop(heap)  # popped or removed before
         raise AssertionError("a queued request is missing from the work heap")  # invariant
 
+    def _pick(self, entries: list[_Entry], credits: list[float], now: float) -> tuple[int, bool]:
+        """The index in ``entries`` (push order) the budget lets go that the order prefers, and whether the
+        budget held back a request the order preferred. O(n): one pass with the least credit of the older."""
+        key = (lambda e: (e.work, e.seq)) if self.order is QueueOrder.WORK else (lambda e: _neg(_ratio_key(e, now)))
+        best = first = 0
+        best_key = first_key = key(entries[0])
+        least_credit = credits[0]
+        for i in range(1, len(entries)):
+            k = key(entries[i])
+            if k < first_key:
+                first, first_key = i, k
+            if k < best_key and entries[i].work <= least_credit:
+                best, best_key = i, k
+            least_credit = min(least_credit, credits[i])
+        return best, best != first
+
     def pop(self, now: float) -> str:
-        """Take the request ``peek`` names; InvalidArgument when empty."""
-        request_id = self.peek(now)
-        if request_id is None:
+        """Take the request ``peek`` names, debiting those it overtakes; InvalidArgument when empty."""
+        if not self._arrivals:
             raise InvalidArgument("pop: the queue is empty")
+        oldest = next(iter(self._arrivals.values()))
+        if self._budgeted and now - oldest.enqueued_at < self.max_wait_s:
+            entries = list(self._arrivals.values())
+            index, held = self._pick(entries, [e.credit for e in entries], now)
+            request_id = entries[index].request_id
+            work = entries[index].work
+            for older in entries[:index]:
+                older.credit -= work  # >= 0: ``_pick`` let it go only if work <= every older credit
+            self.num_budget_pops += held
+        else:
+            request_id = self.peek(now)
+            assert request_id is not None
         entry = self._arrivals.pop(request_id)
         if self.order is not QueueOrder.FIFO and now - entry.enqueued_at >= self.max_wait_s:
             self.num_overdue_pops += 1
@@ -157,16 +221,31 @@ class PrefillQueue:
     def waited_s(self, request_id: str, now: float) -> float:
         return now - self._arrivals[request_id].enqueued_at
 
+    def credit_s(self, request_id: str) -> float:
+        """What is left of a queued request's bypass budget (``max_bypass_s`` at its push)."""
+        return self._arrivals[request_id].credit
+
     def serving_order(self, now: float) -> list[str]:
         """Queued ids in the order they would be popped at ``now`` with no arrival meanwhile: the overdue
-        oldest first, then (``WORK``) least work, ties by arrival; ``FIFO``: push order. (With ``WORK``,
-        waiting on makes more of them overdue: this is the order as of ``now``.)"""
+        oldest first, then (``WORK``) least work, ties by arrival, or (``RATIO``) the highest ratio, each among
+        those the bypass budget lets go (with a budget: the pops played on a copy of the credits, O(n²));
+        ``FIFO``: push order. (Waiting on makes more of them overdue: this is the order as of ``now``.)"""
         if self.order is QueueOrder.FIFO:
             return list(self._arrivals)
         entries = self._arrivals.values()
         overdue = [e.request_id for e in entries if now - e.enqueued_at >= self.max_wait_s]
         waiting = [e for e in entries if now - e.enqueued_at < self.max_wait_s]
-        if self.order is QueueOrder.RATIO:
+        if self._budgeted:
+            credits = [e.credit for e in waiting]
+            rest: list[_Entry] = []
+            while waiting:
+                index, _ = self._pick(waiting, credits, now)
+                work = waiting[index].work
+                for i in range(index):
+                    credits[i] -= work
+                rest.append(waiting.pop(index))
+                del credits[index]
+        elif self.order is QueueOrder.RATIO:
             rest = sorted(waiting, key=lambda e: _ratio_key(e, now), reverse=True)
         else:
             rest = sorted(waiting, key=lambda e: (e.work, e.seq))
@@ -175,3 +254,7 @@ class PrefillQueue:
     def ids(self) -> list[str]:
         """Queued ids in push order."""
         return list(self._arrivals)
+
+
+def _neg(key: tuple[float, int]) -> tuple[float, int]:
+    return -key[0], -key[1]
