@@ -54,7 +54,7 @@ KEEP = ("throughput_per_gpu", "think_mean_s", "decode_mean_s", "prompt_tok_s", "
         "restore_critical_s_per_turn", "prefill_busy", "turns", "errors", "prefetched_bytes", "prefetch_used_bytes",
         "prefetch_wasted_bytes", "prefetch_pending_bytes", "wasted_prefetch_share", "prefetches",
         "prefetches_cancelled", "prefetches_skipped_pressure", "prefetches_unpinned", "prefetch_outcomes",
-        "queue_overdue_pops", "ttft_breakdown")
+        "queue_overdue_pops", "queue_budget_pops", "ttft_breakdown")
 
 
 def parse_sched_compare(text: str) -> None:

@@ -7,6 +7,8 @@ prefill stages plus its decode GPUs; ``pool`` is ``shared`` or ``split``.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 GIB = 1 << 30
@@ -89,7 +91,10 @@ class RunSettings:
     # "fifo": the seed's prefill queue; "session": session-aware prefill (the work-aware queue with aging,
     # retention by session, prefetch during think time: kvpool.core.prefill_queue, kvpool.core.sessions)
     sched: str = "fifo"
-    max_wait_s: float = 4.0  # the work-aware queue's aging bound (docs/simulation.md: the sweep that chose it)
+    max_wait_s: float = 4.0  # the work-aware queue's aging bound (docs/simulation.md: the sweep that chose it); inf: none
+    # sched=session: the queue's bypass budget, seconds of estimated work younger turns may overtake a turn by
+    # (kvpool.core.prefill_queue: a turn then waits at most what FIFO would make it wait plus this); inf: none
+    max_bypass_s: float = math.inf
     # sched=session: the queue's order, "work" (least work first, aging at max_wait_s) or "ratio" (highest
     # response ratio next: kvpool.core.prefill_queue)
     session_order: str = "work"
@@ -107,6 +112,8 @@ class RunSettings:
             raise ValueError(f"open_loop_sessions_per_s: must be positive, got {self.open_loop_sessions_per_s}")
         if not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s: must be positive, got {self.max_wait_s}")
+        if not self.max_bypass_s >= 0:
+            raise ValueError(f"max_bypass_s: must be >= 0, got {self.max_bypass_s}")
         if self.session_order not in ("work", "ratio"):
             raise ValueError(f"session_order: must be 'work' or 'ratio', got {self.session_order!r}")
         if self.pool not in ("shared", "split"):
