@@ -3,7 +3,8 @@
 At most ``slots`` prefills run through the stages at once; the others wait in
 ``kvpool.core.prefill_queue.PrefillQueue`` in its ``order``: arrival
 (``--sched fifo``), or least work first with a request waiting ``max_wait_s``
-going before every other (``--sched session``). Both orders get the same
+going before every other and none overtaken by more than ``max_bypass_s`` of
+estimated work (``--sched session``). Both orders get the same
 slots, so a comparison of the two differs only in the order. Without a gate
 (``--sched-slots 0``, fifo's default) every admitted prefill runs at once and
 the stages' compute threads interleave their pieces in arrival order.
@@ -16,6 +17,7 @@ passes on to the next.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,10 +27,11 @@ from kvpool.core.sessions import SessionId
 
 
 class PrefillGate:
-    def __init__(self, slots: int, max_wait_s: float, order: QueueOrder = QueueOrder.WORK) -> None:
+    def __init__(self, slots: int, max_wait_s: float, order: QueueOrder = QueueOrder.WORK,
+                 max_bypass_s: float = math.inf) -> None:
         self.slots = slots
         self.running = 0
-        self.queue = PrefillQueue(order, max_wait_s)
+        self.queue = PrefillQueue(order, max_wait_s, max_bypass_s)
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._sessions: dict[str, SessionId] = {}  # waiters' sessions (those that named one)
 

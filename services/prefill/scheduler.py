@@ -107,7 +107,8 @@ class PrefillScheduler:
         self._releasing: dict[str, asyncio.Task[None]] = {}  # by request id
         # the gate (--sched-slots) in --sched's order; session-aware prefill: retention by session, staging
         order = QueueOrder.WORK if self.settings.sched == "session" else QueueOrder.FIFO
-        self.gate = (PrefillGate(self.settings.sched_slots, self.settings.sched_max_wait_s, order)
+        self.gate = (PrefillGate(self.settings.sched_slots, self.settings.sched_max_wait_s, order,
+                                 self.settings.sched_max_bypass_s)
                      if self.settings.sched_slots else None)
         self.prefetcher = SessionPrefetcher(self, PrefetchMetrics(metrics.registry),
                                             runner.chunk_nbytes * self.settings.num_stages)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvpool.core.chunk_hash import namespace_fingerprint
@@ -61,7 +62,12 @@ class PrefillSettings(ModelSetting):
     sched_slots: int = setting(-1, help="stage 0: prefills running through the stages at once, the others "
                                "waiting in --sched's order; 0: no limit (every admitted prefill at once, the "
                                "stages interleaving their pieces)", default_text="0 with fifo, 2 with session")
-    sched_max_wait_s: float = setting(4.0, help="stage 0, --sched session: a prefill waiting this long goes first")
+    sched_max_wait_s: float = setting(4.0, help="stage 0, --sched session: a prefill waiting this long goes first "
+                                      "(inf: no aging)")
+    sched_max_bypass_s: float = setting(
+        math.inf, help="stage 0, --sched session: the bypass budget, seconds of estimated work that later prefills "
+        "may overtake a waiting prefill by; it then waits at most what arrival order would make it wait plus this "
+        "(kvpool.core.prefill_queue)", default_text="none")
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
     )
@@ -110,6 +116,10 @@ class PrefillSettings(ModelSetting):
             )
         if 0 < self.stage and not last and not self.next_stage:
             raise ValueError(f"next_stage: stage {self.stage} needs the address of stage {self.stage + 1}")
+        if not self.sched_max_wait_s > 0:
+            raise ValueError(f"sched_max_wait_s: must be positive, got {self.sched_max_wait_s}")
+        if not self.sched_max_bypass_s >= 0:
+            raise ValueError(f"sched_max_bypass_s: must be >= 0, got {self.sched_max_bypass_s}")
         if self.admission_timeout_s <= 0:
             raise ValueError(f"admission_timeout_s: must be positive, got {self.admission_timeout_s}")
         if self.inline_activation_bytes < 0:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
+
+import pytest
 
 from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.sessions import SessionId
@@ -73,6 +76,34 @@ def test_the_fifo_order_takes_the_same_slots_in_arrival_order() -> None:
         assert order == ["a", "b", "c", "d"] and (gate.running, len(gate.queue)) == (0, 0)
 
     asyncio.run(main())
+
+
+def test_the_bypass_budget_holds_back_a_prefill_that_would_overdraw_an_older_one() -> None:
+    async def main() -> None:
+        gate, order = PrefillGate(slots=1, max_wait_s=60.0, max_bypass_s=2.0), []
+        go = {n: asyncio.Event() for n in "abcd"}
+        tasks = [asyncio.ensure_future(hold(gate, n, w, order, go[n])) for n, w in
+                 (("a", 9.0), ("b", 5.0), ("c", 1.0), ("d", 3.0))]
+        await asyncio.sleep(0.01)
+        for name in "acbd":
+            go[name].set()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+        # c (1 s) overtakes b, whose 2 s of credit keep 1: d's 3 s would overdraw it, so b goes first
+        assert order == ["a", "c", "b", "d"] and gate.queue.num_budget_pops == 1
+
+    asyncio.run(main())
+
+
+def test_stage_0_queue_settings_are_checked_and_reach_the_gate() -> None:
+    settings = PrefillSettings(num_stages=1, sched="session", sched_max_wait_s=math.inf, sched_max_bypass_s=2.0)
+    gate = PrefillGate(settings.sched_slots, settings.sched_max_wait_s, QueueOrder.WORK, settings.sched_max_bypass_s)
+    assert (gate.queue.max_wait_s, gate.queue.max_bypass_s) == (math.inf, 2.0)
+    assert PrefillSettings(num_stages=1).sched_max_bypass_s == math.inf  # no budget unless given
+    with pytest.raises(ValueError, match="sched_max_bypass_s: must be >= 0"):
+        PrefillSettings(num_stages=1, sched_max_bypass_s=-1.0)
+    with pytest.raises(ValueError, match="sched_max_wait_s: must be positive"):
+        PrefillSettings(num_stages=1, sched_max_wait_s=0.0)
 
 
 def test_sched_slots_default_to_no_gate_with_fifo_and_two_with_session() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Callable
@@ -237,15 +238,20 @@ def test_replay_follows_a_lookup_the_master_served_before_an_earlier_admissions(
 
 def test_the_queue_flags_reach_the_compared_runs_settings() -> None:
     from kvpool.tools.sim.compare_sched import run_compare
+    from kvpool.tools.sim.topology import RunSettings
     from services import cli
 
     def args(*flags: str) -> object:
         return cli.build_parser("simulate").parse_args(["simulate", "--compare", "sched=fifo,session", *flags])
 
-    parsed = args("--sched-max-wait-s", "2.5", "--session-order", "ratio")
-    assert (parsed.sched_max_wait_s, parsed.session_order) == (2.5, "ratio")
+    parsed = args("--sched-max-wait-s", "inf", "--sched-max-bypass-s", "5", "--session-order", "ratio")
+    assert (parsed.sched_max_wait_s, parsed.sched_max_bypass_s, parsed.session_order) == (math.inf, 5.0, "ratio")
     defaults = args()
-    assert (defaults.sched_max_wait_s, defaults.session_order) == (4.0, "work")  # RunSettings' own defaults
+    assert (defaults.sched_max_wait_s, defaults.sched_max_bypass_s, defaults.session_order) == (4.0, math.inf, "work")
+    settings = RunSettings()  # the flags' defaults are RunSettings' own
+    assert (settings.max_wait_s, settings.max_bypass_s, settings.session_order) == (4.0, math.inf, "work")
+    with pytest.raises(SystemExit, match="max_bypass_s: must be >= 0"):
+        run_compare(args("--sched-max-bypass-s", "-1"), "unused.toml")  # type: ignore[arg-type]
     with pytest.raises(SystemExit, match="max_wait_s: must be positive"):  # checked before any run starts
         run_compare(args("--sched-max-wait-s", "0"), "unused.toml")  # type: ignore[arg-type]
     with pytest.raises(SystemExit):

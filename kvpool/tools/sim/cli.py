@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -62,7 +63,11 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--sessions", type=int, default=112, help="--compare: closed-loop sessions (default 112)")
     p.add_argument("--sched-max-wait-s", type=float, default=4.0, metavar="S",
                    help="sched=session: a prefill waiting this long goes first, oldest first (the queue's aging "
-                        "bound; default 4, the services' --sched-max-wait-s)")
+                        "bound; default 4, the services' --sched-max-wait-s; inf: no aging)")
+    p.add_argument("--sched-max-bypass-s", type=float, default=math.inf, metavar="S",
+                   help="sched=session: the queue's bypass budget, seconds of estimated work that younger prefills "
+                        "may overtake a prefill by; a prefill then waits at most what FIFO would make it wait plus "
+                        "S (default: none; the services' --sched-max-bypass-s)")
     p.add_argument("--session-order", default="work", choices=("work", "ratio"),
                    help="sched=session: the queue's order, least work first or highest response ratio next "
                         "(default work)")
@@ -98,7 +103,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         base = RunSettings(warmup_s=60.0 if args.quick else args.warmup, think=not args.no_think,
                            think_scale=args.think_scale, affinity_max_queue=affinity,
-                           max_wait_s=args.sched_max_wait_s, session_order=args.session_order)
+                           max_wait_s=args.sched_max_wait_s, max_bypass_s=args.sched_max_bypass_s,
+                           session_order=args.session_order)
     except ValueError as exc:
         raise SystemExit(f"kvpool simulate: {exc}") from None
     topology = Topology()

@@ -105,7 +105,8 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     topology = Topology()
     try:
         base = RunSettings(warmup_s=warmup, duration_s=duration, think=not args.no_think, think_scale=args.think_scale,
-                           max_wait_s=args.sched_max_wait_s, session_order=args.session_order)
+                           max_wait_s=args.sched_max_wait_s, max_bypass_s=args.sched_max_bypass_s,
+                           session_order=args.session_order)
     except ValueError as exc:
         raise SystemExit(f"kvpool simulate: {exc}") from None
     spec = RunSpec("calibration", 1, sessions, "shared", duration)
