@@ -6,7 +6,9 @@ both readings of the seed's words (in total: 24 and 28 per server; per
 server: 96 and 112 each), each at every router affinity threshold (strict,
 2, 4, 8, none); and the pool past four servers (8, 16, 32 servers at the
 calibrated saturating load per server, shared, one server's stores dying
-mid-run, each with its twin without the failure and a split twin).
+mid-run, each with its twin without the failure and a split twin, at the
+run settings' affinity threshold; and both without the failure at strict
+affinity, ``scale-N-strict`` and ``scale-N-split-strict``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessio
         specs += [RunSpec(f"scale-{s}", s, scale_sessions, "shared", scale_duration_s, scale_duration_s * 2 / 3),
                   RunSpec(f"scale-{s}-nofail", s, scale_sessions, "shared", scale_duration_s),
                   RunSpec(f"scale-{s}-split", s, scale_sessions, "split", scale_duration_s)]
+        # the split baseline as an operator would run it (sessions never leave their pipeline), and its shared twin
+        specs += [RunSpec(f"scale-{s}-{twin}strict", s, scale_sessions, pool, scale_duration_s,
+                          affinity=AFFINITY_STRICT) for twin, pool in (("", "shared"), ("split-", "split"))]
     return specs
 
 
@@ -128,6 +133,10 @@ SCALE_KEYS = ("throughput_per_gpu", "throughput_per_gpu_computed", "reuse_ratio"
               "master_lookups_per_s", "master_puts_per_s", "master_evictions_per_s")
 
 
+STRICT_KEYS = ("throughput_per_gpu", "reuse_ratio", "pool_share", "ttft_p50_s", "ttft_p99_s", "turns_per_s",
+               "master_utilization", "nic_use")
+
+
 def final_object(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """The last JSON line: the seed's comparisons, the calibration run and the scale-out, from the runs' figures."""
     by_label = {r["label"]: r for r in results}
@@ -159,6 +168,13 @@ def final_object(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]
         figures["dropped_objects"] = r["dropped_objects"]
         figures.update(failure_figures(r["windows"], base["windows"], r["fail_at_s"], r["window_s"]))
         out["scale_out"][str(r["servers"])] = figures
+    for r in results:  # strict affinity at scale: shared against split, each from its own run
+        split = by_label.get(f"scale-{r['servers']}-split-strict")
+        if r["label"] != f"scale-{r['servers']}-strict" or split is None:
+            continue
+        out["scale_out"].setdefault(str(r["servers"]), {})["strict"] = {
+            "shared_over_split": r["throughput_per_gpu"] / max(split["throughput_per_gpu"], 1e-9),
+            **{k: r[k] for k in STRICT_KEYS}, **{f"split_{k}": split[k] for k in STRICT_KEYS}}
     return out
 
 
