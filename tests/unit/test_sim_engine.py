@@ -90,6 +90,11 @@ def test_shared_pool_serves_a_session_that_moved_server_split_does_not() -> None
     split = run(trace, "split", num_servers=2, setup=fail_p0)
     assert shared.metrics.turn_tokens == [("s0.t0", 0, 0, 522), ("s0.t1", 0, 512, 266)]
     assert split.metrics.turn_tokens == [("s0.t0", 0, 0, 522), ("s0.t1", 0, 0, 778)]
+    # T1 ran where none of the session had run: [turns, prompt, device, pool] tokens by placement
+    assert shared.metrics.by_placement == {"first": [1, 522, 0, 0], "new_server": [1, 778, 0, 512]}
+    assert split.metrics.by_placement == {"first": [1, 522, 0, 0], "new_server": [1, 778, 0, 0]}
+    assert shared.metrics.placements()["new_server"] == {
+        "turn_share": 0.5, "prompt_share": 778 / 1300, "device_share": 0.0, "pool_share": 512 / 778}
     # shared: server 1 read 2 groups (4 objects of 256 B each) from server 0's store, then handed T1's
     # 778 tokens x 4 B to decode shard d0.0 (equal free pages: the first by name); split: the handoff only
     assert shared.network.nic_bytes["server0"] == 2 * 4 * 256 + 778 * 4
@@ -98,6 +103,15 @@ def test_shared_pool_serves_a_session_that_moved_server_split_does_not() -> None
     assert [sorted(i.segments) for i in split.indexes] == [["server0/numa0"], ["server1/numa0"]]
     assert [sorted(i.segments) for i in shared.indexes] == [
         ["server0/numa0", "server0/numa1", "server1/numa0", "server1/numa1"]]
+
+
+def test_a_turns_placement_is_named_by_where_the_sessions_earlier_turns_ran() -> None:
+    from kvpool.tools.sim.workload import SessionPlay, placed_on
+
+    play = SessionPlay(0, session((522, A, 0.0)))
+    assert [placed_on(play, server) for server in (3, 3, 1, 3, 2, 1, 1)] == [
+        "first", "stayed", "new_server", "returned", "new_server", "returned", "stayed"]
+    assert play.servers == [3, 3, 1, 3, 2, 1, 1]
 
 
 def test_a_dead_servers_stores_are_dropped_after_the_ttl() -> None:

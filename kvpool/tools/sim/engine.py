@@ -46,7 +46,7 @@ from kvpool.tools.sim.prefill_sim import PipelineSim
 from kvpool.tools.sim.session_sim import SessionAware
 from kvpool.tools.sim.summary import summarize
 from kvpool.tools.sim.topology import AFFINITY_NONE, GIB, RunSettings, Topology
-from kvpool.tools.sim.workload import SessionPlay
+from kvpool.tools.sim.workload import SessionPlay, placed_on
 from kvpool.workload.weka import Session, Turn
 
 HEARTBEAT_S = 1.0
@@ -197,6 +197,7 @@ class Simulation:
         key = "" if self.settings.affinity_max_queue == AFFINITY_NONE else play.key
         job.placement = self.router.place(key, job.decode_pages)
         pipeline = self.pipelines[job.placement.pipeline]
+        job.placed_as = placed_on(play, pipeline.server)
         if self.sessions is not None:
             self.sessions.arrived(job, pipeline)
         pipeline.enqueue(job)

@@ -25,6 +25,7 @@ class Job:
     turn: Turn
     arrival: float
     placement: Placement | None = None
+    placed_as: str = ""  # where its server is for the session's history (``workload.placed_on``)
     request: PrefillRequest | None = None
     prefill_start: float = 0.0
     restore_start: float = 0.0

@@ -67,6 +67,9 @@ class Metrics:
     put_objects: int = 0
     put_committed: int = 0
     evicted_groups: int = 0
+    # turns prefilled after warm-up by where they ran for their session (``Job.placed_as``):
+    # [turns, prompt, device, pool] tokens
+    by_placement: dict[str, list[int]] = field(default_factory=dict)
     # per turn, in prefill order: (job id, device, pool, computed) tokens
     turn_tokens: list[tuple[str, int, int, int]] = field(default_factory=list)
     # per window: [device, pool, computed] prompt tokens of turns prefilled in it
@@ -107,6 +110,9 @@ class Metrics:
             self.compute_s += job.compute_s
             for i, n in enumerate((request.num_tokens, *counts)):
                 self.counted[i] += n
+            placed = self.by_placement.setdefault(job.placed_as, [0, 0, 0, 0])
+            for i, n in enumerate((1, request.num_tokens, *counts[:2])):
+                placed[i] += n
         window = self.windows.setdefault(int(self.now() // self.window_s), [0, 0, 0])
         for i, n in enumerate(counts):
             window[i] += n
@@ -150,6 +156,14 @@ class Metrics:
             "computed_share": computed / total,
             "reuse_ratio": (device + pool) / total,
         }
+
+    def placements(self) -> dict[str, dict[str, float]]:
+        """Per kind of placement: its share of the counted turns and of their prompt tokens, and the share
+        of its own prompt tokens the device and the pool served."""
+        turns, prompt = max(1, self.counted_turns), max(1, self.prompt_tokens)
+        return {kind: {"turn_share": n / turns, "prompt_share": tokens / prompt,
+                       "device_share": device / max(1, tokens), "pool_share": pool / max(1, tokens)}
+                for kind, (n, tokens, device, pool) in sorted(self.by_placement.items())}
 
     def window_series(self) -> list[dict[str, float]]:
         series = []

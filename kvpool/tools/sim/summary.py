@@ -35,6 +35,7 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
         "throughput_per_gpu_computed": (m.window_computed_tokens + m.window_output_tokens) / span / gpus,
         "turns_per_s": m.turns_done / span,
         **m.shares(),
+        "placements": m.placements(),
         "trace_bound": sim.trace_bound(),
         "counted_turns": m.counted_turns, "counted_prompt_tokens": m.prompt_tokens,
         "chunk_prefix_bound": sim._bound_hits / (m.prompt_tokens or 1),

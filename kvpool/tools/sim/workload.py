@@ -43,6 +43,7 @@ class SessionPlay:
     trace: Session
     next_turn: int = 0
     hashes: list[ChunkHash] = field(default_factory=list)
+    servers: list[int] = field(default_factory=list)  # the server of each turn placed so far
 
     @property
     def key(self) -> str:
@@ -63,6 +64,19 @@ class SessionPlay:
         turn = recorded if max_context is None else fit_to_context(recorded, self.trace.block_size, max_context)
         self.hashes = turn_chunk_hashes(self.namespace, turn, self.trace.block_size, chunk_tokens)
         return turn, turn is not recorded
+
+
+PLACEMENTS = ("first", "stayed", "returned", "new_server")
+
+
+def placed_on(play: SessionPlay, server: int) -> str:
+    """Record that the session's next turn runs on ``server`` and say where that is for its history: its
+    ``first`` turn; ``stayed`` on its last turn's server; ``returned`` to a server an earlier turn ran on;
+    or a ``new_server`` that holds none of it (split pools: nothing of the session to reuse there)."""
+    kind = ("first" if not play.servers else "stayed" if play.servers[-1] == server
+            else "returned" if server in play.servers else "new_server")
+    play.servers.append(server)
+    return kind
 
 
 def fit_to_context(turn: Turn, block_size: int, max_context: int) -> Turn:
