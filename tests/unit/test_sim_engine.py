@@ -9,6 +9,7 @@ import pytest
 from kvpool.tools.sim.cost_model import CostModel, DecodeCost, HandoffCost, ModelShape, PrefillCost, RestoreCost
 from kvpool.tools.sim.engine import Simulation, layer_split
 from kvpool.tools.sim.events import EventLoop
+from kvpool.tools.sim.summary import summarize
 from kvpool.tools.sim.topology import GIB, RunSettings, Topology
 from kvpool.workload.weka import Session, parse_session
 
@@ -249,6 +250,10 @@ def test_a_lookup_waits_for_the_masters_service_and_puts_queue_behind_it() -> No
     assert sim.metrics.ttft_s == [pytest.approx(0.25 + 522 / 256 + 3.0)]
     assert sim.masters[0].busy_s == pytest.approx(0.25 + 0.5 + 8 * 0.125)
     assert sim.metrics.lookup_wait_s == [pytest.approx(0.25)]
+    # after warm-up (from 0 here): the one turn's master time, a lookup and a put
+    summary = summarize(sim, wall_s=1.0)
+    assert summary["master_s_per_turn"] == pytest.approx(0.25 + 0.5 + 8 * 0.125)
+    assert summary["master_ops_per_turn"] == 2.0
 
 
 def test_decode_kv_counts_filled_pages_not_reserved_ones() -> None:

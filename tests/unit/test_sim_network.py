@@ -50,3 +50,16 @@ def test_the_master_serves_one_operation_at_a_time_in_order() -> None:
     assert served == ["lookup", "put", "late"]
     assert master.busy_s == pytest.approx(0.6) and master.num_ops == 3
     assert times == [pytest.approx(0.5)]  # queued at 0: 0.3 + 0.2 s of work ahead
+    assert (master.counted_busy_s, master.counted_ops) == (pytest.approx(0.6), 3)  # counted from 0
+
+
+def test_the_master_counts_apart_what_is_queued_after_warm_up() -> None:
+    loop = EventLoop()
+    master = MasterQueue(loop, counted_from_s=1.0)
+    master.call(0.5, lambda: None)
+    loop.at(0.9, master.call, 0.25, lambda: None)
+    loop.at(1.0, master.call, 0.125, lambda: None)  # queued at warm-up's end: counted
+    loop.at(3.0, master.call, 0.0625, lambda: None)
+    loop.run(5.0)
+    assert (master.busy_s, master.num_ops) == (0.9375, 4)
+    assert (master.counted_busy_s, master.counted_ops) == (0.1875, 2)

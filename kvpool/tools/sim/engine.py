@@ -120,7 +120,7 @@ class Simulation:
             host = f"server{server}"
             if not shared or not self.indexes:
                 self.indexes.append(PoolIndex(settings=self.index_settings, clock=self.loop.clock))
-                self.masters.append(MasterQueue(self.loop))
+                self.masters.append(MasterQueue(self.loop, counted_from_s=self.settings.warmup_s))
             index, master = self.indexes[-1], self.masters[-1]
             # split: the decode-side stores hold no history (the seed's baseline)
             for numa in range(topo.stores_per_server if shared else 1):

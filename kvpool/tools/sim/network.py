@@ -10,7 +10,9 @@ bandwidth). A transfer's callback runs when its last byte lands.
 ``MasterQueue``: one pool master serves its operations one at a time, first
 come first served; an operation's decision (the core's call) is made when its
 service ends, so a busy master delays every restore and save behind it.
-Its busy seconds over the run are its utilization.
+Its busy seconds over the run are its utilization; those of the operations
+queued after warm-up, over the turns prefilled after it, are what a turn
+costs the masters at the run's steady mix.
 """
 
 from __future__ import annotations
@@ -98,8 +100,11 @@ class MasterQueue:
     """One master's operations, served one at a time in arrival order (see the module doc)."""
 
     loop: EventLoop
+    counted_from_s: float = 0.0  # operations queued from then on are also counted apart (after warm-up)
     busy_s: float = 0.0
     num_ops: int = 0
+    counted_busy_s: float = 0.0
+    counted_ops: int = 0
     _free_at: float = 0.0
 
     def call(self, service_s: float, callback: Callable[..., Any], *args: Any) -> None:
@@ -108,6 +113,9 @@ class MasterQueue:
         self._free_at = start + service_s
         self.busy_s += service_s
         self.num_ops += 1
+        if self.loop.now >= self.counted_from_s:
+            self.counted_busy_s += service_s
+            self.counted_ops += 1
         self.loop.at(self._free_at, callback, *args)
 
     def wait_s(self) -> float:

@@ -68,6 +68,9 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
         "master_utilization": max(q.busy_s for q in sim.masters) / s.duration_s,
         # what the busiest master could serve, at this run's mix of operations
         "master_capacity_ops_per_s": max(q.num_ops / q.busy_s if q.busy_s else 0.0 for q in sim.masters),
+        # after warm-up: every master's service seconds and operations per turn prefilled (the steady mix)
+        "master_s_per_turn": sum(q.counted_busy_s for q in sim.masters) / max(1, m.counted_turns),
+        "master_ops_per_turn": sum(q.counted_ops for q in sim.masters) / max(1, m.counted_turns),
         "cross_server_bytes_per_s_per_nic": sum(nic_bytes.values()) / s.duration_s / topo.num_servers,
         "cross_server_bytes_per_s_peak_nic": nic_peak / s.duration_s,
         "dropped_objects": sim.dropped_objects,
