@@ -10,11 +10,12 @@ import argparse
 import asyncio
 import importlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from kvpool.logs import configure_logging
 from kvpool.settings import add_setting_flags, load_settings
@@ -263,7 +264,21 @@ def _run_role(args: argparse.Namespace) -> int:
     from kvpool import service
 
     service.run(lambda: serve(settings, args.ready_file))
-    return 0
+    _exit_closed(0)
+
+
+def _exit_closed(code: int) -> NoReturn:
+    """Leave a service process whose serve() has returned, skipping the interpreter's teardown.
+
+    By then the service has closed all it owns: its servers stopped, saves drained, channels and the
+    transfer engine closed, files written in ``with`` blocks. What is left is unloading torch and the
+    engine's extension, which cost about 0.9 s of CPU per process and held every restart of a rolling
+    restart and every stop of ``kvpool up`` for it. Logs are flushed first.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def _run_up(args: argparse.Namespace) -> int:

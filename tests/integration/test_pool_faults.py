@@ -103,6 +103,9 @@ async def test_store_shutdown_unmounts_at_once(client: PoolClient, buffer: HostB
     await put_singles(client, buffer, "ns/s", 8)
     before = await client.stats()
     assert pool.stores[0].stop() == 0  # SIGTERM: clean exit
+    # the process leaves without the interpreter's teardown (services/cli.py): its last lines are still written
+    log = pool.stores[0].log_file.read_text()
+    assert "store_stopped" in log, log[-2000:]
     after = await client.stats()  # no TTL wait: the store said goodbye
     assert len(after.segments) == 1
     assert after.num_objects < before.num_objects
