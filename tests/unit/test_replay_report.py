@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from kvpool.tools.replay.engine import ReplayOptions, ReplayResult, TurnRecord
@@ -69,3 +70,43 @@ def test_router_only_names_what_is_missing_and_errors_count(tmp_path: Path) -> N
     line = json.dumps(json_safe(s), allow_nan=False)  # NaN (no restore, no sampling) became null
     assert json.loads(line)["restore_wait_mean_s"] is None
     assert "first error: HTTP 503" in format_table([s], workload)
+
+
+def test_histogram_quantile_interpolates_within_the_bucket_as_prometheus_does() -> None:
+    from kvpool.tools.replay.probes import buckets, histogram_quantile
+
+    # 10 observations: 4 in (0, 0.1], 4 in (0.1, 0.5], 2 above 5 (+Inf)
+    scraped = {'h_bucket{le="0.1"}': 4.0, 'h_bucket{le="0.5"}': 8.0, 'h_bucket{le="5.0"}': 8.0,
+               'h_bucket{le="+Inf"}': 10.0, "h_sum": 30.0, "h_count": 10.0, 'other_bucket{le="0.1"}': 99.0}
+    cumulative = buckets(scraped, "h")
+    assert cumulative == {0.1: 4.0, 0.5: 8.0, 5.0: 8.0, math.inf: 10.0}
+    assert histogram_quantile(0.2, cumulative) == 0.05  # rank 2 of 4 in [0, 0.1]
+    assert histogram_quantile(0.5, cumulative) == 0.1 + 0.4 * (5 - 4) / 4  # rank 5: first of (0.1, 0.5]
+    assert histogram_quantile(0.99, cumulative) == 5.0  # in +Inf: the highest finite bound
+    assert math.isnan(histogram_quantile(0.5, {0.1: 0.0, math.inf: 0.0}))
+    # two label sets of one histogram add up bucket by bucket
+    assert buckets({'h_bucket{stage="0",le="1.0"}': 1.0, 'h_bucket{stage="1",le="1.0"}': 2.0}, "h") == {1.0: 3.0}
+
+
+def test_wait_percentiles_come_from_every_stage_s_buckets(tmp_path: Path) -> None:
+    workload = workload_of(tmp_path)
+    records = [record(0, 512, 0, 0, 512), record(1, 768, 0, 256, 512)]
+
+    def stage(le_01: float, le_1: float) -> dict[str, float]:
+        return {'kvpool_prefill_restore_wait_seconds_bucket{le="0.1"}': le_01,
+                'kvpool_prefill_restore_wait_seconds_bucket{le="1.0"}': le_1,
+                'kvpool_prefill_restore_wait_seconds_bucket{le="+Inf"}': le_1}
+
+    before = {"p0-stage0": stage(1.0, 1.0)}  # one restore before the run: not counted
+    after = {"p0-stage0": stage(3.0, 4.0), "p1-stage0": stage(1.0, 2.0),
+             "router": {'kvpool_router_queue_seconds_bucket{le="0.0"}': 5.0,
+                        'kvpool_router_queue_seconds_bucket{le="2.0"}': 10.0,
+                        'kvpool_router_queue_seconds_bucket{le="+Inf"}': 10.0}}
+    result = ReplayResult(1, 2.0, records, before, after, None, [])
+    s = summarize(result, workload, ReplayOptions(think_scale=0.0))
+    # moved: p0 2 in [0, 0.1] and 1 in (0.1, 1]; p1 1 and 1: together 3 and 2 of 5
+    assert s["restore_wait_p50_s"] == 0.1 * 2.5 / 3
+    assert s["restore_wait_p99_s"] == 0.1 + 0.9 * (4.95 - 3) / 2
+    assert s["router_queue_wait_p50_s"] == 0.0  # half the requests waited nothing
+    assert s["router_queue_wait_p99_s"] == 2.0 * (9.9 - 5) / 5
+    assert math.isnan(s["prefill_queue_wait_p50_s"])  # no admission histogram scraped

@@ -85,6 +85,44 @@ async def snapshot(client: httpx.AsyncClient, probes: ClusterProbes) -> dict[str
     return {name: m for name, m in zip(names, results) if m is not None}
 
 
+def buckets(metrics: Metrics, name: str) -> dict[float, float]:
+    """Histogram ``name``'s cumulative counts by upper bound (``le``), summed over its other labels."""
+    found: dict[float, float] = {}
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base != f"{name}_bucket":
+            continue
+        le = rest.partition('le="')[2].partition('"')[0]
+        bound = math.inf if le == "+Inf" else float(le)
+        found[bound] = found.get(bound, 0.0) + value
+    return found
+
+
+def histogram_quantile(q: float, cumulative: dict[float, float]) -> float:
+    """The ``q`` quantile of a histogram's observations, as Prometheus's ``histogram_quantile`` estimates it.
+
+    The bucket holding rank ``q × count`` is found and the value interpolated linearly within it (from
+    0, or the bound below); a rank in the ``+Inf`` bucket gives the highest finite bound. An estimate, as
+    fine as the buckets; nan without observations.
+    """
+    if not 0 <= q <= 1:
+        raise ValueError(f"q: must be in [0, 1], got {q}")
+    bounds = sorted(cumulative)
+    count = cumulative.get(math.inf, cumulative[bounds[-1]] if bounds else 0.0)
+    if count <= 0:
+        return math.nan
+    rank = q * count
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        here = cumulative[bound]
+        if here >= rank and here > below:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - below) / (here - below)
+        lower, below = bound, here
+    return lower
+
+
 def delta(after: Metrics, before: Metrics) -> Metrics:
     """Counters and histogram sums advanced during the run (gauges: the value after)."""
     return {k: v - before.get(k, 0.0) for k, v in after.items()}

@@ -8,7 +8,9 @@ were actually sent (one cache for all sessions, as the pool is), and
 ``trace_block_bound`` the trace's own block-level bound over the turns sent
 (``trace_block_bound_all_turns``: over every kept turn, for a run cut short).
 Figures a service does not expose are null in the JSON and named in
-``missing``.
+``missing``. Wait means are exact; wait percentiles (``*_p50_s``, ``*_p99_s``)
+are estimated from the services' histogram buckets, as Prometheus's
+``histogram_quantile`` does, so they are only as fine as the buckets.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool.tools.bench.stats import percentile
-from kvpool.tools.replay.probes import Metrics, delta, total
+from kvpool.tools.replay.probes import Metrics, buckets, delta, histogram_quantile, total
 from kvpool.tools.replay.records import ReplayOptions, ReplayResult
 from kvpool.tools.replay.workload import ReplayWorkload, sent_block_bound
 from kvpool.workload.bounds import chunk_prefix_bound
@@ -29,11 +31,24 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else math.nan
 
 
+def _add_buckets(into: dict[float, float], moved: Metrics, name: str) -> None:
+    for bound, count in buckets(moved, name).items():
+        into[bound] = into.get(bound, 0.0) + count
+
+
+def _quantiles(out: dict[str, Any], prefix: str, cumulative: dict[float, float]) -> None:
+    """``{prefix}_p50_s`` and ``_p99_s``: estimated from the histogram's buckets (see ``histogram_quantile``)."""
+    for q in (50, 99):
+        out[f"{prefix}_p{q}_s"] = histogram_quantile(q / 100, cumulative)
+
+
 def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dict[str, Any]:
     """Restored/saved bytes per prefill stage and the restore wait on each pipeline's stage 0, from /metrics."""
     out: dict[str, Any] = {"restore_bytes_per_stage": {}, "saved_bytes_per_stage": {},
                            "restore_seconds_mean_per_stage": {}}
     wait_sum = wait_count = queue_sum = queue_count = gate_sum = gate_count = 0.0
+    wait_buckets: dict[float, float] = {}
+    queue_buckets: dict[float, float] = {}
     prefetch = dict.fromkeys(("prefetched", "used", "wasted"), 0.0)
     hints: dict[str, int] = {}
     for name in sorted(n for n in after if "stage" in n):
@@ -49,6 +64,8 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
         # each stage's read (and verify) straight into its pages, per restore
         out["restore_seconds_mean_per_stage"][name] = _ratio(
             total(moved, "kvpool_prefill_restore_seconds_sum"), total(moved, "kvpool_prefill_restore_seconds_count"))
+        _add_buckets(wait_buckets, moved, "kvpool_prefill_restore_wait_seconds")
+        _add_buckets(queue_buckets, moved, "kvpool_prefill_admission_wait_seconds")
         wait_sum += total(moved, "kvpool_prefill_restore_wait_seconds_sum")
         wait_count += total(moved, "kvpool_prefill_restore_wait_seconds_count")
         queue_sum += total(moved, "kvpool_prefill_admission_wait_seconds_sum")
@@ -60,6 +77,8 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
     out["restores"] = int(wait_count)
     out["prefill_queue_wait_mean_s"] = _ratio(queue_sum, queue_count)
     out["prefill_gate_wait_mean_s"] = _ratio(gate_sum, gate_count)  # nan without a gate
+    _quantiles(out, "restore_wait", wait_buckets)
+    _quantiles(out, "prefill_queue_wait", queue_buckets)
     # the restore on the critical path, per restore (each pipeline's stage 0: first stage start to last finish)
     out["restore_wait_total_s"] = wait_sum
     out["prefetched_bytes"] = int(prefetch["prefetched"])
@@ -79,16 +98,18 @@ def _decode_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> di
 
 
 def _handoff_links(before: dict[str, Metrics], after: dict[str, Metrics]) -> dict[str, Any]:
-    """The share of handoff bytes that crossed servers (the router's count, by link)."""
+    """The share of handoff bytes that crossed servers (the router's count, by link); the router queue's wait."""
     if "router" not in after:
         return {"cross_server_handoff_share": math.nan}
     moved = delta(after["router"], before.get("router", {}))
+    queue: dict[str, Any] = {}
+    _quantiles(queue, "router_queue_wait", buckets(moved, "kvpool_router_queue_seconds"))
     cross = total(moved, "kvpool_router_handoff_bytes_total", link="cross_server")
     same = total(moved, "kvpool_router_handoff_bytes_total", link="same_server")
     return {"cross_server_handoff_share": _ratio(cross, cross + same), "cross_server_handoff_bytes": int(cross),
             # the router's admission queue (decode room and the pipeline's device blocks), in front of stage 0
             "router_queue_wait_mean_s": _ratio(total(moved, "kvpool_router_queue_seconds_sum"),
-                                               total(moved, "kvpool_router_queue_seconds_count"))}
+                                               total(moved, "kvpool_router_queue_seconds_count")), **queue}
 
 
 def summarize(result: ReplayResult, workload: ReplayWorkload, options: ReplayOptions) -> dict[str, Any]:
@@ -195,11 +216,12 @@ def format_table(summaries: Sequence[dict[str, Any]], workload: ReplayWorkload) 
         lines += [
             f"concurrency {s['concurrency']}: {s['turns_ok']}/{s['turns_sent']} turns in {s['wall_s']:.1f} s; "
             f"trace block bound {_f(s['trace_block_bound'], '.1%')}; prompt tok/s per pipeline: {per_pipe or '-'}",
-            f"  restore {s['restore_bytes']:,} B over {s['restores']} restoring requests (mean wait "
-            f"{_f(s['restore_wait_mean_s'], '.3f')} s); per stage bytes and mean read: "
+            f"  restore {s['restore_bytes']:,} B over {s['restores']} restoring requests (wait mean "
+            f"{_f(s['restore_wait_mean_s'], '.3f')} s, p99 ~{_f(s.get('restore_wait_p99_s'), '.3f')} s); per stage bytes and mean read: "
             + (", ".join(f"{k} {v:,} B {_f(s['restore_seconds_mean_per_stage'].get(k), '.3f')} s"
                          for k, v in s["restore_bytes_per_stage"].items()) or "-")
-            + f"; prefill queue wait mean {_f(s['prefill_queue_wait_mean_s'], '.3f')} s",
+            + f"; prefill queue wait mean {_f(s['prefill_queue_wait_mean_s'], '.3f')} s, "
+            f"p99 ~{_f(s.get('prefill_queue_wait_p99_s'), '.3f')} s",
             f"  handoff {s['handoff_transfers']:,} transfers, {s['handoff_bytes']:,} B; decode KV use peak "
             f"{_f(s['decode_kv_util_peak'], '.1%')}, mean {_f(s['decode_kv_util_mean'], '.1%')}; decode queue "
             f"wait mean {_f(s['decode_queue_wait_mean_s'], '.4f')} s",
