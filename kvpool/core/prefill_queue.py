@@ -2,7 +2,7 @@
 
 Pure: no grpc, no I/O; time comes in as numbers from the caller's clock.
 
-Two orders (``QueueOrder``, the ``sched=`` of the comparisons):
+Three orders (``QueueOrder``, the ``sched=`` of the comparisons):
 - ``FIFO``: arrival order, nobody overtakes.
 - ``WORK``: the request bringing the least work goes first (``prefill_work_s``:
   its tokens to compute at their context, plus the restore it needs), ties by
@@ -10,7 +10,6 @@ Two orders (``QueueOrder``, the ``sched=`` of the comparisons):
   *overdue*, and overdue requests go before every other, oldest first. So no
   request waits without bound: once overdue, only requests overdue before it
   and the one being served stand ahead of it.
-
 - ``RATIO``: highest response ratio next, (waited + work) / work: short
   requests go first, and every waiting request's ratio grows with its wait,
   a long one's more slowly. Ties by arrival. Aging as in ``WORK``: overdue
@@ -26,7 +25,8 @@ still queued is overtaken and its credit is debited the popped request's
 work; a request may be popped only if no older request's credit would go
 negative (so the oldest is always poppable). Among the poppable, the order
 decides. Aging still applies first (an overdue pop is the oldest's, which
-overtakes nobody).
+overtakes nobody). Measured in the simulator: docs/simulation.md, "The
+bypass budget".
 
 Invariants: a request id is queued at most once; ``len`` counts the queued;
 ``FIFO`` pops in push order; ``WORK`` pops the oldest request when it is
