@@ -34,7 +34,8 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--cost-model", default=None,
                    help=f"cost model TOML (default: {DEFAULT_COST_MODEL.name}, the seed's GPUs; with --validate: "
                    f"{CPU_COST_MODEL.name}, measured on this host for the local cluster --validate starts)")
-    # defaults: the figures of docs/simulation.md, in ~40 minutes on a shared 2-core host
+    # defaults: the matrix of docs/simulation.md, 56 runs; on a shared 2-core host that is hours, one run at a
+    # time (each run's wall time is in the doc's tables; --jobs runs several at once)
     p.add_argument("--duration", type=float, default=900.0, help="simulated seconds per seed run (default 900)")
     p.add_argument("--scale-duration", type=float, default=600.0,
                    help="simulated seconds per 8/16/32-server run (default 600; server 0's stores die at 2/3 of it)")
