@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from kvpool.core.prefill_queue import PrefillQueue
 
 from kvpool.core.tenancy import TenantLabels
 from kvpool.rpc import prefill_pb2
@@ -73,3 +79,19 @@ class PrefillMetrics:
             self.restore_wait.observe(figures.restore_wait_ms / 1e3)
         self.compute.observe(figures.compute_ms / 1e3)
         self.device_usage.set(device_usage)
+
+
+class GatePopsCollector(Collector):
+    """``kvpool_prefill_gate_pops_total{decided_by}``: pops of stage 0's gate that aging (``aging``: the
+    oldest had waited ``--sched-max-wait-s``) or the bypass budget (``budget``: the order's first choice
+    was held back) decided, read from the core's queue at each scrape: how often each bound binds."""
+
+    def __init__(self, queue: PrefillQueue) -> None:
+        self.queue = queue
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        pops = CounterMetricFamily("kvpool_prefill_gate_pops", "Pops of stage 0's gate decided by aging or by "
+                                   "the bypass budget", labels=["decided_by"])
+        pops.add_metric(["aging"], self.queue.num_overdue_pops)
+        pops.add_metric(["budget"], self.queue.num_budget_pops)
+        yield pops

@@ -41,7 +41,7 @@ from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import from_status, status_errors
 from services.prefill.handoff import HandoffMetrics, StageHandoff
 from services.prefill.gate import PrefillGate
-from services.prefill.metrics import PrefillMetrics
+from services.prefill.metrics import GatePopsCollector, PrefillMetrics
 from services.prefill.prefetch import PrefetchMetrics, SessionPrefetcher
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
 from services.prefill.stage_servicer import ActivationLink, figures_message, keep_deadline, run_stage
@@ -110,6 +110,8 @@ class PrefillScheduler:
         self.gate = (PrefillGate(self.settings.sched_slots, self.settings.sched_max_wait_s, order,
                                  self.settings.sched_max_bypass_s)
                      if self.settings.sched_slots else None)
+        if self.gate is not None:
+            metrics.registry.register(GatePopsCollector(self.gate.queue))
         self.prefetcher = SessionPrefetcher(self, PrefetchMetrics(metrics.registry),
                                             runner.chunk_nbytes * self.settings.num_stages)
 

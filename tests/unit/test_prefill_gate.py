@@ -139,3 +139,31 @@ def test_waiting_sessions_come_in_serving_order_and_leave_with_their_waiter() ->
         assert gate.waiting_sessions(0.0) == [] and gate._sessions == {}
 
     asyncio.run(main())
+
+
+def test_the_gate_s_aging_and_budget_pops_are_counters_on_the_stage_s_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from services.prefill.metrics import GatePopsCollector, PrefillMetrics
+
+    async def main() -> None:
+        metrics = PrefillMetrics()
+        gate, order = PrefillGate(slots=1, max_wait_s=math.inf, max_bypass_s=2.0), []
+        metrics.registry.register(GatePopsCollector(gate.queue))
+        go = {n: asyncio.Event() for n in "abc"}
+        tasks = {}
+        for name, work in (("a", 1.0), ("b", 3.0), ("c", 2.5)):  # a runs; b and c wait
+            tasks[name] = asyncio.ensure_future(hold(gate, name, work, order, go[name]))
+            await asyncio.sleep(0.01)
+        go["a"].set()  # the order prefers c, but c's 2.5 s would overdraw b's 2.0 s of credit: b goes
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b"]
+        go["b"].set()
+        go["c"].set()
+        await asyncio.gather(*tasks.values())
+        assert order == ["a", "b", "c"]
+        text = generate_latest(metrics.registry).decode()
+        assert 'kvpool_prefill_gate_pops_total{decided_by="aging"} 0.0' in text
+        assert 'kvpool_prefill_gate_pops_total{decided_by="budget"} 1.0' in text
+
+    asyncio.run(main())
