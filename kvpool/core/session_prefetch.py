@@ -141,13 +141,16 @@ class SessionPrefetch:
 
     # ---- a turn's life ----------------------------------------------------------
 
-    def turn_started(self, session: SessionId | None, now: float) -> None:
+    def turn_started(self, session: SessionId | None, now: float) -> str | None:
+        """The session's turn arrived. Returns the holder of its held staging, released to this turn
+        (None: none was held), so a caller that logs its block events can log this one."""
         if session is None:
-            return
+            return None
         self._armed.pop(session, None)  # its turn came first
         self.sessions.turn_started(session, now)
-        self._unpin(session)  # its staged blocks go to this turn: cached, most recently used
+        released = self._unpin(session)  # its staged blocks go to this turn: cached, most recently used
         self.blocks.touch_session(session)
+        return released
 
     def admitted(self, request: PrefillRequest) -> tuple[int, int]:
         """The turn got its blocks: bytes (used, wasted) of its session's staged chunks."""
@@ -243,19 +246,19 @@ class SessionPrefetch:
         added = self.ledger.staged(session, request.chunk_hashes[first: first + restored])
         return StagedResult(STAGED if restored else POOL_MISS, hold, added * self.chunk_bytes)
 
-    def unpin_all(self) -> int:
+    def unpin_all(self) -> list[str]:
         """A real request is short of blocks: every held staging goes back to the cache (still cached,
-        now evictable). Returns how many; the caller tries its admission again."""
-        count = sum(self._unpin(session) for session in list(self.pinned))
-        self.num_unpinned += count
-        return count
+        now evictable). Returns their holders (none: nothing was held); the caller tries its admission again."""
+        released = [holder for session in list(self.pinned) if (holder := self._unpin(session)) is not None]
+        self.num_unpinned += len(released)
+        return released
 
-    def _unpin(self, session: SessionId) -> bool:
+    def _unpin(self, session: SessionId) -> str | None:
+        """Free the session's held staging, if any; returns its holder."""
         holder = self.pinned.pop(session, None)
-        if holder is None:
-            return False
-        self.blocks.free(holder)
-        return True
+        if holder is not None:
+            self.blocks.free(holder)
+        return holder
 
     @property
     def num_armed(self) -> int:

@@ -92,20 +92,18 @@ class SessionPrefetcher:
         if session is None:
             return
         self._cancel_waiting(session)  # its turn came first
-        held = self.policy.pinned.get(session)
-        self.policy.turn_started(session, time.monotonic())
-        if held is not None and self.policy.pinned.get(session) != held:
-            self.scheduler.blocks_released([held])  # its blocks are this turn's now, and evictable
+        released = self.policy.turn_started(session, time.monotonic())
+        if released is not None:
+            self.scheduler.blocks_released([released])  # its blocks are this turn's now, and evictable
 
     def unpin_all(self) -> int:
         """A real request is short of blocks: every held staging goes back to the cache (still cached,
         now evictable). Returns how many; the caller tries its admission again."""
-        held = list(self.policy.pinned.values())
-        count = self.policy.unpin_all()
-        self.metrics.unpinned.inc(count)
-        if count:
-            self.scheduler.blocks_released(held)
-        return count
+        released = self.policy.unpin_all()
+        self.metrics.unpinned.inc(len(released))
+        if released:
+            self.scheduler.blocks_released(released)
+        return len(released)
 
     def admitted(self, request: PrefillRequest) -> None:
         used, wasted = self.policy.admitted(request)

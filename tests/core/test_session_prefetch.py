@@ -135,9 +135,9 @@ def test_a_real_request_short_of_blocks_takes_every_held_staging_back() -> None:
     assert p.staged(A, request, 0.1).hold
     big = PrefillRequest("r3", 9 * CHUNK + 1, CHUNK, H("c", 9), session=C)  # all 10 blocks
     assert not try_admit(big, p.blocks, 5.0, 6.0)
-    assert p.unpin_all() == 1 and p.num_unpinned == 1 and p.pinned == {}
+    assert p.unpin_all() == [request.request_id] and p.num_unpinned == 1 and p.pinned == {}
     assert try_admit(big, p.blocks, 5.0, 6.0)
-    assert p.unpin_all() == 0
+    assert p.unpin_all() == []
     # A's turn finds nothing of its staging: the staged chunks are wasted
     p.blocks.free("r3")
     again = turn(p, A, H("a", 3), 12.0, "r4")
@@ -223,7 +223,8 @@ class SessionPrefetchMachine(RuleBasedStateMachine):
             return
         self.now += dt
         n = min(8, self.lengths.get(session, 0) + grow)
-        self.p.turn_started(session, self.now)
+        held = self.p.pinned.get(session)
+        assert self.p.turn_started(session, self.now) == held  # its staging, released to it
         assert session not in self.p.pinned
         self.serial += 1
         request = PrefillRequest(f"r{self.serial}", n * CHUNK + 1, CHUNK, H(session.key, n), session=session)
@@ -285,8 +286,8 @@ class SessionPrefetchMachine(RuleBasedStateMachine):
 
     @rule()
     def unpin_all(self) -> None:
-        held = len(self.p.pinned)
-        assert self.p.unpin_all() == held and self.p.pinned == {}
+        held = sorted(self.p.pinned.values())
+        assert sorted(self.p.unpin_all()) == held and self.p.pinned == {}
 
     @invariant()
     def held_stagings_are_held_blocks_of_idle_sessions(self) -> None:

@@ -81,7 +81,7 @@ class SessionAware:
 
     def unpin_all(self, pipeline: PipelineSim) -> int:
         """A real request is short of blocks on this pipeline: its held stagings go back."""
-        return self.policy(pipeline).unpin_all()
+        return len(self.policy(pipeline).unpin_all())
 
     def turn_ended(self, job: Job, pipeline: PipelineSim, expected_next_s: float | None, end: bool) -> None:
         policy, session, now = self.policy(pipeline), session_of(job), pipeline.loop.now
