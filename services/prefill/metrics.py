@@ -9,7 +9,6 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpool.core.prefill_queue import PrefillQueue
-
 from kvpool.core.tenancy import TenantLabels
 from kvpool.rpc import prefill_pb2
 

@@ -62,35 +62,43 @@ def test_a_slot_handed_to_a_cancelled_waiter_passes_on() -> None:
     asyncio.run(main())
 
 
+async def served(gate: PrefillGate, release: str) -> list[str]:
+    """a (9 s of work) takes the one slot, then b (5), c (1) and d (3) wait; each is let go in ``release``'s
+    order once it runs. Returns the order they ran in."""
+    order: list[str] = []
+    go = {n: asyncio.Event() for n in "abcd"}
+    tasks = [asyncio.ensure_future(hold(gate, n, w, order, go[n])) for n, w in
+             (("a", 9.0), ("b", 5.0), ("c", 1.0), ("d", 3.0))]
+    await asyncio.sleep(0.01)
+    for name in release:
+        go[name].set()
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*tasks)
+    return order
+
+
 def test_the_fifo_order_takes_the_same_slots_in_arrival_order() -> None:
     async def main() -> None:
-        gate, order = PrefillGate(slots=1, max_wait_s=60.0, order=QueueOrder.FIFO), []
-        go = {n: asyncio.Event() for n in "abcd"}
-        tasks = [asyncio.ensure_future(hold(gate, n, w, order, go[n])) for n, w in
-                 (("a", 9.0), ("b", 5.0), ("c", 1.0), ("d", 3.0))]
-        await asyncio.sleep(0.01)
-        for name in "abcd":
-            go[name].set()
-            await asyncio.sleep(0.01)
-        await asyncio.gather(*tasks)
-        assert order == ["a", "b", "c", "d"] and (gate.running, len(gate.queue)) == (0, 0)
+        gate = PrefillGate(slots=1, max_wait_s=60.0, order=QueueOrder.FIFO)
+        assert await served(gate, "abcd") == ["a", "b", "c", "d"] and (gate.running, len(gate.queue)) == (0, 0)
 
     asyncio.run(main())
 
 
 def test_the_bypass_budget_holds_back_a_prefill_that_would_overdraw_an_older_one() -> None:
+    from prometheus_client import generate_latest
+
+    from services.prefill.metrics import GatePopsCollector, PrefillMetrics
+
     async def main() -> None:
-        gate, order = PrefillGate(slots=1, max_wait_s=60.0, max_bypass_s=2.0), []
-        go = {n: asyncio.Event() for n in "abcd"}
-        tasks = [asyncio.ensure_future(hold(gate, n, w, order, go[n])) for n, w in
-                 (("a", 9.0), ("b", 5.0), ("c", 1.0), ("d", 3.0))]
-        await asyncio.sleep(0.01)
-        for name in "acbd":
-            go[name].set()
-            await asyncio.sleep(0.01)
-        await asyncio.gather(*tasks)
+        gate, metrics = PrefillGate(slots=1, max_wait_s=60.0, max_bypass_s=2.0), PrefillMetrics()
+        metrics.registry.register(GatePopsCollector(gate.queue))  # as stage 0 does
+        order = await served(gate, "acbd")
         # c (1 s) overtakes b, whose 2 s of credit keep 1: d's 3 s would overdraw it, so b goes first
         assert order == ["a", "c", "b", "d"] and gate.queue.num_budget_pops == 1
+        text = generate_latest(metrics.registry).decode()
+        assert 'kvpool_prefill_gate_pops_total{decided_by="aging"} 0.0' in text
+        assert 'kvpool_prefill_gate_pops_total{decided_by="budget"} 1.0' in text
 
     asyncio.run(main())
 
@@ -137,33 +145,5 @@ def test_waiting_sessions_come_in_serving_order_and_leave_with_their_waiter() ->
         go["b"].set(), go["c"].set()
         await asyncio.gather(tasks["a"], tasks["b"], tasks["c"])
         assert gate.waiting_sessions(0.0) == [] and gate._sessions == {}
-
-    asyncio.run(main())
-
-
-def test_the_gate_s_aging_and_budget_pops_are_counters_on_the_stage_s_metrics() -> None:
-    from prometheus_client import generate_latest
-
-    from services.prefill.metrics import GatePopsCollector, PrefillMetrics
-
-    async def main() -> None:
-        metrics = PrefillMetrics()
-        gate, order = PrefillGate(slots=1, max_wait_s=math.inf, max_bypass_s=2.0), []
-        metrics.registry.register(GatePopsCollector(gate.queue))
-        go = {n: asyncio.Event() for n in "abc"}
-        tasks = {}
-        for name, work in (("a", 1.0), ("b", 3.0), ("c", 2.5)):  # a runs; b and c wait
-            tasks[name] = asyncio.ensure_future(hold(gate, name, work, order, go[name]))
-            await asyncio.sleep(0.01)
-        go["a"].set()  # the order prefers c, but c's 2.5 s would overdraw b's 2.0 s of credit: b goes
-        await asyncio.sleep(0.01)
-        assert order == ["a", "b"]
-        go["b"].set()
-        go["c"].set()
-        await asyncio.gather(*tasks.values())
-        assert order == ["a", "b", "c"]
-        text = generate_latest(metrics.registry).decode()
-        assert 'kvpool_prefill_gate_pops_total{decided_by="aging"} 0.0' in text
-        assert 'kvpool_prefill_gate_pops_total{decided_by="budget"} 1.0' in text
 
     asyncio.run(main())

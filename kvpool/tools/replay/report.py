@@ -217,11 +217,12 @@ def format_table(summaries: Sequence[dict[str, Any]], workload: ReplayWorkload) 
             f"concurrency {s['concurrency']}: {s['turns_ok']}/{s['turns_sent']} turns in {s['wall_s']:.1f} s; "
             f"trace block bound {_f(s['trace_block_bound'], '.1%')}; prompt tok/s per pipeline: {per_pipe or '-'}",
             f"  restore {s['restore_bytes']:,} B over {s['restores']} restoring requests (wait mean "
-            f"{_f(s['restore_wait_mean_s'], '.3f')} s, p99 ~{_f(s.get('restore_wait_p99_s'), '.3f')} s); per stage bytes and mean read: "
+            f"{_f(s['restore_wait_mean_s'], '.3f')} s, p99 ~{_f(s['restore_wait_p99_s'], '.3f')} s); "
+            "per stage bytes and mean read: "
             + (", ".join(f"{k} {v:,} B {_f(s['restore_seconds_mean_per_stage'].get(k), '.3f')} s"
                          for k, v in s["restore_bytes_per_stage"].items()) or "-")
             + f"; prefill queue wait mean {_f(s['prefill_queue_wait_mean_s'], '.3f')} s, "
-            f"p99 ~{_f(s.get('prefill_queue_wait_p99_s'), '.3f')} s",
+            f"p99 ~{_f(s['prefill_queue_wait_p99_s'], '.3f')} s",
             f"  handoff {s['handoff_transfers']:,} transfers, {s['handoff_bytes']:,} B; decode KV use peak "
             f"{_f(s['decode_kv_util_peak'], '.1%')}, mean {_f(s['decode_kv_util_mean'], '.1%')}; decode queue "
             f"wait mean {_f(s['decode_queue_wait_mean_s'], '.4f')} s",
