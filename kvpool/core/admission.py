@@ -22,14 +22,17 @@ Rules:
   (Stage 0 may still wait, briefly, for blocks a finished request's pool
   saves read: those end within the saves' own bounds.)
 - The queue's order (``kvpool.core.admission_queue``): ``FIFO`` (the
-  default) or ``WORK`` (least estimated work first, aging at ``max_wait_s``).
-  In either order nobody overtakes the head: a new request takes a ticket at
-  once only if it would be the head (FIFO: the queue is empty; WORK: also when
-  nobody is overdue and it brings less work than the head), and a head that
-  does not fit holds back everyone after it. So a big request is never
-  starved by small ones that fit: the work order passes it over only until it
-  is overdue, and then, as the oldest overdue, it is the head and waits only
-  for room (which ``check`` says can come).
+  default) or ``WORK`` (least estimated work first, aging at ``max_wait_s``,
+  and with a bypass budget ``max_bypass_s`` nobody overtaking a request whose
+  credit it would overdraw). In either order nobody overtakes the head: a new
+  request takes a ticket at once only if it would be the head (FIFO: the
+  queue is empty; WORK: also when nobody is overdue, it brings less work than
+  the head and the budget lets it pass every queued request, whose credits it
+  then draws on), and a head that does not fit holds back everyone after
+  it. So a big request is never starved by small ones that fit: the work
+  order passes it over only until it is overdue (with a budget, also only
+  until its credit is spent: then none younger goes first), and then it is
+  the head and waits only for room (which ``check`` says can come).
 - A pipeline whose device cache has no room for the request now is left out
   (``DEVICE_CACHE_FULL`` when it is the session's own); none with room: queued.
 - A request that can never fit (its prompt beyond every pipeline's device
@@ -134,7 +137,8 @@ class Admission:
 
     def __init__(self, routing: RoutingPolicy, shard_servers: dict[str, str], pipeline_servers: dict[str, str],
                  max_queue: int, queue_timeout_s: float, locality: bool = True,
-                 order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0, health_wait_s: float = 0.0) -> None:
+                 order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0, health_wait_s: float = 0.0,
+                 max_bypass_s: float = math.inf) -> None:
         if not health_wait_s >= 0:
             raise InvalidArgument(f"health_wait_s: must be >= 0, got {health_wait_s}")
         if max_queue < 0:
@@ -150,7 +154,7 @@ class Admission:
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.locality = locality
-        self._queue = AdmissionQueue(order, max_wait_s)
+        self._queue = AdmissionQueue(order, max_wait_s, max_bypass_s)
         self._tickets: dict[str, Ticket] = {}
         self._prefilling: set[str] = set()  # tickets whose blocks their pipeline still counts
         self.health_wait_s = health_wait_s
@@ -254,9 +258,10 @@ class Admission:
         if missing is not None and (self.health_wait_s == 0 or len(self._queue) >= self.max_queue):
             raise Unavailable(missing)
         work_s = self.work_s(request)
-        if missing is None and self._queue.leads(work_s, now):  # it would be the head: nobody to overtake
+        if missing is None and self._queue.leads(work_s, now):  # it would be the head: it may go now
             ticket = self._try_ticket(request, 0.0)
             if ticket is not None:
+                self._queue.take_at_once(request.request_id, work_s, now)  # the queued it passed pay its work
                 return ticket
         if len(self._queue) >= self.max_queue:
             raise ResourceExhausted(f"router: the admission queue is full ({self.max_queue} waiting)",

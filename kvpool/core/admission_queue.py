@@ -5,7 +5,12 @@ Pure: no grpc, no I/O; time comes in as numbers from the caller's clock.
 The order is the prefill queue's (``kvpool.core.prefill_queue.PrefillQueue``,
 the same ``QueueOrder``): ``FIFO`` is arrival order; ``WORK`` takes the
 least estimated work first and a request waiting ``max_wait_s`` or more
-before every other, oldest first.
+before every other, oldest first, and with a bypass budget (``max_bypass_s``)
+lets nobody overtake a request whose credit it would overdraw. A request that
+takes its ticket at once, never queued, overtakes every queued request: it
+may only when the budget lets it (``leads``), and it is debited from their
+credits as a pop would be (``take_at_once``), so the budget's bound holds for
+the router's queue as for stage 0's.
 
 The work the router can estimate (``admission_work_s``): it sees no device
 cache, only the prompt and, per session, a fingerprint of each of the last
@@ -24,11 +29,14 @@ it owns).
 
 Invariants: a request id is queued at most once; ``ids`` are in arrival
 order; ``head`` is the request the order serves next (``PrefillQueue.peek``),
-and the oldest request always has the earliest deadline (one timeout for all).
+and the oldest request always has the earliest deadline (one timeout for all);
+every request that leaves with a ticket, queued or not, is a pop of the core's
+queue (the credits it keeps are those of ``PrefillQueue``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvpool.core.admission_room import AdmissionRequest
@@ -59,10 +67,11 @@ class QueuedRequest:
 class AdmissionQueue:
     """Queued requests and their order (see the module doc)."""
 
-    def __init__(self, order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0) -> None:
-        if order not in (QueueOrder.FIFO, QueueOrder.WORK):  # ``leads`` knows these two
+    def __init__(self, order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0,
+                 max_bypass_s: float = math.inf) -> None:
+        if order not in (QueueOrder.FIFO, QueueOrder.WORK):  # the router's --sched: fifo or session
             raise InvalidArgument(f"order: the admission queue takes fifo or work, got {order.value}", field="order")
-        self._order = PrefillQueue(order, max_wait_s)
+        self._order = PrefillQueue(order, max_wait_s, max_bypass_s)
         self._queued: dict[str, QueuedRequest] = {}  # insertion order: arrival order
 
     @property
@@ -74,9 +83,22 @@ class AdmissionQueue:
         return self._order.max_wait_s
 
     @property
+    def max_bypass_s(self) -> float:
+        return self._order.max_bypass_s
+
+    @property
     def num_overdue_pops(self) -> int:
         """Requests taken because aging made them the head (how often the bound binds)."""
         return self._order.num_overdue_pops
+
+    @property
+    def num_budget_pops(self) -> int:
+        """Requests taken where the bypass budget held back the order's first choice (how often it binds)."""
+        return self._order.num_budget_pops
+
+    def credit_s(self, request_id: str) -> float:
+        """What is left of a queued request's bypass budget."""
+        return self._order.credit_s(request_id)
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -104,14 +126,20 @@ class AdmissionQueue:
         return self._queued.pop(self._order.pop(now))
 
     def leads(self, work_s: float, now: float) -> bool:
-        """Whether a request arriving now with ``work_s`` would be the head: the queue is empty, or
-        (``WORK``) nobody is overdue and it brings strictly less work than the head (ties: the earlier)."""
-        head = self.head(now)
-        if head is None:
-            return True
-        if self.order is QueueOrder.FIFO or now - self.oldest().enqueued_at >= self.max_wait_s:
-            return False
-        return work_s < head.work_s
+        """Whether a request arriving now with ``work_s`` would be the head (``PrefillQueue.leads``): the
+        queue is empty, or (``WORK``) nobody is overdue, it brings strictly less work than the head (ties:
+        the earlier) and its work is within every queued request's bypass credit."""
+        return self._order.leads(work_s, now)
+
+    def take_at_once(self, request_id: str, work_s: float, now: float) -> None:
+        """A request that ``leads`` took its ticket without queueing: those it overtook are debited its
+        work, as its pop would debit them; InvalidArgument (nothing changes) unless it leads."""
+        self._order.push(request_id, work_s, now)  # raises on a duplicate or a bad work
+        if self._order.peek(now) != request_id:
+            self._order.remove(request_id)
+            raise InvalidArgument(f"request_id: {request_id!r} does not lead the admission queue",
+                                  field="request_id")
+        self._order.pop(now)
 
     def oldest(self) -> QueuedRequest:
         """The request queued longest (the earliest deadline); InvalidArgument when empty."""

@@ -36,7 +36,7 @@ request's push and its pop is at most the work queued at its push plus
 ``max_bypass_s``: with one server whose service times are the estimates, a
 request waits at most what it would wait under FIFO plus ``max_bypass_s``
 (the unfinished work at its arrival is the same under any order that never
-idles). Cost: ``push`` O(1) (``WORK``: O(log n)); with a finite budget,
+idles). Cost: ``push`` O(1) (``WORK``: O(log n)), ``leads`` O(n); with a finite budget,
 ``pop``/``peek`` scan the queue, O(n), and ``serving_order`` plays the pops,
 O(n²); without one, ``WORK`` pops from a heap and ``RATIO`` scans.
 
@@ -180,6 +180,20 @@ class PrefillQueue:
                 return request_id
             heapq.heappop(heap)  # popped or removed before
         raise AssertionError("a queued request is missing from the work heap")  # invariant
+
+    def leads(self, work: float, now: float) -> bool:
+        """Whether a request pushed now with ``work`` would be the next pop: the queue is empty, or nobody is
+        overdue, the order puts it first (ties go to the queued, as earlier) and the budget lets it overtake
+        every queued request. A caller that then serves it at once pushes and pops it, so that those it
+        overtook are debited its work. O(n)."""
+        if not self._arrivals:
+            return True
+        oldest = next(iter(self._arrivals.values()))
+        if self.order is QueueOrder.FIFO or now - oldest.enqueued_at >= self.max_wait_s:
+            return False
+        entries = list(self._arrivals.values())
+        entries.append(_Entry("", work, now, entries[-1].seq + 1, self.max_bypass_s))  # the youngest
+        return self._pick(entries, [e.credit for e in entries], now)[0] == len(entries) - 1
 
     def _pick(self, entries: list[_Entry], credits: list[float], now: float) -> tuple[int, bool]:
         """The index in ``entries`` (push order) the budget lets go that the order prefers, and whether the

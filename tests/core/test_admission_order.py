@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -22,10 +24,10 @@ W = WorkWeights()
 MACHINE_SHAPE = ShardShape(60, 16, 1_000_000, 2000, 4096, 2048)  # the state machine's one shard
 
 
-def admission(order: QueueOrder, max_wait_s: float = 5.0) -> Admission:
+def admission(order: QueueOrder, max_wait_s: float = 5.0, max_bypass_s: float = math.inf) -> Admission:
     routing = RoutingPolicy.of(["p0", "p1"], ["d0", "d1"])
     a = Admission(routing, {"d0": "s0", "d1": "s1"}, {"p0": "s0", "p1": "s1"}, max_queue=4,
-                  queue_timeout_s=10.0, order=order, max_wait_s=max_wait_s)
+                  queue_timeout_s=10.0, order=order, max_wait_s=max_wait_s, max_bypass_s=max_bypass_s)
     for shard in ("d0", "d1"):
         a.set_shard_shape(shard, SHAPE)
     for pipeline in ("p0", "p1"):
@@ -161,30 +163,34 @@ def test_the_queue_checks_its_input() -> None:
         AdmissionQueue(QueueOrder.RATIO, 4.0)
 
 
-def model_head(queued: list[tuple[str, float, float]], now: float, max_wait_s: float) -> str:
-    """The reference order: (id, work, enqueued_at) in arrival order; the oldest if overdue, else least work."""
+def model_head(queued: list[list], now: float, max_wait_s: float) -> str:
+    """The reference order: [id, work, enqueued_at, credit] in arrival order; the oldest if overdue, else the
+    least work among those whose work every older request's credit covers (the bypass budget)."""
     if now - queued[0][2] >= max_wait_s:
         return queued[0][0]
-    return min(enumerate(queued), key=lambda iq: (iq[1][1], iq[0]))[1][0]
+    allowed = [(q[1], k, q[0]) for k, q in enumerate(queued) if all(q[1] <= older[3] for older in queued[:k])]
+    return min(allowed)[2]
 
 
 class WorkOrderMachine(RuleBasedStateMachine):
     """Against a reference model: every ticket from the queue was the order's head when it left, the queue
-    keeps arrival order, and after every call the head (if any) does not fit; room stays consistent."""
+    keeps arrival order, and after every call the head (if any) does not fit; every queued request's bypass
+    credit is the budget less the work of those that overtook it, queued or not; room stays consistent."""
 
     MAX_WAIT_S = 2.0
+    MAX_BYPASS_S = math.inf
 
     def __init__(self) -> None:
         super().__init__()
         routing = RoutingPolicy.of(["p0"], ["d0"])
         self.a = Admission(routing, {"d0": "s0"}, {"p0": "s0"}, max_queue=5, queue_timeout_s=6.0,
-                           order=QueueOrder.WORK, max_wait_s=self.MAX_WAIT_S)
+                           order=QueueOrder.WORK, max_wait_s=self.MAX_WAIT_S, max_bypass_s=self.MAX_BYPASS_S)
         self.a.set_shard_shape("d0", MACHINE_SHAPE)
         self.a.set_pipeline_shape("p0", 40, 16)
         self.now = 0.0
         self.next_id = 0
         self.live: set[str] = set()
-        self.queued: list[tuple[str, float, float]] = []  # (id, work, enqueued_at), arrival order
+        self.queued: list[list] = []  # [id, work, enqueued_at, credit], arrival order
         self.requests: dict[str, AdmissionRequest] = {}
 
     def _apply(self, admitted: Admitted) -> None:
@@ -193,7 +199,10 @@ class WorkOrderMachine(RuleBasedStateMachine):
         for ticket in admitted.tickets:
             head = model_head(self.queued, self.now, self.MAX_WAIT_S)
             assert ticket.request_id == head  # in the order, nobody overtaking the head
-            self.queued = [q for q in self.queued if q[0] != head]
+            k = [q[0] for q in self.queued].index(head)
+            for older in self.queued[:k]:
+                older[3] -= self.queued[k][1]
+            del self.queued[k]
             self.live.add(head)
 
     def _head_does_not_fit(self) -> None:
@@ -214,7 +223,7 @@ class WorkOrderMachine(RuleBasedStateMachine):
         work = self.a.work_s(request)
         leads = not self.queued or (
             self.now - self.queued[0][2] < self.MAX_WAIT_S
-            and work < min(w for _, w, _ in self.queued))
+            and work < min(q[1] for q in self.queued) and work <= min(q[3] for q in self.queued))
         try:
             ticket = self.a.admit(request, self.now)
         except InvalidArgument:
@@ -223,9 +232,11 @@ class WorkOrderMachine(RuleBasedStateMachine):
             assert len(self.queued) == 5
             return
         if ticket is None:
-            self.queued.append((request_id, work, self.now))
+            self.queued.append([request_id, work, self.now, self.MAX_BYPASS_S])
         else:
             assert leads  # a ticket at once only for a request that would be the head
+            for older in self.queued:  # it overtook every queued request
+                older[3] -= work
             self.live.add(request_id)
         self._head_does_not_fit()
 
@@ -252,6 +263,8 @@ class WorkOrderMachine(RuleBasedStateMachine):
     @invariant()
     def queue_matches_the_model(self) -> None:
         assert self.a.queued_ids() == [q[0] for q in self.queued]
+        assert [self.a.queue.credit_s(q[0]) for q in self.queued] == [q[3] for q in self.queued]
+        assert all(q[3] >= 0 for q in self.queued)
         assert {t.request_id for t in self.a.tickets()} == self.live
         shard = self.a.shards["d0"]
         assert shard.used_pages == sum(t.num_pages for t in self.a.tickets()) <= 60
@@ -260,3 +273,13 @@ class WorkOrderMachine(RuleBasedStateMachine):
 
 TestWorkOrderMachine = WorkOrderMachine.TestCase
 TestWorkOrderMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+class BudgetedWorkOrderMachine(WorkOrderMachine):
+    """The same with a bypass budget about a 400-token prompt's work (prompts bring 0 to 3 ms): it binds."""
+
+    MAX_BYPASS_S = 0.002
+
+
+TestBudgetedWorkOrderMachine = BudgetedWorkOrderMachine.TestCase
+TestBudgetedWorkOrderMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)

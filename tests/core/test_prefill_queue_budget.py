@@ -74,6 +74,23 @@ def test_an_infinite_budget_is_the_order_alone_and_fifo_ignores_the_budget() -> 
     assert [fifo.pop(3.0) for _ in range(3)] == ["r0", "r1", "r2"] and fifo.num_budget_pops == 0
 
 
+def test_a_newcomer_leads_only_where_its_pop_would_come_first() -> None:
+    queue = budgeted(QueueOrder.WORK, [5.0, 1.0], max_bypass_s=2.0, max_wait_s=10.0)  # pushed at 0 and 1
+    # less work than the head (r1) and within every credit; as much as the head (the earlier wins); more
+    # than a credit
+    assert [queue.leads(w, now=2.0) for w in (0.5, 1.0)] == [True, False]
+    assert queue.pop(2.0) == "r1" and queue.credit_s("r0") == 1.0
+    assert [queue.leads(w, now=2.0) for w in (1.0, 1.5)] == [True, False]
+    assert not queue.leads(0.0, now=10.0)  # r0 is overdue: it goes first
+    assert budgeted(QueueOrder.WORK, [5.0], max_bypass_s=math.inf).leads(4.0, now=1.0)
+    assert budgeted(QueueOrder.WORK, [], max_bypass_s=0.0).leads(9.0, now=0.0)  # empty: anyone
+    # FIFO and RATIO: a newcomer's ratio is 1 at most, a waiting request's more: neither lets it lead
+    for order in (QueueOrder.FIFO, QueueOrder.RATIO):
+        assert not budgeted(order, [5.0], max_bypass_s=math.inf).leads(0.0, now=1.0)
+    queue.push("x", 1.0, 2.0)
+    assert queue.pop(2.0) == "x" and queue.credit_s("r0") == 0.0  # what ``leads`` said: its pop comes first
+
+
 def test_bad_budget_and_work() -> None:
     with pytest.raises(InvalidArgument, match="max_bypass_s"):
         PrefillQueue(QueueOrder.WORK, 4.0, -1.0)
