@@ -36,6 +36,9 @@ class RouterMetrics:
         self.queue_overdue = Counter("kvpool_router_queue_overdue",
                                      "Queued requests ticketed first because they waited --sched-max-wait-s (session "
                                      "order's aging)", registry=r)
+        self.queue_budget = Counter("kvpool_router_queue_budget",
+                                    "Queued requests ticketed where the bypass budget (--sched-max-bypass-s) held "
+                                    "back the session order's first choice", registry=r)
         self.queue_length = Gauge("kvpool_router_queue_length", "Requests waiting for decode room", registry=r)
         self.queue_seconds = Histogram("kvpool_router_queue_seconds", "Wait for admission (0 when room was free)",
                                        buckets=(0.0, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)

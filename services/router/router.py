@@ -29,6 +29,7 @@ the region and pages back and releases the ticket, at once.
 from __future__ import annotations
 
 import asyncio
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -73,7 +74,8 @@ class Router:
                  max_queue: int = 64, queue_timeout_s: float = 30.0, locality: bool = True,
                  servers: dict[str, str] | None = None, limits: ModelLimits | None = None,
                  order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0,
-                 late_checks_out: int = LATE_CHECKS_OUT, health_wait_s: float = 0.0) -> None:
+                 late_checks_out: int = LATE_CHECKS_OUT, health_wait_s: float = 0.0,
+                 max_bypass_s: float = math.inf) -> None:
         self.metrics = metrics
         self.limits = limits  # its context follows every health round (kvpool.core.served_context)
         self.max_in_flight = max_in_flight
@@ -84,7 +86,7 @@ class Router:
             RoutingPolicy.of(pipelines, shards, affinity_max_queue=affinity_max_queue),
             {s: server_of(s, names) for s in shards}, {p: server_of(p, names) for p in pipelines},
             max_queue=max_queue, queue_timeout_s=queue_timeout_s, locality=locality, order=order,
-            max_wait_s=max_wait_s, health_wait_s=health_wait_s,
+            max_wait_s=max_wait_s, health_wait_s=health_wait_s, max_bypass_s=max_bypass_s,
         )
         metrics.queue_order.labels(order.value).set(1)
         self.backends = Backends(pipelines, shards, self.admission, metrics, late_checks_out)
@@ -92,7 +94,7 @@ class Router:
         # set (and replaced) whenever admission may have freed room: a request waiting to be retried looks again
         self._room_freed = asyncio.Event()
         self._prefetches: set[asyncio.Task[None]] = set()  # fire-and-forget: a turn's end never waits on them
-        self._overdue_seen = 0  # the queue's aging pops already counted in metrics
+        self._overdue_seen = self._budget_seen = 0  # the queue's aging and budget pops already counted in metrics
 
     async def close(self) -> None:
         await self.backends.close()
@@ -172,6 +174,9 @@ class Router:
         overdue = self.admission.queue.num_overdue_pops
         self.metrics.queue_overdue.inc(overdue - self._overdue_seen)
         self._overdue_seen = overdue
+        budget = self.admission.queue.num_budget_pops
+        self.metrics.queue_budget.inc(budget - self._budget_seen)
+        self._budget_seen = budget
         self.metrics.admitted.set(self.admission.num_admitted)
         for name, shard in self.admission.shards.items():
             self.metrics.shard_pages.labels(name).set(shard.used_pages)

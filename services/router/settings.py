@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvpool.core.prefill_queue import QueueOrder
@@ -56,7 +57,11 @@ class RouterSettings(ModelSetting):
                          "--sched-max-wait-s going before every other; in both a head that does not fit holds "
                          "back the rest", choices=("fifo", "session"))
     sched_max_wait_s: float = setting(4.0, help="--sched session: a queued request waiting this long goes first "
-                                      "(oldest first), and no later request passes it")
+                                      "(oldest first), and no later request passes it (inf: no aging)")
+    sched_max_bypass_s: float = setting(
+        math.inf, help="--sched session: the bypass budget, seconds of estimated work that later requests may "
+        "overtake a queued request by, in the queue or taking their ticket at once (kvpool.core.prefill_queue)",
+        default_text="none")
     servers: list[str] = setting(
         help="the server of each pipeline or shard, where its address's host does not say it",
         factory=list, metavar="ADDR=SERVER,...", default_text="the address's host",
@@ -107,6 +112,8 @@ class RouterSettings(ModelSetting):
             raise ValueError(f"queue_timeout_s: must be positive, got {self.queue_timeout_s}")
         if not self.sched_max_wait_s > 0:
             raise ValueError(f"sched_max_wait_s: must be positive, got {self.sched_max_wait_s}")
+        if not self.sched_max_bypass_s >= 0:
+            raise ValueError(f"sched_max_bypass_s: must be >= 0, got {self.sched_max_bypass_s}")
         bad = [s for s in self.servers if "=" not in s]
         if bad:
             raise ValueError(f"servers: {bad[0]!r} is not ADDR=SERVER")

@@ -4,14 +4,19 @@
 from __future__ import annotations
 
 import asyncio
+import math
+from pathlib import Path
 
 import pytest
 
+from kvpool.core.admission import ShardShape
+from kvpool.core.admission_queue import admission_work_s
 from kvpool.core.prefill_queue import QueueOrder
 from kvpool.tools.replay.compare import side_settings
 from kvpool.tools.replay.topology import TopologySettings, side_topology
 from services import cli
 from services.router.metrics import RouterMetrics
+from services.router.openai_schema import GenerationRequest
 from services.router.router import Router
 from services.router.settings import RouterSettings
 
@@ -45,6 +50,82 @@ def test_the_router_flag_sets_the_admission_queue_order_and_its_aging() -> None:
 
     assert asyncio.run(queue_of(session)) == (QueueOrder.WORK, 2.5, 1.0)
     assert asyncio.run(queue_of(fifo)) == (QueueOrder.FIFO, 4.0, 1.0)
+
+
+def test_the_router_flag_sets_the_admission_queues_bypass_budget(tmp_path: Path) -> None:
+    assert (router_settings().sched_max_bypass_s, router_settings().sched_max_wait_s) == (math.inf, 4.0)
+    given = router_settings("--sched", "session", "--sched-max-bypass-s", "0.5", "--sched-max-wait-s", "inf")
+    assert (given.sched_max_bypass_s, given.sched_max_wait_s) == (0.5, math.inf)
+    assert router_settings("--sched-max-bypass-s", "0").sched_max_bypass_s == 0.0  # arrival order, in effect
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit, match="sched_max_bypass_s: must be >= 0"):
+            router_settings("--sched-max-bypass-s", bad)
+    config = tmp_path / "cluster.toml"
+    config.write_text("[router]\nsched = \"session\"\nsched_max_bypass_s = 2.5\nsched_max_wait_s = inf\n")
+    from_toml = router_settings("--config", str(config))
+    assert (from_toml.queue_order, from_toml.sched_max_bypass_s, from_toml.sched_max_wait_s) == (
+        QueueOrder.WORK, 2.5, math.inf)
+
+    async def budget_of(settings: RouterSettings) -> float:
+        router = Router(settings.pipelines, settings.shards, RouterMetrics(), order=settings.queue_order,
+                        max_wait_s=settings.sched_max_wait_s, max_bypass_s=settings.sched_max_bypass_s)
+        try:
+            return router.admission.queue.max_bypass_s
+        finally:
+            await router.close()
+
+    assert asyncio.run(budget_of(given)) == 0.5
+    assert asyncio.run(budget_of(router_settings())) == math.inf
+
+
+# one shard whose arena holds two 100-token regions (405,504 bytes each), or a 100- and a 120-token one, or a
+# 150-token one (604,096) beside nothing bigger than 120 tokens (484,096)
+SHAPE = ShardShape(num_pages=100, page_size=16, arena_bytes=1_000_000, region_bytes_per_token=4000,
+                   region_trailer_bytes=4096, max_context=4096)
+TURN_WORK = admission_work_s(120, 100)  # session s's second turn: 20 tokens beyond its first's 100
+
+
+def budget_pops(max_bypass_s: float) -> tuple[list[str], float, float]:
+    """r0 (session s) and r1 fill the shard; a 150-token newcomer queues, then s's 120-token turn; r1 ends
+    (room for the turn only), then r0 (room for the newcomer): the queued requests that got tickets, and
+    ``kvpool_router_queue_budget_total`` and ``kvpool_router_queue_overdue_total``."""
+
+    def prompt(n: int, base: int = 0, session: str = "") -> GenerationRequest:
+        return GenerationRequest("completion", "tiny", list(range(base, base + n)), 60, session_key=session)
+
+    async def scenario() -> tuple[list[str], float, float]:
+        router = Router(["127.0.0.1:1"], ["127.0.0.1:2"], RouterMetrics(), order=QueueOrder.WORK,
+                        max_wait_s=math.inf, max_bypass_s=max_bypass_s)
+        try:
+            router.admission.set_shard_shape("127.0.0.1:2", SHAPE)
+            router.admission.set_pipeline_shape("127.0.0.1:1", 64, 16)
+            await router._admit("r0", prompt(100, session="s"))
+            await router._admit("r1", prompt(100, base=1000))
+            waiting = {request_id: asyncio.create_task(router._admit(request_id, request))
+                       for request_id, request in (("new", prompt(150, base=9000)),
+                                                   ("turn", prompt(120, session="s")))}
+            await asyncio.sleep(0)  # both queue
+            assert router.admission.queued_ids() == ["new", "turn"]
+            for done in ("r1", "r0"):
+                router._release(done)
+                await asyncio.sleep(0)  # the tickets' waiters run
+            ticketed = [request_id for request_id, waiter in waiting.items() if waiter.done()]
+            for waiter in waiting.values():
+                waiter.cancel()
+            registry = router.metrics.registry
+            return (ticketed, registry.get_sample_value("kvpool_router_queue_budget_total"),
+                    registry.get_sample_value("kvpool_router_queue_overdue_total"))
+        finally:
+            await router.close()
+
+    return asyncio.run(scenario())
+
+
+def test_the_router_counts_the_tickets_its_bypass_budget_decided() -> None:
+    # no budget: the turn passes the newcomer once r1 ends; the newcomer then waits for more room
+    assert budget_pops(math.inf) == (["turn"], 0.0, 0.0)
+    # the turn would overdraw the newcomer's credit: the newcomer goes first once r0 ends, the budget's pop
+    assert budget_pops(TURN_WORK / 2) == (["new"], 1.0, 0.0)
 
 
 def test_replay_sched_sides_set_the_router_and_stage_0_alike() -> None:
