@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from kvpool.core.admission import ShardShape
 from kvpool.core.admission_queue import admission_work_s
 from kvpool.core.prefill_queue import QueueOrder
+from kvpool.tools.replay import compare_cmd
 from kvpool.tools.replay.compare import side_settings
 from kvpool.tools.replay.topology import TopologySettings, side_topology
 from services import cli
@@ -137,6 +139,40 @@ def test_replay_sched_sides_set_the_router_and_stage_0_alike() -> None:
             assert args[args.index("--sched-max-wait-s") + 1] == "10.0"
     router_args = side_topology(TopologySettings()).router.args  # no bound given: the router's own default
     assert "--sched-max-wait-s" not in router_args and router_args[router_args.index("--sched") + 1] == "fifo"
+    assert "--sched-max-bypass-s" not in router_args
+
+
+def replay_args(*argv: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args(["replay", *argv])
+
+
+def test_replay_sched_passes_the_bypass_budget_to_stage_0_and_the_router_of_both_sides() -> None:
+    args = replay_args("--compare", "sched=fifo,session", "--sched-max-bypass-s", "0.25", "--sched-max-wait-s", "10")
+    what, sides = compare_cmd._check(args)
+    base = compare_cmd.base_settings(args, what, "64MiB", 8192)
+    assert (base.sched_max_bypass_s, base.sched_max_wait_s) == (0.25, 10.0)
+    for side in sides:
+        topology = side_topology(side_settings(base, what, side))
+        for args_of in (topology.router.args, *(p.args for s in topology.servers for p in s.pipelines)):
+            assert args_of[args_of.index("--sched") + 1] == side
+            assert args_of[args_of.index("--sched-max-bypass-s") + 1] == "0.25"
+            assert args_of[args_of.index("--sched-max-wait-s") + 1] == "10.0"
+    unbounded = replay_args("--compare", "sched=fifo,session", "--sched-max-bypass-s", "inf")
+    base = compare_cmd.base_settings(unbounded, "sched", "64MiB", 8192)
+    router_args = side_topology(side_settings(base, "sched", "session")).router.args
+    assert router_args[router_args.index("--sched-max-bypass-s") + 1] == "inf"  # as the router reads it
+    # not given, or not a sched= comparison: neither process gets it (their default: no budget)
+    for argv in (("--compare", "sched=fifo,session"), ("--compare", "pool=shared,split", "--sched-max-bypass-s", "2")):
+        args = replay_args(*argv)
+        what, sides = compare_cmd._check(args)
+        topology = side_topology(side_settings(compare_cmd.base_settings(args, what, "64MiB", 8192), what, sides[0]))
+        for args_of in (topology.router.args, topology.servers[0].pipelines[0].args):
+            assert "--sched-max-bypass-s" not in args_of
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit, match="--sched-max-bypass-s: must be >= 0"):
+            compare_cmd._check(replay_args("--compare", "sched=fifo,session", "--sched-max-bypass-s", bad))
+    with pytest.raises(ValueError, match="sched_max_bypass_s must be >= 0"):
+        TopologySettings(sched_max_bypass_s=-1.0)
 
 
 def test_the_router_flag_sets_how_many_late_health_checks_take_a_backend_out() -> None:

@@ -65,6 +65,10 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    help="sched=: the session side's aging bound, at stage 0's gate and the router's queue (a "
                    "request waiting S goes first; default: theirs, 4 s, chosen in the simulator for the seed's "
                    "GPUs: scale it with the turn's service time)")
+    g.add_argument("--sched-max-bypass-s", type=float, metavar="S",
+                   help="sched=: the session side's bypass budget, at stage 0's gate and the router's queue: later "
+                   "requests may overtake a waiting one by S seconds of estimated work in all, so it waits at most "
+                   "what arrival order would make it wait plus S (default: theirs, no budget)")
     g.add_argument("--sides-at-once", action="store_true",
                    help="run every side's cluster and replay at the same time (not with --kill-server): on a "
                    "shared host a load that moves then moves for every side, where one after the other it does not")
@@ -95,6 +99,8 @@ def _check(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
         raise SystemExit(f"kvpool replay: --kill-server: no server {args.kill_server} of {args.servers}")
     if args.sched_max_wait_s < 0:
         raise SystemExit(f"kvpool replay: --sched-max-wait-s: must be >= 0, got {args.sched_max_wait_s}")
+    if args.sched_max_bypass_s is not None and not args.sched_max_bypass_s >= 0:
+        raise SystemExit(f"kvpool replay: --sched-max-bypass-s: must be >= 0, got {args.sched_max_bypass_s}")
     if args.sched_slots < 0:
         raise SystemExit(f"kvpool replay: --sched-slots: must be >= 0, got {args.sched_slots}")
     if args.turns is not None and args.turns < 1:
@@ -102,6 +108,18 @@ def _check(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
     if str(args.trace).endswith(".jsonl"):
         raise SystemExit("kvpool replay: --compare replays weka sessions (a folder or a trace_*.json)")
     return what, sides
+
+
+def base_settings(args: argparse.Namespace, what: str, segment: str, device_tokens: int) -> TopologySettings:
+    """Every side's shape before its own change (``side_settings``); the sched= flags only for sched=."""
+    sched = what == "sched"
+    return TopologySettings(servers=args.servers, stages=args.stages, segment_size=segment,
+                            device_cache_tokens=device_tokens, kv_dtype=args.kv_dtype, netns=not args.loopback,
+                            link_gbit=args.link_gbit, log_level=args.log_level,
+                            decode_args=("--num-pages", str(args.decode_pages)) if args.decode_pages else (),
+                            sched_slots=args.sched_slots if sched else -1,
+                            sched_max_wait_s=args.sched_max_wait_s if sched else 0.0,
+                            sched_max_bypass_s=args.sched_max_bypass_s if sched else None)
 
 
 def main(args: argparse.Namespace, levels: list[int]) -> int:
@@ -128,12 +146,7 @@ def main(args: argparse.Namespace, levels: list[int]) -> int:
           f"{format_size(parse_size(segment))}, device caches of {device_tokens} tokens a stage; levels {levels}",
           flush=True)
     print(f"kvpool replay: planned {planned['text']}", flush=True)
-    base = TopologySettings(servers=args.servers, stages=args.stages, segment_size=segment,
-                            device_cache_tokens=device_tokens, kv_dtype=args.kv_dtype, netns=not args.loopback,
-                            link_gbit=args.link_gbit, log_level=args.log_level,
-                            decode_args=("--num-pages", str(args.decode_pages)) if args.decode_pages else (),
-                            sched_slots=args.sched_slots if what == "sched" else -1,
-                            sched_max_wait_s=args.sched_max_wait_s if what == "sched" else 0.0)
+    base = base_settings(args, what, segment, device_tokens)
     options = ReplayOptions(concurrency=levels[-1], think_scale=args.think_scale, duration_s=args.duration,
                             chunk_size=chunk, progress=False)
     fault = Fault(args.kill_server, args.at) if args.kill_server is not None else None

@@ -58,6 +58,7 @@ class TopologySettings:
     sched: str = "fifo"  # stage 0's and the router's --sched: the gate's and the admission queue's order
     sched_slots: int = -1  # stage 0's --sched-slots (-1: its default)
     sched_max_wait_s: float = 0.0  # stage 0's and the router's --sched-max-wait-s (0: their default)
+    sched_max_bypass_s: float | None = None  # stage 0's and the router's --sched-max-bypass-s (None: theirs, none)
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -67,6 +68,8 @@ class TopologySettings:
             raise ValueError(f"pool must be one of {POOL_MODES}, got {self.pool!r}")
         if self.link_gbit <= 0:
             raise ValueError(f"link_gbit must be positive, got {self.link_gbit}")
+        if self.sched_max_bypass_s is not None and not self.sched_max_bypass_s >= 0:
+            raise ValueError(f"sched_max_bypass_s must be >= 0, got {self.sched_max_bypass_s}")
 
 
 def side_topology(settings: TopologySettings) -> Topology:
@@ -74,6 +77,10 @@ def side_topology(settings: TopologySettings) -> Topology:
     ``s{i}-decode`` and, split, ``s{i}-master``; a shared master is ``master``."""
     s = settings
     master_args = ("--eviction", s.eviction, *s.master_args)
+    # the session side's bounds, the same at stage 0's gate and the router's queue (each ignores them in fifo)
+    sched_bounds = (*(("--sched-max-wait-s", str(s.sched_max_wait_s)) if s.sched_max_wait_s > 0 else ()),
+                    *(("--sched-max-bypass-s", str(s.sched_max_bypass_s)) if s.sched_max_bypass_s is not None
+                      else ()))
     model = ("--model", s.model, "--kv-dtype", s.kv_dtype)
     sides = ("p", "d") if s.pool == "shared" else ("p",)
     servers = tuple(ServerSpec(
@@ -85,15 +92,12 @@ def side_topology(settings: TopologySettings) -> Topology:
                                                         "--sched", s.sched,
                                                         *(("--sched-slots", str(s.sched_slots))
                                                           if s.sched_slots >= 0 else ()),
-                                                        *(("--sched-max-wait-s", str(s.sched_max_wait_s))
-                                                          if s.sched_max_wait_s > 0 else ()))),),
+                                                        *sched_bounds)),),
         decode_shards=(DecodeSpec(f"s{i}-decode", (*model, *s.decode_args)),),
     ) for i in range(s.servers))
     return Topology(servers, master=MasterSpec(args=master_args) if s.pool == "shared" else None,
                     router=RouterSpec(args=("--model", s.model, "--locality" if s.locality else "--no-locality",
-                                            "--sched", s.sched,
-                                            *(("--sched-max-wait-s", str(s.sched_max_wait_s))
-                                              if s.sched_max_wait_s > 0 else ()))),
+                                            "--sched", s.sched, *sched_bounds)),
                     host="127.0.0.1",
                     common_args=("--log-level", s.log_level, "--log-format", "json"), netns=s.netns,
                     link_gbit=s.link_gbit, netns_lock_wait_s=s.netns_lock_wait_s)
