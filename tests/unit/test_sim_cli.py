@@ -256,3 +256,6 @@ def test_the_queue_flags_reach_the_compared_runs_settings() -> None:
         run_compare(args("--sched-max-wait-s", "0"), "unused.toml")  # type: ignore[arg-type]
     with pytest.raises(SystemExit):
         args("--session-order", "lifo")
+    assert args().seeds == 1 and args("--seeds", "5").seeds == 5
+    with pytest.raises(SystemExit, match="--seeds: must be at least 1"):
+        run_compare(args("--seeds", "0"), "unused.toml")  # type: ignore[arg-type]

@@ -89,14 +89,48 @@ def test_compare_flag_and_ratios() -> None:
             parse_sched_compare(bad)
     fifo = {"ttft_p50_s": 4.0, "ttft_p99_s": 10.0, "ttft_mean_s": 5.0, "throughput_per_gpu": 100.0,
             "prompt_tok_s": 90.0, "restore_critical_s_per_turn": 0.2, "reuse_ratio": 0.9,
-            "wasted_prefetch_share": 0.0, "errors": 0}
+            "wasted_prefetch_share": 0.0, "errors": 0, "trace_bound": 0.95}
     session_side = dict(fifo, ttft_p50_s=1.0, ttft_p99_s=9.0, throughput_per_gpu=101.0, restore_critical_s_per_turn=0.1,
-                        reuse_ratio=0.91, wasted_prefetch_share=0.25, errors=1)
+                        reuse_ratio=0.91, wasted_prefetch_share=0.25, errors=1, trace_bound=0.92)
     out = ratios(fifo, session_side)
     assert out == {"ttft_p50_session_over_fifo": 0.25, "ttft_p99_session_over_fifo": 0.9,
                    "ttft_mean_session_over_fifo": 1.0, "throughput_session_over_fifo": 1.01,
                    "prompt_throughput_session_over_fifo": 1.0, "restore_critical_session_over_fifo": 0.5,
-                   "reuse_session": 0.91, "reuse_fifo": 0.9, "wasted_prefetch_share": 0.25, "errors": 1}
+                   "reuse_session": 0.91, "reuse_fifo": 0.9, "trace_bound_session": 0.92, "trace_bound_fifo": 0.95,
+                   "reuse_gap_session": pytest.approx(0.01), "reuse_gap_fifo": pytest.approx(0.05),
+                   "wasted_prefetch_share": 0.25, "errors": 1}
+
+
+def test_pooling_runs_over_seeds_takes_percentiles_over_all_their_turns() -> None:
+    from kvpool.tools.sim.compare_sched import per_seed, pool_runs
+
+    def side(samples: list[float], tokens: int, reuse: float, bound: float, **more: object) -> dict[str, object]:
+        return {"ttft_samples": samples, "ttft_p50_s": samples[len(samples) // 2], "ttft_p99_s": max(samples),
+                "ttft_mean_s": sum(samples) / len(samples), "counted_prompt_tokens": tokens, "reuse_ratio": reuse,
+                "trace_bound": bound, "throughput_per_gpu": 100.0 * len(samples), "prompt_tok_s": 90.0 * len(samples),
+                "restore_critical_s_per_turn": 0.1, "turns": len(samples),
+                "errors": 0, "sched": "fifo", "ttft_breakdown": {"all": {}}, **more}
+
+    a = side([1.0, 2.0, 3.0, 10.0], 300, 0.9, 0.95, prefetched_bytes=100, prefetch_wasted_bytes=10,
+             wasted_prefetch_share=0.1, prefetch_outcomes={"used": 2, "wasted": 1})
+    b = side([4.0, 5.0, 6.0, 7.0, 8.0, 9.0], 100, 0.5, 0.55, prefetched_bytes=300, prefetch_wasted_bytes=90,
+             wasted_prefetch_share=0.3, prefetch_outcomes={"used": 1, "cancelled": 4})
+    one = pool_runs([a])
+    # the summary's own nearest rank (kvpool.tools.sim.metrics.percentile): the 2nd of 4
+    assert one["ttft_p50_s"] == 2.0 and one["ttft_p99_s"] == 10.0 and one["ttft_breakdown"] == {"all": {}}
+    assert "ttft_samples" not in one and one["ttft_turns"] == 4
+    both = pool_runs([a, b])
+    # ten turns, 1..10: the 6th is the p50 (no run's own p50 is 6), the 10th the p90 and p99
+    assert (both["ttft_p50_s"], both["ttft_p90_s"], both["ttft_p99_s"], both["ttft_mean_s"]) == (6.0, 10.0, 10.0, 5.5)
+    assert both["reuse_ratio"] == pytest.approx((0.9 * 300 + 0.5 * 100) / 400)  # weighted by prompt tokens
+    assert both["trace_bound"] == pytest.approx((0.95 * 300 + 0.55 * 100) / 400)
+    assert both["throughput_per_gpu"] == 500.0 and both["turns"] == 10 and both["counted_prompt_tokens"] == 400
+    assert both["wasted_prefetch_share"] == pytest.approx(100 / 400)  # over all prefetched bytes, not a mean
+    assert both["prefetch_outcomes"] == {"cancelled": 4, "used": 3, "wasted": 1}
+    assert "ttft_breakdown" not in both and both["sched"] == "fifo"
+    rows = per_seed([0, 1], [a, b], [dict(a, ttft_p50_s=1.5), dict(b, ttft_p99_s=18.0, errors=2)])
+    assert [(r["seed"], r["ttft_p50_session_over_fifo"], r["ttft_p99_session_over_fifo"], r["errors"]) for r in rows] == [
+        (0, 0.5, 1.0, 0), (1, 1.0, 2.0, 2)]
 
 
 def test_replay_compare_sched_sides_and_hints() -> None:

@@ -36,6 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvpool.tools.sim.metrics import percentile
 from kvpool.tools.sim.report import RunSpec
 from kvpool.tools.sim.runner import _sessions, run_spec
 from kvpool.tools.sim.topology import RunSettings, Topology
@@ -49,12 +50,19 @@ SUSTAINED = 0.9
 SATURATED_BUSY = 0.95
 GRID = 4  # FIFO runs of the capacity sweep, evenly from the closed run's token rate up
 OPEN_WARMUP_S = 1200.0
-KEEP = ("throughput_per_gpu", "think_mean_s", "decode_mean_s", "prompt_tok_s", "reuse_ratio", "device_share", "pool_share", "computed_share",
+KEEP = ("throughput_per_gpu", "think_mean_s", "decode_mean_s", "prompt_tok_s", "reuse_ratio", "trace_bound",
+        "device_share", "pool_share", "computed_share", "counted_prompt_tokens",
         "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "queue_p50_s", "queue_p90_s", "restore_p50_ms",
         "restore_critical_s_per_turn", "prefill_busy", "turns", "errors", "prefetched_bytes", "prefetch_used_bytes",
         "prefetch_wasted_bytes", "prefetch_pending_bytes", "wasted_prefetch_share", "prefetches",
         "prefetches_cancelled", "prefetches_skipped_pressure", "prefetches_unpinned", "prefetch_outcomes",
-        "queue_overdue_pops", "queue_budget_pops", "ttft_breakdown")
+        "queue_overdue_pops", "queue_budget_pops", "ttft_breakdown", "ttft_samples")
+# pooling one side's runs over seeds (``pool_runs``): these add up; these are shares of the counted prompt
+# tokens (weighted by them); the TTFT figures come from every run's turns together; other numbers are means
+SUMMED = ("turns", "errors", "counted_prompt_tokens", "prefetched_bytes", "prefetch_used_bytes",
+          "prefetch_wasted_bytes", "prefetch_pending_bytes", "prefetches", "prefetches_cancelled",
+          "prefetches_skipped_pressure", "prefetches_unpinned", "queue_overdue_pops", "queue_budget_pops")
+TOKEN_SHARES = ("reuse_ratio", "trace_bound", "device_share", "pool_share", "computed_share")
 
 
 def parse_sched_compare(text: str) -> None:
@@ -82,17 +90,70 @@ def ratios(fifo: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
         "prompt_throughput_session_over_fifo": over("prompt_tok_s"),
         "restore_critical_session_over_fifo": over("restore_critical_s_per_turn"),
         "reuse_session": session["reuse_ratio"], "reuse_fifo": fifo["reuse_ratio"],
+        # each side's turns differ (who finished in the window): the trace's own bound over them, and the share
+        # of prompt tokens under it the caches did not serve (what eviction and misses cost, like for like)
+        "trace_bound_session": session.get("trace_bound", 0.0), "trace_bound_fifo": fifo.get("trace_bound", 0.0),
+        "reuse_gap_session": session.get("trace_bound", 0.0) - session["reuse_ratio"],
+        "reuse_gap_fifo": fifo.get("trace_bound", 0.0) - fifo["reuse_ratio"],
         "wasted_prefetch_share": session["wasted_prefetch_share"],
         "errors": fifo["errors"] + session["errors"],
     }
 
 
-def _pair(settings: list[RunSettings], spec: RunSpec, args: argparse.Namespace, cost_path: str,
+def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's runs (one per seed) as one run: TTFT percentiles and mean over all their counted turns,
+    ``SUMMED`` added, ``TOKEN_SHARES`` weighted by counted prompt tokens, the prefetch's waste over all its
+    bytes, outcomes added, other numbers averaged (throughput: every run counts the same span); the TTFT
+    breakdown only with one run. ``ttft_samples`` is dropped."""
+    tokens = sum(r.get("counted_prompt_tokens", 0) for r in runs) or 1
+    out: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        values = [r[key] for r in runs]
+        if key in SUMMED:
+            out[key] = sum(values)
+        elif key in TOKEN_SHARES:
+            out[key] = sum(v * r.get("counted_prompt_tokens", 0) for v, r in zip(values, runs)) / tokens
+        elif key == "prefetch_outcomes":
+            out[key] = {k: sum(v.get(k, 0) for v in values) for k in sorted({k for v in values for k in v})}
+        elif isinstance(first, (int, float)) and not isinstance(first, bool):
+            out[key] = sum(values) / len(values)
+        elif key not in ("ttft_samples", "ttft_breakdown") or len(runs) == 1 and key == "ttft_breakdown":
+            out[key] = first
+    samples = [t for r in runs for t in r.get("ttft_samples", [])]
+    out.update(ttft_p50_s=percentile(samples, 50), ttft_p90_s=percentile(samples, 90),
+               ttft_p99_s=percentile(samples, 99), ttft_mean_s=sum(samples) / max(1, len(samples)),
+               ttft_turns=len(samples))
+    if "prefetched_bytes" in out:
+        out["wasted_prefetch_share"] = out["prefetch_wasted_bytes"] / out["prefetched_bytes"] if out["prefetched_bytes"] else 0.0
+    return out
+
+
+def per_seed(seeds: list[int], fifo: list[dict[str, Any]], session: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each seed's pair as its own comparison: how far the pooled ratios hold run by run."""
+    keys = ("ttft_p50_session_over_fifo", "ttft_p99_session_over_fifo", "throughput_session_over_fifo",
+            "reuse_session", "reuse_fifo", "reuse_gap_session", "reuse_gap_fifo", "errors")
+    rows = []
+    for seed, f, s in zip(seeds, fifo, session):
+        r = ratios(f, s)
+        rows.append({"seed": seed, **{k: r[k] for k in keys}})
+    return rows
+
+
+def _runs(settings: list[RunSettings], spec: RunSpec, args: argparse.Namespace, cost_path: str,
           topology: Topology) -> list[dict[str, Any]]:
+    """Each settings' run, side by side in processes (``--jobs``), in the order given."""
     with ProcessPoolExecutor(max_workers=max(1, min(len(settings), args.jobs))) as pool:
         futures = [pool.submit(run_spec, spec, args.traces, cost_path, s, topology) for s in settings]
         results = [f.result() for f in futures]
     return [{k: r[k] for k in KEEP if k in r} | {"sched": r["sched"]} for r in results]
+
+
+def _sides(base: RunSettings, seeds: list[int], spec: RunSpec, args: argparse.Namespace, cost_path: str,
+           topology: Topology) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """FIFO's and session's runs of ``base``, one per seed (the trace offset), each in seed order."""
+    settings = [replace(base, sched=side, seed_offset=seed) for seed in seeds for side in SIDES]
+    runs = _runs(settings, spec, args, cost_path, topology)
+    return runs[0::2], runs[1::2]
 
 
 def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
@@ -102,15 +163,19 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     duration = 240.0 if args.quick else args.duration
     warmup = min(60.0 if args.quick else args.warmup, duration / 2)
     sessions = args.sessions
+    seeds = list(range(getattr(args, "seeds", 1)))
+    if not seeds:
+        raise SystemExit(f"kvpool simulate: --seeds: must be at least 1, got {args.seeds}")
     topology = Topology()
     try:
         base = RunSettings(warmup_s=warmup, duration_s=duration, think=not args.no_think, think_scale=args.think_scale,
                            max_wait_s=args.sched_max_wait_s, max_bypass_s=args.sched_max_bypass_s,
-                           session_order=args.session_order)
+                           session_order=args.session_order, keep_ttft_samples=True)
     except ValueError as exc:
         raise SystemExit(f"kvpool simulate: {exc}") from None
     spec = RunSpec("calibration", 1, sessions, "shared", duration)
-    closed = _pair([replace(base, sched=s) for s in SIDES], spec, args, cost_path, topology)
+    closed_runs = _sides(base, seeds, spec, args, cost_path, topology)
+    closed = [pool_runs(runs) for runs in closed_runs]
     cost = load_cost_model(Path(cost_path))
     per_session = mean_session_prompt_tokens(args.traces, cost.model.chunk_tokens, topology.max_context)
     rate = OPEN_LOAD * closed[0]["prompt_tok_s"] / per_session
@@ -131,11 +196,11 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     capacity: float | None = None
     if args.open_rate is not None:  # the rate given: no sweep
         rate = args.open_rate
-    else:
-        pilot = _pair([open_settings("fifo", token_rate)], open_spec, args, cost_path, topology)[0]
+    else:  # FIFO at the first seed's traces
+        pilot = _runs([open_settings("fifo", token_rate)], open_spec, args, cost_path, topology)[0]
         busy_rate = token_rate * fifo["prefill_busy"] / max(pilot["prefill_busy"], 1e-9)
         rates = [token_rate + (busy_rate - token_rate) * k / (GRID - 1) for k in range(1, GRID)]
-        runs = [pilot, *_pair([open_settings("fifo", r) for r in rates], open_spec, args, cost_path, topology)]
+        runs = [pilot, *_runs([open_settings("fifo", r) for r in rates], open_spec, args, cost_path, topology)]
         for r, run in zip([token_rate, *rates], runs):
             offered = r * per_session
             sweep.append({"sessions_per_s": r, "offered_prompt_tok_s": offered, "served_share": run["prompt_tok_s"] / offered,
@@ -145,14 +210,19 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
                      if p["served_share"] >= SUSTAINED and p["prefill_busy"] <= SATURATED_BUSY]
         capacity = max(sustained) if sustained else token_rate
         rate = OPEN_LOAD * capacity
-    opened = _pair([open_settings(s, rate) for s in SIDES], open_spec, args, cost_path, topology)
+    open_base = open_settings("fifo", rate)
+    open_runs = _sides(open_base, seeds, open_spec, args, cost_path, topology)
+    opened = [pool_runs(runs) for runs in open_runs]
     out = ratios(*closed)
-    out["closed_loop"] = {"sessions": sessions, **{s: r for s, r in zip(SIDES, closed)}}
+    out["seeds"] = len(seeds)
+    out["closed_loop"] = {"sessions": sessions, **{s: r for s, r in zip(SIDES, closed)},
+                          "per_seed": per_seed(seeds, *closed_runs)}
     out["open_loop"] = {"load": OPEN_LOAD, "sessions_per_s": rate, "mean_session_prompt_tokens": per_session,
                         "initial_sessions": round(rate * lifetime), "warmup_s": open_warmup,
                         "prefill_busy_over_closed_fifo": opened[0]["prefill_busy"] / fifo["prefill_busy"],
                         "capacity_sweep": sweep, "capacity_sessions_per_s": capacity,
-                        **ratios(*opened), **{s: r for s, r in zip(SIDES, opened)}}
+                        **ratios(*opened), **{s: r for s, r in zip(SIDES, opened)},
+                        "per_seed": per_seed(seeds, *open_runs)}
     out["errors"] += out["open_loop"]["errors"]
     out["duration_s"], out["warmup_s"] = duration, warmup
     return out

@@ -90,4 +90,6 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
     out["queue_budget_pops"] = sum(p.queue.num_budget_pops for p in sim.pipelines.values())
     if sim.sessions is not None:
         out.update(sim.sessions.figures())
+    if s.keep_ttft_samples:
+        out["ttft_samples"] = list(m.ttft_s)
     return out

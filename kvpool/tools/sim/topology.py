@@ -104,6 +104,8 @@ class RunSettings:
     # open loop: sessions already running at the start (over ``start_spread_s``), so the load is near its
     # steady state after a shorter warm-up (a session lives ~20 minutes at the calibrated pace)
     open_loop_initial_sessions: int = 0
+    # the summary also carries every counted turn's TTFT (``ttft_samples``): the comparisons pool runs' turns
+    keep_ttft_samples: bool = False
 
     def __post_init__(self) -> None:
         if self.sched not in SCHEDS:
