@@ -110,3 +110,23 @@ def test_wait_percentiles_come_from_every_stage_s_buckets(tmp_path: Path) -> Non
     assert s["router_queue_wait_p50_s"] == 0.0  # half the requests waited nothing
     assert s["router_queue_wait_p99_s"] == 2.0 * (9.9 - 5) / 5
     assert math.isnan(s["prefill_queue_wait_p50_s"])  # no admission histogram scraped
+
+
+def test_the_queues_pops_that_aging_or_the_budget_decided_are_counted_over_the_run(tmp_path: Path) -> None:
+    workload = workload_of(tmp_path)
+    records = [record(0, 512, 0, 0, 512)]
+
+    def gate(aging: float, budget: float) -> dict[str, float]:
+        return {'kvpool_prefill_gate_pops_total{decided_by="aging"}': aging,
+                'kvpool_prefill_gate_pops_total{decided_by="budget"}': budget}
+
+    before = {"p0-stage0": gate(1.0, 2.0), "router": {"kvpool_router_queue_overdue_total": 4.0}}
+    after = {"p0-stage0": gate(3.0, 7.0), "p1-stage0": gate(0.0, 1.0),
+             "router": {"kvpool_router_queue_overdue_total": 10.0, "kvpool_router_queue_budget_total": 2.0}}
+    s = summarize(ReplayResult(1, 2.0, records, before, after, None, []), workload, ReplayOptions(think_scale=0.0))
+    # the run's own: p0 2 by aging and 5 by the budget, p1 1 by the budget; the router 6 and 2
+    assert (s["prefill_gate_pops_aging"], s["prefill_gate_pops_budget"]) == (2, 6)
+    assert (s["router_queue_pops_aging"], s["router_queue_pops_budget"]) == (6, 2)
+    fifo = summarize(ReplayResult(1, 2.0, records, {}, {"p0-stage0": {}, "router": {}}, None, []), workload,
+                     ReplayOptions(think_scale=0.0))
+    assert (fifo["prefill_gate_pops_aging"], fifo["router_queue_pops_budget"]) == (0, 0)  # no gate, no series
