@@ -190,3 +190,15 @@ def test_the_router_flag_sets_how_many_late_health_checks_take_a_backend_out() -
             await router.close()
 
     assert asyncio.run(misses(settings)) == 3
+
+
+def test_the_compare_headline_line_gives_the_comparisons_own_figures() -> None:
+    from kvpool.tools.replay.compare_cmd import headline
+
+    sched = {"compare": "sched", "servers": 1, "levels": [12], "sides": {}, "ttft_p50_session_over_fifo": 0.7127,
+             "throughput_session_over_fifo": 1.0031, "errors": 0, "regime": {"in_regime": False}}
+    # the sched comparison had no headline before: the line read "{}"
+    assert headline(sched) == "ttft_p50_session_over_fifo=0.713  throughput_session_over_fifo=1  errors=0"
+    assert headline({"compare": "pool", "servers": 2, "shared_over_split": 1.94, "reuse_shared": 0.9}) == (
+        "shared_over_split=1.94  reuse_shared=0.9")
+    assert headline({"compare": "pool", "servers": 2, "sides": {}}) == "no figures (a side did not run)"

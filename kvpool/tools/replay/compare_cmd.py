@@ -170,9 +170,7 @@ def main(args: argparse.Namespace, levels: list[int]) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     out["planned_regime"] = planned
-    headline = {k: out[k] for k in ("shared_over_split", "reuse_groups_on", "reuse_groups_off",
-                                    "cross_server_handoff_share_on", "cross_server_handoff_share_off") if k in out}
-    print(f"kvpool replay --compare: {headline}", flush=True)
+    print(f"kvpool replay --compare {what}: {headline(out)}", flush=True)
     if args.json:
         print(json.dumps(json_safe(out)), flush=True)
     errors = sum(s["errors"] for s in out["sides"].values())
@@ -181,6 +179,13 @@ def main(args: argparse.Namespace, levels: list[int]) -> int:
 
 def _raise_interrupt(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+def headline(out: dict[str, Any]) -> str:
+    """The comparison's own figures (its top-level numbers: the ratios and each side's headline), one line."""
+    figures = {k: v for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+               and k not in ("servers",)}
+    return "  ".join(f"{k}={_fmt(v)}" for k, v in figures.items()) or "no figures (a side did not run)"
 
 
 def _fmt(value: Any) -> str:
