@@ -5,7 +5,7 @@
 #   KVPOOL_ENGINE=cpu   (default) transfer engine for CPU hosts, TCP
 #   KVPOOL_ENGINE=cuda  the CUDA build of the transfer engine
 #   KVPOOL_ENGINE=none  install no engine (bring your own, e.g. ROCm)
-#   KVPOOL_TEST_TOOLS=0 skip docker-compose (only the tests use it)
+#   KVPOOL_TEST_TOOLS=0 skip docker-compose, iptables and iproute2 (only the tests use them)
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,8 +18,8 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # The transfer engine links against libibverbs, librdmacm and libcurl even for TCP;
 # deploy/systemd's store unit binds its NUMA node with numactl. The tests check
-# compose.yaml with docker-compose (tests/unit/test_deploy_tools.py), which
-# KVPOOL_TEST_TOOLS=0 leaves out. (The Dockerfile installs its own list.)
+# compose.yaml with docker-compose (tests/unit/test_deploy_tools.py) and build
+# network namespaces with ip and iptables, which KVPOOL_TEST_TOOLS=0 leaves out. (The Dockerfile installs its own list.)
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 missing=() tools=()
 for pkg in libibverbs1 librdmacm1 libcurl4 numactl; do installed "$pkg" || missing+=("$pkg"); done
@@ -27,6 +27,9 @@ for pkg in libibverbs1 librdmacm1 libcurl4 numactl; do installed "$pkg" || missi
 command -v gcc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
 if [ "${KVPOOL_TEST_TOOLS:-1}" != 0 ]; then
   installed docker-compose || tools+=(docker-compose)
+  # the break-in tests firewall their network namespaces (tests/integration/test_attack_netns.py)
+  command -v iptables >/dev/null 2>&1 || tools+=(iptables)
+  command -v ip >/dev/null 2>&1 || tools+=(iproute2)
 fi
 if [ $((${#missing[@]} + ${#tools[@]})) -gt 0 ]; then
   echo "setup: installing ${missing[*]} ${tools[*]}" >&2
