@@ -194,3 +194,12 @@ def test_ttft_breakdown_by_band() -> None:
     traces = [session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0)), session((778, list(range(21, 33)), 0.0))]
     assert max(p[3] for p in run(traces, "fifo").metrics.ttft_parts) == pytest.approx(1.0)
     assert max(p[3] for p in run(traces, "session").metrics.ttft_parts) == 0.0
+
+
+def test_the_line_under_the_table_says_how_far_the_p99_holds() -> None:
+    from kvpool.tools.sim.compare_sched import SINGLE_RUN_NOTE, offsets_line
+
+    assert offsets_line({"seeds": 1}) == SINGLE_RUN_NOTE and "--seeds 5" in SINGLE_RUN_NOTE
+    rows = [{"ttft_p99_session_over_fifo": p} for p in (1.104, 0.963, 1.401)]
+    assert offsets_line({"seeds": 3, "closed_loop": {"per_seed": rows}}) == (
+        "3 trace offsets pooled; the closed loop's p99 ratio by offset: 0.96-1.40")
