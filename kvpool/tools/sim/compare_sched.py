@@ -121,7 +121,9 @@ def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] = {k: sum(v.get(k, 0) for v in values) for k in sorted({k for v in values for k in v})}
         elif isinstance(first, (int, float)) and not isinstance(first, bool):
             out[key] = sum(values) / len(values)
-        elif key not in ("ttft_samples", "ttft_breakdown") or len(runs) == 1 and key == "ttft_breakdown":
+        elif key == "ttft_samples" or key == "ttft_breakdown" and len(runs) > 1:
+            continue  # the samples make the percentiles below; breakdowns of several runs do not add up
+        else:
             out[key] = first
     samples = [t for r in runs for t in r.get("ttft_samples", [])]
     out.update(ttft_p50_s=percentile(samples, 50), ttft_p90_s=percentile(samples, 90),
@@ -169,7 +171,7 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     duration = 240.0 if args.quick else args.duration
     warmup = min(60.0 if args.quick else args.warmup, duration / 2)
     sessions = args.sessions
-    seeds = list(range(getattr(args, "seeds", 1)))
+    seeds = list(range(args.seeds))
     if not seeds:
         raise SystemExit(f"kvpool simulate: --seeds: must be at least 1, got {args.seeds}")
     topology = Topology()
