@@ -81,6 +81,18 @@ class RpcTraceInterceptor(grpc.aio.ServerInterceptor):
                     self._write(request_id, method, span, parent, start, time.time())
             return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
                                                        handler.response_serializer)
+        if handler.stream_unary is not None:  # the stages' ForwardPieces: start to answer
+            inner_pieces = handler.stream_unary
+
+            async def pieces(request_iterator: Any, context: Any) -> Any:
+                enter()
+                start = time.time()
+                try:
+                    return await inner_pieces(request_iterator, context)
+                finally:
+                    self._write(request_id, method, span, parent, start, time.time())
+            return grpc.stream_unary_rpc_method_handler(pieces, handler.request_deserializer,
+                                                        handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 

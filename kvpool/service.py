@@ -80,7 +80,10 @@ class InFlight(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
-        return handler  # client-streaming methods: none of ours
+        if handler.stream_unary is not None:  # the stages' ForwardPieces
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+        return handler  # bidirectional methods: none of ours
 
     def _start(self) -> None:
         self.count += 1
@@ -133,8 +136,8 @@ class ParseRequests(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         handler = await continuation(details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
-            return handler  # client-streaming methods: none of ours
+        if handler is None or handler.request_deserializer is None or handler.stream_stream is not None:
+            return handler  # bidirectional methods: none of ours
         message, deserialize = _input_type(details.method), handler.request_deserializer
 
         def parse(raw: bytes) -> Any:
@@ -155,6 +158,19 @@ class ParseRequests(grpc.aio.ServerInterceptor):
                 await refuse(request, context)
                 return await unary(request, context)
             return grpc.unary_unary_rpc_method_handler(checked_unary, parse, handler.response_serializer)
+        if handler.stream_unary is not None:  # the stages' ForwardPieces: each message checked as it is read
+            pieces = handler.stream_unary
+
+            async def parsed(request_iterator):  # type: ignore[no-untyped-def]
+                async for request in request_iterator:
+                    if isinstance(request, Unparsed):
+                        raise InvalidArgument(f"request: not a {request.message} ({request.reason})",
+                                              field="request")
+                    yield request
+
+            async def checked_pieces(request_iterator, context):  # type: ignore[no-untyped-def]
+                return await pieces(parsed(request_iterator), context)
+            return grpc.stream_unary_rpc_method_handler(checked_pieces, parse, handler.response_serializer)
         stream = handler.unary_stream
         if inspect.isasyncgenfunction(stream):
             async def checked_stream(request, context):  # type: ignore[no-untyped-def]

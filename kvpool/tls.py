@@ -173,5 +173,14 @@ class RoleCheck(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
                                                         handler.response_serializer)
-        # no client-streaming methods of ours: refuse rather than pass unchecked
+        if handler.stream_unary is not None:  # the stages' ForwardPieces: checked before any piece is read
+            inner_pieces = handler.stream_unary
+
+            async def stream_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+                await check(None, context)
+                return await inner_pieces(request_iterator, context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,
+                                                        handler.response_serializer)
+        # no bidirectional methods of ours: refuse rather than pass unchecked
         raise TypeError(f"{method}: RoleCheck has no wrapper for this kind of method")

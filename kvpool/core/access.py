@@ -45,6 +45,7 @@ POLICY: dict[str, frozenset[str]] = {
     "/kvpool.rpc.PrefillStage/StageInfo": frozenset({"prefill", "router"}),
     "/kvpool.rpc.PrefillStage/Restore": _PREFILL,
     "/kvpool.rpc.PrefillStage/Forward": _PREFILL,
+    "/kvpool.rpc.PrefillStage/ForwardPieces": _PREFILL,
     "/kvpool.rpc.PrefillStage/SaveDone": _PREFILL,
     "/kvpool.rpc.PrefillStage/HandoffDone": _PREFILL,
     "/kvpool.rpc.Decode/Landed": _PREFILL,

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "session_key", "return_logits", "tenant", "cache_salt", "target", "handoff_after_prefill")
+    __slots__ = ("token_ids", "session_key", "return_logits", "tenant", "cache_salt", "target", "handoff_after_prefill", "forward_after_stage")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class PrefillRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_AFTER_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_AFTER_STAGE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     session_key: str
     return_logits: bool
@@ -23,7 +24,8 @@ class PrefillRequest(_message.Message):
     cache_salt: str
     target: _handoff_pb2.HandoffTarget
     handoff_after_prefill: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., handoff_after_prefill: _Optional[bool] = ...) -> None: ...
+    forward_after_stage: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., handoff_after_prefill: _Optional[bool] = ..., forward_after_stage: _Optional[bool] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("session_key", "tenant", "cache_salt", "session_end", "expected_next_s")
@@ -194,7 +196,7 @@ class Activation(_message.Message):
     def __init__(self, inline: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "block_table", "compute_start", "num_tokens", "activation", "save_first_chunk", "save_chunk_hashes", "return_logits", "tenant", "target", "handoff_after_prefill")
+    __slots__ = ("request_id", "block_table", "compute_start", "num_tokens", "activation", "save_first_chunk", "save_chunk_hashes", "return_logits", "tenant", "target", "handoff_after_prefill", "piece_start", "piece_end", "forward_after_stage")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_START_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +208,9 @@ class ForwardRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_AFTER_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PIECE_START_FIELD_NUMBER: _ClassVar[int]
+    PIECE_END_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_AFTER_STAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_table: _containers.RepeatedScalarFieldContainer[int]
     compute_start: int
@@ -217,7 +222,10 @@ class ForwardRequest(_message.Message):
     tenant: str
     target: _handoff_pb2.HandoffTarget
     handoff_after_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., compute_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., save_first_chunk: _Optional[int] = ..., save_chunk_hashes: _Optional[_Iterable[str]] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., handoff_after_prefill: _Optional[bool] = ...) -> None: ...
+    piece_start: int
+    piece_end: int
+    forward_after_stage: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., compute_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., save_first_chunk: _Optional[int] = ..., save_chunk_hashes: _Optional[_Iterable[str]] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., handoff_after_prefill: _Optional[bool] = ..., piece_start: _Optional[int] = ..., piece_end: _Optional[int] = ..., forward_after_stage: _Optional[bool] = ...) -> None: ...
 
 class HandoffDoneRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -174,6 +174,11 @@ class PrefillStageStub:
                 request_serializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.ForwardPieces = channel.stream_unary(
+                '/kvpool.rpc.PrefillStage/ForwardPieces',
+                request_serializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.FromString,
+                _registered_method=True)
         self.HandoffDone = channel.unary_unary(
                 '/kvpool.rpc.PrefillStage/HandoffDone',
                 request_serializer=kvpool_dot_rpc_dot_prefill__pb2.HandoffDoneRequest.SerializeToString,
@@ -210,6 +215,17 @@ class PrefillStageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForwardPieces(self, request_iterator, context):
+        """Forward in pieces, the stages overlapping: each message carries the
+        hidden states of one piece (piece_start, piece_end), in token order, sent
+        as the stage before finishes it; this stage computes each as it comes and
+        streams its own pieces on. Answered once the last stage has computed the
+        last piece (the answer Forward gives). Stage to stage only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def HandoffDone(self, request, context):
         """Wait until this stage's writes of a request into decode's region ended
         (they started inside its Forward) and report them; fails as they did.
@@ -241,6 +257,11 @@ def add_PrefillStageServicer_to_server(servicer, server):
             ),
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
+                    request_deserializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.FromString,
+                    response_serializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.SerializeToString,
+            ),
+            'ForwardPieces': grpc.stream_unary_rpc_method_handler(
+                    servicer.ForwardPieces,
                     request_deserializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.FromString,
                     response_serializer=kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.SerializeToString,
             ),
@@ -334,6 +355,33 @@ class PrefillStage:
             request,
             target,
             '/kvpool.rpc.PrefillStage/Forward',
+            kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.SerializeToString,
+            kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardPieces(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvpool.rpc.PrefillStage/ForwardPieces',
             kvpool_dot_rpc_dot_prefill__pb2.ForwardRequest.SerializeToString,
             kvpool_dot_rpc_dot_prefill__pb2.ForwardResponse.FromString,
             options,

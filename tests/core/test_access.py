@@ -42,6 +42,7 @@ def test_each_method_has_exactly_its_callers() -> None:
     assert callers[POOL + "Lookup"] == {"master", "prefill"}
     assert callers["/kvpool.rpc.Prefill/Prefill"] == {"router"}
     assert callers["/kvpool.rpc.PrefillStage/Forward"] == {"prefill"}
+    assert callers["/kvpool.rpc.PrefillStage/ForwardPieces"] == {"prefill"}
     assert callers["/kvpool.rpc.PrefillStage/StageInfo"] == {"prefill", "router"}
     assert callers["/kvpool.rpc.PrefillStage/HandoffDone"] == {"prefill"}
     assert callers["/kvpool.rpc.Decode/Landed"] == {"prefill"}

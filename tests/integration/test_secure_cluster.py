@@ -119,6 +119,21 @@ async def test_only_the_router_calls_prefill_and_clients_call_generate(cluster: 
     assert replies[-1].usage.completion_tokens == 2
 
 
+async def test_only_a_prefill_stage_streams_pieces_into_a_stage(cluster: Cluster) -> None:
+    """ForwardPieces writes KV into a stage's pages: a client's or the router's certificate is refused before
+    any piece is read, and the stage still serves its own pipeline."""
+    ca = access(cluster).ca
+    assert ca is not None
+    piece = prefill_pb2.ForwardRequest(request_id="x", block_table=[0], num_tokens=16, piece_start=0, piece_end=16,
+                                       activation=prefill_pb2.Activation(num_tokens=16, hidden_size=1))
+    for who in (access(cluster).client, ca.issue("router", "t-router")):
+        async with secure(address(cluster, "p0-stage1"), who, ca.ca_path) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await prefill_pb2_grpc.PrefillStageStub(channel).ForwardPieces(iter([piece]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, (who, info.value.details())
+    test_a_completion_runs_over_mutual_tls(cluster)
+
+
 async def test_a_bench_client_dials_with_the_process_identity(cluster: Cluster) -> None:
     # the benchmarks' channels are kvpool.service.channel: plaintext unless the process has an identity
     ca = access(cluster).ca

@@ -32,7 +32,9 @@ def assert_unparsable_bytes_refused(address: str, service_names: list[str]) -> i
                 path = f"/{service_name}/{method.name}"
                 for raw in unparsable(method):
                     try:
-                        if method.server_streaming:
+                        if method.client_streaming:
+                            channel.stream_unary(path)(iter([raw]), timeout=30)
+                        elif method.server_streaming:
                             list(channel.unary_stream(path)(raw, timeout=30))
                         else:
                             channel.unary_unary(path)(raw, timeout=30)
