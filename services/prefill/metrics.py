@@ -45,6 +45,9 @@ class PrefillMetrics:
         self.save_seconds = Histogram("kvpool_prefill_save_seconds",
                                       "One request's save on this stage, put start to end (stored ones)",
                                       buckets=_SECONDS_BUCKETS, registry=r)
+        self.pieces_received = Counter("kvpool_prefill_pieces_received",
+                                       "Pieces of requests this stage received from the stage before "
+                                       "(ForwardPieces messages; a request passed on whole is one)", registry=r)
         self.device_usage = Gauge("kvpool_prefill_device_cache_usage", "Share of device blocks referenced",
                                   registry=r)
         # stage 0: blocks each tenant holds (in use or cached); the first 16 tenants by name, the rest "other"

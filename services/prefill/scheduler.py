@@ -44,7 +44,8 @@ from services.prefill.gate import PrefillGate
 from services.prefill.metrics import GatePopsCollector, PrefillMetrics
 from services.prefill.prefetch import PrefetchMetrics, SessionPrefetcher
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
-from services.prefill.stage_servicer import ActivationLink, figures_message, keep_deadline, run_stage
+from services.prefill.pieces import ActivationLink
+from services.prefill.stage_servicer import figures_message, keep_deadline, run_stage
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +68,14 @@ class RestoreReport:
     lookup_ms: float = 0.0
     wait_ms: float = 0.0
     stages: list[prefill_pb2.StageRestoreFigures] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchModes:
+    """A benchmark's baseline for one request (both off in service)."""
+
+    handoff_after_prefill: bool = False  # every stage writes its KV only after the last stage computed
+    forward_after_stage: bool = False  # each stage passes the request on only once it computed all of it
 
 
 @dataclass(slots=True)
@@ -144,8 +153,12 @@ class PrefillScheduler:
     async def prefill(self, token_ids: Sequence[int], session_key: str, return_logits: bool,
                       request_id: str = "", tenant: str = "", cache_salt: str = "",
                       target: handoff_pb2.HandoffTarget | None = None,
-                      handoff_after_prefill: bool = False) -> prefill_pb2.PrefillResponse:
-        """Prefill under ``request_id`` (the caller's, else a fresh one); with ``target``, hand the KV off."""
+                      handoff_after_prefill: bool = False,
+                      forward_after_stage: bool = False) -> prefill_pb2.PrefillResponse:
+        """Prefill under ``request_id`` (the caller's, else a fresh one); with ``target``, hand the KV off.
+        The two flags are the benchmarks' baselines (``PrefillRequest``): the handoff after the last stage,
+        the stages one after another."""
+        bench = BenchModes(handoff_after_prefill, forward_after_stage)
         self.validate(token_ids, session_key, tenant, cache_salt)
         request_id = request_id or new_request_id("prefill")
         # a request's blocks (in flight) and its save's hold are keyed by its id
@@ -166,13 +179,13 @@ class PrefillScheduler:
                 if self.gate is not None:
                     self.metrics.gate_wait.observe(time.perf_counter() - started)
                 return await self._prefill(request_id, token_ids, hashes, session, return_logits, tenant, target,
-                                           handoff_after_prefill, started, bound)
+                                           bench, started, bound)
         finally:
             self.prefetcher.turn_ended(session, hashes)
 
     async def _prefill(self, request_id: str, token_ids: Sequence[int], hashes: list[Any], session: SessionId | None,
                        return_logits: bool, tenant: str, target: handoff_pb2.HandoffTarget | None,
-                       handoff_after_prefill: bool, started: float, bound: Any) -> prefill_pb2.PrefillResponse:
+                       bench: BenchModes, started: float, bound: Any) -> prefill_pb2.PrefillResponse:
         for attempt in (1, 2):
             request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant),
                                      session=session)
@@ -181,7 +194,7 @@ class PrefillScheduler:
             bound.info("prefill_admitted", attempt=attempt, tokens=request.num_tokens)
             self.prefetcher.admitted(request)
             work = asyncio.ensure_future(
-                self._run(request, token_ids, return_logits, target, handoff_after_prefill, tenant))
+                self._run(request, token_ids, return_logits, target, bench, tenant))
             try:
                 # shielded: if the caller goes away, the stages are still writing this
                 # request's pages, so its blocks go back only once they are done
@@ -232,7 +245,7 @@ class PrefillScheduler:
         )
 
     async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool,
-                   target: handoff_pb2.HandoffTarget | None, handoff_after_prefill: bool,
+                   target: handoff_pb2.HandoffTarget | None, bench: BenchModes,
                    tenant: str = "") -> RunResult:
         """Restore on every stage, compute through all stages (streaming into decode's region), collect
         the handoff."""
@@ -241,7 +254,7 @@ class PrefillScheduler:
             request_id=request.request_id, block_table=request.block_table, compute_start=request.compute_start,
             num_tokens=request.num_tokens, save_first_chunk=request.save_first_chunk,
             save_chunk_hashes=request.chunks_to_save, return_logits=return_logits, tenant=tenant,
-            handoff_after_prefill=handoff_after_prefill,
+            handoff_after_prefill=bench.handoff_after_prefill, forward_after_stage=bench.forward_after_stage,
         )
         if target is not None:
             forward.target.CopyFrom(target)
@@ -496,4 +509,4 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         keep_deadline(context)
         return await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
                                            current_request_id(), request.tenant, request.cache_salt, target,
-                                           request.handoff_after_prefill)
+                                           request.handoff_after_prefill, request.forward_after_stage)

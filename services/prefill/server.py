@@ -20,7 +20,8 @@ from services.prefill.metrics import PrefillMetrics
 from services.prefill.scheduler import PrefillScheduler, PrefillServicer
 from services.prefill.settings import PrefillSettings
 from services.prefill.stage_runner import StageRunner
-from services.prefill.stage_servicer import ActivationLink, PrefillStageServicer
+from services.prefill.pieces import ActivationLink
+from services.prefill.stage_servicer import PrefillStageServicer
 
 log = structlog.get_logger(__name__)
 

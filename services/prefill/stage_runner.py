@@ -161,13 +161,15 @@ class StageRunner:
     # ---- compute --------------------------------------------------------
 
     async def forward(self, inputs: torch.Tensor, block_table: Sequence[int], compute_start: int,
-                      on_piece: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                      on_piece: Callable[[int, int], None] | None = None,
+                      on_output: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
         """This stage's layers on tokens [compute_start, compute_start + n), in pieces.
 
         A piece ends at a multiple of ``forward_piece_tokens``; once it has, its
-        KV is final and ``on_piece(start, end)`` is called (the handoff streams it).
-        Every request runs the same pieces, so its output does not depend on
-        when its KV is handed off.
+        KV is final and ``on_piece(start, end)`` is called (the handoff streams it),
+        then ``on_output(hidden, start, end)`` with its output (the next stage's
+        piece). Every request runs the same pieces, so its output does not
+        depend on when its KV is handed off or how it travels on.
         """
         self.check_cached(block_table, compute_start)
         loop = asyncio.get_running_loop()
@@ -185,6 +187,8 @@ class StageRunner:
             outputs.append(out)
             if on_piece is not None:
                 on_piece(start, stop)
+            if on_output is not None:
+                on_output(out, start, stop)
             start = stop
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 

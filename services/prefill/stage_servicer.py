@@ -1,34 +1,33 @@
 """PrefillStage servicer: restore, forward to the next stage, stage info.
 
-Hidden states travel inline when small; otherwise the sender leaves them in
-its registered send arena and the receiver reads them with the transfer
-engine (one read) into its receive arena.
+Hidden states go from stage to stage in pieces (``services.prefill.pieces``):
+inline when small; otherwise the sender leaves them in its registered send
+arena and the receiver reads them with the transfer engine (one read) into its
+receive arena.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Coroutine
 from contextvars import ContextVar
 from typing import Any
 
-import grpc
 import structlog
 import torch
 
-from kvpool import service
-from kvpool.core.errors import DeviceCacheLost, InvalidArgument, Unavailable
+from kvpool.core.errors import InvalidArgument
 from kvpool.model.sampling import greedy_token
 from kvpool.pool.client import ObjectLocation
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
-from kvpool.status import error_kind, status_errors
-from kvpool.transfer import TransferError
+from kvpool.status import status_errors
 from services.prefill.handoff import StageHandoff
+from services.prefill.pieces import ActivationLink, check_forward, received_pieces
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, SaveFigures, StageRunner
 
 log = structlog.get_logger(__name__)
 
-ARENA_WAIT_S = 30.0
 FORWARD_TIMEOUT_S = 600.0  # only for a caller that set no deadline
 
 # the deadline of the call being served (monotonic): a stage waits on the next one exactly as long as its own
@@ -75,74 +74,6 @@ def restore_chunks(request: prefill_pb2.RestoreRequest, num_blocks: int) -> list
     return chunks
 
 
-class ActivationLink:
-    """Sends hidden states to the next stage and receives them from the previous one."""
-
-    def __init__(self, runner: StageRunner, next_address: str) -> None:
-        self.runner = runner
-        self.hidden_size = runner.config.hidden_size
-        self._channel = service.channel(next_address) if next_address else None
-        self.next = prefill_pb2_grpc.PrefillStageStub(self._channel) if self._channel else None
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-
-    async def receive(self, activation: prefill_pb2.Activation, num_new: int) -> torch.Tensor:
-        if activation.num_tokens != num_new or activation.hidden_size != self.hidden_size:
-            raise InvalidArgument(
-                f"activation: {activation.num_tokens}×{activation.hidden_size} hidden states, "
-                f"expected {num_new}×{self.hidden_size}"
-            )
-        nbytes = num_new * self.hidden_size * 4
-        if activation.inline:
-            if len(activation.inline) != nbytes:
-                raise InvalidArgument(f"activation.inline: {len(activation.inline)} bytes, expected {nbytes}")
-            return torch.frombuffer(bytearray(activation.inline), dtype=torch.float32).view(num_new, self.hidden_size)
-        if activation.size != nbytes:
-            raise InvalidArgument(f"activation.size: {activation.size} bytes, expected {nbytes}")
-        arena = self.runner.recv_arena
-        region = await arena.allocate_wait(nbytes, ARENA_WAIT_S)
-        try:
-            await self.runner.engine.read(activation.endpoint, [region.address], [activation.address], [nbytes])
-            return arena.tensor(region).view(torch.float32).view(num_new, self.hidden_size).clone()
-        except TransferError as exc:
-            raise Unavailable(f"activation: reading hidden states from {activation.endpoint} failed: {exc}") from exc
-        finally:
-            arena.free(region)
-
-    async def send(self, hidden: torch.Tensor, request: prefill_pb2.ForwardRequest) -> prefill_pb2.ForwardResponse:
-        """Forward to the next stage and return its (chained) answer."""
-        assert self.next is not None
-        n = hidden.shape[0]
-        data = hidden.contiguous().view(torch.uint8).view(-1)
-        activation = prefill_pb2.Activation(num_tokens=n, hidden_size=self.hidden_size)
-        region = None
-        arena = self.runner.send_arena
-        if data.numel() <= self.runner.settings.inline_activation_bytes:
-            activation.inline = data.numpy().tobytes()
-        else:
-            region = await arena.allocate_wait(data.numel(), ARENA_WAIT_S)
-            arena.tensor(region).copy_(data)
-            activation.endpoint = self.runner.engine.endpoint
-            activation.address = region.address
-            activation.size = data.numel()
-        onward = prefill_pb2.ForwardRequest()
-        onward.CopyFrom(request)
-        onward.activation.CopyFrom(activation)
-        try:
-            return await self.next.Forward(onward, timeout=forward_timeout_s())
-        except grpc.aio.AioRpcError as exc:
-            if error_kind(exc) is DeviceCacheLost:
-                raise DeviceCacheLost(exc.details() or "") from exc
-            raise Unavailable(
-                f"stage {self.runner.settings.stage + 1}: {exc.code().name}: {exc.details()}"
-            ) from exc
-        finally:
-            if region is not None:
-                arena.free(region)
-
-
 class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
     def __init__(self, runner: StageRunner, link: ActivationLink, handoff: StageHandoff) -> None:
         self.runner = runner
@@ -175,27 +106,39 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
 
     @status_errors
     async def Forward(self, request: prefill_pb2.ForwardRequest, context: Any) -> prefill_pb2.ForwardResponse:
-        block_table = list(request.block_table)
-        num_new = request.num_tokens - request.compute_start
-        if num_new <= 0:
-            raise InvalidArgument(f"compute_start: {request.compute_start} is not below num_tokens {request.num_tokens}")
-        needed = -(-request.num_tokens // self.settings.chunk_size)
-        if len(block_table) != needed or any(not 0 <= b < self.settings.num_blocks for b in block_table):
-            raise InvalidArgument(f"block_table: needs {needed} block ids in 0..{self.settings.num_blocks - 1}")
+        check_forward(request, self.settings.num_blocks, self.settings.chunk_size)
+        if request.piece_start or request.piece_end:
+            raise InvalidArgument(f"piece_end: Forward takes tokens [compute_start, num_tokens) whole "
+                                  f"(got piece {request.piece_start}..{request.piece_end}); pieces go by ForwardPieces")
+        return await self._serve(request, context, self._forward(request))
+
+    @status_errors
+    async def ForwardPieces(self, request_iterator: AsyncIterator[prefill_pb2.ForwardRequest],
+                            context: Any) -> prefill_pb2.ForwardResponse:
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            raise InvalidArgument("request: ForwardPieces got no piece")
+        check_forward(first, self.settings.num_blocks, self.settings.chunk_size)
+        pieces = received_pieces(first, aiter(request_iterator), self.link)
+        return await self._serve(first, context, run_stage(self.runner, self.link, first, pieces,
+                                                           list(first.block_table), self.handoff))
+
+    async def _serve(self, request: prefill_pb2.ForwardRequest, context: Any,
+                     work: Coroutine[Any, Any, prefill_pb2.ForwardResponse]) -> prefill_pb2.ForwardResponse:
+        """Run a forward after the request's restore landed, as a task a SaveDone or HandoffDone can wait
+        for; shielded, so a caller that stops waiting does not cut it off mid-write."""
         pending = self.restores.get(request.request_id)
         if pending is not None:
             await asyncio.wait([pending])  # its pages must hold the restored KV before we compute over them
         keep_deadline(context)
-        task = asyncio.ensure_future(self._forward(request, num_new, block_table))
+        task = asyncio.ensure_future(work)
         self.forwards[request.request_id] = task
         task.add_done_callback(lambda _: self.forwards.pop(request.request_id, None))
         return await asyncio.shield(task)
 
-    async def _forward(
-        self, request: prefill_pb2.ForwardRequest, num_new: int, block_table: list[int]
-    ) -> prefill_pb2.ForwardResponse:
-        inputs = await self.link.receive(request.activation, num_new)
-        return await run_stage(self.runner, self.link, request, inputs, block_table, self.handoff)
+    async def _forward(self, request: prefill_pb2.ForwardRequest) -> prefill_pb2.ForwardResponse:
+        inputs = await self.link.receive(request.activation, request.num_tokens - request.compute_start)
+        return await run_stage(self.runner, self.link, request, inputs, list(request.block_table), self.handoff)
 
     @status_errors
     async def HandoffDone(self, request: prefill_pb2.HandoffDoneRequest, context: Any
@@ -215,10 +158,16 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
 
 
 async def run_stage(
-    runner: StageRunner, link: ActivationLink, request: prefill_pb2.ForwardRequest, inputs: torch.Tensor,
+    runner: StageRunner, link: ActivationLink, request: prefill_pb2.ForwardRequest,
+    inputs: torch.Tensor | AsyncIterator[tuple[prefill_pb2.ForwardRequest, torch.Tensor]],
     block_table: list[int], handoff: StageHandoff,
 ) -> prefill_pb2.ForwardResponse:
     """Compute this stage, streaming its KV to decode as it becomes final, start saving, forward onward.
+
+    ``inputs``: the hidden states (or token ids) of tokens [compute_start, num_tokens) at once, or the
+    pieces of a ``ForwardPieces`` stream as they come. Each piece this stage computes goes on to the
+    next stage as it ends (``PieceSender``), so the stages overlap; with ``forward_after_stage`` (bench)
+    the request goes on whole once this stage computed all of it.
 
     With a target, the cached prefix is final at once and each forward piece
     when it ends; the last stage also writes the final logits. Bench mode
@@ -230,27 +179,52 @@ async def run_stage(
     stream = writes is not None and not request.handoff_after_prefill
     if stream and request.compute_start:
         writes.write(0, request.compute_start)  # restored or device-cached: final already
-    t0 = time.perf_counter()
-    out = await runner.forward(inputs, block_table, request.compute_start, writes.write if stream else None)
-    compute_ms = (time.perf_counter() - t0) * 1e3
-    if writes is not None:
-        writes.forward_ended()
-    # the put reads the pages in the background; stage 0 keeps those blocks until save_done
-    runner.start_save(request.request_id, block_table, request.save_first_chunk, list(request.save_chunk_hashes),
-                      request.tenant)
-    if runner.model.is_last:
-        last = out[-1]
-        # the model's sampler picks among its output ids only; the logits go back as the model made them
-        response = prefill_pb2.ForwardResponse(first_token=greedy_token(last, runner.config))
-        logits = last.to(torch.float32).contiguous().numpy().tobytes()
-        if request.return_logits:
-            response.logits = logits
-        if writes is not None:
-            trailer = logits if request.target.layout.trailer_bytes else b""
-            writes.write(0, 0 if stream else request.num_tokens, trailer)
-    else:
-        response = await link.send(out, request)
-        if writes is not None and not stream:
-            writes.write(0, request.num_tokens)  # every later stage has computed
+    is_last = runner.model.is_last
+    sender = None if is_last or request.forward_after_stage else link.open(request, forward_timeout_s())
+    pieces = one_piece(request, inputs) if isinstance(inputs, torch.Tensor) else inputs
+    kept: list[torch.Tensor] = []  # what goes on after the last piece: its last row, or (bench) every output
+    compute_ms = 0.0
+    try:
+        async for piece, piece_inputs in pieces:
+            if sender is not None and sender.failed:
+                break  # a later stage failed: finish() says how
+            start = piece.piece_start if piece.piece_end else request.compute_start
+            t0 = time.perf_counter()
+            out = await runner.forward(piece_inputs, block_table, start, writes.write if stream else None,
+                                       sender.send if sender is not None else None)
+            compute_ms += (time.perf_counter() - t0) * 1e3
+            kept = kept + [out] if request.forward_after_stage and not is_last else [out[-1:]]
+        else:
+            if writes is not None:
+                writes.forward_ended()
+            # the put reads the pages in the background; stage 0 keeps those blocks until save_done
+            runner.start_save(request.request_id, block_table, request.save_first_chunk,
+                              list(request.save_chunk_hashes), request.tenant)
+        if is_last:
+            last = kept[-1][-1]
+            # the model's sampler picks among its output ids only; the logits go back as the model made them
+            response = prefill_pb2.ForwardResponse(first_token=greedy_token(last, runner.config))
+            logits = last.to(torch.float32).contiguous().numpy().tobytes()
+            if request.return_logits:
+                response.logits = logits
+            if writes is not None:
+                trailer = logits if request.target.layout.trailer_bytes else b""
+                writes.write(0, 0 if stream else request.num_tokens, trailer)
+        else:
+            if sender is None:  # bench: the whole request at once
+                sender = link.open(request, forward_timeout_s())
+                sender.send(torch.cat(kept) if len(kept) > 1 else kept[0], request.compute_start, request.num_tokens)
+            response = await sender.finish()
+            sender = None
+            if writes is not None and not stream:
+                writes.write(0, request.num_tokens)  # every later stage has computed
+    finally:
+        if sender is not None:
+            sender.abort()
     response.stage_compute_ms.insert(0, compute_ms)
     return response
+
+
+async def one_piece(request: prefill_pb2.ForwardRequest, inputs: torch.Tensor
+                    ) -> AsyncIterator[tuple[prefill_pb2.ForwardRequest, torch.Tensor]]:
+    yield request, inputs

@@ -1,0 +1,153 @@
+"""A request's hidden states go from stage to stage in pieces (``ForwardPieces``), so the stages overlap.
+
+On four real stage processes with 256-token forward pieces: the answer is the
+one the stages give one after another (``forward_after_stage``, the bench's
+baseline) and the one computed from scratch in this process; every later stage
+receives each piece on its own; and a stream that breaks the rules (another
+request's piece, a gap, a piece past the last, a stream ending early, bytes that
+do not parse) is refused INVALID_ARGUMENT naming the field, with the stage
+serving on.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+import torch
+
+from kvpool import service
+from kvpool.model import InProcessPipeline as ReferenceModel
+from kvpool.model import get_config
+from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.status import FIELD_KEY
+from kvpool.tools.cluster import LocalPipeline
+
+pytestmark = pytest.mark.cluster
+
+CHUNK = 256
+PIECE = 256  # one chunk a piece: a 1,000-token prompt goes on in four pieces
+CONFIG = get_config("tiny")
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
+
+
+def reference_logits(token_ids: list[int]) -> torch.Tensor:
+    blocks = -(-len(token_ids) // CHUNK)
+    model = ReferenceModel(CONFIG, num_blocks=blocks, block_size=CHUNK)
+    return model.forward(torch.tensor(token_ids), list(range(blocks)), 0)[-1]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPipeline]:
+    with LocalPipeline(num_stages=4, workdir=tmp_path_factory.mktemp("pieces"),
+                       stage_args=["--device-cache-tokens", str(8 * CHUNK),
+                                   "--forward-piece-tokens", str(PIECE)]) as pipeline:
+        yield pipeline
+
+
+@pytest.fixture
+async def front(pipeline: LocalPipeline) -> AsyncIterator[prefill_pb2_grpc.PrefillStub]:
+    async with grpc.aio.insecure_channel(pipeline.address, options=service.GRPC_OPTIONS) as channel:
+        yield prefill_pb2_grpc.PrefillStub(channel)
+
+
+def stage_address(pipeline: LocalPipeline, stage: int) -> str:
+    return f"127.0.0.1:{pipeline.stages[stage].ready['port']}"
+
+
+def pieces_received(pipeline: LocalPipeline, stage: int) -> float:
+    """The stage's ``kvpool_prefill_pieces_received_total``, from its admin port."""
+    port = pipeline.stages[stage].ready["admin_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    match = re.search(r"^kvpool_prefill_pieces_received_total (\S+)$", text, re.MULTILINE)
+    assert match, "no kvpool_prefill_pieces_received_total"
+    return float(match.group(1))
+
+
+async def test_pieces_give_the_answer_of_the_stages_one_after_another_and_from_scratch(
+    pipeline: LocalPipeline, front: prefill_pb2_grpc.PrefillStub,
+) -> None:
+    token_ids = prompt(1, 1000)  # 4 pieces: 256, 256, 256, 232
+    before = [pieces_received(pipeline, s) for s in (1, 2, 3)]
+    piecewise = await front.Prefill(prefill_pb2.PrefillRequest(
+        token_ids=token_ids, session_key="a", return_logits=True), timeout=300)
+    after_piecewise = [pieces_received(pipeline, s) for s in (1, 2, 3)]
+    assert [a - b for a, b in zip(after_piecewise, before)] == [4, 4, 4]
+    assert piecewise.figures.num_computed_tokens == 1000
+    # the same prompt again would be a device hit: another session's identical prompt in another tenant is not
+    whole = await front.Prefill(prefill_pb2.PrefillRequest(
+        token_ids=token_ids, session_key="b", tenant="other", return_logits=True, forward_after_stage=True),
+        timeout=300)
+    assert whole.figures.num_computed_tokens == 1000
+    assert [pieces_received(pipeline, s) for s in (1, 2, 3)] == [n + 1 for n in after_piecewise]
+    assert piecewise.first_token == whole.first_token
+    assert piecewise.logits == whole.logits  # bit for bit: every stage computed the same pieces
+    logits = torch.frombuffer(bytearray(piecewise.logits), dtype=torch.float32)
+    assert torch.allclose(logits, reference_logits(token_ids), atol=1e-4)
+
+
+def forward(request_id: str, num_tokens: int, start: int, end: int, hidden_tokens: int | None = None
+            ) -> prefill_pb2.ForwardRequest:
+    """A piece of tokens [start, end) of a request computing [0, num_tokens), with ``hidden_tokens`` (by
+    default ``end - start``) tokens' hidden states inline."""
+    n = end - start if hidden_tokens is None else hidden_tokens
+    hidden = torch.zeros(n, CONFIG.hidden_size, dtype=torch.float32).numpy().tobytes()
+    return prefill_pb2.ForwardRequest(
+        request_id=request_id, block_table=[7] * -(-num_tokens // CHUNK), compute_start=0, num_tokens=num_tokens,
+        activation=prefill_pb2.Activation(inline=hidden, num_tokens=n, hidden_size=CONFIG.hidden_size),
+        piece_start=start, piece_end=end)
+
+
+BROKEN_STREAMS = {
+    "another request's piece": ([forward("x", 48, 0, 16), forward("y", 48, 16, 48)], "request_id"),
+    "a gap": ([forward("x", 48, 0, 16), forward("x", 48, 32, 48)], "piece_start"),
+    "a piece past the last": ([forward("x", 32, 0, 32), forward("x", 32, 32, 40)], "piece_start"),
+    "the stream ends early": ([forward("x", 48, 0, 16)], "piece_end"),
+    "a piece beyond num_tokens": ([forward("x", 32, 0, 48)], "piece_end"),
+    "the first piece not at compute_start": ([forward("x", 48, 16, 48)], "piece_start"),
+    "a piece whose size disagrees with its hidden states": (
+        [forward("x", 48, 0, 16), forward("x", 48, 16, 48, hidden_tokens=8)],
+        "activation"),
+    "no piece at all": ([], "request"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_STREAMS))
+async def test_a_broken_stream_of_pieces_is_refused_naming_the_field(
+    pipeline: LocalPipeline, front: prefill_pb2_grpc.PrefillStub, case: str,
+) -> None:
+    messages, field = BROKEN_STREAMS[case]
+    async with grpc.aio.insecure_channel(stage_address(pipeline, 3)) as channel:  # the last: nothing onward
+        call = prefill_pb2_grpc.PrefillStageStub(channel).ForwardPieces(iter(messages), timeout=60)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+    error = info.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, error.code(), error.details())
+    assert (error.details() or "").startswith(f"{field}: "), (case, error.details())
+    assert dict(await call.trailing_metadata() or ()).get(FIELD_KEY) == field
+    # the stage serves on: a whole prompt through all four stages
+    token_ids = prompt(2, 300)
+    done = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key=f"after {case}",
+                                                          tenant=case, return_logits=True), timeout=300)
+    assert done.figures.num_computed_tokens == 300
+
+
+async def test_bytes_that_do_not_parse_in_a_later_piece_are_refused_naming_the_request(
+    pipeline: LocalPipeline,
+) -> None:
+    first = forward("x", 48, 0, 16).SerializeToString()
+    with grpc.insecure_channel(stage_address(pipeline, 3)) as channel:
+        pieces = channel.stream_unary("/kvpool.rpc.PrefillStage/ForwardPieces")
+        with pytest.raises(grpc.RpcError) as info:
+            pieces(iter([first, b"\xff"]), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("request: not a kvpool.rpc.ForwardRequest (")
