@@ -110,9 +110,13 @@ def add_bench(sub: Any) -> None:
     path.add_argument("--skip-replay", action="store_true", help="no replay (burst and cases)")
     path.add_argument("--skip-cases", action="store_true", help="no handoff cases (push against after-prefill)")
     path.add_argument("--cases-only", action="store_true", help="the handoff cases only")
-    path.add_argument("--handoff", choices=("both", "push", "after-prefill"), default="both",
-                      help="the cases' handoff: streamed during prefill (push), after the last forward (a bench-only "
-                           "mode), or both side by side")
+    path.add_argument("--handoff", choices=("both", "pieces", "all", "push", "after-prefill", "after-stage"),
+                      default="both",
+                      help="the cases' modes, side by side: push (the service's path: the handoff streamed during "
+                           "prefill, the stages overlapping on the forward's pieces), after-prefill (the handoff "
+                           "after the last forward), after-stage (each stage passes a request on whole: the stages "
+                           "one after another); both = push and after-prefill, pieces = push and after-stage, all = "
+                           "the three")
     path.add_argument("--case-requests", type=int, default=3,
                       help="requests per mode in the 4k and warm cases (16k cold: one fewer)")
     path.add_argument("--traces", default=None, help="weka traces (default ../shared/traces/agentx-weka)")
