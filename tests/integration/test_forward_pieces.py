@@ -151,3 +151,27 @@ async def test_bytes_that_do_not_parse_in_a_later_piece_are_refused_naming_the_r
             pieces(iter([first, b"\xff"]), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("request: not a kvpool.rpc.ForwardRequest (")
+
+
+async def test_the_whole_request_forward_refuses_a_piece(pipeline: LocalPipeline) -> None:
+    """``Forward`` (an older stage's call) takes [compute_start, num_tokens) whole; pieces go by ForwardPieces."""
+    async with grpc.aio.insecure_channel(stage_address(pipeline, 3)) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await prefill_pb2_grpc.PrefillStageStub(channel).Forward(forward("x", 48, 0, 16), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (info.value.details() or "").startswith("piece_end: Forward takes tokens [compute_start, num_tokens)")
+
+
+async def test_an_older_callers_whole_request_forward_is_still_served_through_the_later_stages(
+    pipeline: LocalPipeline,
+) -> None:
+    """A stage of an earlier version calls ``Forward`` with the whole request (docs/operations.md, upgrades):
+    stage 1 computes it and passes it on in pieces; the last stage answers for all three."""
+    whole = forward("old", 48, 0, 48)
+    whole.piece_start = whole.piece_end = 0
+    before = [pieces_received(pipeline, s) for s in (2, 3)]
+    async with grpc.aio.insecure_channel(stage_address(pipeline, 1)) as channel:
+        done = await prefill_pb2_grpc.PrefillStageStub(channel).Forward(whole, timeout=120)
+    assert len(done.stage_compute_ms) == 3  # stages 1, 2 and 3
+    assert 0 <= done.first_token < CONFIG.vocab_size
+    assert [pieces_received(pipeline, s) - b for s, b in zip((2, 3), before)] == [1, 1]
