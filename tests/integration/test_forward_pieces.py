@@ -11,6 +11,7 @@ serving on.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import urllib.request
@@ -26,6 +27,7 @@ from kvpool.model import get_config
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.status import FIELD_KEY
 from kvpool.tools.cluster import LocalPipeline
+from tests.integration.conftest import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -175,3 +177,24 @@ async def test_an_older_callers_whole_request_forward_is_still_served_through_th
     assert len(done.stage_compute_ms) == 3  # stages 1, 2 and 3
     assert 0 <= done.first_token < CONFIG.vocab_size
     assert [pieces_received(pipeline, s) - b for s, b in zip((2, 3), before)] == [1, 1]
+
+
+async def test_a_caller_that_goes_away_mid_stream_leaves_nothing_waiting(pipeline: LocalPipeline) -> None:
+    """Stage 0 asks every stage for its handoff and save once a request failed; a stage whose caller cancelled
+    its stream after one piece must answer those at once, not wait for pieces that will never come."""
+    async with grpc.aio.insecure_channel(stage_address(pipeline, 3)) as channel:
+        stub = prefill_pb2_grpc.PrefillStageStub(channel)
+        for ends in ("cancelled", "deadline"):
+            request_id = f"gone-{ends}"
+            received = pieces_received(pipeline, 3)
+            call = stub.ForwardPieces(timeout=60 if ends == "cancelled" else 5)
+            await call.write(forward(request_id, 48, 0, 16))
+            # the stage took the first piece (computed, then waits for the next) before the caller goes
+            await eventually(lambda: pieces_received(pipeline, 3) == received + 1, what="the first piece taken")
+            if ends == "cancelled":
+                call.cancel()
+            with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)):
+                await call
+            # both answer within their deadline: the stage's task for the request ended
+            await stub.HandoffDone(prefill_pb2.HandoffDoneRequest(request_id=request_id), timeout=10)
+            await stub.SaveDone(prefill_pb2.SaveDoneRequest(request_id=request_id), timeout=10)
