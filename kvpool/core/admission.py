@@ -79,6 +79,7 @@ from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, 
 from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.routing import RoutingPolicy
 from kvpool.core.session_prefix import matched_prefix
+from kvpool.core.work_scale import MAX_FACTOR, MIN_FACTOR
 
 MAX_PREFILL_TRIES = 2  # the first try and one retry elsewhere
 MAX_SHARD_TRIES = 2  # the first shard and one other
@@ -167,12 +168,24 @@ class Admission:
     def set_shard_shape(self, shard: str, shape: ShardShape) -> None:
         self._shard(shard).shape = shape
 
-    def set_pipeline_shape(self, pipeline: str, num_blocks: int, block_size: int) -> None:
-        """The pipeline's device cache (from its StageInfo): until known, it takes no ticket."""
+    def set_pipeline_shape(self, pipeline: str, num_blocks: int, block_size: int, work_scale: float = 1.0) -> None:
+        """The pipeline's device cache and measured speed (from its StageInfo): until known, it takes no ticket.
+        ``work_scale``: its seconds per second of estimated work (``kvpool.core.work_scale``; 0, an older
+        stage that does not say: 1)."""
         if num_blocks <= 0 or block_size <= 0:
             raise InvalidArgument(f"num_blocks, block_size: must be positive, got {num_blocks}, {block_size}")
+        if not (work_scale >= 0 and math.isfinite(work_scale)):
+            raise InvalidArgument(f"work_scale: must be a number >= 0, got {work_scale}", field="work_scale")
         room = self._pipeline(pipeline)
         room.num_blocks, room.block_size = num_blocks, block_size
+        room.work_scale = min(MAX_FACTOR, max(MIN_FACTOR, work_scale)) if work_scale else 1.0
+
+    @property
+    def work_scale(self) -> float:
+        """The known pipelines' mean measured speed (1 while none is known): the queue's estimates are
+        scaled by it, so they and its bypass budget are in the pipelines' seconds."""
+        known = [p.work_scale for p in self.pipelines.values() if p.known]
+        return sum(known) / len(known) if known else 1.0
 
     @property
     def pipeline_max_prompt(self) -> dict[str, int]:
@@ -211,9 +224,11 @@ class Admission:
         return self._queue
 
     def work_s(self, request: AdmissionRequest) -> float:
-        """The queue's estimate of the request's prefill work (``admission_work_s``)."""
+        """The queue's estimate of the request's prefill work (``admission_work_s``, in the pipelines'
+        measured seconds: ``work_scale``)."""
         matched = matched_prefix(self.routing.session_prefixes(request.session_key), request.token_ids)
-        return admission_work_s(request.num_prompt_tokens, matched.num_tokens if matched is not None else 0)
+        return admission_work_s(request.num_prompt_tokens,
+                                matched.num_tokens if matched is not None else 0) * self.work_scale
 
     # ---- decisions -----------------------------------------------------------
 

@@ -109,6 +109,7 @@ class PipelineRoom:
     num_blocks: int = 0  # 0: unknown until its StageInfo
     block_size: int = 0
     used_blocks: int = 0
+    work_scale: float = 1.0  # its seconds per second of estimated work, from its StageInfo
 
     @property
     def known(self) -> bool:

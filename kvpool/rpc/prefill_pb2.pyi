@@ -128,7 +128,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfoResponse(_message.Message):
-    __slots__ = ("stage", "num_stages", "layer_start", "layer_end", "num_blocks", "block_size", "namespace", "transfer_endpoint")
+    __slots__ = ("stage", "num_stages", "layer_start", "layer_end", "num_blocks", "block_size", "namespace", "transfer_endpoint", "work_scale")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class StageInfoResponse(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    WORK_SCALE_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stages: int
     layer_start: int
@@ -145,7 +146,8 @@ class StageInfoResponse(_message.Message):
     block_size: int
     namespace: str
     transfer_endpoint: str
-    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ...) -> None: ...
+    work_scale: float
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., work_scale: _Optional[float] = ...) -> None: ...
 
 class RestoreChunk(_message.Message):
     __slots__ = ("chunk_index", "block_id", "endpoint", "address", "size", "checksum", "key")

@@ -48,6 +48,10 @@ class PrefillMetrics:
         self.pieces_received = Counter("kvpool_prefill_pieces_received",
                                        "Pieces of requests this stage received from the stage before "
                                        "(ForwardPieces messages; a request passed on whole is one)", registry=r)
+        self.work_scale = Gauge("kvpool_prefill_work_scale",
+                                "Seconds this stage's forward pieces took per second their work estimate says "
+                                "(the reference GPUs' speed; 1 until measured): what scales the queues' estimates",
+                                registry=r)
         self.device_usage = Gauge("kvpool_prefill_device_cache_usage", "Share of device blocks referenced",
                                   registry=r)
         # stage 0: blocks each tenant holds (in use or cached); the first 16 tenants by name, the rest "other"

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import ChunkHash, group_id
-from kvpool.core.prefill_queue import WorkWeights, prefill_work_s
+from kvpool.core.work_scale import REFERENCE_WEIGHTS, host_work_s
 from kvpool.core.prefill_request import PrefillRequest
 from kvpool.core.session_prefetch import SESSION_END, SessionPrefetch
 from kvpool.core.sessions import SessionId
@@ -41,7 +41,6 @@ from kvpool.pool.client import PoolClient
 log = structlog.get_logger(__name__)
 
 MAX_SESSIONS = 10_000
-WORK_WEIGHTS = WorkWeights()  # the gate orders by these (the seed's GPUs; only their ratios matter for an order)
 
 
 class PrefillScheduler(Protocol):
@@ -129,8 +128,10 @@ class SessionPrefetcher:
                 break
             known += 1
         cached = min(max(num_device, known) * chunk, num_tokens - 1)
-        restore = min(cached, max(0, known - num_device) * chunk)
-        return prefill_work_s(num_tokens, cached, restore, WORK_WEIGHTS)
+        restore_chunks = -(-min(cached, max(0, known - num_device) * chunk) // chunk)
+        # in this host's seconds: the compute at the measured speed, the restore as restores took here
+        return host_work_s(num_tokens, cached, restore_chunks, REFERENCE_WEIGHTS,
+                           self.scheduler.runner.work_scale.factor, self.policy.restore_s_per_chunk)
 
     # ---- the RPC --------------------------------------------------------------
 

@@ -67,8 +67,8 @@ class PrefillSettings(ModelSetting):
     sched_max_bypass_s: float = setting(
         math.inf, help="stage 0, --sched session: the bypass budget, seconds of estimated work that later prefills "
         "may overtake a waiting prefill by; it then waits at most what arrival order would make it wait plus this "
-        "(kvpool.core.prefill_queue). Estimated at the reference GPUs' speed (WorkWeights, the seed's), not "
-        "measured here: scale it by how much slower this host computes a chunk", default_text="none")
+        "(kvpool.core.prefill_queue). Seconds of this stage's compute: the estimates are scaled by its measured "
+        "speed against them (kvpool.core.work_scale, kvpool_prefill_work_scale)", default_text="none")
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
     )

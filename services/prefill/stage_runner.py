@@ -34,6 +34,7 @@ import torch
 from kvpool.core.chunk_hash import ChunkHash, group_id, object_key
 from kvpool.core.errors import DeviceCacheLost
 from kvpool.core.planner import leading_count
+from kvpool.core.work_scale import WorkScale
 from kvpool.model import ModelStage, kv_dtype
 from kvpool.model.kv_cache import block_address, block_nbytes, kv_cache_nbytes
 from kvpool.pool.client import ObjectLocation, PoolClient, PutObject, PutResult, ReadStatus
@@ -111,6 +112,9 @@ class StageRunner:
         self.send_arena = Arena("send", activation_bytes, engine)
         self.recv_arena = Arena("recv", activation_bytes, engine)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{settings.stage}-compute")
+        # this host's speed against the work estimates' (the gate's and the router's orders and budgets)
+        self.work_scale = WorkScale()
+        metrics.work_scale.set_function(lambda: self.work_scale.factor)
         # each request's save, from start until stage 0 asked for its end (save_done)
         self._saves: dict[str, asyncio.Task[SaveFigures]] = {}
         # blocks whose KV this process wrote (restored or computed): a stage that
@@ -179,9 +183,10 @@ class StageRunner:
         start = compute_start
         while start < end:
             stop = min(end, (start // piece + 1) * piece)
-            out = await loop.run_in_executor(
-                self._compute, self.model.forward, inputs[start - compute_start: stop - compute_start],
-                self.kv_cache, list(block_table), start)
+            out, seconds = await loop.run_in_executor(
+                self._compute, self._timed_forward, inputs[start - compute_start: stop - compute_start],
+                list(block_table), start)
+            self.work_scale.observe_piece(start, stop, seconds)
             for block_id in block_table[start // size:-(-stop // size)]:
                 self._written[block_id] = 1
             outputs.append(out)
@@ -191,6 +196,12 @@ class StageRunner:
                 on_output(out, start, stop)
             start = stop
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _timed_forward(self, inputs: torch.Tensor, block_table: list[int], start: int) -> tuple[torch.Tensor, float]:
+        """On the compute thread: the piece's forward and its time there (not its wait for the thread)."""
+        t0 = time.perf_counter()
+        out = self.model.forward(inputs, self.kv_cache, block_table, start)
+        return out, time.perf_counter() - t0
 
     def check_cached(self, block_table: Sequence[int], compute_start: int) -> None:
         """Every block holding tokens before ``compute_start`` must hold KV this process wrote."""

@@ -91,6 +91,7 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         return prefill_pb2.StageInfoResponse(
             stage=s.stage, num_stages=s.num_stages, layer_start=start, layer_end=end, num_blocks=s.num_blocks,
             block_size=s.chunk_size, namespace=self.runner.namespace, transfer_endpoint=self.runner.engine.endpoint,
+            work_scale=self.runner.work_scale.factor,
         )
 
     @status_errors

@@ -21,6 +21,7 @@ log = structlog.get_logger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
 STAGE_INFO_TIMEOUT_S = 15.0
+WORK_SCALE_EVERY_ROUNDS = 10  # health rounds (1 s each by default) between asks for a pipeline's measured speed
 # late health checks in a row that take a backend out of rotation by default (--health-late-checks,
 # kvpool.core.health_checks): one late answer on a loaded host turned requests that would have queued into 503s
 LATE_CHECKS_OUT = 2
@@ -43,6 +44,7 @@ class PipelineClient:
     num_stages: int = 0
     # until StageInfo answers after the pipeline (re)entered rotation or its connection broke
     stage_info_due: bool = True
+    stage_info_round: int = 0  # the health round of its last StageInfo
     num_reconnects: int = 0  # connections that broke (each may have been a restarted stage 0)
 
 
@@ -68,6 +70,7 @@ class Backends:
         self.pipelines = {a: self._pipeline_client(a) for a in pipelines}
         self.shards = {a: self._shard_client(a) for a in shards}
         self._watchers: list[asyncio.Task[None]] = []  # started by the first health round (a loop runs then)
+        self._refreshes: set[asyncio.Task[None]] = set()  # asks for pipelines' measured speed in flight
 
     @staticmethod
     def _pipeline_client(address: str) -> PipelineClient:
@@ -81,9 +84,9 @@ class Backends:
         return ShardClient(address, channel, decode_pb2_grpc.DecodeStub(channel), health_pb2_grpc.HealthStub(channel))
 
     async def close(self) -> None:
-        for watcher in self._watchers:
-            watcher.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
+        for task in [*self._watchers, *self._refreshes]:
+            task.cancel()
+        await asyncio.gather(*self._watchers, *self._refreshes, return_exceptions=True)
         for client in [*self.pipelines.values(), *self.shards.values()]:
             await client.channel.close()
 
@@ -150,8 +153,25 @@ class Backends:
             except grpc.aio.AioRpcError as exc:
                 return _failed(exc)
             client.num_stages, client.stage_info_due = info.num_stages, False
-            self.admission.set_pipeline_shape(client.address, info.num_blocks, info.block_size)
+            client.stage_info_round = self.admission.health_round
+            self.admission.set_pipeline_shape(client.address, info.num_blocks, info.block_size, info.work_scale)
+        elif self.admission.health_round - client.stage_info_round >= WORK_SCALE_EVERY_ROUNDS:
+            # its measured speed moves with its load: asked again now and then, beside the rounds
+            client.stage_info_round = self.admission.health_round
+            task = asyncio.ensure_future(self._refresh_work_scale(client))
+            self._refreshes.add(task)
+            task.add_done_callback(self._refreshes.discard)
         return Check.SERVING
+
+    async def _refresh_work_scale(self, client: PipelineClient) -> None:
+        """The pipeline's measured speed again; a late or failed answer changes nothing (the health check
+        decides rotation), and one from a stage 0 that restarted meanwhile is left to the full ask."""
+        try:
+            info = await client.stages.StageInfo(prefill_pb2.StageInfoRequest(), timeout=STAGE_INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return
+        if not client.stage_info_due:
+            self.admission.set_pipeline_shape(client.address, info.num_blocks, info.block_size, info.work_scale)
 
     async def _check_shard(self, client: ShardClient) -> Check:
         check = await self._serving(client.health)

@@ -61,8 +61,8 @@ class RouterSettings(ModelSetting):
     sched_max_bypass_s: float = setting(
         math.inf, help="--sched session: the bypass budget, seconds of estimated work that later requests may "
         "overtake a queued request by, in the queue or taking their ticket at once (kvpool.core.prefill_queue); "
-        "estimated at the reference GPUs' speed (WorkWeights, the seed's): scale it by how much slower the "
-        "pipelines compute a chunk", default_text="none")
+        "in the pipelines' seconds: the estimates are scaled by their measured speed (StageInfo's work_scale, "
+        "asked every 10 health rounds; kvpool.core.work_scale)", default_text="none")
     servers: list[str] = setting(
         help="the server of each pipeline or shard, where its address's host does not say it",
         factory=list, metavar="ADDR=SERVER,...", default_text="the address's host",

@@ -109,6 +109,28 @@ def test_a_session_turn_passes_a_new_session_that_does_not_fit_where_fifo_holds_
     assert a.work_s(req("turn", prompt=120, session="s")) == admission_work_s(120, 100)
 
 
+def test_the_estimates_are_in_the_pipelines_measured_seconds() -> None:
+    """Each pipeline's StageInfo says how much slower it computes than the estimates' reference; the queue's
+    estimates (and so its bypass budget) are in the known pipelines' mean of it."""
+    a = admission(QueueOrder.WORK)
+    turn = req("turn", prompt=120)
+    assert a.work_scale == 1.0 and a.work_s(turn) == admission_work_s(120, 0)
+    a.set_pipeline_shape("p0", 64, 16, work_scale=40.0)
+    a.set_pipeline_shape("p1", 64, 16, work_scale=60.0)
+    assert a.work_scale == 50.0
+    assert a.work_s(turn) == pytest.approx(50.0 * admission_work_s(120, 0))
+    a.set_pipeline_shape("p1", 64, 16, work_scale=0.0)  # an older stage 0 says nothing: the reference speed
+    assert a.work_scale == pytest.approx((40.0 + 1.0) / 2)
+    a.set_pipeline_shape("p0", 64, 16, work_scale=1e9)  # bounded as the measurement is
+    assert a.pipelines["p0"].work_scale == 1e4
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(InvalidArgument, match="^work_scale: "):
+            a.set_pipeline_shape("p0", 64, 16, work_scale=bad)
+    fresh = Admission(RoutingPolicy.of(["p0"], ["d0"]), {"d0": "s0"}, {"p0": "s0"}, max_queue=4,
+                      queue_timeout_s=10.0, order=QueueOrder.WORK)
+    assert fresh.work_scale == 1.0  # no pipeline known yet
+
+
 def test_a_new_request_that_would_lead_and_fits_takes_a_ticket_at_once() -> None:
     for order, expected in ((QueueOrder.FIFO, None), (QueueOrder.WORK, "d1")):
         a = admission(order)

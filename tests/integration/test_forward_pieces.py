@@ -198,3 +198,21 @@ async def test_a_caller_that_goes_away_mid_stream_leaves_nothing_waiting(pipelin
             # both answer within their deadline: the stage's task for the request ended
             await stub.HandoffDone(prefill_pb2.HandoffDoneRequest(request_id=request_id), timeout=10)
             await stub.SaveDone(prefill_pb2.SaveDoneRequest(request_id=request_id), timeout=10)
+
+
+async def test_stage_zero_measures_its_speed_against_the_estimates_and_says_it(
+    pipeline: LocalPipeline, front: prefill_pb2_grpc.PrefillStub,
+) -> None:
+    """kvpool.core.work_scale on a real stage: the tiny model on this CPU computes a chunk many times slower
+    than the reference GPUs' estimate, and StageInfo and the metric carry the measured factor."""
+    for seed in (5, 6):  # 16 cold pieces: ~21 ms of reference work, over the 10 ms the factor waits for
+        await front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(seed, 2000), session_key="speed",
+                                                       tenant=f"speed{seed}"), timeout=300)
+    async with grpc.aio.insecure_channel(pipeline.address) as channel:
+        info = await prefill_pb2_grpc.PrefillStageStub(channel).StageInfo(prefill_pb2.StageInfoRequest(), timeout=30)
+    assert info.work_scale > 2.0, info.work_scale
+    port = pipeline.stages[0].ready["admin_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    match = re.search(r"^kvpool_prefill_work_scale (\S+)$", text, re.MULTILINE)
+    assert match and float(match.group(1)) > 2.0

@@ -68,8 +68,8 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sched-max-bypass-s", type=float, metavar="S",
                    help="sched=: the session side's bypass budget, at stage 0's gate and the router's queue: later "
                    "requests may overtake a waiting one by S seconds of estimated work in all, so it waits at most "
-                   "what arrival order would make it wait plus S (default: theirs, no budget). The estimate is at the "
-                   "seed's GPUs' speed, not this host's: a cold 4,000-token prompt estimates 0.02 s")
+                   "what arrival order would make it wait plus S (default: theirs, no budget). Seconds of this host's "
+                   "compute: the estimates are scaled by each stage 0's measured speed (kvpool_prefill_work_scale)")
     g.add_argument("--sides-at-once", action="store_true",
                    help="run every side's cluster and replay at the same time (not with --kill-server): on a "
                    "shared host a load that moves then moves for every side, where one after the other it does not")
