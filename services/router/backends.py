@@ -66,6 +66,7 @@ class Backends:
                  late_checks_out: int = LATE_CHECKS_OUT) -> None:
         self.admission = admission
         self.metrics = metrics
+        metrics.work_scale.set_function(lambda: admission.work_scale)
         self.verdicts = HealthVerdicts(late_checks_out)
         self.pipelines = {a: self._pipeline_client(a) for a in pipelines}
         self.shards = {a: self._shard_client(a) for a in shards}

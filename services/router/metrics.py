@@ -22,6 +22,10 @@ class RouterMetrics:
         self.decode = Histogram("kvpool_router_decode_seconds", "First token to last", buckets=_SECONDS,
                                 registry=r)
         self.in_flight = Gauge("kvpool_router_in_flight", "Requests in flight", registry=r)
+        self.work_scale = Gauge("kvpool_router_work_scale",
+                                "The known pipelines' mean measured seconds per second of estimated work (their "
+                                "StageInfo's work_scale): what the queue's estimates and budget are scaled by",
+                                registry=r)
         self.healthy = Gauge("kvpool_router_target_healthy",
                              "1 while a target (prefill pipeline or decode shard) passes its health check",
                              ["target"], registry=r)

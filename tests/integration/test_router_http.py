@@ -205,6 +205,19 @@ def test_session_hints_reach_the_sessions_pipeline(cluster: Cluster, client: ope
         assert status == 400 and answer["error"]["param"] == param, answer
 
 
+def test_the_router_learns_the_pipelines_measured_speed(cluster: Cluster, client: openai.OpenAI) -> None:
+    """Stage 0 measures its compute against the work estimates (kvpool.core.work_scale); the router asks every
+    10 health rounds and scales its queue's estimates by it: the tiny model on a CPU is far slower than the
+    reference GPUs, so the router's factor leaves 1."""
+    router = f"http://{cluster.topology.host}:{cluster.find('router').ready['admin_port']}"
+    for i in range(3):  # cold prompts of ~1,500 tokens: over the 10 ms of reference work each stage 0 waits for
+        prompt = "".join(chr(ord("a") + (i * 7 + j * 13) % 26) for j in range(1500))
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_cache_key": f"speed-{i}"})
+    wait_for(lambda: metric(get(router, "/metrics", raw=True)[1], "kvpool_router_work_scale") > 2.0,
+             timeout_s=60, what="the router's work scale from the pipelines' StageInfo")
+
+
 def metric(text: str, name: str) -> float:
     """A sample's value in Prometheus text (0 when absent)."""
     for line in text.splitlines():
