@@ -148,6 +148,8 @@ class PieceSender:
 
     def abort(self) -> None:
         """This stage failed: the next one stops waiting for the rest."""
+        if self._writer.done() and not self._writer.cancelled():
+            self._writer.exception()  # seen: a write that failed with the call is not an error of its own
         self._writer.cancel()
         self.call.cancel()
         self._free()
