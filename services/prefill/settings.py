@@ -61,7 +61,7 @@ class PrefillSettings(ModelSetting):
                          "--sched-max-wait-s)", choices=("fifo", "session"))
     sched_slots: int = setting(-1, help="stage 0: prefills running through the stages at once, the others "
                                "waiting in --sched's order; 0: no limit (every admitted prefill at once, the "
-                               "stages interleaving their pieces)", default_text="0 with fifo, 2 with session")
+                               "stages interleaving their pieces)", default_text="0 with fifo; with session, one a stage (at least 2)")
     sched_max_wait_s: float = setting(4.0, help="stage 0, --sched session: a prefill waiting this long goes first "
                                       "(inf: no aging)")
     sched_max_bypass_s: float = setting(
@@ -78,8 +78,9 @@ class PrefillSettings(ModelSetting):
     def __post_init__(self) -> None:
         if self.drain_s < 0:
             raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
-        if self.sched_slots < 0:  # not given: no gate in arrival order, 2 slots in the work-aware one
-            self.sched_slots = 2 if self.sched == "session" else 0
+        if self.sched_slots < 0:  # not given: no gate in arrival order; in the work-aware one a slot a stage
+            # (at least 2), so every stage can compute while one-piece prompts pass through them in turn
+            self.sched_slots = max(2, self.num_stages) if self.sched == "session" else 0
         if isinstance(self.tenant_weights, str):
             self.tenant_weights = [w for w in self.tenant_weights.split(",") if w]
         parse_weights(self.tenant_weights)  # raises naming the bad entry

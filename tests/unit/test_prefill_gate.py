@@ -114,12 +114,15 @@ def test_stage_0_queue_settings_are_checked_and_reach_the_gate() -> None:
         PrefillSettings(num_stages=1, sched_max_wait_s=0.0)
 
 
-def test_sched_slots_default_to_no_gate_with_fifo_and_two_with_session() -> None:
-    def slots(**given: object) -> int:
-        return PrefillSettings(num_stages=1, **given).sched_slots  # type: ignore[arg-type]
+def test_sched_slots_default_to_no_gate_with_fifo_and_one_a_stage_with_session() -> None:
+    def slots(num_stages: int = 1, **given: object) -> int:
+        later = [f"127.0.0.1:{7001 + i}" for i in range(num_stages - 1)]
+        return PrefillSettings(num_stages=num_stages, stage_addresses=later, **given).sched_slots  # type: ignore[arg-type]
 
-    assert (slots(), slots(sched="session")) == (0, 2)
-    assert (slots(sched="fifo", sched_slots=3), slots(sched="session", sched_slots=0)) == (3, 0)
+    assert (slots(), slots(sched="session")) == (0, 2)  # at least two
+    assert (slots(4), slots(4, sched="session")) == (0, 4)  # four stages: each can work on its own prompt
+    assert (slots(sched="fifo", sched_slots=3), slots(4, sched="session", sched_slots=2)) == (3, 2)
+    assert slots(sched="session", sched_slots=0) == 0
 
 
 def test_waiting_sessions_come_in_serving_order_and_leave_with_their_waiter() -> None:
