@@ -31,11 +31,11 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import ChunkHash, group_id
-from kvpool.core.work_scale import REFERENCE_WEIGHTS, host_work_s
 from kvpool.core.prefill_request import PrefillRequest
 from kvpool.core.session_prefetch import SESSION_END, SessionPrefetch
 from kvpool.core.sessions import SessionId
 from kvpool.core.tenant_shares import tenant_name
+from kvpool.core.work_scale import REFERENCE_WEIGHTS, WorkScale, host_work_s
 from kvpool.pool.client import PoolClient
 
 log = structlog.get_logger(__name__)
@@ -43,14 +43,20 @@ log = structlog.get_logger(__name__)
 MAX_SESSIONS = 10_000
 
 
+class _Runner(Protocol):
+    work_scale: WorkScale
+
+
 class PrefillScheduler(Protocol):
     """What staging needs of stage 0's scheduler (``scheduler.PrefillScheduler``): its block table, the
-    pool, and its restore and free, so a staging takes the very path a prefill's restore takes."""
+    pool, and its restore and free, so a staging takes the very path a prefill's restore takes; and its
+    stage's measured speed, for the gate's estimates."""
 
     blocks: BlockManager
     chunk_size: int
     namespace: str
     pool: PoolClient | None
+    runner: _Runner
 
     async def _restore(self, request: PrefillRequest) -> Any: ...
 
