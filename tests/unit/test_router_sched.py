@@ -146,6 +146,24 @@ def replay_args(*argv: str) -> argparse.Namespace:
     return cli.build_parser().parse_args(["replay", *argv])
 
 
+def test_replay_sched_gates_both_sides_with_a_slot_a_stage_unless_told() -> None:
+    def slots(*argv: str) -> list[str]:
+        args = replay_args("--compare", "sched=fifo,session", *argv)
+        what, sides = compare_cmd._check(args)
+        base = compare_cmd.base_settings(args, what, "64MiB", 8192)
+        found = []
+        for side in sides:
+            stage0 = side_topology(side_settings(base, what, side)).servers[0].pipelines[0].args
+            found.append(stage0[stage0.index("--sched-slots") + 1])
+        return found
+
+    assert slots("--stages", "2") == ["2", "2"]  # at least two
+    assert slots("--stages", "4") == ["4", "4"]  # one a stage, as stage 0's own default
+    assert slots("--stages", "4", "--sched-slots", "3") == ["3", "3"]
+    with pytest.raises(SystemExit, match="--sched-slots: must be >= 0"):
+        compare_cmd._check(replay_args("--compare", "sched=fifo,session", "--sched-slots", "-1"))
+
+
 def test_replay_sched_passes_the_bypass_budget_to_stage_0_and_the_router_of_both_sides() -> None:
     args = replay_args("--compare", "sched=fifo,session", "--sched-max-bypass-s", "0.25", "--sched-max-wait-s", "10")
     what, sides = compare_cmd._check(args)

@@ -57,10 +57,11 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    "the shared pool holds 3/5 of it, eviction pressure)")
     g.add_argument("--link-gbit", type=float, default=10.0, help="each server's link, shaped with tc, each way "
                    "(namespaces only; default 10)")
-    g.add_argument("--sched-slots", type=int, default=2, metavar="N",
+    g.add_argument("--sched-slots", type=int, default=None, metavar="N",
                    help="sched=: stage 0's gate on both sides, N prefills through the stages at once, the others "
                    "waiting in arrival order (fifo) or least work first (session); 0: no gate on either side, "
-                   "every admitted prefill at once (default 2)")
+                   "every admitted prefill at once (default: one a stage, at least 2, as stage 0's own default "
+                   "under --sched session)")
     g.add_argument("--sched-max-wait-s", type=float, default=0.0, metavar="S",
                    help="sched=: the session side's aging bound, at stage 0's gate and the router's queue (a "
                    "request waiting S goes first; default: theirs, 4 s, chosen in the simulator for the seed's "
@@ -102,13 +103,18 @@ def _check(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
         raise SystemExit(f"kvpool replay: --sched-max-wait-s: must be >= 0, got {args.sched_max_wait_s}")
     if args.sched_max_bypass_s is not None and not args.sched_max_bypass_s >= 0:
         raise SystemExit(f"kvpool replay: --sched-max-bypass-s: must be >= 0, got {args.sched_max_bypass_s}")
-    if args.sched_slots < 0:
+    if args.sched_slots is not None and args.sched_slots < 0:
         raise SystemExit(f"kvpool replay: --sched-slots: must be >= 0, got {args.sched_slots}")
     if args.turns is not None and args.turns < 1:
         raise SystemExit(f"kvpool replay: --turns: must be >= 1, got {args.turns}")
     if str(args.trace).endswith(".jsonl"):
         raise SystemExit("kvpool replay: --compare replays weka sessions (a folder or a trace_*.json)")
     return what, sides
+
+
+def sched_slots(args: argparse.Namespace) -> int:
+    """Stage 0's gate on both sides: ``--sched-slots``, else one a stage (at least 2), stage 0's own default."""
+    return max(2, args.stages) if args.sched_slots is None else args.sched_slots
 
 
 def base_settings(args: argparse.Namespace, what: str, segment: str, device_tokens: int) -> TopologySettings:
@@ -118,7 +124,7 @@ def base_settings(args: argparse.Namespace, what: str, segment: str, device_toke
                             device_cache_tokens=device_tokens, kv_dtype=args.kv_dtype, netns=not args.loopback,
                             link_gbit=args.link_gbit, log_level=args.log_level,
                             decode_args=("--num-pages", str(args.decode_pages)) if args.decode_pages else (),
-                            sched_slots=args.sched_slots if sched else -1,
+                            sched_slots=sched_slots(args) if sched else -1,
                             sched_max_wait_s=args.sched_max_wait_s if sched else 0.0,
                             sched_max_bypass_s=args.sched_max_bypass_s if sched else None)
 
