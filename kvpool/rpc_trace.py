@@ -69,30 +69,18 @@ class RpcTraceInterceptor(grpc.aio.ServerInterceptor):
 
         def enter() -> None:
             CURRENT_SPAN.set(span)
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary(request: Any, context: Any) -> Any:
+        single = handler.unary_unary or handler.stream_unary  # one answer (ForwardPieces: a stream of pieces)
+        if single is not None:
+            async def answered(request: Any, context: Any) -> Any:
                 enter()
                 start = time.time()
                 try:
-                    return await inner(request, context)
+                    return await single(request, context)
                 finally:
                     self._write(request_id, method, span, parent, start, time.time())
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
-                                                       handler.response_serializer)
-        if handler.stream_unary is not None:  # the stages' ForwardPieces: start to answer
-            inner_pieces = handler.stream_unary
-
-            async def pieces(request_iterator: Any, context: Any) -> Any:
-                enter()
-                start = time.time()
-                try:
-                    return await inner_pieces(request_iterator, context)
-                finally:
-                    self._write(request_id, method, span, parent, start, time.time())
-            return grpc.stream_unary_rpc_method_handler(pieces, handler.request_deserializer,
-                                                        handler.response_serializer)
+            make = (grpc.unary_unary_rpc_method_handler if handler.unary_unary is not None
+                    else grpc.stream_unary_rpc_method_handler)
+            return make(answered, handler.request_deserializer, handler.response_serializer)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 

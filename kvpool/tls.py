@@ -150,15 +150,16 @@ class RoleCheck(grpc.aio.ServerInterceptor):
                 log.warning("call_refused", method=method, peer=context.peer(), reason=str(exc))
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
+        single = handler.unary_unary or handler.stream_unary  # one answer (ForwardPieces: a stream of pieces)
+        if single is not None:
+            streamed = handler.stream_unary is not None
 
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await check(request, context)
-                return await inner(request, context)
+            async def answered(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await check(None if streamed else request, context)  # a stream: before any piece is read
+                return await single(request, context)
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
-                                                       handler.response_serializer)
+            make = grpc.stream_unary_rpc_method_handler if streamed else grpc.unary_unary_rpc_method_handler
+            return make(answered, handler.request_deserializer, handler.response_serializer)
         if handler.unary_stream is not None:
             stream = handler.unary_stream
             if inspect.isasyncgenfunction(stream):
@@ -172,15 +173,6 @@ class RoleCheck(grpc.aio.ServerInterceptor):
                     return await stream(request, context)
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
-        if handler.stream_unary is not None:  # the stages' ForwardPieces: checked before any piece is read
-            inner_pieces = handler.stream_unary
-
-            async def stream_unary(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-                await check(None, context)
-                return await inner_pieces(request_iterator, context)
-
-            return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,
                                                         handler.response_serializer)
         # no bidirectional methods of ours: refuse rather than pass unchecked
         raise TypeError(f"{method}: RoleCheck has no wrapper for this kind of method")

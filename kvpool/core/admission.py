@@ -79,7 +79,7 @@ from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, 
 from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.routing import RoutingPolicy
 from kvpool.core.session_prefix import matched_prefix
-from kvpool.core.work_scale import MAX_FACTOR, MIN_FACTOR
+from kvpool.core.work_scale import bounded_factor
 
 MAX_PREFILL_TRIES = 2  # the first try and one retry elsewhere
 MAX_SHARD_TRIES = 2  # the first shard and one other
@@ -178,7 +178,7 @@ class Admission:
             raise InvalidArgument(f"work_scale: must be a number >= 0, got {work_scale}", field="work_scale")
         room = self._pipeline(pipeline)
         room.num_blocks, room.block_size = num_blocks, block_size
-        room.work_scale = min(MAX_FACTOR, max(MIN_FACTOR, work_scale)) if work_scale else 1.0
+        room.work_scale = bounded_factor(work_scale) if work_scale else 1.0
 
     @property
     def work_scale(self) -> float:

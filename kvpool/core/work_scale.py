@@ -38,6 +38,11 @@ MIN_FACTOR = 1e-3  # 1,000x faster than the reference GPUs
 MAX_FACTOR = 1e4  # 10,000x slower (a CPU running a real model's shape)
 
 
+def bounded_factor(factor: float) -> float:
+    """A factor within [MIN_FACTOR, MAX_FACTOR] (measured here, or reported by a pipeline)."""
+    return min(MAX_FACTOR, max(MIN_FACTOR, factor))
+
+
 @dataclass(slots=True)
 class WorkScale:
     half_life: float = 64.0  # pieces
@@ -77,7 +82,7 @@ class WorkScale:
         """This host's seconds per reference second of compute (1 until enough was observed)."""
         if not self.num_observed or self.estimated_total_s < self.min_estimated_s:
             return 1.0
-        return min(MAX_FACTOR, max(MIN_FACTOR, self._measured / self._estimated))
+        return bounded_factor(self._measured / self._estimated)
 
 
 def host_work_s(num_tokens: int, num_cached_tokens: int, num_restore_chunks: int, weights: WorkWeights,

@@ -12,9 +12,6 @@ serving on.
 from __future__ import annotations
 
 import asyncio
-import random
-import re
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -22,29 +19,16 @@ import pytest
 import torch
 
 from kvpool import service
-from kvpool.model import InProcessPipeline as ReferenceModel
-from kvpool.model import get_config
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.status import FIELD_KEY
 from kvpool.tools.cluster import LocalPipeline
 from tests.integration.conftest import eventually
+from tests.integration.test_prefill_faults import metric
+from tests.integration.test_prefill_pipeline import CHUNK, CONFIG, prompt, reference_logits
 
 pytestmark = pytest.mark.cluster
 
-CHUNK = 256
 PIECE = 256  # one chunk a piece: a 1,000-token prompt goes on in four pieces
-CONFIG = get_config("tiny")
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
-
-
-def reference_logits(token_ids: list[int]) -> torch.Tensor:
-    blocks = -(-len(token_ids) // CHUNK)
-    model = ReferenceModel(CONFIG, num_blocks=blocks, block_size=CHUNK)
-    return model.forward(torch.tensor(token_ids), list(range(blocks)), 0)[-1]
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +50,8 @@ def stage_address(pipeline: LocalPipeline, stage: int) -> str:
 
 
 def pieces_received(pipeline: LocalPipeline, stage: int) -> float:
-    """The stage's ``kvpool_prefill_pieces_received_total``, from its admin port."""
-    port = pipeline.stages[stage].ready["admin_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
-        text = page.read().decode()
-    match = re.search(r"^kvpool_prefill_pieces_received_total (\S+)$", text, re.MULTILINE)
-    assert match, "no kvpool_prefill_pieces_received_total"
-    return float(match.group(1))
+    """The stage's ``kvpool_prefill_pieces_received_total``."""
+    return metric(pipeline.stages[stage], "kvpool_prefill_pieces_received_total")
 
 
 async def test_pieces_give_the_answer_of_the_stages_one_after_another_and_from_scratch(
@@ -211,8 +190,4 @@ async def test_stage_zero_measures_its_speed_against_the_estimates_and_says_it(
     async with grpc.aio.insecure_channel(pipeline.address) as channel:
         info = await prefill_pb2_grpc.PrefillStageStub(channel).StageInfo(prefill_pb2.StageInfoRequest(), timeout=30)
     assert info.work_scale > 2.0, info.work_scale
-    port = pipeline.stages[0].ready["admin_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
-        text = page.read().decode()
-    match = re.search(r"^kvpool_prefill_work_scale (\S+)$", text, re.MULTILINE)
-    assert match and float(match.group(1)) > 2.0
+    assert metric(pipeline.stages[0], "kvpool_prefill_work_scale") > 2.0
