@@ -232,9 +232,12 @@ def up_cluster(settings: UpSettings, config: str | None = None, log_level: str =
                    access=UpAccess(settings.api_key, settings.secure, settings.insecure))
 
 
-def wait_for_stop_signal(tick: Callable[[], None] | None = None, on_hangup: Callable[[], None] | None = None) -> int:
+def wait_for_stop_signal(tick: Callable[[], None] | None = None, on_hangup: Callable[[], None] | None = None,
+                         ready: Callable[[], None] | None = None) -> int:
     """Block until SIGINT or SIGTERM, calling ``tick`` twice a second (and ``on_hangup`` after a SIGHUP);
-    returns the signal number.
+    returns the signal number. ``ready`` runs once the handlers are in place: what tells a user (or a
+    script) to press Ctrl-C or send SIGHUP goes there, since before it SIGINT is Python's
+    KeyboardInterrupt (exit 130) and SIGHUP the default's (the process dies, its services orphaned).
 
     The handlers only append to a list: a handler that takes a lock (``Event.set``) deadlocks when a second
     signal arrives while the first handler holds it (Ctrl-C pressed twice, or a wrapper forwarding a
@@ -252,6 +255,8 @@ def wait_for_stop_signal(tick: Callable[[], None] | None = None, on_hangup: Call
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, _frame: hangups.append(signum))
     previous_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     try:
+        if ready is not None:
+            ready()
         while not received:
             select.select([wake_r], [], [], 0.5)
             with contextlib.suppress(BlockingIOError):
@@ -330,11 +335,15 @@ def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any =
         supervisor = Supervisor(cluster, status_file=status_file, say=lambda line: print(line, flush=True))
         if settings.supervise:
             print("kvpool up: a process that dies is restarted (--no-supervise: left dead)", flush=True)
-        print(f"kvpool up: `kill -HUP {os.getpid()}` restarts every service one at a time, draining each "
-              "(the router last: a second router takes its ports before it drains)", flush=True)
-        print("kvpool up: Ctrl-C stops the cluster", flush=True)
+
+        def ready() -> None:  # the handlers are in place: a signal sent on reading these lines is handled
+            print(f"kvpool up: `kill -HUP {os.getpid()}` restarts every service one at a time, draining each "
+                  "(the router last: a second router takes its ports before it drains)", flush=True)
+            print("kvpool up: Ctrl-C stops the cluster", flush=True)
+
         wait_for_stop_signal(supervisor.tick if settings.supervise else None,
-                             on_hangup=lambda: supervisor.rolling_restart(lambda p: backend_healthy(cluster, p)))
+                             on_hangup=lambda: supervisor.rolling_restart(lambda p: backend_healthy(cluster, p)),
+                             ready=ready)
         return 0
     except KeyboardInterrupt:
         return 130
