@@ -66,6 +66,16 @@ class PrefillMetrics:
         self.admission_wait = Histogram("kvpool_prefill_admission_wait_seconds",
                                         "Wait for free device blocks before a prefill starts",
                                         buckets=_SECONDS_BUCKETS, registry=r)
+        self.admission_waiting = Gauge("kvpool_prefill_admission_waiting",
+                                       "Requests waiting for free device blocks now", registry=r)
+        # stage 0: callers that went away before their answer, by where their request was
+        self.cancelled = Counter("kvpool_prefill_cancelled",
+                                 "Prefill requests whose caller went away (cancelled, or past its deadline), by "
+                                 "where the request was: queued (the gate), admission (waiting for device blocks) "
+                                 "or running (its blocks go back once the stages are done with them)",
+                                 ["phase"], registry=r)
+        for phase in ("queued", "admission", "running"):
+            self.cancelled.labels(phase)
         # stage 0: the wait for a slot of the gate (--sched-slots), before the wait for blocks
         self.gate_wait = Histogram("kvpool_prefill_gate_wait_seconds",
                                    "Wait for a slot of stage 0's gate (--sched-slots) before a prefill starts",

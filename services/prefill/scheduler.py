@@ -174,14 +174,25 @@ class PrefillScheduler:
         self.prefetcher.turn_started(session)
         # the session's cached blocks were touched: a block event (kvpool simulate --validate follows it)
         bound.debug("prefill_arrived")
+        queued = True
         try:
             async with self.gate.slot(request_id, work_s, session) if self.gate else contextlib.nullcontext():
+                queued = False
                 if self.gate is not None:
                     self.metrics.gate_wait.observe(time.perf_counter() - started)
                 return await self._prefill(request_id, token_ids, hashes, session, return_logits, tenant, target,
                                            bench, started, bound)
+        except asyncio.CancelledError:
+            if queued:  # the caller went away while it waited for a slot of the gate: nothing was taken
+                self._cancelled(bound, "queued")
+            raise
         finally:
             self.prefetcher.turn_ended(session, hashes)
+
+    def _cancelled(self, bound: Any, phase: str) -> None:
+        """The caller went away (cancelled, or its deadline passed) while its request was in ``phase``."""
+        bound.info("prefill_cancelled", phase=phase)
+        self.metrics.cancelled.labels(phase).inc()
 
     async def _prefill(self, request_id: str, token_ids: Sequence[int], hashes: list[Any], session: SessionId | None,
                        return_logits: bool, tenant: str, target: handoff_pb2.HandoffTarget | None,
@@ -189,7 +200,11 @@ class PrefillScheduler:
         for attempt in (1, 2):
             request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant),
                                      session=session)
-            await self._admit(request)
+            try:
+                await self._admit(request)
+            except asyncio.CancelledError:  # while it waited for device blocks: none were taken
+                self._cancelled(bound, "admission")
+                raise
             # the admission order (kvpool simulate --validate replays the simulator in it)
             bound.info("prefill_admitted", attempt=attempt, tokens=request.num_tokens)
             self.prefetcher.admitted(request)
@@ -200,7 +215,7 @@ class PrefillScheduler:
                 # request's pages, so its blocks go back only once they are done
                 run = await asyncio.shield(work)
             except asyncio.CancelledError:
-                bound.info("prefill_cancelled")
+                self._cancelled(bound, "running")
                 # its blocks go back once the stages are done with them, not before
                 work.add_done_callback(lambda task: self._free_after(task, request.request_id))
                 raise
@@ -365,6 +380,7 @@ class PrefillScheduler:
             waiting = [request.session] if request.session is not None else []
             self.blocks.touch_sessions(waiting + self.gate.waiting_sessions(started))
         async with self._freed:
+            self.metrics.admission_waiting.inc()
             try:
                 while not try_admit(request, self.blocks, time.monotonic(), deadline):
                     if self.prefetcher.unpin_all():  # held stagings yield to a real request
@@ -372,6 +388,7 @@ class PrefillScheduler:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._freed.wait(), max(0.0, deadline - time.monotonic()))
             finally:
+                self.metrics.admission_waiting.dec()
                 self.metrics.admission_wait.observe(time.monotonic() - started)
         self.metrics.device_usage.set(self.blocks.usage)
         self.metrics.observe_tenants(self.blocks.tenant_blocks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
@@ -59,3 +60,12 @@ async def eventually(check: Callable[[], object], timeout_s: float = 15.0, what:
 def wait_for(check: Callable[[], object], timeout_s: float = 15.0, what: str = "condition") -> None:
     """``eventually`` for a test that is not async (no event loop is running)."""
     asyncio.run(eventually(check, timeout_s, what))
+
+
+def metric(service, sample: str) -> float:  # type: ignore[no-untyped-def]
+    """One sample (``name{labels}``) of a service's ``/metrics`` on its admin port; 0 when absent."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{service.ready['admin_port']}/metrics", timeout=5) as page:
+        for line in page.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+    return 0.0

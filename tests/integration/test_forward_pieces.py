@@ -22,8 +22,7 @@ from kvpool import service
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.status import FIELD_KEY
 from kvpool.tools.cluster import LocalPipeline
-from tests.integration.conftest import eventually
-from tests.integration.test_prefill_faults import metric
+from tests.integration.conftest import eventually, metric
 from tests.integration.test_prefill_pipeline import CHUNK, CONFIG, prompt, reference_logits
 
 pytestmark = pytest.mark.cluster

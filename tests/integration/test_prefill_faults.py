@@ -3,7 +3,6 @@ a corrupted object, a store that died before the master noticed, an unreachable 
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import AsyncIterator
 
 import grpc
@@ -16,7 +15,7 @@ from kvpool.model.sampling import greedy_token
 from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import HostBuffer, TransferEngine
 from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
-from tests.integration.conftest import eventually
+from tests.integration.conftest import eventually, metric
 from tests.integration.test_prefill_pipeline import (
     CHUNK, DEVICE_TOKENS, evict_device, logits_of, prompt, reference_logits, run, saved, split,
 )
@@ -138,14 +137,6 @@ async def test_unreachable_master_means_computing_everything(cluster) -> None:  
 def saves_skipped(stage, reason: str) -> float:  # type: ignore[no-untyped-def]
     """A stage's ``kvpool_prefill_saves_skipped_total{reason=...}``, from its admin port."""
     return metric(stage, f'kvpool_prefill_saves_skipped_total{{reason="{reason}"}}')
-
-
-def metric(stage, sample: str) -> float:  # type: ignore[no-untyped-def]
-    with urllib.request.urlopen(f"http://127.0.0.1:{stage.ready['admin_port']}/metrics", timeout=5) as page:
-        for line in page.read().decode().splitlines():
-            if line.startswith(sample + " "):
-                return float(line.split()[-1])
-    return 0.0
 
 
 @pytest.mark.parametrize(("kv_dtype", "bound"), [("bfloat16", 1e-2), ("float8_e4m3fn", 0.15)])

@@ -21,7 +21,7 @@ from kvpool.model import InProcessPipeline as ReferenceModel
 from kvpool.model import get_config
 from kvpool.model.sampling import greedy_token
 from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.integration.conftest import eventually
+from tests.integration.conftest import eventually, metric
 
 pytestmark = pytest.mark.cluster
 
@@ -243,12 +243,24 @@ async def test_cancelled_request_releases_its_blocks_and_others_stay_right(stubs
     are reused; nothing leaks (the next request needs every block) and answers stay right."""
     front, _ = stubs
     _, pipeline = cluster
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(60, DEVICE_TOKENS - 10)), timeout=0.1)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stage0 = pipeline.stages[0]
+    cancelled_running = 'kvpool_prefill_cancelled_total{phase="running"}'
+    before = metric(stage0, cancelled_running)
+    call = front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(60, DEVICE_TOKENS - 10)),
+                         metadata=(("x-request-id", "cancelled-mid-run"),), timeout=120)
+
+    def admitted() -> bool:  # its blocks are taken and its stages run: the caller goes away now
+        return any('"cancelled-mid-run"' in line and '"prefill_admitted"' in line
+                   for line in stage0.log_file.read_text().splitlines())
+    await eventually(admitted, what="the request admitted on stage 0")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
     other = prompt(61, DEVICE_TOKENS - 10)
     response = await run(front, other)
     assert split(response) == (0, 0, len(other))
     reference = reference_logits(other)
     assert float((logits_of(response) - reference).abs().max()) <= 1e-4
-    assert "prefill_cancelled" in pipeline.stages[0].log_file.read_text()
+    assert metric(stage0, cancelled_running) == before + 1
+    assert any('"cancelled-mid-run"' in line and '"prefill_cancelled"' in line and '"running"' in line
+               for line in stage0.log_file.read_text().splitlines())
