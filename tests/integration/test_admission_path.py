@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
 from tests.integration.conftest import eventually
+from tests.integration.conftest import metric as service_metric
 
 pytestmark = pytest.mark.cluster
 
@@ -62,9 +62,7 @@ def prompt(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
 
 def metric(cluster: Cluster, name: str, sample: str) -> float:
     """One sample from a service's Prometheus page (0 when absent)."""
-    port = cluster.find(name).ready["admin_port"]
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(sample + " ")), 0.0)
+    return service_metric(cluster.find(name), sample)
 
 
 def router_address(cluster: Cluster) -> str:

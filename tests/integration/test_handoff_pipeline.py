@@ -18,7 +18,6 @@ import os
 import random
 import signal
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -34,7 +33,7 @@ from kvpool.model import get_config, pack_kv, split_layers
 from kvpool.model.sampling import greedy_token
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import HostBuffer, TransferEngine
-from tests.integration.conftest import eventually
+from tests.integration.conftest import eventually, metric
 
 pytestmark = pytest.mark.cluster
 
@@ -60,15 +59,6 @@ def reference(token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     logits = model.forward(torch.tensor(token_ids), list(range(blocks)), 0)
     packed = [pack_kv(cache, list(range(blocks)), 0, len(token_ids)) for cache in model.kv_caches]
     return torch.cat(packed).view(CONFIG.num_hidden_layers, len(token_ids), ENTRY_BYTES), logits[-1]
-
-
-def metric(stage, sample: str) -> float:  # type: ignore[no-untyped-def]
-    """One sample from a stage's Prometheus page (0 when absent)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{stage.ready['admin_port']}/metrics", timeout=5) as page:
-        for line in page.read().decode().splitlines():
-            if line.startswith(sample + " "):
-                return float(line.split()[-1])
-    return 0.0
 
 
 def handoff_metrics(pipeline: LocalPipeline) -> list[tuple[float, float, float]]:
