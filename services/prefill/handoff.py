@@ -41,7 +41,6 @@ from kvpool.core.handoff_layout import HandoffLayout, range_transfers, transfer_
 from kvpool.handoff import gather_range
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
 from kvpool.status import from_status
-from kvpool.transfer import TransferError
 from services.prefill.arena import Arena
 from services.prefill.stage_runner import StageRunner
 

@@ -47,6 +47,10 @@ class _Runner(Protocol):
     work_scale: WorkScale
 
 
+class _Restorer(Protocol):
+    async def restore(self, request: PrefillRequest) -> Any: ...
+
+
 class PrefillScheduler(Protocol):
     """What staging needs of stage 0's scheduler (``scheduler.PrefillScheduler``): its block table, the
     pool, and its restore and free, so a staging takes the very path a prefill's restore takes; and its
@@ -58,9 +62,9 @@ class PrefillScheduler(Protocol):
     pool: PoolClient | None
     runner: _Runner
 
-    async def _restore(self, request: PrefillRequest) -> Any: ...
+    restorer: _Restorer
 
-    async def _free(self, request_id: str) -> None: ...
+    async def free(self, request_id: str) -> None: ...
 
     def blocks_released(self, holders: list[str]) -> None: ...
 
@@ -211,13 +215,13 @@ class SessionPrefetcher:
             return request
         holder = request.request_id
         try:
-            report = await scheduler._restore(request)  # every stage reads its own objects into the blocks
+            report = await scheduler.restorer.restore(request)  # every stage reads its own objects into the blocks
         except BaseException:
-            await scheduler._free(holder)
+            await scheduler.free(holder)
             raise
         result = self.policy.staged(session, request, report.wait_ms / 1e3)
         if not result.hold:
-            await scheduler._free(holder)  # its turn came meanwhile (the blocks are its device hits), or nothing
+            await scheduler.free(holder)  # its turn came meanwhile (the blocks are its device hits), or nothing
         self.metrics.bytes.labels("prefetched").inc(result.prefetched_bytes)
         log.info("prefetch_staged", session_key=session.key, chunks=request.num_restored_chunks,
                  bytes=sum(s.bytes for s in report.stages))

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -22,34 +22,33 @@ import structlog
 import torch
 
 from kvpool.core.block_manager import BlockManager
-from kvpool.core.chunk_hash import chunk_hashes, group_id, hash_root, object_key
+from kvpool.core.chunk_hash import chunk_hashes, hash_root
 from kvpool.core.errors import (
     DeviceCacheLost,
     FailedPrecondition,
     InvalidArgument,
     KvpoolError,
-    ResourceExhausted,
     Unavailable,
 )
 from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.prefill_request import PrefillRequest, try_admit
 from kvpool.core.sessions import SessionId
 from kvpool.core.tenant_shares import MAX_TENANT_BYTES, TenantShares, tenant_name
-from kvpool.pool.client import LookupResult, PoolClient
+from kvpool.pool.client import PoolClient
 from kvpool.request_id import current_request_id, new_request_id
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import from_status, status_errors
 from services.prefill.handoff import HandoffMetrics, StageHandoff
 from services.prefill.gate import PrefillGate
 from services.prefill.metrics import GatePopsCollector, PrefillMetrics
+from services.prefill.pool_restore import PoolRestore, RestoreReport
 from services.prefill.prefetch import PrefetchMetrics, SessionPrefetcher
-from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
+from services.prefill.stage_runner import StageRunner
 from services.prefill.pieces import ActivationLink
-from services.prefill.stage_servicer import figures_message, keep_deadline, run_stage
+from services.prefill.stage_servicer import keep_deadline, run_stage
 
 log = structlog.get_logger(__name__)
 
-RESTORE_TIMEOUT_S = 60.0
 # beyond every bound of a put (two 5 s RPCs and the engine's 30 s + 1 ns/byte)
 SAVE_DONE_TIMEOUT_S = 120.0
 STAGE_TIMEOUT_S = 120.0  # one stage's handoff writes after its forward, as stage 0 waits for them
@@ -59,15 +58,6 @@ MAX_SESSION_KEY_BYTES = 256
 def save_holder(request_id: str) -> str:
     """The block manager's holder id of a request's save (its blocks' extra reference)."""
     return f"{request_id}/save"
-
-
-@dataclass(slots=True)
-class RestoreReport:
-    """What restoring one request cost, for its figures."""
-
-    lookup_ms: float = 0.0
-    wait_ms: float = 0.0
-    stages: list[prefill_pb2.StageRestoreFigures] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +99,7 @@ class PrefillScheduler:
         self.chunk_size = self.settings.chunk_size
         self.blocks = BlockManager(self.settings.num_blocks, self.chunk_size,
                                    TenantShares.parse(self.settings.tenant_weights))
+        self.restorer = PoolRestore(runner, self.stages, pool, self.blocks)
         self.handoff = handoff
         self.handoff_metrics = handoff_metrics
         self._freed = asyncio.Condition()
@@ -221,7 +212,7 @@ class PrefillScheduler:
                 raise
             except DeviceCacheLost as exc:
                 # a later stage restarted and the cache was forgotten: planned again, nothing is a device hit
-                await self._free(request.request_id)
+                await self.free(request.request_id)
                 release = self._releasing.get(request.request_id)
                 if release is not None:
                     await asyncio.shield(release)  # the first attempt's saves let go of its blocks
@@ -230,10 +221,10 @@ class PrefillScheduler:
                 bound.info("prefill_planned_again", reason=str(exc))
                 continue
             except BaseException:
-                await self._free(request.request_id)
+                await self.free(request.request_id)
                 raise
             break
-        await self._free(request.request_id)  # nothing is held after Prefill returns
+        await self.free(request.request_id)  # nothing is held after Prefill returns
         figures = prefill_pb2.PrefillFigures(
             num_prompt_tokens=request.num_tokens,
             num_device_tokens=request.num_device_tokens,
@@ -264,7 +255,7 @@ class PrefillScheduler:
                    tenant: str = "") -> RunResult:
         """Restore on every stage, compute through all stages (streaming into decode's region), collect
         the handoff."""
-        restore = await self._restore(request)
+        restore = await self.restorer.restore(request)
         forward = prefill_pb2.ForwardRequest(
             request_id=request.request_id, block_table=request.block_table, compute_start=request.compute_start,
             num_tokens=request.num_tokens, save_first_chunk=request.save_first_chunk,
@@ -354,7 +345,7 @@ class PrefillScheduler:
             log.debug("request_saved", request_id=request_id, stored=sum(d.num_stored for d in done),
                       not_stored=sum(d.num_not_stored for d in done))
         finally:
-            await self._free(save_holder(request_id))
+            await self.free(save_holder(request_id))
 
     async def _save_done_remote(self, stage: int, request_id: str) -> prefill_pb2.SaveDoneResponse:
         try:
@@ -368,7 +359,7 @@ class PrefillScheduler:
     def _free_after(self, task: asyncio.Future[object], request_id: str) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.info("cancelled_prefill_failed", request_id=request_id, error=str(task.exception()))
-        asyncio.ensure_future(self._free(request_id))
+        asyncio.ensure_future(self.free(request_id))
 
     async def _admit(self, request: PrefillRequest) -> None:
         """Take device blocks (device hits are ref'd first), waiting while others hold them."""
@@ -393,88 +384,10 @@ class PrefillScheduler:
         self.metrics.device_usage.set(self.blocks.usage)
         self.metrics.observe_tenants(self.blocks.tenant_blocks)
 
-    async def _restore(self, request: PrefillRequest) -> RestoreReport:
-        """Look the pool-candidate chunks up, restore them on every stage, apply what all stages got."""
-        report = RestoreReport()
-        # from the head: the lookup also finds device hits whose pool copy is gone (written back)
-        candidates = request.lookup_candidates
-        if self.pool is None or not candidates:
-            request.plan(0)
-            request.apply_restore([], self.blocks)
-            return report
-        t0 = time.perf_counter()
-        lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates])
-        report.lookup_ms = (time.perf_counter() - t0) * 1e3
-        plan = request.plan_lookup(lookup.num_complete)
-        if request.num_write_back_chunks:
-            log.info("device_hits_written_back", request_id=request.request_id, chunks=request.num_write_back_chunks)
-        try:
-            if plan.num_pool_chunks:
-                t1 = time.perf_counter()
-                report.stages = await self._restore_on_stages(request, lookup)
-                report.wait_ms = (time.perf_counter() - t1) * 1e3
-        finally:
-            corrupt = self._corrupt_groups(request, report.stages)
-            await self.pool.release(lookup.lease_id, corrupt)
-        request.apply_restore([s.num_chunks_restored for s in report.stages], self.blocks)
-        return report
-
-    def _corrupt_groups(self, request: PrefillRequest, stages: Sequence[prefill_pb2.StageRestoreFigures]) -> list[str]:
-        """Groups of the lease with an object some stage got but could not verify: the master
-        drops them when the lease ends, so this request's save stores them afresh."""
-        indexes = sorted({i for s in stages for i in s.corrupt_chunk_indexes if i < len(request.chunk_hashes)})
-        if not indexes:
-            return []
-        group_ids = [group_id(self.namespace, request.chunk_hashes[i]) for i in indexes]
-        log.warning("corrupt_groups_reported", request_id=request.request_id, count=len(group_ids),
-                    first_chunk_index=indexes[0], first_group_id=group_ids[0])
-        return group_ids
-
-    async def _restore_on_stages(
-        self, request: PrefillRequest, lookup: LookupResult
-    ) -> list[prefill_pb2.StageRestoreFigures]:
-        """Every stage reads its own objects of the planned chunks at once."""
-        targets = request.restore_targets(self.blocks)  # private blocks only: objects land straight in them
-        per_stage: list[list[ChunkToRestore]] = []
-        for stage in range(self.settings.num_stages):
-            chunks = []
-            for chunk_index, block_id in targets:
-                group = lookup.groups[chunk_index]  # the lookup started at chunk 0
-                location = group.members.get(object_key(self.namespace, request.chunk_hashes[chunk_index], stage))
-                if location is None:
-                    break  # cannot happen for a complete group; stay safe
-                chunks.append(ChunkToRestore(chunk_index, block_id, location))
-            per_stage.append(chunks)
-        results = await asyncio.gather(
-            self._restore_local(per_stage[0]),
-            *(self._restore_remote(stage, request.request_id, per_stage[stage]) for stage in range(1, len(per_stage))),
-        )
-        return list(results)
-
-    async def _restore_local(self, chunks: list[ChunkToRestore]) -> prefill_pb2.StageRestoreFigures:
-        figures: RestoreFigures = await self.runner.restore(chunks)
-        return figures_message(0, figures)
-
-    async def _restore_remote(
-        self, stage: int, request_id: str, chunks: list[ChunkToRestore]
-    ) -> prefill_pb2.StageRestoreFigures:
-        request = prefill_pb2.RestoreRequest(request_id=request_id, chunks=[
-            prefill_pb2.RestoreChunk(chunk_index=c.chunk_index, block_id=c.block_id, endpoint=c.location.endpoint,
-                                     address=c.location.address, size=c.location.size,
-                                     checksum=c.location.checksum, key=c.location.key)
-            for c in chunks
-        ])
-        try:
-            response = await self.stages[stage - 1].Restore(request, timeout=RESTORE_TIMEOUT_S)
-            return response.figures
-        except grpc.aio.AioRpcError as exc:
-            # a stage that cannot restore makes those chunks computed, not the request failed
-            log.warning("stage_restore_failed", stage=stage, code=exc.code().name, details=exc.details())
-            return prefill_pb2.StageRestoreFigures(stage=stage, num_chunks_requested=len(chunks))
-
     # ---- freeing ----------------------------------------------------------
 
-    async def _free(self, request_id: str) -> None:
+    async def free(self, request_id: str) -> None:
+        """Let a holder's blocks go and wake the requests waiting for blocks."""
         self.blocks.free(request_id)
         self._blocks_freed([request_id])
         await self._wake_waiters()

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import structlog
 import uvicorn
 
@@ -19,7 +18,7 @@ from kvpool.core.errors import InvalidArgument, KvpoolError
 from kvpool.core.generation_fields import GRPC_FIELDS, check_length, check_sampling, check_session_key, check_token_ids
 from kvpool.request_id import METADATA_KEY, bound_request_id, from_metadata, new_request_id
 from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.status import abort, status_code
+from kvpool.status import abort
 from kvpool.tokenizer import ByteTokenizer, load_tokenizer
 from services.router.auth import ApiKeys, gate
 from services.router.http_api import HttpApi, Usage

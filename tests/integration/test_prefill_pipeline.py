@@ -168,6 +168,46 @@ async def pooled(master: pool_pb2_grpc.PoolMasterStub, group_ids: list[str]) -> 
     return len(found.groups)
 
 
+async def test_a_staged_history_is_the_next_turns_device_hit(stubs, cluster) -> None:  # type: ignore[no-untyped-def]
+    """Prefetch: a session's history, evicted from the device, is staged from the pool (every stage reads
+    its objects, as a restore does) into the blocks of an idle session hinted back later; the session's
+    next turn finds it on the device and restores nothing on its critical path."""
+    from kvpool.core.chunk_hash import chunk_hashes, group_id
+
+    front, master = stubs
+    _, pipeline = cluster
+    stage0 = pipeline.stages[0]
+    namespace = stage0.ready["namespace"]
+    tokens = prompt(85, 600)  # two full chunks
+    groups = [group_id(namespace, h) for h in chunk_hashes(namespace, tokens, CHUNK)]
+    first = await run(front, tokens, session="staged")
+    assert split(first) == (0, 0, 600)
+
+    async def both_pooled() -> bool:
+        return await pooled(master, groups) == 2
+    await eventually(both_pooled, what="the history's 2 groups in the pool")
+    # an idle session, hinted back in a minute, takes every device block: its blocks are the room
+    await run(front, prompt(86, DEVICE_TOKENS - 10), session="donor")
+    later = await front.Prefetch(prefill_pb2.PrefetchRequest(session_key="donor", expected_next_s=60))
+    assert later.known and later.scheduled
+    staged = 'kvpool_prefetch_hints_total{outcome="staged"}'
+    used = 'kvpool_prefetch_bytes_total{kind="used"}'
+    before = metric(stage0, staged), metric(stage0, used)
+    now = await front.Prefetch(prefill_pb2.PrefetchRequest(session_key="staged", expected_next_s=0))
+    assert now.known and now.scheduled
+    await eventually(lambda: metric(stage0, staged) == before[0] + 1, what="the history staged")
+    turn = tokens + [first.first_token] + prompt(87, 100)
+    second = await run(front, turn, session="staged")
+    assert split(second) == (512, 0, len(turn) - 512)  # the staged chunks are device hits
+    assert not second.figures.restore  # nothing restored on the turn's path
+    chunk_bytes = CHUNK * 2 * CONFIG.kv_entry_dim * 4
+    assert metric(stage0, used) == before[1] + 2 * chunk_bytes * 4  # two chunks on every stage
+    reference = reference_logits(turn)
+    assert float((logits_of(second) - reference).abs().max()) <= 1e-4
+    ended = await front.Prefetch(prefill_pb2.PrefetchRequest(session_key="donor", session_end=True))
+    assert ended.known  # its staging, armed for a minute from now, is cancelled with it
+
+
 async def test_device_hit_whose_pool_copy_is_gone_is_written_back(stubs, cluster) -> None:  # type: ignore[no-untyped-def]
     """The pool drops a prompt's groups while the device still holds them: the next turn's
     device hit saves them again from the pages, so they survive the device evicting them."""

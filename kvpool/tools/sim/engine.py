@@ -31,7 +31,6 @@ from kvpool.core.block_manager import BlockManager
 from kvpool.core.decode_pages import pages_for
 from kvpool.core.decode_scheduler import DecodeScheduler
 from kvpool.core.planner import max_hit_chunks
-from kvpool.core.errors import InvalidArgument
 from kvpool.core.pool_index import PoolIndex
 from kvpool.core.pool_settings import IndexSettings
 from kvpool.core.prefill_queue import PrefillQueue, QueueOrder, WorkWeights
