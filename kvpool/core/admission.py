@@ -11,16 +11,10 @@ however it ends; both return the queued requests that got a ticket meanwhile.
           └▶ InvalidArgument(field, limit)                            never fits
 
 Rules:
-- A ticket holds, for the request's whole life, ``pages_for_request`` pages
-  and one receive region (``region_bytes``) on its shard, and an in-flight
-  slot on its pipeline. Until ``prefill_ended`` (its first token is out: no
-  move prefills it again) it also holds its prompt's device blocks on its
-  pipeline (``num_blocks``, every chunk counted, shared prefix or not). The
-  sums over live tickets never exceed a shard's pages or arena, nor a
-  pipeline's device cache, so the shard and stage 0 always have the room the
-  router promised: an admitted request is never failed for lack of room.
-  (Stage 0 may still wait, briefly, for blocks a finished request's pool
-  saves read: those end within the saves' own bounds.)
+- A ticket holds its shard's and its pipeline's room for the request
+  (``kvpool.core.admission_tickets``, which also refuses a request that can
+  never fit and picks the shard by locality): an admitted request is never
+  failed for lack of room.
 - The queue's order (``kvpool.core.admission_queue``): ``FIFO`` (the
   default) or ``WORK`` (least estimated work first, aging at ``max_wait_s``,
   and with a bypass budget ``max_bypass_s`` nobody overtaking a request whose
@@ -35,59 +29,31 @@ Rules:
   the head and waits only for room (which ``check`` says can come).
 - A pipeline whose device cache has no room for the request now is left out
   (``DEVICE_CACHE_FULL`` when it is the session's own); none with room: queued.
-- A request that can never fit (its prompt beyond every pipeline's device
-  cache, or prompt + max_tokens beyond every shard's context, pages or
-  arena) is refused at ``admit`` with the field and the limit named.
-- Locality: the shard on the pipeline's own server while it has room, else
-  the one with the most free pages; the reason is a metric label.
 - A part missing (no healthy pipeline, or no healthy shard: one is
   restarting): with ``health_wait_s`` > 0 a request queues as if for room
   and gets ``Admitted.unavailable`` after waiting that long with the part
   still missing; with 0 (or a full queue) it is refused at once.
-- Retry (``retry_move``), only for an UNAVAILABLE part and only before any
-  token reached the client: a failed prefill pipeline moves the request once
-  to another healthy pipeline, keeping its shard and room (when none has
-  device room now, the request waits for some: ``retry_may_wait``); a decode shard
-  that is down or unreachable (a call to it failed, or prefill could not
-  write to it: the error names the field ``target``) moves it once to another
-  healthy shard with room, whose room it takes instead (``move_shard``), and
-  the request is prefilled again there: its prefix is in the device cache or
-  the pool by then, so little is computed twice.
-  With no other pipeline, and ``health_wait_s`` > 0, a request its pipeline
-  failed retries there once a health round begun after the failure finds it
-  serving (``retry(failed_round=...)``): a stage restarted behind it.
+- Retry (``kvpool.core.admission_retry``), only for an UNAVAILABLE part,
+  only before any token reached the client, once per kind of part: another
+  pipeline (``retry``, ``retry_may_wait``) or another shard (``move_shard``).
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from kvpool.core.admission_room import (
-    AdmissionRequest,
-    Locality,
-    PipelineRoom,
-    ShardRoom,
-    ShardShape,
-    Ticket,
-)
 from kvpool.core.admission_queue import AdmissionQueue, admission_work_s
-from kvpool.core.decode_pages import pages_for_request
+from kvpool.core.admission_retry import Move, retry_move
+from kvpool.core.admission_room import AdmissionRequest, Locality, PipelineRoom, ShardRoom, ShardShape, Ticket
+from kvpool.core.admission_tickets import TicketBook
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
 from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.routing import RoutingPolicy
 from kvpool.core.session_prefix import matched_prefix
 from kvpool.core.work_scale import bounded_factor
 
-MAX_PREFILL_TRIES = 2  # the first try and one retry elsewhere
-MAX_SHARD_TRIES = 2  # the first shard and one other
-# the field a prefill error names when it is the decode target (not the pipeline) that failed
-TARGET_FIELD = "target"
-
-__all__ = ["Admission", "AdmissionRequest", "Admitted", "Locality", "Move", "QueueOrder", "ShardShape", "Ticket",
-           "may_retry", "retry_move"]
+__all__ = ["Admission", "AdmissionRequest", "Admitted", "Locality", "QueueOrder", "ShardShape", "Ticket"]
 
 
 @dataclass(slots=True)
@@ -101,39 +67,13 @@ class Admitted:
     unavailable: dict[str, str] = field(default_factory=dict)
 
 
-class Move(enum.Enum):
-    """Where a failed request may go (``retry_move``)."""
-
-    PIPELINE = "pipeline"  # another pipeline; same shard, same room
-    SHARD = "shard"  # another shard, its room instead; prefilled again
-
-
-def may_retry(error: KvpoolError, num_tokens_sent: int, tries: int) -> bool:
-    """Retry eligibility: only an unavailable part, only before anything reached the client
-    (nothing it could have seen is repeated), and at most once per kind of part."""
-    return isinstance(error, Unavailable) and num_tokens_sent == 0 and tries < MAX_PREFILL_TRIES
-
-
-def retry_move(error: KvpoolError, num_tokens_sent: int, ticket: Ticket, at_decode: bool) -> Move | None:
-    """Where the request may go after ``error``; None: it fails with it.
-
-    ``at_decode``: the failed call was to the ticket's shard (Reserve, Generate).
-    A prefill error naming ``target`` is the shard's too: prefill could not write to it.
-    """
-    if at_decode or error.field == TARGET_FIELD:
-        return Move.SHARD if may_retry(error, num_tokens_sent, ticket.shard_tries) else None
-    return Move.PIPELINE if may_retry(error, num_tokens_sent, ticket.tries) else None
-
-
 class Admission:
     """Tickets, the queue and the room they count (see the module doc).
 
-    Invariants: a request id is queued, ticketed or unknown; for every shard,
-    ``used_pages``/``used_bytes``/``num_tickets`` are the sums over its live
-    tickets and never exceed its shape; for every pipeline, ``used_blocks`` is
-    the sum of ``num_blocks`` over its tickets still prefilling and never
-    exceeds its ``num_blocks``; ``len(queue) <= max_queue``; the
-    routing policy's in-flight count of a pipeline equals its live tickets.
+    Invariants: a request id is queued, ticketed or unknown;
+    ``len(queue) <= max_queue``; the routing policy's in-flight count of a
+    pipeline equals its live tickets; and the ticket book's (``TicketBook``:
+    each room's use is the sum over its live tickets, within its shape).
     """
 
     def __init__(self, routing: RoutingPolicy, shard_servers: dict[str, str], pipeline_servers: dict[str, str],
@@ -149,15 +89,12 @@ class Admission:
         if set(shard_servers) != set(routing.shards) or set(pipeline_servers) != set(routing.pipelines):
             raise InvalidArgument("servers: every pipeline and shard needs its server, and only those")
         self.routing = routing
-        self.shards = {name: ShardRoom(name, server) for name, server in shard_servers.items()}
-        self.pipeline_servers = dict(pipeline_servers)
-        self.pipelines = {name: PipelineRoom(name) for name in pipeline_servers}
+        self.book = TicketBook(shard_servers, pipeline_servers, locality)
+        self.shards, self.pipelines = self.book.shards, self.book.pipelines  # the book's rooms
+        self.pipeline_servers = self.book.pipeline_servers
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
-        self.locality = locality
         self._queue = AdmissionQueue(order, max_wait_s, max_bypass_s)
-        self._tickets: dict[str, Ticket] = {}
-        self._prefilling: set[str] = set()  # tickets whose blocks their pipeline still counts
         self.health_wait_s = health_wait_s
         self._missing_since: float | None = None  # since when no pipeline or no shard has been healthy
         self.health_round = 0  # health rounds begun (``begin_health_round``)
@@ -190,7 +127,7 @@ class Admission:
     @property
     def pipeline_max_prompt(self) -> dict[str, int]:
         """The longest prompt each known pipeline's device cache holds."""
-        return {name: p.max_prompt_tokens for name, p in self.pipelines.items() if p.known}
+        return self.book.pipeline_max_prompt
 
     def begin_health_round(self) -> int:
         """A round of health checks starts: what it finds (``set_health``) is counted as this round's."""
@@ -213,7 +150,7 @@ class Admission:
 
     @property
     def num_admitted(self) -> int:
-        return len(self._tickets)
+        return len(self.book)
 
     def queued_ids(self) -> list[str]:
         """In arrival order (not the order they will leave in)."""
@@ -233,31 +170,8 @@ class Admission:
     # ---- decisions -----------------------------------------------------------
 
     def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """InvalidArgument naming the field and the limit unless the request could ever fit."""
-        if num_prompt_tokens <= 0:
-            raise InvalidArgument(f"prompt: must hold at least one token, got {num_prompt_tokens}", field="prompt")
-        if max_tokens <= 0:
-            raise InvalidArgument(f"max_tokens: must be positive, got {max_tokens}", field="max_tokens")
-        if limits := self.pipeline_max_prompt:
-            limit = max(limits.values())
-            if num_prompt_tokens > limit:
-                raise InvalidArgument(f"prompt: {num_prompt_tokens} tokens, a prefill device cache holds "
-                                      f"{limit} at most", field="prompt")
-        shapes = [s.shape for s in self.shards.values() if s.shape is not None]
-        if not shapes:
-            return  # nothing known yet: the shards check it themselves
-        context = max(s.max_context for s in shapes)
-        if num_prompt_tokens + max_tokens > context:
-            raise InvalidArgument(f"max_tokens: a {num_prompt_tokens}-token prompt plus {max_tokens} tokens "
-                                  f"exceeds the model's context of {context}", field="max_tokens")
-        if not any(pages_for_request(num_prompt_tokens, max_tokens, s.page_size) <= s.num_pages for s in shapes):
-            limit = max(s.num_pages * s.page_size for s in shapes)
-            raise InvalidArgument(f"max_tokens: a {num_prompt_tokens}-token prompt plus {max_tokens} tokens "
-                                  f"exceeds every decode shard's {limit} KV tokens", field="max_tokens")
-        if not any(s.region_bytes(num_prompt_tokens) <= s.arena_bytes for s in shapes):
-            limit = max(s.max_prompt_tokens for s in shapes)
-            raise InvalidArgument(f"prompt: {num_prompt_tokens} tokens, a decode receive arena takes "
-                                  f"{limit} at most", field="prompt")
+        """InvalidArgument naming the field and the limit unless the request could ever fit (``TicketBook.check``)."""
+        self.book.check(num_prompt_tokens, max_tokens)
 
     def admit(self, request: AdmissionRequest, now: float) -> Ticket | None:
         """A ticket now, or None (queued; its ticket comes from a later call's ``Admitted``).
@@ -265,7 +179,7 @@ class Admission:
         Raises InvalidArgument (never fits), ResourceExhausted (queue full,
         with ``retry_after_s``) or Unavailable (no healthy pipeline or shard).
         """
-        if request.request_id in self._queue or request.request_id in self._tickets:
+        if request.request_id in self._queue or request.request_id in self.book:
             raise InvalidArgument(f"request_id: {request.request_id!r} is already admitted or queued",
                                   field="request_id")
         self.check(request.num_prompt_tokens, request.max_tokens)
@@ -288,26 +202,21 @@ class Admission:
         """End a request wherever it is (ticketed or queued; unknown: nothing), freeing its room,
         then admit queue heads that fit now."""
         self._queue.remove(request_id)
-        ticket = self._tickets.pop(request_id, None)
+        ticket = self.book.end(request_id)
         if ticket is not None:
-            self._end_prefill(ticket)
-            shard = self.shards[ticket.shard]
-            shard.used_pages -= ticket.num_pages
-            shard.used_bytes -= ticket.region_bytes
-            shard.num_tickets -= 1
             self.routing.finish_pipeline(ticket.pipeline)
         return self.poll(now)
 
     def prefill_ended(self, request_id: str, now: float) -> Admitted:
         """The request's first token is out, so nothing prefills it again (no move after a token):
         its pipeline's device blocks go back, then queue heads that fit now get tickets."""
-        ticket = self._tickets.get(request_id)
+        ticket = self.book.ticket(request_id)
         if ticket is not None:
-            self._end_prefill(ticket)
+            self.book.end_prefill(ticket)
         return self.poll(now)
 
     def is_prefilling(self, request_id: str) -> bool:
-        return request_id in self._prefilling
+        return self.book.is_prefilling(request_id)
 
     def poll(self, now: float) -> Admitted:
         """Expire queued requests past their deadline, or waiting ``health_wait_s`` for a missing part,
@@ -343,7 +252,7 @@ class Admission:
         may then go to its own again once a health round begun after the failure found that one
         serving (a stage restarted behind it, or a passing fault): prefill has no effect a client
         could see, so this is the one retry, not a repeat of anything."""
-        if (self._tickets.get(ticket.request_id) != ticket or ticket.request_id not in self._prefilling
+        if (not self.book.may_move(ticket)
                 or retry_move(error, num_tokens_sent, ticket, at_decode=False) is not Move.PIPELINE):
             return None
         num_tokens = ticket.num_prompt_tokens
@@ -358,14 +267,8 @@ class Admission:
                     session_key, exclude=set(self.pipelines) - {ticket.pipeline})
             except Unavailable:
                 return None
-        self._end_prefill(ticket)
         self.routing.finish_pipeline(ticket.pipeline)
-        room = self.pipelines[pipeline]
-        moved = replace(ticket, pipeline=pipeline, pipeline_reason=reason, tries=ticket.tries + 1,
-                        num_blocks=room.blocks_for(num_tokens))
-        self._start_prefill(moved)
-        self._tickets[ticket.request_id] = moved
-        return moved
+        return self.book.move_pipeline(ticket, pipeline, reason)
 
     def retry_may_wait(self, ticket: Ticket, error: KvpoolError, num_tokens_sent: int,
                        own_too: bool = False) -> bool:
@@ -373,7 +276,7 @@ class Admission:
         (``retry_move``) and some other healthy pipeline's cache could hold it, only not now. The
         request then waits for room (a first token or a release frees blocks), keeping its shard's.
         ``own_too`` (with ``health_wait_s``): or once its own pipeline is seen serving again."""
-        if (self._tickets.get(ticket.request_id) != ticket or ticket.request_id not in self._prefilling
+        if (not self.book.may_move(ticket)
                 or retry_move(error, num_tokens_sent, ticket, at_decode=False) is not Move.PIPELINE):
             return False
         if own_too and self.health_wait_s > 0:
@@ -387,20 +290,10 @@ class Admission:
         """Move a request whose decode shard failed to another healthy shard with room now, taking
         that room and giving the old back; the pipeline stays. None when it may not
         (``retry_move``) or no other shard has room: the request fails with ``error``."""
-        if (self._tickets.get(ticket.request_id) != ticket or ticket.request_id not in self._prefilling
+        if (not self.book.may_move(ticket)
                 or retry_move(error, num_tokens_sent, ticket, at_decode) is not Move.SHARD):
             return None
-        fitting = [s for s in self._fitting(request) if s.name != ticket.shard]
-        if not fitting:
-            return None
-        old = self.shards[ticket.shard]
-        old.used_pages -= ticket.num_pages
-        old.used_bytes -= ticket.region_bytes
-        old.num_tickets -= 1
-        shard, locality = self._pick_shard(fitting, self.pipeline_servers[ticket.pipeline])
-        moved = self._hold(replace(ticket, shard=shard.name, locality=locality, shard_tries=ticket.shard_tries + 1),
-                           shard, request)
-        return moved
+        return self.book.move_shard(ticket, request)
 
     def retry_after_s(self, now: float) -> float:
         """When a refused caller should try again: when the queue's head times out at the latest."""
@@ -423,13 +316,8 @@ class Admission:
             self._missing_since = now
         return missing
 
-    def _fitting(self, request: AdmissionRequest) -> list[ShardRoom]:
-        return [s for s in self.shards.values() if s.healthy and s.shape is not None
-                and s.fits(pages_for_request(request.num_prompt_tokens, request.max_tokens, s.shape.page_size),
-                           s.shape.region_bytes(request.num_prompt_tokens))]
-
     def _try_ticket(self, request: AdmissionRequest, queued_s: float) -> Ticket | None:
-        fitting = self._fitting(request)
+        fitting = self.book.fitting(request)
         if not fitting:
             if not any(s.healthy for s in self.shards.values()):
                 raise Unavailable("no healthy decode shard")
@@ -441,45 +329,11 @@ class Admission:
             return None  # no device cache has room now: stage 0 would only wait for it
         pipeline, reason = self.routing.place_pipeline(request.session_key, full=full,
                                                        token_ids=request.token_ids)
-        shard, locality = self._pick_shard(fitting, self.pipeline_servers[pipeline])
+        shard, locality = self.book.pick_shard(fitting, self.pipeline_servers[pipeline])
         ticket = Ticket(request.request_id, pipeline, reason, shard.name, locality, 0, 0, queued_s,
                         num_blocks=self.pipelines[pipeline].blocks_for(request.num_prompt_tokens),
                         num_prompt_tokens=request.num_prompt_tokens)
-        self._start_prefill(ticket)
-        return self._hold(ticket, shard, request)
-
-    def _start_prefill(self, ticket: Ticket) -> None:
-        self.pipelines[ticket.pipeline].used_blocks += ticket.num_blocks
-        self._prefilling.add(ticket.request_id)
-
-    def _end_prefill(self, ticket: Ticket) -> None:
-        if ticket.request_id in self._prefilling:
-            self._prefilling.discard(ticket.request_id)
-            self.pipelines[ticket.pipeline].used_blocks -= ticket.num_blocks
-
-    def _hold(self, ticket: Ticket, shard: ShardRoom, request: AdmissionRequest) -> Ticket:
-        """The ticket with ``shard``'s room for ``request``, counted there and live."""
-        assert shard.shape is not None  # fitting shards have a shape
-        ticket = replace(ticket, num_pages=pages_for_request(request.num_prompt_tokens, request.max_tokens,
-                                                             shard.shape.page_size),
-                         region_bytes=shard.shape.region_bytes(request.num_prompt_tokens))
-        shard.used_pages += ticket.num_pages
-        shard.used_bytes += ticket.region_bytes
-        shard.num_tickets += 1
-        self._tickets[request.request_id] = ticket
-        return ticket
-
-    def _pick_shard(self, fitting: list[ShardRoom], server: str) -> tuple[ShardRoom, Locality]:
-        def most_free(shards: Iterable[ShardRoom]) -> ShardRoom:
-            return min(shards, key=lambda s: (-s.free_pages, s.num_tickets, s.name))
-
-        if not self.locality:
-            return most_free(fitting), Locality.OFF
-        local = [s for s in fitting if s.server == server]
-        if local:
-            return most_free(local), Locality.SAME_SERVER
-        has_local = any(s.healthy and s.server == server for s in self.shards.values())
-        return most_free(fitting), Locality.LOCAL_FULL if has_local else Locality.NO_LOCAL_SHARD
+        return self.book.issue(ticket, shard, request)
 
     def _pipeline(self, name: str) -> PipelineRoom:
         if name not in self.pipelines:
@@ -492,10 +346,10 @@ class Admission:
         return self.shards[name]
 
     def tickets(self) -> list[Ticket]:
-        return list(self._tickets.values())
+        return self.book.tickets()
 
     def ticket(self, request_id: str) -> Ticket | None:
-        return self._tickets.get(request_id)
+        return self.book.ticket(request_id)
 
     def is_queued(self, request_id: str) -> bool:
         return request_id in self._queue

@@ -1,8 +1,8 @@
 """The room admission counts — each decode shard's pages and receive arena, each prefill pipeline's device
 blocks — and the tickets that hold it.
 
-Pure. ``Admission`` (``kvpool.core.admission``) holds one room per shard and
-per pipeline; their ``used_*`` fields are the sums over its live tickets.
+Pure. ``TicketBook`` (``kvpool.core.admission_tickets``) holds one room per
+shard and per pipeline; their ``used_*`` fields are the sums over its live tickets.
 """
 
 from __future__ import annotations

@@ -7,17 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.core.admission import (
-    Admission,
-    Admitted,
-    AdmissionRequest,
-    Locality,
-    Move,
-    ShardShape,
-    Ticket,
-    may_retry,
-    retry_move,
-)
+from kvpool.core.admission import Admission, Admitted, AdmissionRequest, Locality, ShardShape, Ticket
+from kvpool.core.admission_retry import Move, may_retry, retry_move
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import ChunkHash
 from kvpool.core.decode_pages import pages_for_request
