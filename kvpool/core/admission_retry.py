@@ -37,10 +37,10 @@ class Move(enum.Enum):
     SHARD = "shard"  # another shard, its room instead; prefilled again
 
 
-def may_retry(error: KvpoolError, num_tokens_sent: int, tries: int) -> bool:
+def may_retry(error: KvpoolError, num_tokens_sent: int, tries: int, max_tries: int = MAX_PREFILL_TRIES) -> bool:
     """Retry eligibility: only an unavailable part, only before anything reached the client
-    (nothing it could have seen is repeated), and at most once per kind of part."""
-    return isinstance(error, Unavailable) and num_tokens_sent == 0 and tries < MAX_PREFILL_TRIES
+    (nothing it could have seen is repeated), and at most ``max_tries`` tries of a kind of part."""
+    return isinstance(error, Unavailable) and num_tokens_sent == 0 and tries < max_tries
 
 
 def retry_move(error: KvpoolError, num_tokens_sent: int, ticket: Ticket, at_decode: bool) -> Move | None:
@@ -50,5 +50,5 @@ def retry_move(error: KvpoolError, num_tokens_sent: int, ticket: Ticket, at_deco
     A prefill error naming ``target`` is the shard's too: prefill could not write to it.
     """
     if at_decode or error.field == TARGET_FIELD:
-        return Move.SHARD if may_retry(error, num_tokens_sent, ticket.shard_tries) else None
+        return Move.SHARD if may_retry(error, num_tokens_sent, ticket.shard_tries, MAX_SHARD_TRIES) else None
     return Move.PIPELINE if may_retry(error, num_tokens_sent, ticket.tries) else None

@@ -60,6 +60,7 @@ def test_retry_eligibility() -> None:
     assert not may_retry(Unavailable("x"), 0, 2)  # once only
     assert not may_retry(ResourceExhausted("x"), 0, 1)
     assert not may_retry(InvalidArgument("x: y"), 0, 1)
+    assert may_retry(Unavailable("x"), 0, 2, max_tries=3) and not may_retry(Unavailable("x"), 0, 3, max_tries=3)
 
 
 def test_tickets_hold_pages_and_region_until_release_then_the_queue_moves() -> None:
