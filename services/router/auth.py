@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvpool.core.tenancy import TenantRates
-from services.router.openai_schema import ApiError
+from services.router.openai_errors import ApiError
 
 API_KEY_ENV = "KVPOOL_API_KEY"
 DEFAULT_TENANT = "default"

@@ -39,16 +39,11 @@ from starlette.routing import Route
 from kvpool.core.stop_strings import StopMatcher
 from kvpool.tokenizer import Tokenizer
 from services.router.auth import tenant_of
-from services.router.openai_schema import (
-    MAX_BODY_BYTES,
-    ApiError,
-    GenerationRequest,
-    ModelLimits,
-    parse_chat,
-    parse_completion,
-    parse_json,
-)
+from services.router.generation_request import GenerationRequest, ModelLimits
 from services.router.http_request_id import RequestIdMiddleware, request_id_of
+from services.router.json_body import MAX_BODY_BYTES, parse_json
+from services.router.openai_errors import ApiError
+from services.router.openai_schema import parse_chat, parse_completion
 
 log = structlog.get_logger(__name__)
 

@@ -1,24 +1,25 @@
 """OpenAI-compatible request bodies → one validated ``GenerationRequest``; errors in OpenAI's shape.
 
-Every rejection is an ``ApiError`` with the HTTP status, OpenAI's error type
-and ``param`` naming the field, so a client's mistake is always a 4xx that
-says what to fix. The generation fields themselves (lengths, sampling, seeds,
-session keys) are checked by ``kvpool.core.generation_fields``, the same
-checks the gRPC ``Generate`` runs. Fields this server does not implement are
-refused by name when they ask for something (``n`` > 1, ``logprobs``,
-``response_format`` JSON, a forced ``tool_choice``, ...) and taken as hints
-otherwise; ``tools`` are rendered into the prompt through the chat template.
-docs/api.md lists every field.
+Every rejection is an ``ApiError`` (``services.router.openai_errors``) with
+the HTTP status, OpenAI's error type and ``param`` naming the field, so a
+client's mistake is always a 4xx that says what to fix. The body arrives
+parsed (``services.router.json_body``). The generation fields themselves
+(lengths, sampling, seeds, session keys) are checked by
+``kvpool.core.generation_fields``, the same checks the gRPC ``Generate``
+runs. Fields this server does not implement are refused by name when they
+ask for something (``n`` > 1, ``logprobs``, ``response_format`` JSON, a
+forced ``tool_choice``, ...) and taken as hints otherwise; ``tools`` are
+rendered into the prompt through the chat template. docs/api.md lists every
+field.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
+from kvpool.core.errors import InvalidArgument
 from kvpool.core.generation_fields import (
     OPENAI_FIELDS,
     check_length,
@@ -29,139 +30,12 @@ from kvpool.core.generation_fields import (
 from kvpool.core.sessions import check_expected_next_s
 from kvpool.core.stop_strings import StopMatcher
 from kvpool.tokenizer import Tokenizer
+from services.router.generation_request import GenerationRequest, ModelLimits
+from services.router.openai_errors import ApiError, api_error_of, invalid
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_BODY_BYTES = 32 << 20
-MAX_JSON_DEPTH = 64
 # a client's session, when the body names none: headers agent harnesses send
 SESSION_HEADERS = ("x-session-id", "x-session-affinity")
-DEFAULT_RETRY_AFTER_S = 1
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, plus its headers."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def invalid(param: str | None, message: str, code: str | None = "invalid_value") -> ApiError:
-    return ApiError(400, f"{param}: {message}" if param else message, param, code)
-
-
-def api_error_of(exc: KvpoolError) -> ApiError:
-    """A domain error as the HTTP API answers it: bad input 400, no room now 429 (+ Retry-After), else 503."""
-    if isinstance(exc, InvalidArgument):
-        param = exc.field if exc.field is not None else _leading_field(str(exc))
-        return ApiError(400, str(exc), param, "invalid_value")
-    if isinstance(exc, ResourceExhausted):
-        retry_after = getattr(exc, "retry_after_s", None) or DEFAULT_RETRY_AFTER_S
-        return ApiError(429, str(exc), None, "overloaded", "rate_limit_error",
-                        {"Retry-After": str(max(1, round(retry_after)))})
-    code = "unavailable" if isinstance(exc, Unavailable) else "backend_error"
-    return ApiError(503, str(exc), None, code, "server_error")
-
-
-def _leading_field(message: str) -> str | None:
-    head = message.split(":", 1)[0]
-    return head if head and " " not in head else None
-
-
-@dataclass(slots=True)
-class GenerationRequest:
-    """What the router needs to serve one completion, whatever API it came through."""
-
-    kind: str  # "completion" or "chat"
-    model: str
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stops: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    session_key: str = ""
-    # assigned by the router at the edge (kvpool.request_id); the OpenAI ``id``
-    request_id: str = ""
-    # whose cache: the API key's tenant (set by the HTTP API), and the request's own salt
-    tenant: str = ""
-    cache_salt: str = ""
-    # kvpool extensions (session-aware prefill): the session is over; its next turn in about this many s
-    session_end: bool = False
-    expected_next_s: float | None = None
-
-
-@dataclass(slots=True)
-class ModelLimits:
-    """The served model's name and limits; ``context`` is what the cluster serves now (the router's health
-    rounds update it, see ``kvpool.core.served_context``)."""
-
-    name: str
-    context: int
-    vocab_size: int
-    model_context: int = 0  # the model's own; 0: ``context`` as first given
-
-    def __post_init__(self) -> None:
-        self.model_context = self.model_context or self.context
-    default_max_tokens: int = 512  # chat, when the client gives no limit (capped by the context left)
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; deeper than ``MAX_JSON_DEPTH`` or holding text UTF-8 cannot carry is a 400."""
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:  # not JSON, not UTF-8, or an integer past Python's digit limit
-        raise ApiError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
-    _check_tree(body)
-    return body
-
-
-def _check_tree(body: dict[str, Any]) -> None:
-    """Walk the whole body once, without recursion: its depth, and every string and key as valid Unicode."""
-    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(body, 1, ())]
-    while stack:
-        value, depth, path = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise invalid(_path(path), f"holds a lone surrogate {value[exc.start]!r} at character {exc.start}, "
-                              "which is not valid Unicode text") from None
-            continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise ApiError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels at {_path(path)}",
-                           _path(path) or None, "invalid_json")
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            if isinstance(key, str):
-                stack.append((key, depth, path))
-            stack.append((item, depth + 1, (*path, key)))
-
-
-def _path(path: Sequence[Any]) -> str:
-    text = ""
-    for key in path:
-        text += f"[{key}]" if isinstance(key, int) else (f".{key}" if text else str(key))
-    return text
 
 
 def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, limits: ModelLimits,

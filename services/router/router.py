@@ -48,9 +48,9 @@ from kvpool.request_id import bound_request_id, new_request_id
 from kvpool.rpc import decode_pb2, handoff_pb2, prefill_pb2
 from kvpool.status import from_status
 from services.router.backends import LATE_CHECKS_OUT, Backends, server_of
+from services.router.generation_request import GenerationRequest, ModelLimits
 from services.router.http_api import Usage
 from services.router.metrics import RouterMetrics
-from services.router.openai_schema import GenerationRequest, ModelLimits
 
 log = structlog.get_logger(__name__)
 

@@ -21,9 +21,10 @@ from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.status import abort
 from kvpool.tokenizer import ByteTokenizer, load_tokenizer
 from services.router.auth import ApiKeys, gate
+from services.router.generation_request import GenerationRequest, ModelLimits
 from services.router.http_api import HttpApi, Usage
 from services.router.metrics import RouterMetrics
-from services.router.openai_schema import GenerationRequest, ModelLimits, api_error_of
+from services.router.openai_errors import api_error_of
 from services.router.router import Router
 from services.router.settings import RouterSettings
 

@@ -17,8 +17,8 @@ from kvpool.tools.replay import compare_cmd
 from kvpool.tools.replay.compare import side_settings
 from kvpool.tools.replay.topology import TopologySettings, side_topology
 from services import cli
+from services.router.generation_request import GenerationRequest
 from services.router.metrics import RouterMetrics
-from services.router.openai_schema import GenerationRequest
 from services.router.router import Router
 from services.router.settings import RouterSettings
 
