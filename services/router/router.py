@@ -4,9 +4,9 @@ everything at once whatever happens.
 Every decision is the core's (``kvpool.core.admission``): one ``admit`` per
 request hands back a ticket (pipeline, decode shard, pages, region bytes, the
 pipeline's device blocks) or queues the request, holding nothing, until a
-``release`` makes room; the first token gives the device blocks back
-(``prefill_ended``); one ``release`` ends it. Between them this module makes
-the calls:
+``release`` makes room (the waiting is ``services.router.tickets``'s); the
+first token gives the device blocks back (``prefill_ended``); one ``release``
+ends it. Between them this module makes the calls:
 
     admit (queue) → Reserve (decode: region + pages) → Prefill(target) (every
           stage streams its layers into the region as its forward passes them,
@@ -37,8 +37,8 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from kvpool.core.admission import Admission, Admitted, AdmissionRequest, Ticket
-from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
+from kvpool.core.admission import Admission, Ticket
+from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
 from kvpool.core.prefill_queue import QueueOrder
 from kvpool.core.public_errors import PIPELINE, SHARD, backend_label, public_error, served_by
 from kvpool.core.routing import RoutingPolicy
@@ -51,6 +51,7 @@ from services.router.backends import LATE_CHECKS_OUT, Backends, server_of
 from services.router.generation_request import GenerationRequest, ModelLimits
 from services.router.http_api import Usage
 from services.router.metrics import RouterMetrics
+from services.router.tickets import Tickets, admission_request
 
 log = structlog.get_logger(__name__)
 
@@ -90,18 +91,16 @@ class Router:
         )
         metrics.queue_order.labels(order.value).set(1)
         self.backends = Backends(pipelines, shards, self.admission, metrics, late_checks_out)
-        self._waiting: dict[str, asyncio.Future[Ticket]] = {}
-        # set (and replaced) whenever admission may have freed room: a request waiting to be retried looks again
-        self._room_freed = asyncio.Event()
+        self.tickets = Tickets(self.admission, metrics)
         self._prefetches: set[asyncio.Task[None]] = set()  # fire-and-forget: a turn's end never waits on them
-        self._overdue_seen = self._budget_seen = 0  # the queue's aging and budget pops already counted in metrics
 
     async def close(self) -> None:
         await self.backends.close()
 
     async def check_health(self) -> dict[str, bool]:
         healthy = await self.backends.check_health()
-        self._apply(self.admission.poll(asyncio.get_running_loop().time()))  # a shard seen again may take the head
+        # a shard seen again may take the head
+        self.tickets.apply(self.admission.poll(asyncio.get_running_loop().time()))
         if self.limits is not None:  # what /v1/models advertises and the front door enforces
             shapes = [s.shape for s in self.admission.shards.values() if s.shape is not None]
             self.limits.context = served_context(
@@ -114,75 +113,6 @@ class Router:
         while True:
             await self.check_health()
             await asyncio.sleep(interval_s)
-
-    # ---- admission ------------------------------------------------------
-
-    async def _admit(self, request_id: str, request: GenerationRequest) -> Ticket:
-        """A ticket now, or after waiting in the queue; queued requests hold nothing."""
-        loop = asyncio.get_running_loop()
-        ticket = self.admission.admit(_admission_request(request_id, request), loop.time())
-        if ticket is not None:
-            return ticket
-        self.metrics.queued.inc()
-        waiter: asyncio.Future[Ticket] = loop.create_future()
-        self._waiting[request_id] = waiter
-        timer = loop.call_later(self.admission.queue_timeout_s, self._expire)
-        self._publish()
-        try:
-            return await waiter
-        except BaseException:
-            # the client went away while queued (or just as its ticket came): its slot or ticket goes
-            self._release(request_id)
-            raise
-        finally:
-            timer.cancel()
-            self._waiting.pop(request_id, None)
-
-    def _expire(self) -> None:
-        self._apply(self.admission.poll(asyncio.get_running_loop().time()))
-
-    def _release(self, request_id: str) -> None:
-        self._apply(self.admission.release(request_id, asyncio.get_running_loop().time()))
-
-    def _apply(self, admitted: Admitted) -> None:
-        """Hand tickets to their waiting requests; refuse the expired ones."""
-        for request_id in admitted.expired:
-            self._refuse(request_id, ResourceExhausted(
-                f"router: no decode room within the queue's {self.admission.queue_timeout_s:g} s",
-                retry_after_s=self.admission.retry_after_s(asyncio.get_running_loop().time())))
-        for request_id, missing in admitted.unavailable.items():
-            self._refuse(request_id, Unavailable(f"{missing} for {self.admission.health_wait_s:g} s"))
-        for ticket in admitted.tickets:
-            waiter = self._waiting.pop(ticket.request_id, None)
-            if waiter is None or waiter.done():
-                self._release(ticket.request_id)  # its client went away meanwhile
-            else:
-                waiter.set_result(ticket)
-        self._room_freed.set()
-        self._room_freed = asyncio.Event()
-        self._publish()
-
-    def _refuse(self, request_id: str, error: KvpoolError) -> None:
-        """A queued request leaves without a ticket: its waiter gets ``error``."""
-        waiter = self._waiting.pop(request_id, None)
-        self.metrics.queue_expired.inc()
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(error)
-
-    def _publish(self) -> None:
-        self.metrics.queue_length.set(self.admission.num_queued)
-        overdue = self.admission.queue.num_overdue_pops
-        self.metrics.queue_overdue.inc(overdue - self._overdue_seen)
-        self._overdue_seen = overdue
-        budget = self.admission.queue.num_budget_pops
-        self.metrics.queue_budget.inc(budget - self._budget_seen)
-        self._budget_seen = budget
-        self.metrics.admitted.set(self.admission.num_admitted)
-        for name, shard in self.admission.shards.items():
-            self.metrics.shard_pages.labels(name).set(shard.used_pages)
-            self.metrics.shard_region_bytes.labels(name).set(shard.used_bytes)
-        for name, pipeline in self.admission.pipelines.items():
-            self.metrics.pipeline_blocks.labels(name).set(pipeline.used_blocks)
 
     # ---- generate -------------------------------------------------------
 
@@ -238,7 +168,7 @@ class Router:
 
     async def _generate(self, request: GenerationRequest, usage: Usage, request_id: str) -> AsyncIterator[int]:
         started = time.perf_counter()
-        ticket = await self._admit(request_id, request)
+        ticket = await self.tickets.admit(request_id, request)
         usage.queued_seconds = queued = time.perf_counter() - started
         self.metrics.queue_seconds.observe(queued)
         self.metrics.placements.labels("pipeline", ticket.pipeline, ticket.pipeline_reason.value).inc()
@@ -261,7 +191,8 @@ class Router:
                             usage.ttft_seconds = first_at - started
                             self.metrics.ttft.observe(usage.ttft_seconds)
                             # never prefilled again now: the pipeline's device blocks go to the queue
-                            self._apply(self.admission.prefill_ended(request_id, asyncio.get_running_loop().time()))
+                            self.tickets.apply(
+                                self.admission.prefill_ended(request_id, asyncio.get_running_loop().time()))
                         yield token
                     usage.decode_seconds = time.perf_counter() - (first_at or started)
                     self.metrics.decode.observe(usage.decode_seconds)
@@ -269,7 +200,7 @@ class Router:
                 except KvpoolError as error:
                     current = self.admission.ticket(request_id) or ticket  # prefill may have moved the pipeline
                     moved = None if first_at else self.admission.move_shard(
-                        current, _admission_request(request_id, request), error, 0, at_decode)
+                        current, admission_request(request_id, request), error, 0, at_decode)
                     if moved is None:
                         raise
                     self.metrics.shard_moves.inc()
@@ -281,7 +212,7 @@ class Router:
                         # one is decode's to free, and this is then a no-op); a dead shard's are gone
                         await self._give_back(usage.shard, target)
         finally:
-            self._release(request_id)
+            self.tickets.release(request_id)
             self.metrics.completion_tokens.inc(usage.completion_tokens)
 
     def _turn_ended(self, request: GenerationRequest, pipeline: str) -> None:
@@ -374,7 +305,7 @@ class Router:
         deadline, own_until = now + self.admission.queue_timeout_s, now + self.admission.health_wait_s
         log.info("prefill_retry_waits", pipeline=ticket.pipeline, error=str(error))
         while loop.time() < deadline:
-            freed = self._room_freed
+            freed = self.tickets.room_freed
             try:
                 await asyncio.wait_for(freed.wait(), min(ROOM_RECHECK_S, max(0.0, deadline - loop.time())))
             except TimeoutError:
@@ -426,8 +357,3 @@ class Router:
                                              timeout=5.0)
         except grpc.aio.AioRpcError as exc:
             log.info("region_release_failed", region_id=target.region_id, code=exc.code().name)  # reclaimed at its hold
-
-
-def _admission_request(request_id: str, request: GenerationRequest) -> AdmissionRequest:
-    return AdmissionRequest(request_id, scoped_session_key(request.tenant, request.session_key),
-                            len(request.prompt_ids), request.max_tokens, request.prompt_ids)

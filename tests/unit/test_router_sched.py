@@ -101,15 +101,15 @@ def budget_pops(max_bypass_s: float) -> tuple[list[str], float, float]:
         try:
             router.admission.set_shard_shape("127.0.0.1:2", SHAPE)
             router.admission.set_pipeline_shape("127.0.0.1:1", 64, 16)
-            await router._admit("r0", prompt(100, session="s"))
-            await router._admit("r1", prompt(100, base=1000))
-            waiting = {request_id: asyncio.create_task(router._admit(request_id, request))
+            await router.tickets.admit("r0", prompt(100, session="s"))
+            await router.tickets.admit("r1", prompt(100, base=1000))
+            waiting = {request_id: asyncio.create_task(router.tickets.admit(request_id, request))
                        for request_id, request in (("new", prompt(150, base=9000)),
                                                    ("turn", prompt(120, session="s")))}
             await asyncio.sleep(0)  # both queue
             assert router.admission.queued_ids() == ["new", "turn"]
             for done in ("r1", "r0"):
-                router._release(done)
+                router.tickets.release(done)
                 await asyncio.sleep(0)  # the tickets' waiters run
             ticketed = [request_id for request_id, waiter in waiting.items() if waiter.done()]
             for waiter in waiting.values():
