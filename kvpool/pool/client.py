@@ -3,7 +3,7 @@
 Bytes move only with the transfer engine, straight between the caller's
 registered buffers and store DRAM (no copies in between): one batch transfer
 per store segment per call, the segments in parallel, each object of a read
-verified as it lands (``TransferEngine.move``). The master only sees
+verified as it lands (``kvpool.pool.endpoint_batches``). The master only sees
 control messages. Pool conditions (full, unreachable, evicted, corrupted)
 never raise: a put reports NOT_STORED, a read reports a miss.
 """
@@ -11,21 +11,25 @@ never raise: a put reports NOT_STORED, a read reports a miss.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import enum
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, overload
 
 import grpc
 import structlog
-import xxhash
 
 from kvpool import service
 from kvpool.core.master_breaker import MasterBreaker
+from kvpool.pool.endpoint_batches import move_by_endpoint
+from kvpool.pool.objects import (
+    GroupLocation,
+    LookupResult,
+    ObjectLocation,
+    PutObject,
+    PutResult,
+    ReadStatus,
+    checksums,
+)
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
-from kvpool.transfer import Move, TransferEngine, local_host_name, spins
+from kvpool.transfer import Move, TransferEngine, local_host_name
 
 log = structlog.get_logger(__name__)
 
@@ -50,69 +54,6 @@ _RESERVED = pool_pb2.PUT_STATUS_RESERVED
 _ALREADY_EXISTS = pool_pb2.PUT_STATUS_ALREADY_EXISTS
 # xxh3 hashes this much in well under a millisecond: cheaper inline than a thread hop
 INLINE_CHECKSUM_BYTES = 1 << 20
-
-
-class ReadStatus(enum.Enum):
-    VERIFIED = "verified"
-    # the bytes arrived and do not hash to the object's checksum: the pool's copy is bad
-    CORRUPT = "corrupt"
-    # the transfer failed (store gone, unreachable): says nothing of the copy
-    NOT_READ = "not_read"
-
-
-class PutResult(enum.Enum):
-    STORED = "stored"
-    # first writer wins: somebody stored (or is storing) this key already
-    EXISTS = "exists"
-    NOT_STORED = "not_stored"
-
-
-@dataclass(slots=True, frozen=True)
-class PutObject:
-    """One object to store, read from ``size`` bytes at ``address`` (registered memory)."""
-
-    key: str
-    group_id: str
-    group_size: int
-    address: int
-    size: int
-
-
-@dataclass(slots=True, frozen=True)
-class ObjectLocation:
-    key: str
-    endpoint: str
-    address: int
-    size: int
-    checksum: int
-
-
-@dataclass(slots=True, frozen=True)
-class GroupLocation:
-    group_id: str
-    members: dict[str, ObjectLocation]
-
-
-@dataclass(slots=True, frozen=True)
-class LookupResult:
-    """The leading complete groups, protected from eviction until the lease ends."""
-
-    groups: list[GroupLocation]
-    lease_id: int
-    lease_ms: int
-
-    @property
-    def num_complete(self) -> int:
-        return len(self.groups)
-
-
-def checksum(address: int, size: int) -> int:
-    """xxh3-64 of ``size`` bytes at ``address``, read in place."""
-    return xxhash.xxh3_64_intdigest((ctypes.c_char * size).from_address(address))
-
-
-def checksums(objects: Sequence[PutObject]) -> list[int]:
-    return [checksum(o.address, o.size) for o in objects]
 
 
 class PoolClient:
@@ -236,7 +177,7 @@ class PoolClient:
                 moves.append(Move(location.endpoint, obj.address, location.address, obj.size))
             elif status == _ALREADY_EXISTS:
                 results[i] = PutResult.EXISTS
-        written = await self._transfer(moves, write=True)
+        written = await move_by_endpoint(self.engine, moves, write=True)
         sums_done = sums if isinstance(sums, list) else await sums
         ok = [i for i, good in zip(reserved, written) if good]
         failed = [objects[i].key for i, good in zip(reserved, written) if not good]
@@ -308,7 +249,8 @@ class PoolClient:
         verified, arrived corrupt, or was not read."""
         for i, (loc, address) in enumerate(items):
             self._check_registered(address, loc.size, f"items[{i}]")
-        statuses = await self._transfer(
+        statuses = await move_by_endpoint(
+            self.engine,
             [Move(loc.endpoint, address, loc.address, loc.size) for loc, address in items],
             write=False,
             expected=[loc.checksum for loc, _ in items],
@@ -382,57 +324,3 @@ class PoolClient:
             if start <= address and address + size <= end:
                 return
         raise ValueError(f"{field_name}: [{address:#x}, +{size}) is not inside memory registered with this client")
-
-    @overload
-    async def _transfer(self, moves: list[Move], write: bool) -> list[bool]: ...
-
-    @overload
-    async def _transfer(self, moves: list[Move], write: bool, expected: list[int]) -> list[ReadStatus]: ...
-
-    async def _transfer(self, moves: list[Move], write: bool,
-                        expected: list[int] | None = None) -> list[bool] | list[ReadStatus]:
-        """One batch per remote endpoint, endpoints in parallel; per-move success.
-
-        With ``expected`` checksums each object is verified in the worker
-        thread as soon as it lands, while later objects are still in flight,
-        and each move's answer is a ``ReadStatus``.
-        """
-        if not moves:
-            return []
-        by_endpoint: dict[str, list[int]] = defaultdict(list)
-        for i, move in enumerate(moves):
-            by_endpoint[move.endpoint].append(i)
-        engine = self.engine
-
-        def one(indices: list[int]) -> list[Any]:
-            batch = [moves[i] for i in indices]
-            endpoint = batch[0].endpoint
-            local = [m.local for m in batch]
-            remote = [m.remote for m in batch]
-            sizes = [m.size for m in batch]
-            if expected is None:
-                return engine.move(endpoint, local, remote, sizes, write)
-            want = [expected[i] for i in indices]
-            verified = [False] * len(batch)
-
-            def verify(j: int) -> None:
-                verified[j] = checksum(local[j], sizes[j]) == want[j]
-
-            done = engine.move(endpoint, local, remote, sizes, write, landed=verify)
-            return [ReadStatus.NOT_READ if not d else ReadStatus.VERIFIED if v else ReadStatus.CORRUPT
-                    for d, v in zip(done, verified)]
-
-        if all(spins(sum(moves[i].size for i in idx)) for idx in by_endpoint.values()):
-            # every endpoint's move spins a core: run them one after the other in
-            # one thread, so the spinners do not fight over cores
-            def all_in_turn() -> list[list[Any]]:
-                return [one(idx) for idx in by_endpoint.values()]
-
-            outcomes = await asyncio.to_thread(all_in_turn)
-        else:
-            outcomes = await asyncio.gather(*(asyncio.to_thread(one, idx) for idx in by_endpoint.values()))
-        result: list[Any] = [False if expected is None else ReadStatus.NOT_READ] * len(moves)
-        for indices, flags in zip(by_endpoint.values(), outcomes):
-            for i, flag in zip(indices, flags):
-                result[i] = flag
-        return result

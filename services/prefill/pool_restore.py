@@ -18,7 +18,8 @@ import structlog
 from kvpool.core.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, object_key
 from kvpool.core.prefill_request import PrefillRequest
-from kvpool.pool.client import LookupResult, PoolClient
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import LookupResult
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
 from services.prefill.stage_servicer import figures_message

@@ -37,7 +37,8 @@ from kvpool.core.planner import leading_count
 from kvpool.core.work_scale import WorkScale
 from kvpool.model import ModelStage, kv_dtype
 from kvpool.model.kv_cache import block_address, block_nbytes, kv_cache_nbytes
-from kvpool.pool.client import ObjectLocation, PoolClient, PutObject, PutResult, ReadStatus
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import ObjectLocation, PutObject, PutResult, ReadStatus
 from kvpool.transfer import HostBuffer, TransferEngine
 from services.prefill.arena import Arena
 from services.prefill.metrics import PrefillMetrics

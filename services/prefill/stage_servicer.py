@@ -19,7 +19,7 @@ import torch
 
 from kvpool.core.errors import InvalidArgument
 from kvpool.model.sampling import greedy_token
-from kvpool.pool.client import ObjectLocation
+from kvpool.pool.objects import ObjectLocation
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import status_errors
 from services.prefill.handoff import StageHandoff

@@ -14,7 +14,8 @@ import pytest
 
 from kvpool import service
 from kvpool.tools.cluster import LocalPool
-from kvpool.pool.client import GroupLocation, PoolClient, PutObject, PutResult
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import GroupLocation, PutObject, PutResult
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import HostBuffer
 from tests.integration.conftest import eventually

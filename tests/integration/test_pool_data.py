@@ -8,7 +8,8 @@ import random
 import pytest
 
 from kvpool.tools.cluster import LocalPool
-from kvpool.pool.client import PoolClient, PutObject, PutResult
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import PutObject, PutResult
 from kvpool.transfer import MAX_IN_FLIGHT, POLL_MIN_BYTES, HostBuffer
 
 pytestmark = pytest.mark.cluster

@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from kvpool.tools.cluster import LocalPool
-from kvpool.pool.client import PoolClient, PutObject, PutResult
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import PutObject, PutResult
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import POLL_MIN_BYTES, HostBuffer
 from tests.integration.conftest import eventually

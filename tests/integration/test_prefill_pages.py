@@ -18,7 +18,8 @@ from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
 from kvpool.tools.cluster import LocalPool
 from kvpool.model import get_config
 from kvpool.model.kv_cache import block_bytes, pack_kv
-from kvpool.pool.client import ObjectLocation, PoolClient
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import ObjectLocation
 from kvpool.transfer import HostBuffer, TransferEngine
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.settings import PrefillSettings

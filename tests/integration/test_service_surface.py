@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.tools.cluster import LocalPool
-from kvpool.pool.client import PoolClient, PutObject
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import PutObject
 from kvpool.transfer import HostBuffer
 from tests.integration.conftest import eventually
 

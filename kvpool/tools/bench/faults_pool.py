@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from kvpool.pool.client import GroupLocation, PoolClient, PutObject, PutResult
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import GroupLocation, PutObject, PutResult
 from kvpool.transfer import HostBuffer
 
 NUM_STAGES = 4

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 
 from kvpool.tools.bench.stats import percentile, throughput_gbps
 from kvpool.tools.bench.worker_protocol import SYSTEM_KVPOOL, Layout, huge_page_bytes, match_batch, stamp_batch, zero
-from kvpool.pool.client import PoolClient, PutObject, PutResult
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import PutObject, PutResult
 from kvpool.transfer import HostBuffer, TransferEngine
 
 GROUP = 4

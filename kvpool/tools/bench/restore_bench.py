@@ -48,7 +48,8 @@ from kvpool import service
 from kvpool.core.chunk_hash import chunk_hashes, group_id, object_key
 from kvpool.tools.cluster import LocalPipeline, LocalPool, ServiceFailed
 from kvpool.model import get_config, split_layers
-from kvpool.pool.client import PoolClient, PutObject, PutResult, checksum
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import PutObject, PutResult, checksum
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import HostBuffer, TransferEngine
 
