@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from services import cli
+from services import cli_parser
 from kvpool.tools.bench import prefill_bench
 
 TRACES = prefill_bench.default_traces_dir()
@@ -43,11 +43,11 @@ KEYS = {
 def report() -> dict[str, Any]:
     """One run of the benchmark as the CLI parses it; its last output line, parsed.
 
-    In this process, without ``cli.main``, so the test session's logging is left alone.
+    In this process, without ``services.cli.main``, so the test session's logging is left alone.
     """
     if not TRACES.is_dir():
         pytest.skip(f"real weka traces not present at {TRACES}")
-    args = cli.build_parser().parse_args(ARGS)
+    args = cli_parser.build_parser().parse_args(ARGS)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert prefill_bench.main(args) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpool.tools.bench import handoff_bench
-from services import cli
+from services import cli_parser
 
 
 @pytest.mark.parametrize(
@@ -16,6 +16,6 @@ from services import cli
     ],
 )
 def test_bench_handoff_refuses_bad_arguments_by_name(argv: list[str], flag: str) -> None:
-    args = cli.build_parser().parse_args(["bench", "handoff", *argv])
+    args = cli_parser.build_parser().parse_args(["bench", "handoff", *argv])
     with pytest.raises(SystemExit, match=f"kvpool bench handoff: {flag}"):
         handoff_bench.main(args)

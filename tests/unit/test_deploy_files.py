@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from services import cli
+from services import cli, cli_parser
 from services.decode.settings import DecodeSettings
 from services.master.settings import MasterSettings
 from services.prefill.settings import PrefillSettings
@@ -86,7 +86,7 @@ def build_settings(argv: list[str], config: Path = EXAMPLE_CONFIG) -> Any:
     """Parse ``argv`` and build its settings as ``kvpool <role>`` does, with
     ``config`` in place of the installed or mounted /etc/kvpool/cluster.toml."""
     argv = [str(config) if a == INSTALLED_CONFIG else a for a in argv]
-    args = cli.build_parser().parse_args(argv)
+    args = cli_parser.build_parser().parse_args(argv)
     return cli._settings(ROLES[args.command], args.command, args)
 
 
@@ -199,7 +199,7 @@ def test_a_bad_value_in_the_config_file_fails(tmp_path: Path) -> None:
     bad = tmp_path / "cluster.toml"
     bad.write_text(EXAMPLE_CONFIG.read_text().replace('segment_size = "768GiB"', 'segment_size = "lots"'))
     assert bad.read_text() != EXAMPLE_CONFIG.read_text()
-    args = cli.build_parser().parse_args(["store", "--config", str(bad)])
+    args = cli_parser.build_parser().parse_args(["store", "--config", str(bad)])
     with pytest.raises(SystemExit, match="segment_size"):
         cli._settings(StoreSettings, "store", args)
 

@@ -17,7 +17,7 @@ from cryptography.x509.oid import NameOID
 
 from kvpool import tls
 from kvpool.tools.certs import API_KEY_FILE, API_KEYS_FILE, COMPOSE_IDENTITIES
-from services import cli
+from services import cli, cli_parser
 from services.router.auth import ApiKeys
 from tests.unit.test_deploy_files import (
     COMPOSE_CONFIG,
@@ -34,7 +34,7 @@ MOUNTED_TLS = "/etc/kvpool/tls"
 
 
 def parsed(argv: list[str], config: Path = EXAMPLE_CONFIG) -> object:
-    return cli.build_parser().parse_args([str(config) if a == INSTALLED_CONFIG else a for a in argv])
+    return cli_parser.build_parser().parse_args([str(config) if a == INSTALLED_CONFIG else a for a in argv])
 
 
 @pytest.mark.parametrize(("name", "argv"), unit_commands())

@@ -16,7 +16,7 @@ from kvpool.core.prefill_queue import QueueOrder
 from kvpool.tools.replay import compare_cmd
 from kvpool.tools.replay.compare import side_settings
 from kvpool.tools.replay.topology import TopologySettings, side_topology
-from services import cli
+from services import cli, cli_parser
 from services.router.generation_request import GenerationRequest
 from services.router.metrics import RouterMetrics
 from services.router.router import Router
@@ -26,7 +26,7 @@ ADDRESSES = ["--pipelines", "127.0.0.1:1", "--shards", "127.0.0.1:2"]
 
 
 def router_settings(*argv: str) -> RouterSettings:
-    args = cli.build_parser("router").parse_args(["router", *ADDRESSES, *argv])
+    args = cli_parser.build_parser("router").parse_args(["router", *ADDRESSES, *argv])
     return cli._settings(RouterSettings, "router", args)
 
 
@@ -143,7 +143,7 @@ def test_replay_sched_sides_set_the_router_and_stage_0_alike() -> None:
 
 
 def replay_args(*argv: str) -> argparse.Namespace:
-    return cli.build_parser().parse_args(["replay", *argv])
+    return cli_parser.build_parser().parse_args(["replay", *argv])
 
 
 def test_replay_sched_gates_both_sides_with_a_slot_a_stage_unless_told() -> None:

@@ -71,7 +71,7 @@ def test_only_with_no_match_fails_naming_the_flag() -> None:
 
 def test_validate_uses_this_hosts_cost_model_unless_told() -> None:
     from kvpool.tools.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
-    from services.cli import build_parser
+    from services.cli_parser import build_parser
     from kvpool.tools.sim.cost_model import cost_model_path
 
     parser = build_parser()
@@ -91,7 +91,7 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
     from kvpool.tools.sim.validate import ValidationSetup, replay_sessions
     from kvpool.workload.weka import load_session
     from kvpool.tools.sim import validate_cmd as simulate_validate
-    from services.cli import build_parser
+    from services.cli_parser import build_parser
 
     sessions = [load_session(TRACES / name) for name in simulate_validate.VALIDATION_TRACES]
     order = [f"s{k}.t{i}" for i in range(33) for k, s in enumerate(sessions) if i < len(s.turns)][:45]
@@ -239,10 +239,10 @@ def test_replay_follows_a_lookup_the_master_served_before_an_earlier_admissions(
 def test_the_queue_flags_reach_the_compared_runs_settings() -> None:
     from kvpool.tools.sim.compare_sched import run_compare
     from kvpool.tools.sim.topology import RunSettings
-    from services import cli
+    from services import cli_parser
 
     def args(*flags: str) -> object:
-        return cli.build_parser("simulate").parse_args(["simulate", "--compare", "sched=fifo,session", *flags])
+        return cli_parser.build_parser("simulate").parse_args(["simulate", "--compare", "sched=fifo,session", *flags])
 
     parsed = args("--sched-max-wait-s", "inf", "--sched-max-bypass-s", "5", "--session-order", "ratio")
     assert (parsed.sched_max_wait_s, parsed.sched_max_bypass_s, parsed.session_order) == (math.inf, 5.0, "ratio")
