@@ -13,7 +13,7 @@ ends it. Between them this module makes the calls:
           decode scatters each part as it lands; the last stage adds the final
           logits) → Generate (decode samples every token, the first included)
 
-Faults (the core decides, ``kvpool.core.admission.retry_move``): a prefill
+Faults (the core decides, ``kvpool.core.admission_retry.retry_move``): a prefill
 pipeline that answers UNAVAILABLE is retried once on another healthy pipeline
 when nothing reached the client (waiting, within the queue's timeout, for
 device room there if it has none now); the region and pages stay the request's. A
