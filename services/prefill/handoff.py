@@ -47,7 +47,6 @@ from services.prefill.stage_runner import StageRunner
 log = structlog.get_logger(__name__)
 
 ARENA_WAIT_S = 30.0  # for room in the handoff arena, at most
-STAGE_TIMEOUT_S = 120.0  # one stage's writes after its forward, as stage 0 waits for them
 LANDED_TIMEOUT_S = 30.0
 # a Landed that found no connection is sent once more, waiting this long for one: the first call on a new
 # channel can fail to connect on a loaded host (seen at load 30 on 2 cores), and landing is idempotent

@@ -5,7 +5,8 @@ them), collect the handoff's figures, free the blocks.
 
 Every decision is the core's: the block manager (one block table for all
 stages), the hit planner and the request's life (``kvpool.core``). This
-module does the I/O around them.
+module does the I/O around them; the restore from the pool is
+``pool_restore.py``, the stages' handoff and save ends ``stage_ends.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import structlog
 import torch
 
@@ -27,7 +27,6 @@ from kvpool.core.errors import (
     DeviceCacheLost,
     FailedPrecondition,
     InvalidArgument,
-    KvpoolError,
     Unavailable,
 )
 from kvpool.core.prefill_queue import QueueOrder
@@ -37,21 +36,19 @@ from kvpool.core.tenant_shares import MAX_TENANT_BYTES, TenantShares, tenant_nam
 from kvpool.pool.client import PoolClient
 from kvpool.request_id import current_request_id, new_request_id
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
-from kvpool.status import from_status, status_errors
+from kvpool.status import status_errors
 from services.prefill.handoff import HandoffMetrics, StageHandoff
 from services.prefill.gate import PrefillGate
 from services.prefill.metrics import GatePopsCollector, PrefillMetrics
 from services.prefill.pool_restore import PoolRestore, RestoreReport
 from services.prefill.prefetch import PrefetchMetrics, SessionPrefetcher
+from services.prefill.stage_ends import StageEnds
 from services.prefill.stage_runner import StageRunner
 from services.prefill.pieces import ActivationLink
 from services.prefill.stage_servicer import keep_deadline, run_stage
 
 log = structlog.get_logger(__name__)
 
-# beyond every bound of a put (two 5 s RPCs and the engine's 30 s + 1 ns/byte)
-SAVE_DONE_TIMEOUT_S = 120.0
-STAGE_TIMEOUT_S = 120.0  # one stage's handoff writes after its forward, as stage 0 waits for them
 MAX_SESSION_KEY_BYTES = 256
 
 
@@ -101,7 +98,7 @@ class PrefillScheduler:
                                    TenantShares.parse(self.settings.tenant_weights))
         self.restorer = PoolRestore(runner, self.stages, pool, self.blocks)
         self.handoff = handoff
-        self.handoff_metrics = handoff_metrics
+        self.ends = StageEnds(runner, handoff, handoff_metrics, self.stages)
         self._freed = asyncio.Condition()
         self._releases: set[asyncio.Task[None]] = set()
         self._releasing: dict[str, asyncio.Task[None]] = {}  # by request id
@@ -276,9 +273,9 @@ class PrefillScheduler:
             except BaseException:
                 if target is not None:  # every stage's writes read this request's pages: they end first
                     with contextlib.suppress(Exception):
-                        await self._handoff_done(request.request_id, target)
+                        await self.ends.handoff_done(request.request_id, target)
                 raise
-            handoff = await self._handoff_done(request.request_id, target) if target is not None else None
+            handoff = await self.ends.handoff_done(request.request_id, target) if target is not None else None
         except DeviceCacheLost as exc:
             # a later stage restarted: its device KV is gone, so no device hit holds on this pipeline
             forgotten = self.blocks.forget_cached()
@@ -295,41 +292,6 @@ class PrefillScheduler:
         request.finish_compute(self.blocks)
         return RunResult(restore, result, compute_ms, handoff)
 
-    async def _handoff_done(self, request_id: str, target: handoff_pb2.HandoffTarget) -> handoff_pb2.HandoffResponse:
-        """Every stage's writes of the request ended: their figures, or the first failure."""
-        started = time.perf_counter()
-        bound = log.bind(request_id=request_id, region_id=target.region_id, endpoint=target.endpoint)
-        results = await asyncio.gather(
-            self.handoff.done(request_id),
-            *(self._handoff_done_remote(stage, request_id) for stage in range(1, self.settings.num_stages)),
-            return_exceptions=True,
-        )
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            self.handoff_metrics.requests.labels("failed").inc()
-            bound.warning("handoff_failed", errors=[str(e) for e in failed])
-            error = failed[0]
-            raise error if isinstance(error, KvpoolError) else Unavailable(f"handoff: {error}")
-        stages = [r for r in results if isinstance(r, handoff_pb2.StageHandoffFigures)]
-        forward_end = max(s.forward_end_unix_ms for s in stages)
-        last_byte = max(s.last_write_end_unix_ms for s in stages)
-        response = handoff_pb2.HandoffResponse(
-            region_id=target.region_id, stages=stages, transfers=sum(s.transfers for s in stages),
-            bytes=sum(s.bytes for s in stages), seconds=max(0.0, last_byte - forward_end) / 1e3,
-        )
-        self.handoff_metrics.requests.labels("ok").inc()
-        self.handoff_metrics.seconds.observe(response.seconds)
-        bound.info("handoff_done", transfers=response.transfers, bytes=response.bytes,
-                   after_forward_ms=round(response.seconds * 1e3, 2), wait_ms=round((time.perf_counter() - started) * 1e3, 2))
-        return response
-
-    async def _handoff_done_remote(self, stage: int, request_id: str) -> handoff_pb2.StageHandoffFigures:
-        try:
-            return await self.stages[stage - 1].HandoffDone(prefill_pb2.HandoffDoneRequest(request_id=request_id),
-                                                            timeout=STAGE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise from_status(exc, f"stage {stage}", (InvalidArgument, FailedPrecondition)) from None
-
     def _forget_release(self, task: asyncio.Task[None]) -> None:
         for request_id, running in list(self._releasing.items()):
             if running is task:
@@ -338,23 +300,9 @@ class PrefillScheduler:
     async def _release_after_saves(self, request_id: str) -> None:
         """Wait for every stage's save of the request to end, then let its blocks go."""
         try:
-            done = await asyncio.gather(
-                self.runner.save_done(request_id),
-                *(self._save_done_remote(stage, request_id) for stage in range(1, self.settings.num_stages)),
-            )
-            log.debug("request_saved", request_id=request_id, stored=sum(d.num_stored for d in done),
-                      not_stored=sum(d.num_not_stored for d in done))
+            await self.ends.saves_done(request_id)
         finally:
             await self.free(save_holder(request_id))
-
-    async def _save_done_remote(self, stage: int, request_id: str) -> prefill_pb2.SaveDoneResponse:
-        try:
-            return await self.stages[stage - 1].SaveDone(prefill_pb2.SaveDoneRequest(request_id=request_id),
-                                                         timeout=SAVE_DONE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            # a stage that cannot answer is gone (or stuck past every put's bounds): its puts no longer read
-            log.warning("stage_save_done_failed", stage=stage, code=exc.code().name, details=exc.details())
-            return prefill_pb2.SaveDoneResponse(stage=stage)
 
     def _free_after(self, task: asyncio.Future[object], request_id: str) -> None:
         if not task.cancelled() and task.exception() is not None:
