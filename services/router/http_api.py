@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -111,6 +111,8 @@ class HttpApi:
     registry: CollectorRegistry
     roles: frozenset[str]
     created: int = field(default_factory=lambda: int(time.time()))
+    read_timeout_s: float = 30.0  # a request's body must arrive within this, from its head (--http-read-timeout-s)
+    refused: Callable[[str], None] = field(default=lambda reason: None)  # counts a body that timed out
 
     def app(self) -> Starlette:
         routes = [
@@ -125,12 +127,20 @@ class HttpApi:
 
     # ---- routes ---------------------------------------------------------
 
+    async def _read_body(self, request: Request) -> bytes:
+        try:
+            return await read_body(request, self.read_timeout_s)
+        except ApiError as exc:
+            if exc.status == 408:
+                self.refused("body_timeout")
+            raise
+
     async def completions(self, request: Request) -> Response:
-        body = parse_json(await _read_body(request))
+        body = parse_json(await self._read_body(request))
         return await self._serve(request, parse_completion(body, self.tokenizer, self.limits, request.headers))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = parse_json(await _read_body(request))
+        body = parse_json(await self._read_body(request))
         return await self._serve(request, parse_chat(body, self.tokenizer, self.limits, self.roles, request.headers))
 
     async def models(self, request: Request) -> Response:
@@ -262,19 +272,25 @@ async def _chain(first: int | None, tokens: AsyncIterator[int]) -> AsyncIterator
         yield token
 
 
-async def _read_body(request: Request) -> bytes:
-    """The request body, refused with 413 past ``MAX_BODY_BYTES`` before it is all read."""
+async def read_body(request: Request, timeout_s: float) -> bytes:
+    """The request body, refused with 413 past ``MAX_BODY_BYTES`` before it is all read, and with 408 when it
+    has not all arrived ``timeout_s`` after its head (a client trickling it would hold its connection)."""
     too_large = ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", None, "request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
     parts: list[bytes] = []
     size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        parts.append(part)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                size += len(part)
+                if size > MAX_BODY_BYTES:
+                    raise too_large
+                parts.append(part)
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {timeout_s:g} s of the request's head "
+                       "(--http-read-timeout-s)", None, "request_timeout", headers={"Connection": "close"}) from None
     return b"".join(parts)
 
 

@@ -32,6 +32,12 @@ class RouterMetrics:
         self.prefetch_calls = Counter("kvpool_router_prefetch_calls",
                                       "Session hints sent to a pipeline at a turn's end, by kind", ["kind"],
                                       registry=r)
+        self.http_refused = Counter("kvpool_router_http_refused",
+                                    "HTTP connections turned away before the API served them, by reason: "
+                                    "connections (--http-max-connections open), head_timeout, body_timeout "
+                                    "(--http-read-timeout-s)", ["reason"], registry=r)
+        for reason in ("connections", "head_timeout", "body_timeout"):
+            self.http_refused.labels(reason)
         self.queued = Counter("kvpool_router_queued", "Requests that waited in the admission queue", registry=r)
         self.queue_expired = Counter("kvpool_router_queue_expired",
                                      "Queued requests refused at their deadline (429)", registry=r)

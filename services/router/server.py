@@ -23,6 +23,7 @@ from kvpool.tokenizer import ByteTokenizer, load_tokenizer
 from services.router.auth import ApiKeys, gate
 from services.router.generation_request import GenerationRequest, ModelLimits
 from services.router.http_api import HttpApi, Usage
+from services.router.http_connections import ensure_open_files, guarded
 from services.router.metrics import RouterMetrics
 from services.router.openai_errors import api_error_of
 from services.router.router import Router
@@ -187,12 +188,20 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     await handle.set_serving(False)
     roles = ByteTokenizer.roles() if isinstance(tokenizer, ByteTokenizer) else frozenset(
         {"system", "developer", "user", "assistant", "tool"})
-    api = HttpApi(_OpenAiRouter(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles)
+    def refused(reason: str) -> None:
+        metrics.http_refused.labels(reason).inc()
+        log.info("http_refused", reason=reason)
+
+    api = HttpApi(_OpenAiRouter(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles,
+                  read_timeout_s=settings.http_read_timeout_s, refused=refused)
     sock = _bind(settings.host, settings.http_port, settings.reuse_port)
     # origins, API keys, tenants and their request rates (auth.py)
     app = gate(api.app(), keys, settings.cors_origins, settings.tenant_rate, settings.tenant_burst)
     http = _HttpServer(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off",
-                                      timeout_graceful_shutdown=max(1, round(settings.drain_s))))
+                                      timeout_graceful_shutdown=max(1, round(settings.drain_s)),
+                                      http=guarded(settings.http_read_timeout_s, settings.http_max_connections,
+                                                   refused)))
+    ensure_open_files(settings.http_max_connections)
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     stop = asyncio.Event()

@@ -43,6 +43,12 @@ class RouterSettings(ModelSetting):
     cors_origins: list[str] = setting(
         help="browser origins allowed to call the HTTP API (others are refused)", factory=list, metavar="URL,...",
         default_text="none")
+    http_read_timeout_s: float = setting(
+        30.0, help="a request's head (request line and headers) must arrive within this many seconds of its "
+        "connection opening or the previous response, and its body within as many after the head; else 408 and "
+        "the connection closes, so slow or silent clients cannot hold connections")
+    http_max_connections: int = setting(4096, help="HTTP connections open at once at most; one more is answered "
+                                        "429 and closed at once")
     max_in_flight: int = setting(256, help="requests in flight at most; more are answered 429")
     max_queue: int = setting(64, help="requests waiting for decode room at most; more are answered 429")
     queue_timeout_s: float = setting(30.0, help="a request waits this long for decode room, then 429")
@@ -103,6 +109,10 @@ class RouterSettings(ModelSetting):
             raise ValueError("shards: an address is named twice")
         if self.affinity_max_queue < 1:
             raise ValueError(f"affinity_max_queue: must be >= 1, got {self.affinity_max_queue}")
+        if not (self.http_read_timeout_s > 0 and math.isfinite(self.http_read_timeout_s)):
+            raise ValueError(f"http_read_timeout_s: must be a positive number of seconds, got {self.http_read_timeout_s}")
+        if self.http_max_connections < 1:
+            raise ValueError(f"http_max_connections: must be >= 1, got {self.http_max_connections}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {self.max_in_flight}")
         if self.max_queue < 0:

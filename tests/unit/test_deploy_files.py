@@ -189,6 +189,9 @@ def test_a_bad_value_in_a_unit_fails(unit: str) -> None:
     (["master", "--port", "70000"], "port: 70000 is not a TCP port"),
     (["prefill", "--stage", "0"], "stage_addresses"),  # stage 0 of 4 without the others' addresses
     (["prefill", "--stage", "1", "--config", INSTALLED_CONFIG], "next_stage"),  # what the @1 drop-in supplies
+    (["router", "--pipelines", "a:1", "--shards", "b:2", "--http-read-timeout-s", "0"], "http_read_timeout_s"),
+    (["router", "--pipelines", "a:1", "--shards", "b:2", "--http-read-timeout-s", "inf"], "http_read_timeout_s"),
+    (["router", "--pipelines", "a:1", "--shards", "b:2", "--http-max-connections", "0"], "http_max_connections"),
 ])
 def test_a_bad_command_fails(argv: list[str], setting: str) -> None:
     with pytest.raises(SystemExit, match=setting):

@@ -1,0 +1,136 @@
+"""Slow and silent HTTP clients cannot hold the router's connections (slowloris), nor can a flood of them.
+
+One small cluster (a one-stage pipeline, one decode shard, no pool) whose router bounds a request's head
+and body to 2 s (``http_read_timeout_s``) and its open connections to 6 (``http_max_connections``). Raw
+sockets play the attacker: a connection that sends nothing is closed, one that trickles header lines or
+its body gets a 408 in OpenAI's shape and is closed, the seventh connection at once gets a 429 with
+Retry-After; each is counted by reason. A well-behaved client is served throughout and afterwards.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import select
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.tools.cluster import Cluster
+from kvpool.tools.up import UpSettings, up_cluster
+
+pytestmark = pytest.mark.cluster
+
+READ_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("connections")
+    config = workdir / "cluster.toml"
+    config.write_text(f"[router]\nhttp_read_timeout_s = {READ_TIMEOUT_S}\nhttp_max_connections = {MAX_CONNECTIONS}\n")
+    up = up_cluster(UpSettings(pipelines=1, stages=1, decode_shards=1, stores=0, http_port=0, grpc_port=0,
+                               device_cache_tokens=4096, workdir=str(workdir / "logs")), str(config)).start()
+    try:
+        yield up
+    finally:
+        up.stop()
+
+
+def connect(cluster: Cluster) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", cluster.find("router").ready["http_port"]), timeout=30)
+
+
+def answer(sock: socket.socket) -> bytes:
+    """Everything the router sends until it closes the connection."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def refused(cluster: Cluster) -> dict[str, float]:
+    port = cluster.find("router").ready["admin_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    counts = {"connections": 0.0, "head_timeout": 0.0, "body_timeout": 0.0}
+    for line in text.splitlines():
+        if line.startswith("kvpool_router_http_refused_total{"):
+            counts[line.split('"')[1]] = float(line.split()[-1])
+    return counts
+
+
+def error_of(response: bytes) -> tuple[int, dict[str, str], dict[str, object]]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, json.loads(body)["error"]
+
+
+def served(cluster: Cluster) -> None:
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    conn.close()
+
+
+def test_a_silent_connection_is_closed(cluster: Cluster) -> None:
+    before = refused(cluster)["head_timeout"]
+    with connect(cluster) as sock:
+        started = time.monotonic()
+        assert answer(sock) == b""  # nothing came: nothing to answer
+        assert READ_TIMEOUT_S - 0.5 <= time.monotonic() - started < READ_TIMEOUT_S + 10
+    assert refused(cluster)["head_timeout"] == before + 1
+    served(cluster)
+
+
+def test_trickled_header_lines_get_a_408(cluster: Cluster) -> None:
+    before = refused(cluster)["head_timeout"]
+    with connect(cluster) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        # a header line every quarter second, so the head never ends, until the router answers
+        while not select.select([sock], [], [], 0.25)[0]:
+            assert time.monotonic() - started < READ_TIMEOUT_S + 10, "the router kept a trickling head open"
+            sock.sendall(b"X-Slow: 1\r\n")
+        response = answer(sock)
+    status, headers, error = error_of(response)
+    assert status == 408 and headers["connection"] == "close"
+    assert error["code"] == "request_timeout" and "--http-read-timeout-s" in str(error["message"])
+    assert refused(cluster)["head_timeout"] == before + 1
+    served(cluster)
+
+
+def test_a_trickled_body_gets_a_408(cluster: Cluster) -> None:
+    before = refused(cluster)["body_timeout"]
+    with connect(cluster) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\":")  # 9 of the 100 bytes, and no more
+        response = answer(sock)
+    status, headers, error = error_of(response)
+    assert status == 408 and error["code"] == "request_timeout" and "body" in str(error["message"])
+    assert refused(cluster)["body_timeout"] == before + 1
+    served(cluster)
+
+
+def test_one_connection_past_the_bound_gets_a_429_at_once(cluster: Cluster) -> None:
+    before = refused(cluster)["connections"]
+    held = [connect(cluster) for _ in range(MAX_CONNECTIONS)]
+    try:
+        with connect(cluster) as extra:
+            started = time.monotonic()
+            response = answer(extra)
+            assert time.monotonic() - started < READ_TIMEOUT_S  # turned away at once, not timed out
+        status, headers, error = error_of(response)
+        assert status == 429 and headers["retry-after"] == "1" and error["code"] == "overloaded"
+        assert refused(cluster)["connections"] == before + 1
+    finally:
+        for sock in held:
+            sock.close()
+    served(cluster)  # the bound counts open connections: closed ones free their places
