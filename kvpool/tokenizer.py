@@ -22,6 +22,8 @@ NUM_BYTES = 256
 class Tokenizer(Protocol):
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # no token stands for more bytes of text than this: a text longer than context × this is refused untokenized
+    max_token_bytes: int
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -55,6 +57,7 @@ class ByteTokenizer:
 
     vocab_size: int
     eos_token_ids: tuple[int, ...] = (EOS, END)
+    max_token_bytes: int = 1  # a byte a token: the specials come from the template, never from text
 
     def __post_init__(self) -> None:
         if self.vocab_size < NUM_BYTES + len(_SPECIALS):
@@ -108,6 +111,10 @@ class HFTokenizer:
 
         self._tokenizer = _Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.vocab_size = self._tokenizer.get_vocab_size()
+        # a vocabulary entry's UTF-8 length bounds the text its token stands for (byte-level and metaspace
+        # alphabets spell a byte with a longer character, never a shorter one)
+        self.max_token_bytes = max((len(t.encode("utf-8")) for t in self._tokenizer.get_vocab(with_added_tokens=True)),
+                                   default=1)
         config = _read_json(model_dir / "tokenizer_config.json")
         self._template = chat_template(model_dir)
         eos_text = _token_text(config.get("eos_token"))
@@ -121,7 +128,9 @@ class HFTokenizer:
         self._bos_text = _token_text(config.get("bos_token"))
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        # encode_batch lets go of the GIL while it works (encode does not: a 10 MB prompt held it 12 s here),
+        # so the router's event loop runs on while a worker thread tokenizes
+        return list(self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def decoder(self) -> _HFDecoder:
         return _HFDecoder(self._tokenizer)
@@ -146,7 +155,7 @@ class HFTokenizer:
             )
         except TemplateError as exc:  # the template refuses these messages (or cannot render them): the caller's
             raise ValueError(f"messages: the model's chat template refused them: {exc}") from None
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return self.encode(text)
 
 
 class _HFDecoder:

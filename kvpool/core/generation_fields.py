@@ -104,6 +104,19 @@ def check_length(num_prompt_tokens: int, max_tokens: int, context: int, prompt_f
                    f"{context - num_prompt_tokens}")
 
 
+def check_prompt_text(num_chars: int, max_token_bytes: int, context: int, prompt_field: str) -> None:
+    """Prompt text longer than the context could hold, refused before it is tokenized (tokenizing tens of
+    megabytes takes seconds of CPU): a token stands for at most ``max_token_bytes`` bytes, so for at most as
+    many characters, and more than ``(context - 1) * max_token_bytes`` characters make more tokens than the
+    context holds. (A tokenizer with an unknown-word token could map a long unknown word to one token; such
+    text is refused all the same, as a limit of this server.)"""
+    limit = (context - 1) * max_token_bytes
+    if num_chars > limit:
+        raise fail(prompt_field, f"the prompt's text has {num_chars} characters; this server serves at most "
+                   f"{context - 1} prompt tokens, and no token here stands for more than {max_token_bytes} "
+                   f"character{'s' if max_token_bytes > 1 else ''}, so at most {limit} characters")
+
+
 def check_text(text: str, field: str) -> str:
     """Text that UTF-8 can carry (JSON may hold lone surrogates such as ``\\ud800``; no tokenizer takes them)."""
     try:

@@ -137,11 +137,14 @@ class HttpApi:
 
     async def completions(self, request: Request) -> Response:
         body = parse_json(await self._read_body(request))
-        return await self._serve(request, parse_completion(body, self.tokenizer, self.limits, request.headers))
+        # parsing tokenizes: in a worker thread, as a model directory's tokenizer takes seconds over a long prompt
+        return await self._serve(request, await asyncio.to_thread(
+            parse_completion, body, self.tokenizer, self.limits, request.headers))
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_json(await self._read_body(request))
-        return await self._serve(request, parse_chat(body, self.tokenizer, self.limits, self.roles, request.headers))
+        return await self._serve(request, await asyncio.to_thread(
+            parse_chat, body, self.tokenizer, self.limits, self.roles, request.headers))
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [

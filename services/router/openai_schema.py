@@ -23,13 +23,14 @@ from kvpool.core.errors import InvalidArgument
 from kvpool.core.generation_fields import (
     OPENAI_FIELDS,
     check_length,
+    check_prompt_text,
     check_sampling,
     check_session_key,
     check_token_ids,
 )
 from kvpool.core.sessions import check_expected_next_s
 from kvpool.core.stop_strings import StopMatcher
-from kvpool.tokenizer import Tokenizer
+from kvpool.tokenizer import Tokenizer, tools_text
 from services.router.generation_request import GenerationRequest, ModelLimits
 from services.router.openai_errors import ApiError, api_error_of, invalid
 
@@ -48,6 +49,7 @@ def parse_completion(body: Mapping[str, Any], tokenizer: Tokenizer, limits: Mode
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt", "must not be empty")
+        _checked(check_prompt_text, len(prompt), tokenizer.max_token_bytes, limits.context, "prompt")
         prompt_ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         prompt_ids = [int(t) for t in prompt]
@@ -76,8 +78,11 @@ def parse_chat(body: Mapping[str, Any], tokenizer: Tokenizer, limits: ModelLimit
     if not messages:
         raise invalid("messages", "must not be empty")
     rendered = [_message(i, m, roles) for i, m in enumerate(messages)]
+    tools = _tools(body)
+    num_chars = sum(len(m["content"]) for m in rendered) + (len(tools_text(tools)) if tools else 0)
+    _checked(check_prompt_text, num_chars, tokenizer.max_token_bytes, limits.context, "messages")
     try:
-        prompt_ids = tokenizer.apply_chat_template(rendered, _tools(body))
+        prompt_ids = tokenizer.apply_chat_template(rendered, tools)
     except ValueError as exc:  # a model directory's template refusing the messages
         raise invalid("messages", str(exc).removeprefix("messages: ")) from None
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:

@@ -15,7 +15,14 @@ import uvicorn
 
 from kvpool import service
 from kvpool.core.errors import InvalidArgument, KvpoolError
-from kvpool.core.generation_fields import GRPC_FIELDS, check_length, check_sampling, check_session_key, check_token_ids
+from kvpool.core.generation_fields import (
+    GRPC_FIELDS,
+    check_length,
+    check_prompt_text,
+    check_sampling,
+    check_session_key,
+    check_token_ids,
+)
 from kvpool.request_id import METADATA_KEY, bound_request_id, from_metadata, new_request_id
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.status import abort
@@ -55,7 +62,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _generate(self, request: router_pb2.GenerateRequest, context: Any,
                         request_id: str) -> AsyncIterator[router_pb2.GenerateResponse]:
         try:
-            generation = self._validate(request)
+            # in a worker thread: a model directory's tokenizer takes seconds over a long prompt
+            generation = await asyncio.to_thread(self._validate, request)
         except KvpoolError as exc:
             await abort(context, exc, "Generate")
             return
@@ -88,6 +96,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         limits = self.limits
         if request.token_ids and request.text:
             raise InvalidArgument("token_ids: give the prompt as token_ids or as text, not both", field="token_ids")
+        if request.text:
+            check_prompt_text(len(request.text), self.tokenizer.max_token_bytes, limits.context, "text")
         prompt = self.tokenizer.encode(request.text) if request.text else list(request.token_ids)
         if not prompt:
             raise InvalidArgument("token_ids: the prompt must not be empty", field="token_ids")

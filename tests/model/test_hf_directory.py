@@ -69,6 +69,7 @@ def test_every_role_reads_the_one_config_of_the_directory(model_dir: Path) -> No
 def test_the_tokenizer_and_chat_template_are_the_directory_s(model_dir: Path) -> None:
     tokenizer = HFTokenizer(model_dir)
     assert tokenizer.eos_token_ids == (1,)
+    assert tokenizer.max_token_bytes == len("<assistant>")  # its longest entry, an added token
     assert tokenizer.apply_chat_template([{"role": "user", "content": "w5 w6"}]) == [0, 2, 9, 10, 3]
     decoder = tokenizer.decoder()
     assert "".join(decoder.feed(i) for i in (9, 10, 1)) + decoder.flush() == "w5 w6"

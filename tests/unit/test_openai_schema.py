@@ -198,7 +198,8 @@ def test_over_the_context_names_the_field_and_the_numbers() -> None:
     assert "4096" in info.value.message and "at most 4090" in info.value.message
     with pytest.raises(ApiError) as info:
         parse_completion({"prompt": "y" * 4096}, TOK, WIDE)
-    assert info.value.param == "prompt" and "4096 tokens" in info.value.message
+    assert info.value.param == "prompt" and "4096 characters" in info.value.message  # refused untokenized
+    assert "at most 4095 prompt tokens" in info.value.message
 
 
 def test_session_key_from_body_then_headers() -> None:
@@ -272,3 +273,33 @@ def test_session_hints_refused_by_name(body: dict[str, Any], param: str) -> None
         with pytest.raises(ApiError) as exc:
             parse(**body)
         assert exc.value.status == 400 and exc.value.param == param
+
+
+class CountingTokenizer(ByteTokenizer):
+    """The byte-level tokenizer, counting the characters it was asked to tokenize."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size)
+        self.chars = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.chars += len(text)
+        return super().encode(text)
+
+
+def test_text_past_what_the_context_could_hold_is_refused_before_it_is_tokenized() -> None:
+    """The byte-level tokenizer: a token a byte, so 63 characters at most for a 64-token context."""
+    tok = CountingTokenizer(1024)
+    assert len(parse_completion({"prompt": "a" * 63, "max_tokens": 1}, tok, LIMITS).prompt_ids) == 63
+    tok.chars = 0
+    for body, param in (({"prompt": "a" * 64}, "prompt"),
+                        ({"prompt": "a" * 10_000_000}, "prompt"),
+                        ({"messages": [{"role": "user", "content": "a" * 40}, {"role": "user", "content": "b" * 24}]},
+                         "messages"),
+                        ({"messages": [{"role": "user", "content": "a"}],
+                          "tools": [{"type": "function", "function": {"name": "f" * 64}}]}, "messages")):
+        with pytest.raises(ApiError) as info:
+            (parse_chat(body, tok, LIMITS, ROLES) if "messages" in body else parse_completion(body, tok, LIMITS))
+        assert info.value.status == 400 and info.value.param == param
+        assert "characters;" in info.value.message and "at most 63 prompt tokens" in info.value.message
+    assert tok.chars == 0  # none of them was tokenized
