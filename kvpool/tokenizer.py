@@ -159,25 +159,35 @@ class HFTokenizer:
 
 
 class _HFDecoder:
-    """Decodes the ids seen so far and emits only the new text (byte-fallback pieces complete later)."""
+    """Emits each new token's text as soon as it is whole, decoding only a short window of ids.
+
+    Decoding every id seen so far at each token cost O(n) a token, O(n²) a stream (4,000 tokens:
+    0.94 s of the router's event loop here). The window holds the ids of the text emitted last
+    (``_prefix`` to ``_read``), which give a token its context (a leading space, a byte-fallback
+    character's first bytes), and the ids not emitted yet; the new text is what decoding the whole
+    window adds to decoding its first part, once it does not end in an incomplete character.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        self._emitted = ""
+        self._prefix = 0  # the window starts here
+        self._read = 0  # the text of the ids before this is emitted
 
     def feed(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for its other bytes
-        new, self._emitted = text[len(self._emitted):], text
-        return new
+        return self._emit(final=False)
 
     def flush(self) -> str:
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        new, self._emitted = text[len(self._emitted):], text
-        return new
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        emitted = self._tokenizer.decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
+        text = self._tokenizer.decode(self._ids[self._prefix:], skip_special_tokens=True)
+        if len(text) <= len(emitted) or (text.endswith("\ufffd") and not final):
+            return ""  # nothing new yet, or an incomplete character: wait for its other bytes
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(emitted):]
 
 
 def tools_text(tools: Sequence[Mapping[str, Any]]) -> str:
