@@ -4,7 +4,6 @@ half a character, and each token decodes only a short window of ids, so a long s
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
