@@ -226,6 +226,7 @@ async def create_server(
     health_servicer: health.aio.HealthServicer | None = None,
     inbound_request_ids: bool = True,
     reuse_port: bool = False,
+    max_receive_bytes: int = 64 << 20,
 ) -> ServerHandle:
     """Create and start a server bound to ``host:port`` (port 0 picks one).
 
@@ -242,6 +243,9 @@ async def create_server(
     itself, turns it off. ``reuse_port``: another process may listen on the
     same port beside this one (SO_REUSEPORT: a router's successor during a
     handover); off, a second bind fails, as a port conflict should.
+    ``max_receive_bytes``: a larger message is refused (RESOURCE_EXHAUSTED)
+    before it is parsed; the default fits a long prompt's location lists, a
+    public port takes less.
     """
     names = list(dict.fromkeys(service_names))
     known = descriptor_pool.Default()
@@ -257,7 +261,8 @@ async def create_server(
     interceptors += tls.interceptors()  # the caller's certificate must name a role allowed this method
     # ParseRequests innermost: the handler it returns (its deserializer) is the one the others wrap
     interceptors += [*trace_interceptors(), ParseRequests()]
-    options = [o for o in GRPC_OPTIONS if o[0] != "grpc.so_reuseport"] + [("grpc.so_reuseport", int(reuse_port))]
+    options = [o for o in GRPC_OPTIONS if o[0] not in ("grpc.so_reuseport", "grpc.max_receive_message_length")]
+    options += [("grpc.so_reuseport", int(reuse_port)), ("grpc.max_receive_message_length", max_receive_bytes)]
     server = grpc.aio.server(options=options, interceptors=interceptors)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

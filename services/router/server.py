@@ -31,6 +31,7 @@ from services.router.auth import ApiKeys, gate
 from services.router.generation_request import GenerationRequest, ModelLimits
 from services.router.http_api import HttpApi, Usage
 from services.router.http_connections import ensure_open_files, guarded
+from services.router.json_body import MAX_BODY_BYTES
 from services.router.metrics import RouterMetrics
 from services.router.openai_errors import api_error_of
 from services.router.router import Router
@@ -194,6 +195,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     handle = await service.create_server(
         settings.host, settings.port, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
         service_names=["kvpool.rpc.Router"], inbound_request_ids=False, reuse_port=settings.reuse_port,
+        max_receive_bytes=MAX_BODY_BYTES,  # the public port takes what the HTTP API takes
     )
     await handle.set_serving(False)
     roles = ByteTokenizer.roles() if isinstance(tokenizer, ByteTokenizer) else frozenset(

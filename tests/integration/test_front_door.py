@@ -348,6 +348,19 @@ def test_temperature_nan_over_grpc_is_invalid_argument_naming_it(channel: grpc.C
     assert info.value.details().startswith("sampling.temperature:")
 
 
+def test_grpc_text_past_the_context_is_refused_untokenized_and_past_the_body_limit_unread(channel: grpc.Channel) -> None:
+    stub = router_pb2_grpc.RouterStub(channel)
+    request = router_pb2.GenerateRequest(text="a" * 100_000, sampling=router_pb2.SamplingParams(max_tokens=2))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("text: the prompt's text has 100000 characters")
+    huge = router_pb2.GenerateRequest(text="a" * (33 << 20))  # past the 32 MiB the HTTP API takes too
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(huge, timeout=60))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_greedy_output_is_unchanged_after_the_fuzz(
     cluster: Cluster, channel: grpc.Channel, greedy_before: tuple[str, list[int]]
 ) -> None:
