@@ -55,6 +55,7 @@ class GuardedH11Protocol(H11Protocol):
     read_timeout_s: float = 30.0
     max_connections: int = 4096
     refused: Callable[[str], None] = staticmethod(lambda reason: None)
+    open_now: Callable[[int], None] = staticmethod(lambda count: None)  # told the open count at each change
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -74,12 +75,14 @@ class GuardedH11Protocol(H11Protocol):
             self.refused(TOO_MANY_CONNECTIONS)
             return
         super().connection_made(transport)
+        self.open_now(len(self.connections))
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         if not self._turned_away:
             super().connection_lost(exc)
+            self.open_now(len(self.connections))
 
     def data_received(self, data: bytes) -> None:
         if self._turned_away or self._lingering:
@@ -124,12 +127,13 @@ class GuardedH11Protocol(H11Protocol):
         self.refused(HEAD_TIMEOUT)
 
 
-def guarded(read_timeout_s: float, max_connections: int,
-            refused: Callable[[str], None]) -> type[GuardedH11Protocol]:
+def guarded(read_timeout_s: float, max_connections: int, refused: Callable[[str], None],
+            open_now: Callable[[int], None]) -> type[GuardedH11Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)`` with these limits; ``refused(reason)`` counts
-    each connection turned away or timed out."""
+    each connection turned away or timed out, ``open_now(count)`` follows the connections open."""
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {
-        "read_timeout_s": read_timeout_s, "max_connections": max_connections, "refused": staticmethod(refused)})
+        "read_timeout_s": read_timeout_s, "max_connections": max_connections, "refused": staticmethod(refused),
+        "open_now": staticmethod(open_now)})
 
 
 def open_files_limit(soft: int, hard: int, max_connections: int) -> int:

@@ -38,6 +38,8 @@ class RouterMetrics:
                                     "(--http-read-timeout-s)", ["reason"], registry=r)
         for reason in ("connections", "head_timeout", "body_timeout"):
             self.http_refused.labels(reason)
+        self.http_connections = Gauge("kvpool_router_http_connections",
+                                      "HTTP connections open now (at most --http-max-connections)", registry=r)
         self.queued = Counter("kvpool_router_queued", "Requests that waited in the admission queue", registry=r)
         self.queue_expired = Counter("kvpool_router_queue_expired",
                                      "Queued requests refused at their deadline (429)", registry=r)

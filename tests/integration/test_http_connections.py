@@ -1,7 +1,7 @@
 """Slow and silent HTTP clients cannot hold the router's connections (slowloris), nor can a flood of them.
 
 One small cluster (a one-stage pipeline, one decode shard, no pool) whose router bounds a request's head
-and body to 2 s (``http_read_timeout_s``) and its open connections to 6 (``http_max_connections``). Raw
+and body to 3 s (``http_read_timeout_s``) and its open connections to 6 (``http_max_connections``). Raw
 sockets play the attacker: a connection that sends nothing is closed, one that trickles header lines or
 its body gets a 408 in OpenAI's shape and is closed, the seventh connection at once gets a 429 with
 Retry-After; each is counted by reason. A well-behaved client is served throughout and afterwards.
@@ -21,10 +21,11 @@ import pytest
 
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
+from tests.integration.conftest import wait_for
 
 pytestmark = pytest.mark.cluster
 
-READ_TIMEOUT_S = 2.0
+READ_TIMEOUT_S = 3.0
 MAX_CONNECTIONS = 6
 
 
@@ -53,14 +54,21 @@ def answer(sock: socket.socket) -> bytes:
     return data
 
 
-def refused(cluster: Cluster) -> dict[str, float]:
+def metrics(cluster: Cluster) -> list[str]:
     port = cluster.find("router").ready["admin_port"]
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode().splitlines()
+
+
+def refused(cluster: Cluster) -> dict[str, float]:
     counts = {"connections": 0.0, "head_timeout": 0.0, "body_timeout": 0.0}
-    for line in text.splitlines():
+    for line in metrics(cluster):
         if line.startswith("kvpool_router_http_refused_total{"):
             counts[line.split('"')[1]] = float(line.split()[-1])
     return counts
+
+
+def open_connections(cluster: Cluster) -> float:
+    return next(float(line.split()[-1]) for line in metrics(cluster) if line.startswith("kvpool_router_http_connections "))
 
 
 def error_of(response: bytes) -> tuple[int, dict[str, str], dict[str, object]]:
@@ -120,9 +128,11 @@ def test_a_trickled_body_gets_a_408(cluster: Cluster) -> None:
 
 
 def test_one_connection_past_the_bound_gets_a_429_at_once(cluster: Cluster) -> None:
+    wait_for(lambda: open_connections(cluster) == 0, what="the earlier tests' connections closed")
     before = refused(cluster)["connections"]
     held = [connect(cluster) for _ in range(MAX_CONNECTIONS)]
     try:
+        wait_for(lambda: open_connections(cluster) == MAX_CONNECTIONS, what="the held connections open")
         with connect(cluster) as extra:
             started = time.monotonic()
             response = answer(extra)
@@ -133,4 +143,5 @@ def test_one_connection_past_the_bound_gets_a_429_at_once(cluster: Cluster) -> N
     finally:
         for sock in held:
             sock.close()
+    wait_for(lambda: open_connections(cluster) == 0, what="the held connections closed")
     served(cluster)  # the bound counts open connections: closed ones free their places
