@@ -79,7 +79,7 @@ class Admission:
     def __init__(self, routing: RoutingPolicy, shard_servers: dict[str, str], pipeline_servers: dict[str, str],
                  max_queue: int, queue_timeout_s: float, locality: bool = True,
                  order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0, health_wait_s: float = 0.0,
-                 max_bypass_s: float = math.inf) -> None:
+                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf) -> None:
         if not health_wait_s >= 0:
             raise InvalidArgument(f"health_wait_s: must be >= 0, got {health_wait_s}")
         if max_queue < 0:
@@ -94,7 +94,7 @@ class Admission:
         self.pipeline_servers = self.book.pipeline_servers
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
-        self._queue = AdmissionQueue(order, max_wait_s, max_bypass_s)
+        self._queue = AdmissionQueue(order, max_wait_s, max_bypass_s, reorder_below_s)
         self.health_wait_s = health_wait_s
         self._missing_since: float | None = None  # since when no pipeline or no shard has been healthy
         self.health_round = 0  # health rounds begun (``begin_health_round``)

@@ -68,10 +68,10 @@ class AdmissionQueue:
     """Queued requests and their order (see the module doc)."""
 
     def __init__(self, order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0,
-                 max_bypass_s: float = math.inf) -> None:
+                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf) -> None:
         if order not in (QueueOrder.FIFO, QueueOrder.WORK):  # the router's --sched: fifo or session
             raise InvalidArgument(f"order: the admission queue takes fifo or work, got {order.value}", field="order")
-        self._order = PrefillQueue(order, max_wait_s, max_bypass_s)
+        self._order = PrefillQueue(order, max_wait_s, max_bypass_s, reorder_below_s)
         self._queued: dict[str, QueuedRequest] = {}  # insertion order: arrival order
 
     @property
@@ -90,6 +90,15 @@ class AdmissionQueue:
     def num_overdue_pops(self) -> int:
         """Requests taken because aging made them the head (how often the bound binds)."""
         return self._order.num_overdue_pops
+
+    @property
+    def reorder_below_s(self) -> float:
+        return self._order.reorder_below_s
+
+    @property
+    def num_backlog_pops(self) -> int:
+        """Requests taken in arrival order because the backlog reached the gate (``reorder_below_s``)."""
+        return self._order.num_backlog_pops
 
     @property
     def num_budget_pops(self) -> int:

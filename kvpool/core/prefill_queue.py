@@ -28,6 +28,14 @@ decides. Aging still applies first (an overdue pop is the oldest's, which
 overtakes nobody). Measured in the simulator: docs/simulation.md, "The
 bypass budget".
 
+Backlog gate (``reorder_below_s``, for ``WORK`` and ``RATIO``): the queue
+reorders only while the estimated work queued is under ``reorder_below_s``
+seconds; at or over it, it pops the oldest, as FIFO does. A queue's tail is
+made in bursts, when the backlog is deep: in them the gate serves arrivals
+in order, so the turns that wait longest wait about what they would under
+FIFO, while in calmer stretches short turns still go first. Measured in the
+simulator: docs/simulation.md, "The backlog gate".
+
 Invariants: a request id is queued at most once; ``len`` counts the queued;
 ``FIFO`` pops in push order; ``WORK`` pops the oldest request when it is
 overdue, else the least work (earliest push on a tie) among those the
@@ -122,23 +130,34 @@ class PrefillQueue:
     """
 
     def __init__(self, order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 30.0,
-                 max_bypass_s: float = math.inf) -> None:
+                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf) -> None:
         if not max_wait_s > 0:
             raise InvalidArgument(f"max_wait_s: must be positive, got {max_wait_s}", field="max_wait_s")
         if not max_bypass_s >= 0:
             raise InvalidArgument(f"max_bypass_s: must be >= 0, got {max_bypass_s}", field="max_bypass_s")
+        if not reorder_below_s > 0:
+            raise InvalidArgument(f"reorder_below_s: must be positive, got {reorder_below_s}",
+                                  field="reorder_below_s")
         self.order = order
         self.max_wait_s = max_wait_s
         self.max_bypass_s = max_bypass_s
+        self.reorder_below_s = reorder_below_s
+        self.queued_work_s = 0.0  # the estimated work queued (the backlog gate's measure)
         self._arrivals: OrderedDict[str, _Entry] = OrderedDict()  # push order: the oldest first
         self._by_work: list[tuple[float, int, str]] = []  # a heap; entries of popped ids are skipped lazily
         self._seq = itertools.count()
         self.num_overdue_pops = 0  # pops decided by aging (a metric: how often the bound binds)
         self.num_budget_pops = 0  # pops where the budget held the order's first choice back
+        self.num_backlog_pops = 0  # pops in arrival order because the backlog reached ``reorder_below_s``
 
     @property
     def _budgeted(self) -> bool:
         return self.order is not QueueOrder.FIFO and self.max_bypass_s < math.inf
+
+    def _in_order(self, oldest: _Entry, now: float) -> bool:
+        """Whether the next pop is the oldest's: FIFO, the oldest overdue, or the backlog at the gate."""
+        return (self.order is QueueOrder.FIFO or now - oldest.enqueued_at >= self.max_wait_s
+                or self.queued_work_s >= self.reorder_below_s)
 
     def __len__(self) -> int:
         return len(self._arrivals)
@@ -153,19 +172,27 @@ class PrefillQueue:
             raise InvalidArgument(f"work: must be finite and >= 0, got {work}", field="work")
         entry = _Entry(request_id, work, now, next(self._seq), self.max_bypass_s)
         self._arrivals[request_id] = entry
+        self.queued_work_s += work
         if self.order is QueueOrder.WORK and not self._budgeted:
             heapq.heappush(self._by_work, (work, entry.seq, request_id))
 
     def remove(self, request_id: str) -> bool:
         """Take a request out wherever it is (it ended while waiting); False if not queued."""
-        return self._arrivals.pop(request_id, None) is not None
+        entry = self._arrivals.pop(request_id, None)
+        if entry is None:
+            return False
+        self._took(entry)
+        return True
+
+    def _took(self, entry: _Entry) -> None:
+        self.queued_work_s = max(0.0, self.queued_work_s - entry.work) if self._arrivals else 0.0
 
     def peek(self, now: float) -> str | None:
         """The request to serve next, or None when empty."""
         if not self._arrivals:
             return None
         oldest = next(iter(self._arrivals.values()))
-        if self.order is QueueOrder.FIFO or now - oldest.enqueued_at >= self.max_wait_s:
+        if self._in_order(oldest, now):
             return oldest.request_id
         if self._budgeted:
             entries = list(self._arrivals.values())
@@ -183,14 +210,14 @@ class PrefillQueue:
 
     def leads(self, work: float, now: float) -> bool:
         """Whether a request pushed now with ``work`` would be the next pop: the queue is empty, or nobody is
-        overdue, the order puts it first (ties go to the queued, as earlier) and the budget lets it overtake
-        every queued request. A caller that then serves it at once pushes and pops it, so that those it
+        overdue, the backlog with its work stays under the gate, the order puts it first (ties go to the
+        queued, as earlier) and the budget lets it overtake every queued request. A caller that then serves it at once pushes and pops it, so that those it
         overtook are debited its work. O(n)."""
         if not self._arrivals:
             return True
         oldest = next(iter(self._arrivals.values()))
-        if self.order is QueueOrder.FIFO or now - oldest.enqueued_at >= self.max_wait_s:
-            return False
+        if self._in_order(oldest, now) or self.queued_work_s + work >= self.reorder_below_s:
+            return False  # (with its own work the backlog is deep: it would be pushed behind, in order)
         entries = list(self._arrivals.values())
         entries.append(_Entry("", work, now, entries[-1].seq + 1, self.max_bypass_s))  # the youngest
         return self._pick(entries, [e.credit for e in entries], now)[0] == len(entries) - 1
@@ -216,7 +243,8 @@ class PrefillQueue:
         if not self._arrivals:
             raise InvalidArgument("pop: the queue is empty")
         oldest = next(iter(self._arrivals.values()))
-        if self._budgeted and now - oldest.enqueued_at < self.max_wait_s:
+        in_order = self._in_order(oldest, now)
+        if self._budgeted and not in_order:
             entries = list(self._arrivals.values())
             index, held = self._pick(entries, [e.credit for e in entries], now)
             request_id = entries[index].request_id
@@ -228,8 +256,11 @@ class PrefillQueue:
             request_id = self.peek(now)
             assert request_id is not None
         entry = self._arrivals.pop(request_id)
+        self._took(entry)
         if self.order is not QueueOrder.FIFO and now - entry.enqueued_at >= self.max_wait_s:
             self.num_overdue_pops += 1
+        elif in_order and self.order is not QueueOrder.FIFO:
+            self.num_backlog_pops += 1
         return request_id
 
     def waited_s(self, request_id: str, now: float) -> float:
@@ -244,8 +275,8 @@ class PrefillQueue:
         oldest first, then (``WORK``) least work, ties by arrival, or (``RATIO``) the highest ratio, each among
         those the bypass budget lets go (with a budget: the pops played on a copy of the credits, O(n²));
         ``FIFO``: push order. (Waiting on makes more of them overdue: this is the order as of ``now``.)"""
-        if self.order is QueueOrder.FIFO:
-            return list(self._arrivals)
+        if self.order is QueueOrder.FIFO or self.queued_work_s >= self.reorder_below_s:
+            return list(self._arrivals)  # (past the gate: in order for as long as the backlog stays deep)
         entries = self._arrivals.values()
         overdue = [e.request_id for e in entries if now - e.enqueued_at >= self.max_wait_s]
         waiting = [e for e in entries if now - e.enqueued_at < self.max_wait_s]

@@ -28,10 +28,10 @@ from kvpool.core.sessions import SessionId
 
 class PrefillGate:
     def __init__(self, slots: int, max_wait_s: float, order: QueueOrder = QueueOrder.WORK,
-                 max_bypass_s: float = math.inf) -> None:
+                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf) -> None:
         self.slots = slots
         self.running = 0
-        self.queue = PrefillQueue(order, max_wait_s, max_bypass_s)
+        self.queue = PrefillQueue(order, max_wait_s, max_bypass_s, reorder_below_s)
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._sessions: dict[str, SessionId] = {}  # waiters' sessions (those that named one)
 

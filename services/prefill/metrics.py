@@ -99,15 +99,17 @@ class PrefillMetrics:
 
 class GatePopsCollector(Collector):
     """``kvpool_prefill_gate_pops_total{decided_by}``: pops of stage 0's gate that aging (``aging``: the
-    oldest had waited ``--sched-max-wait-s``) or the bypass budget (``budget``: the order's first choice
-    was held back) decided, read from the core's queue at each scrape: how often each bound binds."""
+    oldest had waited ``--sched-max-wait-s``), the bypass budget (``budget``: the order's first choice
+    was held back) or the backlog gate (``backlog``: ``--sched-reorder-below-s`` of work waited, so the
+    oldest went) decided, read from the core's queue at each scrape: how often each bound binds."""
 
     def __init__(self, queue: PrefillQueue) -> None:
         self.queue = queue
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        pops = CounterMetricFamily("kvpool_prefill_gate_pops", "Pops of stage 0's gate decided by aging or by "
-                                   "the bypass budget", labels=["decided_by"])
+        pops = CounterMetricFamily("kvpool_prefill_gate_pops", "Pops of stage 0's gate decided by aging, by "
+                                   "the bypass budget or by the backlog gate", labels=["decided_by"])
         pops.add_metric(["aging"], self.queue.num_overdue_pops)
         pops.add_metric(["budget"], self.queue.num_budget_pops)
+        pops.add_metric(["backlog"], self.queue.num_backlog_pops)
         yield pops

@@ -105,7 +105,7 @@ class PrefillScheduler:
         # the gate (--sched-slots) in --sched's order; session-aware prefill: retention by session, staging
         order = QueueOrder.WORK if self.settings.sched == "session" else QueueOrder.FIFO
         self.gate = (PrefillGate(self.settings.sched_slots, self.settings.sched_max_wait_s, order,
-                                 self.settings.sched_max_bypass_s)
+                                 self.settings.sched_max_bypass_s, self.settings.sched_reorder_below_s)
                      if self.settings.sched_slots else None)
         if self.gate is not None:
             metrics.registry.register(GatePopsCollector(self.gate.queue))

@@ -69,6 +69,10 @@ class PrefillSettings(ModelSetting):
         "may overtake a waiting prefill by; it then waits at most what arrival order would make it wait plus this "
         "(kvpool.core.prefill_queue). Seconds of this stage's compute: the estimates are scaled by its measured "
         "speed against them (kvpool.core.work_scale, kvpool_prefill_work_scale)", default_text="none")
+    sched_reorder_below_s: float = setting(
+        math.inf, help="stage 0, --sched session: the backlog gate: while this many seconds of estimated work "
+        "wait, prefills go in arrival order, and below it in the session order (kvpool.core.prefill_queue). "
+        "Seconds of this stage's compute, as for --sched-max-bypass-s", default_text="none")
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
     )
@@ -122,6 +126,8 @@ class PrefillSettings(ModelSetting):
             raise ValueError(f"sched_max_wait_s: must be positive, got {self.sched_max_wait_s}")
         if not self.sched_max_bypass_s >= 0:
             raise ValueError(f"sched_max_bypass_s: must be >= 0, got {self.sched_max_bypass_s}")
+        if not self.sched_reorder_below_s > 0:
+            raise ValueError(f"sched_reorder_below_s: must be positive, got {self.sched_reorder_below_s}")
         if self.admission_timeout_s <= 0:
             raise ValueError(f"admission_timeout_s: must be positive, got {self.admission_timeout_s}")
         if self.inline_activation_bytes < 0:

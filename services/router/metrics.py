@@ -48,6 +48,9 @@ class RouterMetrics:
         self.queue_overdue = Counter("kvpool_router_queue_overdue",
                                      "Queued requests ticketed first because they waited --sched-max-wait-s (session "
                                      "order's aging)", registry=r)
+        self.queue_backlog = Counter("kvpool_router_queue_backlog",
+                                     "Queued requests ticketed in arrival order because --sched-reorder-below-s of "
+                                     "estimated work was queued (the session order's backlog gate)", registry=r)
         self.queue_budget = Counter("kvpool_router_queue_budget",
                                     "Queued requests ticketed where the bypass budget (--sched-max-bypass-s) held "
                                     "back the session order's first choice", registry=r)

@@ -76,7 +76,7 @@ class Router:
                  servers: dict[str, str] | None = None, limits: ModelLimits | None = None,
                  order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0,
                  late_checks_out: int = LATE_CHECKS_OUT, health_wait_s: float = 0.0,
-                 max_bypass_s: float = math.inf) -> None:
+                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf) -> None:
         self.metrics = metrics
         self.limits = limits  # its context follows every health round (kvpool.core.served_context)
         self.max_in_flight = max_in_flight
@@ -88,6 +88,7 @@ class Router:
             {s: server_of(s, names) for s in shards}, {p: server_of(p, names) for p in pipelines},
             max_queue=max_queue, queue_timeout_s=queue_timeout_s, locality=locality, order=order,
             max_wait_s=max_wait_s, health_wait_s=health_wait_s, max_bypass_s=max_bypass_s,
+            reorder_below_s=reorder_below_s,
         )
         metrics.queue_order.labels(order.value).set(1)
         self.backends = Backends(pipelines, shards, self.admission, metrics, late_checks_out)

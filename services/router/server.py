@@ -189,7 +189,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
                     max_queue=settings.max_queue, queue_timeout_s=settings.queue_timeout_s,
                     locality=settings.locality, servers=settings.server_of,
                     limits=limits, order=settings.queue_order, max_wait_s=settings.sched_max_wait_s,
-                    max_bypass_s=settings.sched_max_bypass_s,
+                    max_bypass_s=settings.sched_max_bypass_s, reorder_below_s=settings.sched_reorder_below_s,
                     late_checks_out=settings.health_late_checks, health_wait_s=settings.health_wait_s)
     servicer = RouterServicer(router, tokenizer, limits)
     handle = await service.create_server(

@@ -69,6 +69,10 @@ class RouterSettings(ModelSetting):
         "overtake a queued request by, in the queue or taking their ticket at once (kvpool.core.prefill_queue); "
         "in the pipelines' seconds: the estimates are scaled by their measured speed (StageInfo's work_scale, "
         "asked every 10 health rounds; kvpool.core.work_scale)", default_text="none")
+    sched_reorder_below_s: float = setting(
+        math.inf, help="--sched session: the backlog gate: while this many seconds of estimated work are queued, "
+        "requests are ticketed in arrival order, and below it in the session order (kvpool.core.prefill_queue); "
+        "in the pipelines' seconds, as for --sched-max-bypass-s", default_text="none")
     servers: list[str] = setting(
         help="the server of each pipeline or shard, where its address's host does not say it",
         factory=list, metavar="ADDR=SERVER,...", default_text="the address's host",
@@ -125,6 +129,8 @@ class RouterSettings(ModelSetting):
             raise ValueError(f"sched_max_wait_s: must be positive, got {self.sched_max_wait_s}")
         if not self.sched_max_bypass_s >= 0:
             raise ValueError(f"sched_max_bypass_s: must be >= 0, got {self.sched_max_bypass_s}")
+        if not self.sched_reorder_below_s > 0:
+            raise ValueError(f"sched_reorder_below_s: must be positive, got {self.sched_reorder_below_s}")
         bad = [s for s in self.servers if "=" not in s]
         if bad:
             raise ValueError(f"servers: {bad[0]!r} is not ADDR=SERVER")

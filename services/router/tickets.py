@@ -31,7 +31,8 @@ class Tickets:
         self._waiting: dict[str, asyncio.Future[Ticket]] = {}
         # set (and replaced) whenever admission may have freed room: a request waiting to be retried looks again
         self.room_freed = asyncio.Event()
-        self._overdue_seen = self._budget_seen = 0  # the queue's aging and budget pops already counted in metrics
+        # the queue's aging, budget and backlog-gate pops already counted in metrics
+        self._overdue_seen = self._budget_seen = self._backlog_seen = 0
 
     async def admit(self, request_id: str, request: GenerationRequest) -> Ticket:
         """A ticket now, or after waiting in the queue; queued requests hold nothing."""
@@ -93,6 +94,9 @@ class Tickets:
         budget = self.admission.queue.num_budget_pops
         self.metrics.queue_budget.inc(budget - self._budget_seen)
         self._budget_seen = budget
+        backlog = self.admission.queue.num_backlog_pops
+        self.metrics.queue_backlog.inc(backlog - self._backlog_seen)
+        self._backlog_seen = backlog
         self.metrics.admitted.set(self.admission.num_admitted)
         for name, shard in self.admission.shards.items():
             self.metrics.shard_pages.labels(name).set(shard.used_pages)

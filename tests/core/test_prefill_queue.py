@@ -68,6 +68,24 @@ def test_ratio_order_pops_the_highest_response_ratio_its_wait_ages_every_request
     assert aged.pop(5.0) == "r0" and aged.num_overdue_pops == 1
 
 
+def test_the_backlog_gate_pops_in_arrival_order_while_the_queued_work_is_deep() -> None:
+    queue = PrefillQueue(QueueOrder.WORK, max_wait_s=100.0, reorder_below_s=10.0)
+    for i, work in enumerate([6.0, 1.0, 5.0, 2.0]):  # 14 s queued: at or over the gate
+        queue.push(f"r{i}", work, now=float(i))
+    assert queue.queued_work_s == 14.0
+    assert queue.serving_order(4.0) == ["r0", "r1", "r2", "r3"] and queue.peek(4.0) == "r0"
+    assert not queue.leads(0.5, 4.0)  # nobody overtakes while the backlog is deep
+    assert queue.pop(4.0) == "r0"  # 8 s left: under the gate, least work first again
+    assert queue.queued_work_s == 8.0
+    assert queue.leads(0.5, 4.0) and not queue.leads(2.0, 4.0)  # 8 + 2 would reach the gate: in line
+    assert [queue.pop(4.0) for _ in range(3)] == ["r1", "r3", "r2"]
+    assert (queue.num_backlog_pops, queue.num_overdue_pops, queue.queued_work_s) == (1, 0, 0.0)
+    queue.push("a", 12.0, now=5.0)
+    assert queue.remove("a") and queue.queued_work_s == 0.0
+    with pytest.raises(InvalidArgument, match="reorder_below_s"):
+        PrefillQueue(QueueOrder.WORK, reorder_below_s=0.0)
+
+
 def test_remove_and_repush_of_an_id() -> None:
     queue = filled(QueueOrder.WORK, [1.0, 2.0])
     assert queue.remove("r0") and not queue.remove("r0")
@@ -105,10 +123,12 @@ class QueueMachine(RuleBasedStateMachine):
     """Random pushes, pops and removals on a clock that moves forward; the bound of aging holds."""
 
     MAX_WAIT = 5.0
+    GATE = 150.5  # the backlog gate of a twin queue: reached with two or more pushes of up to 100
 
     def __init__(self) -> None:
         super().__init__()
         self.queue = PrefillQueue(QueueOrder.WORK, self.MAX_WAIT)
+        self.gated = PrefillQueue(QueueOrder.WORK, self.MAX_WAIT, reorder_below_s=self.GATE)
         self.fifo = PrefillQueue(QueueOrder.FIFO, self.MAX_WAIT)
         self.model: dict[str, tuple[float, float, int]] = {}  # id -> (work, enqueued_at, push index)
         self.now = 0.0
@@ -122,6 +142,7 @@ class QueueMachine(RuleBasedStateMachine):
     def push(self, work: float) -> None:
         request_id = f"r{self.pushes}"
         self.queue.push(request_id, work, self.now)
+        self.gated.push(request_id, work, self.now)
         self.fifo.push(request_id, work, self.now)
         self.model[request_id] = (work, self.now, self.pushes)
         self.pushes += 1
@@ -131,25 +152,34 @@ class QueueMachine(RuleBasedStateMachine):
     def pop(self) -> None:
         overdue = [(at, i, r) for r, (w, at, i) in self.model.items() if self.now - at >= self.MAX_WAIT]
         expected = min(overdue)[2] if overdue else min((w, i, r) for r, (w, at, i) in self.model.items())[2]
+        backlog = sum(w for w, _, _ in self.model.values())
+        oldest = min((i, r) for r, (_, _, i) in self.model.items())[1]
+        gated = self.gated.pop(self.now)
+        if abs(backlog - self.GATE) > 1e-6:  # (at the gate itself, float sums may round either way)
+            assert gated == (oldest if backlog >= self.GATE else expected)
         got = self.queue.pop(self.now)
         assert got == expected
         assert self.fifo.pop(self.now) == min((i, r) for r, (_, _, i) in self.model.items())[1]
         del self.model[got]
-        # keep the FIFO twin in step: it popped the oldest, which may differ; rebuild from the model
+        # keep the twins in step: they popped the oldest, which may differ; rebuild them from the model
         self.fifo = PrefillQueue(QueueOrder.FIFO, self.MAX_WAIT)
+        self.gated = PrefillQueue(QueueOrder.WORK, self.MAX_WAIT, reorder_below_s=self.GATE)
         for r, (w, at, _) in sorted(self.model.items(), key=lambda kv: kv[1][2]):
             self.fifo.push(r, w, at)
+            self.gated.push(r, w, at)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
         request_id = data.draw(st.sampled_from(sorted(self.model)))
-        assert self.queue.remove(request_id) and self.fifo.remove(request_id)
+        assert self.queue.remove(request_id) and self.fifo.remove(request_id) and self.gated.remove(request_id)
         del self.model[request_id]
 
     @invariant()
     def holds_exactly_the_queued(self) -> None:
         assert len(self.queue) == len(self.model)
+        assert self.gated.ids() == self.queue.ids()
+        assert self.gated.queued_work_s == pytest.approx(sum(w for w, _, _ in self.model.values()), abs=1e-6)
         assert self.queue.ids() == sorted(self.model, key=lambda r: self.model[r][2])
 
     @invariant()

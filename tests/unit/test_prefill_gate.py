@@ -112,6 +112,12 @@ def test_stage_0_queue_settings_are_checked_and_reach_the_gate() -> None:
         PrefillSettings(num_stages=1, sched_max_bypass_s=-1.0)
     with pytest.raises(ValueError, match="sched_max_wait_s: must be positive"):
         PrefillSettings(num_stages=1, sched_max_wait_s=0.0)
+    gated = PrefillSettings(num_stages=1, sched="session", sched_reorder_below_s=12.0)
+    gate = PrefillGate(gated.sched_slots, gated.sched_max_wait_s, QueueOrder.WORK, gated.sched_max_bypass_s,
+                       gated.sched_reorder_below_s)
+    assert gate.queue.reorder_below_s == 12.0 and PrefillSettings(num_stages=1).sched_reorder_below_s == math.inf
+    with pytest.raises(ValueError, match="sched_reorder_below_s: must be positive"):
+        PrefillSettings(num_stages=1, sched_reorder_below_s=0.0)
 
 
 def test_sched_slots_default_to_no_gate_with_fifo_and_one_a_stage_with_session() -> None:

@@ -80,6 +80,25 @@ def test_the_router_flag_sets_the_admission_queues_bypass_budget(tmp_path: Path)
     assert asyncio.run(budget_of(router_settings())) == math.inf
 
 
+def test_the_router_flag_sets_the_admission_queues_backlog_gate() -> None:
+    assert router_settings().sched_reorder_below_s == math.inf  # no gate unless given
+    given = router_settings("--sched", "session", "--sched-reorder-below-s", "12")
+    assert given.sched_reorder_below_s == 12.0
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit, match="sched_reorder_below_s: must be positive"):
+            router_settings("--sched-reorder-below-s", bad)
+
+    async def gate_of(settings: RouterSettings) -> float:
+        router = Router(settings.pipelines, settings.shards, RouterMetrics(), order=settings.queue_order,
+                        reorder_below_s=settings.sched_reorder_below_s)
+        try:
+            return router.admission.queue.reorder_below_s
+        finally:
+            await router.close()
+
+    assert asyncio.run(gate_of(given)) == 12.0
+
+
 # one shard whose arena holds two 100-token regions (405,504 bytes each), or a 100- and a 120-token one, or a
 # 150-token one (604,096) beside nothing bigger than 120 tokens (484,096)
 SHAPE = ShardShape(num_pages=100, page_size=16, arena_bytes=1_000_000, region_bytes_per_token=4000,

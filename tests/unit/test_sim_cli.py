@@ -254,6 +254,10 @@ def test_the_queue_flags_reach_the_compared_runs_settings() -> None:
         run_compare(args("--sched-max-bypass-s", "-1"), "unused.toml")  # type: ignore[arg-type]
     with pytest.raises(SystemExit, match="max_wait_s: must be positive"):  # checked before any run starts
         run_compare(args("--sched-max-wait-s", "0"), "unused.toml")  # type: ignore[arg-type]
+    assert args().sched_reorder_below_s == settings.reorder_below_s == math.inf  # no backlog gate by default
+    assert args("--sched-reorder-below-s", "12").sched_reorder_below_s == 12.0
+    with pytest.raises(SystemExit, match="reorder_below_s: must be positive"):
+        run_compare(args("--sched-reorder-below-s", "0"), "unused.toml")  # type: ignore[arg-type]
     with pytest.raises(SystemExit):
         args("--session-order", "lifo")
     assert args().seeds == 1 and args("--seeds", "5").seeds == 5

@@ -71,6 +71,10 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    "requests may overtake a waiting one by S seconds of estimated work in all, so it waits at most "
                    "what arrival order would make it wait plus S (default: theirs, no budget). Seconds of this host's "
                    "compute: the estimates are scaled by each stage 0's measured speed (kvpool_prefill_work_scale)")
+    g.add_argument("--sched-reorder-below-s", type=float, metavar="S",
+                   help="sched=: the session side's backlog gate, at stage 0's gate and the router's queue: while S "
+                   "seconds of estimated work wait, requests go in arrival order (default: theirs, none). Seconds of "
+                   "this host's compute, as for --sched-max-bypass-s")
     g.add_argument("--sides-at-once", action="store_true",
                    help="run every side's cluster and replay at the same time (not with --kill-server): on a "
                    "shared host a load that moves then moves for every side, where one after the other it does not")
@@ -103,6 +107,8 @@ def _check(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
         raise SystemExit(f"kvpool replay: --sched-max-wait-s: must be >= 0, got {args.sched_max_wait_s}")
     if args.sched_max_bypass_s is not None and not args.sched_max_bypass_s >= 0:
         raise SystemExit(f"kvpool replay: --sched-max-bypass-s: must be >= 0, got {args.sched_max_bypass_s}")
+    if args.sched_reorder_below_s is not None and not args.sched_reorder_below_s > 0:
+        raise SystemExit(f"kvpool replay: --sched-reorder-below-s: must be positive, got {args.sched_reorder_below_s}")
     if args.sched_slots is not None and args.sched_slots < 0:
         raise SystemExit(f"kvpool replay: --sched-slots: must be >= 0, got {args.sched_slots}")
     if args.turns is not None and args.turns < 1:
@@ -126,7 +132,8 @@ def base_settings(args: argparse.Namespace, what: str, segment: str, device_toke
                             decode_args=("--num-pages", str(args.decode_pages)) if args.decode_pages else (),
                             sched_slots=sched_slots(args) if sched else -1,
                             sched_max_wait_s=args.sched_max_wait_s if sched else 0.0,
-                            sched_max_bypass_s=args.sched_max_bypass_s if sched else None)
+                            sched_max_bypass_s=args.sched_max_bypass_s if sched else None,
+                            sched_reorder_below_s=args.sched_reorder_below_s if sched else None)
 
 
 def main(args: argparse.Namespace, levels: list[int]) -> int:

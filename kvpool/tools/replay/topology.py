@@ -59,6 +59,7 @@ class TopologySettings:
     sched_slots: int = -1  # stage 0's --sched-slots (-1: its default)
     sched_max_wait_s: float = 0.0  # stage 0's and the router's --sched-max-wait-s (0: their default)
     sched_max_bypass_s: float | None = None  # stage 0's and the router's --sched-max-bypass-s (None: theirs, none)
+    sched_reorder_below_s: float | None = None  # their --sched-reorder-below-s (None: theirs, none)
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -70,6 +71,8 @@ class TopologySettings:
             raise ValueError(f"link_gbit must be positive, got {self.link_gbit}")
         if self.sched_max_bypass_s is not None and not self.sched_max_bypass_s >= 0:
             raise ValueError(f"sched_max_bypass_s must be >= 0, got {self.sched_max_bypass_s}")
+        if self.sched_reorder_below_s is not None and not self.sched_reorder_below_s > 0:
+            raise ValueError(f"sched_reorder_below_s must be positive, got {self.sched_reorder_below_s}")
 
 
 def side_topology(settings: TopologySettings) -> Topology:
@@ -80,7 +83,9 @@ def side_topology(settings: TopologySettings) -> Topology:
     # the session side's bounds, the same at stage 0's gate and the router's queue (each ignores them in fifo)
     sched_bounds = (*(("--sched-max-wait-s", str(s.sched_max_wait_s)) if s.sched_max_wait_s > 0 else ()),
                     *(("--sched-max-bypass-s", str(s.sched_max_bypass_s)) if s.sched_max_bypass_s is not None
-                      else ()))
+                      else ()),
+                    *(("--sched-reorder-below-s", str(s.sched_reorder_below_s))
+                      if s.sched_reorder_below_s is not None else ()))
     model = ("--model", s.model, "--kv-dtype", s.kv_dtype)
     sides = ("p", "d") if s.pool == "shared" else ("p",)
     servers = tuple(ServerSpec(

@@ -73,6 +73,10 @@ def add_simulate_parser(sub: Any) -> None:
                    help="sched=session: the queue's bypass budget, seconds of estimated work that younger prefills "
                         "may overtake a prefill by; a prefill then waits at most what FIFO would make it wait plus "
                         "S (default: none; the services' --sched-max-bypass-s)")
+    p.add_argument("--sched-reorder-below-s", type=float, default=math.inf, metavar="S",
+                   help="sched=session: the queue's backlog gate: while S seconds of estimated work or more are "
+                        "queued, prefills go in arrival order; below it, in the session order (default: none; "
+                        "the services' --sched-reorder-below-s)")
     p.add_argument("--session-order", default="work", choices=("work", "ratio"),
                    help="sched=session: the queue's order, least work first or highest response ratio next "
                         "(default work)")
@@ -109,7 +113,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
         base = RunSettings(warmup_s=60.0 if args.quick else args.warmup, think=not args.no_think,
                            think_scale=args.think_scale, affinity_max_queue=affinity,
                            max_wait_s=args.sched_max_wait_s, max_bypass_s=args.sched_max_bypass_s,
-                           session_order=args.session_order)
+                           reorder_below_s=args.sched_reorder_below_s, session_order=args.session_order)
     except ValueError as exc:
         raise SystemExit(f"kvpool simulate: {exc}") from None
     topology = Topology()

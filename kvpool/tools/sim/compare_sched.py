@@ -56,12 +56,13 @@ KEEP = ("throughput_per_gpu", "think_mean_s", "decode_mean_s", "prompt_tok_s", "
         "restore_critical_s_per_turn", "prefill_busy", "turns", "errors", "prefetched_bytes", "prefetch_used_bytes",
         "prefetch_wasted_bytes", "prefetch_pending_bytes", "wasted_prefetch_share", "prefetches",
         "prefetches_cancelled", "prefetches_skipped_pressure", "prefetches_unpinned", "prefetch_outcomes",
-        "queue_overdue_pops", "queue_budget_pops", "ttft_breakdown", "ttft_samples")
+        "queue_overdue_pops", "queue_budget_pops", "queue_backlog_pops", "ttft_breakdown", "ttft_samples")
 # pooling one side's runs over seeds (``pool_runs``): these add up; these are shares of the counted prompt
 # tokens (weighted by them); the TTFT figures come from every run's turns together; other numbers are means
 SUMMED = ("turns", "errors", "counted_prompt_tokens", "prefetched_bytes", "prefetch_used_bytes",
           "prefetch_wasted_bytes", "prefetch_pending_bytes", "prefetches", "prefetches_cancelled",
-          "prefetches_skipped_pressure", "prefetches_unpinned", "queue_overdue_pops", "queue_budget_pops")
+          "prefetches_skipped_pressure", "prefetches_unpinned", "queue_overdue_pops", "queue_budget_pops",
+          "queue_backlog_pops")
 TOKEN_SHARES = ("reuse_ratio", "trace_bound", "device_share", "pool_share", "computed_share")
 
 
@@ -178,7 +179,8 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     try:
         base = RunSettings(warmup_s=warmup, duration_s=duration, think=not args.no_think, think_scale=args.think_scale,
                            max_wait_s=args.sched_max_wait_s, max_bypass_s=args.sched_max_bypass_s,
-                           session_order=args.session_order, keep_ttft_samples=True)
+                           reorder_below_s=args.sched_reorder_below_s, session_order=args.session_order,
+                           keep_ttft_samples=True)
     except ValueError as exc:
         raise SystemExit(f"kvpool simulate: {exc}") from None
     spec = RunSpec("calibration", 1, sessions, "shared", duration)

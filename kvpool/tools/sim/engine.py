@@ -129,7 +129,8 @@ class Simulation:
                 self.pipelines[name] = PipelineSim(
                     name, server, host, self.loop, cost, BlockManager(num_blocks, chunk), index, stage_bytes,
                     self.metrics, self._prefilled, self.network, master, self._dead_hosts,
-                    PrefillQueue(order, self.settings.max_wait_s, self.settings.max_bypass_s), weights, self.sessions,
+                    PrefillQueue(order, self.settings.max_wait_s, self.settings.max_bypass_s,
+                                 self.settings.reorder_below_s), weights, self.sessions,
                 )
             pages = int(topo.gpus_per_decode_shard * topo.decode_kv_gib * GIB
                         // (cost.model.kv_bytes_per_token * topo.decode_page_tokens))

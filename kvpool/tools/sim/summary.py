@@ -88,6 +88,7 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
     out["ttft_breakdown"] = ttft_breakdown(m.ttft_parts)
     out["queue_overdue_pops"] = sum(p.queue.num_overdue_pops for p in sim.pipelines.values())
     out["queue_budget_pops"] = sum(p.queue.num_budget_pops for p in sim.pipelines.values())
+    out["queue_backlog_pops"] = sum(p.queue.num_backlog_pops for p in sim.pipelines.values())
     if sim.sessions is not None:
         out.update(sim.sessions.figures())
     if s.keep_ttft_samples:

@@ -95,6 +95,9 @@ class RunSettings:
     # sched=session: the queue's bypass budget, seconds of estimated work younger turns may overtake a turn by
     # (kvpool.core.prefill_queue: a turn then waits at most what FIFO would make it wait plus this); inf: none
     max_bypass_s: float = math.inf
+    # sched=session: the queue's backlog gate, seconds of estimated work queued at or over which it pops in
+    # arrival order (kvpool.core.prefill_queue); inf: none
+    reorder_below_s: float = math.inf
     # sched=session: the queue's order, "work" (least work first, aging at max_wait_s) or "ratio" (highest
     # response ratio next: kvpool.core.prefill_queue)
     session_order: str = "work"
@@ -116,6 +119,8 @@ class RunSettings:
             raise ValueError(f"max_wait_s: must be positive, got {self.max_wait_s}")
         if not self.max_bypass_s >= 0:
             raise ValueError(f"max_bypass_s: must be >= 0, got {self.max_bypass_s}")
+        if not self.reorder_below_s > 0:
+            raise ValueError(f"reorder_below_s: must be positive, got {self.reorder_below_s}")
         if self.session_order not in ("work", "ratio"):
             raise ValueError(f"session_order: must be 'work' or 'ratio', got {self.session_order!r}")
         if self.pool not in ("shared", "split"):

@@ -217,7 +217,7 @@ class RecordedOrderQueue:
     request only when ``len`` is non-zero).
     """
 
-    num_overdue_pops = num_budget_pops = 0  # no aging, no budget: the recorded order is the order
+    num_overdue_pops = num_budget_pops = num_backlog_pops = 0  # no aging, budget, gate: the recorded order is the order
 
     def __init__(self, events: RecordedBlockEvents) -> None:
         self._events = events
