@@ -201,5 +201,21 @@ def test_the_line_under_the_table_says_how_far_the_p99_holds() -> None:
 
     assert offsets_line({"seeds": 1}) == SINGLE_RUN_NOTE and "--seeds 5" in SINGLE_RUN_NOTE
     rows = [{"ttft_p99_session_over_fifo": p} for p in (1.104, 0.963, 1.401)]
-    assert offsets_line({"seeds": 3, "closed_loop": {"per_seed": rows}}) == (
-        "3 trace offsets pooled; the closed loop's p99 ratio by offset: 0.96-1.40")
+    assert offsets_line({"seeds": 3, "first_seed": 0, "closed_loop": {"per_seed": rows}}) == (
+        "3 trace offsets pooled (0-2); the closed loop's p99 ratio by offset: 0.96-1.40")
+    assert offsets_line({"seeds": 3, "first_seed": 5, "closed_loop": {"per_seed": rows}}).startswith(
+        "3 trace offsets pooled (5-7);")
+
+
+def test_first_seed_picks_the_offsets_and_is_checked_before_any_run() -> None:
+    from services import cli_parser
+    from kvpool.tools.sim.compare_sched import run_compare
+
+    def args(*argv: str) -> object:
+        return cli_parser.build_parser().parse_args(["simulate", "--compare", "sched=fifo,session", *argv])
+
+    assert (args().first_seed, args("--first-seed", "5", "--seeds", "5").first_seed) == (0, 5)
+    with pytest.raises(SystemExit, match="--first-seed: must be >= 0, got -1"):
+        run_compare(args("--first-seed", "-1"), "unused.toml")
+    with pytest.raises(SystemExit, match="--seeds: must be at least 1, got 0"):
+        run_compare(args("--first-seed", "5", "--seeds", "0"), "unused.toml")

@@ -66,6 +66,9 @@ def add_simulate_parser(sub: Any) -> None:
                    help="--compare: run each side N times, session k playing trace k + seed for seed 0..N-1, and "
                         "pool the runs' turns (one run's p99 rests on ~70 turns: at 112 sessions its ratio moved "
                         "0.96-1.40x from seed to seed); per_seed lists each pair's ratios (default 1)")
+    p.add_argument("--first-seed", type=int, default=0, metavar="K",
+                   help="--compare: the first trace offset, so --seeds N runs K..K+N-1 (default 0); settings chosen "
+                        "on offsets 0-4 are checked on ones they were not chosen on with --first-seed 5")
     p.add_argument("--sched-max-wait-s", type=float, default=4.0, metavar="S",
                    help="sched=session: a prefill waiting this long goes first, oldest first (the queue's aging "
                         "bound; default 4, the services' --sched-max-wait-s; inf: no aging)")

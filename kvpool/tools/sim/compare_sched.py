@@ -172,7 +172,9 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     duration = 240.0 if args.quick else args.duration
     warmup = min(60.0 if args.quick else args.warmup, duration / 2)
     sessions = args.sessions
-    seeds = list(range(args.seeds))
+    if args.first_seed < 0:
+        raise SystemExit(f"kvpool simulate: --first-seed: must be >= 0, got {args.first_seed}")
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     if not seeds:
         raise SystemExit(f"kvpool simulate: --seeds: must be at least 1, got {args.seeds}")
     topology = Topology()
@@ -224,7 +226,7 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     open_runs = _sides(open_base, seeds, open_spec, args, cost_path, topology)
     opened = [pool_runs(runs) for runs in open_runs]
     out = ratios(*closed)
-    out["seeds"] = len(seeds)
+    out["seeds"], out["first_seed"] = len(seeds), seeds[0]
     out["closed_loop"] = {"sessions": sessions, **{s: r for s, r in zip(SIDES, closed)},
                           "per_seed": per_seed(seeds, *closed_runs)}
     out["open_loop"] = {"load": OPEN_LOAD, "sessions_per_s": rate, "mean_session_prompt_tokens": per_session,
@@ -258,7 +260,8 @@ def offsets_line(out: dict[str, Any]) -> str:
     if out["seeds"] == 1:
         return SINGLE_RUN_NOTE
     closed = [r["ttft_p99_session_over_fifo"] for r in out["closed_loop"]["per_seed"]]
-    return (f"{out['seeds']} trace offsets pooled; the closed loop's p99 ratio by offset: "
+    first = out.get("first_seed", 0)
+    return (f"{out['seeds']} trace offsets pooled ({first}-{first + out['seeds'] - 1}); the closed loop's p99 ratio by offset: "
             f"{min(closed):.2f}-{max(closed):.2f}")
 
 
