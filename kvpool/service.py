@@ -227,6 +227,7 @@ async def create_server(
     inbound_request_ids: bool = True,
     reuse_port: bool = False,
     max_receive_bytes: int = 64 << 20,
+    max_concurrent_rpcs: int | None = None,
 ) -> ServerHandle:
     """Create and start a server bound to ``host:port`` (port 0 picks one).
 
@@ -245,7 +246,9 @@ async def create_server(
     handover); off, a second bind fails, as a port conflict should.
     ``max_receive_bytes``: a larger message is refused (RESOURCE_EXHAUSTED)
     before it is parsed; the default fits a long prompt's location lists, a
-    public port takes less.
+    public port takes less. ``max_concurrent_rpcs``: calls open at once at
+    most, streams included; one more is answered RESOURCE_EXHAUSTED (None:
+    no bound, for internal ports whose callers are the cluster's own).
     """
     names = list(dict.fromkeys(service_names))
     known = descriptor_pool.Default()
@@ -263,7 +266,7 @@ async def create_server(
     interceptors += [*trace_interceptors(), ParseRequests()]
     options = [o for o in GRPC_OPTIONS if o[0] not in ("grpc.so_reuseport", "grpc.max_receive_message_length")]
     options += [("grpc.so_reuseport", int(reuse_port)), ("grpc.max_receive_message_length", max_receive_bytes)]
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    server = grpc.aio.server(options=options, interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_servicers(server)

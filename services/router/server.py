@@ -196,6 +196,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
         settings.host, settings.port, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
         service_names=["kvpool.rpc.Router"], inbound_request_ids=False, reuse_port=settings.reuse_port,
         max_receive_bytes=MAX_BODY_BYTES,  # the public port takes what the HTTP API takes
+        max_concurrent_rpcs=settings.grpc_max_concurrent_rpcs,
     )
     await handle.set_serving(False)
     roles = ByteTokenizer.roles() if isinstance(tokenizer, ByteTokenizer) else frozenset(

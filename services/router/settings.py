@@ -49,6 +49,9 @@ class RouterSettings(ModelSetting):
         "the connection closes, so slow or silent clients cannot hold connections")
     http_max_connections: int = setting(4096, help="HTTP connections open at once at most; one more is answered "
                                         "429 and closed at once")
+    grpc_max_concurrent_rpcs: int = setting(
+        4096, help="calls open at once on the gRPC port at most (streams included); one more is answered "
+        "RESOURCE_EXHAUSTED at once, so a flood of held streams cannot grow the router without bound")
     max_in_flight: int = setting(256, help="requests in flight at most; more are answered 429")
     max_queue: int = setting(64, help="requests waiting for decode room at most; more are answered 429")
     queue_timeout_s: float = setting(30.0, help="a request waits this long for decode room, then 429")
@@ -117,6 +120,8 @@ class RouterSettings(ModelSetting):
             raise ValueError(f"http_read_timeout_s: must be a positive number of seconds, got {self.http_read_timeout_s}")
         if self.http_max_connections < 1:
             raise ValueError(f"http_max_connections: must be >= 1, got {self.http_max_connections}")
+        if self.grpc_max_concurrent_rpcs < 1:
+            raise ValueError(f"grpc_max_concurrent_rpcs: must be >= 1, got {self.grpc_max_concurrent_rpcs}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {self.max_in_flight}")
         if self.max_queue < 0:

@@ -4,7 +4,9 @@ One small cluster (a one-stage pipeline, one decode shard, no pool) whose router
 and body to 3 s (``http_read_timeout_s``) and its open connections to 6 (``http_max_connections``). Raw
 sockets play the attacker: a connection that sends nothing is closed, one that trickles header lines or
 its body gets a 408 in OpenAI's shape and is closed, the seventh connection at once gets a 429 with
-Retry-After; each is counted by reason. A well-behaved client is served throughout and afterwards.
+Retry-After; each is counted by reason. On the gRPC port, calls held open (health watches here) count
+against ``grpc_max_concurrent_rpcs`` (3): one more is RESOURCE_EXHAUSTED at once. A well-behaved client is
+served throughout and afterwards.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
 from tests.integration.conftest import wait_for
@@ -27,13 +32,15 @@ pytestmark = pytest.mark.cluster
 
 READ_TIMEOUT_S = 3.0
 MAX_CONNECTIONS = 6
+MAX_RPCS = 3
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("connections")
     config = workdir / "cluster.toml"
-    config.write_text(f"[router]\nhttp_read_timeout_s = {READ_TIMEOUT_S}\nhttp_max_connections = {MAX_CONNECTIONS}\n")
+    config.write_text(f"[router]\nhttp_read_timeout_s = {READ_TIMEOUT_S}\nhttp_max_connections = {MAX_CONNECTIONS}\n"
+                      f"grpc_max_concurrent_rpcs = {MAX_RPCS}\n")
     up = up_cluster(UpSettings(pipelines=1, stages=1, decode_shards=1, stores=0, http_port=0, grpc_port=0,
                                device_cache_tokens=4096, workdir=str(workdir / "logs")), str(config)).start()
     try:
@@ -145,3 +152,31 @@ def test_one_connection_past_the_bound_gets_a_429_at_once(cluster: Cluster) -> N
             sock.close()
     wait_for(lambda: open_connections(cluster) == 0, what="the held connections closed")
     served(cluster)  # the bound counts open connections: closed ones free their places
+
+
+def test_one_grpc_call_past_the_bound_is_resource_exhausted(cluster: Cluster) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.find('router').ready['port']}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watches = [health.Watch(health_pb2.HealthCheckRequest(), timeout=60) for _ in range(MAX_RPCS)]
+        try:
+            for watch in watches:  # each sends the status at once: every one is open on the router now
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            for watch in watches:
+                watch.cancel()
+
+        def checks() -> bool:
+            try:
+                return health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                return False
+
+        wait_for(checks, what="the cancelled watches' places free")
+        request = router_pb2.GenerateRequest(text="hi", sampling=router_pb2.SamplingParams(max_tokens=2))
+        events = list(router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60))
+        assert sum(e.WhichOneof("event") == "token_id" for e in events) == 2
+    served(cluster)
