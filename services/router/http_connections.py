@@ -10,8 +10,11 @@ has (slowloris), and then nobody is served. So:
   when part of a head came, silently when nothing did (as an idle keep-alive connection is closed: a
   client may be about to reuse it, and must not read a 408 as its next answer). The body has its own
   bound, from the head on (``http_api.read_body``);
-- at most ``max_connections`` are open at once: one more is answered 429 with Retry-After, as any
-  overload is (``openai_errors.api_error_of``), and closed before it holds anything.
+- at most ``max_connections`` are open at once, and, where ``max_per_client`` is set, at most that many
+  from one client address: one more is answered 429 with Retry-After, as any overload is
+  (``openai_errors.api_error_of``), and closed before it holds anything. The per-address bound keeps one
+  client from taking every place; it is off by default, because behind a proxy every client shares the
+  proxy's address.
 
 Both answers are OpenAI-shaped errors and counted in ``kvpool_router_http_refused_total{reason}``.
 """
@@ -33,6 +36,7 @@ log = structlog.get_logger(__name__)
 
 HEAD_TIMEOUT = "head_timeout"
 TOO_MANY_CONNECTIONS = "connections"
+TOO_MANY_FROM_CLIENT = "client_connections"
 # descriptors the router needs beside its HTTP connections: its gRPC server and channels, the metrics port, logs
 RESERVED_FILES = 256
 # after a 408 the client may still be sending: the connection is half-closed and read (and what comes dropped)
@@ -54,6 +58,8 @@ class GuardedH11Protocol(H11Protocol):
 
     read_timeout_s: float = 30.0
     max_connections: int = 4096
+    max_per_client: int = 0  # 0: no per-address bound
+    per_client: dict[str, int] = {}  # connections open by client address (``guarded`` gives each server its own)
     refused: Callable[[str], None] = staticmethod(lambda reason: None)
     open_now: Callable[[int], None] = staticmethod(lambda count: None)  # told the open count at each change
 
@@ -63,23 +69,43 @@ class GuardedH11Protocol(H11Protocol):
         self._head_started = False  # a byte of the awaited head came
         self._turned_away = False
         self._lingering = False
+        self._client: str | None = None  # the address counted in ``per_client``
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:
-            self._turned_away = True
-            self.transport = transport
-            transport.write(raw_response(ApiError(
-                429, f"the router has {self.max_connections} connections open, its most (--http-max-connections)",
-                None, "overloaded", "rate_limit_error", {"Retry-After": "1"}), "Too Many Requests"))
-            transport.close()
-            self.refused(TOO_MANY_CONNECTIONS)
+            self._turn_away(transport, f"the router has {self.max_connections} connections open, its most "
+                            "(--http-max-connections)", TOO_MANY_CONNECTIONS)
             return
+        peer = transport.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        if self.max_per_client and client is not None:
+            if self.per_client.get(client, 0) >= self.max_per_client:
+                self._turn_away(transport, f"{client} has {self.max_per_client} connections open, the most one "
+                                "client may (--http-max-connections-per-client)", TOO_MANY_FROM_CLIENT)
+                return
+            self.per_client[client] = self.per_client.get(client, 0) + 1
+            self._client = client
         super().connection_made(transport)
         self.open_now(len(self.connections))
         self._arm()
 
+    def _turn_away(self, transport: asyncio.Transport, message: str, reason: str) -> None:
+        self._turned_away = True
+        self.transport = transport
+        transport.write(raw_response(ApiError(429, message, None, "overloaded", "rate_limit_error",
+                                              {"Retry-After": "1"}), "Too Many Requests"))
+        transport.close()
+        self.refused(reason)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._client is not None:
+            left = self.per_client[self._client] - 1
+            if left:
+                self.per_client[self._client] = left
+            else:
+                del self.per_client[self._client]
+            self._client = None
         if not self._turned_away:
             super().connection_lost(exc)
             self.open_now(len(self.connections))
@@ -128,12 +154,12 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def guarded(read_timeout_s: float, max_connections: int, refused: Callable[[str], None],
-            open_now: Callable[[int], None]) -> type[GuardedH11Protocol]:
+            open_now: Callable[[int], None], max_per_client: int = 0) -> type[GuardedH11Protocol]:
     """The protocol class for ``uvicorn.Config(http=...)`` with these limits; ``refused(reason)`` counts
     each connection turned away or timed out, ``open_now(count)`` follows the connections open."""
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {
-        "read_timeout_s": read_timeout_s, "max_connections": max_connections, "refused": staticmethod(refused),
-        "open_now": staticmethod(open_now)})
+        "read_timeout_s": read_timeout_s, "max_connections": max_connections, "max_per_client": max_per_client,
+        "per_client": {}, "refused": staticmethod(refused), "open_now": staticmethod(open_now)})
 
 
 def open_files_limit(soft: int, hard: int, max_connections: int) -> int:

@@ -213,7 +213,8 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     http = _HttpServer(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off",
                                       timeout_graceful_shutdown=max(1, round(settings.drain_s)),
                                       http=guarded(settings.http_read_timeout_s, settings.http_max_connections,
-                                                   refused, metrics.http_connections.set)))
+                                                   refused, metrics.http_connections.set,
+                                                   settings.http_max_connections_per_client)))
     ensure_open_files(settings.http_max_connections)
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)

@@ -49,6 +49,9 @@ class RouterSettings(ModelSetting):
         "the connection closes, so slow or silent clients cannot hold connections")
     http_max_connections: int = setting(4096, help="HTTP connections open at once at most; one more is answered "
                                         "429 and closed at once")
+    http_max_connections_per_client: int = setting(
+        0, help="HTTP connections one client address may hold open at once; one more is answered 429 and "
+        "closed at once. 0: no such bound (behind a proxy every client has the proxy's address)")
     grpc_max_concurrent_rpcs: int = setting(
         4096, help="calls open at once on the gRPC port at most (streams included); one more is answered "
         "RESOURCE_EXHAUSTED at once, so a flood of held streams cannot grow the router without bound")
@@ -120,6 +123,9 @@ class RouterSettings(ModelSetting):
             raise ValueError(f"http_read_timeout_s: must be a positive number of seconds, got {self.http_read_timeout_s}")
         if self.http_max_connections < 1:
             raise ValueError(f"http_max_connections: must be >= 1, got {self.http_max_connections}")
+        if self.http_max_connections_per_client < 0:
+            raise ValueError("http_max_connections_per_client: must be >= 0 (0: no bound), got "
+                             f"{self.http_max_connections_per_client}")
         if self.grpc_max_concurrent_rpcs < 1:
             raise ValueError(f"grpc_max_concurrent_rpcs: must be >= 1, got {self.grpc_max_concurrent_rpcs}")
         if self.max_in_flight < 1:

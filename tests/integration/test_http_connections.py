@@ -4,7 +4,8 @@ One small cluster (a one-stage pipeline, one decode shard, no pool) whose router
 and body to 3 s (``http_read_timeout_s``) and its open connections to 6 (``http_max_connections``). Raw
 sockets play the attacker: a connection that sends nothing is closed, one that trickles header lines or
 its body gets a 408 in OpenAI's shape and is closed, the seventh connection at once gets a 429 with
-Retry-After; each is counted by reason. On the gRPC port, calls held open (health watches here) count
+Retry-After, and so does a fifth from one address (``http_max_connections_per_client`` 4: the other
+loopback addresses, 127.0.0.2 and up, play other clients); each is counted by reason. On the gRPC port, calls held open (health watches here) count
 against ``grpc_max_concurrent_rpcs`` (3): one more is RESOURCE_EXHAUSTED at once. A well-behaved client is
 served throughout and afterwards.
 """
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.cluster
 
 READ_TIMEOUT_S = 3.0
 MAX_CONNECTIONS = 6
+MAX_PER_CLIENT = 4
 MAX_RPCS = 3
 
 
@@ -40,7 +42,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("connections")
     config = workdir / "cluster.toml"
     config.write_text(f"[router]\nhttp_read_timeout_s = {READ_TIMEOUT_S}\nhttp_max_connections = {MAX_CONNECTIONS}\n"
-                      f"grpc_max_concurrent_rpcs = {MAX_RPCS}\n")
+                      f"http_max_connections_per_client = {MAX_PER_CLIENT}\ngrpc_max_concurrent_rpcs = {MAX_RPCS}\n")
     up = up_cluster(UpSettings(pipelines=1, stages=1, decode_shards=1, stores=0, http_port=0, grpc_port=0,
                                device_cache_tokens=4096, workdir=str(workdir / "logs")), str(config)).start()
     try:
@@ -49,8 +51,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         up.stop()
 
 
-def connect(cluster: Cluster) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", cluster.find("router").ready["http_port"]), timeout=30)
+def connect(cluster: Cluster, client: int = 1) -> socket.socket:
+    """A connection from loopback address 127.0.0.``client``: each is another client to the router."""
+    return socket.create_connection(("127.0.0.1", cluster.find("router").ready["http_port"]), timeout=30,
+                                    source_address=(f"127.0.0.{client}", 0))
 
 
 def answer(sock: socket.socket) -> bytes:
@@ -67,7 +71,7 @@ def metrics(cluster: Cluster) -> list[str]:
 
 
 def refused(cluster: Cluster) -> dict[str, float]:
-    counts = {"connections": 0.0, "head_timeout": 0.0, "body_timeout": 0.0}
+    counts = {"connections": 0.0, "client_connections": 0.0, "head_timeout": 0.0, "body_timeout": 0.0}
     for line in metrics(cluster):
         if line.startswith("kvpool_router_http_refused_total{"):
             counts[line.split('"')[1]] = float(line.split()[-1])
@@ -137,10 +141,10 @@ def test_a_trickled_body_gets_a_408(cluster: Cluster) -> None:
 def test_one_connection_past_the_bound_gets_a_429_at_once(cluster: Cluster) -> None:
     wait_for(lambda: open_connections(cluster) == 0, what="the earlier tests' connections closed")
     before = refused(cluster)["connections"]
-    held = [connect(cluster) for _ in range(MAX_CONNECTIONS)]
+    held = [connect(cluster, 2 + k) for k in range(MAX_CONNECTIONS)]  # each from its own address
     try:
         wait_for(lambda: open_connections(cluster) == MAX_CONNECTIONS, what="the held connections open")
-        with connect(cluster) as extra:
+        with connect(cluster, 2 + MAX_CONNECTIONS) as extra:
             started = time.monotonic()
             response = answer(extra)
             assert time.monotonic() - started < READ_TIMEOUT_S  # turned away at once, not timed out
@@ -152,6 +156,31 @@ def test_one_connection_past_the_bound_gets_a_429_at_once(cluster: Cluster) -> N
             sock.close()
     wait_for(lambda: open_connections(cluster) == 0, what="the held connections closed")
     served(cluster)  # the bound counts open connections: closed ones free their places
+
+
+def test_one_connection_past_a_clients_bound_gets_a_429_and_other_clients_are_served(cluster: Cluster) -> None:
+    wait_for(lambda: open_connections(cluster) == 0, what="the earlier tests' connections closed")
+    before = refused(cluster)
+    held = [connect(cluster, 1) for _ in range(MAX_PER_CLIENT)]
+    try:
+        wait_for(lambda: open_connections(cluster) == MAX_PER_CLIENT, what="the held connections open")
+        with connect(cluster, 1) as extra:
+            status, headers, error = error_of(answer(extra))
+        assert status == 429 and headers["retry-after"] == "1" and error["code"] == "overloaded"
+        assert "--http-max-connections-per-client" in str(error["message"])
+        with connect(cluster, 9) as other:  # another address still has its places
+            other.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert answer(other).startswith(b"HTTP/1.1 200 ")
+        after = refused(cluster)
+        assert after["client_connections"] == before["client_connections"] + 1
+        assert after["connections"] == before["connections"]
+    finally:
+        for sock in held:
+            sock.close()
+    wait_for(lambda: open_connections(cluster) == 0, what="the held connections closed")
+    with connect(cluster, 1) as again:  # the address's closed connections freed its places
+        again.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert answer(again).startswith(b"HTTP/1.1 200 ")
 
 
 def test_one_grpc_call_past_the_bound_is_resource_exhausted(cluster: Cluster) -> None:

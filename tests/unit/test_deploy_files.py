@@ -193,6 +193,8 @@ def test_a_bad_value_in_a_unit_fails(unit: str) -> None:
     (["router", "--pipelines", "a:1", "--shards", "b:2", "--http-read-timeout-s", "inf"], "http_read_timeout_s"),
     (["router", "--pipelines", "a:1", "--shards", "b:2", "--http-max-connections", "0"], "http_max_connections"),
     (["router", "--pipelines", "a:1", "--shards", "b:2", "--grpc-max-concurrent-rpcs", "0"], "grpc_max_concurrent_rpcs"),
+    (["router", "--pipelines", "a:1", "--shards", "b:2", "--http-max-connections-per-client", "-1"],
+     "http_max_connections_per_client"),
 ])
 def test_a_bad_command_fails(argv: list[str], setting: str) -> None:
     with pytest.raises(SystemExit, match=setting):
