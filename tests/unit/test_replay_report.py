@@ -112,21 +112,26 @@ def test_wait_percentiles_come_from_every_stage_s_buckets(tmp_path: Path) -> Non
     assert math.isnan(s["prefill_queue_wait_p50_s"])  # no admission histogram scraped
 
 
-def test_the_queues_pops_that_aging_or_the_budget_decided_are_counted_over_the_run(tmp_path: Path) -> None:
+def test_the_queues_pops_that_aging_the_budget_or_the_backlog_decided_are_counted_over_the_run(tmp_path: Path) -> None:
     workload = workload_of(tmp_path)
     records = [record(0, 512, 0, 0, 512)]
 
-    def gate(aging: float, budget: float) -> dict[str, float]:
+    def gate(aging: float, budget: float, backlog: float = 0.0) -> dict[str, float]:
         return {'kvpool_prefill_gate_pops_total{decided_by="aging"}': aging,
-                'kvpool_prefill_gate_pops_total{decided_by="budget"}': budget}
+                'kvpool_prefill_gate_pops_total{decided_by="budget"}': budget,
+                'kvpool_prefill_gate_pops_total{decided_by="backlog"}': backlog}
 
-    before = {"p0-stage0": gate(1.0, 2.0), "router": {"kvpool_router_queue_overdue_total": 4.0}}
-    after = {"p0-stage0": gate(3.0, 7.0), "p1-stage0": gate(0.0, 1.0),
-             "router": {"kvpool_router_queue_overdue_total": 10.0, "kvpool_router_queue_budget_total": 2.0}}
+    before = {"p0-stage0": gate(1.0, 2.0, 5.0), "router": {"kvpool_router_queue_overdue_total": 4.0,
+                                                            "kvpool_router_queue_backlog_total": 1.0}}
+    after = {"p0-stage0": gate(3.0, 7.0, 9.0), "p1-stage0": gate(0.0, 1.0, 2.0),
+             "router": {"kvpool_router_queue_overdue_total": 10.0, "kvpool_router_queue_budget_total": 2.0,
+                        "kvpool_router_queue_backlog_total": 4.0}}
     s = summarize(ReplayResult(1, 2.0, records, before, after, None, []), workload, ReplayOptions(think_scale=0.0))
     # the run's own: p0 2 by aging and 5 by the budget, p1 1 by the budget; the router 6 and 2
     assert (s["prefill_gate_pops_aging"], s["prefill_gate_pops_budget"]) == (2, 6)
     assert (s["router_queue_pops_aging"], s["router_queue_pops_budget"]) == (6, 2)
+    assert (s["prefill_gate_pops_backlog"], s["router_queue_pops_backlog"]) == (6, 3)  # p0 4 and p1 2; 3
     fifo = summarize(ReplayResult(1, 2.0, records, {}, {"p0-stage0": {}, "router": {}}, None, []), workload,
                      ReplayOptions(think_scale=0.0))
-    assert (fifo["prefill_gate_pops_aging"], fifo["router_queue_pops_budget"]) == (0, 0)  # no gate, no series
+    assert (fifo["prefill_gate_pops_aging"], fifo["router_queue_pops_budget"], fifo["prefill_gate_pops_backlog"],
+            fifo["router_queue_pops_backlog"]) == (0, 0, 0, 0)  # no gate, no series

@@ -50,7 +50,7 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
     wait_buckets: dict[float, float] = {}
     queue_buckets: dict[float, float] = {}
     prefetch = dict.fromkeys(("prefetched", "used", "wasted"), 0.0)
-    gate_pops = dict.fromkeys(("aging", "budget"), 0.0)
+    gate_pops = dict.fromkeys(("aging", "budget", "backlog"), 0.0)
     hints: dict[str, int] = {}
     for name in sorted(n for n in after if "stage" in n):
         moved = delta(after[name], before.get(name, {}))
@@ -73,7 +73,7 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
         queue_count += total(moved, "kvpool_prefill_admission_wait_seconds_count")
         gate_sum += total(moved, "kvpool_prefill_gate_wait_seconds_sum")
         gate_count += total(moved, "kvpool_prefill_gate_wait_seconds_count")
-        for how in gate_pops:  # stage 0's gate: pops that aging or the bypass budget decided
+        for how in gate_pops:  # stage 0's gate: pops that aging, the bypass budget or the backlog gate decided
             gate_pops[how] += total(moved, "kvpool_prefill_gate_pops_total", decided_by=how)
     out["restore_bytes"] = sum(out["restore_bytes_per_stage"].values())
     out["restore_wait_mean_s"] = _ratio(wait_sum, wait_count)
@@ -82,6 +82,7 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
     out["prefill_gate_wait_mean_s"] = _ratio(gate_sum, gate_count)  # nan without a gate
     out["prefill_gate_pops_aging"] = int(gate_pops["aging"])
     out["prefill_gate_pops_budget"] = int(gate_pops["budget"])
+    out["prefill_gate_pops_backlog"] = int(gate_pops["backlog"])
     _quantiles(out, "restore_wait", wait_buckets)
     _quantiles(out, "prefill_queue_wait", queue_buckets)
     # the restore on the critical path, per restore (each pipeline's stage 0: first stage start to last finish)
@@ -115,9 +116,11 @@ def _handoff_links(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
             # the router's admission queue (decode room and the pipeline's device blocks), in front of stage 0
             "router_queue_wait_mean_s": _ratio(total(moved, "kvpool_router_queue_seconds_sum"),
                                                total(moved, "kvpool_router_queue_seconds_count")),
-            # tickets its queue gave by aging (the oldest overdue) or where the bypass budget held the order back
+            # tickets its queue gave by aging (the oldest overdue), where the bypass budget held the order back,
+            # or in arrival order because the backlog gate's seconds of work waited
             "router_queue_pops_aging": int(total(moved, "kvpool_router_queue_overdue_total")),
-            "router_queue_pops_budget": int(total(moved, "kvpool_router_queue_budget_total")), **queue}
+            "router_queue_pops_budget": int(total(moved, "kvpool_router_queue_budget_total")),
+            "router_queue_pops_backlog": int(total(moved, "kvpool_router_queue_backlog_total")), **queue}
 
 
 def summarize(result: ReplayResult, workload: ReplayWorkload, options: ReplayOptions) -> dict[str, Any]:
