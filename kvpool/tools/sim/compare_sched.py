@@ -182,7 +182,7 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
         base = RunSettings(warmup_s=warmup, duration_s=duration, think=not args.no_think, think_scale=args.think_scale,
                            max_wait_s=args.sched_max_wait_s, max_bypass_s=args.sched_max_bypass_s,
                            reorder_below_s=args.sched_reorder_below_s, session_order=args.session_order,
-                           keep_ttft_samples=True)
+                           keep_ttft_samples=True, seed_offset=seeds[0])  # the capacity sweep's traces
     except ValueError as exc:
         raise SystemExit(f"kvpool simulate: {exc}") from None
     spec = RunSpec("calibration", 1, sessions, "shared", duration)
