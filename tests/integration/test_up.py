@@ -39,7 +39,7 @@ def children_of(pid: int) -> set[int]:
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or reaped between the open and the read (ESRCH)
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 

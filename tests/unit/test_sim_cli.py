@@ -265,34 +265,28 @@ def test_the_queue_flags_reach_the_compared_runs_settings() -> None:
         run_compare(args("--seeds", "0"), "unused.toml")  # type: ignore[arg-type]
 
 
-@pytest.mark.cluster  # the runs go to a process pool
-def test_compare_sched_reports_the_issue_keys_for_the_offsets_asked(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.cluster  # starts the CLI in a process
+def test_compare_sched_reports_the_issue_keys_for_the_offsets_asked(tmp_path: Path) -> None:
     """``simulate --compare sched=fifo,session`` end to end on two small sessions: both loops report every
-    key the comparison promises, per offset too, and every run (the open loop's capacity sweep included)
-    plays the offsets --first-seed asks for."""
-    from kvpool.tools.sim import compare_sched
-    from kvpool.tools.sim.cost_model import cost_model_path
-    from services.cli_parser import build_parser
+    key the comparison promises, per offset too, and the open loop's capacity sweep plays the first offset
+    --first-seed asks for."""
+    from kvpool.tools.sim.compare_sched import GRID
 
     traces = write_traces(tmp_path / "traces")
-    played: list[int] = []
-    real_runs = compare_sched._runs
-
-    def runs(settings: list, *rest: object) -> list:  # type: ignore[type-arg]
-        played.extend(s.seed_offset for s in settings)
-        return real_runs(settings, *rest)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(compare_sched, "_runs", runs)
-    args = build_parser().parse_args(["simulate", "--compare", "sched=fifo,session", "--quick", "--json", "--traces",
-                                      str(traces), "--sessions", "2", "--jobs", "1", "--first-seed", "1", "--seeds", "2"])
-    out = compare_sched.run_compare(args, cost_model_path(args))
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "simulate", "--compare", "sched=fifo,session", "--quick", "--json",
+         "--traces", str(traces), "--sessions", "2", "--jobs", "1", "--first-seed", "1", "--seeds", "2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[-2].startswith("2 trace offsets pooled (1-2);")
+    out = json.loads(lines[-1])
     keys = {"ttft_p50_session_over_fifo", "ttft_p99_session_over_fifo", "throughput_session_over_fifo",
             "reuse_session", "reuse_fifo", "wasted_prefetch_share", "errors"}
     assert keys <= set(out) and keys <= set(out["open_loop"])
     assert out["errors"] == 0 and 0 < out["ttft_p50_session_over_fifo"] and 0 < out["reuse_fifo"] <= 1
     assert (out["seeds"], out["first_seed"]) == (2, 1)
     assert [r["seed"] for r in out["closed_loop"]["per_seed"]] == [r["seed"] for r in out["open_loop"]["per_seed"]] == [1, 2]
-    assert len(out["open_loop"]["capacity_sweep"]) == compare_sched.GRID
-    # closed pair and open pair at offsets 1 and 2; the sweep (pilot and the rest) at the first, 1
-    assert sorted(set(played)) == [1, 2] and played.count(1) == 4 + compare_sched.GRID
+    sweep = out["open_loop"]["capacity_sweep"]
+    assert len(sweep) == GRID and {p["seed_offset"] for p in sweep} == {1}

@@ -209,13 +209,16 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     if args.open_rate is not None:  # the rate given: no sweep
         rate = args.open_rate
     else:  # FIFO at the first seed's traces
-        pilot = _runs([open_settings("fifo", token_rate)], open_spec, args, cost_path, topology)[0]
+        pilot_settings = open_settings("fifo", token_rate)
+        pilot = _runs([pilot_settings], open_spec, args, cost_path, topology)[0]
         busy_rate = token_rate * fifo["prefill_busy"] / max(pilot["prefill_busy"], 1e-9)
         rates = [token_rate + (busy_rate - token_rate) * k / (GRID - 1) for k in range(1, GRID)]
-        runs = [pilot, *_runs([open_settings("fifo", r) for r in rates], open_spec, args, cost_path, topology)]
-        for r, run in zip([token_rate, *rates], runs):
-            offered = r * per_session
-            sweep.append({"sessions_per_s": r, "offered_prompt_tok_s": offered, "served_share": run["prompt_tok_s"] / offered,
+        settings = [pilot_settings, *(open_settings("fifo", r) for r in rates)]
+        runs = [pilot, *_runs(settings[1:], open_spec, args, cost_path, topology)]
+        for each, run in zip(settings, runs):
+            offered = each.open_loop_sessions_per_s * per_session
+            sweep.append({"sessions_per_s": each.open_loop_sessions_per_s, "seed_offset": each.seed_offset,
+                          "offered_prompt_tok_s": offered, "served_share": run["prompt_tok_s"] / offered,
                           "prefill_busy": run["prefill_busy"], "ttft_p50_s": run["ttft_p50_s"],
                           "device_share": run["device_share"]})
         sustained = [p["sessions_per_s"] for p in sweep
