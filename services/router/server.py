@@ -175,6 +175,17 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
+def router_of(settings: RouterSettings, metrics: RouterMetrics, limits: ModelLimits | None = None) -> Router:
+    """The router's core as its settings configure it (``serve``'s; tests read what a flag set from it)."""
+    return Router(settings.pipelines, settings.shards, metrics, affinity_max_queue=settings.affinity_max_queue,
+                  max_in_flight=settings.max_in_flight, request_timeout_s=settings.request_timeout_s,
+                  max_queue=settings.max_queue, queue_timeout_s=settings.queue_timeout_s,
+                  locality=settings.locality, servers=settings.server_of,
+                  limits=limits, order=settings.queue_order, max_wait_s=settings.sched_max_wait_s,
+                  max_bypass_s=settings.sched_max_bypass_s, reorder_below_s=settings.sched_reorder_below_s,
+                  late_checks_out=settings.health_late_checks, health_wait_s=settings.health_wait_s)
+
+
 async def serve(settings: RouterSettings, ready_file: str | None = None) -> None:
     try:
         keys = ApiKeys.load(settings.api_key, settings.api_keys_file)
@@ -184,13 +195,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     tokenizer = load_tokenizer(settings.model_dir or None, config.vocab_size)
     limits = ModelLimits(settings.model_name, context=config.max_position_embeddings, vocab_size=config.vocab_size)
     metrics = RouterMetrics()
-    router = Router(settings.pipelines, settings.shards, metrics, affinity_max_queue=settings.affinity_max_queue,
-                    max_in_flight=settings.max_in_flight, request_timeout_s=settings.request_timeout_s,
-                    max_queue=settings.max_queue, queue_timeout_s=settings.queue_timeout_s,
-                    locality=settings.locality, servers=settings.server_of,
-                    limits=limits, order=settings.queue_order, max_wait_s=settings.sched_max_wait_s,
-                    max_bypass_s=settings.sched_max_bypass_s, reorder_below_s=settings.sched_reorder_below_s,
-                    late_checks_out=settings.health_late_checks, health_wait_s=settings.health_wait_s)
+    router = router_of(settings, metrics, limits)
     servicer = RouterServicer(router, tokenizer, limits)
     handle = await service.create_server(
         settings.host, settings.port, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -20,9 +22,25 @@ from services import cli, cli_parser
 from services.router.generation_request import GenerationRequest
 from services.router.metrics import RouterMetrics
 from services.router.router import Router
+from services.router.server import router_of
 from services.router.settings import RouterSettings
 
+T = TypeVar("T")
+
 ADDRESSES = ["--pipelines", "127.0.0.1:1", "--shards", "127.0.0.1:2"]
+
+
+def built(settings: RouterSettings, read: Callable[[Router], T]) -> T:
+    """What ``read`` finds in the router ``kvpool router`` builds from ``settings`` (the server's own
+    ``router_of``: the flag's way to the core, not a copy of it), the router closed after."""
+    async def go() -> T:
+        router = router_of(settings, RouterMetrics())
+        try:
+            return read(router)
+        finally:
+            await router.close()
+
+    return asyncio.run(go())
 
 
 def router_settings(*argv: str) -> RouterSettings:
@@ -39,19 +57,13 @@ def test_the_router_flag_sets_the_admission_queue_order_and_its_aging() -> None:
     with pytest.raises(SystemExit):
         router_settings("--sched", "lifo")
 
-    async def queue_of(settings: RouterSettings) -> tuple[QueueOrder, float, float]:
-        router = Router(settings.pipelines, settings.shards, RouterMetrics(), order=settings.queue_order,
-                        max_wait_s=settings.sched_max_wait_s)
-        try:
-            queue = router.admission.queue
-            order_gauge = router.metrics.registry.get_sample_value(
-                "kvpool_router_queue_order", {"order": settings.queue_order.value})
-            return queue.order, queue.max_wait_s, order_gauge
-        finally:
-            await router.close()
+    def queue_of(router: Router) -> tuple[QueueOrder, float, float | None]:
+        queue = router.admission.queue
+        order_gauge = router.metrics.registry.get_sample_value("kvpool_router_queue_order", {"order": queue.order.value})
+        return queue.order, queue.max_wait_s, order_gauge
 
-    assert asyncio.run(queue_of(session)) == (QueueOrder.WORK, 2.5, 1.0)
-    assert asyncio.run(queue_of(fifo)) == (QueueOrder.FIFO, 4.0, 1.0)
+    assert built(session, queue_of) == (QueueOrder.WORK, 2.5, 1.0)
+    assert built(fifo, queue_of) == (QueueOrder.FIFO, 4.0, 1.0)
 
 
 def test_the_router_flag_sets_the_admission_queues_bypass_budget(tmp_path: Path) -> None:
@@ -68,16 +80,9 @@ def test_the_router_flag_sets_the_admission_queues_bypass_budget(tmp_path: Path)
     assert (from_toml.queue_order, from_toml.sched_max_bypass_s, from_toml.sched_max_wait_s) == (
         QueueOrder.WORK, 2.5, math.inf)
 
-    async def budget_of(settings: RouterSettings) -> float:
-        router = Router(settings.pipelines, settings.shards, RouterMetrics(), order=settings.queue_order,
-                        max_wait_s=settings.sched_max_wait_s, max_bypass_s=settings.sched_max_bypass_s)
-        try:
-            return router.admission.queue.max_bypass_s
-        finally:
-            await router.close()
-
-    assert asyncio.run(budget_of(given)) == 0.5
-    assert asyncio.run(budget_of(router_settings())) == math.inf
+    assert built(given, lambda router: router.admission.queue.max_bypass_s) == 0.5
+    assert built(router_settings(), lambda router: router.admission.queue.max_bypass_s) == math.inf
+    assert built(given, lambda router: router.admission.queue.max_wait_s) == math.inf
 
 
 def test_the_router_flag_sets_the_admission_queues_backlog_gate() -> None:
@@ -88,15 +93,7 @@ def test_the_router_flag_sets_the_admission_queues_backlog_gate() -> None:
         with pytest.raises(SystemExit, match="sched_reorder_below_s: must be positive"):
             router_settings("--sched-reorder-below-s", bad)
 
-    async def gate_of(settings: RouterSettings) -> float:
-        router = Router(settings.pipelines, settings.shards, RouterMetrics(), order=settings.queue_order,
-                        reorder_below_s=settings.sched_reorder_below_s)
-        try:
-            return router.admission.queue.reorder_below_s
-        finally:
-            await router.close()
-
-    assert asyncio.run(gate_of(given)) == 12.0
+    assert built(given, lambda router: router.admission.queue.reorder_below_s) == 12.0
 
 
 # one shard whose arena holds two 100-token regions (405,504 bytes each), or a 100- and a 120-token one, or a
@@ -218,15 +215,7 @@ def test_the_router_flag_sets_how_many_late_health_checks_take_a_backend_out() -
     with pytest.raises(SystemExit, match="health_late_checks"):
         router_settings("--health-late-checks", "0")
 
-    async def misses(settings: RouterSettings) -> int:
-        router = Router(settings.pipelines, settings.shards, RouterMetrics(),
-                        late_checks_out=settings.health_late_checks)
-        try:
-            return router.backends.verdicts.misses
-        finally:
-            await router.close()
-
-    assert asyncio.run(misses(settings)) == 3
+    assert built(settings, lambda router: router.backends.verdicts.misses) == 3
 
 
 def test_the_compare_headline_line_gives_the_comparisons_own_figures() -> None:
