@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from kvpool.tools.cluster import LocalPool
+from kvpool.tools.cluster import Cluster, LocalPool
 from kvpool.pool.client import PoolClient
 from kvpool.transfer import HostBuffer, TransferEngine
 
@@ -69,3 +71,19 @@ def metric(service, sample: str) -> float:  # type: ignore[no-untyped-def]
             if line.startswith(sample + " "):
                 return float(line.split()[-1])
     return 0.0
+
+
+@contextlib.contextmanager
+def front_door_cluster(workdir: Path, router_toml: str) -> Iterator[Cluster]:
+    """The smallest whole cluster, for tests of the router's front door: one one-stage pipeline, one decode
+    shard, no pool, started by ``kvpool up``'s launcher with ``router_toml`` as its config's [router] table."""
+    from kvpool.tools.up import UpSettings, up_cluster
+
+    config = workdir / "cluster.toml"
+    config.write_text("[router]\n" + router_toml)
+    up = up_cluster(UpSettings(pipelines=1, stages=1, decode_shards=1, stores=0, http_port=0, grpc_port=0,
+                               device_cache_tokens=4096, workdir=str(workdir / "logs")), str(config)).start()
+    try:
+        yield up
+    finally:
+        up.stop()

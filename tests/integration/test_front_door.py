@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.tokenizer import ByteTokenizer
 from kvpool.tools.cluster import Cluster
-from kvpool.tools.up import UpSettings, up_cluster
+from tests.integration.conftest import front_door_cluster
 from tests.integration.unparsed_bytes import HEALTH, assert_unparsable_bytes_refused
 
 pytestmark = pytest.mark.cluster
@@ -43,15 +43,8 @@ GREEDY_PROMPT = "def fib(n):"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    workdir = tmp_path_factory.mktemp("front")
-    config = workdir / "cluster.toml"
-    config.write_text("[router]\nmax_in_flight = 1\n")
-    up = up_cluster(UpSettings(pipelines=1, stages=1, decode_shards=1, stores=0, http_port=0, grpc_port=0,
-                               device_cache_tokens=4096, workdir=str(workdir / "logs")), str(config)).start()
-    try:
+    with front_door_cluster(tmp_path_factory.mktemp("front"), "max_in_flight = 1\n") as up:
         yield up
-    finally:
-        up.stop()
 
 
 @pytest.fixture(scope="module")

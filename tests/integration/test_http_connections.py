@@ -26,8 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.tools.cluster import Cluster
-from kvpool.tools.up import UpSettings, up_cluster
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import front_door_cluster, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -39,16 +38,10 @@ MAX_RPCS = 3
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    workdir = tmp_path_factory.mktemp("connections")
-    config = workdir / "cluster.toml"
-    config.write_text(f"[router]\nhttp_read_timeout_s = {READ_TIMEOUT_S}\nhttp_max_connections = {MAX_CONNECTIONS}\n"
-                      f"http_max_connections_per_client = {MAX_PER_CLIENT}\ngrpc_max_concurrent_rpcs = {MAX_RPCS}\n")
-    up = up_cluster(UpSettings(pipelines=1, stages=1, decode_shards=1, stores=0, http_port=0, grpc_port=0,
-                               device_cache_tokens=4096, workdir=str(workdir / "logs")), str(config)).start()
-    try:
+    with front_door_cluster(tmp_path_factory.mktemp("connections"), (
+            f"http_read_timeout_s = {READ_TIMEOUT_S}\nhttp_max_connections = {MAX_CONNECTIONS}\n"
+            f"http_max_connections_per_client = {MAX_PER_CLIENT}\ngrpc_max_concurrent_rpcs = {MAX_RPCS}\n")) as up:
         yield up
-    finally:
-        up.stop()
 
 
 def connect(cluster: Cluster, client: int = 1) -> socket.socket:
