@@ -263,7 +263,7 @@ def offsets_line(out: dict[str, Any]) -> str:
     if out["seeds"] == 1:
         return SINGLE_RUN_NOTE
     closed = [r["ttft_p99_session_over_fifo"] for r in out["closed_loop"]["per_seed"]]
-    first = out.get("first_seed", 0)
+    first = out["first_seed"]
     return (f"{out['seeds']} trace offsets pooled ({first}-{first + out['seeds'] - 1}); the closed loop's p99 ratio by offset: "
             f"{min(closed):.2f}-{max(closed):.2f}")
 
