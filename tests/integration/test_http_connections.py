@@ -5,9 +5,9 @@ and body to 3 s (``http_read_timeout_s``) and its open connections to 6 (``http_
 sockets play the attacker: a connection that sends nothing is closed, one that trickles header lines or
 its body gets a 408 in OpenAI's shape and is closed, the seventh connection at once gets a 429 with
 Retry-After, and so does a fifth from one address (``http_max_connections_per_client`` 4: the other
-loopback addresses, 127.0.0.2 and up, play other clients); each is counted by reason. On the gRPC port, calls held open (health watches here) count
-against ``grpc_max_concurrent_rpcs`` (3): one more is RESOURCE_EXHAUSTED at once. A well-behaved client is
-served throughout and afterwards.
+loopback addresses, 127.0.0.2 and up, play other clients); each is counted by reason. On the gRPC port,
+calls held open (health watches here) count against ``grpc_max_concurrent_rpcs`` (3): one more is
+RESOURCE_EXHAUSTED at once. A well-behaved client is served throughout and afterwards.
 """
 
 from __future__ import annotations
