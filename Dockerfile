@@ -32,7 +32,7 @@ ARG PIP_EXTRA_INDEX_URL
 RUN if [ -f /tmp/build-extra/ca-certificates.crt ]; then export PIP_CERT=/tmp/build-extra/ca-certificates.crt; fi \
  && python3.11 -m venv .venv \
  && .venv/bin/pip install --quiet torch==2.13.0
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kvpool kvpool
 COPY services services
 ARG KVPOOL_ENGINE=cpu

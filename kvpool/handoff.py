@@ -1,6 +1,6 @@
 """The prefill → decode handoff's byte moves: gather, write, scatter.
 
-The layout and the write plan are ``kvpool.core.handoff_layout`` (the
+The layout and the write plan are ``kvpool.core.handoff.layout`` (the
 contract); this module does the moves with torch and the transfer engine, no
 gRPC. One request's KV goes:
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.core.handoff_layout import HandoffLayout, Transfer
+from kvpool.core.handoff.layout import HandoffLayout, Transfer
 from kvpool.model.kv_cache import (
     BlockTable,
     as_block_table,
@@ -82,7 +82,7 @@ def gather_range(kv_cache: torch.Tensor, block_table: BlockTable, token_start: i
     """Pack tokens ``[token_start, token_end)`` of every layer of one stage's cache into ``out``.
 
     ``out``: a contiguous uint8 tensor of ``layers × (token_end - token_start) × entry`` bytes,
-    layer-major (the slab ``kvpool.core.handoff_layout.range_transfers`` writes). One strided
+    layer-major (the slab ``kvpool.core.handoff.layout.range_transfers`` writes). One strided
     copy per block the range touches.
     """
     table = as_block_table(block_table, kv_cache.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvpool.core.memory_budget import memory_refusal
+from kvpool.core.supervision.memory_budget import memory_refusal
 
 
 def available_bytes() -> int | None:

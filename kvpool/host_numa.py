@@ -1,6 +1,6 @@
 """This host's NUMA nodes and their CPUs, from sysfs; the kernel's cpulist form.
 
-Read by a store daemon to pin itself (``services.store.numa``) and by ``kvpool up`` to place one
+Read by a store daemon to pin itself (``kvpool.services.store.numa``) and by ``kvpool up`` to place one
 store per node.
 """
 

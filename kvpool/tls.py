@@ -4,7 +4,7 @@ A process is configured once (``configure``, from the ``[security]`` table,
 its flags, or ``KVPOOL_TLS_CA``/``KVPOOL_TLS_CERT``/``KVPOOL_TLS_KEY``). Then
 ``add_port`` serves TLS that requires a client certificate of the same CA,
 ``channel_credentials`` dials with this process's certificate (``kvpool.service.channel``), and ``RoleCheck`` holds
-every call to ``kvpool.core.access``: the caller's certificate names its role.
+every call to ``kvpool.core.tenancy.access``: the caller's certificate names its role.
 Unconfigured, servers and channels are plaintext, as before.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import structlog
 
-from kvpool.core.access import Peer, authorize, is_open
+from kvpool.core.tenancy.access import Peer, authorize, is_open
 from kvpool.core.errors import PermissionDenied
 from kvpool.core.setting import setting
 
@@ -135,7 +135,7 @@ def peer_of(context: grpc.aio.ServicerContext) -> Peer:
 
 
 class RoleCheck(grpc.aio.ServerInterceptor):
-    """Every call is held to ``kvpool.core.access.authorize`` with the caller's certificate role."""
+    """Every call is held to ``kvpool.core.tenancy.access.authorize`` with the caller's certificate role."""
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from kvpool.logs import configure_logging
 from kvpool.settings import load_settings
 from kvpool.tools.bench.cli import run_bench
-from services.cli_parser import ROLES, build_parser, load_reference
+from kvpool.services.cli_parser import ROLES, build_parser, load_reference
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def _engine_binds_only(transfer_host: str) -> None:
     from kvpool import bind_shim
 
     try:
-        bind_shim.exec_with_shim(transfer_host, ["-m", "services.cli", *sys.argv[1:]])
+        bind_shim.exec_with_shim(transfer_host, ["-m", "kvpool.services.cli", *sys.argv[1:]])
     except (ValueError, bind_shim.ShimUnavailable) as exc:
         raise SystemExit(f"kvpool: {exc}") from None
 
@@ -122,7 +122,7 @@ def _run_up(args: argparse.Namespace) -> int:
             return run_demo(cluster.http_url, demo_settings)
 
         demo = play
-    from services.memory_budget import memory_budget
+    from kvpool.services.memory_budget import memory_budget
 
     return run_up(settings, args.config, "warning" if args.log_level == "info" else args.log_level, demo,
                   memory_budget(settings, args.config))

@@ -54,22 +54,22 @@ class Role:
 
 
 ROLES: dict[str, Role] = {
-    "master": Role("services.master.settings:MasterSettings", "services.master.server:serve",
+    "master": Role("kvpool.services.master.settings:MasterSettings", "kvpool.services.master.server:serve",
                    "run the pool master", "Run the pool master: object locations, group-LRU eviction, leases, "
                    "store liveness."),
-    "store": Role("services.store.settings:StoreSettings", "services.store.daemon:serve",
+    "store": Role("kvpool.services.store.settings:StoreSettings", "kvpool.services.store.daemon:serve",
                   "run a store daemon", "Run a store daemon: one DRAM segment pinned to a NUMA node, registered "
                   "with the transfer engine and mounted on the master.", owns_transfer_engine=True),
-    "prefill": Role("services.prefill.settings:PrefillSettings", "services.prefill.server:serve",
+    "prefill": Role("kvpool.services.prefill.settings:PrefillSettings", "kvpool.services.prefill.server:serve",
                     "run a prefill pipeline stage", "Run one prefill pipeline stage: a contiguous range of layers "
                     "and their device KV pages. Stage 0 also runs the scheduler (chunk hashing, the shared block "
                     "table, device → pool → compute planning) and serves the Prefill API. Start the later stages "
                     "first.", owns_transfer_engine=True),
-    "decode": Role("services.decode.settings:DecodeSettings", "services.decode.server:serve",
+    "decode": Role("kvpool.services.decode.settings:DecodeSettings", "kvpool.services.decode.server:serve",
                    "run a decode shard", "Run a decode shard: the whole model over token-major KV pages, "
                    "continuous batching, sampling and token streaming; receive regions for the prefill handoff.",
                    owns_transfer_engine=True),
-    "router": Role("services.router.settings:RouterSettings", "services.router.server:serve",
+    "router": Role("kvpool.services.router.settings:RouterSettings", "kvpool.services.router.server:serve",
                    "run the router (gRPC Generate and the OpenAI-compatible HTTP API)", "Run the router: the front "
                    "door. It places each request on a prefill pipeline (the session's own while its queue is "
                    "short) and the decode shard with the most free KV pages, and serves gRPC Generate and the "

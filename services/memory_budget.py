@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool.settings import load_settings, read_config
-from services.decode.settings import DecodeSettings
-from services.prefill.settings import PrefillSettings
-from services.store.settings import StoreSettings
+from kvpool.services.decode.settings import DecodeSettings
+from kvpool.services.prefill.settings import PrefillSettings
+from kvpool.services.store.settings import StoreSettings
 
 
 def memory_budget(settings: Any, config: str | None) -> dict[str, int]:

@@ -17,7 +17,7 @@ import grpc
 import structlog
 
 from kvpool import service
-from kvpool.core.master_breaker import MasterBreaker
+from kvpool.core.pool.master_breaker import MasterBreaker
 from kvpool.pool.endpoint_batches import move_by_endpoint
 from kvpool.pool.objects import (
     GroupLocation,

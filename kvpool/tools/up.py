@@ -37,9 +37,9 @@ from typing import Any
 
 import structlog
 
-from kvpool.core.memory_budget import memory_refusal
+from kvpool.core.supervision.memory_budget import memory_refusal
 from kvpool.core.setting import setting
-from kvpool.core.tenant_shares import parse_weights
+from kvpool.core.tenancy.shares import parse_weights
 from kvpool.host_memory import available_bytes
 from kvpool.sizes import format_size
 from kvpool.model.config import CONFIGS

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpool.core.chunk_hash import ChunkHash, chunk_hashes
-from kvpool.core.planner import max_hit_chunks
+from kvpool.core.prefill.planner import max_hit_chunks
 from kvpool.workload.weka import Session
 
 

@@ -12,10 +12,10 @@ from kvpool.host_memory import refuse_unless_fits
 from kvpool import service
 from kvpool.rpc import decode_pb2_grpc
 from kvpool.transfer import TransferEngine
-from services.decode.metrics import DecodeMetrics
-from services.decode.servicer import DecodeServicer
-from services.decode.settings import DecodeSettings
-from services.decode.shard import DecodeShard
+from kvpool.services.decode.metrics import DecodeMetrics
+from kvpool.services.decode.servicer import DecodeServicer
+from kvpool.services.decode.settings import DecodeSettings
+from kvpool.services.decode.shard import DecodeShard
 
 log = structlog.get_logger(__name__)
 

@@ -10,12 +10,12 @@ import grpc
 import structlog
 
 from kvpool.core.errors import InvalidArgument, KvpoolError
-from kvpool.core.handoff_layout import HandoffLayout
+from kvpool.core.handoff.layout import HandoffLayout
 from kvpool.model.sampling import SamplingParams
 from kvpool.request_id import current_request_id
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
 from kvpool.status import abort, status_errors
-from services.decode.shard import DecodeShard, Figures
+from kvpool.services.decode.shard import DecodeShard, Figures
 
 log = structlog.get_logger(__name__)
 

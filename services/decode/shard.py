@@ -1,7 +1,7 @@
 """A decode shard's engine: the core's decisions with the model and the bytes between them.
 
 The policy (admission, pages, batch, stop rules, regions) is
-``kvpool.core.decode_scheduler`` / ``decode_regions`` and runs on the event
+``kvpool.core.decode.scheduler`` / ``decode.regions`` and runs on the event
 loop only; the model (scatter, step, sampling) runs on the shard's one
 compute thread. Every token is sampled here, the first included: a region
 reserved ``with_logits`` carries the final position's logits after the KV,
@@ -27,23 +27,23 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from kvpool.core.decode_regions import ReceiveRegion, RegionTable
-from kvpool.core.decode_scheduler import DecodeScheduler, DecodeSequence
+from kvpool.core.decode.regions import ReceiveRegion, RegionTable
+from kvpool.core.decode.scheduler import DecodeScheduler, DecodeSequence
 from kvpool.core.errors import FailedPrecondition, InvalidArgument
-from kvpool.core.handoff_layout import HandoffLayout
+from kvpool.core.handoff.layout import HandoffLayout
 from kvpool.handoff import scatter_range, scatter_region
 from kvpool.model import kv_dtype as kv_dtype_of
 from kvpool.model.decode import DecodeInput, DecodeModel
 from kvpool.model.sampling import SamplingParams, output_logits, sample
 from kvpool.transfer import HostBuffer, TransferEngine
-from services.decode.metrics import DecodeMetrics
-from services.decode.settings import DecodeSettings
+from kvpool.services.decode.metrics import DecodeMetrics
+from kvpool.services.decode.settings import DecodeSettings
 
 log = structlog.get_logger(__name__)
 
 EXPIRE_INTERVAL_S = 0.25
 # a region given back keeps its bytes this long: a prefill write that checked the region just
-# before it went lands in bytes nobody else holds (kvpool.core.decode_regions)
+# before it went lands in bytes nobody else holds (kvpool.core.decode.regions)
 WRITER_GRACE_S = 0.5
 
 

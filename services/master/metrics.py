@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvpool.core.pool_index import PoolIndex
-from kvpool.core.tenancy import TenantLabels
+from kvpool.core.pool.index import PoolIndex
+from kvpool.core.tenancy.tenants import TenantLabels
 
 
 class MasterMetrics:

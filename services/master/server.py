@@ -9,11 +9,11 @@ import uuid
 import structlog
 
 from kvpool import service
-from kvpool.core.pool_index import PoolIndex
+from kvpool.core.pool.index import PoolIndex
 from kvpool.rpc import pool_pb2_grpc
-from services.master.metrics import MasterMetrics
-from services.master.servicer import PoolMasterServicer
-from services.master.settings import MasterSettings
+from kvpool.services.master.metrics import MasterMetrics
+from kvpool.services.master.servicer import PoolMasterServicer
+from kvpool.services.master.settings import MasterSettings
 
 log = structlog.get_logger(__name__)
 

@@ -9,9 +9,9 @@ from typing import Any
 import structlog
 
 from kvpool.core.errors import InvalidArgument, ResourceExhausted
-from kvpool.core.pool_index import PoolIndex
-from kvpool.core.tenant_shares import MAX_TENANT_BYTES, tenant_name
-from kvpool.core.pool_records import (
+from kvpool.core.pool.index import PoolIndex
+from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
+from kvpool.core.pool.records import (
     ObjectRecord,
     PutRequestItem,
     PutStatus,
@@ -19,7 +19,7 @@ from kvpool.core.pool_records import (
 )
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.status import status_errors
-from services.master.metrics import MasterMetrics
+from kvpool.services.master.metrics import MasterMetrics
 
 log = structlog.get_logger(__name__)
 

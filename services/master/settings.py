@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool.core.pool_settings import IndexSettings
+from kvpool.core.pool.settings import IndexSettings
 from kvpool.core.setting import setting
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.core.allocator import SegmentAllocator
+from kvpool.core.pool.allocator import SegmentAllocator
 from kvpool.transfer import HostBuffer, TransferEngine
 
 ALIGNMENT = 4096  # regions start on a page

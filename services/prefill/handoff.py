@@ -37,12 +37,12 @@ from kvpool.core.errors import (
     Unavailable,
 )
 from kvpool import service
-from kvpool.core.handoff_layout import HandoffLayout, range_transfers, transfer_plan
+from kvpool.core.handoff.layout import HandoffLayout, range_transfers, transfer_plan
 from kvpool.handoff import gather_range
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
 from kvpool.status import from_status
-from services.prefill.arena import Arena
-from services.prefill.stage_runner import StageRunner
+from kvpool.services.prefill.arena import Arena
+from kvpool.services.prefill.stage_runner import StageRunner
 
 log = structlog.get_logger(__name__)
 

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from kvpool.core.prefill_queue import PrefillQueue
-from kvpool.core.tenancy import TenantLabels
+from kvpool.core.prefill.queue import PrefillQueue
+from kvpool.core.tenancy.tenants import TenantLabels
 from kvpool.rpc import prefill_pb2
 
 # Prometheus convention: base units, seconds

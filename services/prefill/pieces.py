@@ -41,8 +41,8 @@ from kvpool.transfer import TransferError
 ARENA_WAIT_S = 30.0  # a piece waits this long for room in an arena before the request fails
 
 if TYPE_CHECKING:
-    from services.prefill.arena import Region
-    from services.prefill.stage_runner import StageRunner
+    from kvpool.services.prefill.arena import Region
+    from kvpool.services.prefill.stage_runner import StageRunner
 
 
 def check_forward(request: prefill_pb2.ForwardRequest, num_blocks: int, chunk_size: int) -> None:

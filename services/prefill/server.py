@@ -14,14 +14,14 @@ from kvpool import service
 from kvpool.pool.client import PoolClient
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import TransferEngine
-from services.prefill.chain_health import PipelineHealthServicer
-from services.prefill.handoff import HandoffMetrics, StageHandoff
-from services.prefill.metrics import PrefillMetrics
-from services.prefill.scheduler import PrefillScheduler, PrefillServicer
-from services.prefill.settings import PrefillSettings
-from services.prefill.stage_runner import StageRunner
-from services.prefill.pieces import ActivationLink
-from services.prefill.stage_servicer import PrefillStageServicer
+from kvpool.services.prefill.stage0.chain_health import PipelineHealthServicer
+from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
+from kvpool.services.prefill.metrics import PrefillMetrics
+from kvpool.services.prefill.stage0.scheduler import PrefillScheduler, PrefillServicer
+from kvpool.services.prefill.settings import PrefillSettings
+from kvpool.services.prefill.stage_runner import StageRunner
+from kvpool.services.prefill.pieces import ActivationLink
+from kvpool.services.prefill.stage_servicer import PrefillStageServicer
 
 log = structlog.get_logger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvpool.core.chunk_hash import namespace_fingerprint
 from kvpool.core.setting import setting
-from kvpool.core.tenant_shares import parse_weights
+from kvpool.core.tenancy.shares import parse_weights
 from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES, split_layers
 from kvpool.model.model_setting import ModelSetting
 
@@ -67,11 +67,11 @@ class PrefillSettings(ModelSetting):
     sched_max_bypass_s: float = setting(
         math.inf, help="stage 0, --sched session: the bypass budget, seconds of estimated work that later prefills "
         "may overtake a waiting prefill by; it then waits at most what arrival order would make it wait plus this "
-        "(kvpool.core.prefill_queue). Seconds of this stage's compute: the estimates are scaled by its measured "
-        "speed against them (kvpool.core.work_scale, kvpool_prefill_work_scale)", default_text="none")
+        "(kvpool.core.prefill.queue). Seconds of this stage's compute: the estimates are scaled by its measured "
+        "speed against them (kvpool.core.prefill.work_scale, kvpool_prefill_work_scale)", default_text="none")
     sched_reorder_below_s: float = setting(
         math.inf, help="stage 0, --sched session: the backlog gate: while this many seconds of estimated work "
-        "wait, prefills go in arrival order, and below it in the session order (kvpool.core.prefill_queue). "
+        "wait, prefills go in arrival order, and below it in the session order (kvpool.core.prefill.queue). "
         "Seconds of this stage's compute, as for --sched-max-bypass-s", default_text="none")
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"

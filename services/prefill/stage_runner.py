@@ -33,16 +33,16 @@ import torch
 
 from kvpool.core.chunk_hash import ChunkHash, group_id, object_key
 from kvpool.core.errors import DeviceCacheLost
-from kvpool.core.planner import leading_count
-from kvpool.core.work_scale import WorkScale
+from kvpool.core.prefill.planner import leading_count
+from kvpool.core.prefill.work_scale import WorkScale
 from kvpool.model import ModelStage, kv_dtype
 from kvpool.model.kv_cache import block_address, block_nbytes, kv_cache_nbytes
 from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import ObjectLocation, PutObject, PutResult, ReadStatus
 from kvpool.transfer import HostBuffer, TransferEngine
-from services.prefill.arena import Arena
-from services.prefill.metrics import PrefillMetrics
-from services.prefill.settings import PrefillSettings
+from kvpool.services.prefill.arena import Arena
+from kvpool.services.prefill.metrics import PrefillMetrics
+from kvpool.services.prefill.settings import PrefillSettings
 
 log = structlog.get_logger(__name__)
 

@@ -36,8 +36,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvpool.core.tenancy import TenantRates
-from services.router.openai_errors import ApiError
+from kvpool.core.tenancy.tenants import TenantRates
+from kvpool.services.router.openai_errors import ApiError
 
 API_KEY_ENV = "KVPOOL_API_KEY"
 DEFAULT_TENANT = "default"

@@ -11,11 +11,11 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import service
-from kvpool.core.admission import Admission, ShardShape
-from kvpool.core.health_checks import Check, HealthVerdicts
+from kvpool.core.admission.admission import Admission, ShardShape
+from kvpool.core.supervision.health_checks import Check, HealthVerdicts
 from kvpool.model.config import split_layers
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from services.router.metrics import RouterMetrics
+from kvpool.services.router.metrics import RouterMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -23,7 +23,7 @@ HEALTH_TIMEOUT_S = 2.0
 STAGE_INFO_TIMEOUT_S = 15.0
 WORK_SCALE_EVERY_ROUNDS = 10  # health rounds (1 s each by default) between asks for a pipeline's measured speed
 # late health checks in a row that take a backend out of rotation by default (--health-late-checks,
-# kvpool.core.health_checks): one late answer on a loaded host turned requests that would have queued into 503s
+# kvpool.core.supervision.health_checks): one late answer on a loaded host turned requests that would have queued into 503s
 LATE_CHECKS_OUT = 2
 # the health service name under which stage 0 answers for its whole pipeline
 PIPELINE_HEALTH_SERVICE = "kvpool.rpc.Prefill"

@@ -36,7 +36,7 @@ class GenerationRequest:
 @dataclass(slots=True)
 class ModelLimits:
     """The served model's name and limits; ``context`` is what the cluster serves now (the router's health
-    rounds update it, see ``kvpool.core.served_context``)."""
+    rounds update it, see ``kvpool.core.api.served_context``)."""
 
     name: str
     context: int

@@ -6,7 +6,7 @@ one JSON answer), ``GET /v1/models``, ``GET /health`` (200 only when every
 service behind the router is healthy). Prometheus text is on the admin port
 only; keys, tenants and origins are checked in front (``auth.py``).
 Every response carries the request's id in ``X-Request-Id``; a completion's
-``id`` is that id (``services.router.http_request_id``).
+``id`` is that id (``kvpool.services.router.http_request_id``).
 
 Errors are OpenAI's shape with ``param`` naming the field: 400 for a client's
 mistake, 413 for a body past ``MAX_BODY_BYTES``, 429 with ``Retry-After`` when
@@ -36,14 +36,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvpool.core.stop_strings import StopMatcher
+from kvpool.core.decode.stop_strings import StopMatcher
 from kvpool.tokenizer import Tokenizer
-from services.router.auth import tenant_of
-from services.router.generation_request import GenerationRequest, ModelLimits
-from services.router.http_request_id import RequestIdMiddleware, request_id_of
-from services.router.json_body import MAX_BODY_BYTES, parse_json
-from services.router.openai_errors import ApiError
-from services.router.openai_schema import parse_chat, parse_completion
+from kvpool.services.router.auth import tenant_of
+from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
+from kvpool.services.router.http_request_id import RequestIdMiddleware, request_id_of
+from kvpool.services.router.json_body import MAX_BODY_BYTES, parse_json
+from kvpool.services.router.openai_errors import ApiError
+from kvpool.services.router.openai_schema import parse_chat, parse_completion
 
 log = structlog.get_logger(__name__)
 
@@ -65,7 +65,7 @@ class Usage:
     finish_reason: str = "length"  # "stop" (a stop token) or "length" (max_tokens or the context)
     pipeline: str = ""  # the internal address: the router's and its log's, never a client's
     shard: str = ""
-    # what the client reads (``kvpool.core.public_errors.served_by``): "prefill pipeline 0", "decode shard 1"
+    # what the client reads (``kvpool.core.api.public_errors.served_by``): "prefill pipeline 0", "decode shard 1"
     pipeline_label: str = ""
     shard_label: str = ""
 

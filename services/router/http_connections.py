@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from services.router.openai_errors import ApiError
+from kvpool.services.router.openai_errors import ApiError
 
 log = structlog.get_logger(__name__)
 

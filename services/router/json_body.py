@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from services.router.openai_errors import ApiError, invalid
+from kvpool.services.router.openai_errors import ApiError, invalid
 
 MAX_BODY_BYTES = 32 << 20
 MAX_JSON_DEPTH = 64

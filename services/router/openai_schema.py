@@ -1,11 +1,11 @@
 """OpenAI-compatible request bodies → one validated ``GenerationRequest``; errors in OpenAI's shape.
 
-Every rejection is an ``ApiError`` (``services.router.openai_errors``) with
+Every rejection is an ``ApiError`` (``kvpool.services.router.openai_errors``) with
 the HTTP status, OpenAI's error type and ``param`` naming the field, so a
 client's mistake is always a 4xx that says what to fix. The body arrives
-parsed (``services.router.json_body``). The generation fields themselves
+parsed (``kvpool.services.router.json_body``). The generation fields themselves
 (lengths, sampling, seeds, session keys) are checked by
-``kvpool.core.generation_fields``, the same checks the gRPC ``Generate``
+``kvpool.core.api.generation_fields``, the same checks the gRPC ``Generate``
 runs. Fields this server does not implement are refused by name when they
 ask for something (``n`` > 1, ``logprobs``, ``response_format`` JSON, a
 forced ``tool_choice``, ...) and taken as hints otherwise; ``tools`` are
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.generation_fields import (
+from kvpool.core.api.generation_fields import (
     OPENAI_FIELDS,
     check_length,
     check_prompt_text,
@@ -28,11 +28,11 @@ from kvpool.core.generation_fields import (
     check_session_key,
     check_token_ids,
 )
-from kvpool.core.sessions import check_expected_next_s
-from kvpool.core.stop_strings import StopMatcher
+from kvpool.core.sessions.table import check_expected_next_s
+from kvpool.core.decode.stop_strings import StopMatcher
 from kvpool.tokenizer import Tokenizer, tools_text
-from services.router.generation_request import GenerationRequest, ModelLimits
-from services.router.openai_errors import ApiError, api_error_of, invalid
+from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
+from kvpool.services.router.openai_errors import ApiError, api_error_of, invalid
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # a client's session, when the body names none: headers agent harnesses send

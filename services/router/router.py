@@ -1,10 +1,10 @@
 """The router's generate path: admit, reserve decode room, prefill into it, decode, stream — and free
 everything at once whatever happens.
 
-Every decision is the core's (``kvpool.core.admission``): one ``admit`` per
+Every decision is the core's (``kvpool.core.admission.admission``): one ``admit`` per
 request hands back a ticket (pipeline, decode shard, pages, region bytes, the
 pipeline's device blocks) or queues the request, holding nothing, until a
-``release`` makes room (the waiting is ``services.router.tickets``'s); the
+``release`` makes room (the waiting is ``kvpool.services.router.tickets``'s); the
 first token gives the device blocks back (``prefill_ended``); one ``release``
 ends it. Between them this module makes the calls:
 
@@ -13,7 +13,7 @@ ends it. Between them this module makes the calls:
           decode scatters each part as it lands; the last stage adds the final
           logits) → Generate (decode samples every token, the first included)
 
-Faults (the core decides, ``kvpool.core.admission_retry.retry_move``): a prefill
+Faults (the core decides, ``kvpool.core.admission.retry.retry_move``): a prefill
 pipeline that answers UNAVAILABLE is retried once on another healthy pipeline
 when nothing reached the client (waiting, within the queue's timeout, for
 device room there if it has none now); the region and pages stay the request's. A
@@ -37,21 +37,21 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from kvpool.core.admission import Admission, Ticket
+from kvpool.core.admission.admission import Admission, Ticket
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
-from kvpool.core.prefill_queue import QueueOrder
-from kvpool.core.public_errors import PIPELINE, SHARD, backend_label, public_error, served_by
-from kvpool.core.routing import RoutingPolicy
-from kvpool.core.served_context import ShardLimits, served_context
-from kvpool.core.tenancy import scoped_session_key
+from kvpool.core.prefill.queue import QueueOrder
+from kvpool.core.api.public_errors import PIPELINE, SHARD, backend_label, public_error, served_by
+from kvpool.core.admission.routing import RoutingPolicy
+from kvpool.core.api.served_context import ShardLimits, served_context
+from kvpool.core.tenancy.tenants import scoped_session_key
 from kvpool.request_id import bound_request_id, new_request_id
 from kvpool.rpc import decode_pb2, handoff_pb2, prefill_pb2
 from kvpool.status import from_status
-from services.router.backends import LATE_CHECKS_OUT, Backends, server_of
-from services.router.generation_request import GenerationRequest, ModelLimits
-from services.router.http_api import Usage
-from services.router.metrics import RouterMetrics
-from services.router.tickets import Tickets, admission_request
+from kvpool.services.router.backends import LATE_CHECKS_OUT, Backends, server_of
+from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
+from kvpool.services.router.http_api import Usage
+from kvpool.services.router.metrics import RouterMetrics
+from kvpool.services.router.tickets import Tickets, admission_request
 
 log = structlog.get_logger(__name__)
 
@@ -78,7 +78,7 @@ class Router:
                  late_checks_out: int = LATE_CHECKS_OUT, health_wait_s: float = 0.0,
                  max_bypass_s: float = math.inf, reorder_below_s: float = math.inf) -> None:
         self.metrics = metrics
-        self.limits = limits  # its context follows every health round (kvpool.core.served_context)
+        self.limits = limits  # its context follows every health round (kvpool.core.api.served_context)
         self.max_in_flight = max_in_flight
         self.request_timeout_s = request_timeout_s
         self.in_flight = 0
@@ -343,7 +343,7 @@ class Router:
             call.cancel()  # a no-op once the stream ended; frees the pages when the client went away
 
     def _backend_error(self, exc: grpc.aio.AioRpcError, kind: str, name: str, request_id: str) -> KvpoolError:
-        """A backend's failure as the client may see it (``kvpool.core.public_errors``): the backend by
+        """A backend's failure as the client may see it (``kvpool.core.api.public_errors``): the backend by
         its index, no address anywhere; the whole story goes to this log line, with the request id."""
         names = list(self.backends.pipelines if kind == PIPELINE else self.backends.shards)
         error = from_status(exc, backend_label(kind, names, name), _PASSED_ON)

@@ -15,7 +15,7 @@ import uvicorn
 
 from kvpool import service
 from kvpool.core.errors import InvalidArgument, KvpoolError
-from kvpool.core.generation_fields import (
+from kvpool.core.api.generation_fields import (
     GRPC_FIELDS,
     check_length,
     check_prompt_text,
@@ -27,15 +27,15 @@ from kvpool.request_id import METADATA_KEY, bound_request_id, from_metadata, new
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.status import abort
 from kvpool.tokenizer import ByteTokenizer, load_tokenizer
-from services.router.auth import ApiKeys, gate
-from services.router.generation_request import GenerationRequest, ModelLimits
-from services.router.http_api import HttpApi, Usage
-from services.router.http_connections import ensure_open_files, guarded
-from services.router.json_body import MAX_BODY_BYTES
-from services.router.metrics import RouterMetrics
-from services.router.openai_errors import api_error_of
-from services.router.router import Router
-from services.router.settings import RouterSettings
+from kvpool.services.router.auth import ApiKeys, gate
+from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
+from kvpool.services.router.http_api import HttpApi, Usage
+from kvpool.services.router.http_connections import ensure_open_files, guarded
+from kvpool.services.router.json_body import MAX_BODY_BYTES
+from kvpool.services.router.metrics import RouterMetrics
+from kvpool.services.router.openai_errors import api_error_of
+from kvpool.services.router.router import Router
+from kvpool.services.router.settings import RouterSettings
 
 log = structlog.get_logger(__name__)
 
@@ -93,7 +93,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ))
 
     def _validate(self, request: router_pb2.GenerateRequest) -> GenerationRequest:
-        """The same checks as the HTTP API (``kvpool.core.generation_fields``), with this API's field names."""
+        """The same checks as the HTTP API (``kvpool.core.api.generation_fields``), with this API's field names."""
         limits = self.limits
         if request.token_ids and request.text:
             raise InvalidArgument("token_ids: give the prompt as token_ids or as text, not both", field="token_ids")

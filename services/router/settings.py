@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvpool.core.prefill_queue import QueueOrder
+from kvpool.core.prefill.queue import QueueOrder
 from kvpool.core.setting import setting
 from kvpool.model.config import CONFIGS
 from kvpool.model.model_setting import ModelSetting
@@ -72,12 +72,12 @@ class RouterSettings(ModelSetting):
                                       "(oldest first), and no later request passes it (inf: no aging)")
     sched_max_bypass_s: float = setting(
         math.inf, help="--sched session: the bypass budget, seconds of estimated work that later requests may "
-        "overtake a queued request by, in the queue or taking their ticket at once (kvpool.core.prefill_queue); "
+        "overtake a queued request by, in the queue or taking their ticket at once (kvpool.core.prefill.queue); "
         "in the pipelines' seconds: the estimates are scaled by their measured speed (StageInfo's work_scale, "
-        "asked every 10 health rounds; kvpool.core.work_scale)", default_text="none")
+        "asked every 10 health rounds; kvpool.core.prefill.work_scale)", default_text="none")
     sched_reorder_below_s: float = setting(
         math.inf, help="--sched session: the backlog gate: while this many seconds of estimated work are queued, "
-        "requests are ticketed in arrival order, and below it in the session order (kvpool.core.prefill_queue); "
+        "requests are ticketed in arrival order, and below it in the session order (kvpool.core.prefill.queue); "
         "in the pipelines' seconds, as for --sched-max-bypass-s", default_text="none")
     servers: list[str] = setting(
         help="the server of each pipeline or shard, where its address's host does not say it",

@@ -1,7 +1,7 @@
 """The router's requests and their admission tickets: a request gets its ticket now, or waits for it in
 the queue holding nothing.
 
-Every decision is the core's (``kvpool.core.admission``); this is its asyncio
+Every decision is the core's (``kvpool.core.admission.admission``); this is its asyncio
 shell. A queued request waits on a future until its ticket comes, the queue's
 timeout passes, or a backend it needs stays missing; each outcome the core
 answers (``Admitted``) reaches its waiter through ``apply``, and the queue's
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 
-from kvpool.core.admission import Admission, Admitted, AdmissionRequest, Ticket
+from kvpool.core.admission.admission import Admission, Admitted, AdmissionRequest, Ticket
 from kvpool.core.errors import KvpoolError, ResourceExhausted, Unavailable
-from kvpool.core.tenancy import scoped_session_key
-from services.router.generation_request import GenerationRequest
-from services.router.metrics import RouterMetrics
+from kvpool.core.tenancy.tenants import scoped_session_key
+from kvpool.services.router.generation_request import GenerationRequest
+from kvpool.services.router.metrics import RouterMetrics
 
 
 class Tickets:

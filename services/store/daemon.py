@@ -26,9 +26,9 @@ from kvpool.host_memory import refuse_unless_fits
 from kvpool import service
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import HostBuffer, TransferEngine, local_host_name
-from services.store import numa
-from services.store.records import SegmentRecords
-from services.store.settings import StoreSettings
+from kvpool.services.store import numa
+from kvpool.services.store.records import SegmentRecords
+from kvpool.services.store.settings import StoreSettings
 
 log = structlog.get_logger(__name__)
 

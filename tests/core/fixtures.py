@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool.core.pool_index import IndexSettings, PoolIndex
-from kvpool.core.pool_records import MountResult, ObjectRecord
+from kvpool.core.pool.index import IndexSettings, PoolIndex
+from kvpool.core.pool.records import MountResult, ObjectRecord
 
 KB = 1024
 

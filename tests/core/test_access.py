@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.access import POLICY, ROLES, Peer, authorize
+from kvpool.core.tenancy.access import POLICY, ROLES, Peer, authorize
 from kvpool.core.errors import PermissionDenied
 from kvpool.rpc import decode_pb2, handoff_pb2, pool_pb2, prefill_pb2, router_pb2
 

@@ -7,15 +7,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.core.admission import Admission, Admitted, AdmissionRequest, Locality, ShardShape, Ticket
-from kvpool.core.admission_retry import Move, may_retry, retry_move
-from kvpool.core.block_manager import BlockManager
+from kvpool.core.admission.admission import Admission, Admitted, AdmissionRequest, Locality, ShardShape, Ticket
+from kvpool.core.admission.retry import Move, may_retry, retry_move
+from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import ChunkHash
-from kvpool.core.decode_pages import pages_for_request
-from kvpool.core.decode_scheduler import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, finish_reason
+from kvpool.core.decode.pages import pages_for_request
+from kvpool.core.decode.scheduler import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, finish_reason
 from kvpool.core.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvpool.core.prefill_request import PrefillRequest
-from kvpool.core.routing import PipelineReason, RoutingPolicy
+from kvpool.core.prefill.request import PrefillRequest
+from kvpool.core.admission.routing import PipelineReason, RoutingPolicy
 
 # a region of a 100-token prompt: 100 * 4000 + 4096 -> 405,504 bytes (99 pages of 4,096)
 SHAPE = ShardShape(num_pages=100, page_size=16, arena_bytes=1_000_000, region_bytes_per_token=4000,

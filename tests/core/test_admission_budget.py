@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from kvpool.core.admission import QueueOrder
-from kvpool.core.admission_queue import AdmissionQueue, admission_work_s
+from kvpool.core.admission.admission import QueueOrder
+from kvpool.core.admission.queue import AdmissionQueue, admission_work_s
 from kvpool.core.errors import InvalidArgument
 from tests.core.test_admission_order import admission, full, req
 

@@ -9,13 +9,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.core.admission import Admission, Admitted, AdmissionRequest, QueueOrder, ShardShape
-from kvpool.core.admission_queue import AdmissionQueue, admission_work_s
-from kvpool.core.session_prefix import MAX_SESSION_PREFIXES, matched_prefix, remember_prompt
-from kvpool.core.decode_pages import pages_for_request
+from kvpool.core.admission.admission import Admission, Admitted, AdmissionRequest, QueueOrder, ShardShape
+from kvpool.core.admission.queue import AdmissionQueue, admission_work_s
+from kvpool.core.sessions.prefix import MAX_SESSION_PREFIXES, matched_prefix, remember_prompt
+from kvpool.core.decode.pages import pages_for_request
 from kvpool.core.errors import InvalidArgument, ResourceExhausted
-from kvpool.core.prefill_queue import WorkWeights, prefill_work_s
-from kvpool.core.routing import RoutingPolicy
+from kvpool.core.prefill.queue import WorkWeights, prefill_work_s
+from kvpool.core.admission.routing import RoutingPolicy
 
 # a region of a 100-token prompt: 100 * 4000 + 4096 -> 405,504 bytes; 120 tokens 484,096; 150 tokens 604,096
 SHAPE = ShardShape(num_pages=100, page_size=16, arena_bytes=1_000_000, region_bytes_per_token=4000,

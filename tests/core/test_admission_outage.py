@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.admission import Admission, AdmissionRequest, ShardShape
+from kvpool.core.admission.admission import Admission, AdmissionRequest, ShardShape
 from kvpool.core.errors import InvalidArgument, Unavailable
-from kvpool.core.routing import RoutingPolicy
+from kvpool.core.admission.routing import RoutingPolicy
 
 SHAPE = ShardShape(num_pages=100, page_size=16, arena_bytes=1_000_000, region_bytes_per_token=4000,
                    region_trailer_bytes=4096, max_context=4096)

@@ -13,7 +13,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpool.core.allocator import (
+from kvpool.core.pool.allocator import (
     AllocatorError,
     Extent,
     SegmentAllocator,

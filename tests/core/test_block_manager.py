@@ -7,11 +7,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.core.block_manager import BlockManager, NoFreeBlocks
+from kvpool.core.prefill.block_manager import BlockManager, NoFreeBlocks
 from kvpool.core.chunk_hash import ChunkHash, chunk_hashes
 from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvpool.core.sessions import SessionId
-from kvpool.core.tenant_shares import TenantShares, parse_weights
+from kvpool.core.sessions.table import SessionId
+from kvpool.core.tenancy.shares import TenantShares, parse_weights
 
 NS = "ns"
 CHUNK = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.chaos_spec import ChaosSpecError, Fault, FaultKind, check_targets, parse_chaos, parse_duration
+from kvpool.core.supervision.chaos_spec import ChaosSpecError, Fault, FaultKind, check_targets, parse_chaos, parse_duration
 
 ISSUE_SPEC = ("kill:store0@30s,kill:master@60s,kill:p1-stage2@90s,kill:decode1@120s,"
               "slow:store1=200ms@150s,corrupt:store0@180s")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.decode_regions import RegionTable
+from kvpool.core.decode.regions import RegionTable
 from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
-from kvpool.core.handoff_layout import HandoffLayout
+from kvpool.core.handoff.layout import HandoffLayout
 from tests.core.fixtures import Clock
 
 

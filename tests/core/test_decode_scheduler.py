@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.core.decode_pages import PageAllocator, pages_for
-from kvpool.core.decode_scheduler import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, DecodeScheduler
+from kvpool.core.decode.pages import PageAllocator, pages_for
+from kvpool.core.decode.scheduler import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, DecodeScheduler
 from kvpool.core.errors import InvalidArgument, ResourceExhausted
 from tests.core.fixtures import Clock
 

@@ -1,11 +1,11 @@
-"""Request field checks shared by the HTTP and gRPC APIs (``kvpool.core.generation_fields``)."""
+"""Request field checks shared by the HTTP and gRPC APIs (``kvpool.core.api.generation_fields``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.generation_fields import check_prompt_text
+from kvpool.core.api.generation_fields import check_prompt_text
 
 
 def test_prompt_text_is_bounded_by_the_context_times_the_longest_token() -> None:

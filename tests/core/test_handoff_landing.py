@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.handoff_landing import LandedParts
-from kvpool.core.handoff_layout import HandoffLayout
+from kvpool.core.handoff.landing import LandedParts
+from kvpool.core.handoff.layout import HandoffLayout
 
 LAYOUT = HandoffLayout.of(num_tokens=600, layer_split=[(0, 2), (2, 4)], entry_bytes=8, trailer_bytes=16)
 

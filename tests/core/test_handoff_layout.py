@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.handoff_layout import (
+from kvpool.core.handoff.layout import (
     MAX_TRANSFER_BYTES,
     HandoffLayout,
     RangeTransfer,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.health_checks import Check, HealthVerdicts
+from kvpool.core.supervision.health_checks import Check, HealthVerdicts
 
 S, D, L = Check.SERVING, Check.DOWN, Check.LATE
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.core.master_breaker import BreakerState, MasterBreaker
+from kvpool.core.pool.master_breaker import BreakerState, MasterBreaker
 
 
 def test_closed_allows_every_call() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpool.core.memory_budget import memory_refusal
+from kvpool.core.supervision.memory_budget import memory_refusal
 
 
 def test_fits_or_names_every_setting_and_the_numbers() -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvpool.core.allocator import SegmentAllocator
-from kvpool.core.placement import batch_orders, group_first, placement_order
-from kvpool.core.pool_index import IndexSettings, PoolIndex
-from kvpool.core.pool_records import PutRequestItem, Segment
+from kvpool.core.pool.allocator import SegmentAllocator
+from kvpool.core.pool.placement import batch_orders, group_first, placement_order
+from kvpool.core.pool.index import IndexSettings, PoolIndex
+from kvpool.core.pool.records import PutRequestItem, Segment
 
 KB = 1024
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.planner import (
+from kvpool.core.prefill.planner import (
     RestorePlan,
     chunks_that_fit,
     leading_count,

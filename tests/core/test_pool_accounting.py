@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from kvpool.core.pool_index import PoolIndex
-from kvpool.core.pool_records import ObjectRecord, PutRequestItem, PutStatus
+from kvpool.core.pool.index import PoolIndex
+from kvpool.core.pool.records import ObjectRecord, PutRequestItem, PutStatus
 from tests.core.fixtures import KB, make_index, mount
 
 

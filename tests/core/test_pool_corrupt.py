@@ -6,8 +6,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.core.pool_index import PoolIndex
-from kvpool.core.pool_records import PutRequestItem, PutStatus
+from kvpool.core.pool.index import PoolIndex
+from kvpool.core.pool.records import PutRequestItem, PutStatus
 from tests.core.fixtures import KB, make_index
 
 

@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from kvpool.core.pool_index import IndexSettings, PoolIndex
-from kvpool.core.pool_records import PutRequestItem, PutStatus
+from kvpool.core.pool.index import IndexSettings, PoolIndex
+from kvpool.core.pool.records import PutRequestItem, PutStatus
 from tests.core.fixtures import KB, make_index
 
 # high 0.75 × 8 KiB = 6 KiB, low 0.5 × 8 KiB = 4 KiB

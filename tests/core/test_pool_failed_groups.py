@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpool.core.pool_records import PutRequestItem, PutStatus
+from kvpool.core.pool.records import PutRequestItem, PutStatus
 from tests.core.fixtures import KB, make_index
 
 # one 10 KiB segment; a failed group's other members are refused for 10 s

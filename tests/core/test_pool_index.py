@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvpool.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from kvpool.core.pool_index import IndexSettings, PoolIndex
-from kvpool.core.pool_records import PutRequestItem, PutStatus
+from kvpool.core.pool.index import IndexSettings, PoolIndex
+from kvpool.core.pool.records import PutRequestItem, PutStatus
 from tests.core.fixtures import KB, make_index
 
 

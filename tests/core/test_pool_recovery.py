@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.allocator import Extent
-from kvpool.core.pool_index import PoolIndex
-from kvpool.core.pool_records import (
+from kvpool.core.pool.allocator import Extent
+from kvpool.core.pool.index import PoolIndex
+from kvpool.core.pool.records import (
     ObjectRecord,
     PutRequestItem,
     PutStatus,
     SegmentChange,
 )
-from kvpool.core.pool_recovery import allocator_with_ranges
+from kvpool.core.pool.recovery import allocator_with_ranges
 from tests.core.fixtures import KB, make_index, mount
 
 

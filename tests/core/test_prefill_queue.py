@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.prefill_queue import PrefillQueue, QueueOrder, WorkWeights, prefill_work_s
+from kvpool.core.prefill.queue import PrefillQueue, QueueOrder, WorkWeights, prefill_work_s
 
 
 def filled(order: QueueOrder, works: list[float], max_wait_s: float = 10.0) -> PrefillQueue:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.prefill_queue import PrefillQueue, QueueOrder
+from kvpool.core.prefill.queue import PrefillQueue, QueueOrder
 
 
 def budgeted(order: QueueOrder, works: list[float], max_bypass_s: float, max_wait_s: float = math.inf) -> PrefillQueue:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.block_manager import BlockManager, NoFreeBlocks
+from kvpool.core.prefill.block_manager import BlockManager, NoFreeBlocks
 from kvpool.core.chunk_hash import chunk_hashes
 from kvpool.core.errors import FailedPrecondition, ResourceExhausted
-from kvpool.core.prefill_request import Phase, PrefillRequest, try_admit
+from kvpool.core.prefill.request import Phase, PrefillRequest, try_admit
 
 NS = "ns"
 CHUNK = 4

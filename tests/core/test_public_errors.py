@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvpool.core.errors import InvalidArgument, ResourceExhausted, Unavailable
-from kvpool.core.public_errors import backend_label, public_error, redact_addresses, served_by
+from kvpool.core.api.public_errors import backend_label, public_error, redact_addresses, served_by
 
 
 def test_the_issue_message_loses_its_address() -> None:

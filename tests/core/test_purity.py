@@ -40,9 +40,7 @@ print("imported", len({modules!r}))
 
 
 def core_modules() -> list[str]:
-    return ["kvpool.core"] + [
-        f"kvpool.core.{m.name}" for m in pkgutil.iter_modules(kvpool.core.__path__)
-    ]
+    return ["kvpool.core"] + [m.name for m in pkgutil.walk_packages(kvpool.core.__path__, "kvpool.core.")]
 
 
 def run_probe(modules: list[str]) -> subprocess.CompletedProcess[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.restart_policy import RestartPolicy, Supervision
+from kvpool.core.supervision.restart_policy import RestartPolicy, Supervision
 
 RANKS = {"master": 0, "store0": 1, "p0-stage1": 2, "p0-stage0": 3, "router": 4}
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.core.errors import InvalidArgument, Unavailable
-from kvpool.core.routing import PipelineReason, Placement, RoutingPolicy
+from kvpool.core.admission.routing import PipelineReason, Placement, RoutingPolicy
 
 
 def policy(**settings: int) -> RoutingPolicy:

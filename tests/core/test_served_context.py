@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.core.decode_pages import kv_capacity, pages_for_request
-from kvpool.core.decode_regions import REGION_ALIGNMENT
-from kvpool.core.served_context import ShardLimits, served_context
+from kvpool.core.decode.pages import kv_capacity, pages_for_request
+from kvpool.core.decode.regions import REGION_ALIGNMENT
+from kvpool.core.api.served_context import ShardLimits, served_context
 
 # tiny's shard under kvpool up's old defaults: 8 layers x 96 float32 values = 3,072 bytes per token
 OLD_DEFAULT = ShardLimits(max_context=32768, num_pages=256 * 2**20 // (16 * 3072), page_size=16,

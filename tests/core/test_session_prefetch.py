@@ -8,11 +8,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.core.block_manager import BlockManager
+from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import ChunkHash
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.prefill_request import PrefillRequest, try_admit
-from kvpool.core.session_prefetch import (
+from kvpool.core.prefill.request import PrefillRequest, try_admit
+from kvpool.core.sessions.prefetch import (
     ARMED,
     CANCELLED,
     ON_DEVICE,
@@ -25,7 +25,7 @@ from kvpool.core.session_prefetch import (
     PrefetchSettings,
     SessionPrefetch,
 )
-from kvpool.core.sessions import SessionId
+from kvpool.core.sessions.table import SessionId
 
 A, C, D = SessionId("t", "a"), SessionId("t", "c"), SessionId("t", "d")
 CHUNK = 4

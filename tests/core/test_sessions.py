@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from kvpool.core.chunk_hash import ChunkHash
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.pool_index import PoolIndex
-from kvpool.core.sessions import (
+from kvpool.core.pool.index import PoolIndex
+from kvpool.core.sessions.table import (
     PrefetchLedger,
     SessionId,
     SessionTable,
@@ -17,7 +17,7 @@ from kvpool.core.sessions import (
     prefetch_budget,
     prefetch_lead_s,
 )
-from kvpool.core.pool_records import PutRequestItem
+from kvpool.core.pool.records import PutRequestItem
 from tests.core.fixtures import KB, make_index
 
 A, B, C = SessionId("t", "a"), SessionId("t", "b"), SessionId("u", "a")

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.stop_strings import StopMatcher
+from kvpool.core.decode.stop_strings import StopMatcher
 
 
 def stream(pieces: list[str], stops: list[str]) -> tuple[str, bool]:

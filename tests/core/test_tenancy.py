@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.core.tenancy import TenantLabels, TenantRates, scoped_session_key
+from kvpool.core.tenancy.tenants import TenantLabels, TenantRates, scoped_session_key
 
 
 def test_session_keys_of_two_tenants_never_meet() -> None:

@@ -1,4 +1,4 @@
-"""Tenants' shares of the pool: the rule (``tenant_shares``) and the index's eviction by it — exact ids.
+"""Tenants' shares of the pool: the rule (``tenancy.shares``) and the index's eviction by it — exact ids.
 
 Groups here are one 1 KiB member each; a 10 KiB segment with both watermarks
 at 1.0 gives shares of 10 KiB unless a test sets watermarks.
@@ -11,9 +11,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.core.pool_index import IndexSettings, PoolIndex
-from kvpool.core.pool_records import ObjectRecord, PutRequestItem, PutStatus
-from kvpool.core.tenant_shares import TenantShares, VictimOrder, parse_weights
+from kvpool.core.pool.index import IndexSettings, PoolIndex
+from kvpool.core.pool.records import ObjectRecord, PutRequestItem, PutStatus
+from kvpool.core.tenancy.shares import TenantShares, VictimOrder, parse_weights
 from tests.core.fixtures import KB, make_index, mount
 
 FULL = {"high_watermark": 1.0, "low_watermark": 1.0}

@@ -1,4 +1,4 @@
-"""The measured work factor (kvpool.core.work_scale): exact figures."""
+"""The measured work factor (kvpool.core.prefill.work_scale): exact figures."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.prefill_queue import WorkWeights, prefill_work_s
-from kvpool.core.work_scale import MAX_FACTOR, MIN_FACTOR, WorkScale, host_work_s
+from kvpool.core.prefill.queue import WorkWeights, prefill_work_s
+from kvpool.core.prefill.work_scale import MAX_FACTOR, MIN_FACTOR, WorkScale, host_work_s
 
 W = WorkWeights()
 

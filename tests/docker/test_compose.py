@@ -194,7 +194,7 @@ def credentials(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """`kvpool certs` into a folder of the test's (compose.yaml mounts it through KVPOOL_TLS_DIR); the test
     process dials as the master, the role pool stats needs."""
     folder = tmp_path_factory.mktemp("compose-tls")
-    run(sys.executable, "-m", "services.cli", "certs", str(folder))
+    run(sys.executable, "-m", "kvpool.services.cli", "certs", str(folder))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVPOOL_TLS_DIR", str(folder))
         tls.configure(identity(folder / "master"))

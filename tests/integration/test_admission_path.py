@@ -221,7 +221,7 @@ def test_the_router_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, services.router.server; print('torch' in sys.modules)"
+    code = "import sys, kvpool.services.router.server; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout
     assert out.strip() == "False"

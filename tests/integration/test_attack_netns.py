@@ -91,7 +91,7 @@ def cluster(net: Net, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     config = workdir / "cluster.toml"
     config.write_text("".join(f'[{role}]\ntransfer_host = "{FABRIC}.1"\n' for role in ("store", "prefill", "decode")))
     proc = subprocess.Popen(
-        in_ns(net.cluster, sys.executable, "-m", "services.cli", "up", "--host", f"{FRONT}.1", "--stages", "1",
+        in_ns(net.cluster, sys.executable, "-m", "kvpool.services.cli", "up", "--host", f"{FRONT}.1", "--stages", "1",
               "--stores", "1", "--segment-size", "32MiB", "--device-cache-tokens", "2048", "--http-port", "0",
               "--grpc-port", "0", "--secure", "--api-key", f"alice={ALICE},bob={BOB}", "--config", str(config),
               "--workdir", str(workdir / "up")),

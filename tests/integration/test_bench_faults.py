@@ -29,7 +29,7 @@ KEYS = {
 
 def test_bench_faults_quick() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "faults", "--quick", "--json"],
+        [sys.executable, "-m", "kvpool.services.cli", "bench", "faults", "--quick", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=400, check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

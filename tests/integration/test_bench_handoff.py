@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvpool.core.handoff_layout import MAX_TRANSFER_BYTES
+from kvpool.core.handoff.layout import MAX_TRANSFER_BYTES
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -25,7 +25,7 @@ KEYS = {
 
 
 def bench(*args: str) -> tuple[str, dict[str, object]]:
-    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", "handoff", "--json", *args],
+    done = subprocess.run([sys.executable, "-m", "kvpool.services.cli", "bench", "handoff", "--json", *args],
                           check=False, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cluster
 
 def test_bench_decode_json_line() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "decode", "--json", "--concurrency", "1,16",
+        [sys.executable, "-m", "kvpool.services.cli", "bench", "decode", "--json", "--concurrency", "1,16",
          "--prompt-tokens", "16", "--max-tokens", "4", "--repeats", "1"],
         capture_output=True, text=True, timeout=240, check=True,
     ).stdout

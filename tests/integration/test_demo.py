@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cluster
 
 def test_demo_interleaves_two_sessions_and_every_revisit_comes_from_the_pool(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--demo", "--trace", "synthetic", "--turns", "2",
+        [sys.executable, "-m", "kvpool.services.cli", "up", "--demo", "--trace", "synthetic", "--turns", "2",
          "--http-port", "0", "--grpc-port", "0", "--segment-size", "64MiB", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )

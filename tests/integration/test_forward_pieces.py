@@ -181,7 +181,7 @@ async def test_a_caller_that_goes_away_mid_stream_leaves_nothing_waiting(pipelin
 async def test_stage_zero_measures_its_speed_against_the_estimates_and_says_it(
     pipeline: LocalPipeline, front: prefill_pb2_grpc.PrefillStub,
 ) -> None:
-    """kvpool.core.work_scale on a real stage: the tiny model on this CPU computes a chunk many times slower
+    """kvpool.core.prefill.work_scale on a real stage: the tiny model on this CPU computes a chunk many times slower
     than the reference GPUs' estimate, and StageInfo and the metric carry the measured factor."""
     for seed in (5, 6):  # 16 cold pieces: ~21 ms of reference work, over the 10 ms the factor waits for
         await front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(seed, 2000), session_key="speed",

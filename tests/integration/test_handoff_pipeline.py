@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvpool import service
-from kvpool.core.handoff_layout import HandoffLayout
+from kvpool.core.handoff.layout import HandoffLayout
 from kvpool.handoff import scatter_region
 from kvpool.tools.cluster import LocalPipeline
 from kvpool.model import InProcessPipeline as ReferenceModel

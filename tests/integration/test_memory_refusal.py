@@ -25,7 +25,7 @@ HUGE = "100TiB"
 )
 def test_a_service_whose_memory_cannot_fit_refuses_to_start_naming_the_settings(args: list[str],
                                                                                  named: list[str]) -> None:
-    result = subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "kvpool.services.cli", *args], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode != 0
     assert "exceeds the" in result.stderr and "this host has available" in result.stderr, result.stderr[-2000:]

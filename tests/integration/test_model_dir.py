@@ -97,7 +97,7 @@ def test_greedy_chat_through_the_directory_s_template_equals_transformers_genera
 
 def test_up_refuses_a_directory_it_cannot_serve_before_starting_anything(tmp_path: Path, model_dir: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    done = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model-dir", str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "kvpool.services.cli", "up", "--model-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert f"model_dir: {tmp_path}/config.json: model_type: 'llama' is not supported" in done.stderr

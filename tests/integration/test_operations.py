@@ -48,7 +48,7 @@ class Up:
         config = workdir / "cluster.toml"
         config.write_text("[router]\nhealth_interval_s = 0.2\n")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--pipelines", "2", "--stages", "2",
+            [sys.executable, "-m", "kvpool.services.cli", "up", "--config", str(config), "--pipelines", "2", "--stages", "2",
              "--decode-shards", "2", "--stores", "1", "--segment-size", "64MiB", "--http-port", "0",
              "--grpc-port", "0", "--device-cache-tokens", "4096", "--workdir", str(workdir / "logs")],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

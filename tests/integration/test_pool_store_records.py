@@ -10,7 +10,7 @@ import xxhash
 
 from kvpool.rpc import pool_pb2
 from kvpool.transfer import HostBuffer
-from services.store.records import SegmentRecords
+from kvpool.services.store.records import SegmentRecords
 
 
 def record(key: str, offset: int, size: int = 64, checksum: int = 0) -> pool_pb2.ObjectRecord:

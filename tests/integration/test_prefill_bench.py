@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from services import cli_parser
+from kvpool.services import cli_parser
 from kvpool.tools.bench import prefill_bench
 
 TRACES = prefill_bench.default_traces_dir()
@@ -43,7 +43,7 @@ KEYS = {
 def report() -> dict[str, Any]:
     """One run of the benchmark as the CLI parses it; its last output line, parsed.
 
-    In this process, without ``services.cli.main``, so the test session's logging is left alone.
+    In this process, without ``kvpool.services.cli.main``, so the test session's logging is left alone.
     """
     if not TRACES.is_dir():
         pytest.skip(f"real weka traces not present at {TRACES}")
@@ -58,7 +58,7 @@ def report() -> dict[str, Any]:
 
 def test_missing_traces_is_a_clear_error(tmp_path: Path) -> None:
     missing = tmp_path / "no-traces"
-    command = [sys.executable, "-m", "services.cli", "bench", "prefill", "--quick", "--traces", str(missing)]
+    command = [sys.executable, "-m", "kvpool.services.cli", "bench", "prefill", "--quick", "--traces", str(missing)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert f"traces directory {missing} not found" in done.stderr

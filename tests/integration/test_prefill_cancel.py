@@ -17,12 +17,12 @@ import pytest
 
 from kvpool.model import get_config
 from kvpool.transfer import TransferEngine
-from services.prefill.handoff import HandoffMetrics, StageHandoff
-from services.prefill.metrics import PrefillMetrics
-from services.prefill.pieces import ActivationLink
-from services.prefill.scheduler import PrefillScheduler
-from services.prefill.settings import PrefillSettings
-from services.prefill.stage_runner import StageRunner
+from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
+from kvpool.services.prefill.metrics import PrefillMetrics
+from kvpool.services.prefill.pieces import ActivationLink
+from kvpool.services.prefill.stage0.scheduler import PrefillScheduler
+from kvpool.services.prefill.settings import PrefillSettings
+from kvpool.services.prefill.stage_runner import StageRunner
 from tests.integration.conftest import eventually
 
 pytestmark = pytest.mark.cluster

@@ -21,9 +21,9 @@ from kvpool.model.kv_cache import block_bytes, pack_kv
 from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import ObjectLocation
 from kvpool.transfer import HostBuffer, TransferEngine
-from services.prefill.metrics import PrefillMetrics
-from services.prefill.settings import PrefillSettings
-from services.prefill.stage_runner import ChunkToRestore, StageRunner
+from kvpool.services.prefill.metrics import PrefillMetrics
+from kvpool.services.prefill.settings import PrefillSettings
+from kvpool.services.prefill.stage_runner import ChunkToRestore, StageRunner
 
 pytestmark = pytest.mark.cluster
 

@@ -19,7 +19,7 @@ TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "age
 
 @pytest.mark.skipif(not TRACES.is_dir(), reason="needs ../shared/traces")
 def test_chaos_run_kills_slows_and_corrupts_stores_without_a_wrong_answer(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "services.cli", "replay", str(TRACES / "trace_0001.json"),
+    command = [sys.executable, "-m", "kvpool.services.cli", "replay", str(TRACES / "trace_0001.json"),
                "--chaos", "kill:store0@2s,slow:store1=200ms@3s,corrupt:store1@4s", "--sessions", "1", "--concurrency", "1",
                "--scale", "128", "--max-tokens", "4", "--think-scale", "0", "--duration", "8",
                "--pipelines", "1", "--stages", "1", "--decode-shards", "1", "--segment-size", "32MiB",
@@ -37,7 +37,7 @@ def test_chaos_run_kills_slows_and_corrupts_stores_without_a_wrong_answer(tmp_pa
 
 
 def test_a_bad_spec_exits_2_naming_its_part_before_anything_starts() -> None:
-    out = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--chaos", "kill:store0@30s,boom@1s"],
+    out = subprocess.run([sys.executable, "-m", "kvpool.services.cli", "replay", "--chaos", "kill:store0@30s,boom@1s"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "'boom@1s': no kind" in out.stderr

@@ -91,7 +91,7 @@ def test_replay_of_a_hand_made_trace_counts_device_pool_and_computed_exactly(clu
 def test_the_command_starts_its_cluster_and_ends_with_one_json_line(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "handmade.json")
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "replay", str(trace), "--scale", "1", "--think-scale", "0",
+        [sys.executable, "-m", "kvpool.services.cli", "replay", str(trace), "--scale", "1", "--think-scale", "0",
          "--concurrency", "1", "--stages", "2", "--stores", "2", "--segment-size", "32MiB",
          "--device-cache-tokens", str(DEVICE_CACHE_TOKENS), "--max-tokens", "4", "--decode-pages", "512",
          "--json", "--plot", str(tmp_path / "plots")],
@@ -110,7 +110,7 @@ def test_the_command_starts_its_cluster_and_ends_with_one_json_line(tmp_path: Pa
 def test_the_command_refuses_a_device_cache_smaller_than_the_longest_turn(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "handmade.json")
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "replay", str(trace), "--scale", "1", "--device-cache-tokens", "1024"],
+        [sys.executable, "-m", "kvpool.services.cli", "replay", str(trace), "--scale", "1", "--device-cache-tokens", "1024"],
         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "the longest turn is 1,802 tokens at --scale 1" in proc.stderr

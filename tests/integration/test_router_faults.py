@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from kvpool import service
-from kvpool.core.public_errors import PIPELINE, SHARD, backend_label
+from kvpool.core.api.public_errors import PIPELINE, SHARD, backend_label
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster

@@ -206,7 +206,7 @@ def test_session_hints_reach_the_sessions_pipeline(cluster: Cluster, client: ope
 
 
 def test_the_router_learns_the_pipelines_measured_speed(cluster: Cluster, client: openai.OpenAI) -> None:
-    """Stage 0 measures its compute against the work estimates (kvpool.core.work_scale); the router asks every
+    """Stage 0 measures its compute against the work estimates (kvpool.core.prefill.work_scale); the router asks every
     10 health rounds and scales its queue's estimates by it: the tiny model on a CPU is far slower than the
     reference GPUs, so the router's factor leaves 1."""
     router = f"http://{cluster.topology.host}:{cluster.find('router').ready['admin_port']}"
@@ -318,7 +318,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(cluster: Cluster) 
 def test_kvpool_generate_prints_an_answer_and_its_figures(cluster: Cluster) -> None:
     router = f"127.0.0.1:{cluster.find('router').ready['port']}"
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "def fib(n):", "--router", router, "--max-tokens", "5"],
+        [sys.executable, "-m", "kvpool.services.cli", "generate", "def fib(n):", "--router", router, "--max-tokens", "5"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -328,7 +328,7 @@ def test_kvpool_generate_prints_an_answer_and_its_figures(cluster: Cluster) -> N
 
 def test_kvpool_chat_resends_the_conversation_each_turn(cluster: Cluster) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "chat", "--url", cluster.http_url, "--max-tokens", "4"],
+        [sys.executable, "-m", "kvpool.services.cli", "chat", "--url", cluster.http_url, "--max-tokens", "4"],
         input="first question\nsecond question\n\n", capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr

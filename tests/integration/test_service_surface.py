@@ -25,7 +25,7 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def kvpool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvpool.services.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

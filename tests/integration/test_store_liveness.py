@@ -14,12 +14,12 @@ import grpc
 import pytest
 
 from kvpool import service
-from kvpool.core.pool_index import PoolIndex
-from kvpool.core.pool_settings import IndexSettings
+from kvpool.core.pool.index import PoolIndex
+from kvpool.core.pool.settings import IndexSettings
 from kvpool.tools.cluster import ServiceProcess
 from kvpool.rpc import pool_pb2_grpc
-from services.master.metrics import MasterMetrics
-from services.master.servicer import PoolMasterServicer
+from kvpool.services.master.metrics import MasterMetrics
+from kvpool.services.master.servicer import PoolMasterServicer
 
 pytestmark = pytest.mark.cluster
 

@@ -59,7 +59,7 @@ def port_free(port: int) -> bool:
 def test_ctrl_c_stops_every_service_and_frees_the_ports(tmp_path: Path) -> None:
     workdir = tmp_path / "up"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--stages", "2", "--http-port", "0", "--grpc-port", "0",
+        [sys.executable, "-m", "kvpool.services.cli", "up", "--stages", "2", "--http-port", "0", "--grpc-port", "0",
          "--segment-size", "32MiB", "--workdir", str(workdir)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -96,7 +96,7 @@ def test_killing_up_itself_takes_its_services_with_it(tmp_path: Path) -> None:
     """kill -9 of up: no orphans (each child dies with it), so no cluster is left behind."""
     workdir = tmp_path / "up"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--stages", "1", "--stores", "0", "--http-port", "0",
+        [sys.executable, "-m", "kvpool.services.cli", "up", "--stages", "1", "--stores", "0", "--http-port", "0",
          "--grpc-port", "0", "--workdir", str(workdir)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

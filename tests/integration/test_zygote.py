@@ -78,7 +78,7 @@ def test_the_zygote_runs_one_thread_and_is_every_childs_parent(zygote: Zygote, t
 def test_a_service_asked_to_die_with_its_parent_goes_with_the_zygote(tmp_path: Path) -> None:
     own = Zygote(dict(os.environ))
     ready = tmp_path / "master.ready.json"
-    master = own.spawn("services.cli", ["master", "--port", "0", "--admin-port", "0", "--ready-file", str(ready)],
+    master = own.spawn("kvpool.services.cli", ["master", "--port", "0", "--admin-port", "0", "--ready-file", str(ready)],
                        dict(os.environ, **{PARENT_PID_ENV: str(own.proc.pid)}), str(tmp_path / "master.log"))
     wait_for(ready.exists, timeout_s=120, what="the master ready")
     own.close()  # as when the launcher exits

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.core.handoff_layout import HandoffLayout
+from kvpool.core.handoff.layout import HandoffLayout
 from kvpool.handoff import scatter_region
 from kvpool.model import InProcessPipeline, ModelConfig, pack_kv
 from kvpool.model.decode import DecodeInput, DecodeModel

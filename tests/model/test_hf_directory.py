@@ -14,9 +14,9 @@ import torch
 from kvpool.model import InProcessPipeline
 from kvpool.model.hf_checkpoint import checked_model_dir, model_fingerprint
 from kvpool.tokenizer import HFTokenizer
-from services.decode.settings import DecodeSettings
-from services.prefill.settings import PrefillSettings
-from services.router.settings import RouterSettings
+from kvpool.services.decode.settings import DecodeSettings
+from kvpool.services.prefill.settings import PrefillSettings
+from kvpool.services.router.settings import RouterSettings
 from tests.model.hf_directory import YARN, load_reference, words, write_hf_directory
 from tests.model.inputs import max_abs_diff
 

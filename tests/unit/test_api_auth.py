@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from services.router.auth import MISSING_KEY, ApiKeys, gate, tenant_of
+from kvpool.services.router.auth import MISSING_KEY, ApiKeys, gate, tenant_of
 
 ALICE, BOB = "sk-alice-0123456789", "sk-bob-9876543210"
 

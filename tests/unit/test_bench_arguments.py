@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpool.tools.bench import handoff_bench
-from services import cli_parser
+from kvpool.services import cli_parser
 
 
 @pytest.mark.parametrize(

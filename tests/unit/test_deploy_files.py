@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from services import cli, cli_parser
-from services.decode.settings import DecodeSettings
-from services.master.settings import MasterSettings
-from services.prefill.settings import PrefillSettings
-from services.router.settings import RouterSettings
-from services.store.settings import StoreSettings
+from kvpool.services import cli, cli_parser
+from kvpool.services.decode.settings import DecodeSettings
+from kvpool.services.master.settings import MasterSettings
+from kvpool.services.prefill.settings import PrefillSettings
+from kvpool.services.router.settings import RouterSettings
+from kvpool.services.store.settings import StoreSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT_DIR = ROOT / "deploy" / "systemd"

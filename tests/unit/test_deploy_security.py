@@ -17,8 +17,8 @@ from cryptography.x509.oid import NameOID
 
 from kvpool import tls
 from kvpool.tools.certs import API_KEY_FILE, API_KEYS_FILE, COMPOSE_IDENTITIES
-from services import cli, cli_parser
-from services.router.auth import ApiKeys
+from kvpool.services import cli, cli_parser
+from kvpool.services.router.auth import ApiKeys
 from tests.unit.test_deploy_files import (
     COMPOSE_CONFIG,
     EXAMPLE_CONFIG,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.prefill import stage_servicer
-from services.prefill.stage_servicer import FORWARD_TIMEOUT_S, forward_timeout_s, keep_deadline
+from kvpool.services.prefill import forward
+from kvpool.services.prefill.forward import FORWARD_TIMEOUT_S, forward_timeout_s, keep_deadline
 
 
 class CallContext:
@@ -34,4 +34,4 @@ def test_the_callers_deadline_bounds_the_forward() -> None:
 def test_a_caller_without_a_deadline_gets_the_default_and_a_spent_one_the_least() -> None:
     assert asyncio.run(forwarded_timeout(None)) == FORWARD_TIMEOUT_S
     assert asyncio.run(forwarded_timeout(-1.0)) == 0.001
-    assert stage_servicer._deadline.get() is None  # each asyncio.run had its own context: nothing leaked
+    assert forward._deadline.get() is None  # each asyncio.run had its own context: nothing leaked

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.core.handoff_layout import HandoffLayout, range_transfers
+from kvpool.core.handoff.layout import HandoffLayout, range_transfers
 from kvpool.handoff import gather_range, gather_stage, scatter_range, scatter_region
 from kvpool.model import allocate_kv_cache, get_config, pack_kv, unpack_kv
 

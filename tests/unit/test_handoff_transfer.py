@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvpool.core.handoff_layout import (
+from kvpool.core.handoff.layout import (
     MAX_TRANSFER_BYTES,
     HandoffLayout,
     num_naive_writes,

@@ -6,7 +6,7 @@ import pytest
 
 from kvpool.core.errors import FailedPrecondition, InvalidArgument
 from kvpool.rpc import handoff_pb2
-from services.prefill.handoff import check_target, target_layout
+from kvpool.services.prefill.handoff import check_target, target_layout
 
 SPLIT = [(0, 4), (4, 8)]
 ENTRY = 384

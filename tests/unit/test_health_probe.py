@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvpool.tools.health import check, main
-from services import cli
+from kvpool.services import cli
 
 
 @pytest.fixture

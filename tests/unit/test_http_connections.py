@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import resource
 
-from services.router.http_connections import RESERVED_FILES, ensure_open_files, open_files_limit
+from kvpool.services.router.http_connections import RESERVED_FILES, ensure_open_files, open_files_limit
 
 INF = resource.RLIM_INFINITY
 

@@ -6,8 +6,8 @@
   command (``services/cli.py`` and its parser, ``services/cli_parser.py``)
   reaches into the tools.
 - A module named after ``-m`` in a command line (``[sys.executable, "-m",
-  "services.cli", ...]``) is a dependency too: only the cluster launcher
-  starts ``services.cli``.
+  "kvpool.services.cli", ...]``) is a dependency too: only the cluster launcher
+  starts ``kvpool.services.cli``.
 - The import graph of ``kvpool/`` and ``services/`` (imports at module level,
   inside functions and under ``TYPE_CHECKING`` alike) has no cycle.
 """
@@ -21,16 +21,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER = "kvpool.tools.cluster.process"  # the one module that runs services.cli
+SERVICES = "kvpool.services"  # the services/ folder, as it installs
+LAUNCHER = "kvpool.tools.cluster.process"  # the one module that runs kvpool.services.cli
 
 
 @cache
 def modules() -> dict[str, Path]:
-    """Every module under kvpool/ and services/ by dotted name (a package by its own name)."""
+    """Every module under kvpool/ and services/ by the dotted name it installs as (services/ is
+    ``kvpool.services``; a package by its own name)."""
     found = {}
-    for top in ("kvpool", "services"):
+    for top, prefix in (("kvpool", ["kvpool"]), ("services", ["kvpool", "services"])):
         for path in sorted((ROOT / top).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            parts = prefix + list(path.relative_to(ROOT / top).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             found[".".join(parts)] = path
@@ -99,10 +101,10 @@ def _under(name: str, prefix: str) -> bool:
 def test_kvpool_never_imports_services_and_only_tools_reach_the_tools() -> None:
     offenders = {}
     for name in modules():
-        if not _under(name, "kvpool"):
+        if _under(name, SERVICES):
             continue
-        banned = ("services",) if _under(name, "kvpool.tools") else ("services", "kvpool.tools")
-        allowed = {"services.cli"} if name == LAUNCHER else set()  # what it starts, never imports
+        banned = (SERVICES,) if _under(name, "kvpool.tools") else (SERVICES, "kvpool.tools")
+        allowed = {"kvpool.services.cli"} if name == LAUNCHER else set()  # what it starts, never imports
         bad = sorted(d for d in dependencies(name) - allowed if any(_under(d, b) for b in banned))
         if bad:
             offenders[name] = bad
@@ -110,22 +112,22 @@ def test_kvpool_never_imports_services_and_only_tools_reach_the_tools() -> None:
 
 
 def test_the_roles_never_import_the_tools() -> None:
-    command = ("services", "services.cli", "services.cli_parser")
+    command = (SERVICES, "kvpool.services.cli", "kvpool.services.cli_parser")
     offenders = {name: sorted(d for d in dependencies(name) if _under(d, "kvpool.tools"))
-                 for name in modules() if _under(name, "services") and name not in command}
+                 for name in modules() if _under(name, SERVICES) and name not in command}
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
 def test_only_the_launcher_starts_services() -> None:
-    # a module re-executing itself (services.cli under the bind shim) starts nothing new
-    starters = {name: sorted(m for m in dash_m_modules(path) - {name} if _under(m, "services"))
+    # a module re-executing itself (kvpool.services.cli under the bind shim) starts nothing new
+    starters = {name: sorted(m for m in dash_m_modules(path) - {name} if _under(m, SERVICES))
                 for name, path in modules().items()}
-    assert {k: v for k, v in starters.items() if v} == {LAUNCHER: ["services.cli"]}
+    assert {k: v for k, v in starters.items() if v} == {LAUNCHER: ["kvpool.services.cli"]}
 
 
 def test_the_scan_sees_imports_inside_functions_and_dash_m_names() -> None:
     # the CLI imports the roles lazily, inside functions; the scan must see those
-    assert "kvpool.pool.stats" in imported_modules(ROOT / "services" / "cli.py", "services.cli")
+    assert "kvpool.pool.stats" in imported_modules(ROOT / "services" / "cli.py", "kvpool.services.cli")
     # a -m module held in a constant counts too
     assert "kvpool.tools.bench.upstream" in dash_m_modules(modules()["kvpool.tools.bench.worker_protocol"])
 
@@ -230,10 +232,65 @@ def test_reading_settings_does_not_import_torch() -> None:
     import sys
 
     code = (
-        "import sys, services.cli, services.cli_parser as c; c.build_parser(); "
-        "from services.master.server import serve; from services.store.daemon import serve as s; "
+        "import sys, kvpool.services.cli, kvpool.services.cli_parser as c; c.build_parser(); "
+        "from kvpool.services.master.server import serve; from kvpool.services.store.daemon import serve as s; "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+CORE_PRIMITIVES = {"errors", "setting", "chunk_hash"}  # what every core package shares
+
+
+def test_the_core_is_packages_by_concern_with_a_few_shared_primitives() -> None:
+    core = ROOT / "kvpool" / "core"
+    top = {p.stem for p in core.glob("*.py")} - {"__init__"}
+    assert top == CORE_PRIMITIVES
+    packages = sorted(p.name for p in core.iterdir() if (p / "__init__.py").exists())
+    assert packages == ["admission", "api", "decode", "handoff", "pool", "prefill", "sessions", "supervision",
+                        "tenancy"]
+    for name in packages:  # each package's __init__ says what it owns, and nothing more
+        tree = parsed(core / name / "__init__.py")
+        assert ast.get_docstring(tree), name
+        assert len(tree.body) == 1, f"kvpool.core.{name}.__init__ holds code: keep it to its docstring"
+
+
+def test_services_installs_under_kvpool_only() -> None:
+    # the folder is kvpool.services; imported by its folder's name (cwd on sys.path) it refuses
+    import importlib
+    import sys
+
+    assert str(ROOT) in sys.path or "" in sys.path or "." in sys.path  # where a bare `services` would resolve
+    with pytest.raises(ImportError, match="kvpool.services"):
+        importlib.import_module("services")
+    assert "services" not in sys.modules
+    assert importlib.import_module("kvpool.services").__file__ == str(ROOT / "services" / "__init__.py")
+
+
+@pytest.mark.cluster
+def test_no_top_level_services_package_in_the_venv() -> None:
+    # from a folder outside the tree, only the installed distribution answers
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as away:
+        bare = subprocess.run([sys.executable, "-c", "import services"], capture_output=True, text=True, cwd=away,
+                              timeout=60)
+        assert bare.returncode != 0 and "No module named 'services'" in bare.stderr, bare.stderr
+        here = subprocess.run([sys.executable, "-c", "import services"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60)
+        assert here.returncode != 0 and "import kvpool.services" in here.stderr, here.stderr
+    # no installed distribution brings a top-level `services`: not as files, not as an editable mapping
+    import site
+    from importlib import metadata
+
+    installed = metadata.distributions(path=site.getsitepackages())  # not the build's egg-info in the tree
+    claims = sorted(d.metadata["Name"] for d in installed
+                    if (d.read_text("top_level.txt") or "").split().count("services")
+                    or any(str(f).split("/")[0] == "services" for f in d.files or ())
+                    or any("'services'" in (f.read_text() if str(f).endswith("finder.py") else "")
+                           for f in (d.locate_file(x) for x in d.files or ())))
+    assert claims == []

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.host_numa import format_cpulist, numa_nodes, parse_cpulist
-from services.store import numa
-from services.store.numa import MPOL_BIND, bind_to_node, get_memory_policy, mbind_range
+from kvpool.services.store import numa
+from kvpool.services.store.numa import MPOL_BIND, bind_to_node, get_memory_policy, mbind_range
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,7 +124,7 @@ def test_bind_to_node_pins_every_thread() -> None:
     result = run_isolated(
         """
         import json, os, threading
-        from services.store.numa import bind_to_node, numa_nodes, get_memory_policy
+        from kvpool.services.store.numa import bind_to_node, numa_nodes, get_memory_policy
         cpus = numa_nodes()[0]
         # start narrower than the node, so the bind has to widen the mask
         os.sched_setaffinity(0, cpus[:1])
@@ -169,7 +169,7 @@ def test_bind_to_node_carries_on_when_mempolicy_is_refused() -> None:
     result = run_isolated(
         """
         import errno, json, os
-        from services.store import numa
+        from kvpool.services.store import numa
         def refuse(name, *args):
             raise OSError(errno.EPERM, os.strerror(errno.EPERM), name)
         numa._syscall = refuse

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from kvpool.tokenizer import ASSISTANT, BOS, END, EOS, SYSTEM, USER, ByteTokenizer
-from services.router.generation_request import ModelLimits
-from services.router.json_body import parse_json
-from services.router.openai_errors import ApiError
-from services.router.openai_schema import parse_chat, parse_completion
+from kvpool.services.router.generation_request import ModelLimits
+from kvpool.services.router.json_body import parse_json
+from kvpool.services.router.openai_errors import ApiError
+from kvpool.services.router.openai_schema import parse_chat, parse_completion
 
 TOK = ByteTokenizer(1024)
 LIMITS = ModelLimits("tiny", context=64, vocab_size=1024, default_max_tokens=20)

@@ -41,7 +41,7 @@ def test_pieces_are_compared_with_the_stages_one_after_another_on_the_same_promp
 
 
 def test_every_handoff_choice_names_its_modes() -> None:
-    from services.cli_parser import build_parser  # noqa: PLC0415
+    from kvpool.services.cli_parser import build_parser  # noqa: PLC0415
 
     assert MODE_SETS["pieces"] == ("push", "after_stage") and MODE_SETS["both"] == ("push", "after_prefill")
     parser = build_parser("bench")

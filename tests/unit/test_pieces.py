@@ -1,4 +1,4 @@
-"""The rules a stream of forward pieces must keep (``services.prefill.pieces``), message by message."""
+"""The rules a stream of forward pieces must keep (``kvpool.services.prefill.pieces``), message by message."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from kvpool.core.errors import InvalidArgument
 from kvpool.rpc import prefill_pb2
-from services.prefill.pieces import check_forward, check_piece
+from kvpool.services.prefill.pieces import check_forward, check_piece
 
 
 def piece(start: int, end: int, request_id: str = "r", num_tokens: int = 600, compute_start: int = 100

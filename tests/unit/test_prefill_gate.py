@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from kvpool.core.prefill_queue import QueueOrder
-from kvpool.core.sessions import SessionId
-from services.prefill.gate import PrefillGate
-from services.prefill.settings import PrefillSettings
+from kvpool.core.prefill.queue import QueueOrder
+from kvpool.core.sessions.table import SessionId
+from kvpool.services.prefill.stage0.gate import PrefillGate
+from kvpool.services.prefill.settings import PrefillSettings
 
 
 async def hold(gate: PrefillGate, name: str, work: float, order: list[str], release: asyncio.Event) -> None:
@@ -88,7 +88,7 @@ def test_the_fifo_order_takes_the_same_slots_in_arrival_order() -> None:
 def test_the_bypass_budget_holds_back_a_prefill_that_would_overdraw_an_older_one() -> None:
     from prometheus_client import generate_latest
 
-    from services.prefill.metrics import GatePopsCollector, PrefillMetrics
+    from kvpool.services.prefill.metrics import GatePopsCollector, PrefillMetrics
 
     async def main() -> None:
         gate, metrics = PrefillGate(slots=1, max_wait_s=60.0, max_bypass_s=2.0), PrefillMetrics()

@@ -13,9 +13,9 @@ from grpc.aio import AioRpcError, Metadata
 
 from kvpool.core.errors import ResourceExhausted, Unavailable
 from kvpool.status import FIELD_KEY
-from services.router.metrics import RouterMetrics
-from services.router.openai_errors import api_error_of
-from services.router.router import Router
+from kvpool.services.router.metrics import RouterMetrics
+from kvpool.services.router.openai_errors import api_error_of
+from kvpool.services.router.router import Router
 
 PIPELINES = ["127.0.0.1:45937", "127.0.0.1:45941"]
 SHARDS = ["127.0.0.1:46001"]

@@ -14,9 +14,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from services.router.backends import PIPELINE_HEALTH_SERVICE
-from services.router.metrics import RouterMetrics
-from services.router.router import Router
+from kvpool.services.router.backends import PIPELINE_HEALTH_SERVICE
+from kvpool.services.router.metrics import RouterMetrics
+from kvpool.services.router.router import Router
 from tests.integration.conftest import eventually
 
 

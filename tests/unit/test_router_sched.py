@@ -12,18 +12,18 @@ from typing import TypeVar
 
 import pytest
 
-from kvpool.core.admission import ShardShape
-from kvpool.core.admission_queue import admission_work_s
-from kvpool.core.prefill_queue import QueueOrder
+from kvpool.core.admission.admission import ShardShape
+from kvpool.core.admission.queue import admission_work_s
+from kvpool.core.prefill.queue import QueueOrder
 from kvpool.tools.replay import compare_cmd
 from kvpool.tools.replay.compare import side_settings
 from kvpool.tools.replay.topology import TopologySettings, side_topology
-from services import cli, cli_parser
-from services.router.generation_request import GenerationRequest
-from services.router.metrics import RouterMetrics
-from services.router.router import Router
-from services.router.server import router_of
-from services.router.settings import RouterSettings
+from kvpool.services import cli, cli_parser
+from kvpool.services.router.generation_request import GenerationRequest
+from kvpool.services.router.metrics import RouterMetrics
+from kvpool.services.router.router import Router
+from kvpool.services.router.server import router_of
+from kvpool.services.router.settings import RouterSettings
 
 T = TypeVar("T")
 

@@ -8,9 +8,9 @@ import pytest
 
 from kvpool.settings import load_settings
 from kvpool.sizes import format_size, parse_size
-from services.master.settings import MasterSettings
-from services.prefill.settings import PrefillSettings
-from services.store.settings import StoreSettings
+from kvpool.services.master.settings import MasterSettings
+from kvpool.services.prefill.settings import PrefillSettings
+from kvpool.services.store.settings import StoreSettings
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ def test_quick_json_line_has_the_keys(tmp_path: Path) -> None:
     traces = write_traces(tmp_path / "traces")
     runs = tmp_path / "runs.jsonl"
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "simulate", "--quick", "--json", "--traces", str(traces),
+        [sys.executable, "-m", "kvpool.services.cli", "simulate", "--quick", "--json", "--traces", str(traces),
          "--runs-to", str(runs), "--jobs", "1", "--think-scale", "1", "--only", "seed-per_server-16-shared-strict,seed-per_server-16-split-strict,"
          "seed-per_server-16-shared-4,seed-per_server-16-split-4"],
         capture_output=True, text=True, cwd=ROOT, timeout=240,
@@ -51,7 +51,7 @@ def test_quick_json_line_has_the_keys(tmp_path: Path) -> None:
     # every run was appended as it ended; reporting from them gives the same comparisons
     assert len(runs.read_text().splitlines()) == 4
     again = subprocess.run(
-        [sys.executable, "-m", "services.cli", "simulate", "--json", "--traces", str(traces), "--from-runs", str(runs)],
+        [sys.executable, "-m", "kvpool.services.cli", "simulate", "--json", "--traces", str(traces), "--from-runs", str(runs)],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert again.returncode == 0, again.stderr
@@ -62,7 +62,7 @@ def test_quick_json_line_has_the_keys(tmp_path: Path) -> None:
 @pytest.mark.cluster
 def test_only_with_no_match_fails_naming_the_flag() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "simulate", "--quick", "--json", "--traces", str(ROOT),
+        [sys.executable, "-m", "kvpool.services.cli", "simulate", "--quick", "--json", "--traces", str(ROOT),
          "--only", "nothing"], capture_output=True, text=True, cwd=ROOT, timeout=60,
     )
     assert result.returncode != 0
@@ -71,7 +71,7 @@ def test_only_with_no_match_fails_naming_the_flag() -> None:
 
 def test_validate_uses_this_hosts_cost_model_unless_told() -> None:
     from kvpool.tools.sim.cost_model import CPU_COST_MODEL, DEFAULT_COST_MODEL
-    from services.cli_parser import build_parser
+    from kvpool.services.cli_parser import build_parser
     from kvpool.tools.sim.cost_model import cost_model_path
 
     parser = build_parser()
@@ -91,7 +91,7 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
     from kvpool.tools.sim.validate import ValidationSetup, replay_sessions
     from kvpool.workload.weka import load_session
     from kvpool.tools.sim import validate_cmd as simulate_validate
-    from services.cli_parser import build_parser
+    from kvpool.services.cli_parser import build_parser
 
     sessions = [load_session(TRACES / name) for name in simulate_validate.VALIDATION_TRACES]
     order = [f"s{k}.t{i}" for i in range(33) for k, s in enumerate(sessions) if i < len(s.turns)][:45]
@@ -239,7 +239,7 @@ def test_replay_follows_a_lookup_the_master_served_before_an_earlier_admissions(
 def test_the_queue_flags_reach_the_compared_runs_settings() -> None:
     from kvpool.tools.sim.compare_sched import run_compare
     from kvpool.tools.sim.topology import RunSettings
-    from services import cli_parser
+    from kvpool.services import cli_parser
 
     def args(*flags: str) -> object:
         return cli_parser.build_parser("simulate").parse_args(["simulate", "--compare", "sched=fifo,session", *flags])
@@ -274,7 +274,7 @@ def test_compare_sched_reports_the_issue_keys_for_the_offsets_asked(tmp_path: Pa
 
     traces = write_traces(tmp_path / "traces")
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "simulate", "--compare", "sched=fifo,session", "--quick", "--json",
+        [sys.executable, "-m", "kvpool.services.cli", "simulate", "--compare", "sched=fifo,session", "--quick", "--json",
          "--traces", str(traces), "--sessions", "2", "--jobs", "1", "--first-seed", "1", "--seeds", "2"],
         capture_output=True, text=True, cwd=ROOT, timeout=240,
     )

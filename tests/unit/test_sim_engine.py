@@ -259,7 +259,7 @@ def test_a_lookup_waits_for_the_masters_service_and_puts_queue_behind_it() -> No
 def test_decode_kv_counts_filled_pages_not_reserved_ones() -> None:
     from dataclasses import replace
 
-    from kvpool.core.decode_scheduler import DecodeScheduler
+    from kvpool.core.decode.scheduler import DecodeScheduler
     from kvpool.tools.sim.decode_sim import ShardSim
     from kvpool.tools.sim.job import Job
     from kvpool.tools.sim.workload import SessionPlay

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.sessions import SessionId
+from kvpool.core.sessions.table import SessionId
 from kvpool.tools.sim.compare_sched import parse_sched_compare, ratios
 from kvpool.tools.sim.engine import Simulation
 from kvpool.tools.sim.job import SIM_TENANT
@@ -208,7 +208,7 @@ def test_the_line_under_the_table_says_how_far_the_p99_holds() -> None:
 
 
 def test_first_seed_picks_the_offsets_and_is_checked_before_any_run() -> None:
-    from services import cli_parser
+    from kvpool.services import cli_parser
     from kvpool.tools.sim.compare_sched import run_compare
 
     def args(*argv: str) -> object:

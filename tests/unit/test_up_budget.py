@@ -7,7 +7,7 @@ from pathlib import Path
 from kvpool.settings import load_settings, read_config
 from kvpool.tools.cluster import Topology
 from kvpool.tools.up import UpSettings, up_topology
-from services.memory_budget import memory_budget
+from kvpool.services.memory_budget import memory_budget
 
 MiB = 1 << 20
 PAGE = 16 * 8 * 96 * 4  # 16 tokens x 8 layers x 96 float32 values

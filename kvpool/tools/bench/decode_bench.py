@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvpool import service
-from kvpool.core.handoff_layout import HandoffLayout, transfer_plan
+from kvpool.core.handoff.layout import HandoffLayout, transfer_plan
 from kvpool.handoff import write_slab
 from kvpool.tools.cluster import LocalDecode, ServiceFailed
 from kvpool.model import InProcessPipeline, get_config, kv_dtype, pack_kv

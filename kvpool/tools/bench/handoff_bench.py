@@ -34,7 +34,7 @@ from typing import IO, Any
 
 import torch
 
-from kvpool.core.handoff_layout import HandoffLayout, num_naive_writes
+from kvpool.core.handoff.layout import HandoffLayout, num_naive_writes
 from kvpool.handoff import (
     gather_stage,
     scatter_region,

@@ -140,7 +140,7 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int, modes
             pair: dict[str, dict[str, Any]] = {}
             for m in (modes if i % 2 == 0 else modes[::-1]):  # alternate which mode goes first
                 # one tenant per mode: a tenant per request would leave each a device-cache share too
-                # small to keep a warm prefix (kvpool.core.tenant_shares)
+                # small to keep a warm prefix (kvpool.core.tenancy.shares)
                 tenant = tenants[m] if warm else f"bench-{m}"
                 try:
                     run = await client.run(prompt, m, tenant)

@@ -3,7 +3,7 @@
 ``topology`` describes what runs (servers, masters, stores, pipelines and
 their stages, decode shards, the router, a network namespace per server);
 ``launcher.Cluster`` starts and stops it; ``process.ServiceProcess`` is one
-process (the only code that runs ``python -m services.cli``); ``parts`` holds
+process (the only code that runs ``python -m kvpool.services.cli``); ``parts`` holds
 a pool, a pipeline or a decode shard on its own; ``netns`` the per-server
 network namespaces and shaped links; ``supervisor`` restarts what dies.
 """

@@ -1,6 +1,6 @@
 """One ``kvpool <role>`` process: started, waited for, stopped, killed, paused.
 
-The only place that starts ``services.cli``. Every process binds port 0 and
+The only place that starts ``kvpool.services.cli``. Every process binds port 0 and
 reports its ports through a ready file, so nothing waits on a fixed sleep and
 parallel runs never collide.
 """
@@ -31,7 +31,7 @@ ENGINE_ROLES = ("store", "prefill", "decode")
 # roles that run the model: forked from the zygote that has imported torch, the others from the one that
 # has not (kvpool/tools/cluster/zygote.py)
 TORCH_ROLES = ("prefill", "decode")
-SERVICE_MODULE = "services.cli"
+SERVICE_MODULE = "kvpool.services.cli"
 
 
 class ServiceFailed(RuntimeError):
@@ -74,7 +74,7 @@ class ServiceProcess:
                 return
         with self.log_file.open("ab") as log:
             self.proc = subprocess.Popen(
-                [*self.place.prefix(), sys.executable, "-m", "services.cli", *args],
+                [*self.place.prefix(), sys.executable, "-m", "kvpool.services.cli", *args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             )
 

@@ -1,6 +1,6 @@
 """Keeps a local cluster's processes running: ``kvpool up`` restarts what dies.
 
-The policy is ``kvpool.core.restart_policy`` (backoff, a start limit, the
+The policy is ``kvpool.core.supervision.restart_policy`` (backoff, a start limit, the
 master first); this module applies it to a started ``Cluster``. A dead
 process is started again with the same arguments on the ports it had, so its
 peers find it where it was: a restarted master takes the pool back from the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from kvpool.core.restart_policy import RestartPolicy, Supervision
+from kvpool.core.supervision.restart_policy import RestartPolicy, Supervision
 from kvpool.tools.cluster.launcher import Cluster
 from kvpool.tools.cluster.process import ServiceFailed, ServiceProcess
 

@@ -44,9 +44,9 @@ from typing import Any
 SWITCH_ENV = "KVPOOL_ZYGOTE"
 # what a zygote imports before it forks: fork-safe modules (no thread, socket or gRPC object at import;
 # the zygote checks that it still runs one thread)
-TORCH = ("torch", "kvpool.model.stage", "kvpool.model.decode", "kvpool.model.weights", "services.cli",
-         "services.prefill.server", "services.decode.server")
-LIGHT = ("services.cli", "services.master.server", "services.router.server", "services.store.daemon")
+TORCH = ("torch", "kvpool.model.stage", "kvpool.model.decode", "kvpool.model.weights", "kvpool.services.cli",
+         "kvpool.services.prefill.server", "kvpool.services.decode.server")
+LIGHT = ("kvpool.services.cli", "kvpool.services.master.server", "kvpool.services.router.server", "kvpool.services.store.daemon")
 _MAX_MESSAGE = 1 << 20
 # a child whose exit status went with its zygote (it outlived the zygote)
 UNKNOWN_EXIT = 255

@@ -4,7 +4,7 @@ Both runs start a fresh cluster through ``kvpool up``'s launcher and keep it
 under ``kvpool up``'s supervisor (a killed process is restarted with backoff,
 the master first). The clean run answers every turn at temperature 0 with
 float32 KV, so its answers are the right ones; the chaos run injects the
-faults of SPEC (``kvpool.core.chaos_spec``) at their times after the replay
+faults of SPEC (``kvpool.core.supervision.chaos_spec``) at their times after the replay
 starts, and ``kvpool.tools.replay.chaos_report`` compares the two turn by turn.
 
 What each fault does, exactly:
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.core.chaos_spec import SLOW_WINDOW_S, Fault, FaultKind
+from kvpool.core.supervision.chaos_spec import SLOW_WINDOW_S, Fault, FaultKind
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.cluster.supervisor import Supervisor
 from kvpool.tools.replay.engine import run_replay

@@ -190,7 +190,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _chaos_faults(args: argparse.Namespace) -> list[Any]:
     """The SPEC's faults, checked against the cluster's names; exit 2 naming the bad part."""
-    from kvpool.core.chaos_spec import ChaosSpecError, check_targets, parse_chaos
+    from kvpool.core.supervision.chaos_spec import ChaosSpecError, check_targets, parse_chaos
     from kvpool.tools.replay.chaos import cluster_names
 
     try:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpool.core.decode_scheduler import DecodeScheduler
+from kvpool.core.decode.scheduler import DecodeScheduler
 from kvpool.core.errors import InvalidArgument
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop

@@ -27,14 +27,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.core.block_manager import BlockManager
-from kvpool.core.decode_pages import pages_for
-from kvpool.core.decode_scheduler import DecodeScheduler
-from kvpool.core.planner import max_hit_chunks
-from kvpool.core.pool_index import PoolIndex
-from kvpool.core.pool_settings import IndexSettings
-from kvpool.core.prefill_queue import PrefillQueue, QueueOrder, WorkWeights
-from kvpool.core.routing import RoutingPolicy
+from kvpool.core.prefill.block_manager import BlockManager
+from kvpool.core.decode.pages import pages_for
+from kvpool.core.decode.scheduler import DecodeScheduler
+from kvpool.core.prefill.planner import max_hit_chunks
+from kvpool.core.pool.index import PoolIndex
+from kvpool.core.pool.settings import IndexSettings
+from kvpool.core.prefill.queue import PrefillQueue, QueueOrder, WorkWeights
+from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.decode_sim import ShardSim
 from kvpool.tools.sim.events import EventLoop

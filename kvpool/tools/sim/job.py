@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool.core.prefill_request import PrefillRequest
-from kvpool.core.routing import Placement
-from kvpool.core.sessions import SessionId
+from kvpool.core.prefill.request import PrefillRequest
+from kvpool.core.admission.routing import Placement
+from kvpool.core.sessions.table import SessionId
 from kvpool.tools.sim.workload import SessionPlay
 from kvpool.workload.weka import Turn
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from kvpool.core.block_manager import BlockManager
+from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, object_key
-from kvpool.core.pool_index import PoolIndex
-from kvpool.core.pool_records import LookupResult, PutRequestItem, PutStatus
-from kvpool.core.prefill_queue import PrefillQueue, WorkWeights, prefill_work_s
-from kvpool.core.prefill_request import PrefillRequest, try_admit
+from kvpool.core.pool.index import PoolIndex
+from kvpool.core.pool.records import LookupResult, PutRequestItem, PutStatus
+from kvpool.core.prefill.queue import PrefillQueue, WorkWeights, prefill_work_s
+from kvpool.core.prefill.request import PrefillRequest, try_admit
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job, session_of

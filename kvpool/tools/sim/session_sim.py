@@ -1,7 +1,7 @@
 """Session-aware prefill in the simulator (``sched=session``): retention by session, session end, prefetch.
 
-Every decision is the core's ``SessionPrefetch`` (``kvpool.core.session_prefetch``), one per
-pipeline, as stage 0 runs one (services/prefill/prefetch.py): the same lead, the same room
+Every decision is the core's ``SessionPrefetch`` (``kvpool.core.sessions.prefetch``), one per
+pipeline, as stage 0 runs one (services/prefill/stage0/prefetch.py): the same lead, the same room
 (uncached blocks, then donors' cached blocks), the same hold of staged blocks until the
 session's turn, given back all at once to a real request short of blocks. This module times it
 on the event loop and does the reads as a prefill's restore does them:
@@ -27,12 +27,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvpool.core.block_manager import BlockManager
+from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id
-from kvpool.core.pool_index import PoolIndex
-from kvpool.core.prefill_request import PrefillRequest
-from kvpool.core.session_prefetch import SessionPrefetch
-from kvpool.core.sessions import SessionId
+from kvpool.core.pool.index import PoolIndex
+from kvpool.core.prefill.request import PrefillRequest
+from kvpool.core.sessions.prefetch import SessionPrefetch
+from kvpool.core.sessions.table import SessionId
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job, session_of

@@ -89,17 +89,17 @@ class RunSettings:
     max_instances: int | None = None  # with restarts: stop starting sessions after this many (then the run ends)
     seed_offset: int = 0  # session k plays trace (k + seed_offset) % num_traces
     # "fifo": the seed's prefill queue; "session": session-aware prefill (the work-aware queue with aging,
-    # retention by session, prefetch during think time: kvpool.core.prefill_queue, kvpool.core.sessions)
+    # retention by session, prefetch during think time: kvpool.core.prefill.queue, kvpool.core.sessions.table)
     sched: str = "fifo"
     max_wait_s: float = 4.0  # the work-aware queue's aging bound (docs/simulation.md: the sweep that chose it); inf: none
     # sched=session: the queue's bypass budget, seconds of estimated work younger turns may overtake a turn by
-    # (kvpool.core.prefill_queue: a turn then waits at most what FIFO would make it wait plus this); inf: none
+    # (kvpool.core.prefill.queue: a turn then waits at most what FIFO would make it wait plus this); inf: none
     max_bypass_s: float = math.inf
     # sched=session: the queue's backlog gate, seconds of estimated work queued at or over which it pops in
-    # arrival order (kvpool.core.prefill_queue); inf: none
+    # arrival order (kvpool.core.prefill.queue); inf: none
     reorder_below_s: float = math.inf
     # sched=session: the queue's order, "work" (least work first, aging at max_wait_s) or "ratio" (highest
-    # response ratio next: kvpool.core.prefill_queue)
+    # response ratio next: kvpool.core.prefill.queue)
     session_order: str = "work"
     # open loop: a new session (the next trace) starts every 1/rate s whatever the system does, and each
     # plays its trace once (think, turn, think...); None: the closed loop of ``num_sessions`` slots

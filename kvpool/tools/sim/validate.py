@@ -29,7 +29,7 @@ from typing import Any
 
 import xxhash
 
-from kvpool.core.pool_settings import IndexSettings
+from kvpool.core.pool.settings import IndexSettings
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.engine import Simulation, layer_split
 from kvpool.tools.sim.events import EventLoop

@@ -1,0 +1,178 @@
+"""The pool index's eviction and failed-group rules, each an object the index holds.
+
+``Eviction`` frees space for a put; it sees the index only through
+``Evictable`` (groups in LRU order, used bytes, and two ways to free).
+``GroupFailures`` remembers which groups are refused for a while after a
+member failed to save; it knows nothing of the index.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvpool.core.pool.records import Group, IndexCounters, Segment
+from kvpool.core.tenancy.shares import TenantShares, VictimOrder
+
+
+class Evictable(Protocol):
+    """What eviction needs of the index."""
+
+    @property
+    def lru_groups(self) -> OrderedDict[str, Group]:
+        """Every group, least recently used first."""
+        ...
+
+    def tenant_groups(self, tenant: str) -> OrderedDict[str, Group]:
+        """One tenant's groups, least recently used first."""
+        ...
+
+    @property
+    def tenant_bytes(self) -> dict[str, int]:
+        """Bytes each tenant holds (tenants holding none are absent)."""
+        ...
+
+    @property
+    def share_capacity(self) -> float:
+        """The bytes tenants' shares divide."""
+        ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def drop_group(self, group_id: str) -> int:
+        """Free every member of a group and forget it; returns members dropped."""
+        ...
+
+    def drop_member(self, group: Group, key: str) -> None:
+        """Free one committed member; a group left with no member is forgotten."""
+        ...
+
+    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
+        """Place ``size`` bytes in the first segment of ``order`` with room, or nowhere."""
+        ...
+
+
+@dataclass(slots=True)
+class Eviction:
+    """Frees space for a put of one tenant, least recently used group first within the rule of shares.
+
+    Invariants:
+    - victims follow ``TenantShares.victim_order`` (``tenancy.shares``'s rule,
+      shares of ``index.share_capacity``, fixed for the put of one object): a
+      tenant over its share loses its own oldest groups first, then the
+      tenants furthest over theirs do; a tenant within its share never loses a
+      group to a tenant over its share;
+    - when a put would pass ``high`` used bytes, groups of the putting tenant
+      (if over) and of tenants over their share go until ``low``; then, while
+      the object still does not fit, one more at a time, and only then, for a
+      tenant within its share, any group in global LRU order (step 3 of the
+      rule); a tenant over its share that finds nothing gets no space;
+    - never a busy group (leased, or a put in flight), nor the group ``keep``
+      that the put itself joins (evicting it would only leave it incomplete);
+    - ``mode="group"`` removes whole groups; ``mode="object"`` (for
+      comparisons) removes one member at a time, as upstream's best-effort
+      groups allow, and may leave partial groups (lookups never count them);
+    - ``counters.evicted_groups``/``evicted_bytes`` count every group and
+      byte it removed.
+    """
+
+    index: Evictable
+    counters: IndexCounters
+    mode: str = "group"
+    shares: TenantShares = field(default_factory=TenantShares)
+
+    def reserve(
+        self, order: list[Segment], size: int, high: float, low: float, keep: str = "", tenant: str = "default"
+    ) -> tuple[Segment, int] | None:
+        """Place ``size`` bytes of ``tenant``: evict to ``low`` used bytes past ``high``, then allocate."""
+        if not order:
+            return None
+        index = self.index
+        victims: VictimOrder | None = None
+        if index.used_bytes + size > high:
+            victims = self.victim_order(tenant, size)
+            while index.used_bytes + size > low and self.evict_one(victims, keep, any_allowed=False):
+                pass
+        while True:
+            placed = index.allocate(order, size)
+            if placed is not None:
+                return placed
+            if victims is None:
+                victims = self.victim_order(tenant, size)
+            if not self.evict_one(victims, keep, any_allowed=True):
+                return None
+
+    def victim_order(self, tenant: str, size: int) -> VictimOrder:
+        index = self.index
+        return self.shares.victim_order(index.tenant_bytes, tenant, size, index.share_capacity, any_allowed=True)
+
+    def evict_one(self, victims: VictimOrder, keep: str = "", any_allowed: bool = True) -> bool:
+        """Evict one idle group (or, by object, one member) by the rule; False if none may go."""
+        index = self.index
+        if victims.own and self._evict_first(index.tenant_groups(victims.tenant), keep):
+            return True
+        # the tenants furthest over their share, re-ranked after each group they lose
+        tried: list[str] = []
+        while over := self.shares.most_over(victims, index.tenant_bytes, tried):
+            if self._evict_first(index.tenant_groups(over[0]), keep):
+                return True
+            tried.append(over[0])  # nothing of it may go: the next one
+        return any_allowed and victims.then_any and self._evict_first(index.lru_groups, keep)
+
+    def _evict_first(self, groups: OrderedDict[str, Group], keep: str) -> bool:
+        """Evict the first idle group of ``groups`` (LRU first), or by object its oldest member."""
+        by_tenant = self.counters.evicted_groups_by_tenant
+        for group_id, group in groups.items():
+            if group.busy or group_id == keep:
+                continue
+            if self.mode == "object":
+                # all members are committed: the group is not busy
+                key, obj = next(iter(group.members.items()))
+                self.counters.evicted_bytes += obj.size
+                self.index.drop_member(group, key)
+                if group_id not in self.index.lru_groups:
+                    self.counters.evicted_groups += 1
+                    by_tenant[group.tenant] = by_tenant.get(group.tenant, 0) + 1
+                return True
+            self.counters.evicted_groups += 1
+            by_tenant[group.tenant] = by_tenant.get(group.tenant, 0) + 1
+            self.counters.evicted_bytes += sum(m.size for m in group.members.values())
+            self.index.drop_group(group_id)
+            return True
+        return False
+
+
+@dataclass(slots=True)
+class GroupFailures:
+    """Groups whose members are refused for ``hold_s`` after one of them failed to save.
+
+    A member that failed (no space, revoked, timed out) fails its group: its
+    other members would only make an incomplete group. A one-member group has
+    no other members to refuse: it may be saved again at once.
+
+    Invariant: entries are in expiry order (one ``hold_s`` for all, and a group
+    failed again moves to the end), so ``prune`` stops at the first live one.
+    """
+
+    hold_s: float
+    clock: Callable[[], float]
+    _until: OrderedDict[str, float] = field(default_factory=OrderedDict)
+
+    def hold(self, group_id: str, group_size: int) -> None:
+        if group_size > 1:
+            self._until[group_id] = self.clock() + self.hold_s
+            self._until.move_to_end(group_id)
+
+    def prune(self) -> None:
+        """Forget holds that have run out."""
+        now = self.clock()
+        until = self._until
+        while until and next(iter(until.values())) <= now:
+            until.popitem(last=False)
+
+    def __contains__(self, group_id: object) -> bool:
+        """Held (as of the last ``prune``)."""
+        return group_id in self._until

@@ -1,0 +1,289 @@
+"""The pool master's object index: segments, objects, groups, leases, eviction.
+
+Pure policy: no grpc, no I/O, an injectable clock. The servicer converts
+protobuf to these calls; unit tests drive it directly.
+
+Invariants:
+- a group is visible to lookups only when every declared member is committed;
+- eviction removes whole groups, least recently used first within the rule
+  of tenants' shares (``tenancy.shares``; a group is its first writer's
+  tenant's), never a group that is leased or has a put in flight
+  (``eviction="object"``, for comparisons only, removes one member at a time
+  and may leave partial groups, invisible);
+- eviction starts when used bytes would pass ``high_watermark × capacity`` and
+  frees down to ``low_watermark × capacity``;
+- every allocated byte belongs to exactly one object (committed or in flight);
+- a group with a member that failed to save, or still incomplete long after
+  its last member arrived, is dropped by the put table's rules (``pool.puts``);
+- a group a reader found corrupt (``pool.corrupt``) is invisible to lookups
+  and dropped once no lease holds it;
+- each segment's journal holds the changes to its committed objects that its
+  store has not acknowledged; a store reports what it holds on (re-)mount and
+  only what passes ``plan_report`` becomes an object again (block reports,
+  see ``pool.recovery``).
+
+The index holds its parts as objects with small interfaces, each in its own
+module: ``GroupTable`` (groups and tenants in LRU order), ``SegmentTable``
+(space, mounts, heartbeats), ``PutTable`` (puts in flight, incomplete and
+failed groups), ``Eviction``, ``GroupFailures`` and ``LeaseTable``. Eviction,
+the segment table and the put table see the index only through the protocols
+they declare (``Evictable``, ``SegmentHost``, ``PutHost``); nothing here is a
+mixin, and no part imports the index.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+from kvpool.core.pool.corrupt import condemn, droppable
+from kvpool.core.pool.eviction import Eviction, GroupFailures
+from kvpool.core.pool.groups import GroupTable
+from kvpool.core.pool.leases import LeaseTable
+from kvpool.core.pool.puts import PutTable
+from kvpool.core.pool.records import (
+    Group,
+    IndexCounters,
+    LookupResult,
+    MountResult,
+    ObjectRecord,
+    PutOutcome,
+    PutRequestItem,
+    Segment,
+    SegmentChange,
+    StoredObject,
+)
+from kvpool.core.pool.segments import SegmentTable
+from kvpool.core.pool.settings import IndexSettings
+from kvpool.core.tenancy.shares import TenantShares
+
+
+class PoolIndex:
+    """Where every object lives, which groups are complete, what to evict (invariants above)."""
+
+    __slots__ = (
+        "settings", "clock", "objects", "groups", "counters", "segment_table", "eviction", "failures",
+        "leases", "group_table", "shares", "puts",
+    )
+
+    def __init__(self, settings: IndexSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings if settings is not None else IndexSettings()
+        self.clock = clock
+        self.objects: dict[str, StoredObject] = {}
+        self.group_table = GroupTable()
+        self.groups = self.group_table.groups  # LRU order: the first is the least recently used
+        self.shares = TenantShares.parse(self.settings.tenant_weights)
+        self.counters = IndexCounters()
+        self.failures = GroupFailures(self.settings.failed_group_hold_s, clock)
+        self.leases = LeaseTable(clock)
+        self.segment_table = SegmentTable(self, self.settings, clock, self.counters, self.failures)
+        self.eviction = Eviction(self, self.counters, self.settings.eviction, self.shares)
+        self.puts = PutTable(self, self.settings, clock, self.counters, self.failures, self.group_table,
+                             self.segment_table, self.eviction)
+
+    # ---- writes (the put table's calls) --------------------------------
+
+    def put_start(self, client_host: str, items: Sequence[PutRequestItem]) -> list[PutOutcome]:
+        """See :meth:`PutTable.put_start`; leases past their time end first."""
+        self.expire_leases()
+        return self.puts.put_start(client_host, items)
+
+    def put_end(self, commits: Sequence[tuple[str, int]]) -> int:
+        """Commit in-flight puts (key, checksum); all or none."""
+        return self.puts.put_end(commits)
+
+    def put_revoke(self, keys: Iterable[str]) -> int:
+        """Give back the space of in-flight puts and fail their groups; committed or unknown keys are left alone."""
+        return self.puts.put_revoke(keys)
+
+    def revoke_expired_puts(self) -> list[str]:
+        """Revoke puts started more than ``put_timeout_s`` ago (their writer died)."""
+        return self.puts.revoke_expired_puts()
+
+    def drop_incomplete_groups(self) -> list[str]:
+        """See :meth:`PutTable.drop_incomplete_groups`."""
+        return self.puts.drop_incomplete_groups()
+
+    # ---- reads ----------------------------------------------------------
+
+    def lookup(self, group_ids: Sequence[str], lease_s: float | None = None) -> LookupResult:
+        """Count leading complete groups; lease and touch them."""
+        self.expire_leases()
+        found: list[Group] = []
+        for group_id in group_ids:
+            group = self.groups.get(group_id)
+            if group is None or not group.complete or group.corrupt:
+                break
+            found.append(group)
+        if not found:
+            return LookupResult([], 0, 0.0)
+        duration = self.settings.lease_s if lease_s is None else lease_s
+        lease_id = self.leases.grant(found, duration)
+        self.touch([g.group_id for g in found])
+        return LookupResult(found, lease_id, duration)
+
+    def release_lease(self, lease_id: int, corrupt_group_ids: Collection[str] = ()) -> bool:
+        """End a lease early (the reader is done); a read counts as a use.
+
+        ``corrupt_group_ids``: groups of this lease with a member whose bytes
+        failed their checksum; they are hidden now and dropped once no lease
+        holds them (``pool.corrupt``). Unknown to an ended or expired lease.
+        """
+        groups = self.leases.release(lease_id)
+        if groups is None:
+            return False
+        condemn(groups, self.groups, corrupt_group_ids)
+        self.touch(g.group_id for g in groups if self.groups.get(g.group_id) is g and not g.corrupt)
+        self._drop_corrupt(groups)
+        return True
+
+    def expire_leases(self) -> int:
+        """End every lease past its time; returns how many condemned groups that dropped."""
+        return self._drop_corrupt(self.leases.expire())
+
+    def _drop_corrupt(self, ended: Iterable[Group]) -> int:
+        dropped = droppable(ended, self.groups)
+        for group in dropped:
+            self.counters.corrupt_groups += 1
+            self.drop_group(group.group_id)
+        return len(dropped)
+
+    def exists(self, keys: Iterable[str]) -> list[bool]:
+        return [(obj := self.objects.get(key)) is not None and obj.committed for key in keys]
+
+    def remove(self, group_ids: Iterable[str]) -> tuple[int, list[str]]:
+        """Remove whole groups; busy ones (leased, put in flight) are left and named."""
+        self.expire_leases()
+        removed, busy = 0, []
+        for group_id in group_ids:
+            group = self.groups.get(group_id)
+            if group is None:
+                continue
+            if group.busy:
+                busy.append(group_id)
+                continue
+            self.drop_group(group_id)
+            removed += 1
+        return removed, busy
+
+    def touch(self, group_ids: Iterable[str]) -> None:
+        """Mark groups used, the first named becoming the most recently used.
+
+        Group ids come in prefix order; a chunk is useless without the chunks
+        before it, so within one request the tail is made older than the head
+        and is evicted first.
+        """
+        self.group_table.touch(group_ids)
+
+    def demote(self, group_ids: Iterable[str]) -> int:
+        """Lower groups to the front of eviction (a session that ended: ``session_end``), the last named
+        first; nothing else changes (a leased group is still never evicted). Returns how many exist."""
+        return self.group_table.demote(group_ids)
+
+    # ---- accounting -----------------------------------------------------
+
+    @property
+    def segments(self) -> dict[str, Segment]:
+        return self.segment_table.segments
+
+    @property
+    def capacity(self) -> int:
+        return self.segment_table.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes allocated in every segment: a running total, O(1) (a put reads it on every placement)."""
+        return self.segment_table.used_bytes
+
+    @property
+    def num_leases(self) -> int:
+        return len(self.leases)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.puts.in_flight)
+
+    # ---- segments (the table's calls) -----------------------------------
+
+    def mount_segment(
+        self,
+        segment_id: str,
+        endpoint: str,
+        host: str,
+        base_address: int,
+        size: int,
+        numa_node: int = -1,
+        records: Sequence[ObjectRecord] = (),
+    ) -> MountResult:
+        """See :meth:`SegmentTable.mount`."""
+        return self.segment_table.mount(segment_id, endpoint, host, base_address, size, numa_node, records)
+
+    def unmount_segment(self, segment_id: str) -> int:
+        """Drop a segment and every group with a member in it; returns objects dropped."""
+        return self.segment_table.unmount(segment_id)
+
+    def heartbeat(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[SegmentChange], bool]:
+        """Keep a segment alive; returns the changes its store has not acknowledged, and whether more wait."""
+        return self.segment_table.heartbeat(segment_id, acked_sequence)
+
+    def expire_segments(self) -> list[str]:
+        """Unmount every segment whose store missed heartbeats for the TTL."""
+        return self.segment_table.expire()
+
+    # ---- what the parts see (Evictable, SegmentHost, PutHost) -----------
+
+    @property
+    def lru_groups(self) -> OrderedDict[str, Group]:
+        return self.groups
+
+    def tenant_groups(self, tenant: str) -> OrderedDict[str, Group]:
+        return self.group_table.of_tenant(tenant)
+
+    @property
+    def tenant_bytes(self) -> dict[str, int]:
+        return self.group_table.tenant_bytes
+
+    @property
+    def share_capacity(self) -> float:
+        """What tenants' shares divide: the bytes the pool fills before it evicts."""
+        return self.settings.high_watermark * self.capacity
+
+    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
+        return self.segment_table.allocate(order, size)
+
+    def drop_group(self, group_id: str) -> int:
+        group = self.groups[group_id]
+        self.group_table.remove(group)
+        self.puts.incomplete.pop(group_id, None)
+        for key, obj in group.members.items():
+            self.puts.in_flight.pop(key, None)
+            self.free(obj)
+        return len(group.members)
+
+    def free(self, obj: StoredObject) -> None:
+        del self.objects[obj.key]
+        self.group_table.remove_object(obj)
+        self.segment_table.release(obj)
+
+    def drop_member(self, group: Group, key: str) -> None:
+        obj = group.members.pop(key)
+        group.num_committed -= 1
+        self.free(obj)
+        if not group.members:
+            self.group_table.remove(group)
+            self.puts.incomplete.pop(group.group_id, None)
+
+    def adopt(self, obj: StoredObject, group_size: int) -> None:
+        group = self.groups.get(obj.group_id)
+        if group is None:
+            group = self.group_table.add(Group(obj.group_id, group_size, tenant=obj.tenant))
+        obj.tenant = group.tenant  # a group is one tenant's, whatever a report says
+        self.objects[obj.key] = obj
+        self.group_table.add_object(obj)
+        group.members[obj.key] = obj
+        group.num_committed += 1
+        if not group.complete:  # its other members are in stores that have not reported yet
+            self.puts.mark_incomplete(obj.group_id)
+        else:
+            self.puts.incomplete.pop(obj.group_id, None)

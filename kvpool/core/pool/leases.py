@@ -1,0 +1,61 @@
+"""Read leases on groups: a leased group is never evicted or removed.
+
+Pure; the index holds one ``LeaseTable``.
+
+Invariant: each group's ``num_leases`` equals the number of live leases that
+hold it. A lease holds the group objects themselves: a group dropped and
+re-created under the same id is a new object with its own count.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpool.core.pool.records import Group
+
+
+@dataclass(slots=True)
+class LeaseTable:
+    """Live leases by id, with a heap of expiry times (stale entries skipped)."""
+
+    clock: Callable[[], float]
+    _leases: dict[int, list[Group]] = field(default_factory=dict)
+    _expiry: list[tuple[float, int]] = field(default_factory=list)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def grant(self, groups: list[Group], duration_s: float) -> int:
+        lease_id = next(self._ids)
+        self._leases[lease_id] = groups
+        heapq.heappush(self._expiry, (self.clock() + duration_s, lease_id))
+        for group in groups:
+            group.num_leases += 1
+        return lease_id
+
+    def release(self, lease_id: int) -> list[Group] | None:
+        """End a lease; returns the groups it held, or None if it is unknown (ended or expired)."""
+        groups = self._leases.pop(lease_id, None)
+        if groups is not None:
+            _unlease(groups)
+        return groups
+
+    def expire(self) -> list[Group]:
+        """End every lease past its time; returns the groups they held (a group once per lease)."""
+        now = self.clock()
+        ended: list[Group] = []
+        while self._expiry and self._expiry[0][0] <= now:
+            _, lease_id = heapq.heappop(self._expiry)
+            groups = self.release(lease_id)
+            if groups is not None:
+                ended.extend(groups)
+        return ended
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+
+def _unlease(groups: list[Group]) -> None:
+    for group in groups:
+        group.num_leases -= 1

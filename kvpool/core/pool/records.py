@@ -1,0 +1,183 @@
+"""Plain records the pool master's index keeps and returns."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvpool.core.pool.allocator import SegmentAllocator
+from kvpool.core.chunk_hash import DEFAULT_TENANT
+
+
+class PutStatus(enum.Enum):
+    RESERVED = 1
+    ALREADY_EXISTS = 2
+    NO_SPACE = 3
+    # another member of the group failed to save moments ago: this one alone
+    # would only make an incomplete group
+    GROUP_FAILED = 4
+
+
+@dataclass(slots=True, frozen=True)
+class PutRequestItem:
+    key: str
+    group_id: str
+    group_size: int
+    size: int
+    # whose chunk: a group's tenant is its first writer's (tenant_shares)
+    tenant: str = DEFAULT_TENANT
+
+
+@dataclass(slots=True)
+class IndexCounters:
+    """What the index has done since it started (Prometheus counters are advanced from these)."""
+
+    evicted_groups: int = 0
+    evicted_bytes: int = 0
+    revoked_puts: int = 0
+    dropped_segments: int = 0
+    failed_groups: int = 0
+    abandoned_groups: int = 0
+    # dropped because a reader found a member failing its checksum (``pool.corrupt``)
+    corrupt_groups: int = 0
+    adopted_objects: int = 0
+    rejected_records: int = 0
+    # groups evicted, by the tenant whose group it was
+    evicted_groups_by_tenant: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class ObjectRecord:
+    """What a store keeps of one committed object in its own segment, and reports when it (re-)mounts."""
+
+    key: str
+    group_id: str
+    group_size: int
+    offset: int
+    size: int
+    checksum: int
+    tenant: str = DEFAULT_TENANT
+
+
+@dataclass(slots=True, frozen=True)
+class SegmentChange:
+    """One change to a segment's committed objects: ``added`` set, or ``removed_key`` forgotten."""
+
+    sequence: int
+    added: ObjectRecord | None = None
+    removed_key: str = ""
+
+
+@dataclass(slots=True)
+class SegmentJournal:
+    """Changes to one segment's committed objects that its store has not acknowledged yet.
+
+    Invariant: ``entries`` hold exactly the changes with ``acked < sequence``,
+    in sequence order; the store's records equal the master's committed
+    objects in the segment once it has applied every entry.
+    """
+
+    sequence: int = 0
+    acked: int = 0
+    entries: deque[SegmentChange] = field(default_factory=deque)
+
+    def add(self, record: ObjectRecord) -> None:
+        self.sequence += 1
+        self.entries.append(SegmentChange(self.sequence, added=record))
+
+    def remove(self, key: str) -> None:
+        self.sequence += 1
+        self.entries.append(SegmentChange(self.sequence, removed_key=key))
+
+    def ack(self, sequence: int) -> None:
+        """The store applied every change up to ``sequence`` (a later one than ours is clamped)."""
+        self.acked = max(self.acked, min(sequence, self.sequence))
+        while self.entries and self.entries[0].sequence <= self.acked:
+            self.entries.popleft()
+
+    def pending(self, limit: int) -> list[SegmentChange]:
+        """The first ``limit`` changes the store has not acknowledged."""
+        return [change for _, change in zip(range(limit), self.entries)]
+
+
+@dataclass(slots=True)
+class Segment:
+    """One store's DRAM segment; offsets from its allocator are relative to ``base_address``."""
+
+    segment_id: str
+    endpoint: str
+    host: str
+    numa_node: int
+    base_address: int
+    size: int
+    allocator: SegmentAllocator
+    last_heartbeat: float
+    keys: set[str] = field(default_factory=set)
+    journal: SegmentJournal = field(default_factory=SegmentJournal)
+
+
+@dataclass(slots=True)
+class StoredObject:
+    """One object; readable only once ``committed`` (its checksum is then known)."""
+
+    key: str
+    group_id: str
+    segment_id: str
+    offset: int
+    size: int
+    checksum: int = 0
+    committed: bool = False
+    tenant: str = DEFAULT_TENANT
+
+
+@dataclass(slots=True)
+class Group:
+    """The members of one chunk; complete when all ``size`` members are committed."""
+
+    group_id: str
+    size: int
+    members: dict[str, StoredObject] = field(default_factory=dict)
+    num_committed: int = 0
+    num_in_flight: int = 0
+    num_leases: int = 0
+    # a member failed to save: the group is dropped once no member is in flight
+    failed: bool = False
+    # a reader found a member failing its checksum: hidden, dropped once no lease holds it
+    corrupt: bool = False
+    tenant: str = DEFAULT_TENANT
+
+    @property
+    def complete(self) -> bool:
+        return self.num_committed == self.size
+
+    @property
+    def busy(self) -> bool:
+        """Busy groups are never evicted."""
+        return self.num_in_flight > 0 or self.num_leases > 0
+
+
+@dataclass(slots=True, frozen=True)
+class MountResult:
+    """What a mount did: ``fresh`` unless this exact segment was mounted already; which
+    reported records became objects again and which were rejected (the store forgets
+    those); the journal sequence the store's records now stand at."""
+
+    fresh: bool
+    adopted: int
+    rejected_keys: list[str]
+    sequence: int
+
+
+@dataclass(slots=True)
+class PutOutcome:
+    status: PutStatus
+    segment: Segment | None = None
+    offset: int = 0
+
+
+@dataclass(slots=True)
+class LookupResult:
+    groups: list[Group]
+    lease_id: int
+    lease_s: float

@@ -1,0 +1,206 @@
+"""The pool index's segment table: space, mounts with block reports, heartbeats with journals, expiry.
+
+Pure. The index holds one ``SegmentTable``; the table sees the index's
+objects and groups only through ``SegmentHost``.
+
+Invariants:
+- ``used_bytes`` and ``capacity`` always equal the sums over the mounted
+  segments' allocators and sizes (kept as running totals: a put reads them
+  on every placement);
+- a segment mounted again with the same endpoint, base address and size is
+  the same DRAM: the index keeps what it holds and resyncs the store's records;
+- a segment id back with another identity is a new segment: the old one's
+  objects are dropped, and only records that pass ``plan_report`` count;
+- a heartbeat acknowledges journal changes and returns the next ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvpool.core.errors import NotFound
+from kvpool.core.pool.eviction import GroupFailures
+from kvpool.core.pool.records import (
+    Group,
+    IndexCounters,
+    MountResult,
+    ObjectRecord,
+    Segment,
+    SegmentChange,
+    StoredObject,
+)
+from kvpool.core.pool.recovery import allocator_with_ranges, plan_report
+from kvpool.core.pool.settings import IndexSettings
+from kvpool.core.tenancy.shares import tenant_name
+
+
+class SegmentHost(Protocol):
+    """What the segment table needs of the index."""
+
+    @property
+    def objects(self) -> Mapping[str, StoredObject]: ...
+
+    @property
+    def lru_groups(self) -> Mapping[str, Group]: ...
+
+    def drop_group(self, group_id: str) -> int:
+        """Free every member of a group and forget it; returns members dropped."""
+        ...
+
+    def adopt(self, obj: StoredObject, group_size: int) -> None:
+        """A committed object a store reported joins its group."""
+        ...
+
+
+@dataclass(slots=True)
+class SegmentTable:
+    """Every mounted segment, with the space used in them all."""
+
+    index: SegmentHost
+    settings: IndexSettings
+    clock: Callable[[], float]
+    counters: IndexCounters
+    # groups refused for now: a store's report may not bring one back
+    failures: GroupFailures
+    segments: dict[str, Segment] = field(default_factory=dict)
+    used_bytes: int = 0
+    capacity: int = 0
+
+    # ---- space ----------------------------------------------------------
+
+    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
+        for segment in order:
+            allocator = segment.allocator
+            if allocator.largest_free >= size:
+                before = allocator.used_bytes
+                offset = allocator.allocate(size)
+                if offset is not None:
+                    self.used_bytes += allocator.used_bytes - before
+                    return segment, offset
+        return None
+
+    def release(self, obj: StoredObject) -> None:
+        """Give back an object's space; a committed one's store is told to forget it."""
+        segment = self.segments.get(obj.segment_id)
+        if segment is None:
+            return
+        segment.keys.discard(obj.key)
+        allocator = segment.allocator
+        before = allocator.used_bytes
+        allocator.free(obj.offset)
+        self.used_bytes -= before - allocator.used_bytes
+        if obj.committed:  # the store holds its record: it must forget it
+            segment.journal.remove(obj.key)
+
+    # ---- mounts ---------------------------------------------------------
+
+    def mount(
+        self,
+        segment_id: str,
+        endpoint: str,
+        host: str,
+        base_address: int,
+        size: int,
+        numa_node: int = -1,
+        records: Sequence[ObjectRecord] = (),
+    ) -> MountResult:
+        """Add a segment with the objects its store reports (a block report).
+
+        A segment id that comes back with another address, size or endpoint is
+        a restarted store: its old objects are gone, so they are dropped first
+        and only what the new segment reports counts. This exact segment
+        mounted again (a retried mount) keeps what the index holds: reported
+        records it does not hold are rejected, and its journal is rebuilt to
+        send the store what it lacks.
+        """
+        existing = self.segments.get(segment_id)
+        if existing is not None:
+            if (existing.endpoint, existing.base_address, existing.size) == (endpoint, base_address, size):
+                existing.last_heartbeat = self.clock()
+                return self._resync(existing, records)
+            self.unmount(segment_id)
+        self.failures.prune()
+        alignment = self.settings.alignment
+        plan = plan_report(records, size, alignment, self.index.objects, self.index.lru_groups, self.failures)
+        allocator = allocator_with_ranges(size, alignment, [(r.offset, r.size) for r in plan.accepted])
+        segment = self.segments[segment_id] = Segment(
+            segment_id=segment_id,
+            endpoint=endpoint,
+            host=host,
+            numa_node=numa_node,
+            base_address=base_address,
+            size=size,
+            allocator=allocator,
+            last_heartbeat=self.clock(),
+        )
+        self.capacity += size
+        self.used_bytes += allocator.used_bytes
+        for record in plan.accepted:
+            obj = StoredObject(record.key, record.group_id, segment_id, record.offset, record.size, record.checksum, True,
+                               tenant_name(record.tenant))
+            segment.keys.add(record.key)
+            self.index.adopt(obj, record.group_size)
+        self.counters.adopted_objects += len(plan.accepted)
+        self.counters.rejected_records += len(plan.rejected_keys)
+        return MountResult(True, len(plan.accepted), plan.rejected_keys, 0)
+
+    def _resync(self, segment: Segment, records: Sequence[ObjectRecord]) -> MountResult:
+        held = {r.key for r in records if self._record_of(r.key, segment.segment_id) == r}
+        rejected = [r.key for r in records if r.key not in held]
+        journal = segment.journal
+        journal.entries.clear()
+        journal.acked = journal.sequence
+        for key in sorted(segment.keys - held):
+            record = self._record_of(key, segment.segment_id)
+            if record is not None:
+                journal.add(record)
+        self.counters.rejected_records += len(rejected)
+        return MountResult(False, len(held), rejected, journal.acked)
+
+    def _record_of(self, key: str, segment_id: str) -> ObjectRecord | None:
+        obj = self.index.objects.get(key)
+        if obj is None or not obj.committed or obj.segment_id != segment_id:
+            return None
+        size = self.index.lru_groups[obj.group_id].size
+        return ObjectRecord(key, obj.group_id, size, obj.offset, obj.size, obj.checksum, obj.tenant)
+
+    def unmount(self, segment_id: str) -> int:
+        """Drop a segment and every group with a member in it; returns objects dropped."""
+        segment = self.get(segment_id, field_name="segment_id")
+        objects = self.index.objects
+        group_ids = {objects[key].group_id for key in segment.keys}
+        dropped = 0
+        for group_id in group_ids:
+            dropped += self.index.drop_group(group_id)
+        del self.segments[segment_id]
+        self.capacity -= segment.size
+        self.used_bytes -= segment.allocator.used_bytes
+        return dropped
+
+    # ---- liveness -------------------------------------------------------
+
+    def heartbeat(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[SegmentChange], bool]:
+        """Keep a segment alive; returns the changes its store has not acknowledged, and whether more wait."""
+        segment = self.get(segment_id, field_name="segment_id")
+        segment.last_heartbeat = self.clock()
+        journal = segment.journal
+        journal.ack(acked_sequence)
+        changes = journal.pending(self.settings.max_changes_per_heartbeat)
+        return changes, len(journal.entries) > len(changes)
+
+    def expire(self) -> list[str]:
+        """Unmount every segment whose store missed heartbeats for the TTL."""
+        deadline = self.clock() - self.settings.segment_ttl_s
+        dead = [s.segment_id for s in self.segments.values() if s.last_heartbeat < deadline]
+        for segment_id in dead:
+            self.unmount(segment_id)
+            self.counters.dropped_segments += 1
+        return dead
+
+    def get(self, segment_id: str, field_name: str) -> Segment:
+        segment = self.segments.get(segment_id)
+        if segment is None:
+            raise NotFound(f"{field_name}: unknown segment {segment_id!r}")
+        return segment

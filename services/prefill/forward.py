@@ -1,0 +1,111 @@
+"""One stage's forward of one request: compute, stream its KV to decode, start its save, go on.
+
+Every stage runs it: the later stages when their ``Forward``/``ForwardPieces`` is served,
+stage 0 from its scheduler. A stage waits on the next one exactly as long as its own caller
+waits on it (``keep_deadline``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from kvpool.model.sampling import greedy_token
+from kvpool.rpc import prefill_pb2
+from kvpool.services.prefill.handoff import StageHandoff
+from kvpool.services.prefill.pieces import ActivationLink
+from kvpool.services.prefill.stage_runner import StageRunner
+
+FORWARD_TIMEOUT_S = 600.0  # only for a caller that set no deadline
+
+# the deadline of the call being served (monotonic): a stage waits on the next one exactly as long as its own
+# caller waits on it, so a long prompt on a busy host fails at the client's deadline, not at a fixed one
+_deadline: ContextVar[float | None] = ContextVar("forward_deadline", default=None)
+
+
+def keep_deadline(context: Any) -> None:
+    """Carry the served call's deadline (if any) to the forwards this task makes."""
+    remaining = context.time_remaining() if context is not None else None
+    _deadline.set(None if remaining is None else time.monotonic() + remaining)
+
+
+def forward_timeout_s() -> float:
+    deadline = _deadline.get()
+    return FORWARD_TIMEOUT_S if deadline is None else max(0.001, deadline - time.monotonic())
+
+
+async def run_stage(
+    runner: StageRunner, link: ActivationLink, request: prefill_pb2.ForwardRequest,
+    inputs: torch.Tensor | AsyncIterator[tuple[prefill_pb2.ForwardRequest, torch.Tensor]],
+    block_table: list[int], handoff: StageHandoff,
+) -> prefill_pb2.ForwardResponse:
+    """Compute this stage, streaming its KV to decode as it becomes final, start saving, forward onward.
+
+    ``inputs``: the hidden states (or token ids) of tokens [compute_start, num_tokens) at once, or the
+    pieces of a ``ForwardPieces`` stream as they come. Each piece this stage computes goes on to the
+    next stage as it ends (``PieceSender``), so the stages overlap; with ``forward_after_stage`` (bench)
+    the request goes on whole once this stage computed all of it.
+
+    With a target, the cached prefix is final at once and each forward piece
+    when it ends; the last stage also writes the final logits. Bench mode
+    ``handoff_after_prefill`` writes the whole part only once every later
+    stage has computed. The writes run in the background: ``HandoffDone``
+    waits for them.
+    """
+    writes = handoff.begin(request.request_id, block_table, request.target) if request.HasField("target") else None
+    stream = writes is not None and not request.handoff_after_prefill
+    if stream and request.compute_start:
+        writes.write(0, request.compute_start)  # restored or device-cached: final already
+    is_last = runner.model.is_last
+    sender = None if is_last or request.forward_after_stage else link.open(request, forward_timeout_s())
+    pieces = one_piece(request, inputs) if isinstance(inputs, torch.Tensor) else inputs
+    kept: list[torch.Tensor] = []  # what goes on after the last piece: its last row, or (bench) every output
+    compute_ms = 0.0
+    try:
+        async for piece, piece_inputs in pieces:
+            if sender is not None and sender.failed:
+                break  # a later stage failed: finish() says how
+            start = piece.piece_start if piece.piece_end else request.compute_start
+            t0 = time.perf_counter()
+            out = await runner.forward(piece_inputs, block_table, start, writes.write if stream else None,
+                                       sender.send if sender is not None else None)
+            compute_ms += (time.perf_counter() - t0) * 1e3
+            kept = kept + [out] if request.forward_after_stage and not is_last else [out[-1:]]
+        else:
+            if writes is not None:
+                writes.forward_ended()
+            # the put reads the pages in the background; stage 0 keeps those blocks until save_done
+            runner.start_save(request.request_id, block_table, request.save_first_chunk,
+                              list(request.save_chunk_hashes), request.tenant)
+        if is_last:
+            last = kept[-1][-1]
+            # the model's sampler picks among its output ids only; the logits go back as the model made them
+            response = prefill_pb2.ForwardResponse(first_token=greedy_token(last, runner.config))
+            logits = last.to(torch.float32).contiguous().numpy().tobytes()
+            if request.return_logits:
+                response.logits = logits
+            if writes is not None:
+                trailer = logits if request.target.layout.trailer_bytes else b""
+                writes.write(0, 0 if stream else request.num_tokens, trailer)
+        else:
+            if sender is None:  # bench: the whole request at once
+                sender = link.open(request, forward_timeout_s())
+                sender.send(torch.cat(kept) if len(kept) > 1 else kept[0], request.compute_start, request.num_tokens)
+            response = await sender.finish()
+            sender = None
+            if writes is not None and not stream:
+                writes.write(0, request.num_tokens)  # every later stage has computed
+    finally:
+        if sender is not None:
+            sender.abort()
+    response.stage_compute_ms.insert(0, compute_ms)
+    return response
+
+
+async def one_piece(request: prefill_pb2.ForwardRequest, inputs: torch.Tensor
+                    ) -> AsyncIterator[tuple[prefill_pb2.ForwardRequest, torch.Tensor]]:
+    yield request, inputs

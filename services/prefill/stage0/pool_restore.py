@@ -1,0 +1,128 @@
+"""Stage 0's restore of one request from the pool: look its chunks up at the master, have every
+stage read its own objects of the planned chunks into their blocks at once, report the groups
+some stage could not verify, and apply what all stages got (the core's ``PrefillRequest``).
+
+A prefill's restore and a session's staging (``prefetch.py``) both take this path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from kvpool.core.prefill.block_manager import BlockManager
+from kvpool.core.chunk_hash import group_id, object_key
+from kvpool.core.prefill.request import PrefillRequest
+from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import LookupResult
+from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
+from kvpool.services.prefill.stage_servicer import figures_message
+
+log = structlog.get_logger(__name__)
+
+RESTORE_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True)
+class RestoreReport:
+    """What restoring one request cost, for its figures."""
+
+    lookup_ms: float = 0.0
+    wait_ms: float = 0.0
+    stages: list[prefill_pb2.StageRestoreFigures] = field(default_factory=list)
+
+
+class PoolRestore:
+    """Restores a request's planned chunks on every stage: stage 0 in this process, the later
+    stages over their ``Restore`` RPC. A stage that cannot restore makes its chunks computed."""
+
+    def __init__(self, runner: StageRunner, stages: Sequence[prefill_pb2_grpc.PrefillStageStub],
+                 pool: PoolClient | None, blocks: BlockManager) -> None:
+        self.runner = runner
+        self.stages = list(stages)  # stages 1..N-1
+        self.pool = pool
+        self.blocks = blocks
+        self.namespace = runner.namespace
+        self.num_stages = runner.settings.num_stages
+
+    async def restore(self, request: PrefillRequest) -> RestoreReport:
+        """Look the pool-candidate chunks up, restore them on every stage, apply what all stages got."""
+        report = RestoreReport()
+        # from the head: the lookup also finds device hits whose pool copy is gone (written back)
+        candidates = request.lookup_candidates
+        if self.pool is None or not candidates:
+            request.plan(0)
+            request.apply_restore([], self.blocks)
+            return report
+        t0 = time.perf_counter()
+        lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates])
+        report.lookup_ms = (time.perf_counter() - t0) * 1e3
+        plan = request.plan_lookup(lookup.num_complete)
+        if request.num_write_back_chunks:
+            log.info("device_hits_written_back", request_id=request.request_id, chunks=request.num_write_back_chunks)
+        try:
+            if plan.num_pool_chunks:
+                t1 = time.perf_counter()
+                report.stages = await self._on_stages(request, lookup)
+                report.wait_ms = (time.perf_counter() - t1) * 1e3
+        finally:
+            corrupt = self._corrupt_groups(request, report.stages)
+            await self.pool.release(lookup.lease_id, corrupt)
+        request.apply_restore([s.num_chunks_restored for s in report.stages], self.blocks)
+        return report
+
+    def _corrupt_groups(self, request: PrefillRequest, stages: Sequence[prefill_pb2.StageRestoreFigures]) -> list[str]:
+        """Groups of the lease with an object some stage got but could not verify: the master
+        drops them when the lease ends, so this request's save stores them afresh."""
+        indexes = sorted({i for s in stages for i in s.corrupt_chunk_indexes if i < len(request.chunk_hashes)})
+        if not indexes:
+            return []
+        group_ids = [group_id(self.namespace, request.chunk_hashes[i]) for i in indexes]
+        log.warning("corrupt_groups_reported", request_id=request.request_id, count=len(group_ids),
+                    first_chunk_index=indexes[0], first_group_id=group_ids[0])
+        return group_ids
+
+    async def _on_stages(self, request: PrefillRequest, lookup: LookupResult) -> list[prefill_pb2.StageRestoreFigures]:
+        """Every stage reads its own objects of the planned chunks at once."""
+        targets = request.restore_targets(self.blocks)  # private blocks only: objects land straight in them
+        per_stage: list[list[ChunkToRestore]] = []
+        for stage in range(self.num_stages):
+            chunks = []
+            for chunk_index, block_id in targets:
+                group = lookup.groups[chunk_index]  # the lookup started at chunk 0
+                location = group.members.get(object_key(self.namespace, request.chunk_hashes[chunk_index], stage))
+                if location is None:
+                    break  # cannot happen for a complete group; stay safe
+                chunks.append(ChunkToRestore(chunk_index, block_id, location))
+            per_stage.append(chunks)
+        results = await asyncio.gather(
+            self._local(per_stage[0]),
+            *(self._remote(stage, request.request_id, per_stage[stage]) for stage in range(1, len(per_stage))),
+        )
+        return list(results)
+
+    async def _local(self, chunks: list[ChunkToRestore]) -> prefill_pb2.StageRestoreFigures:
+        figures: RestoreFigures = await self.runner.restore(chunks)
+        return figures_message(0, figures)
+
+    async def _remote(self, stage: int, request_id: str,
+                      chunks: list[ChunkToRestore]) -> prefill_pb2.StageRestoreFigures:
+        request = prefill_pb2.RestoreRequest(request_id=request_id, chunks=[
+            prefill_pb2.RestoreChunk(chunk_index=c.chunk_index, block_id=c.block_id, endpoint=c.location.endpoint,
+                                     address=c.location.address, size=c.location.size,
+                                     checksum=c.location.checksum, key=c.location.key)
+            for c in chunks
+        ])
+        try:
+            response = await self.stages[stage - 1].Restore(request, timeout=RESTORE_TIMEOUT_S)
+            return response.figures
+        except grpc.aio.AioRpcError as exc:
+            # a stage that cannot restore makes those chunks computed, not the request failed
+            log.warning("stage_restore_failed", stage=stage, code=exc.code().name, details=exc.details())
+            return prefill_pb2.StageRestoreFigures(stage=stage, num_chunks_requested=len(chunks))

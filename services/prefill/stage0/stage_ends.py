@@ -1,0 +1,92 @@
+"""What stage 0 asks every stage once a request's forward has passed: did your handoff writes
+end (``HandoffDone``), did your saves end (``SaveDone``)? Stage 0 answers for itself in this
+process; the later stages over RPC, all at once.
+
+The two answers differ in what a silent stage means. A handoff that a stage cannot confirm
+fails the request (decode would read a region nobody vouched for). A save that a stage cannot
+confirm is over for this purpose: that stage is gone (or stuck past every put's bounds), so its
+puts no longer read the request's pages, and they may be reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import grpc
+import structlog
+
+from kvpool.core.errors import FailedPrecondition, InvalidArgument, KvpoolError, Unavailable
+from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
+from kvpool.status import from_status
+from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
+from kvpool.services.prefill.stage_runner import StageRunner
+
+log = structlog.get_logger(__name__)
+
+# beyond every bound of a put (two 5 s RPCs and the engine's 30 s + 1 ns/byte)
+SAVE_DONE_TIMEOUT_S = 120.0
+STAGE_TIMEOUT_S = 120.0  # one stage's handoff writes after its forward, as stage 0 waits for them
+
+
+class StageEnds:
+    def __init__(self, runner: StageRunner, handoff: StageHandoff, handoff_metrics: HandoffMetrics,
+                 stages: Sequence[prefill_pb2_grpc.PrefillStageStub]) -> None:
+        self.runner = runner
+        self.handoff = handoff
+        self.handoff_metrics = handoff_metrics
+        self.stages = list(stages)  # stages 1..N-1
+
+    async def handoff_done(self, request_id: str, target: handoff_pb2.HandoffTarget) -> handoff_pb2.HandoffResponse:
+        """Every stage's writes of the request ended: their figures, or the first failure."""
+        started = time.perf_counter()
+        bound = log.bind(request_id=request_id, region_id=target.region_id, endpoint=target.endpoint)
+        results = await asyncio.gather(
+            self.handoff.done(request_id),
+            *(self._handoff_done_remote(stage, request_id) for stage in range(1, len(self.stages) + 1)),
+            return_exceptions=True,
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            self.handoff_metrics.requests.labels("failed").inc()
+            bound.warning("handoff_failed", errors=[str(e) for e in failed])
+            error = failed[0]
+            raise error if isinstance(error, KvpoolError) else Unavailable(f"handoff: {error}")
+        stages = [r for r in results if isinstance(r, handoff_pb2.StageHandoffFigures)]
+        forward_end = max(s.forward_end_unix_ms for s in stages)
+        last_byte = max(s.last_write_end_unix_ms for s in stages)
+        response = handoff_pb2.HandoffResponse(
+            region_id=target.region_id, stages=stages, transfers=sum(s.transfers for s in stages),
+            bytes=sum(s.bytes for s in stages), seconds=max(0.0, last_byte - forward_end) / 1e3,
+        )
+        self.handoff_metrics.requests.labels("ok").inc()
+        self.handoff_metrics.seconds.observe(response.seconds)
+        bound.info("handoff_done", transfers=response.transfers, bytes=response.bytes,
+                   after_forward_ms=round(response.seconds * 1e3, 2), wait_ms=round((time.perf_counter() - started) * 1e3, 2))
+        return response
+
+    async def _handoff_done_remote(self, stage: int, request_id: str) -> handoff_pb2.StageHandoffFigures:
+        try:
+            return await self.stages[stage - 1].HandoffDone(prefill_pb2.HandoffDoneRequest(request_id=request_id),
+                                                            timeout=STAGE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise from_status(exc, f"stage {stage}", (InvalidArgument, FailedPrecondition)) from None
+
+    async def saves_done(self, request_id: str) -> None:
+        """Wait until every stage's save of the request ended (or the stage cannot say)."""
+        done = await asyncio.gather(
+            self.runner.save_done(request_id),
+            *(self._save_done_remote(stage, request_id) for stage in range(1, len(self.stages) + 1)),
+        )
+        log.debug("request_saved", request_id=request_id, stored=sum(d.num_stored for d in done),
+                  not_stored=sum(d.num_not_stored for d in done))
+
+    async def _save_done_remote(self, stage: int, request_id: str) -> prefill_pb2.SaveDoneResponse:
+        try:
+            return await self.stages[stage - 1].SaveDone(prefill_pb2.SaveDoneRequest(request_id=request_id),
+                                                         timeout=SAVE_DONE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            # a stage that cannot answer is gone (or stuck past every put's bounds): its puts no longer read
+            log.warning("stage_save_done_failed", stage=stage, code=exc.code().name, details=exc.details())
+            return prefill_pb2.SaveDoneResponse(stage=stage)
