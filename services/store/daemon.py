@@ -24,15 +24,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvpool.host_memory import refuse_unless_fits
 from kvpool import service
-from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.transfer import HostBuffer, TransferEngine, local_host_name
+from kvpool.core.pool.records import ObjectRecord
 from kvpool.services.store import numa
+from kvpool.services.store.master_client import MasterClient, SegmentMount
 from kvpool.services.store.records import SegmentRecords
 from kvpool.services.store.settings import StoreSettings
 
 log = structlog.get_logger(__name__)
 
-RPC_TIMEOUT_S = 5.0
 RETRY_MIN_S = 0.1
 # a restarted master should get its block reports at once: reconnect every
 # 0.25 s at most rather than gRPC's default backoff (up to 2 s here); one
@@ -68,7 +68,7 @@ class Store:
     settings: StoreSettings
     engine: TransferEngine
     segment: HostBuffer
-    stub: pool_pb2_grpc.PoolMasterStub
+    master: MasterClient
     metrics: StoreMetrics
     host_name: str = field(default_factory=local_host_name)
     incarnation: str = ""
@@ -80,19 +80,12 @@ class Store:
         if unverified:
             self.metrics.unverified.inc(len(unverified))
             log.warning("records_unverified", count=len(unverified), first_key=unverified[0])
-        response = await self.stub.MountSegment(
-            pool_pb2.MountSegmentRequest(
-                segment_id=self.settings.segment_id,
-                endpoint=self.engine.endpoint,
-                host=self.host_name,
-                base_address=self.segment.address,
-                size=self.segment.size,
-                numa_node=self.settings.numa_node,
-                records=report,
-            ),
-            timeout=RPC_TIMEOUT_S,
+        response = await self.master.mount(
+            SegmentMount(self.settings.segment_id, self.engine.endpoint, self.host_name, self.segment.address,
+                         self.segment.size, self.settings.numa_node),
+            report,
         )
-        rejected = set(response.rejected_keys)
+        rejected = response.rejected_keys
         self.records.reset([r for r in report if r.key not in rejected], response.sequence)
         self.metrics.records.set(len(self.records))
         self.metrics.reported.inc(len(report))
@@ -112,7 +105,7 @@ class Store:
         log.info("segment_mounted", segment_id=self.settings.segment_id, master=self.settings.master,
                  incarnation=self.incarnation)
 
-    def _verified_records(self) -> tuple[list[pool_pb2.ObjectRecord], list[str]]:
+    def _verified_records(self) -> tuple[list[ObjectRecord], list[str]]:
         with self.segment.view() as view:
             return self.records.verified(view)
 
@@ -160,11 +153,8 @@ class Store:
                     await asyncio.wait_for(stop.wait(), wait_s)
             if stop.is_set():
                 return
-            request = pool_pb2.HeartbeatRequest(
-                segment_id=self.settings.segment_id, acked_sequence=self.records.acked_sequence
-            )
             try:
-                response = await self.stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)
+                response = await self.master.heartbeat(self.settings.segment_id, self.records.acked_sequence)
                 self.metrics.mounted.set(1)
                 self.records.apply(response.changes)
                 self.metrics.records.set(len(self.records))
@@ -186,9 +176,7 @@ class Store:
 
     async def unmount(self) -> None:
         try:
-            await self.stub.UnmountSegment(
-                pool_pb2.UnmountSegmentRequest(segment_id=self.settings.segment_id), timeout=2.0
-            )
+            await self.master.unmount(self.settings.segment_id)
             log.info("segment_unmounted", segment_id=self.settings.segment_id)
         except grpc.aio.AioRpcError as exc:
             log.warning("unmount_failed", code=exc.code().name, details=exc.details())
@@ -217,7 +205,7 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
     stop = asyncio.Event()
     service.install_stop_signals(stop)
     channel = service.channel(settings.master, MASTER_CHANNEL_OPTIONS)
-    store = Store(settings, engine, segment, pool_pb2_grpc.PoolMasterStub(channel), metrics)
+    store = Store(settings, engine, segment, MasterClient(channel), metrics)
     heartbeat: asyncio.Task[None] | None = None
     try:
         if await store.mount_until_done(stop, first=True):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import xxhash
 from sortedcontainers import SortedDict
 
-from kvpool.rpc import pool_pb2
+from kvpool.core.pool.records import ObjectRecord, SegmentChange
 
 
 @dataclass(slots=True)
@@ -32,13 +32,13 @@ class SegmentRecords:
     """Key → record of the objects committed in one segment, plus the sequence applied."""
 
     acked_sequence: int = 0
-    by_key: dict[str, pool_pb2.ObjectRecord] = field(default_factory=dict)
+    by_key: dict[str, ObjectRecord] = field(default_factory=dict)
     by_offset: SortedDict = field(default_factory=SortedDict)  # offset -> key
 
     def __len__(self) -> int:
         return len(self.by_key)
 
-    def apply(self, changes: Iterable[pool_pb2.SegmentChange]) -> int:
+    def apply(self, changes: Iterable[SegmentChange]) -> int:
         """Apply changes in order (any already applied are skipped); returns how many applied."""
         applied = 0
         for change in changes:
@@ -52,7 +52,7 @@ class SegmentRecords:
             applied += 1
         return applied
 
-    def add(self, record: pool_pb2.ObjectRecord) -> None:
+    def add(self, record: ObjectRecord) -> None:
         self.remove(record.key)
         end = record.offset + record.size
         # records ending after this one starts, starting before it ends
@@ -69,7 +69,7 @@ class SegmentRecords:
         if record is not None and self.by_offset.get(record.offset) == key:
             del self.by_offset[record.offset]
 
-    def reset(self, keep: Iterable[pool_pb2.ObjectRecord], sequence: int) -> None:
+    def reset(self, keep: Iterable[ObjectRecord], sequence: int) -> None:
         """After a mount: hold exactly ``keep``, standing at the master's ``sequence``."""
         self.by_key.clear()
         self.by_offset.clear()
@@ -77,7 +77,7 @@ class SegmentRecords:
             self.add(record)
         self.acked_sequence = sequence
 
-    def verified(self, segment: memoryview) -> tuple[list[pool_pb2.ObjectRecord], list[str]]:
+    def verified(self, segment: memoryview) -> tuple[list[ObjectRecord], list[str]]:
         """Records whose bytes still match their checksum, and the keys of those that do not.
 
         Reads the bytes the records cover once (xxh3, several GB/s): cheap next

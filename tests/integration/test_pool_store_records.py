@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import xxhash
 
-from kvpool.rpc import pool_pb2
+from kvpool.core.pool.records import ObjectRecord, SegmentChange
 from kvpool.transfer import HostBuffer
 from kvpool.services.store.records import SegmentRecords
 
 
-def record(key: str, offset: int, size: int = 64, checksum: int = 0) -> pool_pb2.ObjectRecord:
-    return pool_pb2.ObjectRecord(key=key, group_id=key.split("/")[0], group_size=1, offset=offset, size=size,
-                                 checksum=checksum)
+def record(key: str, offset: int, size: int = 64, checksum: int = 0) -> ObjectRecord:
+    return ObjectRecord(key=key, group_id=key.split("/")[0], group_size=1, offset=offset, size=size,
+                        checksum=checksum)
 
 
-def added(sequence: int, r: pool_pb2.ObjectRecord) -> pool_pb2.SegmentChange:
-    return pool_pb2.SegmentChange(sequence=sequence, added=r)
+def added(sequence: int, r: ObjectRecord) -> SegmentChange:
+    return SegmentChange(sequence=sequence, added=r)
 
 
-def removed(sequence: int, key: str) -> pool_pb2.SegmentChange:
-    return pool_pb2.SegmentChange(sequence=sequence, removed_key=key)
+def removed(sequence: int, key: str) -> SegmentChange:
+    return SegmentChange(sequence=sequence, removed_key=key)
 
 
 def test_changes_apply_once_in_order() -> None:

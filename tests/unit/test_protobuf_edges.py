@@ -39,8 +39,6 @@ KNOWN = {
     "kvpool.services.prefill.stage0.stage_ends",
     "kvpool.services.router.backends",
     "kvpool.services.router.router",
-    "kvpool.services.store.daemon",
-    "kvpool.services.store.records",
 }
 
 

@@ -1,0 +1,97 @@
+"""The store's client of the pool master: mount, heartbeat and unmount its segment, in the core's records.
+
+The one place the store meets ``pool_pb2``: records and changes cross as
+:class:`ObjectRecord` and :class:`SegmentChange`, converted here both ways.
+A failed call raises ``grpc.aio.AioRpcError`` as it comes; the daemon decides
+what each status means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvpool.core.pool.records import ObjectRecord, SegmentChange
+from kvpool.rpc import pool_pb2, pool_pb2_grpc
+
+RPC_TIMEOUT_S = 5.0
+UNMOUNT_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True, frozen=True)
+class SegmentMount:
+    """What a store tells the master of its segment when it (re-)mounts it."""
+
+    segment_id: str
+    endpoint: str
+    host: str
+    base_address: int
+    size: int
+    numa_node: int
+
+
+@dataclass(slots=True, frozen=True)
+class Mounted:
+    """The master's answer to a mount: where the segment's journal stands and what it made of the report."""
+
+    sequence: int
+    rejected_keys: frozenset[str]
+    num_adopted: int
+    master_incarnation: str
+    heartbeat_interval_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class Beat:
+    """The master's answer to a heartbeat: changes in sequence order; ``more`` when others wait."""
+
+    changes: tuple[SegmentChange, ...]
+    more: bool
+
+
+def record_message(record: ObjectRecord) -> pool_pb2.ObjectRecord:
+    return pool_pb2.ObjectRecord(key=record.key, group_id=record.group_id, group_size=record.group_size,
+                                 offset=record.offset, size=record.size, checksum=record.checksum,
+                                 tenant=record.tenant)
+
+
+def record_from_message(message: pool_pb2.ObjectRecord) -> ObjectRecord:
+    # the tenant as the master sent it: the store hands it back untouched in its next report
+    return ObjectRecord(message.key, message.group_id, message.group_size, message.offset, message.size,
+                        message.checksum, message.tenant)
+
+
+def change_from_message(message: pool_pb2.SegmentChange) -> SegmentChange:
+    if message.removed_key:
+        return SegmentChange(message.sequence, removed_key=message.removed_key)
+    return SegmentChange(message.sequence, added=record_from_message(message.added))
+
+
+class MasterClient:
+    """The segment's calls to the master over one channel (the daemon owns and closes the channel)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = pool_pb2_grpc.PoolMasterStub(channel)
+
+    async def mount(self, segment: SegmentMount, records: Sequence[ObjectRecord]) -> Mounted:
+        response = await self._stub.MountSegment(
+            pool_pb2.MountSegmentRequest(
+                segment_id=segment.segment_id, endpoint=segment.endpoint, host=segment.host,
+                base_address=segment.base_address, size=segment.size, numa_node=segment.numa_node,
+                records=[record_message(r) for r in records],
+            ),
+            timeout=RPC_TIMEOUT_S,
+        )
+        return Mounted(response.sequence, frozenset(response.rejected_keys), response.num_adopted,
+                       response.master_incarnation, response.heartbeat_interval_s)
+
+    async def heartbeat(self, segment_id: str, acked_sequence: int) -> Beat:
+        request = pool_pb2.HeartbeatRequest(segment_id=segment_id, acked_sequence=acked_sequence)
+        response = await self._stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)
+        return Beat(tuple(change_from_message(c) for c in response.changes), response.more)
+
+    async def unmount(self, segment_id: str) -> None:
+        await self._stub.UnmountSegment(pool_pb2.UnmountSegmentRequest(segment_id=segment_id),
+                                        timeout=UNMOUNT_TIMEOUT_S)
