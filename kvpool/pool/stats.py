@@ -4,21 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
-from google.protobuf.json_format import MessageToDict
-
-from kvpool import service
-from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from kvpool.pool.stats_client import fetch_stats  # services/cli.py takes both from here
 from kvpool.sizes import format_size
 
-
-async def fetch_stats(master: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    async with service.channel(master) as channel:
-        try:
-            response = await pool_pb2_grpc.PoolMasterStub(channel).Stats(pool_pb2.StatsRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise SystemExit(f"kvpool pool stats: master {master}: {exc.code().name}: {exc.details()}") from None
-    return MessageToDict(response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+__all__ = ["fetch_stats", "format_stats"]
 
 
 def format_stats(stats: dict[str, Any]) -> str:

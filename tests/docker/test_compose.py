@@ -153,7 +153,7 @@ def router_healthy() -> bool:
 
 
 def pool_stats() -> dict[str, Any] | None:
-    from kvpool.pool.stats import fetch_stats
+    from kvpool.pool.stats_client import fetch_stats
 
     try:
         return asyncio.run(fetch_stats("127.0.0.1:7601", timeout_s=3))

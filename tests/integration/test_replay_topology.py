@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from kvpool.pool.stats import fetch_stats
+from kvpool.pool.stats_client import fetch_stats
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.cluster.netns import (
     Network,

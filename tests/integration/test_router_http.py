@@ -21,7 +21,7 @@ import grpc
 import openai
 import pytest
 
-from kvpool.pool.stats import fetch_stats
+from kvpool.pool.stats_client import fetch_stats
 from kvpool.rpc import decode_pb2, decode_pb2_grpc
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster

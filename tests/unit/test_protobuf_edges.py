@@ -28,7 +28,6 @@ OUTSIDE_CLIENTS = {
 
 # still passing messages around as domain values (issue 34): shrink, never grow
 KNOWN = {
-    "kvpool.pool.stats",
     "kvpool.services.prefill.forward",
     "kvpool.services.prefill.handoff",
     "kvpool.services.prefill.metrics",

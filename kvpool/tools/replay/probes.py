@@ -70,7 +70,7 @@ async def pool_stats(master: str) -> dict[str, Any] | None:
     """The master's Stats as a dict, or None when there is no master or it does not answer."""
     if not master:
         return None
-    from kvpool.pool.stats import fetch_stats
+    from kvpool.pool.stats_client import fetch_stats
 
     try:
         return await fetch_stats(master)
