@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 
 from kvpool.core.prefill.queue import PrefillQueue
 from kvpool.core.tenancy.tenants import TenantLabels
-from kvpool.rpc import prefill_pb2
+from kvpool.services.prefill.stage0.prefill_result import PrefillFigures
 
 # Prometheus convention: base units, seconds
 _SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
@@ -85,7 +85,7 @@ class PrefillMetrics:
         for label, value in self.tenant_labels.totals(tenant_blocks).items():
             self.tenant_blocks.labels(label).set(value)
 
-    def observe(self, figures: prefill_pb2.PrefillFigures, device_usage: float) -> None:
+    def observe(self, figures: PrefillFigures, device_usage: float) -> None:
         self.requests.inc()
         self.tokens.labels("device").inc(figures.num_device_tokens)
         self.tokens.labels("pool").inc(figures.num_pool_tokens)

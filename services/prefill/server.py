@@ -14,10 +14,11 @@ from kvpool import service
 from kvpool.pool.client import PoolClient
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import TransferEngine
-from kvpool.services.prefill.stage0.chain_health import PipelineHealthServicer
+from kvpool.services.prefill.stage0.health_servicer import PipelineHealthServicer
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.metrics import PrefillMetrics
-from kvpool.services.prefill.stage0.scheduler import PrefillScheduler, PrefillServicer
+from kvpool.services.prefill.stage0.prefill_servicer import PrefillServicer
+from kvpool.services.prefill.stage0.scheduler import PrefillScheduler
 from kvpool.services.prefill.settings import PrefillSettings
 from kvpool.services.prefill.stage_runner import StageRunner
 from kvpool.services.prefill.pieces import ActivationLink

@@ -34,18 +34,18 @@ from kvpool.core.prefill.request import PrefillRequest, try_admit
 from kvpool.core.sessions.table import SessionId
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, TenantShares, tenant_name
 from kvpool.pool.client import PoolClient
-from kvpool.request_id import current_request_id, new_request_id
+from kvpool.request_id import new_request_id
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
-from kvpool.status import status_errors
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.stage0.gate import PrefillGate
 from kvpool.services.prefill.metrics import GatePopsCollector, PrefillMetrics
 from kvpool.services.prefill.stage0.pool_restore import PoolRestore, RestoreReport
+from kvpool.services.prefill.stage0.prefill_result import PrefillFigures, PrefillResult
 from kvpool.services.prefill.stage0.prefetch import PrefetchMetrics, SessionPrefetcher
 from kvpool.services.prefill.stage0.stage_ends import StageEnds
 from kvpool.services.prefill.stage_runner import StageRunner
 from kvpool.services.prefill.pieces import ActivationLink
-from kvpool.services.prefill.forward import keep_deadline, run_stage
+from kvpool.services.prefill.forward import run_stage
 
 log = structlog.get_logger(__name__)
 
@@ -142,7 +142,7 @@ class PrefillScheduler:
                       request_id: str = "", tenant: str = "", cache_salt: str = "",
                       target: handoff_pb2.HandoffTarget | None = None,
                       handoff_after_prefill: bool = False,
-                      forward_after_stage: bool = False) -> prefill_pb2.PrefillResponse:
+                      forward_after_stage: bool = False) -> PrefillResult:
         """Prefill under ``request_id`` (the caller's, else a fresh one); with ``target``, hand the KV off.
         The two flags are the benchmarks' baselines (``PrefillRequest``): the handoff after the last stage,
         the stages one after another."""
@@ -184,7 +184,7 @@ class PrefillScheduler:
 
     async def _prefill(self, request_id: str, token_ids: Sequence[int], hashes: list[Any], session: SessionId | None,
                        return_logits: bool, tenant: str, target: handoff_pb2.HandoffTarget | None,
-                       bench: BenchModes, started: float, bound: Any) -> prefill_pb2.PrefillResponse:
+                       bench: BenchModes, started: float, bound: Any) -> PrefillResult:
         for attempt in (1, 2):
             request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant),
                                      session=session)
@@ -222,18 +222,18 @@ class PrefillScheduler:
                 raise
             break
         await self.free(request.request_id)  # nothing is held after Prefill returns
-        figures = prefill_pb2.PrefillFigures(
+        figures = PrefillFigures(
             num_prompt_tokens=request.num_tokens,
             num_device_tokens=request.num_device_tokens,
             num_pool_tokens=request.num_pool_tokens,
             num_computed_tokens=request.num_computed_tokens,
             num_pool_chunks_lost=request.num_pool_chunks_lost,
-            restore=run.restore.stages,
+            restore=tuple(run.restore.stages),
             restore_wait_ms=run.restore.wait_ms,
             compute_ms=run.compute_ms,
             lookup_ms=run.restore.lookup_ms,
             total_ms=(time.perf_counter() - started) * 1e3,
-            stage_compute_ms=list(run.forward.stage_compute_ms),
+            stage_compute_ms=tuple(run.forward.stage_compute_ms),
         )
         self.metrics.observe(figures, self.blocks.usage)
         if request.num_pool_tokens:
@@ -241,10 +241,10 @@ class PrefillScheduler:
         bound.info("prefill_done", tokens=request.num_tokens, device=figures.num_device_tokens,
                    pool=figures.num_pool_tokens, computed=figures.num_computed_tokens,
                    lost_chunks=figures.num_pool_chunks_lost, total_ms=round(figures.total_ms, 1))
-        return prefill_pb2.PrefillResponse(
+        return PrefillResult(
             first_token=run.forward.first_token, request_id=request.request_id,
-            logits=run.forward.logits if return_logits else b"", figures=figures, block_table=request.block_table,
-            block_size=self.chunk_size, handoff=run.handoff,
+            logits=run.forward.logits if return_logits else b"", figures=figures,
+            block_table=tuple(request.block_table), block_size=self.chunk_size, handoff=run.handoff,
         )
 
     async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool,
@@ -357,34 +357,3 @@ class PrefillScheduler:
     async def _wake_waiters(self) -> None:
         async with self._freed:
             self._freed.notify_all()
-
-
-class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    """The front of the pipeline; UNAVAILABLE until the later stages have been checked."""
-
-    def __init__(self) -> None:
-        self.scheduler: PrefillScheduler | None = None
-
-    def _ready(self) -> PrefillScheduler:
-        if self.scheduler is None:
-            raise Unavailable("prefill: stage 0 is still waiting for the later stages")
-        return self.scheduler
-
-    @status_errors
-    async def Prefetch(self, request: prefill_pb2.PrefetchRequest, context: Any) -> prefill_pb2.PrefetchResponse:
-        expected = request.expected_next_s if request.HasField("expected_next_s") else None
-        scheduler = self._ready()
-        if not request.session_key:
-            raise InvalidArgument("session_key: a prefetch needs the session", field="session_key")
-        scheduler.validate([0], request.session_key, request.tenant, request.cache_salt)
-        known, released, scheduled = scheduler.prefetcher.prefetch(
-            request.session_key, request.tenant, request.session_end, expected)
-        return prefill_pb2.PrefetchResponse(known=known, num_blocks_released=released, scheduled=scheduled)
-
-    @status_errors
-    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
-        target = request.target if request.HasField("target") else None
-        keep_deadline(context)
-        return await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
-                                           current_request_id(), request.tenant, request.cache_salt, target,
-                                           request.handoff_after_prefill, request.forward_after_stage)
