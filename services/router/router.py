@@ -47,7 +47,7 @@ from kvpool.core.tenancy.tenants import scoped_session_key
 from kvpool.request_id import bound_request_id, new_request_id
 from kvpool.rpc import decode_pb2, handoff_pb2, prefill_pb2
 from kvpool.status import from_status
-from kvpool.services.router.backends import LATE_CHECKS_OUT, Backends, server_of
+from kvpool.services.router.backend_clients import LATE_CHECKS_OUT, Backends, server_of
 from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
 from kvpool.services.router.http_api import Usage
 from kvpool.services.router.metrics import RouterMetrics

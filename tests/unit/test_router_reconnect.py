@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from kvpool.services.router.backends import PIPELINE_HEALTH_SERVICE
+from kvpool.services.router.backend_clients import PIPELINE_HEALTH_SERVICE
 from kvpool.services.router.metrics import RouterMetrics
 from kvpool.services.router.router import Router
 from tests.integration.conftest import eventually
