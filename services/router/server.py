@@ -1,4 +1,4 @@
-"""The router process: gRPC ``Generate``, the OpenAI-compatible HTTP API (Starlette on uvicorn), health and metrics."""
+"""The router process: gRPC ``Generate``, the OpenAI-compatible HTTP API (Starlette on http_server), health, metrics."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import structlog
-import uvicorn
 
 from kvpool import service
 from kvpool.core.errors import InvalidArgument, KvpoolError
@@ -30,7 +29,8 @@ from kvpool.tokenizer import ByteTokenizer, load_tokenizer
 from kvpool.services.router.auth import ApiKeys, gate
 from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
 from kvpool.services.router.http_api import HttpApi, Usage
-from kvpool.services.router.http_connections import ensure_open_files, guarded
+from kvpool.services.router.http_connections import ConnectionLimits, ensure_open_files
+from kvpool.services.router.http_server import HttpServer
 from kvpool.services.router.json_body import MAX_BODY_BYTES
 from kvpool.services.router.metrics import RouterMetrics
 from kvpool.services.router.openai_errors import api_error_of
@@ -120,14 +120,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
 
 
-class _HttpServer(uvicorn.Server):
-    """uvicorn without its own signal handlers: the process's handlers stop everything in order."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 class _OpenAiRouter:
     """The router as the HTTP API sees it (``RouterView``): generate, with its errors in OpenAI's shape, and health."""
 
@@ -215,13 +207,12 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
     sock = _bind(settings.host, settings.http_port, settings.reuse_port)
     # origins, API keys, tenants and their request rates (auth.py)
     app = gate(api.app(), keys, settings.cors_origins, settings.tenant_rate, settings.tenant_burst)
-    http = _HttpServer(uvicorn.Config(app, log_config=None, log_level="warning", lifespan="off",
-                                      timeout_graceful_shutdown=max(1, round(settings.drain_s)),
-                                      http=guarded(settings.http_read_timeout_s, settings.http_max_connections,
-                                                   refused, metrics.http_connections.set,
-                                                   settings.http_max_connections_per_client)))
+    # stopped in the finally below, once the process's signal handlers set ``stop``
+    http = HttpServer(app, ConnectionLimits(settings.http_read_timeout_s, settings.http_max_connections,
+                                            settings.http_max_connections_per_client, refused,
+                                            metrics.http_connections.set))
     ensure_open_files(settings.http_max_connections)
-    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    await http.start(sock)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     stop = asyncio.Event()
     service.install_stop_signals(stop)
@@ -239,9 +230,8 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
         await handle.set_serving(False)
     finally:
         health.cancel()
-        http.should_exit = True
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(http_task, settings.drain_s + 5)
+            await asyncio.wait_for(http.stop(grace_s=max(1.0, settings.drain_s)), settings.drain_s + 5)
         # streams in flight finish within the drain period
         await handle.server.stop(grace=settings.drain_s)
         await router.close()
