@@ -266,3 +266,10 @@ async def test_stop_closes_idle_connections_and_lets_a_request_in_flight_finish(
         await asyncio.wait_for(stopping, 10)
         idle.close()
         writer.close()
+
+
+async def test_an_answer_before_the_body_came_is_read_whole_then_the_connection_closes() -> None:
+    async with serving(App()) as (port, _):
+        answer = await exchange(port, b"POST /unread HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
+                                      b"Connection: close\r\n\r\nabc")  # 3 of its 10 bytes
+    assert answer == ok(b"unread", close=True)
