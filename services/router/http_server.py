@@ -146,7 +146,7 @@ class _Connection:
             try:
                 await cycle.run(self.server.app)
             finally:
-                cycle.stop_watching()
+                await cycle.stop_watching()
             self.idle = True
             if cycle.disconnected or self.h11.our_state is not h11.DONE:
                 if not cycle.disconnected and self.h11.their_state is h11.SEND_BODY:
@@ -296,9 +296,12 @@ class _Cycle:
         except OSError:
             self._gone()
 
-    def stop_watching(self) -> None:
+    async def stop_watching(self) -> None:
+        """Cancel the watch and wait until it has ended: the next head's read must not start while the
+        watch's read is still pending (a StreamReader takes one reader at a time)."""
         if self.watcher is not None:
             self.watcher.cancel()
+            await asyncio.wait([self.watcher])  # our own cancellation still propagates
 
     def _gone(self) -> None:
         self.disconnected = True

@@ -105,6 +105,20 @@ async def test_requests_on_one_connection_are_answered_in_order_until_the_client
     assert answer == ok(b"POST hi") + ok(b"GET ") + ok(b"POST abc", close=True)
 
 
+async def test_keep_alive_requests_sent_one_after_the_others_answer_are_all_served() -> None:
+    # each request goes only once the previous answer came, as a client pool does: the next head's read
+    # starts while the last body's watch is being cancelled, and must wait for it to end
+    async with serving(App()) as (port, _):
+        reader, writer = await connect(port)
+        for i in range(50):
+            body = b"%02d" % i
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n" + body)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            answer = head + await asyncio.wait_for(reader.readexactly(len(b"POST 00")), 10)
+            assert undated(answer) == ok(b"POST " + body)
+        writer.close()
+
+
 async def test_a_stream_reaches_the_client_part_by_part() -> None:
     app = App()
     async with serving(app) as (port, _):
