@@ -165,7 +165,8 @@ def _run_certs(args: argparse.Namespace) -> int:
 
 
 def _run_pool(args: argparse.Namespace) -> int:
-    from kvpool.pool.stats import fetch_stats, format_stats
+    from kvpool.pool.stats import format_stats
+    from kvpool.pool.stats_client import fetch_stats
 
     stats = asyncio.run(fetch_stats(args.master))
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))

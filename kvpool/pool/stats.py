@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.pool.stats_client import fetch_stats  # services/cli.py takes both from here
 from kvpool.sizes import format_size
-
-__all__ = ["fetch_stats", "format_stats"]
 
 
 def format_stats(stats: dict[str, Any]) -> str:
