@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvpool.core.handoff.target import HandoffTarget
 from kvpool.model.sampling import greedy_token
 from kvpool.rpc import prefill_pb2
 from kvpool.services.prefill.handoff import StageHandoff
@@ -41,7 +42,7 @@ def forward_timeout_s() -> float:
 async def run_stage(
     runner: StageRunner, link: ActivationLink, request: prefill_pb2.ForwardRequest,
     inputs: torch.Tensor | AsyncIterator[tuple[prefill_pb2.ForwardRequest, torch.Tensor]],
-    block_table: list[int], handoff: StageHandoff,
+    block_table: list[int], handoff: StageHandoff, target: HandoffTarget | None,
 ) -> prefill_pb2.ForwardResponse:
     """Compute this stage, streaming its KV to decode as it becomes final, start saving, forward onward.
 
@@ -50,13 +51,13 @@ async def run_stage(
     next stage as it ends (``PieceSender``), so the stages overlap; with ``forward_after_stage`` (bench)
     the request goes on whole once this stage computed all of it.
 
-    With a target, the cached prefix is final at once and each forward piece
+    With a ``target`` (the request's, as its servicer converted it), the cached prefix is final at once and each forward piece
     when it ends; the last stage also writes the final logits. Bench mode
     ``handoff_after_prefill`` writes the whole part only once every later
     stage has computed. The writes run in the background: ``HandoffDone``
     waits for them.
     """
-    writes = handoff.begin(request.request_id, block_table, request.target) if request.HasField("target") else None
+    writes = handoff.begin(request.request_id, block_table, target) if target is not None else None
     stream = writes is not None and not request.handoff_after_prefill
     if stream and request.compute_start:
         writes.write(0, request.compute_start)  # restored or device-cached: final already
@@ -89,7 +90,7 @@ async def run_stage(
             if request.return_logits:
                 response.logits = logits
             if writes is not None:
-                trailer = logits if request.target.layout.trailer_bytes else b""
+                trailer = logits if writes.layout.trailer_bytes else b""
                 writes.write(0, 0 if stream else request.num_tokens, trailer)
         else:
             if sender is None:  # bench: the whole request at once

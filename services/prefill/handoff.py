@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
 import structlog
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -36,21 +34,16 @@ from kvpool.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvpool import service
 from kvpool.core.handoff.layout import HandoffLayout, range_transfers, transfer_plan
+from kvpool.core.handoff.target import HandoffTarget, StageHandoffFigures, check_target
 from kvpool.handoff import gather_range
-from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
-from kvpool.status import from_status
 from kvpool.services.prefill.arena import Arena
+from kvpool.services.prefill.decode_client import LandedClient
 from kvpool.services.prefill.stage_runner import StageRunner
 
 log = structlog.get_logger(__name__)
 
 ARENA_WAIT_S = 30.0  # for room in the handoff arena, at most
-LANDED_TIMEOUT_S = 30.0
-# a Landed that found no connection is sent once more, waiting this long for one: the first call on a new
-# channel can fail to connect on a loaded host (seen at load 30 on 2 cores), and landing is idempotent
-LANDED_RECONNECT_S = 5.0
 # finished handoffs nobody asked about (stage 0 gone) are forgotten past this many
 MAX_FINISHED = 1024
 _SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
@@ -67,40 +60,6 @@ class HandoffMetrics:
                                  buckets=_SECONDS_BUCKETS, registry=registry)
         self.requests = Counter("kvpool_handoff_requests", "Handoffs stage 0 ran, by outcome", ["outcome"],
                                 registry=registry)
-
-
-def target_layout(target: handoff_pb2.HandoffTarget) -> HandoffLayout:
-    """The target's layout, checked on its own (tiling, positive sizes)."""
-    if not target.HasField("layout"):
-        raise InvalidArgument("target.layout: missing")
-    layout = target.layout
-    try:
-        return HandoffLayout.of(layout.num_tokens, [(r.start, r.end) for r in layout.layer_split], layout.entry_bytes,
-                                layout.trailer_bytes)
-    except InvalidArgument as exc:
-        raise InvalidArgument(f"target.layout.{exc}") from None
-
-
-def check_target(
-    target: handoff_pb2.HandoffTarget, layout: HandoffLayout, layer_split: Sequence[tuple[int, int]],
-    entry_bytes: int, now_unix_ms: int,
-) -> None:
-    """Raise unless the target fits this pipeline and its reservation is still live."""
-    if not target.endpoint:
-        raise InvalidArgument("target.endpoint: must name decode's transfer engine")
-    if target.address == 0:
-        raise InvalidArgument("target.address: must not be 0")
-    split = tuple((int(s), int(e)) for s, e in layer_split)
-    if layout.layer_split != split:
-        raise InvalidArgument(f"target.layout.layer_split: {list(layout.layer_split)} is not the pipeline's {list(split)}")
-    if layout.entry_bytes != entry_bytes:
-        raise InvalidArgument(f"target.layout.entry_bytes: {layout.entry_bytes}, the pipeline's entries are {entry_bytes}")
-    if target.size < layout.nbytes:
-        raise InvalidArgument(f"target.size: {target.size} bytes, the layout needs {layout.nbytes}")
-    if target.deadline_unix_ms and target.deadline_unix_ms <= now_unix_ms:
-        raise FailedPrecondition(
-            f"target.deadline_unix_ms: the reservation expired {now_unix_ms - target.deadline_unix_ms} ms ago"
-        )
 
 
 def now_unix_ms() -> int:
@@ -123,7 +82,7 @@ class RequestWrites:
     """One request's writes from one stage: each final token range, in the background."""
 
     def __init__(self, owner: StageHandoff, request_id: str, block_table: list[int],
-                 target: handoff_pb2.HandoffTarget, layout: HandoffLayout) -> None:
+                 target: HandoffTarget, layout: HandoffLayout) -> None:
         self.owner = owner
         self.request_id = request_id
         self.block_table = block_table
@@ -141,7 +100,7 @@ class RequestWrites:
     def forward_ended(self) -> None:
         self.totals.forward_end_unix_ms = time.time() * 1e3
 
-    async def finish(self) -> handoff_pb2.StageHandoffFigures:
+    async def finish(self) -> StageHandoffFigures:
         """Wait for every write; the figures, or the first failure."""
         results = await asyncio.gather(*self.tasks, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -149,7 +108,7 @@ class RequestWrites:
             error = failed[0]
             raise error if isinstance(error, KvpoolError) else Unavailable(f"handoff: {error}")
         t = self.totals
-        return handoff_pb2.StageHandoffFigures(
+        return StageHandoffFigures(
             stage=self.owner.stage, transfers=t.transfers, bytes=t.nbytes, gather_seconds=t.gather_s,
             write_seconds=t.write_s, scatter_seconds=t.scatter_s, ranges=t.ranges,
             forward_end_unix_ms=t.forward_end_unix_ms, last_write_end_unix_ms=t.last_write_end_unix_ms)
@@ -166,16 +125,15 @@ class StageHandoff:
         self.entry_bytes = runner.kv_cache.shape[-1] * runner.kv_cache.element_size()
         self.arena = Arena("handoff", self.settings.handoff_arena_bytes, runner.engine)
         self._requests: dict[str, RequestWrites] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.decode = LandedClient(self.stage)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self.decode.close()
         self.arena.close()
 
-    def check(self, target: handoff_pb2.HandoffTarget, num_tokens: int, num_logits: int) -> HandoffLayout:
+    def check(self, target: HandoffTarget, num_tokens: int, num_logits: int) -> HandoffLayout:
         """The target's layout, checked against this request and pipeline before any work (stage 0)."""
-        layout = target_layout(target)
+        layout = target.layout
         if layout.num_tokens != num_tokens:
             raise InvalidArgument(f"target.layout.num_tokens: {layout.num_tokens}, the prompt has {num_tokens}")
         if layout.trailer_bytes not in (0, num_logits * 4):
@@ -184,9 +142,9 @@ class StageHandoff:
         check_target(target, layout, self.settings.layer_split, self.entry_bytes, now_unix_ms())
         return layout
 
-    def begin(self, request_id: str, block_table: list[int], target: handoff_pb2.HandoffTarget) -> RequestWrites:
+    def begin(self, request_id: str, block_table: list[int], target: HandoffTarget) -> RequestWrites:
         """A request's writes from this stage; checked like stage 0 checked them."""
-        layout = target_layout(target)
+        layout = target.layout
         check_target(target, layout, self.settings.layer_split, self.entry_bytes, now_unix_ms())
         if len(self._requests) >= MAX_FINISHED:
             for done in [r for r, w in self._requests.items() if all(t.done() for t in w.tasks)]:
@@ -195,11 +153,11 @@ class StageHandoff:
         self._requests[request_id] = writes
         return writes
 
-    async def done(self, request_id: str) -> handoff_pb2.StageHandoffFigures:
+    async def done(self, request_id: str) -> StageHandoffFigures:
         """Wait for a request's writes from this stage (at once if it had none) and forget them."""
         writes = self._requests.pop(request_id, None)
         if writes is None:
-            return handoff_pb2.StageHandoffFigures(stage=self.stage)
+            return StageHandoffFigures(stage=self.stage)
         figures = await asyncio.shield(writes.finish())
         self.metrics.transfers.inc(figures.transfers)
         self.metrics.bytes.inc(figures.bytes)
@@ -236,7 +194,7 @@ class StageHandoff:
             if target.deadline_unix_ms and target.deadline_unix_ms <= now_unix_ms():
                 raise FailedPrecondition("target.deadline_unix_ms: the reservation expired before the write")
             # still reserved? (given back, its bytes stay decode's a moment longer than this write takes)
-            await self._landed(target, 0, 0, False)
+            await self.decode.landed(target, 0, 0, False)
             local = [slab.address + t.slab_offset for t in plan]
             remote = [target.address + t.region_offset for t in plan]
             sizes = [t.length for t in plan]
@@ -261,33 +219,4 @@ class StageHandoff:
         totals.gather_s += t1 - t0
         totals.write_s += t2 - t1
         totals.last_write_end_unix_ms = max(totals.last_write_end_unix_ms, time.time() * 1e3)
-        totals.scatter_s += await self._landed(target, token_start, token_end, bool(trailer))
-
-    async def _landed(self, target: handoff_pb2.HandoffTarget, token_start: int, token_end: int,
-                      trailer: bool) -> float:
-        """Tell decode a part landed (it scatters it now); its scatter time. No address: decode
-        scatters everything at Generate (an older shard)."""
-        if not target.notify_address:
-            return 0.0
-        channel = self._channels.get(target.notify_address)
-        if channel is None:
-            channel = self._channels[target.notify_address] = service.channel(target.notify_address)
-        request = decode_pb2.LandedRequest(region_id=target.region_id, stage=self.stage,
-                                           token_start=token_start if token_start < token_end else 0,
-                                           token_end=token_end if token_start < token_end else 0, trailer=trailer)
-        stub = decode_pb2_grpc.DecodeStub(channel)
-        try:
-            try:
-                response = await stub.Landed(request, timeout=LANDED_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                log.info("landed_resent", region_id=target.region_id, stage=self.stage, details=exc.details())
-                response = await stub.Landed(request, timeout=LANDED_RECONNECT_S, wait_for_ready=True)
-        except grpc.aio.AioRpcError as exc:
-            error = from_status(exc, f"stage {self.stage}: decode at {target.notify_address}",
-                                (InvalidArgument, FailedPrecondition))
-            if isinstance(error, Unavailable):  # decode is down or unreachable: blame the target
-                raise Unavailable(error.message, field="target") from None
-            raise error from None
-        return response.scatter_seconds
+        totals.scatter_s += await self.decode.landed(target, token_start, token_end, bool(trailer))

@@ -18,6 +18,8 @@ from kvpool.core.errors import InvalidArgument
 from kvpool.pool.objects import ObjectLocation
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import status_errors
+from kvpool.core.handoff.target import HandoffTarget
+from kvpool.services.prefill.decode_client import stage_figures_message, target_from_message
 from kvpool.services.prefill.handoff import StageHandoff
 from kvpool.services.prefill.forward import keep_deadline, run_stage
 from kvpool.services.prefill.pieces import ActivationLink, check_forward, received_pieces
@@ -51,6 +53,10 @@ def restore_chunks(request: prefill_pb2.RestoreRequest, num_blocks: int) -> list
         chunks.append(ChunkToRestore(c.chunk_index, c.block_id,
                                      ObjectLocation(c.key, c.endpoint, c.address, c.size, c.checksum)))
     return chunks
+
+
+def request_target(request: prefill_pb2.ForwardRequest) -> HandoffTarget | None:
+    return target_from_message(request.target) if request.HasField("target") else None
 
 
 class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
@@ -90,7 +96,7 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         if request.piece_start or request.piece_end:
             raise InvalidArgument(f"piece_end: Forward takes tokens [compute_start, num_tokens) whole "
                                   f"(got piece {request.piece_start}..{request.piece_end}); pieces go by ForwardPieces")
-        return await self._serve(request, context, self._forward(request))
+        return await self._serve(request, context, self._forward(request, request_target(request)))
 
     @status_errors
     async def ForwardPieces(self, request_iterator: AsyncIterator[prefill_pb2.ForwardRequest],
@@ -99,9 +105,10 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         if first is None:
             raise InvalidArgument("request: ForwardPieces got no piece")
         check_forward(first, self.settings.num_blocks, self.settings.chunk_size)
+        target = request_target(first)
         pieces = received_pieces(first, aiter(request_iterator), self.link)
         return await self._serve(first, context, run_stage(self.runner, self.link, first, pieces,
-                                                           list(first.block_table), self.handoff))
+                                                           list(first.block_table), self.handoff, target))
 
     async def _serve(self, request: prefill_pb2.ForwardRequest, context: Any,
                      work: Coroutine[Any, Any, prefill_pb2.ForwardResponse]) -> prefill_pb2.ForwardResponse:
@@ -116,9 +123,11 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         task.add_done_callback(lambda _: self.forwards.pop(request.request_id, None))
         return await asyncio.shield(task)
 
-    async def _forward(self, request: prefill_pb2.ForwardRequest) -> prefill_pb2.ForwardResponse:
+    async def _forward(self, request: prefill_pb2.ForwardRequest,
+                       target: HandoffTarget | None) -> prefill_pb2.ForwardResponse:
         inputs = await self.link.receive(request.activation, request.num_tokens - request.compute_start)
-        return await run_stage(self.runner, self.link, request, inputs, list(request.block_table), self.handoff)
+        return await run_stage(self.runner, self.link, request, inputs, list(request.block_table), self.handoff,
+                               target)
 
     @status_errors
     async def HandoffDone(self, request: prefill_pb2.HandoffDoneRequest, context: Any
@@ -126,7 +135,7 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         forward = self.forwards.get(request.request_id)
         if forward is not None:
             await asyncio.wait([forward])  # its writes start inside it
-        return await self.handoff.done(request.request_id)
+        return stage_figures_message(await self.handoff.done(request.request_id))
 
     @status_errors
     async def SaveDone(self, request: prefill_pb2.SaveDoneRequest, context: Any) -> prefill_pb2.SaveDoneResponse:

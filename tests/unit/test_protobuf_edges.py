@@ -29,7 +29,6 @@ OUTSIDE_CLIENTS = {
 # still passing messages around as domain values (issue 34): shrink, never grow
 KNOWN = {
     "kvpool.services.prefill.forward",
-    "kvpool.services.prefill.handoff",
     "kvpool.services.prefill.pieces",
     "kvpool.services.prefill.stage0.pool_restore",
     "kvpool.services.prefill.stage0.scheduler",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool.core.handoff.target import HandoffFigures
+
 
 @dataclass(slots=True, frozen=True)
 class PrefillFigures:
@@ -33,4 +35,4 @@ class PrefillResult:
     figures: PrefillFigures
     block_table: tuple[int, ...]
     block_size: int
-    handoff: object | None = None  # with a target: what writing into decode's region cost, per stage
+    handoff: HandoffFigures | None = None  # with a target: what writing into decode's region cost, per stage

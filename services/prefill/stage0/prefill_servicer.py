@@ -11,6 +11,7 @@ from typing import Any
 from kvpool.core.errors import InvalidArgument, Unavailable
 from kvpool.request_id import current_request_id
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.services.prefill.decode_client import handoff_message, target_from_message
 from kvpool.services.prefill.forward import keep_deadline
 from kvpool.services.prefill.stage0.prefill_result import PrefillFigures, PrefillResult
 from kvpool.services.prefill.stage0.scheduler import PrefillScheduler
@@ -31,7 +32,7 @@ def result_message(result: PrefillResult) -> prefill_pb2.PrefillResponse:
     return prefill_pb2.PrefillResponse(
         first_token=result.first_token, request_id=result.request_id, logits=result.logits,
         figures=figures_message(result.figures), block_table=result.block_table, block_size=result.block_size,
-        handoff=result.handoff,
+        handoff=handoff_message(result.handoff) if result.handoff is not None else None,
     )
 
 
@@ -59,7 +60,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     @status_errors
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
-        target = request.target if request.HasField("target") else None
+        target = target_from_message(request.target) if request.HasField("target") else None
         keep_deadline(context)
         result = await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
                                              current_request_id(), request.tenant, request.cache_salt, target,

@@ -35,7 +35,9 @@ from kvpool.core.sessions.table import SessionId
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, TenantShares, tenant_name
 from kvpool.pool.client import PoolClient
 from kvpool.request_id import new_request_id
-from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
+from kvpool.core.handoff.target import HandoffFigures, HandoffTarget
+from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.services.prefill.decode_client import target_message
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.stage0.gate import PrefillGate
 from kvpool.services.prefill.metrics import GatePopsCollector, PrefillMetrics
@@ -70,7 +72,7 @@ class RunResult:
     restore: RestoreReport
     forward: prefill_pb2.ForwardResponse
     compute_ms: float
-    handoff: handoff_pb2.HandoffResponse | None = None
+    handoff: HandoffFigures | None = None
 
 
 class PrefillScheduler:
@@ -140,7 +142,7 @@ class PrefillScheduler:
 
     async def prefill(self, token_ids: Sequence[int], session_key: str, return_logits: bool,
                       request_id: str = "", tenant: str = "", cache_salt: str = "",
-                      target: handoff_pb2.HandoffTarget | None = None,
+                      target: HandoffTarget | None = None,
                       handoff_after_prefill: bool = False,
                       forward_after_stage: bool = False) -> PrefillResult:
         """Prefill under ``request_id`` (the caller's, else a fresh one); with ``target``, hand the KV off.
@@ -183,7 +185,7 @@ class PrefillScheduler:
         self.metrics.cancelled.labels(phase).inc()
 
     async def _prefill(self, request_id: str, token_ids: Sequence[int], hashes: list[Any], session: SessionId | None,
-                       return_logits: bool, tenant: str, target: handoff_pb2.HandoffTarget | None,
+                       return_logits: bool, tenant: str, target: HandoffTarget | None,
                        bench: BenchModes, started: float, bound: Any) -> PrefillResult:
         for attempt in (1, 2):
             request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant),
@@ -248,7 +250,7 @@ class PrefillScheduler:
         )
 
     async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool,
-                   target: handoff_pb2.HandoffTarget | None, bench: BenchModes,
+                   target: HandoffTarget | None, bench: BenchModes,
                    tenant: str = "") -> RunResult:
         """Restore on every stage, compute through all stages (streaming into decode's region), collect
         the handoff."""
@@ -260,7 +262,7 @@ class PrefillScheduler:
             handoff_after_prefill=bench.handoff_after_prefill, forward_after_stage=bench.forward_after_stage,
         )
         if target is not None:
-            forward.target.CopyFrom(target)
+            forward.target.CopyFrom(target_message(target))
         inputs = torch.tensor(token_ids[request.compute_start:], dtype=torch.int64)
         saving = self.pool is not None and bool(forward.save_chunk_hashes)
         if saving:
@@ -269,7 +271,8 @@ class PrefillScheduler:
         t0 = time.perf_counter()
         try:
             try:
-                result = await run_stage(self.runner, self.link, forward, inputs, request.block_table, self.handoff)
+                result = await run_stage(self.runner, self.link, forward, inputs, request.block_table, self.handoff,
+                                         target)
             except BaseException:
                 if target is not None:  # every stage's writes read this request's pages: they end first
                     with contextlib.suppress(Exception):

@@ -18,7 +18,9 @@ import grpc
 import structlog
 
 from kvpool.core.errors import FailedPrecondition, InvalidArgument, KvpoolError, Unavailable
-from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
+from kvpool.core.handoff.target import HandoffFigures, HandoffTarget, StageHandoffFigures
+from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.services.prefill.decode_client import stage_figures_from_message
 from kvpool.status import from_status
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.stage_runner import StageRunner
@@ -38,7 +40,7 @@ class StageEnds:
         self.handoff_metrics = handoff_metrics
         self.stages = list(stages)  # stages 1..N-1
 
-    async def handoff_done(self, request_id: str, target: handoff_pb2.HandoffTarget) -> handoff_pb2.HandoffResponse:
+    async def handoff_done(self, request_id: str, target: HandoffTarget) -> HandoffFigures:
         """Every stage's writes of the request ended: their figures, or the first failure."""
         started = time.perf_counter()
         bound = log.bind(request_id=request_id, region_id=target.region_id, endpoint=target.endpoint)
@@ -53,10 +55,10 @@ class StageEnds:
             bound.warning("handoff_failed", errors=[str(e) for e in failed])
             error = failed[0]
             raise error if isinstance(error, KvpoolError) else Unavailable(f"handoff: {error}")
-        stages = [r for r in results if isinstance(r, handoff_pb2.StageHandoffFigures)]
+        stages = tuple(r for r in results if isinstance(r, StageHandoffFigures))
         forward_end = max(s.forward_end_unix_ms for s in stages)
         last_byte = max(s.last_write_end_unix_ms for s in stages)
-        response = handoff_pb2.HandoffResponse(
+        response = HandoffFigures(
             region_id=target.region_id, stages=stages, transfers=sum(s.transfers for s in stages),
             bytes=sum(s.bytes for s in stages), seconds=max(0.0, last_byte - forward_end) / 1e3,
         )
@@ -66,10 +68,10 @@ class StageEnds:
                    after_forward_ms=round(response.seconds * 1e3, 2), wait_ms=round((time.perf_counter() - started) * 1e3, 2))
         return response
 
-    async def _handoff_done_remote(self, stage: int, request_id: str) -> handoff_pb2.StageHandoffFigures:
+    async def _handoff_done_remote(self, stage: int, request_id: str) -> StageHandoffFigures:
         try:
-            return await self.stages[stage - 1].HandoffDone(prefill_pb2.HandoffDoneRequest(request_id=request_id),
-                                                            timeout=STAGE_TIMEOUT_S)
+            return stage_figures_from_message(await self.stages[stage - 1].HandoffDone(
+                prefill_pb2.HandoffDoneRequest(request_id=request_id), timeout=STAGE_TIMEOUT_S))
         except grpc.aio.AioRpcError as exc:
             raise from_status(exc, f"stage {stage}", (InvalidArgument, FailedPrecondition)) from None
 

@@ -1,0 +1,76 @@
+"""Where a request's KV goes (``HandoffTarget``: the receive region decode reserved) and what
+writing it cost (``StageHandoffFigures`` per stage, ``HandoffFigures`` for the request).
+
+Pure: no protobuf, no I/O. The prefill servicers and clients convert the messages
+(``kvpool.services.prefill.decode_client``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.core.errors import FailedPrecondition, InvalidArgument
+from kvpool.core.handoff.layout import HandoffLayout
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffTarget:
+    """One request's receive region on a decode shard, as decode reserved it."""
+
+    region_id: str
+    endpoint: str  # decode's transfer engine
+    address: int
+    size: int
+    deadline_unix_ms: int  # the reservation's end; 0: none
+    layout: HandoffLayout
+    notify_address: str = ""  # decode's Landed service; "": decode scatters everything at Generate
+
+
+@dataclass(frozen=True, slots=True)
+class StageHandoffFigures:
+    """What one stage's writes of one request cost."""
+
+    stage: int
+    transfers: int = 0
+    bytes: int = 0
+    gather_seconds: float = 0.0
+    write_seconds: float = 0.0
+    scatter_seconds: float = 0.0
+    ranges: int = 0
+    forward_end_unix_ms: float = 0.0
+    last_write_end_unix_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffFigures:
+    """A whole request's handoff: every stage's figures and their sums; ``seconds`` from the
+    forward's end to the last byte."""
+
+    region_id: str
+    stages: tuple[StageHandoffFigures, ...]
+    transfers: int
+    bytes: int
+    seconds: float
+
+
+def check_target(
+    target: HandoffTarget, layout: HandoffLayout, layer_split: Sequence[tuple[int, int]],
+    entry_bytes: int, now_unix_ms: int,
+) -> None:
+    """Raise unless the target fits this pipeline and its reservation is still live."""
+    if not target.endpoint:
+        raise InvalidArgument("target.endpoint: must name decode's transfer engine")
+    if target.address == 0:
+        raise InvalidArgument("target.address: must not be 0")
+    split = tuple((int(s), int(e)) for s, e in layer_split)
+    if layout.layer_split != split:
+        raise InvalidArgument(f"target.layout.layer_split: {list(layout.layer_split)} is not the pipeline's {list(split)}")
+    if layout.entry_bytes != entry_bytes:
+        raise InvalidArgument(f"target.layout.entry_bytes: {layout.entry_bytes}, the pipeline's entries are {entry_bytes}")
+    if target.size < layout.nbytes:
+        raise InvalidArgument(f"target.size: {target.size} bytes, the layout needs {layout.nbytes}")
+    if target.deadline_unix_ms and target.deadline_unix_ms <= now_unix_ms:
+        raise FailedPrecondition(
+            f"target.deadline_unix_ms: the reservation expired {now_unix_ms - target.deadline_unix_ms} ms ago"
+        )
