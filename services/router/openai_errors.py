@@ -3,13 +3,18 @@
 Every rejection is an ``ApiError`` with the HTTP status, OpenAI's error type
 and ``param`` naming the field, so a client's mistake is always a 4xx that
 says what to fix; a domain error from behind the router maps to one here
-(``api_error_of``), for the HTTP API and its request checks alike.
+(``api_error_of``), for the HTTP API and its request checks alike. A request
+model's refusal (``FieldError`` inside a pydantic validator) maps here too
+(``api_error_of_validation``): where pydantic found it (its ``loc``) becomes
+the field's name as the API spells it (``param_of``: ``messages[0].content``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from pydantic import ValidationError
 
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
 
@@ -33,8 +38,46 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class FieldError(ValueError):
+    """A request model's refusal, raised in a validator: ``message`` says what is wrong with the value where
+    pydantic found it (``at`` goes deeper, e.g. ``("content",)`` from a message's own check); ``error``, when
+    given, is the whole answer (a core check's, which names its own field)."""
+
+    def __init__(self, message: str, code: str | None = "invalid_value", at: Sequence[str | int] = (),
+                 error: ApiError | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.at = tuple(at)
+        self.error = error
+
+    @classmethod
+    def of(cls, exc: KvpoolError) -> FieldError:
+        error = api_error_of(exc)
+        return cls(error.message, error.code, error=error)
+
+
 def invalid(param: str | None, message: str, code: str | None = "invalid_value") -> ApiError:
     return ApiError(400, f"{param}: {message}" if param else message, param, code)
+
+
+def param_of(loc: Sequence[str | int]) -> str:
+    """A location in the body as the API names the field: ``("messages", 0, "content")`` → ``messages[0].content``."""
+    text = ""
+    for key in loc:
+        text += f"[{key}]" if isinstance(key, int) else (f".{key}" if text else str(key))
+    return text
+
+
+def api_error_of_validation(exc: ValidationError) -> ApiError:
+    """The first refusal of a request model's validation (fields are checked in the order they are declared)."""
+    first = exc.errors(include_url=False)[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, FieldError):
+        if cause.error is not None:
+            return cause.error
+        return invalid(param_of((*first["loc"], *cause.at)), cause.message, cause.code)
+    return invalid(param_of(first["loc"]) or None, first["msg"])  # pydantic's own check: a shape no field declares
 
 
 def api_error_of(exc: KvpoolError) -> ApiError:
