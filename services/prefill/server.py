@@ -19,6 +19,7 @@ from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.metrics import PrefillMetrics
 from kvpool.services.prefill.stage0.prefill_servicer import PrefillServicer
 from kvpool.services.prefill.stage0.scheduler import PrefillScheduler
+from kvpool.services.prefill.stage0.stage_clients import StageClient
 from kvpool.services.prefill.settings import PrefillSettings
 from kvpool.services.prefill.stage_runner import StageRunner
 from kvpool.services.prefill.pieces import ActivationLink
@@ -89,7 +90,7 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
             channels = await wait_for_stages(settings, runner.namespace, stop)
             health_servicer.watch_stages(channels)
             front.scheduler = PrefillScheduler(
-                runner, link, [prefill_pb2_grpc.PrefillStageStub(c) for c in channels], pool, metrics,
+                runner, link, [StageClient(stage, c) for stage, c in enumerate(channels, start=1)], pool, metrics,
                 handoff, handoff_metrics,
             )
             await handle.set_serving(True)

@@ -30,9 +30,7 @@ OUTSIDE_CLIENTS = {
 KNOWN = {
     "kvpool.services.prefill.forward",
     "kvpool.services.prefill.pieces",
-    "kvpool.services.prefill.stage0.pool_restore",
     "kvpool.services.prefill.stage0.scheduler",
-    "kvpool.services.prefill.stage0.stage_ends",
     "kvpool.services.router.router",
 }
 

@@ -12,17 +12,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import grpc
 import structlog
 
 from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, object_key
+from kvpool.core.errors import Unavailable
 from kvpool.core.prefill.request import PrefillRequest
 from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import LookupResult
-from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
-from kvpool.services.prefill.stage_runner import ChunkToRestore, RestoreFigures, StageRunner
-from kvpool.services.prefill.stage_servicer import figures_message
+from kvpool.services.prefill.stage0.prefill_result import StageRestoreFigures
+from kvpool.services.prefill.stage0.stage_clients import StageClient
+from kvpool.services.prefill.stage_runner import ChunkToRestore, StageRunner
 
 log = structlog.get_logger(__name__)
 
@@ -35,14 +35,14 @@ class RestoreReport:
 
     lookup_ms: float = 0.0
     wait_ms: float = 0.0
-    stages: list[prefill_pb2.StageRestoreFigures] = field(default_factory=list)
+    stages: list[StageRestoreFigures] = field(default_factory=list)
 
 
 class PoolRestore:
     """Restores a request's planned chunks on every stage: stage 0 in this process, the later
     stages over their ``Restore`` RPC. A stage that cannot restore makes its chunks computed."""
 
-    def __init__(self, runner: StageRunner, stages: Sequence[prefill_pb2_grpc.PrefillStageStub],
+    def __init__(self, runner: StageRunner, stages: Sequence[StageClient],
                  pool: PoolClient | None, blocks: BlockManager) -> None:
         self.runner = runner
         self.stages = list(stages)  # stages 1..N-1
@@ -77,7 +77,7 @@ class PoolRestore:
         request.apply_restore([s.num_chunks_restored for s in report.stages], self.blocks)
         return report
 
-    def _corrupt_groups(self, request: PrefillRequest, stages: Sequence[prefill_pb2.StageRestoreFigures]) -> list[str]:
+    def _corrupt_groups(self, request: PrefillRequest, stages: Sequence[StageRestoreFigures]) -> list[str]:
         """Groups of the lease with an object some stage got but could not verify: the master
         drops them when the lease ends, so this request's save stores them afresh."""
         indexes = sorted({i for s in stages for i in s.corrupt_chunk_indexes if i < len(request.chunk_hashes)})
@@ -88,7 +88,7 @@ class PoolRestore:
                     first_chunk_index=indexes[0], first_group_id=group_ids[0])
         return group_ids
 
-    async def _on_stages(self, request: PrefillRequest, lookup: LookupResult) -> list[prefill_pb2.StageRestoreFigures]:
+    async def _on_stages(self, request: PrefillRequest, lookup: LookupResult) -> list[StageRestoreFigures]:
         """Every stage reads its own objects of the planned chunks at once."""
         targets = request.restore_targets(self.blocks)  # private blocks only: objects land straight in them
         per_stage: list[list[ChunkToRestore]] = []
@@ -107,22 +107,15 @@ class PoolRestore:
         )
         return list(results)
 
-    async def _local(self, chunks: list[ChunkToRestore]) -> prefill_pb2.StageRestoreFigures:
-        figures: RestoreFigures = await self.runner.restore(chunks)
-        return figures_message(0, figures)
+    async def _local(self, chunks: list[ChunkToRestore]) -> StageRestoreFigures:
+        figures = await self.runner.restore(chunks)
+        return StageRestoreFigures(0, figures.num_chunks_requested, figures.num_chunks_restored, figures.bytes,
+                                   figures.read_ms, tuple(figures.corrupt_chunk_indexes))
 
-    async def _remote(self, stage: int, request_id: str,
-                      chunks: list[ChunkToRestore]) -> prefill_pb2.StageRestoreFigures:
-        request = prefill_pb2.RestoreRequest(request_id=request_id, chunks=[
-            prefill_pb2.RestoreChunk(chunk_index=c.chunk_index, block_id=c.block_id, endpoint=c.location.endpoint,
-                                     address=c.location.address, size=c.location.size,
-                                     checksum=c.location.checksum, key=c.location.key)
-            for c in chunks
-        ])
+    async def _remote(self, stage: int, request_id: str, chunks: list[ChunkToRestore]) -> StageRestoreFigures:
         try:
-            response = await self.stages[stage - 1].Restore(request, timeout=RESTORE_TIMEOUT_S)
-            return response.figures
-        except grpc.aio.AioRpcError as exc:
+            return await self.stages[stage - 1].restore(request_id, chunks, RESTORE_TIMEOUT_S)
+        except Unavailable as exc:
             # a stage that cannot restore makes those chunks computed, not the request failed
-            log.warning("stage_restore_failed", stage=stage, code=exc.code().name, details=exc.details())
-            return prefill_pb2.StageRestoreFigures(stage=stage, num_chunks_requested=len(chunks))
+            log.warning("stage_restore_failed", stage=stage, error=str(exc))
+            return StageRestoreFigures(stage=stage, num_chunks_requested=len(chunks))

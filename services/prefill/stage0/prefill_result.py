@@ -8,6 +8,18 @@ from kvpool.core.handoff.target import HandoffFigures
 
 
 @dataclass(slots=True, frozen=True)
+class StageRestoreFigures:
+    """What one stage's restore of one request got and cost."""
+
+    stage: int
+    num_chunks_requested: int
+    num_chunks_restored: int = 0
+    bytes: int = 0
+    read_ms: float = 0.0
+    corrupt_chunk_indexes: tuple[int, ...] = ()  # chunks whose object failed its checksum
+
+
+@dataclass(slots=True, frozen=True)
 class PrefillFigures:
     """Where a prompt's tokens came from and what each phase cost; the token counts sum to
     ``num_prompt_tokens``."""
@@ -17,7 +29,7 @@ class PrefillFigures:
     num_pool_tokens: int
     num_computed_tokens: int
     num_pool_chunks_lost: int  # chunks the plan wanted from the pool that a stage could not restore
-    restore: tuple[object, ...]  # each stage's restore figures, as pool_restore reports them
+    restore: tuple[StageRestoreFigures, ...]  # each stage's, as pool_restore reports them
     restore_wait_ms: float
     compute_ms: float
     lookup_ms: float

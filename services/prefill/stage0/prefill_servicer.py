@@ -15,6 +15,7 @@ from kvpool.services.prefill.decode_client import handoff_message, target_from_m
 from kvpool.services.prefill.forward import keep_deadline
 from kvpool.services.prefill.stage0.prefill_result import PrefillFigures, PrefillResult
 from kvpool.services.prefill.stage0.scheduler import PrefillScheduler
+from kvpool.services.prefill.stage0.stage_clients import restore_figures_message
 from kvpool.status import status_errors
 
 
@@ -22,7 +23,8 @@ def figures_message(figures: PrefillFigures) -> prefill_pb2.PrefillFigures:
     return prefill_pb2.PrefillFigures(
         num_prompt_tokens=figures.num_prompt_tokens, num_device_tokens=figures.num_device_tokens,
         num_pool_tokens=figures.num_pool_tokens, num_computed_tokens=figures.num_computed_tokens,
-        num_pool_chunks_lost=figures.num_pool_chunks_lost, restore=figures.restore,
+        num_pool_chunks_lost=figures.num_pool_chunks_lost,
+        restore=[restore_figures_message(s) for s in figures.restore],
         restore_wait_ms=figures.restore_wait_ms, compute_ms=figures.compute_ms, lookup_ms=figures.lookup_ms,
         total_ms=figures.total_ms, stage_compute_ms=figures.stage_compute_ms,
     )

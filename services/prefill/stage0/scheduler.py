@@ -36,7 +36,7 @@ from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, TenantShares, tenant_na
 from kvpool.pool.client import PoolClient
 from kvpool.request_id import new_request_id
 from kvpool.core.handoff.target import HandoffFigures, HandoffTarget
-from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.rpc import prefill_pb2
 from kvpool.services.prefill.decode_client import target_message
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.stage0.gate import PrefillGate
@@ -44,6 +44,7 @@ from kvpool.services.prefill.metrics import GatePopsCollector, PrefillMetrics
 from kvpool.services.prefill.stage0.pool_restore import PoolRestore, RestoreReport
 from kvpool.services.prefill.stage0.prefill_result import PrefillFigures, PrefillResult
 from kvpool.services.prefill.stage0.prefetch import PrefetchMetrics, SessionPrefetcher
+from kvpool.services.prefill.stage0.stage_clients import StageClient
 from kvpool.services.prefill.stage0.stage_ends import StageEnds
 from kvpool.services.prefill.stage_runner import StageRunner
 from kvpool.services.prefill.pieces import ActivationLink
@@ -84,7 +85,7 @@ class PrefillScheduler:
     """
 
     def __init__(
-        self, runner: StageRunner, link: ActivationLink, stages: Sequence[prefill_pb2_grpc.PrefillStageStub],
+        self, runner: StageRunner, link: ActivationLink, stages: Sequence[StageClient],
         pool: PoolClient | None, metrics: PrefillMetrics, handoff: StageHandoff, handoff_metrics: HandoffMetrics,
     ) -> None:
         self.runner = runner

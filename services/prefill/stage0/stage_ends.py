@@ -14,16 +14,13 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-import grpc
 import structlog
 
-from kvpool.core.errors import FailedPrecondition, InvalidArgument, KvpoolError, Unavailable
+from kvpool.core.errors import KvpoolError, Unavailable
 from kvpool.core.handoff.target import HandoffFigures, HandoffTarget, StageHandoffFigures
-from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
-from kvpool.services.prefill.decode_client import stage_figures_from_message
-from kvpool.status import from_status
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
-from kvpool.services.prefill.stage_runner import StageRunner
+from kvpool.services.prefill.stage0.stage_clients import StageClient
+from kvpool.services.prefill.stage_runner import SaveFigures, StageRunner
 
 log = structlog.get_logger(__name__)
 
@@ -34,7 +31,7 @@ STAGE_TIMEOUT_S = 120.0  # one stage's handoff writes after its forward, as stag
 
 class StageEnds:
     def __init__(self, runner: StageRunner, handoff: StageHandoff, handoff_metrics: HandoffMetrics,
-                 stages: Sequence[prefill_pb2_grpc.PrefillStageStub]) -> None:
+                 stages: Sequence[StageClient]) -> None:
         self.runner = runner
         self.handoff = handoff
         self.handoff_metrics = handoff_metrics
@@ -69,11 +66,7 @@ class StageEnds:
         return response
 
     async def _handoff_done_remote(self, stage: int, request_id: str) -> StageHandoffFigures:
-        try:
-            return stage_figures_from_message(await self.stages[stage - 1].HandoffDone(
-                prefill_pb2.HandoffDoneRequest(request_id=request_id), timeout=STAGE_TIMEOUT_S))
-        except grpc.aio.AioRpcError as exc:
-            raise from_status(exc, f"stage {stage}", (InvalidArgument, FailedPrecondition)) from None
+        return await self.stages[stage - 1].handoff_done(request_id, STAGE_TIMEOUT_S)
 
     async def saves_done(self, request_id: str) -> None:
         """Wait until every stage's save of the request ended (or the stage cannot say)."""
@@ -84,11 +77,10 @@ class StageEnds:
         log.debug("request_saved", request_id=request_id, stored=sum(d.num_stored for d in done),
                   not_stored=sum(d.num_not_stored for d in done))
 
-    async def _save_done_remote(self, stage: int, request_id: str) -> prefill_pb2.SaveDoneResponse:
+    async def _save_done_remote(self, stage: int, request_id: str) -> SaveFigures:
         try:
-            return await self.stages[stage - 1].SaveDone(prefill_pb2.SaveDoneRequest(request_id=request_id),
-                                                         timeout=SAVE_DONE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
+            return await self.stages[stage - 1].save_done(request_id, SAVE_DONE_TIMEOUT_S)
+        except Unavailable as exc:
             # a stage that cannot answer is gone (or stuck past every put's bounds): its puts no longer read
-            log.warning("stage_save_done_failed", stage=stage, code=exc.code().name, details=exc.details())
-            return prefill_pb2.SaveDoneResponse(stage=stage)
+            log.warning("stage_save_done_failed", stage=stage, error=str(exc))
+            return SaveFigures()
