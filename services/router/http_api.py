@@ -3,7 +3,7 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
 server-sent events in OpenAI's chunk format ending with ``data: [DONE]``, or
 one JSON answer), ``GET /v1/models``, ``GET /health`` (200 only when every
-service behind the router is healthy). Prometheus text is on the admin port
+service behind the router is healthy), ``GET /openapi.json`` (``openapi.py``). Prometheus text is on the admin port
 only; keys, tenants and origins are checked in front (``auth.py``).
 Every response carries the request's id in ``X-Request-Id``; a completion's
 ``id`` is that id (``kvpool.services.router.http_request_id``).
@@ -38,6 +38,7 @@ from starlette.routing import Route
 
 from kvpool.core.decode.stop_strings import StopMatcher
 from kvpool.tokenizer import Tokenizer
+from kvpool.services.router import openapi
 from kvpool.services.router.auth import tenant_of
 from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
 from kvpool.services.router.http_request_id import RequestIdMiddleware, request_id_of
@@ -121,6 +122,14 @@ class HttpApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
+        # built once, from the routes: a route without its entry in openapi.OPERATIONS fails here
+        document = openapi.build([("/openapi.json", ["GET"]), *((r.path, r.methods or ()) for r in routes)])
+        body = json.dumps(document, separators=(",", ":")).encode()
+
+        async def openapi_json(request: Request) -> Response:
+            return Response(body, media_type="application/json")
+
+        routes.append(Route("/openapi.json", openapi_json, methods=["GET"]))
         return Starlette(routes=routes, exception_handlers={
             HTTPException: _http_error, ApiError: _api_error, Exception: _server_error},
             middleware=[Middleware(RequestIdMiddleware)])
