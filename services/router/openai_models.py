@@ -278,16 +278,6 @@ def _tools(value: Any) -> list[dict[str, Any]]:
     return value
 
 
-def _messages(value: Any) -> Any:
-    if value is None:
-        raise FieldError("is required", "missing_required_parameter")
-    if not isinstance(value, list):
-        raise FieldError("must be a list of message objects")
-    if not value:
-        raise FieldError("must not be empty")
-    return value
-
-
 def _messages(value: Any, info: ValidationInfo) -> list[dict[str, str]]:
     """The conversation as the chat template takes it. One check over the whole list, not a model per message:
     a 32 MiB body holds a million messages."""
