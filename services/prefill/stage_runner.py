@@ -26,7 +26,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -42,6 +42,7 @@ from kvpool.pool.objects import ObjectLocation, PutObject, PutResult, ReadStatus
 from kvpool.transfer import HostBuffer, TransferEngine
 from kvpool.services.prefill.arena import Arena
 from kvpool.services.prefill.metrics import PrefillMetrics
+from kvpool.services.prefill.restore_figures import RestoreFigures
 from kvpool.services.prefill.settings import PrefillSettings
 
 log = structlog.get_logger(__name__)
@@ -55,16 +56,6 @@ class ChunkToRestore:
     chunk_index: int
     block_id: int
     location: ObjectLocation
-
-
-@dataclass(slots=True)
-class RestoreFigures:
-    num_chunks_requested: int
-    num_chunks_restored: int = 0
-    bytes: int = 0
-    read_ms: float = 0.0  # reading and verifying: objects land straight in the pages
-    # chunks whose object arrived but failed its checksum (stage 0 names their groups to the master)
-    corrupt_chunk_indexes: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

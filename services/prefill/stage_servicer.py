@@ -23,19 +23,23 @@ from kvpool.services.prefill.decode_client import stage_figures_message, target_
 from kvpool.services.prefill.handoff import StageHandoff
 from kvpool.services.prefill.forward import keep_deadline, run_stage
 from kvpool.services.prefill.pieces import ActivationLink, check_forward, received_pieces
-from kvpool.services.prefill.stage_runner import ChunkToRestore, RestoreFigures, SaveFigures, StageRunner
+from kvpool.services.prefill.restore_figures import RestoreFigures, StageRestoreFigures
+from kvpool.services.prefill.stage_runner import ChunkToRestore, SaveFigures, StageRunner
 
 log = structlog.get_logger(__name__)
 
-def figures_message(stage: int, figures: RestoreFigures) -> prefill_pb2.StageRestoreFigures:
+def restore_figures_message(figures: StageRestoreFigures) -> prefill_pb2.StageRestoreFigures:
     return prefill_pb2.StageRestoreFigures(
-        stage=stage,
-        num_chunks_requested=figures.num_chunks_requested,
-        num_chunks_restored=figures.num_chunks_restored,
-        bytes=figures.bytes,
-        read_ms=figures.read_ms,
-        corrupt_chunk_indexes=figures.corrupt_chunk_indexes,
-    )
+        stage=figures.stage, num_chunks_requested=figures.num_chunks_requested,
+        num_chunks_restored=figures.num_chunks_restored, bytes=figures.bytes, read_ms=figures.read_ms,
+        corrupt_chunk_indexes=figures.corrupt_chunk_indexes)
+
+
+def restore_figures_from_message(figures: prefill_pb2.StageRestoreFigures) -> StageRestoreFigures:
+    return StageRestoreFigures(
+        stage=figures.stage, num_chunks_requested=figures.num_chunks_requested,
+        num_chunks_restored=figures.num_chunks_restored, bytes=figures.bytes, read_ms=figures.read_ms,
+        corrupt_chunk_indexes=tuple(figures.corrupt_chunk_indexes))
 
 
 def save_done_message(stage: int, figures: SaveFigures) -> prefill_pb2.SaveDoneResponse:
@@ -88,7 +92,8 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         self.restores[request.request_id] = task
         task.add_done_callback(lambda _: self.restores.pop(request.request_id, None))
         figures = await asyncio.shield(task)
-        return prefill_pb2.RestoreResponse(figures=figures_message(self.settings.stage, figures))
+        return prefill_pb2.RestoreResponse(
+            figures=restore_figures_message(StageRestoreFigures.of(self.settings.stage, figures)))
 
     @status_errors
     async def Forward(self, request: prefill_pb2.ForwardRequest, context: Any) -> prefill_pb2.ForwardResponse:

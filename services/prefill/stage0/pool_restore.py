@@ -20,8 +20,8 @@ from kvpool.core.errors import Unavailable
 from kvpool.core.prefill.request import PrefillRequest
 from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import LookupResult
-from kvpool.services.prefill.stage0.prefill_result import StageRestoreFigures
 from kvpool.services.prefill.stage0.stage_clients import StageClient
+from kvpool.services.prefill.restore_figures import StageRestoreFigures
 from kvpool.services.prefill.stage_runner import ChunkToRestore, StageRunner
 
 log = structlog.get_logger(__name__)
@@ -109,8 +109,7 @@ class PoolRestore:
 
     async def _local(self, chunks: list[ChunkToRestore]) -> StageRestoreFigures:
         figures = await self.runner.restore(chunks)
-        return StageRestoreFigures(0, figures.num_chunks_requested, figures.num_chunks_restored, figures.bytes,
-                                   figures.read_ms, tuple(figures.corrupt_chunk_indexes))
+        return StageRestoreFigures.of(0, figures)
 
     async def _remote(self, stage: int, request_id: str, chunks: list[ChunkToRestore]) -> StageRestoreFigures:
         try:

@@ -5,18 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.core.handoff.target import HandoffFigures
-
-
-@dataclass(slots=True, frozen=True)
-class StageRestoreFigures:
-    """What one stage's restore of one request got and cost."""
-
-    stage: int
-    num_chunks_requested: int
-    num_chunks_restored: int = 0
-    bytes: int = 0
-    read_ms: float = 0.0
-    corrupt_chunk_indexes: tuple[int, ...] = ()  # chunks whose object failed its checksum
+from kvpool.services.prefill.restore_figures import StageRestoreFigures
 
 
 @dataclass(slots=True, frozen=True)

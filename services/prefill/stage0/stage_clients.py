@@ -9,23 +9,10 @@ from kvpool.core.errors import FailedPrecondition, InvalidArgument
 from kvpool.core.handoff.target import StageHandoffFigures
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.services.prefill.decode_client import stage_figures_from_message
-from kvpool.services.prefill.stage0.prefill_result import StageRestoreFigures
+from kvpool.services.prefill.restore_figures import StageRestoreFigures
 from kvpool.services.prefill.stage_runner import ChunkToRestore, SaveFigures
+from kvpool.services.prefill.stage_servicer import restore_figures_from_message
 from kvpool.status import from_status
-
-
-def restore_figures_from_message(figures: prefill_pb2.StageRestoreFigures) -> StageRestoreFigures:
-    return StageRestoreFigures(
-        stage=figures.stage, num_chunks_requested=figures.num_chunks_requested,
-        num_chunks_restored=figures.num_chunks_restored, bytes=figures.bytes, read_ms=figures.read_ms,
-        corrupt_chunk_indexes=tuple(figures.corrupt_chunk_indexes))
-
-
-def restore_figures_message(figures: StageRestoreFigures) -> prefill_pb2.StageRestoreFigures:
-    return prefill_pb2.StageRestoreFigures(
-        stage=figures.stage, num_chunks_requested=figures.num_chunks_requested,
-        num_chunks_restored=figures.num_chunks_restored, bytes=figures.bytes, read_ms=figures.read_ms,
-        corrupt_chunk_indexes=figures.corrupt_chunk_indexes)
 
 
 class StageClient:
