@@ -7,7 +7,7 @@ import pytest
 from kvpool.core.errors import FailedPrecondition, InvalidArgument
 from kvpool.rpc import handoff_pb2
 from kvpool.core.handoff.target import check_target
-from kvpool.services.prefill.decode_client import target_layout
+from kvpool.handoff_messages import target_layout
 
 SPLIT = [(0, 4), (4, 8)]
 ENTRY = 384

@@ -1,8 +1,8 @@
 """Where a request's KV goes (``HandoffTarget``: the receive region decode reserved) and what
 writing it cost (``StageHandoffFigures`` per stage, ``HandoffFigures`` for the request).
 
-Pure: no protobuf, no I/O. The prefill servicers and clients convert the messages
-(``kvpool.services.prefill.decode_client``).
+Pure: no protobuf, no I/O. The messages convert in one place
+(``kvpool.handoff_messages``).
 """
 
 from __future__ import annotations

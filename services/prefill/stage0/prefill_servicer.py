@@ -11,7 +11,7 @@ from typing import Any
 from kvpool.core.errors import InvalidArgument, Unavailable
 from kvpool.request_id import current_request_id
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
-from kvpool.services.prefill.decode_client import handoff_message, target_from_message
+from kvpool.handoff_messages import handoff_message, target_from_message
 from kvpool.services.prefill.forward import keep_deadline
 from kvpool.services.prefill.stage0.prefill_result import PrefillFigures, PrefillResult
 from kvpool.services.prefill.stage0.scheduler import PrefillScheduler

@@ -8,7 +8,7 @@ import grpc
 from kvpool.core.errors import FailedPrecondition, InvalidArgument
 from kvpool.core.handoff.target import StageHandoffFigures
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
-from kvpool.services.prefill.decode_client import stage_figures_from_message
+from kvpool.handoff_messages import stage_figures_from_message
 from kvpool.services.prefill.restore_figures import StageRestoreFigures
 from kvpool.services.prefill.stage_runner import ChunkToRestore, SaveFigures
 from kvpool.services.prefill.stage_servicer import restore_figures_from_message
