@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from kvpool.core.handoff.target import HandoffTarget
+from kvpool.core.prefill.stage_forward import Activation, Piece, StageForward, StageForwardResult
 from kvpool.model.sampling import greedy_token
-from kvpool.rpc import prefill_pb2
 from kvpool.services.prefill.handoff import StageHandoff
 from kvpool.services.prefill.pieces import ActivationLink
 from kvpool.services.prefill.stage_runner import StageRunner
@@ -40,10 +39,9 @@ def forward_timeout_s() -> float:
 
 
 async def run_stage(
-    runner: StageRunner, link: ActivationLink, request: prefill_pb2.ForwardRequest,
-    inputs: torch.Tensor | AsyncIterator[tuple[prefill_pb2.ForwardRequest, torch.Tensor]],
-    block_table: list[int], handoff: StageHandoff, target: HandoffTarget | None,
-) -> prefill_pb2.ForwardResponse:
+    runner: StageRunner, link: ActivationLink, request: StageForward,
+    inputs: torch.Tensor | AsyncIterator[tuple[Piece, torch.Tensor]], handoff: StageHandoff,
+) -> StageForwardResult:
     """Compute this stage, streaming its KV to decode as it becomes final, start saving, forward onward.
 
     ``inputs``: the hidden states (or token ids) of tokens [compute_start, num_tokens) at once, or the
@@ -51,12 +49,14 @@ async def run_stage(
     next stage as it ends (``PieceSender``), so the stages overlap; with ``forward_after_stage`` (bench)
     the request goes on whole once this stage computed all of it.
 
-    With a ``target`` (the request's, as its servicer converted it), the cached prefix is final at once and each forward piece
+    With a ``target`` (decode's region), the cached prefix is final at once and each forward piece
     when it ends; the last stage also writes the final logits. Bench mode
     ``handoff_after_prefill`` writes the whole part only once every later
     stage has computed. The writes run in the background: ``HandoffDone``
     waits for them.
     """
+    block_table = list(request.block_table)
+    target = request.target
     writes = handoff.begin(request.request_id, block_table, target) if target is not None else None
     stream = writes is not None and not request.handoff_after_prefill
     if stream and request.compute_start:
@@ -70,7 +70,7 @@ async def run_stage(
         async for piece, piece_inputs in pieces:
             if sender is not None and sender.failed:
                 break  # a later stage failed: finish() says how
-            start = piece.piece_start if piece.piece_end else request.compute_start
+            start = piece.start if piece.end else request.compute_start
             t0 = time.perf_counter()
             out = await runner.forward(piece_inputs, block_table, start, writes.write if stream else None,
                                        sender.send if sender is not None else None)
@@ -85,7 +85,7 @@ async def run_stage(
         if is_last:
             last = kept[-1][-1]
             # the model's sampler picks among its output ids only; the logits go back as the model made them
-            response = prefill_pb2.ForwardResponse(first_token=greedy_token(last, runner.config))
+            response = StageForwardResult(first_token=greedy_token(last, runner.config))
             logits = last.to(torch.float32).contiguous().numpy().tobytes()
             if request.return_logits:
                 response.logits = logits
@@ -107,6 +107,9 @@ async def run_stage(
     return response
 
 
-async def one_piece(request: prefill_pb2.ForwardRequest, inputs: torch.Tensor
-                    ) -> AsyncIterator[tuple[prefill_pb2.ForwardRequest, torch.Tensor]]:
-    yield request, inputs
+async def one_piece(request: StageForward, inputs: torch.Tensor) -> AsyncIterator[tuple[Piece, torch.Tensor]]:
+    """A whole forward as its one piece (``start == end == 0``: tokens [compute_start, num_tokens))."""
+    yield Piece(request.request_id, request.num_tokens, request.compute_start, 0, 0, _NO_ACTIVATION), inputs
+
+
+_NO_ACTIVATION = Activation(0, 0)  # the inputs are at hand

@@ -15,14 +15,15 @@ from typing import Any
 import structlog
 
 from kvpool.core.errors import InvalidArgument
+from kvpool.core.prefill.stage_forward import Piece, StageForward, StageForwardResult
+from kvpool.handoff_messages import stage_figures_message
 from kvpool.pool.objects import ObjectLocation
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import status_errors
-from kvpool.core.handoff.target import HandoffTarget
-from kvpool.services.prefill.decode_client import stage_figures_message, target_from_message
 from kvpool.services.prefill.handoff import StageHandoff
 from kvpool.services.prefill.forward import keep_deadline, run_stage
-from kvpool.services.prefill.pieces import ActivationLink, check_forward, received_pieces
+from kvpool.services.prefill.pieces import ActivationLink, received_pieces
+from kvpool.services.prefill.stage_client import forward_from_message, piece_from_message, result_message
 from kvpool.services.prefill.restore_figures import RestoreFigures, StageRestoreFigures
 from kvpool.services.prefill.stage_runner import ChunkToRestore, SaveFigures, StageRunner
 
@@ -59,8 +60,9 @@ def restore_chunks(request: prefill_pb2.RestoreRequest, num_blocks: int) -> list
     return chunks
 
 
-def request_target(request: prefill_pb2.ForwardRequest) -> HandoffTarget | None:
-    return target_from_message(request.target) if request.HasField("target") else None
+async def pieces_of(messages: AsyncIterator[prefill_pb2.ForwardRequest]) -> AsyncIterator[Piece]:
+    async for message in messages:
+        yield piece_from_message(message)
 
 
 class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
@@ -71,7 +73,7 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         self.settings = runner.settings
         self.restores: dict[str, asyncio.Future[RestoreFigures]] = {}
         # Forwards in progress: a SaveDone that overtakes one waits for it to start its save
-        self.forwards: dict[str, asyncio.Future[prefill_pb2.ForwardResponse]] = {}
+        self.forwards: dict[str, asyncio.Future[StageForwardResult]] = {}
 
     @status_errors
     async def StageInfo(self, request: Any, context: Any) -> prefill_pb2.StageInfoResponse:
@@ -97,26 +99,29 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
 
     @status_errors
     async def Forward(self, request: prefill_pb2.ForwardRequest, context: Any) -> prefill_pb2.ForwardResponse:
-        check_forward(request, self.settings.num_blocks, self.settings.chunk_size)
+        forward = forward_from_message(request)
+        forward.check(self.settings.num_blocks, self.settings.chunk_size)
         if request.piece_start or request.piece_end:
             raise InvalidArgument(f"piece_end: Forward takes tokens [compute_start, num_tokens) whole "
                                   f"(got piece {request.piece_start}..{request.piece_end}); pieces go by ForwardPieces")
-        return await self._serve(request, context, self._forward(request, request_target(request)))
+        piece = piece_from_message(request)
+        return result_message(await self._serve(forward, context, self._forward(forward, piece)))
 
     @status_errors
     async def ForwardPieces(self, request_iterator: AsyncIterator[prefill_pb2.ForwardRequest],
                             context: Any) -> prefill_pb2.ForwardResponse:
-        first = await anext(aiter(request_iterator), None)
+        messages = aiter(request_iterator)
+        first = await anext(messages, None)
         if first is None:
             raise InvalidArgument("request: ForwardPieces got no piece")
-        check_forward(first, self.settings.num_blocks, self.settings.chunk_size)
-        target = request_target(first)
-        pieces = received_pieces(first, aiter(request_iterator), self.link)
-        return await self._serve(first, context, run_stage(self.runner, self.link, first, pieces,
-                                                           list(first.block_table), self.handoff, target))
+        forward = forward_from_message(first)
+        forward.check(self.settings.num_blocks, self.settings.chunk_size)
+        pieces = received_pieces(forward, piece_from_message(first), pieces_of(messages), self.link)
+        return result_message(await self._serve(forward, context,
+                                                run_stage(self.runner, self.link, forward, pieces, self.handoff)))
 
-    async def _serve(self, request: prefill_pb2.ForwardRequest, context: Any,
-                     work: Coroutine[Any, Any, prefill_pb2.ForwardResponse]) -> prefill_pb2.ForwardResponse:
+    async def _serve(self, request: StageForward, context: Any,
+                     work: Coroutine[Any, Any, StageForwardResult]) -> StageForwardResult:
         """Run a forward after the request's restore landed, as a task a SaveDone or HandoffDone can wait
         for; shielded, so a caller that stops waiting does not cut it off mid-write."""
         pending = self.restores.get(request.request_id)
@@ -128,11 +133,9 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         task.add_done_callback(lambda _: self.forwards.pop(request.request_id, None))
         return await asyncio.shield(task)
 
-    async def _forward(self, request: prefill_pb2.ForwardRequest,
-                       target: HandoffTarget | None) -> prefill_pb2.ForwardResponse:
-        inputs = await self.link.receive(request.activation, request.num_tokens - request.compute_start)
-        return await run_stage(self.runner, self.link, request, inputs, list(request.block_table), self.handoff,
-                               target)
+    async def _forward(self, request: StageForward, whole: Piece) -> StageForwardResult:
+        inputs = await self.link.receive(whole.activation, request.num_tokens - request.compute_start)
+        return await run_stage(self.runner, self.link, request, inputs, self.handoff)
 
     @status_errors
     async def HandoffDone(self, request: prefill_pb2.HandoffDoneRequest, context: Any

@@ -1,30 +1,38 @@
-"""The rules a stream of forward pieces must keep (``kvpool.services.prefill.pieces``), message by message."""
+"""The rules a stream of forward pieces must keep (``kvpool.core.prefill.stage_forward``), piece by piece."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.rpc import prefill_pb2
-from kvpool.services.prefill.pieces import check_forward, check_piece
+from kvpool.core.prefill.stage_forward import Activation, Piece, StageForward, check_piece
 
 
-def piece(start: int, end: int, request_id: str = "r", num_tokens: int = 600, compute_start: int = 100
-          ) -> prefill_pb2.ForwardRequest:
-    return prefill_pb2.ForwardRequest(request_id=request_id, num_tokens=num_tokens, compute_start=compute_start,
-                                      block_table=[0, 1, 2], piece_start=start, piece_end=end)
+def piece(start: int, end: int, request_id: str = "r", num_tokens: int = 600, compute_start: int = 100) -> Piece:
+    return Piece(request_id=request_id, num_tokens=num_tokens, compute_start=compute_start, start=start, end=end,
+                 activation=Activation(end - start, 8))
 
 
-def refused(first: prefill_pb2.ForwardRequest, message: prefill_pb2.ForwardRequest, start: int) -> str:
+def request_of(first: Piece) -> StageForward:
+    """The request the stream's first piece came with."""
+    return StageForward(request_id=first.request_id, num_tokens=first.num_tokens,
+                        compute_start=first.compute_start, block_table=(0, 1, 2))
+
+
+def check_forward(first: Piece, num_blocks: int, chunk_size: int) -> None:
+    request_of(first).check(num_blocks, chunk_size)
+
+
+def refused(first: Piece, message: Piece, start: int) -> str:
     with pytest.raises(InvalidArgument) as info:
-        check_piece(first, message, start)
+        check_piece(request_of(first), message, start)
     return f"{info.value.field}: {info.value}"
 
 
 def test_contiguous_pieces_in_order_up_to_num_tokens_pass() -> None:
     first = piece(100, 256)
     for message, start in ((first, 100), (piece(256, 512), 256), (piece(512, 600), 512), (piece(100, 600), 100)):
-        check_piece(first, message, start)
+        check_piece(request_of(first), message, start)
 
 
 def test_each_broken_rule_names_its_field() -> None:

@@ -36,8 +36,7 @@ from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, TenantShares, tenant_na
 from kvpool.pool.client import PoolClient
 from kvpool.request_id import new_request_id
 from kvpool.core.handoff.target import HandoffFigures, HandoffTarget
-from kvpool.rpc import prefill_pb2
-from kvpool.services.prefill.decode_client import target_message
+from kvpool.core.prefill.stage_forward import StageForward, StageForwardResult
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.stage0.gate import PrefillGate
 from kvpool.services.prefill.metrics import GatePopsCollector, PrefillMetrics
@@ -71,7 +70,7 @@ class BenchModes:
 @dataclass(slots=True)
 class RunResult:
     restore: RestoreReport
-    forward: prefill_pb2.ForwardResponse
+    forward: StageForwardResult
     compute_ms: float
     handoff: HandoffFigures | None = None
 
@@ -256,14 +255,13 @@ class PrefillScheduler:
         """Restore on every stage, compute through all stages (streaming into decode's region), collect
         the handoff."""
         restore = await self.restorer.restore(request)
-        forward = prefill_pb2.ForwardRequest(
-            request_id=request.request_id, block_table=request.block_table, compute_start=request.compute_start,
-            num_tokens=request.num_tokens, save_first_chunk=request.save_first_chunk,
-            save_chunk_hashes=request.chunks_to_save, return_logits=return_logits, tenant=tenant,
+        forward = StageForward(
+            request_id=request.request_id, block_table=tuple(request.block_table),
+            compute_start=request.compute_start, num_tokens=request.num_tokens,
+            save_first_chunk=request.save_first_chunk, save_chunk_hashes=tuple(request.chunks_to_save),
+            return_logits=return_logits, tenant=tenant, target=target,
             handoff_after_prefill=bench.handoff_after_prefill, forward_after_stage=bench.forward_after_stage,
         )
-        if target is not None:
-            forward.target.CopyFrom(target_message(target))
         inputs = torch.tensor(token_ids[request.compute_start:], dtype=torch.int64)
         saving = self.pool is not None and bool(forward.save_chunk_hashes)
         if saving:
@@ -272,8 +270,7 @@ class PrefillScheduler:
         t0 = time.perf_counter()
         try:
             try:
-                result = await run_stage(self.runner, self.link, forward, inputs, request.block_table, self.handoff,
-                                         target)
+                result = await run_stage(self.runner, self.link, forward, inputs, self.handoff)
             except BaseException:
                 if target is not None:  # every stage's writes read this request's pages: they end first
                     with contextlib.suppress(Exception):

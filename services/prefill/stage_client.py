@@ -1,0 +1,167 @@
+"""A stage's client of the next stage (``ForwardPieces``), and the forward's messages as the core's types.
+
+The sending side of ``kvpool.services.prefill.pieces``: one client-streaming call per request
+and stage. ``PieceSender.send`` only queues; a writer task packs each piece (inline when small,
+else in the send arena for the next stage to read) and writes it, so a slow reader never stalls
+this stage's compute. ``finish`` ends the stream and returns the next stage's answer, the chain's;
+``abort`` cancels the call, so the next stage stops waiting for pieces that will not come.
+
+Both directions of the ``ForwardRequest``/``ForwardResponse`` conversion are here: this client
+sends what the stage servicer receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+
+from kvpool import service
+from kvpool.core.errors import DeviceCacheLost, Unavailable
+from kvpool.core.prefill.stage_forward import Activation, Piece, StageForward, StageForwardResult
+from kvpool.handoff_messages import target_from_message, target_message
+from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
+from kvpool.status import error_kind
+
+if TYPE_CHECKING:
+    from kvpool.services.prefill.arena import Region
+
+# packs hidden states for the next stage; a region it takes is appended to the list (freed after the call)
+Pack = Callable[[torch.Tensor, "list[Region]"], Awaitable[Activation]]
+
+
+def forward_message(forward: StageForward) -> prefill_pb2.ForwardRequest:
+    message = prefill_pb2.ForwardRequest(
+        request_id=forward.request_id, block_table=forward.block_table, compute_start=forward.compute_start,
+        num_tokens=forward.num_tokens, save_first_chunk=forward.save_first_chunk,
+        save_chunk_hashes=forward.save_chunk_hashes, return_logits=forward.return_logits, tenant=forward.tenant,
+        handoff_after_prefill=forward.handoff_after_prefill, forward_after_stage=forward.forward_after_stage,
+    )
+    if forward.target is not None:
+        message.target.CopyFrom(target_message(forward.target))
+    return message
+
+
+def forward_from_message(message: prefill_pb2.ForwardRequest) -> StageForward:
+    """The request a ``Forward`` or the first message of a ``ForwardPieces`` carries; its target
+    checked on its own (``target_from_message``)."""
+    return StageForward(
+        request_id=message.request_id, num_tokens=message.num_tokens, compute_start=message.compute_start,
+        block_table=tuple(message.block_table), save_first_chunk=message.save_first_chunk,
+        save_chunk_hashes=tuple(message.save_chunk_hashes), return_logits=message.return_logits,
+        tenant=message.tenant, target=target_from_message(message.target) if message.HasField("target") else None,
+        handoff_after_prefill=message.handoff_after_prefill, forward_after_stage=message.forward_after_stage,
+    )
+
+
+def activation_message(activation: Activation) -> prefill_pb2.Activation:
+    return prefill_pb2.Activation(num_tokens=activation.num_tokens, hidden_size=activation.hidden_size,
+                                  inline=activation.inline, endpoint=activation.endpoint,
+                                  address=activation.address, size=activation.size)
+
+
+def piece_from_message(message: prefill_pb2.ForwardRequest) -> Piece:
+    a = message.activation
+    return Piece(request_id=message.request_id, num_tokens=message.num_tokens, compute_start=message.compute_start,
+                 start=message.piece_start, end=message.piece_end,
+                 activation=Activation(num_tokens=a.num_tokens, hidden_size=a.hidden_size, inline=a.inline,
+                                       endpoint=a.endpoint, address=a.address, size=a.size))
+
+
+def result_message(result: StageForwardResult) -> prefill_pb2.ForwardResponse:
+    return prefill_pb2.ForwardResponse(first_token=result.first_token, logits=result.logits,
+                                       stage_compute_ms=result.stage_compute_ms)
+
+
+def result_from_message(message: prefill_pb2.ForwardResponse) -> StageForwardResult:
+    return StageForwardResult(first_token=message.first_token, logits=message.logits,
+                              stage_compute_ms=list(message.stage_compute_ms))
+
+
+def stage_error(exc: grpc.aio.AioRpcError, stage: int) -> Exception:
+    """The next stage's failure as this stage's (a restarted stage's lost cache keeps its meaning)."""
+    if error_kind(exc) is DeviceCacheLost:
+        return DeviceCacheLost(exc.details() or "")
+    return Unavailable(f"stage {stage}: {exc.code().name}: {exc.details()}")
+
+
+class PieceSender:
+    """One request's pieces to the next stage over one ``ForwardPieces`` call (module doc)."""
+
+    def __init__(self, stub: prefill_pb2_grpc.PrefillStageStub, next_stage: int, forward: StageForward,
+                 timeout_s: float, pack: Pack, free: Callable[[Region], None]) -> None:
+        self.next_stage = next_stage
+        self._request = forward_message(forward)  # each piece repeats it
+        self._pack = pack
+        self._free_region = free
+        self.call: Any = stub.ForwardPieces(timeout=timeout_s)
+        self._queue: asyncio.Queue[tuple[torch.Tensor, int, int] | None] = asyncio.Queue()
+        self._regions: list[Region] = []
+        self._writer = asyncio.ensure_future(self._write_all())
+
+    def send(self, hidden: torch.Tensor, start: int, end: int) -> None:
+        """Queue the hidden states of tokens [start, end) (the next piece in order)."""
+        self._queue.put_nowait((hidden, start, end))
+
+    @property
+    def failed(self) -> bool:
+        """The call can take no more pieces (the next stage failed): ``finish`` says why."""
+        return self._writer.done() and (self._writer.cancelled() or self._writer.exception() is not None)
+
+    async def _write_all(self) -> None:
+        while (item := await self._queue.get()) is not None:
+            hidden, start, end = item
+            message = prefill_pb2.ForwardRequest()
+            message.CopyFrom(self._request)
+            message.activation.CopyFrom(activation_message(await self._pack(hidden, self._regions)))
+            message.piece_start, message.piece_end = start, end
+            await self.call.write(message)
+        await self.call.done_writing()
+
+    async def finish(self) -> StageForwardResult:
+        """End the stream; the next stage's answer once every later stage computed the last piece."""
+        self._queue.put_nowait(None)
+        try:
+            try:
+                await self._writer
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # a write fails when the call did: its status says why
+            except BaseException:
+                self.call.cancel()  # no piece could be sent (the send arena stayed full): the call ends here
+                raise
+            return result_from_message(await self.call)
+        except grpc.aio.AioRpcError as exc:
+            raise stage_error(exc, self.next_stage) from exc
+        finally:
+            self._free()
+
+    def abort(self) -> None:
+        """This stage failed: the next one stops waiting for the rest."""
+        if self._writer.done() and not self._writer.cancelled():
+            self._writer.exception()  # seen: a write that failed with the call is not an error of its own
+        self._writer.cancel()
+        self.call.cancel()
+        self._free()
+
+    def _free(self) -> None:
+        for region in self._regions:
+            self._free_region(region)
+        self._regions.clear()
+
+
+class NextStageClient:
+    """The channel to the next stage; ``open`` starts one request's ``ForwardPieces``."""
+
+    def __init__(self, address: str, next_stage: int) -> None:
+        self.next_stage = next_stage
+        self._channel = service.channel(address)
+        self._stub = prefill_pb2_grpc.PrefillStageStub(self._channel)
+
+    def open(self, forward: StageForward, timeout_s: float, pack: Pack, free: Callable[[Region], None]) -> PieceSender:
+        return PieceSender(self._stub, self.next_stage, forward, timeout_s, pack, free)
+
+    async def close(self) -> None:
+        await self._channel.close()
