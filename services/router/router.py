@@ -44,10 +44,10 @@ from kvpool.core.api.public_errors import PIPELINE, SHARD, backend_label, public
 from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.core.api.served_context import ShardLimits, served_context
 from kvpool.core.tenancy.tenants import scoped_session_key
+from kvpool.core.handoff.target import HandoffTarget
 from kvpool.request_id import bound_request_id, new_request_id
-from kvpool.rpc import decode_pb2, handoff_pb2, prefill_pb2
 from kvpool.status import from_status
-from kvpool.services.router.backend_clients import LATE_CHECKS_OUT, Backends, server_of
+from kvpool.services.router.backend_clients import LATE_CHECKS_OUT, Backends, Prefilled, Sampling, server_of
 from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
 from kvpool.services.router.http_api import Usage
 from kvpool.services.router.metrics import RouterMetrics
@@ -178,7 +178,7 @@ class Router:
             while True:
                 self.metrics.placements.labels("shard", ticket.shard, ticket.locality.value).inc()
                 usage.pipeline, usage.shard = ticket.pipeline, ticket.shard
-                target: handoff_pb2.HandoffTarget | None = None
+                target: HandoffTarget | None = None
                 at_decode = True  # which call failed: the shard's (Reserve, Generate) or prefill's
                 try:
                     target = await self._reserve(ticket, request, started)
@@ -225,22 +225,19 @@ class Router:
         task.add_done_callback(self._prefetches.discard)
 
     async def _prefetch(self, request: GenerationRequest, pipeline: str) -> None:
-        message = prefill_pb2.PrefetchRequest(session_key=request.session_key, tenant=request.tenant,
-                                              cache_salt=request.cache_salt, session_end=request.session_end)
-        if request.expected_next_s is not None:
-            message.expected_next_s = request.expected_next_s
         try:
-            await self.backends.pipelines[pipeline].prefill.Prefetch(message, timeout=CALL_TIMEOUT_S)
+            await self.backends.pipelines[pipeline].prefetch(request.session_key, request.tenant, request.cache_salt,
+                                                             request.session_end, request.expected_next_s,
+                                                             CALL_TIMEOUT_S)
             self.metrics.prefetch_calls.labels("session_end" if request.session_end else "stage").inc()
         except grpc.aio.AioRpcError as exc:
             self.metrics.prefetch_calls.labels("failed").inc()
             log.info("prefetch_call_failed", pipeline=pipeline, code=exc.code().name)
 
-    def _count_prefill(self, prefill: prefill_pb2.PrefillResponse, usage: Usage, shard: str) -> None:
-        figures = prefill.figures
-        usage.device_tokens, usage.pool_tokens = figures.num_device_tokens, figures.num_pool_tokens
-        usage.computed_tokens = figures.num_computed_tokens
-        usage.handoff_transfers, usage.handoff_bytes = prefill.handoff.transfers, prefill.handoff.bytes
+    def _count_prefill(self, prefill: Prefilled, usage: Usage, shard: str) -> None:
+        usage.device_tokens, usage.pool_tokens = prefill.device_tokens, prefill.pool_tokens
+        usage.computed_tokens = prefill.computed_tokens
+        usage.handoff_transfers, usage.handoff_bytes = prefill.handoff_transfers, prefill.handoff_bytes
         self.metrics.handoff_bytes.labels(self._link(usage.pipeline, shard)).inc(usage.handoff_bytes)
         for source, count in (("device", usage.device_tokens), ("pool", usage.pool_tokens),
                               ("computed", usage.computed_tokens)):
@@ -250,21 +247,17 @@ class Router:
         same = self.admission.pipeline_servers[pipeline] == self.admission.shards[shard].server
         return "same_server" if same else "cross_server"
 
-    async def _reserve(self, ticket: Ticket, request: GenerationRequest, started: float) -> handoff_pb2.HandoffTarget:
+    async def _reserve(self, ticket: Ticket, request: GenerationRequest, started: float) -> HandoffTarget:
         """Decode's region and pages for the ticket; the room is the ticket's, so a refusal only
         means decode has not yet freed a finished request's room."""
         shard = self.backends.shards[ticket.shard]
-        reserve = decode_pb2.ReserveRequest(
-            num_tokens=len(request.prompt_ids), kv_dtype=shard.kv_dtype, entry_bytes=shard.entry_bytes,
-            max_tokens=request.max_tokens, with_logits=True,
-            hold_s=max(1.0, self.request_timeout_s - (time.perf_counter() - started)),
-            layer_split=[handoff_pb2.LayerRange(start=s, end=e)
-                         for s, e in self.backends.layer_split(ticket.pipeline, ticket.shard)],
-        )
+        hold_s = max(1.0, self.request_timeout_s - (time.perf_counter() - started))
+        layer_split = self.backends.layer_split(ticket.pipeline, ticket.shard)
         deadline = time.monotonic() + RESERVE_WAIT_S
         while True:
             try:
-                return (await shard.decode.Reserve(reserve, timeout=CALL_TIMEOUT_S)).target
+                return await shard.reserve(len(request.prompt_ids), request.max_tokens, hold_s, layer_split,
+                                           CALL_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 error = self._backend_error(exc, SHARD, ticket.shard, request.request_id)
                 if not isinstance(error, ResourceExhausted) or time.monotonic() > deadline:
@@ -272,15 +265,13 @@ class Router:
                 self.metrics.reserve_waits.inc()
                 await asyncio.sleep(RESERVE_RETRY_S)  # decode is freeing a cancelled request's room
 
-    async def _prefill(self, ticket: Ticket, request: GenerationRequest, target: handoff_pb2.HandoffTarget,
-                       usage: Usage) -> prefill_pb2.PrefillResponse:
+    async def _prefill(self, ticket: Ticket, request: GenerationRequest, target: HandoffTarget,
+                       usage: Usage) -> Prefilled:
         while True:
             client = self.backends.pipelines[ticket.pipeline]
             try:
-                return await client.prefill.Prefill(
-                    prefill_pb2.PrefillRequest(token_ids=request.prompt_ids, session_key=request.session_key,
-                                               tenant=request.tenant, cache_salt=request.cache_salt,
-                                               target=target), timeout=self.request_timeout_s)
+                return await client.prefill_into(request.prompt_ids, request.session_key, request.tenant,
+                                                 request.cache_salt, target, self.request_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 error = self._backend_error(exc, PIPELINE, ticket.pipeline, request.request_id)
             failed_round = self.admission.health_round
@@ -317,26 +308,19 @@ class Router:
                 return moved
         return None
 
-    async def _decode(self, ticket: Ticket, request: GenerationRequest, target: handoff_pb2.HandoffTarget,
+    async def _decode(self, ticket: Ticket, request: GenerationRequest, target: HandoffTarget,
                       usage: Usage, request_id: str) -> AsyncIterator[int]:
         shard = self.backends.shards[ticket.shard]
         # an unseeded request draws a fresh seed: two such requests differ; a seeded one is reproducible
         seed = request.seed if request.seed is not None else secrets.randbits(63)
-        call = shard.decode.Generate(
-            decode_pb2.DecodeRequest(
-                region_id=target.region_id, prompt_token_ids=request.prompt_ids,
-                sampling=decode_pb2.DecodeSampling(temperature=request.temperature, top_p=request.top_p,
-                                                   top_k=request.top_k, seed=seed),
-                max_tokens=request.max_tokens, stop_token_ids=request.stop_token_ids, request_id=request_id,
-            ),
-            timeout=self.request_timeout_s,
-        )
+        call = shard.generate(target.region_id, request.prompt_ids,
+                              Sampling(request.temperature, request.top_p, request.top_k, seed), request.max_tokens,
+                              request.stop_token_ids, request_id, self.request_timeout_s)
         try:
-            async for response in call:
-                if response.HasField("figures"):
-                    usage.finish_reason = "stop" if response.figures.finish_reason == "stop" else "length"
-                    return
-                yield response.token_id
+            async for token in call:
+                yield token
+            if call.finish_reason:
+                usage.finish_reason = call.finish_reason
         except grpc.aio.AioRpcError as exc:
             raise self._backend_error(exc, SHARD, ticket.shard, request_id) from None
         finally:
@@ -351,10 +335,9 @@ class Router:
                     code=exc.code().name, details=exc.details())
         return public_error(error)
 
-    async def _give_back(self, shard_name: str, target: handoff_pb2.HandoffTarget) -> None:
+    async def _give_back(self, shard_name: str, target: HandoffTarget) -> None:
         shard = self.backends.shards[shard_name]
         try:
-            await shard.decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=target.region_id),
-                                             timeout=5.0)
+            await shard.release_region(target.region_id, timeout_s=5.0)
         except grpc.aio.AioRpcError as exc:
             log.info("region_release_failed", region_id=target.region_id, code=exc.code().name)  # reclaimed at its hold
