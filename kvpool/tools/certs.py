@@ -3,7 +3,9 @@
 ``ThrowawayCA(folder)`` makes a CA key and certificate there; ``issue(common_name)``
 makes a certificate for one process whose common name is its role (and, for
 a store, ``store/<segment_id>``), valid for loopback and the given hosts.
-Keys are written with mode 0600. The CA's key is never written: nothing can be
+Every folder is this user's alone, mode 0700, and every file a new one renamed into
+place, keys mode 0600 (``kvpool.secret_files``): a file another user left at a name
+is replaced, never written into. The CA's key is never written: nothing can be
 issued by it once the object is gone, so a new certificate means a new CA.
 ``write_compose_credentials`` gives each of compose.yaml's services a folder of
 its own (``kvpool certs``).
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvpool.secret_files import private_folder, write_secret
 
 VALID_FOR = datetime.timedelta(days=7)
 
@@ -41,12 +44,12 @@ class Identity:
         return {"KVPOOL_TLS_CA": str(self.ca), "KVPOOL_TLS_CERT": str(self.cert), "KVPOOL_TLS_KEY": str(self.key)}
 
 
+PUBLIC_MODE = 0o644  # certificates: public, in a folder only this user enters
+
+
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(pem)
+    write_secret(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                         serialization.NoEncryption()))
 
 
 class ThrowawayCA:
@@ -55,7 +58,7 @@ class ThrowawayCA:
     def __init__(self, folder: Path, hosts: tuple[str, ...] = (), valid_for: datetime.timedelta = VALID_FOR) -> None:
         self.folder = folder
         self.valid_for = valid_for
-        self.folder.mkdir(parents=True, exist_ok=True)
+        private_folder(folder, "certs folder")
         self.hosts = ("127.0.0.1", "::1", "localhost", *hosts)
         self._key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -73,7 +76,7 @@ class ThrowawayCA:
             .sign(self._key, hashes.SHA256())
         )
         self.ca_path = folder / "ca.pem"
-        self.ca_path.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
+        write_secret(self.ca_path, self._cert.public_bytes(serialization.Encoding.PEM), PUBLIC_MODE)
 
     def issue(self, common_name: str, file_stem: str | None = None) -> Identity:
         """A certificate for ``common_name``, usable as TLS server and client: ``<stem>.pem`` and
@@ -84,9 +87,8 @@ class ThrowawayCA:
     def issue_into(self, common_name: str, folder: Path) -> Identity:
         """A certificate for ``common_name`` in a folder of its own, with a copy of the CA's: ``ca.pem``,
         ``cert.pem``, ``key.pem``, what one container mounts (and nothing of another's)."""
-        folder.mkdir(parents=True, exist_ok=True)
-        ca = folder / "ca.pem"
-        ca.write_bytes(self.ca_path.read_bytes())
+        private_folder(folder, "certs folder")
+        ca = write_secret(folder / "ca.pem", self.ca_path.read_bytes(), PUBLIC_MODE)
         return self._write(common_name, ca, folder / "cert.pem", folder / "key.pem")
 
     def _write(self, common_name: str, ca_path: Path, cert_path: Path, key_path: Path) -> Identity:
@@ -109,7 +111,7 @@ class ThrowawayCA:
                            critical=False)
             .sign(self._key, hashes.SHA256())
         )
-        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        write_secret(cert_path, cert.public_bytes(serialization.Encoding.PEM), PUBLIC_MODE)
         _write_key(key_path, key)
         return Identity(ca_path, cert_path, key_path)
 
@@ -133,7 +135,5 @@ def write_compose_credentials(folder: Path, hosts: tuple[str, ...] = (),
     identities = {name: ca.issue_into(common_name, folder / name) for name, common_name in COMPOSE_IDENTITIES.items()}
     api_key = secrets.token_urlsafe(24)
     for path in (folder / "router" / API_KEYS_FILE, folder / "client" / API_KEY_FILE):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(api_key + "\n")
+        write_secret(path, api_key + "\n")
     return identities

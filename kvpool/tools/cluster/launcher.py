@@ -13,7 +13,10 @@ Invariants: ``start`` either returns with every process ready or leaves
 nothing behind (processes stopped, namespaces removed); ``stop`` stops every
 process a tier at a time (router, then stages and shards, then stores, masters
 last: stores unmount on their way out), then removes the network; it is safe
-to call twice.
+to call twice. The workdir, which holds ``kvpool up``'s keys and certificates,
+is this user's alone (``kvpool.secret_files.private_folder``): made mode 0700,
+or refused when another user owns it, it has group or other bits, or it is a
+symlink.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpool.secret_files import private_folder
 from kvpool.tools.cluster.netns import BRIDGE_ADDRESS, NetnsUnavailable, Network, Place, ServerLink, uts_works
 from kvpool.tools.cluster.process import ServiceProcess
 from kvpool.tools.cluster.topology import MasterSpec, PipelineSpec, ServerSpec, StoreSpec, Topology
@@ -105,7 +109,7 @@ class Cluster:
         if self.workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-cluster-")
             self.workdir = Path(self._tmp.name)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        private_folder(self.workdir, "workdir")  # keys, certificates and logs: ours alone, 0700
         try:
             self._make_servers()
             self._start_masters()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool import bind_shim, tls
+from kvpool.tools.api_key import API_KEY_ENV
 from kvpool.tools.cluster.netns import Place
 from kvpool.tools.cluster.zygote import LIGHT, TORCH, ForkedProcess, ZygoteGone, zygote
 
@@ -32,6 +33,11 @@ ENGINE_ROLES = ("store", "prefill", "decode")
 # has not (kvpool/tools/cluster/zygote.py)
 TORCH_ROLES = ("prefill", "decode")
 SERVICE_MODULE = "kvpool.services.cli"
+
+
+def open_log(path: Path) -> int:
+    """A process's log for appending, made 0600 if new; a symlink planted at its name is not followed."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 class ServiceFailed(RuntimeError):
@@ -72,7 +78,7 @@ class ServiceProcess:
             self.proc = self._fork(args, env)
             if self.proc is not None:
                 return
-        with self.log_file.open("ab") as log:
+        with os.fdopen(open_log(self.log_file), "ab") as log:
             self.proc = subprocess.Popen(
                 [*self.place.prefix(), sys.executable, "-m", "kvpool.services.cli", *args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -101,6 +107,7 @@ class ServiceProcess:
         """The child's environment: ``parent``'s, less what is this process's own."""
         env = dict(parent, PYTHONUNBUFFERED="1")
         env.pop(PARENT_PID_ENV, None)
+        env.pop(API_KEY_ENV, None)  # the router gets its keys in a file (kvpool up); no other child needs any
         # a child's identity comes from its flags (kvpool up --secure) only: KVPOOL_TLS_* here is this
         # process's own (a tool's, a bench's), and would give every child one role
         for name in tls.ENV.values():

@@ -76,14 +76,15 @@ def _become(request: dict[str, Any]) -> None:
         try:
             enter(request.get("netns"), request.get("host_name"))
         except OSError as exc:  # as `ip netns exec` would: said on its log, and it does not start
-            with open(request["log"], "a") as log:
+            with os.fdopen(os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600),
+                           "a") as log:
                 log.write(f"kvpool zygote: cannot enter {request.get('netns')} / {request.get('host_name')}: {exc}\n")
             os._exit(1)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # no planted link
     os.dup2(null, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
