@@ -98,8 +98,13 @@ def _exit_closed(code: int) -> NoReturn:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from kvpool.tools.up import UpSettings, run_up
+    from kvpool.tools.up import API_KEY_ENV, UpSettings, run_up
 
+    if args.api_key_on_command_line is not None:
+        print("kvpool up: --api-key is refused: any local user reads a process's command line "
+              f"(/proc/PID/cmdline); give the keys in a file, --api-keys-file PATH (mode 0600, a line KEY or "
+              f"TENANT=KEY each), or in ${API_KEY_ENV}", file=sys.stderr)
+        return 2
     settings = _settings(UpSettings, "up", args)
     demo = None
     if args.demo or args.trace:
@@ -117,8 +122,8 @@ def _run_up(args: argparse.Namespace) -> int:
             settings.device_cache_tokens = demo_device_cache_tokens(demo_settings, config.vocab_size)
 
         def play(cluster: Any) -> int:
-            if settings.api_key:  # the demo's client sends the first key (set now: the router has its file)
-                os.environ["KVPOOL_API_KEY"] = settings.api_key[0]
+            if cluster.access.api_keys:  # the demo's client sends the first key (this process's environment only)
+                os.environ[API_KEY_ENV] = cluster.access.api_keys[0]
             return run_demo(cluster.http_url, demo_settings)
 
         demo = play
@@ -152,9 +157,15 @@ def _run_certs(args: argparse.Namespace) -> int:
 
     from kvpool.tools.certs import write_compose_credentials
 
+    from kvpool.secret_files import UnsafeFolder, private_folder
+
     folder = Path(args.folder)
     if args.days < 1:
         raise SystemExit("kvpool certs: --days must be at least 1")
+    try:
+        private_folder(folder, "certs folder")
+    except UnsafeFolder as exc:
+        raise SystemExit(f"kvpool certs: {exc}") from None
     if (folder / "ca.pem").exists() and not args.force:
         raise SystemExit(f"kvpool certs: {folder} already holds credentials (a running cluster uses them): "
                          "--force replaces them")

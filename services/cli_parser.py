@@ -104,6 +104,8 @@ def _add_up(sub: Any) -> None:
                        "from the [up] table of --config (every service also reads its own table), flags win.")
     _common(p)
     add_setting_flags(p, UpSettings)
+    # refused by services/cli.py with the reason: named here so that it is not taken for --api-keys-file
+    p.add_argument("--api-key", dest="api_key_on_command_line", metavar="KEY", help=argparse.SUPPRESS)
     p.add_argument("--demo", action="store_true",
                    help="play one coding-agent session turn by turn through the HTTP API, print the figures, stop")
     p.add_argument("--trace", metavar="FILE", help="with --demo: a weka-format session file, or 'synthetic' for a "

@@ -30,7 +30,7 @@ import signal
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,8 @@ from kvpool.core.tenancy.shares import parse_weights
 from kvpool.host_memory import available_bytes
 from kvpool.sizes import format_size
 from kvpool.model.config import CONFIGS
+from kvpool.secret_files import UnsafeFolder, write_secret
+from kvpool.tools.api_key import API_KEY_ENV, auth_headers
 from kvpool.settings import read_config
 from kvpool.tools.certs import Identity, ThrowawayCA
 from kvpool.tools.cluster import (
@@ -61,6 +63,8 @@ from kvpool.tools.cluster.supervisor import Supervisor
 from kvpool import host_numa
 
 log = structlog.get_logger(__name__)
+
+API_KEYS_FILE = "api_keys"  # in the workdir: the router's --api-keys-file
 
 @dataclass(slots=True)
 class UpSettings:
@@ -90,9 +94,13 @@ class UpSettings:
     region_arena_bytes: str | None = setting(None, help="each decode shard's receive arena (the prompts' KV in "
                                              "flight from prefill; 128MiB holds a 32K-token tiny prompt)",
                                              metavar="SIZE", default_text="128MiB, unless the [decode] table sets it")
-    api_key: list[str] = setting(help="API keys of the HTTP API, each KEY or TENANT=KEY (handed to the router in a "
-                                 "file, never on its command line)", factory=list, metavar="KEY,...",
-                                 default_text="none: the API is open")
+    # no flag: a key on a command line is readable by every local user (/proc/PID/cmdline)
+    api_key: list[str] = setting(help="API keys of the HTTP API, each KEY or TENANT=KEY", factory=list,
+                                 flag=False)
+    api_keys_file: str = setting("", help="API keys of the HTTP API, a file of lines KEY or TENANT=KEY (# "
+                                 f"comments); ${API_KEY_ENV} adds KEY or TENANT=KEY,... . Keys turn on --secure "
+                                 "(mutual TLS between the services); the router gets them in a file of the workdir",
+                                 metavar="PATH", default_text=f"none: the API is open unless ${API_KEY_ENV} is set")
     tenant_weights: list[str] = setting(help="each tenant's weight in the pool and the device caches, TENANT=WEIGHT "
                                         "(handed to the master and every prefill stage); a tenant not named weighs "
                                         "1", factory=list, metavar="TENANT=WEIGHT,...",
@@ -110,6 +118,8 @@ class UpSettings:
         if isinstance(self.tenant_weights, str):
             self.tenant_weights = [w for w in self.tenant_weights.split(",") if w]
         parse_weights(self.tenant_weights)  # raises naming the bad entry
+        if self.api_keys_file and not Path(self.api_keys_file).is_file():
+            raise ValueError(f"api_keys_file: {self.api_keys_file} is not a file")
         for name in ("pipelines", "stages", "decode_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -128,6 +138,17 @@ class UpSettings:
             if self.stages > layers:
                 raise ValueError(f"stages: {self.stages} stages for the model's {layers} layers")
 
+
+    def keys(self, environ: Mapping[str, str] = os.environ) -> list[str]:
+        """Every API key entry (``KEY`` or ``TENANT=KEY``): ``api_key``, the file's lines, ``$KVPOOL_API_KEY``.
+        The router checks each entry when it reads the file ``up`` writes it."""
+        entries = [*self.api_key, *environ.get(API_KEY_ENV, "").split(",")]
+        if self.api_keys_file:
+            path = Path(self.api_keys_file)
+            if not path.is_file():
+                raise ValueError(f"api_keys_file: {path} is not a file")
+            entries += path.read_text().splitlines()
+        return [e.strip() for e in entries if e.strip() and not e.strip().startswith("#")]
 
     def handed(self, config_tables: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """The settings ``up`` puts on each role's command line (flags win over the role's table): one
@@ -217,19 +238,25 @@ class UpAccess:
         elif self.insecure:
             extra.append("--insecure")
         if args[0] == "router" and self.api_keys:
-            keys_file = workdir / "api_keys"  # a file: keys never show on a command line
-            keys_file.touch(mode=0o600)
-            keys_file.write_text("\n".join(self.api_keys) + "\n")
-            extra += ["--api-keys-file", str(keys_file)]
+            keys_file = write_secret(workdir / API_KEYS_FILE, "\n".join(self.api_keys) + "\n")
+            extra += ["--api-keys-file", str(keys_file)]  # a file: keys never show on a command line
         return extra
+
+    def bearer(self) -> dict[str, str]:
+        """The header that authenticates ``up``'s own calls to the router (the first key), if keys are set."""
+        return auth_headers(self.api_keys[0]) if self.api_keys else {}
 
 
 def up_cluster(settings: UpSettings, config: str | None = None, log_level: str = "warning",
                supervisor_status: str = "") -> Cluster:
-    """Not started yet: ``.start()`` it (logs and ready files go to ``settings.workdir`` or a temporary folder)."""
+    """Not started yet: ``.start()`` it (logs and ready files go to ``settings.workdir`` or a temporary folder).
+
+    API keys imply ``secure``: a key gates the HTTP API only, so without mutual TLS stage 0's ``Prefill``
+    and every internal port would serve anyone on the host in plaintext."""
     workdir = Path(settings.workdir) if settings.workdir else None
+    keys = settings.keys()
     return Cluster(up_topology(settings, config, log_level, supervisor_status), workdir=workdir,
-                   access=UpAccess(settings.api_key, settings.secure, settings.insecure))
+                   access=UpAccess(keys, settings.secure or bool(keys), settings.insecure))
 
 
 def wait_for_stop_signal(tick: Callable[[], None] | None = None, on_hangup: Callable[[], None] | None = None,
@@ -288,8 +315,10 @@ def backend_healthy(cluster: Cluster, proc: ServiceProcess) -> bool:
     backend = server.address_of(proc)
     if role == "prefill":
         backend = next(server.address_of(stages[0]) for stages in server.stages if proc in stages)
-    try:
-        with urllib.request.urlopen(f"{cluster.http_url}/health", timeout=5) as response:
+    headers = cluster.access.bearer() if isinstance(cluster.access, UpAccess) else {}
+    try:  # with keys set, only a keyed /health names its targets
+        with urllib.request.urlopen(urllib.request.Request(f"{cluster.http_url}/health", headers=headers),
+                                    timeout=5) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as exc:  # 503 while anything is unhealthy: the body still says what
         body = json.loads(exc.read())
@@ -316,11 +345,20 @@ def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any =
             status_dir.cleanup()
             print(f"kvpool {refusal}", flush=True)
             return 1
+    access = cluster.access
+    if isinstance(access, UpAccess) and access.api_keys and not settings.secure:
+        log.info("keys_imply_mutual_tls")
+        print("kvpool up: API keys are set, so the services talk mutual TLS as with --secure (a throwaway CA "
+              "in the workdir's certs/): no internal port serves plaintext", flush=True)
     try:
         cluster.start()
     except ServiceFailed as exc:
         status_dir.cleanup()
         print(f"kvpool up: a service failed to start:\n{exc}", flush=True)
+        return 1
+    except UnsafeFolder as exc:
+        status_dir.cleanup()
+        print(f"kvpool up: {exc}", flush=True)
         return 1
     try:
         print("kvpool up: every service is healthy", flush=True)
