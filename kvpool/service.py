@@ -23,9 +23,10 @@ from google.protobuf import descriptor_pool
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from kvpool import request_id, tls
+from kvpool.admin_http import start_admin
 from kvpool.core.errors import InvalidArgument
 from kvpool.status import abort
 from kvpool.rpc_trace import carry_interceptors, trace_interceptors
@@ -290,9 +291,9 @@ def channel(address: str, options: Sequence[tuple[str, Any]] = GRPC_OPTIONS) -> 
 
 
 def start_metrics(host: str, port: int, registry: CollectorRegistry) -> int:
-    """Serve Prometheus text on ``http://host:port/metrics``; returns the port."""
-    httpd, _thread = start_http_server(port, addr=host, registry=registry)
-    return int(httpd.server_port)
+    """Serve Prometheus text on ``host:port/metrics``, over mutual TLS once the process is configured
+    (``kvpool.admin_http``); returns the port."""
+    return int(start_admin(host, port, registry).server_address[1])
 
 
 def write_ready_file(path: str | None, **fields: object) -> None:

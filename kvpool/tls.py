@@ -14,6 +14,7 @@ import inspect
 import ipaddress
 import os
 import socket
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,8 @@ class Credentials:
     ca: bytes
     cert: bytes
     key: bytes
+    cert_path: str = ""  # where cert and key were read (an ssl.SSLContext loads its chain from files)
+    key_path: str = ""
 
 
 _configured: Credentials | None = None
@@ -77,7 +80,7 @@ def configure(settings: SecuritySettings) -> None:
         if not Path(getattr(settings, name)).is_file():
             raise ValueError(f"security.{name}: {getattr(settings, name)} is not a file")
     _configured = Credentials(Path(settings.ca).read_bytes(), Path(settings.cert).read_bytes(),
-                              Path(settings.key).read_bytes())
+                              Path(settings.key).read_bytes(), settings.cert, settings.key)
 
 
 def credentials() -> Credentials | None:
@@ -121,6 +124,31 @@ def channel_credentials() -> grpc.ChannelCredentials | None:
         return None
     return grpc.ssl_channel_credentials(root_certificates=creds.ca, private_key=creds.key,
                                         certificate_chain=creds.cert)
+
+
+def server_ssl_context() -> ssl.SSLContext | None:
+    """The admin ports' side of mutual TLS (``kvpool.admin_http``): this process's certificate, a client
+    certificate of the cluster's CA required; None: plaintext."""
+    creds = credentials()
+    if creds is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(creds.cert_path, creds.key_path)
+    context.load_verify_locations(cadata=creds.ca.decode())
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_ssl_context() -> ssl.SSLContext | None:
+    """This process's client side of an admin port's mutual TLS (a scrape); None: plaintext."""
+    creds = credentials()
+    if creds is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cadata=creds.ca.decode())
+    context.load_cert_chain(creds.cert_path, creds.key_path)
+    return context
 
 
 def interceptors() -> list[grpc.aio.ServerInterceptor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.core.tenancy.access import POLICY, ROLES, Peer, authorize
+from kvpool.core.tenancy.access import POLICY, ROLES, Peer, authorize, authorize_admin
 from kvpool.core.errors import PermissionDenied
 from kvpool.rpc import decode_pb2, handoff_pb2, pool_pb2, prefill_pb2, router_pb2
 
@@ -14,6 +14,14 @@ POOL = "/kvpool.rpc.PoolMaster/"
 def allowed(method: str, peer: Peer, segment_id: str | None = None) -> bool:
     try:
         authorize(method, peer, segment_id)
+    except PermissionDenied:
+        return False
+    return True
+
+
+def admin_allowed(peer: Peer) -> bool:
+    try:
+        authorize_admin(peer)
     except PermissionDenied:
         return False
     return True
@@ -69,3 +77,11 @@ def test_a_certificate_must_name_a_role() -> None:
     assert Peer.from_common_name("router") == Peer("router", "")
     with pytest.raises(PermissionDenied, match="names no role"):
         Peer.from_common_name("attacker")
+
+
+def test_a_monitor_reads_admin_ports_and_calls_nothing() -> None:
+    assert not any(allowed(method, Peer("monitor")) for method in POLICY)
+    assert {r for r in ROLES if admin_allowed(Peer(r, "x"))} == {"monitor", "client"}
+    with pytest.raises(PermissionDenied, match="^admin port: needs the client or monitor role; the caller is "
+                                               "store$"):
+        authorize_admin(Peer("store", "s0"))

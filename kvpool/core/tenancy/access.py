@@ -2,15 +2,19 @@
 
 With mutual TLS every peer presents a certificate of the cluster's CA whose
 common name names its role, and for a store its segment:
-``master``, ``store/<segment_id>``, ``prefill``, ``decode``, ``router``, or
-``client`` (an operator's tools and gRPC ``Generate`` callers).
+``master``, ``store/<segment_id>``, ``prefill``, ``decode``, ``router``,
+``client`` (an operator's tools and gRPC ``Generate`` callers; tenants hold API
+keys, not certificates), or ``monitor`` (a metrics scraper: it reads the admin
+ports and may call nothing).
 
 Invariants:
 - a method not listed in ``POLICY`` is refused (fail closed), except the
   health and reflection services, open to every authenticated peer;
 - mount, unmount and heartbeat (a segment's life) need the store or master
   role, and a store acts on its own segment only;
-- pool-wide calls (``Remove``, ``Stats``) need the store or master role.
+- pool-wide calls (``Remove``, ``Stats``) need the store or master role;
+- the admin ports (``/metrics``: every tenant's usage) answer the ``monitor``
+  and ``client`` roles only (``ADMIN_READERS``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 from kvpool.core.errors import PermissionDenied
 
-ROLES = ("master", "store", "prefill", "decode", "router", "client")
+ROLES = ("master", "store", "prefill", "decode", "router", "client", "monitor")
 
 _POOL = "/kvpool.rpc.PoolMaster/"
 _ADMIN = frozenset({"master", "store"})
@@ -55,6 +59,8 @@ POLICY: dict[str, frozenset[str]] = {
     "/kvpool.rpc.Decode/Stats": _ROUTER,
     "/kvpool.rpc.Router/Generate": frozenset({"client", "router"}),
 }
+# who may read a service's admin port (its /metrics name every tenant and its usage)
+ADMIN_READERS = frozenset({"monitor", "client"})
 # a segment's own life: a store may name only its own segment
 OWN_SEGMENT = frozenset({_POOL + "MountSegment", _POOL + "UnmountSegment", _POOL + "Heartbeat"})
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
@@ -93,3 +99,10 @@ def authorize(method: str, peer: Peer, segment_id: str | None = None) -> None:
     if method in OWN_SEGMENT and peer.role == "store" and segment_id != peer.name:
         raise PermissionDenied(f"segment_id: store {peer.name!r} may act on its own segment only, not "
                                f"{segment_id!r}", field="segment_id")
+
+
+def authorize_admin(peer: Peer) -> None:
+    """Raise ``PermissionDenied`` unless ``peer`` may read an admin port."""
+    if peer.role not in ADMIN_READERS:
+        raise PermissionDenied(f"admin port: needs the {' or '.join(sorted(ADMIN_READERS))} role; the caller is "
+                               f"{peer.role}")
