@@ -28,6 +28,7 @@ from tests.unit.test_deploy_files import (
     compose_commands,
     compose_volumes,
     unit_commands,
+    UNIT_DIR,
 )
 
 MOUNTED_TLS = "/etc/kvpool/tls"
@@ -37,16 +38,29 @@ def parsed(argv: list[str], config: Path = EXAMPLE_CONFIG) -> object:
     return cli_parser.build_parser().parse_args([str(config) if a == INSTALLED_CONFIG else a for a in argv])
 
 
+def load_credentials(unit: str) -> dict[str, str]:
+    """A unit's ``LoadCredential=NAME:SOURCE`` lines, by name (a template's, for an instance)."""
+    text = (UNIT_DIR / re.sub(r"@[^.]+\.", "@.", unit)).read_text()
+    return dict(line.removeprefix("LoadCredential=").split(":", 1) for line in text.splitlines()
+                if line.startswith("LoadCredential="))
+
+
 @pytest.mark.parametrize(("name", "argv"), unit_commands())
-def test_every_unit_runs_with_its_own_certificate(name: str, argv: list[str]) -> None:
+def test_every_unit_runs_with_its_own_certificate_as_credentials(name: str, argv: list[str]) -> None:
+    # systemd copies each into the unit's own $CREDENTIALS_DIRECTORY (%d), readable by that service alone
+    credentials = {"ca.pem": "/etc/kvpool/tls/ca.pem", "cert.pem": "/etc/kvpool/tls/%N.pem",
+                   "key.pem": "/etc/kvpool/tls/%N.key"}
+    if argv[0] == "router":
+        credentials["api_keys"] = "/etc/kvpool/api_keys"
+    assert load_credentials(name) == credentials, name
     security = cli._settings(tls.SecuritySettings, "security", parsed(argv))
-    unit = name.removesuffix(".service")
-    assert (security.ca, security.cert, security.key) == (
-        "/etc/kvpool/tls/ca.pem", "/etc/kvpool/tls/%N.pem", "/etc/kvpool/tls/%N.key"), unit
+    assert (security.ca, security.cert, security.key) == ("%d/ca.pem", "%d/cert.pem", "%d/key.pem"), name
     settings = build_settings(argv)
     tls.refuse_plaintext_off_loopback(security, [settings.host], name)  # credentials given: no refusal
     if argv[0] == "router":
-        assert settings.api_keys_file == "/etc/kvpool/api_keys"
+        assert settings.api_keys_file == "%d/api_keys"
+    # nothing secret is read from a path the unit's user could be given by another
+    assert not [a for a in argv if a.endswith((".key", "api_keys")) and not a.startswith("%d/")], argv
 
 
 def test_beyond_loopback_without_credentials_a_role_refuses_unless_insecure(tmp_path: Path) -> None:
@@ -113,7 +127,7 @@ def test_kvpool_certs_writes_each_service_its_own_folder(tmp_path: Path) -> None
     # one API key: the router's keys file accepts exactly what the client's folder holds
     keys_file, key_file = folder / "router" / API_KEYS_FILE, folder / "client" / API_KEY_FILE
     assert {stat.S_IMODE(p.stat().st_mode) for p in (keys_file, key_file)} == {0o600}
-    keys = ApiKeys.load([], str(keys_file), environ={})
+    keys = ApiKeys.load(str(keys_file), environ={})
     assert keys.tenant_of(key_file.read_text().strip()) == "default"
     assert keys.tenant_of("not-the-key") is None
     # a second run would replace what a running cluster uses: only with --force, and then all of it
