@@ -39,7 +39,7 @@ from starlette.routing import Route
 from kvpool.core.decode.stop_strings import StopMatcher
 from kvpool.tokenizer import Tokenizer
 from kvpool.services.router import openapi
-from kvpool.services.router.auth import tenant_of
+from kvpool.services.router.auth import authenticated, tenant_of
 from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
 from kvpool.services.router.http_request_id import RequestIdMiddleware, request_id_of
 from kvpool.services.router.json_body import MAX_BODY_BYTES, parse_json
@@ -162,9 +162,14 @@ class HttpApi:
         ]})
 
     async def health(self, request: Request) -> Response:
+        """Whether the cluster serves; its targets and supervisor only to a caller with a key (or on an open API):
+        they name internal addresses."""
         targets = await self.router.health()
         healthy = bool(targets) and all(targets.values())
-        body: dict[str, Any] = {"status": "ok" if healthy else "unhealthy", "targets": targets}
+        body: dict[str, Any] = {"status": "ok" if healthy else "unhealthy"}
+        if not authenticated(request.scope):
+            return JSONResponse(body, status_code=200 if healthy else 503)
+        body["targets"] = targets
         supervision = self.router.supervision()
         if supervision is not None:
             body["supervisor"] = supervision

@@ -51,6 +51,7 @@ KEEP_ALIVE_S = 5.0  # an idle connection between two requests is closed after th
 LINGER_S = 2.0
 PIPELINED_BYTES = 65536  # what a client may send ahead of its response before reading it pauses
 DISCONNECT: Message = {"type": "http.disconnect"}
+AUTHENTICATED_EXTENSION = "kvpool.connection_authenticated"  # scope["extensions"]: call on a valid API key
 
 
 class HttpServer:
@@ -62,7 +63,7 @@ class HttpServer:
         self.limits = limits
         self.keep_alive_s = keep_alive_s
         self._server: asyncio.Server | None = None
-        self._connections: set[_Connection] = set()
+        self._connections: dict[int, _Connection] = {}  # by ConnectionLimits' id
         self._stopping = False
 
     async def start(self, sock: socket.socket) -> None:
@@ -74,9 +75,9 @@ class HttpServer:
         self._stopping = True
         if self._server is not None:
             self._server.close()
-        for connection in list(self._connections):
+        for connection in list(self._connections.values()):
             connection.shutdown()
-        tasks = {connection.task for connection in self._connections if connection.task is not None}
+        tasks = {connection.task for connection in self._connections.values() if connection.task is not None}
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=grace_s)
             for task in pending:
@@ -89,19 +90,21 @@ class HttpServer:
         peer = writer.get_extra_info("peername")
         client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) and len(peer) >= 2 else None
         address = client[0] if client else None
-        refusal = b"" if self._stopping else self.limits.admit(address)
-        if refusal is not None:
+        admission = b"" if self._stopping else self.limits.admit(address)
+        if isinstance(admission, bytes):
             with contextlib.suppress(OSError):
-                writer.write(refusal)
+                writer.write(admission)
             writer.close()
             return
+        if admission.evicted is not None:  # idle: its task awaits a head, and ends at this cancel
+            self._connections[admission.evicted].evict()
         local = writer.get_extra_info("sockname")
         server = (str(local[0]), int(local[1])) if isinstance(local, tuple) and len(local) >= 2 else None
-        connection = _Connection(self, reader, writer, client, server)
-        self._connections.add(connection)
+        connection = _Connection(self, reader, writer, client, server, admission.connection_id)
+        self._connections[connection.connection_id] = connection
         connection.task = asyncio.ensure_future(self._serve(connection))
         # released however the task ends, even cancelled before it ran
-        connection.task.add_done_callback(lambda _: self._closed(connection, address))
+        connection.task.add_done_callback(lambda _: self._closed(connection))
 
     async def _serve(self, connection: _Connection) -> None:
         try:
@@ -109,9 +112,9 @@ class HttpServer:
         except Exception:
             log.exception("http_connection_failed")
 
-    def _closed(self, connection: _Connection, address: str | None) -> None:
-        self._connections.discard(connection)
-        self.limits.release(address)
+    def _closed(self, connection: _Connection) -> None:
+        self._connections.pop(connection.connection_id, None)
+        self.limits.release(connection.connection_id)
         connection.writer.close()
 
 
@@ -119,8 +122,9 @@ class _Connection:
     """One client connection: its h11 state and its requests, one at a time (module doc)."""
 
     def __init__(self, server: HttpServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 client: tuple[str, int] | None, local: tuple[str, int] | None) -> None:
+                 client: tuple[str, int] | None, local: tuple[str, int] | None, connection_id: int) -> None:
         self.server = server
+        self.connection_id = connection_id
         self.reader = reader
         self.writer = writer
         self.client = client
@@ -135,6 +139,16 @@ class _Connection:
         if self.idle and self.task is not None:
             self.task.cancel()
 
+    def evict(self) -> None:
+        """Close this idle connection to make room for another (``ConnectionLimits.admit``)."""
+        self.closing = True
+        if self.task is not None:
+            self.task.cancel()
+
+    def authenticated(self) -> None:
+        """A request on this connection carried a valid API key (the API gate says so)."""
+        self.server.limits.authenticated(self.connection_id)
+
     async def run(self) -> None:
         after_response = False
         while not self.closing:
@@ -142,12 +156,14 @@ class _Connection:
             if request is None:
                 return
             self.idle = False
+            self.server.limits.busy(self.connection_id)
             cycle = _Cycle(self, request)
             try:
                 await cycle.run(self.server.app)
             finally:
                 await cycle.stop_watching()
             self.idle = True
+            self.server.limits.idle(self.connection_id)
             if cycle.disconnected or self.h11.our_state is not h11.DONE:
                 if not cycle.disconnected and self.h11.their_state is h11.SEND_BODY:
                     await self._answer_and_close(b"")  # answered before its body came: let it read the answer
@@ -221,6 +237,8 @@ class _Cycle:
             "client": connection.client, "scheme": "http", "method": request.method.decode("ascii"),
             "root_path": "", "path": unquote(raw_path.decode("ascii")), "raw_path": raw_path, "query_string": query,
             "headers": list(request.headers), "state": {},
+            # the API gate calls it on a valid key: the connection stops counting as unauthenticated
+            "extensions": {AUTHENTICATED_EXTENSION: connection.authenticated},
         }
         self.head_only = request.method == b"HEAD"
         self.body_read = False

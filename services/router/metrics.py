@@ -35,9 +35,12 @@ class RouterMetrics:
         self.http_refused = Counter("kvpool_router_http_refused",
                                     "HTTP connections turned away before the API served them, by reason: "
                                     "connections (--http-max-connections open), client_connections "
-                                    "(--http-max-connections-per-client open from its address), head_timeout, "
+                                    "(--http-max-connections-per-client open from its address without a key), "
+                                    "unauthenticated_connections (3/4 of --http-max-connections open without a "
+                                    "key), evicted (an idle keyless one closed to make room), head_timeout, "
                                     "body_timeout (--http-read-timeout-s)", ["reason"], registry=r)
-        for reason in ("connections", "client_connections", "head_timeout", "body_timeout"):
+        for reason in ("connections", "client_connections", "unauthenticated_connections", "evicted",
+                       "head_timeout", "body_timeout"):
             self.http_refused.labels(reason)
         self.http_connections = Gauge("kvpool_router_http_connections",
                                       "HTTP connections open now (at most --http-max-connections)", registry=r)

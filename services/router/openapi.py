@@ -125,10 +125,11 @@ class ModelList(_Open):
 
 
 class Health(_Open):
-    """``GET /health``: 200 when every target is healthy, else 503 (the same body)."""
+    """``GET /health``: 200 when every target is healthy, else 503 (the same body). ``targets`` and ``supervisor``
+    only with a valid API key, or when the API has no keys."""
 
     status: str
-    targets: dict[str, bool]
+    targets: dict[str, bool] | None = None
     supervisor: dict[str, Any] | None = None
 
 

@@ -1,10 +1,15 @@
-"""The router process: gRPC ``Generate``, the OpenAI-compatible HTTP API (Starlette on http_server), health, metrics."""
+"""The router process: gRPC ``Generate``, the OpenAI-compatible HTTP API (Starlette on http_server), health, metrics.
+
+Both APIs take the same API keys (``auth.KeyRing``); SIGHUP re-reads them, and a file that does not parse keeps
+the keys in force (logged as ``api_keys_reload_failed`` with the reason).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,13 +31,15 @@ from kvpool.request_id import METADATA_KEY, bound_request_id, from_metadata, new
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.status import abort
 from kvpool.tokenizer import ByteTokenizer, load_tokenizer
-from kvpool.services.router.auth import ApiKeys, gate
+from kvpool.services.router.auth import KeyRing, gate
 from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
+from kvpool.services.router.grpc_auth import GrpcGate
 from kvpool.services.router.http_api import HttpApi, Usage
 from kvpool.services.router.http_connections import ConnectionLimits, ensure_open_files
 from kvpool.services.router.http_server import HttpServer
 from kvpool.services.router.json_body import MAX_BODY_BYTES
 from kvpool.services.router.metrics import RouterMetrics
+from kvpool.services.router.open_requests import OpenRequests
 from kvpool.services.router.openai_errors import api_error_of
 from kvpool.services.router.router import Router
 from kvpool.services.router.settings import RouterSettings
@@ -42,12 +49,14 @@ log = structlog.get_logger(__name__)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """gRPC Generate: the same path as the HTTP API, token ids or text in, tokens then usage out."""
+    """gRPC Generate: the same path as the HTTP API, token ids or text in, tokens then usage out; the caller
+    authenticated and bounded by ``gate`` (``grpc_auth``) first."""
 
-    def __init__(self, router: Router, tokenizer: Any, limits: ModelLimits) -> None:
+    def __init__(self, router: Router, tokenizer: Any, limits: ModelLimits, gate: GrpcGate) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.limits = limits
+        self.gate = gate
 
     async def Generate(self, request: router_pb2.GenerateRequest,
                        context: Any) -> AsyncIterator[router_pb2.GenerateResponse]:
@@ -57,11 +66,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         extra = {"client_request_id": client_id} if client_id else {}
         await context.send_initial_metadata(((METADATA_KEY, request_id),))
         with bound_request_id(request_id, **extra):
-            async for response in self._generate(request, context, request_id):
-                yield response
+            async with self.gate.admitted(context) as tenant:
+                async for response in self._generate(request, context, request_id, tenant):
+                    yield response
 
-    async def _generate(self, request: router_pb2.GenerateRequest, context: Any,
-                        request_id: str) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def _generate(self, request: router_pb2.GenerateRequest, context: Any, request_id: str,
+                        tenant: str) -> AsyncIterator[router_pb2.GenerateResponse]:
         try:
             # in a worker thread: a model directory's tokenizer takes seconds over a long prompt
             generation = await asyncio.to_thread(self._validate, request)
@@ -69,6 +79,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await abort(context, exc, "Generate")
             return
         generation.request_id = request_id
+        generation.tenant = tenant
         usage = Usage(prompt_tokens=len(generation.prompt_ids))
         decoder = self.tokenizer.decoder() if request.text else None
         tokens = self.router.generate(generation, usage)
@@ -167,6 +178,16 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
+def _reload_keys(ring: KeyRing) -> None:
+    """SIGHUP: the keys file again. Requests already admitted finish; each new one is checked against the new keys."""
+    try:
+        keys = ring.reload()
+    except (ValueError, OSError) as exc:
+        log.error("api_keys_reload_failed", reason=str(exc), kept_keys=len(ring.keys.tenants))
+        return
+    log.info("api_keys_reloaded", api_keys=len(keys.tenants), tenants=len(set(keys.tenants.values())))
+
+
 def router_of(settings: RouterSettings, metrics: RouterMetrics, limits: ModelLimits | None = None) -> Router:
     """The router's core as its settings configure it (``serve``'s; tests read what a flag set from it)."""
     return Router(settings.pipelines, settings.shards, metrics, affinity_max_queue=settings.affinity_max_queue,
@@ -180,15 +201,17 @@ def router_of(settings: RouterSettings, metrics: RouterMetrics, limits: ModelLim
 
 async def serve(settings: RouterSettings, ready_file: str | None = None) -> None:
     try:
-        keys = ApiKeys.load(settings.api_key, settings.api_keys_file)
+        ring = KeyRing.load(settings.api_keys_file)
     except ValueError as exc:
         raise SystemExit(f"kvpool router: {exc}") from None
+    keys = ring.keys
+    open_requests = OpenRequests(settings.max_requests_per_key)  # a key's HTTP and gRPC requests together
     config = settings.model_config()
     tokenizer = load_tokenizer(settings.model_dir or None, config.vocab_size)
     limits = ModelLimits(settings.model_name, context=config.max_position_embeddings, vocab_size=config.vocab_size)
     metrics = RouterMetrics()
     router = router_of(settings, metrics, limits)
-    servicer = RouterServicer(router, tokenizer, limits)
+    servicer = RouterServicer(router, tokenizer, limits, GrpcGate(ring, open_requests))
     handle = await service.create_server(
         settings.host, settings.port, lambda s: router_pb2_grpc.add_RouterServicer_to_server(servicer, s),
         service_names=["kvpool.rpc.Router"], inbound_request_ids=False, reuse_port=settings.reuse_port,
@@ -206,16 +229,18 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
                   read_timeout_s=settings.http_read_timeout_s, refused=refused)
     sock = _bind(settings.host, settings.http_port, settings.reuse_port)
     # origins, API keys, tenants and their request rates (auth.py)
-    app = gate(api.app(), keys, settings.cors_origins, settings.tenant_rate, settings.tenant_burst)
+    app = gate(api.app(), ring, settings.cors_origins, settings.tenant_rate, settings.tenant_burst, open_requests)
     # stopped in the finally below, once the process's signal handlers set ``stop``
-    http = HttpServer(app, ConnectionLimits(settings.http_read_timeout_s, settings.http_max_connections,
-                                            settings.http_max_connections_per_client, refused,
-                                            metrics.http_connections.set))
+    http = HttpServer(app, ConnectionLimits(
+        read_timeout_s=settings.http_read_timeout_s, max_connections=settings.http_max_connections,
+        max_per_client=settings.http_max_connections_per_client, make_room=bool(keys), refused=refused,
+        open_now=metrics.http_connections.set))
     ensure_open_files(settings.http_max_connections)
     await http.start(sock)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     stop = asyncio.Event()
     service.install_stop_signals(stop)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_keys, ring)
     health = asyncio.create_task(router.health_forever(settings.health_interval_s))
     try:
         await router.check_health()

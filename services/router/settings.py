@@ -10,6 +10,9 @@ from kvpool.core.setting import setting
 from kvpool.model.config import CONFIGS
 from kvpool.model.model_setting import ModelSetting
 
+COMMAND_LINE_KEY = ("keys on a command line are readable by every local user through /proc/PID/cmdline; use "
+                    "--api-keys-file PATH (lines KEY or TENANT=KEY) or KVPOOL_API_KEY")
+
 
 @dataclass(slots=True)
 class RouterSettings(ModelSetting):
@@ -33,11 +36,16 @@ class RouterSettings(ModelSetting):
     affinity_max_queue: int = setting(
         4, help="a session stays on its pipeline while fewer than this many requests are in flight there"
     )
+    # a flag only to refuse it by name (unknown, argparse would take it for --api-keys-file)
     api_key: list[str] = setting(
-        help="API keys clients send as 'Authorization: Bearer KEY', each KEY or TENANT=KEY (also KVPOOL_API_KEY); "
-        "none and no keys file: the API is open", factory=list, metavar="KEY,...", default_text="none")
-    api_keys_file: str = setting("", help="a file of API keys, one KEY or TENANT=KEY a line", metavar="FILE",
-                                 default_text="none")
+        help=f"refused: {COMMAND_LINE_KEY}", factory=list, metavar="KEY,...", default_text="none")
+    api_keys_file: str = setting(
+        "", help="a file of the API keys clients send as 'Authorization: Bearer KEY' (HTTP) or gRPC metadata "
+        "'authorization: Bearer KEY', one KEY or TENANT=KEY a line; re-read on SIGHUP. Also KVPOOL_API_KEY; "
+        "neither: the API is open", metavar="FILE", default_text="none")
+    max_requests_per_key: int = setting(
+        64, help="requests one API key may have open at once, over HTTP and gRPC together; one more is answered "
+        "429 (HTTP) or RESOURCE_EXHAUSTED (gRPC)")
     tenant_rate: float = setting(0.0, help="requests a second each tenant (API key's) may start; 0: no limit")
     tenant_burst: int = setting(8, help="requests a tenant may start at once within its rate")
     cors_origins: list[str] = setting(
@@ -50,8 +58,11 @@ class RouterSettings(ModelSetting):
     http_max_connections: int = setting(4096, help="HTTP connections open at once at most; one more is answered "
                                         "429 and closed at once")
     http_max_connections_per_client: int = setting(
-        0, help="HTTP connections one client address may hold open at once; one more is answered 429 and "
-        "closed at once. 0: no such bound (behind a proxy every client has the proxy's address)")
+        64, help="HTTP connections one client address may hold open before one of its requests carries a valid "
+        "API key (without keys: all its connections). With keys, one more closes that address's oldest idle "
+        "keyless connection to make room, and unauthenticated connections hold at most 3/4 of "
+        "--http-max-connections; else, or when none is idle, 429 and closed at once. 0: no such bound (behind a "
+        "proxy every client has the proxy's address)")
     grpc_max_concurrent_rpcs: int = setting(
         4096, help="calls open at once on the gRPC port at most (streams included); one more is answered "
         "RESOURCE_EXHAUSTED at once, so a flood of held streams cannot grow the router without bound")
@@ -106,6 +117,10 @@ class RouterSettings(ModelSetting):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, [a for a in value.split(",") if a])
+        if self.api_key:
+            raise ValueError(f"api_key: {COMMAND_LINE_KEY}")
+        if self.max_requests_per_key < 1:
+            raise ValueError(f"max_requests_per_key: must be >= 1, got {self.max_requests_per_key}")
         for name in ("port", "http_port", "admin_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: {getattr(self, name)} is not a TCP port")
