@@ -1,4 +1,8 @@
-"""``kvpool generate`` (one prompt over gRPC) and ``kvpool chat`` (an interactive session over HTTP)."""
+"""``kvpool generate`` (one prompt over gRPC) and ``kvpool chat`` (an interactive session over HTTP).
+
+Both send the key of ``KVPOOL_API_KEY`` when it is set: as gRPC metadata ``authorization: Bearer KEY``, or the
+HTTP header of that name.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import httpx
 
 from kvpool import service
 from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.tools.api_key import auth_headers
+from kvpool.tools.api_key import auth_headers, client_key
 from kvpool.tools.sse import StreamError, stream_events
 
 
@@ -23,7 +27,7 @@ async def generate(router: str, prompt: str, max_tokens: int, temperature: float
         request = router_pb2.GenerateRequest(text=prompt, session_key=session, sampling=router_pb2.SamplingParams(
             temperature=temperature, max_tokens=max_tokens))
         try:
-            async for response in stub.Generate(request, timeout=600):
+            async for response in stub.Generate(request, timeout=600, metadata=grpc_auth_metadata()):
                 if response.HasField("usage"):
                     u = response.usage
                     print(f"\n[{u.prompt_tokens} prompt tokens: device {u.device_tokens}, pool {u.pool_tokens}, "
@@ -35,6 +39,12 @@ async def generate(router: str, prompt: str, max_tokens: int, temperature: float
             print(f"\nkvpool generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     return 0
+
+
+def grpc_auth_metadata() -> tuple[tuple[str, str], ...]:
+    """The router's gRPC metadata for the key of ``KVPOOL_API_KEY`` (``services/router/grpc_auth``); none without."""
+    key = client_key()
+    return (("authorization", f"Bearer {key}"),) if key else ()
 
 
 def chat(url: str, max_tokens: int, temperature: float) -> int:

@@ -37,6 +37,7 @@ import grpc
 from kvpool import service
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.rpc_trace import REQUEST_ID_KEY, TRACE_ENV, critical_path
+from kvpool.tools.clients import grpc_auth_metadata
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
 
@@ -55,7 +56,7 @@ async def _burst(address: str, num_requests: int, prompt_tokens: int, max_tokens
         request = router_pb2.GenerateRequest(token_ids=[rng.randrange(1, 250) for _ in range(prompt_tokens)],
                                              sampling=router_pb2.SamplingParams(max_tokens=max_tokens))
         started, first_at, tokens, error, finish = time.time(), 0.0, 0, None, ""
-        call = stub.Generate(request, timeout=600)
+        call = stub.Generate(request, timeout=600, metadata=grpc_auth_metadata())
         try:
             async for response in call:
                 if response.HasField("usage"):
