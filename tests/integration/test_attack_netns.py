@@ -3,7 +3,7 @@
 Three network namespaces joined by veths: the cluster's host, with a front
 link (HTTP and gRPC listen there) and a fabric link (the transfer engines
 listen there); an attacker on each link. The cluster is ``kvpool up --secure
---api-key``, run in its namespace. The host drops fabric-address packets that
+--api-keys-file``, run in its namespace. The host drops fabric-address packets that
 arrive on its front interface, as docs/security.md asks of a deployment
 (Linux takes a packet for any of its addresses on any interface), and the
 front attacker routes the fabric through the host anyway. The fabric
@@ -90,10 +90,12 @@ def cluster(net: Net, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     workdir = tmp_path_factory.mktemp("attack")
     config = workdir / "cluster.toml"
     config.write_text("".join(f'[{role}]\ntransfer_host = "{FABRIC}.1"\n' for role in ("store", "prefill", "decode")))
+    keys = workdir / "api_keys"  # keys in a file: none on a command line
+    keys.write_text(f"alice={ALICE}\nbob={BOB}\n")
     proc = subprocess.Popen(
         in_ns(net.cluster, sys.executable, "-m", "kvpool.services.cli", "up", "--host", f"{FRONT}.1", "--stages", "1",
               "--stores", "1", "--segment-size", "32MiB", "--device-cache-tokens", "2048", "--http-port", "0",
-              "--grpc-port", "0", "--secure", "--api-key", f"alice={ALICE},bob={BOB}", "--config", str(config),
+              "--grpc-port", "0", "--secure", "--api-keys-file", str(keys), "--config", str(config),
               "--workdir", str(workdir / "up")),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})

@@ -1,4 +1,4 @@
-"""``kvpool up --secure --api-key``: mutual TLS everywhere, roles gate the control plane (issue 19).
+"""``kvpool up --secure`` with API keys: mutual TLS everywhere, roles gate the control plane (issue 19).
 
 One secure cluster for the module. Its throwaway CA also issues the
 certificates the tests call with, so each role is tried as itself.

@@ -1,4 +1,4 @@
-"""API keys, tenants and bound sockets on a real cluster (issue 19): ``kvpool up --api-key alice=…,bob=…``.
+"""API keys, tenants and bound sockets on a real cluster (issue 19): ``kvpool up`` with keys alice=…,bob=….
 
 The cache must not be an oracle across tenants: bob guessing alice's PIN
 learns nothing through ``cached_tokens``, while alice's own sessions still
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,8 +24,9 @@ import pytest
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.tools.certs import Identity
 from kvpool.tools.cluster import Cluster
-from kvpool.tools.up import UpSettings, up_cluster
+from kvpool.tools.up import UpAccess, UpSettings, up_cluster
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from tests.integration.conftest import wait_for
 from tests.integration.test_bindings import WILDCARDS, host_of, listening
@@ -97,9 +100,7 @@ def test_health_is_open_and_metrics_are_on_the_admin_port_only(cluster: Cluster)
     assert status == 200 and health["status"] == "ok"
     status, _ = call(cluster.http_url, "/metrics", key=ALICE)
     assert status == 404
-    admin = cluster.find("router").ready["admin_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10) as page:
-        assert b"kvpool_router" in page.read()
+    assert b"kvpool_router" in admin_metrics(cluster, "router")
 
 
 def test_another_tenant_learns_nothing_from_cached_tokens(cluster: Cluster) -> None:
@@ -127,9 +128,7 @@ def test_a_cache_salt_separates_requests_of_one_tenant(cluster: Cluster) -> None
 
 def samples(cluster: Cluster, name: str) -> dict[tuple[str, str], float]:
     """A service's Prometheus samples by (name, its tenant or result label or "")."""
-    admin = cluster.find(name).ready["admin_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10) as page:
-        text = page.read().decode()
+    text = admin_metrics(cluster, name).decode()
     return {(s.name, s.labels.get("tenant", s.labels.get("result", s.labels.get("reason", "")))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -146,8 +145,26 @@ def tenants(cluster: Cluster) -> tuple[pool_pb2.StatsResponse, dict[str, pool_pb
     return stats, {t.tenant: t for t in stats.tenants}
 
 
+def operator(cluster: Cluster) -> tuple[Path, Identity]:
+    """The cluster's CA and client certificate: keys imply mutual TLS, so an operator's tools call with them."""
+    assert isinstance(cluster.access, UpAccess) and cluster.access.ca is not None and cluster.access.client
+    return cluster.access.ca.ca_path, cluster.access.client
+
+
+def admin_metrics(cluster: Cluster, name: str) -> bytes:
+    ca, client = operator(cluster)
+    context = ssl.create_default_context(cafile=str(ca))
+    context.load_cert_chain(client.cert, client.key)
+    admin = cluster.find(name).ready["admin_port"]
+    with urllib.request.urlopen(f"https://127.0.0.1:{admin}/metrics", timeout=10, context=context) as page:
+        return page.read()
+
+
 async def master_stats(cluster: Cluster) -> pool_pb2.StatsResponse:
-    async with grpc.aio.insecure_channel(cluster.master_address) as channel:
+    ca, _ = operator(cluster)  # Stats wants the master or store role: the master's certificate, as docs/security.md
+    master = Identity(ca, ca.with_name("master.pem"), ca.with_name("master.key"))
+    creds = grpc.ssl_channel_credentials(ca.read_bytes(), master.key.read_bytes(), master.cert.read_bytes())
+    async with grpc.aio.secure_channel(cluster.master_address, creds) as channel:
         return await pool_pb2_grpc.PoolMasterStub(channel).Stats(pool_pb2.StatsRequest(), timeout=10)
 
 

@@ -93,6 +93,19 @@ def test_a_certs_folder_another_user_made_first_is_refused(shared: Path) -> None
         assert (folder / name).read_bytes() == b"", name
 
 
+def test_up_runs_again_on_its_own_workdir(tmp_path: Path) -> None:
+    workdir = tmp_path / "work"
+    settings = UpSettings(stages=1, stores=0, http_port=0, grpc_port=0, device_cache_tokens=2048,
+                          api_key=[f"alice={ALICE}"], workdir=str(workdir))
+    keys_inodes = []
+    for _ in range(2):  # the second run replaces the first's keys and certificates with new files
+        with up_cluster(settings) as up:
+            assert up.router is not None and up.router.alive
+            keys_inodes.append((workdir / "api_keys").stat().st_ino)
+    assert keys_inodes[0] != keys_inodes[1]
+    assert stat.S_IMODE(workdir.stat().st_mode) == 0o700
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
