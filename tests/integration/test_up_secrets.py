@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from kvpool.tools.cluster import Cluster
-from kvpool.tools.up import UpAccess, UpSettings, up_cluster
+from kvpool.tools.up import UpAccess, UpSettings, backend_healthy, up_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -173,3 +173,9 @@ def test_keys_imply_mutual_tls_every_internal_port_refuses_plaintext(cluster: Cl
         assert asyncio.run(health_check(target, None)) == grpc.StatusCode.UNAVAILABLE, name
         # the same port answers a caller with the cluster's client certificate: it is up, and only TLS
         assert asyncio.run(health_check(target, client)) != grpc.StatusCode.UNAVAILABLE, name
+
+
+def test_up_sees_its_backends_healthy_through_a_keyed_health(cluster: Cluster) -> None:
+    # a rolling restart waits on this; /health names its targets only to a caller with a key
+    for name in ("p0-stage0", "decode0"):
+        assert backend_healthy(cluster, cluster.find(name)), name
