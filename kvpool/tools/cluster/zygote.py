@@ -46,7 +46,8 @@ SWITCH_ENV = "KVPOOL_ZYGOTE"
 # the zygote checks that it still runs one thread)
 TORCH = ("torch", "kvpool.model.stage", "kvpool.model.decode", "kvpool.model.weights", "kvpool.services.cli",
          "kvpool.services.prefill.server", "kvpool.services.decode.server")
-LIGHT = ("kvpool.services.cli", "kvpool.services.master.server", "kvpool.services.router.server", "kvpool.services.store.daemon")
+LIGHT = ("kvpool.services.cli", "kvpool.services.master.server", "kvpool.services.router.server",
+         "kvpool.services.store.daemon")
 _MAX_MESSAGE = 1 << 20
 # a child whose exit status went with its zygote (it outlived the zygote)
 UNKNOWN_EXIT = 255
