@@ -137,6 +137,8 @@ def test_no_key_is_in_any_command_line_and_every_key_is_served(cluster: Cluster)
     # process started plainly shows) hold no key either
     for proc in cluster.services:
         assert not [a for a in proc.args if any(key in a for key in (ALICE, BOB, CAROL))], proc.name
+    for pid in pids:  # nor its environment: $KVPOOL_API_KEY stays with up, the router gets its keys in a file
+        assert CAROL.encode() not in Path(f"/proc/{pid}/environ").read_bytes(), pid
     router = cluster.find("router").args
     keys_file = Path(router[router.index("--api-keys-file") + 1])
     assert keys_file.parent == Path(cluster.workdir or "")
