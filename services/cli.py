@@ -61,9 +61,9 @@ def _secure(args: argparse.Namespace, settings: Any) -> None:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if args.command == "router" and not security.insecure and not tls.is_loopback(settings.host):
-        if not (settings.api_key or settings.api_keys_file or os.environ.get("KVPOOL_API_KEY")):
+        if not (settings.api_keys_file or os.environ.get("KVPOOL_API_KEY")):
             raise SystemExit(f"kvpool router: the HTTP API listens on {settings.host} without API keys: give "
-                             "--api-key or --api-keys-file, or --insecure to serve it open anyway")
+                             "--api-keys-file or KVPOOL_API_KEY, or --insecure to serve it open anyway")
     try:
         tls.configure(security)
     except ValueError as exc:
