@@ -72,6 +72,11 @@ def _secure(args: argparse.Namespace, settings: Any) -> None:
 
 def _run_role(args: argparse.Namespace) -> int:
     role = ROLES[args.command]
+    if getattr(args, "api_key", None):  # the router's: declared only to be refused (a usage error)
+        from kvpool.services.router.settings import COMMAND_LINE_KEY
+
+        print(f"kvpool {args.command}: --api-key is refused: {COMMAND_LINE_KEY}", file=sys.stderr)
+        return 2
     settings = _settings(load_reference(role.settings), args.command, args)
     _secure(args, settings)
     if role.owns_transfer_engine:
@@ -171,7 +176,7 @@ def _run_certs(args: argparse.Namespace) -> int:
                          "--force replaces them")
     identities = write_compose_credentials(folder, tuple(args.host), datetime.timedelta(days=args.days))
     print(f"kvpool certs: a CA and {len(identities)} certificates in {folder}/<service>/, valid {args.days} days; "
-          f"the API key is in {folder}/client/api_key")
+          f"the API key is in {folder}/client/api_key; a metrics scraper uses {folder}/monitor/")
     return 0
 
 

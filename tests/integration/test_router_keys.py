@@ -127,7 +127,7 @@ def test_a_key_on_the_routers_command_line_is_refused_naming_the_file_option() -
     run = subprocess.run([sys.executable, "-m", "kvpool.services.cli", "router", "--api-key", f"alice={ALICE}",
                           "--pipelines", "127.0.0.1:1", "--shards", "127.0.0.1:2"],
                          capture_output=True, text=True, timeout=60)
-    assert run.returncode != 0  # services/cli.py makes it 1 (a settings error) today
+    assert run.returncode == 2
     assert "/proc/PID/cmdline" in run.stderr and "--api-keys-file PATH" in run.stderr
     assert "KVPOOL_API_KEY" in run.stderr and ALICE not in run.stderr
 
