@@ -123,16 +123,20 @@ COMPOSE_IDENTITIES = {
     "master": "master", "store-0": "store/store-0", "store-1": "store/store-1",
     **{f"prefill-{i}": "prefill" for i in range(4)}, "decode-0": "decode", "router": "router", "client": "client",
 }
+MONITOR = "monitor"  # the scraper's role and folder (docs/operations.md, "Scraping the admin ports")
 API_KEYS_FILE = "api_keys"  # in the router's folder: the keys it accepts (deploy/compose/cluster.toml)
 API_KEY_FILE = "api_key"  # in the client's folder: the key to send
 
 
 def write_compose_credentials(folder: Path, hosts: tuple[str, ...] = (),
                               valid_for: datetime.timedelta = VALID_FOR) -> dict[str, Identity]:
-    """A new CA in ``folder`` and one folder per compose service (``folder/<service>/``), plus one API key:
+    """A new CA in ``folder`` and one folder per compose service (``folder/<service>/``) and for a metrics
+    scraper (``folder/monitor/``), plus one API key:
     in the router's folder as its keys file, in the client's as the key to send. Every secret is mode 0600."""
     ca = ThrowawayCA(folder, hosts, valid_for)
     identities = {name: ca.issue_into(common_name, folder / name) for name, common_name in COMPOSE_IDENTITIES.items()}
+    # a Prometheus scraper's, outside compose: it reads every admin port and may call no gRPC method
+    identities[MONITOR] = ca.issue_into(MONITOR, folder / MONITOR)
     api_key = secrets.token_urlsafe(24)
     for path in (folder / "router" / API_KEYS_FILE, folder / "client" / API_KEY_FILE):
         write_secret(path, api_key + "\n")

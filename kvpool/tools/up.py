@@ -225,6 +225,7 @@ class UpAccess:
     insecure: bool = False
     ca: ThrowawayCA | None = None
     client: Identity | None = None  # an operator's tools (role "client"): kvpool generate, pool stats
+    monitor: Identity | None = None  # a metrics scraper's (role "monitor"): the admin ports, nothing else
 
     def __call__(self, name: str, args: list[str], host: str, workdir: Path) -> list[str]:
         extra: list[str] = []
@@ -232,6 +233,7 @@ class UpAccess:
             if self.ca is None:
                 self.ca = ThrowawayCA(workdir / "certs", hosts=(host,))
                 self.client = self.ca.issue("client")
+                self.monitor = self.ca.issue("monitor")
             # the certificate names the role, and a store's segment (it may unmount only its own)
             role = args[0] if args[0] != "store" else f"store/{args[args.index('--segment-id') + 1]}"
             extra += self.ca.issue(role, file_stem=name).flags()
@@ -368,6 +370,10 @@ def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any =
         if isinstance(cluster.access, UpAccess) and cluster.access.client is not None:
             print("kvpool up: mutual TLS; tools use the client certificate: "
                   + " ".join(f"{k}={v}" for k, v in cluster.access.client.env().items()), flush=True)
+            if cluster.access.monitor is not None:
+                monitor = cluster.access.monitor
+                print(f"kvpool up: admin ports serve HTTPS to the monitor certificate: {monitor.cert} "
+                      f"(key {monitor.key}, CA {monitor.ca})", flush=True)
         if demo is not None:
             return int(demo(cluster))
         supervisor = Supervisor(cluster, status_file=status_file, say=lambda line: print(line, flush=True))

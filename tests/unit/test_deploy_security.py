@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from cryptography.x509.oid import NameOID
 
 from kvpool import tls
-from kvpool.tools.certs import API_KEY_FILE, API_KEYS_FILE, COMPOSE_IDENTITIES
+from kvpool.tools.certs import API_KEY_FILE, API_KEYS_FILE, COMPOSE_IDENTITIES, MONITOR
 from kvpool.services import cli, cli_parser
 from kvpool.services.router.auth import ApiKeys
 from tests.unit.test_deploy_files import (
@@ -109,8 +109,9 @@ def test_kvpool_certs_writes_each_service_its_own_folder(tmp_path: Path) -> None
     folder = tmp_path / "tls"
     assert cli.main(["certs", str(folder), "--host", "10.0.0.7", "--days", "3"]) == 0
     ca = x509.load_pem_x509_certificate((folder / "ca.pem").read_bytes())
-    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == sorted(COMPOSE_IDENTITIES)
-    for name, role in COMPOSE_IDENTITIES.items():
+    identities = {**COMPOSE_IDENTITIES, MONITOR: MONITOR}  # every compose service's, and a scraper's
+    assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == sorted(identities)
+    for name, role in identities.items():
         service = folder / name
         assert (service / "ca.pem").read_bytes() == (folder / "ca.pem").read_bytes()
         cert = x509.load_pem_x509_certificate((service / "cert.pem").read_bytes())
