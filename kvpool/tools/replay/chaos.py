@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.secret_files import private_folder
 from kvpool.core.supervision.chaos_spec import SLOW_WINDOW_S, Fault, FaultKind
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.cluster.supervisor import Supervisor
@@ -167,9 +168,8 @@ def back_times(run: ChaosRun, result: ReplayResult) -> dict[str, float]:
 
 
 def workdir_of(base: Path, phase: str) -> Path:
-    path = base / phase
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """A phase's cluster workdir: the cluster's own folder (``Cluster.start`` wants it this user's, 0700)."""
+    return private_folder(base / phase, "workdir")
 
 
 def main_chaos(args: Any, workload: ReplayWorkload, faults: list[Fault], device_cache_tokens: int,
