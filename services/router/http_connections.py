@@ -84,7 +84,8 @@ class ConnectionLimits:
 
     read_timeout_s: float = 30.0
     max_connections: int = 4096
-    max_per_client: int = 64  # 0: no per-address bound
+    # 0: no per-address bound. 256: a benchmark or agent fleet on one host keeps its connections without keys
+    max_per_client: int = 256
     make_room: bool = False  # API keys are configured: evict idle unauthenticated connections past a bound
     refused: Callable[[str], None] = _ignore
     open_now: Callable[[int], None] = _ignore

@@ -48,6 +48,7 @@ App = Callable[[Message, Callable[[], Awaitable[Message]], Callable[[Message], A
 
 READ_BYTES = 65536
 KEEP_ALIVE_S = 5.0  # an idle connection between two requests is closed after this
+LISTEN_BACKLOG = 4096  # connections the kernel queues before the server accepts them (capped at somaxconn)
 LINGER_S = 2.0
 PIPELINED_BYTES = 65536  # what a client may send ahead of its response before reading it pauses
 DISCONNECT: Message = {"type": "http.disconnect"}
@@ -67,7 +68,9 @@ class HttpServer:
         self._stopping = False
 
     async def start(self, sock: socket.socket) -> None:
-        self._server = await asyncio.start_server(self._accept, sock=sock, limit=READ_BYTES)
+        # asyncio listens again with its own backlog (100 unless told): a burst of connections past it waits
+        # for SYN retries (1 s, then 3 s), so the queue is as deep as the kernel allows (somaxconn)
+        self._server = await asyncio.start_server(self._accept, sock=sock, limit=READ_BYTES, backlog=LISTEN_BACKLOG)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting and close idle connections now; requests in flight get ``grace_s`` to finish (their

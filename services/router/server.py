@@ -36,7 +36,7 @@ from kvpool.services.router.generation_request import GenerationRequest, ModelLi
 from kvpool.services.router.grpc_auth import GrpcGate
 from kvpool.services.router.http_api import HttpApi, Usage
 from kvpool.services.router.http_connections import ConnectionLimits, ensure_open_files
-from kvpool.services.router.http_server import HttpServer
+from kvpool.services.router.http_server import LISTEN_BACKLOG, HttpServer
 from kvpool.services.router.json_body import MAX_BODY_BYTES
 from kvpool.services.router.metrics import RouterMetrics
 from kvpool.services.router.open_requests import OpenRequests
@@ -173,7 +173,7 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise OSError(f"http_port: cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 

@@ -58,7 +58,7 @@ class RouterSettings(ModelSetting):
     http_max_connections: int = setting(4096, help="HTTP connections open at once at most; one more is answered "
                                         "429 and closed at once")
     http_max_connections_per_client: int = setting(
-        64, help="HTTP connections one client address may hold open before one of its requests carries a valid "
+        256, help="HTTP connections one client address may hold open before one of its requests carries a valid "
         "API key (without keys: all its connections). With keys, one more closes that address's oldest idle "
         "keyless connection to make room, and unauthenticated connections hold at most 3/4 of "
         "--http-max-connections; else, or when none is idle, 429 and closed at once. 0: no such bound (behind a "

@@ -99,7 +99,8 @@ def test_without_keys_nothing_is_evicted_past_a_bound() -> None:
 
 def test_the_per_address_bound_is_on_by_default() -> None:
     limits = ConnectionLimits()
-    for _ in range(64):
+    assert limits.max_per_client == 256
+    for _ in range(256):
         admitted(limits, "10.0.0.1")
     assert isinstance(limits.admit("10.0.0.1"), bytes)
     assert isinstance(limits.admit("10.0.0.2"), Admitted)
