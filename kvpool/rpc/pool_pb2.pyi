@@ -21,7 +21,7 @@ PUT_STATUS_NO_SPACE: PutStatus
 PUT_STATUS_GROUP_FAILED: PutStatus
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("segment_id", "endpoint", "host", "base_address", "size", "numa_node", "records")
+    __slots__ = ("segment_id", "endpoint", "host", "base_address", "size", "numa_node", "records", "shared_memory")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class MountSegmentRequest(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     endpoint: str
     host: str
@@ -36,7 +37,30 @@ class MountSegmentRequest(_message.Message):
     size: int
     numa_node: int
     records: _containers.RepeatedCompositeFieldContainer[ObjectRecord]
-    def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., host: _Optional[str] = ..., base_address: _Optional[int] = ..., size: _Optional[int] = ..., numa_node: _Optional[int] = ..., records: _Optional[_Iterable[_Union[ObjectRecord, _Mapping]]] = ...) -> None: ...
+    shared_memory: SharedMemory
+    def __init__(self, segment_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., host: _Optional[str] = ..., base_address: _Optional[int] = ..., size: _Optional[int] = ..., numa_node: _Optional[int] = ..., records: _Optional[_Iterable[_Union[ObjectRecord, _Mapping]]] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ...) -> None: ...
+
+class SharedMemory(_message.Message):
+    __slots__ = ("socket_path", "name", "token")
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    socket_path: str
+    name: str
+    token: str
+    def __init__(self, socket_path: _Optional[str] = ..., name: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class SegmentAccess(_message.Message):
+    __slots__ = ("segment_id", "host", "base_address", "shared_memory")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    segment_id: str
+    host: str
+    base_address: int
+    shared_memory: SharedMemory
+    def __init__(self, segment_id: _Optional[str] = ..., host: _Optional[str] = ..., base_address: _Optional[int] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
     __slots__ = ("master_incarnation", "heartbeat_interval_s", "rejected_keys", "sequence", "num_adopted")
@@ -153,10 +177,12 @@ class PutStartResult(_message.Message):
     def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., location: _Optional[_Union[Location, _Mapping]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "segments")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[PutStartResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ...) -> None: ...
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentAccess]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ...) -> None: ...
 
 class PutCommit(_message.Message):
     __slots__ = ("key", "checksum")
@@ -217,16 +243,18 @@ class GroupLocation(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[ObjectLocation, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_complete", "groups", "lease_id", "lease_ms")
+    __slots__ = ("num_complete", "groups", "lease_id", "lease_ms", "segments")
     NUM_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     num_complete: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupLocation]
     lease_id: int
     lease_ms: int
-    def __init__(self, num_complete: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentAccess]
+    def __init__(self, num_complete: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "corrupt_group_ids")

@@ -15,8 +15,10 @@ from kvpool.core.pool.records import (
     ObjectRecord,
     PutRequestItem,
     PutStatus,
+    Segment,
     SegmentChange,
 )
+from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.status import status_errors
 from kvpool.services.master.metrics import MasterMetrics
@@ -94,6 +96,16 @@ def check_batch(count: int, field_name: str) -> None:
         raise InvalidArgument(f"{field_name}: {count} entries is more than {MAX_BATCH} in one call")
 
 
+def add_accesses(field: Any, segments: Iterable[Segment]) -> None:
+    """How a client reaches each segment a response's locations name: its host, base and shared memory."""
+    for segment in segments:
+        access = field.add(segment_id=segment.segment_id, host=segment.host, base_address=segment.base_address)
+        if segment.shared is not None:
+            shared = access.shared_memory
+            shared.socket_path, shared.name, shared.token = (
+                segment.shared.socket_path, segment.shared.name, segment.shared.token)
+
+
 class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     """Thin shell over :class:`PoolIndex`; every call runs on the event loop, so the index needs no lock."""
 
@@ -119,9 +131,14 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             check_record(i, r)
             tenant = check_tenant(r.tenant, f"records[{i}].tenant")
             records.append(ObjectRecord(r.key, r.group_id, r.group_size, r.offset, r.size, r.checksum, tenant))
+        shared = None
+        if request.HasField("shared_memory"):
+            m = request.shared_memory
+            shared = SharedMemoryRef(m.socket_path, m.name, m.token)
+            shared.check("shared_memory")
         result = self.index.mount_segment(
             request.segment_id, request.endpoint, request.host, request.base_address, request.size, request.numa_node,
-            records,
+            records, shared,
         )
         log.info(
             "segment_mounted" if result.fresh else "segment_remounted",
@@ -130,6 +147,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             host=request.host,
             size=request.size,
             numa_node=request.numa_node,
+            shared_memory=shared.socket_path if shared is not None else None,
             reported=len(records),
             adopted=result.adopted,
             rejected=len(result.rejected_keys),
@@ -181,6 +199,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             )
         response = pool_pb2.PutStartResponse()
         add = response.results.add
+        named: dict[str, Segment] = {}
         for outcome, item in zip(outcomes, items):
             segment = outcome.segment
             if segment is None:
@@ -192,6 +211,8 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             location.endpoint = segment.endpoint
             location.address = segment.base_address + outcome.offset
             location.size = item.size
+            named[segment.segment_id] = segment
+        add_accesses(response.segments, named.values())
         return response
 
     @status_errors
@@ -227,16 +248,18 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             num_complete=len(result.groups), lease_id=result.lease_id, lease_ms=round(result.lease_s * 1000)
         )
         segments = self.index.segments
+        named: dict[str, Segment] = {}
         add_group = response.groups.add
         for group in result.groups:
             add_member = add_group(group_id=group.group_id).members.add
             for obj in group.members.values():
-                segment = segments[obj.segment_id]
+                segment = named[obj.segment_id] = segments[obj.segment_id]
                 location = add_member(key=obj.key, checksum=obj.checksum).location
                 location.segment_id = obj.segment_id
                 location.endpoint = segment.endpoint
                 location.address = segment.base_address + obj.offset
                 location.size = obj.size
+        add_accesses(response.segments, named.values())
         self.metrics.observe_lookup(len(group_ids), len(result.groups))
         return response
 

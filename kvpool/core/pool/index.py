@@ -41,6 +41,7 @@ from kvpool.core.pool.corrupt import condemn, droppable
 from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.leases import LeaseTable
+from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.pool.puts import PutTable
 from kvpool.core.pool.records import (
     Group,
@@ -215,9 +216,10 @@ class PoolIndex:
         size: int,
         numa_node: int = -1,
         records: Sequence[ObjectRecord] = (),
+        shared: SharedMemoryRef | None = None,
     ) -> MountResult:
         """See :meth:`SegmentTable.mount`."""
-        return self.segment_table.mount(segment_id, endpoint, host, base_address, size, numa_node, records)
+        return self.segment_table.mount(segment_id, endpoint, host, base_address, size, numa_node, records, shared)
 
     def unmount_segment(self, segment_id: str) -> int:
         """Drop a segment and every group with a member in it; returns objects dropped."""

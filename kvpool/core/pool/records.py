@@ -6,6 +6,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvpool.core.pool.paths import SegmentAccess, SharedMemoryRef
 from kvpool.core.pool.allocator import SegmentAllocator
 from kvpool.core.chunk_hash import DEFAULT_TENANT
 
@@ -115,6 +116,11 @@ class Segment:
     last_heartbeat: float
     keys: set[str] = field(default_factory=set)
     journal: SegmentJournal = field(default_factory=SegmentJournal)
+    shared: SharedMemoryRef | None = None  # mapped by clients on ``host`` (kvpool.core.pool.paths)
+
+    @property
+    def access(self) -> SegmentAccess:
+        return SegmentAccess(self.segment_id, self.host, self.base_address, self.shared)
 
 
 @dataclass(slots=True)

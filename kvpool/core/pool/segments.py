@@ -22,6 +22,7 @@ from typing import Protocol
 
 from kvpool.core.errors import NotFound
 from kvpool.core.pool.eviction import GroupFailures
+from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.pool.records import (
     Group,
     IndexCounters,
@@ -105,11 +106,12 @@ class SegmentTable:
         size: int,
         numa_node: int = -1,
         records: Sequence[ObjectRecord] = (),
+        shared: SharedMemoryRef | None = None,
     ) -> MountResult:
         """Add a segment with the objects its store reports (a block report).
 
-        A segment id that comes back with another address, size or endpoint is
-        a restarted store: its old objects are gone, so they are dropped first
+        A segment id that comes back with another address, size, endpoint or
+        shared memory (a new token: new memory) is a restarted store: its old objects are gone, so they are dropped first
         and only what the new segment reports counts. This exact segment
         mounted again (a retried mount) keeps what the index holds: reported
         records it does not hold are rejected, and its journal is rebuilt to
@@ -117,7 +119,8 @@ class SegmentTable:
         """
         existing = self.segments.get(segment_id)
         if existing is not None:
-            if (existing.endpoint, existing.base_address, existing.size) == (endpoint, base_address, size):
+            if (existing.endpoint, existing.base_address, existing.size, existing.shared) == (
+                    endpoint, base_address, size, shared):
                 existing.last_heartbeat = self.clock()
                 return self._resync(existing, records)
             self.unmount(segment_id)
@@ -134,6 +137,7 @@ class SegmentTable:
             size=size,
             allocator=allocator,
             last_heartbeat=self.clock(),
+            shared=shared,
         )
         self.capacity += size
         self.used_bytes += allocator.used_bytes
