@@ -52,6 +52,14 @@ ANSWER_TIMEOUT_S = 5.0  # an owner that does not answer a MAP within this is una
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
+def default_shared_memory_dir() -> str:
+    """The folder of a host's shared-memory sockets when no setting names one: the user's runtime folder
+    (``$XDG_RUNTIME_DIR``, 0700 by systemd-logind) or ``/tmp/kvpool-UID``; short, because a socket's path
+    holds at most 107 bytes."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    return f"{runtime}/kvpool" if runtime.startswith("/") else f"/tmp/kvpool-{os.geteuid()}"
+
+
 class SharedMemoryUnavailable(Exception):
     """A segment could not be mapped (no such socket, refused, owner gone); the message says why."""
 
@@ -340,6 +348,7 @@ class SegmentMaps:
     def __init__(self) -> None:
         self._cached: dict[tuple[str, str], MappedSegment] = {}
         self._watchers: dict[MappedSegment, asyncio.Task] = {}
+        self._owners: dict[MappedSegment, socket.socket] = {}  # each mapping's connection to its owner
         self._live: list[MappedSegment] = []
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
@@ -357,7 +366,11 @@ class SegmentMaps:
         async with self._locks.setdefault(key, asyncio.Lock()):
             cached = self._cached.get(key)
             if cached is not None and cached.token == token and not cached.forgotten:
-                return cached
+                if self._owner_alive(cached):
+                    return cached
+                # the owner died a moment ago and the watcher has not seen it yet: its memory is no store's now
+                log.info("shared_memory_owner_gone", socket_path=cached.socket_path, segment=cached.segment_name)
+                self._forget(cached)
             mapped, conn = await self._connect_and_map(key[0], segment_name, token)
             if cached is not None:  # the owner restarted: its old memory is not what the caller is after
                 self._forget(cached)
@@ -368,6 +381,7 @@ class SegmentMaps:
             # that reuses the fd number keeps its own reader
             watcher.add_done_callback(lambda _: conn.close())
             self._watchers[mapped] = watcher
+            self._owners[mapped] = conn
             return mapped
 
     def forget(self, socket_path: str) -> None:
@@ -386,10 +400,25 @@ class SegmentMaps:
         key = (mapped.socket_path, mapped.segment_name)
         if self._cached.get(key) is mapped:
             del self._cached[key]
+        self._owners.pop(mapped, None)
         task = self._watchers.pop(mapped, None)
         if task is not None and task is not asyncio.current_task():
             task.cancel()  # its done callback closes the connection
         mapped.forget()
+
+    def _owner_alive(self, mapped: MappedSegment) -> bool:
+        """Whether the owner's end of the connection is still open, asked now (the owner never writes, so
+        anything but "nothing to read yet" means it is gone)."""
+        conn = self._owners.get(mapped)
+        if conn is None:
+            return False
+        try:
+            conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False
 
     async def _watch(self, mapped: MappedSegment, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
