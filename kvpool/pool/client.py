@@ -1,10 +1,12 @@
 """Async pool client: batch put from registered memory, batch read into it.
 
-Bytes move only with the transfer engine, straight between the caller's
-registered buffers and store DRAM (no copies in between): one batch transfer
-per store segment per call, the segments in parallel, each object of a read
-verified as it lands (``kvpool.pool.endpoint_batches``). The master only sees
-control messages. Pool conditions (full, unreachable, evicted, corrupted)
+Bytes move by one of two paths, which the core picks per segment from the host the segment declares
+(``kvpool.core.pool.paths.byte_path``): a segment on this client's host that offers shared memory is
+mapped and copied (``kvpool.pool.memory_moves``); any other goes through the transfer engine,
+straight between the caller's registered buffers and store DRAM: one batch transfer per store
+segment per call, the segments in parallel (``kvpool.pool.endpoint_batches``). Either way each object
+of a read is verified as it lands, and ``bytes_by_path`` counts what each path moved. The master only
+sees control messages. Pool conditions (full, unreachable, evicted, corrupted, a store's memory gone)
 never raise: a put reports NOT_STORED, a read reports a miss.
 """
 
@@ -12,13 +14,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import structlog
 
 from kvpool import service
 from kvpool.core.pool.master_breaker import MasterBreaker
+from kvpool.core.pool.paths import BytePath, SegmentAccess, SharedMemoryRef, byte_path
 from kvpool.pool.endpoint_batches import move_by_endpoint
+from kvpool.pool.memory_moves import MemoryMove, move_by_memory
 from kvpool.pool.objects import (
     GroupLocation,
     LookupResult,
@@ -29,6 +34,7 @@ from kvpool.pool.objects import (
     checksums,
 )
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from kvpool.shared_memory import SegmentMaps
 from kvpool.transfer import Move, TransferEngine, local_host_name
 
 log = structlog.get_logger(__name__)
@@ -59,10 +65,16 @@ INLINE_CHECKSUM_BYTES = 1 << 20
 class PoolClient:
     """Talks to one pool master and moves bytes with one transfer engine."""
 
-    def __init__(self, master: str, engine: TransferEngine, host_name: str | None = None) -> None:
+    def __init__(self, master: str, engine: TransferEngine, host_name: str | None = None,
+                 engine_only: bool = False) -> None:
         self.master = master
         self.engine = engine
         self.host_name = host_name or local_host_name()
+        self.engine_only = engine_only  # every byte by the engine, for comparison
+        self.maps = SegmentMaps()  # same-host segments, mapped on first use
+        self.accesses: dict[str, SegmentAccess] = {}  # by segment id, as the master's last answers said
+        self.bytes_by_path: dict[tuple[str, str], int] = {
+            (path.value, direction): 0 for path in BytePath for direction in ("read", "write")}
         options = [o for o in service.GRPC_OPTIONS if o[0] != "grpc.max_reconnect_backoff_ms"]
         options.append(("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS))
         self._channel = service.channel(master, options)
@@ -77,6 +89,50 @@ class PoolClient:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
         await self._channel.close()
+        await self.maps.close()
+
+    # ---- the path of each move -------------------------------------------
+
+    def _learn(self, segments: Sequence[pool_pb2.SegmentAccess]) -> None:
+        """Keep how each named segment is reached, as the master's answer says now."""
+        for s in segments:
+            shared = None
+            if s.HasField("shared_memory"):
+                m = s.shared_memory
+                shared = SharedMemoryRef(m.socket_path, m.name, m.token)
+            self.accesses[s.segment_id] = SegmentAccess(s.segment_id, s.host, s.base_address, shared)
+
+    def _path(self, segment_id: str) -> BytePath:
+        return byte_path(self.accesses.get(segment_id), self.host_name, self.engine_only)
+
+    async def _move(self, moves: list[tuple[str, Move]], write: bool,
+                    expected: list[int] | None = None) -> list[Any]:
+        """Each (segment id, move) by its segment's path, both paths at once; per move what the path says."""
+        memory: list[int] = []
+        engine: list[int] = []
+        for i, (segment_id, _) in enumerate(moves):
+            (memory if self._path(segment_id) is BytePath.MEMORY else engine).append(i)
+
+        def want(indices: list[int]) -> list[int] | None:
+            return None if expected is None else [expected[i] for i in indices]
+
+        by_memory = move_by_memory(
+            self.maps, self.accesses,
+            [MemoryMove(moves[i][0], moves[i][1].local, moves[i][1].remote, moves[i][1].size) for i in memory],
+            write, want(memory))
+        engine_moves = [moves[i][1] for i in engine]
+        engine_expected = want(engine)
+        by_engine = (move_by_endpoint(self.engine, engine_moves, write) if engine_expected is None
+                     else move_by_endpoint(self.engine, engine_moves, write, engine_expected))
+        memory_done, engine_done = await asyncio.gather(by_memory, by_engine)
+        result: list[Any] = [None] * len(moves)
+        direction = "write" if write else "read"
+        for path, indices, done in ((BytePath.MEMORY, memory, memory_done), (BytePath.ENGINE, engine, engine_done)):
+            for i, outcome in zip(indices, done):
+                result[i] = outcome
+                if outcome is True or outcome is ReadStatus.VERIFIED:
+                    self.bytes_by_path[(path.value, direction)] += moves[i][1].size
+        return result
 
     # ---- the master's reachability ----------------------------------------
 
@@ -167,17 +223,18 @@ class PoolClient:
             self.breaker.abandoned()
             raise
         self._outcome(None)
+        self._learn(started.segments)
         reserved: list[int] = []
-        moves: list[Move] = []
+        moves: list[tuple[str, Move]] = []
         for i, (obj, result) in enumerate(zip(objects, started.results)):
             status = result.status
             if status == _RESERVED:
                 location = result.location
                 reserved.append(i)
-                moves.append(Move(location.endpoint, obj.address, location.address, obj.size))
+                moves.append((location.segment_id, Move(location.endpoint, obj.address, location.address, obj.size)))
             elif status == _ALREADY_EXISTS:
                 results[i] = PutResult.EXISTS
-        written = await move_by_endpoint(self.engine, moves, write=True)
+        written = await self._move(moves, write=True)
         sums_done = sums if isinstance(sums, list) else await sums
         ok = [i for i, good in zip(reserved, written) if good]
         failed = [objects[i].key for i, good in zip(reserved, written) if not good]
@@ -231,12 +288,14 @@ class PoolClient:
         except asyncio.CancelledError:
             self.breaker.abandoned()
             raise
+        self._learn(response.segments)
         groups = []
         for g in response.groups:
             members = {}
             for m in g.members:
                 key, location = m.key, m.location
-                members[key] = ObjectLocation(key, location.endpoint, location.address, location.size, m.checksum)
+                members[key] = ObjectLocation(key, location.endpoint, location.address, location.size, m.checksum,
+                                              location.segment_id)
             groups.append(GroupLocation(g.group_id, members))
         return LookupResult(groups, response.lease_id, response.lease_ms)
 
@@ -249,12 +308,9 @@ class PoolClient:
         verified, arrived corrupt, or was not read."""
         for i, (loc, address) in enumerate(items):
             self._check_registered(address, loc.size, f"items[{i}]")
-        statuses = await move_by_endpoint(
-            self.engine,
-            [Move(loc.endpoint, address, loc.address, loc.size) for loc, address in items],
-            write=False,
-            expected=[loc.checksum for loc, _ in items],
-        )
+        statuses = await self._move([(loc.segment_id, Move(loc.endpoint, address, loc.address, loc.size))
+                                     for loc, address in items], write=False,
+                                    expected=[loc.checksum for loc, _ in items])
         bad = [loc.key for status, (loc, _) in zip(statuses, items) if status is not ReadStatus.VERIFIED]
         if bad:
             corrupt = sum(s is ReadStatus.CORRUPT for s in statuses)

@@ -45,6 +45,7 @@ class ObjectLocation:
     address: int
     size: int
     checksum: int
+    segment_id: str = ""  # how the client reaches it: the lookup's SegmentAccess of this segment
 
 
 @dataclass(slots=True, frozen=True)
