@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -11,6 +12,10 @@ from prometheus_client.registry import Collector
 from kvpool.core.prefill.queue import PrefillQueue
 from kvpool.core.tenancy.tenants import TenantLabels
 from kvpool.services.prefill.stage0.prefill_result import PrefillFigures
+
+
+class PoolClientFigures(Protocol):
+    bytes_by_path: dict[tuple[str, str], int]
 
 # Prometheus convention: base units, seconds
 _SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
@@ -113,3 +118,18 @@ class GatePopsCollector(Collector):
         pops.add_metric(["budget"], self.queue.num_budget_pops)
         pops.add_metric(["backlog"], self.queue.num_backlog_pops)
         yield pops
+
+
+class PoolPathCollector(Collector):
+    """``kvpool_prefill_pool_bytes_total{path,direction}``: the bytes this stage's pool client moved by each path
+    (``memory``: a copy with a store on this host; ``engine``: the transfer engine), read and written."""
+
+    def __init__(self, pool: PoolClientFigures) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("kvpool_prefill_pool_bytes", "Bytes the pool client moved, by path and direction",
+                                     labels=["path", "direction"])
+        for (path, direction), nbytes in sorted(self.pool.bytes_by_path.items()):
+            family.add_metric([path, direction], nbytes)
+        yield family

@@ -16,7 +16,7 @@ from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.transfer import TransferEngine
 from kvpool.services.prefill.stage0.health_servicer import PipelineHealthServicer
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
-from kvpool.services.prefill.metrics import PrefillMetrics
+from kvpool.services.prefill.metrics import PoolPathCollector, PrefillMetrics
 from kvpool.services.prefill.stage0.prefill_servicer import PrefillServicer
 from kvpool.services.prefill.stage0.scheduler import PrefillScheduler
 from kvpool.services.prefill.stage0.stage_clients import StageClient
@@ -61,8 +61,10 @@ async def wait_for_stages(settings: PrefillSettings, namespace: str, stop: async
 async def serve(settings: PrefillSettings, ready_file: str | None = None) -> None:
     refuse_unless_fits(f"prefill stage {settings.stage}", settings.memory())
     engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
-    pool = PoolClient(settings.master, engine) if settings.master else None
+    pool = PoolClient(settings.master, engine, engine_only=settings.pool_path == "engine") if settings.master else None
     metrics = PrefillMetrics()
+    if pool is not None:
+        metrics.registry.register(PoolPathCollector(pool))
     runner = StageRunner(settings, engine, pool, metrics)
     link = ActivationLink(runner, settings.next_address)
     handoff_metrics = HandoffMetrics(metrics.registry)

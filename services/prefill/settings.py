@@ -24,6 +24,9 @@ class PrefillSettings(ModelSetting):
     admin_port: int = setting(-1, help="Prometheus port (0 picks a free one)", default_text="9700 + stage")
     # "" runs without a pool (device cache only); --no-pool says so on the command line
     master: str = setting("127.0.0.1:7601", help="pool master address")
+    pool_path: str = setting("auto", help="how pool bytes move: auto (shared memory with a store on this host, "
+                             "else the transfer engine) or engine (the engine everywhere, for comparison)",
+                             choices=("auto", "engine"))
     model: str = setting("tiny", help="model config", choices=tuple(CONFIGS))
     model_dir: str = setting("", help="serve a Hugging Face DeepSeek-V3-architecture directory (config.json, "
                              "safetensors weights, tokenizer, chat template); overrides --model", metavar="DIR",

@@ -2,8 +2,11 @@
 
 Start-up order matters: pin the process to its node and set the memory
 policy, then map the segment and fault its pages in (so they land on that
-node), then register it with the transfer engine, then mount it on the
-master. The daemon keeps heart-beating; when the master answers that it does
+node), then register it with the transfer engine, then offer it as shared
+memory to pool clients on this host (``--shared-memory``: a sealed memfd,
+handed over a Unix socket in a 0700 folder to peers of this user only,
+``kvpool.shared_memory``), then mount it on the master, naming where it is
+mapped. The daemon keeps heart-beating; when the master answers that it does
 not know the segment (it restarted), the daemon mounts it again.
 
 Each heartbeat response carries the changes to the objects committed in this
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import structlog
@@ -25,7 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kvpool.host_memory import refuse_unless_fits
 from kvpool import service
 from kvpool.transfer import HostBuffer, TransferEngine, local_host_name
+from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.pool.records import ObjectRecord
+from kvpool.shared_memory import SegmentShare, SharedSegment
 from kvpool.services.store import numa
 from kvpool.services.store.master_client import MasterClient, SegmentMount
 from kvpool.services.store.records import SegmentRecords
@@ -67,13 +73,14 @@ class Store:
 
     settings: StoreSettings
     engine: TransferEngine
-    segment: HostBuffer
+    segment: HostBuffer | SharedSegment
     master: MasterClient
     metrics: StoreMetrics
     host_name: str = field(default_factory=local_host_name)
     incarnation: str = ""
     heartbeat_interval_s: float = 0.0
     records: SegmentRecords = field(default_factory=SegmentRecords)
+    shared: SharedMemoryRef | None = None  # where clients on this host map the segment
 
     async def mount(self) -> None:
         report, unverified = await asyncio.to_thread(self._verified_records)
@@ -82,7 +89,7 @@ class Store:
             log.warning("records_unverified", count=len(unverified), first_key=unverified[0])
         response = await self.master.mount(
             SegmentMount(self.settings.segment_id, self.engine.endpoint, self.host_name, self.segment.address,
-                         self.segment.size, self.settings.numa_node),
+                         self.segment.size, self.settings.numa_node, self.shared),
             report,
         )
         rejected = response.rejected_keys
@@ -192,11 +199,20 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
         log.info("numa_bound", node=binding.node, cpus=binding.cpus,
                  memory_policy_applied=binding.memory_policy_applied, detail=binding.detail)
     refuse_unless_fits("store", settings.memory())
-    segment = HostBuffer(int(settings.segment_size))
+    size = int(settings.segment_size)
+    segment = SharedSegment(size, settings.segment_id) if settings.shared_memory else HostBuffer(size)
     numa.mbind_range(segment.address, segment.size, settings.numa_node)
     segment.touch()
     engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
     engine.register(segment.address, segment.size)
+    share = None
+    shared = None
+    if isinstance(segment, SharedSegment):
+        share = SegmentShare(Path(settings.shared_memory_dir), f"store-{segment.token[:16]}")
+        share.add(settings.segment_id, segment)
+        socket_path = await share.start()
+        shared = SharedMemoryRef(str(socket_path), settings.segment_id, segment.token)
+        log.info("shared_memory_offered", socket=str(socket_path), segment_id=settings.segment_id)
     metrics = StoreMetrics()
     metrics.segment_bytes.set(segment.size)
     handle = await service.create_server(settings.host, settings.port, lambda s: None, service_names=[])
@@ -205,7 +221,7 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
     stop = asyncio.Event()
     service.install_stop_signals(stop)
     channel = service.channel(settings.master, MASTER_CHANNEL_OPTIONS)
-    store = Store(settings, engine, segment, MasterClient(channel), metrics)
+    store = Store(settings, engine, segment, MasterClient(channel), metrics, shared=shared)
     heartbeat: asyncio.Task[None] | None = None
     try:
         if await store.mount_until_done(stop, first=True):
@@ -230,6 +246,8 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
             except Exception:  # a bug in the loop must not skip the clean shutdown below
                 log.exception("heartbeat_task_failed")
         await store.unmount()
+        if share is not None:
+            await share.close()  # peers see the socket close and unmap the segment
         await channel.close()
         await handle.server.stop(grace=1.0)
         engine.unregister(segment.address)

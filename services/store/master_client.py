@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.pool.records import ObjectRecord, SegmentChange
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 
@@ -30,6 +31,7 @@ class SegmentMount:
     base_address: int
     size: int
     numa_node: int
+    shared: SharedMemoryRef | None = None  # where a client on ``host`` maps the segment
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,6 +83,8 @@ class MasterClient:
                 segment_id=segment.segment_id, endpoint=segment.endpoint, host=segment.host,
                 base_address=segment.base_address, size=segment.size, numa_node=segment.numa_node,
                 records=[record_message(r) for r in records],
+                shared_memory=None if segment.shared is None else pool_pb2.SharedMemory(
+                    socket_path=segment.shared.socket_path, name=segment.shared.name, token=segment.shared.token),
             ),
             timeout=RPC_TIMEOUT_S,
         )

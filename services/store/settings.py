@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvpool.core.setting import setting
+from kvpool.shared_memory import default_shared_memory_dir
 from kvpool.sizes import parse_size
 
 
@@ -26,6 +27,11 @@ class StoreSettings:
     protocol: str = setting("tcp", help="transfer engine protocol", choices=("tcp", "rdma"))
     device: str = setting("", help="RDMA device names for the transfer engine (rdma only)")
     heartbeat_interval_s: float = setting(2.0, help="heartbeat period in seconds (the master may ask for less)")
+    shared_memory: bool = setting(True, help="offer the segment as shared memory to pool clients on this host "
+                                  "(same user only), so their bytes move by a memory copy, not the transfer engine")
+    shared_memory_dir: str = setting("", help="folder of the shared-memory sockets: this user's alone (0700); "
+                                     "every member of the cluster on this host names the same",
+                                     default_text="$XDG_RUNTIME_DIR/kvpool, else /tmp/kvpool-UID")
 
     def __post_init__(self) -> None:
         self.segment_size = parse_size(self.segment_size, "segment_size")
@@ -37,6 +43,7 @@ class StoreSettings:
             self.admin_port = 9610 + self.numa_node
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s: must be positive, got {self.heartbeat_interval_s}")
+        self.shared_memory_dir = self.shared_memory_dir or default_shared_memory_dir()
 
     def memory(self) -> dict[str, int]:
         """Host bytes this store allocates, by the setting that sizes them."""
