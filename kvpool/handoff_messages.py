@@ -12,7 +12,8 @@ from __future__ import annotations
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.handoff.layout import HandoffLayout
 from kvpool.core.handoff.target import HandoffFigures, HandoffTarget, StageHandoffFigures
-from kvpool.rpc import handoff_pb2
+from kvpool.core.pool.paths import SharedMemoryRef
+from kvpool.rpc import handoff_pb2, pool_pb2
 
 
 def target_layout(target: handoff_pb2.HandoffTarget) -> HandoffLayout:
@@ -28,20 +29,33 @@ def target_layout(target: handoff_pb2.HandoffTarget) -> HandoffLayout:
 
 
 def target_from_message(target: handoff_pb2.HandoffTarget) -> HandoffTarget:
+    shared = None
+    if target.HasField("shared_memory"):
+        m = target.shared_memory
+        shared = SharedMemoryRef(m.socket_path, m.name, m.token)
+        shared.check("target.shared_memory")
     return HandoffTarget(region_id=target.region_id, endpoint=target.endpoint, address=target.address,
                          size=target.size, deadline_unix_ms=target.deadline_unix_ms, layout=target_layout(target),
-                         notify_address=target.notify_address)
+                         notify_address=target.notify_address, host=target.host, shared=shared,
+                         shared_base_address=target.shared_base_address)
 
 
 def target_message(target: HandoffTarget) -> handoff_pb2.HandoffTarget:
     layout = target.layout
     return handoff_pb2.HandoffTarget(
         region_id=target.region_id, endpoint=target.endpoint, address=target.address, size=target.size,
-        deadline_unix_ms=target.deadline_unix_ms, notify_address=target.notify_address,
+        deadline_unix_ms=target.deadline_unix_ms, notify_address=target.notify_address, host=target.host,
+        shared_base_address=target.shared_base_address, shared_memory=shared_memory_message(target.shared),
         layout=handoff_pb2.HandoffLayout(
             num_tokens=layout.num_tokens, entry_bytes=layout.entry_bytes, trailer_bytes=layout.trailer_bytes,
             layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in layout.layer_split]),
     )
+
+
+def shared_memory_message(shared: SharedMemoryRef | None) -> pool_pb2.SharedMemory | None:
+    if shared is None:
+        return None
+    return pool_pb2.SharedMemory(socket_path=shared.socket_path, name=shared.name, token=shared.token)
 
 
 def stage_figures_from_message(figures: handoff_pb2.StageHandoffFigures) -> StageHandoffFigures:

@@ -1,3 +1,4 @@
+from kvpool.rpc import pool_pb2 as _pool_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -27,7 +28,7 @@ class HandoffLayout(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., layer_split: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., entry_bytes: _Optional[int] = ..., trailer_bytes: _Optional[int] = ...) -> None: ...
 
 class HandoffTarget(_message.Message):
-    __slots__ = ("region_id", "endpoint", "address", "size", "deadline_unix_ms", "layout", "notify_address")
+    __slots__ = ("region_id", "endpoint", "address", "size", "deadline_unix_ms", "layout", "notify_address", "host", "shared_memory", "shared_base_address")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +36,9 @@ class HandoffTarget(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NOTIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     region_id: str
     endpoint: str
     address: int
@@ -42,7 +46,10 @@ class HandoffTarget(_message.Message):
     deadline_unix_ms: int
     layout: HandoffLayout
     notify_address: str
-    def __init__(self, region_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[HandoffLayout, _Mapping]] = ..., notify_address: _Optional[str] = ...) -> None: ...
+    host: str
+    shared_memory: _pool_pb2.SharedMemory
+    shared_base_address: int
+    def __init__(self, region_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[HandoffLayout, _Mapping]] = ..., notify_address: _Optional[str] = ..., host: _Optional[str] = ..., shared_memory: _Optional[_Union[_pool_pb2.SharedMemory, _Mapping]] = ..., shared_base_address: _Optional[int] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
     __slots__ = ("request_id", "target")

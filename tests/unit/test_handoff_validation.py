@@ -7,7 +7,7 @@ import pytest
 from kvpool.core.errors import FailedPrecondition, InvalidArgument
 from kvpool.rpc import handoff_pb2
 from kvpool.core.handoff.target import check_target
-from kvpool.handoff_messages import target_layout
+from kvpool.handoff_messages import target_from_message, target_layout
 
 SPLIT = [(0, 4), (4, 8)]
 ENTRY = 384
@@ -25,7 +25,7 @@ def target(num_tokens: int = 100, split: list[tuple[int, int]] = SPLIT, entry: i
 
 
 def check(t: handoff_pb2.HandoffTarget) -> None:
-    check_target(t, target_layout(t), SPLIT, ENTRY, NOW_MS)
+    check_target(target_from_message(t), target_layout(t), SPLIT, ENTRY, NOW_MS)
 
 
 def test_a_target_that_fits_passes() -> None:
