@@ -11,6 +11,9 @@ gRPC. One request's KV goes:
    (streaming: ``gather_range`` packs one token range as the forward passes it);
 2. ``write_slab``: the stage writes the slab in the plan's transfers (at most
    8 MiB each) to the same offsets of its part of decode's receive region;
+   (same host: ``gather_range_into`` packs a range straight into decode's
+   region, mapped as shared memory (``memory_tensor``, ``region_range``): the
+   gather is the move, and there is no slab);
 3. ``scatter_region``: decode copies the region into its token-major pages
    (``scatter_range``: one landed part, as it lands).
 
@@ -21,6 +24,7 @@ replaces, kept for the benchmark that compares the two.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,6 +89,22 @@ def gather_range(kv_cache: torch.Tensor, block_table: BlockTable, token_start: i
     layer-major (the slab ``kvpool.core.handoff.layout.range_transfers`` writes). One strided
     copy per block the range touches.
     """
+    block_size, entry_bytes = kv_cache.shape[2], kv_cache.shape[-1] * kv_cache.element_size()
+    num_layers = block_nbytes(kv_cache) // (block_size * entry_bytes)
+    n = token_end - token_start
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != num_layers * n * entry_bytes:
+        raise ValueError(f"out: must be a contiguous uint8 tensor of {num_layers * n * entry_bytes} bytes")
+    return gather_range_into(kv_cache, block_table, token_start, token_end, out.view(num_layers, n, entry_bytes))
+
+
+def gather_range_into(kv_cache: torch.Tensor, block_table: BlockTable, token_start: int, token_end: int,
+                      slab: torch.Tensor) -> torch.Tensor:
+    """Pack tokens ``[token_start, token_end)`` of every layer of one stage's cache into ``slab``.
+
+    ``slab``: a uint8 ``[layers, token_end - token_start, entry bytes]`` tensor, strided as it
+    likes (``region_range`` of decode's mapped region, or a contiguous slab). One strided copy
+    per block the range touches.
+    """
     table = as_block_table(block_table, kv_cache.device)
     check_block_table(kv_cache, table, token_end)
     block_size, entry_bytes = kv_cache.shape[2], kv_cache.shape[-1] * kv_cache.element_size()
@@ -92,9 +112,9 @@ def gather_range(kv_cache: torch.Tensor, block_table: BlockTable, token_start: i
     n = token_end - token_start
     if not 0 <= token_start < token_end:
         raise ValueError(f"token range: [{token_start}, {token_end}) is empty or negative")
-    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != num_layers * n * entry_bytes:
-        raise ValueError(f"out: must be a contiguous uint8 tensor of {num_layers * n * entry_bytes} bytes")
-    slab = out.view(num_layers, n, entry_bytes)
+    if slab.dtype != torch.uint8 or tuple(slab.shape) != (num_layers, n, entry_bytes):
+        raise ValueError(f"slab: must be a uint8 tensor of shape {(num_layers, n, entry_bytes)}, "
+                         f"got {slab.dtype} {tuple(slab.shape)}")
     ids = table.tolist()
     t = token_start
     while t < token_end:
@@ -103,7 +123,24 @@ def gather_range(kv_cache: torch.Tensor, block_table: BlockTable, token_start: i
         source = block_bytes(kv_cache, ids[block]).view(num_layers, block_size, entry_bytes)
         slab[:, t - token_start: t - token_start + count].copy_(source[:, slot: slot + count])
         t += count
-    return out
+    return slab
+
+
+def memory_tensor(address: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of memory at ``address`` (a mapping the caller keeps pinned while the
+    tensor lives); it exports no buffer of the mapping, so it never holds the mapping's unmap up."""
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+
+
+def region_range(region: torch.Tensor, layout: HandoffLayout, stage: int, token_start: int,
+                 token_end: int) -> torch.Tensor:
+    """Where tokens ``[token_start, token_end)`` of one stage's layers go in a region: a strided
+    ``[stage layers, tokens, entry bytes]`` view of ``region`` (uint8, at least ``layout.nbytes``)."""
+    start, end = layout.layer_split[stage]
+    offset = layout.stage_offset(stage)
+    slab = region[offset: offset + layout.stage_nbytes(stage)].view(end - start, layout.num_tokens,
+                                                                     layout.entry_bytes)
+    return slab[:, token_start:token_end]
 
 
 def scatter_range(region: torch.Tensor, layout: HandoffLayout, pages: torch.Tensor, page_ids: BlockTable,

@@ -1,21 +1,25 @@
-"""A decode shard process: the Decode service, its step loop and region sweeper."""
+"""A decode shard process: the Decode service, its step loop and region sweeper, and the socket that offers its
+receive arena to prefill stages on this host (``--shared-memory``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 import grpc
 import structlog
 
 from kvpool.host_memory import refuse_unless_fits
 from kvpool import service
+from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.rpc import decode_pb2_grpc
+from kvpool.shared_memory import SegmentShare, SharedSegment
 from kvpool.transfer import TransferEngine
 from kvpool.services.decode.metrics import DecodeMetrics
 from kvpool.services.decode.servicer import DecodeServicer
 from kvpool.services.decode.settings import DecodeSettings
-from kvpool.services.decode.shard import DecodeShard
+from kvpool.services.decode.shard import ARENA_NAME, DecodeShard
 
 log = structlog.get_logger(__name__)
 
@@ -26,6 +30,13 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
     metrics = DecodeMetrics(settings.num_pages)
     shard = DecodeShard(settings, engine, metrics)
     servicer = DecodeServicer(shard)
+    share = None
+    if isinstance(shard.arena, SharedSegment):
+        share = SegmentShare(Path(settings.shared_memory_dir), f"decode-{shard.arena.token[:16]}")
+        share.add(ARENA_NAME, shard.arena)
+        socket_path = await share.start()
+        shard.shared = SharedMemoryRef(str(socket_path), ARENA_NAME, shard.arena.token)
+        log.info("shared_memory_offered", socket=str(socket_path), segment=ARENA_NAME, host=shard.host_name)
 
     def add_servicers(server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
@@ -65,5 +76,7 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if share is not None:
+            await share.close()
         shard.close()
         log.info("decode_shard_stopped")

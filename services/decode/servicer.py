@@ -11,6 +11,7 @@ import structlog
 
 from kvpool.core.errors import InvalidArgument, KvpoolError
 from kvpool.core.handoff.layout import HandoffLayout
+from kvpool.handoff_messages import shared_memory_message
 from kvpool.model.sampling import SamplingParams
 from kvpool.request_id import current_request_id
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
@@ -57,7 +58,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             address=self.shard.region_address(region), size=region.size, deadline_unix_ms=deadline_ms,
             layout=handoff_pb2.HandoffLayout(num_tokens=request.num_tokens, layer_split=request.layer_split,
                                              entry_bytes=request.entry_bytes, trailer_bytes=trailer),
-            notify_address=self.shard.notify_address,
+            notify_address=self.shard.notify_address, host=self.shard.host_name,
+            shared_memory=shared_memory_message(self.shard.shared),
+            shared_base_address=self.shard.arena.address if self.shard.shared else 0,
         )
         return decode_pb2.ReserveResponse(target=target)
 

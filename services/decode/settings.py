@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvpool.core.setting import setting
 from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES
 from kvpool.model.model_setting import ModelSetting
+from kvpool.shared_memory import default_shared_memory_dir
 from kvpool.sizes import parse_size
 
 
@@ -34,6 +35,12 @@ class DecodeSettings(ModelSetting):
     transfer_host: str = setting("127.0.0.1", help="address the transfer engine advertises")
     protocol: str = setting("tcp", help="transfer engine protocol", choices=("tcp", "rdma"))
     device: str = setting("", help="RDMA device names for the transfer engine (rdma only)")
+    shared_memory: bool = setting(True, help="offer the receive arena as shared memory to prefill stages on this "
+                                  "host (same user only), so their handoff bytes move by a memory copy, not the "
+                                  "transfer engine")
+    shared_memory_dir: str = setting("", help="folder of the shared-memory sockets: this user's alone (0700); "
+                                     "every member of the cluster on this host names the same",
+                                     default_text="$XDG_RUNTIME_DIR/kvpool, else /tmp/kvpool-UID")
     drain_s: float = setting(20.0, help="on SIGTERM: seconds to keep serving what is in flight after turning "
                                          "not-ready (new calls still served until callers notice)")
 
@@ -60,6 +67,7 @@ class DecodeSettings(ModelSetting):
             raise ValueError("region_arena_bytes: must be positive")
         if self.region_deadline_s <= 0:
             raise ValueError(f"region_deadline_s: must be positive, got {self.region_deadline_s}")
+        self.shared_memory_dir = self.shared_memory_dir or default_shared_memory_dir()
 
 
     def memory(self) -> dict[str, int]:

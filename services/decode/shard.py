@@ -13,6 +13,11 @@ scheduler at once, even while a step that still writes them is running.
 That is safe because the compute thread is serial: whoever gets those pages
 next is scattered and stepped only in a later compute call, and every slot a
 sequence reads was written by that sequence first.
+
+The receive arena is a sealed memfd (``--shared-memory``, the default) that the
+server offers to this host's prefill stages over a Unix socket
+(``kvpool.shared_memory``): a stage on this declared host copies into it, any
+other writes with the transfer engine, with which the arena stays registered.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from kvpool.handoff import scatter_range, scatter_region
 from kvpool.model import kv_dtype as kv_dtype_of
 from kvpool.model.decode import DecodeInput, DecodeModel
 from kvpool.model.sampling import SamplingParams, output_logits, sample
-from kvpool.transfer import HostBuffer, TransferEngine
+from kvpool.core.pool.paths import SharedMemoryRef
+from kvpool.shared_memory import SharedSegment
+from kvpool.transfer import HostBuffer, TransferEngine, local_host_name
 from kvpool.services.decode.metrics import DecodeMetrics
 from kvpool.services.decode.settings import DecodeSettings
 
@@ -45,6 +52,7 @@ EXPIRE_INTERVAL_S = 0.25
 # a region given back keeps its bytes this long: a prefill write that checked the region just
 # before it went lands in bytes nobody else holds (kvpool.core.decode.regions)
 WRITER_GRACE_S = 0.5
+ARENA_NAME = "decode-arena"  # the receive arena's segment name on its shared-memory socket
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +96,14 @@ class DecodeShard:
         self.scheduler = DecodeScheduler(settings.num_pages, settings.page_size, settings.max_batch_size,
                                          self.config.max_position_embeddings, clock)
         self.regions = RegionTable(settings.region_arena_bytes, settings.region_deadline_s, clock, WRITER_GRACE_S)
-        # the receive arena: registered once, regions are carved from it
-        self.arena = HostBuffer(settings.region_arena_bytes)
+        # the receive arena: registered once, regions are carved from it; shared memory for stages on this host
+        size = int(settings.region_arena_bytes)
+        self.arena: HostBuffer | SharedSegment = (SharedSegment(size, ARENA_NAME) if settings.shared_memory
+                                                  else HostBuffer(size))
         self.arena.touch()
         engine.register(self.arena.address, self.arena.size)
+        self.host_name = local_host_name()  # the host this shard declares in its targets
+        self.shared: SharedMemoryRef | None = None  # where this host's stages map the arena (the server sets it)
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-compute")
         self._live: dict[str, LiveSequence] = {}
         self.notify_address = ""  # this shard's gRPC address, for Landed (the server sets it)

@@ -11,8 +11,18 @@ part of decode's region (``kvpool.handoff``), then decode is told
 goes on. Stage 0 collects every stage's figures after the forward
 (``HandoffDone``), which also raises a stage's write failure.
 
+Same host (``handoff_path``: the target names this stage's declared host and
+decode's arena as shared memory, and ``--handoff-path`` is ``auto``): the
+stage maps decode's arena once (``SegmentMaps``, cached) and gathers each
+range straight into the region, no slab and no engine; then tells decode as
+above. An arena that cannot be mapped (decode gone or restarted) fails the
+handoff as a failed engine write does. Bytes are counted per path
+(``kvpool_prefill_handoff_bytes_total{path}``).
+
 Invariants: nothing is written before the whole target checked out (stage
-0, before any work); a slab is freed only after the engine stopped reading
+0, before any work); nothing is written into a region decode no longer holds
+for it (asked right before each write, or each copy); a slab is freed only
+after the engine stopped reading it; a mapping is pinned while a copy writes
 it; the writes of a request run to their end even if its caller goes away
 (the pages they read stay the request's until stage 0 has them all done).
 """
@@ -34,12 +44,15 @@ from kvpool.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvpool.core.handoff.layout import HandoffLayout, range_transfers, transfer_plan
-from kvpool.core.handoff.target import HandoffTarget, StageHandoffFigures, check_target
-from kvpool.handoff import gather_range
+from kvpool.core.handoff.layout import HandoffLayout, RangeTransfer, range_transfers, transfer_plan
+from kvpool.core.handoff.target import HandoffTarget, StageHandoffFigures, check_target, handoff_path
+from kvpool.core.pool.paths import BytePath
+from kvpool.handoff import gather_range, gather_range_into, memory_tensor, region_range
 from kvpool.services.prefill.arena import Arena
 from kvpool.services.prefill.decode_client import LandedClient
 from kvpool.services.prefill.stage_runner import StageRunner
+from kvpool.shared_memory import SegmentMaps, SharedMemoryUnavailable
+from kvpool.transfer import local_host_name
 
 log = structlog.get_logger(__name__)
 
@@ -50,7 +63,7 @@ _SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 
 
 
 class HandoffMetrics:
-    """Per stage: the writes it issued and their bytes; stage 0 also times whole handoffs."""
+    """Per stage: the writes it issued and their bytes, the bytes by path; stage 0 also times whole handoffs."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.transfers = Counter("kvpool_handoff_transfers", "Writes this stage issued into decode regions",
@@ -60,6 +73,11 @@ class HandoffMetrics:
                                  buckets=_SECONDS_BUCKETS, registry=registry)
         self.requests = Counter("kvpool_handoff_requests", "Handoffs stage 0 ran, by outcome", ["outcome"],
                                 registry=registry)
+        self.path_bytes = Counter("kvpool_prefill_handoff_bytes", "Bytes this stage moved into decode regions, "
+                                  "by path (memory: copied into decode's shared arena; engine: transfer engine)",
+                                  ["path"], registry=registry)
+        for path in BytePath:
+            self.path_bytes.labels(path.value)
 
 
 def now_unix_ms() -> int:
@@ -126,9 +144,13 @@ class StageHandoff:
         self.arena = Arena("handoff", self.settings.handoff_arena_bytes, runner.engine)
         self._requests: dict[str, RequestWrites] = {}
         self.decode = LandedClient(self.stage)
+        self.host_name = local_host_name()
+        self.engine_only = self.settings.handoff_path == "engine"
+        self.maps = SegmentMaps()  # decode arenas on this host, mapped once
 
     async def close(self) -> None:
         await self.decode.close()
+        await self.maps.close()
         self.arena.close()
 
     def check(self, target: HandoffTarget, num_tokens: int, num_logits: int) -> HandoffLayout:
@@ -175,6 +197,68 @@ class StageHandoff:
         plan = range_transfers(layout, self.stage, token_start, token_end) if token_start < token_end else []
         kv_nbytes = sum(t.length for t in plan)
         nbytes = kv_nbytes + len(trailer)
+        path = handoff_path(target, self.host_name, self.engine_only)
+        if path is BytePath.MEMORY:  # the gather is the move: its time counts as gather, no write follows
+            started = time.perf_counter()
+            await self.copy_range(writes, token_start, token_end, trailer)
+            transfers, gather_s, write_s = 0, time.perf_counter() - started, 0.0
+        else:
+            transfers, gather_s, write_s = await self.write_by_engine(writes, plan, token_start, token_end, trailer)
+        totals.transfers += transfers
+        totals.nbytes += nbytes
+        totals.ranges += 1
+        totals.gather_s += gather_s
+        totals.write_s += write_s
+        totals.last_write_end_unix_ms = max(totals.last_write_end_unix_ms, time.time() * 1e3)
+        self.metrics.path_bytes.labels(path.value).inc(nbytes)
+        totals.scatter_s += await self.decode.landed(target, token_start, token_end, bool(trailer))
+
+    async def copy_range(self, writes: RequestWrites, token_start: int, token_end: int, trailer: bytes) -> None:
+        """Gather one range straight into decode's region, mapped from its shared arena (same host)."""
+        layout, target = writes.layout, writes.target
+        shared = target.shared
+        assert shared is not None  # handoff_path chose memory
+        try:  # first: a dead or restarted decode fails here at once, not at the end of an RPC's deadline
+            mapped = await self.maps.map(shared.socket_path, shared.name, shared.token)
+        except SharedMemoryUnavailable as exc:
+            raise Unavailable(f"stage {self.stage}: mapping decode's arena at {shared.socket_path} failed: {exc}",
+                              field="target") from None
+        await self.check_reserved(target)
+        offset = target.shared_offset
+        if not 0 <= offset <= mapped.size - layout.nbytes:
+            raise InvalidArgument(f"target.address: the region [{offset}, {offset + layout.nbytes}) is outside "
+                                  f"decode's shared arena of {mapped.size} bytes")
+
+        def copy_in() -> None:
+            with mapped.using():  # pinned: the arena stays mapped while this writes it, even if decode dies
+                region = memory_tensor(mapped.address + offset, layout.nbytes)
+                if token_start < token_end:
+                    gather_range_into(self.runner.kv_cache, writes.block_table, token_start, token_end,
+                                      region_range(region, layout, self.stage, token_start, token_end))
+                if trailer:
+                    region[layout.trailer_offset: layout.trailer_offset + len(trailer)].copy_(
+                        torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+
+        try:
+            await asyncio.to_thread(copy_in)
+        except SharedMemoryUnavailable as exc:  # forgotten before the copy began: decode went away
+            raise Unavailable(f"stage {self.stage}: decode's arena at {shared.socket_path} went away: {exc}",
+                              field="target") from None
+
+    async def check_reserved(self, target: HandoffTarget) -> None:
+        """Raise unless decode still holds the region for this write (its deadline, then decode's word)."""
+        if target.deadline_unix_ms and target.deadline_unix_ms <= now_unix_ms():
+            raise FailedPrecondition("target.deadline_unix_ms: the reservation expired before the write")
+        # still reserved? (given back, its bytes stay decode's a moment longer than this write takes)
+        await self.decode.landed(target, 0, 0, False)
+
+    async def write_by_engine(self, writes: RequestWrites, plan: list[RangeTransfer], token_start: int,
+                              token_end: int, trailer: bytes) -> tuple[int, float, float]:
+        """Gather one range into a slab of the arena and write it in ``plan``'s transfers (and the trailer's)
+        with the transfer engine; the transfers, the gather's seconds and the write's."""
+        layout, target = writes.layout, writes.target
+        kv_nbytes = sum(t.length for t in plan)
+        nbytes = kv_nbytes + len(trailer)
         try:
             slab = await self.arena.allocate_wait(nbytes, ARENA_WAIT_S)
         except TimeoutError:
@@ -191,10 +275,7 @@ class StageHandoff:
             if trailer:  # the final logits go right after the range, from the same slab
                 slab_tensor[kv_nbytes:].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
             t1 = time.perf_counter()
-            if target.deadline_unix_ms and target.deadline_unix_ms <= now_unix_ms():
-                raise FailedPrecondition("target.deadline_unix_ms: the reservation expired before the write")
-            # still reserved? (given back, its bytes stay decode's a moment longer than this write takes)
-            await self.decode.landed(target, 0, 0, False)
+            await self.check_reserved(target)
             local = [slab.address + t.slab_offset for t in plan]
             remote = [target.address + t.region_offset for t in plan]
             sizes = [t.length for t in plan]
@@ -213,10 +294,4 @@ class StageHandoff:
             t2 = time.perf_counter()
         finally:
             self.arena.free(slab)
-        totals.transfers += len(sizes)
-        totals.nbytes += nbytes
-        totals.ranges += 1
-        totals.gather_s += t1 - t0
-        totals.write_s += t2 - t1
-        totals.last_write_end_unix_ms = max(totals.last_write_end_unix_ms, time.time() * 1e3)
-        totals.scatter_s += await self.decode.landed(target, token_start, token_end, bool(trailer))
+        return len(sizes), t1 - t0, t2 - t1

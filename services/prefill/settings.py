@@ -27,6 +27,9 @@ class PrefillSettings(ModelSetting):
     pool_path: str = setting("auto", help="how pool bytes move: auto (shared memory with a store on this host, "
                              "else the transfer engine) or engine (the engine everywhere, for comparison)",
                              choices=("auto", "engine"))
+    handoff_path: str = setting("auto", help="how handoff bytes move to decode: auto (shared memory with a decode "
+                                "shard on this host, else the transfer engine) or engine (the engine everywhere, "
+                                "for comparison)", choices=("auto", "engine"))
     model: str = setting("tiny", help="model config", choices=tuple(CONFIGS))
     model_dir: str = setting("", help="serve a Hugging Face DeepSeek-V3-architecture directory (config.json, "
                              "safetensors weights, tokenizer, chat template); overrides --model", metavar="DIR",
