@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 KEYS = {
     "naive_writes", "gathered_writes", "naive_seconds", "gathered_seconds", "speedup", "bytes", "bytes_verified",
     "naive_bytes_verified", "gather_seconds", "write_seconds", "scatter_seconds", "tokens", "layers", "entry_bytes",
+    "same_host_seconds", "same_host_bytes_verified", "same_host_over_engine",
 }
 
 
@@ -43,7 +44,9 @@ def test_small_handoff_bench_verifies_every_byte_and_counts_writes_from_sizes() 
     assert summary["naive_writes"] == 20_000
     assert summary["gathered_writes"] == math.ceil(nbytes / MAX_TRANSFER_BYTES) == 2
     assert summary["speedup"] == pytest.approx(summary["naive_seconds"] / summary["gathered_seconds"])
-    assert "naive" in table and "gathered" in table and "speedup" in table
+    assert summary["same_host_bytes_verified"] == nbytes
+    assert summary["same_host_over_engine"] == pytest.approx(summary["gathered_seconds"] / summary["same_host_seconds"])
+    assert "naive" in table and "gathered" in table and "same host" in table and "speedup" in table
 
 
 def test_other_shapes_keep_the_counts_exact() -> None:
@@ -51,6 +54,7 @@ def test_other_shapes_keep_the_counts_exact() -> None:
     assert (summary["tokens"], summary["layers"], summary["entry_bytes"]) == (77, 3, 100)
     assert summary["naive_writes"] == 77 * 3
     assert summary["gathered_writes"] == 1
-    assert summary["bytes_verified"] == summary["naive_bytes_verified"] == 77 * 3 * 100
+    verified = (summary["bytes_verified"], summary["naive_bytes_verified"], summary["same_host_bytes_verified"])
+    assert verified == (77 * 3 * 100,) * 3
 
 # bad arguments: tests/unit/test_bench_arguments.py (refused before any process starts)

@@ -1,33 +1,44 @@
-"""``kvpool bench handoff``: gathered vs per-token-per-layer prefill → decode handoff.
+"""``kvpool bench handoff``: gathered vs per-token-per-layer prefill → decode handoff, and the same host's
+shared-memory path vs the engine's.
 
 Two real processes on this host, each with its own transfer engine (TCP):
 a sender holding one prefill stage's paged KV (the model's own cache
 layout, DeepSeek-V3's fp8 entry shape; the request's tokens are seeded
 random bytes in blocks scattered over twice as many) and this process as the receiver, with decode's
 token-major pages (``[pages, page_size, layers, entry]``, the request's pages
-scattered too) and a receive region, all registered.
+scattered too) and a receive region, all registered; the region is decode's
+kind of receive arena, a sealed memfd offered over a Unix socket in a private
+folder (``kvpool.shared_memory``).
 
 - naive: the sender writes every (layer, token) entry straight from its page
   slot to decode's page slot, ``entry_bytes`` per write, in batches of 1,024;
 - gathered: the sender packs the request into one registered slab, writes it
   in the layout's transfers (at most 8 MiB) into the region, and the receiver
   scatters the region into its pages. Seconds = gather + write + scatter.
+- same host: the sender maps the region (once, as a stage does) and gathers
+  the request straight into it (the gather is the move: no slab, no engine);
+  the receiver scatters it. Seconds = gather + scatter.
+  ``same_host_over_engine`` = gathered seconds / same-host seconds.
 
-Before each run the pages are zeroed; after it, every entry of the request in
-decode's pages must equal the sender's (regenerated here from the same seed),
-byte for byte, or the run fails. The gathered path runs once to warm up, then
-``repeats`` times; its median counts.
+Before each run the pages and the region are zeroed; after it, every entry of
+the request in decode's pages must equal the sender's (regenerated here from
+the same seed), byte for byte, or the run fails. The gathered and same-host
+paths run once each to warm up (connections, the mapping, page faults), then
+``repeats`` times each, alternating; their medians count.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -36,7 +47,10 @@ import torch
 
 from kvpool.core.handoff.layout import HandoffLayout, num_naive_writes
 from kvpool.handoff import (
+    gather_range_into,
     gather_stage,
+    memory_tensor,
+    region_range,
     scatter_region,
     token_major_destinations,
     write_naive,
@@ -44,12 +58,14 @@ from kvpool.handoff import (
 )
 from kvpool.model import ModelConfig, allocate_kv_cache, get_config, unpack_kv
 from kvpool.model.kv_cache import token_slots
+from kvpool.shared_memory import SegmentMaps, SegmentShare, SharedSegment, default_shared_memory_dir
 from kvpool.transfer import HostBuffer, TransferEngine
 
 BLOCK_SIZE = 256  # prefill: tokens per device block (the chunk size)
 PAGE_SIZE = 16  # decode: tokens per page
 KV_DTYPE = torch.float8_e4m3fn  # DeepSeek-V3's KV: one byte per value, 576 per entry
 READY_TIMEOUT_S = 60.0
+REGION_NAME = "bench-region"  # the receive region's segment name on its shared-memory socket
 
 
 class BenchError(RuntimeError):
@@ -111,6 +127,18 @@ def _registered(engine: TransferEngine, nbytes: int) -> tuple[HostBuffer, torch.
     return buffer, torch.frombuffer(buffer.view(), dtype=torch.uint8)
 
 
+class LoopThread:
+    """An event loop on a daemon thread, for the shared-memory socket's owner and peer (both async) in these
+    otherwise blocking processes."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="bench-loop", daemon=True).start()
+
+    def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(READY_TIMEOUT_S)
+
+
 # ---- sender (worker process) ----------------------------------------------
 
 
@@ -125,6 +153,7 @@ def sender(spec: HandoffSpec) -> None:
     engine.register(cache.data_ptr(), cache.numel() * cache.element_size())
     unpack_kv(cache, block_table, 0, sent_kv(spec).view(-1))
     slab_buffer, slab = _registered(engine, layout.nbytes)
+    loop, maps = LoopThread(), SegmentMaps()
     _reply({"ready": True, "endpoint": engine.endpoint})
     for line in sys.stdin:
         command = json.loads(line)
@@ -141,10 +170,21 @@ def sender(spec: HandoffSpec) -> None:
                                 layout.transfers(0))
             _reply({"transfers": report.transfers, "bytes": report.nbytes, "gather_seconds": gather_s,
                     "write_seconds": report.seconds})
+        elif command["op"] == "same_host":
+            mapped = loop.run(maps.map(command["socket_path"], REGION_NAME, command["token"]))  # cached after once
+            with mapped.using():
+                t0 = time.perf_counter()
+                region = memory_tensor(mapped.address, layout.nbytes)
+                destination = region_range(region, layout, 0, 0, spec.tokens)
+                gather_range_into(cache, block_table, 0, spec.tokens, destination)
+                gather_s = time.perf_counter() - t0
+                del region, destination  # no tensor over the mapping outlives its pin
+            _reply({"transfers": 0, "bytes": layout.nbytes, "gather_seconds": gather_s, "write_seconds": 0.0})
         else:
             break
     del slab  # the buffer's memory outlives no tensor
     slab_buffer.close()
+    loop.run(maps.close())
 
 
 def _reply(message: dict[str, Any]) -> None:
@@ -202,7 +242,15 @@ def run(spec: HandoffSpec) -> dict[str, Any]:
     num_pages, page_ids = decode_page_ids(spec)
     pages_shape = [num_pages, PAGE_SIZE, spec.layers, spec.entry_bytes]
     pages_buffer, pages_bytes = _registered(engine, num_pages * PAGE_SIZE * spec.layers * spec.entry_bytes)
-    region_buffer, region = _registered(engine, layout.nbytes)
+    # decode's kind of receive arena: shared memory, registered with the engine too
+    region_buffer = SharedSegment(layout.nbytes, REGION_NAME)
+    region_buffer.touch()
+    engine.register(region_buffer.address, layout.nbytes)
+    region = torch.frombuffer(region_buffer.view(), dtype=torch.uint8)
+    loop = LoopThread()
+    share = SegmentShare(Path(default_shared_memory_dir()), f"bench-handoff-{region_buffer.token[:16]}")
+    share.add(REGION_NAME, region_buffer)
+    socket_path = str(loop.run(_start(share)))
     pages = pages_bytes.view(pages_shape).view(KV_DTYPE)
     entry_config(spec)  # bad --entry-bytes fails here, not in the sender
     expected = sent_kv(spec).transpose(0, 1)  # what decode must end up with: [tokens, layers, entry bytes]
@@ -221,28 +269,42 @@ def run(spec: HandoffSpec) -> dict[str, Any]:
             ready = sender_proc.ask()
             endpoint = ready["endpoint"]
 
-            def gathered() -> dict[str, Any]:
+            def timed(path: str, command: dict[str, Any]) -> dict[str, Any]:
                 pages_bytes.zero_()
-                result = sender_proc.ask({"op": "gathered", "endpoint": engine.endpoint,
-                                          "region_address": region_buffer.address})
+                region.zero_()  # a path that moved nothing must not pass on the last run's bytes
+                result = sender_proc.ask(command)
                 t0 = time.perf_counter()
                 scatter_region(region, layout, pages, page_ids)
                 result["scatter_seconds"] = time.perf_counter() - t0
-                result["verified"] = verify("gathered")
+                result["verified"] = verify(path)
                 result["seconds"] = result["gather_seconds"] + result["write_seconds"] + result["scatter_seconds"]
                 return result
 
+            def gathered() -> dict[str, Any]:
+                return timed("gathered", {"op": "gathered", "endpoint": engine.endpoint,
+                                          "region_address": region_buffer.address})
+
+            def same_host() -> dict[str, Any]:
+                return timed("same_host", {"op": "same_host", "socket_path": socket_path,
+                                           "token": region_buffer.token})
+
             gathered()  # warm-up: connections, page faults
+            same_host()  # warm-up: the mapping, its page faults
             pages_bytes.zero_()
             naive = sender_proc.ask({"op": "naive", "endpoint": engine.endpoint, "pages_address": pages_buffer.address,
                                      "pages_shape": pages_shape, "page_ids": page_ids.tolist()})
             naive["verified"] = verify("naive")
-            runs = [gathered() for _ in range(spec.repeats)]
+            runs, memory_runs = [], []
+            for _ in range(spec.repeats):  # alternating: neither path gets the quieter half of the run
+                runs.append(gathered())
+                memory_runs.append(same_host())
         finally:
             sender_proc.close()
+            loop.run(share.close())
     pages_buffer.close()
     region_buffer.close()
-    median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+    median = _median(runs)
+    memory = _median(memory_runs)
     return {
         "tokens": spec.tokens, "layers": spec.layers, "entry_bytes": spec.entry_bytes, "block_size": BLOCK_SIZE,
         "page_size": PAGE_SIZE, "repeats": spec.repeats, "threads": spec.threads, "sender_endpoint": endpoint,
@@ -255,7 +317,20 @@ def run(spec: HandoffSpec) -> dict[str, Any]:
         "speedup": naive["write_seconds"] / median["seconds"],
         "bytes": layout.nbytes, "bytes_verified": min(r["verified"] for r in runs),
         "naive_bytes_verified": naive["verified"],
+        "same_host_seconds": memory["seconds"], "same_host_gather_seconds": memory["gather_seconds"],
+        "same_host_scatter_seconds": memory["scatter_seconds"],
+        "same_host_seconds_all": [r["seconds"] for r in memory_runs],
+        "same_host_bytes_verified": min(r["verified"] for r in memory_runs),
+        "same_host_over_engine": median["seconds"] / memory["seconds"],
     }
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+
+
+async def _start(share: SegmentShare) -> Path:
+    return await share.start()
 
 
 def format_report(summary: dict[str, Any]) -> str:
@@ -271,8 +346,13 @@ def format_report(summary: dict[str, Any]) -> str:
          f"{s['bytes'] / s['gathered_seconds'] / 1e9:>8.2f}  gather {s['gather_seconds'] * 1e3:.1f} ms + write "
          f"{s['write_seconds'] * 1e3:.1f} ms + scatter {s['scatter_seconds'] * 1e3:.1f} ms "
          f"(median of {s['repeats']})"),
-        (f"speedup {s['speedup']:.1f}x; verified byte for byte: naive {s['naive_bytes_verified']} B, "
-         f"gathered {s['bytes_verified']} B per run"),
+        (f"{'same host':<10}{0:>10}{s['same_host_seconds']:>10.3f}"
+         f"{s['bytes'] / s['same_host_seconds'] / 1e9:>8.2f}  gather into decode's mapped region "
+         f"{s['same_host_gather_seconds'] * 1e3:.1f} ms + scatter {s['same_host_scatter_seconds'] * 1e3:.1f} ms "
+         f"(median of {s['repeats']})"),
+        (f"speedup {s['speedup']:.1f}x; same host over engine {s['same_host_over_engine']:.2f}x; verified byte for "
+         f"byte: naive {s['naive_bytes_verified']} B, gathered {s['bytes_verified']} B, same host "
+         f"{s['same_host_bytes_verified']} B per run"),
     ]
     return "\n".join(lines)
 
