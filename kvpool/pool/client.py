@@ -116,15 +116,22 @@ class PoolClient:
         def want(indices: list[int]) -> list[int] | None:
             return None if expected is None else [expected[i] for i in indices]
 
+        def by_engine(indices: list[int]) -> Any:
+            engine_expected = want(indices)
+            engine_moves = [moves[i][1] for i in indices]
+            return (move_by_endpoint(self.engine, engine_moves, write) if engine_expected is None
+                    else move_by_endpoint(self.engine, engine_moves, write, engine_expected))
+
         by_memory = move_by_memory(
             self.maps, self.accesses,
             [MemoryMove(moves[i][0], moves[i][1].local, moves[i][1].remote, moves[i][1].size) for i in memory],
             write, want(memory))
-        engine_moves = [moves[i][1] for i in engine]
-        engine_expected = want(engine)
-        by_engine = (move_by_endpoint(self.engine, engine_moves, write) if engine_expected is None
-                     else move_by_endpoint(self.engine, engine_moves, write, engine_expected))
-        memory_done, engine_done = await asyncio.gather(by_memory, by_engine)
+        memory_done, engine_done = await asyncio.gather(by_memory, by_engine(engine))
+        unmapped = [i for i, outcome in zip(memory, memory_done) if outcome is None]
+        if unmapped:  # a segment this process cannot map (gone, or out of reach): the engine tries them
+            memory = [i for i, outcome in zip(memory, memory_done) if outcome is not None]
+            memory_done = [outcome for outcome in memory_done if outcome is not None]
+            engine, engine_done = engine + unmapped, list(engine_done) + list(await by_engine(unmapped))
         result: list[Any] = [None] * len(moves)
         direction = "write" if write else "read"
         for path, indices, done in ((BytePath.MEMORY, memory, memory_done), (BytePath.ENGINE, engine, engine_done)):

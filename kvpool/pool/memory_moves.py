@@ -6,8 +6,9 @@ worker thread per call, each object of a read verified against its checksum as i
 the engine path verifies (``kvpool.pool.endpoint_batches``). Which path a move takes is the core's
 (``kvpool.core.pool.paths.byte_path``).
 
-A segment that cannot be mapped (its store died or restarted, its socket is gone) fails only its own
-moves: a read is NOT_READ (a miss: the caller recomputes), a write is not stored.
+A segment that cannot be mapped (its store died or restarted, its socket is gone or out of this
+process's reach, as in another container) leaves its moves unattempted (None): the pool client sends
+them by the engine, where a dead store's fail as any engine move to it does.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ class MemoryMove:
 
 async def move_by_memory(maps: SegmentMaps, accesses: dict[str, SegmentAccess], moves: Sequence[MemoryMove],
                          write: bool, expected: Sequence[int] | None = None) -> list[Any]:
-    """Per move: success (a write, or a read without ``expected``) or its ``ReadStatus`` (module doc)."""
-    failed: Any = False if expected is None else ReadStatus.NOT_READ
-    result: list[Any] = [failed] * len(moves)
+    """Per move: success (a write, or a read without ``expected``), its ``ReadStatus``, or None where its
+    segment could not be mapped (module doc)."""
+    result: list[Any] = [None] * len(moves)
     by_segment: dict[str, list[int]] = defaultdict(list)
     for i, move in enumerate(moves):
         by_segment[move.segment_id].append(i)
@@ -63,6 +64,7 @@ async def move_by_memory(maps: SegmentMaps, accesses: dict[str, SegmentAccess], 
             offset = access.offset(move.remote)
             if not 0 <= offset <= mapped.size - move.size:  # the master's location does not fit this memory
                 log.warning("shared_memory_out_of_range", segment_id=segment_id, offset=offset, size=move.size)
+                result[i] = False if expected is None else ReadStatus.NOT_READ
                 continue
             spans.append((i, mapped.address + offset, mapped))
 

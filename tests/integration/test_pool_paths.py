@@ -5,6 +5,7 @@ connect. Bytes are equal either way and every read is verified."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -96,4 +97,31 @@ async def test_a_restarted_store_is_never_read_through_its_old_memory(pool: Loca
         assert await client.read_checked(items) == [ReadStatus.NOT_READ] * COUNT
         assert client.maps.mapped_bytes == 0
     finally:
+        await client.close()
+
+
+async def test_a_segment_out_of_this_process_reach_goes_by_the_engine(pool: LocalPool, engine: TransferEngine,
+                                                                      buffer: HostBuffer) -> None:
+    # same declared host, but the socket is not where this process looks (another container's /run, say):
+    # the moves go by the engine instead of missing
+    scout = PoolClient(pool.master_address, engine)
+    scout.register(buffer.address, buffer.size)
+    try:
+        await round_trip(scout, buffer, "scout")  # a batch lands on one segment, the next on the emptier one:
+        await round_trip(scout, buffer, "scout2")  # both learn where each store's socket is
+    finally:
+        await scout.close()
+    hidden = sorted({Path(a.shared.socket_path) for a in scout.accesses.values() if a.shared is not None})
+    assert len(hidden) == len(pool.stores)
+    for path in hidden:
+        path.rename(path.with_suffix(".hidden"))
+    client = PoolClient(pool.master_address, engine)
+    client.register(buffer.address, buffer.size)
+    try:
+        await round_trip(client, buffer, "reach")
+        assert moved(client, BytePath.ENGINE) == (COUNT * SIZE, COUNT * SIZE)
+        assert moved(client, BytePath.MEMORY) == (0, 0)
+    finally:
+        for path in hidden:
+            path.with_suffix(".hidden").rename(path)
         await client.close()
