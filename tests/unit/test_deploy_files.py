@@ -220,3 +220,15 @@ def test_every_unit_restarts_a_dead_process_within_a_limit(unit: str) -> None:
     assert re.search(r"^RestartSec=\d+$", service_section, re.M)
     assert re.search(r"^StartLimitIntervalSec=\d+$", unit_section, re.M)
     assert re.search(r"^StartLimitBurst=\d+$", unit_section, re.M)
+
+
+@pytest.mark.parametrize("unit", sorted(INSTANCES))
+def test_units_of_a_host_share_one_private_shared_memory_folder(unit: str) -> None:
+    # stores (and decode shards) put their shared-memory sockets there, stages map through them: one folder for
+    # every kvpool unit of the host, the kvpool user's alone, not removed while one of them restarts
+    text = (UNIT_DIR / unit).read_text()
+    for line in ("User=kvpool", "RuntimeDirectory=kvpool", "RuntimeDirectoryMode=0700", "RuntimeDirectoryPreserve=yes"):
+        assert line in text.splitlines(), line
+    if unit == "kvpool-store@.service":
+        _, argv = kvpool_argv(exec_start(text))
+        assert build_settings(expand(argv, "0")).shared_memory_dir == "/run/kvpool"
