@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +125,64 @@ def test_huge_pages_are_off_while_the_bench_runs_and_restored_after() -> None:
     assert os.environ.get(pool_bench.HUGE_PAGES_ENV) == before
     assert huge_page_bytes(0) is None  # no such process: unknown, never a reassuring 0
     assert isinstance(huge_page_bytes(), int)
+
+
+def test_the_working_set_is_sized_from_the_largest_cache(tmp_path: Path) -> None:
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "491520K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert pool_bench.l3_cache_bytes(tmp_path) == 491520 << 10
+    assert pool_bench.l3_cache_bytes(tmp_path / "missing") == pool_bench.UNKNOWN_CACHE_BYTES
+    # 4 x 480 MiB read in batches of 64 x 1.125 MiB: 27 batches, never fewer than asked for
+    assert pool_bench.headline_batches(4 * (491520 << 10), 1179648, 64, 16) == 27
+    assert pool_bench.headline_batches(1 << 20, 1179648, 64, 16) == 16
+
+
+def test_a_run_that_moved_bytes_by_the_wrong_path_fails() -> None:
+    by_memory = ours_run(1.0) | {"bytes_by_path": {"memory_read": 5, "memory_write": 5, "engine_read": 0,
+                                                   "engine_write": 0}}
+    assert pool_bench.failures(by_memory, "memory") == []
+    assert pool_bench.failures(by_memory, "engine") == ["5 bytes by memory read", "5 bytes by memory write",
+                                                        "no byte by engine"]
+    mixed = by_memory | {"bytes_by_path": by_memory["bytes_by_path"] | {"engine_read": 7}}
+    with pytest.raises(BenchError, match="same host: 7 bytes by engine read"):
+        pool_bench.require_clean("same host", mixed, "memory")
+
+
+def test_first_touch_and_memcpy_repeats_merge_like_the_others() -> None:
+    put = {"objects": 256, "stored": 256, "not_stored": 0, "put_bytes": 192 * OBJECT, "put_gbps": 3.0}
+    merged = pool_bench.merge_repeats([put, put | {"put_gbps": 1.0}, put | {"put_gbps": 2.0}])
+    assert (merged["put_bytes"], merged["put_gbps"], merged["stored"]) == (3 * 192 * OBJECT, 2.0, 768)
+    copy = {"objects": 256, "stored": 256, "mismatched": 0, "verified_objects": 256, "memcpy_get_gbps": 9.0,
+            "memcpy_put_gbps": 6.0}
+    merged = pool_bench.merge_repeats([copy, copy | {"memcpy_get_gbps": 5.0, "verified_objects": 255,
+                                                     "mismatched": 1}])
+    assert merged["memcpy_get_gbps"] == 7.0
+    assert pool_bench.failures(merged) == ["1 mismatched", "511/512 verified"]
+
+
+def test_same_host_summary_reports_each_ratio_against_its_target() -> None:
+    report = {
+        "ours": {"kv_batch64": ours_run(5.0), "kv_batch4": ours_run(1.0)},
+        "same_host_first_touch_put": {"put_gbps": 2.0},
+        "same_host_first_touch_get": {"get_gbps": 4.0, "verified_objects": 256},
+        "engine_only": {"put_gbps": 1.0, "get_gbps": 1.6, "verified_objects": 256},
+        "memcpy": {"memcpy_get_gbps": 12.5, "memcpy_put_gbps": 10.0, "verified_objects": 256},
+        "headline_batches": 3, "read_bytes_per_run": 192 * OBJECT, "l3_cache_bytes": 1 << 20,
+    }
+    summary = {"put_gbps": 5.0, "get_gbps": 10.0, "mooncake_put_gbps": 2.5, "mooncake_get_gbps": 2.0}
+    figures = pool_bench.same_host_summary(report, summary)
+    assert figures["same_host_get_gbps"] == 10.0
+    assert figures["same_host_put_first_touch_gbps"] == 2.0
+    assert figures["same_host_get_first_touch_gbps"] == 4.0
+    assert figures["same_host_get_vs_mooncake"] == 5.0
+    assert figures["same_host_put_vs_mooncake"] == 2.0
+    assert figures["same_host_get_vs_memcpy"] == 0.8
+    assert figures["same_host_get_vs_engine"] == 10.0 / 1.6
+    assert figures["targets_met"] == {"same_host_get_vs_mooncake": True, "same_host_put_vs_mooncake": False,
+                                      "same_host_get_vs_memcpy": True}
+    assert figures["same_host_verified_objects"] == 512  # the warm run and the first-touch read-back
+    # no upstream in the run (--skip-upstream): its ratios are not numbers and count as not met
+    figures = pool_bench.same_host_summary(report, summary | {"mooncake_get_gbps": math.nan})
+    assert math.isnan(figures["same_host_get_vs_mooncake"])
+    assert not figures["targets_met"]["same_host_get_vs_mooncake"]

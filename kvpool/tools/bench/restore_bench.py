@@ -26,6 +26,17 @@ and sent again: 15 chunks are restored, 256 tokens computed, and its logits
 must equal the computed ones. Save throughput comes from every stage's
 ``kvpool_prefill_saved_bytes_total`` and ``kvpool_prefill_save_seconds``.
 
+Both byte paths, side by side in one run: every size is measured twice on the
+same pool, each time with a fresh pipeline: first with the stages' default
+``--pool-path auto`` (the stores are on this host and offer their segments as
+shared memory, so restores and saves are memory copies), then with
+``--pool-path engine`` (every byte by the transfer engine), each with the same
+check of its logits. The stages' ``kvpool_prefill_pool_bytes_total{path}``,
+summed, must show no byte by memory with ``engine``; with ``auto`` the share of
+reads that went by memory is reported (``same_host_read_share``; below 1 means
+some stage read by the engine). ``same_host_over_engine`` is the ratio of the
+two aggregate restore rates at the largest size.
+
 The last line of ``--json`` output is one JSON object.
 """
 
@@ -59,6 +70,8 @@ MODEL = "dsv3-kv-61"
 KV_DTYPE = "float8_e4m3fn"
 VOCAB = 1024
 PUT_BATCH = 32  # objects per synthesized put
+POOL_PATHS = ("auto", "engine")  # the stages' --pool-path, measured in this order
+POOL_BYTES = "kvpool_prefill_pool_bytes_total"
 
 
 def _prompt(seed: int, length: int) -> list[int]:
@@ -148,13 +161,40 @@ async def _send(front: prefill_pb2_grpc.PrefillStub, token_ids: list[int]) -> pr
     return await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, return_logits=True), timeout=1800)
 
 
+def pool_bytes_by_path(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Every stage's ``kvpool_prefill_pool_bytes_total`` summed per ``path_direction`` (``memory_read``, ...)."""
+    total: dict[str, float] = {}
+    for metrics in samples:
+        for name, value in metrics.items():
+            if name.startswith(POOL_BYTES + "{"):
+                labels = dict(part.split("=", 1) for part in name[len(POOL_BYTES) + 1:-1].split(","))
+                key = f"{labels['path'].strip(chr(34))}_{labels['direction'].strip(chr(34))}"
+                total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def memory_read_share(by_path: dict[str, float]) -> float | None:
+    """The share of the stages' pool reads that went by memory; None when they read nothing."""
+    memory, engine = by_path.get("memory_read", 0.0), by_path.get("engine_read", 0.0)
+    return memory / (memory + engine) if memory + engine else None
+
+
+def check_path(pool_path: str, by_path: dict[str, float]) -> None:
+    """Raise unless the stages read from the pool, and with ``--pool-path engine`` by the engine alone.
+
+    ``auto`` is not held to a share: it is what the stages choose, and ``memory_read_share`` reports it."""
+    share = memory_read_share(by_path)
+    if share is None or (pool_path == "engine" and share > 0):
+        raise RuntimeError(f"--pool-path {pool_path}: the stages' bytes by path were {by_path}")
+
+
 async def _measure_size(pool: LocalPool, size: int, repeats: int, check: bool, workdir: Path,
-                        engine: TransferEngine) -> dict[str, Any]:
+                        engine: TransferEngine, pool_path: str) -> dict[str, Any]:
     stage_args = ["--model", MODEL, "--kv-dtype", KV_DTYPE, "--device-cache-tokens", str(size + CHUNK),
-                  "--log-level", "warning"]
-    result: dict[str, Any] = {"history_tokens": size}
-    with LocalPipeline(num_stages=NUM_STAGES, master=pool.master_address, workdir=workdir / f"stages-{size}",
-                       stage_args=stage_args) as pipeline:
+                  "--log-level", "warning", "--pool-path", pool_path]
+    result: dict[str, Any] = {"history_tokens": size, "pool_path": pool_path}
+    with LocalPipeline(num_stages=NUM_STAGES, master=pool.master_address,
+                       workdir=workdir / f"stages-{size}-{pool_path}", stage_args=stage_args) as pipeline:
         namespace = pipeline.stages[0].ready["namespace"]
         client = PoolClient(pool.master_address, engine)
         async with service.channel(pipeline.address) as channel:
@@ -172,7 +212,8 @@ async def _measure_size(pool: LocalPool, size: int, repeats: int, check: bool, w
             for p in prompts:
                 await _synthesize(client, staging, namespace, p, object_sizes)
             if check:
-                computed = _prompt(size * 10 + 7, 4096)
+                # a prompt of its own per path: one the other path saved would be restored, not computed
+                computed = _prompt(size * 10 + 7 + POOL_PATHS.index(pool_path), 4096)
                 first = await _send(front, computed)
                 await _wait_saved(client, namespace, computed)
                 await _send(front, prompts[1])  # pushes the computed prompt off the device
@@ -193,6 +234,10 @@ async def _measure_size(pool: LocalPool, size: int, repeats: int, check: bool, w
                 if i:
                     runs.append(response)
             result |= _restore_figures(runs)
+            result["pool_bytes_by_path"] = pool_bytes_by_path(
+                [_scrape(proc.ready["admin_port"]) for proc in pipeline.stages])
+            check_path(pool_path, result["pool_bytes_by_path"])
+            result["memory_read_share"] = memory_read_share(result["pool_bytes_by_path"])
             # the ceiling: the same objects of prompt 0 read by four raw-engine processes at once
             found = await client.lookup([group_id(namespace, h) for h in chunk_hashes(namespace, prompts[0], CHUNK)])
             try:
@@ -256,7 +301,10 @@ async def run(sizes: list[int], repeats: int) -> dict[str, Any]:
         segment = f"{max(256, -(-total // 2 // (1 << 20)) + 256)}MiB"
         with LocalPool(num_stores=2, segment_size=segment, workdir=Path(tmp) / "pool") as pool:
             for size in sizes:
-                results.append(await _measure_size(pool, size, repeats, size == 4096, Path(tmp), engine))
+                by_path = {path: await _measure_size(pool, size, repeats, size == 4096, Path(tmp), engine, path)
+                           for path in POOL_PATHS}
+                # the default path's figures stay where they were; the engine path's sit beside them
+                results.append(by_path["auto"] | {"engine": by_path["engine"]})
     return _summary(results)
 
 
@@ -268,26 +316,45 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         "restore_gbps_aggregate": main["restore_gbps_aggregate"], "te_raw_gbps_aggregate": main["te_raw_gbps_aggregate"],
         "read_ms_p50": main["read_ms_p50"],
         "save_gbps_aggregate": checked.get("save", {}).get("save_gbps_aggregate"),
-        "bytes_verified": sum(r["bytes_verified"] + r["te_raw_verified_bytes"] for r in results),
+        "bytes_verified": sum(figures[k] for r in results for figures in (r, r["engine"])
+                              for k in ("bytes_verified", "te_raw_verified_bytes")),
         "logits_max_abs_diff": checked.get("check", {}).get("logits_max_abs_diff"),
+        "engine_restore_gbps_aggregate": main["engine"]["restore_gbps_aggregate"],
+        "engine_read_ms_p50": main["engine"]["read_ms_p50"],
+        "engine_logits_max_abs_diff": checked.get("engine", {}).get("check", {}).get("logits_max_abs_diff"),
+        "pool_bytes_by_path": {"auto": main["pool_bytes_by_path"], "engine": main["engine"]["pool_bytes_by_path"]},
+        # of the auto run's pool reads, the share that went by memory (1.0: every stage on the same-host path)
+        "same_host_read_share": main["memory_read_share"],
         "sizes": results,
     }
     if summary["restore_gbps_aggregate"] and summary["te_raw_gbps_aggregate"]:
         summary["restore_over_te_raw"] = summary["restore_gbps_aggregate"] / summary["te_raw_gbps_aggregate"]
+    if summary["restore_gbps_aggregate"] and summary["engine_restore_gbps_aggregate"]:
+        summary["same_host_over_engine"] = summary["restore_gbps_aggregate"] / summary["engine_restore_gbps_aggregate"]
     return summary
 
 
 def format_report(summary: dict[str, Any]) -> str:
     lines = [f"restore bench: {summary['model']} {summary['kv_dtype']}, {summary['num_stages']} stages"]
     for r in summary["sizes"]:
-        lines.append(f"  history {r['history_tokens']} tokens: restore {r['restore_gbps_aggregate']:.2f} GB/s aggregate "
-                     f"(raw engine {r['te_raw_gbps_aggregate'] or 0:.2f} GB/s), wait p50 {r['restore_wait_ms_p50']:.0f} ms")
-        for st in r["stages"]:
-            lines.append(f"    stage {st['stage']}: {st['bytes'] / 2**20:.1f} MiB read {st['read_ms_p50']:.0f} ms "
-                         f"= {st['gbps_p50'] or 0:.2f} GB/s")
-        if "check" in r:
-            lines.append(f"    check: {r['check']}")
-            lines.append(f"    save: {r['save']}")
+        for figures in (r, r["engine"]):
+            lines.append(f"  history {figures['history_tokens']} tokens, --pool-path {figures['pool_path']}: restore "
+                         f"{figures['restore_gbps_aggregate']:.2f} GB/s aggregate (raw engine "
+                         f"{figures['te_raw_gbps_aggregate'] or 0:.2f} GB/s), wait p50 "
+                         f"{figures['restore_wait_ms_p50']:.0f} ms; bytes by path {figures['pool_bytes_by_path']}")
+            for st in figures["stages"]:
+                lines.append(f"    stage {st['stage']}: {st['bytes'] / 2**20:.1f} MiB read {st['read_ms_p50']:.0f} ms "
+                             f"= {st['gbps_p50'] or 0:.2f} GB/s")
+            if "check" in figures:
+                lines.append(f"    check: {figures['check']}")
+                lines.append(f"    save: {figures['save']}")
+    if "same_host_over_engine" in summary:
+        lines.append(f"  same host over engine at {summary['history_tokens']} tokens: "
+                     f"×{summary['same_host_over_engine']:.2f}; auto's reads by memory: "
+                     f"{summary['same_host_read_share']:.0%}")
+    if summary["same_host_read_share"] < 1:
+        lines.append("  WARNING: with --pool-path auto some stages read by the engine, though every store is on "
+                     "this host: the auto figures mix both paths")
     return "\n".join(lines)
 
 
