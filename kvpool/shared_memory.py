@@ -28,6 +28,7 @@ import ctypes
 import fcntl
 import json
 import mmap
+import errno
 import os
 import secrets
 import socket
@@ -62,6 +63,11 @@ def default_shared_memory_dir() -> str:
 
 class SharedMemoryUnavailable(Exception):
     """A segment could not be mapped (no such socket, refused, owner gone); the message says why."""
+
+
+class OutOfReach(SharedMemoryUnavailable):
+    """The socket is not there for this process (another container's folder, say): its owner may be alive,
+    and the transfer engine may still reach its memory."""
 
 
 class StaleSegment(SharedMemoryUnavailable):
@@ -438,8 +444,11 @@ class SegmentMaps:
             try:
                 await loop.sock_connect(conn, socket_path)
             except OSError as exc:
-                raise SharedMemoryUnavailable(f"cannot connect to shared-memory socket {socket_path}: "
-                                              f"{exc.strerror or exc}") from exc
+                # no such socket here (another mount namespace, another folder): out of this process's reach;
+                # a socket nobody listens on any more (ECONNREFUSED): its owner is gone
+                unreachable = exc.errno in (errno.ENOENT, errno.EACCES, errno.ENOTDIR)
+                kind = OutOfReach if unreachable else SharedMemoryUnavailable
+                raise kind(f"cannot connect to shared-memory socket {socket_path}: {exc.strerror or exc}") from exc
             owner = peer_credentials(conn)
             if owner.uid != os.geteuid():
                 raise SharedMemoryUnavailable(f"shared-memory socket {socket_path} is served by uid {owner.uid} "

@@ -6,9 +6,9 @@ worker thread per call, each object of a read verified against its checksum as i
 the engine path verifies (``kvpool.pool.endpoint_batches``). Which path a move takes is the core's
 (``kvpool.core.pool.paths.byte_path``).
 
-A segment that cannot be mapped (its store died or restarted, its socket is gone or out of this
-process's reach, as in another container) leaves its moves unattempted (None): the pool client sends
-them by the engine, where a dead store's fail as any engine move to it does.
+A segment whose store died or restarted fails its moves at once: a read is NOT_READ (a miss: the
+caller recomputes), a write is not stored. One whose socket is not within this process's reach (as in
+another container) leaves its moves unattempted (None): the pool client sends them by the engine.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import structlog
 
 from kvpool.core.pool.paths import SegmentAccess
 from kvpool.pool.objects import ReadStatus, checksum
-from kvpool.shared_memory import SegmentMaps, SharedMemoryUnavailable, StaleSegment, copy
+from kvpool.shared_memory import OutOfReach, SegmentMaps, SharedMemoryUnavailable, copy
 
 log = structlog.get_logger(__name__)
 
@@ -56,8 +56,13 @@ async def move_by_memory(maps: SegmentMaps, accesses: dict[str, SegmentAccess], 
         shared = access.shared
         try:
             mapped = await maps.map(shared.socket_path, shared.name, shared.token)
-        except (SharedMemoryUnavailable, StaleSegment) as exc:
+        except OutOfReach as exc:  # left unattempted: the engine may reach it
+            log.info("shared_memory_out_of_reach", segment_id=segment_id, reason=str(exc), moves=len(indices))
+            continue
+        except SharedMemoryUnavailable as exc:  # its store died or restarted: a miss
             log.info("shared_memory_miss", segment_id=segment_id, reason=str(exc), moves=len(indices))
+            for i in indices:
+                result[i] = False if expected is None else ReadStatus.NOT_READ
             continue
         for i in indices:
             move = moves[i]

@@ -51,7 +51,7 @@ from kvpool.handoff import gather_range, gather_range_into, memory_tensor, regio
 from kvpool.services.prefill.arena import Arena
 from kvpool.services.prefill.decode_client import LandedClient
 from kvpool.services.prefill.stage_runner import StageRunner
-from kvpool.shared_memory import SegmentMaps, SharedMemoryUnavailable
+from kvpool.shared_memory import OutOfReach, SegmentMaps, SharedMemoryUnavailable
 from kvpool.transfer import local_host_name
 
 log = structlog.get_logger(__name__)
@@ -60,6 +60,10 @@ ARENA_WAIT_S = 30.0  # for room in the handoff arena, at most
 # finished handoffs nobody asked about (stage 0 gone) are forgotten past this many
 MAX_FINISHED = 1024
 _SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+
+class ArenaOutOfReach(Exception):
+    """Decode's arena is on this host but its socket is not within this process's reach."""
 
 
 class HandoffMetrics:
@@ -200,9 +204,13 @@ class StageHandoff:
         path = handoff_path(target, self.host_name, self.engine_only)
         if path is BytePath.MEMORY:  # the gather is the move: its time counts as gather, no write follows
             started = time.perf_counter()
-            await self.copy_range(writes, token_start, token_end, trailer)
-            transfers, gather_s, write_s = 0, time.perf_counter() - started, 0.0
-        else:
+            try:
+                await self.copy_range(writes, token_start, token_end, trailer)
+                transfers, gather_s, write_s = 0, time.perf_counter() - started, 0.0
+            except ArenaOutOfReach as exc:  # same host, but not this process's to map (another container)
+                log.info("handoff_arena_out_of_reach", region_id=target.region_id, reason=str(exc))
+                path = BytePath.ENGINE
+        if path is BytePath.ENGINE:
             transfers, gather_s, write_s = await self.write_by_engine(writes, plan, token_start, token_end, trailer)
         totals.transfers += transfers
         totals.nbytes += nbytes
@@ -218,9 +226,11 @@ class StageHandoff:
         layout, target = writes.layout, writes.target
         shared = target.shared
         assert shared is not None  # handoff_path chose memory
-        try:  # first: a dead or restarted decode fails here at once, not at the end of an RPC's deadline
+        try:  # first: a restarted decode fails here at once, not at the end of an RPC's deadline
             mapped = await self.maps.map(shared.socket_path, shared.name, shared.token)
-        except SharedMemoryUnavailable as exc:
+        except OutOfReach as exc:  # no socket here: the engine may still reach decode
+            raise ArenaOutOfReach(str(exc)) from None
+        except SharedMemoryUnavailable as exc:  # decode died or restarted
             raise Unavailable(f"stage {self.stage}: mapping decode's arena at {shared.socket_path} failed: {exc}",
                               field="target") from None
         await self.check_reserved(target)

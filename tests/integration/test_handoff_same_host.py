@@ -125,3 +125,29 @@ async def test_decode_killed_fails_the_handoff_cleanly_and_the_stages_go_on(clus
     tokens, _ = await generate(auto.address, shard.address, token_ids, 6)
     reference = InProcessPipeline(CONFIG, num_blocks=16, block_size=64)
     assert tokens == reference.generate_greedy(torch.tensor(token_ids), list(range(16)), 6)
+
+
+async def test_an_arena_out_of_the_stages_reach_goes_by_the_engine(cluster: Cluster, tmp_path: Path) -> None:
+    # decode on the same declared host, but its socket is not where the stages look (another container's
+    # /run, say): the handoff goes by the engine, with the same output, instead of failing
+    auto, _, _ = cluster
+    token_ids = prompt(4, 600)
+    with LocalDecode(DECODE_ARGS, workdir=tmp_path) as fresh:  # no stage has mapped its arena yet
+        async with grpc.aio.insecure_channel(auto.address, options=service.GRPC_OPTIONS) as p, \
+                grpc.aio.insecure_channel(fresh.address, options=service.GRPC_OPTIONS) as d:
+            decode = decode_pb2_grpc.DecodeStub(d)
+            target = await reserve(decode, token_ids, 6)
+            socket_path = Path(target.shared_memory.socket_path)
+            socket_path.rename(socket_path.with_suffix(".hidden"))
+            engine_before = sum(path_bytes(auto, "engine"))
+            try:
+                await prefill(prefill_pb2_grpc.PrefillStub(p), token_ids, target)
+            finally:
+                socket_path.with_suffix(".hidden").rename(socket_path)
+            call = decode.Generate(decode_pb2.DecodeRequest(region_id=target.region_id, prompt_token_ids=token_ids,
+                                                            max_tokens=6), timeout=60)
+            tokens = [r.token_id async for r in call if r.HasField("token_id")]
+    nbytes = len(token_ids) * CONFIG.num_hidden_layers * (CONFIG.kv_entry_dim * 4) + CONFIG.vocab_size * 4
+    assert sum(path_bytes(auto, "engine")) - engine_before == nbytes
+    reference = InProcessPipeline(CONFIG, num_blocks=16, block_size=64)
+    assert tokens == reference.generate_greedy(torch.tensor(token_ids), list(range(16)), 6)
