@@ -229,6 +229,6 @@ def test_units_of_a_host_share_one_private_shared_memory_folder(unit: str) -> No
     text = (UNIT_DIR / unit).read_text()
     for line in ("User=kvpool", "RuntimeDirectory=kvpool", "RuntimeDirectoryMode=0700", "RuntimeDirectoryPreserve=yes"):
         assert line in text.splitlines(), line
-    if unit == "kvpool-store@.service":
+    if unit in ("kvpool-store@.service", "kvpool-decode@.service"):  # the two that offer shared memory
         _, argv = kvpool_argv(exec_start(text))
         assert build_settings(expand(argv, "0")).shared_memory_dir == "/run/kvpool"
