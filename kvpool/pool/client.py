@@ -62,6 +62,22 @@ _ALREADY_EXISTS = pool_pb2.PUT_STATUS_ALREADY_EXISTS
 INLINE_CHECKSUM_BYTES = 1 << 20
 
 
+
+def access_from_message(message: pool_pb2.SegmentAccess) -> SegmentAccess:
+    shared = None
+    if message.HasField("shared_memory"):
+        m = message.shared_memory
+        shared = SharedMemoryRef(m.socket_path, m.name, m.token)
+    return SegmentAccess(message.segment_id, message.host, message.base_address, shared)
+
+
+def access_message(access: SegmentAccess) -> pool_pb2.SegmentAccess:
+    message = pool_pb2.SegmentAccess(segment_id=access.segment_id, host=access.host, base_address=access.base_address)
+    if access.shared is not None:
+        message.shared_memory.CopyFrom(pool_pb2.SharedMemory(
+            socket_path=access.shared.socket_path, name=access.shared.name, token=access.shared.token))
+    return message
+
 class PoolClient:
     """Talks to one pool master and moves bytes with one transfer engine."""
 
@@ -95,12 +111,12 @@ class PoolClient:
 
     def _learn(self, segments: Sequence[pool_pb2.SegmentAccess]) -> None:
         """Keep how each named segment is reached, as the master's answer says now."""
-        for s in segments:
-            shared = None
-            if s.HasField("shared_memory"):
-                m = s.shared_memory
-                shared = SharedMemoryRef(m.socket_path, m.name, m.token)
-            self.accesses[s.segment_id] = SegmentAccess(s.segment_id, s.host, s.base_address, shared)
+        self.learn([access_from_message(s) for s in segments])
+
+    def learn(self, accesses: Sequence[SegmentAccess]) -> None:
+        """Keep how these segments are reached (another stage's lookup passed on with its locations)."""
+        for access in accesses:
+            self.accesses[access.segment_id] = access
 
     def _path(self, segment_id: str) -> BytePath:
         return byte_path(self.accesses.get(segment_id), self.host_name, self.engine_only)

@@ -1,4 +1,5 @@
 from kvpool.rpc import handoff_pb2 as _handoff_pb2
+from kvpool.rpc import pool_pb2 as _pool_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -150,7 +151,7 @@ class StageInfoResponse(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., work_scale: _Optional[float] = ...) -> None: ...
 
 class RestoreChunk(_message.Message):
-    __slots__ = ("chunk_index", "block_id", "endpoint", "address", "size", "checksum", "key")
+    __slots__ = ("chunk_index", "block_id", "endpoint", "address", "size", "checksum", "key", "segment_id")
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +159,7 @@ class RestoreChunk(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     chunk_index: int
     block_id: int
     endpoint: str
@@ -165,15 +167,18 @@ class RestoreChunk(_message.Message):
     size: int
     checksum: int
     key: str
-    def __init__(self, chunk_index: _Optional[int] = ..., block_id: _Optional[int] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., key: _Optional[str] = ...) -> None: ...
+    segment_id: str
+    def __init__(self, chunk_index: _Optional[int] = ..., block_id: _Optional[int] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., key: _Optional[str] = ..., segment_id: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("request_id", "chunks")
+    __slots__ = ("request_id", "chunks", "segments")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunks: _containers.RepeatedCompositeFieldContainer[RestoreChunk]
-    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[RestoreChunk, _Mapping]]] = ...) -> None: ...
+    segments: _containers.RepeatedCompositeFieldContainer[_pool_pb2.SegmentAccess]
+    def __init__(self, request_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[RestoreChunk, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[_pool_pb2.SegmentAccess, _Mapping]]] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("figures",)

@@ -17,6 +17,7 @@ import structlog
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.prefill.stage_forward import Piece, StageForward, StageForwardResult
 from kvpool.handoff_messages import stage_figures_message
+from kvpool.pool.client import access_from_message
 from kvpool.pool.objects import ObjectLocation
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import status_errors
@@ -56,7 +57,7 @@ def restore_chunks(request: prefill_pb2.RestoreRequest, num_blocks: int) -> list
         if not 0 <= c.block_id < num_blocks:
             raise InvalidArgument(f"chunks[{i}].block_id: {c.block_id} is outside 0..{num_blocks - 1}")
         chunks.append(ChunkToRestore(c.chunk_index, c.block_id,
-                                     ObjectLocation(c.key, c.endpoint, c.address, c.size, c.checksum)))
+                                     ObjectLocation(c.key, c.endpoint, c.address, c.size, c.checksum, c.segment_id)))
     return chunks
 
 
@@ -88,6 +89,12 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
     @status_errors
     async def Restore(self, request: prefill_pb2.RestoreRequest, context: Any) -> prefill_pb2.RestoreResponse:
         chunks = restore_chunks(request, self.settings.num_blocks)
+        if self.runner.pool is not None:  # how to reach the segments stage 0's lookup named
+            accesses = [access_from_message(s) for s in request.segments]
+            for i, access in enumerate(accesses):
+                if access.shared is not None:
+                    access.shared.check(f"segments[{i}].shared_memory")
+            self.runner.pool.learn(accesses)
         # shielded and remembered: if stage 0 stops waiting (deadline), objects may
         # still be landing in the pages, and this request's Forward must not compute before it ends
         task = asyncio.ensure_future(self.runner.restore(chunks))

@@ -107,6 +107,30 @@ async def test_restored_kv_gives_the_same_answer_as_computing(stubs) -> None:  #
         assert float((logits_of(response) - reference).abs().max()) <= 1e-4
 
 
+def pool_bytes(pipeline: LocalPipeline, path: str, direction: str) -> list[float]:
+    sample = f'kvpool_prefill_pool_bytes_total{{direction="{direction}",path="{path}"}}'
+    return [metric(stage, sample) for stage in pipeline.stages]
+
+
+async def test_every_stage_restores_and_saves_by_memory_on_the_stores_host(stubs, cluster) -> None:  # type: ignore[no-untyped-def]
+    # stores and stages share this host: every stage's pool bytes are copies, none go by the engine (issue 36)
+    front, master = stubs
+    _, pipeline = cluster
+    tokens = prompt(31, 600)  # 2 full chunks + 88 tokens
+    engine_before = pool_bytes(pipeline, "engine", "read"), pool_bytes(pipeline, "engine", "write")
+    memory_before = pool_bytes(pipeline, "memory", "read")
+    before = (await master.Stats(pool_pb2.StatsRequest())).num_complete_groups
+    await run(front, tokens, session="paths")
+    await saved(master, before + 2)
+    await evict_device(front, seed=32)
+    again = await run(front, tokens, session="paths")
+    assert split(again) == (0, 512, 88)
+    chunk_bytes = CHUNK * 2 * CONFIG.kv_entry_dim * 4  # one stage's layers of a chunk
+    read = [a - b for a, b in zip(pool_bytes(pipeline, "memory", "read"), memory_before)]
+    assert read == [2 * chunk_bytes] * 4
+    assert (pool_bytes(pipeline, "engine", "read"), pool_bytes(pipeline, "engine", "write")) == engine_before
+
+
 async def test_three_turn_session_takes_exact_tokens_from_device_and_pool(stubs) -> None:  # type: ignore[no-untyped-def]
     front, master = stubs
     turn1 = prompt(10, 600)  # chunks 0-1 full

@@ -113,7 +113,10 @@ class PoolRestore:
 
     async def _remote(self, stage: int, request_id: str, chunks: list[ChunkToRestore]) -> StageRestoreFigures:
         try:
-            return await self.stages[stage - 1].restore(request_id, chunks, RESTORE_TIMEOUT_S)
+            assert self.pool is not None  # only a lookup makes chunks to restore
+            named = {c.location.segment_id for c in chunks}
+            accesses = [a for segment_id, a in self.pool.accesses.items() if segment_id in named]
+            return await self.stages[stage - 1].restore(request_id, chunks, accesses, RESTORE_TIMEOUT_S)
         except Unavailable as exc:
             # a stage that cannot restore makes those chunks computed, not the request failed
             log.warning("stage_restore_failed", stage=stage, error=str(exc))
