@@ -79,10 +79,14 @@ def access_message(access: SegmentAccess) -> pool_pb2.SegmentAccess:
     return message
 
 class PoolClient:
-    """Talks to one pool master and moves bytes with one transfer engine."""
+    """Talks to one pool master and moves bytes by memory with the stores on its host and with one transfer
+    engine with the others; without an engine (a one-host cluster opens none) a move that needs one fails
+    as any failed move does: a read misses, a put is not stored."""
 
-    def __init__(self, master: str, engine: TransferEngine, host_name: str | None = None,
+    def __init__(self, master: str, engine: TransferEngine | None, host_name: str | None = None,
                  engine_only: bool = False) -> None:
+        if engine is None and engine_only:
+            raise ValueError("engine_only: there is no transfer engine to move every byte with")
         self.master = master
         self.engine = engine
         self.host_name = host_name or local_host_name()
@@ -132,11 +136,16 @@ class PoolClient:
         def want(indices: list[int]) -> list[int] | None:
             return None if expected is None else [expected[i] for i in indices]
 
-        def by_engine(indices: list[int]) -> Any:
+        async def by_engine(indices: list[int]) -> list[Any]:
             engine_expected = want(indices)
+            if self.engine is None:  # nothing can reach these segments from here
+                if indices:
+                    log.info("pool_move_needs_engine", moves=len(indices))
+                return [False if engine_expected is None else ReadStatus.NOT_READ] * len(indices)
             engine_moves = [moves[i][1] for i in indices]
-            return (move_by_endpoint(self.engine, engine_moves, write) if engine_expected is None
-                    else move_by_endpoint(self.engine, engine_moves, write, engine_expected))
+            if engine_expected is None:
+                return await move_by_endpoint(self.engine, engine_moves, write)
+            return await move_by_endpoint(self.engine, engine_moves, write, engine_expected)
 
         by_memory = move_by_memory(
             self.maps, self.accesses,
@@ -195,8 +204,9 @@ class PoolClient:
             self.breaker.success()
 
     def register(self, address: int, size: int) -> None:
-        """Register caller memory with the engine once; puts and reads must stay inside it."""
-        self.engine.register(address, size)
+        """Register caller memory with the engine (if any) once; puts and reads must stay inside it."""
+        if self.engine is not None:
+            self.engine.register(address, size)
         self._regions.append((address, address + size))
 
     # ---- writes ---------------------------------------------------------

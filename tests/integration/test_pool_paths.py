@@ -125,3 +125,25 @@ async def test_a_segment_out_of_this_process_reach_goes_by_the_engine(pool: Loca
         for path in hidden:
             path.with_suffix(".hidden").rename(path)
         await client.close()
+
+
+async def test_without_an_engine_same_host_moves_work_and_others_fail_as_misses(pool: LocalPool,
+                                                                                 buffer: HostBuffer) -> None:
+    # a one-host cluster opens no engine: its stores are all reached by memory
+    client = PoolClient(pool.master_address, None)
+    client.register(buffer.address, buffer.size)
+    try:
+        await round_trip(client, buffer, "noengine")
+        assert moved(client, BytePath.MEMORY) == (COUNT * SIZE, COUNT * SIZE)
+    finally:
+        await client.close()
+    far = PoolClient(pool.master_address, None, host_name="some-other-host")
+    far.register(buffer.address, buffer.size)
+    try:  # nothing reaches the stores from "another host" without an engine: not stored, nothing raised
+        objects = [PutObject("far/g0/0", "far/g0", 1, buffer.address, SIZE)]
+        assert await far.put(objects) == [PutResult.NOT_STORED]
+        assert moved(far, BytePath.ENGINE) == (0, 0)
+    finally:
+        await far.close()
+    with pytest.raises(ValueError, match="^engine_only: "):
+        PoolClient(pool.master_address, None, engine_only=True)
