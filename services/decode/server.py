@@ -26,7 +26,8 @@ log = structlog.get_logger(__name__)
 
 async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None:
     refuse_unless_fits("decode", settings.memory())
-    engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
+    engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device) if settings.transfer_engine \
+        else None
     metrics = DecodeMetrics(settings.num_pages)
     shard = DecodeShard(settings, engine, metrics)
     servicer = DecodeServicer(shard)
@@ -62,10 +63,10 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
     try:
         config = shard.config
         log.info("decode_shard_serving", address=f"{settings.host}:{handle.port}", admin_port=admin_port,
-                 endpoint=engine.endpoint, model=config.name, kv_dtype=settings.kv_dtype,
+                 endpoint=shard.endpoint, model=config.name, kv_dtype=settings.kv_dtype,
                  num_pages=settings.num_pages, page_size=settings.page_size, max_batch_size=settings.max_batch_size,
                  region_arena_bytes=settings.region_arena_bytes)
-        service.write_ready_file(ready_file, port=handle.port, admin_port=admin_port, endpoint=engine.endpoint)
+        service.write_ready_file(ready_file, port=handle.port, admin_port=admin_port, endpoint=shard.endpoint)
         await stop.wait()
         log.info("decode_shard_stopping")
         # not ready first, then finish what is in flight (a rolling restart loses nothing)

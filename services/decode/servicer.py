@@ -54,7 +54,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # the core's deadline is monotonic; peers get wall-clock milliseconds
         deadline_ms = int((time.time() + region.deadline - self.shard.clock()) * 1000)
         target = handoff_pb2.HandoffTarget(
-            region_id=str(region.region_id), endpoint=self.shard.engine.endpoint,
+            region_id=str(region.region_id), endpoint=self.shard.endpoint,
             address=self.shard.region_address(region), size=region.size, deadline_unix_ms=deadline_ms,
             layout=handoff_pb2.HandoffLayout(num_tokens=request.num_tokens, layer_split=request.layer_split,
                                              entry_bytes=request.entry_bytes, trailer_bytes=trailer),

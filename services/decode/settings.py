@@ -35,6 +35,9 @@ class DecodeSettings(ModelSetting):
     transfer_host: str = setting("127.0.0.1", help="address the transfer engine advertises")
     protocol: str = setting("tcp", help="transfer engine protocol", choices=("tcp", "rdma"))
     device: str = setting("", help="RDMA device names for the transfer engine (rdma only)")
+    transfer_engine: bool = setting(True, help="run a transfer engine for prefill stages on other hosts; without "
+                                    "one (a one-host cluster) the arena is reached by shared memory only and no "
+                                    "engine port is opened")
     shared_memory: bool = setting(True, help="offer the receive arena as shared memory to prefill stages on this "
                                   "host (same user only), so their handoff bytes move by a memory copy, not the "
                                   "transfer engine")
@@ -45,6 +48,9 @@ class DecodeSettings(ModelSetting):
                                          "not-ready (new calls still served until callers notice)")
 
     def __post_init__(self) -> None:
+        if not self.transfer_engine and not self.shared_memory:
+            raise ValueError("transfer_engine: without an engine only shared memory reaches the arena; "
+                             "keep --shared-memory or --transfer-engine")
         if self.drain_s < 0:
             raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
         self.kv_bytes = parse_size(self.kv_bytes, "kv_bytes")

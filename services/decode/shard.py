@@ -83,7 +83,7 @@ class LiveSequence:
 class DecodeShard:
     """Pages, regions and the running batch of one shard; ``run`` is its step loop."""
 
-    def __init__(self, settings: DecodeSettings, engine: TransferEngine, metrics: DecodeMetrics,
+    def __init__(self, settings: DecodeSettings, engine: TransferEngine | None, metrics: DecodeMetrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.config = settings.model_config()
@@ -101,9 +101,11 @@ class DecodeShard:
         self.arena: HostBuffer | SharedSegment = (SharedSegment(size, ARENA_NAME) if settings.shared_memory
                                                   else HostBuffer(size))
         self.arena.touch()
-        engine.register(self.arena.address, self.arena.size)
+        if engine is not None:  # None: stages reach the arena by shared memory only
+            engine.register(self.arena.address, self.arena.size)
         self.host_name = local_host_name()  # the host this shard declares in its targets
         self.shared: SharedMemoryRef | None = None  # where this host's stages map the arena (the server sets it)
+        self.endpoint = engine.endpoint if engine is not None else ""  # "": no engine, shared memory only
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-compute")
         self._live: dict[str, LiveSequence] = {}
         self.notify_address = ""  # this shard's gRPC address, for Landed (the server sets it)
@@ -357,4 +359,5 @@ class DecodeShard:
 
     def close(self) -> None:
         self._compute.shutdown(wait=True)
-        self.engine.unregister(self.arena.address)
+        if self.engine is not None:
+            self.engine.unregister(self.arena.address)

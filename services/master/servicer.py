@@ -120,8 +120,12 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     @status_errors
     async def MountSegment(self, request: pool_pb2.MountSegmentRequest, context: Any) -> pool_pb2.MountSegmentResponse:
         check_name(request.segment_id, "segment_id")
-        if not _ENDPOINT.match(request.endpoint):
+        # no endpoint: a store without a transfer engine, reached only by its host's shared memory
+        if request.endpoint and not _ENDPOINT.match(request.endpoint):
             raise InvalidArgument(f"endpoint: {request.endpoint!r} is not host:port")
+        if not request.endpoint and not request.HasField("shared_memory"):
+            raise InvalidArgument("endpoint: '' is not host:port (a segment without a transfer engine needs "
+                                  "shared_memory)")
         if request.size <= 0:
             raise InvalidArgument(f"size: must be positive, got {request.size}")
         if request.base_address == 0:

@@ -72,7 +72,7 @@ class Store:
     """A mounted (or mounting) segment and its link to the master."""
 
     settings: StoreSettings
-    engine: TransferEngine
+    engine: TransferEngine | None  # None: reached only by shared memory (no engine port)
     segment: HostBuffer | SharedSegment
     master: MasterClient
     metrics: StoreMetrics
@@ -82,13 +82,17 @@ class Store:
     records: SegmentRecords = field(default_factory=SegmentRecords)
     shared: SharedMemoryRef | None = None  # where clients on this host map the segment
 
+    @property
+    def endpoint(self) -> str:
+        return self.engine.endpoint if self.engine is not None else ""
+
     async def mount(self) -> None:
         report, unverified = await asyncio.to_thread(self._verified_records)
         if unverified:
             self.metrics.unverified.inc(len(unverified))
             log.warning("records_unverified", count=len(unverified), first_key=unverified[0])
         response = await self.master.mount(
-            SegmentMount(self.settings.segment_id, self.engine.endpoint, self.host_name, self.segment.address,
+            SegmentMount(self.settings.segment_id, self.endpoint, self.host_name, self.segment.address,
                          self.segment.size, self.settings.numa_node, self.shared),
             report,
         )
@@ -203,8 +207,10 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
     segment = SharedSegment(size, settings.segment_id) if settings.shared_memory else HostBuffer(size)
     numa.mbind_range(segment.address, segment.size, settings.numa_node)
     segment.touch()
-    engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
-    engine.register(segment.address, segment.size)
+    engine = None
+    if settings.transfer_engine:
+        engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
+        engine.register(segment.address, segment.size)
     share = None
     shared = None
     if isinstance(segment, SharedSegment):
@@ -228,10 +234,10 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
             await handle.set_serving(True)
             service.write_ready_file(
                 ready_file, port=handle.port, admin_port=admin_port, segment_id=settings.segment_id,
-                endpoint=engine.endpoint, segment_size=segment.size, segment_address=segment.address,
+                endpoint=store.endpoint, segment_size=segment.size, segment_address=segment.address,
             )
             log.info("store_serving", address=f"{settings.host}:{handle.port}", admin_port=admin_port,
-                     endpoint=engine.endpoint, segment_size=segment.size, numa_node=settings.numa_node)
+                     endpoint=store.endpoint, segment_size=segment.size, numa_node=settings.numa_node)
             heartbeat = asyncio.create_task(store.heartbeat_forever(stop))
             await stop.wait()
         log.info("store_stopping")
@@ -250,5 +256,6 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
             await share.close()  # peers see the socket close and unmap the segment
         await channel.close()
         await handle.server.stop(grace=1.0)
-        engine.unregister(segment.address)
+        if engine is not None:
+            engine.unregister(segment.address)
         log.info("store_stopped")

@@ -27,6 +27,9 @@ class StoreSettings:
     protocol: str = setting("tcp", help="transfer engine protocol", choices=("tcp", "rdma"))
     device: str = setting("", help="RDMA device names for the transfer engine (rdma only)")
     heartbeat_interval_s: float = setting(2.0, help="heartbeat period in seconds (the master may ask for less)")
+    transfer_engine: bool = setting(True, help="run a transfer engine for pool clients on other hosts; without one "
+                                    "(a one-host cluster) the segment is reached by shared memory only and no "
+                                    "engine port is opened")
     shared_memory: bool = setting(True, help="offer the segment as shared memory to pool clients on this host "
                                   "(same user only), so their bytes move by a memory copy, not the transfer engine")
     shared_memory_dir: str = setting("", help="folder of the shared-memory sockets: this user's alone (0700); "
@@ -44,6 +47,9 @@ class StoreSettings:
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s: must be positive, got {self.heartbeat_interval_s}")
         self.shared_memory_dir = self.shared_memory_dir or default_shared_memory_dir()
+        if not self.transfer_engine and not self.shared_memory:
+            raise ValueError("transfer_engine: without an engine only shared memory reaches the segment; "
+                             "keep --shared-memory or --transfer-engine")
 
     def memory(self) -> dict[str, int]:
         """Host bytes this store allocates, by the setting that sizes them."""

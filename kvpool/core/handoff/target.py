@@ -84,8 +84,8 @@ def check_target(
     entry_bytes: int, now_unix_ms: int,
 ) -> None:
     """Raise unless the target fits this pipeline and its reservation is still live."""
-    if not target.endpoint:
-        raise InvalidArgument("target.endpoint: must name decode's transfer engine")
+    if not target.endpoint and target.shared is None:
+        raise InvalidArgument("target.endpoint: must name decode's transfer engine (or the target its shared memory)")
     if target.address == 0:
         raise InvalidArgument("target.address: must not be 0")
     split = tuple((int(s), int(e)) for s, e in layer_split)
