@@ -187,20 +187,26 @@ class RestoreResponse(_message.Message):
     def __init__(self, figures: _Optional[_Union[StageRestoreFigures, _Mapping]] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("inline", "endpoint", "address", "size", "num_tokens", "hidden_size")
+    __slots__ = ("inline", "endpoint", "address", "size", "num_tokens", "hidden_size", "host", "shared_memory", "shared_base_address")
     INLINE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     inline: bytes
     endpoint: str
     address: int
     size: int
     num_tokens: int
     hidden_size: int
-    def __init__(self, inline: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    host: str
+    shared_memory: _pool_pb2.SharedMemory
+    shared_base_address: int
+    def __init__(self, inline: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., host: _Optional[str] = ..., shared_memory: _Optional[_Union[_pool_pb2.SharedMemory, _Mapping]] = ..., shared_base_address: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("request_id", "block_table", "compute_start", "num_tokens", "activation", "save_first_chunk", "save_chunk_hashes", "return_logits", "tenant", "target", "handoff_after_prefill", "piece_start", "piece_end", "forward_after_stage")

@@ -1,10 +1,11 @@
-"""Registered host memory carved into per-request regions.
+"""Host memory carved into per-request regions.
 
-Bytes the transfer engine moves for a stage that are not KV pages (hidden
-states for the next stage, the handoff's gathered slabs) live in one of
-these arenas, registered with the engine once at start-up and reused. KV
-moves to and from the pool need none: they use the registered pages
-themselves (``stage_runner``).
+Bytes a stage moves that are not KV pages (hidden states for the next
+stage, the handoff's gathered slabs) live in one of these arenas, allocated
+once at start-up and reused: registered with the transfer engine when the
+stage runs one, and, for the send arena, a ``SharedSegment`` the next stage
+on this host maps (``pieces``). KV moves to and from the pool need none:
+they use the pages themselves (``stage_runner``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.core.pool.allocator import SegmentAllocator
+from kvpool.shared_memory import SharedSegment
 from kvpool.transfer import HostBuffer, TransferEngine
 
 ALIGNMENT = 4096  # regions start on a page
@@ -28,13 +30,15 @@ class Region:
 
 
 class Arena:
-    """A registered buffer with a best-fit allocator over it (4 KiB aligned)."""
+    """A buffer with a best-fit allocator over it (4 KiB aligned): shared memory when ``shared``, registered with
+    ``engine`` when there is one."""
 
-    def __init__(self, name: str, size: int, engine: TransferEngine) -> None:
+    def __init__(self, name: str, size: int, engine: TransferEngine | None, shared: bool = False) -> None:
         self.name = name
-        self.buffer = HostBuffer(size)
+        self.buffer: HostBuffer | SharedSegment = SharedSegment(size, f"{name}-arena") if shared else HostBuffer(size)
         self.buffer.touch()
-        engine.register(self.buffer.address, size)
+        if engine is not None:
+            engine.register(self.buffer.address, size)
         self._engine = engine
         self._allocator = SegmentAllocator(size, alignment=ALIGNMENT)
         self._freed = asyncio.Condition()
@@ -53,7 +57,8 @@ class Arena:
 
     def close(self) -> None:
         """Unregister (the memory may be mapped again at this address later)."""
-        self._engine.unregister(self.buffer.address)
+        if self._engine is not None:
+            self._engine.unregister(self.buffer.address)
 
     def allocate(self, size: int) -> Region | None:
         """A region of ``size`` bytes, or None when the arena is too full right now."""

@@ -19,6 +19,12 @@ above. An arena that cannot be mapped (decode gone or restarted) fails the
 handoff as a failed engine write does. Bytes are counted per path
 (``kvpool_prefill_handoff_bytes_total{path}``).
 
+A stage without a transfer engine (``--no-transfer-engine``) has no handoff
+arena and writes by memory only: a target its path decision sends to the
+engine (decode on another host, or offering no shared memory) is refused
+UNAVAILABLE naming the target before any work, and one whose arena turns out
+out of reach fails the same way.
+
 Invariants: nothing is written before the whole target checked out (stage
 0, before any work); nothing is written into a region decode no longer holds
 for it (asked right before each write, or each copy); a slab is freed only
@@ -145,7 +151,8 @@ class StageHandoff:
         self.settings = runner.settings
         self.stage = runner.settings.stage
         self.entry_bytes = runner.kv_cache.shape[-1] * runner.kv_cache.element_size()
-        self.arena = Arena("handoff", self.settings.handoff_arena_bytes, runner.engine)
+        # the engine's slabs: without an engine every write is a copy into decode's arena, and needs none
+        self.arena = Arena("handoff", self.settings.handoff_arena_bytes, runner.engine) if runner.engine else None
         self._requests: dict[str, RequestWrites] = {}
         self.decode = LandedClient(self.stage)
         self.host_name = local_host_name()
@@ -155,7 +162,8 @@ class StageHandoff:
     async def close(self) -> None:
         await self.decode.close()
         await self.maps.close()
-        self.arena.close()
+        if self.arena is not None:
+            self.arena.close()
 
     def check(self, target: HandoffTarget, num_tokens: int, num_logits: int) -> HandoffLayout:
         """The target's layout, checked against this request and pipeline before any work (stage 0)."""
@@ -166,12 +174,22 @@ class StageHandoff:
             raise InvalidArgument(f"target.layout.trailer_bytes: {layout.trailer_bytes}, the final logits take "
                                   f"{num_logits * 4}")
         check_target(target, layout, self.settings.layer_split, self.entry_bytes, now_unix_ms())
+        self.check_reachable(target)
         return layout
+
+    def check_reachable(self, target: HandoffTarget) -> None:
+        """Raise UNAVAILABLE naming the target unless this stage can move bytes into it."""
+        if self.runner.engine is None and handoff_path(target, self.host_name) is BytePath.ENGINE:
+            raise Unavailable(f"target.host: decode on host {target.host or '(not declared)'}"
+                              f"{'' if target.shared else ', offering no shared memory,'} needs the transfer "
+                              f"engine, and stage {self.stage} on {self.host_name} runs without one "
+                              f"(--no-transfer-engine)", field="target")
 
     def begin(self, request_id: str, block_table: list[int], target: HandoffTarget) -> RequestWrites:
         """A request's writes from this stage; checked like stage 0 checked them."""
         layout = target.layout
         check_target(target, layout, self.settings.layer_split, self.entry_bytes, now_unix_ms())
+        self.check_reachable(target)
         if len(self._requests) >= MAX_FINISHED:
             for done in [r for r, w in self._requests.items() if all(t.done() for t in w.tasks)]:
                 del self._requests[done]
@@ -267,10 +285,15 @@ class StageHandoff:
         """Gather one range into a slab of the arena and write it in ``plan``'s transfers (and the trailer's)
         with the transfer engine; the transfers, the gather's seconds and the write's."""
         layout, target = writes.layout, writes.target
+        engine, arena = self.runner.engine, self.arena
+        if engine is None or arena is None:  # decode's arena was out of this process's reach
+            where = target.shared.socket_path if target.shared else "(none)"
+            raise Unavailable(f"target.shared_memory: decode's arena at {where} is out of stage {self.stage}'s "
+                              f"reach, and it runs without a transfer engine (--no-transfer-engine)", field="target")
         kv_nbytes = sum(t.length for t in plan)
         nbytes = kv_nbytes + len(trailer)
         try:
-            slab = await self.arena.allocate_wait(nbytes, ARENA_WAIT_S)
+            slab = await arena.allocate_wait(nbytes, ARENA_WAIT_S)
         except TimeoutError:
             raise ResourceExhausted(f"stage {self.stage}: no room for a {nbytes}-byte handoff slab "
                                     f"in {ARENA_WAIT_S}s") from None
@@ -278,7 +301,7 @@ class StageHandoff:
             raise InvalidArgument(f"target.layout.num_tokens: {exc}") from None
         try:
             t0 = time.perf_counter()
-            slab_tensor = self.arena.tensor(slab, 0, nbytes)
+            slab_tensor = arena.tensor(slab, 0, nbytes)
             if plan:
                 await asyncio.to_thread(gather_range, self.runner.kv_cache, writes.block_table, token_start,
                                         token_end, slab_tensor[:kv_nbytes])
@@ -295,7 +318,7 @@ class StageHandoff:
                     remote.append(target.address + layout.trailer_offset + t.offset)
                     sizes.append(t.length)
             # polled, never spinning: this write overlaps the stage's own and the next stages' compute
-            done = await asyncio.to_thread(self.runner.engine.move, target.endpoint, local, remote, sizes, True,
+            done = await asyncio.to_thread(engine.move, target.endpoint, local, remote, sizes, True,
                                            None, True)
             if not all(done):
                 # field "target": the decode shard failed, not this pipeline (the router moves the request)
@@ -303,5 +326,5 @@ class StageHandoff:
                                   f"{done.count(False)} of {len(sizes)} transfers", field="target")
             t2 = time.perf_counter()
         finally:
-            self.arena.free(slab)
+            arena.free(slab)
         return len(sizes), t1 - t0, t2 - t1

@@ -60,13 +60,16 @@ async def wait_for_stages(settings: PrefillSettings, namespace: str, stop: async
 
 async def serve(settings: PrefillSettings, ready_file: str | None = None) -> None:
     refuse_unless_fits(f"prefill stage {settings.stage}", settings.memory())
-    engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device)
+    # without an engine the stage opens no port but its gRPC and admin ones, and moves bytes by memory only
+    engine = TransferEngine(settings.transfer_host, settings.protocol, settings.device) \
+        if settings.transfer_engine else None
     pool = PoolClient(settings.master, engine, engine_only=settings.pool_path == "engine") if settings.master else None
     metrics = PrefillMetrics()
     if pool is not None:
         metrics.registry.register(PoolPathCollector(pool))
     runner = StageRunner(settings, engine, pool, metrics)
     link = ActivationLink(runner, settings.next_address)
+    await link.start()
     handoff_metrics = HandoffMetrics(metrics.registry)
     handoff = StageHandoff(runner, handoff_metrics)
     stage_servicer = PrefillStageServicer(runner, link, handoff)
@@ -97,11 +100,12 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
             )
             await handle.set_serving(True)
         start, end = settings.layers
+        endpoint = engine.endpoint if engine is not None else ""
         log.info("prefill_stage_serving", stage=settings.stage, num_stages=settings.num_stages, layers=[start, end],
-                 address=f"{settings.host}:{handle.port}", admin_port=admin_port, endpoint=engine.endpoint,
+                 address=f"{settings.host}:{handle.port}", admin_port=admin_port, endpoint=endpoint or "none",
                  device_cache_tokens=settings.num_blocks * settings.chunk_size, pool=settings.master or "off",
                  namespace=runner.namespace, torch_threads=settings.torch_threads)
-        service.write_ready_file(ready_file, port=handle.port, admin_port=admin_port, endpoint=engine.endpoint,
+        service.write_ready_file(ready_file, port=handle.port, admin_port=admin_port, endpoint=endpoint,
                                  namespace=runner.namespace)
         await stop.wait()
         log.info("prefill_stage_stopping", stage=settings.stage)

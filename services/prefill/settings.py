@@ -10,6 +10,7 @@ from kvpool.core.setting import setting
 from kvpool.core.tenancy.shares import parse_weights
 from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES, split_layers
 from kvpool.model.model_setting import ModelSetting
+from kvpool.shared_memory import default_shared_memory_dir
 
 LAYOUT_VERSION = 1
 
@@ -50,11 +51,20 @@ class PrefillSettings(ModelSetting):
     stage_addresses: list[str] = setting(
         help="stage 0: addresses of stages 1..N-1, in order", factory=list, metavar="ADDR,...", default_text="none"
     )
+    transfer_engine: bool = setting(True, help="run a transfer engine (it listens on a port): without one the "
+                                    "stage moves bytes by shared memory only (a one-host cluster), and a move "
+                                    "that needs the engine (a store or decode on another host) fails")
+    shared_memory: bool = setting(True, help="offer the send arena as shared memory to the next stage on this host "
+                                  "(same user only), so hidden states move by a memory copy, not the engine")
+    shared_memory_dir: str = setting("", help="folder of the shared-memory sockets: this user's alone (0700); "
+                                     "every member of the cluster on this host names the same",
+                                     default_text="$XDG_RUNTIME_DIR/kvpool, else /tmp/kvpool-UID")
     transfer_host: str = setting("127.0.0.1", help="address the transfer engine advertises")
     protocol: str = setting("tcp", help="transfer engine protocol", choices=("tcp", "rdma"))
     device: str = setting("", help="RDMA device names for the transfer engine (rdma only)")
     inline_activation_bytes: int = setting(
-        65536, help="hidden states at or below this many bytes travel inside the RPC, larger ones by the engine"
+        65536, help="hidden states at or below this many bytes travel inside the RPC, larger ones in the send arena "
+                    "(copied by the next stage on this host, else read with the engine)"
     )
     tenant_weights: list[str] = setting(
         help="stage 0: each tenant's weight in the device cache, TENANT=WEIGHT (comma-separated); a tenant not "
@@ -138,6 +148,14 @@ class PrefillSettings(ModelSetting):
             raise ValueError(f"admission_timeout_s: must be positive, got {self.admission_timeout_s}")
         if self.inline_activation_bytes < 0:
             raise ValueError(f"inline_activation_bytes: must be >= 0, got {self.inline_activation_bytes}")
+        self.shared_memory_dir = self.shared_memory_dir or default_shared_memory_dir()
+        if not self.transfer_engine:
+            for name in ("pool_path", "handoff_path"):
+                if getattr(self, name) == "engine":
+                    raise ValueError(f"{name}: engine needs a transfer engine (--no-transfer-engine was given)")
+            if not self.shared_memory and self.num_stages > 1:
+                raise ValueError("shared_memory: without a transfer engine, hidden states between stages move "
+                                 "only by shared memory")
 
 
     @property
@@ -145,13 +163,19 @@ class PrefillSettings(ModelSetting):
         """The handoff slab of the longest prompt the device cache holds, and the final logits after it."""
         return self.num_blocks * self.chunk_nbytes + self.model_config().vocab_size * 4
 
-    def memory(self) -> dict[str, int]:
-        """Host bytes this stage allocates, by the setting that sizes them: the KV pages, the handoff arena, and
-        the two activation arenas sized for the longest prompt the cache holds (as ``StageRunner`` allocates them)."""
+    @property
+    def activation_arena_bytes(self) -> int:
+        """One activation arena: twice the hidden states of the longest prompt the cache holds."""
         config = self.model_config()
-        max_tokens = min(config.max_position_embeddings, self.device_cache_tokens)
-        return {"device_cache_tokens": self.num_blocks * self.chunk_nbytes + self.handoff_arena_bytes
-                + 2 * 2 * max_tokens * config.hidden_size * 4}
+        return 2 * min(config.max_position_embeddings, self.device_cache_tokens) * config.hidden_size * 4
+
+    def memory(self) -> dict[str, int]:
+        """Host bytes this stage allocates, by the setting that sizes them: the KV pages, the send arena, and
+        with a transfer engine the receive and handoff arenas its reads and writes need (as ``StageRunner`` and
+        ``StageHandoff`` allocate them)."""
+        engine_arenas = self.activation_arena_bytes + self.handoff_arena_bytes if self.transfer_engine else 0
+        return {"device_cache_tokens": self.num_blocks * self.chunk_nbytes + self.activation_arena_bytes
+                + engine_arenas}
 
     @property
     def num_blocks(self) -> int:

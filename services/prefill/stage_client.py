@@ -2,7 +2,7 @@
 
 The sending side of ``kvpool.services.prefill.pieces``: one client-streaming call per request
 and stage. ``PieceSender.send`` only queues; a writer task packs each piece (inline when small,
-else in the send arena for the next stage to read) and writes it, so a slow reader never stalls
+else in the send arena for the next stage to copy or read) and writes it, so a slow reader never stalls
 this stage's compute. ``finish`` ends the stream and returns the next stage's answer, the chain's;
 ``abort`` cancels the call, so the next stage stops waiting for pieces that will not come.
 
@@ -21,8 +21,9 @@ import torch
 
 from kvpool import service
 from kvpool.core.errors import DeviceCacheLost, Unavailable
+from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.prefill.stage_forward import Activation, Piece, StageForward, StageForwardResult
-from kvpool.handoff_messages import target_from_message, target_message
+from kvpool.handoff_messages import shared_memory_message, target_from_message, target_message
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.status import error_kind
 
@@ -60,15 +61,24 @@ def forward_from_message(message: prefill_pb2.ForwardRequest) -> StageForward:
 def activation_message(activation: Activation) -> prefill_pb2.Activation:
     return prefill_pb2.Activation(num_tokens=activation.num_tokens, hidden_size=activation.hidden_size,
                                   inline=activation.inline, endpoint=activation.endpoint,
-                                  address=activation.address, size=activation.size)
+                                  address=activation.address, size=activation.size, host=activation.host,
+                                  shared_memory=shared_memory_message(activation.shared),
+                                  shared_base_address=activation.shared_base_address)
 
 
 def piece_from_message(message: prefill_pb2.ForwardRequest) -> Piece:
+    """The piece a message carries; its shared memory, if any, checked (INVALID_ARGUMENT naming the field)."""
     a = message.activation
+    shared = None
+    if a.HasField("shared_memory"):
+        m = a.shared_memory
+        shared = SharedMemoryRef(m.socket_path, m.name, m.token)
+        shared.check("activation.shared_memory")
     return Piece(request_id=message.request_id, num_tokens=message.num_tokens, compute_start=message.compute_start,
                  start=message.piece_start, end=message.piece_end,
                  activation=Activation(num_tokens=a.num_tokens, hidden_size=a.hidden_size, inline=a.inline,
-                                       endpoint=a.endpoint, address=a.address, size=a.size))
+                                       endpoint=a.endpoint, address=a.address, size=a.size, host=a.host,
+                                       shared=shared, shared_base_address=a.shared_base_address))
 
 
 def result_message(result: StageForwardResult) -> prefill_pb2.ForwardResponse:

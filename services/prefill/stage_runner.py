@@ -1,5 +1,11 @@
 """One stage's tensors: its layers, its KV pages (registered with the transfer
-engine), its activation arenas; restore into and save from the pages.
+engine, when the stage runs one), its activation arenas; restore into and save
+from the pages.
+
+The send arena is shared memory (``--shared-memory``) the next stage on this
+host maps; the receive arena, for hidden states read with the engine, exists
+only with an engine. A stage without one (``--no-transfer-engine``) registers
+nothing and moves pool bytes by memory only (``PoolClient`` without an engine).
 
 The whole KV cache is registered with the engine once, at start-up (host
 memory here; device memory on a GPUDirect host, the engine build being the
@@ -71,7 +77,8 @@ class StageRunner:
     """Owns the stage's model layers, KV pages and activation arenas (see module doc)."""
 
     def __init__(
-        self, settings: PrefillSettings, engine: TransferEngine, pool: PoolClient | None, metrics: PrefillMetrics
+        self, settings: PrefillSettings, engine: TransferEngine | None, pool: PoolClient | None,
+        metrics: PrefillMetrics,
     ) -> None:
         torch.set_num_threads(settings.torch_threads)
         self.settings = settings
@@ -97,12 +104,12 @@ class StageRunner:
         # the pages are where pool bytes land and leave from (and the handoff's source)
         if pool is not None:
             pool.register(self.kv_cache.data_ptr(), nbytes)
-        else:
+        elif engine is not None:
             engine.register(self.kv_cache.data_ptr(), nbytes)
-        max_tokens = min(self.config.max_position_embeddings, settings.device_cache_tokens)
-        activation_bytes = 2 * max_tokens * self.config.hidden_size * 4
-        self.send_arena = Arena("send", activation_bytes, engine)
-        self.recv_arena = Arena("recv", activation_bytes, engine)
+        activation_bytes = settings.activation_arena_bytes
+        self.send_arena = Arena("send", activation_bytes, engine, shared=settings.shared_memory)
+        # hidden states the engine reads land here; without an engine every read is a copy into its tensor
+        self.recv_arena = Arena("recv", activation_bytes, engine) if engine is not None else None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{settings.stage}-compute")
         # this host's speed against the work estimates' (the gate's and the router's orders and budgets)
         self.work_scale = WorkScale()
@@ -116,9 +123,11 @@ class StageRunner:
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
         # the engine outlives us (tests): a later mapping at these addresses must register anew
-        self.engine.unregister(self.kv_cache.data_ptr())
+        if self.engine is not None:
+            self.engine.unregister(self.kv_cache.data_ptr())
         self.send_arena.close()
-        self.recv_arena.close()
+        if self.recv_arena is not None:
+            self.recv_arena.close()
 
     def block_address(self, block_id: int) -> int:
         return block_address(self.kv_cache, block_id)

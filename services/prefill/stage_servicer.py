@@ -1,9 +1,9 @@
 """PrefillStage servicer: restore, forward to the next stage, stage info.
 
 Hidden states go from stage to stage in pieces (``kvpool.services.prefill.pieces``):
-inline when small; otherwise the sender leaves them in its registered send
-arena and the receiver reads them with the transfer engine (one read) into its
-receive arena.
+inline when small; otherwise the sender leaves them in its send arena and the
+receiver copies them from its shared mapping of it (same declared host) or
+reads them with the transfer engine (one read) into its receive arena.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
         start, end = s.layers
         return prefill_pb2.StageInfoResponse(
             stage=s.stage, num_stages=s.num_stages, layer_start=start, layer_end=end, num_blocks=s.num_blocks,
-            block_size=s.chunk_size, namespace=self.runner.namespace, transfer_endpoint=self.runner.engine.endpoint,
+            block_size=s.chunk_size, namespace=self.runner.namespace,
+            transfer_endpoint=self.runner.engine.endpoint if self.runner.engine is not None else "",
             work_scale=self.runner.work_scale.factor,
         )
 

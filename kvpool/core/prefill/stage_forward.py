@@ -3,7 +3,11 @@
 A forward goes whole (``Forward``) or in pieces (``ForwardPieces``: each piece's hidden states
 as soon as the stage before computed them). ``StageForward`` is the request, ``Piece`` one
 piece of its hidden states, ``Activation`` where those states are (inline, or in the sender's
-send arena for a transfer-engine read), ``StageForwardResult`` what the chain answers.
+send arena), ``StageForwardResult`` what the chain answers.
+
+An activation in the send arena moves as a pool object does (``kvpool.core.pool.paths``): a receiver on
+the sender's declared host, with the arena offered as shared memory, maps the arena and copies
+(``activation_path``: memory); any other reads it with the transfer engine at ``endpoint``.
 
 Pure: no protobuf, no I/O. The stage servicer and the next-stage client convert the messages
 (``kvpool.services.prefill.stage_servicer``, ``kvpool.services.prefill.stage_client``).
@@ -15,6 +19,9 @@ from dataclasses import dataclass, field
 
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.handoff.target import HandoffTarget
+from kvpool.core.pool.paths import BytePath, SegmentAccess, SharedMemoryRef, byte_path
+
+SEND_ARENA = "send-arena"  # the segment an activation's bytes lie in, as the path decision names it
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +54,9 @@ class StageForward:
 @dataclass(frozen=True, slots=True)
 class Activation:
     """Hidden states of ``num_tokens`` tokens: ``inline``, or ``size`` bytes at ``address`` in the
-    send arena of the transfer engine at ``endpoint``."""
+    sender's send arena, which the transfer engine at ``endpoint`` reaches ("": the sender has none) and,
+    on the sender's declared ``host``, its shared memory ``shared`` (whose first byte is at
+    ``shared_base_address`` in the sender's address space)."""
 
     num_tokens: int
     hidden_size: int
@@ -55,6 +64,24 @@ class Activation:
     endpoint: str = ""
     address: int = 0
     size: int = 0
+    host: str = ""  # the sender's declared host; "": unknown (the engine only)
+    shared: SharedMemoryRef | None = None  # the send arena as shared memory; None: not offered
+    shared_base_address: int = 0
+
+    @property
+    def access(self) -> SegmentAccess:
+        """The sender's arena as the pool's path decision sees a segment."""
+        return SegmentAccess(SEND_ARENA, self.host, self.shared_base_address, self.shared)
+
+    @property
+    def shared_offset(self) -> int:
+        """Where the bytes start in the shared arena."""
+        return self.access.offset(self.address)
+
+
+def activation_path(activation: Activation, receiver_host: str) -> BytePath:
+    """How a receiver on ``receiver_host`` gets an activation that is not inline (module doc)."""
+    return byte_path(activation.access, receiver_host)
 
 
 @dataclass(frozen=True, slots=True)
