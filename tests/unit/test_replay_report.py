@@ -135,3 +135,17 @@ def test_the_queues_pops_that_aging_the_budget_or_the_backlog_decided_are_counte
                      ReplayOptions(think_scale=0.0))
     assert (fifo["prefill_gate_pops_aging"], fifo["router_queue_pops_budget"], fifo["prefill_gate_pops_backlog"],
             fifo["router_queue_pops_backlog"]) == (0, 0, 0, 0)  # no gate, no series
+
+
+def test_pool_bytes_are_summed_by_path_and_direction_over_the_stages(tmp_path: Path) -> None:
+    workload = workload_of(tmp_path)
+    records = [record(0, 512, 0, 0, 512)]
+    memory_read = 'kvpool_prefill_pool_bytes_total{direction="read",path="memory"}'
+    engine_read = 'kvpool_prefill_pool_bytes_total{direction="read",path="engine"}'
+    engine_write = 'kvpool_prefill_pool_bytes_total{direction="write",path="engine"}'
+    before = {"p0-stage0": {memory_read: 10.0}, "p1-stage0": {engine_read: 5.0}}
+    after = {"p0-stage0": {memory_read: 110.0, engine_write: 7.0}, "p1-stage0": {engine_read: 45.0},
+             "decode0": {}}
+    result = ReplayResult(1, 1.0, records, before, after, {}, [])
+    s = summarize(result, workload, ReplayOptions(think_scale=0.0))
+    assert s["pool_bytes_by_path"] == {"memory_read": 100, "memory_write": 0, "engine_read": 40, "engine_write": 7}

@@ -50,6 +50,8 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
     wait_buckets: dict[float, float] = {}
     queue_buckets: dict[float, float] = {}
     prefetch = dict.fromkeys(("prefetched", "used", "wasted"), 0.0)
+    # the stages' pool bytes by path: memory (a store on the stage's host) or the transfer engine
+    by_path = {f"{path}_{direction}": 0.0 for path in ("memory", "engine") for direction in ("read", "write")}
     gate_pops = dict.fromkeys(("aging", "budget", "backlog"), 0.0)
     hints: dict[str, int] = {}
     for name in sorted(n for n in after if "stage" in n):
@@ -60,6 +62,9 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
             if key.startswith("kvpool_prefetch_hints_total{") and value:
                 outcome = key.partition('outcome="')[2].partition('"')[0]
                 hints[outcome] = hints.get(outcome, 0) + int(value)
+        for key in by_path:
+            path, _, direction = key.partition("_")
+            by_path[key] += total(moved, "kvpool_prefill_pool_bytes_total", path=path, direction=direction)
         out["restore_bytes_per_stage"][name] = int(total(moved, "kvpool_prefill_restored_bytes_total"))
         out["saved_bytes_per_stage"][name] = int(total(moved, "kvpool_prefill_saved_bytes_total"))
         # each stage's read (and verify) straight into its pages, per restore
@@ -76,6 +81,7 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
         for how in gate_pops:  # stage 0's gate: pops that aging, the bypass budget or the backlog gate decided
             gate_pops[how] += total(moved, "kvpool_prefill_gate_pops_total", decided_by=how)
     out["restore_bytes"] = sum(out["restore_bytes_per_stage"].values())
+    out["pool_bytes_by_path"] = {key: int(value) for key, value in by_path.items()}
     out["restore_wait_mean_s"] = _ratio(wait_sum, wait_count)
     out["restores"] = int(wait_count)
     out["prefill_queue_wait_mean_s"] = _ratio(queue_sum, queue_count)
