@@ -178,12 +178,19 @@ class StageHandoff:
         return layout
 
     def check_reachable(self, target: HandoffTarget) -> None:
-        """Raise UNAVAILABLE naming the target unless this stage can move bytes into it."""
-        if self.runner.engine is None and handoff_path(target, self.host_name) is BytePath.ENGINE:
+        """Raise UNAVAILABLE naming the target unless this stage can move bytes into it: a write its path decision
+        sends to the engine needs an engine at both ends."""
+        if handoff_path(target, self.host_name, self.engine_only) is BytePath.MEMORY:
+            return
+        if self.runner.engine is None:
             raise Unavailable(f"target.host: decode on host {target.host or '(not declared)'}"
                               f"{'' if target.shared else ', offering no shared memory,'} needs the transfer "
                               f"engine, and stage {self.stage} on {self.host_name} runs without one "
                               f"(--no-transfer-engine)", field="target")
+        if not target.endpoint:
+            raise Unavailable(f"target.endpoint: decode on host {target.host or '(not declared)'} runs without a "
+                              f"transfer engine, and stage {self.stage} on {self.host_name} writes by the engine"
+                              f"{' (--handoff-path engine)' if self.engine_only else ''}", field="target")
 
     def begin(self, request_id: str, block_table: list[int], target: HandoffTarget) -> RequestWrites:
         """A request's writes from this stage; checked like stage 0 checked them."""
@@ -286,10 +293,11 @@ class StageHandoff:
         with the transfer engine; the transfers, the gather's seconds and the write's."""
         layout, target = writes.layout, writes.target
         engine, arena = self.runner.engine, self.arena
-        if engine is None or arena is None:  # decode's arena was out of this process's reach
+        if engine is None or arena is None or not target.endpoint:  # decode's arena was out of this process's reach
             where = target.shared.socket_path if target.shared else "(none)"
+            lacking = f"stage {self.stage} runs" if engine is None else "decode runs"
             raise Unavailable(f"target.shared_memory: decode's arena at {where} is out of stage {self.stage}'s "
-                              f"reach, and it runs without a transfer engine (--no-transfer-engine)", field="target")
+                              f"reach, and {lacking} without a transfer engine", field="target")
         kv_nbytes = sum(t.length for t in plan)
         nbytes = kv_nbytes + len(trailer)
         try:
