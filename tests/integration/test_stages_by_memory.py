@@ -3,11 +3,11 @@
 One host: a pool (master, one store), one decode shard and two 2-stage pipelines on it, one with the
 defaults and one with ``--no-transfer-engine`` on every stage. With the defaults, stage 1 copies each
 piece's hidden states from stage 0's shared send arena (memory bytes counted, engine 0) and the logits are
-the reference's; while that arena's socket is out of stage 1's reach, it reads them with the engine instead. Without an engine, a prompt saved to the pool, evicted and prefilled again restores from
-the pool and hands off into decode by memory, with decode's greedy output the reference's; a handoff
-target on another declared host is refused UNAVAILABLE naming the target before any work; and each stage
-listens on no TCP port but its gRPC and admin ports (the default pipeline's stages listen on their
-engine's as well).
+the reference's; while that arena's socket is out of stage 1's reach, it reads them with the engine instead.
+Without an engine, a prompt saved to the pool, evicted and prefilled again restores from the pool and hands
+off into decode by memory, with decode's greedy output the reference's; a handoff target on another declared
+host is refused UNAVAILABLE naming the target before any work; and each stage listens on no TCP port but its
+gRPC and admin ports (the default pipeline's stages listen on their engine's as well).
 """
 
 from __future__ import annotations
