@@ -23,6 +23,7 @@ from kvpool.model import InProcessPipeline, get_config, split_layers
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.tools.cluster import LocalDecode, LocalPipeline
 from tests.integration.conftest import metric
+from tests.integration.test_pool_paths import listening_ports
 
 pytestmark = pytest.mark.cluster
 
@@ -151,3 +152,21 @@ async def test_an_arena_out_of_the_stages_reach_goes_by_the_engine(cluster: Clus
     assert sum(path_bytes(auto, "engine")) - engine_before == nbytes
     reference = InProcessPipeline(CONFIG, num_blocks=16, block_size=64)
     assert tokens == reference.generate_greedy(torch.tensor(token_ids), list(range(16)), 6)
+
+
+async def test_a_decode_shard_without_an_engine_opens_no_engine_port_and_takes_the_handoff_by_memory(
+        cluster: Cluster, tmp_path: Path) -> None:
+    auto, engine, _ = cluster
+    token_ids = prompt(5, 600)
+    with LocalDecode([*DECODE_ARGS, "--no-transfer-engine"], workdir=tmp_path) as portless:
+        ready = portless.process.ready
+        assert ready["endpoint"] == ""
+        assert listening_ports(portless.process.proc.pid) == {ready["port"], ready["admin_port"]}
+        tokens, done = await generate(auto.address, portless.address, token_ids, 6)
+        reference = InProcessPipeline(CONFIG, num_blocks=16, block_size=64)
+        assert tokens == reference.generate_greedy(torch.tensor(token_ids), list(range(16)), 6)
+        assert done.handoff.transfers == 0  # every byte a copy
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # a stage told to use the engine has none to write to
+            await generate(engine.address, portless.address, token_ids, 6)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+    assert "target" in refused.value.details()
