@@ -108,6 +108,9 @@ class UpSettings:
     secure: bool = setting(False, help="mutual TLS between every service: a throwaway CA and one certificate per "
                            "service (its role its common name) in the workdir's certs/")
     insecure: bool = setting(False, help="let services on a non-loopback --host serve plaintext gRPC")
+    transfer_engine: bool = setting(False, help="run a transfer engine in every store, stage and decode shard. "
+                                    "Off: every bulk byte of this one-host cluster moves through shared memory "
+                                    "only its user can map, and no engine port is opened")
     workdir: str = setting("", help="where logs and ready files go", metavar="DIR", default_text="a temporary folder")
     supervise: bool = setting(True, help="restart a process that dies, with backoff; give up on one that dies more "
                                          "than 5 times in 2 minutes (--no-supervise: leave it dead)")
@@ -200,11 +203,15 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
         nodes: list[tuple[str, ...]] = [()] * num_stores  # the [store] table's node, read by each store
     else:
         nodes = [("--numa-node", str(n)) for n in store_numa_nodes(num_stores, host_numa.numa_nodes())]
-    stores = tuple(StoreSpec(f"store{i}", (*_flags(handed["store"]), *nodes[i], "--segment-id", f"up-store{i}"))
+    # one host: shared memory carries every bulk byte, so no process needs an engine (or opens its port)
+    engine = () if s.transfer_engine else ("--no-transfer-engine",)
+    stores = tuple(StoreSpec(f"store{i}", (*_flags(handed["store"]), *nodes[i], "--segment-id", f"up-store{i}",
+                                           *engine))
                    for i in range(num_stores))
-    pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, *_flags(handed["prefill"]), *weights),
+    pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, *_flags(handed["prefill"]), *weights, *engine),
                                    pool=s.pool) for i in range(s.pipelines))
-    shards = tuple(DecodeSpec(f"decode{i}", (*model, *_flags(handed["decode"]))) for i in range(s.decode_shards))
+    shards = tuple(DecodeSpec(f"decode{i}", (*model, *_flags(handed["decode"]), *engine))
+                   for i in range(s.decode_shards))
     common = ("--log-level", log_level, "--log-format", "json", *(("--config", config) if config else ()))
     return Topology((ServerSpec(stores=stores, pipelines=pipelines, decode_shards=shards),),
                     master=MasterSpec(args=weights) if s.pool else None,

@@ -96,7 +96,8 @@ def cluster(net: Net, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
         in_ns(net.cluster, sys.executable, "-m", "kvpool.services.cli", "up", "--host", f"{FRONT}.1", "--stages", "1",
               "--stores", "1", "--segment-size", "32MiB", "--device-cache-tokens", "2048", "--http-port", "0",
               "--grpc-port", "0", "--secure", "--api-keys-file", str(keys), "--config", str(config),
-              "--workdir", str(workdir / "up")),
+              # engines on the fabric, as a multi-host cluster runs them (one host alone needs none)
+              "--transfer-engine", "--workdir", str(workdir / "up")),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
     lines: list[str] = []
