@@ -208,7 +208,7 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
     stores = tuple(StoreSpec(f"store{i}", (*_flags(handed["store"]), *nodes[i], "--segment-id", f"up-store{i}",
                                            *engine))
                    for i in range(num_stores))
-    pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, *_flags(handed["prefill"]), *weights, *engine),
+    pipelines = tuple(PipelineSpec(f"p{i}-", s.stages, (*model, *_flags(handed["prefill"]), *engine, *weights),
                                    pool=s.pool) for i in range(s.pipelines))
     shards = tuple(DecodeSpec(f"decode{i}", (*model, *_flags(handed["decode"]), *engine))
                    for i in range(s.decode_shards))

@@ -235,6 +235,8 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
             service.write_ready_file(
                 ready_file, port=handle.port, admin_port=admin_port, segment_id=settings.segment_id,
                 endpoint=store.endpoint, segment_size=segment.size, segment_address=segment.address,
+                **({"shared_memory": {"socket_path": shared.socket_path, "name": shared.name, "token": shared.token}}
+                   if shared is not None else {}),
             )
             log.info("store_serving", address=f"{settings.host}:{handle.port}", admin_port=admin_port,
                      endpoint=store.endpoint, segment_size=segment.size, numa_node=settings.numa_node)

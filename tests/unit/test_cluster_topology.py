@@ -23,8 +23,19 @@ def test_kvpool_up_default_shape(tmp_path: Path) -> None:
     assert topology.router is not None and (topology.router.port, topology.router.http_port) == (7900, 8000)
     [server] = topology.servers
     node = str(store_numa_nodes(2, numa_nodes())[1])  # "0" on a one-node host
-    assert server.stores[1].args == ("--segment-size", "512MiB", "--numa-node", node, "--segment-id", "up-store1")
+    assert server.stores[1].args == ("--segment-size", "512MiB", "--numa-node", node, "--segment-id", "up-store1",
+                                     "--no-transfer-engine")
     assert server.pipelines[0].pool and not topology.netns and topology.die_with_parent
+
+
+def test_kvpool_up_runs_no_transfer_engine_unless_asked() -> None:
+    # one host: shared memory carries every bulk byte, so no store, stage or decode shard opens an engine port
+    [server] = up_topology(UpSettings()).servers
+    engines = [*server.stores, *server.pipelines, *server.decode_shards]
+    assert all("--no-transfer-engine" in spec.args for spec in engines)
+    [server] = up_topology(UpSettings(transfer_engine=True)).servers
+    assert not any("--no-transfer-engine" in spec.args for spec in [*server.stores, *server.pipelines,
+                                                                      *server.decode_shards])
 
 
 def test_kvpool_up_puts_stores_on_the_nodes_with_cpus_round_robin() -> None:

@@ -57,7 +57,10 @@ def cluster_names(stores: int, pipelines: int, stages: int, decode_shards: int) 
 
 
 def corrupt_segment(ready: dict[str, Any]) -> int:
-    """Overwrite a store's segment with random bytes through a transfer engine of our own; bytes written."""
+    """Overwrite a store's segment with random bytes, as a peer on its host would (mapping its shared
+    memory) when it runs no engine, else through a transfer engine of our own; bytes written."""
+    if not ready.get("endpoint"):
+        return asyncio.run(_corrupt_shared(ready))
     from kvpool.transfer import HostBuffer, TransferEngine
 
     engine = TransferEngine("127.0.0.1")
@@ -75,6 +78,23 @@ def corrupt_segment(ready: dict[str, Any]) -> int:
     finally:
         engine.unregister(block.address)
         block.close()
+
+
+async def _corrupt_shared(ready: dict[str, Any]) -> int:
+    from kvpool.shared_memory import SegmentMaps
+
+    shared = ready["shared_memory"]
+    maps = SegmentMaps()
+    try:
+        mapped = await maps.map(shared["socket_path"], shared["name"], shared["token"])
+        with mapped.using():
+            noise = os.urandom(CORRUPT_BLOCK)
+            for start in range(0, mapped.size, CORRUPT_BLOCK):
+                n = min(CORRUPT_BLOCK, mapped.size - start)
+                mapped.view(start, n)[:] = noise[:n]
+        return mapped.size
+    finally:
+        await maps.close()
 
 
 def _slow(cluster: Cluster, name: str, delay_s: float, stop: threading.Event) -> None:
