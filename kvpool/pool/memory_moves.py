@@ -1,9 +1,10 @@
 """The pool's same-host path: bytes copied between the caller's memory and a store's mapped segment.
 
 A store on this client's host offers its segment as shared memory (``kvpool.shared_memory``); the
-pool client maps it once (``SegmentMaps``, which unmaps it when the store goes away) and copies, one
-worker thread per call, each object of a read verified against its checksum as it lands, exactly as
-the engine path verifies (``kvpool.pool.endpoint_batches``). Which path a move takes is the core's
+pool client maps it once (``SegmentMaps``, which unmaps it when the store goes away) and copies on
+worker threads (a large call's copies split over up to ``COPY_THREADS`` of them, in shares of about
+equal bytes), each object of a read verified against its checksum as it lands, exactly as the engine
+path verifies (``kvpool.pool.endpoint_batches``). Which path a move takes is the core's
 (``kvpool.core.pool.paths.byte_path``).
 
 A segment whose store died or restarted fails its moves at once: a read is NOT_READ (a miss: the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +29,11 @@ from kvpool.pool.objects import ReadStatus, checksum
 from kvpool.shared_memory import OutOfReach, SegmentMaps, SharedMemoryUnavailable, copy
 
 log = structlog.get_logger(__name__)
+
+# copies of one call run on up to this many worker threads (a memcpy and its xxh3 check use about one core
+# each; a host's memory bandwidth takes several); below SPLIT_MIN_BYTES a thread each is not worth its hop
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+SPLIT_MIN_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +80,12 @@ async def move_by_memory(maps: SegmentMaps, accesses: dict[str, SegmentAccess], 
                 continue
             spans.append((i, mapped.address + offset, mapped))
 
-    def run() -> None:
-        """Every copy in one worker thread, each mapping pinned while its copies run."""
+    def run(share: list[tuple[int, int, Any]]) -> None:
+        """A share of the copies in one worker thread, each mapping pinned while its copies run."""
         with contextlib.ExitStack() as pins:
-            for mapped in {id(m): m for _, _, m in spans}.values():
+            for mapped in {id(m): m for _, _, m in share}.values():
                 pins.enter_context(mapped.using())
-            for i, address, _ in spans:
+            for i, address, _ in share:
                 move = moves[i]
                 if write:
                     copy(address, move.local, move.size)
@@ -92,8 +99,28 @@ async def move_by_memory(maps: SegmentMaps, accesses: dict[str, SegmentAccess], 
                     result[i] = ReadStatus.VERIFIED if good else ReadStatus.CORRUPT
 
     if spans:
-        try:
-            await asyncio.to_thread(run)
-        except SharedMemoryUnavailable as exc:  # a mapping went away before its copies began: their moves miss
-            log.info("shared_memory_miss", reason=str(exc), moves=len(spans))
+        shares = split_copies(spans, [moves[i].size for i, _, _ in spans])
+        outcomes = await asyncio.gather(*(asyncio.to_thread(run, share) for share in shares), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, SharedMemoryUnavailable):  # a mapping went away before its copies began
+                log.info("shared_memory_miss", reason=str(outcome), moves=len(spans))
+            elif isinstance(outcome, BaseException):
+                raise outcome
     return result
+
+
+def split_copies(spans: list[Any], sizes: list[int]) -> list[list[Any]]:
+    """The copies in up to ``COPY_THREADS`` shares of about equal bytes, in order: one share below
+    ``SPLIT_MIN_BYTES`` (a thread hop costs more than a small copy gains)."""
+    total = sum(sizes)
+    threads = min(COPY_THREADS, len(spans), max(1, total // SPLIT_MIN_BYTES))
+    if threads <= 1:
+        return [spans]
+    shares: list[list[Any]] = [[] for _ in range(threads)]
+    target, filled, share = total / threads, 0, 0
+    for span, size in zip(spans, sizes):
+        if filled >= target * (share + 1) and share < threads - 1:
+            share += 1
+        shares[share].append(span)
+        filled += size
+    return [s for s in shares if s]
