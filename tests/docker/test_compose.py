@@ -152,6 +152,19 @@ def router_healthy() -> bool:
         return False
 
 
+def admin_samples(credentials: Path, port: int, name: str) -> dict[str, float]:
+    """A metric's samples (labels -> value) from an admin port, scraped over mutual TLS as the monitor."""
+    import ssl
+
+    monitor = credentials / "monitor"
+    context = ssl.create_default_context(cafile=str(monitor / "ca.pem"))
+    context.load_cert_chain(str(monitor / "cert.pem"), str(monitor / "key.pem"))
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=context, timeout=10) as page:
+        lines = page.read().decode().splitlines()
+    return {line[len(name):].rpartition(" ")[0]: float(line.rpartition(" ")[2])
+            for line in lines if line.startswith(name + "{")}
+
+
 def pool_stats() -> dict[str, Any] | None:
     from kvpool.pool.stats_client import fetch_stats
 
@@ -276,6 +289,9 @@ def test_compose_up_serves_restarts_and_leaves_nothing(cluster: dict[str, Any]) 
     # the first turn's whole chunks (256 tokens each) are served from cache, not recomputed
     whole_chunks = first.usage.prompt_tokens // 256 * 256
     assert second.usage.prompt_tokens_details.cached_tokens >= whole_chunks, second.usage
+    # one host: the stages hand off into decode's arena through the shared socket volume, not the engine
+    handoff = admin_samples(credentials, 9700, "kvpool_prefill_handoff_bytes_total")
+    assert handoff.get('{path="memory"}', 0) > 0 and handoff.get('{path="engine"}', 0) == 0, handoff
 
     check_credentials_are_required(credentials, model)
 
@@ -308,7 +324,7 @@ def test_compose_up_serves_restarts_and_leaves_nothing(cluster: dict[str, Any]) 
     # down leaves no container, network or volume of the project, and no mount of its containers
     ids = [container(s)["Id"] for s in SERVICES]
     merged = [container(s)["GraphDriver"]["Data"]["MergedDir"] for s in SERVICES]
-    compose("down", "--timeout", "20")
+    compose("down", "-v", "--timeout", "20")  # -v: the shared-memory socket volume too
     assert project_objects() == {"containers": [], "networks": [], "volumes": []}
     mounts = Path("/proc/self/mountinfo").read_text()
     assert not [i for i in ids if i in mounts] and not [m for m in merged if m in mounts]

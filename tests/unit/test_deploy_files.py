@@ -232,3 +232,17 @@ def test_units_of_a_host_share_one_private_shared_memory_folder(unit: str) -> No
     if unit in ("kvpool-store@.service", "kvpool-decode@.service"):  # the two that offer shared memory
         _, argv = kvpool_argv(exec_start(text))
         assert build_settings(expand(argv, "0")).shared_memory_dir == "/run/kvpool"
+
+
+def test_compose_gives_every_sharing_service_one_private_socket_folder() -> None:
+    # stores, stages and decode offer shared memory through sockets in one tmpfs volume, root's alone (0700),
+    # mounted where each one's settings look: the stages reach the stores' segments and decode's arena
+    text = (ROOT / "compose.yaml").read_text()
+    assert "x-run: &run kvpool-run:/run/kvpool" in text
+    assert re.search(r"^volumes:\n  kvpool-run:\n    driver: local\n"
+                     r"    driver_opts: \{type: tmpfs, device: tmpfs, o: \"mode=0700\"\}\n", text, re.M)
+    sharing = {name for name, argv in compose_commands() if argv[0] in ("store", "prefill", "decode")}
+    assert sharing and {name for name, volumes in compose_volumes().items() if "*run" in volumes} == sharing
+    for name, argv in compose_commands():
+        if name in sharing:
+            assert build_settings(argv, COMPOSE_CONFIG).shared_memory_dir == "/run/kvpool", name
