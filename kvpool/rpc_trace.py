@@ -2,14 +2,26 @@
 the request id (gRPC metadata ``x-request-id``).
 
 Off unless ``KVPOOL_RPC_TRACE`` names a file: then every served call that
-carries a request id appends one JSON line there (request id, method, its span
-id and its caller's, start, end — for a stream, its first message — in Unix
-seconds), and the calls a server makes while serving it carry its span on as
-their parent (a client interceptor reads it from the serving task's context,
-which tasks it starts inherit; the id itself travels by ``kvpool.request_id``). ``kvpool bench path``
-sets it for the cluster it starts and counts the critical path from the lines
-(``critical_path_depth``). Appends of one short line are atomic on Linux, so
-every process of a cluster shares one file.
+carries a request id appends one JSON line there when it ends. A line holds
+the request id, the method, the call's kind (``unary_unary``,
+``unary_stream``, ``stream_unary`` or ``stream_stream``), its span id and its
+caller's, ``sent`` (when the caller opened it, by the caller's clock; the
+server's start where the caller does not say), ``start`` and ``end`` — ``end`` is the call's first answer, the one
+its caller waits for (a server stream's first message, a client stream's one
+reply) — and ``answers``: the times of every answer the caller waited for,
+Unix seconds. An answer is awaited when the server sends it after reading a
+message since its last answer: a unary call's reply, a server stream's first
+message, a client stream's reply after the last write, and in a bidirectional
+stream each reply to new messages. So a call moved onto a stream keeps its
+round trips. ``messages_in``/``messages_out`` count the call's messages.
+
+The calls a server makes while serving a call carry its span on as their
+parent and their send time, for every call kind (a client interceptor reads the span from the
+serving task's context, which tasks it starts inherit; the id itself travels
+by ``kvpool.request_id``). ``kvpool bench path`` sets the variable for the
+clusters it starts and counts the lines (``kvpool.tools.bench.path_counts``).
+Appends of one short line are atomic on Linux, so every process of a cluster
+shares one file.
 """
 
 from __future__ import annotations
@@ -20,18 +32,15 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 REQUEST_ID_KEY = "x-request-id"
 PARENT_SPAN_KEY = "x-parent-span"
+SENT_KEY = "x-call-sent"  # when the caller opened the call, Unix seconds: a fan-out's calls all go before any answer
 TRACE_ENV = "KVPOOL_RPC_TRACE"
-# calls that run beside the request, not on its way to the first token (the saves; the pool lease's
-# ReleaseLease is not one of them: stage 0 awaits it before the forward)
-OFF_PATH_METHODS = frozenset({"/kvpool.rpc.PrefillStage/SaveDone", "/kvpool.rpc.PoolMaster/PutStart",
-                              "/kvpool.rpc.PoolMaster/PutEnd", "/kvpool.rpc.PoolMaster/PutRevoke"})
-
 
 CURRENT_SPAN: contextvars.ContextVar[str] = contextvars.ContextVar("kvpool_span", default="")
 
@@ -43,86 +52,157 @@ def request_id_of(metadata: Sequence[tuple[str, Any]] | None, key: str = REQUEST
     return ""
 
 
+def _seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One served call's line: an answer is awaited only when a message came in since the last one."""
+
+    request_id: str
+    method: str
+    kind: str
+    span: str
+    parent: str
+    sent_at: float
+    start: float = field(default_factory=time.time)
+    answers: list[float] = field(default_factory=list)
+    messages_in: int = 0
+    messages_out: int = 0
+    unanswered: bool = False  # a message came in since the last answer
+
+    def received(self) -> None:
+        self.messages_in += 1
+        self.unanswered = True
+
+    def replied(self) -> None:
+        self.messages_out += 1
+        if self.unanswered:
+            self.answers.append(time.time())
+            self.unanswered = False
+
+    def line(self) -> str:
+        end = self.answers[0] if self.answers else time.time()
+        return json.dumps({"request_id": self.request_id, "method": self.method, "kind": self.kind,
+                           "span": self.span, "parent": self.parent, "sent": self.sent_at, "start": self.start,
+                           "end": end, "answers": self.answers, "messages_in": self.messages_in,
+                           "messages_out": self.messages_out})
+
+
 class RpcTraceInterceptor(grpc.aio.ServerInterceptor):
-    """Appends one line per served call that carries a request id (see the module doc)."""
+    """Appends one line per served call that carries a request id, of every call kind (see the module doc)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def _write(self, request_id: str, method: str, span: str, parent: str, start: float, end: float) -> None:
-        line = json.dumps({"request_id": request_id, "method": method, "span": span, "parent": parent,
-                           "start": start, "end": end})
+    def _write(self, record: CallRecord) -> None:
         with open(self.path, "a") as trace:
-            trace.write(line + "\n")
+            trace.write(record.line() + "\n")
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        request_id = request_id_of(details.invocation_metadata)  # type: ignore[attr-defined]
+        metadata = details.invocation_metadata  # type: ignore[attr-defined]
+        request_id = request_id_of(metadata)
         if handler is None or not request_id:
             return handler
         method = details.method  # type: ignore[attr-defined]
-        parent = request_id_of(details.invocation_metadata, PARENT_SPAN_KEY)  # type: ignore[attr-defined]
+        parent = request_id_of(metadata, PARENT_SPAN_KEY)
         span = uuid.uuid4().hex[:16]
+        sent_at = _seconds(request_id_of(metadata, SENT_KEY))
+        kind = ("stream_" if handler.request_streaming else "unary_") + \
+               ("stream" if handler.response_streaming else "unary")
 
-        def enter() -> None:
-            CURRENT_SPAN.set(span)
-        single = handler.unary_unary or handler.stream_unary  # one answer (ForwardPieces: a stream of pieces)
-        if single is not None:
+        def begin() -> CallRecord:
+            CURRENT_SPAN.set(span)  # the calls this handler makes name it as their parent
+            record = CallRecord(request_id, method, kind, span, parent, sent_at)
+            record.sent_at = record.sent_at or record.start  # a caller without the carry interceptors
+            return record
+
+        async def counted(requests: AsyncIterator[Any], record: CallRecord) -> AsyncIterator[Any]:
+            async for request in requests:
+                record.received()
+                yield request
+
+        wrap: Callable[..., grpc.RpcMethodHandler]
+        if kind == "unary_unary" or kind == "stream_unary":
+            inner_single = handler.unary_unary or handler.stream_unary
+
             async def answered(request: Any, context: Any) -> Any:
-                enter()
-                start = time.time()
+                record = begin()
+                if kind == "unary_unary":
+                    record.received()
+                else:
+                    request = counted(request, record)
                 try:
-                    return await single(request, context)
+                    response = await inner_single(request, context)
+                    record.replied()
+                    return response
                 finally:
-                    self._write(request_id, method, span, parent, start, time.time())
-            make = (grpc.unary_unary_rpc_method_handler if handler.unary_unary is not None
+                    self._write(record)
+            wrap = (grpc.unary_unary_rpc_method_handler if kind == "unary_unary"
                     else grpc.stream_unary_rpc_method_handler)
-            return make(answered, handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
+            return wrap(answered, handler.request_deserializer, handler.response_serializer)
 
-            async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-                enter()
-                start, written = time.time(), False
-                try:
-                    async for response in inner_stream(request, context):
-                        if not written:
-                            written = True
-                            self._write(request_id, method, span, parent, start, time.time())
-                        yield response
-                finally:
-                    if not written:
-                        self._write(request_id, method, span, parent, start, time.time())
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
-                                                        handler.response_serializer)
-        return handler
+        inner_stream = handler.unary_stream or handler.stream_stream
+
+        async def streamed(request: Any, context: Any) -> AsyncIterator[Any]:
+            record = begin()
+            if kind == "unary_stream":
+                record.received()
+            else:
+                request = counted(request, record)
+            try:
+                async for response in inner_stream(request, context):
+                    record.replied()
+                    yield response
+            finally:
+                self._write(record)
+        wrap = (grpc.unary_stream_rpc_method_handler if kind == "unary_stream"
+                else grpc.stream_stream_rpc_method_handler)
+        return wrap(streamed, handler.request_deserializer, handler.response_serializer)
 
 
 def _carried(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    """The call's details with the serving task's span added as the callee's parent."""
+    """The call's details with the time it was sent and the serving task's span, the callee's parent."""
     span = CURRENT_SPAN.get()
-    metadata = list(details.metadata or ())
-    if not span or any(k == PARENT_SPAN_KEY for k, _ in metadata):
-        return details
-    metadata.append((PARENT_SPAN_KEY, span))
+    metadata = [(k, v) for k, v in details.metadata or () if k != SENT_KEY]
+    metadata.append((SENT_KEY, repr(time.time())))
+    if span and not any(k == PARENT_SPAN_KEY for k, _ in metadata):
+        metadata.append((PARENT_SPAN_KEY, span))
     return grpc.aio.ClientCallDetails(details.method, details.timeout, grpc.aio.Metadata(*metadata),
                                       details.credentials, details.wait_for_ready)
 
 
 # one class per call kind: a channel files an interceptor under the first kind it is
-class _CarryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+class _CarryUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
                                     request: Any) -> Any:
         return await continuation(_carried(details), request)
 
 
-class _CarryStream(grpc.aio.UnaryStreamClientInterceptor):
+class _CarryUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
                                      request: Any) -> Any:
         return await continuation(_carried(details), request)
+
+
+class _CarryStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                     request_iterator: Any) -> Any:
+        return await continuation(_carried(details), request_iterator)
+
+
+class _CarryStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
+                                      request_iterator: Any) -> Any:
+        return await continuation(_carried(details), request_iterator)
 
 
 def trace_interceptors() -> list[grpc.aio.ServerInterceptor]:
@@ -133,51 +213,6 @@ def trace_interceptors() -> list[grpc.aio.ServerInterceptor]:
 
 def carry_interceptors() -> list[Any]:
     """A channel's interceptors: carry the serving call's span on, when ``KVPOOL_RPC_TRACE`` is set."""
-    return [_CarryUnary(), _CarryStream()] if os.environ.get(TRACE_ENV) else []
-
-
-def critical_path(calls: list[dict[str, Any]], first_token_at: float) -> list[str]:
-    """The control RPCs a request made, one after another, before its first token: the methods
-    (``Service/Method``) of the longest such chain, in the order they started.
-
-    The trace is a tree (each call names its caller's span; a call made by a
-    task its handler started names that handler, even when it runs after the
-    handler returned). A call counts itself plus its children's longest chain —
-    children that ran one after another add up, children that overlapped (a
-    fan-out to every stage) count as the deepest of them — over the calls that
-    started before the first token, leaving out those that run beside the
-    request (``OFF_PATH_METHODS``). Every stage's Decode.Landed calls (a check
-    before each write, an announce after it) run one after another within the
-    stage, so they chain, though they overlap the later pieces' compute. The
-    entry call (the client's, to the router), when traced under the same id,
-    is not counted.
-    """
-    kept = [c for c in calls if c["start"] < first_token_at and c["method"] not in OFF_PATH_METHODS]
-    spans = {c["span"] for c in kept}
-    children: dict[str, list[dict[str, Any]]] = {}
-    for c in kept:
-        children.setdefault(c["parent"] if c["parent"] in spans else "", []).append(c)
-
-    def chain(siblings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        ordered = sorted(siblings, key=lambda c: c["start"])
-        best = [nested(c) for c in ordered]
-        for j, c in enumerate(ordered):
-            for i in range(j):
-                if ordered[i]["end"] <= c["start"] and len(best[i]) + len(nested(c)) > len(best[j]):
-                    best[j] = best[i] + nested(c)
-        return max(best, key=len, default=[])
-
-    def nested(call: dict[str, Any]) -> list[dict[str, Any]]:
-        return [call, *chain(children.get(call["span"], []))]
-
-    roots = children.get("", [])
-    if len(roots) == 1 and roots[0]["method"] == "/kvpool.rpc.Router/Generate":
-        path = chain(children.get(roots[0]["span"], []))  # the client's own call is the entry, not a hop
-    else:
-        path = chain(roots)
-    return [c["method"].removeprefix("/kvpool.rpc.") for c in sorted(path, key=lambda c: c["start"])]
-
-
-def critical_path_depth(calls: list[dict[str, Any]], first_token_at: float) -> int:
-    """How many control RPCs ``critical_path`` holds."""
-    return len(critical_path(calls, first_token_at))
+    if not os.environ.get(TRACE_ENV):
+        return []
+    return [_CarryUnaryUnary(), _CarryUnaryStream(), _CarryStreamUnary(), _CarryStreamStream()]

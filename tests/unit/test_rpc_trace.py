@@ -1,58 +1,102 @@
-"""The critical path from an interceptor trace: sequential and nested calls chain, parallel ones do not."""
+"""The RPC trace covers every call kind: one line per served call with its kind, its awaited answers and its
+messages, and every kind of call a handler makes names the handler's span as its parent."""
 
 from __future__ import annotations
 
-from kvpool.rpc_trace import critical_path, critical_path_depth
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvpool.rpc_trace import REQUEST_ID_KEY, RpcTraceInterceptor, carry_interceptors
+
+SERVICE = "/trace.Test/"
+METADATA = ((REQUEST_ID_KEY, "req-1"),)
 
 
-def call(method: str, span: str, parent: str, start: float, end: float) -> dict[str, object]:
-    return {"request_id": "r", "method": f"/kvpool.rpc.{method}", "span": span, "parent": parent,
-            "start": start, "end": end}
+def _identity(data: bytes) -> bytes:
+    return data
 
 
-TRACE = [
-    call("Router/Generate", "g", "", 0.0, 11.0),  # the client's call: the entry, not counted
-    call("Decode/Reserve", "a", "g", 0.1, 1.0),
-    call("Prefill/Prefill", "b", "g", 1.0, 10.0),
-    call("PoolMaster/Lookup", "c", "b", 1.1, 1.2),
-    call("PoolMaster/ReleaseLease", "r", "b", 1.25, 1.28),  # stage 0 awaits it before the forward
-    call("PrefillStage/Restore", "d", "b", 1.3, 2.1),  # stage 1 and ...
-    call("PrefillStage/Restore", "e", "b", 1.31, 2.0),  # ... stage 2 at once: one level
-    call("PrefillStage/Forward", "f", "b", 2.2, 8.0),
-    call("Decode/Landed", "l0", "b", 2.5, 2.51),  # stage 0's check and announce, beside stage 1's forward
-    call("Decode/Landed", "l1", "b", 2.6, 2.62),
-    call("PrefillStage/Forward", "h", "f", 3.0, 7.5),  # nested: stage 1 forwards to stage 2
-    call("Decode/Landed", "z", "f", 5.0, 5.01),  # stage 1's, beside stage 2's forward
-    call("Decode/Landed", "x", "h", 7.0, 7.01),  # stage 2's check, then its announce
-    call("Decode/Landed", "y", "h", 7.2, 7.3),
-    call("PrefillStage/SaveDone", "i", "b", 8.1, 12.0),  # beside the request, not on its way
-    call("PoolMaster/PutStart", "p", "f", 7.6, 7.7),
-    call("PrefillStage/HandoffDone", "k", "b", 8.1, 9.0),
-    call("Decode/Landed", "w", "k", 8.5, 8.6),  # the last stage's final logits, announced after its forward
-    call("Decode/Generate", "l", "g", 10.5, 11.0),  # a stream ends at its first message
-    call("Decode/Stats", "m", "", 20.0, 20.1),  # after the first token: not counted
-]
+async def _exercise(path: Path) -> None:
+    server = grpc.aio.server(interceptors=[RpcTraceInterceptor(str(path))])
+    port = server.add_insecure_port("127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=carry_interceptors())
+
+    def stub(kind: str, name: str) -> Any:
+        return getattr(channel, kind)(SERVICE + name, request_serializer=_identity, response_deserializer=_identity)
+
+    async def leaf(request: bytes, context: Any) -> bytes:
+        return request
+
+    async def nested(kind: str) -> None:  # every kind of call, made while serving: each names its caller
+        await stub("unary_unary", "Leaf")(b"from-" + kind.encode(), metadata=METADATA)
+
+    async def unary_unary(request: bytes, context: Any) -> bytes:
+        await nested("uu")
+        return request
+
+    async def unary_stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        await nested("us")
+        for _ in range(3):
+            yield request
+
+    async def stream_unary(requests: AsyncIterator[bytes], context: Any) -> bytes:
+        received = [r async for r in requests]
+        await nested("su")
+        return b"".join(received)
+
+    async def stream_stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        await nested("ss")
+        async for request in requests:
+            yield request
+
+    handlers = {
+        "Leaf": grpc.unary_unary_rpc_method_handler(leaf, _identity, _identity),
+        "UU": grpc.unary_unary_rpc_method_handler(unary_unary, _identity, _identity),
+        "US": grpc.unary_stream_rpc_method_handler(unary_stream, _identity, _identity),
+        "SU": grpc.stream_unary_rpc_method_handler(stream_unary, _identity, _identity),
+        "SS": grpc.stream_stream_rpc_method_handler(stream_stream, _identity, _identity),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("trace.Test", handlers),))
+    await server.start()
+    try:
+        assert await stub("unary_unary", "UU")(b"a", metadata=METADATA) == b"a"
+        assert [r async for r in stub("unary_stream", "US")(b"b", metadata=METADATA)] == [b"b"] * 3
+
+        async def three() -> AsyncIterator[bytes]:
+            for piece in (b"c", b"d", b"e"):
+                yield piece
+        assert await stub("stream_unary", "SU")(three(), metadata=METADATA) == b"cde"
+        call = stub("stream_stream", "SS")(metadata=METADATA)
+        for message in (b"f", b"g"):  # each write awaits its answer: two round trips
+            await call.write(message)
+            assert await call.read() == message
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        await stub("unary_unary", "Leaf")(b"untraced")  # no request id: no line
+    finally:
+        await channel.close()
+        await server.stop(None)
 
 
-def test_the_streamed_path_on_three_stages() -> None:
-    # Reserve → Prefill (Lookup → ReleaseLease → Restore → Forward (→ Forward (→ Landed → Landed)) →
-    # HandoffDone (→ Landed)) → Generate
-    assert critical_path(TRACE, first_token_at=11.0) == [
-        "Decode/Reserve", "Prefill/Prefill", "PoolMaster/Lookup", "PoolMaster/ReleaseLease", "PrefillStage/Restore",
-        "PrefillStage/Forward", "PrefillStage/Forward", "Decode/Landed", "Decode/Landed", "PrefillStage/HandoffDone",
-        "Decode/Landed", "Decode/Generate"]
-    assert critical_path_depth(TRACE, first_token_at=11.0) == 12
-    assert critical_path_depth(TRACE, first_token_at=1.05) == 2  # Reserve, then Prefill had started
-    assert critical_path_depth([], first_token_at=1.0) == 0
-
-
-def test_parallel_siblings_never_chain() -> None:
-    calls = [call("Router/Generate", "g", "", 0.0, 9.0), call("HandoffStage/WriteLayers", "a", "g", 0.0, 2.0),
-             call("HandoffStage/WriteLayers", "b", "g", 1.0, 3.0), call("HandoffStage/WriteLayers", "c", "g", 0.5, 1.5)]
-    assert critical_path_depth(calls, first_token_at=5.0) == 1
-
-
-def test_without_the_entry_call_the_roots_chain() -> None:
-    # the router names the request afresh: the client's call to it is traced under another id
-    calls = [c for c in TRACE if c["span"] != "g"]
-    assert critical_path_depth(calls, first_token_at=11.0) == 12
+def test_every_call_kind_is_traced_with_its_parent(tmp_path: Path, monkeypatch: Any) -> None:
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("KVPOOL_RPC_TRACE", str(path))  # the channel's interceptors carry spans only then
+    asyncio.run(_exercise(path))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    calls = {c["method"].removeprefix(SERVICE): c for c in lines if not c["method"].endswith("Leaf")}
+    leaves = [c for c in lines if c["method"].endswith("Leaf")]
+    assert sorted(calls) == ["SS", "SU", "US", "UU"]
+    assert {c["request_id"] for c in lines} == {"req-1"}
+    assert {name: c["kind"] for name, c in calls.items()} == {
+        "UU": "unary_unary", "US": "unary_stream", "SU": "stream_unary", "SS": "stream_stream"}
+    assert {name: (c["messages_in"], c["messages_out"], len(c["answers"])) for name, c in calls.items()} == {
+        "UU": (1, 1, 1), "US": (1, 3, 1), "SU": (3, 1, 1), "SS": (2, 2, 2)}
+    assert all(c["sent"] <= c["start"] <= c["end"] == c["answers"][0] for c in lines)
+    # each handler's nested call names that handler's span as its parent; the top calls have none
+    assert sorted(leaf["parent"] for leaf in leaves) == sorted(c["span"] for c in calls.values())
+    assert all(c["parent"] == "" for c in calls.values())

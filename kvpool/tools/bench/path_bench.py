@@ -2,7 +2,10 @@
 (``cases``: push against after-prefill, see ``path_cases``), admission under a burst, the control RPCs
 before its first token, and how much of the handoff crosses servers.
 
-Beside ``cases``, three figures, each from one run here:
+Beside ``cases``, the control RPCs of one request, ``pool_hit`` and ``cold`` on 4 stages, each with
+``rpcs_per_request`` (saves included, ``save_rpcs`` apart), ``critical_path_depth`` (awaited round trips before
+the first token) and ``depth_beyond_stage_hops`` (less the forward chain's 3 hops), see ``path_rpcs``; and three
+figures, each from one run here:
 
 - ``queued_not_failed``: a burst of ``--requests`` concurrent long requests (8)
   against a decode receive arena that holds two of them; true when every one
@@ -10,7 +13,7 @@ Beside ``cases``, three figures, each from one run here:
 - ``critical_path_depth``: per request, the longest chain of control RPCs before
   its first token (each after the one before it, or nested in it), from the
   interceptor trace every service writes keyed by the request id
-  (``kvpool.rpc_trace``); the median over the burst, with that chain's methods
+  (``kvpool.rpc_trace``, counted by ``path_counts``); the median over the burst, with that chain's methods
   (``critical_path``). The burst's cluster has a pool (one store), as deployed:
   its Lookup is on the path; every stage's Decode.Landed calls chain too.
 - ``cross_server_handoff_share``: handoff bytes that crossed servers over all
@@ -27,17 +30,15 @@ import os
 import random
 import statistics
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from kvpool import service
-from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.rpc_trace import REQUEST_ID_KEY, TRACE_ENV, critical_path
-from kvpool.tools.clients import grpc_auth_metadata
+from kvpool.rpc import router_pb2_grpc
+from kvpool.rpc_trace import TRACE_ENV
+from kvpool.tools.bench.path_counts import critical_path
+from kvpool.tools.bench.path_rpcs import generate, read_trace, run_rpcs
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
 
@@ -51,29 +52,11 @@ def _metric(cluster: Cluster, name: str, sample: str) -> float:
 
 
 async def _burst(address: str, num_requests: int, prompt_tokens: int, max_tokens: int) -> list[dict[str, Any]]:
-    async def one(i: int, stub: router_pb2_grpc.RouterStub) -> dict[str, Any]:
-        rng = random.Random(i)
-        request = router_pb2.GenerateRequest(token_ids=[rng.randrange(1, 250) for _ in range(prompt_tokens)],
-                                             sampling=router_pb2.SamplingParams(max_tokens=max_tokens))
-        started, first_at, tokens, error, finish = time.time(), 0.0, 0, None, ""
-        call = stub.Generate(request, timeout=600, metadata=grpc_auth_metadata())
-        try:
-            async for response in call:
-                if response.HasField("usage"):
-                    finish = response.usage.finish_reason  # "stop": an end token came before max_tokens
-                    continue
-                tokens += 1
-                first_at = first_at or time.time()
-        except grpc.aio.AioRpcError as exc:
-            error = f"{exc.code().name}: {exc.details()}"
-        # the router names the request (every call it makes carries that id)
-        request_id = next((v for k, v in await call.initial_metadata() or () if k == REQUEST_ID_KEY), f"?{i}")
-        return {"request_id": request_id, "started": started, "first_token_at": first_at, "tokens": tokens,
-                "finish_reason": finish, "error": error}
-
     async with service.channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        return list(await asyncio.gather(*(one(i, stub) for i in range(num_requests))))
+        rngs = [random.Random(i) for i in range(num_requests)]
+        prompts = [[rng.randrange(1, 250) for _ in range(prompt_tokens)] for rng in rngs]
+        return list(await asyncio.gather(*(generate(stub, prompt, max_tokens) for prompt in prompts)))
 
 
 def burst(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -110,10 +93,7 @@ def burst(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         expired = _metric(cluster, "router", "kvpool_router_queue_expired_total")
     finally:
         cluster.stop()
-    calls: dict[str, list[dict[str, Any]]] = {}
-    for line in trace.read_text().splitlines() if trace.exists() else []:
-        call = json.loads(line)
-        calls.setdefault(call["request_id"], []).append(call)
+    calls = read_trace(trace)
     paths = [critical_path(calls.get(r["request_id"], []), r["first_token_at"]) for r in results if r["first_token_at"]]
     depths = [len(path) for path in paths]
     per_request = [{"request_id": r["request_id"], "tokens": r["tokens"], "finish_reason": r["finish_reason"],
@@ -184,6 +164,7 @@ def main(args: argparse.Namespace) -> int:
             else:
                 print(json.dumps(result, indent=1, default=str))
             return 0 if all(result["cases"]["targets"].values()) else 1
+        result |= run_rpcs(workdir / "rpcs")  # pool_hit and cold, on 4 stages
         result["burst"] = burst(args, workdir / "burst")
         if not args.skip_replay:
             result["locality"] = locality(args, workdir / "replay")
@@ -200,10 +181,17 @@ def main(args: argparse.Namespace) -> int:
         print(f"burst: {b['completed']}/{b['requests']} completed, {b['errors']} errors, {b['queued']} queued "
               f"(arena holds {b['arena_regions']}); queued_not_failed={b['queued_not_failed']}")
         print(f"critical_path_depth (median) {b['critical_path_depth']}: {' > '.join(b['critical_path'])}")
+        for name in ("pool_hit", "cold"):
+            row = result[name]
+            print(f"{name} ({row['stages']} stages): rpcs_per_request={row.get('rpcs_per_request')} "
+                  f"(save_rpcs={row.get('save_rpcs')}) critical_path_depth={row.get('critical_path_depth')} "
+                  f"depth_beyond_stage_hops={row.get('depth_beyond_stage_hops')} errors={row['errors']}")
         if "locality" in result:
             for side in ("on", "off"):
                 if side in result["locality"]:
                     row = result["locality"][side]
                     print(f"locality {side}: cross_server_handoff_share={row['cross_server_handoff_share']} "
                           f"errors={row['errors']} reuse={row['reuse_ratio']} bound={row['trace_bound']}")
-    return 0 if b["queued_not_failed"] else 1
+    counted = all(result[name]["errors"] == 0 and result[name].get("critical_path_depth")
+                  for name in ("pool_hit", "cold"))
+    return 0 if b["queued_not_failed"] and counted else 1
