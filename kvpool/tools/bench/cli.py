@@ -99,7 +99,7 @@ def add_bench(sub: Any) -> None:
     handoff.add_argument("--repeats", type=int, default=3, help="measured gathered runs (median counts)")
     path = bench_sub.add_parser(
         "path", help="a request's path: a burst beyond decode's room queues, not fails; RPCs before the first "
-        "token; handoff bytes across servers",
+        "token; every control call of a pool-hit and a cold request (pool_hit, cold); handoff bytes across servers",
         description="Starts a cluster whose decode receive arena holds two long prompts and sends a burst of "
         "--requests at once: queued_not_failed is true when all complete with none failed and queueing in the "
         "router's metrics. Every service traces its calls keyed by the request id: critical_path_depth is the "
