@@ -50,6 +50,8 @@ class PoolRestore:
         self.blocks = blocks
         self.namespace = runner.namespace
         self.num_stages = runner.settings.num_stages
+        # lease releases in flight: off the request's path (issue 37), kept so none is dropped unawaited
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def restore(self, request: PrefillRequest) -> RestoreReport:
         """Look the pool-candidate chunks up, restore them on every stage, apply what all stages got."""
@@ -72,8 +74,12 @@ class PoolRestore:
                 report.stages = await self._on_stages(request, lookup)
                 report.wait_ms = (time.perf_counter() - t1) * 1e3
         finally:
+            # the bytes are in the pages now: the lease (and any corrupt group's report) is the master's
+            # business, not this request's, so its release does not hold the first token back
             corrupt = self._corrupt_groups(request, report.stages)
-            await self.pool.release(lookup.lease_id, corrupt)
+            release = asyncio.ensure_future(self.pool.release(lookup.lease_id, corrupt))
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
         request.apply_restore([s.num_chunks_restored for s in report.stages], self.blocks)
         return report
 
