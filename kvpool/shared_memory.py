@@ -38,9 +38,11 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
+from kvpool.core.setting import setting
 from kvpool.secret_files import private_folder
 from kvpool.transfer import huge_pages
 
@@ -59,6 +61,14 @@ def default_shared_memory_dir() -> str:
     holds at most 107 bytes."""
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     return f"{runtime}/kvpool" if runtime.startswith("/") else f"/tmp/kvpool-{os.geteuid()}"
+
+
+def shared_memory_dir_setting() -> Any:
+    """The ``shared_memory_dir`` setting of every role that offers or maps shared memory (stores, stages,
+    decode): one folder per host, named the same by all of them."""
+    return setting(help="folder of the shared-memory sockets: this user's alone (0700); every member of the "
+                   "cluster on this host names the same", factory=default_shared_memory_dir,
+                   default_text="$XDG_RUNTIME_DIR/kvpool, else /tmp/kvpool-UID")
 
 
 class SharedMemoryUnavailable(Exception):

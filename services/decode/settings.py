@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvpool.core.setting import setting
 from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES
 from kvpool.model.model_setting import ModelSetting
-from kvpool.shared_memory import default_shared_memory_dir
+from kvpool.shared_memory import shared_memory_dir_setting
 from kvpool.sizes import parse_size
 
 
@@ -41,9 +41,7 @@ class DecodeSettings(ModelSetting):
     shared_memory: bool = setting(True, help="offer the receive arena as shared memory to prefill stages on this "
                                   "host (same user only), so their handoff bytes move by a memory copy, not the "
                                   "transfer engine")
-    shared_memory_dir: str = setting("", help="folder of the shared-memory sockets: this user's alone (0700); "
-                                     "every member of the cluster on this host names the same",
-                                     default_text="$XDG_RUNTIME_DIR/kvpool, else /tmp/kvpool-UID")
+    shared_memory_dir: str = shared_memory_dir_setting()
     drain_s: float = setting(20.0, help="on SIGTERM: seconds to keep serving what is in flight after turning "
                                          "not-ready (new calls still served until callers notice)")
 
@@ -73,7 +71,6 @@ class DecodeSettings(ModelSetting):
             raise ValueError("region_arena_bytes: must be positive")
         if self.region_deadline_s <= 0:
             raise ValueError(f"region_deadline_s: must be positive, got {self.region_deadline_s}")
-        self.shared_memory_dir = self.shared_memory_dir or default_shared_memory_dir()
 
 
     def memory(self) -> dict[str, int]:

@@ -10,7 +10,7 @@ from kvpool.core.setting import setting
 from kvpool.core.tenancy.shares import parse_weights
 from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES, split_layers
 from kvpool.model.model_setting import ModelSetting
-from kvpool.shared_memory import default_shared_memory_dir
+from kvpool.shared_memory import shared_memory_dir_setting
 
 LAYOUT_VERSION = 1
 
@@ -56,9 +56,7 @@ class PrefillSettings(ModelSetting):
                                     "that needs the engine (a store or decode on another host) fails")
     shared_memory: bool = setting(True, help="offer the send arena as shared memory to the next stage on this host "
                                   "(same user only), so hidden states move by a memory copy, not the engine")
-    shared_memory_dir: str = setting("", help="folder of the shared-memory sockets: this user's alone (0700); "
-                                     "every member of the cluster on this host names the same",
-                                     default_text="$XDG_RUNTIME_DIR/kvpool, else /tmp/kvpool-UID")
+    shared_memory_dir: str = shared_memory_dir_setting()
     transfer_host: str = setting("127.0.0.1", help="address the transfer engine advertises")
     protocol: str = setting("tcp", help="transfer engine protocol", choices=("tcp", "rdma"))
     device: str = setting("", help="RDMA device names for the transfer engine (rdma only)")
@@ -148,7 +146,6 @@ class PrefillSettings(ModelSetting):
             raise ValueError(f"admission_timeout_s: must be positive, got {self.admission_timeout_s}")
         if self.inline_activation_bytes < 0:
             raise ValueError(f"inline_activation_bytes: must be >= 0, got {self.inline_activation_bytes}")
-        self.shared_memory_dir = self.shared_memory_dir or default_shared_memory_dir()
         if not self.transfer_engine:
             for name in ("pool_path", "handoff_path"):
                 if getattr(self, name) == "engine":

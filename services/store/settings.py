@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvpool.core.setting import setting
-from kvpool.shared_memory import default_shared_memory_dir
+from kvpool.shared_memory import shared_memory_dir_setting
 from kvpool.sizes import parse_size
 
 
@@ -32,9 +32,7 @@ class StoreSettings:
                                     "engine port is opened")
     shared_memory: bool = setting(True, help="offer the segment as shared memory to pool clients on this host "
                                   "(same user only), so their bytes move by a memory copy, not the transfer engine")
-    shared_memory_dir: str = setting("", help="folder of the shared-memory sockets: this user's alone (0700); "
-                                     "every member of the cluster on this host names the same",
-                                     default_text="$XDG_RUNTIME_DIR/kvpool, else /tmp/kvpool-UID")
+    shared_memory_dir: str = shared_memory_dir_setting()
 
     def __post_init__(self) -> None:
         self.segment_size = parse_size(self.segment_size, "segment_size")
@@ -46,7 +44,6 @@ class StoreSettings:
             self.admin_port = 9610 + self.numa_node
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat_interval_s: must be positive, got {self.heartbeat_interval_s}")
-        self.shared_memory_dir = self.shared_memory_dir or default_shared_memory_dir()
         if not self.transfer_engine and not self.shared_memory:
             raise ValueError("transfer_engine: without an engine only shared memory reaches the segment; "
                              "keep --shared-memory or --transfer-engine")
