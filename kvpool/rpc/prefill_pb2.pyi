@@ -247,14 +247,16 @@ class HandoffDoneRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("first_token", "logits", "stage_compute_ms")
+    __slots__ = ("first_token", "logits", "stage_compute_ms", "handoff_stages")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     STAGE_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_STAGES_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     logits: bytes
     stage_compute_ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, first_token: _Optional[int] = ..., logits: _Optional[bytes] = ..., stage_compute_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+    handoff_stages: _containers.RepeatedCompositeFieldContainer[_handoff_pb2.StageHandoffFigures]
+    def __init__(self, first_token: _Optional[int] = ..., logits: _Optional[bytes] = ..., stage_compute_ms: _Optional[_Iterable[float]] = ..., handoff_stages: _Optional[_Iterable[_Union[_handoff_pb2.StageHandoffFigures, _Mapping]]] = ...) -> None: ...
 
 class SaveDoneRequest(_message.Message):
     __slots__ = ("request_id",)

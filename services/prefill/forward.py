@@ -52,8 +52,9 @@ async def run_stage(
     With a ``target`` (decode's region), the cached prefix is final at once and each forward piece
     when it ends; the last stage also writes the final logits. Bench mode
     ``handoff_after_prefill`` writes the whole part only once every later
-    stage has computed. The writes run in the background: ``HandoffDone``
-    waits for them.
+    stage has computed. The writes run in the background; the stage answers
+    once they ended, its figures first in ``handoff_stages`` (the later
+    stages' came with their answer), so stage 0 needs no ``HandoffDone``.
     """
     block_table = list(request.block_table)
     target = request.target
@@ -100,6 +101,8 @@ async def run_stage(
             sender = None
             if writes is not None and not stream:
                 writes.write(0, request.num_tokens)  # every later stage has computed
+        if writes is not None:  # mostly ended already: the later stages computed meanwhile
+            response.handoff_stages.insert(0, await handoff.done(request.request_id))
     finally:
         if sender is not None:
             sender.abort()

@@ -20,12 +20,18 @@ import grpc
 import torch
 
 from kvpool import service
-from kvpool.core.errors import DeviceCacheLost, Unavailable
+from kvpool.core.errors import DeviceCacheLost, FailedPrecondition, InvalidArgument, Unavailable
 from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.prefill.stage_forward import Activation, Piece, StageForward, StageForwardResult
-from kvpool.handoff_messages import shared_memory_message, target_from_message, target_message
+from kvpool.handoff_messages import (
+    shared_memory_message,
+    stage_figures_from_message,
+    stage_figures_message,
+    target_from_message,
+    target_message,
+)
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
-from kvpool.status import error_kind
+from kvpool.status import FIELD_KEY, error_kind, from_status
 
 if TYPE_CHECKING:
     from kvpool.services.prefill.arena import Region
@@ -83,18 +89,25 @@ def piece_from_message(message: prefill_pb2.ForwardRequest) -> Piece:
 
 def result_message(result: StageForwardResult) -> prefill_pb2.ForwardResponse:
     return prefill_pb2.ForwardResponse(first_token=result.first_token, logits=result.logits,
-                                       stage_compute_ms=result.stage_compute_ms)
+                                       stage_compute_ms=result.stage_compute_ms,
+                                       handoff_stages=[stage_figures_message(s) for s in result.handoff_stages])
 
 
 def result_from_message(message: prefill_pb2.ForwardResponse) -> StageForwardResult:
     return StageForwardResult(first_token=message.first_token, logits=message.logits,
-                              stage_compute_ms=list(message.stage_compute_ms))
+                              stage_compute_ms=list(message.stage_compute_ms),
+                              handoff_stages=[stage_figures_from_message(s) for s in message.handoff_stages])
 
 
 def stage_error(exc: grpc.aio.AioRpcError, stage: int) -> Exception:
-    """The next stage's failure as this stage's (a restarted stage's lost cache keeps its meaning)."""
+    """The next stage's failure as this stage's: a restarted stage's lost cache keeps its meaning, and so
+    does a failure of its handoff writes (naming the ``target``, so the router blames decode, as
+    ``HandoffDone`` passed it on); anything else is that stage unavailable."""
     if error_kind(exc) is DeviceCacheLost:
         return DeviceCacheLost(exc.details() or "")
+    field = dict((k, v) for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)).get(FIELD_KEY, "")
+    if field.startswith("target"):
+        return from_status(exc, f"stage {stage}", (InvalidArgument, FailedPrecondition))
     return Unavailable(f"stage {stage}: {exc.code().name}: {exc.details()}")
 
 

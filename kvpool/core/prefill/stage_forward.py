@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.handoff.target import HandoffTarget
+from kvpool.core.handoff.target import HandoffTarget, StageHandoffFigures
 from kvpool.core.pool.paths import BytePath, SegmentAccess, SharedMemoryRef, byte_path
 
 SEND_ARENA = "send-arena"  # the segment an activation's bytes lie in, as the path decision names it
@@ -100,11 +100,13 @@ class Piece:
 @dataclass(slots=True)
 class StageForwardResult:
     """The chain's answer: the last stage's first token (and logits, when asked), each stage's compute
-    time in stage order."""
+    time and (with a target) handoff figures in stage order."""
 
     first_token: int = 0
     logits: bytes = b""
     stage_compute_ms: list[float] = field(default_factory=list)
+    # with a target: each stage's handoff writes, in stage order, once they ended
+    handoff_stages: list[StageHandoffFigures] = field(default_factory=list)
 
 
 def check_piece(first: StageForward, piece: Piece, start: int) -> None:

@@ -276,7 +276,11 @@ class PrefillScheduler:
                     with contextlib.suppress(Exception):
                         await self.ends.handoff_done(request.request_id, target)
                 raise
-            handoff = await self.ends.handoff_done(request.request_id, target) if target is not None else None
+            handoff = None
+            if target is not None and len(result.handoff_stages) == self.settings.num_stages:
+                handoff = self.ends.handoff_ended(request.request_id, target, result.handoff_stages)
+            elif target is not None:  # a later stage of an older version answered without its figures
+                handoff = await self.ends.handoff_done(request.request_id, target)
         except DeviceCacheLost as exc:
             # a later stage restarted: its device KV is gone, so no device hit holds on this pipeline
             forgotten = self.blocks.forget_cached()

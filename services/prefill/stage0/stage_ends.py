@@ -2,6 +2,11 @@
 end (``HandoffDone``), did your saves end (``SaveDone``)? Stage 0 answers for itself in this
 process; the later stages over RPC, all at once.
 
+A forward that succeeded brings every stage's handoff figures back along the chain (each stage
+answers only once its writes ended: ``run_stage``), so ``HandoffDone`` is asked only after a
+failure (whatever still writes must end before the pages are reused) or of an older stage that
+sends no figures.
+
 The two answers differ in what a silent stage means. A handoff that a stage cannot confirm
 fails the request (decode would read a region nobody vouched for). A save that a stage cannot
 confirm is over for this purpose: that stage is gone (or stuck past every put's bounds), so its
@@ -40,7 +45,6 @@ class StageEnds:
     async def handoff_done(self, request_id: str, target: HandoffTarget) -> HandoffFigures:
         """Every stage's writes of the request ended: their figures, or the first failure."""
         started = time.perf_counter()
-        bound = log.bind(request_id=request_id, region_id=target.region_id, endpoint=target.endpoint)
         results = await asyncio.gather(
             self.handoff.done(request_id),
             *(self._handoff_done_remote(stage, request_id) for stage in range(1, len(self.stages) + 1)),
@@ -49,20 +53,29 @@ class StageEnds:
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             self.handoff_metrics.requests.labels("failed").inc()
-            bound.warning("handoff_failed", errors=[str(e) for e in failed])
+            log.warning("handoff_failed", request_id=request_id, region_id=target.region_id,
+                        endpoint=target.endpoint, errors=[str(e) for e in failed])
             error = failed[0]
             raise error if isinstance(error, KvpoolError) else Unavailable(f"handoff: {error}")
-        stages = tuple(r for r in results if isinstance(r, StageHandoffFigures))
+        return self.handoff_ended(request_id, target, [r for r in results if isinstance(r, StageHandoffFigures)],
+                                  wait_ms=(time.perf_counter() - started) * 1e3)
+
+    def handoff_ended(self, request_id: str, target: HandoffTarget, stages: Sequence[StageHandoffFigures],
+                      wait_ms: float | None = None) -> HandoffFigures:
+        """The request's handoff from every stage's figures: the chain's, or ``HandoffDone``'s after
+        ``wait_ms`` of waiting for them."""
+        bound = log.bind(request_id=request_id, region_id=target.region_id, endpoint=target.endpoint)
         forward_end = max(s.forward_end_unix_ms for s in stages)
         last_byte = max(s.last_write_end_unix_ms for s in stages)
         response = HandoffFigures(
-            region_id=target.region_id, stages=stages, transfers=sum(s.transfers for s in stages),
+            region_id=target.region_id, stages=tuple(stages), transfers=sum(s.transfers for s in stages),
             bytes=sum(s.bytes for s in stages), seconds=max(0.0, last_byte - forward_end) / 1e3,
         )
         self.handoff_metrics.requests.labels("ok").inc()
         self.handoff_metrics.seconds.observe(response.seconds)
+        waited = {} if wait_ms is None else {"wait_ms": round(wait_ms, 2)}
         bound.info("handoff_done", transfers=response.transfers, bytes=response.bytes,
-                   after_forward_ms=round(response.seconds * 1e3, 2), wait_ms=round((time.perf_counter() - started) * 1e3, 2))
+                   after_forward_ms=round(response.seconds * 1e3, 2), **waited)
         return response
 
     async def _handoff_done_remote(self, stage: int, request_id: str) -> StageHandoffFigures:
