@@ -83,7 +83,8 @@ async def test_one_request_is_named_in_the_log_of_every_process_it_touches(clust
     assert {"handoff_done", "rpc_served"} <= {e["event"] for e in lines["p0-stage0"]}
     # stage 0's calls onward carried the id: stage 1 served them bound to it
     stage1_methods = {e["method"].rsplit("/", 1)[-1] for e in lines["p0-stage1"] if e["event"] == "rpc_served"}
-    assert {"ForwardPieces", "HandoffDone"} <= stage1_methods
+    assert {"ForwardPieces", "SaveDone"} <= stage1_methods
+    assert "HandoffDone" not in stage1_methods  # the handoff's figures came back with the forward's answer
     assert {n for n, found in lines.items() if found} == {"router", "p0-stage0", "p0-stage1", "decode0", "master"}
     assert lines["store0"] == []
     router = next(e for e in lines["router"] if e["event"] == "generate_ended")
