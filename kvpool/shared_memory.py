@@ -27,14 +27,15 @@ import contextlib
 import ctypes
 import fcntl
 import json
-import mmap
 import errno
+import mmap
 import os
 import secrets
 import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ log = structlog.get_logger(__name__)
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 MAX_LINE_BYTES = 4096  # a request or an answer is one short line
+DEAD_SOCKET_AGE_S = 60.0  # a socket nobody listens on is swept once it is this old (module: sweep_dead_sockets)
 REQUEST_TIMEOUT_S = 5.0  # a peer that connects and says nothing is dropped after this
 ANSWER_TIMEOUT_S = 5.0  # an owner that does not answer a MAP within this is unavailable
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -165,6 +167,35 @@ class SharedSegment:
             pass
 
 
+def sweep_dead_sockets(folder: Path, older_than_s: float = DEAD_SOCKET_AGE_S) -> list[Path]:
+    """Remove the sockets in ``folder`` that nobody listens on (an owner killed before it could remove its
+    own) and that are older than ``older_than_s`` (a newer one may be an owner between its bind and its
+    listen); the ones removed."""
+    removed = []
+    now = time.time()
+    for path in folder.glob("*.sock"):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid() or now - st.st_mtime < older_than_s:
+            continue
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    if removed:
+        log.info("shared_memory_sockets_swept", folder=str(folder), removed=len(removed))
+    return removed
+
+
 class SegmentShare:
     """The owner's side: a Unix socket at ``folder / f"{name}.sock"`` that hands the fds of its segments to peers
     of this process's uid, and to no one else.
@@ -198,7 +229,9 @@ class SegmentShare:
                 conn.shutdown(socket.SHUT_RDWR)
 
     async def start(self) -> Path:
-        """Listen; a socket file left by a previous owner in this (private) folder is replaced."""
+        """Listen; a socket file left by a previous owner in this (private) folder is replaced, and the
+        folder's dead sockets (``sweep_dead_sockets``) are removed."""
+        sweep_dead_sockets(self.folder)
         st = None
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(self.socket_path)

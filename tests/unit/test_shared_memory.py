@@ -329,3 +329,30 @@ async def test_owner_restarted_new_token_maps_new_memory_and_releases_the_old(fo
         await maps.close()
         stop(old)
     assert maps.mapped_bytes == 0
+
+
+def test_dead_sockets_of_killed_owners_are_swept_and_live_or_young_ones_kept(tmp_path: Path) -> None:
+    from kvpool.shared_memory import sweep_dead_sockets
+
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+
+    def bound(name: str, listening: bool) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(folder / name))
+        if listening:
+            s.listen(1)
+        return s
+
+    dead, young, live = bound("dead.sock", False), bound("young.sock", False), bound("live.sock", True)
+    dead.close()  # its owner is gone; the file stays, as after a SIGKILL
+    young.close()
+    old = time.time() - 3600
+    for name in ("dead.sock", "live.sock"):
+        os.utime(folder / name, (old, old))
+    (folder / "notes.txt").write_text("not a socket")
+    try:
+        assert sweep_dead_sockets(folder, older_than_s=60) == [folder / "dead.sock"]
+        assert sorted(p.name for p in folder.iterdir()) == ["live.sock", "notes.txt", "young.sock"]
+    finally:
+        live.close()
