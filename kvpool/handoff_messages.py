@@ -1,6 +1,8 @@
 """The handoff's messages as the core's types, and back: the one place they convert, for every
 service that passes them on (the router from decode's ``Reserve`` to stage 0's ``Prefill``,
-stage 0 to the later stages, the stages' figures back to stage 0 and on to the router).
+stage 0 to the later stages, the stages' figures back to stage 0 and on to the router). Also the
+``SharedMemory`` message, which a handoff target, a store's segment and a stage's hidden states
+all carry.
 
 ``target_from_message`` is where a ``HandoffTarget`` message is checked on its own (its layout
 tiles, its sizes are positive) and becomes a :class:`~kvpool.core.handoff.target.HandoffTarget`;
@@ -29,10 +31,8 @@ def target_layout(target: handoff_pb2.HandoffTarget) -> HandoffLayout:
 
 
 def target_from_message(target: handoff_pb2.HandoffTarget) -> HandoffTarget:
-    shared = None
-    if target.HasField("shared_memory"):
-        m = target.shared_memory
-        shared = SharedMemoryRef(m.socket_path, m.name, m.token)
+    shared = shared_memory_from_message(target.shared_memory) if target.HasField("shared_memory") else None
+    if shared is not None:
         shared.check("target.shared_memory")
     return HandoffTarget(region_id=target.region_id, endpoint=target.endpoint, address=target.address,
                          size=target.size, deadline_unix_ms=target.deadline_unix_ms, layout=target_layout(target),
@@ -56,6 +56,11 @@ def shared_memory_message(shared: SharedMemoryRef | None) -> pool_pb2.SharedMemo
     if shared is None:
         return None
     return pool_pb2.SharedMemory(socket_path=shared.socket_path, name=shared.name, token=shared.token)
+
+
+def shared_memory_from_message(message: pool_pb2.SharedMemory) -> SharedMemoryRef:
+    """The reference as sent; the receiver checks it (``SharedMemoryRef.check``) naming its own field."""
+    return SharedMemoryRef(message.socket_path, message.name, message.token)
 
 
 def stage_figures_from_message(figures: handoff_pb2.StageHandoffFigures) -> StageHandoffFigures:

@@ -21,7 +21,8 @@ import structlog
 
 from kvpool import service
 from kvpool.core.pool.master_breaker import MasterBreaker
-from kvpool.core.pool.paths import BytePath, SegmentAccess, SharedMemoryRef, byte_path
+from kvpool.core.pool.paths import BytePath, SegmentAccess, byte_path
+from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.pool.endpoint_batches import move_by_endpoint
 from kvpool.pool.memory_moves import MemoryMove, move_by_memory
 from kvpool.pool.objects import (
@@ -64,19 +65,13 @@ INLINE_CHECKSUM_BYTES = 1 << 20
 
 
 def access_from_message(message: pool_pb2.SegmentAccess) -> SegmentAccess:
-    shared = None
-    if message.HasField("shared_memory"):
-        m = message.shared_memory
-        shared = SharedMemoryRef(m.socket_path, m.name, m.token)
+    shared = shared_memory_from_message(message.shared_memory) if message.HasField("shared_memory") else None
     return SegmentAccess(message.segment_id, message.host, message.base_address, shared)
 
 
 def access_message(access: SegmentAccess) -> pool_pb2.SegmentAccess:
-    message = pool_pb2.SegmentAccess(segment_id=access.segment_id, host=access.host, base_address=access.base_address)
-    if access.shared is not None:
-        message.shared_memory.CopyFrom(pool_pb2.SharedMemory(
-            socket_path=access.shared.socket_path, name=access.shared.name, token=access.shared.token))
-    return message
+    return pool_pb2.SegmentAccess(segment_id=access.segment_id, host=access.host, base_address=access.base_address,
+                                  shared_memory=shared_memory_message(access.shared))
 
 class PoolClient:
     """Talks to one pool master and moves bytes by memory with the stores on its host and with one transfer

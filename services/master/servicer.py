@@ -18,7 +18,7 @@ from kvpool.core.pool.records import (
     Segment,
     SegmentChange,
 )
-from kvpool.core.pool.paths import SharedMemoryRef
+from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.status import status_errors
 from kvpool.services.master.metrics import MasterMetrics
@@ -99,11 +99,8 @@ def check_batch(count: int, field_name: str) -> None:
 def add_accesses(field: Any, segments: Iterable[Segment]) -> None:
     """How a client reaches each segment a response's locations name: its host, base and shared memory."""
     for segment in segments:
-        access = field.add(segment_id=segment.segment_id, host=segment.host, base_address=segment.base_address)
-        if segment.shared is not None:
-            shared = access.shared_memory
-            shared.socket_path, shared.name, shared.token = (
-                segment.shared.socket_path, segment.shared.name, segment.shared.token)
+        field.add(segment_id=segment.segment_id, host=segment.host, base_address=segment.base_address,
+                  shared_memory=shared_memory_message(segment.shared))
 
 
 class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
@@ -135,10 +132,8 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             check_record(i, r)
             tenant = check_tenant(r.tenant, f"records[{i}].tenant")
             records.append(ObjectRecord(r.key, r.group_id, r.group_size, r.offset, r.size, r.checksum, tenant))
-        shared = None
-        if request.HasField("shared_memory"):
-            m = request.shared_memory
-            shared = SharedMemoryRef(m.socket_path, m.name, m.token)
+        shared = shared_memory_from_message(request.shared_memory) if request.HasField("shared_memory") else None
+        if shared is not None:
             shared.check("shared_memory")
         result = self.index.mount_segment(
             request.segment_id, request.endpoint, request.host, request.base_address, request.size, request.numa_node,

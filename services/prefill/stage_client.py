@@ -21,9 +21,9 @@ import torch
 
 from kvpool import service
 from kvpool.core.errors import DeviceCacheLost, FailedPrecondition, InvalidArgument, Unavailable
-from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.prefill.stage_forward import Activation, Piece, StageForward, StageForwardResult
 from kvpool.handoff_messages import (
+    shared_memory_from_message,
     shared_memory_message,
     stage_figures_from_message,
     stage_figures_message,
@@ -75,10 +75,8 @@ def activation_message(activation: Activation) -> prefill_pb2.Activation:
 def piece_from_message(message: prefill_pb2.ForwardRequest) -> Piece:
     """The piece a message carries; its shared memory, if any, checked (INVALID_ARGUMENT naming the field)."""
     a = message.activation
-    shared = None
-    if a.HasField("shared_memory"):
-        m = a.shared_memory
-        shared = SharedMemoryRef(m.socket_path, m.name, m.token)
+    shared = shared_memory_from_message(a.shared_memory) if a.HasField("shared_memory") else None
+    if shared is not None:
         shared.check("activation.shared_memory")
     return Piece(request_id=message.request_id, num_tokens=message.num_tokens, compute_start=message.compute_start,
                  start=message.piece_start, end=message.piece_end,

@@ -15,6 +15,7 @@ import grpc
 
 from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.pool.records import ObjectRecord, SegmentChange
+from kvpool.handoff_messages import shared_memory_message
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 
 RPC_TIMEOUT_S = 5.0
@@ -83,8 +84,7 @@ class MasterClient:
                 segment_id=segment.segment_id, endpoint=segment.endpoint, host=segment.host,
                 base_address=segment.base_address, size=segment.size, numa_node=segment.numa_node,
                 records=[record_message(r) for r in records],
-                shared_memory=None if segment.shared is None else pool_pb2.SharedMemory(
-                    socket_path=segment.shared.socket_path, name=segment.shared.name, token=segment.shared.token),
+                shared_memory=shared_memory_message(segment.shared),
             ),
             timeout=RPC_TIMEOUT_S,
         )
