@@ -37,7 +37,7 @@ def target_from_message(target: handoff_pb2.HandoffTarget) -> HandoffTarget:
     return HandoffTarget(region_id=target.region_id, endpoint=target.endpoint, address=target.address,
                          size=target.size, deadline_unix_ms=target.deadline_unix_ms, layout=target_layout(target),
                          notify_address=target.notify_address, host=target.host, shared=shared,
-                         shared_base_address=target.shared_base_address)
+                         shared_base_address=target.shared_base_address, control_offset=target.control_offset)
 
 
 def target_message(target: HandoffTarget) -> handoff_pb2.HandoffTarget:
@@ -46,6 +46,7 @@ def target_message(target: HandoffTarget) -> handoff_pb2.HandoffTarget:
         region_id=target.region_id, endpoint=target.endpoint, address=target.address, size=target.size,
         deadline_unix_ms=target.deadline_unix_ms, notify_address=target.notify_address, host=target.host,
         shared_base_address=target.shared_base_address, shared_memory=shared_memory_message(target.shared),
+        control_offset=target.control_offset,
         layout=handoff_pb2.HandoffLayout(
             num_tokens=layout.num_tokens, entry_bytes=layout.entry_bytes, trailer_bytes=layout.trailer_bytes,
             layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in layout.layer_split]),

@@ -11,6 +11,10 @@ Owns three things and their invariants:
   ``{"size": N, "token": "..."}`` and the segment's fd attached. Anything else gets one ``{"error": "..."}`` line
   and the connection closes. After an answer the connection stays open and the owner never writes on it again: the
   peer reads EOF when the owner exits or removes the segment.
+- A segment may come with a doorbell (an eventfd the owner reads): a peer sends ``BELL <segment_name>\n`` on a
+  connection of its own and gets ``{"token": "..."}`` with the eventfd attached (the connection then closes); a peer
+  rings it after writing something the owner should look at. An owner without one refuses, and the peer goes on
+  without it.
 - ``SegmentMaps``: the peer's cache of mappings, one per (socket path, segment name). The peer checks that the
   socket's owner runs as its own uid too. A mapping is forgotten when its owner's connection ends, when a later
   ``map`` names another token (the owner restarted) or on ``forget``; a forgotten mapping takes no new pins
@@ -211,19 +215,24 @@ class SegmentShare:
         self.folder = private_folder(folder, "shared-memory folder")
         self.socket_path = self.folder / f"{name}.sock"
         self._segments: dict[str, SharedSegment] = {}
+        self._doorbells: dict[str, int] = {}  # segment name -> the eventfd peers ring
         self._holders: dict[str, set[socket.socket]] = {}  # segment name -> connections that mapped it
         self._connections: set[asyncio.Task] = set()
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
 
-    def add(self, segment_name: str, segment: SharedSegment) -> None:
+    def add(self, segment_name: str, segment: SharedSegment, doorbell: int | None = None) -> None:
+        """Share ``segment``, with ``doorbell`` (an eventfd the caller owns and reads) for peers to ring."""
         if segment_name in self._segments:
             raise ValueError(f"segment {segment_name!r} is already shared at {self.socket_path}")
         self._segments[segment_name] = segment
+        if doorbell is not None:
+            self._doorbells[segment_name] = doorbell
 
     def remove(self, segment_name: str) -> None:
         """Stop sharing a segment and hang up on the peers that mapped it, so they unmap it."""
         self._segments.pop(segment_name, None)
+        self._doorbells.pop(segment_name, None)
         for conn in self._holders.pop(segment_name, set()):
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
@@ -285,8 +294,15 @@ class SegmentShare:
                 return self._refuse(conn, peer, f"peer uid {peer.uid} is not this owner's uid {os.geteuid()}")
             verb, _, segment_name = line.partition(" ")
             segment = self._segments.get(segment_name)
+            if verb == "BELL" and segment is not None and segment_name in self._doorbells:
+                answer = json.dumps({"token": segment.token}).encode() + b"\n"
+                socket.send_fds(conn, [answer], [self._doorbells[segment_name]])
+                segment_name = None
+                return None
             if verb != "MAP" or segment is None:
-                reason = f"unknown request {line!r}" if verb != "MAP" else f"no segment {segment_name!r} here"
+                reason = (f"unknown request {line!r}" if verb not in ("MAP", "BELL") else
+                          f"no segment {segment_name!r} here" if segment is None else
+                          f"no doorbell for {segment_name!r}")
                 segment_name = None
                 return self._refuse(conn, peer, reason)
             answer = json.dumps({"size": segment.size, "token": segment.token}).encode() + b"\n"
@@ -342,6 +358,19 @@ class MappedSegment:
         self._pins = 0
         self.forgotten = False
         self.unmapped = False
+        self.doorbell = -1  # the owner's eventfd, when it offered one (closed with the mapping)
+        self.bell_asked = False
+
+    def ring(self) -> bool:
+        """Ring the owner's doorbell, if it has one; call it under ``using()`` (the fd lives as long as the
+        mapping). False when there is none."""
+        if self.doorbell < 0:
+            return False
+        try:
+            os.eventfd_write(self.doorbell, 1)
+        except BlockingIOError:  # the counter is full: the owner has plenty to read already
+            pass
+        return True
 
     @contextlib.contextmanager
     def using(self) -> Iterator[MappedSegment]:
@@ -379,6 +408,9 @@ class MappedSegment:
             if self.unmapped:
                 return
             self.unmapped = True
+            doorbell, self.doorbell = self.doorbell, -1
+        if doorbell >= 0:
+            os.close(doorbell)
         try:
             del self._array
             self._map.close()
@@ -406,11 +438,50 @@ class SegmentMaps:
         self._live = [m for m in self._live if not m.unmapped]
         return sum(m.size for m in self._live)
 
-    async def map(self, socket_path: str, segment_name: str, token: str) -> MappedSegment:
-        """The mapping of ``segment_name`` at ``socket_path`` whose owner's token is ``token``.
+    async def map(self, socket_path: str, segment_name: str, token: str, doorbell: bool = False) -> MappedSegment:
+        """The mapping of ``segment_name`` at ``socket_path`` whose owner's token is ``token``; with ``doorbell``,
+        its owner's doorbell too where it offers one (asked once per mapping; ``MappedSegment.ring``).
 
         Raises ``StaleSegment`` when the owner answers another token, ``SharedMemoryUnavailable`` when the socket
         is missing or unreachable, its owner is another user, or the owner refuses."""
+        mapped = await self._map(socket_path, segment_name, token)
+        if doorbell and not mapped.bell_asked:
+            mapped.bell_asked = True
+            fd = await self._ask_doorbell(str(socket_path), segment_name, token)
+            if fd >= 0:
+                with contextlib.suppress(StaleSegment), mapped.using():  # pinned: its unmap closes the fd
+                    mapped.doorbell, fd = fd, -1
+            if fd >= 0:  # forgotten meanwhile
+                os.close(fd)
+        return mapped
+
+    async def _ask_doorbell(self, socket_path: str, segment_name: str, token: str) -> int:
+        """The owner's eventfd for ``segment_name``, or -1 when it offers none (an older owner) or fails."""
+        loop = asyncio.get_running_loop()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        conn.setblocking(False)
+        fds: list[int] = []
+        try:
+            await loop.sock_connect(conn, socket_path)
+            if peer_credentials(conn).uid != os.geteuid():
+                return -1
+            await loop.sock_sendall(conn, f"BELL {segment_name}\n".encode())
+            answer = _parse_answer(await asyncio.wait_for(_read_answer(loop, conn, fds), ANSWER_TIMEOUT_S),
+                                   socket_path)
+            if "error" in answer or answer.get("token") != token or len(fds) != 1:
+                return -1
+            fd = fds.pop()
+            return fd
+        except (OSError, TimeoutError, SharedMemoryUnavailable) as exc:
+            log.info("shared_memory_doorbell_unavailable", socket_path=socket_path, segment=segment_name,
+                     reason=str(exc))
+            return -1
+        finally:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+
+    async def _map(self, socket_path: str, segment_name: str, token: str) -> MappedSegment:
         key = (str(socket_path), segment_name)
         async with self._locks.setdefault(key, asyncio.Lock()):
             cached = self._cached.get(key)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.rpc import pool_pb2 as kvpool_dot_rpc_dot_pool__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvpool/rpc/handoff.proto\x12\nkvpool.rpc\x1a\x15kvpool/rpc/pool.proto\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"|\n\rHandoffLayout\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12+\n\x0blayer_split\x18\x02 \x03(\x0b\x32\x16.kvpool.rpc.LayerRange\x12\x13\n\x0b\x65ntry_bytes\x18\x03 \x01(\r\x12\x15\n\rtrailer_bytes\x18\x04 \x01(\r\"\x8c\x02\n\rHandoffTarget\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x04\x12)\n\x06layout\x18\x06 \x01(\x0b\x32\x19.kvpool.rpc.HandoffLayout\x12\x16\n\x0enotify_address\x18\x07 \x01(\t\x12\x0c\n\x04host\x18\x08 \x01(\t\x12/\n\rshared_memory\x18\t \x01(\x0b\x32\x18.kvpool.rpc.SharedMemory\x12\x1b\n\x13shared_base_address\x18\n \x01(\x04\"O\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06target\x18\x02 \x01(\x0b\x32\x19.kvpool.rpc.HandoffTarget\"\xdb\x01\n\x13StageHandoffFigures\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x11\n\ttransfers\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x16\n\x0egather_seconds\x18\x04 \x01(\x01\x12\x15\n\rwrite_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fscatter_seconds\x18\x06 \x01(\x01\x12\x0e\n\x06ranges\x18\x07 \x01(\r\x12\x1b\n\x13\x66orward_end_unix_ms\x18\x08 \x01(\x01\x12\x1e\n\x16last_write_end_unix_ms\x18\t \x01(\x01\"\x88\x01\n\x0fHandoffResponse\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12/\n\x06stages\x18\x02 \x03(\x0b\x32\x1f.kvpool.rpc.StageHandoffFigures\x12\x11\n\ttransfers\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"h\n\x12WriteLayersRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_table\x18\x02 \x03(\x05\x12)\n\x06target\x18\x03 \x01(\x0b\x32\x19.kvpool.rpc.HandoffTargetb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvpool/rpc/handoff.proto\x12\nkvpool.rpc\x1a\x15kvpool/rpc/pool.proto\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"|\n\rHandoffLayout\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12+\n\x0blayer_split\x18\x02 \x03(\x0b\x32\x16.kvpool.rpc.LayerRange\x12\x13\n\x0b\x65ntry_bytes\x18\x03 \x01(\r\x12\x15\n\rtrailer_bytes\x18\x04 \x01(\r\"\xa4\x02\n\rHandoffTarget\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x04\x12)\n\x06layout\x18\x06 \x01(\x0b\x32\x19.kvpool.rpc.HandoffLayout\x12\x16\n\x0enotify_address\x18\x07 \x01(\t\x12\x0c\n\x04host\x18\x08 \x01(\t\x12/\n\rshared_memory\x18\t \x01(\x0b\x32\x18.kvpool.rpc.SharedMemory\x12\x1b\n\x13shared_base_address\x18\n \x01(\x04\x12\x16\n\x0e\x63ontrol_offset\x18\x0b \x01(\x04\"O\n\x0eHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06target\x18\x02 \x01(\x0b\x32\x19.kvpool.rpc.HandoffTarget\"\xdb\x01\n\x13StageHandoffFigures\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x11\n\ttransfers\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x16\n\x0egather_seconds\x18\x04 \x01(\x01\x12\x15\n\rwrite_seconds\x18\x05 \x01(\x01\x12\x17\n\x0fscatter_seconds\x18\x06 \x01(\x01\x12\x0e\n\x06ranges\x18\x07 \x01(\r\x12\x1b\n\x13\x66orward_end_unix_ms\x18\x08 \x01(\x01\x12\x1e\n\x16last_write_end_unix_ms\x18\t \x01(\x01\"\x88\x01\n\x0fHandoffResponse\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12/\n\x06stages\x18\x02 \x03(\x0b\x32\x1f.kvpool.rpc.StageHandoffFigures\x12\x11\n\ttransfers\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"h\n\x12WriteLayersRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_table\x18\x02 \x03(\x05\x12)\n\x06target\x18\x03 \x01(\x0b\x32\x19.kvpool.rpc.HandoffTargetb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDOFFLAYOUT']._serialized_start=105
   _globals['_HANDOFFLAYOUT']._serialized_end=229
   _globals['_HANDOFFTARGET']._serialized_start=232
-  _globals['_HANDOFFTARGET']._serialized_end=500
-  _globals['_HANDOFFREQUEST']._serialized_start=502
-  _globals['_HANDOFFREQUEST']._serialized_end=581
-  _globals['_STAGEHANDOFFFIGURES']._serialized_start=584
-  _globals['_STAGEHANDOFFFIGURES']._serialized_end=803
-  _globals['_HANDOFFRESPONSE']._serialized_start=806
-  _globals['_HANDOFFRESPONSE']._serialized_end=942
-  _globals['_WRITELAYERSREQUEST']._serialized_start=944
-  _globals['_WRITELAYERSREQUEST']._serialized_end=1048
+  _globals['_HANDOFFTARGET']._serialized_end=524
+  _globals['_HANDOFFREQUEST']._serialized_start=526
+  _globals['_HANDOFFREQUEST']._serialized_end=605
+  _globals['_STAGEHANDOFFFIGURES']._serialized_start=608
+  _globals['_STAGEHANDOFFFIGURES']._serialized_end=827
+  _globals['_HANDOFFRESPONSE']._serialized_start=830
+  _globals['_HANDOFFRESPONSE']._serialized_end=966
+  _globals['_WRITELAYERSREQUEST']._serialized_start=968
+  _globals['_WRITELAYERSREQUEST']._serialized_end=1072
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class HandoffLayout(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., layer_split: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., entry_bytes: _Optional[int] = ..., trailer_bytes: _Optional[int] = ...) -> None: ...
 
 class HandoffTarget(_message.Message):
-    __slots__ = ("region_id", "endpoint", "address", "size", "deadline_unix_ms", "layout", "notify_address", "host", "shared_memory", "shared_base_address")
+    __slots__ = ("region_id", "endpoint", "address", "size", "deadline_unix_ms", "layout", "notify_address", "host", "shared_memory", "shared_base_address", "control_offset")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class HandoffTarget(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     SHARED_BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_OFFSET_FIELD_NUMBER: _ClassVar[int]
     region_id: str
     endpoint: str
     address: int
@@ -49,7 +50,8 @@ class HandoffTarget(_message.Message):
     host: str
     shared_memory: _pool_pb2.SharedMemory
     shared_base_address: int
-    def __init__(self, region_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[HandoffLayout, _Mapping]] = ..., notify_address: _Optional[str] = ..., host: _Optional[str] = ..., shared_memory: _Optional[_Union[_pool_pb2.SharedMemory, _Mapping]] = ..., shared_base_address: _Optional[int] = ...) -> None: ...
+    control_offset: int
+    def __init__(self, region_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[HandoffLayout, _Mapping]] = ..., notify_address: _Optional[str] = ..., host: _Optional[str] = ..., shared_memory: _Optional[_Union[_pool_pb2.SharedMemory, _Mapping]] = ..., shared_base_address: _Optional[int] = ..., control_offset: _Optional[int] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
     __slots__ = ("request_id", "target")

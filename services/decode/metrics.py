@@ -33,5 +33,10 @@ class DecodeMetrics:
         self.regions = Gauge("kvpool_decode_regions", "Receive regions reserved or being scattered", registry=r)
         self.region_bytes_used = Gauge("kvpool_decode_region_bytes_used", "Receive arena bytes held by regions",
                                        registry=r)
+        self.landed = Counter("kvpool_decode_landed_scatters", "Landed parts of regions scattered into pages, by how "
+                              "decode learned of them (doorbell: a same-host stage's control record; call: "
+                              "Decode.Landed; generate: the rest of a region, at its Generate)", ["by"], registry=r)
+        for by in ("doorbell", "call", "generate"):
+            self.landed.labels(by)
         self.regions_expired = Counter("kvpool_decode_regions_expired",
                                        "Receive regions reclaimed at their deadline", registry=r)

@@ -34,7 +34,7 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
     share = None
     if isinstance(shard.arena, SharedSegment):
         share = SegmentShare(Path(settings.shared_memory_dir), f"decode-{shard.arena.token[:16]}")
-        share.add(ARENA_NAME, shard.arena)
+        share.add(ARENA_NAME, shard.arena, shard.doorbell if shard.doorbell >= 0 else None)
         socket_path = await share.start()
         shard.shared = SharedMemoryRef(str(socket_path), ARENA_NAME, shard.arena.token)
         log.info("shared_memory_offered", socket=str(socket_path), segment=ARENA_NAME, host=shard.host_name)
@@ -51,6 +51,9 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
     service.install_stop_signals(stop)
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     tasks = [asyncio.create_task(shard.run()), asyncio.create_task(shard.expire_regions_forever())]
+    loop = asyncio.get_running_loop()
+    if shard.doorbell >= 0:  # stages on this host ring it after publishing landed ranges
+        loop.add_reader(shard.doorbell, shard.on_doorbell)
 
     def died(task: asyncio.Task[None]) -> None:
         # a shard whose step loop or sweeper died would hang every stream: exit instead
@@ -79,5 +82,7 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
                 await task
         if share is not None:
             await share.close()
+        if shard.doorbell >= 0:
+            loop.remove_reader(shard.doorbell)
         shard.close()
         log.info("decode_shard_stopped")

@@ -61,6 +61,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             notify_address=self.shard.notify_address, host=self.shard.host_name,
             shared_memory=shared_memory_message(self.shard.shared),
             shared_base_address=self.shard.arena.address if self.shard.shared else 0,
+            control_offset=self.shard.control_offset(region) if self.shard.shared else 0,
         )
         return decode_pb2.ReserveResponse(target=target)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -35,6 +36,7 @@ import torch
 from kvpool.core.decode.regions import ReceiveRegion, RegionTable
 from kvpool.core.decode.scheduler import DecodeScheduler, DecodeSequence
 from kvpool.core.errors import FailedPrecondition, InvalidArgument
+from kvpool.core.handoff.control import ControlRecords
 from kvpool.core.handoff.layout import HandoffLayout
 from kvpool.handoff import scatter_range, scatter_region
 from kvpool.model import kv_dtype as kv_dtype_of
@@ -53,6 +55,12 @@ EXPIRE_INTERVAL_S = 0.25
 # before it went lands in bytes nobody else holds (kvpool.core.decode.regions)
 WRITER_GRACE_S = 0.5
 ARENA_NAME = "decode-arena"  # the receive arena's segment name on its shared-memory socket
+MAX_CONTROL_SLOTS = 4096  # regions open at once, at most, with control records (1 MiB of them)
+
+
+def control_slots(arena_size: int) -> int:
+    """Control records for an arena: one per region it could hold (4 KiB each at least), within bounds."""
+    return max(64, min(MAX_CONTROL_SLOTS, arena_size // 4096))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,20 +103,31 @@ class DecodeShard:
                                  kv_dtype_of(settings.kv_dtype), settings.weights or settings.model_dir or None)
         self.scheduler = DecodeScheduler(settings.num_pages, settings.page_size, settings.max_batch_size,
                                          self.config.max_position_embeddings, clock)
-        self.regions = RegionTable(settings.region_arena_bytes, settings.region_deadline_s, clock, WRITER_GRACE_S)
-        # the receive arena: registered once, regions are carved from it; shared memory for stages on this host
-        size = int(settings.region_arena_bytes)
-        self.arena: HostBuffer | SharedSegment = (SharedSegment(size, ARENA_NAME) if settings.shared_memory
-                                                  else HostBuffer(size))
+        # the receive arena: registered once, regions are carved from it; shared memory for stages on this host,
+        # with the regions' control records after it and a doorbell (kvpool.core.handoff.control)
+        size = self.arena_size = int(settings.region_arena_bytes)
+        self.control: ControlRecords | None = None
+        self.doorbell = -1
+        if settings.shared_memory:
+            slots = control_slots(size)
+            self.arena: HostBuffer | SharedSegment = SharedSegment(size + ControlRecords.nbytes(slots), ARENA_NAME)
+            self._control_view = self.arena.view(size)
+            self.control = ControlRecords(self._control_view.cast("Q"), slots)
+            self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:
+            self.arena = HostBuffer(size)
         self.arena.touch()
+        self.regions = RegionTable(size, settings.region_deadline_s, clock, WRITER_GRACE_S, self.control)
         if engine is not None:  # None: stages reach the arena by shared memory only
-            engine.register(self.arena.address, self.arena.size)
+            engine.register(self.arena.address, size)
         self.host_name = local_host_name()  # the host this shard declares in its targets
         self.shared: SharedMemoryRef | None = None  # where this host's stages map the arena (the server sets it)
         self.endpoint = engine.endpoint if engine is not None else ""  # "": no engine, shared memory only
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode-compute")
         self._live: dict[str, LiveSequence] = {}
         self.notify_address = ""  # this shard's gRPC address, for Landed (the server sets it)
+        self._rung = False
+        self._scan: asyncio.Future[None] | None = None
         self._wake = asyncio.Event()
         self.num_steps = 0
 
@@ -150,6 +169,12 @@ class DecodeShard:
     def region_address(self, region: ReceiveRegion) -> int:
         return self.arena.address + region.offset
 
+    def control_offset(self, region: ReceiveRegion) -> int:
+        """Where the region's control record lies in the shared arena; 0: none (stages call Landed)."""
+        if self.control is None:
+            return 0
+        return self.arena_size + self.control.record_offset(region.region_id)
+
     def region_tensor(self, region: ReceiveRegion) -> torch.Tensor:
         return torch.frombuffer(self.arena.view(region.offset, region.size), dtype=torch.uint8)
 
@@ -176,6 +201,44 @@ class DecodeShard:
             raise FailedPrecondition(f"region_id: {region_id} is already decoding")
         assert region.landed is not None
         region.landed.check(stage, token_start, token_end, trailer)
+        return await self._land(region, stage, token_start, token_end, trailer, "call")
+
+    def on_doorbell(self) -> None:
+        """A stage on this host published progress in a control record: scatter what landed (one scan at a
+        time; a ring during a scan makes it look again)."""
+        try:
+            os.eventfd_read(self.doorbell)
+        except BlockingIOError:
+            pass
+        self._rung = True
+        if self._scan is None or self._scan.done():
+            self._scan = asyncio.ensure_future(self._scan_landed())
+
+    async def _scan_landed(self) -> None:
+        while self._rung:
+            self._rung = False
+            assert self.control is not None
+            for region in self.regions.open_regions():
+                if not region.seq_id or region.claimed or not self.control.fence_up(region.region_id):
+                    continue
+                assert region.landed is not None
+                layout = region.layout
+                progress, trailer = self.control.landed(region.region_id, layout.num_stages)
+                for stage, landed in enumerate(progress):
+                    if landed is None:
+                        continue
+                    if region.seen_writer(stage, landed.nonce):
+                        log.info("decode_region_rewritten", region_id=region.region_id, stage=stage)
+                    have = region.landed.frontier(stage)
+                    if have < landed.count <= layout.num_tokens:
+                        await self._land(region, stage, have, landed.count, False, "doorbell")
+                if trailer and layout.trailer_bytes and not region.landed.trailer_landed:
+                    await self._land(region, 0, 0, 0, True, "doorbell")
+
+    async def _land(self, region: ReceiveRegion, stage: int, token_start: int, token_end: int,
+                    trailer: bool, by: str) -> tuple[float, bool]:
+        region_id = region.region_id
+        assert region.landed is not None
         seconds = 0.0
         seq = self.scheduler.get(region.seq_id) if region.seq_id else None
         if seq is not None and token_start < token_end:
@@ -186,6 +249,7 @@ class DecodeShard:
             seconds = time.perf_counter() - started
         if self.regions.get(region_id) is region and (seq is not None or token_start == token_end):
             region.landed.land(stage, token_start, token_end, trailer)  # scattered (or nothing to scatter)
+            self.metrics.landed.labels(by).inc()
         return seconds, region.landed.complete
 
     async def expire_regions_forever(self) -> None:
@@ -295,7 +359,8 @@ class DecodeShard:
                     self._emit(live, live.last_token)  # a given first token; it may end the sequence
             admitted = [live for live in admitted if self._live.get(live.seq.seq_id) is live]
             to_scatter = [(live, self.region_tensor(live.region), live.region.layout, list(live.seq.page_ids),
-                           live.params, bool(live.region.landed and live.region.landed.complete))
+                           live.params, bool(live.region.landed and live.region.landed.complete
+                                             and not live.region.rewritten))
                           for live in admitted]
             # sequences whose first token is drawn in this call join the next step
             batch = [live for live in self._live.values() if live.seq.admitted_at is not None and live.ready]
@@ -317,6 +382,8 @@ class DecodeShard:
                 continue
             for live, seconds in zip(admitted, scatter_seconds):
                 live.scatter_seconds = seconds
+                if not (live.region.landed and live.region.landed.complete) or live.region.rewritten:
+                    self.metrics.landed.labels("generate").inc()
                 if not live.region_freed:  # the region's bytes are in the pages now
                     self.regions.free(live.region.region_id)
                     live.region_freed = True
@@ -361,3 +428,9 @@ class DecodeShard:
         self._compute.shutdown(wait=True)
         if self.engine is not None:
             self.engine.unregister(self.arena.address)
+        if self.control is not None:
+            self.control.words.release()
+            self._control_view.release()  # the arena can unmap now
+        if self.doorbell >= 0:
+            os.close(self.doorbell)
+            self.doorbell = -1

@@ -14,9 +14,14 @@ goes on. Stage 0 collects every stage's figures after the forward
 Same host (``handoff_path``: the target names this stage's declared host and
 decode's arena as shared memory, and ``--handoff-path`` is ``auto``): the
 stage maps decode's arena once (``SegmentMaps``, cached) and gathers each
-range straight into the region, no slab and no engine; then tells decode as
-above. An arena that cannot be mapped (decode gone or restarted) fails the
-handoff as a failed engine write does. Bytes are counted per path
+range straight into the region, no slab and no engine. It makes no call to
+decode: right before each copy it reads the region's fence in its control
+record (``kvpool.core.handoff.control``) and copies only while the fence holds
+the region's id; after it, it publishes how far its landed ranges reach and
+rings decode's doorbell, and decode scatters them. A decode that offers no
+control record or no doorbell (an older one) is asked and told with
+``Decode.Landed`` as above. An arena that cannot be mapped (decode gone or
+restarted) fails the handoff as a failed engine write does. Bytes are counted per path
 (``kvpool_prefill_handoff_bytes_total{path}``).
 
 A stage without a transfer engine (``--no-transfer-engine``) has no handoff
@@ -27,7 +32,7 @@ out of reach fails the same way.
 
 Invariants: nothing is written before the whole target checked out (stage
 0, before any work); nothing is written into a region decode no longer holds
-for it (asked right before each write, or each copy); a slab is freed only
+for it (its fence read, or decode asked, right before each write or copy); a slab is freed only
 after the engine stopped reading it; a mapping is pinned while a copy writes
 it; the writes of a request run to their end even if its caller goes away
 (the pages they read stay the request's until stage 0 has them all done).
@@ -36,7 +41,10 @@ it; the writes of a request run to their end even if its caller goes away
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import structlog
@@ -50,6 +58,7 @@ from kvpool.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvpool.core.handoff.control import RECORD_BYTES, ControlRecords, Frontier, fresh_nonce
 from kvpool.core.handoff.layout import HandoffLayout, RangeTransfer, range_transfers, transfer_plan
 from kvpool.core.handoff.target import HandoffTarget, StageHandoffFigures, check_target, handoff_path
 from kvpool.core.pool.paths import BytePath
@@ -57,7 +66,7 @@ from kvpool.handoff import gather_range, gather_range_into, memory_tensor, regio
 from kvpool.services.prefill.arena import Arena
 from kvpool.services.prefill.decode_client import LandedClient
 from kvpool.services.prefill.stage_runner import StageRunner
-from kvpool.shared_memory import OutOfReach, SegmentMaps, SharedMemoryUnavailable
+from kvpool.shared_memory import MappedSegment, OutOfReach, SegmentMaps, SharedMemoryUnavailable
 from kvpool.transfer import local_host_name
 
 log = structlog.get_logger(__name__)
@@ -70,6 +79,42 @@ _SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 
 
 class ArenaOutOfReach(Exception):
     """Decode's arena is on this host but its socket is not within this process's reach."""
+
+
+class RegionClosed(Exception):
+    """The region's fence is down: decode gave it back, it expired, or its Generate claimed it."""
+
+
+def control_region_id(target: HandoffTarget, arena_bytes: int, region_offset: int) -> int | None:
+    """The region id whose control record ``target`` points at, when it points at one that lies inside the
+    mapped arena and outside the region; None when the target has none (an older decode)."""
+    record = target.control_offset
+    if not record:
+        return None
+    if record + RECORD_BYTES > arena_bytes or record < region_offset + target.layout.nbytes and \
+            region_offset < record + RECORD_BYTES:
+        raise InvalidArgument(f"target.control_offset: {record} is not a control record outside the region "
+                              f"in decode's shared arena of {arena_bytes} bytes")
+    try:
+        region_id = int(target.region_id)
+    except ValueError:
+        raise InvalidArgument(f"target.region_id: {target.region_id!r} is not a number, and the target has a "
+                              "control record") from None
+    if region_id <= 0:
+        raise InvalidArgument(f"target.region_id: {region_id} must be positive")
+    return region_id
+
+
+@contextlib.contextmanager
+def control_record(mapped: MappedSegment, record_offset: int) -> Iterator[ControlRecords]:
+    """One region's control record in a pinned mapping (its views released on the way out)."""
+    view = mapped.view(record_offset, RECORD_BYTES)
+    words = view.cast("Q")
+    try:
+        yield ControlRecords(words, 1)
+    finally:
+        words.release()
+        view.release()
 
 
 class HandoffMetrics:
@@ -118,6 +163,8 @@ class RequestWrites:
         self.layout = layout
         self.totals = WriteTotals()
         self.tasks: list[asyncio.Task[None]] = []
+        self.frontier = Frontier()  # the ranges landed, published in the region's control record
+        self.nonce = 0  # this attempt's, chosen at its first publish (kvpool.core.handoff.control)
 
     def write(self, token_start: int, token_end: int, trailer: bytes = b"") -> None:
         """Start writing tokens ``[token_start, token_end)`` of this stage's layers (and ``trailer``)."""
@@ -227,10 +274,11 @@ class StageHandoff:
         kv_nbytes = sum(t.length for t in plan)
         nbytes = kv_nbytes + len(trailer)
         path = handoff_path(target, self.host_name, self.engine_only)
+        told = False  # decode was told through the region's control record (no Landed call)
         if path is BytePath.MEMORY:  # the gather is the move: its time counts as gather, no write follows
             started = time.perf_counter()
             try:
-                await self.copy_range(writes, token_start, token_end, trailer)
+                told = await self.copy_range(writes, token_start, token_end, trailer)
                 transfers, gather_s, write_s = 0, time.perf_counter() - started, 0.0
             except ArenaOutOfReach as exc:  # same host, but not this process's to map (another container)
                 log.info("handoff_arena_out_of_reach", region_id=target.region_id, reason=str(exc))
@@ -244,28 +292,38 @@ class StageHandoff:
         totals.write_s += write_s
         totals.last_write_end_unix_ms = max(totals.last_write_end_unix_ms, time.time() * 1e3)
         self.metrics.path_bytes.labels(path.value).inc(nbytes)
-        totals.scatter_s += await self.decode.landed(target, token_start, token_end, bool(trailer))
+        if not told:
+            totals.scatter_s += await self.decode.landed(target, token_start, token_end, bool(trailer))
 
-    async def copy_range(self, writes: RequestWrites, token_start: int, token_end: int, trailer: bytes) -> None:
-        """Gather one range straight into decode's region, mapped from its shared arena (same host)."""
+    async def copy_range(self, writes: RequestWrites, token_start: int, token_end: int, trailer: bytes) -> bool:
+        """Gather one range straight into decode's region, mapped from its shared arena (same host); True when
+        decode was told through the region's control record and its doorbell, so no Landed call is needed."""
         layout, target = writes.layout, writes.target
         shared = target.shared
         assert shared is not None  # handoff_path chose memory
         try:  # first: a restarted decode fails here at once, not at the end of an RPC's deadline
-            mapped = await self.maps.map(shared.socket_path, shared.name, shared.token)
+            mapped = await self.maps.map(shared.socket_path, shared.name, shared.token, doorbell=True)
         except OutOfReach as exc:  # no socket here: the engine may still reach decode
             raise ArenaOutOfReach(str(exc)) from None
         except SharedMemoryUnavailable as exc:  # decode died or restarted
             raise Unavailable(f"stage {self.stage}: mapping decode's arena at {shared.socket_path} failed: {exc}",
                               field="target") from None
-        await self.check_reserved(target)
         offset = target.shared_offset
         if not 0 <= offset <= mapped.size - layout.nbytes:
             raise InvalidArgument(f"target.address: the region [{offset}, {offset + layout.nbytes}) is outside "
                                   f"decode's shared arena of {mapped.size} bytes")
+        region_id = control_region_id(target, mapped.size, offset)
+        if region_id is None:  # an older decode: ask it (Landed), right before the copy
+            await self.check_reserved(target)
+        elif target.deadline_unix_ms and target.deadline_unix_ms <= now_unix_ms():
+            raise FailedPrecondition("target.deadline_unix_ms: the reservation expired before the write")
 
         def copy_in() -> None:
             with mapped.using():  # pinned: the arena stays mapped while this writes it, even if decode dies
+                if region_id is not None:
+                    with control_record(mapped, target.control_offset) as record:
+                        if not record.fence_up(region_id):  # given back, expired or claimed: not ours any more
+                            raise RegionClosed
                 region = memory_tensor(mapped.address + offset, layout.nbytes)
                 if token_start < token_end:
                     gather_range_into(self.runner.kv_cache, writes.block_table, token_start, token_end,
@@ -277,6 +335,21 @@ class StageHandoff:
         try:
             await asyncio.to_thread(copy_in)
         except SharedMemoryUnavailable as exc:  # forgotten before the copy began: decode went away
+            raise Unavailable(f"stage {self.stage}: decode's arena at {shared.socket_path} went away: {exc}",
+                              field="target") from None
+        except RegionClosed:
+            raise FailedPrecondition(f"target.region_id: decode no longer holds region {region_id} for writes "
+                                     "(given back, expired or already decoding)") from None
+        if region_id is None:
+            return False
+        frontier = writes.frontier.land(token_start, token_end)
+        try:
+            with mapped.using(), control_record(mapped, target.control_offset) as record:
+                if not writes.nonce:  # this attempt's first publish: a nonce decode has not seen for this stage
+                    writes.nonce = fresh_nonce(record.progress(region_id, self.stage), secrets.randbits(32))
+                record.publish(region_id, self.stage, writes.nonce, frontier, bool(trailer))
+                return mapped.ring()
+        except SharedMemoryUnavailable as exc:
             raise Unavailable(f"stage {self.stage}: decode's arena at {shared.socket_path} went away: {exc}",
                               field="target") from None
 

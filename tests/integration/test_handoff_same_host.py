@@ -4,7 +4,9 @@ One host, two 2-stage pipelines (``--handoff-path auto`` and ``engine``) and one
 prompts through both give greedy output identical to each other and to the single-process reference; the
 auto pipeline's stages count every handoff byte as moved by memory (engine 0), the engine pipeline's as moved
 by the engine (memory 0). A decode shard killed after its arena was mapped, or while a handoff into it runs,
-fails that handoff with UNAVAILABLE naming the target, and the stages go on serving.
+fails that handoff with UNAVAILABLE naming the target, and the stages go on serving. The memory path makes no
+call to decode (the region's control record and decode's doorbell instead), and writes nothing into a region
+decode gave back.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ def prompt(seed: int, length: int) -> list[int]:
 
 def path_bytes(pipeline: LocalPipeline, path: str) -> list[float]:
     return [metric(s, f'kvpool_prefill_handoff_bytes_total{{path="{path}"}}') for s in pipeline.stages]
+
+
+def landed(shard: LocalDecode) -> dict[str, float]:
+    """How decode learned of the landed parts it scattered, so far."""
+    return {by: metric(shard.process, f'kvpool_decode_landed_scatters_total{{by="{by}"}}')
+            for by in ("doorbell", "call", "generate")}
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +94,15 @@ async def test_same_host_moves_by_memory_and_engine_path_by_engine_with_identica
     token_ids = prompt(1, 600)  # three forward pieces: each stage several ranges, the last the logits too
     before = {name: (path_bytes(p, "memory"), path_bytes(p, "engine")) for name, p in (("auto", auto),
                                                                                        ("engine", engine))}
+    told = landed(shard)
     by_memory, done_memory = await generate(auto.address, shard.address, token_ids, 12)
+    # no call to decode: each stage read the fence before each copy, published its ranges and rang the doorbell,
+    # and decode scattered them before the Generate (which may still find the last one unscattered)
+    after_memory = landed(shard)
+    assert after_memory["call"] == told["call"]
+    assert after_memory["doorbell"] > told["doorbell"]
     by_engine, done_engine = await generate(engine.address, shard.address, token_ids, 12)
+    assert landed(shard)["call"] > after_memory["call"]  # the engine path tells decode by Decode.Landed
     reference = InProcessPipeline(CONFIG, num_blocks=16, block_size=64)
     assert by_memory == by_engine == reference.generate_greedy(torch.tensor(token_ids), list(range(16)), 12)
     nbytes = len(token_ids) * CONFIG.num_hidden_layers * (CONFIG.kv_entry_dim * 4) + CONFIG.vocab_size * 4
@@ -170,3 +185,47 @@ async def test_a_decode_shard_without_an_engine_opens_no_engine_port_and_takes_t
             await generate(engine.address, portless.address, token_ids, 6)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
     assert "target" in refused.value.details()
+
+
+async def test_a_region_given_back_is_never_written_by_memory(cluster: Cluster) -> None:
+    auto, _, shard = cluster
+    token_ids = prompt(6, 600)
+    async with grpc.aio.insecure_channel(auto.address, options=service.GRPC_OPTIONS) as p, \
+            grpc.aio.insecure_channel(shard.address, options=service.GRPC_OPTIONS) as d:
+        decode = decode_pb2_grpc.DecodeStub(d)
+        await generate(auto.address, shard.address, prompt(7, 300), 2)  # the stages have mapped the arena
+        target = await reserve(decode, token_ids, 6)
+        assert target.control_offset > 0
+        released = await decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=target.region_id),
+                                              timeout=10)
+        assert released.released
+        before = sum(path_bytes(auto, "memory"))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await prefill(prefill_pb2_grpc.PrefillStub(p), token_ids, target)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+    assert "region" in refused.value.details()
+    assert sum(path_bytes(auto, "memory")) == before  # not one byte copied into it
+    tokens, _ = await generate(auto.address, shard.address, token_ids, 6)  # and the stages serve on
+    reference = InProcessPipeline(CONFIG, num_blocks=16, block_size=64)
+    assert tokens == reference.generate_greedy(torch.tensor(token_ids), list(range(16)), 6)
+
+
+async def test_a_region_written_again_holds_the_second_writing(cluster: Cluster) -> None:
+    # a retried request writes its region again (a lost device cache, a dead stage, another pipeline): decode,
+    # having scattered the first writing already, must end up with the second one's KV
+    auto, _, shard = cluster
+    first, second = prompt(8, 600), prompt(9, 600)
+    async with grpc.aio.insecure_channel(auto.address, options=service.GRPC_OPTIONS) as p, \
+            grpc.aio.insecure_channel(shard.address, options=service.GRPC_OPTIONS) as d:
+        decode, front = decode_pb2_grpc.DecodeStub(d), prefill_pb2_grpc.PrefillStub(p)
+        target = await reserve(decode, second, 6)
+        await prefill(front, first, target)
+        told = landed(shard)
+        await prefill(front, second, target)
+        assert landed(shard)["doorbell"] > told["doorbell"]
+        call = decode.Generate(decode_pb2.DecodeRequest(region_id=target.region_id, prompt_token_ids=second,
+                                                        max_tokens=6), timeout=60)
+        tokens = [r.token_id async for r in call if r.HasField("token_id")]
+    assert landed(shard)["generate"] > told["generate"]  # scattered whole once more: it was written twice
+    reference = InProcessPipeline(CONFIG, num_blocks=16, block_size=64)
+    assert tokens == reference.generate_greedy(torch.tensor(second), list(range(16)), 6)

@@ -356,3 +356,36 @@ def test_dead_sockets_of_killed_owners_are_swept_and_live_or_young_ones_kept(tmp
         assert sorted(p.name for p in folder.iterdir()) == ["live.sock", "notes.txt", "young.sock"]
     finally:
         live.close()
+
+
+async def test_a_peer_rings_the_owners_doorbell_and_an_owner_without_one_says_so(folder):
+    bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    share = SegmentShare(folder, "decode")
+    arena, plain = SharedSegment(SIZE, "arena"), SharedSegment(SIZE, "plain")
+    share.add("arena", arena, bell)
+    share.add("plain", plain)
+    path = await share.start()
+    maps = SegmentMaps()
+    try:
+        mapped = await maps.map(str(path), "arena", arena.token, doorbell=True)
+        assert await maps.map(str(path), "arena", arena.token, doorbell=True) is mapped  # asked once
+        with mapped.using():
+            assert mapped.ring() and mapped.ring()
+        assert os.eventfd_read(bell) == 2  # the owner reads both rings at once
+        unrung = await maps.map(str(path), "plain", plain.token, doorbell=True)  # refused: none offered
+        with unrung.using():
+            assert unrung.doorbell == -1 and not unrung.ring()
+
+        def ask_for_nothing() -> dict:  # on a thread: this loop is the owner's too
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(5)
+                conn.connect(str(path))
+                conn.sendall(b"BELL nothing\n")
+                return json.loads(conn.recv(4096))
+
+        assert "no segment 'nothing'" in (await asyncio.to_thread(ask_for_nothing))["error"]
+    finally:
+        await maps.close()
+        await share.close()
+        os.close(bell)
+    assert mapped.doorbell == -1  # its fd closed with the mapping

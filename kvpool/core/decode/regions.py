@@ -14,6 +14,10 @@ expired leaves the table at once but its bytes stay allocated for
 ``writer_grace_s`` more: a write that passed its check just before lands in
 bytes nobody else holds yet.
 
+With ``control`` (``kvpool.core.handoff.control``: the records a same-host
+writer reads instead of asking), a region's fence is up exactly while it is
+reserved and unclaimed, and ids skip slots a live region holds.
+
 Invariants: a region id is issued once; a region is reserved, claimed,
 draining or gone, and only a reserved one can be claimed or expire; the
 arena bytes in use equal the sum of live and draining regions' (rounded)
@@ -23,10 +27,11 @@ sizes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.core.pool.allocator import SegmentAllocator
 from kvpool.core.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvpool.core.handoff.control import ControlRecords
 from kvpool.core.handoff.landing import LandedParts
 from kvpool.core.handoff.layout import HandoffLayout
 
@@ -46,6 +51,20 @@ class ReceiveRegion:
     claimed: bool = False
     seq_id: str = ""  # the sequence whose pages were reserved with it, if any
     landed: LandedParts | None = None  # what prefill told us has landed (and was scattered, with pages)
+    writers: dict[int, int] = field(default_factory=dict)  # stage -> the nonce of its attempt seen last
+    rewritten: bool = False  # a stage wrote it again (a retried request): scatter all of it at Generate
+
+    def seen_writer(self, stage: int, nonce: int) -> bool:
+        """Note ``stage``'s attempt ``nonce``; True when it differs from the one seen before (that stage's
+        landed parts are forgotten: the new attempt writes them again)."""
+        previous = self.writers.get(stage)
+        self.writers[stage] = nonce
+        if previous is None or previous == nonce:
+            return False
+        self.rewritten = True
+        assert self.landed is not None
+        self.landed.forget(stage)
+        return True
 
     def __post_init__(self) -> None:
         if self.landed is None:
@@ -55,7 +74,8 @@ class ReceiveRegion:
 class RegionTable:
     """The shard's receive regions over one arena of ``arena_size`` bytes."""
 
-    def __init__(self, arena_size: int, deadline_s: float, clock: Clock, writer_grace_s: float = 0.0) -> None:
+    def __init__(self, arena_size: int, deadline_s: float, clock: Clock, writer_grace_s: float = 0.0,
+                 control: ControlRecords | None = None) -> None:
         if deadline_s <= 0:
             raise InvalidArgument(f"deadline_s: must be positive, got {deadline_s}")
         self._allocator = SegmentAllocator(arena_size, alignment=REGION_ALIGNMENT)
@@ -64,6 +84,7 @@ class RegionTable:
         self._regions: dict[int, ReceiveRegion] = {}
         self._draining: list[tuple[float, ReceiveRegion]] = []  # (bytes free at, region)
         self.writer_grace_s = writer_grace_s
+        self.control = control
         self._next_id = 1
 
     @property
@@ -84,13 +105,21 @@ class RegionTable:
                 f"num_tokens: {layout.nbytes} bytes of KV can never fit the {self._allocator.capacity}-byte "
                 "receive arena"
             )
+        region_id = self._next_id
+        if self.control is not None:  # the next id whose control slot no live region holds
+            while self.control.in_use(region_id):
+                region_id += 1
+                if region_id - self._next_id >= self.control.slots:
+                    raise ResourceExhausted(f"receive arena: all {self.control.slots} region slots are in use")
         offset = self._allocator.allocate(layout.nbytes)
         if offset is None:
             raise ResourceExhausted(f"receive arena: no room for {layout.nbytes} bytes now")
-        region_id, self._next_id = self._next_id, self._next_id + 1
+        self._next_id = region_id + 1
         region = ReceiveRegion(region_id, offset, layout.nbytes, layout,
                                self._clock() + (self.deadline_s if hold_s is None else hold_s))
         self._regions[region.region_id] = region
+        if self.control is not None:
+            self.control.open(region_id)
         return region
 
     def claim(self, region_id: int) -> ReceiveRegion:
@@ -104,6 +133,8 @@ class RegionTable:
         if region.claimed:
             raise InvalidArgument(f"region_id: {region_id} is already in use by another Generate")
         region.claimed = True
+        if self.control is not None:
+            self.control.close(region_id)  # prefill is done with it
         return region
 
     def free(self, region_id: int, grace_s: float = 0.0) -> bool:
@@ -111,6 +142,8 @@ class RegionTable:
         region = self._regions.pop(region_id, None)
         if region is None:
             return False
+        if self.control is not None:
+            self.control.close(region_id)
         if grace_s > 0:
             self._draining.append((self._clock() + grace_s, region))
         else:
@@ -120,6 +153,10 @@ class RegionTable:
     @property
     def num_draining(self) -> int:
         return len(self._draining)
+
+    def open_regions(self) -> list[ReceiveRegion]:
+        """The regions reserved or claimed now, in id order."""
+        return list(self._regions.values())
 
     def get(self, region_id: int) -> ReceiveRegion | None:
         return self._regions.get(region_id)

@@ -59,6 +59,15 @@ class LandedParts:
         merged.append((start, end))
         self.ranges[stage] = sorted(merged)
 
+    def forget(self, stage: int) -> None:
+        """Forget what landed of ``stage`` (it is being written again)."""
+        self.ranges[stage] = []
+
+    def frontier(self, stage: int) -> int:
+        """How far ``stage``'s landed tokens reach from token 0 without a gap."""
+        ranges = self.ranges[stage]
+        return ranges[0][1] if ranges and ranges[0][0] == 0 else 0
+
     def stage_complete(self, stage: int) -> bool:
         return self.ranges[stage] == [(0, self.layout.num_tokens)]
 

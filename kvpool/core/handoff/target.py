@@ -35,6 +35,7 @@ class HandoffTarget:
     host: str = ""  # the host decode declares; "": unknown (the engine only)
     shared: SharedMemoryRef | None = None  # decode's receive arena as shared memory; None: not offered
     shared_base_address: int = 0  # the arena's first byte in decode's address space (``address`` lies in it)
+    control_offset: int = 0  # the region's control record in the shared arena (``kvpool.core.handoff.control``)
 
     @property
     def access(self) -> SegmentAccess:
