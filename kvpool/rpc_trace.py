@@ -15,6 +15,10 @@ message, a client stream's reply after the last write, and in a bidirectional
 stream each reply to new messages. So a call moved onto a stream keeps its
 round trips. ``messages_in``/``messages_out`` count the call's messages.
 
+A call made from a task nobody waits for (``detached``: a lease's release after the
+forward) says so (``"detached": true``): no caller waits on it, so it is on no
+critical path, though it is one of the request's calls.
+
 The calls a server makes while serving a call carry its span on as their
 parent and their send time, for every call kind (a client interceptor reads the span from the
 serving task's context, which tasks it starts inherit; the id itself travels
@@ -26,6 +30,7 @@ shares one file.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import os
@@ -40,9 +45,19 @@ import grpc
 REQUEST_ID_KEY = "x-request-id"
 PARENT_SPAN_KEY = "x-parent-span"
 SENT_KEY = "x-call-sent"  # when the caller opened the call, Unix seconds: a fan-out's calls all go before any answer
+DETACHED_KEY = "x-call-detached"  # "1": made from a task nobody waits for
 TRACE_ENV = "KVPOOL_RPC_TRACE"
 
 CURRENT_SPAN: contextvars.ContextVar[str] = contextvars.ContextVar("kvpool_span", default="")
+DETACHED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpool_detached", default=False)
+
+
+def detached(coro: Awaitable[Any]) -> asyncio.Future[Any]:
+    """Run ``coro`` (a coroutine: a call object made before would already be on its way) as a task nobody
+    waits for; the calls it makes are traced as detached."""
+    context = contextvars.copy_context()
+    context.run(DETACHED.set, True)
+    return context.run(asyncio.ensure_future, coro)  # the task runs in (a copy of) that context
 
 
 def request_id_of(metadata: Sequence[tuple[str, Any]] | None, key: str = REQUEST_ID_KEY) -> str:
@@ -69,6 +84,7 @@ class CallRecord:
     span: str
     parent: str
     sent_at: float
+    detached: bool = False
     start: float = field(default_factory=time.time)
     answers: list[float] = field(default_factory=list)
     messages_in: int = 0
@@ -90,7 +106,7 @@ class CallRecord:
         return json.dumps({"request_id": self.request_id, "method": self.method, "kind": self.kind,
                            "span": self.span, "parent": self.parent, "sent": self.sent_at, "start": self.start,
                            "end": end, "answers": self.answers, "messages_in": self.messages_in,
-                           "messages_out": self.messages_out})
+                           "messages_out": self.messages_out, **({"detached": True} if self.detached else {})})
 
 
 class RpcTraceInterceptor(grpc.aio.ServerInterceptor):
@@ -116,12 +132,14 @@ class RpcTraceInterceptor(grpc.aio.ServerInterceptor):
         parent = request_id_of(metadata, PARENT_SPAN_KEY)
         span = uuid.uuid4().hex[:16]
         sent_at = _seconds(request_id_of(metadata, SENT_KEY))
+        is_detached = request_id_of(metadata, DETACHED_KEY) == "1"
         kind = ("stream_" if handler.request_streaming else "unary_") + \
                ("stream" if handler.response_streaming else "unary")
 
         def begin() -> CallRecord:
             CURRENT_SPAN.set(span)  # the calls this handler makes name it as their parent
-            record = CallRecord(request_id, method, kind, span, parent, sent_at)
+            DETACHED.set(is_detached)  # and are detached when it is
+            record = CallRecord(request_id, method, kind, span, parent, sent_at, is_detached)
             record.sent_at = record.sent_at or record.start  # a caller without the carry interceptors
             return record
 
@@ -174,6 +192,8 @@ def _carried(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
     span = CURRENT_SPAN.get()
     metadata = [(k, v) for k, v in details.metadata or () if k != SENT_KEY]
     metadata.append((SENT_KEY, repr(time.time())))
+    if DETACHED.get():
+        metadata.append((DETACHED_KEY, "1"))
     if span and not any(k == PARENT_SPAN_KEY for k, _ in metadata):
         metadata.append((PARENT_SPAN_KEY, span))
     return grpc.aio.ClientCallDetails(details.method, details.timeout, grpc.aio.Metadata(*metadata),

@@ -106,3 +106,15 @@ def test_a_sibling_sent_while_a_nested_call_ran_does_not_follow_it() -> None:
     calls = [call("PrefillStage/ForwardPieces", "f", "", 1.0, 2.0), call("Decode/Landed", "l", "f", 1.5, 3.0),
              call("PrefillStage/HandoffDone", "h", "", 2.5, 2.6)]
     assert critical_path(calls, first_token_at=5.0) == ["PrefillStage/ForwardPieces", "Decode/Landed"]
+
+
+def test_a_detached_call_counts_as_made_and_is_on_no_path() -> None:
+    # the lease's release after the forward: nobody waits for it, though it starts before the first token
+    release = call("PoolMaster/ReleaseLease", "r2", "b", 8.05, 8.4) | {"detached": True}
+    trace = [c for c in TRACE if c["span"] not in {"r", "k", "w"}] + [release]
+    counts = request_counts(trace, first_token_at=11.0, stages=3)
+    assert "PoolMaster/ReleaseLease" not in counts["critical_path"]
+    assert counts["rpcs_by_method"]["PoolMaster/ReleaseLease"] == 1
+    awaited = request_counts([c for c in trace if c is not release] + [release | {"detached": False}],
+                             first_token_at=11.0, stages=3)
+    assert awaited["critical_path_depth"] == counts["critical_path_depth"] + 1  # the same call, awaited

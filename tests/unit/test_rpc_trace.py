@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from kvpool.rpc_trace import REQUEST_ID_KEY, RpcTraceInterceptor, carry_interceptors
+from kvpool.rpc_trace import REQUEST_ID_KEY, RpcTraceInterceptor, carry_interceptors, detached
 
 SERVICE = "/trace.Test/"
 METADATA = ((REQUEST_ID_KEY, "req-1"),)
@@ -100,3 +100,49 @@ def test_every_call_kind_is_traced_with_its_parent(tmp_path: Path, monkeypatch: 
     # each handler's nested call names that handler's span as its parent; the top calls have none
     assert sorted(leaf["parent"] for leaf in leaves) == sorted(c["span"] for c in calls.values())
     assert all(c["parent"] == "" for c in calls.values())
+
+
+def test_calls_from_a_task_nobody_waits_for_are_detached_down_the_tree(tmp_path: Path, monkeypatch: Any) -> None:
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("KVPOOL_RPC_TRACE", str(path))
+
+    async def exercise() -> None:
+        server = grpc.aio.server(interceptors=[RpcTraceInterceptor(str(path))])
+        port = server.add_insecure_port("127.0.0.1:0")
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=carry_interceptors())
+
+        def stub(name: str) -> Any:
+            return channel.unary_unary(SERVICE + name, request_serializer=_identity, response_deserializer=_identity)
+
+        async def leaf(request: bytes, context: Any) -> bytes:
+            return request
+
+        async def middle(request: bytes, context: Any) -> bytes:  # served detached: its own call is too
+            return await stub("Leaf")(request, metadata=METADATA)
+
+        async def outer(request: bytes, context: Any) -> bytes:
+            await stub("Leaf")(b"awaited", metadata=METADATA)
+            async def release() -> bytes:  # a coroutine: its call is made inside the detached task
+                return await stub("Middle")(b"released", metadata=METADATA)
+
+            return await detached(release())  # awaited only so the test can read the trace
+
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("trace.Test", {
+            name: grpc.unary_unary_rpc_method_handler(fn, _identity, _identity)
+            for name, fn in (("Leaf", leaf), ("Middle", middle), ("Outer", outer))}),))
+        await server.start()
+        try:
+            assert await stub("Outer")(b"go", metadata=METADATA) == b"released"
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    asyncio.run(exercise())
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    by_span = {c["span"]: c for c in lines}
+    outer = next(c for c in lines if c["method"].endswith("Outer"))
+    middle = next(c for c in lines if c["method"].endswith("Middle"))
+    leaves = [c for c in lines if c["method"].endswith("Leaf")]
+    assert not outer.get("detached") and middle["detached"] is True and middle["parent"] == outer["span"]
+    assert {by_span[c["parent"]]["method"].removeprefix(SERVICE): bool(c.get("detached")) for c in leaves} == {
+        "Outer": False, "Middle": True}

@@ -16,7 +16,8 @@ how many awaited round trips came before its first token. Pure: lines in, figure
   sent it (``sent``, by the caller's clock: a fan-out's calls all go out before
   any answer, though their servers may start them one after another) after
   every call on that chain, nested ones included, had answered. Only calls that started before the first token count,
-  and not the saves, which run beside the request. Every stage's
+  and not the saves, which run beside the request, nor a call made from a task
+  nobody waits for (``detached`` in the trace: a lease's release). Every stage's
   ``Decode/Landed`` calls (a check before each write, an announce after it) run
   one after another within the stage, so they chain, though they overlap the
   later pieces' compute.
@@ -31,8 +32,7 @@ from typing import Any
 
 PACKAGE = "/kvpool.rpc."
 ENTRY_METHOD = "/kvpool.rpc.Router/Generate"
-# the saves: beside the request, never on its way to the first token (the pool lease's ReleaseLease is not
-# one: stage 0 awaits it before the forward)
+# the saves: beside the request, never on its way to the first token
 SAVE_METHODS = frozenset({"/kvpool.rpc.PrefillStage/SaveDone", "/kvpool.rpc.PoolMaster/PutStart",
                           "/kvpool.rpc.PoolMaster/PutEnd", "/kvpool.rpc.PoolMaster/PutRevoke"})
 
@@ -57,7 +57,8 @@ def _without_entry(calls: list[Call]) -> list[Call]:
 def critical_path(calls: list[Call], first_token_at: float) -> list[str]:
     """The awaited round trips of the longest chain before the first token, in the order they started, each a
     method (``Service/Method``); a call with several awaited answers on the chain appears once per answer."""
-    kept = [c for c in calls if c["start"] < first_token_at and c["method"] not in SAVE_METHODS]
+    kept = [c for c in calls if c["start"] < first_token_at and c["method"] not in SAVE_METHODS
+            and not c.get("detached")]
     spans = {c["span"] for c in kept}
     children: dict[str, list[Call]] = {}
     for c in kept:
