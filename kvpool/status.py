@@ -22,6 +22,7 @@ from kvpool.core.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    RestoreFellShort,
     Unavailable,
 )
 
@@ -44,7 +45,9 @@ _CODES: dict[type[KvpoolError], grpc.StatusCode] = {
 # errors a caller must tell apart from others of the same code travel by name in
 # the trailing metadata (never parsed out of the message)
 ERROR_KIND_KEY = "kvpool-error-kind"
-_KINDS: dict[str, type[KvpoolError]] = {cls.__name__: cls for cls in (DeviceCacheLost,)}
+_KINDS: dict[str, type[KvpoolError]] = {cls.__name__: cls for cls in (DeviceCacheLost, RestoreFellShort)}
+# a RestoreFellShort's corrupt chunks, comma-separated
+CORRUPT_CHUNKS_KEY = "kvpool-corrupt-chunks"
 
 
 def error_kind(exc: grpc.aio.AioRpcError) -> type[KvpoolError] | None:
@@ -73,7 +76,21 @@ def error_metadata(error: KvpoolError) -> tuple[tuple[str, str], ...]:
         metadata.append((FIELD_KEY, error.field))
     if error.retry_after_s is not None:
         metadata.append((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"))
+    if isinstance(error, RestoreFellShort) and error.corrupt_chunk_indexes:
+        metadata.append((CORRUPT_CHUNKS_KEY, ",".join(str(i) for i in error.corrupt_chunk_indexes)))
     return tuple(metadata)
+
+
+def corrupt_chunks(exc: grpc.aio.AioRpcError) -> tuple[int, ...]:
+    """The corrupt chunk indexes a downstream ``RestoreFellShort`` named (none when it named none, or they
+    do not parse)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == CORRUPT_CHUNKS_KEY and isinstance(value, str):
+            try:
+                return tuple(int(i) for i in value.split(",") if i)
+            except ValueError:
+                return ()
+    return ()
 
 
 async def abort(context: grpc.aio.ServicerContext, error: KvpoolError, method: str = "") -> None:

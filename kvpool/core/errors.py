@@ -60,3 +60,14 @@ class Unavailable(KvpoolError):
 class DeviceCacheLost(FailedPrecondition):
     """A stage was asked to read device KV it never wrote: it restarted since
     stage 0 cached those chunks. No device hit can be trusted on that pipeline."""
+
+
+class RestoreFellShort(Unavailable):
+    """A stage could not restore every pool chunk its forward was planned past (a store gone, an object
+    corrupt): it computed nothing, and stage 0 plans the request again without the pool.
+    ``corrupt_chunk_indexes`` names the chunks whose objects failed their checksum, so stage 0 reports their
+    groups to the master when it ends the lease."""
+
+    def __init__(self, message: str, *, corrupt_chunk_indexes: tuple[int, ...] = (), **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.corrupt_chunk_indexes = tuple(corrupt_chunk_indexes)

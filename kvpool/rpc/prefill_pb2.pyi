@@ -129,7 +129,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfoResponse(_message.Message):
-    __slots__ = ("stage", "num_stages", "layer_start", "layer_end", "num_blocks", "block_size", "namespace", "transfer_endpoint", "work_scale")
+    __slots__ = ("stage", "num_stages", "layer_start", "layer_end", "num_blocks", "block_size", "namespace", "transfer_endpoint", "work_scale", "restore_on_chain")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class StageInfoResponse(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     WORK_SCALE_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_ON_CHAIN_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stages: int
     layer_start: int
@@ -148,7 +149,8 @@ class StageInfoResponse(_message.Message):
     namespace: str
     transfer_endpoint: str
     work_scale: float
-    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., work_scale: _Optional[float] = ...) -> None: ...
+    restore_on_chain: bool
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., work_scale: _Optional[float] = ..., restore_on_chain: _Optional[bool] = ...) -> None: ...
 
 class RestoreChunk(_message.Message):
     __slots__ = ("chunk_index", "block_id", "endpoint", "address", "size", "checksum", "key", "segment_id")
@@ -209,7 +211,7 @@ class Activation(_message.Message):
     def __init__(self, inline: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., host: _Optional[str] = ..., shared_memory: _Optional[_Union[_pool_pb2.SharedMemory, _Mapping]] = ..., shared_base_address: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "block_table", "compute_start", "num_tokens", "activation", "save_first_chunk", "save_chunk_hashes", "return_logits", "tenant", "target", "handoff_after_prefill", "piece_start", "piece_end", "forward_after_stage")
+    __slots__ = ("request_id", "block_table", "compute_start", "num_tokens", "activation", "save_first_chunk", "save_chunk_hashes", "return_logits", "tenant", "target", "handoff_after_prefill", "piece_start", "piece_end", "forward_after_stage", "restores", "plan_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_START_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +226,8 @@ class ForwardRequest(_message.Message):
     PIECE_START_FIELD_NUMBER: _ClassVar[int]
     PIECE_END_FIELD_NUMBER: _ClassVar[int]
     FORWARD_AFTER_STAGE_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_table: _containers.RepeatedScalarFieldContainer[int]
     compute_start: int
@@ -238,7 +242,9 @@ class ForwardRequest(_message.Message):
     piece_start: int
     piece_end: int
     forward_after_stage: bool
-    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., compute_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., save_first_chunk: _Optional[int] = ..., save_chunk_hashes: _Optional[_Iterable[str]] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., handoff_after_prefill: _Optional[bool] = ..., piece_start: _Optional[int] = ..., piece_end: _Optional[int] = ..., forward_after_stage: _Optional[bool] = ...) -> None: ...
+    restores: _containers.RepeatedCompositeFieldContainer[RestoreRequest]
+    plan_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., compute_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., save_first_chunk: _Optional[int] = ..., save_chunk_hashes: _Optional[_Iterable[str]] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., handoff_after_prefill: _Optional[bool] = ..., piece_start: _Optional[int] = ..., piece_end: _Optional[int] = ..., forward_after_stage: _Optional[bool] = ..., restores: _Optional[_Iterable[_Union[RestoreRequest, _Mapping]]] = ..., plan_only: _Optional[bool] = ...) -> None: ...
 
 class HandoffDoneRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -247,16 +253,18 @@ class HandoffDoneRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("first_token", "logits", "stage_compute_ms", "handoff_stages")
+    __slots__ = ("first_token", "logits", "stage_compute_ms", "handoff_stages", "restore_stages")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     STAGE_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_STAGES_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STAGES_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     logits: bytes
     stage_compute_ms: _containers.RepeatedScalarFieldContainer[float]
     handoff_stages: _containers.RepeatedCompositeFieldContainer[_handoff_pb2.StageHandoffFigures]
-    def __init__(self, first_token: _Optional[int] = ..., logits: _Optional[bytes] = ..., stage_compute_ms: _Optional[_Iterable[float]] = ..., handoff_stages: _Optional[_Iterable[_Union[_handoff_pb2.StageHandoffFigures, _Mapping]]] = ...) -> None: ...
+    restore_stages: _containers.RepeatedCompositeFieldContainer[StageRestoreFigures]
+    def __init__(self, first_token: _Optional[int] = ..., logits: _Optional[bytes] = ..., stage_compute_ms: _Optional[_Iterable[float]] = ..., handoff_stages: _Optional[_Iterable[_Union[_handoff_pb2.StageHandoffFigures, _Mapping]]] = ..., restore_stages: _Optional[_Iterable[_Union[StageRestoreFigures, _Mapping]]] = ...) -> None: ...
 
 class SaveDoneRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -201,7 +201,9 @@ class PrefillStageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Restore(self, request, context):
-        """Read this stage's objects of pool-hit chunks into its pages.
+        """Read this stage's objects of pool-hit chunks into its pages (for a stage
+        0 of an older version; the restore now rides ForwardPieces' first
+        message).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,18 +7,21 @@ waits on it (``keep_deadline``).
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 
+from kvpool.core.errors import RestoreFellShort
+from kvpool.core.prefill.restore_figures import RestoreFigures, StageRestoreFigures
 from kvpool.core.prefill.stage_forward import Activation, Piece, StageForward, StageForwardResult
 from kvpool.model.sampling import greedy_token
 from kvpool.services.prefill.handoff import StageHandoff
 from kvpool.services.prefill.pieces import ActivationLink
-from kvpool.services.prefill.stage_runner import StageRunner
+from kvpool.services.prefill.stage_runner import StageRestore, StageRunner
 
 FORWARD_TIMEOUT_S = 600.0  # only for a caller that set no deadline
 
@@ -41,6 +44,7 @@ def forward_timeout_s() -> float:
 async def run_stage(
     runner: StageRunner, link: ActivationLink, request: StageForward,
     inputs: torch.Tensor | AsyncIterator[tuple[Piece, torch.Tensor]], handoff: StageHandoff,
+    restoring: asyncio.Future[RestoreFigures] | None = None, restores_after: Sequence[StageRestore] = (),
 ) -> StageForwardResult:
     """Compute this stage, streaming its KV to decode as it becomes final, start saving, forward onward.
 
@@ -55,26 +59,43 @@ async def run_stage(
     stage has computed. The writes run in the background; the stage answers
     once they ended, its figures first in ``handoff_stages`` (the later
     stages' came with their answer), so stage 0 needs no ``HandoffDone``.
+
+    ``restoring``: this stage's restore of the request, running (its part of the restore that rides the
+    chain; ``restores_after``, the later stages' parts, go on first thing in the stream to the next stage).
+    The stage computes, and writes its restored prefix, only once its restore landed, and fails with
+    ``RestoreFellShort`` when it got less than it was given; its figures lead ``restore_stages``.
     """
     block_table = list(request.block_table)
     target = request.target
     writes = handoff.begin(request.request_id, block_table, target) if target is not None else None
     stream = writes is not None and not request.handoff_after_prefill
-    if stream and request.compute_start:
-        writes.write(0, request.compute_start)  # restored or device-cached: final already
     is_last = runner.model.is_last
-    sender = None if is_last or request.forward_after_stage else link.open(request, forward_timeout_s())
+    sender = None
+    if not is_last and (restores_after or not request.forward_after_stage):
+        sender = link.open(request, forward_timeout_s(), restores_after)  # the later stages start restoring now
+    send_pieces = sender.send if sender is not None and not request.forward_after_stage else None
     pieces = one_piece(request, inputs) if isinstance(inputs, torch.Tensor) else inputs
     kept: list[torch.Tensor] = []  # what goes on after the last piece: its last row, or (bench) every output
     compute_ms = 0.0
+    restored: StageRestoreFigures | None = None
     try:
+        if restoring is not None:
+            figures = await restoring  # the pages must hold the restored KV before it is computed over or sent
+            restored = StageRestoreFigures.of(runner.settings.stage, figures)
+            if figures.num_chunks_restored < figures.num_chunks_requested:
+                raise RestoreFellShort(
+                    f"stage {runner.settings.stage}: restored {figures.num_chunks_restored} of the "
+                    f"{figures.num_chunks_requested} chunks the forward was planned past",
+                    corrupt_chunk_indexes=tuple(figures.corrupt_chunk_indexes))
+        if stream and request.compute_start:
+            writes.write(0, request.compute_start)  # restored or device-cached: final already
         async for piece, piece_inputs in pieces:
             if sender is not None and sender.failed:
                 break  # a later stage failed: finish() says how
             start = piece.start if piece.end else request.compute_start
             t0 = time.perf_counter()
             out = await runner.forward(piece_inputs, block_table, start, writes.write if stream else None,
-                                       sender.send if sender is not None else None)
+                                       send_pieces)
             compute_ms += (time.perf_counter() - t0) * 1e3
             kept = kept + [out] if request.forward_after_stage and not is_last else [out[-1:]]
         else:
@@ -94,8 +115,9 @@ async def run_stage(
                 trailer = logits if writes.layout.trailer_bytes else b""
                 writes.write(0, 0 if stream else request.num_tokens, trailer)
         else:
-            if sender is None:  # bench: the whole request at once
-                sender = link.open(request, forward_timeout_s())
+            if request.forward_after_stage:  # bench: the whole request at once
+                if sender is None:
+                    sender = link.open(request, forward_timeout_s())
                 sender.send(torch.cat(kept) if len(kept) > 1 else kept[0], request.compute_start, request.num_tokens)
             response = await sender.finish()
             sender = None
@@ -106,7 +128,13 @@ async def run_stage(
     finally:
         if sender is not None:
             sender.abort()
+        if restoring is not None and not restoring.done():
+            # failed before its restore landed: the restore still writes the request's pages, and whoever
+            # waits for this forward (HandoffDone, stage 0's free) must find it ended
+            await asyncio.wait([restoring])
     response.stage_compute_ms.insert(0, compute_ms)
+    if restored is not None:
+        response.restore_stages.insert(0, restored)
     return response
 
 

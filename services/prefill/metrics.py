@@ -28,6 +28,9 @@ class PrefillMetrics:
         self.requests = Counter("kvpool_prefill_requests", "Prefill requests served", registry=r)
         self.tokens = Counter("kvpool_prefill_prompt_tokens", "Prompt tokens by where they came from",
                               ["source"], registry=r)
+        self.restores_fell_short = Counter(
+            "kvpool_prefill_restores_fell_short", "Forwards a stage failed because it restored less than the "
+            "forward was planned past (the request was planned again without the pool)", registry=r)
         self.lost_chunks = Counter("kvpool_prefill_pool_chunks_lost",
                                    "Pool chunks planned but not restorable (recomputed)", registry=r)
         self.restore_wait = Histogram("kvpool_prefill_restore_wait_seconds",

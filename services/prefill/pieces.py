@@ -33,7 +33,7 @@ still be reading them); a failure anywhere ends the call both ways.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,7 +54,7 @@ ARENA_WAIT_S = 30.0  # a piece waits this long for room in an arena before the r
 
 if TYPE_CHECKING:
     from kvpool.services.prefill.arena import Region
-    from kvpool.services.prefill.stage_runner import StageRunner
+    from kvpool.services.prefill.stage_runner import StageRestore, StageRunner
 
 
 async def received_pieces(
@@ -208,7 +208,8 @@ class ActivationLink:
                           address=region.address, size=data.numel(), host=self.host_name, shared=self.shared,
                           shared_base_address=arena.buffer.address if self.shared is not None else 0)
 
-    def open(self, forward: StageForward, timeout_s: float) -> PieceSender:
-        """A stream of ``forward``'s pieces to the next stage, ending within ``timeout_s``."""
+    def open(self, forward: StageForward, timeout_s: float, restores: Sequence[StageRestore] = ()) -> PieceSender:
+        """A stream of ``forward``'s pieces to the next stage, ending within ``timeout_s``; ``restores`` (the next
+        stage's and every later one's) go first, before any piece."""
         assert self.next is not None
-        return self.next.open(forward, timeout_s, self.activation, self.runner.send_arena.free)
+        return self.next.open(forward, timeout_s, self.activation, self.runner.send_arena.free, restores)

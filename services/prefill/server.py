@@ -34,9 +34,12 @@ class StageMismatch(RuntimeError):
     """Later stages disagree with stage 0 about the model, split, cache or namespace."""
 
 
-async def wait_for_stages(settings: PrefillSettings, namespace: str, stop: asyncio.Event) -> list[grpc.aio.Channel]:
-    """Connect to every later stage and check they form one pipeline with us."""
+async def wait_for_stages(settings: PrefillSettings, namespace: str, stop: asyncio.Event
+                          ) -> tuple[list[grpc.aio.Channel], list[prefill_pb2.StageInfoResponse]]:
+    """Connect to every later stage and check they form one pipeline with us; the channels and what each
+    stage said of itself."""
     channels = [service.channel(a) for a in settings.stage_addresses]
+    infos = []
     split = settings.layer_split
     deadline = time.monotonic() + STAGES_READY_TIMEOUT_S
     for stage, (address, channel) in enumerate(zip(settings.stage_addresses, channels), start=1):
@@ -55,7 +58,8 @@ async def wait_for_stages(settings: PrefillSettings, namespace: str, stop: async
         if got != expected:
             raise StageMismatch(f"stage at {address} reports (stage, stages, layers, blocks, block size, namespace) "
                                 f"{got}, expected {expected}")
-    return channels
+        infos.append(info)
+    return channels, infos
 
 
 async def serve(settings: PrefillSettings, ready_file: str | None = None) -> None:
@@ -92,11 +96,12 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
     try:
         if settings.stage == 0:
             await handle.set_serving(False)
-            channels = await wait_for_stages(settings, runner.namespace, stop)
+            channels, infos = await wait_for_stages(settings, runner.namespace, stop)
             health_servicer.watch_stages(channels)
             front.scheduler = PrefillScheduler(
-                runner, link, [StageClient(stage, c) for stage, c in enumerate(channels, start=1)], pool, metrics,
-                handoff, handoff_metrics,
+                runner, link, [StageClient(stage, c, i.restore_on_chain)
+                               for stage, (c, i) in enumerate(zip(channels, infos), start=1)],
+                pool, metrics, handoff, handoff_metrics,
             )
             await handle.set_serving(True)
         start, end = settings.layers

@@ -13,14 +13,14 @@ sends what the stage servicer receives.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
 
 from kvpool import service
-from kvpool.core.errors import DeviceCacheLost, FailedPrecondition, InvalidArgument, Unavailable
+from kvpool.core.errors import DeviceCacheLost, FailedPrecondition, InvalidArgument, RestoreFellShort, Unavailable
 from kvpool.core.prefill.stage_forward import Activation, Piece, StageForward, StageForwardResult
 from kvpool.handoff_messages import (
     shared_memory_from_message,
@@ -30,8 +30,12 @@ from kvpool.handoff_messages import (
     target_from_message,
     target_message,
 )
+from kvpool.core.prefill.restore_figures import StageRestoreFigures
+from kvpool.pool.client import access_from_message, access_message
+from kvpool.pool.objects import ObjectLocation
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
-from kvpool.status import FIELD_KEY, error_kind, from_status
+from kvpool.services.prefill.stage_runner import ChunkToRestore, StageRestore
+from kvpool.status import FIELD_KEY, corrupt_chunks, error_kind, from_status
 
 if TYPE_CHECKING:
     from kvpool.services.prefill.arena import Region
@@ -88,21 +92,65 @@ def piece_from_message(message: prefill_pb2.ForwardRequest) -> Piece:
 def result_message(result: StageForwardResult) -> prefill_pb2.ForwardResponse:
     return prefill_pb2.ForwardResponse(first_token=result.first_token, logits=result.logits,
                                        stage_compute_ms=result.stage_compute_ms,
-                                       handoff_stages=[stage_figures_message(s) for s in result.handoff_stages])
+                                       handoff_stages=[stage_figures_message(s) for s in result.handoff_stages],
+                                       restore_stages=[restore_figures_message(s) for s in result.restore_stages])
 
 
 def result_from_message(message: prefill_pb2.ForwardResponse) -> StageForwardResult:
     return StageForwardResult(first_token=message.first_token, logits=message.logits,
                               stage_compute_ms=list(message.stage_compute_ms),
-                              handoff_stages=[stage_figures_from_message(s) for s in message.handoff_stages])
+                              handoff_stages=[stage_figures_from_message(s) for s in message.handoff_stages],
+                              restore_stages=[restore_figures_from_message(s) for s in message.restore_stages])
+
+
+def restore_figures_message(figures: StageRestoreFigures) -> prefill_pb2.StageRestoreFigures:
+    return prefill_pb2.StageRestoreFigures(
+        stage=figures.stage, num_chunks_requested=figures.num_chunks_requested,
+        num_chunks_restored=figures.num_chunks_restored, bytes=figures.bytes, read_ms=figures.read_ms,
+        corrupt_chunk_indexes=figures.corrupt_chunk_indexes)
+
+
+def restore_figures_from_message(figures: prefill_pb2.StageRestoreFigures) -> StageRestoreFigures:
+    return StageRestoreFigures(
+        stage=figures.stage, num_chunks_requested=figures.num_chunks_requested,
+        num_chunks_restored=figures.num_chunks_restored, bytes=figures.bytes, read_ms=figures.read_ms,
+        corrupt_chunk_indexes=tuple(figures.corrupt_chunk_indexes))
+
+
+def restore_message(request_id: str, restore: StageRestore) -> prefill_pb2.RestoreRequest:
+    return prefill_pb2.RestoreRequest(request_id=request_id, chunks=[
+        prefill_pb2.RestoreChunk(chunk_index=c.chunk_index, block_id=c.block_id, endpoint=c.location.endpoint,
+                                 address=c.location.address, size=c.location.size, checksum=c.location.checksum,
+                                 key=c.location.key, segment_id=c.location.segment_id)
+        for c in restore.chunks
+    ], segments=[access_message(a) for a in restore.accesses])
+
+
+def restore_from_message(message: prefill_pb2.RestoreRequest, num_blocks: int, field: str = "") -> StageRestore:
+    """One stage's restore as sent (``field``: where it lies in the message, for errors), its block ids and
+    shared memory checked (INVALID_ARGUMENT naming the field)."""
+    chunks = []
+    for i, c in enumerate(message.chunks):
+        if not 0 <= c.block_id < num_blocks:
+            raise InvalidArgument(f"{field}chunks[{i}].block_id: {c.block_id} is outside 0..{num_blocks - 1}")
+        chunks.append(ChunkToRestore(c.chunk_index, c.block_id,
+                                     ObjectLocation(c.key, c.endpoint, c.address, c.size, c.checksum, c.segment_id)))
+    accesses = [access_from_message(s) for s in message.segments]
+    for i, access in enumerate(accesses):
+        if access.shared is not None:
+            access.shared.check(f"{field}segments[{i}].shared_memory")
+    return StageRestore(tuple(chunks), tuple(accesses))
 
 
 def stage_error(exc: grpc.aio.AioRpcError, stage: int) -> Exception:
     """The next stage's failure as this stage's: a restarted stage's lost cache keeps its meaning, and so
     does a failure of its handoff writes (naming the ``target``, so the router blames decode, as
     ``HandoffDone`` passed it on); anything else is that stage unavailable."""
-    if error_kind(exc) is DeviceCacheLost:
+    kind = error_kind(exc)
+    if kind is DeviceCacheLost:
         return DeviceCacheLost(exc.details() or "")
+    if kind is RestoreFellShort:
+        return RestoreFellShort(exc.details() or "", corrupt_chunk_indexes=corrupt_chunks(exc))
     field = dict((k, v) for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)).get(FIELD_KEY, "")
     if field.startswith("target"):
         return from_status(exc, f"stage {stage}", (InvalidArgument, FailedPrecondition))
@@ -113,13 +161,20 @@ class PieceSender:
     """One request's pieces to the next stage over one ``ForwardPieces`` call (module doc)."""
 
     def __init__(self, stub: prefill_pb2_grpc.PrefillStageStub, next_stage: int, forward: StageForward,
-                 timeout_s: float, pack: Pack, free: Callable[[Region], None]) -> None:
+                 timeout_s: float, pack: Pack, free: Callable[[Region], None],
+                 restores: Sequence[StageRestore] = ()) -> None:
         self.next_stage = next_stage
         self._request = forward_message(forward)  # each piece repeats it
         self._pack = pack
         self._free_region = free
         self.call: Any = stub.ForwardPieces(timeout=timeout_s)
-        self._queue: asyncio.Queue[tuple[torch.Tensor, int, int] | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[torch.Tensor, int, int] | prefill_pb2.ForwardRequest | None] = \
+            asyncio.Queue()
+        if restores:  # first, before any piece: the next stage starts its restore at once and passes the rest on
+            plan = prefill_pb2.ForwardRequest(plan_only=True,
+                                              restores=[restore_message(forward.request_id, r) for r in restores])
+            plan.MergeFrom(self._request)
+            self._queue.put_nowait(plan)
         self._regions: list[Region] = []
         self._writer = asyncio.ensure_future(self._write_all())
 
@@ -134,6 +189,9 @@ class PieceSender:
 
     async def _write_all(self) -> None:
         while (item := await self._queue.get()) is not None:
+            if isinstance(item, prefill_pb2.ForwardRequest):
+                await self.call.write(item)
+                continue
             hidden, start, end = item
             message = prefill_pb2.ForwardRequest()
             message.CopyFrom(self._request)
@@ -181,8 +239,9 @@ class NextStageClient:
         self._channel = service.channel(address)
         self._stub = prefill_pb2_grpc.PrefillStageStub(self._channel)
 
-    def open(self, forward: StageForward, timeout_s: float, pack: Pack, free: Callable[[Region], None]) -> PieceSender:
-        return PieceSender(self._stub, self.next_stage, forward, timeout_s, pack, free)
+    def open(self, forward: StageForward, timeout_s: float, pack: Pack, free: Callable[[Region], None],
+             restores: Sequence[StageRestore] = ()) -> PieceSender:
+        return PieceSender(self._stub, self.next_stage, forward, timeout_s, pack, free, restores)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -39,6 +39,7 @@ import torch
 
 from kvpool.core.chunk_hash import ChunkHash, group_id, object_key
 from kvpool.core.errors import DeviceCacheLost
+from kvpool.core.pool.paths import SegmentAccess
 from kvpool.core.prefill.planner import leading_count
 from kvpool.core.prefill.work_scale import WorkScale
 from kvpool.model import ModelStage, kv_dtype
@@ -48,7 +49,7 @@ from kvpool.pool.objects import ObjectLocation, PutObject, PutResult, ReadStatus
 from kvpool.transfer import HostBuffer, TransferEngine
 from kvpool.services.prefill.arena import Arena
 from kvpool.services.prefill.metrics import PrefillMetrics
-from kvpool.services.prefill.restore_figures import RestoreFigures
+from kvpool.core.prefill.restore_figures import RestoreFigures
 from kvpool.services.prefill.settings import PrefillSettings
 
 log = structlog.get_logger(__name__)
@@ -62,6 +63,15 @@ class ChunkToRestore:
     chunk_index: int
     block_id: int
     location: ObjectLocation
+
+
+@dataclass(frozen=True, slots=True)
+class StageRestore:
+    """One stage's part of a request's restore: its objects of the planned chunks, and how to reach the
+    segments they lie in (as the master told stage 0)."""
+
+    chunks: tuple[ChunkToRestore, ...] = ()
+    accesses: tuple[SegmentAccess, ...] = ()
 
 
 @dataclass(slots=True)

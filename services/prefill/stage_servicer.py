@@ -17,48 +17,28 @@ import structlog
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.prefill.stage_forward import Piece, StageForward, StageForwardResult
 from kvpool.handoff_messages import stage_figures_message
-from kvpool.pool.client import access_from_message
-from kvpool.pool.objects import ObjectLocation
 from kvpool.rpc import handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.status import status_errors
 from kvpool.services.prefill.handoff import StageHandoff
 from kvpool.services.prefill.forward import keep_deadline, run_stage
 from kvpool.services.prefill.pieces import ActivationLink, received_pieces
-from kvpool.services.prefill.stage_client import forward_from_message, piece_from_message, result_message
-from kvpool.services.prefill.restore_figures import RestoreFigures, StageRestoreFigures
-from kvpool.services.prefill.stage_runner import ChunkToRestore, SaveFigures, StageRunner
+from kvpool.services.prefill.stage_client import (
+    forward_from_message,
+    piece_from_message,
+    restore_figures_message,
+    restore_from_message,
+    result_message,
+)
+from kvpool.core.prefill.restore_figures import RestoreFigures, StageRestoreFigures
+from kvpool.services.prefill.stage_runner import SaveFigures, StageRestore, StageRunner
 
 log = structlog.get_logger(__name__)
-
-def restore_figures_message(figures: StageRestoreFigures) -> prefill_pb2.StageRestoreFigures:
-    return prefill_pb2.StageRestoreFigures(
-        stage=figures.stage, num_chunks_requested=figures.num_chunks_requested,
-        num_chunks_restored=figures.num_chunks_restored, bytes=figures.bytes, read_ms=figures.read_ms,
-        corrupt_chunk_indexes=figures.corrupt_chunk_indexes)
-
-
-def restore_figures_from_message(figures: prefill_pb2.StageRestoreFigures) -> StageRestoreFigures:
-    return StageRestoreFigures(
-        stage=figures.stage, num_chunks_requested=figures.num_chunks_requested,
-        num_chunks_restored=figures.num_chunks_restored, bytes=figures.bytes, read_ms=figures.read_ms,
-        corrupt_chunk_indexes=tuple(figures.corrupt_chunk_indexes))
-
 
 def save_done_message(stage: int, figures: SaveFigures) -> prefill_pb2.SaveDoneResponse:
     return prefill_pb2.SaveDoneResponse(
         stage=stage, num_stored=figures.num_stored, num_exists=figures.num_exists,
         num_not_stored=figures.num_not_stored, bytes=figures.bytes, put_ms=figures.put_ms,
     )
-
-
-def restore_chunks(request: prefill_pb2.RestoreRequest, num_blocks: int) -> list[ChunkToRestore]:
-    chunks = []
-    for i, c in enumerate(request.chunks):
-        if not 0 <= c.block_id < num_blocks:
-            raise InvalidArgument(f"chunks[{i}].block_id: {c.block_id} is outside 0..{num_blocks - 1}")
-        chunks.append(ChunkToRestore(c.chunk_index, c.block_id,
-                                     ObjectLocation(c.key, c.endpoint, c.address, c.size, c.checksum, c.segment_id)))
-    return chunks
 
 
 async def pieces_of(messages: AsyncIterator[prefill_pb2.ForwardRequest]) -> AsyncIterator[Piece]:
@@ -84,26 +64,25 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
             stage=s.stage, num_stages=s.num_stages, layer_start=start, layer_end=end, num_blocks=s.num_blocks,
             block_size=s.chunk_size, namespace=self.runner.namespace,
             transfer_endpoint=self.runner.engine.endpoint if self.runner.engine is not None else "",
-            work_scale=self.runner.work_scale.factor,
+            work_scale=self.runner.work_scale.factor, restore_on_chain=True,
         )
 
     @status_errors
     async def Restore(self, request: prefill_pb2.RestoreRequest, context: Any) -> prefill_pb2.RestoreResponse:
-        chunks = restore_chunks(request, self.settings.num_blocks)
-        if self.runner.pool is not None:  # how to reach the segments stage 0's lookup named
-            accesses = [access_from_message(s) for s in request.segments]
-            for i, access in enumerate(accesses):
-                if access.shared is not None:
-                    access.shared.check(f"segments[{i}].shared_memory")
-            self.runner.pool.learn(accesses)
         # shielded and remembered: if stage 0 stops waiting (deadline), objects may
         # still be landing in the pages, and this request's Forward must not compute before it ends
-        task = asyncio.ensure_future(self.runner.restore(chunks))
+        task = self._restore(request.request_id, restore_from_message(request, self.settings.num_blocks))
         self.restores[request.request_id] = task
         task.add_done_callback(lambda _: self.restores.pop(request.request_id, None))
         figures = await asyncio.shield(task)
         return prefill_pb2.RestoreResponse(
             figures=restore_figures_message(StageRestoreFigures.of(self.settings.stage, figures)))
+
+    def _restore(self, request_id: str, restore: StageRestore) -> asyncio.Future[RestoreFigures]:
+        """Start reading ``restore``'s objects into their blocks (after learning how to reach their segments)."""
+        if self.runner.pool is not None:  # how to reach the segments stage 0's lookup named
+            self.runner.pool.learn(list(restore.accesses))
+        return asyncio.ensure_future(self.runner.restore(restore.chunks))
 
     @status_errors
     async def Forward(self, request: prefill_pb2.ForwardRequest, context: Any) -> prefill_pb2.ForwardResponse:
@@ -124,9 +103,24 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
             raise InvalidArgument("request: ForwardPieces got no piece")
         forward = forward_from_message(first)
         forward.check(self.settings.num_blocks, self.settings.chunk_size)
+        restoring, restores_after = None, ()
+        if first.plan_only:  # the request's restore rides first: ours now, the later stages' passed straight on
+            if not first.restores:
+                raise InvalidArgument("restores: a plan_only message carries this stage's restore at least")
+            if len(first.restores) > self.settings.num_stages - self.settings.stage:
+                raise InvalidArgument(f"restores: {len(first.restores)} stages' restores, only "
+                                      f"{self.settings.num_stages - self.settings.stage} stages from this one on")
+            mine, *later = (restore_from_message(r, self.settings.num_blocks, f"restores[{i}].")
+                            for i, r in enumerate(first.restores))
+            restores_after = tuple(later)
+            restoring = self._restore(forward.request_id, mine)
+            first = await anext(messages, None)
+            if first is None:
+                await asyncio.wait([restoring])  # nothing to forward, but the pages are being written: let it end
+                raise InvalidArgument("request: ForwardPieces got its plan and no piece")
         pieces = received_pieces(forward, piece_from_message(first), pieces_of(messages), self.link)
-        return result_message(await self._serve(forward, context,
-                                                run_stage(self.runner, self.link, forward, pieces, self.handoff)))
+        return result_message(await self._serve(forward, context, run_stage(
+            self.runner, self.link, forward, pieces, self.handoff, restoring, restores_after)))
 
     async def _serve(self, request: StageForward, context: Any,
                      work: Coroutine[Any, Any, StageForwardResult]) -> StageForwardResult:

@@ -5,7 +5,7 @@ one the stages give one after another (``forward_after_stage``, the bench's
 baseline) and the one computed from scratch in this process; every later stage
 receives each piece on its own; and a stream that breaks the rules (another
 request's piece, a gap, a piece past the last, a stream ending early, bytes that
-do not parse) is refused INVALID_ARGUMENT naming the field, with the stage
+do not parse, a restore plan that does not fit the stage) is refused INVALID_ARGUMENT naming the field, with the stage
 serving on.
 """
 
@@ -87,6 +87,15 @@ def forward(request_id: str, num_tokens: int, start: int, end: int, hidden_token
         piece_start=start, piece_end=end)
 
 
+def plan(request_id: str, num_tokens: int, restores: list[prefill_pb2.RestoreRequest]) -> prefill_pb2.ForwardRequest:
+    """The first message of a request whose restore rides the chain: the request and its restores, no piece."""
+    return prefill_pb2.ForwardRequest(request_id=request_id, block_table=[7] * -(-num_tokens // CHUNK),
+                                      compute_start=0, num_tokens=num_tokens, plan_only=True, restores=restores)
+
+
+NO_CHUNKS = prefill_pb2.RestoreRequest(request_id="x")
+FAR_BLOCK = prefill_pb2.RestoreRequest(request_id="x", chunks=[prefill_pb2.RestoreChunk(block_id=1 << 20)])
+
 BROKEN_STREAMS = {
     "another request's piece": ([forward("x", 48, 0, 16), forward("y", 48, 16, 48)], "request_id"),
     "a gap": ([forward("x", 48, 0, 16), forward("x", 48, 32, 48)], "piece_start"),
@@ -98,6 +107,12 @@ BROKEN_STREAMS = {
         [forward("x", 48, 0, 16), forward("x", 48, 16, 48, hidden_tokens=8)],
         "activation"),
     "no piece at all": ([], "request"),
+    "a plan without this stage's restore": ([plan("x", 48, []), forward("x", 48, 0, 48)], "restores"),
+    "a plan for more stages than follow": ([plan("x", 48, [NO_CHUNKS, NO_CHUNKS]), forward("x", 48, 0, 48)],
+                                           "restores"),
+    "a plan and no piece": ([plan("x", 48, [NO_CHUNKS])], "request"),
+    "a restore into a block outside the cache": ([plan("x", 48, [FAR_BLOCK]), forward("x", 48, 0, 48)],
+                                                 "restores[0].chunks[0].block_id"),
 }
 
 

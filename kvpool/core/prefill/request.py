@@ -3,7 +3,7 @@
 Pure: no grpc, no torch, no I/O; time comes in as numbers from the caller's
 clock. The scheduler does the I/O between the transitions:
 
-    admit ─▶ plan ─▶ apply_restore ─▶ finish_compute ─▶ (handoff, then free)
+    admit ─▶ plan ─▶ [expect_restore ─▶] apply_restore ─▶ finish_compute ─▶ (handoff, then free)
 
 - ``admit`` takes device blocks: the cached prefix (up to the hit limit)
   shared, fresh blocks for the rest. It changes nothing when they do not fit.
@@ -15,6 +15,12 @@ clock. The scheduler does the I/O between the transitions:
 - ``apply_restore`` takes what each stage restored: a prefix counts only as
   far as every stage restored it, and only those chunks become device hits
   for later requests.
+- ``expect_restore`` comes first when the restore rides the forward's chain:
+  the forward is planned past every planned pool chunk before any stage has
+  restored it (each stage restores before it computes, and fails the forward
+  when it falls short); ``apply_restore`` then only confirms, and refuses
+  (``RestoreFellShort``) a stage short of the plan, so nothing unrestored is
+  ever cached.
 - ``finish_compute`` marks the computed chunks cached; ``chunks_to_save``
   names them (write-through of every chunk that was not already in the pool,
   the written-back device hits first).
@@ -31,7 +37,7 @@ from dataclasses import dataclass, field
 
 from kvpool.core.prefill.block_manager import BlockManager, NoFreeBlocks
 from kvpool.core.chunk_hash import DEFAULT_TENANT, ChunkHash
-from kvpool.core.errors import FailedPrecondition, ResourceExhausted
+from kvpool.core.errors import FailedPrecondition, ResourceExhausted, RestoreFellShort
 from kvpool.core.prefill.planner import RestorePlan, max_hit_chunks, plan_restore
 from kvpool.core.sessions.table import SessionId
 
@@ -40,6 +46,7 @@ class Phase(enum.Enum):
     NEW = "new"
     ADMITTED = "admitted"
     PLANNED = "planned"
+    RESTORING = "restoring"  # the forward is planned past the pool chunks; the stages confirm them after it
     RESTORED = "restored"
     COMPUTED = "computed"
 
@@ -147,11 +154,27 @@ class PrefillRequest:
         first = self.save_first_chunk
         return self.block_table[first : first + len(self.chunks_to_save)]
 
-    def apply_restore(self, restored_per_stage: Sequence[int], blocks: BlockManager) -> int:
-        """Count the leading chunks every stage restored; mark them cached. Returns that count."""
+    def expect_restore(self) -> int:
+        """The restore rides the forward's chain: plan the forward past every planned pool chunk now
+        (``compute_start`` moves past them); ``apply_restore`` confirms them. Returns their count."""
         self._expect(Phase.PLANNED)
+        self.num_restored_chunks = self._plan().num_pool_chunks
+        self.phase = Phase.RESTORING
+        return self.num_restored_chunks
+
+    def apply_restore(self, restored_per_stage: Sequence[int], blocks: BlockManager) -> int:
+        """Count the leading chunks every stage restored; mark them cached. Returns that count. After
+        ``expect_restore``, every stage must have restored every planned chunk: ``RestoreFellShort``
+        otherwise (the forward computed over chunks some stage lacks), with nothing cached."""
         plan = self._plan()
         restored = min(restored_per_stage, default=0) if plan.num_pool_chunks else 0
+        if self.phase is Phase.RESTORING:
+            if restored < self.num_restored_chunks:
+                raise RestoreFellShort(f"request {self.request_id}: a stage restored {restored} of the "
+                                       f"{self.num_restored_chunks} chunks its forward was planned past")
+            restored = self.num_restored_chunks
+        else:
+            self._expect(Phase.PLANNED)
         self.num_restored_chunks = max(0, min(restored, plan.num_pool_chunks))
         if self.num_restored_chunks:
             first = self.num_device_chunks

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.handoff.target import HandoffTarget, StageHandoffFigures
+from kvpool.core.prefill.restore_figures import StageRestoreFigures
 from kvpool.core.pool.paths import BytePath, SegmentAccess, SharedMemoryRef, byte_path
 
 SEND_ARENA = "send-arena"  # the segment an activation's bytes lie in, as the path decision names it
@@ -107,6 +108,8 @@ class StageForwardResult:
     stage_compute_ms: list[float] = field(default_factory=list)
     # with a target: each stage's handoff writes, in stage order, once they ended
     handoff_stages: list[StageHandoffFigures] = field(default_factory=list)
+    # with a restore on the chain: each later stage's restore, in stage order
+    restore_stages: list[StageRestoreFigures] = field(default_factory=list)
 
 
 def check_piece(first: StageForward, piece: Piece, start: int) -> None:

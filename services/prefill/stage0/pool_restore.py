@@ -2,7 +2,17 @@
 stage read its own objects of the planned chunks into their blocks at once, report the groups
 some stage could not verify, and apply what all stages got (the core's ``PrefillRequest``).
 
-A prefill's restore and a session's staging (``prefetch.py``) both take this path.
+Two ways to reach the later stages:
+
+- on the forward's chain (``begin_on_chain`` / ``end_on_chain``), a prefill's way when every later
+  stage takes it (``StageInfoResponse.restore_on_chain``): each stage's part rides ``ForwardPieces``'
+  first message, every stage starts its own read as that message passes and computes once it
+  landed, and the figures come back with the chain's answer. No call of its own: a pool hit costs
+  the lookup and nothing more before the forward. The forward is planned past every planned chunk
+  before any stage has read it (``PrefillRequest.expect_restore``); a stage that falls short fails
+  the forward (``RestoreFellShort``) and the scheduler plans the request again without the pool.
+- by ``Restore`` calls, one per later stage at once (``restore``): a session's staging
+  (``prefetch.py``), which runs no forward, and later stages of an older version.
 """
 
 from __future__ import annotations
@@ -20,13 +30,25 @@ from kvpool.core.errors import Unavailable
 from kvpool.core.prefill.request import PrefillRequest
 from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import LookupResult
+from kvpool.rpc_trace import detached
 from kvpool.services.prefill.stage0.stage_clients import StageClient
-from kvpool.services.prefill.restore_figures import StageRestoreFigures
-from kvpool.services.prefill.stage_runner import ChunkToRestore, StageRunner
+from kvpool.core.pool.paths import SegmentAccess
+from kvpool.core.prefill.restore_figures import RestoreFigures, StageRestoreFigures
+from kvpool.services.prefill.stage_runner import ChunkToRestore, StageRestore, StageRunner
 
 log = structlog.get_logger(__name__)
 
 RESTORE_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True)
+class ChainRestore:
+    """A request's restore riding its forward's chain: each stage's part (stage 0's first) and stage 0's own
+    read, running."""
+
+    lease_id: str
+    stages: list[StageRestore]
+    local: asyncio.Future[RestoreFigures]
 
 
 @dataclass(slots=True)
@@ -53,11 +75,66 @@ class PoolRestore:
         # lease releases in flight: off the request's path (issue 37), kept so none is dropped unawaited
         self._releases: set[asyncio.Task[None]] = set()
 
-    async def restore(self, request: PrefillRequest) -> RestoreReport:
-        """Look the pool-candidate chunks up, restore them on every stage, apply what all stages got."""
+    async def begin_on_chain(self, request: PrefillRequest, use_pool: bool = True
+                             ) -> tuple[RestoreReport, ChainRestore | None]:
+        """Look the pool-candidate chunks up (none without ``use_pool``), plan the forward past the pool hit
+        (``expect_restore``) and start stage 0's own read; every stage's part, for the chain's first message.
+        None when nothing is to be restored."""
+        report = RestoreReport()
+        candidates = request.lookup_candidates if use_pool else []
+        if self.pool is None or not candidates:
+            request.plan(0)
+            request.expect_restore()
+            return report, None
+        t0 = time.perf_counter()
+        lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates])
+        report.lookup_ms = (time.perf_counter() - t0) * 1e3
+        plan = request.plan_lookup(lookup.num_complete)
+        if request.num_write_back_chunks:
+            log.info("device_hits_written_back", request_id=request.request_id, chunks=request.num_write_back_chunks)
+        request.expect_restore()
+        if not plan.num_pool_chunks:
+            self._release(lookup.lease_id, [])
+            return report, None
+        stages = [StageRestore(tuple(chunks), tuple(self._accesses(chunks)))
+                  for chunks in self._per_stage(request, lookup)]
+        local = asyncio.ensure_future(self.runner.restore(stages[0].chunks))
+        return report, ChainRestore(lookup.lease_id, stages, local)
+
+    def end_on_chain(self, request: PrefillRequest, chain: ChainRestore, report: RestoreReport,
+                     answered: Sequence[StageRestoreFigures] | None, corrupt_chunk_indexes: Sequence[int] = ()) -> None:
+        """The chain answered (``answered``: every stage's figures, stage 0's first) or failed (None;
+        ``corrupt_chunk_indexes``: what the failing stage found corrupt), with every stage's read ended: the
+        figures, then the lease's release off the request's path, naming the groups some stage could not
+        verify."""
+        local = chain.local
+        if answered is not None:
+            report.stages = list(answered)
+        elif local.done() and not local.cancelled() and local.exception() is None:
+            report.stages = [StageRestoreFigures.of(0, local.result())]
+        # the stages read at once, each while the earlier ones computed: the slowest read is the restore's time
+        report.wait_ms = max((s.read_ms for s in report.stages), default=0.0)
+        corrupt = self._corrupt_groups(request, report.stages, corrupt_chunk_indexes)
+        self._release(chain.lease_id, corrupt)
+
+    def _release(self, lease_id: str, corrupt: list[str]) -> None:
+        assert self.pool is not None
+        release = detached(self.pool.release(lease_id, corrupt))  # nobody waits for it
+        self._releases.add(release)
+        release.add_done_callback(self._releases.discard)
+
+    def _accesses(self, chunks: Sequence[ChunkToRestore]) -> list[SegmentAccess]:
+        """How to reach the segments ``chunks`` lie in, as the master told this stage."""
+        assert self.pool is not None
+        named = {c.location.segment_id for c in chunks}
+        return [a for segment_id, a in self.pool.accesses.items() if segment_id in named]
+
+    async def restore(self, request: PrefillRequest, use_pool: bool = True) -> RestoreReport:
+        """Look the pool-candidate chunks up (none without ``use_pool``), restore them on every stage by
+        ``Restore`` calls, apply what all stages got."""
         report = RestoreReport()
         # from the head: the lookup also finds device hits whose pool copy is gone (written back)
-        candidates = request.lookup_candidates
+        candidates = request.lookup_candidates if use_pool else []
         if self.pool is None or not candidates:
             request.plan(0)
             request.apply_restore([], self.blocks)
@@ -76,17 +153,16 @@ class PoolRestore:
         finally:
             # the bytes are in the pages now: the lease (and any corrupt group's report) is the master's
             # business, not this request's, so its release does not hold the first token back
-            corrupt = self._corrupt_groups(request, report.stages)
-            release = asyncio.ensure_future(self.pool.release(lookup.lease_id, corrupt))
-            self._releases.add(release)
-            release.add_done_callback(self._releases.discard)
+            self._release(lookup.lease_id, self._corrupt_groups(request, report.stages))
         request.apply_restore([s.num_chunks_restored for s in report.stages], self.blocks)
         return report
 
-    def _corrupt_groups(self, request: PrefillRequest, stages: Sequence[StageRestoreFigures]) -> list[str]:
+    def _corrupt_groups(self, request: PrefillRequest, stages: Sequence[StageRestoreFigures],
+                        more: Sequence[int] = ()) -> list[str]:
         """Groups of the lease with an object some stage got but could not verify: the master
         drops them when the lease ends, so this request's save stores them afresh."""
-        indexes = sorted({i for s in stages for i in s.corrupt_chunk_indexes if i < len(request.chunk_hashes)})
+        found = {i for s in stages for i in s.corrupt_chunk_indexes} | set(more)
+        indexes = sorted(i for i in found if 0 <= i < len(request.chunk_hashes))
         if not indexes:
             return []
         group_ids = [group_id(self.namespace, request.chunk_hashes[i]) for i in indexes]
@@ -96,6 +172,15 @@ class PoolRestore:
 
     async def _on_stages(self, request: PrefillRequest, lookup: LookupResult) -> list[StageRestoreFigures]:
         """Every stage reads its own objects of the planned chunks at once."""
+        per_stage = self._per_stage(request, lookup)
+        results = await asyncio.gather(
+            self._local(per_stage[0]),
+            *(self._remote(stage, request.request_id, per_stage[stage]) for stage in range(1, len(per_stage))),
+        )
+        return list(results)
+
+    def _per_stage(self, request: PrefillRequest, lookup: LookupResult) -> list[list[ChunkToRestore]]:
+        """Each stage's objects of the planned chunks, in stage order."""
         targets = request.restore_targets(self.blocks)  # private blocks only: objects land straight in them
         per_stage: list[list[ChunkToRestore]] = []
         for stage in range(self.num_stages):
@@ -107,11 +192,7 @@ class PoolRestore:
                     break  # cannot happen for a complete group; stay safe
                 chunks.append(ChunkToRestore(chunk_index, block_id, location))
             per_stage.append(chunks)
-        results = await asyncio.gather(
-            self._local(per_stage[0]),
-            *(self._remote(stage, request.request_id, per_stage[stage]) for stage in range(1, len(per_stage))),
-        )
-        return list(results)
+        return per_stage
 
     async def _local(self, chunks: list[ChunkToRestore]) -> StageRestoreFigures:
         figures = await self.runner.restore(chunks)
@@ -119,10 +200,8 @@ class PoolRestore:
 
     async def _remote(self, stage: int, request_id: str, chunks: list[ChunkToRestore]) -> StageRestoreFigures:
         try:
-            assert self.pool is not None  # only a lookup makes chunks to restore
-            named = {c.location.segment_id for c in chunks}
-            accesses = [a for segment_id, a in self.pool.accesses.items() if segment_id in named]
-            return await self.stages[stage - 1].restore(request_id, chunks, accesses, RESTORE_TIMEOUT_S)
+            restore = StageRestore(tuple(chunks), tuple(self._accesses(chunks)))
+            return await self.stages[stage - 1].restore(request_id, restore, RESTORE_TIMEOUT_S)
         except Unavailable as exc:
             # a stage that cannot restore makes those chunks computed, not the request failed
             log.warning("stage_restore_failed", stage=stage, error=str(exc))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpool.core.handoff.target import HandoffFigures
-from kvpool.services.prefill.restore_figures import StageRestoreFigures
+from kvpool.core.prefill.restore_figures import StageRestoreFigures
 
 
 @dataclass(slots=True, frozen=True)

@@ -15,7 +15,7 @@ from kvpool.handoff_messages import handoff_message, target_from_message
 from kvpool.services.prefill.forward import keep_deadline
 from kvpool.services.prefill.stage0.prefill_result import PrefillFigures, PrefillResult
 from kvpool.services.prefill.stage0.scheduler import PrefillScheduler
-from kvpool.services.prefill.stage_servicer import restore_figures_message
+from kvpool.services.prefill.stage_client import restore_figures_message
 from kvpool.status import status_errors
 
 

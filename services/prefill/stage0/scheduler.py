@@ -27,10 +27,11 @@ from kvpool.core.errors import (
     DeviceCacheLost,
     FailedPrecondition,
     InvalidArgument,
+    RestoreFellShort,
     Unavailable,
 )
 from kvpool.core.prefill.queue import QueueOrder
-from kvpool.core.prefill.request import PrefillRequest, try_admit
+from kvpool.core.prefill.request import Phase, PrefillRequest, try_admit
 from kvpool.core.sessions.table import SessionId
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, TenantShares, tenant_name
 from kvpool.pool.client import PoolClient
@@ -40,7 +41,7 @@ from kvpool.core.prefill.stage_forward import StageForward, StageForwardResult
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.stage0.gate import PrefillGate
 from kvpool.services.prefill.metrics import GatePopsCollector, PrefillMetrics
-from kvpool.services.prefill.stage0.pool_restore import PoolRestore, RestoreReport
+from kvpool.services.prefill.stage0.pool_restore import ChainRestore, PoolRestore, RestoreReport
 from kvpool.services.prefill.stage0.prefill_result import PrefillFigures, PrefillResult
 from kvpool.services.prefill.stage0.prefetch import PrefetchMetrics, SessionPrefetcher
 from kvpool.services.prefill.stage0.stage_clients import StageClient
@@ -187,6 +188,7 @@ class PrefillScheduler:
     async def _prefill(self, request_id: str, token_ids: Sequence[int], hashes: list[Any], session: SessionId | None,
                        return_logits: bool, tenant: str, target: HandoffTarget | None,
                        bench: BenchModes, started: float, bound: Any) -> PrefillResult:
+        use_pool = True
         for attempt in (1, 2):
             request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant),
                                      session=session)
@@ -199,7 +201,7 @@ class PrefillScheduler:
             bound.info("prefill_admitted", attempt=attempt, tokens=request.num_tokens)
             self.prefetcher.admitted(request)
             work = asyncio.ensure_future(
-                self._run(request, token_ids, return_logits, target, bench, tenant))
+                self._run(request, token_ids, return_logits, target, bench, tenant, use_pool))
             try:
                 # shielded: if the caller goes away, the stages are still writing this
                 # request's pages, so its blocks go back only once they are done
@@ -209,8 +211,12 @@ class PrefillScheduler:
                 # its blocks go back once the stages are done with them, not before
                 work.add_done_callback(lambda task: self._free_after(task, request.request_id))
                 raise
-            except DeviceCacheLost as exc:
-                # a later stage restarted and the cache was forgotten: planned again, nothing is a device hit
+            except (DeviceCacheLost, RestoreFellShort) as exc:
+                # a later stage restarted and the cache was forgotten: planned again, nothing is a device hit;
+                # or a stage could not restore what the forward was planned past: planned again without the pool
+                if isinstance(exc, RestoreFellShort):
+                    use_pool = False
+                    self.metrics.restores_fell_short.inc()
                 await self.free(request.request_id)
                 release = self._releasing.get(request.request_id)
                 if release is not None:
@@ -251,10 +257,14 @@ class PrefillScheduler:
 
     async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool,
                    target: HandoffTarget | None, bench: BenchModes,
-                   tenant: str = "") -> RunResult:
-        """Restore on every stage, compute through all stages (streaming into decode's region), collect
-        the handoff."""
-        restore = await self.restorer.restore(request)
+                   tenant: str = "", use_pool: bool = True) -> RunResult:
+        """Restore on every stage (on the forward's chain, or by Restore calls to older stages), compute through
+        all stages (streaming into decode's region), collect the handoff."""
+        chain: ChainRestore | None = None
+        if all(s.restore_on_chain for s in self.stages):
+            restore, chain = await self.restorer.begin_on_chain(request, use_pool)
+        else:
+            restore = await self.restorer.restore(request, use_pool)
         forward = StageForward(
             request_id=request.request_id, block_table=tuple(request.block_table),
             compute_start=request.compute_start, num_tokens=request.num_tokens,
@@ -270,12 +280,23 @@ class PrefillScheduler:
         t0 = time.perf_counter()
         try:
             try:
-                result = await run_stage(self.runner, self.link, forward, inputs, self.handoff)
-            except BaseException:
+                result = await run_stage(self.runner, self.link, forward, inputs, self.handoff,
+                                         chain.local if chain is not None else None,
+                                         tuple(chain.stages[1:]) if chain is not None else ())
+            except BaseException as exc:
                 if target is not None:  # every stage's writes read this request's pages: they end first
                     with contextlib.suppress(Exception):
                         await self.ends.handoff_done(request.request_id, target)
+                if chain is not None:
+                    self.restorer.end_on_chain(request, chain, restore, None,
+                                               getattr(exc, "corrupt_chunk_indexes", ()))
                 raise
+            if chain is not None:
+                self.restorer.end_on_chain(request, chain, restore, result.restore_stages)
+            if request.phase is Phase.RESTORING:  # every stage must have restored all it was given
+                counts = [s.num_chunks_restored for s in restore.stages]
+                request.apply_restore(counts + [0] * (self.settings.num_stages - len(counts)) if chain else [],
+                                      self.blocks)
             handoff = None
             if target is not None and len(result.handoff_stages) == self.settings.num_stages:
                 handoff = self.ends.handoff_ended(request.request_id, target, result.handoff_stages)
