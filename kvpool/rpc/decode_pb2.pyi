@@ -1,4 +1,5 @@
 from kvpool.rpc import handoff_pb2 as _handoff_pb2
+from kvpool.rpc import prefill_pb2 as _prefill_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -30,6 +31,42 @@ class ReserveResponse(_message.Message):
     TARGET_FIELD_NUMBER: _ClassVar[int]
     target: _handoff_pb2.HandoffTarget
     def __init__(self, target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ...) -> None: ...
+
+class ServeRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "request_id", "prefill_address", "layer_split", "session_key", "tenant", "cache_salt", "prefill_timeout_s")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: DecodeSampling
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    request_id: str
+    prefill_address: str
+    layer_split: _containers.RepeatedCompositeFieldContainer[_handoff_pb2.LayerRange]
+    session_key: str
+    tenant: str
+    cache_salt: str
+    prefill_timeout_s: float
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DecodeSampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., layer_split: _Optional[_Iterable[_Union[_handoff_pb2.LayerRange, _Mapping]]] = ..., session_key: _Optional[str] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ServeResponse(_message.Message):
+    __slots__ = ("prefilled", "token_id", "figures")
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
+    prefilled: _prefill_pb2.PrefillResponse
+    token_id: int
+    figures: DecodeFigures
+    def __init__(self, prefilled: _Optional[_Union[_prefill_pb2.PrefillResponse, _Mapping]] = ..., token_id: _Optional[int] = ..., figures: _Optional[_Union[DecodeFigures, _Mapping]] = ...) -> None: ...
 
 class DecodeSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")

@@ -34,6 +34,11 @@ class DecodeStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Serve = channel.unary_stream(
+                '/kvpool.rpc.Decode/Serve',
+                request_serializer=kvpool_dot_rpc_dot_decode__pb2.ServeRequest.SerializeToString,
+                response_deserializer=kvpool_dot_rpc_dot_decode__pb2.ServeResponse.FromString,
+                _registered_method=True)
         self.Reserve = channel.unary_unary(
                 '/kvpool.rpc.Decode/Reserve',
                 request_serializer=kvpool_dot_rpc_dot_decode__pb2.ReserveRequest.SerializeToString,
@@ -63,6 +68,21 @@ class DecodeStub:
 
 class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Serve(self, request, context):
+        """A whole request. Reserves its pages and receive region (waiting a while
+        for room a request that just ended is still freeing, then
+        RESOURCE_EXHAUSTED), calls Prefill on the pipeline's stage 0 with the
+        region as its target, streams one message with the prefill's answer, then
+        every token (the first sampled from the region's logits), then the
+        figures. However the call ends (done, cancelled, failed), the pages and
+        the region are free when it has. A prefill failure comes back with its
+        status: UNAVAILABLE naming field "pipeline" when the pipeline failed,
+        "target" when writing into this shard did.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Reserve(self, request, context):
         """A receive region for one request's KV in the shard's registered arena,
@@ -112,6 +132,11 @@ class DecodeServicer:
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Serve': grpc.unary_stream_rpc_method_handler(
+                    servicer.Serve,
+                    request_deserializer=kvpool_dot_rpc_dot_decode__pb2.ServeRequest.FromString,
+                    response_serializer=kvpool_dot_rpc_dot_decode__pb2.ServeResponse.SerializeToString,
+            ),
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
                     request_deserializer=kvpool_dot_rpc_dot_decode__pb2.ReserveRequest.FromString,
@@ -147,6 +172,33 @@ def add_DecodeServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Decode:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Serve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvpool.rpc.Decode/Serve',
+            kvpool_dot_rpc_dot_decode__pb2.ServeRequest.SerializeToString,
+            kvpool_dot_rpc_dot_decode__pb2.ServeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Reserve(request,

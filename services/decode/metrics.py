@@ -38,5 +38,7 @@ class DecodeMetrics:
                               "Decode.Landed; generate: the rest of a region, at its Generate)", ["by"], registry=r)
         for by in ("doorbell", "call", "generate"):
             self.landed.labels(by)
+        self.room_waits = Counter("kvpool_decode_room_waits", "Times a Serve call found no room and waited for "
+                                  "some to be given back", registry=r)
         self.regions_expired = Counter("kvpool_decode_regions_expired",
                                        "Receive regions reclaimed at their deadline", registry=r)

@@ -17,6 +17,7 @@ from kvpool.rpc import decode_pb2_grpc
 from kvpool.shared_memory import SegmentShare, SharedSegment
 from kvpool.transfer import TransferEngine
 from kvpool.services.decode.metrics import DecodeMetrics
+from kvpool.services.decode.prefill_client import PrefillClients
 from kvpool.services.decode.servicer import DecodeServicer
 from kvpool.services.decode.settings import DecodeSettings
 from kvpool.services.decode.shard import ARENA_NAME, DecodeShard
@@ -30,7 +31,8 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
         else None
     metrics = DecodeMetrics(settings.num_pages)
     shard = DecodeShard(settings, engine, metrics)
-    servicer = DecodeServicer(shard)
+    prefill = PrefillClients(settings.pipeline_addresses)
+    servicer = DecodeServicer(shard, prefill)
     share = None
     if isinstance(shard.arena, SharedSegment):
         share = SegmentShare(Path(settings.shared_memory_dir), f"decode-{shard.arena.token[:16]}")
@@ -84,5 +86,6 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
             await share.close()
         if shard.doorbell >= 0:
             loop.remove_reader(shard.doorbell)
+        await prefill.close()
         shard.close()
         log.info("decode_shard_stopped")

@@ -1,4 +1,5 @@
-"""The Decode gRPC servicer: protobuf ↔ the shard, validation at the edge."""
+"""The Decode gRPC servicer: protobuf ↔ the shard, validation at the edge; ``Serve`` runs a whole request
+(reserve, prefill through ``prefill_client``, decode)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import structlog
 
 from kvpool.core.errors import InvalidArgument, KvpoolError
 from kvpool.core.handoff.layout import HandoffLayout
-from kvpool.handoff_messages import shared_memory_message
+from kvpool.core.decode.regions import ReceiveRegion
+from kvpool.core.handoff.target import HandoffTarget
+from kvpool.handoff_messages import target_message
 from kvpool.model.sampling import SamplingParams
 from kvpool.request_id import current_request_id
-from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
+from kvpool.rpc import decode_pb2, decode_pb2_grpc
 from kvpool.status import abort, status_errors
+from kvpool.services.decode.prefill_client import PrefillClients
 from kvpool.services.decode.shard import DecodeShard, Figures
 
 log = structlog.get_logger(__name__)
@@ -38,9 +42,17 @@ def sampling_params(sampling: decode_pb2.DecodeSampling) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=int(sampling.top_k), seed=int(sampling.seed))
 
 
+def figures_message(figures: Figures) -> decode_pb2.DecodeFigures:
+    return decode_pb2.DecodeFigures(
+        num_tokens=figures.num_tokens, finish_reason=figures.finish_reason, decode_seconds=figures.decode_seconds,
+        queue_seconds=figures.queue_seconds, scatter_seconds=figures.scatter_seconds,
+        first_token_unix_ms=figures.first_token_unix_ms)
+
+
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, shard: DecodeShard) -> None:
+    def __init__(self, shard: DecodeShard, prefill: PrefillClients | None = None) -> None:
         self.shard = shard
+        self.prefill = prefill or PrefillClients()
 
     @status_errors
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
@@ -51,19 +63,63 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         layout = HandoffLayout.of(request.num_tokens, [(r.start, r.end) for r in request.layer_split],
                                   request.entry_bytes, trailer)
         region = self.shard.reserve(layout, request.kv_dtype, request.max_tokens, request.hold_s or None)
+        return decode_pb2.ReserveResponse(target=target_message(self.target_of(region)))
+
+    def target_of(self, region: ReceiveRegion) -> HandoffTarget:
+        """Where prefill writes ``region``: this shard's engine, its address, layout and deadline, and on this
+        host its shared arena and the region's control record."""
+        shard = self.shard
         # the core's deadline is monotonic; peers get wall-clock milliseconds
-        deadline_ms = int((time.time() + region.deadline - self.shard.clock()) * 1000)
-        target = handoff_pb2.HandoffTarget(
-            region_id=str(region.region_id), endpoint=self.shard.endpoint,
-            address=self.shard.region_address(region), size=region.size, deadline_unix_ms=deadline_ms,
-            layout=handoff_pb2.HandoffLayout(num_tokens=request.num_tokens, layer_split=request.layer_split,
-                                             entry_bytes=request.entry_bytes, trailer_bytes=trailer),
-            notify_address=self.shard.notify_address, host=self.shard.host_name,
-            shared_memory=shared_memory_message(self.shard.shared),
-            shared_base_address=self.shard.arena.address if self.shard.shared else 0,
-            control_offset=self.shard.control_offset(region) if self.shard.shared else 0,
-        )
-        return decode_pb2.ReserveResponse(target=target)
+        deadline_ms = int((time.time() + region.deadline - shard.clock()) * 1000)
+        return HandoffTarget(
+            region_id=str(region.region_id), endpoint=shard.endpoint, address=shard.region_address(region),
+            size=region.size, deadline_unix_ms=deadline_ms, layout=region.layout,
+            notify_address=shard.notify_address, host=shard.host_name, shared=shard.shared,
+            shared_base_address=shard.arena.address if shard.shared else 0,
+            control_offset=shard.control_offset(region) if shard.shared else 0)
+
+    async def Serve(self, request: decode_pb2.ServeRequest, context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[decode_pb2.ServeResponse]:
+        # a streaming method: errors are mapped here (status_errors wraps unary calls)
+        try:
+            async for response in self._serve(request):
+                yield response
+        except KvpoolError as exc:
+            await abort(context, exc, "Serve")
+
+    async def _serve(self, request: decode_pb2.ServeRequest) -> AsyncIterator[decode_pb2.ServeResponse]:
+        """Reserve, prefill into the region, decode; the region and pages are free however it ends."""
+        shard = self.shard
+        params = sampling_params(request.sampling)
+        address = self.prefill.check(request.prefill_address)
+        timeout_s = request.prefill_timeout_s
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            raise InvalidArgument(f"prefill_timeout_s: must be >= 0, got {request.prefill_timeout_s}")
+        prompt = list(request.prompt_token_ids)
+        shard.check_prompt(prompt, request.max_tokens)
+        layout = HandoffLayout.of(len(prompt), [(r.start, r.end) for r in request.layer_split],
+                                  shard.model.entry_bytes, shard.trailer_bytes)
+        region = await shard.reserve_waiting(layout, shard.settings.kv_dtype, request.max_tokens, timeout_s or None,
+                                             shard.settings.room_wait_s)
+        request_id = request.request_id or current_request_id()
+        decoding = False
+        try:
+            prefilled = await self.prefill.prefill(
+                address, prompt, request.session_key, request.tenant, request.cache_salt, self.target_of(region),
+                timeout_s or shard.settings.region_deadline_s)
+            yield decode_pb2.ServeResponse(prefilled=prefilled)
+            decoding = True  # Generate claims the region now, and frees it with the pages however it ends
+            async for event in shard.generate(region.region_id, prompt, 0, params, request.max_tokens,
+                                              list(request.stop_token_ids), request_id):
+                if isinstance(event, Figures):
+                    log.info("decode_done", tokens=event.num_tokens, finish_reason=event.finish_reason,
+                             queue_s=round(event.queue_seconds, 4), decode_s=round(event.decode_seconds, 4))
+                    yield decode_pb2.ServeResponse(figures=figures_message(event))
+                else:
+                    yield decode_pb2.ServeResponse(token_id=event)
+        finally:
+            if not decoding:  # failed or cancelled before decoding: region and pages back now
+                shard.release_region(region.region_id)
 
     async def Generate(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -78,10 +134,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if isinstance(event, Figures):
                     log.info("decode_done", tokens=event.num_tokens, finish_reason=event.finish_reason,
                              queue_s=round(event.queue_seconds, 4), decode_s=round(event.decode_seconds, 4))
-                    yield decode_pb2.DecodeResponse(figures=decode_pb2.DecodeFigures(
-                        num_tokens=event.num_tokens, finish_reason=event.finish_reason,
-                        decode_seconds=event.decode_seconds, queue_seconds=event.queue_seconds,
-                        scatter_seconds=event.scatter_seconds, first_token_unix_ms=event.first_token_unix_ms))
+                    yield decode_pb2.DecodeResponse(figures=figures_message(event))
                 else:
                     yield decode_pb2.DecodeResponse(token_id=event)
         except KvpoolError as exc:

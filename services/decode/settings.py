@@ -44,6 +44,10 @@ class DecodeSettings(ModelSetting):
     shared_memory_dir: str = shared_memory_dir_setting()
     drain_s: float = setting(20.0, help="on SIGTERM: seconds to keep serving what is in flight after turning "
                                          "not-ready (new calls still served until callers notice)")
+    pipelines: str = setting("", help="the prefill pipelines' stage 0 addresses (host:port, comma-separated) a "
+                                      "Serve call may name; empty: any", metavar="ADDRESSES")
+    room_wait_s: float = setting(5.0, help="how long a Serve call waits for pages and a receive region that a "
+                                           "request that just ended is still freeing, before RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         if not self.transfer_engine and not self.shared_memory:
@@ -51,6 +55,12 @@ class DecodeSettings(ModelSetting):
                              "keep --shared-memory or --transfer-engine")
         if self.drain_s < 0:
             raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
+        if not 0 <= self.room_wait_s <= 600:
+            raise ValueError(f"room_wait_s: must be in [0, 600], got {self.room_wait_s}")
+        for address in self.pipeline_addresses:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"pipelines: {address!r} is not host:port")
         self.kv_bytes = parse_size(self.kv_bytes, "kv_bytes")
         self.region_arena_bytes = parse_size(self.region_arena_bytes, "region_arena_bytes")
         if self.kv_dtype not in KV_DTYPE_ITEMSIZES:
@@ -72,6 +82,10 @@ class DecodeSettings(ModelSetting):
         if self.region_deadline_s <= 0:
             raise ValueError(f"region_deadline_s: must be positive, got {self.region_deadline_s}")
 
+
+    @property
+    def pipeline_addresses(self) -> list[str]:
+        return [a.strip() for a in self.pipelines.split(",") if a.strip()]
 
     def memory(self) -> dict[str, int]:
         """Host bytes this shard allocates, by the setting that sizes them."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import time
 import uuid
@@ -35,7 +36,7 @@ import torch
 
 from kvpool.core.decode.regions import ReceiveRegion, RegionTable
 from kvpool.core.decode.scheduler import DecodeScheduler, DecodeSequence
-from kvpool.core.errors import FailedPrecondition, InvalidArgument
+from kvpool.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpool.core.handoff.control import ControlRecords
 from kvpool.core.handoff.layout import HandoffLayout
 from kvpool.handoff import scatter_range, scatter_region
@@ -128,6 +129,7 @@ class DecodeShard:
         self.notify_address = ""  # this shard's gRPC address, for Landed (the server sets it)
         self._rung = False
         self._scan: asyncio.Future[None] | None = None
+        self._room_changed = asyncio.Event()  # set (and replaced) whenever room may have come back
         self._wake = asyncio.Event()
         self.num_steps = 0
 
@@ -339,7 +341,36 @@ class DecodeShard:
         if reason is not None:
             self._finish(live, reason)
 
+    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int) -> None:
+        """Raise InvalidArgument naming the field unless such a request could ever run here."""
+        self.scheduler.check(len(prompt_token_ids), max_tokens)
+        vocab = self.config.vocab_size
+        bad = next((i for i, t in enumerate(prompt_token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"prompt_token_ids[{bad}]: {prompt_token_ids[bad]} is not in [0, {vocab})")
+
+    async def reserve_waiting(self, layout: HandoffLayout, kv_dtype: str, max_tokens: int, hold_s: float | None,
+                              wait_s: float) -> ReceiveRegion:
+        """``reserve``, waiting up to ``wait_s`` for room another request is giving back (woken by each
+        give-back, never polling); RESOURCE_EXHAUSTED once that passed. A request that can never fit fails at
+        once."""
+        deadline = self.clock() + wait_s
+        while True:
+            changed = self._room_changed
+            try:
+                return self.reserve(layout, kv_dtype, max_tokens, hold_s)
+            except ResourceExhausted:
+                left = deadline - self.clock()
+                if left <= 0:
+                    raise
+            self.metrics.room_waits.inc()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
+
     def _publish(self) -> None:
+        # whatever changed may have freed room: wake those waiting for it (they try again)
+        self._room_changed.set()
+        self._room_changed = asyncio.Event()
         self.metrics.pages_used.set(self.scheduler.num_pages_used)
         self.metrics.pages_reserved.set(self.scheduler.num_reserved)
         self.metrics.queue_length.set(self.scheduler.num_waiting)

@@ -1,8 +1,9 @@
 """The router's backends: a client per prefill pipeline and decode shard, and the health loop that
 tells admission what each can hold.
 
-The calls a request makes (``Reserve``, ``Prefill``, ``Generate``, ``ReleaseRegion``,
-``Prefetch``) take and give plain values: the messages stay here. A failed call raises
+The calls a request makes (``Serve``, ``Prefetch``; ``Reserve``, ``Prefill``, ``Generate`` and
+``ReleaseRegion`` only for the benches and tests that play the router's part) take and give plain values:
+the messages stay here. A failed call raises
 ``grpc.aio.AioRpcError`` as it came, for the router to read its status.
 """
 
@@ -82,6 +83,35 @@ class TokenStream:
         self._call.cancel()
 
 
+class ServeStream:
+    """One ``Serve`` call (module doc of ``kvpool.services.router.router``): ``prefilled`` (what the prefill
+    counted) comes first, then the token ids; ``finish_reason`` ("stop" or "length") once it ended. ``cancel``
+    ends the call, and decode frees the request's region and pages."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self.finish_reason = ""
+
+    async def prefilled(self) -> Prefilled:
+        """The prefill's figures: the stream's first message (the call failing before it raises)."""
+        response = await self._call.read()
+        if response is grpc.aio.EOF or not response.HasField("prefilled"):
+            raise Unavailable("decode: Serve answered no prefill first")
+        figures, handoff = response.prefilled.figures, response.prefilled.handoff
+        return Prefilled(figures.num_device_tokens, figures.num_pool_tokens, figures.num_computed_tokens,
+                         handoff.transfers, handoff.bytes)
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        while (response := await self._call.read()) is not grpc.aio.EOF:
+            if response.HasField("figures"):
+                self.finish_reason = "stop" if response.figures.finish_reason == "stop" else "length"
+                return
+            yield response.token_id
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 @dataclass(slots=True)
 class PipelineClient:
     address: str
@@ -146,6 +176,23 @@ class ShardClient:
                 sampling=decode_pb2.DecodeSampling(temperature=sampling.temperature, top_p=sampling.top_p,
                                                    top_k=sampling.top_k, seed=sampling.seed),
                 max_tokens=max_tokens, stop_token_ids=stop_token_ids, request_id=request_id,
+            ),
+            timeout=timeout_s,
+        ))
+
+    def serve(self, pipeline: str, layer_split: Sequence[tuple[int, int]], prompt_ids: Sequence[int],
+              sampling: Sampling, max_tokens: int, stop_token_ids: Sequence[int], request_id: str, session_key: str,
+              tenant: str, cache_salt: str, prefill_timeout_s: float, timeout_s: float) -> ServeStream:
+        """The whole request at this shard: its room, its prefill at ``pipeline`` into it, every token."""
+        return ServeStream(self.decode.Serve(
+            decode_pb2.ServeRequest(
+                prompt_token_ids=prompt_ids,
+                sampling=decode_pb2.DecodeSampling(temperature=sampling.temperature, top_p=sampling.top_p,
+                                                   top_k=sampling.top_k, seed=sampling.seed),
+                max_tokens=max_tokens, stop_token_ids=stop_token_ids, request_id=request_id,
+                prefill_address=pipeline, session_key=session_key, tenant=tenant, cache_salt=cache_salt,
+                layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in layer_split],
+                prefill_timeout_s=prefill_timeout_s,
             ),
             timeout=timeout_s,
         ))

@@ -70,8 +70,6 @@ class RouterMetrics:
         self.pipeline_blocks = Gauge("kvpool_router_pipeline_blocks_reserved",
                                      "Prefill device-cache blocks the router's tickets hold until their first token",
                                      ["pipeline"], registry=r)
-        self.reserve_waits = Counter("kvpool_router_reserve_waits",
-                                     "Reserve retries while decode freed a cancelled request's room", registry=r)
         self.handoff_bytes = Counter("kvpool_router_handoff_bytes",
                                      "Handoff bytes by link: within the pipeline's server, or across servers",
                                      ["link"], registry=r)

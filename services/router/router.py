@@ -1,29 +1,35 @@
-"""The router's generate path: admit, reserve decode room, prefill into it, decode, stream — and free
-everything at once whatever happens.
+"""The router's generate path: admit, then one call to the decode shard that reserves its room, has the
+pipeline prefill into it and decodes — and free everything at once whatever happens.
 
 Every decision is the core's (``kvpool.core.admission.admission``): one ``admit`` per
 request hands back a ticket (pipeline, decode shard, pages, region bytes, the
 pipeline's device blocks) or queues the request, holding nothing, until a
 ``release`` makes room (the waiting is ``kvpool.services.router.tickets``'s); the
 first token gives the device blocks back (``prefill_ended``); one ``release``
-ends it. Between them this module makes the calls:
+ends it. Between them this module makes one call:
 
-    admit (queue) → Reserve (decode: region + pages) → Prefill(target) (every
-          stage streams its layers into the region as its forward passes them,
-          decode scatters each part as it lands; the last stage adds the final
-          logits) → Generate (decode samples every token, the first included)
+    admit (queue) → Serve (decode: region + pages; decode → stage 0 Prefill(target):
+          every stage streams its layers into the region as its forward passes them,
+          decode scatters each part as it lands, the last stage adds the final
+          logits; then decode samples every token, the first included)
+
+The call's first message is the prefill's answer, then the tokens; its end,
+however it comes, frees the region and pages at decode. A shard still freeing
+a request that just ended waits for that room itself (``--room-wait-s``):
+nothing here polls.
 
 Faults (the core decides, ``kvpool.core.admission.retry.retry_move``): a prefill
-pipeline that answers UNAVAILABLE is retried once on another healthy pipeline
-when nothing reached the client (waiting, within the queue's timeout, for
-device room there if it has none now); the region and pages stay the request's. A
-decode shard that is down or unreachable before the first token (Reserve or
-Generate failed, or prefill could not write to it) moves the request once to
-another shard: its room there, a new Reserve and Prefill (the prefix is in the
-device cache or the pool by then). Once a token has reached the client, a
-failure ends the stream and is never hidden. Cancelling (the
-client went away) drops a queued request, cancels the calls in flight, gives
-the region and pages back and releases the ticket, at once.
+pipeline that failed (decode answers UNAVAILABLE naming the field ``pipeline``)
+is retried once on another healthy pipeline when nothing reached the client
+(waiting, within the queue's timeout, for device room there if it has none
+now), in a new call to the same shard. A decode shard that is down or
+unreachable before the first token (the call failed, or prefill could not
+write to it: the field ``target``) moves the request once to another shard:
+its room there, and a new call (the prefix is in the device cache or the pool
+by then). Once a token has reached the client, a failure ends the stream and
+is never hidden. Cancelling (the client went away) drops a queued request,
+cancels the call, which frees the region and pages at decode, and releases the
+ticket, at once.
 """
 
 from __future__ import annotations
@@ -32,22 +38,22 @@ import asyncio
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 import structlog
 
 from kvpool.core.admission.admission import Admission, Ticket
+from kvpool.core.admission.retry import PIPELINE_FIELD
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
 from kvpool.core.prefill.queue import QueueOrder
 from kvpool.core.api.public_errors import PIPELINE, SHARD, backend_label, public_error, served_by
 from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.core.api.served_context import ShardLimits, served_context
 from kvpool.core.tenancy.tenants import scoped_session_key
-from kvpool.core.handoff.target import HandoffTarget
 from kvpool.request_id import bound_request_id, new_request_id
-from kvpool.status import from_status
-from kvpool.services.router.backend_clients import LATE_CHECKS_OUT, Backends, Prefilled, Sampling, server_of
+from kvpool.status import FIELD_KEY, from_status
+from kvpool.services.router.backend_clients import LATE_CHECKS_OUT, Backends, Prefilled, Sampling, ServeStream, server_of
 from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
 from kvpool.services.router.http_api import Usage
 from kvpool.services.router.metrics import RouterMetrics
@@ -59,10 +65,6 @@ log = structlog.get_logger(__name__)
 _PASSED_ON = (InvalidArgument, ResourceExhausted)
 
 CALL_TIMEOUT_S = 30.0
-# decode frees a cancelled request's room a moment after the router let its ticket go: a Reserve
-# that finds the room still taken waits for it this long at most (the ticket says it is coming)
-RESERVE_WAIT_S = 5.0
-RESERVE_RETRY_S = 0.02
 # a request waiting for device room to be retried on another pipeline looks again at least this often
 ROOM_RECHECK_S = 0.5
 
@@ -173,20 +175,18 @@ class Router:
         usage.queued_seconds = queued = time.perf_counter() - started
         self.metrics.queue_seconds.observe(queued)
         self.metrics.placements.labels("pipeline", ticket.pipeline, ticket.pipeline_reason.value).inc()
+        # an unseeded request draws a fresh seed: two such requests differ; a seeded one is reproducible
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
         first_at = 0.0
         try:
             while True:
                 self.metrics.placements.labels("shard", ticket.shard, ticket.locality.value).inc()
                 usage.pipeline, usage.shard = ticket.pipeline, ticket.shard
-                target: HandoffTarget | None = None
-                at_decode = True  # which call failed: the shard's (Reserve, Generate) or prefill's
+                stream = self._serve(ticket, request, request_id, seed, started)
                 try:
-                    target = await self._reserve(ticket, request, started)
-                    at_decode = False
-                    prefill = await self._prefill(ticket, request, target, usage)
-                    self._count_prefill(prefill, usage, ticket.shard)
-                    at_decode = True
-                    async for token in self._decode(ticket, request, target, usage, request_id):
+                    self._count_prefill(await self._answer(stream.prefilled(), ticket, request_id), usage,
+                                        ticket.shard)
+                    async for token in self._tokens(stream, ticket, request_id):
                         if not first_at:
                             first_at = time.perf_counter()
                             usage.ttft_seconds = first_at - started
@@ -195,26 +195,74 @@ class Router:
                             self.tickets.apply(
                                 self.admission.prefill_ended(request_id, asyncio.get_running_loop().time()))
                         yield token
+                    usage.finish_reason = stream.finish_reason or usage.finish_reason
                     usage.decode_seconds = time.perf_counter() - (first_at or started)
                     self.metrics.decode.observe(usage.decode_seconds)
                     return
                 except KvpoolError as error:
-                    current = self.admission.ticket(request_id) or ticket  # prefill may have moved the pipeline
-                    moved = None if first_at else self.admission.move_shard(
-                        current, admission_request(request_id, request), error, 0, at_decode)
+                    moved = None if first_at else await self._moved(ticket, request, request_id, error)
                     if moved is None:
                         raise
-                    self.metrics.shard_moves.inc()
-                    log.warning("decode_moved_elsewhere", shard=current.shard, to=moved.shard, error=str(error))
                     ticket = moved
                 finally:
-                    if target is not None and not first_at:
-                        # reserved, maybe never claimed by a Generate: region and pages back now (a claimed
-                        # one is decode's to free, and this is then a no-op); a dead shard's are gone
-                        await self._give_back(usage.shard, target)
+                    stream.cancel()  # a no-op once it ended; else decode frees the region and pages now
         finally:
             self.tickets.release(request_id)
             self.metrics.completion_tokens.inc(usage.completion_tokens)
+
+    def _serve(self, ticket: Ticket, request: GenerationRequest, request_id: str, seed: int,
+               started: float) -> ServeStream:
+        """The request's one call to its shard, which takes its room, has its pipeline prefill into it and
+        decodes."""
+        shard = self.backends.shards[ticket.shard]
+        left_s = max(1.0, self.request_timeout_s - (time.perf_counter() - started))
+        return shard.serve(ticket.pipeline, self.backends.layer_split(ticket.pipeline, ticket.shard),
+                           request.prompt_ids, Sampling(request.temperature, request.top_p, request.top_k, seed),
+                           request.max_tokens, request.stop_token_ids, request_id, request.session_key,
+                           request.tenant, request.cache_salt, left_s, self.request_timeout_s)
+
+    async def _answer(self, call: Awaitable[Prefilled], ticket: Ticket, request_id: str) -> Prefilled:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            raise self._serve_error(exc, ticket, request_id) from None
+
+    async def _tokens(self, stream: ServeStream, ticket: Ticket, request_id: str) -> AsyncIterator[int]:
+        try:
+            async for token in stream:
+                yield token
+        except grpc.aio.AioRpcError as exc:
+            raise self._serve_error(exc, ticket, request_id) from None
+
+    def _serve_error(self, exc: grpc.aio.AioRpcError, ticket: Ticket, request_id: str) -> KvpoolError:
+        """A failed Serve as the client may see it, blaming the pipeline when decode said the prefill failed."""
+        field = dict((k, v) for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)).get(FIELD_KEY, "")
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and field == PIPELINE_FIELD:  # keeps its field
+            return self._backend_error(exc, PIPELINE, ticket.pipeline, request_id)
+        return self._backend_error(exc, SHARD, ticket.shard, request_id)
+
+    async def _moved(self, ticket: Ticket, request: GenerationRequest, request_id: str,
+                     error: KvpoolError) -> Ticket | None:
+        """Where a request goes after a failure before its first token (the core decides,
+        ``kvpool.core.admission.retry``): its pipeline failed, another pipeline (waiting for device room, or
+        for its own to come back, as the core allows); its shard failed, another shard. None: it fails."""
+        current = self.admission.ticket(request_id) or ticket
+        if error.field == PIPELINE_FIELD:
+            failed_round = self.admission.health_round
+            session = scoped_session_key(request.tenant, request.session_key)
+            moved = self.admission.retry(current, error, 0, session)
+            if moved is None and self.admission.retry_may_wait(current, error, 0, own_too=True):
+                moved = await self._retry_when_room(current, error, session, failed_round)
+            if moved is not None:
+                self.metrics.retries.inc()
+                log.warning("prefill_retried_elsewhere" if moved.pipeline != current.pipeline else "prefill_retried",
+                            pipeline=current.pipeline, to=moved.pipeline, error=str(error))
+            return moved
+        moved = self.admission.move_shard(current, admission_request(request_id, request), error, 0, True)
+        if moved is not None:
+            self.metrics.shard_moves.inc()
+            log.warning("decode_moved_elsewhere", shard=current.shard, to=moved.shard, error=str(error))
+        return moved
 
     def _turn_ended(self, request: GenerationRequest, pipeline: str) -> None:
         """Session-aware prefill, for a turn that carried a hint (a session key comes with each): the
@@ -247,46 +295,6 @@ class Router:
         same = self.admission.pipeline_servers[pipeline] == self.admission.shards[shard].server
         return "same_server" if same else "cross_server"
 
-    async def _reserve(self, ticket: Ticket, request: GenerationRequest, started: float) -> HandoffTarget:
-        """Decode's region and pages for the ticket; the room is the ticket's, so a refusal only
-        means decode has not yet freed a finished request's room."""
-        shard = self.backends.shards[ticket.shard]
-        hold_s = max(1.0, self.request_timeout_s - (time.perf_counter() - started))
-        layer_split = self.backends.layer_split(ticket.pipeline, ticket.shard)
-        deadline = time.monotonic() + RESERVE_WAIT_S
-        while True:
-            try:
-                return await shard.reserve(len(request.prompt_ids), request.max_tokens, hold_s, layer_split,
-                                           CALL_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                error = self._backend_error(exc, SHARD, ticket.shard, request.request_id)
-                if not isinstance(error, ResourceExhausted) or time.monotonic() > deadline:
-                    raise error from None
-                self.metrics.reserve_waits.inc()
-                await asyncio.sleep(RESERVE_RETRY_S)  # decode is freeing a cancelled request's room
-
-    async def _prefill(self, ticket: Ticket, request: GenerationRequest, target: HandoffTarget,
-                       usage: Usage) -> Prefilled:
-        while True:
-            client = self.backends.pipelines[ticket.pipeline]
-            try:
-                return await client.prefill_into(request.prompt_ids, request.session_key, request.tenant,
-                                                 request.cache_salt, target, self.request_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                error = self._backend_error(exc, PIPELINE, ticket.pipeline, request.request_id)
-            failed_round = self.admission.health_round
-            session = scoped_session_key(request.tenant, request.session_key)
-            moved = self.admission.retry(ticket, error, 0, session)
-            if moved is None and self.admission.retry_may_wait(ticket, error, 0, own_too=True):
-                moved = await self._retry_when_room(ticket, error, session, failed_round)
-            if moved is None:
-                raise error
-            self.metrics.retries.inc()
-            log.warning("prefill_retried_elsewhere" if moved.pipeline != ticket.pipeline else "prefill_retried",
-                        pipeline=ticket.pipeline, to=moved.pipeline, error=str(error))
-            ticket = moved
-            usage.pipeline = ticket.pipeline
-
     async def _retry_when_room(self, ticket: Ticket, error: KvpoolError, session: str,
                                failed_round: int) -> Ticket | None:
         """Wait, within the queue's timeout, until another pipeline has device room for a request its
@@ -308,24 +316,6 @@ class Router:
                 return moved
         return None
 
-    async def _decode(self, ticket: Ticket, request: GenerationRequest, target: HandoffTarget,
-                      usage: Usage, request_id: str) -> AsyncIterator[int]:
-        shard = self.backends.shards[ticket.shard]
-        # an unseeded request draws a fresh seed: two such requests differ; a seeded one is reproducible
-        seed = request.seed if request.seed is not None else secrets.randbits(63)
-        call = shard.generate(target.region_id, request.prompt_ids,
-                              Sampling(request.temperature, request.top_p, request.top_k, seed), request.max_tokens,
-                              request.stop_token_ids, request_id, self.request_timeout_s)
-        try:
-            async for token in call:
-                yield token
-            if call.finish_reason:
-                usage.finish_reason = call.finish_reason
-        except grpc.aio.AioRpcError as exc:
-            raise self._backend_error(exc, SHARD, ticket.shard, request_id) from None
-        finally:
-            call.cancel()  # a no-op once the stream ended; frees the pages when the client went away
-
     def _backend_error(self, exc: grpc.aio.AioRpcError, kind: str, name: str, request_id: str) -> KvpoolError:
         """A backend's failure as the client may see it (``kvpool.core.api.public_errors``): the backend by
         its index, no address anywhere; the whole story goes to this log line, with the request id."""
@@ -334,10 +324,3 @@ class Router:
         log.warning("backend_call_failed", request_id=request_id, backend=f"{kind} {name}",
                     code=exc.code().name, details=exc.details())
         return public_error(error)
-
-    async def _give_back(self, shard_name: str, target: HandoffTarget) -> None:
-        shard = self.backends.shards[shard_name]
-        try:
-            await shard.release_region(target.region_id, timeout_s=5.0)
-        except grpc.aio.AioRpcError as exc:
-            log.info("region_release_failed", region_id=target.region_id, code=exc.code().name)  # reclaimed at its hold

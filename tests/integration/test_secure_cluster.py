@@ -105,7 +105,7 @@ async def test_roles_gate_admin_calls_and_a_store_unmounts_only_its_own(cluster:
     assert len(stats.segments) == 2
 
 
-async def test_only_the_router_calls_prefill_and_clients_call_generate(cluster: Cluster) -> None:
+async def test_only_the_router_and_decode_call_prefill_and_clients_call_generate(cluster: Cluster) -> None:
     ca = access(cluster).ca
     assert ca is not None and access(cluster).client is not None
     async with secure(address(cluster, "p0-stage0"), access(cluster).client, ca.ca_path) as channel:

@@ -138,3 +138,30 @@ def test_a_removed_field_with_its_number_reserved_is_compatible() -> None:
     del message.field[0]
     message.reserved_range.add(start=number, end=number + 1)
     assert incompatibilities(old, new) == []
+
+
+# What this version's services call that the last one's did not serve, and who serves what an older caller
+# still sends. A rolling restart upgrades in kvpool up's order (restart_rank: master, stores, decode shards,
+# stages from the last to stage 0, the router last); docs/operations.md says the same for hand-run nodes.
+NEW_CALLS = {  # (callee service, method): who starts calling it, and which side must be upgraded first
+    ("Decode", "Serve"): "router",  # so decode shards before the router
+    ("Prefill", "Prefill"): "decode",  # by decode's Serve: stage 0 before the router (its access policy)
+}
+STILL_SERVED = {  # an older caller's calls, kept so it works beside upgraded services
+    "Decode": ("Reserve", "Generate", "Landed", "ReleaseRegion"),  # an older router; older stages' Landed
+    "PrefillStage": ("Restore", "HandoffDone", "Forward"),  # an older stage 0 (its restore fan-out)
+}
+
+
+def test_every_call_an_older_peer_makes_is_still_served_and_new_calls_come_from_later_restarts() -> None:
+    from kvpool.core.tenancy.access import POLICY
+    from kvpool.tools.cluster.supervisor import _ROLE_RANK
+
+    services = {s.name: {m.name for m in s.method} for f in file_set(CURRENT).values() for s in f.service}
+    for service, methods in STILL_SERVED.items():
+        assert set(methods) <= services[service], service
+    for (service, method), caller in NEW_CALLS.items():
+        assert method in services[service]
+        assert caller in POLICY[f"/kvpool.rpc.{service}/{method}"]
+    # the callers of the new calls restart after what they call: the router last, decode before it
+    assert _ROLE_RANK["decode"] < _ROLE_RANK["router"] and _ROLE_RANK["prefill"] < _ROLE_RANK["router"]

@@ -28,6 +28,8 @@ MAX_PREFILL_TRIES = 2  # the first try and one retry elsewhere
 MAX_SHARD_TRIES = 2  # the first shard and one other
 # the field a prefill error names when it is the decode target (not the pipeline) that failed
 TARGET_FIELD = "target"
+# the field decode's Serve names when the prefill pipeline it called failed (not the shard)
+PIPELINE_FIELD = "pipeline"
 
 
 class Move(enum.Enum):

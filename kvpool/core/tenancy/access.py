@@ -44,7 +44,8 @@ POLICY: dict[str, frozenset[str]] = {
     _POOL + "Lookup": _POOL_DATA,
     _POOL + "ReleaseLease": _POOL_DATA,
     _POOL + "Exists": _POOL_DATA,
-    "/kvpool.rpc.Prefill/Prefill": _ROUTER,
+    # a decode shard's Serve prefills into its own region; the router still may (an older shard's Reserve)
+    "/kvpool.rpc.Prefill/Prefill": frozenset({"decode", "router"}),
     "/kvpool.rpc.Prefill/Prefetch": _ROUTER,  # session hints at a turn's end
     "/kvpool.rpc.PrefillStage/StageInfo": frozenset({"prefill", "router"}),
     "/kvpool.rpc.PrefillStage/Restore": _PREFILL,
@@ -53,6 +54,7 @@ POLICY: dict[str, frozenset[str]] = {
     "/kvpool.rpc.PrefillStage/SaveDone": _PREFILL,
     "/kvpool.rpc.PrefillStage/HandoffDone": _PREFILL,
     "/kvpool.rpc.Decode/Landed": _PREFILL,
+    "/kvpool.rpc.Decode/Serve": _ROUTER,
     "/kvpool.rpc.Decode/Reserve": _ROUTER,
     "/kvpool.rpc.Decode/Generate": _ROUTER,
     "/kvpool.rpc.Decode/ReleaseRegion": _ROUTER,
