@@ -1,8 +1,7 @@
 """The router's backends: a client per prefill pipeline and decode shard, and the health loop that
 tells admission what each can hold.
 
-The calls a request makes (``Serve``, ``Prefetch``; ``Reserve``, ``Prefill``, ``Generate`` and
-``ReleaseRegion`` only for the benches and tests that play the router's part) take and give plain values:
+The calls a request makes (``Serve``, and ``Prefetch`` at a turn's end) take and give plain values:
 the messages stay here. A failed call raises
 ``grpc.aio.AioRpcError`` as it came, for the router to read its status.
 """
@@ -20,10 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import service
 from kvpool.core.admission.admission import Admission, ShardShape
-from kvpool.core.errors import KvpoolError, Unavailable
-from kvpool.core.handoff.target import HandoffTarget
+from kvpool.core.errors import Unavailable
 from kvpool.core.supervision.health_checks import Check, HealthVerdicts
-from kvpool.handoff_messages import target_from_message, target_message
 from kvpool.model.config import split_layers
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.services.router.metrics import RouterMetrics
@@ -62,25 +59,6 @@ class Sampling:
     top_p: float
     top_k: int
     seed: int
-
-
-class TokenStream:
-    """One ``Generate`` call's token ids; ``finish_reason`` ("stop" or "length") once it ended.
-    ``cancel`` ends the call (a no-op once it ended; frees decode's pages when the client went away)."""
-
-    def __init__(self, call: Any) -> None:
-        self._call = call
-        self.finish_reason = ""
-
-    async def __aiter__(self) -> AsyncIterator[int]:
-        async for response in self._call:
-            if response.HasField("figures"):
-                self.finish_reason = "stop" if response.figures.finish_reason == "stop" else "length"
-                return
-            yield response.token_id
-
-    def cancel(self) -> None:
-        self._call.cancel()
 
 
 class ServeStream:
@@ -125,16 +103,6 @@ class PipelineClient:
     stage_info_round: int = 0  # the health round of its last StageInfo
     num_reconnects: int = 0  # connections that broke (each may have been a restarted stage 0)
 
-    async def prefill_into(self, token_ids: Sequence[int], session_key: str, tenant: str, cache_salt: str,
-                           target: HandoffTarget, timeout_s: float) -> Prefilled:
-        """Prefill the prompt into decode's region ``target``."""
-        response = await self.prefill.Prefill(
-            prefill_pb2.PrefillRequest(token_ids=token_ids, session_key=session_key, tenant=tenant,
-                                       cache_salt=cache_salt, target=target_message(target)), timeout=timeout_s)
-        figures = response.figures
-        return Prefilled(figures.num_device_tokens, figures.num_pool_tokens, figures.num_computed_tokens,
-                         response.handoff.transfers, response.handoff.bytes)
-
     async def prefetch(self, session_key: str, tenant: str, cache_salt: str, session_end: bool,
                        expected_next_s: float | None, timeout_s: float) -> None:
         """Stage the session's history for its next turn, ``expected_next_s`` ahead (or let it go)."""
@@ -155,31 +123,6 @@ class ShardClient:
     num_layers: int = 0
     entry_bytes: int = 0
 
-    async def reserve(self, num_tokens: int, max_tokens: int, hold_s: float,
-                      layer_split: Sequence[tuple[int, int]], timeout_s: float) -> HandoffTarget:
-        """A receive region (with the final logits) and pages for a prompt of ``num_tokens``."""
-        response = await self.decode.Reserve(decode_pb2.ReserveRequest(
-            num_tokens=num_tokens, kv_dtype=self.kv_dtype, entry_bytes=self.entry_bytes, max_tokens=max_tokens,
-            with_logits=True, hold_s=hold_s,
-            layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in layer_split]), timeout=timeout_s)
-        try:
-            return target_from_message(response.target)
-        except KvpoolError as exc:  # the shard's own answer does not hold: the shard is at fault, not the client
-            raise Unavailable(f"decode at {self.address}: Reserve answered an unusable target: {exc}") from None
-
-    def generate(self, region_id: str, prompt_ids: Sequence[int], sampling: Sampling, max_tokens: int,
-                 stop_token_ids: Sequence[int], request_id: str, timeout_s: float) -> TokenStream:
-        """Decode from the prefilled region: every token, the first included."""
-        return TokenStream(self.decode.Generate(
-            decode_pb2.DecodeRequest(
-                region_id=region_id, prompt_token_ids=prompt_ids,
-                sampling=decode_pb2.DecodeSampling(temperature=sampling.temperature, top_p=sampling.top_p,
-                                                   top_k=sampling.top_k, seed=sampling.seed),
-                max_tokens=max_tokens, stop_token_ids=stop_token_ids, request_id=request_id,
-            ),
-            timeout=timeout_s,
-        ))
-
     def serve(self, pipeline: str, layer_split: Sequence[tuple[int, int]], prompt_ids: Sequence[int],
               sampling: Sampling, max_tokens: int, stop_token_ids: Sequence[int], request_id: str, session_key: str,
               tenant: str, cache_salt: str, prefill_timeout_s: float, timeout_s: float) -> ServeStream:
@@ -196,9 +139,6 @@ class ShardClient:
             ),
             timeout=timeout_s,
         ))
-
-    async def release_region(self, region_id: str, timeout_s: float) -> None:
-        await self.decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=region_id), timeout=timeout_s)
 
 
 class Backends:
