@@ -135,7 +135,7 @@ def _run_up(args: argparse.Namespace) -> int:
     from kvpool.services.memory_budget import memory_budget
 
     return run_up(settings, args.config, "warning" if args.log_level == "info" else args.log_level, demo,
-                  memory_budget(settings, args.config))
+                  memory_budget(settings, args.config), args.ready_file)
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from typing import Any
 
 import structlog
 
+from kvpool import service
 from kvpool.core.supervision.memory_budget import memory_refusal
 from kvpool.core.setting import setting
 from kvpool.core.tenancy.shares import parse_weights
@@ -337,8 +338,9 @@ def backend_healthy(cluster: Cluster, proc: ServiceProcess) -> bool:
 
 
 def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any = None,
-           budget: dict[str, int] | None = None) -> int:
-    """Start the cluster, print where everything listens, serve until a signal (or the demo ends), stop."""
+           budget: dict[str, int] | None = None, ready_file: str | None = None) -> int:
+    """Start the cluster, print where everything listens (and, with ``ready_file``, write the router's ports
+    there as JSON), serve until a signal (or the demo ends), stop."""
     status_dir = tempfile.TemporaryDirectory(prefix="kvpool-up-")
     status_file = Path(status_dir.name) / "supervisor.json"
     cluster = up_cluster(settings, config, log_level, str(status_file) if settings.supervise else "")
@@ -374,6 +376,9 @@ def run_up(settings: UpSettings, config: str | None, log_level: str, demo: Any =
         for line in cluster.describe():
             print(line, flush=True)
         print(f"kvpool up: OpenAI-compatible API at {cluster.http_url}/v1", flush=True)
+        router = cluster.find("router").ready
+        service.write_ready_file(ready_file, grpc_port=router["port"], http_port=router.get("http_port"),
+                                 http_url=cluster.http_url)
         if isinstance(cluster.access, UpAccess) and cluster.access.client is not None:
             print("kvpool up: mutual TLS; tools use the client certificate: "
                   + " ".join(f"{k}={v}" for k, v in cluster.access.client.env().items()), flush=True)

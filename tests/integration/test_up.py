@@ -60,7 +60,7 @@ def test_ctrl_c_stops_every_service_and_frees_the_ports(tmp_path: Path) -> None:
     workdir = tmp_path / "up"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpool.services.cli", "up", "--stages", "2", "--http-port", "0", "--grpc-port", "0",
-         "--segment-size", "32MiB", "--workdir", str(workdir)],
+         "--segment-size", "32MiB", "--workdir", str(workdir), "--ready-file", str(tmp_path / "up.json")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -78,6 +78,10 @@ def test_ctrl_c_stops_every_service_and_frees_the_ports(tmp_path: Path) -> None:
         ports = [json.loads(f.read_text())["port"] for f in workdir.glob("*.ready.json")]
         router = json.loads((workdir / "router.ready.json").read_text())
         ports.append(router["http_port"])
+        # --ready-file: where the router listens, written once every service is healthy
+        told = json.loads((tmp_path / "up.json").read_text())
+        assert (told["grpc_port"], told["http_port"]) == (router["port"], router["http_port"])
+        assert told["http_url"].endswith(f":{router['http_port']}") and told["pid"] == proc.pid
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         lines.append(rest)

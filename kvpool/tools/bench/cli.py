@@ -97,6 +97,19 @@ def add_bench(sub: Any) -> None:
     handoff.add_argument("--layers", type=int, default=20, help="layers of the prefill stage")
     handoff.add_argument("--entry-bytes", type=int, default=576, help="bytes per token per layer (576: fp8 MLA)")
     handoff.add_argument("--repeats", type=int, default=3, help="measured gathered runs (median counts)")
+    ab = bench_sub.add_parser(
+        "ab", help="time to first token of this checkout against an earlier commit, through the public API",
+        description="Starts two whole clusters on this host, one from a clone of --baseline and one from this "
+        "checkout, on the same settings (4 stages, dsv3-kv-lean, float8 KV, no pool), and sends the same prompts "
+        "to each router in alternating rounds: 4K and 16K cold prompts, a 16K prompt whose 95%% prefix is a device "
+        "hit, and a 4K prompt plus one token (all but one token a device hit: mostly control time). Reports each "
+        "case's TTFT medians and the ratio current / baseline.",
+    )
+    add_report_flags(ab, quick="2 rounds instead of 5")
+    ab.add_argument("--baseline", required=True, metavar="COMMIT", help="the commit to compare against")
+    ab.add_argument("--rounds", type=int, help="rounds of every case, alternating which side goes first (default 5)")
+    ab.add_argument("--hit-requests", type=int, default=5, help="one-token device-hit requests per round")
+    ab.add_argument("--workdir", help="keep the clusters' logs here (default: a temporary folder)")
     path = bench_sub.add_parser(
         "path", help="a request's path: a burst beyond decode's room queues, not fails; RPCs before the first "
         "token; every control call of a pool-hit and a cold request (pool_hit, cold); handoff bytes across servers",
@@ -152,6 +165,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from kvpool.tools.bench.prefill_bench import main as bench_prefill
 
         return bench_prefill(args)
+    if args.bench_command == "ab":
+        from kvpool.tools.bench.ab_bench import main as bench_ab
+
+        return bench_ab(args)
     if args.bench_command == "path":
         from kvpool.tools.bench.path_bench import main as bench_path
 
