@@ -26,7 +26,7 @@ from kvpool.rpc import handoff_pb2 as kvpool_dot_rpc_dot_handoff__pb2
 from kvpool.rpc import pool_pb2 as kvpool_dot_rpc_dot_pool__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvpool/rpc/prefill.proto\x12\nkvpool.rpc\x1a\x18kvpool/rpc/handoff.proto\x1a\x15kvpool/rpc/pool.proto\"\xda\x01\n\x0ePrefillRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0bsession_key\x18\x02 \x01(\t\x12\x15\n\rreturn_logits\x18\x03 \x01(\x08\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12)\n\x06target\x18\x06 \x01(\x0b\x32\x19.kvpool.rpc.HandoffTarget\x12\x1d\n\x15handoff_after_prefill\x18\x07 \x01(\x08\x12\x1b\n\x13\x66orward_after_stage\x18\x08 \x01(\x08\"\x91\x01\n\x0fPrefetchRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12\x13\n\x0bsession_end\x18\x04 \x01(\x08\x12\x1c\n\x0f\x65xpected_next_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_expected_next_s\"Q\n\x10PrefetchResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x1b\n\x13num_blocks_released\x18\x02 \x01(\r\x12\x11\n\tscheduled\x18\x03 \x01(\x08\"\xaf\x01\n\x13StageRestoreFigures\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x1c\n\x14num_chunks_requested\x18\x02 \x01(\r\x12\x1b\n\x13num_chunks_restored\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07read_ms\x18\x05 \x01(\x01\x12\x1d\n\x15\x63orrupt_chunk_indexes\x18\x07 \x03(\rJ\x04\x08\x06\x10\x07R\tunpack_ms\"\xb8\x02\n\x0ePrefillFigures\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11num_device_tokens\x18\x02 \x01(\r\x12\x17\n\x0fnum_pool_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_pool_chunks_lost\x18\x05 \x01(\r\x12\x30\n\x07restore\x18\x06 \x03(\x0b\x32\x1f.kvpool.rpc.StageRestoreFigures\x12\x17\n\x0frestore_wait_ms\x18\x07 \x01(\x01\x12\x12\n\ncompute_ms\x18\x08 \x01(\x01\x12\x11\n\tlookup_ms\x18\t \x01(\x01\x12\x10\n\x08total_ms\x18\n \x01(\x01\x12\x18\n\x10stage_compute_ms\x18\x0b \x03(\x01\"\xdf\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06logits\x18\x03 \x01(\x0c\x12+\n\x07\x66igures\x18\x04 \x01(\x0b\x32\x1a.kvpool.rpc.PrefillFigures\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12,\n\x07handoff\x18\x08 \x01(\x0b\x32\x1b.kvpool.rpc.HandoffResponseJ\x04\x08\x07\x10\x08R\tkv_hold_s\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x12\n\x10StageInfoRequest\"\xe2\x01\n\x11StageInfoResponse\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stages\x18\x02 \x01(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tnamespace\x18\x07 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x08 \x01(\t\x12\x12\n\nwork_scale\x18\t \x01(\x01\x12\x18\n\x10restore_on_chain\x18\n \x01(\x08\"\x99\x01\n\x0cRestoreChunk\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x05\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\x04\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\x0b\n\x03key\x18\x07 \x01(\t\x12\x12\n\nsegment_id\x18\x08 \x01(\t\"{\n\x0eRestoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x18.kvpool.rpc.RestoreChunk\x12+\n\x08segments\x18\x03 \x03(\x0b\x32\x19.kvpool.rpc.SegmentAccess\"C\n\x0fRestoreResponse\x12\x30\n\x07\x66igures\x18\x01 \x01(\x0b\x32\x1f.kvpool.rpc.StageRestoreFigures\"\xd2\x01\n\nActivation\x12\x0e\n\x06inline\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x0c\n\x04host\x18\x07 \x01(\t\x12/\n\rshared_memory\x18\x08 \x01(\x0b\x32\x18.kvpool.rpc.SharedMemory\x12\x1b\n\x13shared_base_address\x18\t \x01(\x04\"\xbc\x03\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_table\x18\x02 \x03(\x05\x12\x15\n\rcompute_start\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12*\n\nactivation\x18\x05 \x01(\x0b\x32\x16.kvpool.rpc.Activation\x12\x18\n\x10save_first_chunk\x18\x06 \x01(\r\x12\x19\n\x11save_chunk_hashes\x18\x07 \x03(\t\x12\x15\n\rreturn_logits\x18\x08 \x01(\x08\x12\x0e\n\x06tenant\x18\t \x01(\t\x12)\n\x06target\x18\n \x01(\x0b\x32\x19.kvpool.rpc.HandoffTarget\x12\x1d\n\x15handoff_after_prefill\x18\x0b \x01(\x08\x12\x13\n\x0bpiece_start\x18\x0c \x01(\r\x12\x11\n\tpiece_end\x18\r \x01(\r\x12\x1b\n\x13\x66orward_after_stage\x18\x0e \x01(\x08\x12,\n\x08restores\x18\x0f \x03(\x0b\x32\x1a.kvpool.rpc.RestoreRequest\x12\x11\n\tplan_only\x18\x10 \x01(\x08\"(\n\x12HandoffDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xc2\x01\n\x0f\x46orwardResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x0e\n\x06logits\x18\x02 \x01(\x0c\x12\x18\n\x10stage_compute_ms\x18\x03 \x03(\x01\x12\x37\n\x0ehandoff_stages\x18\x04 \x03(\x0b\x32\x1f.kvpool.rpc.StageHandoffFigures\x12\x37\n\x0erestore_stages\x18\x05 \x03(\x0b\x32\x1f.kvpool.rpc.StageRestoreFigures\"%\n\x0fSaveDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x80\x01\n\x10SaveDoneResponse\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stored\x18\x02 \x01(\r\x12\x12\n\nnum_exists\x18\x03 \x01(\r\x12\x16\n\x0enum_not_stored\x18\x04 \x01(\r\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0e\n\x06put_ms\x18\x06 \x01(\x01\x32\x94\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.kvpool.rpc.PrefillRequest\x1a\x1b.kvpool.rpc.PrefillResponse\x12\x45\n\x08Prefetch\x12\x1b.kvpool.rpc.PrefetchRequest\x1a\x1c.kvpool.rpc.PrefetchResponse2\xc3\x03\n\x0cPrefillStage\x12H\n\tStageInfo\x12\x1c.kvpool.rpc.StageInfoRequest\x1a\x1d.kvpool.rpc.StageInfoResponse\x12\x42\n\x07Restore\x12\x1a.kvpool.rpc.RestoreRequest\x1a\x1b.kvpool.rpc.RestoreResponse\x12\x42\n\x07\x46orward\x12\x1a.kvpool.rpc.ForwardRequest\x1a\x1b.kvpool.rpc.ForwardResponse\x12J\n\rForwardPieces\x12\x1a.kvpool.rpc.ForwardRequest\x1a\x1b.kvpool.rpc.ForwardResponse(\x01\x12N\n\x0bHandoffDone\x12\x1e.kvpool.rpc.HandoffDoneRequest\x1a\x1f.kvpool.rpc.StageHandoffFigures\x12\x45\n\x08SaveDone\x12\x1b.kvpool.rpc.SaveDoneRequest\x1a\x1c.kvpool.rpc.SaveDoneResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvpool/rpc/prefill.proto\x12\nkvpool.rpc\x1a\x18kvpool/rpc/handoff.proto\x1a\x15kvpool/rpc/pool.proto\"\xd6\x01\n\x0ePrefillRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x13\n\x0bsession_key\x18\x02 \x01(\t\x12\x15\n\rreturn_logits\x18\x03 \x01(\x08\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12)\n\x06target\x18\x06 \x01(\x0b\x32\x19.kvpool.rpc.HandoffTargetJ\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tR\x15handoff_after_prefillR\x13\x66orward_after_stage\"\x91\x01\n\x0fPrefetchRequest\x12\x13\n\x0bsession_key\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12\x13\n\x0bsession_end\x18\x04 \x01(\x08\x12\x1c\n\x0f\x65xpected_next_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_expected_next_s\"Q\n\x10PrefetchResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x1b\n\x13num_blocks_released\x18\x02 \x01(\r\x12\x11\n\tscheduled\x18\x03 \x01(\x08\"\xaf\x01\n\x13StageRestoreFigures\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x1c\n\x14num_chunks_requested\x18\x02 \x01(\r\x12\x1b\n\x13num_chunks_restored\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07read_ms\x18\x05 \x01(\x01\x12\x1d\n\x15\x63orrupt_chunk_indexes\x18\x07 \x03(\rJ\x04\x08\x06\x10\x07R\tunpack_ms\"\xb8\x02\n\x0ePrefillFigures\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11num_device_tokens\x18\x02 \x01(\r\x12\x17\n\x0fnum_pool_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_pool_chunks_lost\x18\x05 \x01(\r\x12\x30\n\x07restore\x18\x06 \x03(\x0b\x32\x1f.kvpool.rpc.StageRestoreFigures\x12\x17\n\x0frestore_wait_ms\x18\x07 \x01(\x01\x12\x12\n\ncompute_ms\x18\x08 \x01(\x01\x12\x11\n\tlookup_ms\x18\t \x01(\x01\x12\x10\n\x08total_ms\x18\n \x01(\x01\x12\x18\n\x10stage_compute_ms\x18\x0b \x03(\x01\"\xdf\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06logits\x18\x03 \x01(\x0c\x12+\n\x07\x66igures\x18\x04 \x01(\x0b\x32\x1a.kvpool.rpc.PrefillFigures\x12\x13\n\x0b\x62lock_table\x18\x05 \x03(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12,\n\x07handoff\x18\x08 \x01(\x0b\x32\x1b.kvpool.rpc.HandoffResponseJ\x04\x08\x07\x10\x08R\tkv_hold_s\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x12\n\x10StageInfoRequest\"\xe2\x01\n\x11StageInfoResponse\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stages\x18\x02 \x01(\x05\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x11\n\tnamespace\x18\x07 \x01(\t\x12\x19\n\x11transfer_endpoint\x18\x08 \x01(\t\x12\x12\n\nwork_scale\x18\t \x01(\x01\x12\x18\n\x10restore_on_chain\x18\n \x01(\x08\"\x99\x01\n\x0cRestoreChunk\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\x05\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\x04\x12\x0c\n\x04size\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\x0b\n\x03key\x18\x07 \x01(\t\x12\x12\n\nsegment_id\x18\x08 \x01(\t\"{\n\x0eRestoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x18.kvpool.rpc.RestoreChunk\x12+\n\x08segments\x18\x03 \x03(\x0b\x32\x19.kvpool.rpc.SegmentAccess\"C\n\x0fRestoreResponse\x12\x30\n\x07\x66igures\x18\x01 \x01(\x0b\x32\x1f.kvpool.rpc.StageRestoreFigures\"\xd2\x01\n\nActivation\x12\x0e\n\x06inline\x18\x01 \x01(\x0c\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x0c\n\x04host\x18\x07 \x01(\t\x12/\n\rshared_memory\x18\x08 \x01(\x0b\x32\x18.kvpool.rpc.SharedMemory\x12\x1b\n\x13shared_base_address\x18\t \x01(\x04\"\xb8\x03\n\x0e\x46orwardRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_table\x18\x02 \x03(\x05\x12\x15\n\rcompute_start\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12*\n\nactivation\x18\x05 \x01(\x0b\x32\x16.kvpool.rpc.Activation\x12\x18\n\x10save_first_chunk\x18\x06 \x01(\r\x12\x19\n\x11save_chunk_hashes\x18\x07 \x03(\t\x12\x15\n\rreturn_logits\x18\x08 \x01(\x08\x12\x0e\n\x06tenant\x18\t \x01(\t\x12)\n\x06target\x18\n \x01(\x0b\x32\x19.kvpool.rpc.HandoffTarget\x12\x13\n\x0bpiece_start\x18\x0c \x01(\r\x12\x11\n\tpiece_end\x18\r \x01(\r\x12,\n\x08restores\x18\x0f \x03(\x0b\x32\x1a.kvpool.rpc.RestoreRequest\x12\x11\n\tplan_only\x18\x10 \x01(\x08J\x04\x08\x0b\x10\x0cJ\x04\x08\x0e\x10\x0fR\x15handoff_after_prefillR\x13\x66orward_after_stage\"(\n\x12HandoffDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xc2\x01\n\x0f\x46orwardResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x0e\n\x06logits\x18\x02 \x01(\x0c\x12\x18\n\x10stage_compute_ms\x18\x03 \x03(\x01\x12\x37\n\x0ehandoff_stages\x18\x04 \x03(\x0b\x32\x1f.kvpool.rpc.StageHandoffFigures\x12\x37\n\x0erestore_stages\x18\x05 \x03(\x0b\x32\x1f.kvpool.rpc.StageRestoreFigures\"%\n\x0fSaveDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x80\x01\n\x10SaveDoneResponse\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stored\x18\x02 \x01(\r\x12\x12\n\nnum_exists\x18\x03 \x01(\r\x12\x16\n\x0enum_not_stored\x18\x04 \x01(\r\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0e\n\x06put_ms\x18\x06 \x01(\x01\x32\x94\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.kvpool.rpc.PrefillRequest\x1a\x1b.kvpool.rpc.PrefillResponse\x12\x45\n\x08Prefetch\x12\x1b.kvpool.rpc.PrefetchRequest\x1a\x1c.kvpool.rpc.PrefetchResponse2\xc3\x03\n\x0cPrefillStage\x12H\n\tStageInfo\x12\x1c.kvpool.rpc.StageInfoRequest\x1a\x1d.kvpool.rpc.StageInfoResponse\x12\x42\n\x07Restore\x12\x1a.kvpool.rpc.RestoreRequest\x1a\x1b.kvpool.rpc.RestoreResponse\x12\x42\n\x07\x46orward\x12\x1a.kvpool.rpc.ForwardRequest\x1a\x1b.kvpool.rpc.ForwardResponse\x12J\n\rForwardPieces\x12\x1a.kvpool.rpc.ForwardRequest\x1a\x1b.kvpool.rpc.ForwardResponse(\x01\x12N\n\x0bHandoffDone\x12\x1e.kvpool.rpc.HandoffDoneRequest\x1a\x1f.kvpool.rpc.StageHandoffFigures\x12\x45\n\x08SaveDone\x12\x1b.kvpool.rpc.SaveDoneRequest\x1a\x1c.kvpool.rpc.SaveDoneResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,45 +34,45 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpool.rpc.prefill_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=90
-  _globals['_PREFILLREQUEST']._serialized_end=308
-  _globals['_PREFETCHREQUEST']._serialized_start=311
-  _globals['_PREFETCHREQUEST']._serialized_end=456
-  _globals['_PREFETCHRESPONSE']._serialized_start=458
-  _globals['_PREFETCHRESPONSE']._serialized_end=539
-  _globals['_STAGERESTOREFIGURES']._serialized_start=542
-  _globals['_STAGERESTOREFIGURES']._serialized_end=717
-  _globals['_PREFILLFIGURES']._serialized_start=720
-  _globals['_PREFILLFIGURES']._serialized_end=1032
-  _globals['_PREFILLRESPONSE']._serialized_start=1035
-  _globals['_PREFILLRESPONSE']._serialized_end=1258
-  _globals['_RELEASEREQUEST']._serialized_start=1260
-  _globals['_RELEASEREQUEST']._serialized_end=1296
-  _globals['_RELEASERESPONSE']._serialized_start=1298
-  _globals['_RELEASERESPONSE']._serialized_end=1333
-  _globals['_STAGEINFOREQUEST']._serialized_start=1335
-  _globals['_STAGEINFOREQUEST']._serialized_end=1353
-  _globals['_STAGEINFORESPONSE']._serialized_start=1356
-  _globals['_STAGEINFORESPONSE']._serialized_end=1582
-  _globals['_RESTORECHUNK']._serialized_start=1585
-  _globals['_RESTORECHUNK']._serialized_end=1738
-  _globals['_RESTOREREQUEST']._serialized_start=1740
-  _globals['_RESTOREREQUEST']._serialized_end=1863
-  _globals['_RESTORERESPONSE']._serialized_start=1865
-  _globals['_RESTORERESPONSE']._serialized_end=1932
-  _globals['_ACTIVATION']._serialized_start=1935
-  _globals['_ACTIVATION']._serialized_end=2145
-  _globals['_FORWARDREQUEST']._serialized_start=2148
-  _globals['_FORWARDREQUEST']._serialized_end=2592
-  _globals['_HANDOFFDONEREQUEST']._serialized_start=2594
-  _globals['_HANDOFFDONEREQUEST']._serialized_end=2634
-  _globals['_FORWARDRESPONSE']._serialized_start=2637
-  _globals['_FORWARDRESPONSE']._serialized_end=2831
-  _globals['_SAVEDONEREQUEST']._serialized_start=2833
-  _globals['_SAVEDONEREQUEST']._serialized_end=2870
-  _globals['_SAVEDONERESPONSE']._serialized_start=2873
-  _globals['_SAVEDONERESPONSE']._serialized_end=3001
-  _globals['_PREFILL']._serialized_start=3004
-  _globals['_PREFILL']._serialized_end=3152
-  _globals['_PREFILLSTAGE']._serialized_start=3155
-  _globals['_PREFILLSTAGE']._serialized_end=3606
+  _globals['_PREFILLREQUEST']._serialized_end=304
+  _globals['_PREFETCHREQUEST']._serialized_start=307
+  _globals['_PREFETCHREQUEST']._serialized_end=452
+  _globals['_PREFETCHRESPONSE']._serialized_start=454
+  _globals['_PREFETCHRESPONSE']._serialized_end=535
+  _globals['_STAGERESTOREFIGURES']._serialized_start=538
+  _globals['_STAGERESTOREFIGURES']._serialized_end=713
+  _globals['_PREFILLFIGURES']._serialized_start=716
+  _globals['_PREFILLFIGURES']._serialized_end=1028
+  _globals['_PREFILLRESPONSE']._serialized_start=1031
+  _globals['_PREFILLRESPONSE']._serialized_end=1254
+  _globals['_RELEASEREQUEST']._serialized_start=1256
+  _globals['_RELEASEREQUEST']._serialized_end=1292
+  _globals['_RELEASERESPONSE']._serialized_start=1294
+  _globals['_RELEASERESPONSE']._serialized_end=1329
+  _globals['_STAGEINFOREQUEST']._serialized_start=1331
+  _globals['_STAGEINFOREQUEST']._serialized_end=1349
+  _globals['_STAGEINFORESPONSE']._serialized_start=1352
+  _globals['_STAGEINFORESPONSE']._serialized_end=1578
+  _globals['_RESTORECHUNK']._serialized_start=1581
+  _globals['_RESTORECHUNK']._serialized_end=1734
+  _globals['_RESTOREREQUEST']._serialized_start=1736
+  _globals['_RESTOREREQUEST']._serialized_end=1859
+  _globals['_RESTORERESPONSE']._serialized_start=1861
+  _globals['_RESTORERESPONSE']._serialized_end=1928
+  _globals['_ACTIVATION']._serialized_start=1931
+  _globals['_ACTIVATION']._serialized_end=2141
+  _globals['_FORWARDREQUEST']._serialized_start=2144
+  _globals['_FORWARDREQUEST']._serialized_end=2584
+  _globals['_HANDOFFDONEREQUEST']._serialized_start=2586
+  _globals['_HANDOFFDONEREQUEST']._serialized_end=2626
+  _globals['_FORWARDRESPONSE']._serialized_start=2629
+  _globals['_FORWARDRESPONSE']._serialized_end=2823
+  _globals['_SAVEDONEREQUEST']._serialized_start=2825
+  _globals['_SAVEDONEREQUEST']._serialized_end=2862
+  _globals['_SAVEDONERESPONSE']._serialized_start=2865
+  _globals['_SAVEDONERESPONSE']._serialized_end=2993
+  _globals['_PREFILL']._serialized_start=2996
+  _globals['_PREFILL']._serialized_end=3144
+  _globals['_PREFILLSTAGE']._serialized_start=3147
+  _globals['_PREFILLSTAGE']._serialized_end=3598
 # @@protoc_insertion_point(module_scope)

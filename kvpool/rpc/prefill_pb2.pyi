@@ -9,24 +9,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "session_key", "return_logits", "tenant", "cache_salt", "target", "handoff_after_prefill", "forward_after_stage")
+    __slots__ = ("token_ids", "session_key", "return_logits", "tenant", "cache_salt", "target")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
-    HANDOFF_AFTER_PREFILL_FIELD_NUMBER: _ClassVar[int]
-    FORWARD_AFTER_STAGE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     session_key: str
     return_logits: bool
     tenant: str
     cache_salt: str
     target: _handoff_pb2.HandoffTarget
-    handoff_after_prefill: bool
-    forward_after_stage: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., handoff_after_prefill: _Optional[bool] = ..., forward_after_stage: _Optional[bool] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., session_key: _Optional[str] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("session_key", "tenant", "cache_salt", "session_end", "expected_next_s")
@@ -211,7 +207,7 @@ class Activation(_message.Message):
     def __init__(self, inline: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., host: _Optional[str] = ..., shared_memory: _Optional[_Union[_pool_pb2.SharedMemory, _Mapping]] = ..., shared_base_address: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "block_table", "compute_start", "num_tokens", "activation", "save_first_chunk", "save_chunk_hashes", "return_logits", "tenant", "target", "handoff_after_prefill", "piece_start", "piece_end", "forward_after_stage", "restores", "plan_only")
+    __slots__ = ("request_id", "block_table", "compute_start", "num_tokens", "activation", "save_first_chunk", "save_chunk_hashes", "return_logits", "tenant", "target", "piece_start", "piece_end", "restores", "plan_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_START_FIELD_NUMBER: _ClassVar[int]
@@ -222,10 +218,8 @@ class ForwardRequest(_message.Message):
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
-    HANDOFF_AFTER_PREFILL_FIELD_NUMBER: _ClassVar[int]
     PIECE_START_FIELD_NUMBER: _ClassVar[int]
     PIECE_END_FIELD_NUMBER: _ClassVar[int]
-    FORWARD_AFTER_STAGE_FIELD_NUMBER: _ClassVar[int]
     RESTORES_FIELD_NUMBER: _ClassVar[int]
     PLAN_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -238,13 +232,11 @@ class ForwardRequest(_message.Message):
     return_logits: bool
     tenant: str
     target: _handoff_pb2.HandoffTarget
-    handoff_after_prefill: bool
     piece_start: int
     piece_end: int
-    forward_after_stage: bool
     restores: _containers.RepeatedCompositeFieldContainer[RestoreRequest]
     plan_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., compute_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., save_first_chunk: _Optional[int] = ..., save_chunk_hashes: _Optional[_Iterable[str]] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., handoff_after_prefill: _Optional[bool] = ..., piece_start: _Optional[int] = ..., piece_end: _Optional[int] = ..., forward_after_stage: _Optional[bool] = ..., restores: _Optional[_Iterable[_Union[RestoreRequest, _Mapping]]] = ..., plan_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., compute_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., save_first_chunk: _Optional[int] = ..., save_chunk_hashes: _Optional[_Iterable[str]] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., piece_start: _Optional[int] = ..., piece_end: _Optional[int] = ..., restores: _Optional[_Iterable[_Union[RestoreRequest, _Mapping]]] = ..., plan_only: _Optional[bool] = ...) -> None: ...
 
 class HandoffDoneRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -50,12 +50,12 @@ async def run_stage(
 
     ``inputs``: the hidden states (or token ids) of tokens [compute_start, num_tokens) at once, or the
     pieces of a ``ForwardPieces`` stream as they come. Each piece this stage computes goes on to the
-    next stage as it ends (``PieceSender``), so the stages overlap; with ``forward_after_stage`` (bench)
+    next stage as it ends (``PieceSender``), so the stages overlap; with ``--bench-forward stages-in-turn``
     the request goes on whole once this stage computed all of it.
 
     With a ``target`` (decode's region), the cached prefix is final at once and each forward piece
-    when it ends; the last stage also writes the final logits. Bench mode
-    ``handoff_after_prefill`` writes the whole part only once every later
+    when it ends; the last stage also writes the final logits. The bench's
+    ``--bench-forward handoff-after-prefill`` writes the whole part only once every later
     stage has computed. The writes run in the background; the stage answers
     once they ended, its figures first in ``handoff_stages`` (the later
     stages' came with their answer), so stage 0 needs no ``HandoffDone``.
@@ -68,12 +68,14 @@ async def run_stage(
     block_table = list(request.block_table)
     target = request.target
     writes = handoff.begin(request.request_id, block_table, target) if target is not None else None
-    stream = writes is not None and not request.handoff_after_prefill
+    # the benchmarks' baselines (--bench-forward): the handoff after the last stage, the stages in turn
+    after_prefill, in_turn = runner.settings.handoff_after_prefill, runner.settings.forward_after_stage
+    stream = writes is not None and not after_prefill
     is_last = runner.model.is_last
     sender = None
-    if not is_last and (restores_after or not request.forward_after_stage):
+    if not is_last and (restores_after or not in_turn):
         sender = link.open(request, forward_timeout_s(), restores_after)  # the later stages start restoring now
-    send_pieces = sender.send if sender is not None and not request.forward_after_stage else None
+    send_pieces = sender.send if sender is not None and not in_turn else None
     pieces = one_piece(request, inputs) if isinstance(inputs, torch.Tensor) else inputs
     kept: list[torch.Tensor] = []  # what goes on after the last piece: its last row, or (bench) every output
     compute_ms = 0.0
@@ -97,7 +99,7 @@ async def run_stage(
             out = await runner.forward(piece_inputs, block_table, start, writes.write if stream else None,
                                        send_pieces)
             compute_ms += (time.perf_counter() - t0) * 1e3
-            kept = kept + [out] if request.forward_after_stage and not is_last else [out[-1:]]
+            kept = kept + [out] if in_turn and not is_last else [out[-1:]]
         else:
             if writes is not None:
                 writes.forward_ended()
@@ -115,7 +117,7 @@ async def run_stage(
                 trailer = logits if writes.layout.trailer_bytes else b""
                 writes.write(0, 0 if stream else request.num_tokens, trailer)
         else:
-            if request.forward_after_stage:  # bench: the whole request at once
+            if in_turn:  # bench: the whole request at once
                 if sender is None:
                     sender = link.open(request, forward_timeout_s())
                 sender.send(torch.cat(kept) if len(kept) > 1 else kept[0], request.compute_start, request.num_tokens)

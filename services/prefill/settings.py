@@ -15,6 +15,9 @@ from kvpool.shared_memory import shared_memory_dir_setting
 LAYOUT_VERSION = 1
 
 
+BENCH_FORWARDS = ("streamed", "handoff-after-prefill", "stages-in-turn")
+
+
 @dataclass(slots=True)
 class PrefillSettings(ModelSetting):
     stage: int = setting(0, help="this stage's index")
@@ -47,6 +50,12 @@ class PrefillSettings(ModelSetting):
     forward_piece_tokens: int = setting(
         2048, help="the forward runs in pieces of this many tokens (a multiple of chunk_size); each piece's KV "
                    "streams to decode as soon as the piece ends")
+    bench_forward: str = setting(
+        "streamed", choices=BENCH_FORWARDS,
+        help="benchmarks' baselines only, for every stage of a pipeline alike: streamed (the service: the handoff "
+             "streams during the forward, the stages overlap on its pieces), handoff-after-prefill (every stage "
+             "writes its KV once the last stage computed), stages-in-turn (each stage passes a request on whole, "
+             "once it computed all of it)")
     next_stage: str = setting("", help="stages 1..N-2: the next stage's address", metavar="ADDR")
     stage_addresses: list[str] = setting(
         help="stage 0: addresses of stages 1..N-1, in order", factory=list, metavar="ADDR,...", default_text="none"
@@ -125,6 +134,8 @@ class PrefillSettings(ModelSetting):
             raise ValueError(f"device_cache_tokens: {self.device_cache_tokens} is less than one chunk")
         if self.torch_threads < 1:
             raise ValueError(f"torch_threads: must be >= 1, got {self.torch_threads}")
+        if self.bench_forward not in BENCH_FORWARDS:
+            raise ValueError(f"bench_forward: {self.bench_forward!r} is not one of {', '.join(BENCH_FORWARDS)}")
         if self.forward_piece_tokens <= 0 or self.forward_piece_tokens % self.chunk_size:
             raise ValueError(f"forward_piece_tokens: {self.forward_piece_tokens} is not a positive multiple of "
                              f"chunk_size {self.chunk_size}")
@@ -165,6 +176,14 @@ class PrefillSettings(ModelSetting):
         """One activation arena: twice the hidden states of the longest prompt the cache holds."""
         config = self.model_config()
         return 2 * min(config.max_position_embeddings, self.device_cache_tokens) * config.hidden_size * 4
+
+    @property
+    def handoff_after_prefill(self) -> bool:
+        return self.bench_forward == "handoff-after-prefill"
+
+    @property
+    def forward_after_stage(self) -> bool:
+        return self.bench_forward == "stages-in-turn"
 
     def memory(self) -> dict[str, int]:
         """Host bytes this stage allocates, by the setting that sizes them: the KV pages, the send arena, and

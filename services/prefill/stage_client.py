@@ -49,7 +49,6 @@ def forward_message(forward: StageForward) -> prefill_pb2.ForwardRequest:
         request_id=forward.request_id, block_table=forward.block_table, compute_start=forward.compute_start,
         num_tokens=forward.num_tokens, save_first_chunk=forward.save_first_chunk,
         save_chunk_hashes=forward.save_chunk_hashes, return_logits=forward.return_logits, tenant=forward.tenant,
-        handoff_after_prefill=forward.handoff_after_prefill, forward_after_stage=forward.forward_after_stage,
     )
     if forward.target is not None:
         message.target.CopyFrom(target_message(forward.target))
@@ -64,7 +63,6 @@ def forward_from_message(message: prefill_pb2.ForwardRequest) -> StageForward:
         block_table=tuple(message.block_table), save_first_chunk=message.save_first_chunk,
         save_chunk_hashes=tuple(message.save_chunk_hashes), return_logits=message.return_logits,
         tenant=message.tenant, target=target_from_message(message.target) if message.HasField("target") else None,
-        handoff_after_prefill=message.handoff_after_prefill, forward_after_stage=message.forward_after_stage,
     )
 
 

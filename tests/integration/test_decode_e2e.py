@@ -31,21 +31,26 @@ CONFIG = get_config("tiny")
 SPLIT = split_layers(CONFIG.num_hidden_layers, 2)
 
 
+STAGE_ARGS = ["--device-cache-tokens", "1024", "--forward-piece-tokens", "256"]
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPipeline, LocalDecode]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPipeline, LocalDecode, LocalPipeline]]:
     workdir = tmp_path_factory.mktemp("e2e")
-    with LocalPipeline(num_stages=2, workdir=workdir, stage_args=["--device-cache-tokens", "1024",
-                                                                      "--forward-piece-tokens", "256"]) as pipeline, \
-            LocalDecode(["--num-pages", "64", "--page-size", "16"], workdir=workdir) as shard:
-        yield pipeline, shard
+    with LocalPipeline(num_stages=2, workdir=workdir, stage_args=STAGE_ARGS) as pipeline, \
+            LocalDecode(["--num-pages", "64", "--page-size", "16"], workdir=workdir) as shard, \
+            LocalPipeline(num_stages=2, workdir=workdir / "after-prefill",  # the bench's baseline
+                          stage_args=[*STAGE_ARGS, "--bench-forward", "handoff-after-prefill"]) as after_prefill:
+        yield pipeline, shard, after_prefill
 
 
 @pytest.fixture
 async def stubs(cluster):  # type: ignore[no-untyped-def]
-    pipeline, shard = cluster
+    pipeline, shard, after_prefill = cluster
     async with grpc.aio.insecure_channel(pipeline.address, options=service.GRPC_OPTIONS) as front, \
-            grpc.aio.insecure_channel(shard.address, options=service.GRPC_OPTIONS) as decode:
-        yield prefill_pb2_grpc.PrefillStub(front), decode_pb2_grpc.DecodeStub(decode)
+            grpc.aio.insecure_channel(shard.address, options=service.GRPC_OPTIONS) as decode, \
+            grpc.aio.insecure_channel(after_prefill.address, options=service.GRPC_OPTIONS) as late:
+        yield prefill_pb2_grpc.PrefillStub(front), decode_pb2_grpc.DecodeStub(decode), prefill_pb2_grpc.PrefillStub(late)
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -56,14 +61,15 @@ def prompt(seed: int, length: int) -> list[int]:
 async def start(stubs, token_ids: list[int], max_tokens: int, tenant: str = "", after_prefill: bool = False,  # type: ignore[no-untyped-def]
                 **sampling: float):
     """Reserve (region and pages), prefill into the region, and open the Generate stream."""
-    front, decode = stubs
+    front, decode, late = stubs
+    front = late if after_prefill else front
     stats = await decode.Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
     reserve = decode_pb2.ReserveRequest(num_tokens=len(token_ids), entry_bytes=stats.entry_bytes,
                                         kv_dtype=stats.kv_dtype, max_tokens=max_tokens, with_logits=True,
                                         layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in SPLIT])
     target = (await decode.Reserve(reserve, timeout=10)).target
     done = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="e2e", target=target,
-                                                          tenant=tenant, handoff_after_prefill=after_prefill),
+                                                          tenant=tenant),
                                timeout=120)
     assert done.handoff.bytes == len(token_ids) * CONFIG.num_hidden_layers * stats.entry_bytes + CONFIG.vocab_size * 4
     assert not done.logits  # nobody asked: decode samples from the region's logits
@@ -110,8 +116,8 @@ async def test_one_random_stream_per_request_from_the_first_token(stubs) -> None
 
 
 async def test_cancel_frees_pages_on_both_sides(stubs, cluster) -> None:  # type: ignore[no-untyped-def]
-    _, decode = stubs
-    pipeline, _ = cluster
+    _, decode, _ = stubs
+    pipeline, _, _ = cluster
     call, _ = await start(stubs, prompt(2, 100), 500)
     for _ in range(3):
         assert (await call.read()).HasField("token_id")

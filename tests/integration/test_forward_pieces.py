@@ -1,8 +1,8 @@
 """A request's hidden states go from stage to stage in pieces (``ForwardPieces``), so the stages overlap.
 
 On four real stage processes with 256-token forward pieces: the answer is the
-one the stages give one after another (``forward_after_stage``, the bench's
-baseline) and the one computed from scratch in this process; every later stage
+one the stages give one after another (``--bench-forward stages-in-turn``, the
+bench's baseline) and the one computed from scratch in this process; every later stage
 receives each piece on its own; and a stream that breaks the rules (another
 request's piece, a gap, a piece past the last, a stream ending early, bytes that
 do not parse, a restore plan that does not fit the stage) is refused INVALID_ARGUMENT naming the field, with the stage
@@ -38,6 +38,15 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPipeline
         yield pipeline
 
 
+@pytest.fixture(scope="module")
+def in_turn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPipeline]:
+    """The bench's baseline: each stage passes a request on whole (``--bench-forward stages-in-turn``)."""
+    with LocalPipeline(num_stages=4, workdir=tmp_path_factory.mktemp("in-turn"),
+                       stage_args=["--device-cache-tokens", str(8 * CHUNK), "--forward-piece-tokens", str(PIECE),
+                                   "--bench-forward", "stages-in-turn"]) as pipeline:
+        yield pipeline
+
+
 @pytest.fixture
 async def front(pipeline: LocalPipeline) -> AsyncIterator[prefill_pb2_grpc.PrefillStub]:
     async with grpc.aio.insecure_channel(pipeline.address, options=service.GRPC_OPTIONS) as channel:
@@ -54,7 +63,7 @@ def pieces_received(pipeline: LocalPipeline, stage: int) -> float:
 
 
 async def test_pieces_give_the_answer_of_the_stages_one_after_another_and_from_scratch(
-    pipeline: LocalPipeline, front: prefill_pb2_grpc.PrefillStub,
+    pipeline: LocalPipeline, in_turn: LocalPipeline, front: prefill_pb2_grpc.PrefillStub,
 ) -> None:
     token_ids = prompt(1, 1000)  # 4 pieces: 256, 256, 256, 232
     before = [pieces_received(pipeline, s) for s in (1, 2, 3)]
@@ -63,12 +72,12 @@ async def test_pieces_give_the_answer_of_the_stages_one_after_another_and_from_s
     after_piecewise = [pieces_received(pipeline, s) for s in (1, 2, 3)]
     assert [a - b for a, b in zip(after_piecewise, before)] == [4, 4, 4]
     assert piecewise.figures.num_computed_tokens == 1000
-    # the same prompt again would be a device hit: another session's identical prompt in another tenant is not
-    whole = await front.Prefill(prefill_pb2.PrefillRequest(
-        token_ids=token_ids, session_key="b", tenant="other", return_logits=True, forward_after_stage=True),
-        timeout=300)
+    before = [pieces_received(in_turn, s) for s in (1, 2, 3)]
+    async with grpc.aio.insecure_channel(in_turn.address, options=service.GRPC_OPTIONS) as channel:
+        whole = await prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(
+            token_ids=token_ids, session_key="b", return_logits=True), timeout=300)
     assert whole.figures.num_computed_tokens == 1000
-    assert [pieces_received(pipeline, s) for s in (1, 2, 3)] == [n + 1 for n in after_piecewise]
+    assert [pieces_received(in_turn, s) for s in (1, 2, 3)] == [n + 1 for n in before]  # each stage's at once
     assert piecewise.first_token == whole.first_token
     assert piecewise.logits == whole.logits  # bit for bit: every stage computed the same pieces
     logits = torch.frombuffer(bytearray(piecewise.logits), dtype=torch.float32)

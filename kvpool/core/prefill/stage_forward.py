@@ -40,8 +40,6 @@ class StageForward:
     return_logits: bool = False
     tenant: str = ""  # the stage's puts carry it to the pool master
     target: HandoffTarget | None = None  # decode's region: each stage writes its layers into it
-    handoff_after_prefill: bool = False  # bench: every stage writes only once the last stage computed
-    forward_after_stage: bool = False  # bench: each stage passes the request on whole
 
     def check(self, num_blocks: int, chunk_size: int) -> None:
         """What every forward must hold, whole or in pieces: some tokens to compute, a block per chunk."""

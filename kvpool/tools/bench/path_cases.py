@@ -1,8 +1,9 @@
 """``kvpool bench path``'s cases: the handoff streamed during prefill against the handoff after it, and the
 stages overlapping on the forward's pieces against the stages one after another.
 
-One cluster (4 prefill stages, 1 decode shard, no pool: warm turns hit the
-device cache) at ``dsv3-kv-lean`` with float8 KV: dsv3-kv's KV bytes per
+One cluster (a 4-stage prefill pipeline per mode, each started with that mode's
+``--bench-forward``, 1 decode shard, no pool: warm turns hit the device cache) at
+``dsv3-kv-lean`` with float8 KV: dsv3-kv's KV bytes per
 token (8 layers × 576 bytes), with one narrow attention head so a 16K-token
 prefill fits a CPU (see docs/benchmarks.md). Three cases, each request run
 in every mode of ``--handoff`` side by side (alternating; ``MODE_SETS``):
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import statistics
@@ -45,7 +47,7 @@ from kvpool import service
 from kvpool.model import get_config
 from kvpool.model.config import split_layers
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2, prefill_pb2, prefill_pb2_grpc
-from kvpool.tools.up import UpSettings, up_cluster
+from kvpool.tools.cluster import LocalDecode, LocalPipeline
 
 MODEL = "dsv3-kv-lean"
 KV_DTYPE = "float8_e4m3fn"
@@ -64,20 +66,26 @@ def _ms(values: list[float]) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
 
-class CaseClient:
-    """The router's calls for one request, with the figures the router does not keep."""
+# each mode's pipeline runs with this --bench-forward (the baselines are a stage setting, not a request's)
+BENCH_FORWARD = {"push": "streamed", "after_prefill": "handoff-after-prefill", "after_stage": "stages-in-turn"}
 
-    def __init__(self, prefill_address: str, decode_address: str) -> None:
-        self.prefill_channel = service.channel(prefill_address)
+
+class CaseClient:
+    """The router's calls for one request, with the figures the router does not keep: each mode's pipeline,
+    and the one decode shard."""
+
+    def __init__(self, prefill_addresses: dict[str, str], decode_address: str) -> None:
+        self.prefill_channels = {m: service.channel(a) for m, a in prefill_addresses.items()}
         self.decode_channel = service.channel(decode_address)
-        self.prefill = prefill_pb2_grpc.PrefillStub(self.prefill_channel)
+        self.prefill = {m: prefill_pb2_grpc.PrefillStub(c) for m, c in self.prefill_channels.items()}
         self.decode = decode_pb2_grpc.DecodeStub(self.decode_channel)
         config = get_config(MODEL)
         self.split = split_layers(config.num_hidden_layers, STAGES)
         self.entry_bytes = config.kv_entry_dim  # float8: one byte a value
 
     async def close(self) -> None:
-        await self.prefill_channel.close()
+        for channel in self.prefill_channels.values():
+            await channel.close()
         await self.decode_channel.close()
 
     async def run(self, token_ids: list[int], mode: str, tenant: str) -> dict[str, Any]:
@@ -86,9 +94,8 @@ class CaseClient:
             num_tokens=len(token_ids), kv_dtype=KV_DTYPE, entry_bytes=self.entry_bytes, max_tokens=2,
             with_logits=True, hold_s=600, layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in self.split])
         target = (await self.decode.Reserve(reserve, timeout=60)).target
-        done = await self.prefill.Prefill(prefill_pb2.PrefillRequest(
-            token_ids=token_ids, session_key="bench-path", tenant=tenant, target=target,
-            handoff_after_prefill=mode == "after_prefill", forward_after_stage=mode == "after_stage"), timeout=900)
+        done = await self.prefill[mode].Prefill(prefill_pb2.PrefillRequest(
+            token_ids=token_ids, session_key="bench-path", tenant=tenant, target=target), timeout=900)
         call = self.decode.Generate(decode_pb2.DecodeRequest(
             region_id=target.region_id, prompt_token_ids=token_ids, max_tokens=2,
             sampling=decode_pb2.DecodeSampling(temperature=0)), timeout=120)
@@ -227,23 +234,23 @@ def run_cases(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     reps = {"4k_cold": args.case_requests, "16k_cold": max(1, args.case_requests - 1),
             "16k_warm": args.case_requests}
     workdir.mkdir(parents=True, exist_ok=True)
-    cluster = up_cluster(UpSettings(pipelines=1, stages=STAGES, decode_shards=1, stores=0, pool=False, http_port=0,
-                                    grpc_port=0, model=MODEL, kv_dtype=KV_DTYPE, device_cache_tokens=4 * 16384,
-                                    region_arena_bytes="160MiB", workdir=str(workdir / "logs"))).start()
-    try:
-        addresses = (f"127.0.0.1:{cluster.find('p0-stage0').ready['port']}",
-                     f"127.0.0.1:{cluster.find('decode0').ready['port']}")
+    model = ["--model", MODEL, "--kv-dtype", KV_DTYPE]
+    with contextlib.ExitStack() as parts:
+        # one pipeline per mode, each started with its --bench-forward, and one decode shard for all
+        pipelines = {m: parts.enter_context(LocalPipeline(
+            num_stages=STAGES, workdir=workdir / f"pipeline-{m}",
+            stage_args=[*model, "--device-cache-tokens", str(4 * 16384), "--bench-forward", BENCH_FORWARD[m]]))
+            for m in modes}
+        shard = parts.enter_context(LocalDecode([*model, "--region-arena-bytes", "160MiB"], workdir=workdir / "decode"))
 
         async def go() -> dict[str, Any]:
-            client = CaseClient(*addresses)  # channels belong to this loop
+            client = CaseClient({m: p.address for m, p in pipelines.items()}, shard.address)  # this loop's channels
             try:
                 return await _run_cases(client, reps, get_config(MODEL).vocab_size, modes)
             finally:
                 await client.close()
 
         cases = asyncio.run(go())
-    finally:
-        cluster.stop()
     cases["model"], cases["kv_dtype"], cases["stages"], cases["decode_shards"] = MODEL, KV_DTYPE, STAGES, 1
     cases["targets"] = check(cases)
     return cases

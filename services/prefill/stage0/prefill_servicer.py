@@ -65,6 +65,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         target = target_from_message(request.target) if request.HasField("target") else None
         keep_deadline(context)
         result = await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
-                                             current_request_id(), request.tenant, request.cache_salt, target,
-                                             request.handoff_after_prefill, request.forward_after_stage)
+                                             current_request_id(), request.tenant, request.cache_salt, target)
         return result_message(result)

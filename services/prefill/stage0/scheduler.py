@@ -60,14 +60,6 @@ def save_holder(request_id: str) -> str:
     return f"{request_id}/save"
 
 
-@dataclass(frozen=True, slots=True)
-class BenchModes:
-    """A benchmark's baseline for one request (both off in service)."""
-
-    handoff_after_prefill: bool = False  # every stage writes its KV only after the last stage computed
-    forward_after_stage: bool = False  # each stage passes the request on only once it computed all of it
-
-
 @dataclass(slots=True)
 class RunResult:
     restore: RestoreReport
@@ -143,13 +135,8 @@ class PrefillScheduler:
 
     async def prefill(self, token_ids: Sequence[int], session_key: str, return_logits: bool,
                       request_id: str = "", tenant: str = "", cache_salt: str = "",
-                      target: HandoffTarget | None = None,
-                      handoff_after_prefill: bool = False,
-                      forward_after_stage: bool = False) -> PrefillResult:
-        """Prefill under ``request_id`` (the caller's, else a fresh one); with ``target``, hand the KV off.
-        The two flags are the benchmarks' baselines (``PrefillRequest``): the handoff after the last stage,
-        the stages one after another."""
-        bench = BenchModes(handoff_after_prefill, forward_after_stage)
+                      target: HandoffTarget | None = None) -> PrefillResult:
+        """Prefill under ``request_id`` (the caller's, else a fresh one); with ``target``, hand the KV off."""
         self.validate(token_ids, session_key, tenant, cache_salt)
         request_id = request_id or new_request_id("prefill")
         # a request's blocks (in flight) and its save's hold are keyed by its id
@@ -172,7 +159,7 @@ class PrefillScheduler:
                 if self.gate is not None:
                     self.metrics.gate_wait.observe(time.perf_counter() - started)
                 return await self._prefill(request_id, token_ids, hashes, session, return_logits, tenant, target,
-                                           bench, started, bound)
+                                           started, bound)
         except asyncio.CancelledError:
             if queued:  # the caller went away while it waited for a slot of the gate: nothing was taken
                 self._cancelled(bound, "queued")
@@ -187,7 +174,7 @@ class PrefillScheduler:
 
     async def _prefill(self, request_id: str, token_ids: Sequence[int], hashes: list[Any], session: SessionId | None,
                        return_logits: bool, tenant: str, target: HandoffTarget | None,
-                       bench: BenchModes, started: float, bound: Any) -> PrefillResult:
+                       started: float, bound: Any) -> PrefillResult:
         use_pool = True
         for attempt in (1, 2):
             request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant),
@@ -201,7 +188,7 @@ class PrefillScheduler:
             bound.info("prefill_admitted", attempt=attempt, tokens=request.num_tokens)
             self.prefetcher.admitted(request)
             work = asyncio.ensure_future(
-                self._run(request, token_ids, return_logits, target, bench, tenant, use_pool))
+                self._run(request, token_ids, return_logits, target, tenant, use_pool))
             try:
                 # shielded: if the caller goes away, the stages are still writing this
                 # request's pages, so its blocks go back only once they are done
@@ -256,8 +243,7 @@ class PrefillScheduler:
         )
 
     async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool,
-                   target: HandoffTarget | None, bench: BenchModes,
-                   tenant: str = "", use_pool: bool = True) -> RunResult:
+                   target: HandoffTarget | None, tenant: str = "", use_pool: bool = True) -> RunResult:
         """Restore on every stage (on the forward's chain, or by Restore calls to older stages), compute through
         all stages (streaming into decode's region), collect the handoff."""
         chain: ChainRestore | None = None
@@ -270,7 +256,6 @@ class PrefillScheduler:
             compute_start=request.compute_start, num_tokens=request.num_tokens,
             save_first_chunk=request.save_first_chunk, save_chunk_hashes=tuple(request.chunks_to_save),
             return_logits=return_logits, tenant=tenant, target=target,
-            handoff_after_prefill=bench.handoff_after_prefill, forward_after_stage=bench.forward_after_stage,
         )
         inputs = torch.tensor(token_ids[request.compute_start:], dtype=torch.int64)
         saving = self.pool is not None and bool(forward.save_chunk_hashes)
