@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpool import request_id, tls
 from kvpool.admin_http import start_admin
+from kvpool.core.admission import retry as retry_policy
 from kvpool.core.errors import InvalidArgument
 from kvpool.status import abort
 from kvpool.rpc_trace import carry_interceptors, trace_interceptors
@@ -282,9 +283,11 @@ async def create_server(
 
 
 def channel(address: str, options: Sequence[tuple[str, Any]] = GRPC_OPTIONS) -> grpc.aio.Channel:
-    """A channel to another kvpool service: its calls carry the bound request id as metadata."""
+    """A channel to another kvpool service: its calls carry the bound request id as metadata, and gRPC tries
+    an idempotent call again when it did not reach an answer (``kvpool.core.admission.retry``)."""
     creds = tls.channel_credentials()  # mutual TLS once the process is configured (kvpool/tls.py)
     interceptors = [*request_id.client_interceptors(), *carry_interceptors()]
+    options = [*options, ("grpc.enable_retries", 1), ("grpc.service_config", retry_policy.service_config())]
     if creds is None:
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
     return grpc.aio.secure_channel(address, creds, options=list(options), interceptors=interceptors)

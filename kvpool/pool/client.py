@@ -52,7 +52,6 @@ DEMOTE_BATCH = 4096  # the master takes at most this many names a call
 # written back the next time it is a device hit whose group the pool lacks.
 PUT_WAIT_S = 2.0
 RECONNECT_MAX_MS = 250
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 # codes that mean "the master could not be reached", not "the master said no"
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # the one call that probes a master known down waits at most this long
@@ -389,14 +388,10 @@ class PoolClient:
         return response
 
     async def _call(self, method, request):  # type: ignore[no-untyped-def]
-        """Idempotent calls: one retry on UNAVAILABLE. Every answer tells the breaker the master is there."""
+        """Idempotent calls (gRPC tries them again: ``kvpool.core.admission.retry``). Every answer tells the breaker
+        the master is there."""
         try:
-            try:
-                response = await method(request, timeout=RPC_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE:
-                    raise
-                response = await method(request, timeout=RPC_TIMEOUT_S)
+            response = await method(request, timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             self._outcome(exc)
             raise

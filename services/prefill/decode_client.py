@@ -6,7 +6,6 @@ The handoff's messages convert in ``kvpool.handoff_messages``.
 from __future__ import annotations
 
 import grpc
-import structlog
 
 from kvpool import service
 from kvpool.core.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -14,12 +13,8 @@ from kvpool.core.handoff.target import HandoffTarget
 from kvpool.rpc import decode_pb2, decode_pb2_grpc
 from kvpool.status import from_status
 
-log = structlog.get_logger(__name__)
 
 LANDED_TIMEOUT_S = 30.0
-# a Landed that found no connection is sent once more, waiting this long for one: the first call on a new
-# channel can fail to connect on a loaded host (seen at load 30 on 2 cores), and landing is idempotent
-LANDED_RECONNECT_S = 5.0
 
 
 class LandedClient:
@@ -45,14 +40,8 @@ class LandedClient:
                                            token_start=token_start if token_start < token_end else 0,
                                            token_end=token_end if token_start < token_end else 0, trailer=trailer)
         stub = decode_pb2_grpc.DecodeStub(channel)
-        try:
-            try:
-                response = await stub.Landed(request, timeout=LANDED_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                log.info("landed_resent", region_id=target.region_id, stage=self.stage, details=exc.details())
-                response = await stub.Landed(request, timeout=LANDED_RECONNECT_S, wait_for_ready=True)
+        try:  # idempotent: gRPC tries it again when it did not reach an answer (kvpool.core.admission.retry)
+            response = await stub.Landed(request, timeout=LANDED_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             error = from_status(exc, f"stage {self.stage}: decode at {target.notify_address}",
                                 (InvalidArgument, FailedPrecondition))

@@ -1,7 +1,35 @@
-"""Where a request may go after a part failed it: another pipeline, another decode shard, or nowhere.
+"""Every retry the system makes, in one place: which failures, how many times, where the request goes next.
 
-Pure. ``Admission`` (``kvpool.core.admission.admission``) asks ``retry_move`` before
-it moves a ticket (``Admission.retry``, ``retry_may_wait``, ``move_shard``).
+Pure. Two kinds, each applied in exactly one place per hop:
+
+- **A call that did not reach its answer** (UNAVAILABLE: the peer was restarting, the connection
+  was new and the host loaded) is tried again by gRPC itself, for the idempotent calls only
+  (``IDEMPOTENT``): ``GRPC_RETRY`` is the channels' service config (``kvpool.service.channel``).
+  Nothing else resends a call by hand.
+- **A request that failed part-way** goes somewhere else, decided here and applied by the one
+  service that owns that hop:
+
+  ====================  ==============================  =====================================
+  hop                   failure                         next
+  ====================  ==============================  =====================================
+  router → decode       the pipeline failed (field      another pipeline, same shard, once
+                        ``pipeline``), nothing sent     (``retry_move``)
+  router → decode       the shard failed, or prefill    another shard, once
+                        could not write to it
+  stage 0 → stages      a stage lost its device cache   the same pipeline, no device hits,
+                        (``DeviceCacheLost``)           once (``replan``)
+  stage 0 → stages      a stage restored less than its  the same pipeline, without the pool,
+                        forward was planned past        once (``replan``)
+                        (``RestoreFellShort``)
+  ====================  ==============================  =====================================
+
+  Anything else fails the request, never silently: after a token reached the client nothing is
+  retried, and the decode shard fails a Serve whose prefill failed up to the router.
+
+Reconnection (a store mounting on a master that is down, a channel's backoff) is not a retry of a
+request: each such loop says its own bounds where it runs.
+
+The router's moves in detail:
 
 Rules: a retry only for an UNAVAILABLE part and only before any token
 reached the client: a failed prefill pipeline moves the request once to
@@ -20,9 +48,34 @@ health round begun after the failure finds it serving
 from __future__ import annotations
 
 import enum
+import json
 
 from kvpool.core.admission.room import Ticket
-from kvpool.core.errors import KvpoolError, Unavailable
+from kvpool.core.errors import DeviceCacheLost, KvpoolError, RestoreFellShort, Unavailable
+
+# calls with no effect, or the same effect however often made: gRPC may send them again
+IDEMPOTENT = {
+    "kvpool.rpc.PoolMaster": ("Lookup", "ReleaseLease", "Exists", "Stats", "Demote"),
+    "kvpool.rpc.Decode": ("Landed", "Stats"),
+    "kvpool.rpc.PrefillStage": ("StageInfo",),
+}
+# how gRPC tries an idempotent call again: UNAVAILABLE only (the call never reached an answer), three
+# tries in all, 0.1 s then 0.2 s apart (jittered by gRPC), so a loaded host's first connect or a peer's
+# restart is ridden out in well under a second of waiting
+GRPC_RETRY = {
+    "maxAttempts": 3,
+    "initialBackoff": "0.1s",
+    "maxBackoff": "0.5s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+MAX_REPLANS = 1  # stage 0 plans a request again once, then it fails
+
+
+def service_config() -> str:
+    """The channels' gRPC service config: ``GRPC_RETRY`` for every idempotent call."""
+    names = [{"service": service, "method": method} for service, methods in IDEMPOTENT.items() for method in methods]
+    return json.dumps({"methodConfig": [{"name": names, "retryPolicy": GRPC_RETRY}]})
 
 MAX_PREFILL_TRIES = 2  # the first try and one retry elsewhere
 MAX_SHARD_TRIES = 2  # the first shard and one other
@@ -54,3 +107,22 @@ def retry_move(error: KvpoolError, num_tokens_sent: int, ticket: Ticket, at_deco
     if at_decode or error.field == TARGET_FIELD:
         return Move.SHARD if may_retry(error, num_tokens_sent, ticket.shard_tries, MAX_SHARD_TRIES) else None
     return Move.PIPELINE if may_retry(error, num_tokens_sent, ticket.tries) else None
+
+
+class Replan(enum.Enum):
+    """How stage 0 plans a request again after a stage failed its forward."""
+
+    WITHOUT_DEVICE_HITS = "without_device_hits"  # a stage restarted: no device hit of this pipeline holds
+    WITHOUT_POOL = "without_pool"  # a stage could not restore what it was given: compute it
+
+
+def replan(error: KvpoolError, replans: int) -> Replan | None:
+    """Whether (and how) stage 0 runs a request again after ``error`` failed its forward, having planned it
+    again ``replans`` times already; None: the request fails."""
+    if replans >= MAX_REPLANS:
+        return None
+    if isinstance(error, DeviceCacheLost):
+        return Replan.WITHOUT_DEVICE_HITS
+    if isinstance(error, RestoreFellShort):
+        return Replan.WITHOUT_POOL
+    return None

@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 import torch
 
+from kvpool.core.admission import retry as retry_policy
 from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import chunk_hashes, hash_root
 from kvpool.core.errors import (
@@ -175,8 +176,8 @@ class PrefillScheduler:
     async def _prefill(self, request_id: str, token_ids: Sequence[int], hashes: list[Any], session: SessionId | None,
                        return_logits: bool, tenant: str, target: HandoffTarget | None,
                        started: float, bound: Any) -> PrefillResult:
-        use_pool = True
-        for attempt in (1, 2):
+        use_pool, replans = True, 0
+        for attempt in range(1, retry_policy.MAX_REPLANS + 2):
             request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant),
                                      session=session)
             try:
@@ -199,18 +200,21 @@ class PrefillScheduler:
                 work.add_done_callback(lambda task: self._free_after(task, request.request_id))
                 raise
             except (DeviceCacheLost, RestoreFellShort) as exc:
-                # a later stage restarted and the cache was forgotten: planned again, nothing is a device hit;
-                # or a stage could not restore what the forward was planned past: planned again without the pool
+                # the core's policy (kvpool.core.admission.retry): a later stage restarted and the cache was
+                # forgotten (run_stage dropped it), planned again with no device hit; or a stage could not
+                # restore what the forward was planned past, planned again without the pool
                 if isinstance(exc, RestoreFellShort):
-                    use_pool = False
                     self.metrics.restores_fell_short.inc()
                 await self.free(request.request_id)
                 release = self._releasing.get(request.request_id)
                 if release is not None:
                     await asyncio.shield(release)  # the first attempt's saves let go of its blocks
-                if attempt == 2:
+                how = retry_policy.replan(exc, replans)
+                if how is None:
                     raise Unavailable(f"prefill: {exc}") from None
-                bound.info("prefill_planned_again", reason=str(exc))
+                replans += 1
+                use_pool = use_pool and how is not retry_policy.Replan.WITHOUT_POOL
+                bound.info("prefill_planned_again", reason=str(exc), how=how.value)
                 continue
             except BaseException:
                 await self.free(request.request_id)
