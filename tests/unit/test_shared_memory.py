@@ -76,7 +76,7 @@ try:
 except OSError as exc:
     print("connect", exc.errno, flush=True)
     sys.exit(0)
-conn.sendall(f"MAP {sys.argv[2]}\\n".encode())
+conn.sendall(f"{sys.argv[3] if len(sys.argv) > 3 else 'MAP'} {sys.argv[2]}\\n".encode())
 data, fds, _, _ = socket.recv_fds(conn, 4096, 4)
 print("answer", len(fds), data.decode().strip(), flush=True)
 """
@@ -200,30 +200,33 @@ def reachable_base() -> Iterator[Path]:
 
 
 @pytest.mark.cluster
-async def test_owner_refuses_a_peer_of_another_uid_by_its_credentials(reachable_base):
+@pytest.mark.parametrize("verb", ["MAP", "BELL"])
+async def test_owner_refuses_a_peer_of_another_uid_by_its_credentials(reachable_base, verb):
     folder = reachable_base / "shm"
     segment = SharedSegment(SIZE, "kv")
     share = SegmentShare(folder, "store")
-    share.add("kv", segment)
+    bell = os.eventfd(0, os.EFD_CLOEXEC)
+    share.add("kv", segment, bell)  # a doorbell too: another user gets neither the memory nor the bell
     path = await share.start()
     # open the file-system guard for this test only, so the credential check is the one left to refuse
     for opened, mode in ((reachable_base, 0o711), (folder, 0o711), (path, 0o666)):
         os.chmod(opened, mode)
     try:
         with capture_logs() as logs:
-            out = await run_as_nobody(RAW_CLIENT, str(path), "kv")
+            out = await run_as_nobody(RAW_CLIENT, str(path), "kv", verb)
         count, answer = out.removeprefix("answer ").split(" ", 1)
         assert count == "0" and f"peer uid {NOBODY}" in json.loads(answer)["error"]
         assert [(e["event"], e["peer_uid"]) for e in logs] == [("shared_memory_refused", NOBODY)]
         # the same request from this uid is answered with the fd
         maps = SegmentMaps()
-        mapped = await maps.map(str(path), "kv", segment.token)
-        assert mapped.size == SIZE
+        mapped = await maps.map(str(path), "kv", segment.token, doorbell=True)
+        assert mapped.size == SIZE and mapped.doorbell >= 0
         await maps.close()
     finally:
         os.chmod(folder, 0o700)
         await share.close()
         segment.close()
+        os.close(bell)
 
 
 @pytest.mark.cluster
