@@ -217,6 +217,12 @@ class DecodeShard:
             self._scan = asyncio.ensure_future(self._scan_landed())
 
     async def _scan_landed(self) -> None:
+        try:
+            await self._scan_rung()
+        except Exception:  # a bug, not a writer's doing: log it; Generate scatters whatever is left
+            log.exception("decode_landed_scan_failed")
+
+    async def _scan_rung(self) -> None:
         while self._rung:
             self._rung = False
             assert self.control is not None

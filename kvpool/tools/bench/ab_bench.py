@@ -71,6 +71,10 @@ ROOT = Path(__file__).resolve().parents[3]
 def baseline_tree(commit: str, workdir: Path) -> Path:
     """A clone of this repository at ``commit``, importable as ``kvpool`` (``kvpool.services`` linked in)."""
     tree = workdir / "baseline-tree"
+    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"kvpool bench ab: --baseline {commit!r} is not a commit of {ROOT}")
     subprocess.run(["git", "clone", "-q", "--shared", str(ROOT), str(tree)], check=True)
     subprocess.run(["git", "-C", str(tree), "checkout", "-q", commit], check=True)
     link = tree / "kvpool" / "services"
