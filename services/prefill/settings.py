@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvpool.core.chunk_hash import namespace_fingerprint
+from kvpool.core.prefill.queue_settings import (
+    check_queue_settings,
+    sched_max_bypass_setting,
+    sched_max_wait_setting,
+    sched_reorder_below_setting,
+    sched_setting,
+)
 from kvpool.core.setting import setting
 from kvpool.core.tenancy.shares import parse_weights
 from kvpool.model.config import CONFIGS, KV_DTYPE_ITEMSIZES, split_layers
@@ -79,23 +85,13 @@ class PrefillSettings(ModelSetting):
         "reuses its own oldest cached blocks first (docs/security.md)", factory=list, metavar="TENANT=WEIGHT,...",
         default_text="none: equal shares",
     )
-    sched: str = setting("fifo", help="stage 0: the order of the prefills waiting for a slot (--sched-slots): "
-                         "fifo, arrival order; session, the core's work-aware queue (least work first, aging at "
-                         "--sched-max-wait-s)", choices=("fifo", "session"))
+    sched: str = sched_setting("stage 0's prefills waiting for a slot (--sched-slots)")
     sched_slots: int = setting(-1, help="stage 0: prefills running through the stages at once, the others "
                                "waiting in --sched's order; 0: no limit (every admitted prefill at once, the "
                                "stages interleaving their pieces)", default_text="0 with fifo; with session, one a stage (at least 2)")
-    sched_max_wait_s: float = setting(4.0, help="stage 0, --sched session: a prefill waiting this long goes first "
-                                      "(inf: no aging)")
-    sched_max_bypass_s: float = setting(
-        math.inf, help="stage 0, --sched session: the bypass budget, seconds of estimated work that later prefills "
-        "may overtake a waiting prefill by; it then waits at most what arrival order would make it wait plus this "
-        "(kvpool.core.prefill.queue). Seconds of this stage's compute: the estimates are scaled by its measured "
-        "speed against them (kvpool.core.prefill.work_scale, kvpool_prefill_work_scale)", default_text="none")
-    sched_reorder_below_s: float = setting(
-        math.inf, help="stage 0, --sched session: the backlog gate: while this many seconds of estimated work "
-        "wait, prefills go in arrival order, and below it in the session order (kvpool.core.prefill.queue). "
-        "Seconds of this stage's compute, as for --sched-max-bypass-s", default_text="none")
+    sched_max_wait_s: float = sched_max_wait_setting()
+    sched_max_bypass_s: float = sched_max_bypass_setting("this stage's compute seconds (kvpool_prefill_work_scale)")
+    sched_reorder_below_s: float = sched_reorder_below_setting("this stage's compute seconds")
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
     )
@@ -147,12 +143,7 @@ class PrefillSettings(ModelSetting):
             )
         if 0 < self.stage and not last and not self.next_stage:
             raise ValueError(f"next_stage: stage {self.stage} needs the address of stage {self.stage + 1}")
-        if not self.sched_max_wait_s > 0:
-            raise ValueError(f"sched_max_wait_s: must be positive, got {self.sched_max_wait_s}")
-        if not self.sched_max_bypass_s >= 0:
-            raise ValueError(f"sched_max_bypass_s: must be >= 0, got {self.sched_max_bypass_s}")
-        if not self.sched_reorder_below_s > 0:
-            raise ValueError(f"sched_reorder_below_s: must be positive, got {self.sched_reorder_below_s}")
+        check_queue_settings(self)
         if self.admission_timeout_s <= 0:
             raise ValueError(f"admission_timeout_s: must be positive, got {self.admission_timeout_s}")
         if self.inline_activation_bytes < 0:

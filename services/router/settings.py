@@ -6,6 +6,14 @@ import math
 from dataclasses import dataclass
 
 from kvpool.core.prefill.queue import QueueOrder
+from kvpool.core.prefill.queue_settings import (
+    check_queue_settings,
+    queue_order,
+    sched_max_bypass_setting,
+    sched_max_wait_setting,
+    sched_reorder_below_setting,
+    sched_setting,
+)
 from kvpool.core.setting import setting
 from kvpool.model.config import CONFIGS
 from kvpool.model.model_setting import ModelSetting
@@ -74,22 +82,12 @@ class RouterSettings(ModelSetting):
                                    "only pipeline failed before any token waits as long to retry once it serves "
                                    "again. 0: 503 at once")
     locality: bool = setting(True, help="prefer the decode shard on the prefill pipeline's own server")
-    sched: str = setting("fifo", help="the admission queue's order (requests waiting for decode room and device "
-                         "blocks): fifo, arrival order; session, least estimated work first (the prompt's tokens "
-                         "beyond the session's last prompt it extends, all of them when none), a request waiting "
-                         "--sched-max-wait-s going before every other; in both a head that does not fit holds "
-                         "back the rest", choices=("fifo", "session"))
-    sched_max_wait_s: float = setting(4.0, help="--sched session: a queued request waiting this long goes first "
-                                      "(oldest first), and no later request passes it (inf: no aging)")
-    sched_max_bypass_s: float = setting(
-        math.inf, help="--sched session: the bypass budget, seconds of estimated work that later requests may "
-        "overtake a queued request by, in the queue or taking their ticket at once (kvpool.core.prefill.queue); "
-        "in the pipelines' seconds: the estimates are scaled by their measured speed (StageInfo's work_scale, "
-        "asked every 10 health rounds; kvpool.core.prefill.work_scale)", default_text="none")
-    sched_reorder_below_s: float = setting(
-        math.inf, help="--sched session: the backlog gate: while this many seconds of estimated work are queued, "
-        "requests are ticketed in arrival order, and below it in the session order (kvpool.core.prefill.queue); "
-        "in the pipelines' seconds, as for --sched-max-bypass-s", default_text="none")
+    sched: str = sched_setting("the admission queue (requests waiting for decode room and device blocks; in both "
+                               "orders a head that does not fit holds back the rest)")
+    sched_max_wait_s: float = sched_max_wait_setting()
+    sched_max_bypass_s: float = sched_max_bypass_setting(
+        "the pipelines' seconds (StageInfo's work_scale, asked every 10 health rounds)")
+    sched_reorder_below_s: float = sched_reorder_below_setting("the pipelines' seconds")
     servers: list[str] = setting(
         help="the server of each pipeline or shard, where its address's host does not say it",
         factory=list, metavar="ADDR=SERVER,...", default_text="the address's host",
@@ -151,12 +149,7 @@ class RouterSettings(ModelSetting):
             raise ValueError(f"health_wait_s: must be >= 0, got {self.health_wait_s}")
         if self.queue_timeout_s <= 0:
             raise ValueError(f"queue_timeout_s: must be positive, got {self.queue_timeout_s}")
-        if not self.sched_max_wait_s > 0:
-            raise ValueError(f"sched_max_wait_s: must be positive, got {self.sched_max_wait_s}")
-        if not self.sched_max_bypass_s >= 0:
-            raise ValueError(f"sched_max_bypass_s: must be >= 0, got {self.sched_max_bypass_s}")
-        if not self.sched_reorder_below_s > 0:
-            raise ValueError(f"sched_reorder_below_s: must be positive, got {self.sched_reorder_below_s}")
+        check_queue_settings(self)
         bad = [s for s in self.servers if "=" not in s]
         if bad:
             raise ValueError(f"servers: {bad[0]!r} is not ADDR=SERVER")
@@ -169,7 +162,7 @@ class RouterSettings(ModelSetting):
     @property
     def queue_order(self) -> QueueOrder:
         """The admission queue's order (``--sched``)."""
-        return QueueOrder.WORK if self.sched == "session" else QueueOrder.FIFO
+        return queue_order(self)
 
     @property
     def server_of(self) -> dict[str, str]:

@@ -228,3 +228,25 @@ def test_the_compare_headline_line_gives_the_comparisons_own_figures() -> None:
     assert headline({"compare": "pool", "servers": 2, "shared_over_split": 1.94, "reuse_shared": 0.9}) == (
         "shared_over_split=1.94  reuse_shared=0.9")
     assert headline({"compare": "pool", "servers": 2, "sides": {}}) == "no figures (a side did not run)"
+
+
+def test_the_router_and_stage_0_declare_their_queue_settings_once() -> None:
+    """The four settings of the queue both run are the core's (kvpool.core.prefill.queue_settings): the same
+    defaults, the same checks, the same order."""
+    import dataclasses
+
+    from kvpool.services.prefill.settings import PrefillSettings
+    from kvpool.services.router.settings import RouterSettings
+
+    names = ("sched", "sched_max_wait_s", "sched_max_bypass_s", "sched_reorder_below_s")
+    router = {f.name: f.default for f in dataclasses.fields(RouterSettings) if f.name in names}
+    stage = {f.name: f.default for f in dataclasses.fields(PrefillSettings) if f.name in names}
+    assert router == stage and set(router) == set(names)
+    for bad, field in ((dict(sched_max_wait_s=0.0), "sched_max_wait_s"), (dict(sched_max_bypass_s=-1.0),
+                       "sched_max_bypass_s"), (dict(sched_reorder_below_s=0.0), "sched_reorder_below_s")):
+        for make in (lambda **kw: RouterSettings(pipelines=["127.0.0.1:1"], shards=["127.0.0.1:2"], **kw),
+                     lambda **kw: PrefillSettings(num_stages=1, **kw)):
+            with pytest.raises(ValueError, match=f"^{field}: "):
+                make(**bad)
+    assert RouterSettings(pipelines=["127.0.0.1:1"], shards=["127.0.0.1:2"], sched="session").queue_order \
+        is QueueOrder.WORK

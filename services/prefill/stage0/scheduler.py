@@ -31,7 +31,7 @@ from kvpool.core.errors import (
     RestoreFellShort,
     Unavailable,
 )
-from kvpool.core.prefill.queue import QueueOrder
+from kvpool.core.prefill.queue_settings import queue_order
 from kvpool.core.prefill.request import Phase, PrefillRequest, try_admit
 from kvpool.core.sessions.table import SessionId
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, TenantShares, tenant_name
@@ -99,7 +99,7 @@ class PrefillScheduler:
         self._releases: set[asyncio.Task[None]] = set()
         self._releasing: dict[str, asyncio.Task[None]] = {}  # by request id
         # the gate (--sched-slots) in --sched's order; session-aware prefill: retention by session, staging
-        order = QueueOrder.WORK if self.settings.sched == "session" else QueueOrder.FIFO
+        order = queue_order(self.settings)
         self.gate = (PrefillGate(self.settings.sched_slots, self.settings.sched_max_wait_s, order,
                                  self.settings.sched_max_bypass_s, self.settings.sched_reorder_below_s)
                      if self.settings.sched_slots else None)
