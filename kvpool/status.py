@@ -58,6 +58,14 @@ def error_kind(exc: grpc.aio.AioRpcError) -> type[KvpoolError] | None:
     return None
 
 
+def error_field(exc: grpc.aio.AioRpcError) -> str:
+    """The field a downstream service's error named ("" when none)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == FIELD_KEY and isinstance(value, str):
+            return value
+    return ""
+
+
 def status_code(error: KvpoolError) -> grpc.StatusCode:
     """The status a domain error maps to; its nearest mapped base class decides."""
     for cls in type(error).__mro__:

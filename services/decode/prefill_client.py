@@ -20,7 +20,7 @@ from kvpool.core.errors import InvalidArgument, KvpoolError, PermissionDenied, R
 from kvpool.core.handoff.target import HandoffTarget
 from kvpool.handoff_messages import target_message
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
-from kvpool.status import FIELD_KEY, from_status
+from kvpool.status import error_field, from_status
 
 log = structlog.get_logger(__name__)
 
@@ -66,7 +66,7 @@ class PrefillClients:
 def prefill_error(exc: grpc.aio.AioRpcError, address: str) -> KvpoolError:
     """A failed Prefill as ``Serve`` answers it (module doc)."""
     error = from_status(exc, f"pipeline at {address}", (InvalidArgument, ResourceExhausted))
-    field = dict((k, v) for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)).get(FIELD_KEY, "")
+    field = error_field(exc)
     if field.startswith(TARGET_FIELD):  # whatever the code: the region it was to write is this shard's
         log.warning("prefill_failed_writing_here", pipeline=address, code=exc.code().name, details=exc.details())
         return Unavailable(f"target: the prefill could not write into this shard's region: {exc.details()}",

@@ -35,7 +35,7 @@ from kvpool.pool.client import access_from_message, access_message
 from kvpool.pool.objects import ObjectLocation
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.services.prefill.stage_runner import ChunkToRestore, StageRestore
-from kvpool.status import FIELD_KEY, corrupt_chunks, error_kind, from_status
+from kvpool.status import corrupt_chunks, error_field, error_kind, from_status
 
 if TYPE_CHECKING:
     from kvpool.services.prefill.arena import Region
@@ -149,7 +149,7 @@ def stage_error(exc: grpc.aio.AioRpcError, stage: int) -> Exception:
         return DeviceCacheLost(exc.details() or "")
     if kind is RestoreFellShort:
         return RestoreFellShort(exc.details() or "", corrupt_chunk_indexes=corrupt_chunks(exc))
-    field = dict((k, v) for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)).get(FIELD_KEY, "")
+    field = error_field(exc)
     if field.startswith("target"):
         return from_status(exc, f"stage {stage}", (InvalidArgument, FailedPrecondition))
     return Unavailable(f"stage {stage}: {exc.code().name}: {exc.details()}")

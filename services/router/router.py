@@ -52,7 +52,7 @@ from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.core.api.served_context import ShardLimits, served_context
 from kvpool.core.tenancy.tenants import scoped_session_key
 from kvpool.request_id import bound_request_id, new_request_id
-from kvpool.status import FIELD_KEY, from_status
+from kvpool.status import error_field, from_status
 from kvpool.services.router.backend_clients import LATE_CHECKS_OUT, Backends, Prefilled, Sampling, ServeStream, server_of
 from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
 from kvpool.services.router.http_api import Usage
@@ -236,7 +236,7 @@ class Router:
 
     def _serve_error(self, exc: grpc.aio.AioRpcError, ticket: Ticket, request_id: str) -> KvpoolError:
         """A failed Serve as the client may see it, blaming the pipeline when decode said the prefill failed."""
-        field = dict((k, v) for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)).get(FIELD_KEY, "")
+        field = error_field(exc)
         if exc.code() == grpc.StatusCode.UNAVAILABLE and field == PIPELINE_FIELD:  # keeps its field
             return self._backend_error(exc, PIPELINE, ticket.pipeline, request_id)
         return self._backend_error(exc, SHARD, ticket.shard, request_id)
