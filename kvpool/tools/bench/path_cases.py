@@ -12,7 +12,7 @@ in every mode of ``--handoff`` side by side (alternating; ``MODE_SETS``):
 - ``16k_warm``: the last 16K cold prompt's first 61 chunks (95.3%) and a
   fresh tail, so the prefix is a device hit and only the tail is computed.
 
-Each request's prompt runs once in each mode, each mode under its own tenant
+Each request's prompt runs once in each mode, each mode on its own pipeline
 (no cache shared between modes), so both modes do the same work; their greedy tokens must be
 identical (``greedy_identical``). The two runs of a prompt are a pair, run back
 to back, the mode going first alternating: a prompt's compute varies by ±25%
@@ -88,14 +88,14 @@ class CaseClient:
             await channel.close()
         await self.decode_channel.close()
 
-    async def run(self, token_ids: list[int], mode: str, tenant: str) -> dict[str, Any]:
+    async def run(self, token_ids: list[int], mode: str) -> dict[str, Any]:
         started = time.perf_counter()
         reserve = decode_pb2.ReserveRequest(
             num_tokens=len(token_ids), kv_dtype=KV_DTYPE, entry_bytes=self.entry_bytes, max_tokens=2,
             with_logits=True, hold_s=600, layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in self.split])
         target = (await self.decode.Reserve(reserve, timeout=60)).target
         done = await self.prefill[mode].Prefill(prefill_pb2.PrefillRequest(
-            token_ids=token_ids, session_key="bench-path", tenant=tenant, target=target), timeout=900)
+            token_ids=token_ids, session_key="bench-path", target=target), timeout=900)
         call = self.decode.Generate(decode_pb2.DecodeRequest(
             region_id=target.region_id, prompt_token_ids=token_ids, max_tokens=2,
             sampling=decode_pb2.DecodeSampling(temperature=0)), timeout=120)
@@ -133,7 +133,6 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int, modes
 
     cases: dict[str, Any] = {}
     last_cold: list[int] = []
-    tenants: dict[str, str] = {}  # per mode: whose device cache holds the last cold prompt
     errors = identical = compared = 0
     for name, length, warm in (("4k_cold", 4096, False), ("16k_cold", 16384, False), ("16k_warm", 16384, True)):
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -141,24 +140,19 @@ async def _run_cases(client: CaseClient, reps: dict[str, int], vocab: int, modes
         loads: list[float] = []
         for i in range(reps[name]):
             loads.append(round(os.getloadavg()[0], 2))
-            # the same prompt in every mode, each mode its own tenant: the same work, no shared cache
+            # the same prompt in every mode, each mode its own pipeline: the same work, no shared cache
             prompt = last_cold[: WARM_CHUNKS * CHUNK] + fresh(length - WARM_CHUNKS * CHUNK) if warm else fresh(length)
             tokens = {}
             pair: dict[str, dict[str, Any]] = {}
             for m in (modes if i % 2 == 0 else modes[::-1]):  # alternate which mode goes first
-                # one tenant per mode: a tenant per request would leave each a device-cache share too
-                # small to keep a warm prefix (kvpool.core.tenancy.shares)
-                tenant = tenants[m] if warm else f"bench-{m}"
                 try:
-                    run = await client.run(prompt, m, tenant)
+                    run = await client.run(prompt, m)
                     runs[m].append(run)
                     tokens[m] = run["tokens"]
                     pair[m] = run
                 except (grpc.aio.AioRpcError, AssertionError) as exc:
                     errors += 1
                     runs[m].append({"error": str(exc)})
-                if not warm:
-                    tenants[m] = tenant
             if not warm:
                 last_cold = prompt
             if len(pair) == len(modes) > 1:
