@@ -444,15 +444,17 @@ class SegmentMaps:
 
         Raises ``StaleSegment`` when the owner answers another token, ``SharedMemoryUnavailable`` when the socket
         is missing or unreachable, its owner is another user, or the owner refuses."""
-        mapped = await self._map(socket_path, segment_name, token)
-        if doorbell and not mapped.bell_asked:
-            mapped.bell_asked = True
-            fd = await self._ask_doorbell(str(socket_path), segment_name, token)
-            if fd >= 0:
-                with contextlib.suppress(StaleSegment), mapped.using():  # pinned: its unmap closes the fd
-                    mapped.doorbell, fd = fd, -1
-            if fd >= 0:  # forgotten meanwhile
-                os.close(fd)
+        key = (str(socket_path), segment_name)
+        async with self._locks.setdefault(key, asyncio.Lock()):  # one caller maps, and asks for the bell, at once
+            mapped = await self._map(key, token)
+            if doorbell and not mapped.bell_asked:
+                mapped.bell_asked = True
+                fd = await self._ask_doorbell(key[0], segment_name, token)
+                if fd >= 0:
+                    with contextlib.suppress(StaleSegment), mapped.using():  # pinned: its unmap closes the fd
+                        mapped.doorbell, fd = fd, -1
+                if fd >= 0:  # forgotten meanwhile
+                    os.close(fd)
         return mapped
 
     async def _ask_doorbell(self, socket_path: str, segment_name: str, token: str) -> int:
@@ -481,28 +483,27 @@ class SegmentMaps:
                 os.close(fd)
             conn.close()
 
-    async def _map(self, socket_path: str, segment_name: str, token: str) -> MappedSegment:
-        key = (str(socket_path), segment_name)
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            cached = self._cached.get(key)
-            if cached is not None and cached.token == token and not cached.forgotten:
-                if self._owner_alive(cached):
-                    return cached
-                # the owner died a moment ago and the watcher has not seen it yet: its memory is no store's now
-                log.info("shared_memory_owner_gone", socket_path=cached.socket_path, segment=cached.segment_name)
-                self._forget(cached)
-            mapped, conn = await self._connect_and_map(key[0], segment_name, token)
-            if cached is not None:  # the owner restarted: its old memory is not what the caller is after
-                self._forget(cached)
-            self._cached[key] = mapped
-            self._live.append(mapped)
-            watcher = asyncio.create_task(self._watch(mapped, conn))
-            # closed only once the watcher is done: the loop drops its reader for the fd first, so a new socket
-            # that reuses the fd number keeps its own reader
-            watcher.add_done_callback(lambda _: conn.close())
-            self._watchers[mapped] = watcher
-            self._owners[mapped] = conn
-            return mapped
+    async def _map(self, key: tuple[str, str], token: str) -> MappedSegment:
+        """``map``'s mapping, under ``key``'s lock."""
+        cached = self._cached.get(key)
+        if cached is not None and cached.token == token and not cached.forgotten:
+            if self._owner_alive(cached):
+                return cached
+            # the owner died a moment ago and the watcher has not seen it yet: its memory is no store's now
+            log.info("shared_memory_owner_gone", socket_path=cached.socket_path, segment=cached.segment_name)
+            self._forget(cached)
+        mapped, conn = await self._connect_and_map(key[0], key[1], token)
+        if cached is not None:  # the owner restarted: its old memory is not what the caller is after
+            self._forget(cached)
+        self._cached[key] = mapped
+        self._live.append(mapped)
+        watcher = asyncio.create_task(self._watch(mapped, conn))
+        # closed only once the watcher is done: the loop drops its reader for the fd first, so a new socket
+        # that reuses the fd number keeps its own reader
+        watcher.add_done_callback(lambda _: conn.close())
+        self._watchers[mapped] = watcher
+        self._owners[mapped] = conn
+        return mapped
 
     def forget(self, socket_path: str) -> None:
         """Forget every mapping from ``socket_path`` (its owner is known to be gone)."""

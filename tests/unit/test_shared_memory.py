@@ -29,6 +29,7 @@ from structlog.testing import capture_logs
 
 from kvpool.secret_files import UnsafeFolder
 from kvpool.shared_memory import (
+    MappedSegment,
     SegmentMaps,
     SegmentShare,
     SharedMemoryUnavailable,
@@ -370,7 +371,15 @@ async def test_a_peer_rings_the_owners_doorbell_and_an_owner_without_one_says_so
     path = await share.start()
     maps = SegmentMaps()
     try:
-        mapped = await maps.map(str(path), "arena", arena.token, doorbell=True)
+        # two writers at once on first use (a stage's ranges): each can ring as soon as it has the mapping
+        async def writer() -> tuple[MappedSegment, bool]:
+            got = await maps.map(str(path), "arena", arena.token, doorbell=True)
+            with got.using():
+                return got, got.ring()
+
+        (mapped, rang), (twin, twin_rang) = await asyncio.gather(writer(), writer())
+        assert twin is mapped and rang and twin_rang
+        assert os.eventfd_read(bell) == 2
         assert await maps.map(str(path), "arena", arena.token, doorbell=True) is mapped  # asked once
         with mapped.using():
             assert mapped.ring() and mapped.ring()
