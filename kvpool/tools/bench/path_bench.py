@@ -15,7 +15,7 @@ figures, each from one run here:
   interceptor trace every service writes keyed by the request id
   (``kvpool.rpc_trace``, counted by ``path_counts``); the median over the burst, with that chain's methods
   (``critical_path``). The burst's cluster has a pool (one store), as deployed:
-  its Lookup is on the path; every stage's Decode.Landed calls chain too.
+  its Lookup is on the path.
 - ``cross_server_handoff_share``: handoff bytes that crossed servers over all
   handoff bytes, from a replay of the shared traces on two logical servers with
   locality on (and off, side by side, with ``--no-quick``).

@@ -17,10 +17,11 @@ how many awaited round trips came before its first token. Pure: lines in, figure
   any answer, though their servers may start them one after another) after
   every call on that chain, nested ones included, had answered. Only calls that started before the first token count,
   and not the saves, which run beside the request, nor a call made from a task
-  nobody waits for (``detached`` in the trace: a lease's release). Every stage's
-  ``Decode/Landed`` calls (a check before each write, an announce after it) run
-  one after another within the stage, so they chain, though they overlap the
-  later pieces' compute.
+  nobody waits for (``detached`` in the trace: a lease's release). A stage writing
+  decode's region by the engine (another host) makes ``Decode/Landed`` calls (a
+  check before each write, an announce after it) one after another, so they
+  chain, though they overlap the later pieces' compute; on decode's host a stage
+  makes none.
 - ``depth_beyond_stage_hops``: the depth less the N−1 hops of the forward chain
   of N stages, which no design can remove.
 """

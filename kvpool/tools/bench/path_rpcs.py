@@ -8,8 +8,8 @@ pushes A off the device), then A again (``pool_hit``: its full chunks are
 restored from the pool), ``REPEATS`` times with fresh prompts. After each, the
 bench waits until the request's trace stops growing, so the saves and the calls
 after the first token are counted. Each figure is the median over the repeats
-(the depth varies by a call or so: whether one ``Landed`` follows another is
-timing); ``critical_path`` and ``rpcs_by_method`` are those of the repeat at
+(the depth may vary by a call with timing: whether one call follows another's
+answer); ``critical_path`` and ``rpcs_by_method`` are those of the repeat at
 the median depth.
 """
 
