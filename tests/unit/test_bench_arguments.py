@@ -19,3 +19,14 @@ def test_bench_handoff_refuses_bad_arguments_by_name(argv: list[str], flag: str)
     args = cli_parser.build_parser().parse_args(["bench", "handoff", *argv])
     with pytest.raises(SystemExit, match=f"kvpool bench handoff: {flag}"):
         handoff_bench.main(args)
+
+
+@pytest.mark.cluster  # it asks git
+def test_bench_ab_names_a_baseline_that_is_not_a_commit_before_starting_anything(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvpool.tools.bench import ab_bench
+
+    args = cli_parser.build_parser().parse_args(
+        ["bench", "ab", "--baseline", "no-such-commit", "--workdir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--baseline 'no-such-commit' is not a commit of"):
+        ab_bench.main(args)
+    assert list(tmp_path.iterdir()) == []  # nothing cloned, no cluster started
