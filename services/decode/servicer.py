@@ -49,6 +49,18 @@ def figures_message(figures: Figures) -> decode_pb2.DecodeFigures:
         first_token_unix_ms=figures.first_token_unix_ms)
 
 
+async def decoded(events: AsyncIterator[int | Figures]
+                  ) -> AsyncIterator[tuple[decode_pb2.DecodeFigures | None, int | None]]:
+    """A sequence's tokens, then its figures (logged), as the messages' fields: one of the two set."""
+    async for event in events:
+        if isinstance(event, Figures):
+            log.info("decode_done", tokens=event.num_tokens, finish_reason=event.finish_reason,
+                     queue_s=round(event.queue_seconds, 4), decode_s=round(event.decode_seconds, 4))
+            yield figures_message(event), None
+        else:
+            yield None, event
+
+
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, shard: DecodeShard, prefill: PrefillClients | None = None) -> None:
         self.shard = shard
@@ -109,14 +121,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 timeout_s or shard.settings.region_deadline_s)
             yield decode_pb2.ServeResponse(prefilled=prefilled)
             decoding = True  # Generate claims the region now, and frees it with the pages however it ends
-            async for event in shard.generate(region.region_id, prompt, 0, params, request.max_tokens,
-                                              list(request.stop_token_ids), request_id):
-                if isinstance(event, Figures):
-                    log.info("decode_done", tokens=event.num_tokens, finish_reason=event.finish_reason,
-                             queue_s=round(event.queue_seconds, 4), decode_s=round(event.decode_seconds, 4))
-                    yield decode_pb2.ServeResponse(figures=figures_message(event))
-                else:
-                    yield decode_pb2.ServeResponse(token_id=event)
+            async for figures, token_id in decoded(shard.generate(
+                    region.region_id, prompt, 0, params, request.max_tokens, list(request.stop_token_ids), request_id)):
+                yield decode_pb2.ServeResponse(figures=figures, token_id=token_id)
         finally:
             if not decoding:  # failed or cancelled before decoding: region and pages back now
                 shard.release_region(region.region_id)
@@ -130,13 +137,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             stream = self.shard.generate(region_id, list(request.prompt_token_ids), request.first_token, params,
                                          request.max_tokens, list(request.stop_token_ids),
                                          request.request_id or current_request_id())
-            async for event in stream:
-                if isinstance(event, Figures):
-                    log.info("decode_done", tokens=event.num_tokens, finish_reason=event.finish_reason,
-                             queue_s=round(event.queue_seconds, 4), decode_s=round(event.decode_seconds, 4))
-                    yield decode_pb2.DecodeResponse(figures=figures_message(event))
-                else:
-                    yield decode_pb2.DecodeResponse(token_id=event)
+            async for figures, token_id in decoded(stream):
+                yield decode_pb2.DecodeResponse(figures=figures, token_id=token_id)
         except KvpoolError as exc:
             await abort(context, exc, "Generate")
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from kvpool.core.prefill.block_manager import BlockManager
-from kvpool.core.chunk_hash import group_id, object_key
+from kvpool.core.chunk_hash import ChunkHash, group_id, object_key
 from kvpool.core.errors import Unavailable
+from kvpool.core.prefill.planner import RestorePlan
 from kvpool.core.prefill.request import PrefillRequest
 from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import LookupResult
@@ -86,12 +87,7 @@ class PoolRestore:
             request.plan(0)
             request.expect_restore()
             return report, None
-        t0 = time.perf_counter()
-        lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates])
-        report.lookup_ms = (time.perf_counter() - t0) * 1e3
-        plan = request.plan_lookup(lookup.num_complete)
-        if request.num_write_back_chunks:
-            log.info("device_hits_written_back", request_id=request.request_id, chunks=request.num_write_back_chunks)
+        lookup, plan = await self._lookup(request, candidates, report)
         request.expect_restore()
         if not plan.num_pool_chunks:
             self._release(lookup.lease_id, [])
@@ -100,6 +96,18 @@ class PoolRestore:
                   for chunks in self._per_stage(request, lookup)]
         local = asyncio.ensure_future(self.runner.restore(stages[0].chunks))
         return report, ChainRestore(lookup.lease_id, stages, local)
+
+    async def _lookup(self, request: PrefillRequest, candidates: Sequence[ChunkHash], report: RestoreReport
+                      ) -> tuple[LookupResult, RestorePlan]:
+        """Look the candidates up at the master (its time into ``report``) and plan from what it found."""
+        assert self.pool is not None
+        t0 = time.perf_counter()
+        lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates])
+        report.lookup_ms = (time.perf_counter() - t0) * 1e3
+        plan = request.plan_lookup(lookup.num_complete)
+        if request.num_write_back_chunks:
+            log.info("device_hits_written_back", request_id=request.request_id, chunks=request.num_write_back_chunks)
+        return lookup, plan
 
     def end_on_chain(self, request: PrefillRequest, chain: ChainRestore, report: RestoreReport,
                      answered: Sequence[StageRestoreFigures] | None, corrupt_chunk_indexes: Sequence[int] = ()) -> None:
@@ -139,12 +147,7 @@ class PoolRestore:
             request.plan(0)
             request.apply_restore([], self.blocks)
             return report
-        t0 = time.perf_counter()
-        lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates])
-        report.lookup_ms = (time.perf_counter() - t0) * 1e3
-        plan = request.plan_lookup(lookup.num_complete)
-        if request.num_write_back_chunks:
-            log.info("device_hits_written_back", request_id=request.request_id, chunks=request.num_write_back_chunks)
+        lookup, plan = await self._lookup(request, candidates, report)
         try:
             if plan.num_pool_chunks:
                 t1 = time.perf_counter()
