@@ -31,13 +31,15 @@ shares one file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -50,6 +52,21 @@ TRACE_ENV = "KVPOOL_RPC_TRACE"
 
 CURRENT_SPAN: contextvars.ContextVar[str] = contextvars.ContextVar("kvpool_span", default="")
 DETACHED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpool_detached", default=False)
+
+
+@contextlib.contextmanager
+def tracing_children(path: Path) -> Iterator[None]:
+    """Within: the processes started here trace their calls into ``path`` (they inherit ``TRACE_ENV``);
+    the variable is as it was afterwards."""
+    previous = os.environ.get(TRACE_ENV)
+    os.environ[TRACE_ENV] = str(path)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(TRACE_ENV, None)
+        else:
+            os.environ[TRACE_ENV] = previous
 
 
 def detached(coro: Awaitable[Any]) -> asyncio.Future[Any]:

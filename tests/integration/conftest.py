@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -87,3 +88,33 @@ def front_door_cluster(workdir: Path, router_toml: str) -> Iterator[Cluster]:
         yield up
     finally:
         up.stop()
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports the process listens on (its sockets' inodes in /proc/PID/fd against /proc/PID/net/tcp{,6})."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+async def reserve(decode, token_ids: list[int], max_tokens: int, split):  # type: ignore[no-untyped-def]
+    """A region with the final logits and the pages for ``token_ids``, on a shard whose model a pipeline
+    split as ``split`` (layers [start, end) per stage), in the shard's own entry size and KV dtype."""
+    from kvpool.rpc import decode_pb2, handoff_pb2
+
+    stats = await decode.Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
+    request = decode_pb2.ReserveRequest(num_tokens=len(token_ids), entry_bytes=stats.entry_bytes,
+                                        kv_dtype=stats.kv_dtype, max_tokens=max_tokens, with_logits=True,
+                                        layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in split])
+    return (await decode.Reserve(request, timeout=10)).target
+

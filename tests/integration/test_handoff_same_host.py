@@ -24,8 +24,7 @@ from kvpool import service
 from kvpool.model import InProcessPipeline, get_config, split_layers
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2, prefill_pb2, prefill_pb2_grpc
 from kvpool.tools.cluster import LocalDecode, LocalPipeline
-from tests.integration.conftest import metric
-from tests.integration.test_pool_paths import listening_ports
+from tests.integration.conftest import listening_ports, metric, reserve
 
 pytestmark = pytest.mark.cluster
 
@@ -61,15 +60,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield auto, engine, shard
 
 
-async def reserve(decode: decode_pb2_grpc.DecodeStub, token_ids: list[int], max_tokens: int
-                  ) -> handoff_pb2.HandoffTarget:
-    stats = await decode.Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
-    request = decode_pb2.ReserveRequest(num_tokens=len(token_ids), entry_bytes=stats.entry_bytes,
-                                        kv_dtype=stats.kv_dtype, max_tokens=max_tokens, with_logits=True,
-                                        layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in SPLIT])
-    return (await decode.Reserve(request, timeout=10)).target
-
-
 async def prefill(front: prefill_pb2_grpc.PrefillStub, token_ids: list[int], target: handoff_pb2.HandoffTarget
                   ) -> prefill_pb2.PrefillResponse:
     return await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="same-host",
@@ -82,7 +72,7 @@ async def generate(pipeline_address: str, decode_address: str, token_ids: list[i
     async with grpc.aio.insecure_channel(pipeline_address, options=service.GRPC_OPTIONS) as p, \
             grpc.aio.insecure_channel(decode_address, options=service.GRPC_OPTIONS) as d:
         decode = decode_pb2_grpc.DecodeStub(d)
-        target = await reserve(decode, token_ids, max_tokens)
+        target = await reserve(decode, token_ids, max_tokens, SPLIT)
         done = await prefill(prefill_pb2_grpc.PrefillStub(p), token_ids, target)
         call = decode.Generate(decode_pb2.DecodeRequest(region_id=target.region_id, prompt_token_ids=token_ids,
                                                         max_tokens=max_tokens), timeout=60)
@@ -123,10 +113,11 @@ async def test_decode_killed_fails_the_handoff_cleanly_and_the_stages_go_on(clus
         async with grpc.aio.insecure_channel(auto.address, options=service.GRPC_OPTIONS) as p, \
                 grpc.aio.insecure_channel(doomed.address, options=service.GRPC_OPTIONS) as d:
             front, decode = prefill_pb2_grpc.PrefillStub(p), decode_pb2_grpc.DecodeStub(d)
-            await prefill(front, token_ids, await reserve(decode, token_ids, 4))  # its arena is mapped now
-            late = await reserve(decode, token_ids, 4)
+            await prefill(front, token_ids, await reserve(decode, token_ids, 4, SPLIT))  # its arena is mapped now
+            late = await reserve(decode, token_ids, 4, SPLIT)
             # killed while a handoff into it runs (if it has not ended yet: then it must fail as UNAVAILABLE)
-            running = asyncio.ensure_future(prefill(front, prompt(3, 700), await reserve(decode, token_ids, 4)))
+            running = asyncio.ensure_future(
+                prefill(front, prompt(3, 700), await reserve(decode, token_ids, 4, SPLIT)))
             await asyncio.sleep(0.05)
             doomed.process.kill()
             during = (await asyncio.gather(running, return_exceptions=True))[0]
@@ -152,7 +143,7 @@ async def test_an_arena_out_of_the_stages_reach_goes_by_the_engine(cluster: Clus
         async with grpc.aio.insecure_channel(auto.address, options=service.GRPC_OPTIONS) as p, \
                 grpc.aio.insecure_channel(fresh.address, options=service.GRPC_OPTIONS) as d:
             decode = decode_pb2_grpc.DecodeStub(d)
-            target = await reserve(decode, token_ids, 6)
+            target = await reserve(decode, token_ids, 6, SPLIT)
             socket_path = Path(target.shared_memory.socket_path)
             socket_path.rename(socket_path.with_suffix(".hidden"))
             engine_before = sum(path_bytes(auto, "engine"))
@@ -194,7 +185,7 @@ async def test_a_region_given_back_is_never_written_by_memory(cluster: Cluster) 
             grpc.aio.insecure_channel(shard.address, options=service.GRPC_OPTIONS) as d:
         decode = decode_pb2_grpc.DecodeStub(d)
         await generate(auto.address, shard.address, prompt(7, 300), 2)  # the stages have mapped the arena
-        target = await reserve(decode, token_ids, 6)
+        target = await reserve(decode, token_ids, 6, SPLIT)
         assert target.control_offset > 0
         released = await decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=target.region_id),
                                               timeout=10)
@@ -218,7 +209,7 @@ async def test_a_region_written_again_holds_the_second_writing(cluster: Cluster)
     async with grpc.aio.insecure_channel(auto.address, options=service.GRPC_OPTIONS) as p, \
             grpc.aio.insecure_channel(shard.address, options=service.GRPC_OPTIONS) as d:
         decode, front = decode_pb2_grpc.DecodeStub(d), prefill_pb2_grpc.PrefillStub(p)
-        target = await reserve(decode, second, 6)
+        target = await reserve(decode, second, 6, SPLIT)
         await prefill(front, first, target)
         told = landed(shard)
         await prefill(front, second, target)

@@ -4,8 +4,6 @@ connect. Bytes are equal either way and every read is verified."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import PutObject, PutResult, ReadStatus
 from kvpool.tools.cluster import LocalPool
 from kvpool.transfer import HostBuffer, TransferEngine
+from tests.integration.conftest import listening_ports
 
 pytestmark = pytest.mark.cluster
 
@@ -149,23 +148,6 @@ async def test_without_an_engine_same_host_moves_work_and_others_fail_as_misses(
         await far.close()
     with pytest.raises(ValueError, match="^engine_only: "):
         PoolClient(pool.master_address, None, engine_only=True)
-
-
-def listening_ports(pid: int) -> set[int]:
-    """TCP ports the process listens on (its sockets' inodes in /proc/PID/fd against /proc/PID/net/tcp{,6})."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = os.readlink(fd)
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 async def test_a_store_without_an_engine_opens_no_engine_port_and_serves_by_memory(tmp_path: Path,

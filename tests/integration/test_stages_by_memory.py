@@ -23,9 +23,9 @@ import torch
 
 from kvpool import service
 from kvpool.model import InProcessPipeline, get_config, split_layers
-from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2, pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from kvpool.rpc import decode_pb2, decode_pb2_grpc, pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from kvpool.tools.cluster import LocalDecode, LocalPipeline, LocalPool
-from tests.integration.conftest import eventually, metric
+from tests.integration.conftest import eventually, listening_ports, metric, reserve
 
 pytestmark = pytest.mark.cluster
 
@@ -45,25 +45,6 @@ def prompt(seed: int, length: int) -> list[int]:
 def activation_bytes(pipeline: LocalPipeline, path: str) -> float:
     """Stage 1's ``kvpool_prefill_activation_bytes_total{path}``: what it received from stage 0."""
     return metric(pipeline.stages[1], f'kvpool_prefill_activation_bytes_total{{path="{path}"}}')
-
-
-def listening_tcp_ports(pid: int) -> set[int]:
-    """The TCP ports process ``pid`` listens on: its socket inodes matched against its namespace's listeners."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = fd.readlink().name
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +96,6 @@ async def test_hidden_states_move_by_memory_and_give_the_reference_logits(cluste
     assert await prefill_moved(defaults, seed=1) == {"memory": PIECES_BYTES, "engine": 0.0, "inline": 0.0}
 
 
-async def reserve(decode: decode_pb2_grpc.DecodeStub, token_ids: list[int], max_tokens: int
-                  ) -> handoff_pb2.HandoffTarget:
-    stats = await decode.Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
-    request = decode_pb2.ReserveRequest(num_tokens=len(token_ids), entry_bytes=stats.entry_bytes,
-                                        kv_dtype=stats.kv_dtype, max_tokens=max_tokens, with_logits=True,
-                                        layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in SPLIT])
-    return (await decode.Reserve(request, timeout=10)).target
-
-
 async def test_without_an_engine_a_restore_and_a_handoff_go_by_memory_end_to_end(cluster: Cluster) -> None:
     pool, _, no_engine, decode_shard = cluster
     token_ids = prompt(2, 600)  # 2 full chunks (saved, then restored) + 88 tokens
@@ -142,7 +114,7 @@ async def test_without_an_engine_a_restore_and_a_handoff_go_by_memory_end_to_end
         # another prompt takes every device block: the first one's history must come back from the pool
         await front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(3, 4 * CHUNK - 10), session_key="other"),
                             timeout=60)
-        target = await reserve(decode, token_ids, 8)
+        target = await reserve(decode, token_ids, 8, SPLIT)
         again = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="s", target=target),
                                     timeout=60)
         assert (again.figures.num_pool_tokens, again.figures.num_computed_tokens) == (2 * CHUNK, 88)
@@ -152,7 +124,7 @@ async def test_without_an_engine_a_restore_and_a_handoff_go_by_memory_end_to_end
         reference = InProcessPipeline(CONFIG, num_blocks=16, block_size=64)
         assert tokens == reference.generate_greedy(torch.tensor(token_ids), list(range(16)), 8)
 
-        elsewhere = await reserve(decode, token_ids, 8)
+        elsewhere = await reserve(decode, token_ids, 8, SPLIT)
         elsewhere.host = "another-host"  # decode on another declared host: only an engine reaches it
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await front.Prefill(prefill_pb2.PrefillRequest(token_ids=token_ids, session_key="s", target=elsewhere),
@@ -171,6 +143,6 @@ def test_a_stage_without_an_engine_listens_on_its_grpc_and_admin_ports_only(clus
     _, defaults, no_engine, _ = cluster
     for stage in no_engine.stages:
         assert stage.ready["endpoint"] == ""
-        assert listening_tcp_ports(stage.proc.pid) == {stage.ready["port"], stage.ready["admin_port"]}
+        assert listening_ports(stage.proc.pid) == {stage.ready["port"], stage.ready["admin_port"]}
     for stage in defaults.stages:  # the check sees an engine's port where there is one
-        assert listening_tcp_ports(stage.proc.pid) > {stage.ready["port"], stage.ready["admin_port"]}
+        assert listening_ports(stage.proc.pid) > {stage.ready["port"], stage.ready["admin_port"]}

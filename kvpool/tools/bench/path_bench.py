@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -36,7 +35,7 @@ from typing import Any
 
 from kvpool import service
 from kvpool.rpc import router_pb2_grpc
-from kvpool.rpc_trace import TRACE_ENV
+from kvpool.rpc_trace import tracing_children
 from kvpool.tools.bench.path_counts import critical_path
 from kvpool.tools.bench.path_rpcs import generate, read_trace, run_rpcs
 from kvpool.tools.cluster import Cluster
@@ -70,9 +69,7 @@ def burst(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     toml = workdir / "cluster.toml"
     toml.write_text(f"[router]\nmax_queue = {args.requests}\nqueue_timeout_s = 600\n")
     trace = workdir / "rpc-trace.jsonl"
-    previous = os.environ.get(TRACE_ENV)
-    os.environ[TRACE_ENV] = str(trace)  # the services inherit it
-    try:
+    with tracing_children(trace):  # the services inherit it
         # the arena as kvpool up's flag: up passes every shard's arena as one, and flags win over the file
         # with a pool, as deployed: its Lookup (and a hit's lease and restores) are on the path
         cluster = up_cluster(UpSettings(pipelines=1, stages=args.stages, decode_shards=1, stores=1,
@@ -80,11 +77,6 @@ def burst(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                         grpc_port=0, device_cache_tokens=4 * 4096, region_arena_bytes=str(arena),
                                         workdir=str(workdir / "logs")),
                              str(toml)).start()
-    finally:
-        if previous is None:
-            os.environ.pop(TRACE_ENV, None)
-        else:
-            os.environ[TRACE_ENV] = previous
     try:
         queued_before = _metric(cluster, "router", "kvpool_router_queued_total")
         results = asyncio.run(_burst(f"127.0.0.1:{cluster.find('router').ready['port']}", args.requests,

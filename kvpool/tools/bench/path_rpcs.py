@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import statistics
 import time
@@ -28,7 +27,7 @@ import grpc
 
 from kvpool import service
 from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.rpc_trace import REQUEST_ID_KEY, TRACE_ENV
+from kvpool.rpc_trace import REQUEST_ID_KEY, tracing_children
 from kvpool.tools.bench.path_counts import request_counts
 from kvpool.tools.clients import grpc_auth_metadata
 from kvpool.tools.up import UpSettings, up_cluster
@@ -121,17 +120,10 @@ def run_rpcs(workdir: Path) -> dict[str, dict[str, Any]]:
 
     workdir.mkdir(parents=True, exist_ok=True)
     trace = workdir / "rpc-trace.jsonl"
-    previous = os.environ.get(TRACE_ENV)
-    os.environ[TRACE_ENV] = str(trace)  # the services inherit it
-    try:
+    with tracing_children(trace):  # the services inherit it
         cluster = up_cluster(UpSettings(pipelines=1, stages=STAGES, decode_shards=1, stores=1, segment_size="64MiB",
                                         http_port=0, grpc_port=0, device_cache_tokens=PROMPT_TOKENS + 256,
                                         workdir=str(workdir / "logs"))).start()
-    finally:
-        if previous is None:
-            os.environ.pop(TRACE_ENV, None)
-        else:
-            os.environ[TRACE_ENV] = previous
     try:
         runs = asyncio.run(_requests(f"127.0.0.1:{cluster.find('router').ready['port']}", trace,
                                      CONFIGS["tiny"].vocab_size))
