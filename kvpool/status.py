@@ -19,6 +19,7 @@ from kvpool.core.errors import (
     FailedPrecondition,
     InvalidArgument,
     KvpoolError,
+    NoRoomNow,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
@@ -45,9 +46,12 @@ _CODES: dict[type[KvpoolError], grpc.StatusCode] = {
 # errors a caller must tell apart from others of the same code travel by name in
 # the trailing metadata (never parsed out of the message)
 ERROR_KIND_KEY = "kvpool-error-kind"
-_KINDS: dict[str, type[KvpoolError]] = {cls.__name__: cls for cls in (DeviceCacheLost, RestoreFellShort)}
+_KINDS: dict[str, type[KvpoolError]] = {cls.__name__: cls
+                                        for cls in (DeviceCacheLost, RestoreFellShort, NoRoomNow)}
 # a RestoreFellShort's corrupt chunks, comma-separated
 CORRUPT_CHUNKS_KEY = "kvpool-corrupt-chunks"
+# a NoRoomNow's count of the shard's give-backs
+ROOM_EPOCH_KEY = "kvpool-room-epoch"
 
 
 def error_kind(exc: grpc.aio.AioRpcError) -> type[KvpoolError] | None:
@@ -86,7 +90,18 @@ def error_metadata(error: KvpoolError) -> tuple[tuple[str, str], ...]:
         metadata.append((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"))
     if isinstance(error, RestoreFellShort) and error.corrupt_chunk_indexes:
         metadata.append((CORRUPT_CHUNKS_KEY, ",".join(str(i) for i in error.corrupt_chunk_indexes)))
+    if isinstance(error, NoRoomNow) and error.room_epoch is not None:
+        metadata.append((ROOM_EPOCH_KEY, str(error.room_epoch)))
     return tuple(metadata)
+
+
+def room_epoch(exc: grpc.aio.AioRpcError) -> int | None:
+    """The give-back count a shard's ``NoRoomNow`` named (None: the answer was no such refusal, or named none
+    that parses)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == ROOM_EPOCH_KEY and isinstance(value, str):
+            return int(value) if value.isdigit() else None
+    return None
 
 
 def corrupt_chunks(exc: grpc.aio.AioRpcError) -> tuple[int, ...]:

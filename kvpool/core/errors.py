@@ -13,6 +13,10 @@ import re
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])?(?:\.[A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])?)*): ")
 
 
+# the field a decode shard's "no room now" names (``NoRoomNow``)
+ROOM_FIELD = "decode_room"
+
+
 class KvpoolError(Exception):
     """Base of every domain error.
 
@@ -47,6 +51,17 @@ class FailedPrecondition(KvpoolError):
 
 class ResourceExhausted(KvpoolError):
     """No room (pool space, device blocks, pages) now; the caller may retry later."""
+
+
+class NoRoomNow(ResourceExhausted):
+    """A decode shard has no pages or receive region for a request now (``field`` "decode_room"): the
+    router queues it again and asks once the shard says room was given back. ``room_epoch``: the shard's
+    give-backs when it refused (a router that has seen a later count knows room came back since)."""
+
+    def __init__(self, message: str, *, room_epoch: int | None = None, **kwargs: object) -> None:
+        kwargs.setdefault("field", ROOM_FIELD)
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.room_epoch = room_epoch  # None: the shard did not say
 
 
 class PermissionDenied(KvpoolError):

@@ -8,6 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WatchRoomRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RoomEvent(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("num_tokens", "layer_split", "entry_bytes", "kv_dtype", "max_tokens", "hold_s", "with_logits")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -33,7 +43,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ...) -> None: ...
 
 class ServeRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "request_id", "prefill_address", "layer_split", "session_key", "tenant", "cache_salt", "prefill_timeout_s")
+    __slots__ = ("prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "request_id", "prefill_address", "layer_split", "session_key", "tenant", "cache_salt", "prefill_timeout_s", "room_at_once")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +55,7 @@ class ServeRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ROOM_AT_ONCE_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: DecodeSampling
     max_tokens: int
@@ -56,17 +67,26 @@ class ServeRequest(_message.Message):
     tenant: str
     cache_salt: str
     prefill_timeout_s: float
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DecodeSampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., layer_split: _Optional[_Iterable[_Union[_handoff_pb2.LayerRange, _Mapping]]] = ..., session_key: _Optional[str] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_timeout_s: _Optional[float] = ...) -> None: ...
+    room_at_once: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DecodeSampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., layer_split: _Optional[_Iterable[_Union[_handoff_pb2.LayerRange, _Mapping]]] = ..., session_key: _Optional[str] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_timeout_s: _Optional[float] = ..., room_at_once: _Optional[bool] = ...) -> None: ...
 
 class ServeResponse(_message.Message):
-    __slots__ = ("prefilled", "token_id", "figures")
+    __slots__ = ("reserved", "prefilled", "token_id", "figures")
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIGURES_FIELD_NUMBER: _ClassVar[int]
+    reserved: Reserved
     prefilled: _prefill_pb2.PrefillResponse
     token_id: int
     figures: DecodeFigures
-    def __init__(self, prefilled: _Optional[_Union[_prefill_pb2.PrefillResponse, _Mapping]] = ..., token_id: _Optional[int] = ..., figures: _Optional[_Union[DecodeFigures, _Mapping]] = ...) -> None: ...
+    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., prefilled: _Optional[_Union[_prefill_pb2.PrefillResponse, _Mapping]] = ..., token_id: _Optional[int] = ..., figures: _Optional[_Union[DecodeFigures, _Mapping]] = ...) -> None: ...
+
+class Reserved(_message.Message):
+    __slots__ = ("room_epoch",)
+    ROOM_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    room_epoch: int
+    def __init__(self, room_epoch: _Optional[int] = ...) -> None: ...
 
 class DecodeSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")

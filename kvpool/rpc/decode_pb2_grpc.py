@@ -64,15 +64,23 @@ class DecodeStub:
                 request_serializer=kvpool_dot_rpc_dot_decode__pb2.DecodeStatsRequest.SerializeToString,
                 response_deserializer=kvpool_dot_rpc_dot_decode__pb2.DecodeStats.FromString,
                 _registered_method=True)
+        self.WatchRoom = channel.unary_stream(
+                '/kvpool.rpc.Decode/WatchRoom',
+                request_serializer=kvpool_dot_rpc_dot_decode__pb2.WatchRoomRequest.SerializeToString,
+                response_deserializer=kvpool_dot_rpc_dot_decode__pb2.RoomEvent.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Serve(self, request, context):
-        """A whole request. Reserves its pages and receive region (waiting a while
-        for room a request that just ended is still freeing, then
-        RESOURCE_EXHAUSTED), calls Prefill on the pipeline's stage 0 with the
+        """A whole request. Reserves its pages and receive region — with
+        room_at_once, answering at once: a `reserved` message first, or
+        RESOURCE_EXHAUSTED naming field "decode_room" when there is no room now
+        (WatchRoom then tells when some is given back); without it (older
+        routers), waiting a while for room a request that just ended is still
+        freeing, then RESOURCE_EXHAUSTED —, calls Prefill on the pipeline's stage 0 with the
         region as its target, streams one message with the prefill's answer, then
         every token (the first sampled from the region's logits), then the
         figures. However the call ends (done, cancelled, failed), the pages and
@@ -129,6 +137,17 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchRoom(self, request, context):
+        """Room given back, for a router whose Serve found none: one message at
+        once, then one each time pages or a receive region are given back after
+        a Serve was refused for room (several give-backs may come as one). The
+        shard holds the room's count; a router only learns when asking again is
+        worthwhile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +180,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvpool_dot_rpc_dot_decode__pb2.DecodeStatsRequest.FromString,
                     response_serializer=kvpool_dot_rpc_dot_decode__pb2.DecodeStats.SerializeToString,
+            ),
+            'WatchRoom': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRoom,
+                    request_deserializer=kvpool_dot_rpc_dot_decode__pb2.WatchRoomRequest.FromString,
+                    response_serializer=kvpool_dot_rpc_dot_decode__pb2.RoomEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -325,6 +349,33 @@ class Decode:
             '/kvpool.rpc.Decode/Stats',
             kvpool_dot_rpc_dot_decode__pb2.DecodeStatsRequest.SerializeToString,
             kvpool_dot_rpc_dot_decode__pb2.DecodeStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvpool.rpc.Decode/WatchRoom',
+            kvpool_dot_rpc_dot_decode__pb2.WatchRoomRequest.SerializeToString,
+            kvpool_dot_rpc_dot_decode__pb2.RoomEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,7 +38,9 @@ class DecodeMetrics:
                               "Decode.Landed; generate: the rest of a region, at its Generate)", ["by"], registry=r)
         for by in ("doorbell", "call", "generate"):
             self.landed.labels(by)
-        self.room_waits = Counter("kvpool_decode_room_waits", "Times a Serve call found no room and waited for "
-                                  "some to be given back", registry=r)
+        self.room_waits = Counter("kvpool_decode_room_waits", "Times a Serve call of an older router found no "
+                                  "room and waited for some to be given back", registry=r)
+        self.room_refusals = Counter("kvpool_decode_room_refusals", "Serve calls answered at once that there is "
+                                     "no room now (the router queues them and asks again when told)", registry=r)
         self.regions_expired = Counter("kvpool_decode_regions_expired",
                                        "Receive regions reclaimed at their deadline", registry=r)

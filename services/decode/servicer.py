@@ -111,11 +111,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         shard.check_prompt(prompt, request.max_tokens)
         layout = HandoffLayout.of(len(prompt), [(r.start, r.end) for r in request.layer_split],
                                   shard.model.entry_bytes, shard.trailer_bytes)
-        region = await shard.reserve_waiting(layout, shard.settings.kv_dtype, request.max_tokens, timeout_s or None,
-                                             shard.settings.room_wait_s)
+        if request.room_at_once:  # the router queues it if there is no room, and asks again when told
+            region = shard.reserve_now(layout, shard.settings.kv_dtype, request.max_tokens, timeout_s or None)
+        else:  # an older router, which expects the shard to wait for room it is giving back
+            region = await shard.reserve_waiting(layout, shard.settings.kv_dtype, request.max_tokens,
+                                                 timeout_s or None, shard.settings.room_wait_s)
         request_id = request.request_id or current_request_id()
         decoding = False
         try:
+            if request.room_at_once:
+                yield decode_pb2.ServeResponse(reserved=decode_pb2.Reserved(room_epoch=shard.room.epoch))
             prefilled = await self.prefill.prefill(
                 address, prompt, request.session_key, request.tenant, request.cache_salt, self.target_of(region),
                 timeout_s or shard.settings.region_deadline_s)
@@ -153,6 +158,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def ReleaseRegion(self, request: decode_pb2.ReleaseRegionRequest, context: grpc.aio.ServicerContext
                             ) -> decode_pb2.ReleaseRegionResponse:
         return decode_pb2.ReleaseRegionResponse(released=self.shard.release_region(parse_region_id(request.region_id)))
+
+    async def WatchRoom(self, request: decode_pb2.WatchRoomRequest, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[decode_pb2.RoomEvent]:
+        async for epoch in self.shard.room.watch():
+            yield decode_pb2.RoomEvent(epoch=epoch)
 
     @status_errors
     async def Stats(self, request: decode_pb2.DecodeStatsRequest, context: grpc.aio.ServicerContext

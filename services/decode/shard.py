@@ -35,8 +35,9 @@ import structlog
 import torch
 
 from kvpool.core.decode.regions import ReceiveRegion, RegionTable
+from kvpool.core.decode.room_epoch import Held
 from kvpool.core.decode.scheduler import DecodeScheduler, DecodeSequence
-from kvpool.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvpool.core.errors import FailedPrecondition, InvalidArgument, NoRoomNow, ResourceExhausted
 from kvpool.core.handoff.control import ControlRecords
 from kvpool.core.handoff.layout import HandoffLayout
 from kvpool.handoff import scatter_range, scatter_region
@@ -47,6 +48,7 @@ from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.shared_memory import SharedSegment
 from kvpool.transfer import HostBuffer, TransferEngine, local_host_name
 from kvpool.services.decode.metrics import DecodeMetrics
+from kvpool.services.decode.room_bell import RoomBell
 from kvpool.services.decode.settings import DecodeSettings
 
 log = structlog.get_logger(__name__)
@@ -130,6 +132,7 @@ class DecodeShard:
         self._rung = False
         self._scan: asyncio.Future[None] | None = None
         self._room_changed = asyncio.Event()  # set (and replaced) whenever room may have come back
+        self.room = RoomBell()  # tells routers whose Serve found no room when some comes back
         self._wake = asyncio.Event()
         self.num_steps = 0
 
@@ -373,10 +376,21 @@ class DecodeShard:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), left)
 
+    def reserve_now(self, layout: HandoffLayout, kv_dtype: str, max_tokens: int, hold_s: float | None
+                    ) -> ReceiveRegion:
+        """``reserve``, or ``NoRoomNow`` at once naming the give-backs so far: the room bell then rings at the
+        next give-back, for the router to ask again."""
+        try:
+            return self.reserve(layout, kv_dtype, max_tokens, hold_s)
+        except ResourceExhausted as exc:
+            self.metrics.room_refusals.inc()
+            raise NoRoomNow(f"decode_room: {exc}", room_epoch=self.room.refused()) from None
+
     def _publish(self) -> None:
         # whatever changed may have freed room: wake those waiting for it (they try again)
         self._room_changed.set()
         self._room_changed = asyncio.Event()
+        self.room.observe(Held(self.scheduler.num_pages_used, self.regions.used_bytes, self.regions.num_regions))
         self.metrics.pages_used.set(self.scheduler.num_pages_used)
         self.metrics.pages_reserved.set(self.scheduler.num_reserved)
         self.metrics.queue_length.set(self.scheduler.num_waiting)

@@ -1,5 +1,5 @@
-"""The router's backends: a client per prefill pipeline and decode shard, and the health loop that
-tells admission what each can hold.
+"""The router's backends: a client per prefill pipeline and decode shard, the health loop that tells
+admission what each can ever hold, and each shard's word that room came back.
 
 The calls a request makes (``Serve``, and ``Prefetch`` at a turn's end) take and give plain values:
 the messages stay here. A failed call raises
@@ -9,7 +9,7 @@ the messages stay here. A failed call raises
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool import service
-from kvpool.core.admission.admission import Admission, ShardShape
+from kvpool.core.admission.admission import Admission, Admitted, ShardShape
 from kvpool.core.errors import Unavailable
 from kvpool.core.supervision.health_checks import Check, HealthVerdicts
 from kvpool.model.config import split_layers
@@ -62,17 +62,26 @@ class Sampling:
 
 
 class ServeStream:
-    """One ``Serve`` call (module doc of ``kvpool.services.router.router``): ``prefilled`` (what the prefill
-    counted) comes first, then the token ids; ``finish_reason`` ("stop" or "length") once it ended. ``cancel``
-    ends the call, and decode frees the request's region and pages."""
+    """One ``Serve`` call (module doc of ``kvpool.services.router.router``): ``reserved`` (the shard holds the
+    room) comes first, then ``prefilled`` (what the prefill counted), then the token ids; ``finish_reason``
+    ("stop" or "length") once it ended. ``cancel`` ends the call, and decode frees the request's region and
+    pages."""
 
     def __init__(self, call: Any) -> None:
         self._call = call
         self.finish_reason = ""
+        self._first: Any = None  # an older shard's first message, its prefill's answer
+
+    async def reserved(self) -> None:
+        """Until the shard holds the request's room: its ``reserved`` message (an older shard sends none:
+        its prefill's answer, kept for ``prefilled``). The call failing before it raises."""
+        response = await self._call.read()
+        if response is grpc.aio.EOF or not response.HasField("reserved"):
+            self._first = response
 
     async def prefilled(self) -> Prefilled:
-        """The prefill's figures: the stream's first message (the call failing before it raises)."""
-        response = await self._call.read()
+        """The prefill's figures: the message after ``reserved`` (the call failing before it raises)."""
+        response, self._first = (self._first if self._first is not None else await self._call.read()), None
         if response is grpc.aio.EOF or not response.HasField("prefilled"):
             raise Unavailable("decode: Serve answered no prefill first")
         figures, handoff = response.prefilled.figures, response.prefilled.handoff
@@ -122,6 +131,7 @@ class ShardClient:
     kv_dtype: str = ""
     num_layers: int = 0
     entry_bytes: int = 0
+    told_no_watch: bool = False  # logged once that it has no WatchRoom (an older shard)
 
     def serve(self, pipeline: str, layer_split: Sequence[tuple[int, int]], prompt_ids: Sequence[int],
               sampling: Sampling, max_tokens: int, stop_token_ids: Sequence[int], request_id: str, session_key: str,
@@ -135,7 +145,7 @@ class ShardClient:
                 max_tokens=max_tokens, stop_token_ids=stop_token_ids, request_id=request_id,
                 prefill_address=pipeline, session_key=session_key, tenant=tenant, cache_salt=cache_salt,
                 layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in layer_split],
-                prefill_timeout_s=prefill_timeout_s,
+                prefill_timeout_s=prefill_timeout_s, room_at_once=True,
             ),
             timeout=timeout_s,
         ))
@@ -145,14 +155,17 @@ class Backends:
     """Clients of every pipeline and shard; ``check_health`` feeds health and shapes to admission."""
 
     def __init__(self, pipelines: list[str], shards: list[str], admission: Admission, metrics: RouterMetrics,
-                 late_checks_out: int = LATE_CHECKS_OUT) -> None:
+                 late_checks_out: int = LATE_CHECKS_OUT,
+                 on_admitted: Callable[[Admitted], None] = lambda admitted: None) -> None:
         self.admission = admission
+        self.on_admitted = on_admitted  # what admission answers a shard's word on its room
         self.metrics = metrics
         metrics.work_scale.set_function(lambda: admission.work_scale)
         self.verdicts = HealthVerdicts(late_checks_out)
         self.pipelines = {a: self._pipeline_client(a) for a in pipelines}
         self.shards = {a: self._shard_client(a) for a in shards}
         self._watchers: list[asyncio.Task[None]] = []  # started by the first health round (a loop runs then)
+        self._health_round = asyncio.Event()  # set (and replaced) after each health round
         self._refreshes: set[asyncio.Task[None]] = set()  # asks for pipelines' measured speed in flight
 
     @staticmethod
@@ -197,6 +210,7 @@ class Backends:
         self.admission.begin_health_round()  # what this round finds is newer than any failure before it
         if not self._watchers:
             self._watchers = [asyncio.ensure_future(self._watch_connection(c)) for c in self.pipelines.values()]
+            self._watchers += [asyncio.ensure_future(self._watch_room(c)) for c in self.shards.values()]
         checks = [self._check_pipeline(c) for c in self.pipelines.values()]
         checks += [self._check_shard(c) for c in self.shards.values()]
         results = await asyncio.gather(*checks)
@@ -210,7 +224,36 @@ class Backends:
             self.metrics.healthy.labels(name).set(1 if healthy else 0)
             if changed:
                 log.warning("target_health_changed", target=name, healthy=healthy)
+        self._health_round.set()
+        self._health_round = asyncio.Event()
         return backends
+
+    async def _watch_room(self, client: ShardClient) -> None:
+        """The shard's word that room came back after it refused a Serve (``WatchRoom``), for admission: a
+        full shard takes tickets again. While the stream is not open (the shard is down, restarting, or
+        older and has no such call) admission asks it again at each health round instead; the stream is
+        opened again after the next round."""
+        loop = asyncio.get_running_loop()
+        while True:
+            call = client.decode.WatchRoom(decode_pb2.WatchRoomRequest())
+            first = True
+            try:
+                async for event in call:
+                    if first:  # a new stream: its count starts the shard's anew (a restart counts from 0)
+                        self.admission.set_watched(client.address, True, event.epoch)
+                        self.metrics.room_watch.labels(client.address).set(1)
+                        first = False
+                    self.on_admitted(self.admission.room_again(client.address, event.epoch, loop.time()))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and not client.told_no_watch:
+                    client.told_no_watch = True
+                    log.info("room_watch_unimplemented", target=client.address)
+            finally:
+                call.cancel()
+            self.admission.set_watched(client.address, False)
+            self.metrics.room_watch.labels(client.address).set(0)
+            self.on_admitted(self.admission.poll(loop.time()))
+            await self._health_round.wait()
 
     async def _serving(self, stub: health_pb2_grpc.HealthStub, service_name: str = "") -> Check:
         try:

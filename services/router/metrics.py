@@ -58,18 +58,18 @@ class RouterMetrics:
         self.queue_budget = Counter("kvpool_router_queue_budget",
                                     "Queued requests ticketed where the bypass budget (--sched-max-bypass-s) held "
                                     "back the session order's first choice", registry=r)
-        self.queue_length = Gauge("kvpool_router_queue_length", "Requests waiting for decode room", registry=r)
+        self.queue_length = Gauge("kvpool_router_queue_length", "Requests waiting for a ticket (decode room)",
+                                  registry=r)
         self.queue_seconds = Histogram("kvpool_router_queue_seconds", "Wait for admission (0 when room was free)",
                                        buckets=(0.0, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
-        self.admitted = Gauge("kvpool_router_admitted", "Requests holding a ticket (decode room reserved)",
-                              registry=r)
-        self.shard_pages = Gauge("kvpool_router_shard_pages_reserved", "Decode pages the router's tickets hold",
-                                 ["shard"], registry=r)
-        self.shard_region_bytes = Gauge("kvpool_router_shard_region_bytes_reserved",
-                                        "Receive arena bytes the router's tickets hold", ["shard"], registry=r)
-        self.pipeline_blocks = Gauge("kvpool_router_pipeline_blocks_reserved",
-                                     "Prefill device-cache blocks the router's tickets hold until their first token",
-                                     ["pipeline"], registry=r)
+        self.admitted = Gauge("kvpool_router_admitted", "Requests holding a ticket (placed on a pipeline and a "
+                              "decode shard, which holds their room)", registry=r)
+        self.shard_full = Gauge("kvpool_router_shard_full", "1 while a decode shard said it has no room and has "
+                                "not said room came back (it takes no ticket meanwhile)", ["shard"], registry=r)
+        self.room_refusals = Counter("kvpool_router_room_refusals", "Serve calls a decode shard answered with no "
+                                     "room now (the request queued again)", ["shard"], registry=r)
+        self.room_watch = Gauge("kvpool_router_room_watch", "1 while a decode shard's WatchRoom stream is open "
+                                "(it tells when room comes back)", ["shard"], registry=r)
         self.handoff_bytes = Counter("kvpool_router_handoff_bytes",
                                      "Handoff bytes by link: within the pipeline's server, or across servers",
                                      ["link"], registry=r)

@@ -2,32 +2,33 @@
 pipeline prefill into it and decodes — and free everything at once whatever happens.
 
 Every decision is the core's (``kvpool.core.admission.admission``): one ``admit`` per
-request hands back a ticket (pipeline, decode shard, pages, region bytes, the
-pipeline's device blocks) or queues the request, holding nothing, until a
-``release`` makes room (the waiting is ``kvpool.services.router.tickets``'s); the
-first token gives the device blocks back (``prefill_ended``); one ``release``
-ends it. Between them this module makes one call:
+request hands back a ticket (a pipeline and a decode shard) or queues the
+request, holding nothing, until a shard can take it (the waiting is
+``kvpool.services.router.tickets``'s); one ``release`` ends it. The room is
+the owners': the shard counts its pages and receive arena, stage 0 its device
+blocks. Between admit and release this module makes one call:
 
-    admit (queue) → Serve (decode: region + pages; decode → stage 0 Prefill(target):
+    admit (queue) → Serve (decode: region + pages, or "no room now"; decode → stage 0 Prefill(target):
           every stage streams its layers into the region as its forward passes them,
           decode scatters each part as it lands, the last stage adds the final
           logits; then decode samples every token, the first included)
 
-The call's first message is the prefill's answer, then the tokens; its end,
-however it comes, frees the region and pages at decode. A shard still freeing
-a request that just ended waits for that room itself (``--room-wait-s``):
-nothing here polls.
+The call's first message says the shard holds the room (``confirmed``), the
+next is the prefill's answer, then the tokens; its end, however it comes,
+frees the region and pages at decode. A shard with no room answers so at once
+(``NoRoomNow``): the request queues again in its place, and the shard takes no
+ticket until its ``WatchRoom`` stream says room came back. Nothing here polls.
 
 Faults (the core decides, ``kvpool.core.admission.retry.retry_move``): a prefill
 pipeline that failed (decode answers UNAVAILABLE naming the field ``pipeline``)
 is retried once on another healthy pipeline when nothing reached the client
-(waiting, within the queue's timeout, for device room there if it has none
-now), in a new call to the same shard. A decode shard that is down or
-unreachable before the first token (the call failed, or prefill could not
-write to it: the field ``target``) moves the request once to another shard:
-its room there, and a new call (the prefix is in the device cache or the pool
-by then). Once a token has reached the client, a failure ends the stream and
-is never hidden. Cancelling (the client went away) drops a queued request,
+(or, within ``--health-wait-s``, on its own once a health round finds it
+serving again), in a new call to the same shard. A decode shard that is down
+or unreachable before the first token (the call failed, or prefill could not
+write to it: the field ``target``) moves the request once to another shard
+that takes it, in a new call (the prefix is in the device cache or the pool by
+then). Once a token has reached the client, a failure ends the stream and is
+never hidden. Cancelling (the client went away) drops a queued request,
 cancels the call, which frees the region and pages at decode, and releases the
 ticket, at once.
 """
@@ -45,14 +46,14 @@ import structlog
 
 from kvpool.core.admission.admission import Admission, Ticket
 from kvpool.core.admission.retry import PIPELINE_FIELD
-from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
+from kvpool.core.errors import ROOM_FIELD, InvalidArgument, KvpoolError, NoRoomNow, ResourceExhausted
 from kvpool.core.prefill.queue import QueueOrder
 from kvpool.core.api.public_errors import PIPELINE, SHARD, backend_label, public_error, served_by
 from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.core.api.served_context import ShardLimits, served_context
 from kvpool.core.tenancy.tenants import scoped_session_key
 from kvpool.request_id import bound_request_id, new_request_id
-from kvpool.status import error_field, from_status
+from kvpool.status import error_field, from_status, room_epoch
 from kvpool.services.router.backend_clients import LATE_CHECKS_OUT, Backends, Prefilled, Sampling, ServeStream, server_of
 from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
 from kvpool.services.router.http_api import Usage
@@ -65,8 +66,6 @@ log = structlog.get_logger(__name__)
 _PASSED_ON = (InvalidArgument, ResourceExhausted)
 
 CALL_TIMEOUT_S = 30.0
-# a request waiting for device room to be retried on another pipeline looks again at least this often
-ROOM_RECHECK_S = 0.5
 
 
 class Router:
@@ -93,8 +92,8 @@ class Router:
             reorder_below_s=reorder_below_s,
         )
         metrics.queue_order.labels(order.value).set(1)
-        self.backends = Backends(pipelines, shards, self.admission, metrics, late_checks_out)
         self.tickets = Tickets(self.admission, metrics)
+        self.backends = Backends(pipelines, shards, self.admission, metrics, late_checks_out, self.tickets.apply)
         self._prefetches: set[asyncio.Task[None]] = set()  # fire-and-forget: a turn's end never waits on them
 
     async def close(self) -> None:
@@ -184,6 +183,8 @@ class Router:
                 usage.pipeline, usage.shard = ticket.pipeline, ticket.shard
                 stream = self._serve(ticket, request, request_id, seed, started)
                 try:
+                    await self._answer(stream.reserved(), ticket, request_id)
+                    self.tickets.confirmed(request_id)
                     self._count_prefill(await self._answer(stream.prefilled(), ticket, request_id), usage,
                                         ticket.shard)
                     async for token in self._tokens(stream, ticket, request_id):
@@ -191,14 +192,15 @@ class Router:
                             first_at = time.perf_counter()
                             usage.ttft_seconds = first_at - started
                             self.metrics.ttft.observe(usage.ttft_seconds)
-                            # never prefilled again now: the pipeline's device blocks go to the queue
-                            self.tickets.apply(
-                                self.admission.prefill_ended(request_id, asyncio.get_running_loop().time()))
+                            self.admission.prefill_ended(request_id)  # never prefilled again now
                         yield token
                     usage.finish_reason = stream.finish_reason or usage.finish_reason
                     usage.decode_seconds = time.perf_counter() - (first_at or started)
                     self.metrics.decode.observe(usage.decode_seconds)
                     return
+                except NoRoomNow as refused:  # the shard has no room now: the request queues again
+                    log.info("decode_room_refused", shard=ticket.shard, room_epoch=refused.room_epoch)
+                    ticket = await self.tickets.requeue(ticket, request, refused.room_epoch)
                 except KvpoolError as error:
                     moved = None if first_at else await self._moved(ticket, request, request_id, error)
                     if moved is None:
@@ -235,8 +237,11 @@ class Router:
             raise self._serve_error(exc, ticket, request_id) from None
 
     def _serve_error(self, exc: grpc.aio.AioRpcError, ticket: Ticket, request_id: str) -> KvpoolError:
-        """A failed Serve as the client may see it, blaming the pipeline when decode said the prefill failed."""
+        """A failed Serve as the client may see it, blaming the pipeline when decode said the prefill failed;
+        ``NoRoomNow`` when the shard had no room (the client never sees that: the request queues again)."""
         field = error_field(exc)
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and field == ROOM_FIELD:
+            return NoRoomNow(exc.details() or "decode_room: none now", room_epoch=room_epoch(exc))
         if exc.code() == grpc.StatusCode.UNAVAILABLE and field == PIPELINE_FIELD:  # keeps its field
             return self._backend_error(exc, PIPELINE, ticket.pipeline, request_id)
         return self._backend_error(exc, SHARD, ticket.shard, request_id)
@@ -251,8 +256,8 @@ class Router:
             failed_round = self.admission.health_round
             session = scoped_session_key(request.tenant, request.session_key)
             moved = self.admission.retry(current, error, 0, session)
-            if moved is None and self.admission.retry_may_wait(current, error, 0, own_too=True):
-                moved = await self._retry_when_room(current, error, session, failed_round)
+            if moved is None and self.admission.retry_may_wait(current, error, 0):
+                moved = await self._retry_when_serving(current, error, session, failed_round)
             if moved is not None:
                 self.metrics.retries.inc()
                 log.warning("prefill_retried_elsewhere" if moved.pipeline != current.pipeline else "prefill_retried",
@@ -295,24 +300,21 @@ class Router:
         same = self.admission.pipeline_servers[pipeline] == self.admission.shards[shard].server
         return "same_server" if same else "cross_server"
 
-    async def _retry_when_room(self, ticket: Ticket, error: KvpoolError, session: str,
-                               failed_round: int) -> Ticket | None:
-        """Wait, within the queue's timeout, until another pipeline has device room for a request its
-        own pipeline failed (a first token or a release frees blocks), then move it there; or, within
-        ``--health-wait-s``, until a health round begun after the failure finds its own serving again."""
+    async def _retry_when_serving(self, ticket: Ticket, error: KvpoolError, session: str,
+                                  failed_round: int) -> Ticket | None:
+        """Wait, within ``--health-wait-s``, until another pipeline serves or a health round begun after the
+        failure finds the request's own serving again, then move it there."""
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        deadline, own_until = now + self.admission.queue_timeout_s, now + self.admission.health_wait_s
+        deadline = loop.time() + self.admission.health_wait_s
         log.info("prefill_retry_waits", pipeline=ticket.pipeline, error=str(error))
         while loop.time() < deadline:
-            freed = self.tickets.room_freed
-            try:
-                await asyncio.wait_for(freed.wait(), min(ROOM_RECHECK_S, max(0.0, deadline - loop.time())))
+            changed = self.tickets.changed
+            try:  # a health round applies what it found, setting ``changed``
+                await asyncio.wait_for(changed.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
-                pass  # health may have changed meanwhile: ask again
-            own = loop.time() < own_until
-            moved = self.admission.retry(ticket, error, 0, session, failed_round if own else None)
-            if moved is not None or not self.admission.retry_may_wait(ticket, error, 0, own_too=own):
+                break
+            moved = self.admission.retry(ticket, error, 0, session, failed_round)
+            if moved is not None or not self.admission.retry_may_wait(ticket, error, 0):
                 return moved
         return None
 

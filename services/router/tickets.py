@@ -5,9 +5,9 @@ Every decision is the core's (``kvpool.core.admission.admission``); this is its 
 shell. A queued request waits on a future until its ticket comes, the queue's
 timeout passes, or a backend it needs stays missing; each outcome the core
 answers (``Admitted``) reaches its waiter through ``apply``, and the queue's
-gauges follow. Whatever may free room applies what the core answers (a
-release, a first token, a health round); ``room_freed`` is set each time, for
-a request waiting to be retried on another pipeline.
+gauges follow. Whatever may let a ticket go applies what the core answers (a
+release, a shard's answer to Serve, a shard saying room came back, a health
+round); ``changed`` is set each time, for a request waiting to be retried.
 """
 
 from __future__ import annotations
@@ -29,22 +29,51 @@ class Tickets:
         self.admission = admission
         self.metrics = metrics
         self._waiting: dict[str, asyncio.Future[Ticket]] = {}
-        # set (and replaced) whenever admission may have freed room: a request waiting to be retried looks again
-        self.room_freed = asyncio.Event()
+        self._queued_once: set[str] = set()  # live requests the queued counter counted
+        # set (and replaced) whenever admission's answers may have changed: a request waiting to be retried looks again
+        self.changed = asyncio.Event()
         # the queue's aging, budget and backlog-gate pops already counted in metrics
         self._overdue_seen = self._budget_seen = self._backlog_seen = 0
 
     async def admit(self, request_id: str, request: GenerationRequest) -> Ticket:
         """A ticket now, or after waiting in the queue; queued requests hold nothing."""
         loop = asyncio.get_running_loop()
-        ticket = self.admission.admit(admission_request(request_id, request), loop.time())
+        now = loop.time()
+        ticket = self.admission.admit(admission_request(request_id, request), now)
         if ticket is not None:
             return ticket
-        self.metrics.queued.inc()
-        waiter: asyncio.Future[Ticket] = loop.create_future()
-        self._waiting[request_id] = waiter
-        timer = loop.call_later(self.admission.queue_timeout_s, self._expire)
+        self._count_queued(request_id)
+        waiter = self._waiter(request_id)
         self._publish()
+        return await self._wait(request_id, waiter, now + self.admission.queue_timeout_s)
+
+    async def requeue(self, ticket: Ticket, request: GenerationRequest, epoch: int | None) -> Ticket:
+        """The ticket's shard had no room for it (``epoch``: its give-back count then): wait in the queue
+        again, in its place by arrival and within its first deadline, for the next ticket."""
+        self.metrics.room_refusals.labels(ticket.shard).inc()
+        self._count_queued(ticket.request_id)
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter(ticket.request_id)
+        self.apply(self.admission.refused(admission_request(ticket.request_id, request), epoch, loop.time()))
+        return await self._wait(ticket.request_id, waiter, ticket.arrived_at + self.admission.queue_timeout_s)
+
+    def _count_queued(self, request_id: str) -> None:
+        """A request waits in the queue: counted once however often its shard refuses it."""
+        if request_id not in self._queued_once:
+            self._queued_once.add(request_id)
+            self.metrics.queued.inc()
+
+    def confirmed(self, request_id: str) -> None:
+        """The request's shard holds its room."""
+        self.apply(self.admission.confirmed(request_id, asyncio.get_running_loop().time()))
+
+    def _waiter(self, request_id: str) -> asyncio.Future[Ticket]:
+        waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = waiter
+        return waiter
+
+    async def _wait(self, request_id: str, waiter: asyncio.Future[Ticket], deadline: float) -> Ticket:
+        timer = asyncio.get_running_loop().call_at(deadline, self._expire)
         try:
             return await waiter
         except BaseException:
@@ -55,10 +84,11 @@ class Tickets:
             timer.cancel()
             self._waiting.pop(request_id, None)
 
-    def _expire(self) -> None:
+    def _expire(self) -> None:  # a queued request's deadline came
         self.apply(self.admission.poll(asyncio.get_running_loop().time()))
 
     def release(self, request_id: str) -> None:
+        self._queued_once.discard(request_id)
         self.apply(self.admission.release(request_id, asyncio.get_running_loop().time()))
 
     def apply(self, admitted: Admitted) -> None:
@@ -75,8 +105,8 @@ class Tickets:
                 self.release(ticket.request_id)  # its client went away meanwhile
             else:
                 waiter.set_result(ticket)
-        self.room_freed.set()
-        self.room_freed = asyncio.Event()
+        self.changed.set()
+        self.changed = asyncio.Event()
         self._publish()
 
     def _refuse(self, request_id: str, error: KvpoolError) -> None:
@@ -88,21 +118,18 @@ class Tickets:
 
     def _publish(self) -> None:
         self.metrics.queue_length.set(self.admission.num_queued)
-        overdue = self.admission.queue.num_overdue_pops
-        self.metrics.queue_overdue.inc(overdue - self._overdue_seen)
-        self._overdue_seen = overdue
-        budget = self.admission.queue.num_budget_pops
-        self.metrics.queue_budget.inc(budget - self._budget_seen)
-        self._budget_seen = budget
-        backlog = self.admission.queue.num_backlog_pops
-        self.metrics.queue_backlog.inc(backlog - self._backlog_seen)
-        self._backlog_seen = backlog
+        # a pop a shard's refusal undid leaves the core's counts: a counter counts the highest each reached
+        queue = self.admission.queue
+        overdue, budget, backlog = queue.num_overdue_pops, queue.num_budget_pops, queue.num_backlog_pops
+        self.metrics.queue_overdue.inc(max(0, overdue - self._overdue_seen))
+        self.metrics.queue_budget.inc(max(0, budget - self._budget_seen))
+        self.metrics.queue_backlog.inc(max(0, backlog - self._backlog_seen))
+        self._overdue_seen = max(self._overdue_seen, overdue)
+        self._budget_seen = max(self._budget_seen, budget)
+        self._backlog_seen = max(self._backlog_seen, backlog)
         self.metrics.admitted.set(self.admission.num_admitted)
         for name, shard in self.admission.shards.items():
-            self.metrics.shard_pages.labels(name).set(shard.used_pages)
-            self.metrics.shard_region_bytes.labels(name).set(shard.used_bytes)
-        for name, pipeline in self.admission.pipelines.items():
-            self.metrics.pipeline_blocks.labels(name).set(pipeline.used_blocks)
+            self.metrics.shard_full.labels(name).set(1 if shard.full else 0)
 
 
 def admission_request(request_id: str, request: GenerationRequest) -> AdmissionRequest:

@@ -24,8 +24,8 @@ def test_a_queued_turn_passes_an_older_newcomer_only_within_its_credit() -> None
         assert a.admit(req("new", prompt=150, base=9000), now=0.0) is None
         assert a.admit(req("turn", prompt=120, session="s"), now=1.0) is None
         assert a.queue.credit_s("new") == a.queue.credit_s("turn") == max_bypass_s
-        # d1 frees one region: room for the 120-token turn, not the 150-token newcomer
-        admitted = [t.request_id for t in a.release("r1", now=2.0).tickets]
+        # d1 frees its second region: room for the 120-token turn, not the 150-token newcomer
+        admitted = [t.request_id for t in a.release("r3", now=2.0).tickets]
         if max_bypass_s >= TURN_WORK:  # no budget, or one that covers the turn: it passes, the newcomer pays
             assert admitted == ["turn"]
             assert a.queue.credit_s("new") == max_bypass_s - TURN_WORK
@@ -34,7 +34,7 @@ def test_a_queued_turn_passes_an_older_newcomer_only_within_its_credit() -> None
         # the turn would overdraw the newcomer's credit: the newcomer is the head and holds it back
         assert admitted == [] and a.queue.head(2.0).request.request_id == "new"
         assert a.queue.credit_s("new") == TURN_WORK / 2
-        assert [(t.request_id, t.shard) for t in a.release("r3", now=3.0).tickets] == [("new", "d1")]
+        assert [(t.request_id, t.shard) for t in a.release("r1", now=3.0).tickets] == [("new", "d1")]
         assert a.queue.num_budget_pops == 1  # the work order's first choice, the turn, was held back
         assert [(t.request_id, t.shard) for t in a.release("r2", now=4.0).tickets] == [("turn", "d0")]
         assert (a.queue.num_budget_pops, a.queue.num_overdue_pops) == (1, 0)
@@ -45,7 +45,7 @@ def test_a_request_takes_its_ticket_at_once_only_within_every_queued_credit_and_
         a = admission(QueueOrder.WORK, max_bypass_s=max_bypass_s)
         full(a)
         assert a.admit(req("new", prompt=150, base=9000), now=0.0) is None
-        for done in ("r1", "r2"):  # room for 120 tokens on each shard, for 150 on neither
+        for done in ("r2", "r3"):  # room for 120 tokens on each shard, for 150 on neither
             assert a.release(done, now=1.0).tickets == []
         turn = a.admit(req("turn", prompt=120, session="s"), now=2.0)  # less work than the head, within budget
         assert turn is not None and turn.shard == "d0"
@@ -65,10 +65,10 @@ def test_the_queue_leads_and_takes_at_once_by_the_same_credits() -> None:
     q.push(req("old"), 5.0, now=0.0, deadline=9.0)
     assert (q.leads(3.0, now=1.0), q.leads(3.5, now=1.0), q.leads(5.0, now=1.0)) == (True, False, False)
     with pytest.raises(InvalidArgument, match="does not lead") as error:
-        q.take_at_once("young", 3.5, now=1.0)  # nothing changes
+        q.take_at_once(req("young"), 3.5, now=1.0, deadline=9.0)  # nothing changes
     assert error.value.field == "request_id"
     assert ("young" not in q, q.credit_s("old"), q.head(1.0).request.request_id) == (True, 3.0, "old")
-    q.take_at_once("young", 2.0, now=1.0)
+    q.take_at_once(req("young"), 2.0, now=1.0, deadline=9.0)
     assert (q.credit_s("old"), q.leads(1.0, now=1.0), q.leads(1.5, now=1.0)) == (1.0, True, False)
     assert (len(q), q.num_budget_pops) == (1, 0)  # it went first by the order: the budget held nobody back
     unbounded = AdmissionQueue(QueueOrder.WORK, math.inf)

@@ -66,7 +66,7 @@ def test_without_a_health_wait_a_request_is_refused_at_once() -> None:
         a.admit(req("r"), now=0.0)
     a.set_health("d0", True)
     ticket = a.admit(req("r"), now=0.0)
-    assert ticket is not None and not a.retry_may_wait(ticket, Unavailable("down"), 0, own_too=True)
+    assert ticket is not None and not a.retry_may_wait(ticket, Unavailable("down"), 0)
     with pytest.raises(InvalidArgument, match="health_wait_s"):
         one_pipeline(health_wait_s=-1.0)
 
@@ -81,8 +81,7 @@ def test_a_request_whose_only_pipeline_failed_retries_there_once_a_later_round_f
     a.set_health("p0", True)  # ... and answers: it may have asked before the failure
     assert a.retry(ticket, down, 0, "s", failed_round) is None
     assert in_flight == failed_round
-    assert not a.retry_may_wait(ticket, down, 0)  # no other pipeline could take it
-    assert a.retry_may_wait(ticket, down, 0, own_too=True)  # ... but its own may come back
+    assert a.retry_may_wait(ticket, down, 0)  # no other pipeline, but its own may come back
     a.begin_health_round()
     a.set_health("p0", False)  # the stage is restarting
     assert a.retry(ticket, down, 0, "s", failed_round) is None
@@ -91,8 +90,8 @@ def test_a_request_whose_only_pipeline_failed_retries_there_once_a_later_round_f
     assert a.retry(ticket, down, 0, "s") is None  # without the failure's round: another pipeline only
     moved = a.retry(ticket, down, 0, "s", failed_round)
     assert moved is not None and (moved.pipeline, moved.shard, moved.tries) == ("p0", ticket.shard, 2)
-    assert a.pipelines["p0"].used_blocks == ticket.num_blocks and a.routing.pipelines["p0"].in_flight == 1
+    assert a.routing.pipelines["p0"].in_flight == 1
     assert a.retry(moved, down, 0, "s", failed_round) is None  # once only
-    assert not a.retry_may_wait(moved, down, 0, own_too=True)
+    assert not a.retry_may_wait(moved, down, 0)
     a.release("r", now=1.0)
-    assert a.pipelines["p0"].used_blocks == 0 and a.routing.pipelines["p0"].in_flight == 0
+    assert a.routing.pipelines["p0"].in_flight == 0

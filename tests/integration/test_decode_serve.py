@@ -3,8 +3,9 @@
 On real processes (a two-stage pipeline, decode shards with and without ``--pipelines``): the first message is
 the prefill's answer, the tokens are the single-process reference's; bad input is refused naming the field
 before any room is taken, and the shard serves on; a pipeline that is down comes back UNAVAILABLE naming the
-field ``pipeline``; a call that finds no room waits for the room a request is giving back, woken by it, and
-gives up with RESOURCE_EXHAUSTED after ``--room-wait-s``; a call cancelled during its prefill leaves no region
+field ``pipeline``; a router's call (``room_at_once``) that finds no room is refused at once and WatchRoom says
+when room comes back, while an older router's call waits for the room a request is giving back, woken by it,
+and gives up with RESOURCE_EXHAUSTED after ``--room-wait-s``; a call cancelled during its prefill leaves no region
 and no pages behind.
 """
 
@@ -23,7 +24,7 @@ import torch
 from kvpool import service
 from kvpool.model import InProcessPipeline, get_config, split_layers
 from kvpool.rpc import decode_pb2, decode_pb2_grpc, handoff_pb2
-from kvpool.status import FIELD_KEY
+from kvpool.status import FIELD_KEY, ROOM_EPOCH_KEY
 from kvpool.tools.cluster import LocalDecode, LocalPipeline
 from tests.integration.conftest import eventually, metric
 
@@ -146,16 +147,20 @@ async def test_a_pipeline_that_is_down_is_named_as_the_failed_part(parts) -> Non
     assert (await stats(open_shard.address)).num_regions == 0
 
 
+async def hold_region(decode: decode_pb2_grpc.DecodeStub, address: str) -> handoff_pb2.HandoffTarget:
+    """A 600-token region (half the arena) held for a minute."""
+    shape = await stats(address)
+    return (await decode.Reserve(decode_pb2.ReserveRequest(
+        num_tokens=600, layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in SPLIT],
+        entry_bytes=shape.entry_bytes, kv_dtype=shape.kv_dtype, with_logits=True, hold_s=60), timeout=10)).target
+
+
 async def test_a_call_without_room_waits_for_room_given_back_then_gives_up(parts) -> None:  # type: ignore[no-untyped-def]
     pipeline, _, open_shard = parts
     token_ids = prompt(5, 600)
     async with service.channel(open_shard.address) as channel:
         decode = decode_pb2_grpc.DecodeStub(channel)
-        layout = [handoff_pb2.LayerRange(start=s, end=e) for s, e in SPLIT]
-        shape = await stats(open_shard.address)
-        held = [(await decode.Reserve(decode_pb2.ReserveRequest(
-            num_tokens=600, layer_split=layout, entry_bytes=shape.entry_bytes, kv_dtype=shape.kv_dtype,
-            with_logits=True, hold_s=60), timeout=10)).target for _ in range(2)]  # the arena is full now
+        held = [await hold_region(decode, open_shard.address) for _ in range(2)]  # the arena is full now
         waits = metric(open_shard.process, "kvpool_decode_room_waits_total")
         waiting = asyncio.ensure_future(serve(open_shard.address, serve_request(pipeline.address, token_ids)))
         await eventually(lambda: metric(open_shard.process, "kvpool_decode_room_waits_total") > waits,
@@ -165,14 +170,61 @@ async def test_a_call_without_room_waits_for_room_given_back_then_gives_up(parts
         _, tokens = await asyncio.wait_for(waiting, 60)  # woken by the give-back
         assert tokens == reference(token_ids, 6)
         # with the other still held and nothing given back, the call gives up after --room-wait-s
-        filler = (await decode.Reserve(decode_pb2.ReserveRequest(
-            num_tokens=600, layer_split=layout, entry_bytes=shape.entry_bytes, kv_dtype=shape.kv_dtype,
-            with_logits=True, hold_s=60), timeout=10)).target
+        filler = await hold_region(decode, open_shard.address)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await serve(open_shard.address, serve_request(pipeline.address, token_ids))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
         for target in (held[1], filler):
             await decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=target.region_id), timeout=10)
+
+
+async def test_a_router_call_without_room_is_refused_at_once_and_told_of_room(parts):  # type: ignore[no-untyped-def]
+    """With room_at_once (what the router sends): ``reserved`` comes first; no room is RESOURCE_EXHAUSTED at
+    once naming the field and the give-backs so far, and WatchRoom says when one follows."""
+    pipeline, _, open_shard = parts
+    token_ids = prompt(8, 600)
+
+    async def arena_empty() -> bool:  # what an earlier test gave back drains after the writers' grace
+        return (await stats(open_shard.address)).region_bytes_used == 0
+
+    await eventually(arena_empty, what="an empty arena")
+    async with service.channel(open_shard.address) as channel:
+        decode = decode_pb2_grpc.DecodeStub(channel)
+        first = [r async for r in decode.Serve(serve_request(pipeline.address, token_ids, room_at_once=True),
+                                                timeout=60)]
+        assert first[0].HasField("reserved") and first[1].HasField("prefilled")
+        assert [r.token_id for r in first[2:-1]] == reference(token_ids, 6)
+        watch = decode.WatchRoom(decode_pb2.WatchRoomRequest(), timeout=60)
+        epoch = (await watch.read()).epoch  # the count now, at once
+        held = [await hold_region(decode, open_shard.address) for _ in range(2)]  # the arena is full now
+        waits = metric(open_shard.process, "kvpool_decode_room_waits_total")
+        call = decode.Serve(serve_request(pipeline.address, token_ids, room_at_once=True), timeout=60)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+        trailer = dict(await call.trailing_metadata() or ())
+        assert trailer.get(FIELD_KEY) == "decode_room" and trailer.get(ROOM_EPOCH_KEY) == str(epoch)
+        assert metric(open_shard.process, "kvpool_decode_room_waits_total") == waits  # it did not wait
+        next_event = asyncio.ensure_future(watch.read())
+        await asyncio.sleep(0.2)
+        assert not next_event.done()  # nothing given back yet: the stream says nothing
+        await decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=held[0].region_id), timeout=10)
+        told = (await asyncio.wait_for(next_event, 10)).epoch
+        assert told > epoch  # the give-back after the refusal
+        # asked again each time it says so (its pages come back at once, the region's bytes after the
+        # writers' grace: two give-backs, and asking after the first may be refused again)
+        for _ in range(3):
+            try:
+                again = [r async for r in decode.Serve(
+                    serve_request(pipeline.address, token_ids, room_at_once=True), timeout=60)]
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+                told = (await asyncio.wait_for(watch.read(), 10)).epoch
+        assert again[0].HasField("reserved") and again[0].reserved.room_epoch >= told
+        watch.cancel()
+        await decode.ReleaseRegion(decode_pb2.ReleaseRegionRequest(region_id=held[1].region_id), timeout=10)
+    assert metric(open_shard.process, "kvpool_decode_room_refusals_total") >= 1
 
 
 async def test_a_call_cancelled_during_its_prefill_leaves_nothing_held(parts) -> None:  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import pytest
 
-from kvpool.core.admission.admission import ShardShape
+from kvpool.core.admission.admission import ShardShape, Ticket
 from kvpool.core.admission.queue import admission_work_s
 from kvpool.core.prefill.queue import QueueOrder
 from kvpool.tools.replay import compare_cmd
@@ -24,6 +24,8 @@ from kvpool.services.router.metrics import RouterMetrics
 from kvpool.services.router.router import Router
 from kvpool.services.router.server import router_of
 from kvpool.services.router.settings import RouterSettings
+from kvpool.services.router.tickets import admission_request
+from tests.core.admission_cluster import ShardOwner
 
 T = TypeVar("T")
 
@@ -104,34 +106,64 @@ TURN_WORK = admission_work_s(120, 100)  # session s's second turn: 20 tokens bey
 
 
 def budget_pops(max_bypass_s: float) -> tuple[list[str], float, float]:
-    """r0 (session s) and r1 fill the shard; a 150-token newcomer queues, then s's 120-token turn; r1 ends
-    (room for the turn only), then r0 (room for the newcomer): the queued requests that got tickets, and
+    """r0 (session s) and r1 fill the shard; a 150-token newcomer comes, then s's 120-token turn; r1 ends
+    (room for the turn only), then r0 (room for the newcomer). The shard answers every ticket as its Serve
+    does, by the core it runs (``ShardOwner``), and says when room came back: the requests it took, and
     ``kvpool_router_queue_budget_total`` and ``kvpool_router_queue_overdue_total``."""
 
     def prompt(n: int, base: int = 0, session: str = "") -> GenerationRequest:
         return GenerationRequest("completion", "tiny", list(range(base, base + n)), 60, session_key=session)
 
     async def scenario() -> tuple[list[str], float, float]:
-        router = Router(["127.0.0.1:1"], ["127.0.0.1:2"], RouterMetrics(), order=QueueOrder.WORK,
+        shard = "127.0.0.1:2"
+        router = Router(["127.0.0.1:1"], [shard], RouterMetrics(), order=QueueOrder.WORK,
                         max_wait_s=math.inf, max_bypass_s=max_bypass_s)
+        owner = ShardOwner(SHAPE)
+        requests: dict[str, GenerationRequest] = {}
+        waiting: dict[str, asyncio.Task[Ticket]] = {}
+        served: list[str] = []
+        answered: set[asyncio.Task[Ticket]] = set()
+
+        async def answer() -> None:
+            """The shard's answer to every ticket handed out, until none is left."""
+            for _ in range(20):
+                await asyncio.sleep(0)
+                for request_id, task in list(waiting.items()):
+                    if task.done() and task not in answered:
+                        answered.add(task)
+                        ticket = task.result()
+                        epoch = owner.serve(admission_request(request_id, requests[request_id]))
+                        if epoch is None:
+                            served.append(request_id)
+                            router.tickets.confirmed(request_id)
+                        else:
+                            waiting[request_id] = asyncio.create_task(
+                                router.tickets.requeue(ticket, requests[request_id], epoch))
+
+        def ends(request_id: str) -> None:
+            router.tickets.release(request_id)
+            if owner.end(request_id):  # its stream says room came back
+                router.tickets.apply(router.admission.room_again(shard, owner.room.epoch,
+                                                                 asyncio.get_running_loop().time()))
+
         try:
-            router.admission.set_shard_shape("127.0.0.1:2", SHAPE)
+            router.admission.set_shard_shape(shard, SHAPE)
             router.admission.set_pipeline_shape("127.0.0.1:1", 64, 16)
-            await router.tickets.admit("r0", prompt(100, session="s"))
-            await router.tickets.admit("r1", prompt(100, base=1000))
-            waiting = {request_id: asyncio.create_task(router.tickets.admit(request_id, request))
-                       for request_id, request in (("new", prompt(150, base=9000)),
-                                                   ("turn", prompt(120, session="s")))}
-            await asyncio.sleep(0)  # both queue
-            assert router.admission.queued_ids() == ["new", "turn"]
+            router.admission.set_watched(shard, True, 0)
+            for request_id, request in (("r0", prompt(100, session="s")), ("r1", prompt(100, base=1000)),
+                                        ("new", prompt(150, base=9000)), ("turn", prompt(120, session="s"))):
+                requests[request_id] = request
+                waiting[request_id] = asyncio.create_task(router.tickets.admit(request_id, request))
+                await answer()
+            assert served == ["r0", "r1"] and router.admission.queued_ids() == ["new", "turn"]
+            served.clear()
             for done in ("r1", "r0"):
-                router.tickets.release(done)
-                await asyncio.sleep(0)  # the tickets' waiters run
-            ticketed = [request_id for request_id, waiter in waiting.items() if waiter.done()]
-            for waiter in waiting.values():
-                waiter.cancel()
+                ends(done)
+                await answer()
+            for task in waiting.values():
+                task.cancel()
             registry = router.metrics.registry
-            return (ticketed, registry.get_sample_value("kvpool_router_queue_budget_total"),
+            return (served, registry.get_sample_value("kvpool_router_queue_budget_total"),
                     registry.get_sample_value("kvpool_router_queue_overdue_total"))
         finally:
             await router.close()

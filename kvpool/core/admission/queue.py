@@ -73,6 +73,7 @@ class AdmissionQueue:
             raise InvalidArgument(f"order: the admission queue takes fifo or work, got {order.value}", field="order")
         self._order = PrefillQueue(order, max_wait_s, max_bypass_s, reorder_below_s)
         self._queued: dict[str, QueuedRequest] = {}  # insertion order: arrival order
+        self._left: dict[str, QueuedRequest] = {}  # took tickets, their shards' answers not in yet
 
     @property
     def order(self) -> QueueOrder:
@@ -131,8 +132,11 @@ class AdmissionQueue:
         return None if request_id is None else self._queued[request_id]
 
     def pop_head(self, now: float) -> QueuedRequest:
-        """Take ``head(now)`` (counting an aging pop); InvalidArgument when empty."""
-        return self._queued.pop(self._order.pop(now))
+        """Take ``head(now)`` (counting an aging pop) until ``settle``: ``undo`` puts it back; InvalidArgument
+        when empty."""
+        request_id = self._order.pop(now, undoable=True)
+        self._left[request_id] = queued = self._queued.pop(request_id)
+        return queued
 
     def leads(self, work_s: float, now: float) -> bool:
         """Whether a request arriving now with ``work_s`` would be the head (``PrefillQueue.leads``): the
@@ -140,15 +144,34 @@ class AdmissionQueue:
         the earlier) and its work is within every queued request's bypass credit."""
         return self._order.leads(work_s, now)
 
-    def take_at_once(self, request_id: str, work_s: float, now: float) -> None:
+    def take_at_once(self, request: AdmissionRequest, work_s: float, now: float, deadline: float) -> None:
         """A request that ``leads`` took its ticket without queueing: those it overtook are debited its
-        work, as its pop would debit them; InvalidArgument (nothing changes) unless it leads."""
+        work, as its pop would debit them (until ``settle``: ``undo`` queues it as if it had arrived and
+        not led); InvalidArgument (nothing changes) unless it leads."""
+        request_id = request.request_id
         self._order.push(request_id, work_s, now)  # raises on a duplicate or a bad work
         if self._order.peek(now) != request_id:
             self._order.remove(request_id)
             raise InvalidArgument(f"request_id: {request_id!r} does not lead the admission queue",
                                   field="request_id")
-        self._order.pop(now)
+        self._order.pop(now, undoable=True)
+        self._left[request_id] = QueuedRequest(request, now, deadline, work_s)
+
+    def settle(self, request_id: str) -> None:
+        """The shard holds the room of a request that left with a ticket: its pop stands (nothing if none)."""
+        self._order.settle(request_id)
+        self._left.pop(request_id, None)
+
+    def undo(self, request_id: str) -> bool:
+        """The shard refused the ticket of a request that left: it is queued again as if it had never left
+        (its place, deadline and credit, and those it overtook get theirs back); False when it had not
+        left (nothing changes)."""
+        queued = self._left.pop(request_id, None)
+        if queued is None or not self._order.undo(request_id):
+            return False
+        self._queued[request_id] = queued
+        self._queued = {queued_id: self._queued[queued_id] for queued_id in self._order.ids()}  # push order
+        return True
 
     def oldest(self) -> QueuedRequest:
         """The request queued longest (the earliest deadline); InvalidArgument when empty."""

@@ -33,16 +33,15 @@ The router's moves in detail:
 
 Rules: a retry only for an UNAVAILABLE part and only before any token
 reached the client: a failed prefill pipeline moves the request once to
-another healthy pipeline, keeping its shard and room (when none has device
-room now, the request waits for some: ``retry_may_wait``); a decode shard
-that is down or unreachable (a call to it failed, or prefill could not write
-to it: the error names the field ``target``) moves it once to another healthy
-shard with room, whose room it takes instead (``move_shard``), and the
-request is prefilled again there: its prefix is in the device cache or the
+another healthy pipeline whose device cache could hold it, keeping its shard;
+a decode shard that is down or unreachable (a call to it failed, or prefill
+could not write to it: the error names the field ``target``) moves it once to
+another shard that takes tickets (``move_shard``), and the request is
+prefilled again there: its prefix is in the device cache or the
 pool by then, so little is computed twice. With no other pipeline, and
 ``health_wait_s`` > 0, a request its pipeline failed retries there once a
 health round begun after the failure finds it serving
-(``retry(failed_round=...)``): a stage restarted behind it.
+(``retry(failed_round=...)``, ``retry_may_wait``): a stage restarted behind it.
 """
 
 from __future__ import annotations

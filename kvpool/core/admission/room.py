@@ -1,8 +1,8 @@
-"""The room admission counts — each decode shard's pages and receive arena, each prefill pipeline's device
-blocks — and the tickets that hold it.
+"""What admission knows of each decode shard and prefill pipeline, and the tickets that place requests.
 
-Pure. ``TicketBook`` (``kvpool.core.admission.tickets``) holds one room per
-shard and per pipeline; their ``used_*`` fields are the sums over its live tickets.
+Pure. The owners count their room: a shard its pages and receive arena, stage 0 its device blocks.
+Admission keeps their fixed shapes (to refuse a request that could never fit) and whether a shard said
+it has no room now; ``TicketBook`` (``kvpool.core.admission.tickets``) holds the live tickets.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvpool.core.decode.pages import pages_for_request
 from kvpool.core.decode.regions import REGION_ALIGNMENT
 from kvpool.core.admission.routing import PipelineReason
 
@@ -36,19 +37,18 @@ class AdmissionRequest:
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """Room held for one request until ``release``."""
+    """A request's placement, until ``release``: its shard holds the room (the shard counts it, the
+    router does not), its pipeline the device blocks."""
 
     request_id: str
     pipeline: str
     pipeline_reason: PipelineReason
     shard: str
     locality: Locality
-    num_pages: int
-    region_bytes: int
     queued_s: float
+    arrived_at: float  # when it reached admission (the caller's clock): a refused one queues again by it
     tries: int = 1  # pipelines tried
     shard_tries: int = 1  # decode shards tried
-    num_blocks: int = 0  # the pipeline's device blocks, held until ``prefill_ended``
     num_prompt_tokens: int = 0
 
 
@@ -76,52 +76,70 @@ class ShardShape:
 
 
 @dataclass(slots=True)
-class ShardRoom:
-    """One shard as admission counts it."""
+class ShardState:
+    """What admission knows of a shard: its shape (fixed while it lives), its health, and what it said it has
+    no room for — never a count of its pages or arena, which only the shard holds.
+
+    ``refused``: the needs (pages, region bytes) of the requests it refused since it last said room came
+    back (``epoch``: the latest give-back count it told), the smallest kept: a request needing as much as
+    one of them in both takes no ticket there until it says so; a smaller one may ask. ``probing``: it
+    refused a request, so one ticket at a time goes there (``unconfirmed``: tickets whose Serve has not
+    answered yet) until one is confirmed with nobody queued, and freed room does not draw the whole
+    queue at it.
+    """
 
     name: str
     server: str
     shape: ShardShape | None = None  # unknown until its first Stats
     healthy: bool = True
-    used_pages: int = 0
-    used_bytes: int = 0
     num_tickets: int = 0
+    refused: list[tuple[int, int]] = field(default_factory=list)
+    probing: bool = False
+    epoch: int = -1
+    watched: bool = False  # it tells room given back (WatchRoom); else the router's own releases and health do
+    unconfirmed: set[str] = field(default_factory=set)
 
     @property
-    def free_pages(self) -> int:
-        return self.shape.num_pages - self.used_pages if self.shape else 0
+    def full(self) -> bool:
+        """It refused a request and has not said room came back since."""
+        return bool(self.refused)
 
-    def fits(self, num_pages: int, region_bytes: int) -> bool:
-        return (self.shape is not None and num_pages <= self.free_pages
-                and self.used_bytes + region_bytes <= self.shape.arena_bytes)
+    def needs(self, request: AdmissionRequest) -> tuple[int, int]:
+        """The request's pages and region bytes here."""
+        assert self.shape is not None
+        return (pages_for_request(request.num_prompt_tokens, request.max_tokens, self.shape.page_size),
+                self.shape.region_bytes(request.num_prompt_tokens))
+
+    def refuse(self, request: AdmissionRequest) -> None:
+        """It had no room for ``request``: nor for any request needing as much in both."""
+        pages, nbytes = self.needs(request)
+        self.refused = [(p, b) for p, b in self.refused if p < pages or b < nbytes] + [(pages, nbytes)]
+        self.probing = True
+
+    def can_ever_hold(self, num_prompt_tokens: int, max_tokens: int) -> bool:
+        shape = self.shape
+        return (shape is not None and num_prompt_tokens + max_tokens <= shape.max_context
+                and pages_for_request(num_prompt_tokens, max_tokens, shape.page_size) <= shape.num_pages
+                and shape.region_bytes(num_prompt_tokens) <= shape.arena_bytes)
+
+    def takes(self, request: AdmissionRequest) -> bool:
+        """A ticket for ``request`` may go here now (the shard itself decides whether it has the room)."""
+        if not (self.healthy and not (self.probing and self.unconfirmed)
+                and self.can_ever_hold(request.num_prompt_tokens, request.max_tokens)):
+            return False
+        pages, nbytes = self.needs(request)
+        return not any(pages >= p and nbytes >= b for p, b in self.refused)
 
 
 @dataclass(slots=True)
-class PipelineRoom:
-    """One prefill pipeline's device cache (stage 0's block table, mirrored by every stage) as admission
-    counts it: ``used_blocks`` is the sum of ``blocks_for`` over the tickets still prefilling there.
-
-    Counting every block of a prompt, shared prefix or not, is an upper bound of what stage 0 takes
-    (a device hit shares blocks), so tickets that fit here always fit there at once.
-    """
+class PipelineState:
+    """What admission knows of a prefill pipeline: the longest prompt its device cache holds (fixed while
+    stage 0 lives) and its measured speed. Stage 0 owns its device blocks and waits for them itself."""
 
     name: str
-    num_blocks: int = 0  # 0: unknown until its StageInfo
-    block_size: int = 0
-    used_blocks: int = 0
+    max_prompt_tokens: int = 0  # 0: unknown until its StageInfo
     work_scale: float = 1.0  # its seconds per second of estimated work, from its StageInfo
 
     @property
     def known(self) -> bool:
-        return self.num_blocks > 0
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def blocks_for(self, num_prompt_tokens: int) -> int:
-        """Stage 0's blocks of a prompt: every chunk, the partial last one included."""
-        return -(-num_prompt_tokens // self.block_size) if self.block_size else 0
-
-    def fits(self, num_prompt_tokens: int) -> bool:
-        return self.known and self.used_blocks + self.blocks_for(num_prompt_tokens) <= self.num_blocks
+        return self.max_prompt_tokens > 0

@@ -1,26 +1,20 @@
-"""Admission's ticket book: every decode shard's and prefill pipeline's room, and the live tickets that hold it.
+"""Admission's ticket book: what it knows of every decode shard and prefill pipeline, and the live tickets.
 
 Pure. ``Admission`` (``kvpool.core.admission.admission``) decides who gets a ticket
-and when (the queue, health, retries); the book counts what a ticket holds,
-picks its shard and moves it.
+and when (the queue, health, retries); the book holds the tickets, picks a
+ticket's shard and moves it.
 
 Rules:
-- A ticket holds, for the request's whole life, ``pages_for_request`` pages
-  and one receive region (``region_bytes``) on its shard, and an in-flight
-  slot on its pipeline (``RoutingPolicy`` counts those). Until its first
-  token is out (``Admission.prefill_ended``: no move prefills it again) it
-  also holds its prompt's device blocks on its pipeline (``num_blocks``,
-  every chunk counted, shared prefix or not). The sums over live tickets
-  never exceed a shard's pages or arena, nor a pipeline's device cache, so
-  the shard and stage 0 always have the room the router promised: an
-  admitted request is never failed for lack of room. (Stage 0 may still
-  wait, briefly, for blocks a finished request's pool saves read: those end
-  within the saves' own bounds.)
+- A ticket places a request: a pipeline and a shard. The room is the
+  owners': the shard takes the request's pages and receive region when its
+  Serve arrives (or refuses it at once, and the request queues again), and
+  stage 0 takes its device blocks (waiting for them itself). The book counts
+  only its own tickets (``num_tickets``, ``unconfirmed``).
 - A request that can never fit (its prompt beyond every pipeline's device
   cache, or prompt + max_tokens beyond every shard's context, pages or
   arena) is refused (``check``) with the field and the limit named.
-- Locality: the shard on the pipeline's own server while it has room, else
-  the one with the most free pages; the reason is a metric label.
+- Locality: a shard on the pipeline's own server while one takes tickets,
+  else the one with the fewest tickets; the reason is a metric label.
 """
 
 from __future__ import annotations
@@ -28,28 +22,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from kvpool.core.admission.room import AdmissionRequest, Locality, PipelineRoom, ShardRoom, Ticket
+from kvpool.core.admission.room import AdmissionRequest, Locality, PipelineState, ShardState, Ticket
 from kvpool.core.decode.pages import pages_for_request
 from kvpool.core.errors import InvalidArgument
 from kvpool.core.admission.routing import PipelineReason
 
 
 class TicketBook:
-    """Rooms and live tickets (see the module doc).
+    """Shards, pipelines and live tickets (see the module doc).
 
-    Invariants: for every shard, ``used_pages``/``used_bytes``/``num_tickets``
-    are the sums over its live tickets and never exceed its shape; for every
-    pipeline, ``used_blocks`` is the sum of ``num_blocks`` over its tickets
-    still prefilling and never exceeds its ``num_blocks``.
+    Invariants: a shard's ``num_tickets`` is the number of live tickets on it and its ``unconfirmed``
+    the ids of those its Serve has not answered yet; a request id has at most one ticket.
     """
 
     def __init__(self, shard_servers: dict[str, str], pipeline_servers: dict[str, str], locality: bool) -> None:
-        self.shards = {name: ShardRoom(name, server) for name, server in shard_servers.items()}
+        self.shards = {name: ShardState(name, server) for name, server in shard_servers.items()}
         self.pipeline_servers = dict(pipeline_servers)
-        self.pipelines = {name: PipelineRoom(name) for name in pipeline_servers}
+        self.pipelines = {name: PipelineState(name) for name in pipeline_servers}
         self.locality = locality
         self._tickets: dict[str, Ticket] = {}
-        self._prefilling: set[str] = set()  # tickets whose blocks their pipeline still counts
+        self._prefilling: set[str] = set()  # tickets whose request has no first token yet (it may still move)
 
     @property
     def pipeline_max_prompt(self) -> dict[str, int]:
@@ -105,83 +97,73 @@ class TicketBook:
         (no first token yet): a retry may move it."""
         return self._tickets.get(ticket.request_id) == ticket and ticket.request_id in self._prefilling
 
-    def fitting(self, request: AdmissionRequest) -> list[ShardRoom]:
-        """The healthy shards with room for ``request`` now."""
-        return [s for s in self.shards.values() if s.healthy and s.shape is not None
-                and s.fits(pages_for_request(request.num_prompt_tokens, request.max_tokens, s.shape.page_size),
-                           s.shape.region_bytes(request.num_prompt_tokens))]
+    def taking(self, request: AdmissionRequest) -> list[ShardState]:
+        """The shards a ticket for ``request`` may go to now (``ShardState.takes``)."""
+        return [s for s in self.shards.values() if s.takes(request)]
 
-    def issue(self, ticket: Ticket, shard: ShardRoom, request: AdmissionRequest) -> Ticket:
-        """A new ticket, prefilling, with ``shard``'s room for ``request``."""
-        self.start_prefill(ticket)
-        return self.hold(ticket, shard, request)
+    def issue(self, ticket: Ticket, shard: ShardState) -> Ticket:
+        """A new ticket on ``shard``, prefilling, its Serve not answered yet."""
+        self._prefilling.add(ticket.request_id)
+        return self._hold(ticket, shard)
 
     def end(self, request_id: str) -> Ticket | None:
-        """The request ended: its ticket (None: it had none) and all the room it held go back."""
+        """The request ended or was refused: its ticket (None: it had none) leaves the book."""
         ticket = self._tickets.pop(request_id, None)
         if ticket is not None:
-            self.end_prefill(ticket)
-            self._give_back_shard(ticket)
+            self._prefilling.discard(request_id)
+            self._leave_shard(ticket)
         return ticket
 
-    def start_prefill(self, ticket: Ticket) -> None:
-        self.pipelines[ticket.pipeline].used_blocks += ticket.num_blocks
-        self._prefilling.add(ticket.request_id)
+    def end_prefill(self, request_id: str) -> None:
+        self._prefilling.discard(request_id)
 
-    def end_prefill(self, ticket: Ticket) -> None:
-        if ticket.request_id in self._prefilling:
-            self._prefilling.discard(ticket.request_id)
-            self.pipelines[ticket.pipeline].used_blocks -= ticket.num_blocks
+    def confirm(self, request_id: str) -> ShardState | None:
+        """The ticket's shard answered that it holds the request's room: that shard (None: no such
+        unconfirmed ticket)."""
+        ticket = self._tickets.get(request_id)
+        if ticket is None or request_id not in self.shards[ticket.shard].unconfirmed:
+            return None
+        shard = self.shards[ticket.shard]
+        shard.unconfirmed.discard(request_id)
+        return shard
 
     def move_pipeline(self, ticket: Ticket, pipeline: str, reason: PipelineReason) -> Ticket:
-        """The ticket on ``pipeline`` instead, prefilling there (one more try); its shard's room stays."""
-        self.end_prefill(ticket)
-        room = self.pipelines[pipeline]
-        moved = replace(ticket, pipeline=pipeline, pipeline_reason=reason, tries=ticket.tries + 1,
-                        num_blocks=room.blocks_for(ticket.num_prompt_tokens))
-        self.start_prefill(moved)
+        """The ticket on ``pipeline`` instead (one more try); its shard stays."""
+        moved = replace(ticket, pipeline=pipeline, pipeline_reason=reason, tries=ticket.tries + 1)
         self._tickets[ticket.request_id] = moved
         return moved
 
     def move_shard(self, ticket: Ticket, request: AdmissionRequest) -> Ticket | None:
-        """The ticket on another healthy shard with room now, taking that room and giving the old back
-        (one more try); None when no other shard has room (nothing changes)."""
-        fitting = [s for s in self.fitting(request) if s.name != ticket.shard]
-        if not fitting:
+        """The ticket on another shard that takes it now (one more try); None when none does (nothing
+        changes)."""
+        taking = [s for s in self.taking(request) if s.name != ticket.shard]
+        if not taking:
             return None
-        self._give_back_shard(ticket)
-        shard, locality = self.pick_shard(fitting, self.pipeline_servers[ticket.pipeline])
-        moved = self.hold(replace(ticket, shard=shard.name, locality=locality, shard_tries=ticket.shard_tries + 1),
-                          shard, request)
-        return moved
+        self._leave_shard(ticket)
+        shard, locality = self.pick_shard(taking, self.pipeline_servers[ticket.pipeline])
+        return self._hold(replace(ticket, shard=shard.name, locality=locality, shard_tries=ticket.shard_tries + 1),
+                          shard)
 
-    def hold(self, ticket: Ticket, shard: ShardRoom, request: AdmissionRequest) -> Ticket:
-        """The ticket with ``shard``'s room for ``request``, counted there and live."""
-        assert shard.shape is not None  # fitting shards have a shape
-        ticket = replace(ticket, num_pages=pages_for_request(request.num_prompt_tokens, request.max_tokens,
-                                                             shard.shape.page_size),
-                         region_bytes=shard.shape.region_bytes(request.num_prompt_tokens))
-        shard.used_pages += ticket.num_pages
-        shard.used_bytes += ticket.region_bytes
-        shard.num_tickets += 1
-        self._tickets[request.request_id] = ticket
-        return ticket
-
-    def pick_shard(self, fitting: list[ShardRoom], server: str) -> tuple[ShardRoom, Locality]:
-        """Of ``fitting``, the shard for a pipeline on ``server``, and why (the locality rule)."""
-        def most_free(shards: Iterable[ShardRoom]) -> ShardRoom:
-            return min(shards, key=lambda s: (-s.free_pages, s.num_tickets, s.name))
+    def pick_shard(self, taking: list[ShardState], server: str) -> tuple[ShardState, Locality]:
+        """Of ``taking``, the shard for a pipeline on ``server``, and why (the locality rule)."""
+        def fewest(shards: Iterable[ShardState]) -> ShardState:
+            return min(shards, key=lambda s: (s.num_tickets, s.name))
 
         if not self.locality:
-            return most_free(fitting), Locality.OFF
-        local = [s for s in fitting if s.server == server]
+            return fewest(taking), Locality.OFF
+        local = [s for s in taking if s.server == server]
         if local:
-            return most_free(local), Locality.SAME_SERVER
+            return fewest(local), Locality.SAME_SERVER
         has_local = any(s.healthy and s.server == server for s in self.shards.values())
-        return most_free(fitting), Locality.LOCAL_FULL if has_local else Locality.NO_LOCAL_SHARD
+        return fewest(taking), Locality.LOCAL_FULL if has_local else Locality.NO_LOCAL_SHARD
 
-    def _give_back_shard(self, ticket: Ticket) -> None:
+    def _hold(self, ticket: Ticket, shard: ShardState) -> Ticket:
+        shard.num_tickets += 1
+        shard.unconfirmed.add(ticket.request_id)
+        self._tickets[ticket.request_id] = ticket
+        return ticket
+
+    def _leave_shard(self, ticket: Ticket) -> None:
         shard = self.shards[ticket.shard]
-        shard.used_pages -= ticket.num_pages
-        shard.used_bytes -= ticket.region_bytes
         shard.num_tickets -= 1
+        shard.unconfirmed.discard(ticket.request_id)

@@ -37,7 +37,8 @@ FIFO, while in calmer stretches short turns still go first. Measured in the
 simulator: docs/simulation.md, "The backlog gate".
 
 Invariants: a request id is queued at most once; ``len`` counts the queued;
-``FIFO`` pops in push order; ``WORK`` pops the oldest request when it is
+``FIFO`` pops in push order (an undone pop, ``undo``, takes its
+place again with its credit, and those it overtook get theirs back); ``WORK`` pops the oldest request when it is
 overdue, else the least work (earliest push on a tie) among those the
 budget lets go. No credit is ever negative, so the work popped between a
 request's push and its pop is at most the work queued at its push plus
@@ -117,6 +118,15 @@ class _Entry:
     credit: float  # the bypass budget left: how much more younger work may still overtake it
 
 
+@dataclass(slots=True)
+class _Pop:
+    """What an undoable pop changed: the entry, those it debited, the counter it moved."""
+
+    entry: _Entry
+    debited: list[str]
+    counter: str | None
+
+
 def _ratio_key(entry: _Entry, now: float) -> tuple[float, int]:
     """RATIO's order, highest first: the response ratio, then the earlier arrival."""
     return (now - entry.enqueued_at + entry.work) / max(entry.work, RATIO_FLOOR_S), -entry.seq
@@ -149,6 +159,7 @@ class PrefillQueue:
         self.num_overdue_pops = 0  # pops decided by aging (a metric: how often the bound binds)
         self.num_budget_pops = 0  # pops where the budget held the order's first choice back
         self.num_backlog_pops = 0  # pops in arrival order because the backlog reached ``reorder_below_s``
+        self._undoable: dict[str, _Pop] = {}  # pops not settled yet (``pop(undoable=True)``)
 
     @property
     def _budgeted(self) -> bool:
@@ -238,12 +249,15 @@ class PrefillQueue:
             least_credit = min(least_credit, credits[i])
         return best, best != first
 
-    def pop(self, now: float) -> str:
-        """Take the request ``peek`` names, debiting those it overtakes; InvalidArgument when empty."""
+    def pop(self, now: float, undoable: bool = False) -> str:
+        """Take the request ``peek`` names, debiting those it overtakes; InvalidArgument when empty.
+        ``undoable``: until ``settle``, ``undo`` puts it back as if it had never been popped."""
         if not self._arrivals:
             raise InvalidArgument("pop: the queue is empty")
         oldest = next(iter(self._arrivals.values()))
         in_order = self._in_order(oldest, now)
+        debited: list[str] = []
+        counter = None
         if self._budgeted and not in_order:
             entries = list(self._arrivals.values())
             index, held = self._pick(entries, [e.credit for e in entries], now)
@@ -251,7 +265,10 @@ class PrefillQueue:
             work = entries[index].work
             for older in entries[:index]:
                 older.credit -= work  # >= 0: ``_pick`` let it go only if work <= every older credit
-            self.num_budget_pops += held
+                debited.append(older.request_id)
+            if held:
+                self.num_budget_pops += 1
+                counter = "num_budget_pops"
         else:
             request_id = self.peek(now)
             assert request_id is not None
@@ -259,9 +276,36 @@ class PrefillQueue:
         self._took(entry)
         if self.order is not QueueOrder.FIFO and now - entry.enqueued_at >= self.max_wait_s:
             self.num_overdue_pops += 1
+            counter = "num_overdue_pops"
         elif in_order and self.order is not QueueOrder.FIFO:
             self.num_backlog_pops += 1
+            counter = "num_backlog_pops"
+        if undoable:
+            self._undoable[request_id] = _Pop(entry, debited, counter)
         return request_id
+
+    def settle(self, request_id: str) -> None:
+        """An undoable pop stands (nothing if there is none)."""
+        self._undoable.pop(request_id, None)
+
+    def undo(self, request_id: str) -> bool:
+        """Put an undoable pop back: the request in its place by push order, with the credit it had, and
+        those it overtook with theirs; False (nothing changes) when there is no such pop to undo."""
+        popped = self._undoable.pop(request_id, None)
+        if popped is None or request_id in self._arrivals:
+            return False
+        entry = popped.entry
+        for older in popped.debited:
+            if older in self._arrivals:
+                self._arrivals[older].credit += entry.work
+        if popped.counter is not None:
+            setattr(self, popped.counter, getattr(self, popped.counter) - 1)
+        self._arrivals[request_id] = entry
+        self._arrivals = OrderedDict(sorted(self._arrivals.items(), key=lambda item: item[1].seq))
+        self.queued_work_s += entry.work
+        if self.order is QueueOrder.WORK and not self._budgeted:
+            heapq.heappush(self._by_work, (entry.work, entry.seq, request_id))
+        return True
 
     def waited_s(self, request_id: str, now: float) -> float:
         return now - self._arrivals[request_id].enqueued_at

@@ -59,6 +59,7 @@ POLICY: dict[str, frozenset[str]] = {
     "/kvpool.rpc.Decode/Generate": _ROUTER,
     "/kvpool.rpc.Decode/ReleaseRegion": _ROUTER,
     "/kvpool.rpc.Decode/Stats": _ROUTER,
+    "/kvpool.rpc.Decode/WatchRoom": _ROUTER,  # room given back, for the router's queue
     "/kvpool.rpc.Router/Generate": frozenset({"client", "router"}),
 }
 # who may read a service's admin port (its /metrics name every tenant and its usage)
