@@ -146,6 +146,9 @@ def test_a_removed_field_with_its_number_reserved_is_compatible() -> None:
 NEW_CALLS = {  # (callee service, method): who starts calling it, and which side must be upgraded first
     ("Decode", "Serve"): "router",  # so decode shards before the router
     ("Prefill", "Prefill"): "decode",  # by decode's Serve: stage 0 before the router (its access policy)
+    # an older shard answers UNIMPLEMENTED (and ignores Serve's room_at_once: no ``reserved``, it waits for
+    # room): the router then asks a shard that refused it again after its own releases and each health round
+    ("Decode", "WatchRoom"): "router",
 }
 STILL_SERVED = {  # an older caller's calls, kept so it works beside upgraded services
     "Decode": ("Reserve", "Generate", "Landed", "ReleaseRegion"),  # an older router; older stages' Landed
