@@ -46,8 +46,10 @@ class DecodeSettings(ModelSetting):
                                          "not-ready (new calls still served until callers notice)")
     pipelines: str = setting("", help="the prefill pipelines' stage 0 addresses (host:port, comma-separated) a "
                                       "Serve call may name; empty: any", metavar="ADDRESSES")
-    room_wait_s: float = setting(5.0, help="how long a Serve call waits for pages and a receive region that a "
-                                           "request that just ended is still freeing, before RESOURCE_EXHAUSTED")
+    room_wait_s: float = setting(5.0, help="how long a Serve call of a router of the last version waits for pages "
+                                           "and a receive region a request that just ended is still freeing, "
+                                           "before RESOURCE_EXHAUSTED (this version's router asks to be refused "
+                                           "at once and is told when room comes back)")
 
     def __post_init__(self) -> None:
         if not self.transfer_engine and not self.shared_memory:
