@@ -1,6 +1,7 @@
 """Stage 0's restore of one request from the pool: look its chunks up at the master, have every
-stage read its own objects of the planned chunks into their blocks at once, report the groups
-some stage could not verify, and apply what all stages got (the core's ``PrefillRequest``).
+stage read its own objects of the planned chunks into their blocks, report the groups some stage
+could not verify, and end the lease off the request's path. What is planned, and when a lease ends,
+is the request driver's (``kvpool.core.prefill.driver``); this module does the I/O.
 
 Two ways to reach the later stages:
 
@@ -9,10 +10,10 @@ Two ways to reach the later stages:
   first message, every stage starts its own read as that message passes and computes once it
   landed, and the figures come back with the chain's answer. No call of its own: a pool hit costs
   the lookup and nothing more before the forward. The forward is planned past every planned chunk
-  before any stage has read it (``PrefillRequest.expect_restore``); a stage that falls short fails
-  the forward (``RestoreFellShort``) and the scheduler plans the request again without the pool.
-- by ``Restore`` calls, one per later stage at once (``restore``): a session's staging
-  (``prefetch.py``), which runs no forward, and later stages of an older version.
+  before any stage has read it; a stage that falls short fails the forward (``RestoreFellShort``)
+  and the driver plans the request again without the pool.
+- by ``Restore`` calls, one per later stage at once (``on_stages``): later stages of an older version,
+  and a session's staging (``prefetch.py``, through ``restore``), which runs no forward.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import structlog
 from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import ChunkHash, group_id, object_key
 from kvpool.core.errors import Unavailable
-from kvpool.core.prefill.planner import RestorePlan
 from kvpool.core.prefill.request import PrefillRequest
 from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import LookupResult
@@ -76,45 +76,28 @@ class PoolRestore:
         # lease releases in flight: off the request's path (issue 37), kept so none is dropped unawaited
         self._releases: set[asyncio.Task[None]] = set()
 
-    async def begin_on_chain(self, request: PrefillRequest, use_pool: bool = True
-                             ) -> tuple[RestoreReport, ChainRestore | None]:
-        """Look the pool-candidate chunks up (none without ``use_pool``), plan the forward past the pool hit
-        (``expect_restore``) and start stage 0's own read; every stage's part, for the chain's first message.
-        None when nothing is to be restored."""
-        report = RestoreReport()
-        candidates = request.lookup_candidates if use_pool else []
-        if self.pool is None or not candidates:
-            request.plan(0)
-            request.expect_restore()
-            return report, None
-        lookup, plan = await self._lookup(request, candidates, report)
-        request.expect_restore()
-        if not plan.num_pool_chunks:
-            self._release(lookup.lease_id, [])
-            return report, None
-        stages = [StageRestore(tuple(chunks), tuple(self._accesses(chunks)))
-                  for chunks in self._per_stage(request, lookup)]
-        local = asyncio.ensure_future(self.runner.restore(stages[0].chunks))
-        return report, ChainRestore(lookup.lease_id, stages, local)
-
-    async def _lookup(self, request: PrefillRequest, candidates: Sequence[ChunkHash], report: RestoreReport
-                      ) -> tuple[LookupResult, RestorePlan]:
-        """Look the candidates up at the master (its time into ``report``) and plan from what it found."""
+    async def lookup(self, request: PrefillRequest, candidates: Sequence[ChunkHash], report: RestoreReport
+                     ) -> LookupResult:
+        """Look the candidates up at the master (its time into ``report``)."""
         assert self.pool is not None
         t0 = time.perf_counter()
         lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates])
         report.lookup_ms = (time.perf_counter() - t0) * 1e3
-        plan = request.plan_lookup(lookup.num_complete)
-        if request.num_write_back_chunks:
-            log.info("device_hits_written_back", request_id=request.request_id, chunks=request.num_write_back_chunks)
-        return lookup, plan
+        return lookup
 
-    def end_on_chain(self, request: PrefillRequest, chain: ChainRestore, report: RestoreReport,
-                     answered: Sequence[StageRestoreFigures] | None, corrupt_chunk_indexes: Sequence[int] = ()) -> None:
-        """The chain answered (``answered``: every stage's figures, stage 0's first) or failed (None;
-        ``corrupt_chunk_indexes``: what the failing stage found corrupt), with every stage's read ended: the
-        figures, then the lease's release off the request's path, naming the groups some stage could not
-        verify."""
+    def begin_on_chain(self, request: PrefillRequest, lookup: LookupResult) -> ChainRestore:
+        """Every stage's part of the planned chunks, for the chain's first message, and stage 0's own read,
+        started now."""
+        stages = [StageRestore(tuple(chunks), tuple(self._accesses(chunks)))
+                  for chunks in self._per_stage(request, lookup)]
+        local = asyncio.ensure_future(self.runner.restore(stages[0].chunks))
+        return ChainRestore(lookup.lease_id, stages, local)
+
+    @staticmethod
+    def end_on_chain(chain: ChainRestore, report: RestoreReport,
+                     answered: Sequence[StageRestoreFigures] | None) -> None:
+        """The chain answered (``answered``: every stage's figures, stage 0's first) or failed (None), with
+        every stage's read ended: the figures into ``report``."""
         local = chain.local
         if answered is not None:
             report.stages = list(answered)
@@ -122,10 +105,10 @@ class PoolRestore:
             report.stages = [StageRestoreFigures.of(0, local.result())]
         # the stages read at once, each while the earlier ones computed: the slowest read is the restore's time
         report.wait_ms = max((s.read_ms for s in report.stages), default=0.0)
-        corrupt = self._corrupt_groups(request, report.stages, corrupt_chunk_indexes)
-        self._release(chain.lease_id, corrupt)
 
-    def _release(self, lease_id: str, corrupt: list[str]) -> None:
+    def release(self, lease_id: str, corrupt: list[str]) -> None:
+        """End a lease off the request's path (nobody waits for it), naming the groups some stage could
+        not verify."""
         assert self.pool is not None
         release = detached(self.pool.release(lease_id, corrupt))  # nobody waits for it
         self._releases.add(release)
@@ -139,7 +122,7 @@ class PoolRestore:
 
     async def restore(self, request: PrefillRequest, use_pool: bool = True) -> RestoreReport:
         """Look the pool-candidate chunks up (none without ``use_pool``), restore them on every stage by
-        ``Restore`` calls, apply what all stages got."""
+        ``Restore`` calls, apply what all stages got (a session's staging)."""
         report = RestoreReport()
         # from the head: the lookup also finds device hits whose pool copy is gone (written back)
         candidates = request.lookup_candidates if use_pool else []
@@ -147,21 +130,22 @@ class PoolRestore:
             request.plan(0)
             request.apply_restore([], self.blocks)
             return report
-        lookup, plan = await self._lookup(request, candidates, report)
+        lookup = await self.lookup(request, candidates, report)
+        plan = request.plan_lookup(lookup.num_complete)
         try:
             if plan.num_pool_chunks:
                 t1 = time.perf_counter()
-                report.stages = await self._on_stages(request, lookup)
+                report.stages = await self.on_stages(request, lookup)
                 report.wait_ms = (time.perf_counter() - t1) * 1e3
         finally:
             # the bytes are in the pages now: the lease (and any corrupt group's report) is the master's
             # business, not this request's, so its release does not hold the first token back
-            self._release(lookup.lease_id, self._corrupt_groups(request, report.stages))
+            self.release(lookup.lease_id, self.corrupt_groups(request, report.stages))
         request.apply_restore([s.num_chunks_restored for s in report.stages], self.blocks)
         return report
 
-    def _corrupt_groups(self, request: PrefillRequest, stages: Sequence[StageRestoreFigures],
-                        more: Sequence[int] = ()) -> list[str]:
+    def corrupt_groups(self, request: PrefillRequest, stages: Sequence[StageRestoreFigures],
+                       more: Sequence[int] = ()) -> list[str]:
         """Groups of the lease with an object some stage got but could not verify: the master
         drops them when the lease ends, so this request's save stores them afresh."""
         found = {i for s in stages for i in s.corrupt_chunk_indexes} | set(more)
@@ -173,7 +157,7 @@ class PoolRestore:
                     first_chunk_index=indexes[0], first_group_id=group_ids[0])
         return group_ids
 
-    async def _on_stages(self, request: PrefillRequest, lookup: LookupResult) -> list[StageRestoreFigures]:
+    async def on_stages(self, request: PrefillRequest, lookup: LookupResult) -> list[StageRestoreFigures]:
         """Every stage reads its own objects of the planned chunks at once."""
         per_stage = self._per_stage(request, lookup)
         results = await asyncio.gather(

@@ -3,9 +3,11 @@ on every stage, run the pipeline (every stage streams its KV, the last stage
 also the final logits, into decode's reserved region as its forward passes
 them), collect the handoff's figures, free the blocks.
 
-Every decision is the core's: the block manager (one block table for all
-stages), the hit planner and the request's life (``kvpool.core``). This
-module does the I/O around them; the restore from the pool is
+Every decision is the core's: the request's driver (``kvpool.core.prefill.driver``,
+a sans-I/O state machine over the block manager, one block table for all
+stages, and the hit planner). This module carries its effects out (the
+lookup, the restore, the forward, the lease's release, the saves' wait, the
+wake-ups) and feeds the answers back; the restore from the pool is
 ``pool_restore.py``, the stages' handoff and save ends ``stage_ends.py``.
 """
 
@@ -14,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -24,15 +27,24 @@ import torch
 from kvpool.core.admission import retry as retry_policy
 from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import chunk_hashes, hash_root
-from kvpool.core.errors import (
-    DeviceCacheLost,
-    FailedPrecondition,
-    InvalidArgument,
-    RestoreFellShort,
-    Unavailable,
+from kvpool.core.errors import DeviceCacheLost, FailedPrecondition, InvalidArgument, KvpoolError, Unavailable
+from kvpool.core.prefill.driver import (
+    Admitted,
+    Effect,
+    Failed,
+    Forward,
+    Freed,
+    Lookup,
+    PlannedAgain,
+    PrefillDriver,
+    Prefilled,
+    ReleaseLease,
+    RestoreOnStages,
+    SavesThenFree,
+    WaitForBlocks,
+    save_holder,
 )
 from kvpool.core.prefill.queue_settings import queue_order
-from kvpool.core.prefill.request import Phase, PrefillRequest, try_admit
 from kvpool.core.sessions.table import SessionId
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, TenantShares, tenant_name
 from kvpool.pool.client import PoolClient
@@ -42,7 +54,8 @@ from kvpool.core.prefill.stage_forward import StageForward, StageForwardResult
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.stage0.gate import PrefillGate
 from kvpool.services.prefill.metrics import GatePopsCollector, PrefillMetrics
-from kvpool.services.prefill.stage0.pool_restore import ChainRestore, PoolRestore, RestoreReport
+from kvpool.pool.objects import LookupResult
+from kvpool.services.prefill.stage0.pool_restore import PoolRestore, RestoreReport
 from kvpool.services.prefill.stage0.prefill_result import PrefillFigures, PrefillResult
 from kvpool.services.prefill.stage0.prefetch import PrefetchMetrics, SessionPrefetcher
 from kvpool.services.prefill.stage0.stage_clients import StageClient
@@ -56,24 +69,42 @@ log = structlog.get_logger(__name__)
 MAX_SESSION_KEY_BYTES = 256
 
 
-def save_holder(request_id: str) -> str:
-    """The block manager's holder id of a request's save (its blocks' extra reference)."""
-    return f"{request_id}/save"
-
-
 @dataclass(slots=True)
-class RunResult:
-    restore: RestoreReport
-    forward: StageForwardResult
-    compute_ms: float
+class _Flow:
+    """One request's driver and the I/O state its effects carry between them."""
+
+    driver: PrefillDriver
+    token_ids: Sequence[int]
+    return_logits: bool
+    tenant: str
+    target: HandoffTarget | None
+    started: float
+    bound: Any
+    pending: deque[Effect] = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    restore: RestoreReport = field(default_factory=RestoreReport)
+    lookup: LookupResult | None = None
+    forward: StageForwardResult | None = None
     handoff: HandoffFigures | None = None
+    compute_ms: float = 0.0
+    waiting: bool = False  # the flow waits for blocks or for saves: nothing of the request is in flight
+    waiting_blocks: bool = False  # not admitted yet (counted in kvpool_prefill_admission_waiting)
+    done: bool = False  # the flow ended (its answer is out, or it failed)
+    frees_seen: int = 0
+
+    def feed(self, effects: list[Effect], frees: int) -> None:
+        """The driver's effects of one event; ``frees``: the scheduler's count of frees when it decided
+        (a WaitForBlocks with frees since is answered at once: nothing waits for a wake-up it missed)."""
+        self.pending.extend(effects)
+        self.frees_seen = frees
+        self.wake.set()
 
 
 class PrefillScheduler:
     """Admits prefills against the device cache and runs them through all stages.
 
-    The decisions are the core's (``PrefillRequest``, ``try_admit``); this
-    class does the I/O between them. A request's blocks are its own only
+    The decisions are the core's (``PrefillDriver`` over ``PrefillRequest`` and ``BlockManager``); this
+    class carries its effects out and feeds the answers back. A request's blocks are its own only
     while its Prefill runs: they are freed when it returns, however it ends.
     """
 
@@ -96,8 +127,8 @@ class PrefillScheduler:
         self.handoff = handoff
         self.ends = StageEnds(runner, handoff, handoff_metrics, self.stages)
         self._freed = asyncio.Condition()
+        self._frees = 0  # frees so far (a request that found no blocks waits only if none came since)
         self._releases: set[asyncio.Task[None]] = set()
-        self._releasing: dict[str, asyncio.Task[None]] = {}  # by request id
         # the gate (--sched-slots) in --sched's order; session-aware prefill: retention by session, staging
         order = queue_order(self.settings)
         self.gate = (PrefillGate(self.settings.sched_slots, self.settings.sched_max_wait_s, order,
@@ -176,183 +207,224 @@ class PrefillScheduler:
     async def _prefill(self, request_id: str, token_ids: Sequence[int], hashes: list[Any], session: SessionId | None,
                        return_logits: bool, tenant: str, target: HandoffTarget | None,
                        started: float, bound: Any) -> PrefillResult:
-        use_pool, replans = True, 0
-        for attempt in range(1, retry_policy.MAX_REPLANS + 2):
-            request = PrefillRequest(request_id, len(token_ids), self.chunk_size, hashes, tenant=tenant_name(tenant),
-                                     session=session)
-            try:
-                await self._admit(request)
-            except asyncio.CancelledError:  # while it waited for device blocks: none were taken
-                self._cancelled(bound, "admission")
+        """Run the core's driver (``kvpool.core.prefill.driver``) to the request's end: its effects carried
+        out here, the answers fed back. Shielded: a caller that goes away ends it once what is in flight
+        ended (the stages write this request's pages), and then everything it held goes back."""
+        driver = PrefillDriver(request_id, len(token_ids), self.chunk_size, hashes, self.blocks,
+                               self.settings.admission_timeout_s, tenant=tenant_name(tenant), session=session,
+                               pool=self.pool is not None,
+                               restore_on_chain=all(s.restore_on_chain for s in self.stages))
+        flow = _Flow(driver, token_ids, return_logits, tenant, target, started, bound)
+        if self.gate is not None:
+            # the histories of this request and of those still waiting, in serving order: the next served is
+            # the last evicted (arrival order alone made the oldest waiter, served next, the first evicted)
+            self.blocks.touch_sessions(([session] if session is not None else [])
+                                       + self.gate.waiting_sessions(time.monotonic()))
+        self.metrics.admission_waiting.inc()
+        flow.waiting_blocks = True
+        flow.feed(driver.start(time.monotonic()), self._frees)
+        task = asyncio.ensure_future(self._drive(flow))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
                 raise
+            self._cancelled(bound, "admission" if flow.waiting_blocks else "running")
+            flow.feed(driver.cancel(), self._frees)
+            if driver.ended and flow.waiting:  # nothing in flight but a wait: it ends now
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            else:
+                task.add_done_callback(self._cancelled_ended)
+            raise
+
+    def _cancelled_ended(self, task: asyncio.Task[PrefillResult]) -> None:
+        if not task.cancelled() and task.exception() is not None \
+                and not isinstance(task.exception(), asyncio.CancelledError):
+            log.info("cancelled_prefill_failed", error=str(task.exception()))
+
+    async def _drive(self, flow: _Flow) -> PrefillResult:
+        """Carry the driver's effects out until it prefilled the request (the answer) or it failed."""
+        try:
+            while True:
+                while flow.pending:
+                    result = await self._carry_out(flow, flow.pending.popleft())
+                    if result is not None:
+                        return result
+                flow.waiting = True  # for the last attempt's saves (a new attempt follows them)
+                flow.wake.clear()
+                await flow.wake.wait()
+                flow.waiting = False
+        finally:
+            flow.done = True
+            if flow.waiting_blocks:
+                self.metrics.admission_waiting.dec()
+                flow.waiting_blocks = False
+
+    async def _carry_out(self, flow: _Flow, effect: Effect) -> PrefillResult | None:
+        driver, bound = flow.driver, flow.bound
+        if isinstance(effect, WaitForBlocks):
+            flow.waiting = True
+            try:
+                await self._wait_for_blocks(effect.deadline, flow.frees_seen)
+            finally:
+                flow.waiting = False
+            flow.feed(driver.blocks_freed(time.monotonic()), self._frees)
+        elif isinstance(effect, Admitted):
+            if flow.waiting_blocks:
+                flow.waiting_blocks = False
+                self.metrics.admission_waiting.dec()
+                self.metrics.admission_wait.observe(time.perf_counter() - flow.started)
+            self.metrics.device_usage.set(self.blocks.usage)
+            self.metrics.observe_tenants(self.blocks.tenant_blocks)
             # the admission order (kvpool simulate --validate replays the simulator in it)
-            bound.info("prefill_admitted", attempt=attempt, tokens=request.num_tokens)
-            self.prefetcher.admitted(request)
-            work = asyncio.ensure_future(
-                self._run(request, token_ids, return_logits, target, tenant, use_pool))
-            try:
-                # shielded: if the caller goes away, the stages are still writing this
-                # request's pages, so its blocks go back only once they are done
-                run = await asyncio.shield(work)
-            except asyncio.CancelledError:
-                self._cancelled(bound, "running")
-                # its blocks go back once the stages are done with them, not before
-                work.add_done_callback(lambda task: self._free_after(task, request.request_id))
-                raise
-            except (DeviceCacheLost, RestoreFellShort) as exc:
-                # the core's policy (kvpool.core.admission.retry): a later stage restarted and the cache was
-                # forgotten (run_stage dropped it), planned again with no device hit; or a stage could not
-                # restore what the forward was planned past, planned again without the pool
-                if isinstance(exc, RestoreFellShort):
-                    self.metrics.restores_fell_short.inc()
-                await self.free(request.request_id)
-                release = self._releasing.get(request.request_id)
-                if release is not None:
-                    await asyncio.shield(release)  # the first attempt's saves let go of its blocks
-                how = retry_policy.replan(exc, replans)
-                if how is None:
-                    raise Unavailable(f"prefill: {exc}") from None
-                replans += 1
-                use_pool = use_pool and how is not retry_policy.Replan.WITHOUT_POOL
-                bound.info("prefill_planned_again", reason=str(exc), how=how.value)
-                continue
-            except BaseException:
-                await self.free(request.request_id)
-                raise
-            break
-        await self.free(request.request_id)  # nothing is held after Prefill returns
+            bound.info("prefill_admitted", attempt=effect.attempt, tokens=driver.request.num_tokens)
+            self.prefetcher.admitted(driver.request)
+            flow.restore = RestoreReport()
+        elif isinstance(effect, Lookup):
+            flow.lookup = await self.restorer.lookup(driver.request, effect.candidates, flow.restore)
+            flow.feed(driver.looked_up(flow.lookup.num_complete, flow.lookup.lease_id), self._frees)
+            if driver.request.num_write_back_chunks:
+                bound.info("device_hits_written_back", chunks=driver.request.num_write_back_chunks)
+        elif isinstance(effect, RestoreOnStages):
+            assert flow.lookup is not None
+            t1 = time.perf_counter()
+            flow.restore.stages = await self.restorer.on_stages(driver.request, flow.lookup)
+            flow.restore.wait_ms = (time.perf_counter() - t1) * 1e3
+            flow.feed(driver.restored([s.num_chunks_restored for s in flow.restore.stages],
+                                      sorted({i for s in flow.restore.stages for i in s.corrupt_chunk_indexes})),
+                      self._frees)
+        elif isinstance(effect, Forward):
+            await self._forward(flow, effect)
+        elif isinstance(effect, ReleaseLease):
+            self.restorer.release(effect.lease_id, self.restorer.corrupt_groups(
+                driver.request, flow.restore.stages, effect.corrupt_chunk_indexes))
+        elif isinstance(effect, SavesThenFree):
+            task = asyncio.ensure_future(self._saves_then_free(flow, effect.holder))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+        elif isinstance(effect, Freed):
+            await self._freed_holders(list(effect.holders))
+        elif isinstance(effect, PlannedAgain):
+            if effect.how == retry_policy.Replan.WITHOUT_POOL.value:
+                self.metrics.restores_fell_short.inc()
+            bound.info("prefill_planned_again", reason=effect.reason, how=effect.how)
+        elif isinstance(effect, Prefilled):
+            result = self._result(flow)
+            flow.feed(driver.release(), self._frees)  # nothing is held after Prefill returns
+            while flow.pending:
+                await self._carry_out(flow, flow.pending.popleft())
+            return result
+        elif isinstance(effect, Failed):
+            if effect.error is None:
+                raise asyncio.CancelledError()
+            raise effect.error
+        return None
+
+    async def _forward(self, flow: _Flow, effect: Forward) -> None:
+        """Restore on the chain (when planned), compute through all stages (streaming into decode's region),
+        collect the handoff; the driver hears how it ended."""
+        driver, request, target = flow.driver, flow.driver.request, flow.target
+        chain = self.restorer.begin_on_chain(request, flow.lookup) if effect.restore and flow.lookup else None
+        forward = StageForward(
+            request_id=request.request_id, block_table=tuple(request.block_table),
+            compute_start=effect.compute_start, num_tokens=request.num_tokens,
+            save_first_chunk=effect.save_first_chunk, save_chunk_hashes=tuple(effect.save_chunk_hashes),
+            return_logits=flow.return_logits, tenant=flow.tenant, target=target,
+        )
+        inputs = torch.tensor(flow.token_ids[effect.compute_start:], dtype=torch.int64)
+        t0 = time.perf_counter()
+        try:
+            result = await run_stage(self.runner, self.link, forward, inputs, self.handoff,
+                                     chain.local if chain is not None else None,
+                                     tuple(chain.stages[1:]) if chain is not None else ())
+            if target is not None and len(result.handoff_stages) == self.settings.num_stages:
+                flow.handoff = self.ends.handoff_ended(request.request_id, target, result.handoff_stages)
+            elif target is not None:  # a later stage of an older version answered without its figures
+                flow.handoff = await self.ends.handoff_done(request.request_id, target)
+        except Exception as exc:
+            if target is not None:  # every stage's writes read this request's pages: they end first
+                with contextlib.suppress(Exception):
+                    await self.ends.handoff_done(request.request_id, target)
+            if chain is not None:
+                self.restorer.end_on_chain(chain, flow.restore, None)
+            error = exc if isinstance(exc, KvpoolError) else Unavailable(f"prefill: {exc}")
+            if isinstance(error, DeviceCacheLost):
+                log.warning("device_cache_dropped", request_id=request.request_id, reason=str(error))
+            flow.feed(driver.forward_failed(error, time.monotonic(), getattr(exc, "corrupt_chunk_indexes", ())),
+                      self._frees)
+            return
+        if chain is not None:
+            self.restorer.end_on_chain(chain, flow.restore, result.restore_stages)
+        flow.forward = result
+        flow.compute_ms = (time.perf_counter() - t0) * 1e3
+        counts = [s.num_chunks_restored for s in flow.restore.stages] if chain is not None else []
+        counts += [0] * (self.settings.num_stages - len(counts)) if chain is not None else []
+        corrupt = sorted({i for s in flow.restore.stages for i in s.corrupt_chunk_indexes}) if chain else []
+        flow.feed(driver.forward_ended(time.monotonic(), counts, corrupt), self._frees)
+
+    async def _saves_then_free(self, flow: _Flow, holder: str) -> None:
+        """Wait for every stage's save of the request to end, then let its blocks go (and a new attempt that
+        waits for them go on)."""
+        try:
+            await self.ends.saves_done(flow.driver.request_id)
+        finally:
+            effects = flow.driver.saves_ended(holder, time.monotonic())
+            if flow.done:  # the request's answer is out: only the save's blocks are left to free
+                await self._freed_holders([h for e in effects if isinstance(e, Freed) for h in e.holders])
+            else:
+                flow.feed(effects, self._frees)
+
+    def _result(self, flow: _Flow) -> PrefillResult:
+        request, run = flow.driver.request, flow.forward
+        assert run is not None
         figures = PrefillFigures(
             num_prompt_tokens=request.num_tokens,
             num_device_tokens=request.num_device_tokens,
             num_pool_tokens=request.num_pool_tokens,
             num_computed_tokens=request.num_computed_tokens,
             num_pool_chunks_lost=request.num_pool_chunks_lost,
-            restore=tuple(run.restore.stages),
-            restore_wait_ms=run.restore.wait_ms,
-            compute_ms=run.compute_ms,
-            lookup_ms=run.restore.lookup_ms,
-            total_ms=(time.perf_counter() - started) * 1e3,
-            stage_compute_ms=tuple(run.forward.stage_compute_ms),
+            restore=tuple(flow.restore.stages),
+            restore_wait_ms=flow.restore.wait_ms,
+            compute_ms=flow.compute_ms,
+            lookup_ms=flow.restore.lookup_ms,
+            total_ms=(time.perf_counter() - flow.started) * 1e3,
+            stage_compute_ms=tuple(run.stage_compute_ms),
         )
         self.metrics.observe(figures, self.blocks.usage)
         if request.num_pool_tokens:
-            self.prefetcher.observe_restore(request.num_pool_tokens // self.chunk_size, run.restore.wait_ms / 1e3)
-        bound.info("prefill_done", tokens=request.num_tokens, device=figures.num_device_tokens,
-                   pool=figures.num_pool_tokens, computed=figures.num_computed_tokens,
-                   lost_chunks=figures.num_pool_chunks_lost, total_ms=round(figures.total_ms, 1))
+            self.prefetcher.observe_restore(request.num_pool_tokens // self.chunk_size, flow.restore.wait_ms / 1e3)
+        flow.bound.info("prefill_done", tokens=request.num_tokens, device=figures.num_device_tokens,
+                        pool=figures.num_pool_tokens, computed=figures.num_computed_tokens,
+                        lost_chunks=figures.num_pool_chunks_lost, total_ms=round(figures.total_ms, 1))
         return PrefillResult(
-            first_token=run.forward.first_token, request_id=request.request_id,
-            logits=run.forward.logits if return_logits else b"", figures=figures,
-            block_table=tuple(request.block_table), block_size=self.chunk_size, handoff=run.handoff,
+            first_token=run.first_token, request_id=request.request_id,
+            logits=run.logits if flow.return_logits else b"", figures=figures,
+            block_table=tuple(request.block_table), block_size=self.chunk_size, handoff=flow.handoff,
         )
 
-    async def _run(self, request: PrefillRequest, token_ids: Sequence[int], return_logits: bool,
-                   target: HandoffTarget | None, tenant: str = "", use_pool: bool = True) -> RunResult:
-        """Restore on every stage (on the forward's chain, or by Restore calls to older stages), compute through
-        all stages (streaming into decode's region), collect the handoff."""
-        chain: ChainRestore | None = None
-        if all(s.restore_on_chain for s in self.stages):
-            restore, chain = await self.restorer.begin_on_chain(request, use_pool)
-        else:
-            restore = await self.restorer.restore(request, use_pool)
-        forward = StageForward(
-            request_id=request.request_id, block_table=tuple(request.block_table),
-            compute_start=request.compute_start, num_tokens=request.num_tokens,
-            save_first_chunk=request.save_first_chunk, save_chunk_hashes=tuple(request.chunks_to_save),
-            return_logits=return_logits, tenant=tenant, target=target,
-        )
-        inputs = torch.tensor(token_ids[request.compute_start:], dtype=torch.int64)
-        saving = self.pool is not None and bool(forward.save_chunk_hashes)
-        if saving:
-            # every stage's put reads these pages: they are not reused until all puts ended
-            self.blocks.hold(save_holder(request.request_id), request.save_block_ids)
-        t0 = time.perf_counter()
-        try:
-            try:
-                result = await run_stage(self.runner, self.link, forward, inputs, self.handoff,
-                                         chain.local if chain is not None else None,
-                                         tuple(chain.stages[1:]) if chain is not None else ())
-            except BaseException as exc:
-                if target is not None:  # every stage's writes read this request's pages: they end first
-                    with contextlib.suppress(Exception):
-                        await self.ends.handoff_done(request.request_id, target)
-                if chain is not None:
-                    self.restorer.end_on_chain(request, chain, restore, None,
-                                               getattr(exc, "corrupt_chunk_indexes", ()))
-                raise
-            if chain is not None:
-                self.restorer.end_on_chain(request, chain, restore, result.restore_stages)
-            if request.phase is Phase.RESTORING:  # every stage must have restored all it was given
-                counts = [s.num_chunks_restored for s in restore.stages]
-                request.apply_restore(counts + [0] * (self.settings.num_stages - len(counts)) if chain else [],
-                                      self.blocks)
-            handoff = None
-            if target is not None and len(result.handoff_stages) == self.settings.num_stages:
-                handoff = self.ends.handoff_ended(request.request_id, target, result.handoff_stages)
-            elif target is not None:  # a later stage of an older version answered without its figures
-                handoff = await self.ends.handoff_done(request.request_id, target)
-        except DeviceCacheLost as exc:
-            # a later stage restarted: its device KV is gone, so no device hit holds on this pipeline
-            forgotten = self.blocks.forget_cached()
-            log.warning("device_cache_dropped", request_id=request.request_id, chunks=forgotten, reason=str(exc))
-            raise
-        finally:
-            if saving:
-                task = asyncio.ensure_future(self._release_after_saves(request.request_id))
-                self._releases.add(task)
-                self._releasing[request.request_id] = task
-                task.add_done_callback(self._releases.discard)
-                task.add_done_callback(self._forget_release)
-        compute_ms = (time.perf_counter() - t0) * 1e3
-        request.finish_compute(self.blocks)
-        return RunResult(restore, result, compute_ms, handoff)
-
-    def _forget_release(self, task: asyncio.Task[None]) -> None:
-        for request_id, running in list(self._releasing.items()):
-            if running is task:
-                del self._releasing[request_id]
-
-    async def _release_after_saves(self, request_id: str) -> None:
-        """Wait for every stage's save of the request to end, then let its blocks go."""
-        try:
-            await self.ends.saves_done(request_id)
-        finally:
-            await self.free(save_holder(request_id))
-
-    def _free_after(self, task: asyncio.Future[object], request_id: str) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.info("cancelled_prefill_failed", request_id=request_id, error=str(task.exception()))
-        asyncio.ensure_future(self.free(request_id))
-
-    async def _admit(self, request: PrefillRequest) -> None:
-        """Take device blocks (device hits are ref'd first), waiting while others hold them."""
-        started = time.monotonic()
-        deadline = started + self.settings.admission_timeout_s
-        if self.gate is not None:
-            # the histories of this request and of those still waiting, in serving order: the next served is
-            # the last evicted (arrival order alone made the oldest waiter, served next, the first evicted)
-            waiting = [request.session] if request.session is not None else []
-            self.blocks.touch_sessions(waiting + self.gate.waiting_sessions(started))
-        async with self._freed:
-            self.metrics.admission_waiting.inc()
-            try:
-                while not try_admit(request, self.blocks, time.monotonic(), deadline):
-                    if self.prefetcher.unpin_all():  # held stagings yield to a real request
-                        continue
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._freed.wait(), max(0.0, deadline - time.monotonic()))
-            finally:
-                self.metrics.admission_waiting.dec()
-                self.metrics.admission_wait.observe(time.monotonic() - started)
-        self.metrics.device_usage.set(self.blocks.usage)
-        self.metrics.observe_tenants(self.blocks.tenant_blocks)
+    async def _wait_for_blocks(self, deadline: float, frees_seen: int) -> None:
+        """Until blocks go back (held stagings yield to a real request first) or the deadline comes; at once
+        when some went back since the driver found none (``frees_seen``: the count of frees then)."""
+        if self.prefetcher.unpin_all():
+            return
+        async with self._freed:  # a free counts before it notifies, and notifies under this lock
+            if self._frees != frees_seen:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), max(0.0, deadline - time.monotonic()))
 
     # ---- freeing ----------------------------------------------------------
 
     async def free(self, request_id: str) -> None:
         """Let a holder's blocks go and wake the requests waiting for blocks."""
         self.blocks.free(request_id)
-        self._blocks_freed([request_id])
+        await self._freed_holders([request_id])
+
+    async def _freed_holders(self, holders: list[str]) -> None:
+        """Holders whose blocks went back: log them and wake the requests waiting for blocks."""
+        self._blocks_freed(holders)
         await self._wake_waiters()
 
     def blocks_released(self, holders: list[str]) -> None:
@@ -364,6 +436,7 @@ class PrefillScheduler:
         task.add_done_callback(self._releases.discard)
 
     def _blocks_freed(self, holders: list[str]) -> None:
+        self._frees += 1
         for holder in holders:
             log.info("blocks_freed", holder=holder)  # with prefill_admitted: stage 0's block events in order
         self.metrics.device_usage.set(self.blocks.usage)  # freed blocks show at once
