@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool.core.pool.records import LookupResult
+from kvpool.core.prefill.driver import PrefillDriver
 from kvpool.core.prefill.request import PrefillRequest
 from kvpool.core.admission.routing import Placement
 from kvpool.core.sessions.table import SessionId
@@ -26,7 +28,9 @@ class Job:
     arrival: float
     placement: Placement | None = None
     placed_as: str = ""  # where its server is for the session's history (``workload.placed_on``)
-    request: PrefillRequest | None = None
+    request: PrefillRequest | None = None  # the driver's, once admitted
+    driver: PrefillDriver | None = None  # stage 0's driver of its prefill (kvpool.core.prefill.driver)
+    lookup: LookupResult | None = None  # the master's answer to its lookup
     prefill_start: float = 0.0
     restore_start: float = 0.0
     restored_at: float = 0.0  # its restore (every part) ended
@@ -39,6 +43,7 @@ class Job:
     readable: int = 0  # leading planned pool chunks whose every object lives on a store still alive
     restore_parts: int = 0  # parts of the restore still in flight (the GPUs' reads, each remote server's bytes)
     read_s: float = 0.0  # one stage's share of the restore
+    restore_timed: bool = False  # a restore was timed (a lookup that planned pool chunks)
 
 
 SIM_TENANT = "sim"

@@ -34,7 +34,19 @@ from kvpool.core.chunk_hash import group_id, object_key
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.records import LookupResult, PutRequestItem, PutStatus
 from kvpool.core.prefill.queue import PrefillQueue, WorkWeights, prefill_work_s
-from kvpool.core.prefill.request import PrefillRequest, try_admit
+from kvpool.core.prefill.driver import (
+    Effect,
+    Failed,
+    Forward,
+    Freed,
+    Lookup,
+    Prefilled,
+    PrefillDriver,
+    ReleaseLease,
+    RestoreOnStages,
+    SavesThenFree,
+    WaitForBlocks,
+)
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job, session_of
@@ -124,9 +136,15 @@ class PipelineSim:
             # as stage 0's gate before an admission: the waiting histories in serving order, the next served
             # the last evicted (under validation the cluster runs ungated: it admits on arrival)
             self.blocks.touch_sessions([session_of(self._waiting[i]) for i in self.queue.serving_order(self.loop.now)])
-        request = PrefillRequest(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens, job.play.hashes)
-        request.session = session_of(job)  # as stage 0's: its freed blocks are the session's
-        if not try_admit(request, self.blocks, self.loop.now, math.inf):
+        if job.driver is None:  # stage 0's driver of the request, as the cluster runs it (its later stages of
+            # this pipeline restore by their own calls: the sim times the restore before the forward)
+            job.driver = PrefillDriver(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens,
+                                       job.play.hashes, self.blocks, math.inf, session=session_of(job),
+                                       restore_on_chain=False)
+            effects = job.driver.start(self.loop.now)
+        else:
+            effects = job.driver.blocks_freed(self.loop.now)
+        if any(isinstance(e, WaitForBlocks) for e in effects):
             if self.sessions is not None and self.sessions.unpin_all(self):
                 self.kick()  # held stagings yield to a real request (as stage 0's admission)
             return
@@ -135,44 +153,78 @@ class PipelineSim:
         # under validation the recorded order alone admits: the cluster's stage 0 admits while earlier
         # requests are still looked up (holding it would stall an order where a later lookup came first)
         self.busy = self.block_gate is None
-        job.request = request
+        job.request = job.driver.request
         if self.sessions is not None:
             self.sessions.admitted(job, self)
         job.prefill_start = self.loop.now
         self.metrics.on_prefill_start(job)
-        lookup_s = self.cost.lookup_s(len(request.lookup_candidates))
-        if self.pool_gate is not None:  # the validation: the lookup at its place in the master's order
-            self.master.call(lookup_s, self.pool_gate, ("lookup", job.job_id), partial(self._gated_lookup, job))
-        else:
-            self.master.call(lookup_s, self._looked_up, job)
+        self._carry_out(job, effects)
         if not self.busy:  # the validation: the next recorded admission may follow at once
             self.kick()
 
-    def _gated_lookup(self, job: Job) -> int:
-        result = self._lookup(job)
-        self._looked_up(job, result)
+    def _carry_out(self, job: Job, effects: list[Effect]) -> None:
+        """The driver's effects, in simulated time (the cost model's, and the shared master and NICs)."""
+        for effect in effects:
+            if isinstance(effect, Lookup):
+                lookup_s = self.cost.lookup_s(len(effect.candidates))
+                if self.pool_gate is not None:  # the validation: the lookup at its place in the master's order
+                    self.master.call(lookup_s, self.pool_gate, ("lookup", job.job_id),
+                                     partial(self._gated_lookup, job, effect))
+                else:
+                    self.master.call(lookup_s, self._looked_up, job, effect)
+            elif isinstance(effect, RestoreOnStages):
+                self._restore(job)
+            elif isinstance(effect, ReleaseLease):
+                lease = int(effect.lease_id)
+                if self.pool_gate is not None:
+                    self.master.call(self.cost.release_s(), self.pool_gate, ("release", job.job_id),
+                                     partial(self.index.release_lease, lease))
+                else:
+                    self.master.call(self.cost.release_s(), self.index.release_lease, lease)
+            elif isinstance(effect, Forward):
+                self._forward(job)
+            elif isinstance(effect, SavesThenFree):
+                self._save_then_free(job, effect.holder)
+            elif isinstance(effect, Freed):
+                self.kick()
+            elif isinstance(effect, Prefilled):
+                self.metrics.on_prefill_end(job)
+                self.on_prefilled(job)
+                self.kick()
+            elif isinstance(effect, Failed):  # no fault the simulator plays fails a prefill
+                raise AssertionError(f"{job.job_id}: the simulated prefill failed: {effect.error}")
+
+    def _gated_lookup(self, job: Job, effect: Lookup) -> int:
+        result = self._lookup(job, effect)
+        self._looked_up(job, effect, result)
         return len(result.groups)
 
-    def _lookup(self, job: Job) -> LookupResult:
-        assert job.request is not None
-        return self.index.lookup([group_id(job.play.namespace, h) for h in job.request.lookup_candidates])
+    def _lookup(self, job: Job, effect: Lookup) -> LookupResult:
+        return self.index.lookup([group_id(job.play.namespace, h) for h in effect.candidates])
 
-    def _looked_up(self, job: Job, result: LookupResult | None = None) -> None:
-        """The master served the lookup: plan, then read every stage's objects."""
-        request = job.request
-        assert request is not None
+    def _looked_up(self, job: Job, effect: Lookup, result: LookupResult | None = None) -> None:
+        """The master served the lookup: the driver plans."""
+        assert job.driver is not None
         self.metrics.on_lookup(self.loop.now - job.prefill_start)
         if result is None:
-            result = self._lookup(job)
-        plan = request.plan_lookup(len(result.groups))
-        job.lease = result.lease_id
+            result = self._lookup(job, effect)
+        job.lookup = result
+        self._carry_out(job, job.driver.looked_up(len(result.groups), str(result.lease_id) if result.lease_id else ""))
+
+    def _restore(self, job: Job) -> None:
+        """Every stage reads its objects of the planned chunks (objects on other servers also cross both
+        servers' NICs)."""
+        request, result = job.request, job.lookup
+        assert request is not None and result is not None and request.restore_plan is not None
+        plan = request.restore_plan
         restored = result.groups[plan.num_device_chunks : plan.num_hit_chunks]
         job.readable = self.leading_readable(restored)
-        restore_s = self.cost.restore_s(plan.num_pool_chunks, max(self.stage_object_bytes) / self.cost.model.chunk_tokens)
+        restore_s = self.cost.restore_s(plan.num_pool_chunks, self.stage_bytes_per_token)
         remote = self.remote_bytes(restored[: job.readable]) if restored else {}
         job.restore_parts = 1 + len(remote)
         job.read_s = restore_s
         job.restore_start = self.loop.now
+        job.restore_timed = True
         self.loop.after(restore_s, self._restore_part_done, job)
         for host, nbytes in remote.items():
             self.network.send(host, self.host, nbytes, self._restore_part_done, job)
@@ -182,13 +234,14 @@ class PipelineSim:
         if job.restore_parts:
             return
         request = job.request
-        assert request is not None
+        assert request is not None and job.driver is not None
         job.restored_at = self.loop.now
         num_chunks = request.restore_plan.num_pool_chunks if request.restore_plan else 0
         self.metrics.on_restore(self.loop.now - job.restore_start, num_chunks)
         if self.sessions is not None:  # as stage 0 does: the prefetch's lead follows the measured restores
             self.sessions.observe_restore(self, num_chunks, self.loop.now - job.restore_start)
-        self._restored(job)
+        # every stage reads its own objects; a dead store fails every stage's read of its groups alike
+        self._carry_out(job, job.driver.restored([job.readable] * self.num_stages))
 
     def leading_readable(self, groups: list) -> int:
         """A read from a dead store fails (a miss): how far every stage can read, from the head."""
@@ -212,20 +265,15 @@ class PipelineSim:
                     by_host[segment.host] = by_host.get(segment.host, 0) + obj.size
         return by_host
 
-    def _restored(self, job: Job) -> None:
+    def _forward(self, job: Job) -> None:
+        """The stages as a flow shop over the request's pieces (after its restore, when it had one)."""
         request = job.request
         assert request is not None
-        if self.pool_gate is not None:  # a lease of 0 (none) releases nothing, as the cluster's client sends nothing
-            self.master.call(self.cost.release_s(), self.pool_gate, ("release", job.job_id),
-                             partial(self.index.release_lease, job.lease))
-            job.lease = 0
-        elif job.lease:
-            self.master.call(self.cost.release_s(), self.index.release_lease, job.lease)
-            job.lease = 0
-        # every stage reads its own objects; a dead store fails every stage's read of its groups alike
-        request.apply_restore([job.readable] * self.num_stages, self.blocks)
-        if request.chunks_to_save:  # as stage 0 does: the save reads these blocks, they stay off the free list
-            self.blocks.hold(f"{job.job_id}/save", request.save_block_ids)
+        if not job.restore_timed:  # nothing restored: the forward follows the lookup (or the admission)
+            job.restore_start = job.restored_at = self.loop.now
+            self.metrics.on_restore(0.0, 0)
+            if self.sessions is not None:
+                self.sessions.observe_restore(self, 0, 0.0)
         if self.flow is None:
             self.flow = StageFlow(self.num_stages)
         times = self.cost.stage_times(request.compute_start, request.num_computed_tokens)
@@ -241,36 +289,41 @@ class PipelineSim:
         self.kick()
 
     def _computed(self, job: Job) -> None:
-        """The last stage computed its part: commit, save, hand off."""
-        request = job.request
-        assert request is not None
-        request.finish_compute(self.blocks)
-        chunks = list(request.chunks_to_save)
-        holder, ns = f"{job.job_id}/save", job.play.namespace
-        if self.pool_gate is not None:
-            self._save_by_stage(job.job_id, ns, chunks)
-        elif chunks:
-            self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, ns, chunks, holder)
-        self.metrics.on_prefill_end(job)
-        self.on_prefilled(job)
-        self.kick()
+        """The last stage computed its part: the driver commits the computed chunks; save, hand off."""
+        assert job.driver is not None
+        effects = job.driver.forward_ended(self.loop.now)
+        if self.block_gate is not None and not any(isinstance(e, SavesThenFree) for e in effects):
+            # the validation: a save of nothing releases nothing, in its place (an order that names it waits)
+            self.block_gate(("free", f"{job.job_id}/save"), lambda: None)
+        self._carry_out(job, effects)
 
-    def _save_by_stage(self, request_id: str, ns: str, chunks: list) -> None:
+    def _save_then_free(self, job: Job, holder: str) -> None:
+        """The save of the request's chunks, then its hold on their blocks ends (``saves_ended``)."""
+        request = job.request
+        assert request is not None and job.driver is not None
+        chunks, ns = list(request.chunks_to_save), job.play.namespace
+        driver = job.driver
+
+        def ended() -> None:
+            self._carry_out(job, driver.saves_ended(holder, self.loop.now))
+
+        if self.pool_gate is not None:
+            self._save_by_stage(job.job_id, ns, chunks, ended)
+        else:
+            self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, ns, chunks, ended)
+
+    def _save_by_stage(self, request_id: str, ns: str, chunks: list, ended: Callable[[], None]) -> None:
         """The validation: each stage puts its own objects (start, then end), each at its place in the
         master's recorded order, as the cluster's stages put from their own processes; the save's blocks
-        go when every stage's put has ended, at their place in stage 0's order (a save of nothing
-        releases nothing, in its place)."""
+        go when every stage's put has ended, at their place in stage 0's order."""
         assert self.pool_gate is not None and self.block_gate is not None
         holder, gate = f"{request_id}/save", self.block_gate
-        if not chunks:
-            gate(("free", holder), partial(self._free_now, holder))
-            return
         left = [self.num_stages]
 
         def stage_ended() -> None:
             left[0] -= 1
             if not left[0]:
-                gate(("free", holder), partial(self._free_now, holder))
+                gate(("free", holder), ended)
 
         for stage in range(self.num_stages):
             self.master.call(self.cost.put_s(len(chunks)), self.pool_gate, ("put_start", f"{request_id}/{stage}"),
@@ -296,12 +349,7 @@ class PipelineSim:
         self.pool_gate(("put_end", f"{request_id}/{stage}"), commit)
         return evicted
 
-    def _free_now(self, holder: str) -> None:
-        if self.blocks.has_holder(holder):
-            self.blocks.free(holder)
-        self.kick()
-
-    def _save(self, ns: str, chunks: list, holder: str) -> None:
+    def _save(self, ns: str, chunks: list, ended: Callable[[], None]) -> None:
         """Write-through: every stage's object of every chunk to save, one batch, committed when served;
         the save's hold on its blocks ends then."""
         stages = self.num_stages
@@ -324,11 +372,17 @@ class PipelineSim:
         self.metrics.on_save(len(items), len(commits), self.index.counters.evicted_groups - evicted_before)
         for host, nbytes in remote.items():
             self.network.send(self.host, host, nbytes)
-        self._free_now(holder)
+        ended()
 
     def handed_off(self, job: Job) -> None:
         """Decode has the KV: the hold ends and its blocks may serve the queue head."""
+        driver = job.driver
+        assert driver is not None
         if self.block_gate is None:
-            self._free_now(job.job_id)
+            self._carry_out(job, driver.release())
         else:
-            self.block_gate(("free", job.job_id), partial(self._free_now, job.job_id))
+            self.block_gate(("free", job.job_id), partial(self._release, job))
+
+    def _release(self, job: Job) -> None:
+        assert job.driver is not None
+        self._carry_out(job, job.driver.release())
