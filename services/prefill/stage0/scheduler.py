@@ -91,6 +91,7 @@ class _Flow:
     waiting_blocks: bool = False  # not admitted yet (counted in kvpool_prefill_admission_waiting)
     done: bool = False  # the flow ended (its answer is out, or it failed)
     frees_seen: int = 0
+    admission_started: float = 0.0  # when the current attempt began to wait for its device blocks
 
     def feed(self, effects: list[Effect], frees: int) -> None:
         """The driver's effects of one event; ``frees``: the scheduler's count of frees when it decided
@@ -220,9 +221,8 @@ class PrefillScheduler:
             # the last evicted (arrival order alone made the oldest waiter, served next, the first evicted)
             self.blocks.touch_sessions(([session] if session is not None else [])
                                        + self.gate.waiting_sessions(time.monotonic()))
-        self.metrics.admission_waiting.inc()
-        flow.waiting_blocks = True
-        flow.feed(driver.start(time.monotonic()), self._frees)
+        self._admission_begins(flow)
+        self._feed(flow, driver.start(time.monotonic()))
         task = asyncio.ensure_future(self._drive(flow))
         try:
             return await asyncio.shield(task)
@@ -230,7 +230,7 @@ class PrefillScheduler:
             if task.done():
                 raise
             self._cancelled(bound, "admission" if flow.waiting_blocks else "running")
-            flow.feed(driver.cancel(), self._frees)
+            self._feed(flow, driver.cancel())
             if driver.ended and flow.waiting:  # nothing in flight but a wait: it ends now
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -238,6 +238,21 @@ class PrefillScheduler:
             else:
                 task.add_done_callback(self._cancelled_ended)
             raise
+
+    def _feed(self, flow: _Flow, effects: list[Effect]) -> None:
+        """The driver's effects of one event, for the flow to carry out; the blocks it freed are logged and
+        counted now, as they went back (stage 0's block events keep their order in the log)."""
+        freed = [holder for e in effects if isinstance(e, Freed) for holder in e.holders]
+        if freed:
+            self._blocks_freed(freed)
+        flow.feed(effects, self._frees)
+
+    def _admission_begins(self, flow: _Flow) -> None:
+        """An attempt starts to wait for its device blocks (``kvpool_prefill_admission_waiting``, ``_wait``)."""
+        if not flow.waiting_blocks:
+            flow.waiting_blocks = True
+            self.metrics.admission_waiting.inc()
+        flow.admission_started = time.perf_counter()
 
     def _cancelled_ended(self, task: asyncio.Task[PrefillResult]) -> None:
         if not task.cancelled() and task.exception() is not None \
@@ -270,12 +285,12 @@ class PrefillScheduler:
                 await self._wait_for_blocks(effect.deadline, flow.frees_seen)
             finally:
                 flow.waiting = False
-            flow.feed(driver.blocks_freed(time.monotonic()), self._frees)
+            self._feed(flow, driver.blocks_freed(time.monotonic()))
         elif isinstance(effect, Admitted):
             if flow.waiting_blocks:
                 flow.waiting_blocks = False
                 self.metrics.admission_waiting.dec()
-                self.metrics.admission_wait.observe(time.perf_counter() - flow.started)
+                self.metrics.admission_wait.observe(time.perf_counter() - flow.admission_started)
             self.metrics.device_usage.set(self.blocks.usage)
             self.metrics.observe_tenants(self.blocks.tenant_blocks)
             # the admission order (kvpool simulate --validate replays the simulator in it)
@@ -284,7 +299,7 @@ class PrefillScheduler:
             flow.restore = RestoreReport()
         elif isinstance(effect, Lookup):
             flow.lookup = await self.restorer.lookup(driver.request, effect.candidates, flow.restore)
-            flow.feed(driver.looked_up(flow.lookup.num_complete, flow.lookup.lease_id), self._frees)
+            self._feed(flow, driver.looked_up(flow.lookup.num_complete, flow.lookup.lease_id))
             if driver.request.num_write_back_chunks:
                 bound.info("device_hits_written_back", chunks=driver.request.num_write_back_chunks)
         elif isinstance(effect, RestoreOnStages):
@@ -292,9 +307,8 @@ class PrefillScheduler:
             t1 = time.perf_counter()
             flow.restore.stages = await self.restorer.on_stages(driver.request, flow.lookup)
             flow.restore.wait_ms = (time.perf_counter() - t1) * 1e3
-            flow.feed(driver.restored([s.num_chunks_restored for s in flow.restore.stages],
-                                      sorted({i for s in flow.restore.stages for i in s.corrupt_chunk_indexes})),
-                      self._frees)
+            corrupt = sorted({i for s in flow.restore.stages for i in s.corrupt_chunk_indexes})
+            self._feed(flow, driver.restored([s.num_chunks_restored for s in flow.restore.stages], corrupt))
         elif isinstance(effect, Forward):
             await self._forward(flow, effect)
         elif isinstance(effect, ReleaseLease):
@@ -304,15 +318,16 @@ class PrefillScheduler:
             task = asyncio.ensure_future(self._saves_then_free(flow, effect.holder))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
-        elif isinstance(effect, Freed):
-            await self._freed_holders(list(effect.holders))
+        elif isinstance(effect, Freed):  # (logged and counted when the driver freed them: ``_feed``)
+            await self._wake_waiters()
         elif isinstance(effect, PlannedAgain):
             if effect.how == retry_policy.Replan.WITHOUT_POOL.value:
                 self.metrics.restores_fell_short.inc()
             bound.info("prefill_planned_again", reason=effect.reason, how=effect.how)
+            self._admission_begins(flow)  # the next attempt is admitted afresh
         elif isinstance(effect, Prefilled):
             result = self._result(flow)
-            flow.feed(driver.release(), self._frees)  # nothing is held after Prefill returns
+            self._feed(flow, driver.release())  # nothing is held after Prefill returns
             while flow.pending:
                 await self._carry_out(flow, flow.pending.popleft())
             return result
@@ -352,8 +367,8 @@ class PrefillScheduler:
             error = exc if isinstance(exc, KvpoolError) else Unavailable(f"prefill: {exc}")
             if isinstance(error, DeviceCacheLost):
                 log.warning("device_cache_dropped", request_id=request.request_id, reason=str(error))
-            flow.feed(driver.forward_failed(error, time.monotonic(), getattr(exc, "corrupt_chunk_indexes", ())),
-                      self._frees)
+            corrupt_indexes = getattr(exc, "corrupt_chunk_indexes", ())
+            self._feed(flow, driver.forward_failed(error, time.monotonic(), corrupt_indexes))
             return
         if chain is not None:
             self.restorer.end_on_chain(chain, flow.restore, result.restore_stages)
@@ -362,7 +377,7 @@ class PrefillScheduler:
         counts = [s.num_chunks_restored for s in flow.restore.stages] if chain is not None else []
         counts += [0] * (self.settings.num_stages - len(counts)) if chain is not None else []
         corrupt = sorted({i for s in flow.restore.stages for i in s.corrupt_chunk_indexes}) if chain else []
-        flow.feed(driver.forward_ended(time.monotonic(), counts, corrupt), self._frees)
+        self._feed(flow, driver.forward_ended(time.monotonic(), counts, corrupt))
 
     async def _saves_then_free(self, flow: _Flow, holder: str) -> None:
         """Wait for every stage's save of the request to end, then let its blocks go (and a new attempt that
@@ -371,10 +386,9 @@ class PrefillScheduler:
             await self.ends.saves_done(flow.driver.request_id)
         finally:
             effects = flow.driver.saves_ended(holder, time.monotonic())
-            if flow.done:  # the request's answer is out: only the save's blocks are left to free
-                await self._freed_holders([h for e in effects if isinstance(e, Freed) for h in e.holders])
-            else:
-                flow.feed(effects, self._frees)
+            self._feed(flow, effects)
+            if flow.done:  # the request's answer is out: only the save's blocks were left to free
+                await self._wake_waiters()
 
     def _result(self, flow: _Flow) -> PrefillResult:
         request, run = flow.driver.request, flow.forward
