@@ -44,6 +44,8 @@ from typing import Any
 
 import grpc
 
+from kvpool.child_env import children_env
+
 REQUEST_ID_KEY = "x-request-id"
 PARENT_SPAN_KEY = "x-parent-span"
 SENT_KEY = "x-call-sent"  # when the caller opened the call, Unix seconds: a fan-out's calls all go before any answer
@@ -58,15 +60,8 @@ DETACHED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpool_detached
 def tracing_children(path: Path) -> Iterator[None]:
     """Within: the processes started here trace their calls into ``path`` (they inherit ``TRACE_ENV``);
     the variable is as it was afterwards."""
-    previous = os.environ.get(TRACE_ENV)
-    os.environ[TRACE_ENV] = str(path)
-    try:
+    with children_env(TRACE_ENV, str(path)):
         yield
-    finally:
-        if previous is None:
-            os.environ.pop(TRACE_ENV, None)
-        else:
-            os.environ[TRACE_ENV] = previous
 
 
 def detached(coro: Awaitable[Any]) -> asyncio.Future[Any]:

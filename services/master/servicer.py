@@ -20,6 +20,8 @@ from kvpool.core.pool.records import (
 )
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from kvpool.request_id import current_request_id
+from kvpool.request_record import RequestRecord
 from kvpool.status import status_errors
 from kvpool.services.master.metrics import MasterMetrics
 
@@ -111,6 +113,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         self.incarnation = incarnation
         self.heartbeat_interval_s = heartbeat_interval_s
         self.metrics = metrics
+        self.record = RequestRecord("master")  # each pool operation, with its request id (simulate --validate)
 
     # ---- segments -------------------------------------------------------
 
@@ -191,6 +194,8 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             log.info("groups_evicted", count=evicted)
         # the master's order of operations (kvpool simulate --validate follows it); a no-op unless debug
         log.debug("pool_op", op="put_start", first_key=items[0].key, items=len(items), evicted=evicted)
+        self.record.write("pool_op", current_request_id(), op="put_start", first_key=items[0].key, items=len(items),
+                          evicted=evicted)
         if all(o.status is PutStatus.NO_SPACE for o in outcomes):
             raise ResourceExhausted(
                 f"items: no space for {len(items)} objects (pool {self.index.used_bytes}/"
@@ -221,6 +226,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         check_names([key for key, _ in commits], "items", ".key")
         committed = self.index.put_end(commits)
         log.debug("pool_op", op="put_end", first_key=commits[0][0], items=committed)
+        self.record.write("pool_op", current_request_id(), op="put_end", first_key=commits[0][0], items=committed)
         return pool_pb2.PutEndResponse(num_committed=committed)
 
     @status_errors
@@ -243,6 +249,8 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         lease_s = request.lease_ms / 1000 if request.lease_ms else None
         result = self.index.lookup(group_ids, lease_s)
         log.debug("pool_op", op="lookup", groups=len(group_ids), complete=len(result.groups), lease_id=result.lease_id)
+        self.record.write("pool_op", current_request_id(), op="lookup", groups=len(group_ids),
+                          complete=len(result.groups))
         response = pool_pb2.LookupResponse(
             num_complete=len(result.groups), lease_id=result.lease_id, lease_ms=round(result.lease_s * 1000)
         )
@@ -268,6 +276,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         if not corrupt:
             released = self.index.release_lease(request.lease_id)
             log.debug("pool_op", op="release", lease_id=request.lease_id, released=released)
+            self.record.write("pool_op", current_request_id(), op="release", released=released)
             return pool_pb2.ReleaseLeaseResponse(released=released)
         if len(corrupt) > MAX_BATCH:
             raise InvalidArgument(f"corrupt_group_ids: {len(corrupt)} entries is more than {MAX_BATCH} in one call")
@@ -278,6 +287,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         log.warning("corrupt_groups_reported", lease_id=request.lease_id, count=len(corrupt),
                     first_group_id=corrupt[0], dropped=self.index.counters.corrupt_groups - before,
                     lease_known=released)
+        self.record.write("pool_op", current_request_id(), op="release", released=released)
         return pool_pb2.ReleaseLeaseResponse(released=released)
 
     @status_errors

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
 from kvpool import service
+from kvpool.request_record import read_records, recording_children
 from kvpool.tools.cluster import LocalPipeline, LocalPool
 from kvpool.model import InProcessPipeline as ReferenceModel
 from kvpool.model import get_config
@@ -45,12 +47,19 @@ def reference_logits(token_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPool, LocalPipeline]]:
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("records") / "requests.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, records: Path) -> Iterator[tuple[LocalPool, LocalPipeline]]:
     workdir = tmp_path_factory.mktemp("prefill")
-    with LocalPool(num_stores=2, segment_size="32MiB", workdir=workdir / "pool") as pool:
-        with LocalPipeline(num_stages=4, master=pool.master_address, workdir=workdir / "stages",
-                           stage_args=["--device-cache-tokens", str(DEVICE_TOKENS)]) as pipeline:
-            yield pool, pipeline
+    # what each request saw, written by stage 0 and the master (kvpool simulate --validate reads these)
+    with recording_children(records), \
+            LocalPool(num_stores=2, segment_size="32MiB", workdir=workdir / "pool") as pool, \
+            LocalPipeline(num_stages=4, master=pool.master_address, workdir=workdir / "stages",
+                          stage_args=["--device-cache-tokens", str(DEVICE_TOKENS)]) as pipeline:
+        yield pool, pipeline
 
 
 @pytest.fixture
@@ -105,6 +114,39 @@ async def test_restored_kv_gives_the_same_answer_as_computing(stubs) -> None:  #
     for response in (first, again):
         assert response.first_token == greedy_token(reference, CONFIG)
         assert float((logits_of(response) - reference).abs().max()) <= 1e-4
+
+
+async def test_stage_0_and_the_master_record_what_each_request_saw(stubs, records) -> None:  # type: ignore[no-untyped-def]
+    front, master = stubs
+    tokens = prompt(41, 700)  # 2 full chunks + 188 tokens
+    first = await run(front, tokens, session="recorded")
+    before = (await master.Stats(pool_pb2.StatsRequest())).num_complete_groups
+    await saved(master, before)
+    await evict_device(front, seed=42)
+    again = await run(front, tokens, session="recorded")
+    assert split(again) == (0, 512, 188)
+
+    def effects(request_id: str) -> list[str]:  # (a wait for blocks others' saves still hold left out)
+        return [str(r["effect"]) for r in read_records(records) if r["source"] == "stage0"
+                and r["kind"] == "effect" and r["request_id"] == request_id and r["effect"] != "WaitForBlocks"]
+
+    def settled() -> bool:  # the save's free comes once every stage's save ended
+        return effects(first.request_id).count("Freed") == 2
+    await eventually(settled, what="the save's free recorded")
+    assert effects(first.request_id) == ["Admitted", "Lookup", "Forward", "SavesThenFree", "Prefilled", "Freed",
+                                         "Freed"]
+    # the pool hit: its lease ends once the forward (and every stage's restore on its chain) ended; it
+    # computed no full chunk, so it saves nothing
+    assert effects(again.request_id) == ["Admitted", "Lookup", "Forward", "ReleaseLease", "Prefilled", "Freed"]
+    touches = [r for r in read_records(records) if r["kind"] == "touch" and r["request_id"] == again.request_id]
+    assert [t["session_key"] for t in touches] == ["recorded"]
+    def ops() -> list[tuple[str, object]]:
+        return [(r["op"], r.get("complete")) for r in read_records(records)
+                if r["source"] == "master" and r["request_id"] == again.request_id]
+
+    # the lease's release is made beside the request (nobody waits for it): it reaches the master after
+    await eventually(lambda: ("release", None) in ops(), what="the lease's release recorded")
+    assert ops()[0] == ("lookup", 2)
 
 
 def pool_bytes(pipeline: LocalPipeline, path: str, direction: str) -> list[float]:

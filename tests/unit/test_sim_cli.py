@@ -105,73 +105,82 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
                                         dict.fromkeys(keys, 3))
     assert pool["events_left"] == 0
     fake = {key: replace(t, output_tokens=3) for key, t in turns.items()}
-    real = {"turns": fake, "events": events, "wall_s": span, "pool": {"evicted_groups": pool["evictions"]}, "errors": 0}
+    real = {"turns": fake, "events": events, "wall_s": span, "pool": {"evicted_groups": pool["evictions"]}, "errors": 0,
+            "effects": pool["effects"]}
     monkeypatch.setattr(simulate_validate, "_real_side", lambda *a: real)
     args = build_parser().parse_args(["simulate", "--validate", "--quick", "--json", "--traces", str(TRACES)])
     assert simulate_validate.main(args) == 0
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert list(final)[-5:] == ["pool_tokens", "evictions", "token_counts_equal", "throughput_error", "ttft_p50_error"]
+    assert list(final)[-6:] == ["pool_tokens", "evictions", "effects_equal", "token_counts_equal", "throughput_error",
+                                "ttft_p50_error"]
     assert final["cost_model"] == "cost_model_cpu.toml" and final["runs"] == 1
     assert final["turns_compared"] == 45 and final["mismatched_turns"] == [] and final["num_mismatched_turns"] == 0
     assert final["pool_tokens"] == final["real_pool_tokens"] == sum(t.pool_tokens for t in turns.values()) > 0
     assert final["evictions"] == final["real_evictions"] == pool["evictions"] > 0
     assert final["token_counts_equal"] is True
+    # every request's driver effects, one by one (each admitted, looked up, forwarded, its blocks freed)
+    assert final["effects_equal"] is True and final["requests_effects_compared"] == 45
+    assert final["num_effects_differing"] == 0
     assert final["throughput_error"] == pytest.approx(0.0) and final["ttft_p50_error"] == 0.0
 
 
-def test_block_events_from_stage_zeros_log(tmp_path: Path) -> None:
+def stage0(kind: str, request_id: str, session_key: str, **fields: object) -> dict[str, object]:
+    return {"source": "stage0", "kind": kind, "request_id": request_id, "session_key": session_key, **fields}
+
+
+def test_block_events_from_stage_zeros_records() -> None:
     from kvpool.tools.sim.validate_cmd import block_events, turn_key
 
-    def event(name: str, **fields: str) -> str:
-        return json.dumps({"event": name, **fields})
+    def admitted(request_id: str, session_key: str, attempt: int = 1) -> dict[str, object]:
+        return stage0("effect", request_id, session_key, effect="Admitted", attempt=attempt)
 
-    (tmp_path / "prefill-0.log").write_text("\n".join([
-        event("prefill_admitted", request_id="r1", session_key="b"),
-        event("prefill_admitted", request_id="r2", session_key="a"),
-        "not json prefill_admitted",
-        event("prefill_done", request_id="r1", session_key="b"),
-        event("blocks_freed", holder="r1"),
-        event("prefill_admitted", request_id="r2", session_key="a"),  # planned again: the same request
-        event("prefill_admitted", request_id="r4", session_key="other"),
-        event("blocks_freed", holder="r4"),
-        event("blocks_freed", holder="r1/save"),
-        event("prefill_admitted", request_id="r5", session_key="a"),
-        event("blocks_freed", holder="r2"),
-    ]) + "\n")
-    assert block_events(tmp_path, ["a", "b"]) == [
+    def freed(request_id: str, session_key: str, holder: str) -> dict[str, object]:
+        return stage0("effect", request_id, session_key, effect="Freed", holders=[holder])
+
+    records = [
+        admitted("r1", "b"), admitted("r2", "a"),
+        stage0("effect", "r1", "b", effect="Prefilled"),
+        freed("r1", "b", "r1"),
+        admitted("r2", "a", attempt=2),  # planned again: the same request
+        admitted("r4", "other"), freed("r4", "other", "r4"),
+        freed("r1", "b", "r1/save"),
+        admitted("r5", "a"), freed("r2", "a", "r2"),
+    ]
+    assert block_events(records, ["a", "b"]) == [
         ("admit", "s1.t0"), ("admit", "s0.t0"), ("free", "s1.t0"), ("free", "s1.t0/save"), ("admit", "s0.t1"),
         ("free", "s0.t0")]
     assert turn_key("s12.t3") == (12, 3)
 
 
-def test_recorded_orders_read_arrivals_and_the_masters_pool_operations(tmp_path: Path) -> None:
+def test_recorded_orders_read_arrivals_the_masters_pool_operations_and_each_requests_effects(tmp_path: Path) -> None:
+    from kvpool.request_record import RequestRecord, read_records
     from kvpool.tools.sim.validate_cmd import recorded_orders
 
-    def event(name: str, **fields: object) -> str:
-        return json.dumps({"event": name, **fields})
-
-    (tmp_path / "p0-stage0.log").write_text("\n".join([
-        event("prefill_arrived", request_id="r0", session_key="a"),  # refused before admission: no turn
-        event("prefill_arrived", request_id="r1", session_key="b"),
-        event("prefill_arrived", request_id="r2", session_key="a"),
-        event("prefill_admitted", request_id="r2", session_key="a"),
-        event("prefill_admitted", request_id="r1", session_key="b"),
-        event("blocks_freed", holder="r2"),
-    ]) + "\n")
-    (tmp_path / "master.log").write_text("\n".join([
-        event("pool_op", op="lookup", groups=3, complete=2, lease_id=7, request_id="r2"),
-        event("pool_op", op="put_start", first_key="ns/h1/3", items=2, evicted=1, request_id="r1"),
-        event("pool_op", op="lookup", groups=1, complete=0, lease_id=0, request_id="r9"),  # not a session's
-        event("pool_op", op="put_end", first_key="ns/h1/3", items=2, request_id="r1"),
-        event("pool_op", op="release", lease_id=7, released=True, request_id="r2"),
-        event("rpc_served", method="Lookup", request_id="r2"),
-    ]) + "\n")
-    blocks, ops = recorded_orders(tmp_path, ["a", "b"])
+    path = tmp_path / "requests.jsonl"
+    stage, master = RequestRecord("stage0", str(path)), RequestRecord("master", str(path))
+    stage.write("touch", "r0", session_key="a")  # refused before admission: no turn
+    stage.write("touch", "r1", session_key="b")
+    stage.write("touch", "r2", session_key="a")
+    stage.write("effect", "r2", session_key="a", effect="Admitted", attempt=1)
+    stage.write("effect", "r2", session_key="a", effect="Lookup", candidates=3)
+    master.write("pool_op", "r2", op="lookup", groups=3, complete=2)
+    stage.write("effect", "r1", session_key="b", effect="Admitted", attempt=1)
+    master.write("pool_op", "r1", op="put_start", first_key="ns/h1/3", items=2, evicted=1)
+    master.write("pool_op", "r9", op="lookup", groups=1, complete=0)  # not a session's
+    master.write("pool_op", "r1", op="put_end", first_key="ns/h1/3", items=2)
+    stage.write("effect", "r2", session_key="a", effect="Freed", holders=["r2"])
+    master.write("pool_op", "r2", op="release", released=True)
+    with path.open("a") as torn:
+        torn.write('{"source": "stage0", "kind"')  # a process killed mid-line
+    blocks, ops, effects = recorded_orders(read_records(path), ["a", "b"])
     # a session's n-th admitted request is its turn n
     assert blocks == [("touch", "s1.t0"), ("touch", "s0.t0"), ("admit", "s0.t0"), ("admit", "s1.t0"),
                       ("free", "s0.t0")]
     assert ops == [(("lookup", "s0.t0"), 2), (("put_start", "s1.t0/3"), 1), (("put_end", "s1.t0/3"), 2),
                    (("release", "s0.t0"), 1)]
+    assert effects == {"s0.t0": [{"effect": "Admitted", "attempt": 1}, {"effect": "Lookup", "candidates": 3},
+                                 {"effect": "Freed", "holders": ["r2"]}],
+                       "s1.t0": [{"effect": "Admitted", "attempt": 1}]}
 
 
 def test_recorded_pool_ops_apply_in_the_recorded_order_and_count_differing_outcomes() -> None:

@@ -145,6 +145,30 @@ Effect = (WaitForBlocks | Admitted | Lookup | RestoreOnStages | Forward | Releas
           | PlannedAgain | Prefilled | Failed)
 
 
+def effect_fields(effect: Effect) -> dict[str, object]:
+    """An effect as plain fields (its kind under "effect"), what a record keeps and a comparison reads: a
+    lease by whether there is one (its id is the master's, not the request's), a failure by its kind."""
+    fields: dict[str, object] = {"effect": type(effect).__name__}
+    if isinstance(effect, Lookup):
+        fields["candidates"] = len(effect.candidates)
+    elif isinstance(effect, Forward):
+        fields.update(compute_start=effect.compute_start, save_first_chunk=effect.save_first_chunk,
+                      save_chunks=len(effect.save_chunk_hashes), restore=effect.restore)
+    elif isinstance(effect, ReleaseLease):
+        fields["corrupt_chunk_indexes"] = list(effect.corrupt_chunk_indexes)
+    elif isinstance(effect, (SavesThenFree,)):
+        fields["holder"] = effect.holder
+    elif isinstance(effect, Freed):
+        fields["holders"] = list(effect.holders)
+    elif isinstance(effect, Admitted):
+        fields["attempt"] = effect.attempt
+    elif isinstance(effect, PlannedAgain):
+        fields["how"] = effect.how
+    elif isinstance(effect, Failed):
+        fields["error"] = type(effect.error).__name__ if effect.error is not None else "cancelled"
+    return fields
+
+
 class Step(enum.Enum):
     NEW = "new"
     WAITING_BLOCKS = "waiting_blocks"

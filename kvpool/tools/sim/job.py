@@ -44,6 +44,7 @@ class Job:
     restore_parts: int = 0  # parts of the restore still in flight (the GPUs' reads, each remote server's bytes)
     read_s: float = 0.0  # one stage's share of the restore
     restore_timed: bool = False  # a restore was timed (a lookup that planned pool chunks)
+    chain_restore: bool = False  # its forward restores on the chain (the forward's end confirms the counts)
 
 
 SIM_TENANT = "sim"

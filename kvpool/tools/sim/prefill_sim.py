@@ -35,6 +35,7 @@ from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.records import LookupResult, PutRequestItem, PutStatus
 from kvpool.core.prefill.queue import PrefillQueue, WorkWeights, prefill_work_s
 from kvpool.core.prefill.driver import (
+    Admitted,
     Effect,
     Failed,
     Forward,
@@ -43,9 +44,9 @@ from kvpool.core.prefill.driver import (
     Prefilled,
     PrefillDriver,
     ReleaseLease,
-    RestoreOnStages,
     SavesThenFree,
     WaitForBlocks,
+    effect_fields,
 )
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
@@ -87,6 +88,7 @@ class PipelineSim:
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
     busy: bool = False  # stage 0 holds a request (admitted, not yet through its own compute)
     flow: StageFlow | None = None  # the stages' next free times (made on first use: num_stages)
+    effects: dict[str, list[dict[str, object]]] | None = None  # the validation: each request's driver effects
 
     @property
     def num_stages(self) -> int:
@@ -136,14 +138,12 @@ class PipelineSim:
             # as stage 0's gate before an admission: the waiting histories in serving order, the next served
             # the last evicted (under validation the cluster runs ungated: it admits on arrival)
             self.blocks.touch_sessions([session_of(self._waiting[i]) for i in self.queue.serving_order(self.loop.now)])
-        if job.driver is None:  # stage 0's driver of the request, as the cluster runs it (its later stages of
-            # this pipeline restore by their own calls: the sim times the restore before the forward)
+        if job.driver is None:  # stage 0's driver of the request, as the cluster runs it
             job.driver = PrefillDriver(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens,
-                                       job.play.hashes, self.blocks, math.inf, session=session_of(job),
-                                       restore_on_chain=False)
-            effects = job.driver.start(self.loop.now)
+                                       job.play.hashes, self.blocks, math.inf, session=session_of(job))
+            effects = self._recorded(job, job.driver.start(self.loop.now))
         else:
-            effects = job.driver.blocks_freed(self.loop.now)
+            effects = self._recorded(job, job.driver.blocks_freed(self.loop.now))
         if any(isinstance(e, WaitForBlocks) for e in effects):
             if self.sessions is not None and self.sessions.unpin_all(self):
                 self.kick()  # held stagings yield to a real request (as stage 0's admission)
@@ -162,6 +162,15 @@ class PipelineSim:
         if not self.busy:  # the validation: the next recorded admission may follow at once
             self.kick()
 
+    def _recorded(self, job: Job, effects: list[Effect]) -> list[Effect]:
+        """The driver's effects of one event, kept per request under validation (``effects``)."""
+        if self.effects is not None:
+            self.effects.setdefault(job.job_id, []).extend(effect_fields(e) for e in effects)
+        return effects
+
+    def _drive(self, job: Job, effects: list[Effect]) -> None:
+        self._carry_out(job, self._recorded(job, effects))
+
     def _carry_out(self, job: Job, effects: list[Effect]) -> None:
         """The driver's effects, in simulated time (the cost model's, and the shared master and NICs)."""
         for effect in effects:
@@ -172,8 +181,6 @@ class PipelineSim:
                                      partial(self._gated_lookup, job, effect))
                 else:
                     self.master.call(lookup_s, self._looked_up, job, effect)
-            elif isinstance(effect, RestoreOnStages):
-                self._restore(job)
             elif isinstance(effect, ReleaseLease):
                 lease = int(effect.lease_id)
                 if self.pool_gate is not None:
@@ -182,17 +189,25 @@ class PipelineSim:
                 else:
                     self.master.call(self.cost.release_s(), self.index.release_lease, lease)
             elif isinstance(effect, Forward):
-                self._forward(job)
+                job.chain_restore = effect.restore
+                if effect.restore:  # every stage reads its part first (the restore rides the chain)
+                    self._restore(job)
+                else:
+                    self._forward(job)
             elif isinstance(effect, SavesThenFree):
                 self._save_then_free(job, effect.holder)
             elif isinstance(effect, Freed):
                 self.kick()
             elif isinstance(effect, Prefilled):
+                job.request = job.driver.request if job.driver is not None else job.request  # its last attempt's
                 self.metrics.on_prefill_end(job)
                 self.on_prefilled(job)
                 self.kick()
             elif isinstance(effect, Failed):  # no fault the simulator plays fails a prefill
                 raise AssertionError(f"{job.job_id}: the simulated prefill failed: {effect.error}")
+            elif isinstance(effect, Admitted) and job.driver is not None:  # planned again: a new attempt
+                job.request = job.driver.request
+            # PlannedAgain: nothing to time
 
     def _gated_lookup(self, job: Job, effect: Lookup) -> int:
         result = self._lookup(job, effect)
@@ -209,7 +224,7 @@ class PipelineSim:
         if result is None:
             result = self._lookup(job, effect)
         job.lookup = result
-        self._carry_out(job, job.driver.looked_up(len(result.groups), str(result.lease_id) if result.lease_id else ""))
+        self._drive(job, job.driver.looked_up(len(result.groups), str(result.lease_id) if result.lease_id else ""))
 
     def _restore(self, job: Job) -> None:
         """Every stage reads its objects of the planned chunks (objects on other servers also cross both
@@ -240,8 +255,9 @@ class PipelineSim:
         self.metrics.on_restore(self.loop.now - job.restore_start, num_chunks)
         if self.sessions is not None:  # as stage 0 does: the prefetch's lead follows the measured restores
             self.sessions.observe_restore(self, num_chunks, self.loop.now - job.restore_start)
-        # every stage reads its own objects; a dead store fails every stage's read of its groups alike
-        self._carry_out(job, job.driver.restored([job.readable] * self.num_stages))
+        # every stage reads its own objects; a dead store fails every stage's read of its groups alike: the
+        # forward's end says how far every stage got (short of the plan: planned again without the pool)
+        self._forward(job)
 
     def leading_readable(self, groups: list) -> int:
         """A read from a dead store fails (a miss): how far every stage can read, from the head."""
@@ -291,7 +307,8 @@ class PipelineSim:
     def _computed(self, job: Job) -> None:
         """The last stage computed its part: the driver commits the computed chunks; save, hand off."""
         assert job.driver is not None
-        effects = job.driver.forward_ended(self.loop.now)
+        counts = [job.readable] * self.num_stages if job.chain_restore else []
+        effects = self._recorded(job, job.driver.forward_ended(self.loop.now, counts))
         if self.block_gate is not None and not any(isinstance(e, SavesThenFree) for e in effects):
             # the validation: a save of nothing releases nothing, in its place (an order that names it waits)
             self.block_gate(("free", f"{job.job_id}/save"), lambda: None)
@@ -305,7 +322,7 @@ class PipelineSim:
         driver = job.driver
 
         def ended() -> None:
-            self._carry_out(job, driver.saves_ended(holder, self.loop.now))
+            self._drive(job, driver.saves_ended(holder, self.loop.now))
 
         if self.pool_gate is not None:
             self._save_by_stage(job.job_id, ns, chunks, ended)
@@ -379,10 +396,10 @@ class PipelineSim:
         driver = job.driver
         assert driver is not None
         if self.block_gate is None:
-            self._carry_out(job, driver.release())
+            self._drive(job, driver.release())
         else:
             self.block_gate(("free", job.job_id), partial(self._release, job))
 
     def _release(self, job: Job) -> None:
         assert job.driver is not None
-        self._carry_out(job, job.driver.release())
+        self._drive(job, job.driver.release())

@@ -278,6 +278,7 @@ def replay_sessions(
         pipeline.queue = RecordedOrderQueue(recorded)  # type: ignore[assignment]
         pipeline.block_gate = recorded.run
         pipeline.pool_gate = master.run
+        pipeline.effects = {}  # each request's driver effects, to compare with the cluster's
     sim.run()
     counts = {}
     for job_id, d, p, c in sim.metrics.turn_tokens:
@@ -288,9 +289,43 @@ def replay_sessions(
             "evictions": sum(i.counters.evicted_groups for i in sim.indexes),
             "ttft_p50_s": percentile(ttft, 50) if ttft else 0.0, "events_left": recorded.num_left,
             "pool_ops_left": master.num_left, "pool_ops_differing": master.differing,
+            "effects": {job_id: e for p in sim.pipelines.values() for job_id, e in (p.effects or {}).items()},
             # where an order the simulator could not follow stopped (None: followed to its end)
             "stopped_at": (recorded.head(), master.head())}
     return counts, sim.loop.now, pool
+
+
+def comparable_effects(effects: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One request's driver effects as both sides can agree on them: its waits for blocks left out (the
+    sides wait as their clocks go), holders by kind (the request's or its save's: the ids differ), and the
+    save's free last (the saves end beside the request, as each side's timing goes)."""
+    out: list[dict[str, Any]] = []
+    saves: list[dict[str, Any]] = []
+    for effect in effects:
+        if effect.get("effect") == "WaitForBlocks":
+            continue
+        e = dict(effect)
+        if e.get("effect") == "SavesThenFree":
+            e["holder"] = "save"
+        if e.get("effect") == "Freed":
+            e["holders"] = ["save" if str(h).endswith("/save") else "request" for h in e.get("holders", ())]
+            if e["holders"] == ["save"]:
+                saves.append(e)
+                continue
+        out.append(e)
+    return out + saves
+
+
+def differing_effects(sim: Mapping[str, Sequence[Mapping[str, Any]]],
+                      real: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
+    """The requests (named as the simulator names them) whose effects differ, one by one, in order."""
+    return [name for name in sorted(real, key=_turn_order)
+            if comparable_effects(real[name]) != comparable_effects(sim.get(name, ()))]
+
+
+def _turn_order(name: str) -> tuple[int, int]:
+    session, turn = name.split(".t")
+    return int(session[1:]), int(turn)
 
 
 def compare(sim: Sequence[TurnCounts], real: Sequence[TurnCounts], sim_wall_s: float = 0.0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool.core.errors import InvalidArgument, Unavailable
-from kvpool.request_id import current_request_id
+from kvpool.request_id import bound_request_id, current_request_id, new_request_id
 from kvpool.rpc import prefill_pb2, prefill_pb2_grpc
 from kvpool.handoff_messages import handoff_message, target_from_message
 from kvpool.services.prefill.forward import keep_deadline
@@ -64,6 +64,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: Any) -> prefill_pb2.PrefillResponse:
         target = target_from_message(request.target) if request.HasField("target") else None
         keep_deadline(context)
-        result = await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
-                                             current_request_id(), request.tenant, request.cache_salt, target)
+        # a caller that named no id (a test, a benchmark) gets a fresh one, bound: its calls carry it
+        request_id = current_request_id() or new_request_id("prefill")
+        with bound_request_id(request_id):
+            result = await self._ready().prefill(list(request.token_ids), request.session_key, request.return_logits,
+                                                 request_id, request.tenant, request.cache_salt, target)
         return result_message(result)

@@ -42,12 +42,14 @@ from kvpool.core.prefill.driver import (
     RestoreOnStages,
     SavesThenFree,
     WaitForBlocks,
+    effect_fields,
     save_holder,
 )
 from kvpool.core.prefill.queue_settings import queue_order
 from kvpool.core.sessions.table import SessionId
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, TenantShares, tenant_name
 from kvpool.pool.client import PoolClient
+from kvpool.request_record import RequestRecord
 from kvpool.request_id import new_request_id
 from kvpool.core.handoff.target import HandoffFigures, HandoffTarget
 from kvpool.core.prefill.stage_forward import StageForward, StageForwardResult
@@ -80,6 +82,7 @@ class _Flow:
     target: HandoffTarget | None
     started: float
     bound: Any
+    session_key: str
     pending: deque[Effect] = field(default_factory=deque)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     restore: RestoreReport = field(default_factory=RestoreReport)
@@ -129,6 +132,7 @@ class PrefillScheduler:
         self.ends = StageEnds(runner, handoff, handoff_metrics, self.stages)
         self._freed = asyncio.Condition()
         self._frees = 0  # frees so far (a request that found no blocks waits only if none came since)
+        self.record = RequestRecord("stage0")  # what each request saw (kvpool simulate --validate)
         self._releases: set[asyncio.Task[None]] = set()
         # the gate (--sched-slots) in --sched's order; session-aware prefill: retention by session, staging
         order = queue_order(self.settings)
@@ -185,6 +189,7 @@ class PrefillScheduler:
         self.prefetcher.turn_started(session)
         # the session's cached blocks were touched: a block event (kvpool simulate --validate follows it)
         bound.debug("prefill_arrived")
+        self.record.write("touch", request_id, session_key=session_key)
         queued = True
         try:
             async with self.gate.slot(request_id, work_s, session) if self.gate else contextlib.nullcontext():
@@ -215,7 +220,7 @@ class PrefillScheduler:
                                self.settings.admission_timeout_s, tenant=tenant_name(tenant), session=session,
                                pool=self.pool is not None,
                                restore_on_chain=all(s.restore_on_chain for s in self.stages))
-        flow = _Flow(driver, token_ids, return_logits, tenant, target, started, bound)
+        flow = _Flow(driver, token_ids, return_logits, tenant, target, started, bound, session.key if session else "")
         if self.gate is not None:
             # the histories of this request and of those still waiting, in serving order: the next served is
             # the last evicted (arrival order alone made the oldest waiter, served next, the first evicted)
@@ -245,6 +250,10 @@ class PrefillScheduler:
         freed = [holder for e in effects if isinstance(e, Freed) for holder in e.holders]
         if freed:
             self._blocks_freed(freed)
+        if self.record.on:  # what the request saw, in order (kvpool simulate --validate compares it)
+            for effect in effects:
+                self.record.write("effect", flow.driver.request_id, session_key=flow.session_key,
+                                  **effect_fields(effect))
         flow.feed(effects, self._frees)
 
     def _admission_begins(self, flow: _Flow) -> None:
