@@ -1,10 +1,12 @@
 """The router's generate path: admit, then one call to the decode shard that reserves its room, has the
 pipeline prefill into it and decodes — and free everything at once whatever happens.
 
-Every decision is the core's (``kvpool.core.admission.admission``): one ``admit`` per
-request hands back a ticket (a pipeline and a decode shard) or queues the
+Every decision is the core's: the request's driver (``kvpool.core.admission.request_driver``,
+sans-I/O: events in, effects out) over admission (``kvpool.core.admission.admission``).
+Its ``admit`` hands back a ticket (a pipeline and a decode shard) or queues the
 request, holding nothing, until a shard can take it (the waiting is
-``kvpool.services.router.tickets``'s); one ``release`` ends it. The room is
+``kvpool.services.router.tickets``'s); its ``end`` releases it. This module carries
+the effects out and tells the driver what each call answered. The room is
 the owners': the shard counts its pages and receive arena, stage 0 its device
 blocks. Between admit and release this module makes one call:
 
@@ -19,7 +21,7 @@ frees the region and pages at decode. A shard with no room answers so at once
 (``NoRoomNow``): the request queues again in its place, and the shard takes no
 ticket until its ``WatchRoom`` stream says room came back. Nothing here polls.
 
-Faults (the core decides, ``kvpool.core.admission.retry.retry_move``): a prefill
+Faults (the driver decides, by ``kvpool.core.admission.retry.retry_move``): a prefill
 pipeline that failed (decode answers UNAVAILABLE naming the field ``pipeline``)
 is retried once on another healthy pipeline when nothing reached the client
 (or, within ``--health-wait-s``, on its own once a health round finds it
@@ -36,22 +38,24 @@ ticket, at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import structlog
 
 from kvpool.core.admission.admission import Admission, Ticket
+from kvpool.core.admission.request_driver import Apply, Failed, Moved, RouterRequest, Serve, WaitForHealth
+from kvpool.core.admission.request_driver import Effect as RequestEffect
 from kvpool.core.admission.retry import PIPELINE_FIELD
 from kvpool.core.errors import ROOM_FIELD, InvalidArgument, KvpoolError, NoRoomNow, ResourceExhausted
 from kvpool.core.prefill.queue import QueueOrder
 from kvpool.core.api.public_errors import PIPELINE, SHARD, backend_label, public_error, served_by
 from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.core.api.served_context import ShardLimits, served_context
-from kvpool.core.tenancy.tenants import scoped_session_key
 from kvpool.request_id import bound_request_id, new_request_id
 from kvpool.status import error_field, from_status, room_epoch
 from kvpool.services.router.backend_clients import LATE_CHECKS_OUT, Backends, Prefilled, Sampling, ServeStream, server_of
@@ -169,22 +173,26 @@ class Router:
                          queue_order=self.admission.queue.order.value)
 
     async def _generate(self, request: GenerationRequest, usage: Usage, request_id: str) -> AsyncIterator[int]:
+        """The request driver's effects carried out (``kvpool.core.admission.request_driver``): its ticket, one
+        Serve call at a time, the driver told of each answer."""
         started = time.perf_counter()
-        ticket = await self.tickets.admit(request_id, request)
-        usage.queued_seconds = queued = time.perf_counter() - started
-        self.metrics.queue_seconds.observe(queued)
-        self.metrics.placements.labels("pipeline", ticket.pipeline, ticket.pipeline_reason.value).inc()
-        # an unseeded request draws a fresh seed: two such requests differ; a seeded one is reproducible
-        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        loop = asyncio.get_running_loop()
+        driver = RouterRequest(self.admission, admission_request(request_id, request))
         first_at = 0.0
         try:
+            ticket = await self._next_ticket(driver, lambda: driver.admit(loop.time()))
+            usage.queued_seconds = queued = time.perf_counter() - started
+            self.metrics.queue_seconds.observe(queued)
+            self.metrics.placements.labels("pipeline", ticket.pipeline, ticket.pipeline_reason.value).inc()
+            # an unseeded request draws a fresh seed: two such requests differ; a seeded one is reproducible
+            seed = request.seed if request.seed is not None else secrets.randbits(63)
             while True:
                 self.metrics.placements.labels("shard", ticket.shard, ticket.locality.value).inc()
                 usage.pipeline, usage.shard = ticket.pipeline, ticket.shard
                 stream = self._serve(ticket, request, request_id, seed, started)
                 try:
                     await self._answer(stream.reserved(), ticket, request_id)
-                    self.tickets.confirmed(request_id)
+                    self._carry(driver.reserved(loop.time()))
                     self._count_prefill(await self._answer(stream.prefilled(), ticket, request_id), usage,
                                         ticket.shard)
                     async for token in self._tokens(stream, ticket, request_id):
@@ -192,25 +200,82 @@ class Router:
                             first_at = time.perf_counter()
                             usage.ttft_seconds = first_at - started
                             self.metrics.ttft.observe(usage.ttft_seconds)
-                            self.admission.prefill_ended(request_id)  # never prefilled again now
+                            self._carry(driver.token())  # never prefilled again now
                         yield token
                     usage.finish_reason = stream.finish_reason or usage.finish_reason
                     usage.decode_seconds = time.perf_counter() - (first_at or started)
                     self.metrics.decode.observe(usage.decode_seconds)
                     return
                 except NoRoomNow as refused:  # the shard has no room now: the request queues again
-                    log.info("decode_room_refused", shard=ticket.shard, room_epoch=refused.room_epoch)
-                    ticket = await self.tickets.requeue(ticket, request, refused.room_epoch)
+                    epoch = refused.room_epoch
+                    log.info("decode_room_refused", shard=ticket.shard, room_epoch=epoch)
+                    self.metrics.room_refusals.labels(ticket.shard).inc()
+                    ticket = await self._next_ticket(driver, lambda: driver.refused(epoch, loop.time()))
                 except KvpoolError as error:
-                    moved = None if first_at else await self._moved(ticket, request, request_id, error)
-                    if moved is None:
-                        raise
-                    ticket = moved
+                    ticket = await self._recover(driver, error)
                 finally:
                     stream.cancel()  # a no-op once it ended; else decode frees the region and pages now
         finally:
-            self.tickets.release(request_id)
+            self._carry(driver.end(loop.time()))
+            self.tickets.ended(request_id)
             self.metrics.completion_tokens.inc(usage.completion_tokens)
+
+    def _carry(self, effects: list[RequestEffect]) -> None:
+        """Effects that need no waiting: admission's answers for the other requests' waiters."""
+        for effect in effects:
+            if isinstance(effect, Apply):
+                self.tickets.apply(effect.admitted)
+
+    async def _next_ticket(self, driver: RouterRequest, step: Callable[[], list[RequestEffect]]) -> Ticket:
+        """The ticket ``step`` (an admission, a refusal) leads to: at once, or after a wait in the queue, whose
+        waiter is made first (admission may hand the ticket out within the step)."""
+        waiter = self.tickets.expect(driver.request_id)
+        try:
+            effects = step()
+        except BaseException:
+            self.tickets.forget(driver.request_id)
+            raise
+        self._carry(effects)
+        serve = next((e for e in effects if isinstance(e, Serve)), None)
+        if serve is not None:
+            self.tickets.forget(driver.request_id)
+            return serve.ticket
+        deadline = driver.arrived_at + self.admission.queue_timeout_s
+        ticket = await self.tickets.wait(driver.request_id, waiter, deadline)
+        driver.ticketed(ticket)
+        return ticket
+
+    async def _recover(self, driver: RouterRequest, error: KvpoolError) -> Ticket:
+        """Where a request goes after a failed Serve (the driver decides): another pipeline or shard (waiting,
+        within ``--health-wait-s``, for its own pipeline to serve again when the core allows), else ``error``."""
+        loop = asyncio.get_running_loop()
+        effects = driver.failed(error, loop.time())
+        while True:
+            wait = None
+            for effect in effects:
+                if isinstance(effect, Moved):
+                    if effect.kind == "pipeline":
+                        self.metrics.retries.inc()
+                        log.warning("prefill_retried_elsewhere" if effect.to != effect.came_from else "prefill_retried",
+                                    pipeline=effect.came_from, to=effect.to, error=str(error))
+                    else:
+                        self.metrics.shard_moves.inc()
+                        log.warning("decode_moved_elsewhere", shard=effect.came_from, to=effect.to, error=str(error))
+                elif isinstance(effect, Serve):
+                    return effect.ticket
+                elif isinstance(effect, Failed):
+                    raise effect.error
+                elif isinstance(effect, WaitForHealth):
+                    wait = effect
+            if wait is None:
+                raise error
+            log.info("prefill_retry_waits", error=str(error))
+            changed = self.tickets.changed
+            with contextlib.suppress(TimeoutError):  # a health round applies what it found, setting ``changed``
+                await asyncio.wait_for(changed.wait(), max(0.0, wait.deadline - loop.time()))
+            effects = driver.health_round(loop.time(), wait.deadline)
+            if not effects:
+                effects = [wait]
 
     def _serve(self, ticket: Ticket, request: GenerationRequest, request_id: str, seed: int,
                started: float) -> ServeStream:
@@ -246,29 +311,6 @@ class Router:
             return self._backend_error(exc, PIPELINE, ticket.pipeline, request_id)
         return self._backend_error(exc, SHARD, ticket.shard, request_id)
 
-    async def _moved(self, ticket: Ticket, request: GenerationRequest, request_id: str,
-                     error: KvpoolError) -> Ticket | None:
-        """Where a request goes after a failure before its first token (the core decides,
-        ``kvpool.core.admission.retry``): its pipeline failed, another pipeline (waiting for device room, or
-        for its own to come back, as the core allows); its shard failed, another shard. None: it fails."""
-        current = self.admission.ticket(request_id) or ticket
-        if error.field == PIPELINE_FIELD:
-            failed_round = self.admission.health_round
-            session = scoped_session_key(request.tenant, request.session_key)
-            moved = self.admission.retry(current, error, 0, session)
-            if moved is None and self.admission.retry_may_wait(current, error, 0):
-                moved = await self._retry_when_serving(current, error, session, failed_round)
-            if moved is not None:
-                self.metrics.retries.inc()
-                log.warning("prefill_retried_elsewhere" if moved.pipeline != current.pipeline else "prefill_retried",
-                            pipeline=current.pipeline, to=moved.pipeline, error=str(error))
-            return moved
-        moved = self.admission.move_shard(current, admission_request(request_id, request), error, 0, True)
-        if moved is not None:
-            self.metrics.shard_moves.inc()
-            log.warning("decode_moved_elsewhere", shard=current.shard, to=moved.shard, error=str(error))
-        return moved
-
     def _turn_ended(self, request: GenerationRequest, pipeline: str) -> None:
         """Session-aware prefill, for a turn that carried a hint (a session key comes with each): the
         session's pipeline stages its history for the next turn, ``expected_next_s`` ahead (or, with
@@ -299,24 +341,6 @@ class Router:
     def _link(self, pipeline: str, shard: str) -> str:
         same = self.admission.pipeline_servers[pipeline] == self.admission.shards[shard].server
         return "same_server" if same else "cross_server"
-
-    async def _retry_when_serving(self, ticket: Ticket, error: KvpoolError, session: str,
-                                  failed_round: int) -> Ticket | None:
-        """Wait, within ``--health-wait-s``, until another pipeline serves or a health round begun after the
-        failure finds the request's own serving again, then move it there."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.admission.health_wait_s
-        log.info("prefill_retry_waits", pipeline=ticket.pipeline, error=str(error))
-        while loop.time() < deadline:
-            changed = self.tickets.changed
-            try:  # a health round applies what it found, setting ``changed``
-                await asyncio.wait_for(changed.wait(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                break
-            moved = self.admission.retry(ticket, error, 0, session, failed_round)
-            if moved is not None or not self.admission.retry_may_wait(ticket, error, 0):
-                return moved
-        return None
 
     def _backend_error(self, exc: grpc.aio.AioRpcError, kind: str, name: str, request_id: str) -> KvpoolError:
         """A backend's failure as the client may see it (``kvpool.core.api.public_errors``): the backend by

@@ -1,8 +1,8 @@
 """The router's requests and their admission tickets: a request gets its ticket now, or waits for it in
 the queue holding nothing.
 
-Every decision is the core's (``kvpool.core.admission.admission``); this is its asyncio
-shell. A queued request waits on a future until its ticket comes, the queue's
+Every decision is the core's (``kvpool.core.admission``: the request driver and admission); this is
+their asyncio shell. A queued request waits on a future until its ticket comes, the queue's
 timeout passes, or a backend it needs stays missing; each outcome the core
 answers (``Admitted``) reaches its waiter through ``apply``, and the queue's
 gauges follow. Whatever may let a ticket go applies what the core answers (a
@@ -35,27 +35,26 @@ class Tickets:
         # the queue's aging, budget and backlog-gate pops already counted in metrics
         self._overdue_seen = self._budget_seen = self._backlog_seen = 0
 
-    async def admit(self, request_id: str, request: GenerationRequest) -> Ticket:
-        """A ticket now, or after waiting in the queue; queued requests hold nothing."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        ticket = self.admission.admit(admission_request(request_id, request), now)
-        if ticket is not None:
-            return ticket
-        self._count_queued(request_id)
-        waiter = self._waiter(request_id)
-        self._publish()
-        return await self._wait(request_id, waiter, now + self.admission.queue_timeout_s)
+    def expect(self, request_id: str) -> asyncio.Future[Ticket]:
+        """A waiter for the request's next ticket, made before the admission call that may hand it out."""
+        waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = waiter
+        return waiter
 
-    async def requeue(self, ticket: Ticket, request: GenerationRequest, epoch: int | None) -> Ticket:
-        """The ticket's shard had no room for it (``epoch``: its give-back count then): wait in the queue
-        again, in its place by arrival and within its first deadline, for the next ticket."""
-        self.metrics.room_refusals.labels(ticket.shard).inc()
-        self._count_queued(ticket.request_id)
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter(ticket.request_id)
-        self.apply(self.admission.refused(admission_request(ticket.request_id, request), epoch, loop.time()))
-        return await self._wait(ticket.request_id, waiter, ticket.arrived_at + self.admission.queue_timeout_s)
+    def forget(self, request_id: str) -> None:
+        """The request needs no waiter now (it got its ticket at once, or was refused)."""
+        self._waiting.pop(request_id, None)
+
+    async def wait(self, request_id: str, waiter: asyncio.Future[Ticket], deadline: float) -> Ticket:
+        """The request's ticket once the queue hands it out; its deadline (the loop's clock) refuses it."""
+        self._count_queued(request_id)
+        self._publish()
+        timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._waiting.pop(request_id, None)
 
     def _count_queued(self, request_id: str) -> None:
         """A request waits in the queue: counted once however often its shard refuses it."""
@@ -63,32 +62,14 @@ class Tickets:
             self._queued_once.add(request_id)
             self.metrics.queued.inc()
 
-    def confirmed(self, request_id: str) -> None:
-        """The request's shard holds its room."""
-        self.apply(self.admission.confirmed(request_id, asyncio.get_running_loop().time()))
-
-    def _waiter(self, request_id: str) -> asyncio.Future[Ticket]:
-        waiter: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = waiter
-        return waiter
-
-    async def _wait(self, request_id: str, waiter: asyncio.Future[Ticket], deadline: float) -> Ticket:
-        timer = asyncio.get_running_loop().call_at(deadline, self._expire)
-        try:
-            return await waiter
-        except BaseException:
-            # the client went away while queued (or just as its ticket came): its slot or ticket goes
-            self.release(request_id)
-            raise
-        finally:
-            timer.cancel()
-            self._waiting.pop(request_id, None)
+    def ended(self, request_id: str) -> None:
+        self._queued_once.discard(request_id)
 
     def _expire(self) -> None:  # a queued request's deadline came
         self.apply(self.admission.poll(asyncio.get_running_loop().time()))
 
     def release(self, request_id: str) -> None:
-        self._queued_once.discard(request_id)
+        """A ticket whose request has gone (its waiter ended first) goes back at once."""
         self.apply(self.admission.release(request_id, asyncio.get_running_loop().time()))
 
     def apply(self, admitted: Admitted) -> None:

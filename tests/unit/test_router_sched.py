@@ -13,6 +13,7 @@ from typing import TypeVar
 import pytest
 
 from kvpool.core.admission.admission import ShardShape, Ticket
+from kvpool.core.admission.request_driver import RouterRequest
 from kvpool.core.admission.queue import admission_work_s
 from kvpool.core.prefill.queue import QueueOrder
 from kvpool.tools.replay import compare_cmd
@@ -119,7 +120,9 @@ def budget_pops(max_bypass_s: float) -> tuple[list[str], float, float]:
         router = Router(["127.0.0.1:1"], [shard], RouterMetrics(), order=QueueOrder.WORK,
                         max_wait_s=math.inf, max_bypass_s=max_bypass_s)
         owner = ShardOwner(SHAPE)
+        loop = asyncio.get_running_loop()
         requests: dict[str, GenerationRequest] = {}
+        drivers: dict[str, RouterRequest] = {}
         waiting: dict[str, asyncio.Task[Ticket]] = {}
         served: list[str] = []
         answered: set[asyncio.Task[Ticket]] = set()
@@ -131,17 +134,17 @@ def budget_pops(max_bypass_s: float) -> tuple[list[str], float, float]:
                 for request_id, task in list(waiting.items()):
                     if task.done() and task not in answered:
                         answered.add(task)
-                        ticket = task.result()
+                        driver = drivers[request_id]
                         epoch = owner.serve(admission_request(request_id, requests[request_id]))
                         if epoch is None:
                             served.append(request_id)
-                            router.tickets.confirmed(request_id)
+                            router._carry(driver.reserved(loop.time()))
                         else:
-                            waiting[request_id] = asyncio.create_task(
-                                router.tickets.requeue(ticket, requests[request_id], epoch))
+                            waiting[request_id] = asyncio.create_task(router._next_ticket(
+                                driver, lambda d=driver, e=epoch: d.refused(e, loop.time())))
 
         def ends(request_id: str) -> None:
-            router.tickets.release(request_id)
+            router._carry(drivers[request_id].end(loop.time()))
             if owner.end(request_id):  # its stream says room came back
                 router.tickets.apply(router.admission.room_again(shard, owner.room.epoch,
                                                                  asyncio.get_running_loop().time()))
@@ -153,7 +156,9 @@ def budget_pops(max_bypass_s: float) -> tuple[list[str], float, float]:
             for request_id, request in (("r0", prompt(100, session="s")), ("r1", prompt(100, base=1000)),
                                         ("new", prompt(150, base=9000)), ("turn", prompt(120, session="s"))):
                 requests[request_id] = request
-                waiting[request_id] = asyncio.create_task(router.tickets.admit(request_id, request))
+                driver = drivers[request_id] = RouterRequest(router.admission, admission_request(request_id, request))
+                waiting[request_id] = asyncio.create_task(router._next_ticket(
+                    driver, lambda d=driver: d.admit(loop.time())))
                 await answer()
             assert served == ["r0", "r1"] and router.admission.queued_ids() == ["new", "turn"]
             served.clear()
