@@ -24,10 +24,16 @@ from typing import Any
 import structlog
 import torch
 
-from kvpool.core.admission import retry as retry_policy
 from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import chunk_hashes, hash_root
-from kvpool.core.errors import DeviceCacheLost, FailedPrecondition, InvalidArgument, KvpoolError, Unavailable
+from kvpool.core.errors import (
+    DeviceCacheLost,
+    FailedPrecondition,
+    InvalidArgument,
+    KvpoolError,
+    RestoreFellShort,
+    Unavailable,
+)
 from kvpool.core.prefill.driver import (
     Admitted,
     Effect,
@@ -330,8 +336,6 @@ class PrefillScheduler:
         elif isinstance(effect, Freed):  # (logged and counted when the driver freed them: ``_feed``)
             await self._wake_waiters()
         elif isinstance(effect, PlannedAgain):
-            if effect.how == retry_policy.Replan.WITHOUT_POOL.value:
-                self.metrics.restores_fell_short.inc()
             bound.info("prefill_planned_again", reason=effect.reason, how=effect.how)
             self._admission_begins(flow)  # the next attempt is admitted afresh
         elif isinstance(effect, Prefilled):
@@ -376,6 +380,8 @@ class PrefillScheduler:
             error = exc if isinstance(exc, KvpoolError) else Unavailable(f"prefill: {exc}")
             if isinstance(error, DeviceCacheLost):
                 log.warning("device_cache_dropped", request_id=request.request_id, reason=str(error))
+            if isinstance(error, RestoreFellShort):  # counted whether or not it may be planned again
+                self.metrics.restores_fell_short.inc()
             corrupt_indexes = getattr(exc, "corrupt_chunk_indexes", ())
             self._feed(flow, driver.forward_failed(error, time.monotonic(), corrupt_indexes))
             return
