@@ -146,9 +146,10 @@ def test_block_events_from_stage_zeros_records() -> None:
         freed("r1", "b", "r1/save"),
         admitted("r5", "a"), freed("r2", "a", "r2"),
     ]
+    # a forward's end (its computed chunks cached) is a block event too: which block caches a chunk depends on it
     assert block_events(records, ["a", "b"]) == [
-        ("admit", "s1.t0"), ("admit", "s0.t0"), ("free", "s1.t0"), ("free", "s1.t0/save"), ("admit", "s0.t1"),
-        ("free", "s0.t0")]
+        ("admit", "s1.t0"), ("admit", "s0.t0"), ("commit", "s1.t0"), ("free", "s1.t0"), ("free", "s1.t0/save"),
+        ("admit", "s0.t1"), ("free", "s0.t0")]
     assert turn_key("s12.t3") == (12, 3)
 
 
@@ -181,6 +182,36 @@ def test_recorded_orders_read_arrivals_the_masters_pool_operations_and_each_requ
     assert effects == {"s0.t0": [{"effect": "Admitted", "attempt": 1}, {"effect": "Lookup", "candidates": 3},
                                  {"effect": "Freed", "holders": ["r2"]}],
                        "s1.t0": [{"effect": "Admitted", "attempt": 1}]}
+
+
+def test_a_recorded_cluster_run_replays_with_every_requests_effects_equal(tmp_path: Path) -> None:
+    """A real cluster's records (``simulate --validate``, 71 turns of the three sessions, 2026-12-05): where a
+    forward's computed chunk was already cached in another block, whether another request's allocation
+    evicted that block before the forward ended decided whether the session's next turn hit 8 chunks or 7.
+    The simulator commits each forward at its recorded place (``("commit", id)``; its stages' saves start
+    before it, as the cluster's do), so every request's effects come out equal."""
+    import gzip
+
+    from kvpool.request_record import read_records
+    from kvpool.tools.sim import validate_cmd
+    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, load_cost_model
+    from kvpool.tools.sim.validate import ValidationSetup, differing_effects, replay_sessions
+    from kvpool.workload.weka import load_session
+
+    records = tmp_path / "requests.jsonl"
+    recorded = ROOT / "tests" / "data" / "validate-records-commit-order.jsonl.gz"
+    records.write_bytes(gzip.decompress(recorded.read_bytes()))
+    traces = [TRACES / name for name in validate_cmd.VALIDATION_TRACES]
+    session_ids = [t.stem for t in traces]  # the replay names a trace's one session by its file
+    events, ops, effects = validate_cmd.recorded_orders(read_records(records), session_ids)
+    assert ("commit", "s0.t7") in events and len(effects) == 71
+    setup = ValidationSetup(context=32768, device_cache_tokens=validate_cmd.DEVICE_CACHE_TOKENS,
+                            store_bytes=validate_cmd.SEGMENT_BYTES)
+    turns, _, pool = replay_sessions([load_session(t) for t in traces], setup, load_cost_model(CPU_COST_MODEL),
+                                     events, None, ops)
+    assert pool["events_left"] == 0 and pool["pool_ops_left"] == 0 and pool["pool_ops_differing"] == []
+    assert differing_effects(pool["effects"], effects) == []
+    assert (turns[(0, 7)].device_tokens, turns[(0, 7)].pool_tokens) == (2048, 0)  # as the cluster had it
 
 
 def test_recorded_pool_ops_apply_in_the_recorded_order_and_count_differing_outcomes() -> None:

@@ -305,11 +305,28 @@ class PipelineSim:
         self.kick()
 
     def _computed(self, job: Job) -> None:
-        """The last stage computed its part: the driver commits the computed chunks; save, hand off."""
+        """The last stage computed its part: the driver commits the computed chunks (under validation at the
+        commit's place in stage 0's recorded order: it decides which block caches a chunk); save, hand off."""
+        if self.block_gate is None:
+            self._forward_ended(job)
+            return
+        # the validation: every stage starts its save as its own forward ends, before stage 0 hears the
+        # forward ended (the cluster's puts come before its commit in the master's order)
+        driver, request = job.driver, job.request
+        assert driver is not None and request is not None
+        if driver.save_held:
+            job.save_started = True
+            holder = f"{job.job_id}/save"
+            self._save_by_stage(job.job_id, job.play.namespace, list(request.chunks_to_save),
+                                lambda: self._drive(job, driver.saves_ended(holder, self.loop.now)))
+        self.block_gate(("commit", job.job_id), partial(self._forward_ended, job))
+
+    def _forward_ended(self, job: Job) -> None:
         assert job.driver is not None
         counts = [job.readable] * self.num_stages if job.chain_restore else []
         effects = self._recorded(job, job.driver.forward_ended(self.loop.now, counts))
-        if self.block_gate is not None and not any(isinstance(e, SavesThenFree) for e in effects):
+        if (self.block_gate is not None and not job.save_started
+                and not any(isinstance(e, SavesThenFree) for e in effects)):
             # the validation: a save of nothing releases nothing, in its place (an order that names it waits)
             self.block_gate(("free", f"{job.job_id}/save"), lambda: None)
         self._carry_out(job, effects)
@@ -325,9 +342,8 @@ class PipelineSim:
             self._drive(job, driver.saves_ended(holder, self.loop.now))
 
         if self.pool_gate is not None:
-            self._save_by_stage(job.job_id, ns, chunks, ended)
-        else:
-            self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, ns, chunks, ended)
+            return  # the validation: started as the forward ended (``_computed``), its end ends the hold
+        self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, ns, chunks, ended)
 
     def _save_by_stage(self, request_id: str, ns: str, chunks: list, ended: Callable[[], None]) -> None:
         """The validation: each stage puts its own objects (start, then end), each at its place in the

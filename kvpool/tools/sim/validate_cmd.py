@@ -52,7 +52,10 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
     own order, and each request's driver effects.
 
     Block events: ("touch", id) at a turn's arrival (it touches its session's cached blocks), ("admit", id)
-    at its first admission (``Admitted``), ("free", id or "id/save") for every holder a ``Freed`` names.
+    at its first admission (``Admitted``), ("commit", id) once its forward ended and its computed chunks
+    became cached (``Prefilled``: a chunk another block already caches stays with that block, so whether
+    another request's allocation evicted that one first decides what later turns hit), ("free", id or
+    "id/save") for every holder a ``Freed`` names.
     Each session has one request in flight, so its n-th admitted request is its turn n; an attempt never
     admitted (refused before its admission and retried under another id) is no turn, and its records are
     left out, as are those of requests outside the sessions (none in a validation).
@@ -81,7 +84,8 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
         name = names.get(str(record.get("request_id")))
         if name is None:
             continue
-        kind = "touch" if record.get("kind") == "touch" else "admit" if record.get("effect") == "Admitted" else None
+        kind = ("touch" if record.get("kind") == "touch" else "admit" if record.get("effect") == "Admitted"
+                else "commit" if record.get("effect") == "Prefilled" else None)
         if kind is not None and (kind, name) not in seen:
             seen.add((kind, name))
             blocks.append((kind, name))
