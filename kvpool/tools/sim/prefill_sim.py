@@ -325,24 +325,23 @@ class PipelineSim:
         assert job.driver is not None
         counts = [job.readable] * self.num_stages if job.chain_restore else []
         effects = self._recorded(job, job.driver.forward_ended(self.loop.now, counts))
-        if (self.block_gate is not None and not job.save_started
-                and not any(isinstance(e, SavesThenFree) for e in effects)):
+        if self.block_gate is not None and not job.save_started:
             # the validation: a save of nothing releases nothing, in its place (an order that names it waits)
             self.block_gate(("free", f"{job.job_id}/save"), lambda: None)
         self._carry_out(job, effects)
 
     def _save_then_free(self, job: Job, holder: str) -> None:
-        """The save of the request's chunks, then its hold on their blocks ends (``saves_ended``)."""
-        request = job.request
-        assert request is not None and job.driver is not None
+        """The save of the request's chunks, then its hold on their blocks ends (``saves_ended``). Under
+        validation it started as the forward ended (``_computed``), and its end ends the hold."""
+        if self.pool_gate is not None:
+            return
+        request, driver = job.request, job.driver
+        assert request is not None and driver is not None
         chunks, ns = list(request.chunks_to_save), job.play.namespace
-        driver = job.driver
 
         def ended() -> None:
             self._drive(job, driver.saves_ended(holder, self.loop.now))
 
-        if self.pool_gate is not None:
-            return  # the validation: started as the forward ended (``_computed``), its end ends the hold
         self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, ns, chunks, ended)
 
     def _save_by_stage(self, request_id: str, ns: str, chunks: list, ended: Callable[[], None]) -> None:
