@@ -187,7 +187,7 @@ class HttpApi:
             first = await _until_disconnected(request, _first(tokens))
             if generation.stream:
                 texts = self._texts(generation, usage, tokens, first)
-                return StreamingResponse(self._stream(generation, completion_id, usage, texts),
+                return ClosingStream(self._stream(generation, completion_id, usage, texts),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             text = await _until_disconnected(request, self._collect(generation, usage, tokens, first))
         except BaseException:
@@ -272,6 +272,18 @@ class HttpApi:
         finally:
             await texts.aclose()  # type: ignore[attr-defined]
         yield b"data: [DONE]\n\n"
+
+
+class ClosingStream(StreamingResponse):
+    """A streaming response that closes its body however it ends. Starlette cancels a stream whose client
+    went away, and when that lands in ``send`` the body generator stays suspended at its ``yield``: the
+    generation behind it (its decode call, its pages) would run on until the garbage collector finalised it."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]  # a no-op once it ended
 
 
 async def _first(tokens: AsyncIterator[int]) -> int | None:
