@@ -72,6 +72,31 @@ def access_message(access: SegmentAccess) -> pool_pb2.SegmentAccess:
     return pool_pb2.SegmentAccess(segment_id=access.segment_id, host=access.host, base_address=access.base_address,
                                   shared_memory=shared_memory_message(access.shared))
 
+def packed_groups(packed: pool_pb2.PackedGroups, segments: Sequence[pool_pb2.SegmentAccess]) -> list[GroupLocation]:
+    """A lookup's ``PackedGroups`` as located groups; a member naming a segment the answer does not
+    describe is a malformed answer (``ValueError``)."""
+    by_number = {s.number: (s.segment_id, s.endpoint) for s in segments}
+    keys, numbers, addresses = list(packed.key), list(packed.segment), list(packed.address)
+    sizes, sums = list(packed.size), list(packed.checksum)
+    counts = list(packed.num_members)
+    if not (len(keys) == len(numbers) == len(addresses) == len(sizes) == len(sums) == sum(counts)) or \
+            len(counts) != len(packed.group_id):
+        raise ValueError("packed: its arrays disagree in length")
+    groups = []
+    i = 0
+    for group_id, count in zip(packed.group_id, counts):
+        members = {}
+        for j in range(i, i + count):
+            try:
+                segment_id, endpoint = by_number[numbers[j]]
+            except KeyError:
+                raise ValueError(f"packed.segment[{j}]: segment {numbers[j]} is not in the answer") from None
+            members[keys[j]] = ObjectLocation(keys[j], endpoint, addresses[j], sizes[j], sums[j], segment_id)
+        groups.append(GroupLocation(group_id, members))
+        i += count
+    return groups
+
+
 class PoolClient:
     """Talks to one pool master and moves bytes by memory with the stores on its host and with one transfer
     engine with the others; without an engine (a one-host cluster opens none) a move that needs one fails
@@ -294,14 +319,19 @@ class PoolClient:
 
     # ---- reads ----------------------------------------------------------
 
-    async def lookup(self, group_ids: Sequence[str], lease_ms: int = 0) -> LookupResult:
-        """Leading complete groups with member locations; an unreachable master is a miss."""
+    async def lookup(self, group_ids: Sequence[str], lease_ms: int = 0, held_prefix: int = 0) -> LookupResult:
+        """Leading complete groups with member locations; an unreachable master is a miss.
+
+        ``held_prefix``: the first so many groups are the caller's own (its device cache): the master
+        counts and touches them but neither leases nor locates them (``LookupResult.first``). An older
+        master that locates them anyway is answered the same way."""
         if not group_ids:
             return LookupResult([], 0, 0)
         allowed, probing = self._admit()
         if not allowed:
             return LookupResult([], 0, 0)
-        request = pool_pb2.LookupRequest(group_ids=list(group_ids), lease_ms=lease_ms)
+        request = pool_pb2.LookupRequest(group_ids=list(group_ids), lease_ms=lease_ms, held_prefix=held_prefix,
+                                         packed=True)
         try:
             if probing:
                 response = await self._probe(self._stub.Lookup, request)
@@ -316,7 +346,15 @@ class PoolClient:
             self.breaker.abandoned()
             raise
         self._learn(response.segments)
-        groups = []
+        if response.HasField("packed"):
+            try:
+                groups = packed_groups(response.packed, response.segments)
+            except ValueError as exc:  # never from a master of this version: a miss, its lease given back
+                log.warning("pool_lookup_malformed", error=str(exc))
+                await self.release(response.lease_id)
+                return LookupResult([], 0, 0)
+            return LookupResult(groups, response.lease_id, response.lease_ms, held_prefix, response.num_complete)
+        groups = []  # a master without the packed form: every found group, from the first
         for g in response.groups:
             members = {}
             for m in g.members:
@@ -324,7 +362,8 @@ class PoolClient:
                 members[key] = ObjectLocation(key, location.endpoint, location.address, location.size, m.checksum,
                                               location.segment_id)
             groups.append(GroupLocation(g.group_id, members))
-        return LookupResult(groups, response.lease_id, response.lease_ms)
+        first = min(held_prefix, len(groups))
+        return LookupResult(groups[first:], response.lease_id, response.lease_ms, first, len(groups))
 
     async def read(self, items: Sequence[tuple[ObjectLocation, int]]) -> list[bool]:
         """Read each object into the local address given with it; True where it verified."""

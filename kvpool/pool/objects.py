@@ -56,15 +56,24 @@ class GroupLocation:
 
 @dataclass(slots=True, frozen=True)
 class LookupResult:
-    """The leading complete groups, protected from eviction until the lease ends."""
+    """The leading complete groups of those asked: ``groups`` are the located ones, from the ``first``th
+    (the caller's held prefix, counted but not located), protected from eviction until the lease ends."""
 
     groups: list[GroupLocation]
     lease_id: int
     lease_ms: int
+    first: int = 0
+    found: int = -1  # leading complete groups from the first asked; -1: ``first + len(groups)``
 
     @property
     def num_complete(self) -> int:
-        return len(self.groups)
+        return self.found if self.found >= 0 else self.first + len(self.groups)
+
+    def group(self, index: int) -> GroupLocation:
+        """The located group of the ``index``th id asked (at least ``first``)."""
+        if index < self.first:
+            raise IndexError(f"group {index} is in the held prefix ({self.first}): not located")
+        return self.groups[index - self.first]
 
 
 def checksum(address: int, size: int) -> int:

@@ -51,16 +51,20 @@ class SharedMemory(_message.Message):
     def __init__(self, socket_path: _Optional[str] = ..., name: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class SegmentAccess(_message.Message):
-    __slots__ = ("segment_id", "host", "base_address", "shared_memory")
+    __slots__ = ("segment_id", "host", "base_address", "shared_memory", "number", "endpoint")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     host: str
     base_address: int
     shared_memory: SharedMemory
-    def __init__(self, segment_id: _Optional[str] = ..., host: _Optional[str] = ..., base_address: _Optional[int] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ...) -> None: ...
+    number: int
+    endpoint: str
+    def __init__(self, segment_id: _Optional[str] = ..., host: _Optional[str] = ..., base_address: _Optional[int] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ..., number: _Optional[int] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
     __slots__ = ("master_incarnation", "heartbeat_interval_s", "rejected_keys", "sequence", "num_adopted")
@@ -217,12 +221,16 @@ class PutRevokeResponse(_message.Message):
     def __init__(self, num_revoked: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("group_ids", "lease_ms")
+    __slots__ = ("group_ids", "lease_ms", "held_prefix", "packed")
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    HELD_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_ms: int
-    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    held_prefix: int
+    packed: bool
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ..., held_prefix: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class ObjectLocation(_message.Message):
     __slots__ = ("key", "location", "checksum")
@@ -243,18 +251,38 @@ class GroupLocation(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[ObjectLocation, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_complete", "groups", "lease_id", "lease_ms", "segments")
+    __slots__ = ("num_complete", "groups", "lease_id", "lease_ms", "segments", "packed")
     NUM_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     num_complete: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupLocation]
     lease_id: int
     lease_ms: int
     segments: _containers.RepeatedCompositeFieldContainer[SegmentAccess]
-    def __init__(self, num_complete: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ...) -> None: ...
+    packed: PackedGroups
+    def __init__(self, num_complete: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ..., packed: _Optional[_Union[PackedGroups, _Mapping]] = ...) -> None: ...
+
+class PackedGroups(_message.Message):
+    __slots__ = ("group_id", "num_members", "key", "segment", "address", "size", "checksum")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    group_id: _containers.RepeatedScalarFieldContainer[str]
+    num_members: _containers.RepeatedScalarFieldContainer[int]
+    key: _containers.RepeatedScalarFieldContainer[str]
+    segment: _containers.RepeatedScalarFieldContainer[int]
+    address: _containers.RepeatedScalarFieldContainer[int]
+    size: _containers.RepeatedScalarFieldContainer[int]
+    checksum: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[_Iterable[str]] = ..., num_members: _Optional[_Iterable[int]] = ..., key: _Optional[_Iterable[str]] = ..., segment: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ..., checksum: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "corrupt_group_ids")

@@ -12,6 +12,7 @@ from kvpool.core.errors import InvalidArgument, ResourceExhausted
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
+    Group,
     ObjectRecord,
     PutRequestItem,
     PutStatus,
@@ -99,10 +100,26 @@ def check_batch(count: int, field_name: str) -> None:
 
 
 def add_accesses(field: Any, segments: Iterable[Segment]) -> None:
-    """How a client reaches each segment a response's locations name: its host, base and shared memory."""
+    """How a client reaches each segment a response's locations name: its host, base and shared memory, its
+    number (in packed answers) and its endpoint."""
     for segment in segments:
         field.add(segment_id=segment.segment_id, host=segment.host, base_address=segment.base_address,
-                  shared_memory=shared_memory_message(segment.shared))
+                  shared_memory=shared_memory_message(segment.shared), number=segment.number,
+                  endpoint=segment.endpoint)
+
+
+def packed_group(group: Group, segments: dict[str, Segment]) -> tuple[bytes, tuple[Segment, ...]]:
+    """One complete group's part of a packed lookup answer (``PackedGroups``: packed repeated fields of
+    concatenated encodings merge in order), and the segments it names. Made once per group: the index
+    forgets it whenever a member changes (``Group.encoded``)."""
+    members = list(group.members.values())
+    named = {obj.segment_id: segments[obj.segment_id] for obj in members}
+    message = pool_pb2.PackedGroups(
+        group_id=[group.group_id], num_members=[len(members)], key=[obj.key for obj in members],
+        segment=[named[obj.segment_id].number for obj in members],
+        address=[named[obj.segment_id].base_address + obj.offset for obj in members],
+        size=[obj.size for obj in members], checksum=[obj.checksum for obj in members])
+    return message.SerializeToString(), tuple(named.values())
 
 
 class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
@@ -246,18 +263,46 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         check_names(group_ids, "group_ids")
         if not 0 <= request.lease_ms <= MAX_LEASE_MS:
             raise InvalidArgument(f"lease_ms: {request.lease_ms} is outside 0..{MAX_LEASE_MS}")
+        if request.held_prefix > len(group_ids):
+            raise InvalidArgument(f"held_prefix: {request.held_prefix} is more than the {len(group_ids)} group ids")
         lease_s = request.lease_ms / 1000 if request.lease_ms else None
-        result = self.index.lookup(group_ids, lease_s)
-        log.debug("pool_op", op="lookup", groups=len(group_ids), complete=len(result.groups), lease_id=result.lease_id)
+        result = self.index.lookup(group_ids, lease_s, request.held_prefix)
+        log.debug("pool_op", op="lookup", groups=len(group_ids), complete=result.num_found, lease_id=result.lease_id)
         self.record.write("pool_op", current_request_id(), op="lookup", groups=len(group_ids),
-                          complete=len(result.groups))
+                          complete=result.num_found)
         response = pool_pb2.LookupResponse(
-            num_complete=len(result.groups), lease_id=result.lease_id, lease_ms=round(result.lease_s * 1000)
+            num_complete=result.num_found, lease_id=result.lease_id, lease_ms=round(result.lease_s * 1000)
         )
+        if request.packed:
+            add_accesses(response.segments, self._packed(response, result.groups))
+        else:
+            add_accesses(response.segments, self._groups(response, result.groups))
+        self.metrics.observe_lookup(len(group_ids), result.num_found)
+        return response
+
+    def _packed(self, response: pool_pb2.LookupResponse, groups: list[Group]) -> Iterable[Segment]:
+        """The located groups as ``PackedGroups``: each group's encoding made once, joined, parsed in C."""
+        segments = self.index.segments
+        parts = []
+        named: dict[str, Segment] = {}
+        for group in groups:
+            encoded = group.encoded
+            if encoded is None:
+                encoded = group.encoded = packed_group(group, segments)
+            parts.append(encoded[0])
+            for segment in encoded[1]:
+                named[segment.segment_id] = segment
+        response.packed.SetInParent()  # present even when empty: this master answered in the packed form
+        if parts:
+            response.packed.MergeFromString(b"".join(parts))
+        return named.values()
+
+    def _groups(self, response: pool_pb2.LookupResponse, groups: list[Group]) -> Iterable[Segment]:
+        """The located groups, one message per object (a client that did not ask for ``packed``)."""
         segments = self.index.segments
         named: dict[str, Segment] = {}
         add_group = response.groups.add
-        for group in result.groups:
+        for group in groups:
             add_member = add_group(group_id=group.group_id).members.add
             for obj in group.members.values():
                 segment = named[obj.segment_id] = segments[obj.segment_id]
@@ -266,9 +311,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
                 location.endpoint = segment.endpoint
                 location.address = segment.base_address + obj.offset
                 location.size = obj.size
-        add_accesses(response.segments, named.values())
-        self.metrics.observe_lookup(len(group_ids), len(result.groups))
-        return response
+        return named.values()
 
     @status_errors
     async def ReleaseLease(self, request: pool_pb2.ReleaseLeaseRequest, context: Any) -> pool_pb2.ReleaseLeaseResponse:

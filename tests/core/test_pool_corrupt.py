@@ -149,9 +149,8 @@ class CorruptGroupMachine(RuleBasedStateMachine):
     @invariant()
     def lease_counts_match(self) -> None:
         held: dict[int, int] = {}
-        for groups in self.index.leases._leases.values():
-            for group in groups:
-                held[id(group)] = held.get(id(group), 0) + 1
+        for group in self.index.leases.leased():
+            held[id(group)] = held.get(id(group), 0) + 1
         for group in self.index.groups.values():
             assert group.num_leases == held.get(id(group), 0)
 

@@ -228,3 +228,56 @@ def test_group_size_must_agree_with_stored_members() -> None:
 def test_watermarks_are_validated() -> None:
     with pytest.raises(ValueError, match="watermarks"):
         IndexSettings(high_watermark=0.8, low_watermark=0.9)
+
+
+def lru(index: PoolIndex) -> list[str]:
+    return list(index.groups)
+
+
+def test_a_held_prefix_is_counted_and_touched_but_not_leased_or_located() -> None:
+    index, _ = make_index()
+    for name in ("a", "b", "c", "d", "x"):
+        put_group(index, name)
+    result = index.lookup(["a", "b", "c", "d"], held_prefix=2)
+    assert result.num_found == 4
+    assert [g.group_id for g in result.groups] == ["c", "d"]  # located from the first past the prefix
+    assert [index.groups[g].num_leases for g in "abcd"] == [0, 0, 1, 1]
+    assert lru(index) == ["x", "d", "c", "b", "a"]  # the head most recently used, as without a prefix
+    index.touch(["x"])
+    assert index.release_lease(result.lease_id)
+    assert lru(index) == ["x", "d", "c", "b", "a"]  # the release touches the prefix with the leased groups
+    assert [index.groups[g].num_leases for g in "abcd"] == [0, 0, 0, 0]
+
+
+def test_a_held_prefix_the_pool_lacks_part_of_finds_nothing_past_it() -> None:
+    index, _ = make_index()
+    for name in ("a", "c", "d"):
+        put_group(index, name)
+    result = index.lookup(["a", "b", "c", "d"], held_prefix=2)
+    assert (result.num_found, result.groups, result.lease_id) == (1, [], 0)  # a leading run only
+    assert index.num_leases == 0
+
+
+def test_a_wholly_held_lookup_leases_nothing_and_touches_every_group() -> None:
+    index, _ = make_index()
+    for name in ("a", "b", "x"):
+        put_group(index, name)
+    result = index.lookup(["a", "b"], held_prefix=2)
+    assert (result.num_found, result.groups, result.lease_id) == (2, [], 0)
+    assert lru(index) == ["x", "b", "a"] and index.num_leases == 0
+
+
+def test_the_held_prefix_leaves_eviction_order_as_a_full_lookup_leaves_it() -> None:
+    """The same calls with and without a held prefix leave the same least-recently-used order."""
+    orders = []
+    for held in (0, 3):
+        index, _ = make_index()
+        for name in ("a", "b", "c", "d", "e", "f"):
+            put_group(index, name)
+        first = index.lookup(["a", "b", "c", "d"], held_prefix=held)
+        second = index.lookup(["e", "a"], held_prefix=min(held, 1))
+        index.release_lease(first.lease_id)
+        index.touch(["f"])
+        index.release_lease(second.lease_id)
+        orders.append(lru(index))
+    assert orders[0] == orders[1] == ["d", "c", "b", "f", "a", "e"]

@@ -11,7 +11,7 @@ has no entry in either.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -45,6 +45,21 @@ class GroupTable:
             if group is not None:
                 groups.move_to_end(group_id)
                 by_tenant[group.tenant].move_to_end(group_id)
+
+    def touch_groups(self, found: list[Group]) -> None:
+        """``touch`` for groups the table holds, as objects: the moves run in C, not one Python step each
+        (a lookup touches a whole history)."""
+        if not found:
+            return
+        ids = [g.group_id for g in reversed(found)]
+        deque(map(self.groups.move_to_end, ids), maxlen=0)
+        tenant = found[0].tenant
+        if all(g.tenant == tenant for g in found):
+            deque(map(self.by_tenant[tenant].move_to_end, ids), maxlen=0)
+            return
+        by_tenant = self.by_tenant
+        for group in reversed(found):
+            by_tenant[group.tenant].move_to_end(group.group_id)
 
     def demote(self, group_ids: Iterable[str]) -> int:
         """Make groups the least recently used, the last named evicted first (a prefix's tail before its

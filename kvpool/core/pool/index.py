@@ -108,21 +108,28 @@ class PoolIndex:
 
     # ---- reads ----------------------------------------------------------
 
-    def lookup(self, group_ids: Sequence[str], lease_s: float | None = None) -> LookupResult:
-        """Count leading complete groups; lease and touch them."""
+    def lookup(self, group_ids: Sequence[str], lease_s: float | None = None, held_prefix: int = 0) -> LookupResult:
+        """Count leading complete groups; touch them; lease those after the first ``held_prefix``.
+
+        The caller holds the first ``held_prefix`` groups itself (its device cache): they count and are
+        touched as any found group, but are not leased (nobody reads them from the pool). The release
+        touches them again with the leased ones, as if they were leased.
+        """
         self.expire_leases()
         found: list[Group] = []
+        get = self.groups.get
         for group_id in group_ids:
-            group = self.groups.get(group_id)
-            if group is None or not group.complete or group.corrupt:
+            group = get(group_id)
+            if group is None or group.num_committed != group.size or group.corrupt:
                 break
             found.append(group)
         if not found:
             return LookupResult([], 0, 0.0)
         duration = self.settings.lease_s if lease_s is None else lease_s
-        lease_id = self.leases.grant(found, duration)
-        self.touch([g.group_id for g in found])
-        return LookupResult(found, lease_id, duration)
+        leased = found[held_prefix:] if held_prefix else found
+        lease_id = self.leases.grant(leased, duration, found[:held_prefix]) if leased else 0
+        self.group_table.touch_groups(found)
+        return LookupResult(leased, lease_id, duration, len(found))
 
     def release_lease(self, lease_id: int, corrupt_group_ids: Collection[str] = ()) -> bool:
         """End a lease early (the reader is done); a read counts as a use.
@@ -131,12 +138,17 @@ class PoolIndex:
         failed their checksum; they are hidden now and dropped once no lease
         holds them (``pool.corrupt``). Unknown to an ended or expired lease.
         """
-        groups = self.leases.release(lease_id)
-        if groups is None:
+        released = self.leases.release(lease_id)
+        if released is None:
             return False
-        condemn(groups, self.groups, corrupt_group_ids)
-        self.touch(g.group_id for g in groups if self.groups.get(g.group_id) is g and not g.corrupt)
-        self._drop_corrupt(groups)
+        groups, held = released
+        if corrupt_group_ids:
+            condemn(groups, self.groups, corrupt_group_ids)
+        # in prefix order, the held prefix first, as the lookup found them
+        live = self.groups
+        self.group_table.touch_groups([g for g in (held + groups if held else groups)
+                                       if live.get(g.group_id) is g and not g.corrupt])
+        self._drop_corrupt(groups)  # this lease's or an earlier reader's condemned groups no lease holds now
         return True
 
     def expire_leases(self) -> int:
@@ -269,6 +281,7 @@ class PoolIndex:
         self.segment_table.release(obj)
 
     def drop_member(self, group: Group, key: str) -> None:
+        group.encoded = None
         obj = group.members.pop(key)
         group.num_committed -= 1
         self.free(obj)
@@ -281,6 +294,7 @@ class PoolIndex:
         if group is None:
             group = self.group_table.add(Group(obj.group_id, group_size, tenant=obj.tenant))
         obj.tenant = group.tenant  # a group is one tenant's, whatever a report says
+        group.encoded = None
         self.objects[obj.key] = obj
         self.group_table.add_object(obj)
         group.members[obj.key] = obj

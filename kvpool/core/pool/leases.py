@@ -22,24 +22,27 @@ class LeaseTable:
     """Live leases by id, with a heap of expiry times (stale entries skipped)."""
 
     clock: Callable[[], float]
-    _leases: dict[int, list[Group]] = field(default_factory=dict)
+    # each lease's groups, and the groups found before them that it does not hold (its release touches them)
+    _leases: dict[int, tuple[list[Group], list[Group]]] = field(default_factory=dict)
     _expiry: list[tuple[float, int]] = field(default_factory=list)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
-    def grant(self, groups: list[Group], duration_s: float) -> int:
+    def grant(self, groups: list[Group], duration_s: float, held: list[Group] | None = None) -> int:
+        """Lease ``groups``; ``held``: the groups found before them, unleased (the caller holds them)."""
         lease_id = next(self._ids)
-        self._leases[lease_id] = groups
+        self._leases[lease_id] = (groups, held or [])
         heapq.heappush(self._expiry, (self.clock() + duration_s, lease_id))
         for group in groups:
             group.num_leases += 1
         return lease_id
 
-    def release(self, lease_id: int) -> list[Group] | None:
-        """End a lease; returns the groups it held, or None if it is unknown (ended or expired)."""
-        groups = self._leases.pop(lease_id, None)
-        if groups is not None:
-            _unlease(groups)
-        return groups
+    def release(self, lease_id: int) -> tuple[list[Group], list[Group]] | None:
+        """End a lease; returns the groups it held and those found before them, or None if it is unknown
+        (ended or expired)."""
+        released = self._leases.pop(lease_id, None)
+        if released is not None:
+            _unlease(released[0])
+        return released
 
     def expire(self) -> list[Group]:
         """End every lease past its time; returns the groups they held (a group once per lease)."""
@@ -47,10 +50,14 @@ class LeaseTable:
         ended: list[Group] = []
         while self._expiry and self._expiry[0][0] <= now:
             _, lease_id = heapq.heappop(self._expiry)
-            groups = self.release(lease_id)
-            if groups is not None:
-                ended.extend(groups)
+            released = self.release(lease_id)
+            if released is not None:
+                ended.extend(released[0])
         return ended
+
+    def leased(self) -> list[Group]:
+        """Every group each live lease holds, once per lease (the invariant's left side)."""
+        return [group for groups, _ in self._leases.values() for group in groups]
 
     def __len__(self) -> int:
         return len(self._leases)

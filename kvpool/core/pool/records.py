@@ -117,6 +117,8 @@ class Segment:
     keys: set[str] = field(default_factory=set)
     journal: SegmentJournal = field(default_factory=SegmentJournal)
     shared: SharedMemoryRef | None = None  # mapped by clients on ``host`` (kvpool.core.pool.paths)
+    # this segment's number, unique for the index's life: a segment mounted anew gets a new one
+    number: int = 0
 
     @property
     def access(self) -> SegmentAccess:
@@ -152,6 +154,9 @@ class Group:
     # a reader found a member failing its checksum: hidden, dropped once no lease holds it
     corrupt: bool = False
     tenant: str = DEFAULT_TENANT
+    # the master's encoding of the complete group's locations for lookups, made at the first lookup
+    # that finds it; the index sets it back to None whenever a member changes
+    encoded: object = None
 
     @property
     def complete(self) -> bool:
@@ -184,6 +189,10 @@ class PutOutcome:
 
 @dataclass(slots=True)
 class LookupResult:
+    """``num_found`` leading complete groups of those asked; ``groups`` the ones after the held
+    prefix (leased under ``lease_id``, 0 when none is)."""
+
     groups: list[Group]
     lease_id: int
     lease_s: float
+    num_found: int = 0

@@ -68,6 +68,7 @@ class SegmentTable:
     segments: dict[str, Segment] = field(default_factory=dict)
     used_bytes: int = 0
     capacity: int = 0
+    numbered: int = 0  # segments ever mounted anew (each gets the next number)
 
     # ---- space ----------------------------------------------------------
 
@@ -138,7 +139,9 @@ class SegmentTable:
             allocator=allocator,
             last_heartbeat=self.clock(),
             shared=shared,
+            number=self.numbered + 1,
         )
+        self.numbered += 1
         self.capacity += size
         self.used_bytes += allocator.used_bytes
         for record in plan.accepted:

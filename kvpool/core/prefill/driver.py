@@ -78,9 +78,11 @@ class Admitted:
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """Ask the pool's master for the leading complete groups of ``candidates`` (then ``looked_up``)."""
+    """Ask the pool's master for the leading complete groups of ``candidates`` (then ``looked_up``). The
+    first ``held`` are the device's own hits: counted and touched, neither leased nor located."""
 
     candidates: tuple[ChunkHash, ...]
+    held: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +152,7 @@ def effect_fields(effect: Effect) -> dict[str, object]:
     lease by whether there is one (its id is the master's, not the request's), a failure by its kind."""
     fields: dict[str, object] = {"effect": type(effect).__name__}
     if isinstance(effect, Lookup):
-        fields["candidates"] = len(effect.candidates)
+        fields.update(candidates=len(effect.candidates), held=effect.held)
     elif isinstance(effect, Forward):
         fields.update(compute_start=effect.compute_start, save_first_chunk=effect.save_first_chunk,
                       save_chunks=len(effect.save_chunk_hashes), restore=effect.restore)
@@ -337,7 +339,7 @@ class PrefillDriver:
         candidates = self.request.lookup_candidates if self.pool and self.use_pool else []
         if candidates:
             self.step = Step.LOOKING_UP
-            return [Admitted(self.attempt), Lookup(tuple(candidates))]
+            return [Admitted(self.attempt), Lookup(tuple(candidates), self.request.num_device_chunks)]
         self.request.plan(0)
         if self.restore_on_chain:
             self.request.expect_restore()

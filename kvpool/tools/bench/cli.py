@@ -110,6 +110,24 @@ def add_bench(sub: Any) -> None:
     ab.add_argument("--rounds", type=int, help="rounds of every case, alternating which side goes first (default 5)")
     ab.add_argument("--hit-requests", type=int, default=5, help="one-token device-hit requests per round")
     ab.add_argument("--workdir", help="keep the clusters' logs here (default: a temporary folder)")
+    master = bench_sub.add_parser(
+        "master", help="what one pool master carries: CPU per lookup, save and turn, calls a second, index memory",
+        description="Starts a master and two stores, populates the pool through real PutStart/PutEnd calls to "
+        "10^5 and 10^6 objects at the high watermark, then measures the master's CPU (from /proc) per lookup of "
+        "a 450-chunk history with its release, per save of 22 chunks over 4 stages and per typical turn, each in "
+        "the call pattern before issue 39 (legacy) and today's side by side; then lookups, saves and turns a "
+        "second with several client processes at once while saves evict (churn). No byte moves: the master "
+        "only sees control messages.",
+    )
+    add_report_flags(master, quick="10^4 and 10^5 objects, shorter phases")
+    master.add_argument("--objects", help="object counts to measure at, comma separated (default 100000,1000000)")
+    master.add_argument("--clients", type=int, default=4, help="client processes at saturation")
+    master.add_argument("--seconds", type=float, help="length of each saturation phase (default 8; quick 3)")
+    master.add_argument("--cost-seconds", type=float, help="length of each cost phase (default 3; quick 1.5)")
+    master.add_argument("--turn-device-share", type=float, default=0.6,
+                        help="share of a typical turn's history its device holds (the device served 56-69%% of "
+                        "prompt tokens in the prefill bench)")
+    master.add_argument("--turn-new-chunks", type=int, default=8, help="chunks a typical turn adds and saves")
     path = bench_sub.add_parser(
         "path", help="a request's path: a burst beyond decode's room queues, not fails; RPCs before the first "
         "token; every control call of a pool-hit and a cold request (pool_hit, cold); handoff bytes across servers",
@@ -173,6 +191,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from kvpool.tools.bench.path_bench import main as bench_path
 
         return bench_path(args)
+    if args.bench_command == "master":
+        from kvpool.tools.bench.master_bench import main as bench_master
+
+        return bench_master(args)
     if args.bench_command == "decode":
         from kvpool.tools.bench.decode_bench import main as bench_decode
 

@@ -212,10 +212,11 @@ class PipelineSim:
     def _gated_lookup(self, job: Job, effect: Lookup) -> int:
         result = self._lookup(job, effect)
         self._looked_up(job, effect, result)
-        return len(result.groups)
+        return result.num_found
 
     def _lookup(self, job: Job, effect: Lookup) -> LookupResult:
-        return self.index.lookup([group_id(job.play.namespace, h) for h in effect.candidates])
+        return self.index.lookup([group_id(job.play.namespace, h) for h in effect.candidates],
+                                 held_prefix=effect.held)
 
     def _looked_up(self, job: Job, effect: Lookup, result: LookupResult | None = None) -> None:
         """The master served the lookup: the driver plans."""
@@ -224,7 +225,7 @@ class PipelineSim:
         if result is None:
             result = self._lookup(job, effect)
         job.lookup = result
-        self._drive(job, job.driver.looked_up(len(result.groups), str(result.lease_id) if result.lease_id else ""))
+        self._drive(job, job.driver.looked_up(result.num_found, str(result.lease_id) if result.lease_id else ""))
 
     def _restore(self, job: Job) -> None:
         """Every stage reads its objects of the planned chunks (objects on other servers also cross both
@@ -232,7 +233,7 @@ class PipelineSim:
         request, result = job.request, job.lookup
         assert request is not None and result is not None and request.restore_plan is not None
         plan = request.restore_plan
-        restored = result.groups[plan.num_device_chunks : plan.num_hit_chunks]
+        restored = result.groups[: plan.num_pool_chunks]  # located from the first chunk past the device's
         job.readable = self.leading_readable(restored)
         restore_s = self.cost.restore_s(plan.num_pool_chunks, self.stage_bytes_per_token)
         remote = self.remote_bytes(restored[: job.readable]) if restored else {}

@@ -108,10 +108,11 @@ class SessionAware:
 
     def _looked_up(self, staging: Staging, pipeline: PipelineSim) -> None:
         request = staging.request
-        result = pipeline.index.lookup([group_id(staging.namespace, h) for h in request.lookup_candidates])
-        plan = request.plan_lookup(len(result.groups))
+        result = pipeline.index.lookup([group_id(staging.namespace, h) for h in request.lookup_candidates],
+                                       held_prefix=request.num_device_chunks)
+        plan = request.plan_lookup(result.num_found)
         staging.lease = result.lease_id
-        restored = result.groups[plan.num_device_chunks: plan.num_hit_chunks]
+        restored = result.groups[: plan.num_pool_chunks]  # located from the first chunk past the device's
         staging.readable = pipeline.leading_readable(restored)
         remote = pipeline.remote_bytes(restored[: staging.readable]) if restored else {}
         staging.started = pipeline.loop.now

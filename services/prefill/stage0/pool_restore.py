@@ -76,12 +76,14 @@ class PoolRestore:
         # lease releases in flight: off the request's path (issue 37), kept so none is dropped unawaited
         self._releases: set[asyncio.Task[None]] = set()
 
-    async def lookup(self, request: PrefillRequest, candidates: Sequence[ChunkHash], report: RestoreReport
-                     ) -> LookupResult:
-        """Look the candidates up at the master (its time into ``report``)."""
+    async def lookup(self, request: PrefillRequest, candidates: Sequence[ChunkHash], report: RestoreReport,
+                     held: int = 0) -> LookupResult:
+        """Look the candidates up at the master (its time into ``report``); the first ``held`` are the
+        device's own (counted and touched, not leased or located: they are read from the device)."""
         assert self.pool is not None
         t0 = time.perf_counter()
-        lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates])
+        lookup = await self.pool.lookup([group_id(self.namespace, h) for h in candidates],
+                                        held_prefix=min(held, len(candidates)))
         report.lookup_ms = (time.perf_counter() - t0) * 1e3
         return lookup
 
@@ -130,7 +132,7 @@ class PoolRestore:
             request.plan(0)
             request.apply_restore([], self.blocks)
             return report
-        lookup = await self.lookup(request, candidates, report)
+        lookup = await self.lookup(request, candidates, report, request.num_device_chunks)
         plan = request.plan_lookup(lookup.num_complete)
         try:
             if plan.num_pool_chunks:
@@ -173,7 +175,7 @@ class PoolRestore:
         for stage in range(self.num_stages):
             chunks = []
             for chunk_index, block_id in targets:
-                group = lookup.groups[chunk_index]  # the lookup started at chunk 0
+                group = lookup.group(chunk_index)  # the lookup started at chunk 0
                 location = group.members.get(object_key(self.namespace, request.chunk_hashes[chunk_index], stage))
                 if location is None:
                     break  # cannot happen for a complete group; stay safe

@@ -313,7 +313,7 @@ class PrefillScheduler:
             self.prefetcher.admitted(driver.request)
             flow.restore = RestoreReport()
         elif isinstance(effect, Lookup):
-            flow.lookup = await self.restorer.lookup(driver.request, effect.candidates, flow.restore)
+            flow.lookup = await self.restorer.lookup(driver.request, effect.candidates, flow.restore, effect.held)
             self._feed(flow, driver.looked_up(flow.lookup.num_complete, flow.lookup.lease_id))
             if driver.request.num_write_back_chunks:
                 bound.info("device_hits_written_back", chunks=driver.request.num_write_back_chunks)

@@ -1,0 +1,416 @@
+"""``kvpool bench master``: how much one pool master carries, from outside, on the running code.
+
+One run on one host: a real master and two real stores (``LocalPool``), and
+client processes that call the master over gRPC as stage 0 and the stages do.
+No byte moves: the master only sees control messages, and this bench measures
+the master. Objects have the stages' key shapes (``namespace/chunk-hash/stage``,
+a group per chunk of ``STAGES`` members) and ``OBJECT_BYTES`` each; the pool's
+capacity is sized so the target count of objects fills it to the high watermark.
+
+For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
+
+1. **Populate** through real ``PutStart``/``PutEnd`` calls, saves of
+   ``SAVE_CHUNKS`` chunks × ``STAGES`` stages, histories of
+   ``HISTORY_CHUNKS`` chunks. ``index_bytes_per_object``: the master's resident
+   memory (``/proc``) grown since before the first put, over the objects it holds.
+2. **Cost per call**, one client calling one after another, the master's CPU
+   (``/proc/PID/stat``, user + system) over the calls, divided by their count.
+   Every save lands at the watermark, so each evicts (the churn is in its cost).
+   Each is measured in two forms side by side, the call pattern of the code
+   before this bench (``*_legacy``) and today's:
+   - ``lookup_cpu_ms``: a lookup of one ``HISTORY_CHUNKS``-group history that
+     hits, with its release; legacy answers one message per object, today's
+     packed arrays (``LookupRequest.packed``);
+   - ``save_cpu_ms``: a save of ``SAVE_CHUNKS`` chunks over the stages; legacy is
+     one put pair per stage, today's one pair for all stages;
+   - ``turn_cpu_ms``: the calls of a typical turn (``--turn-*``): a lookup of the
+     history (legacy: every group from chunk 0, leased and located; today's:
+     the device-held prefix only counted and touched, ``held_prefix``), its
+     release, and the save of the turn's new chunks.
+   ``call_floor_cpu_ms`` is the cheapest call's (one key's ``Exists``): what
+   gRPC itself costs the master per unary call, whatever the call does.
+3. **Saturation**: ``--clients`` processes calling as fast as the master
+   answers for ``--seconds``, today's forms. ``lookups_per_s`` with
+   ``lookup_ms_p50``/``p99`` (client-observed, per call) while one more
+   client saves without pause (churn at the watermark; ``saves_per_s_beside``);
+   then ``saves_per_s`` with every client saving; then ``turns_per_s_per_master``
+   with every client running typical turns. Lookups are of distinct histories
+   (each client cycles through the newest ones, so they hit); ``lookup_hit_share``
+   says how many found every group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from kvpool.tools.cluster.parts import LocalPool
+
+STAGES = 4
+HISTORY_CHUNKS = 450
+SAVE_CHUNKS = 22
+OBJECT_BYTES = 256
+NAMESPACE = "bench-master-0123456789abcdef"
+HIGH_WATERMARK = 0.90
+LEASE_MS = 5000
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# targets (issue 39), each at 10^6 objects with churn
+TARGETS = {"lookup_cpu_ms": 0.5, "save_cpu_ms": 0.5, "turn_cpu_ms": 1.5}
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A typical turn's calls: its history's length, the share its device holds, the chunks it adds."""
+
+    history_chunks: int = HISTORY_CHUNKS
+    device_share: float = 0.6
+    new_chunks: int = 8
+
+    @property
+    def held(self) -> int:
+        return int(self.history_chunks * self.device_share)
+
+
+# ---- names -------------------------------------------------------------
+
+
+def group_ids(history: int, first: int = 0, count: int = HISTORY_CHUNKS) -> list[str]:
+    """Group ids of chunks [first, first + count) of one history: 32 hex digits as a chunk hash has."""
+    return [f"{NAMESPACE}/{history:016x}{chunk:016x}" for chunk in range(first, first + count)]
+
+
+def keys_of(group: str) -> list[str]:
+    return [f"{group}/{stage}" for stage in range(STAGES)]
+
+
+# ---- the master's process, from /proc ---------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+# ---- client processes --------------------------------------------------
+
+
+class Calls:
+    """One client's calls, in either form."""
+
+    def __init__(self, master: str) -> None:
+        from kvpool import service
+        from kvpool.rpc import pool_pb2, pool_pb2_grpc
+
+        self.pb = pool_pb2
+        self.channel = service.channel(master)
+        self.stub = pool_pb2_grpc.PoolMasterStub(self.channel)
+        self.hits = 0
+        self.lookups = 0
+
+    async def save(self, groups: list[str], legacy: bool) -> int:
+        """Put every stage's object of ``groups``: one pair for all (today), or one pair per stage (legacy,
+        the stages at once). Returns the objects committed."""
+        if not legacy:
+            return await self._put([k for g in groups for k in keys_of(g)], groups)
+        done = await asyncio.gather(*(self._put([f"{g}/{stage}" for g in groups], groups) for stage in range(STAGES)))
+        return sum(done)
+
+    async def _put(self, keys: list[str], groups: list[str]) -> int:
+        pb = self.pb
+        items = [pb.PutItem(key=k, group_id=k.rsplit("/", 1)[0], group_size=STAGES, size=OBJECT_BYTES) for k in keys]
+        started = await self.stub.PutStart(pb.PutStartRequest(client_host="bench", items=items), timeout=30)
+        commits = [pb.PutCommit(key=k, checksum=i + 1) for i, (k, r) in enumerate(zip(keys, started.results))
+                   if r.status == pb.PUT_STATUS_RESERVED]
+        if commits:
+            await self.stub.PutEnd(pb.PutEndRequest(items=commits), timeout=30)
+        return len(commits)
+
+    async def lookup(self, groups: list[str], held: int, legacy: bool) -> float:
+        """Look a history up and release its lease; the lookup's own latency (s)."""
+        pb = self.pb
+        request = (pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS) if legacy else
+                   pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS, held_prefix=held, packed=True))
+        t0 = time.perf_counter()
+        response = await self.stub.Lookup(request, timeout=30)
+        took = time.perf_counter() - t0
+        self.lookups += 1
+        self.hits += response.num_complete == len(groups)
+        if response.lease_id:
+            await self.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=response.lease_id), timeout=30)
+        return took
+
+    async def floor(self) -> None:
+        """The cheapest call: one key's ``Exists`` (what any unary call costs the master)."""
+        await self.stub.Exists(self.pb.ExistsRequest(keys=[f"{NAMESPACE}/floor/0"]), timeout=30)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def _run(job: dict[str, Any]) -> dict[str, Any]:
+    import uvloop
+
+    return uvloop.run(_job(job))
+
+
+async def _job(job: dict[str, Any]) -> dict[str, Any]:
+    calls = Calls(job["master"])
+    try:
+        start_at = job.get("start_at")
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await _KINDS[job["kind"]](calls, job)
+    finally:
+        await calls.close()
+
+
+async def _populate(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
+    committed = 0
+    for history in job["histories"]:
+        for first in range(0, HISTORY_CHUNKS, SAVE_CHUNKS):
+            count = min(SAVE_CHUNKS, HISTORY_CHUNKS - first)
+            committed += await calls.save(group_ids(history, first, count), legacy=False)
+    return {"committed": committed}
+
+
+def _loop_until(job: dict[str, Any]) -> tuple[float, int]:
+    """(deadline as perf_counter, most calls) of a timed job."""
+    return time.perf_counter() + job.get("seconds", math.inf), job.get("count", 1 << 62)
+
+
+async def _ops(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
+    """One kind of operation as fast as answered; the master's CPU read around the loop when ``pid`` is given."""
+    op, legacy, turn = job["op"], job["legacy"], Turn(**job["turn"])
+    histories, fresh = job["histories"], job["fresh_from"]
+    pid = job.get("pid")
+    deadline, most = _loop_until(job)
+    latencies: list[float] = []
+    done = committed = 0
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    t0 = time.perf_counter()
+    while done < most and time.perf_counter() < deadline:
+        if op == "floor":
+            await calls.floor()
+        if op in ("lookup", "turn"):
+            history = histories[done % len(histories)]
+            held = turn.held if op == "turn" else 0
+            latencies.append(await calls.lookup(group_ids(history), held, legacy))
+        if op in ("save", "turn"):
+            count = SAVE_CHUNKS if op == "save" else turn.new_chunks
+            # fresh chunks of a history nobody looks up: every save reserves, and at the watermark evicts
+            committed += await calls.save(group_ids(fresh, done * count, count), legacy)
+        done += 1
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds(pid) - cpu0 if pid else 0.0
+    return {"done": done, "wall_s": wall, "master_cpu_s": cpu, "latencies": latencies, "committed": committed,
+            "hits": calls.hits, "lookups": calls.lookups}
+
+
+_KINDS = {"populate": _populate, "ops": _ops}
+
+
+# ---- one scale ------------------------------------------------------------
+
+
+class Run:
+    def __init__(self, pool: LocalPool, executor: ProcessPoolExecutor, clients: int, seconds: float,
+                 cost_seconds: float, turn: Turn) -> None:
+        self.pool = pool
+        self.master = pool.master_address
+        assert pool.master is not None
+        self.pid = int(pool.master.ready["pid"])
+        self.executor = executor
+        self.clients = clients
+        self.seconds = seconds
+        self.cost_seconds = cost_seconds
+        self.turn = turn
+        self.fresh = 1 << 40  # histories past every populated one: each job's saves get their own
+
+    def _fresh(self) -> int:
+        self.fresh += 1
+        return self.fresh
+
+    def jobs(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        futures = [self.executor.submit(_run, {"master": self.master, **job}) for job in jobs]
+        return [f.result() for f in futures]
+
+    def populate(self, objects: int) -> dict[str, Any]:
+        histories = math.ceil(objects / (HISTORY_CHUNKS * STAGES))
+        rss0 = rss_bytes(self.pid)
+        t0 = time.perf_counter()
+        parts = [list(range(i, histories, self.clients)) for i in range(self.clients)]
+        done = self.jobs([{"kind": "populate", "histories": part} for part in parts if part])
+        wall = time.perf_counter() - t0
+        stats = self.stats()
+        resident = stats.num_objects
+        return {"histories": histories, "committed": sum(d["committed"] for d in done), "populate_s": round(wall, 1),
+                "resident_objects": resident, "used_share": round(stats.used_bytes / stats.capacity_bytes, 3),
+                "index_bytes_per_object": round((rss_bytes(self.pid) - rss0) / max(1, resident))}
+
+    def stats(self) -> Any:
+        from kvpool import service
+        from kvpool.rpc import pool_pb2, pool_pb2_grpc
+
+        async def ask() -> Any:
+            async with service.channel(self.master) as channel:
+                return await pool_pb2_grpc.PoolMasterStub(channel).Stats(pool_pb2.StatsRequest(), timeout=10)
+        return asyncio.run(ask())
+
+    def refresh(self, histories: list[int]) -> None:
+        """Put back whatever of ``histories`` the churn evicted (what is there is left alone), so their
+        lookups hit."""
+        parts = [histories[i::self.clients] for i in range(self.clients)]
+        self.jobs([{"kind": "populate", "histories": part} for part in parts if part])
+
+    def cost(self, op: str, legacy: bool, histories: list[int]) -> dict[str, Any]:
+        """The master's CPU per operation, one client calling one after another."""
+        if op in ("lookup", "turn"):
+            self.refresh(histories)
+        job = {"kind": "ops", "op": op, "legacy": legacy, "turn": _turn(self.turn),
+               "histories": histories, "fresh_from": self._fresh(), "pid": self.pid, "seconds": self.cost_seconds}
+        (result,) = self.jobs([job])
+        return {"cpu_ms": round(result["master_cpu_s"] * 1e3 / max(1, result["done"]), 3), "calls": result["done"],
+                "hit_share": _share(result["hits"], result["lookups"])}
+
+    def saturate(self, op: str, histories: list[int], churn: bool = False) -> dict[str, Any]:
+        """Every client at once for ``seconds`` (plus one saver when ``churn``); the master's CPU over them."""
+        if op in ("lookup", "turn"):
+            self.refresh(histories)
+        start_at = time.time() + 3.0  # after every process started
+        base = {"kind": "ops", "legacy": False, "turn": _turn(self.turn), "seconds": self.seconds,
+                "start_at": start_at}
+        per = max(1, len(histories) // self.clients)
+        jobs = [{**base, "op": op, "fresh_from": self._fresh(),
+                 "histories": histories[i * per:(i + 1) * per] or histories} for i in range(self.clients)]
+        if churn:
+            jobs.append({**base, "op": "save", "histories": histories, "fresh_from": self._fresh()})
+        evicted0 = self.stats().evicted_groups
+        futures = [self.executor.submit(_run, {"master": self.master, **job}) for job in jobs]
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0 = cpu_seconds(self.pid)
+        results = [f.result() for f in futures]
+        cpu = cpu_seconds(self.pid) - cpu0
+        wall = max(r["wall_s"] for r in results)
+        mine = results[:self.clients]
+        latencies = sorted(x for r in mine for x in r["latencies"])
+        out: dict[str, Any] = {
+            "calls": sum(r["done"] for r in mine), "per_s": round(sum(r["done"] for r in mine) / wall, 1),
+            "master_busy": round(cpu / wall, 2), "evicted_groups": self.stats().evicted_groups - evicted0,
+        }
+        if latencies:
+            out["lookup_ms_p50"] = round(statistics.median(latencies) * 1e3, 2)
+            out["lookup_ms_p99"] = round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3, 2)
+            out["hit_share"] = _share(sum(r["hits"] for r in mine), sum(r["lookups"] for r in mine))
+        if churn:
+            out["saves_per_s_beside"] = round(results[-1]["done"] / wall, 1)
+        return out
+
+
+def _turn(turn: Turn) -> dict[str, Any]:
+    return {"history_chunks": turn.history_chunks, "device_share": turn.device_share, "new_chunks": turn.new_chunks}
+
+
+def _share(part: int, whole: int) -> float | None:
+    return round(part / whole, 3) if whole else None
+
+
+def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    turn = Turn(HISTORY_CHUNKS, args.turn_device_share, args.turn_new_chunks)
+    capacity = math.ceil(objects * OBJECT_BYTES / HIGH_WATERMARK)
+    segment = math.ceil(capacity / 2 / (1 << 20)) << 20
+    context = get_context("spawn")
+    with LocalPool(num_stores=2, segment_size=str(segment), workdir=workdir,
+                   master_args=["--high-watermark", str(HIGH_WATERMARK)]) as pool, \
+            ProcessPoolExecutor(max_workers=args.clients + 1, mp_context=context) as executor:
+        run = Run(pool, executor, args.clients, args.seconds, args.cost_seconds, turn)
+        report: dict[str, Any] = {"objects": objects, **run.populate(objects)}
+        newest = list(range(report["histories"]))[-max(1, min(64, report["histories"] // 2)):]
+        report["call_floor_cpu_ms"] = run.cost("floor", False, newest)["cpu_ms"]
+        for op in ("lookup", "save", "turn"):
+            for legacy in (True, False):
+                key = f"{op}_cpu_ms" + ("_legacy" if legacy else "")
+                cost = run.cost(op, legacy, newest)
+                report[key] = cost["cpu_ms"]
+                report.setdefault("cost_calls", {})[key] = cost["calls"]
+                if cost["hit_share"] is not None:
+                    report.setdefault("cost_hit_share", {})[key] = cost["hit_share"]
+        lookups = run.saturate("lookup", newest, churn=True)
+        report.update(lookups_per_s=lookups["per_s"], lookup_ms_p50=lookups["lookup_ms_p50"],
+                      lookup_ms_p99=lookups["lookup_ms_p99"], lookup_hit_share=lookups["hit_share"],
+                      lookups_measured=lookups["calls"], saves_per_s_beside=lookups["saves_per_s_beside"],
+                      master_busy_lookups=lookups["master_busy"],
+                      evicted_groups_during_lookups=lookups["evicted_groups"])
+        saves = run.saturate("save", newest)
+        report.update(saves_per_s=saves["per_s"], master_busy_saves=saves["master_busy"])
+        turns = run.saturate("turn", newest)
+        report.update(turns_per_s_per_master=turns["per_s"], master_busy_turns=turns["master_busy"],
+                      turns_per_s_from_cpu=round(1e3 / report["turn_cpu_ms"], 1) if report["turn_cpu_ms"] else None)
+        final = run.stats()
+        report["resident_objects_after"] = final.num_objects
+        report["evicted_groups_total"] = final.evicted_groups
+    return report
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    args.seconds = args.seconds or (3.0 if args.quick else 8.0)
+    args.cost_seconds = args.cost_seconds or (1.5 if args.quick else 3.0)
+    scales = [int(s) for s in args.objects.split(",")] if args.objects else (
+        [10_000, 100_000] if args.quick else [100_000, 1_000_000])
+    report: dict[str, Any] = {"stages": STAGES, "history_chunks": HISTORY_CHUNKS, "save_chunks": SAVE_CHUNKS,
+                              "object_bytes": OBJECT_BYTES, "clients": args.clients,
+                              "turn": _turn(Turn(HISTORY_CHUNKS, args.turn_device_share, args.turn_new_chunks)),
+                              "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as tmp:
+        for objects in scales:
+            report[f"at_{objects}"] = measure(objects, args, Path(tmp) / str(objects))
+    largest = report[f"at_{max(scales)}"]
+    report["targets"] = {key: {"at": max(scales), "value": largest[key], "target": limit,
+                               "met": largest[key] <= limit} for key, limit in TARGETS.items()}
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"kvpool bench master: {report['stages']} stages, histories of {report['history_chunks']} chunks, "
+             f"{report['clients']} clients, {report['cpus']} CPUs"]
+    for key, value in report.items():
+        if not key.startswith("at_"):
+            continue
+        lines.append(f"{value['objects']:,} objects ({value['resident_objects']:,} resident, "
+                     f"{value['index_bytes_per_object']} B each in the master); the cheapest call costs the "
+                     f"master {value['call_floor_cpu_ms']} ms:")
+        for op in ("lookup", "save", "turn"):
+            lines.append(f"  {op}_cpu_ms {value[f'{op}_cpu_ms']} (legacy {value[f'{op}_cpu_ms_legacy']})")
+        lines.append(f"  lookups/s {value['lookups_per_s']} (p50 {value['lookup_ms_p50']} ms, p99 "
+                     f"{value['lookup_ms_p99']} ms, hits {value['lookup_hit_share']}), saves/s {value['saves_per_s']}, "
+                     f"turns/s {value['turns_per_s_per_master']}")
+    for key, target in report["targets"].items():
+        lines.append(f"{key} at {target['at']:,}: {target['value']} (target <= {target['target']}: "
+                     f"{'met' if target['met'] else 'NOT met'})")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run(args)
+    print(format_report(report))
+    if args.json:
+        print(json.dumps(report))
+    return 0
