@@ -247,57 +247,100 @@ class PoolClient:
             sums = checksums(objects)
         else:
             sums = asyncio.ensure_future(asyncio.to_thread(checksums, objects))
-        results = [PutResult.NOT_STORED] * len(objects)
-        item = pool_pb2.PutItem
-        allowed, probing = self._admit()
-        if not allowed:
+        try:
+            reserved = await self.reserve([(o.key, o.group_id, o.group_size, o.size) for o in objects], tenant)
+        except BaseException:
+            if isinstance(sums, asyncio.Future):
+                await asyncio.gather(sums, return_exceptions=True)
+            raise
+        results = [r if isinstance(r, PutResult) else PutResult.NOT_STORED for r in reserved]
+        located = [(i, r) for i, r in enumerate(reserved) if isinstance(r, ObjectLocation)]
+        if not located:
             if isinstance(sums, asyncio.Future):
                 await asyncio.gather(sums, return_exceptions=True)
             return results
+        indices = [i for i, _ in located]
+        written = await self._move([(loc.segment_id, Move(loc.endpoint, objects[i].address, loc.address, loc.size))
+                                    for i, loc in located], write=True)
+        sums_done = sums if isinstance(sums, list) else await sums
+        ok = [i for i, good in zip(indices, written) if good]
+        failed = [objects[i].key for i, good in zip(indices, written) if not good]
+        if failed:
+            await self.revoke(failed)
+        if ok and await self.commit([(objects[i].key, sums_done[i]) for i in ok]):
+            for i in ok:
+                results[i] = PutResult.STORED
+        return results
+
+    async def reserve(self, items: Sequence[tuple[str, str, int, int]], tenant: str = ""
+                      ) -> list[ObjectLocation | PutResult]:
+        """Reserve room for ``(key, group_id, group_size, size)`` items (one ``PutStart``): per item where to
+        write it (an ``ObjectLocation``, checksum 0), or EXISTS, or NOT_STORED (no room, a failed group, the
+        master unreachable). Each reserved item must then be committed (``commit``) or revoked (``revoke``);
+        a reservation nobody ends is revoked by the master's put timeout."""
+        not_stored: list[ObjectLocation | PutResult] = [PutResult.NOT_STORED] * len(items)
+        if not items:
+            return []
+        allowed, probing = self._admit()
+        if not allowed:
+            return not_stored
+        item = pool_pb2.PutItem
         try:
             started = await self._stub.PutStart(
                 pool_pb2.PutStartRequest(
                     client_host=self.host_name, tenant=tenant,
-                    items=[item(key=o.key, group_id=o.group_id, group_size=o.group_size, size=o.size) for o in objects],
+                    items=[item(key=k, group_id=g, group_size=n, size=size) for k, g, n, size in items],
                 ),
                 # a probe does not wait for the channel; otherwise ride out a reconnect briefly
                 timeout=PROBE_TIMEOUT_S if probing else PUT_WAIT_S, wait_for_ready=not probing,
             )
         except grpc.aio.AioRpcError as exc:
             self._outcome(exc)
-            if isinstance(sums, asyncio.Future):
-                await asyncio.gather(sums, return_exceptions=True)
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from exc
-            log.info("pool_put_not_stored", code=exc.code().name, details=exc.details(), objects=len(objects))
-            return results
+            log.info("pool_put_not_stored", code=exc.code().name, details=exc.details(), objects=len(items))
+            return not_stored
         except asyncio.CancelledError:
             self.breaker.abandoned()
             raise
         self._outcome(None)
         self._learn(started.segments)
-        reserved: list[int] = []
-        moves: list[tuple[str, Move]] = []
-        for i, (obj, result) in enumerate(zip(objects, started.results)):
+        reserved: list[ObjectLocation | PutResult] = []
+        for (key, _, _, size), result in zip(items, started.results):
             status = result.status
             if status == _RESERVED:
                 location = result.location
-                reserved.append(i)
-                moves.append((location.segment_id, Move(location.endpoint, obj.address, location.address, obj.size)))
-            elif status == _ALREADY_EXISTS:
-                results[i] = PutResult.EXISTS
-        written = await self._move(moves, write=True)
-        sums_done = sums if isinstance(sums, list) else await sums
-        ok = [i for i, good in zip(reserved, written) if good]
-        failed = [objects[i].key for i, good in zip(reserved, written) if not good]
-        if failed:
-            await self._revoke(failed)
-        if ok and await self._commit([(objects[i].key, sums_done[i]) for i in ok]):
-            for i in ok:
-                results[i] = PutResult.STORED
-        return results
+                reserved.append(ObjectLocation(key, location.endpoint, location.address, size, 0,
+                                               location.segment_id))
+            else:
+                reserved.append(PutResult.EXISTS if status == _ALREADY_EXISTS else PutResult.NOT_STORED)
+        return reserved
 
-    async def _commit(self, items: list[tuple[str, int]]) -> bool:
+    async def write(self, writes: Sequence[tuple[int, ObjectLocation]]) -> list[int | None]:
+        """Write reserved objects from local memory (``address``, ``location``: a ``reserve`` answer, perhaps
+        another process's): per write the xxh3-64 of the bytes written, or None where the move failed."""
+        for i, (address, location) in enumerate(writes):
+            self._check_registered(address, location.size, f"writes[{i}]")
+        if not writes:
+            return []
+        objects = [PutObject(loc.key, "", 0, address, loc.size) for address, loc in writes]
+        total = sum(loc.size for _, loc in writes)
+        sums = (checksums(objects) if total <= INLINE_CHECKSUM_BYTES
+                else asyncio.ensure_future(asyncio.to_thread(checksums, objects)))
+        try:
+            written = await self._move([(loc.segment_id, Move(loc.endpoint, address, loc.address, loc.size))
+                                        for address, loc in writes], write=True)
+        finally:
+            if isinstance(sums, asyncio.Future) and not sums.done():
+                await asyncio.gather(sums, return_exceptions=True)
+        sums_done = sums if isinstance(sums, list) else sums.result()
+        return [s if good else None for s, good in zip(sums_done, written)]
+
+    async def commit(self, items: Sequence[tuple[str, int]]) -> bool:
+        """Commit reserved objects written, ``(key, checksum)``, all or none (one ``PutEnd``); on failure
+        they are revoked."""
+        if not items:
+            return True
         try:
             await self._stub.PutEnd(
                 pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c) for k, c in items]),
@@ -307,12 +350,15 @@ class PoolClient:
         except grpc.aio.AioRpcError as exc:
             # e.g. the master restarted or revoked our put after a timeout
             log.warning("pool_put_end_failed", code=exc.code().name, details=exc.details(), objects=len(items))
-            await self._revoke([k for k, _ in items])
+            await self.revoke([k for k, _ in items])
             return False
 
-    async def _revoke(self, keys: list[str]) -> None:
+    async def revoke(self, keys: Sequence[str]) -> None:
+        """Give back reserved objects that will not be written (one ``PutRevoke``; best effort)."""
+        if not keys:
+            return
         try:
-            await self._stub.PutRevoke(pool_pb2.PutRevokeRequest(keys=keys), timeout=RPC_TIMEOUT_S)
+            await self._stub.PutRevoke(pool_pb2.PutRevokeRequest(keys=list(keys)), timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             # the master's put timeout gives the space back anyway
             log.warning("pool_put_revoke_failed", code=exc.code().name, objects=len(keys))

@@ -125,7 +125,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfoResponse(_message.Message):
-    __slots__ = ("stage", "num_stages", "layer_start", "layer_end", "num_blocks", "block_size", "namespace", "transfer_endpoint", "work_scale", "restore_on_chain")
+    __slots__ = ("stage", "num_stages", "layer_start", "layer_end", "num_blocks", "block_size", "namespace", "transfer_endpoint", "work_scale", "restore_on_chain", "chunk_bytes", "saves_when_told")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class StageInfoResponse(_message.Message):
     TRANSFER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     WORK_SCALE_FIELD_NUMBER: _ClassVar[int]
     RESTORE_ON_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SAVES_WHEN_TOLD_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stages: int
     layer_start: int
@@ -146,7 +148,9 @@ class StageInfoResponse(_message.Message):
     transfer_endpoint: str
     work_scale: float
     restore_on_chain: bool
-    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., work_scale: _Optional[float] = ..., restore_on_chain: _Optional[bool] = ...) -> None: ...
+    chunk_bytes: int
+    saves_when_told: bool
+    def __init__(self, stage: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., namespace: _Optional[str] = ..., transfer_endpoint: _Optional[str] = ..., work_scale: _Optional[float] = ..., restore_on_chain: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., saves_when_told: _Optional[bool] = ...) -> None: ...
 
 class RestoreChunk(_message.Message):
     __slots__ = ("chunk_index", "block_id", "endpoint", "address", "size", "checksum", "key", "segment_id")
@@ -207,7 +211,7 @@ class Activation(_message.Message):
     def __init__(self, inline: _Optional[bytes] = ..., endpoint: _Optional[str] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., hidden_size: _Optional[int] = ..., host: _Optional[str] = ..., shared_memory: _Optional[_Union[_pool_pb2.SharedMemory, _Mapping]] = ..., shared_base_address: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("request_id", "block_table", "compute_start", "num_tokens", "activation", "save_first_chunk", "save_chunk_hashes", "return_logits", "tenant", "target", "piece_start", "piece_end", "restores", "plan_only")
+    __slots__ = ("request_id", "block_table", "compute_start", "num_tokens", "activation", "save_first_chunk", "save_chunk_hashes", "return_logits", "tenant", "target", "piece_start", "piece_end", "restores", "plan_only", "save_when_told")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_START_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +226,7 @@ class ForwardRequest(_message.Message):
     PIECE_END_FIELD_NUMBER: _ClassVar[int]
     RESTORES_FIELD_NUMBER: _ClassVar[int]
     PLAN_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SAVE_WHEN_TOLD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_table: _containers.RepeatedScalarFieldContainer[int]
     compute_start: int
@@ -236,7 +241,8 @@ class ForwardRequest(_message.Message):
     piece_end: int
     restores: _containers.RepeatedCompositeFieldContainer[RestoreRequest]
     plan_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., compute_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., save_first_chunk: _Optional[int] = ..., save_chunk_hashes: _Optional[_Iterable[str]] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., piece_start: _Optional[int] = ..., piece_end: _Optional[int] = ..., restores: _Optional[_Iterable[_Union[RestoreRequest, _Mapping]]] = ..., plan_only: _Optional[bool] = ...) -> None: ...
+    save_when_told: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_table: _Optional[_Iterable[int]] = ..., compute_start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., activation: _Optional[_Union[Activation, _Mapping]] = ..., save_first_chunk: _Optional[int] = ..., save_chunk_hashes: _Optional[_Iterable[str]] = ..., return_logits: _Optional[bool] = ..., tenant: _Optional[str] = ..., target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ..., piece_start: _Optional[int] = ..., piece_end: _Optional[int] = ..., restores: _Optional[_Iterable[_Union[RestoreRequest, _Mapping]]] = ..., plan_only: _Optional[bool] = ..., save_when_told: _Optional[bool] = ...) -> None: ...
 
 class HandoffDoneRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -259,23 +265,33 @@ class ForwardResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., logits: _Optional[bytes] = ..., stage_compute_ms: _Optional[_Iterable[float]] = ..., handoff_stages: _Optional[_Iterable[_Union[_handoff_pb2.StageHandoffFigures, _Mapping]]] = ..., restore_stages: _Optional[_Iterable[_Union[StageRestoreFigures, _Mapping]]] = ...) -> None: ...
 
 class SaveDoneRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "told", "writes", "segments")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOLD_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    told: bool
+    writes: _containers.RepeatedCompositeFieldContainer[RestoreChunk]
+    segments: _containers.RepeatedCompositeFieldContainer[_pool_pb2.SegmentAccess]
+    def __init__(self, request_id: _Optional[str] = ..., told: _Optional[bool] = ..., writes: _Optional[_Iterable[_Union[RestoreChunk, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[_pool_pb2.SegmentAccess, _Mapping]]] = ...) -> None: ...
 
 class SaveDoneResponse(_message.Message):
-    __slots__ = ("stage", "num_stored", "num_exists", "num_not_stored", "bytes", "put_ms")
+    __slots__ = ("stage", "num_stored", "num_exists", "num_not_stored", "bytes", "put_ms", "written_keys", "written_checksums")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STORED_FIELD_NUMBER: _ClassVar[int]
     NUM_EXISTS_FIELD_NUMBER: _ClassVar[int]
     NUM_NOT_STORED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PUT_MS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_KEYS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     stage: int
     num_stored: int
     num_exists: int
     num_not_stored: int
     bytes: int
     put_ms: float
-    def __init__(self, stage: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_exists: _Optional[int] = ..., num_not_stored: _Optional[int] = ..., bytes: _Optional[int] = ..., put_ms: _Optional[float] = ...) -> None: ...
+    written_keys: _containers.RepeatedScalarFieldContainer[str]
+    written_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stage: _Optional[int] = ..., num_stored: _Optional[int] = ..., num_exists: _Optional[int] = ..., num_not_stored: _Optional[int] = ..., bytes: _Optional[int] = ..., put_ms: _Optional[float] = ..., written_keys: _Optional[_Iterable[str]] = ..., written_checksums: _Optional[_Iterable[int]] = ...) -> None: ...

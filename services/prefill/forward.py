@@ -103,9 +103,11 @@ async def run_stage(
         else:
             if writes is not None:
                 writes.forward_ended()
-            # the put reads the pages in the background; stage 0 keeps those blocks until save_done
-            runner.start_save(request.request_id, block_table, request.save_first_chunk,
-                              list(request.save_chunk_hashes), request.tenant)
+            # the put reads the pages in the background; stage 0 keeps those blocks until save_done (told:
+            # stage 0 reserves every stage's objects at once, and SaveDone says where to write them)
+            if not request.save_when_told:
+                runner.start_save(request.request_id, block_table, request.save_first_chunk,
+                                  list(request.save_chunk_hashes), request.tenant)
         if is_last:
             last = kept[-1][-1]
             # the model's sampler picks among its output ids only; the logits go back as the model made them

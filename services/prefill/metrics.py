@@ -37,19 +37,23 @@ class PrefillMetrics:
                                       "First stage restore start to last finish", buckets=_SECONDS_BUCKETS, registry=r)
         self.compute = Histogram("kvpool_prefill_compute_seconds", "Pipeline compute time per request",
                                  buckets=_SECONDS_BUCKETS, registry=r)
-        # per chunk, on every stage (each its own registry): what a benchmark reads to see lost saves
+        # per pool object (a chunk of one stage's layers), on every stage (each its own registry): what a
+        # benchmark reads to see lost saves, summed over the stages. Stage 0 counts every stage's objects when
+        # it reserves for all of them (StageEnds.saves_together); the others then count none
         self.saves_skipped = Counter("kvpool_prefill_saves_skipped",
-                                     "Chunks this stage did not store in the pool, by reason", ["reason"], registry=r)
+                                     "Pool objects of saves not stored, by reason (stage 0: every stage's, when "
+                                     "it reserves them all)", ["reason"], registry=r)
         self.saves_stored = Counter("kvpool_prefill_saves_stored",
-                                    "Chunks this stage stored in the pool (or found there: exists)", ["result"],
-                                    registry=r)
+                                    "Pool objects of saves stored (or found there: exists); stage 0: every "
+                                    "stage's, when it reserves them all", ["result"], registry=r)
         self.restored_bytes = Counter("kvpool_prefill_restored_bytes",
                                       "Bytes this stage restored from the pool straight into its pages", registry=r)
         self.corrupt_objects = Counter("kvpool_prefill_corrupt_objects",
                                        "Objects this stage read from the pool that failed their checksum "
                                        "(recomputed; their groups reported to the master)", registry=r)
         self.saved_bytes = Counter("kvpool_prefill_saved_bytes",
-                                   "Bytes this stage stored in the pool straight from its pages", registry=r)
+                                   "Bytes this stage wrote to the pool straight from its pages, for objects "
+                                   "stored", registry=r)
         self.save_seconds = Histogram("kvpool_prefill_save_seconds",
                                       "One request's save on this stage, put start to end (stored ones)",
                                       buckets=_SECONDS_BUCKETS, registry=r)

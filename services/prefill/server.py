@@ -99,7 +99,7 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
             channels, infos = await wait_for_stages(settings, runner.namespace, stop)
             health_servicer.watch_stages(channels)
             front.scheduler = PrefillScheduler(
-                runner, link, [StageClient(stage, c, i.restore_on_chain)
+                runner, link, [StageClient(stage, c, i.restore_on_chain, i.saves_when_told, i.chunk_bytes)
                                for stage, (c, i) in enumerate(zip(channels, infos), start=1)],
                 pool, metrics, handoff, handoff_metrics,
             )

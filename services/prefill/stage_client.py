@@ -49,6 +49,7 @@ def forward_message(forward: StageForward) -> prefill_pb2.ForwardRequest:
         request_id=forward.request_id, block_table=forward.block_table, compute_start=forward.compute_start,
         num_tokens=forward.num_tokens, save_first_chunk=forward.save_first_chunk,
         save_chunk_hashes=forward.save_chunk_hashes, return_logits=forward.return_logits, tenant=forward.tenant,
+        save_when_told=forward.save_when_told,
     )
     if forward.target is not None:
         message.target.CopyFrom(target_message(forward.target))
@@ -63,6 +64,7 @@ def forward_from_message(message: prefill_pb2.ForwardRequest) -> StageForward:
         block_table=tuple(message.block_table), save_first_chunk=message.save_first_chunk,
         save_chunk_hashes=tuple(message.save_chunk_hashes), return_logits=message.return_logits,
         tenant=message.tenant, target=target_from_message(message.target) if message.HasField("target") else None,
+        save_when_told=message.save_when_told,
     )
 
 
@@ -124,13 +126,15 @@ def restore_message(request_id: str, restore: StageRestore) -> prefill_pb2.Resto
     ], segments=[access_message(a) for a in restore.accesses])
 
 
-def restore_from_message(message: prefill_pb2.RestoreRequest, num_blocks: int, field: str = "") -> StageRestore:
-    """One stage's restore as sent (``field``: where it lies in the message, for errors), its block ids and
-    shared memory checked (INVALID_ARGUMENT naming the field)."""
+def restore_from_message(message: prefill_pb2.RestoreRequest, num_blocks: int, field: str = "",
+                         chunks_name: str = "chunks") -> StageRestore:
+    """One stage's restore as sent (``field``: where it lies in the message, for errors; ``chunks_name``: what
+    the message calls its chunks), its block ids and shared memory checked (INVALID_ARGUMENT naming the
+    field)."""
     chunks = []
     for i, c in enumerate(message.chunks):
         if not 0 <= c.block_id < num_blocks:
-            raise InvalidArgument(f"{field}chunks[{i}].block_id: {c.block_id} is outside 0..{num_blocks - 1}")
+            raise InvalidArgument(f"{field}{chunks_name}[{i}].block_id: {c.block_id} is outside 0..{num_blocks - 1}")
         chunks.append(ChunkToRestore(c.chunk_index, c.block_id,
                                      ObjectLocation(c.key, c.endpoint, c.address, c.size, c.checksum, c.segment_id)))
     accesses = [access_from_message(s) for s in message.segments]

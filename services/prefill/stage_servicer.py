@@ -9,7 +9,7 @@ reads them with the transfer engine (one read) into its receive arena.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Sequence, AsyncIterator, Coroutine
 from typing import Any
 
 import structlog
@@ -34,10 +34,12 @@ from kvpool.services.prefill.stage_runner import SaveFigures, StageRestore, Stag
 
 log = structlog.get_logger(__name__)
 
-def save_done_message(stage: int, figures: SaveFigures) -> prefill_pb2.SaveDoneResponse:
+def save_done_message(stage: int, figures: SaveFigures, written: Sequence[tuple[str, int]] = ()
+                      ) -> prefill_pb2.SaveDoneResponse:
     return prefill_pb2.SaveDoneResponse(
         stage=stage, num_stored=figures.num_stored, num_exists=figures.num_exists,
         num_not_stored=figures.num_not_stored, bytes=figures.bytes, put_ms=figures.put_ms,
+        written_keys=[key for key, _ in written], written_checksums=[checksum for _, checksum in written],
     )
 
 
@@ -65,6 +67,7 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
             block_size=s.chunk_size, namespace=self.runner.namespace,
             transfer_endpoint=self.runner.engine.endpoint if self.runner.engine is not None else "",
             work_scale=self.runner.work_scale.factor, restore_on_chain=True,
+            chunk_bytes=self.runner.chunk_nbytes, saves_when_told=True,
         )
 
     @status_errors
@@ -151,6 +154,12 @@ class PrefillStageServicer(prefill_pb2_grpc.PrefillStageServicer):
     async def SaveDone(self, request: prefill_pb2.SaveDoneRequest, context: Any) -> prefill_pb2.SaveDoneResponse:
         forward = self.forwards.get(request.request_id)
         if forward is not None:
-            await asyncio.wait([forward])  # its save starts inside it
+            await asyncio.wait([forward])  # its save starts inside it (told: its pages are final by then)
+        if request.told:  # stage 0 reserved this stage's objects: write them where it says
+            restore = restore_from_message(prefill_pb2.RestoreRequest(
+                request_id=request.request_id, chunks=request.writes, segments=request.segments),
+                self.settings.num_blocks, chunks_name="writes")
+            figures, written = await self.runner.write_told(restore)
+            return save_done_message(self.settings.stage, figures, written)
         figures = await self.runner.save_done(request.request_id)
         return save_done_message(self.settings.stage, figures)

@@ -214,3 +214,23 @@ async def test_stage_zero_measures_its_speed_against_the_estimates_and_says_it(
         info = await prefill_pb2_grpc.PrefillStageStub(channel).StageInfo(prefill_pb2.StageInfoRequest(), timeout=30)
     assert info.work_scale > 2.0, info.work_scale
     assert metric(pipeline.stages[0], "kvpool_prefill_work_scale") > 2.0
+
+
+async def test_a_told_save_into_a_block_outside_the_cache_is_refused_naming_the_field(
+    pipeline: LocalPipeline, front: prefill_pb2_grpc.PrefillStub,
+) -> None:
+    """Stage 0 tells a stage where to write its save (``SaveDone`` with ``told``): a write naming a block the
+    stage does not have is refused before anything moves, and the stage serves on."""
+    bad = prefill_pb2.SaveDoneRequest(request_id="x", told=True, writes=[prefill_pb2.RestoreChunk(
+        block_id=1 << 20, key="ns/h/1", endpoint="127.0.0.1:1", address=4096, size=64)])
+    async with grpc.aio.insecure_channel(stage_address(pipeline, 1)) as channel:
+        stub = prefill_pb2_grpc.PrefillStageStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SaveDone(bad, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (info.value.details() or "").startswith("writes[0].block_id: 1048576 is outside 0..")
+        nothing = await stub.SaveDone(prefill_pb2.SaveDoneRequest(request_id="y", told=True), timeout=30)
+        assert (list(nothing.written_keys), nothing.num_stored) == ([], 0)
+    done = await front.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt(3, 300), session_key="after save",
+                                                          return_logits=True), timeout=300)
+    assert done.figures.num_computed_tokens == 300

@@ -140,13 +140,15 @@ async def test_stage_0_and_the_master_record_what_each_request_saw(stubs, record
     assert effects(again.request_id) == ["Admitted", "Lookup", "Forward", "ReleaseLease", "Prefilled", "Freed"]
     touches = [r for r in read_records(records) if r["kind"] == "touch" and r["request_id"] == again.request_id]
     assert [t["session_key"] for t in touches] == ["recorded"]
-    def ops() -> list[tuple[str, object]]:
-        return [(r["op"], r.get("complete")) for r in read_records(records)
-                if r["source"] == "master" and r["request_id"] == again.request_id]
+    def ops(request_id: str) -> list[tuple[str, object]]:
+        return [(r["op"], r.get("complete", r.get("items"))) for r in read_records(records)
+                if r["source"] == "master" and r["request_id"] == request_id]
 
+    # the save: stage 0 reserves every stage's object of the 2 chunks in one put, and commits them in one
+    assert ops(first.request_id) == [("lookup", 0), ("put_start", 8), ("put_end", 8)]
     # the lease's release is made beside the request (nobody waits for it): it reaches the master after
-    await eventually(lambda: ("release", None) in ops(), what="the lease's release recorded")
-    assert ops()[0] == ("lookup", 2)
+    await eventually(lambda: ("release", None) in ops(again.request_id), what="the lease's release recorded")
+    assert ops(again.request_id)[0] == ("lookup", 2)
 
 
 def pool_bytes(pipeline: LocalPipeline, path: str, direction: str) -> list[float]:
@@ -161,13 +163,16 @@ async def test_every_stage_restores_and_saves_by_memory_on_the_stores_host(stubs
     tokens = prompt(31, 600)  # 2 full chunks + 88 tokens
     engine_before = pool_bytes(pipeline, "engine", "read"), pool_bytes(pipeline, "engine", "write")
     memory_before = pool_bytes(pipeline, "memory", "read")
+    written_before = pool_bytes(pipeline, "memory", "write")
     before = (await master.Stats(pool_pb2.StatsRequest())).num_complete_groups
     await run(front, tokens, session="paths")
     await saved(master, before + 2)
+    chunk_bytes = CHUNK * 2 * CONFIG.kv_entry_dim * 4  # one stage's layers of a chunk
+    # stage 0 reserved every stage's objects; each stage wrote its own from its pages
+    assert [a - b for a, b in zip(pool_bytes(pipeline, "memory", "write"), written_before)] == [2 * chunk_bytes] * 4
     await evict_device(front, seed=32)
     again = await run(front, tokens, session="paths")
     assert split(again) == (0, 512, 88)
-    chunk_bytes = CHUNK * 2 * CONFIG.kv_entry_dim * 4  # one stage's layers of a chunk
     read = [a - b for a, b in zip(pool_bytes(pipeline, "memory", "read"), memory_before)]
     assert read == [2 * chunk_bytes] * 4
     assert (pool_bytes(pipeline, "engine", "read"), pool_bytes(pipeline, "engine", "write")) == engine_before

@@ -186,12 +186,13 @@ def test_recorded_orders_read_arrivals_the_masters_pool_operations_and_each_requ
 
 def test_a_recorded_cluster_run_replays_with_every_requests_effects_equal(tmp_path: Path) -> None:
     """A real cluster's records (``simulate --validate``, 71 turns of the three sessions, recorded again
-    2026-12-05 once stage 0's lookups named their device-held prefix: 51 of them did, so the master leased and
-    located fewer groups). Where a forward's computed chunk was already cached in another block, whether
-    another request's allocation evicted that block before the forward ended decides whether the session's
-    next turn hits 8 chunks or 7. The simulator commits each forward at its recorded place (``("commit",
-    id)``; its stages' saves start before it, as the cluster's do), so every request's effects come out
-    equal, and the master's operations with them."""
+    2026-12-05 once stage 0 named its lookups' device-held prefix (49 of them had one: the master leased and
+    located fewer groups) and reserved every stage's objects of a save in one put (43 put starts where 176
+    were). Where a forward's computed chunk was already cached in another block, whether another request's
+    allocation evicted that block before the forward ended decides whether the session's next turn hits 8
+    chunks or 7. The simulator commits each forward at its recorded place (``("commit", id)``) and makes each
+    save after it, as stage 0 does, so every request's effects come out equal, and the master's operations
+    with them."""
     import gzip
 
     from kvpool.request_record import read_records
@@ -207,7 +208,7 @@ def test_a_recorded_cluster_run_replays_with_every_requests_effects_equal(tmp_pa
     session_ids = [t.stem for t in traces]  # the replay names a trace's one session by its file
     events, ops, effects = validate_cmd.recorded_orders(read_records(records), session_ids)
     assert ("commit", "s0.t7") in events and len(effects) == 71
-    assert sum(e.get("held", 0) > 0 for turn in effects.values() for e in turn if e["effect"] == "Lookup") == 51
+    assert sum(e.get("held", 0) > 0 for turn in effects.values() for e in turn if e["effect"] == "Lookup") == 49
     setup = ValidationSetup(context=32768, device_cache_tokens=validate_cmd.DEVICE_CACHE_TOKENS,
                             store_bytes=validate_cmd.SEGMENT_BYTES)
     turns, _, pool = replay_sessions([load_session(t) for t in traces], setup, load_cost_model(CPU_COST_MODEL),

@@ -40,6 +40,9 @@ class StageForward:
     return_logits: bool = False
     tenant: str = ""  # the stage's puts carry it to the pool master
     target: HandoffTarget | None = None  # decode's region: each stage writes its layers into it
+    # put nothing: stage 0 reserves every stage's objects of the save in one call, and tells each stage
+    # where to write its own (SaveDone)
+    save_when_told: bool = False
 
     def check(self, num_blocks: int, chunk_size: int) -> None:
         """What every forward must hold, whole or in pieces: some tokens to compute, a block per chunk."""

@@ -45,7 +45,6 @@ class Job:
     read_s: float = 0.0  # one stage's share of the restore
     restore_timed: bool = False  # a restore was timed (a lookup that planned pool chunks)
     chain_restore: bool = False  # its forward restores on the chain (the forward's end confirms the counts)
-    save_started: bool = False  # the validation: its stages' saves began as their forwards ended
 
 
 SIM_TENANT = "sim"

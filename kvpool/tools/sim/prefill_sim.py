@@ -311,31 +311,23 @@ class PipelineSim:
         if self.block_gate is None:
             self._forward_ended(job)
             return
-        # the validation: every stage starts its save as its own forward ends, before stage 0 hears the
-        # forward ended (the cluster's puts come before its commit in the master's order)
-        driver, request = job.driver, job.request
-        assert driver is not None and request is not None
-        if driver.save_held:
-            job.save_started = True
-            holder = f"{job.job_id}/save"
-            self._save_by_stage(job.job_id, job.play.namespace, list(request.chunks_to_save),
-                                lambda: self._drive(job, driver.saves_ended(holder, self.loop.now)))
         self.block_gate(("commit", job.job_id), partial(self._forward_ended, job))
 
     def _forward_ended(self, job: Job) -> None:
         assert job.driver is not None
         counts = [job.readable] * self.num_stages if job.chain_restore else []
+        saves = job.driver.save_held
         effects = self._recorded(job, job.driver.forward_ended(self.loop.now, counts))
-        if self.block_gate is not None and not job.save_started:
+        if self.block_gate is not None and not saves:
             # the validation: a save of nothing releases nothing, in its place (an order that names it waits)
             self.block_gate(("free", f"{job.job_id}/save"), lambda: None)
         self._carry_out(job, effects)
 
     def _save_then_free(self, job: Job, holder: str) -> None:
-        """The save of the request's chunks, then its hold on their blocks ends (``saves_ended``). Under
-        validation it started as the forward ended (``_computed``), and its end ends the hold."""
-        if self.pool_gate is not None:
-            return
+        """The save of the request's chunks, then its hold on their blocks ends (``saves_ended``): stage 0
+        reserves every stage's object of every chunk in one put, the stages write their own, one commit. Under
+        validation the put and its end run at their places in the master's recorded order, and the blocks go
+        at theirs in stage 0's."""
         request, driver = job.request, job.driver
         assert request is not None and driver is not None
         chunks, ns = list(request.chunks_to_save), job.play.namespace
@@ -343,30 +335,31 @@ class PipelineSim:
         def ended() -> None:
             self._drive(job, driver.saves_ended(holder, self.loop.now))
 
-        self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self._save, ns, chunks, ended)
+        put_s = self.cost.put_s(len(chunks) * self.num_stages)
+        if self.pool_gate is None:
+            self.master.call(put_s, self._save, ns, chunks, ended)
+            return
+        gate = self.block_gate
+        assert gate is not None
 
-    def _save_by_stage(self, request_id: str, ns: str, chunks: list, ended: Callable[[], None]) -> None:
-        """The validation: each stage puts its own objects (start, then end), each at its place in the
-        master's recorded order, as the cluster's stages put from their own processes; the save's blocks
-        go when every stage's put has ended, at their place in stage 0's order."""
-        assert self.pool_gate is not None and self.block_gate is not None
-        holder, gate = f"{request_id}/save", self.block_gate
-        left = [self.num_stages]
+        def freed() -> None:
+            gate(("free", holder), ended)
 
-        def stage_ended() -> None:
-            left[0] -= 1
-            if not left[0]:
-                gate(("free", holder), ended)
+        if not chunks:  # nothing to put: the blocks go at their place
+            freed()
+            return
+        self.master.call(put_s, self.pool_gate, ("put_start", f"{job.job_id}/0"),
+                         partial(self._put_gated, job.job_id, ns, chunks, freed))
 
-        for stage in range(self.num_stages):
-            self.master.call(self.cost.put_s(len(chunks)), self.pool_gate, ("put_start", f"{request_id}/{stage}"),
-                             partial(self._put_stage, request_id, ns, chunks, stage, stage_ended))
+    def _items(self, ns: str, chunks: list) -> list[PutRequestItem]:
+        """Every stage's object of every chunk, stage by stage, as stage 0 reserves them."""
+        return [PutRequestItem(object_key(ns, h, s), group_id(ns, h), self.num_stages, self.stage_object_bytes[s])
+                for s in range(self.num_stages) for h in chunks]
 
-    def _put_stage(self, request_id: str, ns: str, chunks: list, stage: int, ended: Callable[[], None]) -> int:
-        """One stage's put start; its put end goes to the gate. Returns the groups it evicted."""
+    def _put_gated(self, request_id: str, ns: str, chunks: list, ended: Callable[[], None]) -> int:
+        """The validation: the save's put start; its end goes to the gate. Returns the groups it evicted."""
         assert self.pool_gate is not None
-        items = [PutRequestItem(object_key(ns, h, stage), group_id(ns, h), self.num_stages,
-                                self.stage_object_bytes[stage]) for h in chunks]
+        items = self._items(ns, chunks)
         evicted_before = self.index.counters.evicted_groups
         outcomes = self.index.put_start(self.host, items)
         commits = [(item.key, 0) for item, o in zip(items, outcomes) if o.status is PutStatus.RESERVED]
@@ -374,22 +367,18 @@ class PipelineSim:
         self.metrics.on_save(len(items), len(commits), evicted)
 
         def commit() -> int:
-            if commits:  # the cluster's client sends no put end when nothing was reserved
+            if commits:  # stage 0 sends no put end when nothing was reserved
                 self.index.put_end(commits)
             ended()
             return len(commits)
 
-        self.pool_gate(("put_end", f"{request_id}/{stage}"), commit)
+        self.pool_gate(("put_end", f"{request_id}/0"), commit)
         return evicted
 
     def _save(self, ns: str, chunks: list, ended: Callable[[], None]) -> None:
         """Write-through: every stage's object of every chunk to save, one batch, committed when served;
         the save's hold on its blocks ends then."""
-        stages = self.num_stages
-        items = [
-            PutRequestItem(object_key(ns, h, s), group_id(ns, h), stages, self.stage_object_bytes[s])
-            for h in chunks for s in range(stages)
-        ]
+        items = self._items(ns, chunks)
         evicted_before = self.index.counters.evicted_groups
         outcomes = self.index.put_start(self.host, items)
         commits = []

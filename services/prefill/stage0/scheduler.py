@@ -67,7 +67,7 @@ from kvpool.services.prefill.stage0.pool_restore import PoolRestore, RestoreRepo
 from kvpool.services.prefill.stage0.prefill_result import PrefillFigures, PrefillResult
 from kvpool.services.prefill.stage0.prefetch import PrefetchMetrics, SessionPrefetcher
 from kvpool.services.prefill.stage0.stage_clients import StageClient
-from kvpool.services.prefill.stage0.stage_ends import StageEnds
+from kvpool.services.prefill.stage0.stage_ends import SavePlan, StageEnds
 from kvpool.services.prefill.stage_runner import StageRunner
 from kvpool.services.prefill.pieces import ActivationLink
 from kvpool.services.prefill.forward import run_stage
@@ -94,6 +94,7 @@ class _Flow:
     restore: RestoreReport = field(default_factory=RestoreReport)
     lookup: LookupResult | None = None
     forward: StageForwardResult | None = None
+    save: SavePlan | None = None  # the last forward's save, once it succeeded, when stage 0 makes it
     handoff: HandoffFigures | None = None
     compute_ms: float = 0.0
     waiting: bool = False  # the flow waits for blocks or for saves: nothing of the request is in flight
@@ -360,7 +361,9 @@ class PrefillScheduler:
             compute_start=effect.compute_start, num_tokens=request.num_tokens,
             save_first_chunk=effect.save_first_chunk, save_chunk_hashes=tuple(effect.save_chunk_hashes),
             return_logits=flow.return_logits, tenant=flow.tenant, target=target,
+            save_when_told=self.ends.saves_together,
         )
+        flow.save = None
         inputs = torch.tensor(flow.token_ids[effect.compute_start:], dtype=torch.int64)
         t0 = time.perf_counter()
         try:
@@ -388,6 +391,9 @@ class PrefillScheduler:
         if chain is not None:
             self.restorer.end_on_chain(chain, flow.restore, result.restore_stages)
         flow.forward = result
+        if forward.save_when_told:
+            first, hashes = effect.save_first_chunk, tuple(effect.save_chunk_hashes)
+            flow.save = SavePlan(first, hashes, tuple(request.block_table[first:first + len(hashes)]), flow.tenant)
         flow.compute_ms = (time.perf_counter() - t0) * 1e3
         counts = [s.num_chunks_restored for s in flow.restore.stages] if chain is not None else []
         counts += [0] * (self.settings.num_stages - len(counts)) if chain is not None else []
@@ -398,7 +404,7 @@ class PrefillScheduler:
         """Wait for every stage's save of the request to end, then let its blocks go (and a new attempt that
         waits for them go on)."""
         try:
-            await self.ends.saves_done(flow.driver.request_id)
+            await self.ends.saves_done(flow.driver.request_id, flow.save)
         finally:
             effects = flow.driver.saves_ended(holder, time.monotonic())
             self._feed(flow, effects)

@@ -18,11 +18,15 @@ from kvpool.status import from_status
 class StageClient:
     """One later stage as stage 0 calls it."""
 
-    def __init__(self, stage: int, channel: grpc.aio.Channel, restore_on_chain: bool = False) -> None:
+    def __init__(self, stage: int, channel: grpc.aio.Channel, restore_on_chain: bool = False,
+                 saves_when_told: bool = False, chunk_bytes: int = 0) -> None:
         self.stage = stage
         self.stub = prefill_pb2_grpc.PrefillStageStub(channel)
         # it takes its restore in ForwardPieces' first message (StageInfo said so at start)
         self.restore_on_chain = restore_on_chain
+        # it writes its save where SaveDone says (StageInfo said so), its objects of a chunk this many bytes
+        self.saves_when_told = saves_when_told and chunk_bytes > 0
+        self.chunk_bytes = chunk_bytes
 
     async def restore(self, request_id: str, restore: StageRestore, timeout_s: float) -> StageRestoreFigures:
         """Read ``restore``'s chunks into their blocks on this stage; UNAVAILABLE if the stage could not say how
@@ -49,5 +53,21 @@ class StageClient:
                                                 timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise from_status(exc, f"stage {self.stage}", ()) from None
-        return SaveFigures(num_stored=response.num_stored, num_exists=response.num_exists,
-                           num_not_stored=response.num_not_stored, bytes=response.bytes, put_ms=response.put_ms)
+        return save_figures(response)
+
+    async def write_told(self, request_id: str, writes: StageRestore, timeout_s: float
+                         ) -> tuple[SaveFigures, list[tuple[str, int]]]:
+        """Have this stage write its objects of the request's save where stage 0 reserved them: what it wrote,
+        each with its checksum; UNAVAILABLE if the stage could not say."""
+        chunks = restore_message(request_id, writes)
+        try:
+            response = await self.stub.SaveDone(prefill_pb2.SaveDoneRequest(
+                request_id=request_id, told=True, writes=chunks.chunks, segments=chunks.segments), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise from_status(exc, f"stage {self.stage}", ()) from None
+        return save_figures(response), list(zip(response.written_keys, response.written_checksums))
+
+
+def save_figures(response: prefill_pb2.SaveDoneResponse) -> SaveFigures:
+    return SaveFigures(num_stored=response.num_stored, num_exists=response.num_exists,
+                       num_not_stored=response.num_not_stored, bytes=response.bytes, put_ms=response.put_ms)

@@ -18,20 +18,34 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import structlog
 
+from kvpool.core.chunk_hash import ChunkHash, group_id, object_key
 from kvpool.core.errors import KvpoolError, Unavailable
+from kvpool.pool.objects import ObjectLocation, PutResult
 from kvpool.core.handoff.target import HandoffFigures, HandoffTarget, StageHandoffFigures
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.stage0.stage_clients import StageClient
-from kvpool.services.prefill.stage_runner import SaveFigures, StageRunner
+from kvpool.services.prefill.stage_runner import ChunkToRestore, SaveFigures, StageRestore, StageRunner
 
 log = structlog.get_logger(__name__)
 
 # beyond every bound of a put (two 5 s RPCs and the engine's 30 s + 1 ns/byte)
 SAVE_DONE_TIMEOUT_S = 120.0
 STAGE_TIMEOUT_S = 120.0  # one stage's handoff writes after its forward, as stage 0 waits for them
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """A forward's save, when stage 0 reserves every stage's objects of it: chunks ``first_chunk`` on,
+    their hashes and blocks, and whose chunks they are."""
+
+    first_chunk: int
+    chunk_hashes: tuple[ChunkHash, ...]
+    block_ids: tuple[int, ...]
+    tenant: str = ""
 
 
 class StageEnds:
@@ -41,6 +55,12 @@ class StageEnds:
         self.handoff = handoff
         self.handoff_metrics = handoff_metrics
         self.stages = list(stages)  # stages 1..N-1
+
+    @property
+    def saves_together(self) -> bool:
+        """Every stage writes its save where stage 0 tells it (``save_when_told``): one reservation and one
+        commit for all stages' objects, not a put pair per stage. Off with an older stage, or no pool."""
+        return self.runner.pool is not None and all(s.saves_when_told for s in self.stages)
 
     async def handoff_done(self, request_id: str, target: HandoffTarget) -> HandoffFigures:
         """Every stage's writes of the request ended: their figures, or the first failure."""
@@ -81,8 +101,13 @@ class StageEnds:
     async def _handoff_done_remote(self, stage: int, request_id: str) -> StageHandoffFigures:
         return await self.stages[stage - 1].handoff_done(request_id, STAGE_TIMEOUT_S)
 
-    async def saves_done(self, request_id: str) -> None:
-        """Wait until every stage's save of the request ended (or the stage cannot say)."""
+    async def saves_done(self, request_id: str, plan: SavePlan | None = None) -> None:
+        """Wait until every stage's save of the request ended (or the stage cannot say); with a ``plan`` (the
+        stages were told to wait, ``saves_together``), make the save first: every stage's objects reserved
+        in one call, each stage writing its own, all committed in one call."""
+        if plan is not None and plan.chunk_hashes:
+            await self._save_together(request_id, plan)
+            return
         done = await asyncio.gather(
             self.runner.save_done(request_id),
             *(self._save_done_remote(stage, request_id) for stage in range(1, len(self.stages) + 1)),
@@ -97,3 +122,50 @@ class StageEnds:
             # a stage that cannot answer is gone (or stuck past every put's bounds): its puts no longer read
             log.warning("stage_save_done_failed", stage=stage, error=str(exc))
             return SaveFigures()
+
+    async def _save_together(self, request_id: str, plan: SavePlan) -> None:
+        pool, runner = self.runner.pool, self.runner  # each stage counts its bytes and write time itself
+        assert pool is not None
+        num_stages, count, ns = len(self.stages) + 1, len(plan.chunk_hashes), runner.namespace
+        sizes = [runner.chunk_nbytes] + [s.chunk_bytes for s in self.stages]
+        items = [(object_key(ns, h, stage), group_id(ns, h), num_stages, sizes[stage])
+                 for stage in range(num_stages) for h in plan.chunk_hashes]
+        reserved = await pool.reserve(items, plan.tenant)
+        writes: list[list[ChunkToRestore]] = [[] for _ in range(num_stages)]
+        group_of: dict[str, str] = {}  # each reserved object's group
+        for index, (result, item) in enumerate(zip(reserved, items)):
+            stage, i = divmod(index, count)
+            if isinstance(result, ObjectLocation):
+                writes[stage].append(ChunkToRestore(plan.first_chunk + i, plan.block_ids[i], result))
+                group_of[item[0]] = item[1]
+        named = {c.location.segment_id for chunks in writes for c in chunks}
+        accesses = tuple(a for segment_id, a in pool.accesses.items() if segment_id in named)
+        # every stage is asked, with or without writes: its answer also says its forward ended
+        results = await asyncio.gather(
+            runner.write_told(StageRestore(tuple(writes[0]), accesses)),
+            *(self._write_told_remote(stage, request_id, StageRestore(tuple(writes[stage]), accesses))
+              for stage in range(1, num_stages)))
+        written = {key: checksum for _, ws in results for key, checksum in ws if key in group_of}
+        # a group with a member not written is not committed at all: its reservations go back
+        lost = {group for key, group in group_of.items() if key not in written}
+        keep = {key: checksum for key, checksum in written.items() if group_of[key] not in lost}
+        await pool.revoke([key for key, group in group_of.items() if group in lost])
+        stored = len(keep) if keep and await pool.commit(list(keep.items())) else 0
+        exists = sum(r is PutResult.EXISTS for r in reserved)
+        not_stored = len(reserved) - stored - exists
+        metrics = runner.metrics
+        metrics.saves_stored.labels("stored").inc(stored)
+        metrics.saves_stored.labels("exists").inc(exists)
+        if not_stored:
+            metrics.saves_skipped.labels("not_stored").inc(not_stored)
+            log.info("chunks_not_stored", request_id=request_id, stored=stored, exists=exists, total=len(reserved))
+        log.debug("request_saved", request_id=request_id, stored=stored, exists=exists, not_stored=not_stored)
+
+    async def _write_told_remote(self, stage: int, request_id: str, writes: StageRestore
+                                 ) -> tuple[SaveFigures, list[tuple[str, int]]]:
+        try:
+            return await self.stages[stage - 1].write_told(request_id, writes, SAVE_DONE_TIMEOUT_S)
+        except Unavailable as exc:
+            # a stage that cannot answer wrote nothing we can vouch for: its reservations go back
+            log.warning("stage_save_done_failed", stage=stage, error=str(exc))
+            return SaveFigures(num_not_stored=len(writes.chunks)), []
