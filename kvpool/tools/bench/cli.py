@@ -122,7 +122,9 @@ def add_bench(sub: Any) -> None:
     add_report_flags(master, quick="10^4 and 10^5 objects, shorter phases")
     master.add_argument("--objects", help="object counts to measure at, comma separated (default 100000,1000000)")
     master.add_argument("--clients", type=int, default=4, help="client processes at saturation")
-    master.add_argument("--seconds", type=float, help="length of each saturation phase (default 8; quick 3)")
+    master.add_argument("--seconds", type=float, help="length of the saves' and turns' saturation phases "
+                        "(default 8; quick 3)")
+    master.add_argument("--lookups", type=int, help="lookups the saturation phase makes (default 10000; quick 1000)")
     master.add_argument("--cost-seconds", type=float, help="length of each cost phase (default 3; quick 1.5)")
     master.add_argument("--turn-device-share", type=float, default=0.6,
                         help="share of a typical turn's history its device holds (the device served 56-69%% of "

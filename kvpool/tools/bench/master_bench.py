@@ -29,12 +29,17 @@ For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
      release, and the save of the turn's new chunks.
    ``call_floor_cpu_ms`` is the cheapest call's (one key's ``Exists``): what
    gRPC itself costs the master per unary call, whatever the call does.
+   Before each measurement the bench waits until the stores have
+   acknowledged every change (heartbeats carry the master's journal to
+   them), so one phase's work does not land in the next one's CPU.
 3. **Saturation**: ``--clients`` processes calling as fast as the master
-   answers for ``--seconds``, today's forms. ``lookups_per_s`` with
-   ``lookup_ms_p50``/``p99`` (client-observed, per call) while one more
-   client saves without pause (churn at the watermark; ``saves_per_s_beside``);
-   then ``saves_per_s`` with every client saving; then ``turns_per_s_per_master``
-   with every client running typical turns. Lookups are of distinct histories
+   answers, today's forms. ``lookups_per_s`` with ``lookup_ms_p50``/``p99``
+   (client-observed, per call) over ``--lookups`` lookups (10^4; quick 10^3)
+   while one more client saves without pause (churn at the watermark;
+   ``saves_per_s_beside``); ``master_busy`` says how much of one core the
+   master used meanwhile (on a small host the clients may be the limit);
+   then ``saves_per_s`` with every client saving for ``--seconds``; then
+   ``turns_per_s_per_master`` with every client running typical turns. Lookups are of distinct histories
    (each client cycles through the newest ones, so they hit); ``lookup_hit_share``
    says how many found every group.
 """
@@ -207,7 +212,8 @@ async def _ops(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
     done = committed = 0
     cpu0 = cpu_seconds(pid) if pid else 0.0
     t0 = time.perf_counter()
-    while done < most and time.perf_counter() < deadline:
+    stop_file = job.get("stop_file")
+    while done < most and time.perf_counter() < deadline and not (stop_file and os.path.exists(stop_file)):
         if op == "floor":
             await calls.floor()
         if op in ("lookup", "turn"):
@@ -244,6 +250,7 @@ class Run:
         self.cost_seconds = cost_seconds
         self.turn = turn
         self.fresh = 1 << 40  # histories past every populated one: each job's saves get their own
+        self.unsettled: dict[str, dict[str, int]] = {}
 
     def _fresh(self) -> int:
         self.fresh += 1
@@ -275,6 +282,20 @@ class Run:
                 return await pool_pb2_grpc.PoolMasterStub(channel).Stats(pool_pb2.StatsRequest(), timeout=10)
         return asyncio.run(ask())
 
+    def settle(self, phase: str, timeout_s: float = 120.0) -> None:
+        """Wait until every store has acknowledged every change to its segment (the heartbeats that carry
+        them are the master's work too, and must not spill into the next measurement); a phase measured
+        without that is named in ``unsettled`` with what was left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            segments = self.stats().segments
+            if all(s.acked_sequence == s.sequence for s in segments):
+                return
+            if time.monotonic() > deadline:
+                self.unsettled[phase] = {s.segment_id: s.sequence - s.acked_sequence for s in segments}
+                return
+            time.sleep(0.5)
+
     def refresh(self, histories: list[int]) -> None:
         """Put back whatever of ``histories`` the churn evicted (what is there is left alone), so their
         lookups hit."""
@@ -285,30 +306,39 @@ class Run:
         """The master's CPU per operation, one client calling one after another."""
         if op in ("lookup", "turn"):
             self.refresh(histories)
+        self.settle(f"{op}_cpu_ms" + ("_legacy" if legacy else ""))
         job = {"kind": "ops", "op": op, "legacy": legacy, "turn": _turn(self.turn),
                "histories": histories, "fresh_from": self._fresh(), "pid": self.pid, "seconds": self.cost_seconds}
         (result,) = self.jobs([job])
         return {"cpu_ms": round(result["master_cpu_s"] * 1e3 / max(1, result["done"]), 3), "calls": result["done"],
                 "hit_share": _share(result["hits"], result["lookups"])}
 
-    def saturate(self, op: str, histories: list[int], churn: bool = False) -> dict[str, Any]:
-        """Every client at once for ``seconds`` (plus one saver when ``churn``); the master's CPU over them."""
+    def saturate(self, op: str, histories: list[int], churn: bool = False, at_least: int = 0) -> dict[str, Any]:
+        """Every client at once for ``seconds``, or until they made ``at_least`` calls together (plus one saver
+        while they run when ``churn``); the master's CPU over them."""
         if op in ("lookup", "turn"):
             self.refresh(histories)
+        self.settle(f"{op}s_per_s")
         start_at = time.time() + 3.0  # after every process started
-        base = {"kind": "ops", "legacy": False, "turn": _turn(self.turn), "seconds": self.seconds,
-                "start_at": start_at}
+        timed = {"count": -(-at_least // self.clients)} if at_least else {"seconds": self.seconds}
+        base = {"kind": "ops", "legacy": False, "turn": _turn(self.turn), "start_at": start_at}
         per = max(1, len(histories) // self.clients)
-        jobs = [{**base, "op": op, "fresh_from": self._fresh(),
+        jobs = [{**base, **timed, "op": op, "fresh_from": self._fresh(),
                  "histories": histories[i * per:(i + 1) * per] or histories} for i in range(self.clients)]
-        if churn:
-            jobs.append({**base, "op": "save", "histories": histories, "fresh_from": self._fresh()})
+        stop_file = Path(tempfile.mkdtemp(prefix="kvpool-bench-master-stop-")) / "stop"
+        if churn:  # saves without pause until every other client is done
+            jobs.append({**base, "op": "save", "histories": histories, "fresh_from": self._fresh(),
+                         "stop_file": str(stop_file)})
         evicted0 = self.stats().evicted_groups
         futures = [self.executor.submit(_run, {"master": self.master, **job}) for job in jobs]
         time.sleep(max(0.0, start_at - time.time()))
         cpu0 = cpu_seconds(self.pid)
-        results = [f.result() for f in futures]
+        results = [f.result() for f in futures[:self.clients]]
         cpu = cpu_seconds(self.pid) - cpu0
+        stop_file.touch()
+        results += [f.result() for f in futures[self.clients:]]
+        stop_file.unlink()
+        stop_file.parent.rmdir()
         wall = max(r["wall_s"] for r in results)
         mine = results[:self.clients]
         latencies = sorted(x for r in mine for x in r["latencies"])
@@ -353,7 +383,7 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
                 report.setdefault("cost_calls", {})[key] = cost["calls"]
                 if cost["hit_share"] is not None:
                     report.setdefault("cost_hit_share", {})[key] = cost["hit_share"]
-        lookups = run.saturate("lookup", newest, churn=True)
+        lookups = run.saturate("lookup", newest, churn=True, at_least=args.lookups)
         report.update(lookups_per_s=lookups["per_s"], lookup_ms_p50=lookups["lookup_ms_p50"],
                       lookup_ms_p99=lookups["lookup_ms_p99"], lookup_hit_share=lookups["hit_share"],
                       lookups_measured=lookups["calls"], saves_per_s_beside=lookups["saves_per_s_beside"],
@@ -366,6 +396,7 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
                       turns_per_s_from_cpu=round(1e3 / report["turn_cpu_ms"], 1) if report["turn_cpu_ms"] else None)
         final = run.stats()
         report["resident_objects_after"] = final.num_objects
+        report["unsettled"] = run.unsettled  # phases measured while the stores still caught up (should be none)
         report["evicted_groups_total"] = final.evicted_groups
     return report
 
@@ -373,6 +404,7 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     args.seconds = args.seconds or (3.0 if args.quick else 8.0)
     args.cost_seconds = args.cost_seconds or (1.5 if args.quick else 3.0)
+    args.lookups = args.lookups or (1000 if args.quick else 10_000)
     scales = [int(s) for s in args.objects.split(",")] if args.objects else (
         [10_000, 100_000] if args.quick else [100_000, 1_000_000])
     report: dict[str, Any] = {"stages": STAGES, "history_chunks": HISTORY_CHUNKS, "save_chunks": SAVE_CHUNKS,
