@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.hf_checkpoint import fp8_block_size
 from kvpool.model.weight_names import all_weight_shapes, weight_shapes
 
 __all__ = ["WEIGHTS_FILE", "all_weight_shapes", "check_weights", "init_weights", "load_weights", "save_weights",
@@ -105,7 +106,7 @@ def load_weights(directory: str | Path, names: Iterable[str]) -> dict[str, torch
                 else:
                     weights[name] = tensor.to(torch.float32)
         for name in [n for n in fp8 if n in wanted and n + "_scale_inv" in fp8]:
-            weights[name] = dequantize_fp8(fp8.pop(name), fp8.pop(name + "_scale_inv"), fp8_block_size(directory))
+            weights[name] = dequantize_fp8(fp8.pop(name), fp8.pop(name + "_scale_inv"), _fp8_block_size(directory))
     unscaled = sorted(name for name in fp8 if name in wanted)
     if unscaled:
         raise ValueError(f"float8 weights with no *_scale_inv in {directory}: {unscaled[:5]}")
@@ -115,14 +116,12 @@ def load_weights(directory: str | Path, names: Iterable[str]) -> dict[str, torch
     return weights
 
 
-def fp8_block_size(directory: str | Path) -> tuple[int, int]:
-    """``quantization_config.weight_block_size`` of directory/config.json: the [out, in] block one scale covers."""
-    config = json.loads((Path(directory) / "config.json").read_text())
-    block = (config.get("quantization_config") or {}).get("weight_block_size")
-    if not block or len(block) != 2:
-        raise ValueError(f"{directory}/config.json: quantization_config.weight_block_size: float8 weights need "
-                         f"[block_out, block_in], got {block!r}")
-    return int(block[0]), int(block[1])
+def _fp8_block_size(directory: str | Path) -> tuple[int, int]:
+    """The [out, in] block one scale covers: directory/config.json's ``quantization_config.weight_block_size``."""
+    block = fp8_block_size(json.loads((Path(directory) / "config.json").read_text()))
+    if block is None:
+        raise ValueError(f"{directory}/config.json: float8 weights need a quantization_config (fp8, block scales)")
+    return block
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
