@@ -6,6 +6,7 @@ included — 2.4 TiB for DeepSeek-V3's 671,026,419,200 parameters (its FP8 files
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 from pathlib import Path
@@ -103,7 +104,7 @@ def headers_only_directory(path: Path, hf: dict[str, Any]) -> Path:
 
     def add(name: str, dtype: str, shape: tuple[int, ...], itemsize: int) -> None:
         nonlocal offset
-        size = itemsize * int(torch.tensor(shape).prod())
+        size = itemsize * math.prod(shape)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
 
