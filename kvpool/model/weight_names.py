@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from kvpool.model.config import ModelConfig
+from kvpool.model.config import ModelConfig, MoEConfig
 
 
 def weight_shapes(config: ModelConfig, layer_start: int, layer_end: int) -> dict[str, tuple[int, ...]]:
@@ -35,7 +35,7 @@ def weight_shapes(config: ModelConfig, layer_start: int, layer_end: int) -> dict
         shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.num_attention_heads * c.v_head_dim)
         shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
         if c.moe is not None and c.is_moe_layer(i):
-            shapes.update(_moe_shapes(c, p + "mlp."))
+            shapes.update(_moe_shapes(c.moe, c.hidden_size, p + "mlp."))
         else:
             shapes.update(_swiglu_shapes(c.hidden_size, c.intermediate_size, p + "mlp."))
     if layer_end == c.num_hidden_layers:
@@ -54,11 +54,9 @@ def _swiglu_shapes(hidden_size: int, intermediate_size: int, prefix: str) -> dic
             prefix + "down_proj.weight": (hidden_size, intermediate_size)}
 
 
-def _moe_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+def _moe_shapes(moe: MoEConfig, hidden: int, prefix: str) -> dict[str, tuple[int, ...]]:
     """One MoE layer as DeepSeek-V3's checkpoints (and transformers' ``save_pretrained``) name it: the router
     (``gate``), every routed expert by index, the shared experts as one SwiGLU."""
-    moe, hidden = config.moe, config.hidden_size
-    assert moe is not None
     shapes: dict[str, tuple[int, ...]] = {prefix + "gate.weight": (moe.n_routed_experts, hidden),
                                           prefix + "gate.e_score_correction_bias": (moe.n_routed_experts,)}
     for expert in range(moe.n_routed_experts):
