@@ -24,13 +24,21 @@ def memory_budget(settings: Any, config: str | None) -> dict[str, int]:
     if s.pool:
         store = load_settings(StoreSettings, "store", config, handed["store"])
         budget["pool segments"] = s.stores * sum(store.memory().values())
-    prefill = 0
+    prefill: dict[str, int] = {}
     for stage in range(s.stages):
         stage_settings = load_settings(PrefillSettings, "prefill", config, {
             **model, **handed["prefill"], "stage": stage, "num_stages": s.stages,
             "stage_addresses": ["later-stage"] * (s.stages - 1), "next_stage": "next-stage"})
-        prefill += sum(stage_settings.memory().values())
-    budget["prefill device caches"] = s.pipelines * prefill
+        for name, num_bytes in _by_kind(stage_settings.memory(), "device caches").items():
+            prefill[name] = prefill.get(name, 0) + s.pipelines * num_bytes
+    budget.update({f"prefill {name}": num_bytes for name, num_bytes in prefill.items()})
     decode = load_settings(DecodeSettings, "decode", config, {**model, **handed["decode"]})
-    budget["decode pages and arenas"] = s.decode_shards * sum(decode.memory().values())
+    for name, num_bytes in _by_kind(decode.memory(), "pages and arenas").items():
+        budget[f"decode {name}"] = s.decode_shards * num_bytes
     return budget
+
+
+def _by_kind(memory: dict[str, int], rest: str) -> dict[str, int]:
+    """A service's memory as its weights (every stage or shard holds its own copy) and the rest."""
+    weights = sum(n for name, n in memory.items() if name.endswith(" weights"))
+    return {rest: sum(memory.values()) - weights, "weights": weights}

@@ -71,8 +71,55 @@ class YarnScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """DeepSeek-V3's mixture of experts (``DeepseekV3MoE``), field names as its ``config.json``.
+
+    Layers from `first_k_dense_replace` on are MoE: a sigmoid router with `e_score_correction_bias` picks
+    `num_experts_per_tok` of `n_routed_experts` experts (SwiGLU, `moe_intermediate_size` wide) from the best
+    `topk_group` of `n_group` groups; their weights are the unbiased scores, renormalized when `norm_topk_prob`,
+    times `routed_scaling_factor`; `n_shared_experts` (one SwiGLU `n_shared_experts * moe_intermediate_size`
+    wide) see every token. Invariant: the routing can always pick its experts — every group holds at least two
+    (a group scores by its best two) and the chosen groups hold at least `num_experts_per_tok`.
+    """
+
+    first_k_dense_replace: int
+    n_routed_experts: int
+    moe_intermediate_size: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        for field in ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field}: must be positive, got {getattr(self, field)}")
+        for field in ("first_k_dense_replace", "n_shared_experts"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field}: must be >= 0, got {getattr(self, field)}")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(f"n_group: {self.n_group} does not divide n_routed_experts {self.n_routed_experts}")
+        if self.experts_per_group < 2:
+            raise ValueError(f"n_group: {self.n_group} groups of {self.n_routed_experts} experts leave fewer than "
+                             "two per group (a group scores by its best two)")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group: {self.topk_group} exceeds n_group {self.n_group}")
+        if self.num_experts_per_tok > self.topk_group * self.experts_per_group:
+            raise ValueError(f"num_experts_per_tok: {self.num_experts_per_tok} exceeds the "
+                             f"{self.topk_group * self.experts_per_group} experts of topk_group groups")
+        if not self.routed_scaling_factor > 0 or not math.isfinite(self.routed_scaling_factor):
+            raise ValueError(f"routed_scaling_factor: must be positive, got {self.routed_scaling_factor}")
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.n_routed_experts // self.n_group
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Shape of a DeepSeek-style MLA decoder (dense SwiGLU MLP, no MoE).
+    """Shape of a DeepSeek-style MLA decoder: dense SwiGLU MLPs, or DeepSeek-V3's MoE from a layer on.
 
     Invariant: one KV-cache entry per token per layer holds `kv_entry_dim`
     values — the normed latent (`kv_lora_rank`) followed by the roped shared
@@ -81,6 +128,7 @@ class ModelConfig:
     of a run: it changes every cached key, so it must match the checkpoint
     (``from_hf_config`` reads it, defaulting to interleaved as HF does); so is
     `rope_scaling` (None: plain RoPE; else YaRN, as DeepSeek-V3).
+    `moe` (None: every layer dense) makes layers from its `first_k_dense_replace` on MoE layers.
     `output_ids` [lo, hi), when set, is every id the sampler may emit: the
     built-in configs (seeded weights read through the byte-level tokenizer)
     emit only printable ASCII, so every token they make is visible text. It
@@ -106,6 +154,7 @@ class ModelConfig:
     # pairs (0,1),(2,3),... as DeepSeek's checkpoints and HF's config default
     rope_interleave: bool = False
     rope_scaling: YarnScaling | None = None
+    moe: MoEConfig | None = None
     output_ids: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -126,6 +175,10 @@ class ModelConfig:
             raise ValueError(f"output_ids must be a range within the vocabulary, got {self.output_ids}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` is an MoE layer (else a dense SwiGLU MLP), as transformers builds it."""
+        return self.moe is not None and index >= self.moe.first_k_dense_replace
 
     @property
     def qk_head_dim(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvpool.model.config import ModelConfig, get_config
 from kvpool.model.hf_checkpoint import checked_model_dir
+from kvpool.model.weight_names import weight_nbytes
 
 
 class ModelSetting:
@@ -22,3 +23,9 @@ class ModelSetting:
             return get_config(self.model)
         except ValueError as exc:
             raise ValueError(f"model: {exc}") from None
+
+    def weight_memory(self, layer_start: int, layer_end: int) -> dict[str, int]:
+        """The float32 weights of layers [layer_start, layer_end), every expert included, by what sizes them (the
+        model's name or directory): a service's ``memory()`` counts them beside what its own settings size."""
+        config = self.model_config()
+        return {f"{'model_dir' if self.model_dir else 'model'} weights": weight_nbytes(config, layer_start, layer_end)}

@@ -21,6 +21,7 @@ from kvpool.model.kv_cache import (
     token_slots,
 )
 from kvpool.model.layers import RotaryEmbedding, SwiGLUMLP, rms_norm
+from kvpool.model.moe import MoE
 from kvpool.model.weights import (
     check_weights,
     init_weights,
@@ -34,12 +35,12 @@ WeightSource = Mapping[str, torch.Tensor] | str | Path | None
 
 @dataclass(slots=True)
 class DecoderLayer:
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); the MLP is dense or DeepSeek-V3's MoE."""
 
     input_layernorm: torch.Tensor
     self_attn: MLAttention
     post_attention_layernorm: torch.Tensor
-    mlp: SwiGLUMLP
+    mlp: SwiGLUMLP | MoE
 
 
 class ModelStage:
@@ -88,13 +89,16 @@ class ModelStage:
 
     def _layer(self, w: Mapping[str, torch.Tensor], index: int) -> DecoderLayer:
         p = f"model.layers.{index}."
+        mlp: SwiGLUMLP | MoE
+        if self.config.moe is not None and self.config.is_moe_layer(index):
+            mlp = MoE.from_weights(self.config.moe, w, p + "mlp.")
+        else:
+            mlp = SwiGLUMLP(w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
         return DecoderLayer(
             input_layernorm=w[p + "input_layernorm.weight"],
             self_attn=MLAttention.from_weights(self.config, w, p + "self_attn."),
             post_attention_layernorm=w[p + "post_attention_layernorm.weight"],
-            mlp=SwiGLUMLP(
-                w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"]
-            ),
+            mlp=mlp,
         )
 
     @property

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.hf_checkpoint import fp8_block_size
 from kvpool.model.weight_names import all_weight_shapes, weight_shapes
 
 __all__ = ["WEIGHTS_FILE", "all_weight_shapes", "check_weights", "init_weights", "load_weights", "save_weights",
@@ -82,17 +83,50 @@ def save_weights(
 
 
 def load_weights(directory: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Read the named tensors (as float32) from the *.safetensors files in directory."""
+    """Read the named tensors (as float32) from the *.safetensors files in directory.
+
+    An FP8 weight (float8_e4m3fn, as DeepSeek-V3 ships them) is dequantized into float32 once it and its
+    ``{name}_scale_inv`` are read (each block times its scale; ``quantization_config.weight_block_size`` of the
+    directory's config.json), shard by shard: float32 costs 4 bytes a parameter where FP8 took 1.
+    """
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
     wanted = set(names)
     weights: dict[str, torch.Tensor] = {}
+    fp8: dict[str, torch.Tensor] = {}  # float8 weights and scales until both are read (a shard may split them)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in wanted.intersection(f.keys()):
-                weights[name] = f.get_tensor(name).to(torch.float32)
+            keys = set(f.keys())
+            scales = {name + "_scale_inv" for name in wanted} & keys
+            for name in sorted((wanted & keys) | scales):
+                tensor = f.get_tensor(name)
+                if tensor.dtype == torch.float8_e4m3fn or name in scales:
+                    fp8[name] = tensor
+                else:
+                    weights[name] = tensor.to(torch.float32)
+        for name in [n for n in fp8 if n in wanted and n + "_scale_inv" in fp8]:
+            weights[name] = dequantize_fp8(fp8.pop(name), fp8.pop(name + "_scale_inv"), _fp8_block_size(directory))
+    unscaled = sorted(name for name in fp8 if name in wanted)
+    if unscaled:
+        raise ValueError(f"float8 weights with no *_scale_inv in {directory}: {unscaled[:5]}")
     missing = sorted(wanted - weights.keys())
     if missing:
         raise ValueError(f"weights missing from {directory}: {missing[:5]}")
     return weights
+
+
+def _fp8_block_size(directory: str | Path) -> tuple[int, int]:
+    """The [out, in] block one scale covers: directory/config.json's ``quantization_config.weight_block_size``."""
+    block = fp8_block_size(json.loads((Path(directory) / "config.json").read_text()))
+    if block is None:
+        raise ValueError(f"{directory}/config.json: float8 weights need a quantization_config (fp8, block scales)")
+    return block
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 ``weight * scale`` of a block-scaled FP8 [out, in] matrix: ``scale_inv`` [ceil(out / block_out),
+    ceil(in / block_in)] holds each block's scale (what DeepSeek-V3's ``weight_dequant`` multiplies by)."""
+    rows, cols = weight.shape
+    scale = scale_inv.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.to(torch.float32) * scale

@@ -90,8 +90,10 @@ class DecodeSettings(ModelSetting):
         return [a.strip() for a in self.pipelines.split(",") if a.strip()]
 
     def memory(self) -> dict[str, int]:
-        """Host bytes this shard allocates, by the setting that sizes them."""
-        return {"kv_bytes": self.num_pages * self.page_nbytes, "region_arena_bytes": int(self.region_arena_bytes)}
+        """Host bytes this shard allocates, by the setting that sizes them; then the whole model's float32
+        weights, every expert included (decode runs every layer)."""
+        return {"kv_bytes": self.num_pages * self.page_nbytes, "region_arena_bytes": int(self.region_arena_bytes),
+                **self.weight_memory(0, self.model_config().num_hidden_layers)}
 
     @property
     def entry_bytes(self) -> int:

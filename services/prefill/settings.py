@@ -179,10 +179,10 @@ class PrefillSettings(ModelSetting):
     def memory(self) -> dict[str, int]:
         """Host bytes this stage allocates, by the setting that sizes them: the KV pages, the send arena, and
         with a transfer engine the receive and handoff arenas its reads and writes need (as ``StageRunner`` and
-        ``StageHandoff`` allocate them)."""
+        ``StageHandoff`` allocate them); then its layers' float32 weights, experts included."""
         engine_arenas = self.activation_arena_bytes + self.handoff_arena_bytes if self.transfer_engine else 0
         return {"device_cache_tokens": self.num_blocks * self.chunk_nbytes + self.activation_arena_bytes
-                + engine_arenas}
+                + engine_arenas, **self.weight_memory(*self.layers)}
 
     @property
     def num_blocks(self) -> int:

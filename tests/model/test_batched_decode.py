@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvpool.core.handoff.layout import HandoffLayout
 from kvpool.handoff import scatter_region
-from kvpool.model import InProcessPipeline, ModelConfig, pack_kv
+from kvpool.model import InProcessPipeline, ModelConfig, init_weights, pack_kv
+from kvpool.model.config import MoEConfig
 from kvpool.model.decode import DecodeInput, DecodeModel
 from kvpool.model.sampling import SamplingParams, sample
 from tests.model.inputs import max_abs_diff, random_token_ids
@@ -77,6 +80,21 @@ def test_greedy_batched_equals_reference_token_for_token(tiny, tiny_weights, pro
     tokens, logits = shard_generate(model, pipe, prompts, num_new=12, join_at=[0, 3, 7])
     for i, prompt in enumerate(prompts):
         ref_tokens, ref_logits = reference(tiny, tiny_weights, prompt, 12)
+        assert tokens[i] == ref_tokens
+        assert max_abs_diff(torch.stack(logits[i]), torch.stack(ref_logits)) < 2e-5
+
+
+def test_moe_layers_decode_batched_as_the_reference_does(tiny, prompts) -> None:
+    """DeepSeek-V3's MoE from layer 2 (seeded weights): each token routes alone, whatever shares its step."""
+    moe = MoEConfig(first_k_dense_replace=2, n_routed_experts=8, moe_intermediate_size=64, num_experts_per_tok=2,
+                    n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    config = dataclasses.replace(tiny, moe=moe)
+    weights = init_weights(config)
+    model = DecodeModel(config, num_pages=64, page_size=PAGE, weights=weights)
+    pipe = InProcessPipeline(config, num_blocks=16, block_size=BLOCK, weights=weights)
+    tokens, logits = shard_generate(model, pipe, prompts, num_new=12, join_at=[0, 3, 7])
+    for i, prompt in enumerate(prompts):
+        ref_tokens, ref_logits = reference(config, weights, prompt, 12)
         assert tokens[i] == ref_tokens
         assert max_abs_diff(torch.stack(logits[i]), torch.stack(ref_logits)) < 2e-5
 

@@ -112,8 +112,10 @@ def edit_config(**fields: object):  # type: ignore[no-untyped-def]
     (lambda p: (p / "config.json").unlink(), "model_dir: DIR/config.json: missing"),
     (lambda p: (p / "config.json").write_text("{"), "model_dir: DIR/config.json: not JSON"),
     (edit_config(model_type="llama"), "model_dir: DIR/config.json: model_type: 'llama' is not supported"),
-    (edit_config(first_k_dense_replace=1),
-     "model_dir: DIR/config.json: n_routed_experts: MoE layers are not supported"),
+    (edit_config(first_k_dense_replace=1),  # MoE from layer 1: the directory holds no experts
+     "model_dir: DIR: weight model.layers.1.mlp.gate.weight is in no *.safetensors file"),
+    (edit_config(quantization_config={"quant_method": "gptq", "bits": 4}),
+     "model_dir: DIR/config.json: quantization_config.quant_method: 'gptq' is not supported"),
     (edit_config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0}),
      "model_dir: DIR/config.json: rope_parameters: 'longrope' rope scaling is not supported"),
     (edit_config(hidden_size=32), "model_dir: DIR/model.safetensors: model.embed_tokens.weight has shape [64, 64], "

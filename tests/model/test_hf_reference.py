@@ -74,12 +74,23 @@ def test_hf_configs_we_cannot_run_are_refused() -> None:
         from_hf_config({**base, "rope_scaling": {"type": "linear", "factor": 4}})
     with pytest.raises(ValueError, match="rope_parameters.original_max_position_embeddings: missing"):
         from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 40}})
-    with pytest.raises(ValueError, match="n_routed_experts"):
-        from_hf_config({**base, "n_routed_experts": 8, "first_k_dense_replace": 1})
+    moe = {"n_routed_experts": 8, "first_k_dense_replace": 1, "moe_intermediate_size": 16, "n_group": 2,
+           "topk_group": 1, "num_experts_per_tok": 2}
+    assert from_hf_config({**base, **moe}).is_moe_layer(1)
+    assert from_hf_config({**base, **moe, "first_k_dense_replace": 2}).moe is None  # every layer dense
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert from_hf_config({**base, "quantization_config": fp8}) == from_hf_config(base)  # dequantized at load
     for field, value, message in (
         ("model_type", "llama", "model_type: 'llama' is not supported"),
         ("architectures", ["LlamaForCausalLM"], "architectures: .* has no 'DeepseekV3ForCausalLM'"),
-        ("quantization_config", {"quant_method": "fp8"}, "quantization_config: quantized weights"),
+        ("quantization_config", {"quant_method": "compressed-tensors"},
+         "quantization_config.quant_method: 'compressed-tensors' is not supported"),
+        ("quantization_config", {"quant_method": "awq", "bits": 4}, "quantization_config.quant_method: 'awq'"),
+        ("quantization_config", {**fp8, "fmt": "e5m2"}, "quantization_config.fmt: 'e5m2' is not supported"),
+        ("quantization_config", {**fp8, "activation_scheme": "static"},
+         "quantization_config.activation_scheme: 'static' is not supported"),
+        ("quantization_config", {**fp8, "weight_block_size": None},
+         r"quantization_config.weight_block_size: None is not supported"),
         ("num_key_value_heads", 1, "num_key_value_heads: 1 differs from num_attention_heads 2"),
         ("hidden_act", "gelu", "hidden_act: 'gelu' is not supported"),
         ("tie_word_embeddings", True, "tie_word_embeddings: true is not supported"),
@@ -88,5 +99,16 @@ def test_hf_configs_we_cannot_run_are_refused() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             from_hf_config({**base, field: value})
+    for field, value, message in (
+        ("scoring_func", "softmax", "scoring_func: 'softmax' is not supported"),
+        ("topk_method", "greedy", "topk_method: 'greedy' is not supported"),
+        ("moe_layer_freq", 2, "moe_layer_freq: 2 is not supported"),
+        ("n_group", 3, "n_group: 3 does not divide n_routed_experts 8"),
+        ("num_experts_per_tok", 5, "num_experts_per_tok: 5 exceeds the 4 experts"),
+        ("norm_topk_prob", "yes", "norm_topk_prob: must be true or false"),
+        ("moe_intermediate_size", 16.0, "moe_intermediate_size: must be an integer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            from_hf_config({**base, **moe, field: value})
     with pytest.raises(ValueError, match="v_head_dim: missing"):
         from_hf_config({k: v for k, v in base.items() if k != "v_head_dim"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvpool.model import get_config, init_weights
 from kvpool.settings import load_settings, read_config
 from kvpool.tools.cluster import Topology
 from kvpool.tools.up import UpSettings, up_topology
@@ -23,10 +24,14 @@ def test_the_default_budget_by_role() -> None:
     kv_per_stage = 32768 * 2 * 96 * 4
     # send and receive activations for the longest prompt; the handoff slab (its KV and the final logits)
     arenas_per_stage = 2 * (2 * 32768 * 256 * 4) + kv_per_stage + 1024 * 4
+    # the tiny model's float32 weights: every stage holds its layers, the decode shard all of them
+    weights = 4 * sum(t.numel() for t in init_weights(get_config("tiny")).values())
     assert memory_budget(UpSettings(), None) == {
         "pool segments": 2 * 512 * MiB,
         "prefill device caches": 4 * (kv_per_stage + arenas_per_stage),
+        "prefill weights": weights,
         "decode pages and arenas": pages(256 * MiB) + 128 * MiB,
+        "decode weights": weights,
     }
 
 
