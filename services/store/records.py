@@ -55,12 +55,17 @@ class SegmentRecords:
     def add(self, record: ObjectRecord) -> None:
         self.remove(record.key)
         end = record.offset + record.size
-        # records ending after this one starts, starting before it ends
-        for offset in list(self.by_offset.irange(maximum=end - 1, reverse=True)):
+        # records ending after this one starts, starting before it ends: walking down from the last one that
+        # starts before it ends, the first that ends before it starts ends the run (records never overlap),
+        # so an add looks at the records it replaces and one more, never at the whole segment's
+        overlapping = []
+        for offset in self.by_offset.irange(maximum=end - 1, reverse=True):
             other = self.by_key[self.by_offset[offset]]
             if other.offset + other.size <= record.offset:
                 break
-            self.remove(other.key)
+            overlapping.append(other.key)
+        for key in overlapping:
+            self.remove(key)
         self.by_key[record.key] = record
         self.by_offset[record.offset] = record.key
 

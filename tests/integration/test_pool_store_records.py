@@ -7,6 +7,7 @@ buffer, exact keys and sequences.
 from __future__ import annotations
 
 import xxhash
+from sortedcontainers import SortedDict
 
 from kvpool.core.pool.records import ObjectRecord, SegmentChange
 from kvpool.transfer import HostBuffer
@@ -56,3 +57,36 @@ def test_only_records_whose_bytes_still_match_are_reported() -> None:
         report, bad = records.verified(view)
     assert [r.key for r in report] == ["g/0"] and bad == ["s/0", "o/0"]
     assert records.acked_sequence == 7
+
+
+class CountingSortedDict(SortedDict):
+    """A ``SortedDict`` that counts the offsets its ranges hand out (what an add looks at). ``SortedDict``
+    binds ``irange`` per instance, so the count wraps that."""
+
+    looked_at = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        plain = self.irange
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            for key in plain(*args, **kwargs):
+                CountingSortedDict.looked_at += 1
+                yield key
+        self.irange = counted
+
+
+def test_an_add_looks_at_the_records_it_replaces_and_one_more_not_the_whole_segment() -> None:
+    """A store holds hundreds of thousands of records; every commit the master sends is an add. An add that
+    walked every record below it (as one did) stalled the store's heartbeats past the master's TTL at 10^6
+    objects (``kvpool bench master``), and the master dropped the segment with all its groups."""
+    records = SegmentRecords(by_offset=CountingSortedDict())
+    records.apply([added(i + 1, record(f"k{i}", 64 * i)) for i in range(10_000)])
+    CountingSortedDict.looked_at = 0
+    records.add(record("past", 64 * 10_000))
+    assert CountingSortedDict.looked_at == 1  # the one just below, which ends where it starts
+    CountingSortedDict.looked_at = 0
+    records.add(record("over", 64 * 5_000 + 32, size=64))  # over the second half of k5000 and the first of k5001
+    assert CountingSortedDict.looked_at == 3  # k5001, k5000 (both replaced) and k4999, which ends the run
+    assert "k5000" not in records.by_key and "k5001" not in records.by_key and "k4999" in records.by_key
+    assert len(records) == 10_000
