@@ -272,12 +272,14 @@ class PoolClient:
                 results[i] = PutResult.STORED
         return results
 
-    async def reserve(self, items: Sequence[tuple[str, str, int, int]], tenant: str = ""
-                      ) -> list[ObjectLocation | PutResult]:
+    async def reserve(self, items: Sequence[tuple[str, str, int, int]], tenant: str = "",
+                      release: tuple[int, Sequence[str]] | None = None) -> list[ObjectLocation | PutResult]:
         """Reserve room for ``(key, group_id, group_size, size)`` items (one ``PutStart``): per item where to
         write it (an ``ObjectLocation``, checksum 0), or EXISTS, or NOT_STORED (no room, a failed group, the
         master unreachable). Each reserved item must then be committed (``commit``) or revoked (``revoke``);
-        a reservation nobody ends is revoked by the master's put timeout."""
+        a reservation nobody ends is revoked by the master's put timeout. ``release``: a lease (with the
+        groups its reader found corrupt) the same call ends, as ``release`` would; a call that fails leaves
+        it to expire."""
         not_stored: list[ObjectLocation | PutResult] = [PutResult.NOT_STORED] * len(items)
         if not items:
             return []
@@ -286,10 +288,12 @@ class PoolClient:
             return not_stored
         item = pool_pb2.PutItem
         try:
+            lease_id, corrupt = release if release is not None else (0, ())
             started = await self._stub.PutStart(
                 pool_pb2.PutStartRequest(
                     client_host=self.host_name, tenant=tenant,
                     items=[item(key=k, group_id=g, group_size=n, size=size) for k, g, n, size in items],
+                    release_lease_id=int(lease_id), release_corrupt_group_ids=list(corrupt),
                 ),
                 # a probe does not wait for the channel; otherwise ride out a reconnect briefly
                 timeout=PROBE_TIMEOUT_S if probing else PUT_WAIT_S, wait_for_ready=not probing,

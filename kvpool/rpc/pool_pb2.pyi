@@ -151,14 +151,18 @@ class PutItem(_message.Message):
     def __init__(self, key: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("client_host", "items", "tenant")
+    __slots__ = ("client_host", "items", "tenant", "release_lease_id", "release_corrupt_group_ids")
     CLIENT_HOST_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_CORRUPT_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     client_host: str
     items: _containers.RepeatedCompositeFieldContainer[PutItem]
     tenant: str
-    def __init__(self, client_host: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    release_lease_id: int
+    release_corrupt_group_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_host: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., tenant: _Optional[str] = ..., release_lease_id: _Optional[int] = ..., release_corrupt_group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Location(_message.Message):
     __slots__ = ("segment_id", "endpoint", "address", "size")

@@ -204,6 +204,13 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             if not (name_ok(key) and name_ok(group_id) and 1 <= group_size <= MAX_GROUP_SIZE and size > 0):
                 check_put_item(i, item)
             items.append(PutRequestItem(key, group_id, group_size, size, tenant))
+        corrupt = request.release_corrupt_group_ids
+        if corrupt and not request.release_lease_id:
+            raise InvalidArgument("release_corrupt_group_ids: given without release_lease_id")
+        if len(corrupt) > MAX_BATCH:
+            raise InvalidArgument(f"release_corrupt_group_ids: {len(corrupt)} entries is more than {MAX_BATCH} in "
+                                  "one call")
+        check_names(corrupt, "release_corrupt_group_ids")
         evicted_before = self.index.counters.evicted_groups
         outcomes = self.index.put_start(request.client_host, items)
         evicted = self.index.counters.evicted_groups - evicted_before
@@ -213,6 +220,8 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         log.debug("pool_op", op="put_start", first_key=items[0].key, items=len(items), evicted=evicted)
         self.record.write("pool_op", current_request_id(), op="put_start", first_key=items[0].key, items=len(items),
                           evicted=evicted)
+        if request.release_lease_id:  # the restore's lease this save follows ends with it (the put went first)
+            self._release(request.release_lease_id, corrupt, "release_corrupt_group_ids", via="put_start")
         if all(o.status is PutStatus.NO_SPACE for o in outcomes):
             raise ResourceExhausted(
                 f"items: no space for {len(items)} objects (pool {self.index.used_bytes}/"
@@ -315,23 +324,29 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def ReleaseLease(self, request: pool_pb2.ReleaseLeaseRequest, context: Any) -> pool_pb2.ReleaseLeaseResponse:
-        corrupt = request.corrupt_group_ids
+        return pool_pb2.ReleaseLeaseResponse(released=self._release(request.lease_id, request.corrupt_group_ids,
+                                                                    "corrupt_group_ids"))
+
+    def _release(self, lease_id: int, corrupt: Any, field_name: str, via: str = "") -> bool:
+        """End a lease (``ReleaseLease``, or a ``PutStart`` that carries it: ``via``), its corrupt groups
+        named in ``field_name``."""
+        extra = {"via": via} if via else {}
         if not corrupt:
-            released = self.index.release_lease(request.lease_id)
-            log.debug("pool_op", op="release", lease_id=request.lease_id, released=released)
-            self.record.write("pool_op", current_request_id(), op="release", released=released)
-            return pool_pb2.ReleaseLeaseResponse(released=released)
+            released = self.index.release_lease(lease_id)
+            log.debug("pool_op", op="release", lease_id=lease_id, released=released, **extra)
+            self.record.write("pool_op", current_request_id(), op="release", released=released, **extra)
+            return released
         if len(corrupt) > MAX_BATCH:
-            raise InvalidArgument(f"corrupt_group_ids: {len(corrupt)} entries is more than {MAX_BATCH} in one call")
-        check_names(corrupt, "corrupt_group_ids")
+            raise InvalidArgument(f"{field_name}: {len(corrupt)} entries is more than {MAX_BATCH} in one call")
+        check_names(corrupt, field_name)
         before = self.index.counters.corrupt_groups
-        released = self.index.release_lease(request.lease_id, frozenset(corrupt))
+        released = self.index.release_lease(lease_id, frozenset(corrupt))
         # a reader got these groups' bytes but not their checksums: the pool's copies are bad
-        log.warning("corrupt_groups_reported", lease_id=request.lease_id, count=len(corrupt),
+        log.warning("corrupt_groups_reported", lease_id=lease_id, count=len(corrupt),
                     first_group_id=corrupt[0], dropped=self.index.counters.corrupt_groups - before,
                     lease_known=released)
-        self.record.write("pool_op", current_request_id(), op="release", released=released)
-        return pool_pb2.ReleaseLeaseResponse(released=released)
+        self.record.write("pool_op", current_request_id(), op="release", released=released, **extra)
+        return released
 
     @status_errors
     async def Exists(self, request: pool_pb2.ExistsRequest, context: Any) -> pool_pb2.ExistsResponse:

@@ -149,6 +149,15 @@ async def test_stage_0_and_the_master_record_what_each_request_saw(stubs, record
     # the lease's release is made beside the request (nobody waits for it): it reaches the master after
     await eventually(lambda: ("release", None) in ops(again.request_id), what="the lease's release recorded")
     assert ops(again.request_id)[0] == ("lookup", 2)
+    # a pool hit that also saves a chunk: its save's first call ends the lease, after its put
+    await evict_device(front, seed=43)
+    longer = await run(front, tokens + prompt(44, 300), session="recorded")
+    assert split(longer) == (0, 512, 488)
+    await eventually(lambda: len(ops(longer.request_id)) == 4, what="the longer request's pool operations")
+    assert ops(longer.request_id) == [("lookup", 2), ("put_start", 4), ("release", None), ("put_end", 4)]
+    release = [r for r in read_records(records) if r["source"] == "master"
+               and r["request_id"] == longer.request_id and r["op"] == "release"]
+    assert [r.get("via") for r in release] == ["put_start"]
 
 
 def pool_bytes(pipeline: LocalPipeline, path: str, direction: str) -> list[float]:

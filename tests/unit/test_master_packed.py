@@ -125,3 +125,33 @@ def test_a_packed_answer_whose_arrays_disagree_is_refused() -> None:
     assert packed_groups(pool_pb2.PackedGroups(group_id=["a"], num_members=[1], key=["a/0"], segment=[1],
                                                address=[1], size=[3], checksum=[5]), segments) == [
         GroupLocation("a", {"a/0": ObjectLocation("a/0", "e:1", 1, 3, 5, "seg0")})]
+
+
+def put_start(service: PoolMasterServicer, keys: list[str], **fields: Any) -> pool_pb2.PutStartResponse:
+    items = [pool_pb2.PutItem(key=k, group_id=k.rsplit("/", 1)[0], group_size=1, size=KB) for k in keys]
+    return asyncio.run(service.PutStart(pool_pb2.PutStartRequest(client_host="host0", items=items, **fields),
+                                        Context()))
+
+
+def test_a_put_start_ends_the_lease_it_carries_after_its_put() -> None:
+    """A save that follows a restore ends the restore's lease in its first call: the lease is gone, its
+    groups touched as a release touches them, a group its reader found corrupt dropped."""
+    service, index = servicer()
+    for group in "abc":
+        put(index, group)
+    found = lookup(service, ["a", "b", "c"], packed=True, held_prefix=1)
+    assert [index.groups[g].num_leases for g in "abc"] == [0, 1, 1]
+    put_start(service, ["new/0"], release_lease_id=found.lease_id, release_corrupt_group_ids=["c"])
+    assert index.num_leases == 0 and "c" not in index.groups  # condemned, and no lease held it any more
+    assert list(index.groups)[-2:] == ["b", "a"] and "new" in index.groups  # touched, the head most recent
+    again = put_start(service, ["newer/0"], release_lease_id=found.lease_id)  # an ended lease: ignored
+    assert again.results[0].status == pool_pb2.PUT_STATUS_RESERVED
+
+
+def test_corrupt_groups_without_a_lease_in_a_put_start_are_refused_naming_the_field() -> None:
+    service, index = servicer()
+    with pytest.raises(Aborted) as refused:
+        put_start(service, ["x/0"], release_corrupt_group_ids=["a"])
+    assert refused.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.args[1].startswith("release_corrupt_group_ids: given without release_lease_id")
+    assert "x/0" not in index.objects  # refused before anything changed

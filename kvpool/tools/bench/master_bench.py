@@ -26,7 +26,8 @@ For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
    - ``turn_cpu_ms``: the calls of a typical turn (``--turn-*``): a lookup of the
      history (legacy: every group from chunk 0, leased and located; today's:
      the device-held prefix only counted and touched, ``held_prefix``), its
-     release, and the save of the turn's new chunks.
+     release (today's: in the save's ``PutStart``), and the save of the turn's
+     new chunks.
    ``call_floor_cpu_ms`` is the cheapest call's (one key's ``Exists``): what
    gRPC itself costs the master per unary call, whatever the call does.
    Before each measurement the bench waits until the stores have
@@ -131,26 +132,28 @@ class Calls:
         self.hits = 0
         self.lookups = 0
 
-    async def save(self, groups: list[str], legacy: bool) -> int:
-        """Put every stage's object of ``groups``: one pair for all (today), or one pair per stage (legacy,
-        the stages at once). Returns the objects committed."""
+    async def save(self, groups: list[str], legacy: bool, release: int = 0) -> int:
+        """Put every stage's object of ``groups``: one pair for all, its start ending the lease ``release``
+        (today), or one pair per stage (legacy, the stages at once). Returns the objects committed."""
         if not legacy:
-            return await self._put([k for g in groups for k in keys_of(g)], groups)
+            return await self._put([k for g in groups for k in keys_of(g)], groups, release)
         done = await asyncio.gather(*(self._put([f"{g}/{stage}" for g in groups], groups) for stage in range(STAGES)))
         return sum(done)
 
-    async def _put(self, keys: list[str], groups: list[str]) -> int:
+    async def _put(self, keys: list[str], groups: list[str], release: int = 0) -> int:
         pb = self.pb
         items = [pb.PutItem(key=k, group_id=k.rsplit("/", 1)[0], group_size=STAGES, size=OBJECT_BYTES) for k in keys]
-        started = await self.stub.PutStart(pb.PutStartRequest(client_host="bench", items=items), timeout=30)
+        started = await self.stub.PutStart(pb.PutStartRequest(client_host="bench", items=items,
+                                                              release_lease_id=release), timeout=30)
         commits = [pb.PutCommit(key=k, checksum=i + 1) for i, (k, r) in enumerate(zip(keys, started.results))
                    if r.status == pb.PUT_STATUS_RESERVED]
         if commits:
             await self.stub.PutEnd(pb.PutEndRequest(items=commits), timeout=30)
         return len(commits)
 
-    async def lookup(self, groups: list[str], held: int, legacy: bool) -> float:
-        """Look a history up and release its lease; the lookup's own latency (s)."""
+    async def lookup(self, groups: list[str], held: int, legacy: bool, release: bool = True) -> tuple[float, int]:
+        """Look a history up and (``release``) release its lease: the lookup's own latency (s), and the lease
+        left to release (0 when released or none)."""
         pb = self.pb
         request = (pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS) if legacy else
                    pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS, held_prefix=held, packed=True))
@@ -159,9 +162,10 @@ class Calls:
         took = time.perf_counter() - t0
         self.lookups += 1
         self.hits += response.num_complete == len(groups)
-        if response.lease_id:
+        if response.lease_id and release:
             await self.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=response.lease_id), timeout=30)
-        return took
+            return took, 0
+        return took, response.lease_id
 
     async def floor(self) -> None:
         """The cheapest call: one key's ``Exists`` (what any unary call costs the master)."""
@@ -216,14 +220,17 @@ async def _ops(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
     while done < most and time.perf_counter() < deadline and not (stop_file and os.path.exists(stop_file)):
         if op == "floor":
             await calls.floor()
+        lease = 0
         if op in ("lookup", "turn"):
             history = histories[done % len(histories)]
             held = turn.held if op == "turn" else 0
-            latencies.append(await calls.lookup(group_ids(history), held, legacy))
+            # today a turn's save ends its lookup's lease in its first call; legacy releases on its own
+            took, lease = await calls.lookup(group_ids(history), held, legacy, release=op == "lookup" or legacy)
+            latencies.append(took)
         if op in ("save", "turn"):
             count = SAVE_CHUNKS if op == "save" else turn.new_chunks
             # fresh chunks of a history nobody looks up: every save reserves, and at the watermark evicts
-            committed += await calls.save(group_ids(fresh, done * count, count), legacy)
+            committed += await calls.save(group_ids(fresh, done * count, count), legacy, lease)
         done += 1
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(pid) - cpu0 if pid else 0.0

@@ -95,6 +95,7 @@ class _Flow:
     lookup: LookupResult | None = None
     forward: StageForwardResult | None = None
     save: SavePlan | None = None  # the last forward's save, once it succeeded, when stage 0 makes it
+    release: tuple[int, list[str]] | None = None  # the restore's lease, for the save's first call to end
     handoff: HandoffFigures | None = None
     compute_ms: float = 0.0
     waiting: bool = False  # the flow waits for blocks or for saves: nothing of the request is in flight
@@ -328,8 +329,12 @@ class PrefillScheduler:
         elif isinstance(effect, Forward):
             await self._forward(flow, effect)
         elif isinstance(effect, ReleaseLease):
-            self.restorer.release(effect.lease_id, self.restorer.corrupt_groups(
-                driver.request, flow.restore.stages, effect.corrupt_chunk_indexes))
+            corrupt = self.restorer.corrupt_groups(driver.request, flow.restore.stages, effect.corrupt_chunk_indexes)
+            if flow.save is not None and flow.save.chunk_hashes and flow.pending \
+                    and isinstance(flow.pending[0], SavesThenFree):
+                flow.release = (int(effect.lease_id), corrupt)  # the save's first call ends it: one call fewer
+            else:
+                self.restorer.release(effect.lease_id, corrupt)
         elif isinstance(effect, SavesThenFree):
             task = asyncio.ensure_future(self._saves_then_free(flow, effect.holder))
             self._releases.add(task)
@@ -404,7 +409,10 @@ class PrefillScheduler:
         """Wait for every stage's save of the request to end, then let its blocks go (and a new attempt that
         waits for them go on)."""
         try:
-            await self.ends.saves_done(flow.driver.request_id, flow.save)
+            release, flow.release = flow.release, None
+            await self.ends.saves_done(flow.driver.request_id, flow.save, release)
+        except Exception:  # a save is best effort, but a bug in it must be seen: its blocks still go back
+            flow.bound.exception("saves_failed")
         finally:
             effects = flow.driver.saves_ended(holder, time.monotonic())
             self._feed(flow, effects)

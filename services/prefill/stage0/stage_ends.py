@@ -101,12 +101,14 @@ class StageEnds:
     async def _handoff_done_remote(self, stage: int, request_id: str) -> StageHandoffFigures:
         return await self.stages[stage - 1].handoff_done(request_id, STAGE_TIMEOUT_S)
 
-    async def saves_done(self, request_id: str, plan: SavePlan | None = None) -> None:
+    async def saves_done(self, request_id: str, plan: SavePlan | None = None,
+                         release: tuple[int, list[str]] | None = None) -> None:
         """Wait until every stage's save of the request ended (or the stage cannot say); with a ``plan`` (the
         stages were told to wait, ``saves_together``), make the save first: every stage's objects reserved
-        in one call, each stage writing its own, all committed in one call."""
+        in one call, each stage writing its own, all committed in one call; ``release``: the restore's
+        lease, which that first call ends (the caller sends it on its own when there is no plan)."""
         if plan is not None and plan.chunk_hashes:
-            await self._save_together(request_id, plan)
+            await self._save_together(request_id, plan, release)
             return
         done = await asyncio.gather(
             self.runner.save_done(request_id),
@@ -123,14 +125,14 @@ class StageEnds:
             log.warning("stage_save_done_failed", stage=stage, error=str(exc))
             return SaveFigures()
 
-    async def _save_together(self, request_id: str, plan: SavePlan) -> None:
+    async def _save_together(self, request_id: str, plan: SavePlan, release: tuple[int, list[str]] | None) -> None:
         pool, runner = self.runner.pool, self.runner  # each stage counts its bytes and write time itself
         assert pool is not None
         num_stages, count, ns = len(self.stages) + 1, len(plan.chunk_hashes), runner.namespace
         sizes = [runner.chunk_nbytes] + [s.chunk_bytes for s in self.stages]
         items = [(object_key(ns, h, stage), group_id(ns, h), num_stages, sizes[stage])
                  for stage in range(num_stages) for h in plan.chunk_hashes]
-        reserved = await pool.reserve(items, plan.tenant)
+        reserved = await pool.reserve(items, plan.tenant, release)
         writes: list[list[ChunkToRestore]] = [[] for _ in range(num_stages)]
         group_of: dict[str, str] = {}  # each reserved object's group
         for index, (result, item) in enumerate(zip(reserved, items)):
