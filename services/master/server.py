@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 
 import structlog
@@ -11,6 +12,7 @@ import structlog
 from kvpool import service
 from kvpool.core.pool.index import PoolIndex
 from kvpool.rpc import pool_pb2_grpc
+from kvpool.services.master.heap import HeapKeeper
 from kvpool.services.master.metrics import MasterMetrics
 from kvpool.services.master.servicer import PoolMasterServicer
 from kvpool.services.master.settings import MasterSettings
@@ -19,7 +21,9 @@ log = structlog.get_logger(__name__)
 
 
 async def _sweep(index: PoolIndex, metrics: MasterMetrics, interval_s: float) -> None:
-    """Drop silent stores and groups left incomplete, revoke abandoned puts, expire leases, refresh gauges."""
+    """Drop silent stores and groups left incomplete, revoke abandoned puts, expire leases, refresh gauges,
+    keep the collector off the index (``heap``)."""
+    heap = HeapKeeper()
     while True:
         for segment_id in index.expire_segments():
             log.warning("segment_expired", segment_id=segment_id, ttl_s=index.settings.segment_ttl_s)
@@ -34,6 +38,9 @@ async def _sweep(index: PoolIndex, metrics: MasterMetrics, interval_s: float) ->
         if dropped:
             log.warning("corrupt_groups_dropped", count=dropped, when="their last lease expired")
         metrics.refresh(index)
+        took = heap.tick(time.monotonic())
+        if took is not None:
+            log.info("full_garbage_collection", seconds=round(took, 3), objects=len(index.objects))
         await asyncio.sleep(interval_s)
 
 
