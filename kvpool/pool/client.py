@@ -13,7 +13,7 @@ never raise: a put reports NOT_STORED, a read reports a miss.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import grpc
@@ -140,6 +140,10 @@ class PoolClient:
         """Keep how these segments are reached (another stage's lookup passed on with its locations)."""
         for access in accesses:
             self.accesses[access.segment_id] = access
+
+    def accesses_of(self, segment_ids: Collection[str]) -> list[SegmentAccess]:
+        """How to reach these segments, as the master's answers said (another stage is sent them)."""
+        return [a for segment_id, a in self.accesses.items() if segment_id in segment_ids]
 
     def _path(self, segment_id: str) -> BytePath:
         return byte_path(self.accesses.get(segment_id), self.host_name, self.engine_only)

@@ -99,6 +99,13 @@ def check_batch(count: int, field_name: str) -> None:
         raise InvalidArgument(f"{field_name}: {count} entries is more than {MAX_BATCH} in one call")
 
 
+def check_corrupt(corrupt: Any, field_name: str) -> None:
+    """A reader's corrupt group ids (``ReleaseLease``'s, or those a ``PutStart`` carries): bounded, each a name."""
+    if len(corrupt) > MAX_BATCH:
+        raise InvalidArgument(f"{field_name}: {len(corrupt)} entries is more than {MAX_BATCH} in one call")
+    check_names(corrupt, field_name)
+
+
 def add_accesses(field: Any, segments: Iterable[Segment]) -> None:
     """How a client reaches each segment a response's locations name: its host, base and shared memory, its
     number (in packed answers) and its endpoint."""
@@ -207,10 +214,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         corrupt = request.release_corrupt_group_ids
         if corrupt and not request.release_lease_id:
             raise InvalidArgument("release_corrupt_group_ids: given without release_lease_id")
-        if len(corrupt) > MAX_BATCH:
-            raise InvalidArgument(f"release_corrupt_group_ids: {len(corrupt)} entries is more than {MAX_BATCH} in "
-                                  "one call")
-        check_names(corrupt, "release_corrupt_group_ids")
+        check_corrupt(corrupt, "release_corrupt_group_ids")  # before anything changes
         evicted_before = self.index.counters.evicted_groups
         outcomes = self.index.put_start(request.client_host, items)
         evicted = self.index.counters.evicted_groups - evicted_before
@@ -221,7 +225,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         self.record.write("pool_op", current_request_id(), op="put_start", first_key=items[0].key, items=len(items),
                           evicted=evicted)
         if request.release_lease_id:  # the restore's lease this save follows ends with it (the put went first)
-            self._release(request.release_lease_id, corrupt, "release_corrupt_group_ids", via="put_start")
+            self._release(request.release_lease_id, corrupt, via="put_start")
         if all(o.status is PutStatus.NO_SPACE for o in outcomes):
             raise ResourceExhausted(
                 f"items: no space for {len(items)} objects (pool {self.index.used_bytes}/"
@@ -324,21 +328,18 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def ReleaseLease(self, request: pool_pb2.ReleaseLeaseRequest, context: Any) -> pool_pb2.ReleaseLeaseResponse:
-        return pool_pb2.ReleaseLeaseResponse(released=self._release(request.lease_id, request.corrupt_group_ids,
-                                                                    "corrupt_group_ids"))
+        check_corrupt(request.corrupt_group_ids, "corrupt_group_ids")
+        return pool_pb2.ReleaseLeaseResponse(released=self._release(request.lease_id, request.corrupt_group_ids))
 
-    def _release(self, lease_id: int, corrupt: Any, field_name: str, via: str = "") -> bool:
-        """End a lease (``ReleaseLease``, or a ``PutStart`` that carries it: ``via``), its corrupt groups
-        named in ``field_name``."""
+    def _release(self, lease_id: int, corrupt: Any, via: str = "") -> bool:
+        """End a lease (``ReleaseLease``, or a ``PutStart`` that carries it: ``via``) with its corrupt groups,
+        already checked (``check_corrupt``)."""
         extra = {"via": via} if via else {}
         if not corrupt:
             released = self.index.release_lease(lease_id)
             log.debug("pool_op", op="release", lease_id=lease_id, released=released, **extra)
             self.record.write("pool_op", current_request_id(), op="release", released=released, **extra)
             return released
-        if len(corrupt) > MAX_BATCH:
-            raise InvalidArgument(f"{field_name}: {len(corrupt)} entries is more than {MAX_BATCH} in one call")
-        check_names(corrupt, field_name)
         before = self.index.counters.corrupt_groups
         released = self.index.release_lease(lease_id, frozenset(corrupt))
         # a reader got these groups' bytes but not their checksums: the pool's copies are bad

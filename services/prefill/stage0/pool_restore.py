@@ -119,8 +119,7 @@ class PoolRestore:
     def _accesses(self, chunks: Sequence[ChunkToRestore]) -> list[SegmentAccess]:
         """How to reach the segments ``chunks`` lie in, as the master told this stage."""
         assert self.pool is not None
-        named = {c.location.segment_id for c in chunks}
-        return [a for segment_id, a in self.pool.accesses.items() if segment_id in named]
+        return self.pool.accesses_of({c.location.segment_id for c in chunks})
 
     async def restore(self, request: PrefillRequest, use_pool: bool = True) -> RestoreReport:
         """Look the pool-candidate chunks up (none without ``use_pool``), restore them on every stage by

@@ -140,8 +140,7 @@ class StageEnds:
             if isinstance(result, ObjectLocation):
                 writes[stage].append(ChunkToRestore(plan.first_chunk + i, plan.block_ids[i], result))
                 group_of[item[0]] = item[1]
-        named = {c.location.segment_id for chunks in writes for c in chunks}
-        accesses = tuple(a for segment_id, a in pool.accesses.items() if segment_id in named)
+        accesses = tuple(pool.accesses_of({c.location.segment_id for chunks in writes for c in chunks}))
         # every stage is asked, with or without writes: its answer also says its forward ended
         results = await asyncio.gather(
             runner.write_told(StageRestore(tuple(writes[0]), accesses)),
