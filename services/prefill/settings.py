@@ -93,7 +93,8 @@ class PrefillSettings(ModelSetting):
     sched_max_wait_s: float = sched_max_wait_setting()
     sched_max_bypass_s: float = sched_max_bypass_setting("this stage's compute seconds (kvpool_prefill_work_scale)")
     sched_reorder_below_s: float = sched_reorder_below_setting("this stage's compute seconds")
-    tenant_fair: bool = tenant_fair_setting()
+    tenant_fair: bool = tenant_fair_setting("; and every stage computes each tenant's pieces on a thread of its "
+                                            "own, so no tenant's piece waits behind another's that is computing")
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
     )

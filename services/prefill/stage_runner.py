@@ -28,7 +28,8 @@ pieces run at once, sharing the cores as the OS shares runnable threads
 piece already computing (a 2,048-token piece at a 30K context takes seconds
 on a CPU), and a tenant alone runs exactly as on one thread. The first 16
 tenants a stage sees get a lane each, later ones share one
-(``kvpool.core.tenancy.tenants.TenantLabels``). The engine's moves run in
+(``kvpool.core.tenancy.tenants.TenantLabels``); ``--no-tenant-fair``: one
+thread for all, in arrival order. The engine's moves run in
 worker threads, so a restore for one request does not queue behind another
 request's forward pass. All torch work is off the event loop.
 """
@@ -192,8 +193,9 @@ class StageRunner:
     # ---- compute --------------------------------------------------------
 
     def _lane(self, tenant: str) -> ThreadPoolExecutor:
-        """The tenant's compute thread (its label's: the first 16 tenants each their own)."""
-        name = self._lane_names.label(tenant_name(tenant))
+        """The tenant's compute thread (its label's: the first 16 tenants each their own; one for all with
+        ``--no-tenant-fair``)."""
+        name = self._lane_names.label(tenant_name(tenant)) if self.settings.tenant_fair else ""
         lane = self._lanes.get(name)
         if lane is None:
             lane = self._lanes[name] = ThreadPoolExecutor(

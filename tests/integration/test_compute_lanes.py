@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,11 +23,16 @@ LONG = 8192  # two pieces of 4096: the first takes far longer than a 16-token fo
 PIECE = 4096
 
 
-@pytest.fixture
-def runner() -> StageRunner:
+def make_runner(**settings: object) -> StageRunner:
     s = PrefillSettings(stage=0, num_stages=1, master="", transfer_engine=False, port=0, admin_port=0,
-                        chunk_size=CHUNK, device_cache_tokens=LONG + CHUNK, forward_piece_tokens=PIECE)
-    made = StageRunner(s, None, None, PrefillMetrics())
+                        chunk_size=CHUNK, device_cache_tokens=LONG + CHUNK, forward_piece_tokens=PIECE,
+                        **settings)  # type: ignore[arg-type]
+    return StageRunner(s, None, None, PrefillMetrics())
+
+
+@pytest.fixture
+def runner() -> Iterator[StageRunner]:
+    made = make_runner()
     yield made
     made.close()
 
@@ -55,6 +61,15 @@ async def test_another_tenants_short_forward_does_not_wait_for_a_long_piece(runn
 
 async def test_the_same_tenants_forwards_run_one_at_a_time_in_order(runner: StageRunner) -> None:
     first_piece_ended, short_ended = await short_during_long(runner, "bob", "bob")
+    assert short_ended > first_piece_ended
+
+
+async def test_without_tenant_fair_every_tenant_waits_its_turn_on_one_thread() -> None:
+    one = make_runner(tenant_fair=False)
+    try:
+        first_piece_ended, short_ended = await short_during_long(one, "bob", "alice")
+    finally:
+        one.close()
     assert short_ended > first_piece_ended
 
 

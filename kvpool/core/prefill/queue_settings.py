@@ -43,12 +43,13 @@ def sched_reorder_below_setting(seconds: str) -> Any:
                    f"in {seconds}, as for --sched-max-bypass-s", default_text="none")
 
 
-def tenant_fair_setting() -> Any:
-    """``--tenant-fair``: share the queue between tenants by weight (the default), or not."""
+def tenant_fair_setting(also: str = "") -> Any:
+    """``--tenant-fair``: share the queue between tenants by weight (the default), or not; ``also``: what else
+    the role shares between tenants."""
     return setting(True, help="share the queue's order between tenants (API keys) by --tenant-weights: "
                    "start-time fair queuing over estimated work, so no tenant waits behind more than its weighted "
-                   "share of another's work (kvpool.core.prefill.fair_queue); --sched orders each tenant's own "
-                   "requests. --no-tenant-fair: every request in one order, as if of one tenant")
+                   f"share of another's work (kvpool.core.prefill.fair_queue); --sched orders each tenant's own "
+                   f"requests{also}. --no-tenant-fair: every request as if of one tenant")
 
 
 class QueueSettings(Protocol):
