@@ -165,6 +165,29 @@ def add_bench(sub: Any) -> None:
     path.add_argument("--replay-max-tokens", type=int, default=16, help="output tokens per replayed turn at most")
     path.add_argument("--loopback", action="store_true", help="no network namespaces: servers share loopback")
     path.add_argument("--workdir", default="", help="keep logs and the trace here")
+    tenants = bench_sub.add_parser(
+        "tenants", help="one tenant's flood of long prompts against another's small turns, fair and FIFO",
+        description="Starts kvpool up on its defaults with an API keys file of two tenants, twice, one after the "
+        "other: fair (the default) and FIFO (tenant_fair = false for the router and stage 0). On each, the victim "
+        "tenant's small turns alone, then during the flooder tenant's flood of long prompts; on the fair side "
+        "also the flood alone. Reports the victim's TTFT during the flood over alone on each side and the "
+        "flooder's throughput during it over alone.",
+    )
+    add_report_flags(tenants)
+    tenants.add_argument("--flood-prompts", type=int, default=4, help="the flooder's prompts")
+    tenants.add_argument("--flood-tokens", type=int, default=30000, help="tokens in each flood prompt")
+    tenants.add_argument("--flood-concurrency", type=int, default=1,
+                         help="flood prompts in flight at once (on kvpool up's defaults decode's receive arena "
+                         "holds one 30K-token prompt: a second waits in the router's queue, and past its 30 s "
+                         "timeout gets 429)")
+    tenants.add_argument("--victim-tokens", type=int, default=256, help="tokens in each of the victim's turns")
+    tenants.add_argument("--victim-rate", type=float, default=1.0, help="the victim's turns a second")
+    tenants.add_argument("--victim-turns", type=int, default=20,
+                         help="the victim's turns alone, and at least as many during the flood")
+    tenants.add_argument("--victim-delay-s", type=float, default=1.0,
+                         help="the victim's first turn during the flood comes this long after the flood's first")
+    tenants.add_argument("--sides", default="fair,fifo", help="which sides to run, in order (fair, fifo)")
+    tenants.add_argument("--workdir", default="", help="keep the clusters' logs here")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -197,6 +220,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from kvpool.tools.bench.master_bench import main as bench_master
 
         return bench_master(args)
+    if args.bench_command == "tenants":
+        from kvpool.tools.bench.tenants_bench import main as bench_tenants
+
+        return bench_tenants(args)
     if args.bench_command == "decode":
         from kvpool.tools.bench.decode_bench import main as bench_decode
 
