@@ -33,8 +33,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: kvpool/tools/report.py
 REQUIRED = ("command", "date", "host", "commit", "output")
 DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
-MARKER = re.compile(r"<!-- report:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /report:(?P=name) -->", re.S)
-OPEN_MARKER = re.compile(r"<!-- /?report:([\w.-]+) -->")
+# a marker is a line of its own (one named in the middle of prose is text)
+MARKER = re.compile(r"^<!-- report:(?P<name>[\w.-]+) -->\n(?P<body>.*?)^<!-- /report:(?P=name) -->$", re.S | re.M)
+OPEN_MARKER = re.compile(r"^<!-- /?report:([\w.-]+) -->$", re.M)
 MISSING = "–"
 
 
@@ -139,7 +140,7 @@ def record_label(name: str, record: dict[str, Any]) -> str:
 
 def select(table: Table, records: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     chosen = [(name, r) for name, r in records.items() if any(fnmatch.fnmatch(name, g) for g in table.records)]
-    return sorted(chosen, key=lambda item: (item[1]["date"], item[0]))
+    return sorted(chosen, key=lambda item: (item[1]["date"], not item[1].get("transcribed_from_docs"), item[0]))
 
 
 def items(table: Table, record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -232,7 +233,8 @@ def run(root: Path, tables: dict[str, Table], write: bool) -> Outcome:
 
 
 def _block(text: str, name: str) -> str:
-    match = re.search(rf"<!-- report:{re.escape(name)} -->\n(.*?)<!-- /report:{re.escape(name)} -->", text, re.S)
+    match = re.search(rf"^<!-- report:{re.escape(name)} -->\n(.*?)^<!-- /report:{re.escape(name)} -->$", text,
+                      re.S | re.M)
     return match[1] if match else ""
 
 

@@ -48,7 +48,7 @@ TABLES: dict[str, Table] = {
         C("`save_gbps_aggregate`", "output/save_gbps_aggregate", ".2f"),
         C("`logits_max_abs_diff` (auto)", "output/logits_max_abs_diff", ".1e"),
         C("`engine_logits_max_abs_diff`", "output/engine_logits_max_abs_diff", ".1e"),
-        C("4,096 tokens: same host / engine GB/s", "output/sizes/0/restore_gbps_aggregate", ".2f"),
+        C("4,096 tokens: same host GB/s", "output/sizes/0/restore_gbps_aggregate", ".2f"),
         C("4,096 tokens: engine GB/s", "output/sizes/0/engine_restore_gbps_aggregate|output/sizes/0/engine/"
           "restore_gbps_aggregate", ".2f"),
     )),
@@ -235,10 +235,11 @@ TABLES: dict[str, Table] = {
         C("split tok/s/GPU", "split_tok_s_per_gpu", ","),
         C("shared / split", "shared_over_split", ".2f"),
     )),
-    "simulate-scale-strict": Table(("*-simulate-scale-strict*.json",), rows="output/runs", columns=(
+    "simulate-scale": Table(("*-simulate-scale*.json",), rows="output/runs", columns=(
         C("run", "run"),
         C("tok/s/GPU", "tok_s_per_gpu", ","),
         C("reuse", "reuse", ".1%"),
+        C("pool share", "pool_share", ".1%"),
         C("master busy", "master_busy", ".1%"),
         C("lookup wait p99 ms", "lookup_wait_p99_ms"),
         C("turns/s", "turns_per_s", ".1f"),
@@ -246,8 +247,8 @@ TABLES: dict[str, Table] = {
     "simulate-compare-sched": Table(("*-simulate-compare-sched*.json",), rows="output",
                                     row_keys=("closed", "open"), key_header="loop", columns=(
         C("offsets from", "@output/first_seed"),
-        C("TTFT p50 ratio (closed ≤ 0.5, open ≤ 0.7)", "ttft_p50_session_over_fifo", ".3f"),
-        C("p99 ratio (closed ≤ 1)", "ttft_p99_session_over_fifo", ".3f"),
+        C("TTFT p50 ratio (closed ≤ 0.5, open ≤ 0.7)", "ttft_p50_session_over_fifo", ".4f"),
+        C("p99 ratio (closed ≤ 1)", "ttft_p99_session_over_fifo", ".4f"),
         C("throughput ratio", "throughput_session_over_fifo", ".3f"),
         C("reuse session", "reuse_session", ".5f"),
         C("reuse fifo", "reuse_fifo", ".5f"),

@@ -37,6 +37,13 @@ def test_every_record_in_docs_results_parses_and_says_how_it_was_made():
         assert isinstance(data.get("transcribed_from_docs", False), bool), name
 
 
+def test_every_table_in_the_docs_equals_its_rendering_from_the_records():
+    outcome = run(ROOT, TABLES, write=False)
+    assert outcome.errors == []
+    assert outcome.differing == [], "run `kvpool report --write` after adding a record; never edit a table by hand"
+    assert outcome.unplaced == []
+
+
 def test_a_table_renders_one_row_a_record_oldest_first_with_a_link_and_the_commit(tmp_path):
     write(tmp_path, "2026-12-05-bench-x.json", record(speed=2.345, ok=True))
     write(tmp_path, "2026-12-01-bench-x.json", record("2026-12-01", speed=1, ok=False) | {"commit": None,
@@ -93,6 +100,14 @@ def test_a_marker_naming_no_table_or_without_its_pair_is_an_error(tmp_path):
     assert "without its pair" in run(tmp_path, {"x": TABLE}, write=False).errors[0]
     with pytest.raises(KeyError):
         regenerate("<!-- report:y -->\n<!-- /report:y -->", {"x": TABLE}, {})
+
+
+def test_a_marker_named_inside_prose_is_text(tmp_path):
+    write(tmp_path / "docs" / "results", "2026-12-05-bench-x.json", record())
+    doc = tmp_path / "docs" / "a.md"
+    doc.write_text("Tables live between `<!-- report:NAME -->` and `<!-- /report:NAME -->`.\n")
+    outcome = run(tmp_path, {"x": TABLE}, write=False)
+    assert (outcome.errors, outcome.differing, outcome.unplaced) == ([], [], ["x"])
 
 
 def test_a_table_in_no_doc_is_reported(tmp_path):
