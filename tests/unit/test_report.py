@@ -10,13 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.services.cli import main as kvpool
+from kvpool.services.cli import _run_report
+from kvpool.services.cli_parser import build_parser
 from kvpool.tools.report import ROOT, Column, RecordError, Table, load_records, regenerate, render, run
 from kvpool.tools.report_tables import TABLES
 
 TABLE = Table(("*-bench-x*.json",), columns=(Column("speed", "output/speed", ".2f"), Column("ok", "output/ok")))
 ROWS = Table(("*-bench-x*.json",), rows="output/cases", key_header="case",
              columns=(Column("ms", "ms", ",.0f"), Column("errors", "@output/errors")))
+
+
+def kvpool(argv: list[str]) -> int:
+    """``kvpool report ...`` as the command parses and runs it, without configuring this process's logging
+    (structlog would keep pytest's captured stream, closed after the test)."""
+    return _run_report(build_parser(argv[0]).parse_args(argv))
 
 
 def record(date: str = "2026-12-05", **output: object) -> dict:
