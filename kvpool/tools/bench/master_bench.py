@@ -74,7 +74,7 @@ NAMESPACE = "bench-master-0123456789abcdef"
 HIGH_WATERMARK = 0.90
 LEASE_MS = 5000
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-# targets (issue 39), each at 10^6 objects with churn
+# the targets, each at 10^6 objects with churn
 TARGETS = {"lookup_cpu_ms": 0.5, "save_cpu_ms": 0.5, "turn_cpu_ms": 1.5}
 
 
@@ -444,8 +444,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as tmp:
         for objects in scales:
-            report[f"at_{objects}"] = measure(objects, args, Path(tmp) / str(objects))
-    largest = report[f"at_{max(scales)}"]
+            report.setdefault("scales", []).append(measure(objects, args, Path(tmp) / str(objects)))
+    largest = max(report["scales"], key=lambda at: at["objects"])
     report["targets"] = {key: {"at": max(scales), "value": largest[key], "target": limit,
                                "met": largest[key] <= limit} for key, limit in TARGETS.items()}
     return report
@@ -454,9 +454,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"kvpool bench master: {report['stages']} stages, histories of {report['history_chunks']} chunks, "
              f"{report['clients']} clients, {report['cpus']} CPUs"]
-    for key, value in report.items():
-        if not key.startswith("at_"):
-            continue
+    for value in report["scales"]:
         lines.append(f"{value['objects']:,} objects ({value['resident_objects']:,} resident, "
                      f"{value['index_bytes_per_object']} B each in the master); the cheapest call costs the "
                      f"master {value['call_floor_cpu_ms']} ms, a session message "
