@@ -104,10 +104,12 @@ class MasterSession:
                     log.info("pool_master_without_session", details=exc.details())
                     return await unary(body, timeout=max(0.0, deadline - time.monotonic()),
                                        wait_for_ready=wait_for_ready)
-                # the stream broke before this call's answer (an idempotent call goes again, as gRPC would)
+                # the stream broke before this call's answer: an idempotent call goes again, as gRPC would, but
+                # only over a connection that is up (a master that is down is a miss now, not after the backoff)
                 wait = session_backoff_s(attempt + 1)
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == attempts or \
-                        time.monotonic() + wait >= deadline:
+                        time.monotonic() + wait >= deadline or \
+                        self._channel.get_state() != grpc.ChannelConnectivity.READY:
                     raise
                 await asyncio.sleep(wait)
         if response.code:
