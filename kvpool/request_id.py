@@ -155,7 +155,7 @@ class RequestIdServerInterceptor(grpc.aio.ServerInterceptor):
 def _bound_unary(behavior: Callable[[Any, Any], Awaitable[Any]], request_id: str,
                  method: str) -> Callable[[Any, Any], Awaitable[Any]]:
     async def bound(request: Any, context: Any) -> Any:
-        with bound_request_id(request_id), _served(method):
+        with bound_request_id(request_id), served(method):
             return await behavior(request, context)
 
     return bound
@@ -164,7 +164,7 @@ def _bound_unary(behavior: Callable[[Any, Any], Awaitable[Any]], request_id: str
 def _bound_stream(behavior: Callable[[Any, Any], Any], request_id: str,
                   method: str) -> Callable[[Any, Any], AsyncIterator[Any]]:
     async def bound(request: Any, context: Any) -> AsyncIterator[Any]:
-        with bound_request_id(request_id), _served(method):
+        with bound_request_id(request_id), served(method):
             result = behavior(request, context)
             if hasattr(result, "__aiter__"):
                 async for response in result:
@@ -176,7 +176,7 @@ def _bound_stream(behavior: Callable[[Any, Any], Any], request_id: str,
 
 
 @contextlib.contextmanager
-def _served(method: str) -> Iterator[None]:
+def served(method: str) -> Iterator[None]:
     started = time.perf_counter()
     outcome = "ok"
     try:

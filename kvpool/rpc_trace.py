@@ -237,6 +237,34 @@ class _CarryStreamStream(grpc.aio.StreamStreamClientInterceptor):
         return await continuation(_carried(details), request_iterator)
 
 
+def tracing() -> bool:
+    """Whether this process traces (``KVPOOL_RPC_TRACE`` is set)."""
+    return bool(os.environ.get(TRACE_ENV))
+
+
+class MessageTrace:
+    """One line per call made as a message on a long-lived stream (the pool master's ``Session``), as the
+    unary call it stands for would have written: its method, ``kind`` ``session``, one message in and its
+    answer out. The stream itself belongs to no request and writes no line."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def write(self, request_id: str, method: str, parent: str, sent: float, detached: bool, start: float) -> None:
+        record = CallRecord(request_id, method, "session", uuid.uuid4().hex[:16], parent, sent or start, detached,
+                            start)
+        record.received()
+        record.replied()
+        with open(self.path, "a") as trace:
+            trace.write(record.line() + "\n")
+
+
+def message_trace() -> MessageTrace | None:
+    """A server's per-message trace, when ``KVPOOL_RPC_TRACE`` is set."""
+    path = os.environ.get(TRACE_ENV, "")
+    return MessageTrace(path) if path else None
+
+
 def trace_interceptors() -> list[grpc.aio.ServerInterceptor]:
     """A server's interceptors: the trace, when ``KVPOOL_RPC_TRACE`` is set."""
     path = os.environ.get(TRACE_ENV, "")

@@ -85,7 +85,9 @@ class InFlight(grpc.aio.ServerInterceptor):
         if handler.stream_unary is not None:  # the stages' ForwardPieces
             return grpc.stream_unary_rpc_method_handler(
                 self._unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
-        return handler  # bidirectional methods: none of ours
+        # a bidirectional stream (the master's Session) lives as long as its client: counting it would hold
+        # every drain for its whole grace; its messages are answered at once, so none is cut midway
+        return handler
 
     def _start(self) -> None:
         self.count += 1
@@ -138,8 +140,8 @@ class ParseRequests(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None or handler.stream_stream is not None:
-            return handler  # bidirectional methods: none of ours
+        if handler is None or handler.request_deserializer is None:
+            return handler
         message, deserialize = _input_type(details.method), handler.request_deserializer
 
         def parse(raw: bytes) -> Any:
@@ -160,15 +162,24 @@ class ParseRequests(grpc.aio.ServerInterceptor):
                 await refuse(request, context)
                 return await unary(request, context)
             return grpc.unary_unary_rpc_method_handler(checked_unary, parse, handler.response_serializer)
+        async def parsed(request_iterator):  # type: ignore[no-untyped-def]
+            async for request in request_iterator:
+                if isinstance(request, Unparsed):
+                    raise InvalidArgument(f"request: not a {request.message} ({request.reason})", field="request")
+                yield request
+
+        if handler.stream_stream is not None:  # the master's Session: a message that does not parse ends it
+            both = handler.stream_stream
+
+            async def checked_both(request_iterator, context):  # type: ignore[no-untyped-def]
+                try:
+                    async for response in both(parsed(request_iterator), context):
+                        yield response
+                except InvalidArgument as exc:
+                    await abort(context, exc, details.method)
+            return grpc.stream_stream_rpc_method_handler(checked_both, parse, handler.response_serializer)
         if handler.stream_unary is not None:  # the stages' ForwardPieces: each message checked as it is read
             pieces = handler.stream_unary
-
-            async def parsed(request_iterator):  # type: ignore[no-untyped-def]
-                async for request in request_iterator:
-                    if isinstance(request, Unparsed):
-                        raise InvalidArgument(f"request: not a {request.message} ({request.reason})",
-                                              field="request")
-                    yield request
 
             async def checked_pieces(request_iterator, context):  # type: ignore[no-untyped-def]
                 return await pieces(parsed(request_iterator), context)

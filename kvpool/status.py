@@ -116,10 +116,16 @@ def corrupt_chunks(exc: grpc.aio.AioRpcError) -> tuple[int, ...]:
     return ()
 
 
-async def abort(context: grpc.aio.ServicerContext, error: KvpoolError, method: str = "") -> None:
-    """End the call with the error's status, message and metadata (raises, as ``context.abort`` does)."""
+def rejected(error: KvpoolError, method: str = "") -> grpc.StatusCode:
+    """The status a call ends with for ``error``, logged (``request_rejected``)."""
     code = status_code(error)
     _log.info("request_rejected", method=method, code=code.name, reason=str(error), field=error.field)
+    return code
+
+
+async def abort(context: grpc.aio.ServicerContext, error: KvpoolError, method: str = "") -> None:
+    """End the call with the error's status, message and metadata (raises, as ``context.abort`` does)."""
+    code = rejected(error, method)
     await context.abort(code, str(error), trailing_metadata=error_metadata(error))
 
 

@@ -202,5 +202,14 @@ class RoleCheck(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
                                                         handler.response_serializer)
-        # no bidirectional methods of ours: refuse rather than pass unchecked
+        if handler.stream_stream is not None:  # the master's Session: checked once, before any message is read
+            both = handler.stream_stream
+
+            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                await check(None, context)
+                async for item in both(requests, context):
+                    yield item
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, handler.request_deserializer,
+                                                         handler.response_serializer)
         raise TypeError(f"{method}: RoleCheck has no wrapper for this kind of method")

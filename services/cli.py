@@ -201,6 +201,13 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return simulate(args)
 
 
+def _run_report(args: argparse.Namespace) -> int:
+    from kvpool.tools.report import main as report
+    from kvpool.tools.report_tables import TABLES
+
+    return report(args, TABLES)
+
+
 def _die_with_parent_if_asked() -> None:
     """SIGTERM when the process that started us goes (``kvpool up``'s children: no orphans)."""
     from kvpool.tools.cluster import PARENT_PID_ENV
@@ -227,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **dict.fromkeys(ROLES, _run_role), "up": _run_up, "generate": _run_generate, "chat": _run_chat,
         "health": _run_health, "certs": _run_certs,
         "pool": _run_pool, "bench": run_bench, "replay": _run_replay, "simulate": _run_simulate,
+        "report": _run_report,
     }
     try:
         return handlers[args.command](args)

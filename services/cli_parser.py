@@ -166,6 +166,12 @@ def _add_replay(sub: Any) -> None:
     add_replay_parser(sub)
 
 
+def _add_report(sub: Any) -> None:
+    from kvpool.tools.report import add_report_parser
+
+    add_report_parser(sub)
+
+
 def _add_simulate(sub: Any) -> None:
     from kvpool.tools.sim.cli import add_simulate_parser
 
@@ -176,7 +182,7 @@ def _add_simulate(sub: Any) -> None:
 _ADDERS: dict[str, Any] = {
     "up": _add_up, "generate": _add_clients, "chat": _add_clients, "health": _add_clients, "certs": _add_certs,
     "pool": _add_pool,
-    "bench": add_bench, "replay": _add_replay, "simulate": _add_simulate,
+    "bench": add_bench, "replay": _add_replay, "simulate": _add_simulate, "report": _add_report,
 }
 
 

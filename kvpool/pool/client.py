@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
 from kvpool import service
 from kvpool.core.pool.master_breaker import MasterBreaker
@@ -25,6 +26,7 @@ from kvpool.core.pool.paths import BytePath, SegmentAccess, byte_path
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.pool.endpoint_batches import move_by_endpoint
 from kvpool.pool.memory_moves import MemoryMove, move_by_memory
+from kvpool.pool.session_client import MasterSession
 from kvpool.pool.objects import (
     GroupLocation,
     LookupResult,
@@ -118,6 +120,8 @@ class PoolClient:
         options.append(("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS))
         self._channel = service.channel(master, options)
         self._stub = pool_pb2_grpc.PoolMasterStub(self._channel)
+        # lookups, releases and puts ride one stream (a unary call each costs the master several times more)
+        self.session = MasterSession(self._channel, self._stub)
         self._regions: list[tuple[int, int]] = []
         # a master known down is answered at once: lookups miss, puts are not stored
         self.breaker = MasterBreaker()
@@ -127,6 +131,7 @@ class PoolClient:
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
+        await self.session.close()
         await self._channel.close()
         await self.maps.close()
 
@@ -293,12 +298,14 @@ class PoolClient:
         item = pool_pb2.PutItem
         try:
             lease_id, corrupt = release if release is not None else (0, ())
-            started = await self._stub.PutStart(
+            started = await self.session.call(
+                "put_start",
                 pool_pb2.PutStartRequest(
                     client_host=self.host_name, tenant=tenant,
                     items=[item(key=k, group_id=g, group_size=n, size=size) for k, g, n, size in items],
                     release_lease_id=int(lease_id), release_corrupt_group_ids=list(corrupt),
                 ),
+                self._stub.PutStart,
                 # a probe does not wait for the channel; otherwise ride out a reconnect briefly
                 timeout=PROBE_TIMEOUT_S if probing else PUT_WAIT_S, wait_for_ready=not probing,
             )
@@ -350,10 +357,9 @@ class PoolClient:
         if not items:
             return True
         try:
-            await self._stub.PutEnd(
-                pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c) for k, c in items]),
-                timeout=RPC_TIMEOUT_S,
-            )
+            await self.session.call(
+                "put_end", pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c) for k, c in items]),
+                self._stub.PutEnd, timeout=RPC_TIMEOUT_S)
             return True
         except grpc.aio.AioRpcError as exc:
             # e.g. the master restarted or revoked our put after a timeout
@@ -366,7 +372,8 @@ class PoolClient:
         if not keys:
             return
         try:
-            await self._stub.PutRevoke(pool_pb2.PutRevokeRequest(keys=list(keys)), timeout=RPC_TIMEOUT_S)
+            await self.session.call("put_revoke", pool_pb2.PutRevokeRequest(keys=list(keys)), self._stub.PutRevoke,
+                                    timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             # the master's put timeout gives the space back anyway
             log.warning("pool_put_revoke_failed", code=exc.code().name, objects=len(keys))
@@ -385,12 +392,10 @@ class PoolClient:
         if not allowed:
             return LookupResult([], 0, 0)
         request = pool_pb2.LookupRequest(group_ids=list(group_ids), lease_ms=lease_ms, held_prefix=held_prefix,
-                                         packed=True)
+                                         packed=True, packed_bytes=True)
         try:
-            if probing:
-                response = await self._probe(self._stub.Lookup, request)
-            else:
-                response = await self._call(self._stub.Lookup, request)
+            response = await self._session("lookup", request, self._stub.Lookup,
+                                           PROBE_TIMEOUT_S if probing else RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from exc
@@ -402,8 +407,11 @@ class PoolClient:
         self._learn(response.segments)
         if response.HasField("packed"):
             try:
-                groups = packed_groups(response.packed, response.segments)
-            except ValueError as exc:  # never from a master of this version: a miss, its lease given back
+                packed = response.packed
+                if response.packed_bytes:  # a master that answers packed_bytes
+                    packed = pool_pb2.PackedGroups.FromString(response.packed_bytes)
+                groups = packed_groups(packed, response.segments)
+            except (ValueError, DecodeError) as exc:  # never from a master of this version: a miss, lease given back
                 log.warning("pool_lookup_malformed", error=str(exc))
                 await self.release(response.lease_id)
                 return LookupResult([], 0, 0)
@@ -444,7 +452,7 @@ class PoolClient:
             return
         request = pool_pb2.ReleaseLeaseRequest(lease_id=lease_id, corrupt_group_ids=list(corrupt_group_ids))
         try:
-            await self._call(self._stub.ReleaseLease, request)
+            await self._session("release_lease", request, self._stub.ReleaseLease, RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             # the lease expires on its own; a corrupt group is reported again by its next reader
             log.info("pool_release_failed", code=exc.code().name, corrupt_groups=len(corrupt_group_ids))
@@ -470,10 +478,11 @@ class PoolClient:
 
     # ---- internals ------------------------------------------------------
 
-    async def _probe(self, method, request):  # type: ignore[no-untyped-def]
-        """The one call to a master known down: a short deadline, no waiting for the channel."""
+    async def _session(self, kind: str, request: Any, unary: Any, timeout: float) -> Any:
+        """A call on the session stream (``unary``: its method, for a master without one); every answer tells
+        the breaker the master is there."""
         try:
-            response = await method(request, timeout=PROBE_TIMEOUT_S)
+            response = await self.session.call(kind, request, unary, timeout)
         except grpc.aio.AioRpcError as exc:
             self._outcome(exc)
             raise

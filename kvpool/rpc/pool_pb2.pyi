@@ -225,16 +225,18 @@ class PutRevokeResponse(_message.Message):
     def __init__(self, num_revoked: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("group_ids", "lease_ms", "held_prefix", "packed")
+    __slots__ = ("group_ids", "lease_ms", "held_prefix", "packed", "packed_bytes")
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     HELD_PREFIX_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_ms: int
     held_prefix: int
     packed: bool
-    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ..., held_prefix: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
+    packed_bytes: bool
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ..., held_prefix: _Optional[int] = ..., packed: _Optional[bool] = ..., packed_bytes: _Optional[bool] = ...) -> None: ...
 
 class ObjectLocation(_message.Message):
     __slots__ = ("key", "location", "checksum")
@@ -255,20 +257,22 @@ class GroupLocation(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[ObjectLocation, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_complete", "groups", "lease_id", "lease_ms", "segments", "packed")
+    __slots__ = ("num_complete", "groups", "lease_id", "lease_ms", "segments", "packed", "packed_bytes")
     NUM_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_complete: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupLocation]
     lease_id: int
     lease_ms: int
     segments: _containers.RepeatedCompositeFieldContainer[SegmentAccess]
     packed: PackedGroups
-    def __init__(self, num_complete: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ..., packed: _Optional[_Union[PackedGroups, _Mapping]] = ...) -> None: ...
+    packed_bytes: bytes
+    def __init__(self, num_complete: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ..., packed: _Optional[_Union[PackedGroups, _Mapping]] = ..., packed_bytes: _Optional[bytes] = ...) -> None: ...
 
 class PackedGroups(_message.Message):
     __slots__ = ("group_id", "num_members", "key", "segment", "address", "size", "checksum")
@@ -423,3 +427,49 @@ class StatsResponse(_message.Message):
     abandoned_groups: int
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ..., failed_groups: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., rejected_records: _Optional[int] = ..., abandoned_groups: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("call", "request_id", "parent_span", "sent", "detached", "lookup", "release_lease", "put_start", "put_end", "put_revoke")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SPAN_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
+    PUT_START_FIELD_NUMBER: _ClassVar[int]
+    PUT_END_FIELD_NUMBER: _ClassVar[int]
+    PUT_REVOKE_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    request_id: str
+    parent_span: str
+    sent: float
+    detached: bool
+    lookup: LookupRequest
+    release_lease: ReleaseLeaseRequest
+    put_start: PutStartRequest
+    put_end: PutEndRequest
+    put_revoke: PutRevokeRequest
+    def __init__(self, call: _Optional[int] = ..., request_id: _Optional[str] = ..., parent_span: _Optional[str] = ..., sent: _Optional[float] = ..., detached: _Optional[bool] = ..., lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseRequest, _Mapping]] = ..., put_start: _Optional[_Union[PutStartRequest, _Mapping]] = ..., put_end: _Optional[_Union[PutEndRequest, _Mapping]] = ..., put_revoke: _Optional[_Union[PutRevokeRequest, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("call", "code", "message", "field", "lookup", "release_lease", "put_start", "put_end", "put_revoke")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
+    PUT_START_FIELD_NUMBER: _ClassVar[int]
+    PUT_END_FIELD_NUMBER: _ClassVar[int]
+    PUT_REVOKE_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    code: int
+    message: str
+    field: str
+    lookup: LookupResponse
+    release_lease: ReleaseLeaseResponse
+    put_start: PutStartResponse
+    put_end: PutEndResponse
+    put_revoke: PutRevokeResponse
+    def __init__(self, call: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseResponse, _Mapping]] = ..., put_start: _Optional[_Union[PutStartResponse, _Mapping]] = ..., put_end: _Optional[_Union[PutEndResponse, _Mapping]] = ..., put_revoke: _Optional[_Union[PutRevokeResponse, _Mapping]] = ...) -> None: ...

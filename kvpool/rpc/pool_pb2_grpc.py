@@ -94,6 +94,11 @@ class PoolMasterStub:
                 request_serializer=kvpool_dot_rpc_dot_pool__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvpool_dot_rpc_dot_pool__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvpool.rpc.PoolMaster/Session',
+                request_serializer=kvpool_dot_rpc_dot_pool__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvpool_dot_rpc_dot_pool__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class PoolMasterServicer:
@@ -177,6 +182,16 @@ class PoolMasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """The hot calls (lookup, release, put start/end/revoke) as messages on one
+        long-lived stream per client: each answered in order, one answer per
+        message, an error answering only its own message. The same calls as the
+        unary methods, without a call's setup and teardown each time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PoolMasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -239,6 +254,11 @@ def add_PoolMasterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvpool_dot_rpc_dot_pool__pb2.StatsRequest.FromString,
                     response_serializer=kvpool_dot_rpc_dot_pool__pb2.StatsResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvpool_dot_rpc_dot_pool__pb2.SessionRequest.FromString,
+                    response_serializer=kvpool_dot_rpc_dot_pool__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -565,6 +585,33 @@ class PoolMaster:
             '/kvpool.rpc.PoolMaster/Stats',
             kvpool_dot_rpc_dot_pool__pb2.StatsRequest.SerializeToString,
             kvpool_dot_rpc_dot_pool__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvpool.rpc.PoolMaster/Session',
+            kvpool_dot_rpc_dot_pool__pb2.SessionRequest.SerializeToString,
+            kvpool_dot_rpc_dot_pool__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Any
 
+import grpc
 import structlog
 
-from kvpool.core.errors import InvalidArgument, ResourceExhausted
+from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
@@ -21,9 +25,10 @@ from kvpool.core.pool.records import (
 )
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
-from kvpool.request_id import current_request_id
+from kvpool import rpc_trace
+from kvpool.request_id import bound_request_id, current_request_id, is_sane, served
 from kvpool.request_record import RequestRecord
-from kvpool.status import status_errors
+from kvpool.status import rejected, status_errors
 from kvpool.services.master.metrics import MasterMetrics
 
 log = structlog.get_logger(__name__)
@@ -47,8 +52,12 @@ def name_ok(value: str) -> bool:
     return 0 < len(value) <= MAX_KEY_BYTES and (value.isascii() or len(value.encode()) <= MAX_KEY_BYTES)
 
 
-def check_names(values: Iterable[str], field_name: str, suffix: str = "") -> None:
-    """``check_name`` on every entry of a repeated field, naming the first bad one."""
+def check_names(values: Sequence[str], field_name: str, suffix: str = "") -> None:
+    """``check_name`` on every entry of a repeated field, naming the first bad one. All ASCII and of sane
+    lengths (nearly always) is decided in C, a whole field at once."""
+    if values and min(map(len, values)) > 0 and max(map(len, values)) <= MAX_KEY_BYTES and \
+            "".join(values).isascii():
+        return
     for i, value in enumerate(values):
         if not name_ok(value):
             check_name(value, f"{field_name}[{i}]{suffix}")
@@ -115,10 +124,10 @@ def add_accesses(field: Any, segments: Iterable[Segment]) -> None:
                   endpoint=segment.endpoint)
 
 
-def packed_group(group: Group, segments: dict[str, Segment]) -> tuple[bytes, tuple[Segment, ...]]:
+def packed_group(group: Group, segments: dict[str, Segment]) -> tuple[bytes, tuple[str, ...]]:
     """One complete group's part of a packed lookup answer (``PackedGroups``: packed repeated fields of
-    concatenated encodings merge in order), and the segments it names. Made once per group: the index
-    forgets it whenever a member changes (``Group.encoded``)."""
+    concatenated encodings merge in order), and the ids of the segments it names. Made once per group: the
+    index forgets it whenever a member changes (``Group.encoded``)."""
     members = list(group.members.values())
     named = {obj.segment_id: segments[obj.segment_id] for obj in members}
     message = pool_pb2.PackedGroups(
@@ -126,7 +135,12 @@ def packed_group(group: Group, segments: dict[str, Segment]) -> tuple[bytes, tup
         segment=[named[obj.segment_id].number for obj in members],
         address=[named[obj.segment_id].base_address + obj.offset for obj in members],
         size=[obj.size for obj in members], checksum=[obj.checksum for obj in members])
-    return message.SerializeToString(), tuple(named.values())
+    return message.SerializeToString(), tuple(named)
+
+
+_ENCODED = attrgetter("encoded")
+_FIRST = itemgetter(0)
+_SECOND = itemgetter(1)
 
 
 class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
@@ -138,6 +152,57 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.metrics = metrics
         self.record = RequestRecord("master")  # each pool operation, with its request id (simulate --validate)
+        self.trace = rpc_trace.message_trace()  # a line per Session message, when tracing
+        # a Session message's body: the call that answers it, and the unary method it stands for
+        self.session_calls = {
+            "lookup": (self.lookup, "Lookup"), "release_lease": (self.release_lease, "ReleaseLease"),
+            "put_start": (self.put_start, "PutStart"), "put_end": (self.put_end, "PutEnd"),
+            "put_revoke": (self.put_revoke, "PutRevoke"),
+        }
+
+    # ---- the session stream ------------------------------------------------
+
+    async def Session(self, requests: AsyncIterator[pool_pb2.SessionRequest],
+                      context: Any) -> AsyncIterator[pool_pb2.SessionResponse]:
+        """Each message answered in order, as its unary method would answer it; an error ends only its own
+        call (``SessionResponse.code``), never the stream."""
+        async for message in requests:
+            yield self.session_answer(message)
+
+    def session_answer(self, message: pool_pb2.SessionRequest) -> pool_pb2.SessionResponse:
+        answer = pool_pb2.SessionResponse(call=message.call)
+        kind = message.WhichOneof("body")
+        if kind is None:
+            error = InvalidArgument("body: names no call (lookup, release_lease, put_start, put_end or put_revoke)",
+                                    field="body")
+            answer.code, answer.message, answer.field = rejected(error, "Session").value[0], str(error), "body"
+            return answer
+        call, name = self.session_calls[kind]
+        request_id = message.request_id if message.request_id and is_sane(message.request_id) else ""
+        started = time.time()
+        try:
+            if request_id:  # as a unary call's interceptor does: the id bound, and one access-log line
+                with bound_request_id(request_id), served(f"/kvpool.rpc.PoolMaster/{name}"):
+                    self._answer(answer, kind, call, getattr(message, kind))
+            else:
+                self._answer(answer, kind, call, getattr(message, kind))
+        except KvpoolError as exc:
+            answer.code, answer.message, answer.field = rejected(exc, name).value[0], str(exc), exc.field
+        except Exception:  # a bug: this call fails as a unary one would (UNKNOWN); the stream goes on
+            log.exception("session_call_failed", method=name)
+            answer.code, answer.message = grpc.StatusCode.UNKNOWN.value[0], f"{name}: internal error"
+        if self.trace is not None and request_id:
+            self.trace.write(request_id, f"/kvpool.rpc.PoolMaster/{name}", message.parent_span, message.sent,
+                             message.detached, started)
+        return answer
+
+    @staticmethod
+    def _answer(answer: pool_pb2.SessionResponse, kind: str, call: Any, request: Any) -> None:
+        if kind == "lookup":  # the largest answer: filled in place, not copied
+            call(request, answer.lookup)
+            answer.lookup.SetInParent()  # present though every field is zero (nothing found)
+        else:
+            getattr(answer, kind).CopyFrom(call(request))
 
     # ---- segments -------------------------------------------------------
 
@@ -202,6 +267,9 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def PutStart(self, request: pool_pb2.PutStartRequest, context: Any) -> pool_pb2.PutStartResponse:
+        return self.put_start(request)
+
+    def put_start(self, request: pool_pb2.PutStartRequest) -> pool_pb2.PutStartResponse:
         check_batch(len(request.items), "items")
         tenant = check_tenant(request.tenant, "tenant")
         items = []
@@ -251,6 +319,9 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def PutEnd(self, request: pool_pb2.PutEndRequest, context: Any) -> pool_pb2.PutEndResponse:
+        return self.put_end(request)
+
+    def put_end(self, request: pool_pb2.PutEndRequest) -> pool_pb2.PutEndResponse:
         check_batch(len(request.items), "items")
         commits = [(item.key, item.checksum) for item in request.items]
         check_names([key for key, _ in commits], "items", ".key")
@@ -261,6 +332,9 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def PutRevoke(self, request: pool_pb2.PutRevokeRequest, context: Any) -> pool_pb2.PutRevokeResponse:
+        return self.put_revoke(request)
+
+    def put_revoke(self, request: pool_pb2.PutRevokeRequest) -> pool_pb2.PutRevokeResponse:
         check_batch(len(request.keys), "keys")
         check_names(request.keys, "keys")
         revoked = self.index.put_revoke(request.keys)
@@ -271,6 +345,11 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def Lookup(self, request: pool_pb2.LookupRequest, context: Any) -> pool_pb2.LookupResponse:
+        return self.lookup(request)
+
+    def lookup(self, request: pool_pb2.LookupRequest,
+               response: pool_pb2.LookupResponse | None = None) -> pool_pb2.LookupResponse:
+        """``response``: a message to fill (a session's answer), else a new one."""
         group_ids = request.group_ids
         check_batch(len(group_ids), "group_ids")
         check_names(group_ids, "group_ids")
@@ -283,32 +362,34 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         log.debug("pool_op", op="lookup", groups=len(group_ids), complete=result.num_found, lease_id=result.lease_id)
         self.record.write("pool_op", current_request_id(), op="lookup", groups=len(group_ids),
                           complete=result.num_found)
-        response = pool_pb2.LookupResponse(
-            num_complete=result.num_found, lease_id=result.lease_id, lease_ms=round(result.lease_s * 1000)
-        )
+        if response is None:
+            response = pool_pb2.LookupResponse()
+        response.num_complete, response.lease_id = result.num_found, result.lease_id
+        response.lease_ms = round(result.lease_s * 1000)
         if request.packed:
-            add_accesses(response.segments, self._packed(response, result.groups))
+            add_accesses(response.segments, self._packed(response, result.groups, request.packed_bytes))
         else:
             add_accesses(response.segments, self._groups(response, result.groups))
         self.metrics.observe_lookup(len(group_ids), result.num_found)
         return response
 
-    def _packed(self, response: pool_pb2.LookupResponse, groups: list[Group]) -> Iterable[Segment]:
-        """The located groups as ``PackedGroups``: each group's encoding made once, joined, parsed in C."""
+    def _packed(self, response: pool_pb2.LookupResponse, groups: list[Group], as_bytes: bool) -> Iterable[Segment]:
+        """The located groups as ``PackedGroups``: each group's encoding made once and joined, as bytes
+        (``as_bytes``: never parsed here) or parsed in C into ``packed``."""
         segments = self.index.segments
-        parts = []
-        named: dict[str, Segment] = {}
-        for group in groups:
-            encoded = group.encoded
-            if encoded is None:
-                encoded = group.encoded = packed_group(group, segments)
-            parts.append(encoded[0])
-            for segment in encoded[1]:
-                named[segment.segment_id] = segment
+        encodings = list(map(_ENCODED, groups))
+        if None in encodings:  # (by identity first: a tuple never equals None) groups no lookup found yet
+            for i, group in enumerate(groups):
+                if encodings[i] is None:
+                    encodings[i] = group.encoded = packed_group(group, segments)
         response.packed.SetInParent()  # present even when empty: this master answered in the packed form
-        if parts:
-            response.packed.MergeFromString(b"".join(parts))
-        return named.values()
+        if encodings:
+            joined = b"".join(map(_FIRST, encodings))
+            if as_bytes:
+                response.packed_bytes = joined
+            else:
+                response.packed.MergeFromString(joined)
+        return [segments[s] for s in sorted(set(chain.from_iterable(map(_SECOND, encodings))))]
 
     def _groups(self, response: pool_pb2.LookupResponse, groups: list[Group]) -> Iterable[Segment]:
         """The located groups, one message per object (a client that did not ask for ``packed``)."""
@@ -328,6 +409,9 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def ReleaseLease(self, request: pool_pb2.ReleaseLeaseRequest, context: Any) -> pool_pb2.ReleaseLeaseResponse:
+        return self.release_lease(request)
+
+    def release_lease(self, request: pool_pb2.ReleaseLeaseRequest) -> pool_pb2.ReleaseLeaseResponse:
         check_corrupt(request.corrupt_group_ids, "corrupt_group_ids")
         return pool_pb2.ReleaseLeaseResponse(released=self._release(request.lease_id, request.corrupt_group_ids))
 

@@ -105,6 +105,27 @@ async def test_roles_gate_admin_calls_and_a_store_unmounts_only_its_own(cluster:
     assert len(stats.segments) == 2
 
 
+async def test_only_a_prefill_stage_or_the_master_opens_a_pool_session(cluster: Cluster) -> None:
+    """The master's Session carries lookups and puts: another role is refused before any message is read, and
+    a prefill certificate's session is answered."""
+    ca = access(cluster).ca
+    assert ca is not None
+    master = address(cluster, "master")
+    lookup = pool_pb2.SessionRequest(call=1, lookup=pool_pb2.LookupRequest(group_ids=["nothing-here"]))
+    for role in ("decode", "router", "client", "store/up-store0"):
+        async with secure(master, ca.issue(role, f"s-{role.replace('/', '-')}"), ca.ca_path) as channel:
+            session = pool_pb2_grpc.PoolMasterStub(channel).Session(timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await session.write(lookup)
+                await session.read()
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, (role, info.value.details())
+    async with secure(master, ca.issue("prefill", "s-prefill"), ca.ca_path) as channel:
+        session = pool_pb2_grpc.PoolMasterStub(channel).Session(timeout=10)
+        await session.write(lookup)
+        answer = await session.read()
+    assert (answer.call, answer.code, answer.lookup.num_complete) == (1, 0, 0) and answer.HasField("lookup")
+
+
 async def test_only_the_router_and_decode_call_prefill_and_clients_call_generate(cluster: Cluster) -> None:
     ca = access(cluster).ca
     assert ca is not None and access(cluster).client is not None

@@ -71,6 +71,13 @@ def test_the_packed_answer_holds_exactly_the_locations_of_the_per_object_one() -
     assert list(p.address) == [index.segments[o.segment_id].base_address + o.offset for o in objects]
     assert {s.segment_id: s.endpoint for s in packed.segments} == {"seg0": "127.0.0.1:9000", "seg1": "127.0.0.1:9001"}
     assert packed_groups(packed.packed, packed.segments) == unpacked(legacy)
+    # as bytes: the same PackedGroups, serialized, and packed present but empty
+    raw = lookup(service, ["a", "b", "c"], packed=True, packed_bytes=True)
+    assert raw.HasField("packed") and raw.packed == pool_pb2.PackedGroups()
+    assert pool_pb2.PackedGroups.FromString(raw.packed_bytes) == packed.packed
+    assert list(raw.segments) == list(packed.segments) and raw.num_complete == 3
+    none = lookup(service, ["missing"], packed=True, packed_bytes=True)
+    assert none.HasField("packed") and none.packed_bytes == b"" and none.num_complete == 0
 
 
 def test_a_held_prefix_is_neither_leased_nor_located_in_either_form() -> None:

@@ -5,7 +5,9 @@ Pure. Two kinds, each applied in exactly one place per hop:
 - **A call that did not reach its answer** (UNAVAILABLE: the peer was restarting, the connection
   was new and the host loaded) is tried again by gRPC itself, for the idempotent calls only
   (``IDEMPOTENT``): ``GRPC_RETRY`` is the channels' service config (``kvpool.service.channel``).
-  Nothing else resends a call by hand.
+  The same calls made as messages on the master's session stream (``kvpool.pool.session_client``) are sent
+  again on a new stream when theirs broke before answering, at most ``GRPC_RETRY``'s attempts in all
+  (``session_attempts``). Nothing else resends a call by hand.
 - **A request that failed part-way** goes somewhere else, decided here and applied by the one
   service that owns that hop:
 
@@ -68,6 +70,21 @@ GRPC_RETRY = {
     "backoffMultiplier": 2,
     "retryableStatusCodes": ["UNAVAILABLE"],
 }
+
+
+def session_attempts(kind: str) -> int:
+    """How many times a call on the master's session stream (a ``SessionRequest.body`` kind) may be sent, as
+    gRPC would try its unary method."""
+    method = "".join(part.title() for part in kind.split("_"))
+    attempts = int(GRPC_RETRY["maxAttempts"])  # type: ignore[call-overload]
+    return attempts if method in IDEMPOTENT["kvpool.rpc.PoolMaster"] else 1
+
+
+def session_backoff_s(attempt: int) -> float:
+    """The wait before sending a session call the ``attempt``-th time (2, 3, ...), as ``GRPC_RETRY`` waits."""
+    return min(0.5, 0.1 * 2 ** (attempt - 2))
+
+
 MAX_REPLANS = 1  # stage 0 plans a request again once, then it fails
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from kvpool.core.pool.records import Group, StoredObject
 
@@ -51,10 +52,10 @@ class GroupTable:
         (a lookup touches a whole history)."""
         if not found:
             return
-        ids = [g.group_id for g in reversed(found)]
+        ids = list(map(_GROUP_ID, reversed(found)))
         deque(map(self.groups.move_to_end, ids), maxlen=0)
         tenant = found[0].tenant
-        if all(g.tenant == tenant for g in found):
+        if found[-1].tenant == tenant and len(set(map(_TENANT, found))) == 1:
             deque(map(self.by_tenant[tenant].move_to_end, ids), maxlen=0)
             return
         by_tenant = self.by_tenant
@@ -89,3 +90,5 @@ class GroupTable:
 
 
 _EMPTY: OrderedDict[str, Group] = OrderedDict()
+_GROUP_ID = attrgetter("group_id")
+_TENANT = attrgetter("tenant")

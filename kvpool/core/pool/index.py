@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from itertools import repeat
+from operator import attrgetter, eq, is_
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvpool.core.pool.corrupt import condemn, droppable
@@ -58,6 +60,33 @@ from kvpool.core.pool.records import (
 from kvpool.core.pool.segments import SegmentTable
 from kvpool.core.pool.settings import IndexSettings
 from kvpool.core.tenancy.shares import TenantShares
+
+
+def leading_usable(groups: list[Group | None]) -> list[Group]:
+    """The leading groups that are there, complete and not corrupt (a lookup's found run). The tests run in C,
+    a whole history at a time: one Python step per group is most of a long lookup's cost. (By identity:
+    ``None in groups`` would compare with each group's Python ``__eq__``.)"""
+    missing = list(map(is_, groups, repeat(None)))
+    found: list[Group] = groups[:missing.index(True)] if True in missing else groups  # type: ignore[assignment]
+    complete = list(map(eq, map(_COMMITTED, found), map(_SIZE, found)))
+    if False in complete:
+        found = found[:complete.index(False)]
+    corrupt = list(map(_CORRUPT, found))
+    return found[:corrupt.index(True)] if True in corrupt else found
+
+
+def still_usable(groups: list[Group], live: dict[str, Group]) -> list[Group]:
+    """Those of ``groups`` the index still holds (not dropped, nor replaced by a new group of the same id)
+    and that are not corrupt, in order; in C when all are (a release, nearly always)."""
+    if all(map(is_, map(live.get, map(_GROUP_ID, groups)), groups)) and not any(map(_CORRUPT, groups)):
+        return groups
+    return [g for g in groups if live.get(g.group_id) is g and not g.corrupt]
+
+
+_GROUP_ID = attrgetter("group_id")
+_COMMITTED = attrgetter("num_committed")
+_SIZE = attrgetter("size")
+_CORRUPT = attrgetter("corrupt")
 
 
 class PoolIndex:
@@ -116,13 +145,7 @@ class PoolIndex:
         touches them again with the leased ones, as if they were leased.
         """
         self.expire_leases()
-        found: list[Group] = []
-        get = self.groups.get
-        for group_id in group_ids:
-            group = get(group_id)
-            if group is None or group.num_committed != group.size or group.corrupt:
-                break
-            found.append(group)
+        found = leading_usable(list(map(self.groups.get, group_ids)))
         if not found:
             return LookupResult([], 0, 0.0)
         duration = self.settings.lease_s if lease_s is None else lease_s
@@ -145,9 +168,7 @@ class PoolIndex:
         if corrupt_group_ids:
             condemn(groups, self.groups, corrupt_group_ids)
         # in prefix order, the held prefix first, as the lookup found them
-        live = self.groups
-        self.group_table.touch_groups([g for g in (held + groups if held else groups)
-                                       if live.get(g.group_id) is g and not g.corrupt])
+        self.group_table.touch_groups(still_usable(held + groups if held else groups, self.groups))
         self._drop_corrupt(groups)  # this lease's or an earlier reader's condemned groups no lease holds now
         return True
 

@@ -44,6 +44,7 @@ POLICY: dict[str, frozenset[str]] = {
     _POOL + "Lookup": _POOL_DATA,
     _POOL + "ReleaseLease": _POOL_DATA,
     _POOL + "Exists": _POOL_DATA,
+    _POOL + "Session": _POOL_DATA,  # lookups, releases and puts as messages on one stream
     # a decode shard's Serve prefills into its own region; the router still may (an older shard's Reserve)
     "/kvpool.rpc.Prefill/Prefill": frozenset({"decode", "router"}),
     "/kvpool.rpc.Prefill/Prefetch": _ROUTER,  # session hints at a turn's end

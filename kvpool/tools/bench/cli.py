@@ -115,8 +115,8 @@ def add_bench(sub: Any) -> None:
         description="Starts a master and two stores, populates the pool through real PutStart/PutEnd calls to "
         "10^5 and 10^6 objects at the high watermark, then measures the master's CPU (from /proc) per lookup of "
         "a 450-chunk history with its release, per save of 22 chunks over 4 stages and per typical turn, each in "
-        "the call pattern before issue 39 (legacy) and today's side by side; then lookups, saves and turns a "
-        "second with several client processes at once while saves evict (churn). No byte moves: the master "
+        "the older call pattern (legacy: unary calls, every group located, a put pair per stage) and today's "
+        "(session messages) side by side; then lookups, saves and turns a second with several client processes at once while saves evict (churn). No byte moves: the master "
         "only sees control messages.",
     )
     add_report_flags(master, quick="10^4 and 10^5 objects, shorter phases")

@@ -17,7 +17,8 @@ For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
    (``/proc/PID/stat``, user + system) over the calls, divided by their count.
    Every save lands at the watermark, so each evicts (the churn is in its cost).
    Each is measured in two forms side by side, the call pattern of the code
-   before this bench (``*_legacy``) and today's:
+   before this bench (``*_legacy``: unary calls) and today's (messages on the
+   client's ``Session`` stream, ``kvpool.pool.session_client``):
    - ``lookup_cpu_ms``: a lookup of one ``HISTORY_CHUNKS``-group history that
      hits, with its release; legacy answers one message per object, today's
      packed arrays (``LookupRequest.packed``);
@@ -28,8 +29,10 @@ For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
      the device-held prefix only counted and touched, ``held_prefix``), its
      release (today's: in the save's ``PutStart``), and the save of the turn's
      new chunks.
-   ``call_floor_cpu_ms`` is the cheapest call's (one key's ``Exists``): what
-   gRPC itself costs the master per unary call, whatever the call does.
+   ``call_floor_cpu_ms`` is the cheapest unary call's (one key's ``Exists``):
+   what gRPC itself costs the master per unary call, whatever the call does;
+   ``session_floor_cpu_ms`` the cheapest session message's (the release of a
+   lease that is not there).
    Before each measurement the bench waits until the stores have
    acknowledged every change (heartbeats carry the master's journal to
    them), so one phase's work does not land in the next one's CPU.
@@ -71,7 +74,7 @@ NAMESPACE = "bench-master-0123456789abcdef"
 HIGH_WATERMARK = 0.90
 LEASE_MS = 5000
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-# targets (issue 39), each at 10^6 objects with churn
+# the targets, each at 10^6 objects with churn
 TARGETS = {"lookup_cpu_ms": 0.5, "save_cpu_ms": 0.5, "turn_cpu_ms": 1.5}
 
 
@@ -124,11 +127,13 @@ class Calls:
 
     def __init__(self, master: str) -> None:
         from kvpool import service
+        from kvpool.pool.session_client import MasterSession
         from kvpool.rpc import pool_pb2, pool_pb2_grpc
 
         self.pb = pool_pb2
         self.channel = service.channel(master)
         self.stub = pool_pb2_grpc.PoolMasterStub(self.channel)
+        self.session = MasterSession(self.channel, self.stub)  # today's calls: messages on one stream
         self.hits = 0
         self.lookups = 0
 
@@ -136,19 +141,27 @@ class Calls:
         """Put every stage's object of ``groups``: one pair for all, its start ending the lease ``release``
         (today), or one pair per stage (legacy, the stages at once). Returns the objects committed."""
         if not legacy:
-            return await self._put([k for g in groups for k in keys_of(g)], groups, release)
-        done = await asyncio.gather(*(self._put([f"{g}/{stage}" for g in groups], groups) for stage in range(STAGES)))
+            return await self._put([k for g in groups for k in keys_of(g)], release)
+        done = await asyncio.gather(*(self._put([f"{g}/{stage}" for g in groups], legacy=True)
+                                      for stage in range(STAGES)))
         return sum(done)
 
-    async def _put(self, keys: list[str], groups: list[str], release: int = 0) -> int:
+    async def _call(self, kind: str, unary: Any, request: Any, legacy: bool) -> Any:
+        """A unary call (legacy) or the same call as a message on the session stream (today's)."""
+        if legacy:
+            return await unary(request, timeout=30)
+        return await self.session.call(kind, request, unary, timeout=30)
+
+    async def _put(self, keys: list[str], release: int = 0, legacy: bool = False) -> int:
         pb = self.pb
         items = [pb.PutItem(key=k, group_id=k.rsplit("/", 1)[0], group_size=STAGES, size=OBJECT_BYTES) for k in keys]
-        started = await self.stub.PutStart(pb.PutStartRequest(client_host="bench", items=items,
-                                                              release_lease_id=release), timeout=30)
+        started = await self._call("put_start", self.stub.PutStart,
+                                   pb.PutStartRequest(client_host="bench", items=items, release_lease_id=release),
+                                   legacy)
         commits = [pb.PutCommit(key=k, checksum=i + 1) for i, (k, r) in enumerate(zip(keys, started.results))
                    if r.status == pb.PUT_STATUS_RESERVED]
         if commits:
-            await self.stub.PutEnd(pb.PutEndRequest(items=commits), timeout=30)
+            await self._call("put_end", self.stub.PutEnd, pb.PutEndRequest(items=commits), legacy)
         return len(commits)
 
     async def lookup(self, groups: list[str], held: int, legacy: bool, release: bool = True) -> tuple[float, int]:
@@ -156,14 +169,16 @@ class Calls:
         left to release (0 when released or none)."""
         pb = self.pb
         request = (pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS) if legacy else
-                   pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS, held_prefix=held, packed=True))
+                   pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS, held_prefix=held, packed=True,
+                                     packed_bytes=True))
         t0 = time.perf_counter()
-        response = await self.stub.Lookup(request, timeout=30)
+        response = await self._call("lookup", self.stub.Lookup, request, legacy)
         took = time.perf_counter() - t0
         self.lookups += 1
         self.hits += response.num_complete == len(groups)
         if response.lease_id and release:
-            await self.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=response.lease_id), timeout=30)
+            await self._call("release_lease", self.stub.ReleaseLease,
+                             pb.ReleaseLeaseRequest(lease_id=response.lease_id), legacy)
             return took, 0
         return took, response.lease_id
 
@@ -171,7 +186,13 @@ class Calls:
         """The cheapest call: one key's ``Exists`` (what any unary call costs the master)."""
         await self.stub.Exists(self.pb.ExistsRequest(keys=[f"{NAMESPACE}/floor/0"]), timeout=30)
 
+    async def session_floor(self) -> None:
+        """The cheapest session message: the release of a lease that is not there."""
+        await self.session.call("release_lease", self.pb.ReleaseLeaseRequest(lease_id=1 << 62),
+                                self.stub.ReleaseLease, timeout=30)
+
     async def close(self) -> None:
+        await self.session.close()
         await self.channel.close()
 
 
@@ -220,6 +241,8 @@ async def _ops(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
     while done < most and time.perf_counter() < deadline and not (stop_file and os.path.exists(stop_file)):
         if op == "floor":
             await calls.floor()
+        elif op == "session_floor":
+            await calls.session_floor()
         lease = 0
         if op in ("lookup", "turn"):
             history = histories[done % len(histories)]
@@ -382,6 +405,7 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
         report: dict[str, Any] = {"objects": objects, **run.populate(objects)}
         newest = list(range(report["histories"]))[-max(1, min(64, report["histories"] // 2)):]
         report["call_floor_cpu_ms"] = run.cost("floor", False, newest)["cpu_ms"]
+        report["session_floor_cpu_ms"] = run.cost("session_floor", False, newest)["cpu_ms"]
         for op in ("lookup", "save", "turn"):
             for legacy in (True, False):
                 key = f"{op}_cpu_ms" + ("_legacy" if legacy else "")
@@ -420,8 +444,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as tmp:
         for objects in scales:
-            report[f"at_{objects}"] = measure(objects, args, Path(tmp) / str(objects))
-    largest = report[f"at_{max(scales)}"]
+            report.setdefault("scales", []).append(measure(objects, args, Path(tmp) / str(objects)))
+    largest = max(report["scales"], key=lambda at: at["objects"])
     report["targets"] = {key: {"at": max(scales), "value": largest[key], "target": limit,
                                "met": largest[key] <= limit} for key, limit in TARGETS.items()}
     return report
@@ -430,12 +454,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"kvpool bench master: {report['stages']} stages, histories of {report['history_chunks']} chunks, "
              f"{report['clients']} clients, {report['cpus']} CPUs"]
-    for key, value in report.items():
-        if not key.startswith("at_"):
-            continue
+    for value in report["scales"]:
         lines.append(f"{value['objects']:,} objects ({value['resident_objects']:,} resident, "
                      f"{value['index_bytes_per_object']} B each in the master); the cheapest call costs the "
-                     f"master {value['call_floor_cpu_ms']} ms:")
+                     f"master {value['call_floor_cpu_ms']} ms, a session message "
+                     f"{value['session_floor_cpu_ms']} ms:")
         for op in ("lookup", "save", "turn"):
             lines.append(f"  {op}_cpu_ms {value[f'{op}_cpu_ms']} (legacy {value[f'{op}_cpu_ms_legacy']})")
         lines.append(f"  lookups/s {value['lookups_per_s']} (p50 {value['lookup_ms_p50']} ms, p99 "

@@ -200,7 +200,7 @@ def _pair_ratios(pairs: list[dict[str, dict[str, Any]]], base: str = "after_pref
 
 
 def check(cases: dict[str, Any]) -> dict[str, bool]:
-    """The issue's targets, each by name."""
+    """The targets, each by name."""
     out: dict[str, bool] = {"errors_zero": cases.get("errors") == 0}
     identical, _, compared = str(cases.get("greedy_identical", "0/0")).partition("/")
     if int(compared):

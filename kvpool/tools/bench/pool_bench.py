@@ -76,7 +76,7 @@ WORKING_SET_L3 = 4
 QUICK_WORKING_SET_L3 = 2
 CACHE_ROOT = Path("/sys/devices/system/cpu/cpu0/cache")
 UNKNOWN_CACHE_BYTES = 64 << 20  # a host that does not say: a large L3 of today
-# what issue 36 asks of the same-host path, reported next to what was measured
+# the targets for the same-host path, reported next to what was measured
 TARGETS = {"same_host_get_vs_mooncake": 2.5, "same_host_put_vs_mooncake": 2.5, "same_host_get_vs_memcpy": 0.4}
 CHURN_SEGMENT = 16 << 20
 CHURN_OBJECT = 256 << 10
@@ -426,7 +426,7 @@ def summarize(report: dict[str, Any], largest_batch: int) -> dict[str, Any]:
 
 def same_host_summary(report: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     """The same-host keys: our default path (warm and first touch) next to the engine path, upstream and memcpy,
-    the ratios issue 36 sets targets for, and whether each was met in this run."""
+    the ratios with targets, and whether each was met in this run."""
     put_first, get_first = report["same_host_first_touch_put"], report["same_host_first_touch_get"]
     engine, memcpy = report["engine_only"], report["memcpy"]
     figures = {

@@ -73,7 +73,7 @@ class PoolRestore:
         self.blocks = blocks
         self.namespace = runner.namespace
         self.num_stages = runner.settings.num_stages
-        # lease releases in flight: off the request's path (issue 37), kept so none is dropped unawaited
+        # lease releases in flight: off the request's path, kept so none is dropped unawaited
         self._releases: set[asyncio.Task[None]] = set()
 
     async def lookup(self, request: PrefillRequest, candidates: Sequence[ChunkHash], report: RestoreReport,

@@ -1,0 +1,232 @@
+"""The master's ``Session`` stream, through a real gRPC server (the master's servicer, every interceptor a
+service has) and the pool client: the same answers as the unary calls, one stream for many calls, an error
+ending only its own call, the request id and trace carried per message, a master without ``Session``, a
+stream that breaks and one that does not answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvpool import service
+from kvpool.core.pool.records import PutRequestItem
+from kvpool.pool.client import PoolClient
+from kvpool.request_id import bound_request_id
+from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from kvpool.rpc_trace import TRACE_ENV
+from kvpool.services.master.metrics import MasterMetrics
+from kvpool.services.master.servicer import PoolMasterServicer
+from tests.core.fixtures import KB, make_index
+
+
+def filled(groups: int = 6) -> PoolMasterServicer:
+    index, _ = make_index(segment_bytes=1024 * KB, segments=2)
+    for g in range(groups):
+        items = [PutRequestItem(f"g{g}/{stage}", f"g{g}", 4, KB) for stage in range(4)]
+        index.put_start("host0", items)
+        index.put_end([(item.key, 100 * g + i + 1) for i, item in enumerate(items)])
+    return PoolMasterServicer(index, "test", 1.0, MasterMetrics(CollectorRegistry()))
+
+
+async def serving(servicer: PoolMasterServicer, port: int = 0) -> service.ServerHandle:
+    return await service.create_server("127.0.0.1", port,
+                                       lambda s: pool_pb2_grpc.add_PoolMasterServicer_to_server(servicer, s),
+                                       service_names=["kvpool.rpc.PoolMaster"])
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(body())
+
+
+def test_session_answers_as_the_unary_calls_do_on_one_stream() -> None:
+    async def body() -> None:
+        servicer = filled()
+        handle = await serving(servicer)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        stub = pool_pb2_grpc.PoolMasterStub(client._channel)
+        try:
+            ids = [f"g{g}" for g in range(6)] + ["missing"]
+            found = await client.lookup(ids, lease_ms=5000, held_prefix=2)
+            unary = await stub.Lookup(pool_pb2.LookupRequest(group_ids=ids, lease_ms=5000, held_prefix=2,
+                                                             packed=True))
+            assert (found.num_complete, found.first) == (6, 2) == (unary.num_complete, 2)
+            assert [g.group_id for g in found.groups] == list(unary.packed.group_id) == ["g2", "g3", "g4", "g5"]
+            assert found.groups[0].members["g2/1"].checksum == 202
+            assert found.lease_id and found.lease_id != unary.lease_id
+            await client.release(found.lease_id)
+            released = await stub.ReleaseLease(pool_pb2.ReleaseLeaseRequest(lease_id=found.lease_id))
+            assert not released.released  # the session's release ended it already
+            assert servicer.index.num_leases == 1  # the unary lookup's lease alone
+
+            # a put: reserve, commit, and a revoke of what was not written
+            reserved = await client.reserve([("n/0", "n", 1, KB), ("r/0", "r", 1, KB), ("g0/0", "g0", 4, KB)])
+            assert [type(r).__name__ for r in reserved] == ["ObjectLocation", "ObjectLocation", "PutResult"]
+            assert await client.commit([("n/0", 7)])
+            await client.revoke(["r/0"])
+            assert servicer.index.objects["n/0"].committed and "r/0" not in servicer.index.objects
+
+            # calls at once share the stream, each answered its own
+            many = await asyncio.gather(*(client.lookup([f"g{g}"], lease_ms=5000) for g in range(6)))
+            assert [r.groups[0].group_id for r in many] == [f"g{g}" for g in range(6)]
+            assert len({r.lease_id for r in many}) == 6
+            await asyncio.gather(*(client.release(r.lease_id) for r in many))
+            assert client.session.opened == 1 and not client.session.unsupported
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
+
+
+def test_an_error_answers_only_its_own_call_and_names_the_field() -> None:
+    async def body() -> None:
+        handle = await serving(filled())
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        try:
+            with pytest.raises(ValueError, match=r"group_ids\[1\]"):
+                await client.lookup(["g0", ""], lease_ms=5000)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.session.call("put_end", pool_pb2.PutEndRequest(), client._stub.PutEnd, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "items" in refused.value.details()
+            assert (await client.lookup(["g0"])).num_complete == 1  # the stream went on
+            assert client.session.opened == 1
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
+
+
+def test_a_message_without_a_call_or_that_does_not_parse_is_refused() -> None:
+    async def body() -> None:
+        handle = await serving(filled())
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+        try:
+            session = pool_pb2_grpc.PoolMasterStub(channel).Session()
+            await session.write(pool_pb2.SessionRequest(call=5))
+            answer = await session.read()
+            assert (answer.call, answer.code, answer.field) == (5, grpc.StatusCode.INVALID_ARGUMENT.value[0], "body")
+            await session.write(pool_pb2.SessionRequest(call=6, lookup=pool_pb2.LookupRequest(group_ids=["g1"])))
+            assert (await session.read()).lookup.num_complete == 1
+            await session.done_writing()
+            assert await session.read() is grpc.aio.EOF
+
+            raw = channel.stream_stream("/kvpool.rpc.PoolMaster/Session", request_serializer=lambda b: b,
+                                        response_deserializer=pool_pb2.SessionResponse.FromString)()
+            await raw.write(b"\xff\xff\xff")  # not a SessionRequest
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await raw.read()
+            assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "request: not a kvpool.rpc.SessionRequest" in ended.value.details()
+        finally:
+            await channel.close()
+            await handle.server.stop(None)
+    run(body)
+
+
+def test_each_message_carries_its_request_id_into_the_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(TRACE_ENV, str(trace))
+
+    async def body() -> None:
+        servicer = filled()
+        handle = await serving(servicer)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        try:
+            with bound_request_id("req-one"):
+                found = await client.lookup(["g0", "g1"], lease_ms=5000)
+            with bound_request_id("req-two"):
+                await client.release(found.lease_id)
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [(x["request_id"], x["method"], x["kind"]) for x in lines] == [
+        ("req-one", "/kvpool.rpc.PoolMaster/Lookup", "session"),
+        ("req-two", "/kvpool.rpc.PoolMaster/ReleaseLease", "session")]
+    assert all(x["messages_in"] == x["messages_out"] == 1 and len(x["answers"]) == 1 for x in lines)
+    assert all(x["sent"] <= x["start"] <= x["end"] for x in lines)
+
+
+class OldMaster(PoolMasterServicer):
+    """A master from before ``Session``: the generated base answers UNIMPLEMENTED."""
+
+    Session = pool_pb2_grpc.PoolMasterServicer.Session  # type: ignore[assignment]
+
+
+def test_a_master_without_session_is_called_by_its_unary_methods() -> None:
+    async def body() -> None:
+        old = filled()
+        old.__class__ = OldMaster
+        handle = await serving(old)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        try:
+            found = await client.lookup(["g0", "g1", "g2"], lease_ms=5000)
+            assert found.num_complete == 3 and client.session.unsupported
+            await client.release(found.lease_id)
+            assert old.index.num_leases == 0
+            assert [type(r).__name__ for r in await client.reserve([("m/0", "m", 1, KB)])] == ["ObjectLocation"]
+            assert await client.commit([("m/0", 3)])
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
+
+
+def test_a_broken_stream_fails_its_calls_and_the_next_call_opens_another() -> None:
+    async def body() -> None:
+        handle = await serving(filled())
+        port = handle.port
+        client = PoolClient(f"127.0.0.1:{port}", None, host_name="host0")
+        try:
+            assert (await client.lookup(["g0"])).num_complete == 1
+            await handle.server.stop(None)  # the master goes away: a lookup misses at once, no hang
+            missed = await asyncio.wait_for(client.lookup(["g0"]), 10)
+            assert missed.num_complete == 0
+            handle = await serving(filled(), port)  # back on the same port
+            for _ in range(100):  # the channel reconnects within its capped backoff
+                if (await client.lookup(["g0"])).num_complete == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await client.lookup(["g1"])).num_complete == 1
+            assert client.session.opened >= 2
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
+
+
+class SilentMaster(PoolMasterServicer):
+    """Reads its session's messages and answers none of them."""
+
+    async def Session(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:  # type: ignore[override]
+        async for _ in requests:
+            pass
+        if False:  # an async generator that yields nothing
+            yield None
+
+
+def test_a_call_not_answered_in_time_times_out_alone() -> None:
+    async def body() -> None:
+        silent = filled()
+        silent.__class__ = SilentMaster
+        handle = await serving(silent)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        try:
+            request = pool_pb2.LookupRequest(group_ids=["g0"])
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await client.session.call("lookup", request, client._stub.Lookup, timeout=0.3)
+            assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert client.session.opened == 1 and client.session._call is not None  # the stream lives on
+            assert not client.session._pending
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
