@@ -104,7 +104,8 @@ class UpSettings:
                                  metavar="PATH", default_text=f"none: the API is open unless ${API_KEY_ENV} is set")
     tenant_weights: list[str] = setting(help="each tenant's weight in the pool, the device caches and the prefill "
                                         "queues' fair share, TENANT=WEIGHT (handed to the master, every prefill "
-                                        "stage and the router); a tenant not named weighs 1", factory=list, metavar="TENANT=WEIGHT,...",
+                                        "stage and the router); a tenant not named weighs 1", factory=list,
+                                        metavar="TENANT=WEIGHT,...",
                                         default_text="none: equal shares")
     secure: bool = setting(False, help="mutual TLS between every service: a throwaway CA and one certificate per "
                            "service (its role its common name) in the workdir's certs/")

@@ -32,13 +32,15 @@ Rules:
   its refusal. Stage 0 waits for its own device blocks.
 - The queue's order (``kvpool.core.admission.queue``): between tenants
   fair by weight (start-time fair queuing over estimated work, unless
-  ``fair`` is off); within a tenant ``FIFO`` (the default) or ``WORK`` (least estimated work first, aging at ``max_wait_s``,
-  and with a bypass budget ``max_bypass_s`` nobody overtaking a request whose
-  credit it would overdraw). In either order nobody overtakes the head: a new
-  request takes a ticket at once only if it would be the head (FIFO: the
-  queue is empty; WORK: also when nobody is overdue, it brings less work than
-  the head and the budget lets it pass every queued request, whose credits it
-  then draws on), and a head no shard takes holds back everyone after it. So
+  ``fair`` is off); within a tenant ``FIFO`` (the default) or ``WORK``
+  (least estimated work first, aging at ``max_wait_s``, and with a bypass
+  budget ``max_bypass_s`` nobody overtaking a request whose credit it would
+  overdraw). In either order nobody overtakes the head: a new request takes
+  a ticket at once only if it would be the head (its tenant's turn, and in
+  its tenant's queue, FIFO: that queue is empty; WORK: also when nobody
+  there is overdue, it brings less work than its head and the budget lets
+  it pass every request queued there, whose credits it then draws on), and
+  a head no shard takes holds back everyone after it. So
   a big request is never starved by small ones that fit: the work order
   passes it over only until it is overdue (with a budget, also only until its
   credit is spent: then none younger goes first), and then it is the head.
