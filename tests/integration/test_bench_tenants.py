@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"victim_ttft_p50_over_alone", "victim_ttft_p99_over_alone", "victim_ttft_p50_over_alone_fifo",
-        "victim_ttft_p99_over_alone_fifo", "fair_p50_gain_over_fifo", "flooder_throughput_over_alone", "errors"}
+        "victim_ttft_p99_over_alone_fifo", "fair_p50_gain_over_fifo", "flooder_throughput_over_alone",
+        "flooder_throughput_over_alone_fifo", "errors"}
 
 
 def test_bench_tenants_small(tmp_path: Path) -> None:
@@ -32,8 +33,8 @@ def test_bench_tenants_small(tmp_path: Path) -> None:
         assert report[key] > 0, key
     for side in ("fair", "fifo"):
         got = report["sides"][side]
-        assert got["victim_alone"]["turns"] == 3 and got["victim_flood"]["turns"] >= 3
-        assert got["flood"]["prompts_done"] == 1
-    assert report["sides"]["fair"]["flooder_alone"]["prompts_done"] == 1
+        assert got["victim_alone"]["turns"] == 3 and got["victim_flood"]["turns"] >= 1
+        # one round of the flood alone, then one with the victim's turns during it
+        assert got["flooder_alone"]["prompts_done"] == 1 and got["flood"]["prompts_done"] == 1
     # the FIFO side ran with tenant_fair = false in its settings file
     assert "tenant_fair = false" in (tmp_path / "fifo.toml").read_text()

@@ -12,21 +12,22 @@ tenant's own key:
 - ``victim alone``: tenant A sends ``--victim-turns`` small turns, a fresh
   prompt of ``--victim-tokens`` tokens each (``max_tokens`` 1), one every
   ``1 / --victim-rate`` seconds, open loop (a turn is sent on time whether
-  or not the one before has ended);
-- ``flooder alone`` (fair side only): tenant B sends ``--flood-prompts``
-  fresh prompts of ``--flood-tokens`` tokens, ``--flood-concurrency`` at
-  once (closed loop), ``max_tokens`` 1; its throughput is prompt tokens over
-  the seconds from the first send to the last answer;
-- ``flood``: both at once: the victim's turns start once the flood has
-  started, and keep coming until the flood ends (at least
-  ``--victim-turns``).
+  or not the one before has ended): half before the flood, half after;
+- ``--flood-prompts`` pairs of rounds in between: tenant B sends
+  ``--flood-concurrency`` fresh prompts of ``--flood-tokens`` tokens at once
+  (``max_tokens`` 1) alone, then as many again with A's turns going on
+  during them (from ``--victim-delay-s`` after the round's start until it
+  ends). Alone and during alternate, so a change in the host's load (it is
+  shared) meets both alike; B's throughput is prompt tokens over the rounds'
+  seconds, each from its sends to its last answer.
 
 Keys: ``victim_ttft_p50_over_alone`` and ``..._p99_...`` (the victim's
 time to first token during the flood over alone, fair side),
 ``victim_ttft_p50_over_alone_fifo`` and ``..._p99_..._fifo`` (the same on
 the FIFO side, over its own alone), ``fair_p50_gain_over_fifo`` (FIFO's p50
-during the flood over fair's), ``flooder_throughput_over_alone`` (fair
-side), ``errors`` (requests that failed, both sides). Every time is the
+during the flood over fair's), ``flooder_throughput_over_alone`` (B's
+during over alone, fair side; ``..._fifo``, FIFO side), ``errors``
+(requests that failed, both sides). Every time is the
 client's clock: from the POST to the first streamed token.
 """
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import tempfile
@@ -113,26 +115,18 @@ async def victim_turns(client: Client, tokens: int, rate: float, turns: int,
     return [r for r in await asyncio.gather(*tasks) if r is not None]
 
 
-async def flood(client: Client, tokens: int, prompts: int, concurrency: int) -> dict[str, float]:
-    """Closed loop: ``prompts`` fresh prompts, ``concurrency`` at once; prompt tokens a second."""
-    left = list(range(prompts))
-    done = 0
-    ttfts: list[float] = []
-
-    async def worker() -> None:
-        nonlocal done
-        while left:
-            left.pop()
-            got = await client.turn(tokens)
-            if got is not None:
-                done += 1
-                ttfts.append(got["ttft_s"])
-
+async def flood_round(client: Client, tokens: int, concurrency: int) -> tuple[float, int]:
+    """``concurrency`` fresh prompts at once: the seconds until the last answered, and how many did."""
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    seconds = time.perf_counter() - started
-    return {"seconds": seconds, "prompts_done": done, "tokens_per_s": done * tokens / seconds,
-            "ttft_p50_s": percentile(ttfts, 50)}
+    got = await asyncio.gather(*(client.turn(tokens) for _ in range(concurrency)))
+    return time.perf_counter() - started, sum(g is not None for g in got)
+
+
+def throughput(rounds: list[tuple[float, int]], tokens: int) -> dict[str, float]:
+    seconds = math.fsum(s for s, _ in rounds)
+    done = sum(d for _, d in rounds)
+    return {"rounds": len(rounds), "seconds": round(seconds, 2), "prompts_done": done,
+            "tokens_per_s": round(done * tokens / seconds, 1) if seconds else 0.0}
 
 
 def summary(results: list[dict[str, float]]) -> dict[str, float]:
@@ -142,24 +136,30 @@ def summary(results: list[dict[str, float]]) -> dict[str, float]:
             "queued_ms_p50": round(percentile([r["queued_s"] for r in results], 50) * 1e3, 1)}
 
 
-async def run_side(side: Side, args: argparse.Namespace, vocab: int, flooder_alone: bool) -> dict[str, Any]:
+async def run_side(side: Side, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """The victim alone (half its turns before the flood, half after), then ``--flood-prompts`` rounds of
+    ``--flood-concurrency`` prompts with the victim's turns during each, every one after a round of the flood
+    alone: alone and during alternate, so a change in the host's load meets both alike."""
     victim, flooder = Client(side, "victim", vocab, 1), Client(side, "flooder", vocab, 2)
+    tokens, rate = args.victim_tokens, args.victim_rate
     out: dict[str, Any] = {}
     try:
-        await victim_turns(victim, args.victim_tokens, args.victim_rate, 3)  # warm-up: not counted (errors are)
-        out["victim_alone"] = summary(await victim_turns(victim, args.victim_tokens, args.victim_rate,
-                                                         args.victim_turns))
-        if flooder_alone:
-            out["flooder_alone"] = await flood(flooder, args.flood_tokens, args.flood_prompts,
-                                               args.flood_concurrency)
-        flooding = asyncio.ensure_future(flood(flooder, args.flood_tokens, args.flood_prompts,
-                                               args.flood_concurrency))
-        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        flooding.add_done_callback(lambda _: ended.done() or ended.set_result(None))
-        await asyncio.sleep(args.victim_delay_s)  # the flood's first prompts reach the cluster first
-        during = await victim_turns(victim, args.victim_tokens, args.victim_rate, args.victim_turns, ended)
-        out["flood"] = await flooding
+        await victim_turns(victim, tokens, rate, 3)  # warm-up: not counted (its errors are)
+        alone = await victim_turns(victim, tokens, rate, args.victim_turns // 2)
+        flood_alone: list[tuple[float, int]] = []
+        flood_during: list[tuple[float, int]] = []
+        during: list[dict[str, float]] = []
+        for _ in range(args.flood_prompts):
+            flood_alone.append(await flood_round(flooder, args.flood_tokens, args.flood_concurrency))
+            flooding = asyncio.ensure_future(flood_round(flooder, args.flood_tokens, args.flood_concurrency))
+            await asyncio.wait([flooding], timeout=args.victim_delay_s)  # the flood reaches the cluster first
+            during += await victim_turns(victim, tokens, rate, 1, flooding)
+            flood_during.append(await flooding)
+        alone += await victim_turns(victim, tokens, rate, args.victim_turns - args.victim_turns // 2)
+        out["victim_alone"] = summary(alone)
         out["victim_flood"] = summary(during)
+        out["flooder_alone"] = throughput(flood_alone, args.flood_tokens)
+        out["flood"] = throughput(flood_during, args.flood_tokens)
         out["errors"] = len(victim.errors) + len(flooder.errors)
         out["errors_by_tenant"] = {"victim": len(victim.errors), "flooder": len(flooder.errors)}
         out["error_samples"] = sorted({e[:120] for e in victim.errors + flooder.errors})[:4]
@@ -191,7 +191,7 @@ def main(args: argparse.Namespace) -> int:
             side = Side(name, None, workdir, up_args)
             try:
                 side.wait_ready()
-                got[name] = asyncio.run(run_side(side, args, vocab, flooder_alone=name == "fair"))
+                got[name] = asyncio.run(run_side(side, args, vocab))
             finally:
                 side.stop()
     result: dict[str, Any] = {}
@@ -206,6 +206,8 @@ def main(args: argparse.Namespace) -> int:
         alone, during = fifo["victim_alone"], fifo["victim_flood"]
         result["victim_ttft_p50_over_alone_fifo"] = ratio(during["ttft_ms_p50"], alone["ttft_ms_p50"])
         result["victim_ttft_p99_over_alone_fifo"] = ratio(during["ttft_ms_p99"], alone["ttft_ms_p99"])
+        result["flooder_throughput_over_alone_fifo"] = ratio(fifo["flood"]["tokens_per_s"],
+                                                             fifo["flooder_alone"]["tokens_per_s"])
     if fair is not None and fifo is not None:
         result["fair_p50_gain_over_fifo"] = ratio(fifo["victim_flood"]["ttft_ms_p50"],
                                                   fair["victim_flood"]["ttft_ms_p50"])
