@@ -83,7 +83,8 @@ class PrefillSettings(ModelSetting):
     tenant_weights: list[str] = setting(
         help="stage 0: each tenant's weight in the device cache and in its gate's fair share (--tenant-fair), "
         "TENANT=WEIGHT (comma-separated); a tenant not named weighs 1. A tenant over its share (its weight over "
-        "the weights of the tenants holding blocks) reuses its own oldest cached blocks first (docs/security.md)", factory=list, metavar="TENANT=WEIGHT,...",
+        "the weights of the tenants holding blocks) reuses its own oldest cached blocks first (docs/security.md)",
+        factory=list, metavar="TENANT=WEIGHT,...",
         default_text="none: equal shares",
     )
     sched: str = sched_setting("stage 0's prefills waiting for a slot (--sched-slots)")
