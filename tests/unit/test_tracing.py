@@ -162,8 +162,6 @@ def test_a_call_tree_is_one_trace_and_separate_calls_are_separate_traces(tmp_pat
 
 
 def test_a_log_line_names_the_trace_of_the_span_current_where_it_is_written(tmp_path: Path) -> None:
-    from opentelemetry import trace as otel_trace
-
     from kvpool.tracing import add_trace_id
 
     assert "trace_id" not in add_trace_id(None, "info", {"event": "x"})  # no span: nothing added
