@@ -15,7 +15,9 @@ What a span is:
   (``x-request-id``) or a W3C trace context (``traceparent``), and every call of an entry method
   (``ENTRY_METHODS``: a client's ``Router/Generate``). Its name is the method; its parent is the caller's
   span, carried as ``traceparent`` (W3C trace context) by every channel's client interceptor
-  (``carry_interceptors``) from the span current where the call is made. A handler's span is current while it
+  (``carry_interceptors``) from the span current where the call is made, and the request id rides the same
+  context's ``tracestate`` as its ``kvpool`` entry (``trace_context``), beside the ``x-request-id`` header
+  that ``kvpool.request_id`` carries whether or not anything traces. A handler's span is current while it
   runs, and tasks it starts inherit it, so the calls it makes are its children, streams included.
 - **A message on the master's ``Session`` stream** (``session_span``): named as the unary method it stands
   for, kind ``session``, its parent the ``traceparent`` the message carries (the stream itself belongs to no
@@ -57,9 +59,12 @@ from opentelemetry.trace import SpanKind, format_span_id, format_trace_id
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvpool.child_env import children_env
+from kvpool.request_id import current_request_id
 
 REQUEST_ID_KEY = "x-request-id"
 TRACEPARENT_KEY = "traceparent"
+TRACESTATE_KEY = "tracestate"
+STATE_KEY = "kvpool"  # our entry of the W3C tracestate: the request id
 SENT_KEY = "x-call-sent"  # when the caller opened the call, Unix seconds: a fan-out's calls all go before any answer
 DETACHED_KEY = "x-call-detached"  # "1": made from a task nobody waits for
 TRACE_ENV = "KVPOOL_RPC_TRACE"
@@ -142,6 +147,29 @@ def current_traceparent() -> str:
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier)
     return carrier.get(TRACEPARENT_KEY, "")
+
+
+def trace_context(request_id: str) -> list[tuple[str, str]]:
+    """The W3C trace context a call carries: the current span's ``traceparent``, and a ``tracestate`` whose
+    ``kvpool`` entry is the request id (ids are ``[A-Za-z0-9._:-]``, valid there), after any other vendor's."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    headers = [(TRACEPARENT_KEY, carrier[TRACEPARENT_KEY])] if TRACEPARENT_KEY in carrier else []
+    if request_id:
+        others = [e for e in carrier.get(TRACESTATE_KEY, "").split(",") if e and not e.startswith(STATE_KEY + "=")]
+        headers.append((TRACESTATE_KEY, ",".join([f"{STATE_KEY}={request_id}", *others[:31]])))
+    elif TRACESTATE_KEY in carrier:
+        headers.append((TRACESTATE_KEY, carrier[TRACESTATE_KEY]))
+    return headers
+
+
+def request_id_in(tracestate: str) -> str:
+    """The request id a W3C ``tracestate`` carries ("" when none)."""
+    for entry in tracestate.split(","):
+        key, _, value = entry.strip().partition("=")
+        if key == STATE_KEY:
+            return value
+    return ""
 
 
 def name_request(request_id: str) -> None:
@@ -302,11 +330,13 @@ class TraceServerInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith(_UNTRACED):
             return handler
         metadata = details.invocation_metadata  # type: ignore[attr-defined]
-        request_id = metadata_value(metadata, REQUEST_ID_KEY)
         traceparent = metadata_value(metadata, TRACEPARENT_KEY)
+        tracestate = metadata_value(metadata, TRACESTATE_KEY)
+        request_id = metadata_value(metadata, REQUEST_ID_KEY) or request_id_in(tracestate)
         if not (request_id or traceparent or method in ENTRY_METHODS):
             return handler
-        parent = _PROPAGATOR.extract({TRACEPARENT_KEY: traceparent}) if traceparent else otel_context.Context()
+        parent = (_PROPAGATOR.extract({TRACEPARENT_KEY: traceparent, TRACESTATE_KEY: tracestate}) if traceparent
+                  else otel_context.Context())
         sent = _seconds(metadata_value(metadata, SENT_KEY))
         is_detached = metadata_value(metadata, DETACHED_KEY) == "1"
         kind = ("stream_" if handler.request_streaming else "unary_") + \
@@ -377,13 +407,11 @@ class TraceServerInterceptor(grpc.aio.ServerInterceptor):
 def _carried(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
     """The call's details with the time it was sent and the current span's trace context, the callee's
     parent."""
-    metadata = [(k, v) for k, v in details.metadata or () if k not in (SENT_KEY, TRACEPARENT_KEY)]
+    metadata = [(k, v) for k, v in details.metadata or () if k not in (SENT_KEY, TRACEPARENT_KEY, TRACESTATE_KEY)]
     metadata.append((SENT_KEY, repr(time.time())))
     if DETACHED.get():
         metadata.append((DETACHED_KEY, "1"))
-    traceparent = current_traceparent()
-    if traceparent:
-        metadata.append((TRACEPARENT_KEY, traceparent))
+    metadata += trace_context(current_request_id())
     return grpc.aio.ClientCallDetails(details.method, details.timeout, grpc.aio.Metadata(*metadata),
                                       details.credentials, details.wait_for_ready)
 

@@ -170,3 +170,42 @@ def test_a_log_line_names_the_trace_of_the_span_current_where_it_is_written(tmp_
     with traced.start_as_current_span("work") as span:
         line = add_trace_id(None, "info", {"event": "x"})
     assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
+
+
+def test_the_request_id_rides_the_w3c_tracestate(tmp_path: Path, monkeypatch: Any) -> None:
+    """With no x-request-id header at all, the callee still knows the request: the caller's tracestate names it
+    (``kvpool=<id>``), after any other vendor's entries it had, which it keeps."""
+    from kvpool.request_id import bound_request_id
+    from kvpool.tracing import request_id_in, trace_context
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("KVPOOL_RPC_TRACE", str(path))
+    seen: list[tuple[str, str]] = []
+
+    async def exercise() -> None:
+        server = grpc.aio.server(interceptors=[TraceServerInterceptor(tracer(str(path)))])
+        port = server.add_insecure_port("127.0.0.1:0")
+
+        async def leaf(request: bytes, context: Any) -> bytes:
+            seen.extend((k, v) for k, v in context.invocation_metadata() if k in ("tracestate", "x-request-id"))
+            return request
+
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "trace.Test", {"Leaf": grpc.unary_unary_rpc_method_handler(leaf, _identity, _identity)}),))
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=carry_interceptors())
+        try:
+            with bound_request_id("req-state.1"):
+                await channel.unary_unary(SERVICE + "Leaf", request_serializer=_identity,
+                                          response_deserializer=_identity)(b"x")
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    asyncio.run(exercise())
+    assert seen == [("tracestate", "kvpool=req-state.1")]
+    (line,) = [json.loads(x) for x in path.read_text().splitlines()]
+    assert line["request_id"] == "req-state.1"
+    assert request_id_in("other=1, kvpool=req-2") == "req-2" and request_id_in("other=1") == ""
+    with bound_request_id("r"):
+        assert trace_context("req-3") == [("tracestate", "kvpool=req-3")]  # no span: no traceparent
