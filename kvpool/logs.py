@@ -7,6 +7,8 @@ import sys
 
 import structlog
 
+from kvpool.tracing import add_trace_id
+
 # the levels every command's --log-level takes
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -30,6 +32,7 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_id,  # the trace of the span current where a line is written (kvpool.tracing)
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),

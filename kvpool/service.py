@@ -30,7 +30,7 @@ from kvpool.admin_http import start_admin
 from kvpool.core.admission import retry as retry_policy
 from kvpool.core.errors import InvalidArgument
 from kvpool.status import abort
-from kvpool.rpc_trace import carry_interceptors, trace_interceptors
+from kvpool.tracing import carry_interceptors, trace_interceptors
 
 log = structlog.get_logger(__name__)
 

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from kvpool import tracing
 from kvpool.logs import configure_logging
 from kvpool.settings import load_settings
 from kvpool.tools.bench.cli import run_bench
@@ -77,6 +78,10 @@ def _run_role(args: argparse.Namespace) -> int:
 
         print(f"kvpool {args.command}: --api-key is refused: {COMMAND_LINE_KEY}", file=sys.stderr)
         return 2
+    otlp = getattr(args, "otlp_endpoint", None)
+    if otlp:  # read by kvpool.tracing on the first traced call
+        os.environ[tracing.OTLP_ENV] = otlp
+    tracing.set_service_name(f"kvpool-{args.command}")
     settings = _settings(load_reference(role.settings), args.command, args)
     _secure(args, settings)
     if role.owns_transfer_engine:
@@ -96,6 +101,7 @@ def _exit_closed(code: int) -> NoReturn:
     engine's extension, which cost about 0.9 s of CPU per process and held every restart of a rolling
     restart and every stop of ``kvpool up`` for it. Logs are flushed first.
     """
+    tracing.flush()  # the spans of the last calls, still in their batch
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -111,6 +117,8 @@ def _run_up(args: argparse.Namespace) -> int:
               f"TENANT=KEY each), or in ${API_KEY_ENV}", file=sys.stderr)
         return 2
     settings = _settings(UpSettings, "up", args)
+    if getattr(args, "otlp_endpoint", None):  # every service started here inherits it (kvpool.tracing)
+        os.environ[tracing.OTLP_ENV] = args.otlp_endpoint
     demo = None
     if args.demo or args.trace:
         from kvpool.tools.demo import DemoSettings, default_trace, run_demo

@@ -39,6 +39,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="auto: JSON unless stderr is a terminal",
     )
     parser.add_argument("--ready-file", metavar="PATH", help="write bound ports as JSON here once serving")
+    parser.add_argument(
+        "--otlp-endpoint", metavar="HOST:PORT",
+        help="export traces (a span per call of each request) to this OpenTelemetry collector over OTLP/gRPC "
+        "(https://HOST:PORT for TLS); default $KVPOOL_OTLP_ENDPOINT, else no tracing",
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 import structlog
 
-from kvpool import rpc_trace
+from kvpool import tracing
 from kvpool.core.admission.retry import session_attempts, session_backoff_s
 from kvpool.request_id import current_request_id
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
@@ -69,7 +69,7 @@ class MasterSession:
         self._numbers = itertools.count(1)
         self.unsupported = False  # the master has no Session: unary calls for good
         self.opened = 0  # streams opened (1 while the master stays up)
-        self._tracing = rpc_trace.tracing()
+        self._tracing = tracing.tracing()
 
     async def close(self) -> None:
         self._break(session_error(grpc.StatusCode.CANCELLED, "the pool client closed"))
@@ -90,9 +90,9 @@ class MasterSession:
                 raise session_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the master was not reachable in time")
         message = pool_pb2.SessionRequest(request_id=current_request_id(), **{kind: body})
         if self._tracing:
-            message.parent_span = rpc_trace.CURRENT_SPAN.get()
+            message.traceparent = tracing.current_traceparent()
             message.sent = time.time()
-            message.detached = rpc_trace.DETACHED.get()
+            message.detached = tracing.DETACHED.get()
         attempts = session_attempts(kind)
         for attempt in range(1, attempts + 1):
             try:

@@ -429,10 +429,10 @@ class StatsResponse(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ..., failed_groups: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., rejected_records: _Optional[int] = ..., abandoned_groups: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("call", "request_id", "parent_span", "sent", "detached", "lookup", "release_lease", "put_start", "put_end", "put_revoke")
+    __slots__ = ("call", "request_id", "traceparent", "sent", "detached", "lookup", "release_lease", "put_start", "put_end", "put_revoke")
     CALL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PARENT_SPAN_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
     DETACHED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
@@ -442,7 +442,7 @@ class SessionRequest(_message.Message):
     PUT_REVOKE_FIELD_NUMBER: _ClassVar[int]
     call: int
     request_id: str
-    parent_span: str
+    traceparent: str
     sent: float
     detached: bool
     lookup: LookupRequest
@@ -450,7 +450,7 @@ class SessionRequest(_message.Message):
     put_start: PutStartRequest
     put_end: PutEndRequest
     put_revoke: PutRevokeRequest
-    def __init__(self, call: _Optional[int] = ..., request_id: _Optional[str] = ..., parent_span: _Optional[str] = ..., sent: _Optional[float] = ..., detached: _Optional[bool] = ..., lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseRequest, _Mapping]] = ..., put_start: _Optional[_Union[PutStartRequest, _Mapping]] = ..., put_end: _Optional[_Union[PutEndRequest, _Mapping]] = ..., put_revoke: _Optional[_Union[PutRevokeRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, call: _Optional[int] = ..., request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., sent: _Optional[float] = ..., detached: _Optional[bool] = ..., lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseRequest, _Mapping]] = ..., put_start: _Optional[_Union[PutStartRequest, _Mapping]] = ..., put_end: _Optional[_Union[PutEndRequest, _Mapping]] = ..., put_revoke: _Optional[_Union[PutRevokeRequest, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("call", "code", "message", "field", "lookup", "release_lease", "put_start", "put_end", "put_revoke")

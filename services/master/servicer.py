@@ -25,7 +25,9 @@ from kvpool.core.pool.records import (
 )
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
-from kvpool import rpc_trace
+from kvpool import tracing
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from kvpool.request_id import bound_request_id, current_request_id, is_sane, served
 from kvpool.request_record import RequestRecord
 from kvpool.status import rejected, status_errors
@@ -152,7 +154,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.metrics = metrics
         self.record = RequestRecord("master")  # each pool operation, with its request id (simulate --validate)
-        self.trace = rpc_trace.message_trace()  # a line per Session message, when tracing
+        self.tracer = tracing.tracer()  # a span per Session message of a request, when tracing
         # a Session message's body: the call that answers it, and the unary method it stands for
         self.session_calls = {
             "lookup": (self.lookup, "Lookup"), "release_lease": (self.release_lease, "ReleaseLease"),
@@ -179,7 +181,11 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             return answer
         call, name = self.session_calls[kind]
         request_id = message.request_id if message.request_id and is_sane(message.request_id) else ""
-        started = time.time()
+        span = token = None
+        if self.tracer is not None and (request_id or message.traceparent):
+            span = tracing.session_span(self.tracer, f"/kvpool.rpc.PoolMaster/{name}", request_id,
+                                        message.traceparent, message.sent, message.detached, time.time_ns())
+            token = otel_context.attach(trace.set_span_in_context(span.span))  # its logs name the trace
         try:
             if request_id:  # as a unary call's interceptor does: the id bound, and one access-log line
                 with bound_request_id(request_id), served(f"/kvpool.rpc.PoolMaster/{name}"):
@@ -191,9 +197,10 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         except Exception:  # a bug: this call fails as a unary one would (UNKNOWN); the stream goes on
             log.exception("session_call_failed", method=name)
             answer.code, answer.message = grpc.StatusCode.UNKNOWN.value[0], f"{name}: internal error"
-        if self.trace is not None and request_id:
-            self.trace.write(request_id, f"/kvpool.rpc.PoolMaster/{name}", message.parent_span, message.sent,
-                             message.detached, started)
+        if span is not None:
+            otel_context.detach(token)
+            span.replied()
+            span.end(RuntimeError(answer.message) if answer.code else None)
         return answer
 
     @staticmethod

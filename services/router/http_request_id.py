@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpool.request_id import bound_request_id, is_sane, new_request_id
+from kvpool.tracing import request_span
 
 HEADER = "X-Request-Id"
 _PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
@@ -43,7 +44,11 @@ class RequestIdMiddleware:
                 MutableHeaders(scope=message)[HEADER] = request_id
             await send(message)
 
-        with bound_request_id(request_id, **extra):
+        # the request's trace starts here (when tracing): every call it makes is a child of this span, named
+        # by its route (a client's arbitrary path would make a span name per request)
+        route = scope["path"].rstrip("/")
+        span_name = f"{scope['method']} {route if route in _PREFIXES else '(other path)'}"
+        with bound_request_id(request_id, **extra), request_span(span_name, request_id):
             await self.app(scope, receive, send_with_id)
 
 

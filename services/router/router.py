@@ -58,6 +58,7 @@ from kvpool.core.api.public_errors import PIPELINE, SHARD, backend_label, public
 from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.core.api.served_context import ShardLimits, served_context
 from kvpool.request_id import bound_request_id, new_request_id
+from kvpool.tracing import name_request
 from kvpool.status import error_field, from_status, room_epoch
 from kvpool.services.router.backend_clients import LATE_CHECKS_OUT, Backends, Prefilled, Sampling, ServeStream, server_of
 from kvpool.services.router.generation_request import GenerationRequest, ModelLimits
@@ -134,6 +135,7 @@ class Router:
         # the caller's task binds it too (HTTP middleware, gRPC handler): a generator's own binding
         # holds only in the task that first iterates it
         with bound_request_id(request.request_id):
+            name_request(request.request_id)  # a gRPC entry call's span learns the id it was given
             if self.in_flight >= self.max_in_flight:
                 log.info("generate_refused", in_flight=self.in_flight)
                 raise ResourceExhausted(

@@ -84,6 +84,31 @@ async def stub(pool: LocalPool) -> AsyncIterator[pool_pb2_grpc.PoolMasterStub]:
         yield pool_pb2_grpc.PoolMasterStub(channel)
 
 
+SESSION_BODIES = {"PutStart": "put_start", "PutEnd": "put_end", "PutRevoke": "put_revoke", "Lookup": "lookup",
+                  "ReleaseLease": "release_lease"}
+
+
+async def test_the_same_bad_input_on_a_session_stream_is_answered_alike_and_the_stream_goes_on(
+        stub: pool_pb2_grpc.PoolMasterStub) -> None:
+    """Every case a Session message can carry: the same code and message as the unary call, in the answer to
+    that message alone; the stream stays open and answers a good lookup after them. (First in the module: the
+    cases expect the pool empty.)"""
+    cases = [(name, SESSION_BODIES[method], request, code, message)
+             for name, (method, request), code, message in CASES if method in SESSION_BODIES]
+    assert len(cases) >= 12
+    session = stub.Session(timeout=30)
+    for number, (name, body, request, code, message) in enumerate(cases, start=1):
+        await session.write(pool_pb2.SessionRequest(call=number, **{body: request}))
+        answer = await session.read()
+        assert answer.call == number and answer.code == code.value[0], name
+        assert message in answer.message and answer.WhichOneof("body") is None, (name, answer.message)
+    await session.write(pool_pb2.SessionRequest(call=99, lookup=pool_pb2.LookupRequest(group_ids=["ns/none"])))
+    answer = await session.read()
+    assert (answer.call, answer.code, answer.lookup.num_complete) == (99, 0, 0)
+    await session.done_writing()
+    assert await session.read() is grpc.aio.EOF
+
+
 async def test_bad_input_is_rejected_by_field_and_master_keeps_serving(stub: pool_pb2_grpc.PoolMasterStub) -> None:
     for name, (method, request), code, message in CASES:
         with pytest.raises(grpc.aio.AioRpcError) as err:

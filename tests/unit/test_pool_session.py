@@ -20,7 +20,7 @@ from kvpool.core.pool.records import PutRequestItem
 from kvpool.pool.client import PoolClient
 from kvpool.request_id import bound_request_id
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
-from kvpool.rpc_trace import TRACE_ENV
+from kvpool.tracing import TRACE_ENV
 from kvpool.services.master.metrics import MasterMetrics
 from kvpool.services.master.servicer import PoolMasterServicer
 from tests.core.fixtures import KB, make_index

@@ -116,8 +116,8 @@ def add_bench(sub: Any) -> None:
         "10^5 and 10^6 objects at the high watermark, then measures the master's CPU (from /proc) per lookup of "
         "a 450-chunk history with its release, per save of 22 chunks over 4 stages and per typical turn, each in "
         "the older call pattern (legacy: unary calls, every group located, a put pair per stage) and today's "
-        "(session messages) side by side; then lookups, saves and turns a second with several client processes at once while saves evict (churn). No byte moves: the master "
-        "only sees control messages.",
+        "(session messages) side by side; then lookups, saves and turns a second with several client "
+        "processes at once while saves evict (churn). No byte moves: the master only sees control messages.",
     )
     add_report_flags(master, quick="10^4 and 10^5 objects, shorter phases")
     master.add_argument("--objects", help="object counts to measure at, comma separated (default 100000,1000000)")
@@ -130,6 +130,16 @@ def add_bench(sub: Any) -> None:
                         help="share of a typical turn's history its device holds (the device served 56-69%% of "
                         "prompt tokens in the prefill bench)")
     master.add_argument("--turn-new-chunks", type=int, default=8, help="chunks a typical turn adds and saves")
+    tracing = bench_sub.add_parser(
+        "tracing", help="what tracing costs a call: off, spans to a file, spans to an OTLP collector",
+        description="One process serves a pool master and calls it as a request's hop would (request id bound): "
+        "a unary Exists and a Session lookup of 16 groups with its release. Per mode (off; every span a JSON line "
+        "in a file; spans batched to an OTLP/gRPC collector running in the same process, its receiving counted "
+        "too), the process's CPU per call at both ends; the modes alternate over --rounds, medians reported.",
+    )
+    add_report_flags(tracing, quick="300 calls a round, 2 rounds")
+    tracing.add_argument("--calls", type=int, help="calls of each kind a round (default 2000)")
+    tracing.add_argument("--rounds", type=int, help="rounds of every mode (default 5)")
     path = bench_sub.add_parser(
         "path", help="a request's path: a burst beyond decode's room queues, not fails; RPCs before the first "
         "token; every control call of a pool-hit and a cold request (pool_hit, cold); handoff bytes across servers",
@@ -225,6 +235,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from kvpool.tools.bench.tenants_bench import main as bench_tenants
 
         return bench_tenants(args)
+    if args.bench_command == "tracing":
+        from kvpool.tools.bench.tracing_bench import main as bench_tracing
+
+        return bench_tracing(args)
     if args.bench_command == "decode":
         from kvpool.tools.bench.decode_bench import main as bench_decode
 

@@ -13,7 +13,7 @@ figures, each from one run here:
 - ``critical_path_depth``: per request, the longest chain of control RPCs before
   its first token (each after the one before it, or nested in it), from the
   interceptor trace every service writes keyed by the request id
-  (``kvpool.rpc_trace``, counted by ``path_counts``); the median over the burst, with that chain's methods
+  (``kvpool.tracing``, counted by ``path_counts``); the median over the burst, with that chain's methods
   (``critical_path``). The burst's cluster has a pool (one store), as deployed:
   its Lookup is on the path.
 - ``cross_server_handoff_share``: handoff bytes that crossed servers over all
@@ -35,7 +35,7 @@ from typing import Any
 
 from kvpool import service
 from kvpool.rpc import router_pb2_grpc
-from kvpool.rpc_trace import tracing_children
+from kvpool.tracing import tracing_children
 from kvpool.tools.bench.path_counts import critical_path
 from kvpool.tools.bench.path_rpcs import generate, read_trace, run_rpcs
 from kvpool.tools.cluster import Cluster

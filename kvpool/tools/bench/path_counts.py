@@ -1,4 +1,4 @@
-"""A request's control RPCs, counted from the RPC trace (``kvpool.rpc_trace``): how many calls it made and
+"""A request's control RPCs, counted from the RPC trace (``kvpool.tracing``: its spans, one JSON line each): how many calls it made and
 how many awaited round trips came before its first token. Pure: lines in, figures out.
 
 - ``rpcs_per_request``: every traced call made for the request, at any time,

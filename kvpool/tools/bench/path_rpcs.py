@@ -1,5 +1,5 @@
 """``kvpool bench path``'s control RPCs per request: a cold request and a pool-hit one on 4 stages, each counted
-from the RPC trace (``kvpool.rpc_trace``; the figures: ``kvpool.tools.bench.path_counts``).
+from the RPC trace (``kvpool.tracing``; the figures: ``kvpool.tools.bench.path_counts``).
 
 One cluster as deployed (4 stages of the tiny model, one decode shard, a pool
 of one store) whose device cache holds one prompt and a chunk. Through the
@@ -27,7 +27,7 @@ import grpc
 
 from kvpool import service
 from kvpool.rpc import router_pb2, router_pb2_grpc
-from kvpool.rpc_trace import REQUEST_ID_KEY, tracing_children
+from kvpool.tracing import REQUEST_ID_KEY, tracing_children
 from kvpool.tools.bench.path_counts import request_counts
 from kvpool.tools.clients import grpc_auth_metadata
 from kvpool.tools.up import UpSettings, up_cluster
@@ -63,11 +63,12 @@ async def generate(stub: router_pb2_grpc.RouterStub, token_ids: list[int], max_t
 
 
 def read_trace(trace: Path) -> dict[str, list[dict[str, Any]]]:
-    """The trace's calls by request id."""
+    """The trace's calls by request id (its spans less an HTTP request's own: the calls are its children)."""
     calls: dict[str, list[dict[str, Any]]] = {}
     for line in trace.read_text().splitlines() if trace.exists() else []:
         call = json.loads(line)
-        calls.setdefault(call["request_id"], []).append(call)
+        if call.get("kind") != "http":
+            calls.setdefault(call["request_id"], []).append(call)
     return calls
 
 

@@ -31,7 +31,7 @@ from kvpool.core.errors import Unavailable
 from kvpool.core.prefill.request import PrefillRequest
 from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import LookupResult
-from kvpool.rpc_trace import detached
+from kvpool.tracing import detached
 from kvpool.services.prefill.stage0.stage_clients import StageClient
 from kvpool.core.pool.paths import SegmentAccess
 from kvpool.core.prefill.restore_figures import RestoreFigures, StageRestoreFigures

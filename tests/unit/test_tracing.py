@@ -1,5 +1,6 @@
-"""The RPC trace covers every call kind: one line per served call with its kind, its awaited answers and its
-messages, and every kind of call a handler makes names the handler's span as its parent."""
+"""Traces cover every call kind: one span per served call with its kind, its awaited answers and its messages,
+and every kind of call a handler makes names the handler's span as its parent, under one trace id; the file
+exporter writes each as one line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from kvpool.rpc_trace import REQUEST_ID_KEY, RpcTraceInterceptor, carry_interceptors, detached
+from kvpool.tracing import REQUEST_ID_KEY, TraceServerInterceptor, carry_interceptors, detached, tracer
 
 SERVICE = "/trace.Test/"
 METADATA = ((REQUEST_ID_KEY, "req-1"),)
@@ -22,7 +23,7 @@ def _identity(data: bytes) -> bytes:
 
 
 async def _exercise(path: Path) -> None:
-    server = grpc.aio.server(interceptors=[RpcTraceInterceptor(str(path))])
+    server = grpc.aio.server(interceptors=[TraceServerInterceptor(tracer(str(path)))])
     port = server.add_insecure_port("127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=carry_interceptors())
 
@@ -107,7 +108,7 @@ def test_calls_from_a_task_nobody_waits_for_are_detached_down_the_tree(tmp_path:
     monkeypatch.setenv("KVPOOL_RPC_TRACE", str(path))
 
     async def exercise() -> None:
-        server = grpc.aio.server(interceptors=[RpcTraceInterceptor(str(path))])
+        server = grpc.aio.server(interceptors=[TraceServerInterceptor(tracer(str(path)))])
         port = server.add_insecure_port("127.0.0.1:0")
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=carry_interceptors())
 
@@ -146,3 +147,65 @@ def test_calls_from_a_task_nobody_waits_for_are_detached_down_the_tree(tmp_path:
     assert not outer.get("detached") and middle["detached"] is True and middle["parent"] == outer["span"]
     assert {by_span[c["parent"]]["method"].removeprefix(SERVICE): bool(c.get("detached")) for c in leaves} == {
         "Outer": False, "Middle": True}
+
+
+def test_a_call_tree_is_one_trace_and_separate_calls_are_separate_traces(tmp_path: Path, monkeypatch: Any) -> None:
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("KVPOOL_RPC_TRACE", str(path))
+    asyncio.run(_exercise(path))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    by_span = {c["span"]: c for c in lines}
+    for leaf in (c for c in lines if c["parent"]):  # a nested call shares its caller's trace (W3C traceparent)
+        assert leaf["trace_id"] == by_span[leaf["parent"]]["trace_id"]
+    tops = [c for c in lines if not c["parent"]]
+    assert len({c["trace_id"] for c in tops}) == len(tops) == 4  # each top call began a trace of its own
+
+
+def test_a_log_line_names_the_trace_of_the_span_current_where_it_is_written(tmp_path: Path) -> None:
+    from kvpool.tracing import add_trace_id
+
+    assert "trace_id" not in add_trace_id(None, "info", {"event": "x"})  # no span: nothing added
+    traced = tracer(str(tmp_path / "t.jsonl"))
+    assert traced is not None
+    with traced.start_as_current_span("work") as span:
+        line = add_trace_id(None, "info", {"event": "x"})
+    assert line["trace_id"] == format(span.get_span_context().trace_id, "032x")
+
+
+def test_the_request_id_rides_the_w3c_tracestate(tmp_path: Path, monkeypatch: Any) -> None:
+    """With no x-request-id header at all, the callee still knows the request: the caller's tracestate names it
+    (``kvpool=<id>``), after any other vendor's entries it had, which it keeps."""
+    from kvpool.request_id import bound_request_id
+    from kvpool.tracing import request_id_in, trace_context
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("KVPOOL_RPC_TRACE", str(path))
+    seen: list[tuple[str, str]] = []
+
+    async def exercise() -> None:
+        server = grpc.aio.server(interceptors=[TraceServerInterceptor(tracer(str(path)))])
+        port = server.add_insecure_port("127.0.0.1:0")
+
+        async def leaf(request: bytes, context: Any) -> bytes:
+            seen.extend((k, v) for k, v in context.invocation_metadata() if k in ("tracestate", "x-request-id"))
+            return request
+
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "trace.Test", {"Leaf": grpc.unary_unary_rpc_method_handler(leaf, _identity, _identity)}),))
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=carry_interceptors())
+        try:
+            with bound_request_id("req-state.1"):
+                await channel.unary_unary(SERVICE + "Leaf", request_serializer=_identity,
+                                          response_deserializer=_identity)(b"x")
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    asyncio.run(exercise())
+    assert seen == [("tracestate", "kvpool=req-state.1")]
+    (line,) = [json.loads(x) for x in path.read_text().splitlines()]
+    assert line["request_id"] == "req-state.1"
+    assert request_id_in("other=1, kvpool=req-2") == "req-2" and request_id_in("other=1") == ""
+    with bound_request_id("r"):
+        assert trace_context("req-3") == [("tracestate", "kvpool=req-3")]  # no span: no traceparent
