@@ -189,8 +189,8 @@ def add_bench(sub: Any) -> None:
     tenants.add_argument("--flood-tokens", type=int, default=30000, help="tokens in each flood prompt")
     tenants.add_argument("--flood-concurrency", type=int, default=1,
                          help="flood prompts in a round, in flight at once (on kvpool up's defaults decode's "
-                         "receive arena holds one 30K-token prompt: a second waits in the router's queue, and past "
-                         "its 30 s timeout gets 429)")
+                         "receive arena holds about one 30K-token prompt: the others wait for room, and one waiting "
+                         "past the router's 30 s queue timeout gets 429)")
     tenants.add_argument("--victim-tokens", type=int, default=256, help="tokens in each of the victim's turns")
     tenants.add_argument("--victim-rate", type=float, default=1.0, help="the victim's turns a second")
     tenants.add_argument("--victim-turns", type=int, default=20,
