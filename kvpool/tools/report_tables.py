@@ -147,6 +147,17 @@ TABLES: dict[str, Table] = {
         C("`pair_ratio_p50`", "pair_ratio_p50", ".3f"),
         C("greedy identical", "@output/greedy_identical"),
     )),
+    "bench-tenants": Table(("*-bench-tenants*.json",), columns=(
+        C("victim alone p50 ms", "output/sides/fair/victim_alone/ttft_ms_p50", ",.1f"),
+        C("during the flood, fair", "output/sides/fair/victim_flood/ttft_ms_p50", ",.1f"),
+        C("FIFO", "output/sides/fifo/victim_flood/ttft_ms_p50", ",.1f"),
+        C("`victim_ttft_p50_over_alone` (≤ 4)", "output/victim_ttft_p50_over_alone", ".2f"),
+        C("`victim_ttft_p99_over_alone` (≤ 8)", "output/victim_ttft_p99_over_alone", ".2f"),
+        C("`victim_ttft_p50_over_alone_fifo`", "output/victim_ttft_p50_over_alone_fifo", ".1f"),
+        C("`fair_p50_gain_over_fifo` (≥ 5)", "output/fair_p50_gain_over_fifo", ".1f"),
+        C("`flooder_throughput_over_alone` (≥ 0.85)", "output/flooder_throughput_over_alone", ".3f"),
+        C("`errors`", "output/errors"),
+    )),
     "replay-weka": Table(("*-replay-weka-*.json",), columns=(
         C("turns", "output/turns", ","),
         C("prompt tok/s", "output/prompt_tok_s", ",.0f"),

@@ -102,9 +102,10 @@ class UpSettings:
                                  f"comments); ${API_KEY_ENV} adds KEY or TENANT=KEY,... . Keys turn on --secure "
                                  "(mutual TLS between the services); the router gets them in a file of the workdir",
                                  metavar="PATH", default_text=f"none: the API is open unless ${API_KEY_ENV} is set")
-    tenant_weights: list[str] = setting(help="each tenant's weight in the pool and the device caches, TENANT=WEIGHT "
-                                        "(handed to the master and every prefill stage); a tenant not named weighs "
-                                        "1", factory=list, metavar="TENANT=WEIGHT,...",
+    tenant_weights: list[str] = setting(help="each tenant's weight in the pool, the device caches and the prefill "
+                                        "queues' fair share, TENANT=WEIGHT (handed to the master, every prefill "
+                                        "stage and the router); a tenant not named weighs 1", factory=list,
+                                        metavar="TENANT=WEIGHT,...",
                                         default_text="none: equal shares")
     secure: bool = setting(False, help="mutual TLS between every service: a throwaway CA and one certificate per "
                            "service (its role its common name) in the workdir's certs/")
@@ -218,7 +219,7 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
                     master=MasterSpec(args=weights) if s.pool else None,
                     # --reuse-port: a rolling restart hands the router over to a second one on its ports
                     router=RouterSpec(port=s.grpc_port, http_port=s.http_port, args=(
-                        "--model", s.model, *model_dir, "--reuse-port",
+                        "--model", s.model, *model_dir, "--reuse-port", *weights,
                         *(("--supervisor-status", supervisor_status) if supervisor_status else ()))),
                     host=s.host, common_args=common)
 

@@ -97,7 +97,7 @@ async def run_stage(
             start = piece.start if piece.end else request.compute_start
             t0 = time.perf_counter()
             out = await runner.forward(piece_inputs, block_table, start, writes.write if stream else None,
-                                       send_pieces)
+                                       send_pieces, request.tenant)
             compute_ms += (time.perf_counter() - t0) * 1e3
             kept = kept + [out] if in_turn and not is_last else [out[-1:]]
         else:

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from kvpool.core.prefill.queue import PrefillQueue
+from kvpool.core.prefill.fair_queue import FairQueue
 from kvpool.core.tenancy.tenants import TenantLabels
 from kvpool.services.prefill.stage0.prefill_result import PrefillFigures
 
@@ -115,7 +115,7 @@ class GatePopsCollector(Collector):
     was held back) or the backlog gate (``backlog``: ``--sched-reorder-below-s`` of work waited, so the
     oldest went) decided, read from the core's queue at each scrape: how often each bound binds."""
 
-    def __init__(self, queue: PrefillQueue) -> None:
+    def __init__(self, queue: FairQueue) -> None:
         self.queue = queue
 
     def collect(self) -> Iterator[CounterMetricFamily]:

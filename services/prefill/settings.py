@@ -11,6 +11,7 @@ from kvpool.core.prefill.queue_settings import (
     sched_max_wait_setting,
     sched_reorder_below_setting,
     sched_setting,
+    tenant_fair_setting,
 )
 from kvpool.core.setting import setting
 from kvpool.core.tenancy.shares import parse_weights
@@ -80,9 +81,10 @@ class PrefillSettings(ModelSetting):
                     "(copied by the next stage on this host, else read with the engine)"
     )
     tenant_weights: list[str] = setting(
-        help="stage 0: each tenant's weight in the device cache, TENANT=WEIGHT (comma-separated); a tenant not "
-        "named weighs 1. A tenant over its share (its weight over the weights of the tenants holding blocks) "
-        "reuses its own oldest cached blocks first (docs/security.md)", factory=list, metavar="TENANT=WEIGHT,...",
+        help="stage 0: each tenant's weight in the device cache and in its gate's fair share (--tenant-fair), "
+        "TENANT=WEIGHT (comma-separated); a tenant not named weighs 1. A tenant over its share (its weight over "
+        "the weights of the tenants holding blocks) reuses its own oldest cached blocks first (docs/security.md)",
+        factory=list, metavar="TENANT=WEIGHT,...",
         default_text="none: equal shares",
     )
     sched: str = sched_setting("stage 0's prefills waiting for a slot (--sched-slots)")
@@ -92,6 +94,8 @@ class PrefillSettings(ModelSetting):
     sched_max_wait_s: float = sched_max_wait_setting()
     sched_max_bypass_s: float = sched_max_bypass_setting("this stage's compute seconds (kvpool_prefill_work_scale)")
     sched_reorder_below_s: float = sched_reorder_below_setting("this stage's compute seconds")
+    tenant_fair: bool = tenant_fair_setting("; and every stage computes each tenant's pieces on a thread of its "
+                                            "own, so no tenant's piece waits behind another's that is computing")
     admission_timeout_s: float = setting(
         120.0, help="wait this long for free device blocks before answering RESOURCE_EXHAUSTED"
     )

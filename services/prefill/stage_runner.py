@@ -21,14 +21,23 @@ private to its request (``BlockManager.is_private``), and a block a save
 reads from stays referenced until that save ended (``BlockManager.hold``,
 released after ``save_done`` on every stage).
 
-Compute runs on one thread (the stage's "compute stream"); the engine's
-moves run in worker threads, so a restore for one request does not queue
-behind another request's forward pass. All torch work is off the event loop.
+Compute runs on one thread per tenant (its "compute lane"): a tenant's
+pieces run one at a time in the order they came, and different tenants'
+pieces run at once, sharing the cores as the OS shares runnable threads
+(equally). So a tenant's short turn never waits behind another tenant's
+piece already computing (a 2,048-token piece at a 30K context takes seconds
+on a CPU), and a tenant alone runs exactly as on one thread. The first 16
+tenants a stage sees get a lane each, later ones share one
+(``kvpool.core.tenancy.tenants.TenantLabels``); ``--no-tenant-fair``: one
+thread for all, in arrival order. The engine's moves run in
+worker threads, so a restore for one request does not queue behind another
+request's forward pass. All torch work is off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +51,8 @@ from kvpool.core.errors import DeviceCacheLost
 from kvpool.core.pool.paths import SegmentAccess
 from kvpool.core.prefill.planner import leading_count
 from kvpool.core.prefill.work_scale import WorkScale
+from kvpool.core.tenancy.shares import tenant_name
+from kvpool.core.tenancy.tenants import TenantLabels
 from kvpool.model import ModelStage, kv_dtype
 from kvpool.model.kv_cache import block_address, block_nbytes, kv_cache_nbytes
 from kvpool.pool.client import PoolClient
@@ -120,7 +131,12 @@ class StageRunner:
         self.send_arena = Arena("send", activation_bytes, engine, shared=settings.shared_memory)
         # hidden states the engine reads land here; without an engine every read is a copy into its tensor
         self.recv_arena = Arena("recv", activation_bytes, engine) if engine is not None else None
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"stage{settings.stage}-compute")
+        # one compute thread per tenant (the module doc); the first 16 tenants keep their own
+        self._lanes: dict[str, ThreadPoolExecutor] = {}
+        self._lane_names = TenantLabels()
+        self._busy_lock = threading.Lock()
+        self._busy = 0  # pieces computing now, on any lane
+        self._starts = 0  # pieces started so far (a piece ran alone if none started while it ran)
         # this host's speed against the work estimates' (the gate's and the router's orders and budgets)
         self.work_scale = WorkScale()
         metrics.work_scale.set_function(lambda: self.work_scale.factor)
@@ -131,7 +147,8 @@ class StageRunner:
         self._written = bytearray(settings.num_blocks)
 
     def close(self) -> None:
-        self._compute.shutdown(wait=False, cancel_futures=True)
+        for lane in self._lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
         # the engine outlives us (tests): a later mapping at these addresses must register anew
         if self.engine is not None:
             self.engine.unregister(self.kv_cache.data_ptr())
@@ -175,10 +192,21 @@ class StageRunner:
 
     # ---- compute --------------------------------------------------------
 
+    def _lane(self, tenant: str) -> ThreadPoolExecutor:
+        """The tenant's compute thread (its label's: the first 16 tenants each their own; one for all with
+        ``--no-tenant-fair``)."""
+        name = self._lane_names.label(tenant_name(tenant)) if self.settings.tenant_fair else ""
+        lane = self._lanes.get(name)
+        if lane is None:
+            lane = self._lanes[name] = ThreadPoolExecutor(
+                1, thread_name_prefix=f"stage{self.settings.stage}-compute-{len(self._lanes)}")
+        return lane
+
     async def forward(self, inputs: torch.Tensor, block_table: Sequence[int], compute_start: int,
                       on_piece: Callable[[int, int], None] | None = None,
-                      on_output: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
-        """This stage's layers on tokens [compute_start, compute_start + n), in pieces.
+                      on_output: Callable[[torch.Tensor, int, int], None] | None = None,
+                      tenant: str = "") -> torch.Tensor:
+        """This stage's layers on tokens [compute_start, compute_start + n), in pieces, on ``tenant``'s lane.
 
         A piece ends at a multiple of ``forward_piece_tokens``; once it has, its
         KV is final and ``on_piece(start, end)`` is called (the handoff streams it),
@@ -188,16 +216,18 @@ class StageRunner:
         """
         self.check_cached(block_table, compute_start)
         loop = asyncio.get_running_loop()
+        lane = self._lane(tenant)
         piece, size = self.settings.forward_piece_tokens, self.settings.chunk_size
         end = compute_start + inputs.shape[0]
         outputs = []
         start = compute_start
         while start < end:
             stop = min(end, (start // piece + 1) * piece)
-            out, seconds = await loop.run_in_executor(
-                self._compute, self._timed_forward, inputs[start - compute_start: stop - compute_start],
+            out, seconds, alone = await loop.run_in_executor(
+                lane, self._timed_forward, inputs[start - compute_start: stop - compute_start],
                 list(block_table), start)
-            self.work_scale.observe_piece(start, stop, seconds)
+            if alone:  # (one sharing the cores with another lane's would read this host as slower)
+                self.work_scale.observe_piece(start, stop, seconds)
             for block_id in block_table[start // size:-(-stop // size)]:
                 self._written[block_id] = 1
             outputs.append(out)
@@ -208,11 +238,21 @@ class StageRunner:
             start = stop
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _timed_forward(self, inputs: torch.Tensor, block_table: list[int], start: int) -> tuple[torch.Tensor, float]:
-        """On the compute thread: the piece's forward and its time there (not its wait for the thread)."""
+    def _timed_forward(self, inputs: torch.Tensor, block_table: list[int],
+                       start: int) -> tuple[torch.Tensor, float, bool]:
+        """On a compute lane: the piece's forward, its time there (not its wait for the thread), and whether it
+        ran alone (no other lane computed meanwhile)."""
+        with self._busy_lock:
+            self._busy += 1
+            self._starts += 1
+            started, alone = self._starts, self._busy == 1
         t0 = time.perf_counter()
-        out = self.model.forward(inputs, self.kv_cache, block_table, start)
-        return out, time.perf_counter() - t0
+        try:
+            out = self.model.forward(inputs, self.kv_cache, block_table, start)
+            return out, time.perf_counter() - t0, alone and self._starts == started
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
 
     def check_cached(self, block_table: Sequence[int], compute_start: int) -> None:
         """Every block holding tokens before ``compute_start`` must hold KV this process wrote."""

@@ -53,6 +53,7 @@ from kvpool.core.admission.request_driver import Effect as RequestEffect
 from kvpool.core.admission.retry import PIPELINE_FIELD
 from kvpool.core.errors import ROOM_FIELD, InvalidArgument, KvpoolError, NoRoomNow, ResourceExhausted
 from kvpool.core.prefill.queue import QueueOrder
+from kvpool.core.tenancy.shares import TenantShares
 from kvpool.core.api.public_errors import PIPELINE, SHARD, backend_label, public_error, served_by
 from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.core.api.served_context import ShardLimits, served_context
@@ -82,7 +83,8 @@ class Router:
                  servers: dict[str, str] | None = None, limits: ModelLimits | None = None,
                  order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0,
                  late_checks_out: int = LATE_CHECKS_OUT, health_wait_s: float = 0.0,
-                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf) -> None:
+                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf,
+                 shares: TenantShares | None = None, fair: bool = True) -> None:
         self.metrics = metrics
         self.limits = limits  # its context follows every health round (kvpool.core.api.served_context)
         self.max_in_flight = max_in_flight
@@ -94,7 +96,7 @@ class Router:
             {s: server_of(s, names) for s in shards}, {p: server_of(p, names) for p in pipelines},
             max_queue=max_queue, queue_timeout_s=queue_timeout_s, locality=locality, order=order,
             max_wait_s=max_wait_s, health_wait_s=health_wait_s, max_bypass_s=max_bypass_s,
-            reorder_below_s=reorder_below_s,
+            reorder_below_s=reorder_below_s, shares=shares, fair=fair,
         )
         metrics.queue_order.labels(order.value).set(1)
         self.tickets = Tickets(self.admission, metrics)

@@ -19,6 +19,7 @@ import structlog
 
 from kvpool import service
 from kvpool.core.errors import InvalidArgument, KvpoolError
+from kvpool.core.tenancy.shares import TenantShares
 from kvpool.core.api.generation_fields import (
     GRPC_FIELDS,
     check_length,
@@ -196,7 +197,8 @@ def router_of(settings: RouterSettings, metrics: RouterMetrics, limits: ModelLim
                   locality=settings.locality, servers=settings.server_of,
                   limits=limits, order=settings.queue_order, max_wait_s=settings.sched_max_wait_s,
                   max_bypass_s=settings.sched_max_bypass_s, reorder_below_s=settings.sched_reorder_below_s,
-                  late_checks_out=settings.health_late_checks, health_wait_s=settings.health_wait_s)
+                  late_checks_out=settings.health_late_checks, health_wait_s=settings.health_wait_s,
+                  shares=TenantShares.parse(settings.tenant_weights), fair=settings.tenant_fair)
 
 
 async def serve(settings: RouterSettings, ready_file: str | None = None) -> None:

@@ -13,8 +13,10 @@ from kvpool.core.prefill.queue_settings import (
     sched_max_wait_setting,
     sched_reorder_below_setting,
     sched_setting,
+    tenant_fair_setting,
 )
 from kvpool.core.setting import setting
+from kvpool.core.tenancy.shares import parse_weights
 from kvpool.model.config import CONFIGS
 from kvpool.model.model_setting import ModelSetting
 
@@ -88,6 +90,11 @@ class RouterSettings(ModelSetting):
     sched_max_bypass_s: float = sched_max_bypass_setting(
         "the pipelines' seconds (StageInfo's work_scale, asked every 10 health rounds)")
     sched_reorder_below_s: float = sched_reorder_below_setting("the pipelines' seconds")
+    tenant_fair: bool = tenant_fair_setting()
+    tenant_weights: list[str] = setting(
+        help="each tenant's weight in the admission queue's fair share, TENANT=WEIGHT (comma-separated); a tenant "
+        "not named weighs 1 (docs/security.md)", factory=list, metavar="TENANT=WEIGHT,...",
+        default_text="none: equal shares")
     servers: list[str] = setting(
         help="the server of each pipeline or shard, where its address's host does not say it",
         factory=list, metavar="ADDR=SERVER,...", default_text="the address's host",
@@ -111,7 +118,7 @@ class RouterSettings(ModelSetting):
             raise ValueError(f"drain_s: must be >= 0, got {self.drain_s}")
         if self.tenant_rate < 0 or self.tenant_burst < 1:
             raise ValueError("tenant_rate must be >= 0 and tenant_burst >= 1")
-        for name in ("pipelines", "shards", "api_key", "cors_origins", "servers"):
+        for name in ("pipelines", "shards", "api_key", "cors_origins", "servers", "tenant_weights"):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, [a for a in value.split(",") if a])
@@ -150,6 +157,7 @@ class RouterSettings(ModelSetting):
         if self.queue_timeout_s <= 0:
             raise ValueError(f"queue_timeout_s: must be positive, got {self.queue_timeout_s}")
         check_queue_settings(self)
+        parse_weights(self.tenant_weights)  # raises naming the bad entry
         bad = [s for s in self.servers if "=" not in s]
         if bad:
             raise ValueError(f"servers: {bad[0]!r} is not ADDR=SERVER")

@@ -115,4 +115,4 @@ class Tickets:
 
 def admission_request(request_id: str, request: GenerationRequest) -> AdmissionRequest:
     return AdmissionRequest(request_id, scoped_session_key(request.tenant, request.session_key),
-                            len(request.prompt_ids), request.max_tokens, request.prompt_ids)
+                            len(request.prompt_ids), request.max_tokens, request.prompt_ids, request.tenant)

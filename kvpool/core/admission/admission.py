@@ -30,14 +30,17 @@ Rules:
   as one that never got a ticket. Queued requests leave one at a time, each
   once the shard of the one before answered, so nobody overtakes a head by
   its refusal. Stage 0 waits for its own device blocks.
-- The queue's order (``kvpool.core.admission.queue``): ``FIFO`` (the
-  default) or ``WORK`` (least estimated work first, aging at ``max_wait_s``,
-  and with a bypass budget ``max_bypass_s`` nobody overtaking a request whose
-  credit it would overdraw). In either order nobody overtakes the head: a new
-  request takes a ticket at once only if it would be the head (FIFO: the
-  queue is empty; WORK: also when nobody is overdue, it brings less work than
-  the head and the budget lets it pass every queued request, whose credits it
-  then draws on), and a head no shard takes holds back everyone after it. So
+- The queue's order (``kvpool.core.admission.queue``): between tenants
+  fair by weight (start-time fair queuing over estimated work, unless
+  ``fair`` is off); within a tenant ``FIFO`` (the default) or ``WORK``
+  (least estimated work first, aging at ``max_wait_s``, and with a bypass
+  budget ``max_bypass_s`` nobody overtaking a request whose credit it would
+  overdraw). In either order nobody overtakes the head: a new request takes
+  a ticket at once only if it would be the head (its tenant's turn, and in
+  its tenant's queue, FIFO: that queue is empty; WORK: also when nobody
+  there is overdue, it brings less work than its head and the budget lets
+  it pass every request queued there, whose credits it then draws on), and
+  a head no shard takes holds back everyone after it. So
   a big request is never starved by small ones that fit: the work order
   passes it over only until it is overdue (with a budget, also only until its
   credit is spent: then none younger goes first), and then it is the head.
@@ -66,6 +69,7 @@ from kvpool.core.prefill.queue import QueueOrder
 from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.core.sessions.prefix import matched_prefix
 from kvpool.core.prefill.work_scale import bounded_factor
+from kvpool.core.tenancy.shares import TenantShares
 
 __all__ = ["Admission", "AdmissionRequest", "Admitted", "Locality", "QueueOrder", "ShardShape", "Ticket"]
 
@@ -92,7 +96,8 @@ class Admission:
     def __init__(self, routing: RoutingPolicy, shard_servers: dict[str, str], pipeline_servers: dict[str, str],
                  max_queue: int, queue_timeout_s: float, locality: bool = True,
                  order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0, health_wait_s: float = 0.0,
-                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf) -> None:
+                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf,
+                 shares: TenantShares | None = None, fair: bool = True) -> None:
         if not health_wait_s >= 0:
             raise InvalidArgument(f"health_wait_s: must be >= 0, got {health_wait_s}")
         if max_queue < 0:
@@ -107,7 +112,7 @@ class Admission:
         self.pipeline_servers = self.book.pipeline_servers
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
-        self._queue = AdmissionQueue(order, max_wait_s, max_bypass_s, reorder_below_s)
+        self._queue = AdmissionQueue(order, max_wait_s, max_bypass_s, reorder_below_s, shares, fair)
         self.health_wait_s = health_wait_s
         self._leaving: set[str] = set()  # ticketed from the queue, the shard's answer not in yet
         self._missing_since: float | None = None  # since when no pipeline or no shard has been healthy
@@ -213,7 +218,7 @@ class Admission:
         if missing is not None and (self.health_wait_s == 0 or len(self._queue) >= self.max_queue):
             raise Unavailable(missing)
         work_s = self.work_s(request)
-        if missing is None and not self._leaving and self._queue.leads(work_s, now):  # it would be the head
+        if missing is None and not self._leaving and self._queue.leads(work_s, now, request.tenant):  # the head
             ticket = self._try_ticket(request, 0.0, now)
             if ticket is not None:
                 # the queued it passed pay its work

@@ -1,6 +1,13 @@
-"""The router's admission queue: requests waiting for room, each with a deadline, in FIFO or work order.
+"""The router's admission queue: requests waiting for room, each with a deadline, in FIFO or work order,
+shared fairly between tenants.
 
 Pure: no grpc, no I/O; time comes in as numbers from the caller's clock.
+
+Between tenants (the API keys'), the queue is the core's fair queue
+(``kvpool.core.prefill.fair_queue.FairQueue``, as stage 0's gate): start-time
+fair queuing over the estimated work, by weight, so one tenant's flood does
+not queue another's turns behind it; within a tenant, the order below. With
+``fair`` off, or one tenant, it is that order alone.
 
 The order is the prefill queue's (``kvpool.core.prefill.queue.PrefillQueue``,
 the same ``QueueOrder``): ``FIFO`` is arrival order; ``WORK`` takes the
@@ -41,7 +48,9 @@ from dataclasses import dataclass
 
 from kvpool.core.admission.room import AdmissionRequest
 from kvpool.core.errors import InvalidArgument
-from kvpool.core.prefill.queue import PrefillQueue, QueueOrder, WorkWeights, prefill_work_s
+from kvpool.core.prefill.fair_queue import FairQueue
+from kvpool.core.prefill.queue import QueueOrder, WorkWeights, prefill_work_s
+from kvpool.core.tenancy.shares import TenantShares
 
 # the gate's weights (services/prefill/stage0/prefetch.py): only their ratios matter for an order
 ROUTER_WORK_WEIGHTS = WorkWeights()
@@ -68,16 +77,21 @@ class AdmissionQueue:
     """Queued requests and their order (see the module doc)."""
 
     def __init__(self, order: QueueOrder = QueueOrder.FIFO, max_wait_s: float = 4.0,
-                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf) -> None:
+                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf,
+                 shares: TenantShares | None = None, fair: bool = True) -> None:
         if order not in (QueueOrder.FIFO, QueueOrder.WORK):  # the router's --sched: fifo or session
             raise InvalidArgument(f"order: the admission queue takes fifo or work, got {order.value}", field="order")
-        self._order = PrefillQueue(order, max_wait_s, max_bypass_s, reorder_below_s)
+        self._order = FairQueue(order, max_wait_s, max_bypass_s, reorder_below_s, shares, fair)
         self._queued: dict[str, QueuedRequest] = {}  # insertion order: arrival order
         self._left: dict[str, QueuedRequest] = {}  # took tickets, their shards' answers not in yet
 
     @property
     def order(self) -> QueueOrder:
         return self._order.order
+
+    @property
+    def fair(self) -> bool:
+        return self._order.fair
 
     @property
     def max_wait_s(self) -> float:
@@ -117,7 +131,7 @@ class AdmissionQueue:
         return request_id in self._queued
 
     def push(self, request: AdmissionRequest, work_s: float, now: float, deadline: float) -> None:
-        self._order.push(request.request_id, work_s, now)  # raises on a duplicate or a bad work
+        self._order.push(request.request_id, work_s, now, request.tenant)  # raises on a duplicate or a bad work
         self._queued[request.request_id] = QueuedRequest(request, now, deadline, work_s)
 
     def remove(self, request_id: str) -> QueuedRequest | None:
@@ -138,18 +152,19 @@ class AdmissionQueue:
         self._left[request_id] = queued = self._queued.pop(request_id)
         return queued
 
-    def leads(self, work_s: float, now: float) -> bool:
-        """Whether a request arriving now with ``work_s`` would be the head (``PrefillQueue.leads``): the
-        queue is empty, or (``WORK``) nobody is overdue, it brings strictly less work than the head (ties:
-        the earlier) and its work is within every queued request's bypass credit."""
-        return self._order.leads(work_s, now)
+    def leads(self, work_s: float, now: float, tenant: str = "") -> bool:
+        """Whether a request of ``tenant`` arriving now with ``work_s`` would be the head (``FairQueue.leads``):
+        its tenant's turn comes first, and in its tenant's queue (``PrefillQueue.leads``) that queue is empty,
+        or (``WORK``) nobody there is overdue, it brings strictly less work than its head (ties: the earlier)
+        and its work is within every one of them's bypass credit."""
+        return self._order.leads(work_s, now, tenant)
 
     def take_at_once(self, request: AdmissionRequest, work_s: float, now: float, deadline: float) -> None:
         """A request that ``leads`` took its ticket without queueing: those it overtook are debited its
         work, as its pop would debit them (until ``settle``: ``undo`` queues it as if it had arrived and
         not led); InvalidArgument (nothing changes) unless it leads."""
         request_id = request.request_id
-        self._order.push(request_id, work_s, now)  # raises on a duplicate or a bad work
+        self._order.push(request_id, work_s, now, request.tenant)  # raises on a duplicate or a bad work
         if self._order.peek(now) != request_id:
             self._order.remove(request_id)
             raise InvalidArgument(f"request_id: {request_id!r} does not lead the admission queue",

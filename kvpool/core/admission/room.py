@@ -33,6 +33,7 @@ class AdmissionRequest:
     max_tokens: int
     # the prompt itself, for the queue's work estimate (the session's remembered prompts it extends)
     token_ids: Sequence[int] = field(default=(), compare=False, repr=False)
+    tenant: str = ""  # the API key's: the queue shares its order between tenants by weight
 
 
 @dataclass(frozen=True, slots=True)

@@ -340,6 +340,12 @@ class PrefillQueue:
             rest = sorted(waiting, key=lambda e: (e.work, e.seq))
         return overdue + [e.request_id for e in rest]
 
+    def oldest(self) -> str:
+        """The id queued longest (pushed first); InvalidArgument when empty."""
+        if not self._arrivals:
+            raise InvalidArgument("oldest: the queue is empty")
+        return next(iter(self._arrivals))
+
     def ids(self) -> list[str]:
         """Queued ids in push order."""
         return list(self._arrivals)

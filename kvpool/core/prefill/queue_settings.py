@@ -1,5 +1,6 @@
-"""The four settings of the queue both the router's admission queue and stage 0's gate run
-(``kvpool.core.prefill.queue``), declared once: their defaults, their checks, and what they mean.
+"""The settings of the queue both the router's admission queue and stage 0's gate run
+(``kvpool.core.prefill.queue``, shared between tenants by ``kvpool.core.prefill.fair_queue``), declared
+once: their defaults, their checks, and what they mean.
 
 Each role names what its queue holds (``whose``) and in whose seconds the estimates are (the
 pipelines' measured speed at the router, the stage's own at stage 0); the rest is the same.
@@ -40,6 +41,15 @@ def sched_reorder_below_setting(seconds: str) -> Any:
     return setting(math.inf, help="--sched session: the backlog gate: while this many seconds of estimated work "
                    "wait, they go in arrival order, and below it in the session order (kvpool.core.prefill.queue); "
                    f"in {seconds}, as for --sched-max-bypass-s", default_text="none")
+
+
+def tenant_fair_setting(also: str = "") -> Any:
+    """``--tenant-fair``: share the queue between tenants by weight (the default), or not; ``also``: what else
+    the role shares between tenants."""
+    return setting(True, help="share the queue's order between tenants (API keys) by --tenant-weights: "
+                   "start-time fair queuing over estimated work, so no tenant waits behind more than its weighted "
+                   f"share of another's work (kvpool.core.prefill.fair_queue); --sched orders each tenant's own "
+                   f"requests{also}. --no-tenant-fair: every request as if of one tenant")
 
 
 class QueueSettings(Protocol):

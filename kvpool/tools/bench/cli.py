@@ -175,6 +175,30 @@ def add_bench(sub: Any) -> None:
     path.add_argument("--replay-max-tokens", type=int, default=16, help="output tokens per replayed turn at most")
     path.add_argument("--loopback", action="store_true", help="no network namespaces: servers share loopback")
     path.add_argument("--workdir", default="", help="keep logs and the trace here")
+    tenants = bench_sub.add_parser(
+        "tenants", help="one tenant's flood of long prompts against another's small turns, fair and FIFO",
+        description="Starts kvpool up on its defaults with an API keys file of two tenants, twice, one after the "
+        "other: fair (the default) and FIFO (tenant_fair = false for the router and the stages). On each, the victim "
+        "tenant's small turns alone, and rounds of the flooder tenant's long prompts, alone and during the victim's "
+        "turns in turn. Reports the victim's TTFT during the flood over alone on each side and the "
+        "flooder's throughput during it over alone.",
+    )
+    add_report_flags(tenants)
+    tenants.add_argument("--flood-prompts", type=int, default=3,
+                         help="rounds of the flood during the victim's turns, each after one of the flood alone")
+    tenants.add_argument("--flood-tokens", type=int, default=30000, help="tokens in each flood prompt")
+    tenants.add_argument("--flood-concurrency", type=int, default=1,
+                         help="flood prompts in a round, in flight at once (on kvpool up's defaults decode's "
+                         "receive arena holds about one 30K-token prompt: the others wait for room, and one waiting "
+                         "past the router's 30 s queue timeout gets 429)")
+    tenants.add_argument("--victim-tokens", type=int, default=256, help="tokens in each of the victim's turns")
+    tenants.add_argument("--victim-rate", type=float, default=1.0, help="the victim's turns a second")
+    tenants.add_argument("--victim-turns", type=int, default=20,
+                         help="the victim's turns alone (half before the flood, half after)")
+    tenants.add_argument("--victim-delay-s", type=float, default=1.0,
+                         help="the victim's first turn during the flood comes this long after the flood's first")
+    tenants.add_argument("--sides", default="fair,fifo", help="which sides to run, in order (fair, fifo)")
+    tenants.add_argument("--workdir", default="", help="keep the clusters' logs here")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -207,6 +231,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from kvpool.tools.bench.master_bench import main as bench_master
 
         return bench_master(args)
+    if args.bench_command == "tenants":
+        from kvpool.tools.bench.tenants_bench import main as bench_tenants
+
+        return bench_tenants(args)
     if args.bench_command == "tracing":
         from kvpool.tools.bench.tracing_bench import main as bench_tracing
 

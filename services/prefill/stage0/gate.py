@@ -1,7 +1,9 @@
 """Stage 0's gate in front of the pipeline (``--sched-slots``): the core's prefill queue in front of a few slots.
 
 At most ``slots`` prefills run through the stages at once; the others wait in
-``kvpool.core.prefill.queue.PrefillQueue`` in its ``order``: arrival
+the core's fair queue (``kvpool.core.prefill.fair_queue.FairQueue``): shared
+between tenants by weight (``--tenant-fair``, ``--tenant-weights``), and each
+tenant's own in ``kvpool.core.prefill.queue.PrefillQueue``'s ``order``: arrival
 (``--sched fifo``), or least work first with a request waiting ``max_wait_s``
 going before every other and none overtaken by more than ``max_bypass_s`` of
 estimated work (``--sched session``). Both orders get the same
@@ -22,22 +24,26 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from kvpool.core.prefill.queue import PrefillQueue, QueueOrder
+from kvpool.core.prefill.fair_queue import FairQueue
+from kvpool.core.prefill.queue import QueueOrder
 from kvpool.core.sessions.table import SessionId
+from kvpool.core.tenancy.shares import TenantShares
 
 
 class PrefillGate:
     def __init__(self, slots: int, max_wait_s: float, order: QueueOrder = QueueOrder.WORK,
-                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf) -> None:
+                 max_bypass_s: float = math.inf, reorder_below_s: float = math.inf,
+                 shares: TenantShares | None = None, fair: bool = True) -> None:
         self.slots = slots
         self.running = 0
-        self.queue = PrefillQueue(order, max_wait_s, max_bypass_s, reorder_below_s)
+        self.queue = FairQueue(order, max_wait_s, max_bypass_s, reorder_below_s, shares, fair)
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._sessions: dict[str, SessionId] = {}  # waiters' sessions (those that named one)
 
     @asynccontextmanager
-    async def slot(self, request_id: str, work_s: float, session: SessionId | None = None) -> AsyncIterator[None]:
-        """Hold one of the slots for the body (in the queue's order when all are taken)."""
+    async def slot(self, request_id: str, work_s: float, session: SessionId | None = None,
+                   tenant: str = "") -> AsyncIterator[None]:
+        """Hold one of the slots for the body (in the queue's order, ``tenant``'s share, when all are taken)."""
         if self.running < self.slots and not len(self.queue):
             self.running += 1
         else:
@@ -45,7 +51,7 @@ class PrefillGate:
             self._waiters[request_id] = waiter
             if session is not None:
                 self._sessions[request_id] = session
-            self.queue.push(request_id, work_s, time.monotonic())
+            self.queue.push(request_id, work_s, time.monotonic(), tenant)
             try:
                 await waiter  # handed a slot (running counts it already)
             except asyncio.CancelledError:

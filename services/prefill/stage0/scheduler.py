@@ -145,7 +145,8 @@ class PrefillScheduler:
         # the gate (--sched-slots) in --sched's order; session-aware prefill: retention by session, staging
         order = queue_order(self.settings)
         self.gate = (PrefillGate(self.settings.sched_slots, self.settings.sched_max_wait_s, order,
-                                 self.settings.sched_max_bypass_s, self.settings.sched_reorder_below_s)
+                                 self.settings.sched_max_bypass_s, self.settings.sched_reorder_below_s,
+                                 TenantShares.parse(self.settings.tenant_weights), self.settings.tenant_fair)
                      if self.settings.sched_slots else None)
         if self.gate is not None:
             metrics.registry.register(GatePopsCollector(self.gate.queue))
@@ -200,7 +201,8 @@ class PrefillScheduler:
         self.record.write("touch", request_id, session_key=session_key)
         queued = True
         try:
-            async with self.gate.slot(request_id, work_s, session) if self.gate else contextlib.nullcontext():
+            async with (self.gate.slot(request_id, work_s, session, tenant) if self.gate
+                        else contextlib.nullcontext()):
                 queued = False
                 if self.gate is not None:
                     self.metrics.gate_wait.observe(time.perf_counter() - started)
