@@ -20,6 +20,8 @@ from kvpool.tracing import request_span
 
 HEADER = "X-Request-Id"
 _PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
+# the routes a request's span is named by (any other path: one name for all)
+_ROUTES = frozenset({*_PREFIXES, "/v1/models", "/health", "/openapi.json"})
 
 
 class RequestIdMiddleware:
@@ -47,7 +49,7 @@ class RequestIdMiddleware:
         # the request's trace starts here (when tracing): every call it makes is a child of this span, named
         # by its route (a client's arbitrary path would make a span name per request)
         route = scope["path"].rstrip("/")
-        span_name = f"{scope['method']} {route if route in _PREFIXES else '(other path)'}"
+        span_name = f"{scope['method']} {route if route in _ROUTES else '(other path)'}"
         with bound_request_id(request_id, **extra), request_span(span_name, request_id):
             await self.app(scope, receive, send_with_id)
 
