@@ -140,11 +140,16 @@ class AdminServer(http.server.ThreadingHTTPServer):
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
+            # the slot is free before the peer sees its connection close: a client that connects again at once
+            # (the close told it the server is done with it) is served, not refused as past the bound
             with self._lock:
                 self.connections -= 1
             self._slots.release()
+            self.shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a failed handshake or a peer that went away: nothing to do but close
