@@ -136,6 +136,8 @@ class Calls:
         self.session = MasterSession(self.channel, self.stub)  # today's calls: messages on one stream
         self.hits = 0
         self.lookups = 0
+        self.refused: dict[str, int] = {}  # put items neither reserved nor already there, by status
+        self.short: list[int] = []  # how many leading groups a lookup that missed found (the first few)
 
     async def save(self, groups: list[str], legacy: bool, release: int = 0) -> int:
         """Put every stage's object of ``groups``: one pair for all, its start ending the lease ``release``
@@ -160,6 +162,10 @@ class Calls:
                                    legacy)
         commits = [pb.PutCommit(key=k, checksum=i + 1) for i, (k, r) in enumerate(zip(keys, started.results))
                    if r.status == pb.PUT_STATUS_RESERVED]
+        for r in started.results:
+            if r.status not in (pb.PUT_STATUS_RESERVED, pb.PUT_STATUS_ALREADY_EXISTS):
+                name = pb.PutStatus.Name(r.status)
+                self.refused[name] = self.refused.get(name, 0) + 1
         if commits:
             await self._call("put_end", self.stub.PutEnd, pb.PutEndRequest(items=commits), legacy)
         return len(commits)
@@ -176,6 +182,8 @@ class Calls:
         took = time.perf_counter() - t0
         self.lookups += 1
         self.hits += response.num_complete == len(groups)
+        if response.num_complete != len(groups) and len(self.short) < 8:
+            self.short.append(response.num_complete)
         if response.lease_id and release:
             await self._call("release_lease", self.stub.ReleaseLease,
                              pb.ReleaseLeaseRequest(lease_id=response.lease_id), legacy)
@@ -219,7 +227,7 @@ async def _populate(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
         for first in range(0, HISTORY_CHUNKS, SAVE_CHUNKS):
             count = min(SAVE_CHUNKS, HISTORY_CHUNKS - first)
             committed += await calls.save(group_ids(history, first, count), legacy=False)
-    return {"committed": committed}
+    return {"committed": committed, "refused": calls.refused}
 
 
 def _loop_until(job: dict[str, Any]) -> tuple[float, int]:
@@ -258,7 +266,7 @@ async def _ops(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(pid) - cpu0 if pid else 0.0
     return {"done": done, "wall_s": wall, "master_cpu_s": cpu, "latencies": latencies, "committed": committed,
-            "hits": calls.hits, "lookups": calls.lookups}
+            "hits": calls.hits, "lookups": calls.lookups, "short": calls.short, "refused": calls.refused}
 
 
 _KINDS = {"populate": _populate, "ops": _ops}
@@ -281,6 +289,7 @@ class Run:
         self.turn = turn
         self.fresh = 1 << 40  # histories past every populated one: each job's saves get their own
         self.unsettled: dict[str, dict[str, int]] = {}
+        self.refused: dict[str, int] = {}
 
     def _fresh(self) -> int:
         self.fresh += 1
@@ -330,7 +339,9 @@ class Run:
         """Put back whatever of ``histories`` the churn evicted (what is there is left alone), so their
         lookups hit."""
         parts = [histories[i::self.clients] for i in range(self.clients)]
-        self.jobs([{"kind": "populate", "histories": part} for part in parts if part])
+        for done in self.jobs([{"kind": "populate", "histories": part} for part in parts if part]):
+            for status, count in done["refused"].items():  # why a history might not hit (should stay empty)
+                self.refused[status] = self.refused.get(status, 0) + count
 
     def cost(self, op: str, legacy: bool, histories: list[int]) -> dict[str, Any]:
         """The master's CPU per operation, one client calling one after another."""
@@ -341,7 +352,7 @@ class Run:
                "histories": histories, "fresh_from": self._fresh(), "pid": self.pid, "seconds": self.cost_seconds}
         (result,) = self.jobs([job])
         return {"cpu_ms": round(result["master_cpu_s"] * 1e3 / max(1, result["done"]), 3), "calls": result["done"],
-                "hit_share": _share(result["hits"], result["lookups"])}
+                "hit_share": _share(result["hits"], result["lookups"]), "short": result["short"]}
 
     def saturate(self, op: str, histories: list[int], churn: bool = False, at_least: int = 0) -> dict[str, Any]:
         """Every client at once for ``seconds``, or until they made ``at_least`` calls together (plus one saver
@@ -414,6 +425,8 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
                 report.setdefault("cost_calls", {})[key] = cost["calls"]
                 if cost["hit_share"] is not None:
                     report.setdefault("cost_hit_share", {})[key] = cost["hit_share"]
+                if cost["short"]:  # a miss: the leading groups its lookups found (why, next to refresh_refused)
+                    report.setdefault("cost_misses_found", {})[key] = cost["short"]
         lookups = run.saturate("lookup", newest, churn=True, at_least=args.lookups)
         report.update(lookups_per_s=lookups["per_s"], lookup_ms_p50=lookups["lookup_ms_p50"],
                       lookup_ms_p99=lookups["lookup_ms_p99"], lookup_hit_share=lookups["hit_share"],
@@ -428,6 +441,7 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
         final = run.stats()
         report["resident_objects_after"] = final.num_objects
         report["unsettled"] = run.unsettled  # phases measured while the stores still caught up (should be none)
+        report["refresh_refused"] = run.refused  # put items a refresh could not store, by status (should be none)
         report["evicted_groups_total"] = final.evicted_groups
     return report
 
