@@ -147,6 +147,12 @@ class MasterSession:
 
     async def _write(self, call: Any, outbox: asyncio.Queue[pool_pb2.SessionRequest | None]) -> None:
         try:
+            # the master's headers first: a stream refused as it opens ends with its own status (a write racing
+            # the refusal would fail with a client-side send error that hides it)
+            await call.initial_metadata()
+            if call.done():
+                self._break(await self._status(call, None), call)
+                return
             while True:
                 message = await outbox.get()
                 if message is None:
@@ -174,6 +180,17 @@ class MasterSession:
         self._break(error, call)
 
     async def _status(self, call: Any, exc: BaseException | None) -> grpc.aio.AioRpcError:
+        """The stream's own status when it has ended (a write to a stream the master already refused fails
+        with an INTERNAL send error that hides it), else ``exc``'s."""
+        failed_send = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INTERNAL
+        if call.done() or failed_send:
+            try:  # a failed send ends the call at once: its status is on its way
+                code = await asyncio.wait_for(call.code(), 1.0)
+                details = await call.details()
+            except (grpc.aio.AioRpcError, asyncio.CancelledError, asyncio.TimeoutError):
+                code, details = grpc.StatusCode.OK, ""
+            if code != grpc.StatusCode.OK:
+                return session_error(code, details or code.name)
         if isinstance(exc, grpc.aio.AioRpcError):
             return exc
         try:

@@ -167,7 +167,9 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     async def Session(self, requests: AsyncIterator[pool_pb2.SessionRequest],
                       context: Any) -> AsyncIterator[pool_pb2.SessionResponse]:
         """Each message answered in order, as its unary method would answer it; an error ends only its own
-        call (``SessionResponse.code``), never the stream."""
+        call (``SessionResponse.code``), never the stream. Headers go first: the client writes once it has them,
+        so a stream refused as it opens (a role check) ends with its own status, not a failed write's."""
+        await context.send_initial_metadata(())
         async for message in requests:
             yield self.session_answer(message)
 

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from kvpool import tls
+from kvpool.pool.session_client import MasterSession
 from kvpool.rpc import pool_pb2, pool_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from kvpool.tools.bench.prefill_replay import _pool_stats
 from kvpool.tools.certs import Identity, ThrowawayCA
@@ -115,10 +116,20 @@ async def test_only_a_prefill_stage_or_the_master_opens_a_pool_session(cluster: 
     for role in ("decode", "router", "client", "store/up-store0"):
         async with secure(master, ca.issue(role, f"s-{role.replace('/', '-')}"), ca.ca_path) as channel:
             session = pool_pb2_grpc.PoolMasterStub(channel).Session(timeout=10)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await session.write(lookup)
-                await session.read()
-        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, (role, info.value.details())
+            # refused as it opens (a write racing the refusal fails with a client-side send error instead)
+            code, details = await session.code(), await session.details()
+        assert code == grpc.StatusCode.PERMISSION_DENIED, (role, details)
+        assert "Session: needs the master or prefill role" in details, details
+        # the pool client's session reports the master's refusal as such, whichever of its writes met it
+        async with secure(master, ca.issue(role, f"t-{role.replace('/', '-')}"), ca.ca_path) as channel:
+            stub = pool_pb2_grpc.PoolMasterStub(channel)
+            session_client = MasterSession(channel, stub)
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await session_client.call("lookup", lookup.lookup, stub.Lookup, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
+            finally:
+                await session_client.close()
     async with secure(master, ca.issue("prefill", "s-prefill"), ca.ca_path) as channel:
         session = pool_pb2_grpc.PoolMasterStub(channel).Session(timeout=10)
         await session.write(lookup)
