@@ -98,16 +98,23 @@ class Side:
         env = dict(os.environ)
         if tree is not None:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH", "")]))
-        self.http_port, grpc_port = free_port(), free_port()
-        self.address = f"127.0.0.1:{grpc_port}"
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = workdir / f"{name}.out"
         (workdir / name).mkdir(mode=0o700, exist_ok=True)  # kvpool up's workdir must be private
+        # this checkout's up binds free ports itself and says which in its ready file; an older one (``tree``)
+        # may write none: ports picked here, which another process may take first
+        self.ready = None if tree is not None else workdir / f"{name}.ready.json"
+        if self.ready is None:
+            self.http_port, grpc_port = free_port(), free_port()
+            ports = ["--http-port", str(self.http_port), "--grpc-port", str(grpc_port)]
+            self.address = f"127.0.0.1:{grpc_port}"
+        else:
+            self.http_port, self.address = 0, ""
+            ports = ["--http-port", "0", "--grpc-port", "0", "--ready-file", str(self.ready)]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", "from kvpool.services.cli import main; raise SystemExit(main())", "up",
-                 *up_args, "--http-port", str(self.http_port), "--grpc-port", str(grpc_port),
-                 "--workdir", str(workdir / name)], env=env, stdout=out, stderr=subprocess.STDOUT)
+                 *up_args, *ports, "--workdir", str(workdir / name)], env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
         """Until the router's /health answers 200: every backend in rotation."""
@@ -115,6 +122,13 @@ class Side:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name}: kvpool up exited with {self.proc.returncode} (see {self.log})")
+            if self.ready is not None and not self.http_port:
+                try:
+                    ready = json.loads(self.ready.read_text())
+                    self.http_port, self.address = int(ready["http_port"]), f"127.0.0.1:{ready['grpc_port']}"
+                except (OSError, ValueError, KeyError):
+                    time.sleep(0.2)  # not written yet
+                    continue
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=5) as response:
                     if response.status == 200:
