@@ -194,8 +194,6 @@ def metadata_value(metadata: Sequence[tuple[str, Any]] | None, key: str) -> str:
     return ""
 
 
-request_id_of = metadata_value  # the name the benches use
-
 
 def _seconds(text: str) -> float:
     try:
