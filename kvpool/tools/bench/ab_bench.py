@@ -89,15 +89,44 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+LAUNCH = "from kvpool.services.cli import main; raise SystemExit(main())"
+
+
+def side_env(tree: Path | None) -> dict[str, str]:
+    """The environment a side's processes run in: ``tree`` first on the import path (the baseline)."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def side_cwd(tree: Path | None) -> Path:
+    """Where a side's ``kvpool up`` runs: ``python -c`` puts its working directory first on the import path, so
+    the baseline runs in its own tree (from this checkout's root, it would import this checkout instead)."""
+    return tree if tree is not None else ROOT
+
+
+def side_source(tree: Path | None) -> Path:
+    """The folder a side's processes import ``kvpool.services`` from, asked of a python started as they are."""
+    done = subprocess.run([sys.executable, "-c", "import kvpool.services.cli as c; print(c.__file__)"],
+                          env=side_env(tree), cwd=side_cwd(tree), capture_output=True, text=True, check=True)
+    return Path(done.stdout.strip()).resolve()
+
+
+def check_side_source(tree: Path) -> None:
+    """Refuse to compare against a baseline whose processes would not run the baseline's own code."""
+    source, want = side_source(tree), tree.resolve()
+    if not source.is_relative_to(want):
+        raise SystemExit(f"kvpool bench ab: the baseline's processes would import {source}, not its tree {want}")
+
+
 class Side:
     """One checkout's ``kvpool up`` on ports picked here (an older ``up`` may write no ready file), and where
     its router listens."""
 
     def __init__(self, name: str, tree: Path | None, workdir: Path, up_args: list[str]) -> None:
         self.name = name
-        env = dict(os.environ)
-        if tree is not None:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH", "")]))
+        env = side_env(tree)
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = workdir / f"{name}.out"
         (workdir / name).mkdir(mode=0o700, exist_ok=True)  # kvpool up's workdir must be private
@@ -113,8 +142,8 @@ class Side:
             ports = ["--http-port", "0", "--grpc-port", "0", "--ready-file", str(self.ready)]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from kvpool.services.cli import main; raise SystemExit(main())", "up",
-                 *up_args, *ports, "--workdir", str(workdir / name)], env=env, stdout=out, stderr=subprocess.STDOUT)
+                [sys.executable, "-c", LAUNCH, "up", *up_args, *ports, "--workdir", str(workdir / name)],
+                env=env, cwd=side_cwd(tree), stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
         """Until the router's /health answers 200: every backend in rotation."""
@@ -223,11 +252,14 @@ def main(args: argparse.Namespace) -> int:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         tree = baseline_tree(args.baseline, workdir)
+        check_side_source(tree)
         rounds = args.rounds or (2 if args.quick else 5)
         result: dict[str, Any] = {}
         errors = compared = identical = 0
         for label, up_args, cases, model in (("cases", UP_ARGS, CASES, MODEL),
                                              ("control", CONTROL_UP_ARGS, CONTROL_CASES, "tiny")):
+            if args.cases not in ("all", label):
+                continue
             sides = [Side("baseline", tree, workdir / label, up_args), Side("current", None, workdir / label, up_args)]
             try:
                 for side in sides:
@@ -242,7 +274,8 @@ def main(args: argparse.Namespace) -> int:
             result |= got
     result |= {"errors": errors, "greedy_identical": f"{identical}/{compared}", "baseline": args.baseline,
                "current": current_commit(), "rounds": rounds, "cases_model": MODEL, "cases_kv_dtype": KV_DTYPE,
-               "control_model": "tiny", "stages": 4, "load_1m_after": round(os.getloadavg()[0], 2)}
+               "control_model": "tiny", "stages": 4, "which_cases": args.cases,
+               "load_1m_after": round(os.getloadavg()[0], 2)}
     print(json.dumps(result, default=str) if args.json else json.dumps(result, indent=1, default=str))
     return 0 if result["errors"] == 0 else 1
 

@@ -110,6 +110,9 @@ def add_bench(sub: Any) -> None:
     ab.add_argument("--rounds", type=int, help="rounds of every case, alternating which side goes first (default 5)")
     ab.add_argument("--hit-requests", type=int, default=5, help="one-token device-hit requests per round")
     ab.add_argument("--workdir", help="keep the clusters' logs here (default: a temporary folder)")
+    ab.add_argument("--cases", choices=("all", "cases", "control"), default="all",
+                    help="cases: the 4K/16K prompts on dsv3-kv-lean; control: the one-token device hit on tiny "
+                         "(mostly control time); all: both")
     master = bench_sub.add_parser(
         "master", help="what one pool master carries: CPU per lookup, save and turn, calls a second, index memory",
         description="Starts a master and two stores, populates the pool through real PutStart/PutEnd calls to "
