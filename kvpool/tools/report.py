@@ -7,7 +7,8 @@ A record is one JSON file per run of a command (``docs/results/DATE-NAME.json``)
 
 ``commit`` may be null (not known); ``transcribed_from_docs: true`` marks a record copied from figures the
 docs gave rather than saved from the command's own output (``output`` then holds only the figures the docs
-had, and ``source`` says where they were). A table in a doc lives between two markers::
+had, and ``source`` says where they were); ``withdrawn`` says why a record's figures do not hold (the run was
+kept, and its table rows say "withdrawn"). A table in a doc lives between two markers::
 
     <!-- report:NAME -->
     | ... |
@@ -94,6 +95,8 @@ def load_records(results: Path) -> dict[str, dict[str, Any]]:
             raise RecordError(f"{path.name}: host must be an object with a description")
         if record.get("transcribed_from_docs") and not record.get("source"):
             raise RecordError(f"{path.name}: a transcribed record says where from (source)")
+        if "withdrawn" in record and not (isinstance(record["withdrawn"], str) and record["withdrawn"].strip()):
+            raise RecordError(f"{path.name}: withdrawn says why the figures do not hold")
         records[path.name] = record
     return records
 
@@ -135,6 +138,7 @@ def cell(value: Any, fmt: str) -> str:
 def record_label(name: str, record: dict[str, Any]) -> str:
     commit = record.get("commit") or "commit not recorded"
     mark = ", transcribed" if record.get("transcribed_from_docs") else ""
+    mark += ", withdrawn" if record.get("withdrawn") else ""
     return f"[{record['date']}](results/{name}) ({commit}{mark})"
 
 

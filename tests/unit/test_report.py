@@ -63,6 +63,13 @@ def test_a_table_renders_one_row_a_record_oldest_first_with_a_link_and_the_commi
     ]
 
 
+def test_a_withdrawn_record_stays_and_its_rows_say_so(tmp_path):
+    write(tmp_path, "2026-12-05-bench-x.json", record(speed=1.0, ok=True) | {
+        "withdrawn": "both sides ran the same code"})
+    assert render(TABLE, load_records(tmp_path)).splitlines()[2:] == [
+        "| [2026-12-05](results/2026-12-05-bench-x.json) (abc1234, withdrawn) | 1.00 | yes |"]
+
+
 def test_rows_inside_a_record_and_a_missing_key_shows_a_dash(tmp_path):
     write(tmp_path, "2026-12-05-bench-x.json", record(errors=0, cases={"a": {"ms": 1234.5}, "b": {}, "n": 3}))
     assert render(ROWS, load_records(tmp_path)).splitlines()[2:] == [
@@ -128,6 +135,7 @@ def test_a_table_in_no_doc_is_reported(tmp_path):
     (lambda r: r.update(output={}), "output must be"),
     (lambda r: r.update(host={"cores": 2}), "host must be"),
     (lambda r: r.update(transcribed_from_docs=True), "says where from"),
+    (lambda r: r.update(withdrawn=""), "withdrawn says why"),
 ])
 def test_a_record_missing_what_a_record_must_say_does_not_load(tmp_path, change, message):
     data = record()
