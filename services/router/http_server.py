@@ -47,7 +47,10 @@ Message = dict[str, Any]
 App = Callable[[Message, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
 READ_BYTES = 65536
-KEEP_ALIVE_S = 5.0  # an idle connection between two requests is closed after this
+# an idle connection between two requests is closed after this: longer than clients keep an idle pooled
+# connection (httpx, and so the openai client: 5 s), so the client lets it go first. Equal timeouts race: the
+# server closes as the client sends its next request on it, which then fails with no response
+KEEP_ALIVE_S = 15.0
 LISTEN_BACKLOG = 4096  # connections the kernel queues before the server accepts them (capped at somaxconn)
 LINGER_S = 2.0
 PIPELINED_BYTES = 65536  # what a client may send ahead of its response before reading it pauses
