@@ -26,7 +26,7 @@ from kvpool.rpc import handoff_pb2 as kvpool_dot_rpc_dot_handoff__pb2
 from kvpool.rpc import prefill_pb2 as kvpool_dot_rpc_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpool/rpc/decode.proto\x12\nkvpool.rpc\x1a\x18kvpool/rpc/handoff.proto\x1a\x18kvpool/rpc/prefill.proto\"\x12\n\x10WatchRoomRequest\"\x1a\n\tRoomEvent\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\xb1\x01\n\x0eReserveRequest\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12+\n\x0blayer_split\x18\x02 \x03(\x0b\x32\x16.kvpool.rpc.LayerRange\x12\x13\n\x0b\x65ntry_bytes\x18\x03 \x01(\r\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0e\n\x06hold_s\x18\x06 \x01(\x01\x12\x13\n\x0bwith_logits\x18\x07 \x01(\x08\"<\n\x0fReserveResponse\x12)\n\x06target\x18\x01 \x01(\x0b\x32\x19.kvpool.rpc.HandoffTarget\"\xc6\x02\n\x0cServeRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.kvpool.rpc.DecodeSampling\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12+\n\x0blayer_split\x18\x07 \x03(\x0b\x32\x16.kvpool.rpc.LayerRange\x12\x13\n\x0bsession_key\x18\x08 \x01(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x19\n\x11prefill_timeout_s\x18\x0b \x01(\x01\x12\x14\n\x0croom_at_once\x18\x0c \x01(\x08\"\xb6\x01\n\rServeResponse\x12(\n\x08reserved\x18\x04 \x01(\x0b\x32\x14.kvpool.rpc.ReservedH\x00\x12\x30\n\tprefilled\x18\x01 \x01(\x0b\x32\x1b.kvpool.rpc.PrefillResponseH\x00\x12\x12\n\x08token_id\x18\x02 \x01(\x05H\x00\x12,\n\x07\x66igures\x18\x03 \x01(\x0b\x32\x19.kvpool.rpc.DecodeFiguresH\x00\x42\x07\n\x05\x65vent\"\x1e\n\x08Reserved\x12\x12\n\nroom_epoch\x18\x01 \x01(\x04\"Q\n\x0e\x44\x65\x63odeSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xbf\x01\n\rDecodeRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvpool.rpc.DecodeSampling\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x9f\x01\n\rDecodeFigures\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x03 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fscatter_seconds\x18\x05 \x01(\x01\x12\x1b\n\x13\x66irst_token_unix_ms\x18\x06 \x01(\x01\"[\n\x0e\x44\x65\x63odeResponse\x12\x12\n\x08token_id\x18\x01 \x01(\x05H\x00\x12,\n\x07\x66igures\x18\x02 \x01(\x0b\x32\x19.kvpool.rpc.DecodeFiguresH\x00\x42\x07\n\x05\x65vent\"j\n\rLandedRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x11\n\ttoken_end\x18\x04 \x01(\r\x12\x0f\n\x07trailer\x18\x05 \x01(\x08\";\n\x0eLandedResponse\x12\x17\n\x0fscatter_seconds\x18\x01 \x01(\x01\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\")\n\x14ReleaseRegionRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\")\n\x15ReleaseRegionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x14\n\x12\x44\x65\x63odeStatsRequest\"\xfb\x02\n\x0b\x44\x65\x63odeStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x13\n\x0b\x65ntry_bytes\x18\x03 \x01(\r\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x11\n\tnum_pages\x18\x07 \x01(\r\x12\x16\n\x0enum_pages_used\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x16\n\x0emax_batch_size\x18\x0b \x01(\r\x12\x13\n\x0bnum_regions\x18\x0c \x01(\r\x12\x1a\n\x12region_arena_bytes\x18\r \x01(\x04\x12\x19\n\x11region_bytes_used\x18\x0e \x01(\x04\x12\r\n\x05steps\x18\x0f \x01(\x04\x12\x1c\n\x14region_trailer_bytes\x18\x10 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x11 \x01(\r2\xee\x03\n\x06\x44\x65\x63ode\x12>\n\x05Serve\x12\x18.kvpool.rpc.ServeRequest\x1a\x19.kvpool.rpc.ServeResponse0\x01\x12\x42\n\x07Reserve\x12\x1a.kvpool.rpc.ReserveRequest\x1a\x1b.kvpool.rpc.ReserveResponse\x12\x43\n\x08Generate\x12\x19.kvpool.rpc.DecodeRequest\x1a\x1a.kvpool.rpc.DecodeResponse0\x01\x12?\n\x06Landed\x12\x19.kvpool.rpc.LandedRequest\x1a\x1a.kvpool.rpc.LandedResponse\x12T\n\rReleaseRegion\x12 .kvpool.rpc.ReleaseRegionRequest\x1a!.kvpool.rpc.ReleaseRegionResponse\x12@\n\x05Stats\x12\x1e.kvpool.rpc.DecodeStatsRequest\x1a\x17.kvpool.rpc.DecodeStats\x12\x42\n\tWatchRoom\x12\x1c.kvpool.rpc.WatchRoomRequest\x1a\x15.kvpool.rpc.RoomEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpool/rpc/decode.proto\x12\nkvpool.rpc\x1a\x18kvpool/rpc/handoff.proto\x1a\x18kvpool/rpc/prefill.proto\"\x12\n\x10WatchRoomRequest\"\x1a\n\tRoomEvent\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\xb1\x01\n\x0eReserveRequest\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12+\n\x0blayer_split\x18\x02 \x03(\x0b\x32\x16.kvpool.rpc.LayerRange\x12\x13\n\x0b\x65ntry_bytes\x18\x03 \x01(\r\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0e\n\x06hold_s\x18\x06 \x01(\x01\x12\x13\n\x0bwith_logits\x18\x07 \x01(\x08\"<\n\x0fReserveResponse\x12)\n\x06target\x18\x01 \x01(\x0b\x32\x19.kvpool.rpc.HandoffTarget\"\xe1\x02\n\x0cServeRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.kvpool.rpc.DecodeSampling\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12+\n\x0blayer_split\x18\x07 \x03(\x0b\x32\x16.kvpool.rpc.LayerRange\x12\x13\n\x0bsession_key\x18\x08 \x01(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x19\n\x11prefill_timeout_s\x18\x0b \x01(\x01\x12\x14\n\x0croom_at_once\x18\x0c \x01(\x08\x12\x19\n\x11\x66irst_token_early\x18\r \x01(\x08\"\xb6\x01\n\rServeResponse\x12(\n\x08reserved\x18\x04 \x01(\x0b\x32\x14.kvpool.rpc.ReservedH\x00\x12\x30\n\tprefilled\x18\x01 \x01(\x0b\x32\x1b.kvpool.rpc.PrefillResponseH\x00\x12\x12\n\x08token_id\x18\x02 \x01(\x05H\x00\x12,\n\x07\x66igures\x18\x03 \x01(\x0b\x32\x19.kvpool.rpc.DecodeFiguresH\x00\x42\x07\n\x05\x65vent\"\x1e\n\x08Reserved\x12\x12\n\nroom_epoch\x18\x01 \x01(\x04\"Q\n\x0e\x44\x65\x63odeSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xbf\x01\n\rDecodeRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvpool.rpc.DecodeSampling\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x9f\x01\n\rDecodeFigures\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x03 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fscatter_seconds\x18\x05 \x01(\x01\x12\x1b\n\x13\x66irst_token_unix_ms\x18\x06 \x01(\x01\"[\n\x0e\x44\x65\x63odeResponse\x12\x12\n\x08token_id\x18\x01 \x01(\x05H\x00\x12,\n\x07\x66igures\x18\x02 \x01(\x0b\x32\x19.kvpool.rpc.DecodeFiguresH\x00\x42\x07\n\x05\x65vent\"j\n\rLandedRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x11\n\ttoken_end\x18\x04 \x01(\r\x12\x0f\n\x07trailer\x18\x05 \x01(\x08\";\n\x0eLandedResponse\x12\x17\n\x0fscatter_seconds\x18\x01 \x01(\x01\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\")\n\x14ReleaseRegionRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\")\n\x15ReleaseRegionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x14\n\x12\x44\x65\x63odeStatsRequest\"\xfb\x02\n\x0b\x44\x65\x63odeStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x13\n\x0b\x65ntry_bytes\x18\x03 \x01(\r\x12\x10\n\x08kv_dtype\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x11\n\tnum_pages\x18\x07 \x01(\r\x12\x16\n\x0enum_pages_used\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x16\n\x0emax_batch_size\x18\x0b \x01(\r\x12\x13\n\x0bnum_regions\x18\x0c \x01(\r\x12\x1a\n\x12region_arena_bytes\x18\r \x01(\x04\x12\x19\n\x11region_bytes_used\x18\x0e \x01(\x04\x12\r\n\x05steps\x18\x0f \x01(\x04\x12\x1c\n\x14region_trailer_bytes\x18\x10 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x11 \x01(\r2\xee\x03\n\x06\x44\x65\x63ode\x12>\n\x05Serve\x12\x18.kvpool.rpc.ServeRequest\x1a\x19.kvpool.rpc.ServeResponse0\x01\x12\x42\n\x07Reserve\x12\x1a.kvpool.rpc.ReserveRequest\x1a\x1b.kvpool.rpc.ReserveResponse\x12\x43\n\x08Generate\x12\x19.kvpool.rpc.DecodeRequest\x1a\x1a.kvpool.rpc.DecodeResponse0\x01\x12?\n\x06Landed\x12\x19.kvpool.rpc.LandedRequest\x1a\x1a.kvpool.rpc.LandedResponse\x12T\n\rReleaseRegion\x12 .kvpool.rpc.ReleaseRegionRequest\x1a!.kvpool.rpc.ReleaseRegionResponse\x12@\n\x05Stats\x12\x1e.kvpool.rpc.DecodeStatsRequest\x1a\x17.kvpool.rpc.DecodeStats\x12\x42\n\tWatchRoom\x12\x1c.kvpool.rpc.WatchRoomRequest\x1a\x15.kvpool.rpc.RoomEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVERESPONSE']._serialized_start=319
   _globals['_RESERVERESPONSE']._serialized_end=379
   _globals['_SERVEREQUEST']._serialized_start=382
-  _globals['_SERVEREQUEST']._serialized_end=708
-  _globals['_SERVERESPONSE']._serialized_start=711
-  _globals['_SERVERESPONSE']._serialized_end=893
-  _globals['_RESERVED']._serialized_start=895
-  _globals['_RESERVED']._serialized_end=925
-  _globals['_DECODESAMPLING']._serialized_start=927
-  _globals['_DECODESAMPLING']._serialized_end=1008
-  _globals['_DECODEREQUEST']._serialized_start=1011
-  _globals['_DECODEREQUEST']._serialized_end=1202
-  _globals['_DECODEFIGURES']._serialized_start=1205
-  _globals['_DECODEFIGURES']._serialized_end=1364
-  _globals['_DECODERESPONSE']._serialized_start=1366
-  _globals['_DECODERESPONSE']._serialized_end=1457
-  _globals['_LANDEDREQUEST']._serialized_start=1459
-  _globals['_LANDEDREQUEST']._serialized_end=1565
-  _globals['_LANDEDRESPONSE']._serialized_start=1567
-  _globals['_LANDEDRESPONSE']._serialized_end=1626
-  _globals['_RELEASEREGIONREQUEST']._serialized_start=1628
-  _globals['_RELEASEREGIONREQUEST']._serialized_end=1669
-  _globals['_RELEASEREGIONRESPONSE']._serialized_start=1671
-  _globals['_RELEASEREGIONRESPONSE']._serialized_end=1712
-  _globals['_DECODESTATSREQUEST']._serialized_start=1714
-  _globals['_DECODESTATSREQUEST']._serialized_end=1734
-  _globals['_DECODESTATS']._serialized_start=1737
-  _globals['_DECODESTATS']._serialized_end=2116
-  _globals['_DECODE']._serialized_start=2119
-  _globals['_DECODE']._serialized_end=2613
+  _globals['_SERVEREQUEST']._serialized_end=735
+  _globals['_SERVERESPONSE']._serialized_start=738
+  _globals['_SERVERESPONSE']._serialized_end=920
+  _globals['_RESERVED']._serialized_start=922
+  _globals['_RESERVED']._serialized_end=952
+  _globals['_DECODESAMPLING']._serialized_start=954
+  _globals['_DECODESAMPLING']._serialized_end=1035
+  _globals['_DECODEREQUEST']._serialized_start=1038
+  _globals['_DECODEREQUEST']._serialized_end=1229
+  _globals['_DECODEFIGURES']._serialized_start=1232
+  _globals['_DECODEFIGURES']._serialized_end=1391
+  _globals['_DECODERESPONSE']._serialized_start=1393
+  _globals['_DECODERESPONSE']._serialized_end=1484
+  _globals['_LANDEDREQUEST']._serialized_start=1486
+  _globals['_LANDEDREQUEST']._serialized_end=1592
+  _globals['_LANDEDRESPONSE']._serialized_start=1594
+  _globals['_LANDEDRESPONSE']._serialized_end=1653
+  _globals['_RELEASEREGIONREQUEST']._serialized_start=1655
+  _globals['_RELEASEREGIONREQUEST']._serialized_end=1696
+  _globals['_RELEASEREGIONRESPONSE']._serialized_start=1698
+  _globals['_RELEASEREGIONRESPONSE']._serialized_end=1739
+  _globals['_DECODESTATSREQUEST']._serialized_start=1741
+  _globals['_DECODESTATSREQUEST']._serialized_end=1761
+  _globals['_DECODESTATS']._serialized_start=1764
+  _globals['_DECODESTATS']._serialized_end=2143
+  _globals['_DECODE']._serialized_start=2146
+  _globals['_DECODE']._serialized_end=2640
 # @@protoc_insertion_point(module_scope)

@@ -43,7 +43,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[_handoff_pb2.HandoffTarget, _Mapping]] = ...) -> None: ...
 
 class ServeRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "request_id", "prefill_address", "layer_split", "session_key", "tenant", "cache_salt", "prefill_timeout_s", "room_at_once")
+    __slots__ = ("prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "request_id", "prefill_address", "layer_split", "session_key", "tenant", "cache_salt", "prefill_timeout_s", "room_at_once", "first_token_early")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class ServeRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     ROOM_AT_ONCE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_EARLY_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: DecodeSampling
     max_tokens: int
@@ -68,7 +69,8 @@ class ServeRequest(_message.Message):
     cache_salt: str
     prefill_timeout_s: float
     room_at_once: bool
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DecodeSampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., layer_split: _Optional[_Iterable[_Union[_handoff_pb2.LayerRange, _Mapping]]] = ..., session_key: _Optional[str] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_timeout_s: _Optional[float] = ..., room_at_once: _Optional[bool] = ...) -> None: ...
+    first_token_early: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DecodeSampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., layer_split: _Optional[_Iterable[_Union[_handoff_pb2.LayerRange, _Mapping]]] = ..., session_key: _Optional[str] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefill_timeout_s: _Optional[float] = ..., room_at_once: _Optional[bool] = ..., first_token_early: _Optional[bool] = ...) -> None: ...
 
 class ServeResponse(_message.Message):
     __slots__ = ("reserved", "prefilled", "token_id", "figures")

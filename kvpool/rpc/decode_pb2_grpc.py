@@ -86,7 +86,8 @@ class DecodeServicer:
         figures. However the call ends (done, cancelled, failed), the pages and
         the region are free when it has. A prefill failure comes back with its
         status: UNAVAILABLE naming field "pipeline" when the pipeline failed,
-        "target" when writing into this shard did.
+        "target" when writing into this shard did. With first_token_early the
+        first token may come before the prefill's answer (see the field).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

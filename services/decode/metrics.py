@@ -42,5 +42,11 @@ class DecodeMetrics:
                                   "room and waited for some to be given back", registry=r)
         self.room_refusals = Counter("kvpool_decode_room_refusals", "Serve calls answered at once that there is "
                                      "no room now (the router queues them and asks again when told)", registry=r)
+        self.early_starts = Counter("kvpool_decode_early_starts", "Serve calls whose decoding began once their "
+                                    "whole region landed, before the prefill's answer came back along the "
+                                    "stages (first_token_early)", registry=r)
+        self.prefill_failed_after_landing = Counter(
+            "kvpool_decode_prefill_failed_after_landing", "Serve calls decoding from a whole region whose prefill "
+            "then failed (the tokens stand; the prefill's figures are lost)", registry=r)
         self.regions_expired = Counter("kvpool_decode_regions_expired",
                                        "Receive regions reclaimed at their deadline", registry=r)

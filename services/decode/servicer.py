@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import structlog
@@ -118,20 +120,53 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                                  timeout_s or None, shard.settings.room_wait_s)
         request_id = request.request_id or current_request_id()
         decoding = False
+        # the first token may leave before the prefill's answer: once the whole region landed (the answer still
+        # has to come back along the stages then), with logits to sample it from
+        early = request.first_token_early and bool(region.layout.trailer_bytes)
+        prefill = asyncio.ensure_future(self.prefill.prefill(
+            address, prompt, request.session_key, request.tenant, request.cache_salt, self.target_of(region),
+            timeout_s or shard.settings.region_deadline_s))
+        answered = False  # the prefill's answer went out (or never will: it failed after the region landed)
         try:
             if request.room_at_once:
                 yield decode_pb2.ServeResponse(reserved=decode_pb2.Reserved(room_epoch=shard.room.epoch))
-            prefilled = await self.prefill.prefill(
-                address, prompt, request.session_key, request.tenant, request.cache_salt, self.target_of(region),
-                timeout_s or shard.settings.region_deadline_s)
-            yield decode_pb2.ServeResponse(prefilled=prefilled)
+            if early:
+                await asyncio.wait([prefill, shard.landed_whole(region.region_id)],
+                                   return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() or not early:
+                yield decode_pb2.ServeResponse(prefilled=await prefill)
+                answered = True
+            else:
+                shard.metrics.early_starts.inc()
             decoding = True  # Generate claims the region now, and frees it with the pages however it ends
             async for figures, token_id in decoded(shard.generate(
                     region.region_id, prompt, 0, params, request.max_tokens, list(request.stop_token_ids), request_id)):
+                if not answered and (prefill.done() or figures is not None):  # the answer before the figures
+                    answered = True
+                    answer = await self._answer_after_tokens(prefill, request_id)
+                    if answer is not None:
+                        yield answer
                 yield decode_pb2.ServeResponse(figures=figures, token_id=token_id)
         finally:
+            if not prefill.done():
+                prefill.cancel()
+            elif not prefill.cancelled():
+                prefill.exception()  # looked at: a failure after the tokens went is logged where it is read
+            shard.forget_whole(region.region_id)
             if not decoding:  # failed or cancelled before decoding: region and pages back now
                 shard.release_region(region.region_id)
+
+    async def _answer_after_tokens(self, prefill: asyncio.Future[Any], request_id: str
+                                   ) -> decode_pb2.ServeResponse | None:
+        """The prefill's answer, for a request whose tokens began before it; None when the prefill failed after
+        its whole region landed (the tokens stand: they came from a complete region; its figures are lost)."""
+        await asyncio.wait([prefill])  # within the prefill's own deadline
+        if prefill.cancelled() or prefill.exception() is not None:
+            error = "cancelled" if prefill.cancelled() else str(prefill.exception())
+            log.warning("prefill_failed_after_landing", request_id=request_id, error=error)
+            self.shard.metrics.prefill_failed_after_landing.inc()
+            return None
+        return decode_pb2.ServeResponse(prefilled=prefill.result())
 
     async def Generate(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[decode_pb2.DecodeResponse]:

@@ -57,6 +57,7 @@ EXPIRE_INTERVAL_S = 0.25
 # a region given back keeps its bytes this long: a prefill write that checked the region just
 # before it went lands in bytes nobody else holds (kvpool.core.decode.regions)
 WRITER_GRACE_S = 0.5
+INLINE_SCATTER_TOKENS = 64  # a landed part of at most this many tokens is scattered on the event loop
 ARENA_NAME = "decode-arena"  # the receive arena's segment name on its shared-memory socket
 MAX_CONTROL_SLOTS = 4096  # regions open at once, at most, with control records (1 MiB of them)
 
@@ -131,6 +132,7 @@ class DecodeShard:
         self.notify_address = ""  # this shard's gRPC address, for Landed (the server sets it)
         self._rung = False
         self._scan: asyncio.Future[None] | None = None
+        self._whole: dict[int, asyncio.Future[None]] = {}  # region id -> resolved once all of it landed
         self._room_changed = asyncio.Event()  # set (and replaced) whenever room may have come back
         self.room = RoomBell()  # tells routers whose Serve found no room when some comes back
         self._wake = asyncio.Event()
@@ -208,6 +210,23 @@ class DecodeShard:
         region.landed.check(stage, token_start, token_end, trailer)
         return await self._land(region, stage, token_start, token_end, trailer, "call")
 
+    def landed_whole(self, region_id: int) -> asyncio.Future[None]:
+        """Resolved once every stage's part of a reserved region and its logits have landed and been
+        scattered into its pages, by one writing of each stage (a region written again, by a retried
+        prefill, resolves it never: its Generate scatters it whole). ``forget_whole`` when done with it."""
+        whole = self._whole.get(region_id)
+        if whole is None:
+            whole = self._whole[region_id] = asyncio.get_running_loop().create_future()
+            region = self.regions.get(region_id)
+            if region is not None and region.landed is not None and region.landed.complete and not region.rewritten:
+                whole.set_result(None)
+        return whole
+
+    def forget_whole(self, region_id: int) -> None:
+        whole = self._whole.pop(region_id, None)
+        if whole is not None and not whole.done():
+            whole.cancel()
+
     def on_doorbell(self) -> None:
         """A stage on this host published progress in a control record: scatter what landed (one scan at a
         time; a ring during a scan makes it look again)."""
@@ -254,13 +273,21 @@ class DecodeShard:
         seq = self.scheduler.get(region.seq_id) if region.seq_id else None
         if seq is not None and token_start < token_end:
             started = time.perf_counter()
-            await asyncio.get_running_loop().run_in_executor(
-                self._compute, scatter_range, self.region_tensor(region), region.layout, self.model.pages,
-                list(seq.page_ids), stage, token_start, token_end)
+            scatter = (scatter_range, self.region_tensor(region), region.layout, self.model.pages,
+                       list(seq.page_ids), stage, token_start, token_end)
+            if token_end - token_start <= INLINE_SCATTER_TOKENS:
+                # a few tokens (the last piece of a cached prompt): the copy costs less than the compute thread's
+                # wake-ups; the pages are this sequence's own, which no step reads before it is admitted
+                scatter[0](*scatter[1:])
+            else:
+                await asyncio.get_running_loop().run_in_executor(self._compute, *scatter)
             seconds = time.perf_counter() - started
         if self.regions.get(region_id) is region and (seq is not None or token_start == token_end):
             region.landed.land(stage, token_start, token_end, trailer)  # scattered (or nothing to scatter)
             self.metrics.landed.labels(by).inc()
+            whole = self._whole.get(region_id)
+            if whole is not None and not whole.done() and region.landed.complete and not region.rewritten:
+                whole.set_result(None)
         return seconds, region.landed.complete
 
     async def expire_regions_forever(self) -> None:
@@ -423,8 +450,12 @@ class DecodeShard:
             inputs = [DecodeInput(live.last_token, live.seq.position, list(live.seq.page_ids)) for live in batch]
             params = [live.params for live in batch]
             try:
-                tokens, firsts, scatter_seconds, step_seconds = await loop.run_in_executor(
-                    self._compute, self._compute_step, to_scatter, inputs, params)
+                if not inputs and all(entry[-1] for entry in to_scatter):
+                    # only first tokens to draw from landed logits: less work than the compute thread's wake-ups
+                    tokens, firsts, scatter_seconds, step_seconds = self._compute_step(to_scatter, inputs, params)
+                else:
+                    tokens, firsts, scatter_seconds, step_seconds = await loop.run_in_executor(
+                        self._compute, self._compute_step, to_scatter, inputs, params)
             except Exception as exc:  # a bug, not bad input: fail these sequences, keep serving
                 log.exception("decode_step_failed", batch=len(batch))
                 for live in {id(x): x for x in batch + admitted}.values():

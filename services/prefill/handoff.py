@@ -74,6 +74,7 @@ log = structlog.get_logger(__name__)
 ARENA_WAIT_S = 30.0  # for room in the handoff arena, at most
 # finished handoffs nobody asked about (stage 0 gone) are forgotten past this many
 MAX_FINISHED = 1024
+INLINE_COPY_BYTES = 1 << 20  # a same-host copy this small runs on the event loop (about 0.1 ms)
 _SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
 
@@ -333,7 +334,10 @@ class StageHandoff:
                         torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
 
         try:
-            await asyncio.to_thread(copy_in)
+            if (token_end - token_start) * layout.stage_nbytes(self.stage) // layout.num_tokens + len(trailer) <= INLINE_COPY_BYTES:
+                copy_in()  # a few tokens (and the logits): less than a thread's wake-ups
+            else:
+                await asyncio.to_thread(copy_in)
         except SharedMemoryUnavailable as exc:  # forgotten before the copy began: decode went away
             raise Unavailable(f"stage {self.stage}: decode's arena at {shared.socket_path} went away: {exc}",
                               field="target") from None

@@ -57,6 +57,10 @@ class PrefillSettings(ModelSetting):
     forward_piece_tokens: int = setting(
         2048, help="the forward runs in pieces of this many tokens (a multiple of chunk_size); each piece's KV "
                    "streams to decode as soon as the piece ends")
+    inline_forward_tokens: int = setting(
+        16, help="a piece of at most this many tokens computes on the event loop's thread when no other piece is "
+                 "computing, skipping the compute thread's two wake-ups (a short piece is mostly fixed cost, "
+                 "a one-token turn on a cached prompt most of all); 0: every piece on a compute thread")
     bench_forward: str = setting(
         "streamed", choices=BENCH_FORWARDS,
         help="benchmarks' baselines only, for every stage of a pipeline alike: streamed (the service: the handoff "
@@ -150,6 +154,8 @@ class PrefillSettings(ModelSetting):
         check_queue_settings(self)
         if self.admission_timeout_s <= 0:
             raise ValueError(f"admission_timeout_s: must be positive, got {self.admission_timeout_s}")
+        if self.inline_forward_tokens < 0:
+            raise ValueError(f"inline_forward_tokens: must be >= 0, got {self.inline_forward_tokens}")
         if self.inline_activation_bytes < 0:
             raise ValueError(f"inline_activation_bytes: must be >= 0, got {self.inline_activation_bytes}")
         if not self.transfer_engine:

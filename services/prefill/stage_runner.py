@@ -223,9 +223,13 @@ class StageRunner:
         start = compute_start
         while start < end:
             stop = min(end, (start // piece + 1) * piece)
-            out, seconds, alone = await loop.run_in_executor(
-                lane, self._timed_forward, inputs[start - compute_start: stop - compute_start],
-                list(block_table), start)
+            piece_inputs = inputs[start - compute_start: stop - compute_start]
+            if stop - start <= self.settings.inline_forward_tokens and not self._busy:
+                # nothing else computes: a short piece costs less here than the compute thread's two wake-ups
+                out, seconds, alone = self._timed_forward(piece_inputs, list(block_table), start)
+            else:
+                out, seconds, alone = await loop.run_in_executor(
+                    lane, self._timed_forward, piece_inputs, list(block_table), start)
             if alone:  # (one sharing the cores with another lane's would read this host as slower)
                 self.work_scale.observe_piece(start, stop, seconds)
             for block_id in block_table[start // size:-(-stop // size)]:

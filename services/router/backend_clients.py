@@ -63,14 +63,16 @@ class Sampling:
 
 class ServeStream:
     """One ``Serve`` call (module doc of ``kvpool.services.router.router``): ``reserved`` (the shard holds the
-    room) comes first, then ``prefilled`` (what the prefill counted), then the token ids; ``finish_reason``
-    ("stop" or "length") once it ended. ``cancel`` ends the call, and decode frees the request's region and
-    pages."""
+    room) comes first, then ``prefilled`` (what the prefill counted) and the token ids — the first token may come
+    before ``prefilled`` (``first_token_early``: the shard saw the whole region land before the answer came back
+    along the stages) —; ``finish_reason`` ("stop" or "length") once it ended. ``cancel`` ends the call, and
+    decode frees the request's region and pages."""
 
     def __init__(self, call: Any) -> None:
         self._call = call
         self.finish_reason = ""
-        self._first: Any = None  # an older shard's first message, its prefill's answer
+        self._first: Any = None  # an older shard's first message (its prefill's answer), or an early token's
+        self.on_prefilled: Callable[[Prefilled], None] | None = None  # a prefill's answer after tokens
 
     async def reserved(self) -> None:
         """Until the shard holds the request's room: its ``reserved`` message (an older shard sends none:
@@ -79,24 +81,39 @@ class ServeStream:
         if response is grpc.aio.EOF or not response.HasField("reserved"):
             self._first = response
 
-    async def prefilled(self) -> Prefilled:
-        """The prefill's figures: the message after ``reserved`` (the call failing before it raises)."""
+    async def prefilled(self) -> Prefilled | None:
+        """The prefill's figures: the message after ``reserved`` (the call failing before it raises); None
+        when a token came first (kept for the iteration: the figures then go to ``on_prefilled``)."""
         response, self._first = (self._first if self._first is not None else await self._call.read()), None
+        if response is not grpc.aio.EOF and response.WhichOneof("event") == "token_id":
+            self._first = response
+            return None
         if response is grpc.aio.EOF or not response.HasField("prefilled"):
             raise Unavailable("decode: Serve answered no prefill first")
-        figures, handoff = response.prefilled.figures, response.prefilled.handoff
-        return Prefilled(figures.num_device_tokens, figures.num_pool_tokens, figures.num_computed_tokens,
-                         handoff.transfers, handoff.bytes)
+        return prefilled_of(response)
 
     async def __aiter__(self) -> AsyncIterator[int]:
-        while (response := await self._call.read()) is not grpc.aio.EOF:
-            if response.HasField("figures"):
+        kept, self._first = self._first, None
+        while (response := kept if kept is not None else await self._call.read()) is not grpc.aio.EOF:
+            kept = None
+            event = response.WhichOneof("event")
+            if event == "figures":
                 self.finish_reason = "stop" if response.figures.finish_reason == "stop" else "length"
                 return
-            yield response.token_id
+            if event == "prefilled":
+                if self.on_prefilled is not None:
+                    self.on_prefilled(prefilled_of(response))
+            else:
+                yield response.token_id
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+def prefilled_of(response: Any) -> Prefilled:
+    figures, handoff = response.prefilled.figures, response.prefilled.handoff
+    return Prefilled(figures.num_device_tokens, figures.num_pool_tokens, figures.num_computed_tokens,
+                     handoff.transfers, handoff.bytes)
 
 
 @dataclass(slots=True)
@@ -145,7 +162,7 @@ class ShardClient:
                 max_tokens=max_tokens, stop_token_ids=stop_token_ids, request_id=request_id,
                 prefill_address=pipeline, session_key=session_key, tenant=tenant, cache_salt=cache_salt,
                 layer_split=[handoff_pb2.LayerRange(start=s, end=e) for s, e in layer_split],
-                prefill_timeout_s=prefill_timeout_s, room_at_once=True,
+                prefill_timeout_s=prefill_timeout_s, room_at_once=True, first_token_early=True,
             ),
             timeout=timeout_s,
         ))

@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -66,6 +68,7 @@ from kvpool.services.router.http_api import Usage
 from kvpool.services.router.metrics import RouterMetrics
 from kvpool.services.router.tickets import Tickets, admission_request
 
+T = TypeVar("T")
 log = structlog.get_logger(__name__)
 
 # a backend's answer the client must see as such: its own bad input, or no room now (429)
@@ -197,8 +200,11 @@ class Router:
                 try:
                     await self._answer(stream.reserved(), ticket, request_id)
                     self._carry(driver.reserved(loop.time()))
-                    self._count_prefill(await self._answer(stream.prefilled(), ticket, request_id), usage,
-                                        ticket.shard)
+                    prefilled = await self._answer(stream.prefilled(), ticket, request_id)
+                    if prefilled is not None:
+                        self._count_prefill(prefilled, usage, ticket.shard)
+                    else:  # the first token came first: the prefill's answer comes among the tokens
+                        stream.on_prefilled = functools.partial(self._count_prefill, usage=usage, shard=ticket.shard)
                     async for token in self._tokens(stream, ticket, request_id):
                         if not first_at:
                             first_at = time.perf_counter()
@@ -292,7 +298,7 @@ class Router:
                            request.max_tokens, request.stop_token_ids, request_id, request.session_key,
                            request.tenant, request.cache_salt, left_s, self.request_timeout_s)
 
-    async def _answer(self, call: Awaitable[Prefilled], ticket: Ticket, request_id: str) -> Prefilled:
+    async def _answer(self, call: Awaitable[T], ticket: Ticket, request_id: str) -> T:
         try:
             return await call
         except grpc.aio.AioRpcError as exc:

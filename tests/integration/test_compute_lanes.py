@@ -1,10 +1,11 @@
 """A stage's compute lanes (``services/prefill/stage_runner.py``): one thread per tenant, the real tiny model
 in this process, one stage, no pool. Another tenant's short forward runs while a long piece computes; the
-same tenant's waits for it, in the order it came."""
+same tenant's waits for it, in the order it came; a short piece with nothing else computing skips the thread."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -78,3 +79,26 @@ async def test_a_tenant_gets_the_same_outputs_on_its_lane(runner: StageRunner) -
     a = await runner.forward(ids, [0, 1], 0, tenant="alice")
     b = await runner.forward(ids, [2, 3], 0, tenant="bob")
     assert torch.equal(a, b)
+
+
+async def test_a_short_piece_alone_computes_on_the_loops_thread_with_the_same_outputs() -> None:
+    """``--inline-forward-tokens``: a short piece with nothing else computing skips the compute thread (its two
+    wake-ups cost more than a one-token forward); a longer one, or any with the setting 0, takes its lane."""
+    ids = torch.randint(get_config("tiny").vocab_size, (300,), generator=torch.Generator().manual_seed(9))
+    outputs, threads = [], []
+    for inline in (16, 0):
+        one = make_runner(inline_forward_tokens=inline)
+        forward = one.model.forward
+
+        def recorded(*args, _forward=forward):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread() is threading.main_thread())
+            return _forward(*args)
+
+        one.model.forward = recorded  # type: ignore[method-assign]
+        try:
+            await one.forward(ids[:256], [0, 1], 0, tenant="alice")  # the cached prefix: one chunk, on the lane
+            outputs.append(await one.forward(ids[256:257], [0, 1], 256, tenant="alice"))  # one new token
+        finally:
+            one.close()
+    assert threads == [False, True, False, False]
+    assert torch.equal(outputs[0], outputs[1])

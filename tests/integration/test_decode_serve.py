@@ -6,7 +6,8 @@ before any room is taken, and the shard serves on; a pipeline that is down comes
 field ``pipeline``; a router's call (``room_at_once``) that finds no room is refused at once and WatchRoom says
 when room comes back, while an older router's call waits for the room a request is giving back, woken by it,
 and gives up with RESOURCE_EXHAUSTED after ``--room-wait-s``; a call cancelled during its prefill leaves no region
-and no pages behind.
+and no pages behind. A router's call (``first_token_early``) gets its first token once the whole region landed,
+before the prefill's answer.
 """
 
 from __future__ import annotations
@@ -93,6 +94,30 @@ async def test_one_call_prefills_into_its_region_and_decodes(parts) -> None:  # 
     assert tokens == reference(token_ids, 6)
     again, _ = await serve(told.address, serve_request(pipeline.address, token_ids))
     assert again.figures.num_device_tokens == 512  # the next turn's prefix is a device hit
+    left = await stats(told.address)
+    assert (left.num_regions, left.num_pages_used, left.num_reserved) == (0, 0, 0)
+
+
+async def test_with_first_token_early_tokens_leave_once_the_region_landed(parts) -> None:  # type: ignore[no-untyped-def]
+    """A router's call (``first_token_early``): on a device hit the whole region lands before the prefill's
+    answer comes back along the stages, and the first token leaves then; the answer still comes once, before
+    the figures, the tokens are the reference's and nothing is held afterwards."""
+    pipeline, told, _ = parts
+    token_ids = prompt(7, 600)
+    await serve(told.address, serve_request(pipeline.address, token_ids))  # the next calls' prefix: a device hit
+    early = metric(told.process, "kvpool_decode_early_starts_total")
+    orders = []
+    for extra in range(5):
+        request = serve_request(pipeline.address, token_ids + [extra], first_token_early=True, room_at_once=True)
+        async with service.channel(told.address) as channel:
+            responses = [r async for r in decode_pb2_grpc.DecodeStub(channel).Serve(request, timeout=60)]
+        events = [r.WhichOneof("event") for r in responses]
+        assert events[0] == "reserved" and events[-1] == "figures" and events.count("prefilled") == 1
+        tokens = [r.token_id for r in responses if r.WhichOneof("event") == "token_id"]
+        assert tokens == reference(token_ids + [extra], 6)
+        orders.append(events.index("prefilled") > events.index("token_id"))
+    # the region lands by the doorbell, one hop; the answer comes back along two stages: some token went first
+    assert any(orders) and metric(told.process, "kvpool_decode_early_starts_total") > early
     left = await stats(told.address)
     assert (left.num_regions, left.num_pages_used, left.num_reserved) == (0, 0, 0)
 
