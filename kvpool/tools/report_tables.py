@@ -141,6 +141,7 @@ TABLES: dict[str, Table] = {
         C("errors", "@output/cases/errors"),
     )),
     "bench-ab": Table(("*-bench-ab*.json",), rows="output/cases|output", key_header="case", columns=(
+        C("baseline", "@output/baseline"),
         C("baseline p50 ms", "baseline_p50_ms|ttft_ms_p50/baseline", ",.1f"),
         C("current p50 ms", "current_p50_ms|ttft_ms_p50/current", ",.1f"),
         C("`ratio_p50`", "ratio_p50", ".3f"),
