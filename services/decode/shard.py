@@ -450,8 +450,9 @@ class DecodeShard:
             inputs = [DecodeInput(live.last_token, live.seq.position, list(live.seq.page_ids)) for live in batch]
             params = [live.params for live in batch]
             try:
-                if not inputs and all(entry[-1] for entry in to_scatter):
-                    # only first tokens to draw from landed logits: less work than the compute thread's wake-ups
+                if not inputs and all(entry[-1] and entry[-2].temperature == 0 for entry in to_scatter):
+                    # only greedy first tokens to draw from landed logits (an argmax: a sampled draw may sort the
+                    # vocabulary): less work than the compute thread's wake-ups
                     tokens, firsts, scatter_seconds, step_seconds = self._compute_step(to_scatter, inputs, params)
                 else:
                     tokens, firsts, scatter_seconds, step_seconds = await loop.run_in_executor(
