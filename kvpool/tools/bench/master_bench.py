@@ -342,6 +342,10 @@ class Run:
         for done in self.jobs([{"kind": "populate", "histories": part} for part in parts if part]):
             for status, count in done["refused"].items():  # why a history might not hit (should stay empty)
                 self.refused[status] = self.refused.get(status, 0) + count
+        # and each looked up once, so all of it is newer than whatever the phases before saved: a put leaves a
+        # group that was there where it was in the order, and the next phase's saves would evict those first
+        self.jobs([{"kind": "ops", "op": "lookup", "legacy": False, "turn": _turn(self.turn), "histories": histories,
+                    "fresh_from": self._fresh(), "count": len(histories)}])
 
     def cost(self, op: str, legacy: bool, histories: list[int]) -> dict[str, Any]:
         """The master's CPU per operation, one client calling one after another."""
@@ -350,6 +354,9 @@ class Run:
         self.settle(f"{op}_cpu_ms" + ("_legacy" if legacy else ""))
         job = {"kind": "ops", "op": op, "legacy": legacy, "turn": _turn(self.turn),
                "histories": histories, "fresh_from": self._fresh(), "pid": self.pid, "seconds": self.cost_seconds}
+        if op == "turn":  # its saves evict: at most half of what the pool holds beside the histories it looks up
+            spare = self.stats().num_objects - len(histories) * HISTORY_CHUNKS * STAGES
+            job["count"] = max(1, spare // 2 // (self.turn.new_chunks * STAGES))
         (result,) = self.jobs([job])
         return {"cpu_ms": round(result["master_cpu_s"] * 1e3 / max(1, result["done"]), 3), "calls": result["done"],
                 "hit_share": _share(result["hits"], result["lookups"]), "short": result["short"]}
