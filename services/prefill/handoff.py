@@ -334,7 +334,8 @@ class StageHandoff:
                         torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
 
         try:
-            if (token_end - token_start) * layout.stage_nbytes(self.stage) // layout.num_tokens + len(trailer) <= INLINE_COPY_BYTES:
+            nbytes = (token_end - token_start) * layout.stage_nbytes(self.stage) // layout.num_tokens + len(trailer)
+            if nbytes <= INLINE_COPY_BYTES:
                 copy_in()  # a few tokens (and the logits): less than a thread's wake-ups
             else:
                 await asyncio.to_thread(copy_in)

@@ -98,7 +98,7 @@ async def test_one_call_prefills_into_its_region_and_decodes(parts) -> None:  # 
     assert (left.num_regions, left.num_pages_used, left.num_reserved) == (0, 0, 0)
 
 
-async def test_with_first_token_early_tokens_leave_once_the_region_landed(parts) -> None:  # type: ignore[no-untyped-def]
+async def test_with_first_token_early_tokens_leave_once_the_region_landed(parts):  # type: ignore[no-untyped-def]
     """A router's call (``first_token_early``): on a device hit the whole region lands before the prefill's
     answer comes back along the stages, and the first token leaves then; the answer still comes once, before
     the figures, the tokens are the reference's and nothing is held afterwards."""
