@@ -70,6 +70,29 @@ def test_second_send_of_a_prompt_is_served_from_cache(client: openai.OpenAI) -> 
     assert k["device_tokens"] + k["pool_tokens"] + k["computed_tokens"] == 3000
 
 
+def test_a_first_token_before_the_prefills_answer_still_gets_its_figures_into_usage(
+        client: openai.OpenAI, cluster: Cluster) -> None:
+    """The router asks for the first token early: on a device hit it comes before the prefill's answer
+    (decode counts it), and the answer's figures still reach the usage."""
+    shards = [f"http://{cluster.topology.host}:{p.ready['admin_port']}" for p in cluster.services
+              if "decode" in p.name]
+
+    def early_starts() -> float:
+        return sum(metric(get(url, "/metrics", raw=True)[1], "kvpool_decode_early_starts_total") for url in shards)
+
+    prompt = "".join(chr(ord("a") + (i * 17) % 26) for i in range(1200))
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                              extra_body={"prompt_cache_key": "early"})
+    before = early_starts()
+    for i in range(4):
+        again = client.completions.create(model=MODEL, prompt=prompt + str(i), max_tokens=2, temperature=0,
+                                          extra_body={"prompt_cache_key": "early"})
+        k = ext(again.usage)  # the cached prefix from the device (or the pool, had the session moved)
+        assert k["device_tokens"] + k["pool_tokens"] == again.usage.prompt_tokens_details.cached_tokens == 1024
+        assert k["computed_tokens"] == 1201 - 1024
+    assert early_starts() > before
+
+
 def test_streaming_and_not_agree_token_for_token(client: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three primes."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
