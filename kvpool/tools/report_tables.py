@@ -240,6 +240,7 @@ TABLES: dict[str, Table] = {
         C("turns differing (per run)", "output/num_mismatched_turns_runs"),
         C("pool ops differing", "output/num_pool_ops_differing"),
         C("request effects differing", "output/num_effects_differing"),
+        C("router effects differing", "output/num_router_effects_differing"),
         C("pool tokens (per run)", "output/pool_tokens_runs|output/pool_tokens", ","),
         C("evictions (per run)", "output/evictions_runs|output/evictions"),
         C("`token_counts_equal`", "output/token_counts_equal"),

@@ -232,6 +232,36 @@ def test_a_recorded_cluster_run_replays_with_every_requests_effects_equal(tmp_pa
     assert (turns[(0, 7)].device_tokens, turns[(0, 7)].pool_tokens) == (2048, 0)  # as the cluster had it
 
 
+@pytest.mark.skipif(not (TRACES / "trace_0002.json").is_file(), reason="needs ../shared/traces/agentx-weka")
+def test_a_recorded_cluster_run_replays_with_every_requests_router_effects_equal(tmp_path: Path) -> None:
+    """A real cluster's records (``simulate --validate``, 71 turns of the three sessions, recorded 2026-12-06
+    once the router recorded its request driver's effects; the cluster had 30,720 pool tokens and 86
+    evictions). The simulator's router runs the same driver over ``Admission``: every request's router effects
+    come out as the cluster's router recorded them, and stage 0's and the master's as before."""
+    import gzip
+
+    from kvpool.request_record import read_records
+    from kvpool.tools.sim import validate_cmd
+    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, load_cost_model
+    from kvpool.tools.sim.validate import ValidationSetup, differing_effects, replay_sessions
+    from kvpool.workload.weka import load_session
+
+    records = tmp_path / "requests.jsonl"
+    records.write_bytes(gzip.decompress((ROOT / "tests" / "data" / "validate-records-router.jsonl.gz").read_bytes()))
+    traces = [TRACES / name for name in validate_cmd.VALIDATION_TRACES]
+    events, ops, effects, router = validate_cmd.recorded_orders(read_records(records), [t.stem for t in traces])
+    assert len(router) == len(effects) == 71
+    assert all(turn[0]["event"] == "admit" and turn[-1]["event"] == "end" for turn in router.values())
+    setup = ValidationSetup(context=32768, device_cache_tokens=validate_cmd.DEVICE_CACHE_TOKENS,
+                            store_bytes=validate_cmd.SEGMENT_BYTES)
+    turns, _, pool = replay_sessions([load_session(t) for t in traces], setup, load_cost_model(CPU_COST_MODEL),
+                                     events, None, ops)
+    assert pool["events_left"] == 0 and pool["pool_ops_left"] == 0 and pool["pool_ops_differing"] == []
+    assert differing_effects(pool["effects"], effects) == []
+    assert pool["router_effects"] == router
+    assert sum(t.pool_tokens for t in turns.values()) == 30720 and pool["evictions"] == 86
+
+
 def test_recorded_pool_ops_apply_in_the_recorded_order_and_count_differing_outcomes() -> None:
     from kvpool.tools.sim.events import EventLoop
     from kvpool.tools.sim.validate import RecordedPoolOps

@@ -1,11 +1,12 @@
 """One simulated run: a cluster of the core's policy objects, a closed loop of trace sessions, a clock.
 
 The cluster is the services' decisions without their processes: per server,
-prefill pipelines (``BlockManager`` + ``PrefillRequest``), decode shards
-(``DecodeScheduler``), store segments mounted on pool masters
-(``PoolIndex``: one over every store of every server when the pool is
-shared; one per server over its prefill-side store only when split), and one
-router (``RoutingPolicy``). Stores heartbeat every second; a store that dies
+prefill pipelines (stage 0's ``PrefillDriver`` over its ``BlockManager``),
+decode shards (``ShardRoom`` + ``DecodeScheduler``), store segments mounted on
+pool masters (``PoolIndex``: one over every store of every server when the
+pool is shared; one per server over its prefill-side store only when split),
+and one router (``RouterRequest`` over ``Admission``: a turn's decode room is
+reserved at its ticket, before prefill, or it queues). Stores heartbeat every second; a store that dies
 stops, and the master drops it after its TTL (``expire_segments``). Each
 master serves its operations one at a time and each server's NIC is shared by
 the transfers crossing it (``network``).

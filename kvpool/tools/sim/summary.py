@@ -10,7 +10,8 @@ warm-up, over the counted span, per GPU of every server, prefill and decode):
   the work the GPUs did.
 Decode KV use: filled pages (a sequence's prompt and its tokens decoded so
 far) over all pages, sampled every 5 s per shard; ``decode_kv_reserved_p50``
-counts the pages admission reserved for a sequence's whole life instead.
+counts the pages the shards hold instead: each turn's pages for its whole
+life, from its router ticket (before prefill) to its last token.
 """
 
 from __future__ import annotations
