@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.tools.sim.cost_model import CostModel, DecodeCost, HandoffCost, ModelShape, PrefillCost, RestoreCost
 from kvpool.tools.sim.engine import Simulation, layer_split
@@ -281,3 +284,30 @@ def test_a_turn_short_of_decode_room_waits_at_the_router_and_prefills_once_room_
     assert min(sim.metrics.ttft_s[1:]) > s0_done
     assert sim.trace_policy["expired_in_queue"] == 0 and not sim.router.jobs
     assert all(shard.room.num_held == 0 for shard in sim.shards.values())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 40)), min_size=1, max_size=6),
+       st.integers(300, 1200), st.floats(5.0, 60.0))
+def test_whatever_the_turns_and_the_decode_room_every_turn_ends_and_nothing_is_held(
+        turns: list[tuple[int, int]], num_pages: int, queue_timeout_s: float) -> None:
+    # sessions of one turn each, all at once: (blocks of 64 tokens, output tokens); decode holds num_pages
+    # one-token pages (a turn needing more than that is refused at the door), the router's queue waits
+    # queue_timeout_s. Each turn is served, refused or expired, and at the end no page, ticket or queued turn is
+    # left, and no prefill block is held
+    traces = [session((64 * n - 5, list(range(100 * k, 100 * k + n)), 0.0)) for k, (n, _) in enumerate(turns)]
+    traces = [replace(t, turns=(replace(t.turns[0], output_tokens=out),)) for t, (_, out) in zip(traces, turns)]
+    topo = replace(topology(1), decode_kv_gib_per_gpu=num_pages / 4 / GIB)  # 4 GPUs x 1 B a token
+    settings_ = RunSettings(num_sessions=len(traces), duration_s=10_000.0, warmup_s=0.0, think_scale=1.0,
+                            start_spread_s=0.0, restart_sessions=False, queue_timeout_s=queue_timeout_s)
+    sim = Simulation(topo, settings_, COST, traces)
+    sim.router.effects = {}
+    sim.run()
+    policy = sim.trace_policy
+    served = len(sim.metrics.turn_tokens)
+    assert served + policy["refused_device_cache"] + policy["refused_decode"] + policy["expired_in_queue"] == len(turns)
+    assert not sim.router.jobs and sim.router.admission.num_admitted == 0 and sim.router.admission.num_queued == 0
+    assert all(shard.room.num_held == 0 and shard.scheduler.num_pages_used == 0 for shard in sim.shards.values())
+    assert all(p.blocks.num_free_blocks == p.blocks.num_blocks for p in sim.pipelines.values())
+    # every turn's router effects end with its release
+    assert all(e[-1]["event"] == "end" for e in sim.router.effects.values())
