@@ -218,8 +218,8 @@ TABLES: dict[str, Table] = {
     # docs/simulation.md
     "simulate-calibrate": Table(("*-simulate-calibrate*.json",), transpose=True, columns=(
         C("`[fit]` device KV GiB/GPU", "output/fit/device_kv_gib_per_gpu", ".1f"),
-        C("prefill ×", "output/fit/prefill_level", ".3g"), C("decode ×", "output/fit/decode_level"),
-        C("think ×", "output/fit/think_scale", ".3g"),
+        C("prefill ×", "output/fit/prefill_level"), C("decode ×", "output/fit/decode_level"),
+        C("think ×", "output/fit/think_scale"),
         C("decode KV GiB/GPU", "output/fit/decode_kv_gib_per_gpu", ".1f"),
         C("112: tokens/s per GPU (44K ± 10%)",
           "output/sessions_112/throughput_per_gpu|output/run_112/throughput_per_gpu", ",.0f"),
