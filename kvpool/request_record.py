@@ -3,13 +3,16 @@ writing process, for ``kvpool simulate --validate`` (which reads these, never a 
 
 Set ``KVPOOL_REQUEST_RECORD`` to a file (``recording_children``) and the services started with it append:
 
+- the router: ``{"source": "router", "kind": "effect", "event": ..., "effect": ..., ...}`` for every effect
+  of its request driver (``kvpool.core.admission.request_driver.effect_fields``), in order, once the request
+  ended;
 - stage 0: ``{"source": "stage0", "kind": "touch", ...}`` at a turn's arrival (it touches its session's
   cached blocks), and ``{"kind": "effect", "effect": ..., ...}`` for every effect of its request driver
   (``kvpool.core.prefill.driver.effect_fields``), as the driver returns them;
 - the master: ``{"source": "master", "kind": "pool_op", "op": ..., ...}`` for each lookup, lease release,
   put start and put end, with its outcome.
 
-Every line carries the request's id (and stage 0's, its session key). Unset, nothing is written and
+Every line carries the request's id (the router's and stage 0's, its session key too). Unset, nothing is written and
 nothing is paid. Lines are written whole with one append each, so several processes may share the file.
 """
 

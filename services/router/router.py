@@ -50,7 +50,8 @@ import grpc
 import structlog
 
 from kvpool.core.admission.admission import Admission, Ticket
-from kvpool.core.admission.request_driver import Apply, Failed, Moved, RouterRequest, Serve, WaitForHealth
+from kvpool.core.admission.request_driver import (
+    Apply, Failed, Moved, RouterRequest, Serve, WaitForHealth, effect_fields)
 from kvpool.core.admission.request_driver import Effect as RequestEffect
 from kvpool.core.admission.retry import PIPELINE_FIELD
 from kvpool.core.errors import ROOM_FIELD, InvalidArgument, KvpoolError, NoRoomNow, ResourceExhausted
@@ -60,6 +61,7 @@ from kvpool.core.api.public_errors import PIPELINE, SHARD, backend_label, public
 from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.core.api.served_context import ShardLimits, served_context
 from kvpool.request_id import bound_request_id, new_request_id
+from kvpool.request_record import RequestRecord
 from kvpool.tracing import name_request
 from kvpool.status import error_field, from_status, room_epoch
 from kvpool.services.router.backend_clients import LATE_CHECKS_OUT, Backends, Prefilled, Sampling, ServeStream, server_of
@@ -105,6 +107,7 @@ class Router:
         self.tickets = Tickets(self.admission, metrics)
         self.backends = Backends(pipelines, shards, self.admission, metrics, late_checks_out, self.tickets.apply)
         self._prefetches: set[asyncio.Task[None]] = set()  # fire-and-forget: a turn's end never waits on them
+        self.record = RequestRecord("router")  # each request's driver effects (kvpool simulate --validate)
 
     async def close(self) -> None:
         await self.backends.close()
@@ -185,6 +188,8 @@ class Router:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         driver = RouterRequest(self.admission, admission_request(request_id, request))
+        if self.record.on:
+            driver.log = []
         first_at = 0.0
         try:
             ticket = await self._next_ticket(driver, lambda: driver.admit(loop.time()))
@@ -228,6 +233,9 @@ class Router:
         finally:
             self._carry(driver.end(loop.time()))
             self.tickets.ended(request_id)
+            for event, effect in driver.log or ():
+                self.record.write("effect", request_id, session_key=request.session_key, event=event,
+                                  **effect_fields(effect))
             self.metrics.completion_tokens.inc(usage.completion_tokens)
 
     def _carry(self, effects: list[RequestEffect]) -> None:

@@ -8,56 +8,25 @@ from __future__ import annotations
 
 from kvpool.core.admission.admission import Admission, Admitted, AdmissionRequest, ShardShape, Ticket
 from kvpool.core.decode.pages import pages_for_request
-from kvpool.core.decode.regions import RegionTable
-from kvpool.core.decode.room_epoch import Held, RoomEpoch
 from kvpool.core.decode.scheduler import DecodeScheduler
-from kvpool.core.errors import ResourceExhausted
-from kvpool.core.handoff.layout import HandoffLayout
+from kvpool.core.decode.shard_room import ShardRoom
 
 
-class ShardOwner:
-    """One decode shard's room, as the shard counts it (``services/decode/shard.py``'s ``reserve_now``)."""
+class ShardOwner(ShardRoom):
+    """One decode shard's room, as the shard counts it: the core's ``ShardRoom`` over the shape's pages and
+    arena, named for these tests (``serve`` answers a ticket; ``region_of`` the requests holding a region)."""
 
     def __init__(self, shape: ShardShape) -> None:
-        self.shape = shape
-        self.scheduler = DecodeScheduler(shape.num_pages, shape.page_size, 64, shape.max_context, lambda: 0.0)
-        self.regions = RegionTable(shape.arena_bytes, 3600.0, lambda: 0.0)
-        self.room = RoomEpoch()
-        self.region_of: dict[str, int] = {}
+        super().__init__(DecodeScheduler(shape.num_pages, shape.page_size, 64, shape.max_context, lambda: 0.0),
+                         shape)
 
     def serve(self, request: AdmissionRequest) -> int | None:
         """Reserve the request's region and pages (None), or refuse it: the epoch the refusal names."""
-        layout = HandoffLayout.of(request.num_prompt_tokens, [(0, 1)], self.shape.region_bytes_per_token,
-                                  self.shape.region_trailer_bytes)
-        try:
-            region = self.regions.reserve(layout)
-        except ResourceExhausted:
-            return self.room.refused()
-        try:
-            self.scheduler.reserve(request.request_id, request.num_prompt_tokens, request.max_tokens)
-        except ResourceExhausted:
-            self.regions.free(region.region_id)
-            return self.room.refused()
-        self.region_of[request.request_id] = region.region_id
-        self._observe()
-        return None
-
-    def end(self, request_id: str) -> bool:
-        """The request's call ended: its room goes back. True: the give-back rings."""
-        region = self.region_of.pop(request_id, None)
-        if region is None:
-            return False
-        self.regions.free(region)
-        self.scheduler.release(request_id)
-        return self._observe()
-
-    def _observe(self) -> bool:
-        return self.room.observe(Held(self.scheduler.num_pages_used, self.regions.used_bytes,
-                                      self.regions.num_regions))
+        return self.reserve(request.request_id, request.num_prompt_tokens, request.max_tokens)
 
     @property
-    def num_held(self) -> int:
-        return len(self.region_of)
+    def region_of(self) -> dict[str, int]:
+        return self._region_of
 
 
 class Cluster:
@@ -133,6 +102,7 @@ def owner_fits(owner: ShardOwner, request: AdmissionRequest) -> bool:
     """Whether the shard has the room for ``request`` now (without taking it)."""
     shape = owner.shape
     pages = pages_for_request(request.num_prompt_tokens, request.max_tokens, shape.page_size)
+    assert owner.regions is not None
     allocator = owner.regions._allocator  # what the shard's region table allocates from
     return (pages <= owner.scheduler.pages.num_free
             and allocator.rounded_size(shape.region_bytes(request.num_prompt_tokens)) <= allocator.largest_free)

@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from kvpool import service
+from kvpool.request_record import read_records, recording_children
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
@@ -36,7 +37,13 @@ MAX_QUEUE = 6
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the cluster's services record what each request saw (``kvpool.request_record``)."""
+    return tmp_path_factory.mktemp("admission-records") / "requests.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, records: Path) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("admission")
     config = workdir / "cluster.toml"
     # health checks far apart: the tests stop a stage (SIGSTOP) to hold requests in prefill, and a
@@ -48,7 +55,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # kvpool up passes each shard's arena as a flag (flags win over the file): the shape says it
     settings = UpSettings(pipelines=1, stages=2, decode_shards=1, stores=0, http_port=0, grpc_port=0,
                           device_cache_tokens=4096, region_arena_bytes=ARENA, workdir=str(workdir / "logs"))
-    up = up_cluster(settings, str(config)).start()
+    with recording_children(records):  # each request's router driver effects, among others
+        up = up_cluster(settings, str(config)).start()
     try:
         yield up
     finally:
@@ -108,6 +116,32 @@ async def test_a_burst_beyond_the_arena_queues_and_completes_without_errors(clus
     assert metric(cluster, "router", 'kvpool_router_requests_total{api="grpc",outcome="error"}') == errors
     assert metric(cluster, "router", "kvpool_router_queue_expired_total") == 0
     assert idle(cluster)
+
+
+async def test_the_router_records_each_requests_driver_effects_queued_refused_and_served(
+        cluster: Cluster, records: Path) -> None:
+    path = records
+    before = len(read_records(path))
+    async with grpc.aio.insecure_channel(router_address(cluster), options=service.GRPC_OPTIONS) as channel:
+        await asyncio.gather(*(generate(channel, prompt(100 + i), 4) for i in range(4)))
+
+    def router_records() -> dict[str, list[tuple[str, str]]]:
+        requests: dict[str, list[tuple[str, str]]] = {}
+        for r in read_records(path)[before:]:
+            if r["source"] == "router":
+                requests.setdefault(r["request_id"], []).append((r["event"], r["effect"]))
+        return requests
+
+    await eventually(lambda: len(router_records()) == 4)
+    requests = router_records()
+    # two regions fit the arena: two served at once, two waited (queued on arrival, or refused by the shard,
+    # which only counts its room), each then ticketed and served; every one released at its end
+    for events in requests.values():
+        assert events[-1] == ("end", "Apply") and events.count(("reserved", "Apply")) == 1
+        waited = ("admit", "WaitForTicket") in events or ("refused", "WaitForTicket") in events
+        assert events[0] in (("admit", "Serve"), ("admit", "WaitForTicket"))
+        assert (("ticketed", "Serve") in events) == waited
+    assert sum(("ticketed", "Serve") in events for events in requests.values()) == 2
 
 
 async def test_a_client_gone_while_queued_or_in_prefill_frees_everything_at_once(cluster: Cluster) -> None:

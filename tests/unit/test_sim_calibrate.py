@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from kvpool.tools.sim.cost_model import CostModel, FitInputs
 
 
 def run(**over: Any) -> dict[str, Any]:
-    base = {"sessions": 112, "throughput_per_gpu": 44_000.0, "pool_share": 0.46, "decode_kv_use_p50": 0.91,
+    base = {"sessions": 112, "throughput_per_gpu": 44_000.0, "pool_share": 0.46, "decode_kv_reserved_p50": 0.91,
             "ttft_p50_s": 7.0, "ttft_mean_s": 8.4, "prefill_queue_mean": 12.0, "reuse_ratio": 0.951,
             "trace_bound": 0.953, "restore_p50_ms": 160.0, "stage_spread_mean_s": 0.5, "prefill_busy": 0.99,
             "think_mean_s": 4.76, "device_share": 0.49, "turns_per_s": 4.0}
@@ -41,14 +42,20 @@ def test_the_kv_bracket_bisects_geometrically() -> None:
 
 def test_a_step_moves_each_input_the_way_its_figure_asks() -> None:
     fit = FitInputs(device_kv_gib_per_gpu=50.0, prefill_level=1.0, decode_level=1.0, think_scale=0.02)
-    slow = next_fit(fit, run(throughput_per_gpu=40_000.0, pool_share=0.3, decode_kv_use_p50=0.8, ttft_mean_s=20.0,
+    slow = next_fit(fit, run(throughput_per_gpu=40_000.0, pool_share=0.3, decode_kv_reserved_p50=0.8, ttft_mean_s=20.0,
                              ttft_p50_s=14.0), CostModel(), KvBracket())
     assert slow.prefill_level < 1.0  # saturated below 44K: a faster prefill
     assert slow.device_kv_gib_per_gpu < 50.0  # the pool serves too little: less device KV
     assert slow.think_scale > 0.02  # TTFT too long: more think time, less load
-    # above 44K at 91%: prefill slows the rate to 44K, so decode must take longer to hold 91% there
+    # above 44K at 91%: prefill slows the rate to 44K, where fewer pages are held: less decode capacity (from
+    # the prefill side's, none given); the decode step's level is not fitted
     fast = next_fit(fit, run(throughput_per_gpu=48_000.0), CostModel(), KvBracket())
-    assert fast.prefill_level > 1.0 and fast.decode_level > 1.0
+    assert fast.prefill_level > 1.0 and fast.decode_kv_gib_per_gpu == pytest.approx(50.0 * (44 / 48) ** 0.6)
+    assert fast.decode_level == 1.0
+    # the shards full (the router's queue holds turns back): more decode capacity, damped
+    full = next_fit(replace(fit, decode_kv_gib_per_gpu=80.0), run(decode_kv_reserved_p50=0.99), CostModel(),
+                    KvBracket())
+    assert full.decode_kv_gib_per_gpu == pytest.approx(80.0 * 1.25 ** 0.6)
     idle = next_fit(fit, run(prefill_busy=0.7, ttft_mean_s=1.0, ttft_p50_s=0.5), CostModel(), KvBracket())
     assert idle.prefill_level == 1.0 and idle.think_scale < 0.02  # not saturated: more load, same prefill
 

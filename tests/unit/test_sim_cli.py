@@ -106,7 +106,7 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
     assert pool["events_left"] == 0
     fake = {key: replace(t, output_tokens=3) for key, t in turns.items()}
     real = {"turns": fake, "events": events, "wall_s": span, "pool": {"evicted_groups": pool["evictions"]}, "errors": 0,
-            "effects": pool["effects"]}
+            "effects": pool["effects"], "router_effects": pool["router_effects"]}
     monkeypatch.setattr(simulate_validate, "_real_side", lambda *a: real)
     args = build_parser().parse_args(["simulate", "--validate", "--quick", "--json", "--traces", str(TRACES)])
     assert simulate_validate.main(args) == 0
@@ -121,6 +121,14 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
     # every request's driver effects, one by one (each admitted, looked up, forwarded, its blocks freed)
     assert final["effects_equal"] is True and final["requests_effects_compared"] == 45
     assert final["num_effects_differing"] == 0
+    # and the router's: each turn admitted at once (no decode room is short here), its room held, its end
+    assert final["router_effects_compared"] == 45 and final["num_router_effects_differing"] == 0
+    assert pool["router_effects"]["s0.t0"] == [
+        {"event": "admit", "effect": "Serve", "pipeline_reason": "new_session", "locality": "same_server", "tries": 1,
+         "shard_tries": 1},
+        {"event": "reserved", "effect": "Apply", "tickets": 0, "expired": 0, "unavailable": 0},
+        {"event": "end", "effect": "Apply", "tickets": 0, "expired": 0, "unavailable": 0}]
+    assert pool["router_effects"]["s0.t1"][0]["pipeline_reason"] == "affinity"
     assert final["throughput_error"] == pytest.approx(0.0) and final["ttft_p50_error"] == 0.0
 
 
@@ -159,6 +167,8 @@ def test_recorded_orders_read_arrivals_the_masters_pool_operations_and_each_requ
 
     path = tmp_path / "requests.jsonl"
     stage, master = RequestRecord("stage0", str(path)), RequestRecord("master", str(path))
+    router = RequestRecord("router", str(path))
+    router.write("effect", "r2", session_key="a", event="admit", effect="Serve", tries=1)
     stage.write("touch", "r0", session_key="a")  # refused before admission: no turn
     stage.write("touch", "r1", session_key="b")
     stage.write("touch", "r2", session_key="a")
@@ -171,9 +181,11 @@ def test_recorded_orders_read_arrivals_the_masters_pool_operations_and_each_requ
     master.write("pool_op", "r1", op="put_end", first_key="ns/h1/3", items=2)
     stage.write("effect", "r2", session_key="a", effect="Freed", holders=["r2"])
     master.write("pool_op", "r2", op="release", released=True)
+    router.write("effect", "r0", session_key="a", event="admit", effect="Serve", tries=1)  # never admitted: no turn
+    router.write("effect", "r2", session_key="a", event="end", effect="Apply", tickets=0)
     with path.open("a") as torn:
         torn.write('{"source": "stage0", "kind"')  # a process killed mid-line
-    blocks, ops, effects = recorded_orders(read_records(path), ["a", "b"])
+    blocks, ops, effects, router_effects = recorded_orders(read_records(path), ["a", "b"])
     # a session's n-th admitted request is its turn n
     assert blocks == [("touch", "s1.t0"), ("touch", "s0.t0"), ("admit", "s0.t0"), ("admit", "s1.t0"),
                       ("free", "s0.t0")]
@@ -182,6 +194,8 @@ def test_recorded_orders_read_arrivals_the_masters_pool_operations_and_each_requ
     assert effects == {"s0.t0": [{"effect": "Admitted", "attempt": 1}, {"effect": "Lookup", "candidates": 3},
                                  {"effect": "Freed", "holders": ["r2"]}],
                        "s1.t0": [{"effect": "Admitted", "attempt": 1}]}
+    assert router_effects == {"s0.t0": [{"event": "admit", "effect": "Serve", "tries": 1},
+                                        {"event": "end", "effect": "Apply", "tickets": 0}]}
 
 
 def test_a_recorded_cluster_run_replays_with_every_requests_effects_equal(tmp_path: Path) -> None:
@@ -206,7 +220,7 @@ def test_a_recorded_cluster_run_replays_with_every_requests_effects_equal(tmp_pa
     records.write_bytes(gzip.decompress(recorded.read_bytes()))
     traces = [TRACES / name for name in validate_cmd.VALIDATION_TRACES]
     session_ids = [t.stem for t in traces]  # the replay names a trace's one session by its file
-    events, ops, effects = validate_cmd.recorded_orders(read_records(records), session_ids)
+    events, ops, effects, _ = validate_cmd.recorded_orders(read_records(records), session_ids)
     assert ("commit", "s0.t7") in events and len(effects) == 71
     assert sum(e.get("held", 0) > 0 for turn in effects.values() for e in turn if e["effect"] == "Lookup") == 49
     setup = ValidationSetup(context=32768, device_cache_tokens=validate_cmd.DEVICE_CACHE_TOKENS,
@@ -216,6 +230,36 @@ def test_a_recorded_cluster_run_replays_with_every_requests_effects_equal(tmp_pa
     assert pool["events_left"] == 0 and pool["pool_ops_left"] == 0 and pool["pool_ops_differing"] == []
     assert differing_effects(pool["effects"], effects) == []
     assert (turns[(0, 7)].device_tokens, turns[(0, 7)].pool_tokens) == (2048, 0)  # as the cluster had it
+
+
+@pytest.mark.skipif(not (TRACES / "trace_0002.json").is_file(), reason="needs ../shared/traces/agentx-weka")
+def test_a_recorded_cluster_run_replays_with_every_requests_router_effects_equal(tmp_path: Path) -> None:
+    """A real cluster's records (``simulate --validate``, 71 turns of the three sessions, recorded 2026-12-06
+    once the router recorded its request driver's effects; the cluster had 30,720 pool tokens and 86
+    evictions). The simulator's router runs the same driver over ``Admission``: every request's router effects
+    come out as the cluster's router recorded them, and stage 0's and the master's as before."""
+    import gzip
+
+    from kvpool.request_record import read_records
+    from kvpool.tools.sim import validate_cmd
+    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, load_cost_model
+    from kvpool.tools.sim.validate import ValidationSetup, differing_effects, replay_sessions
+    from kvpool.workload.weka import load_session
+
+    records = tmp_path / "requests.jsonl"
+    records.write_bytes(gzip.decompress((ROOT / "tests" / "data" / "validate-records-router.jsonl.gz").read_bytes()))
+    traces = [TRACES / name for name in validate_cmd.VALIDATION_TRACES]
+    events, ops, effects, router = validate_cmd.recorded_orders(read_records(records), [t.stem for t in traces])
+    assert len(router) == len(effects) == 71
+    assert all(turn[0]["event"] == "admit" and turn[-1]["event"] == "end" for turn in router.values())
+    setup = ValidationSetup(context=32768, device_cache_tokens=validate_cmd.DEVICE_CACHE_TOKENS,
+                            store_bytes=validate_cmd.SEGMENT_BYTES)
+    turns, _, pool = replay_sessions([load_session(t) for t in traces], setup, load_cost_model(CPU_COST_MODEL),
+                                     events, None, ops)
+    assert pool["events_left"] == 0 and pool["pool_ops_left"] == 0 and pool["pool_ops_differing"] == []
+    assert differing_effects(pool["effects"], effects) == []
+    assert pool["router_effects"] == router
+    assert sum(t.pool_tokens for t in turns.values()) == 30720 and pool["evictions"] == 86
 
 
 def test_recorded_pool_ops_apply_in_the_recorded_order_and_count_differing_outcomes() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import pytest
 
@@ -9,7 +10,7 @@ from kvpool.core.sessions.table import SessionId
 from kvpool.tools.sim.compare_sched import parse_sched_compare, ratios
 from kvpool.tools.sim.engine import Simulation
 from kvpool.tools.sim.job import SIM_TENANT
-from kvpool.tools.sim.topology import RunSettings
+from kvpool.tools.sim.topology import GIB, RunSettings
 from kvpool.workload.weka import Session
 from tests.unit.test_sim_engine import COST, session, topology
 
@@ -19,8 +20,10 @@ A = list(range(1, 9))  # 2 full chunks and a partial one
 def run(traces: list[Session], sched: str, **settings: object) -> Simulation:
     base = RunSettings(num_sessions=len(traces), duration_s=1000.0, warmup_s=0.0, think_scale=1.0,
                        start_spread_s=0.0, restart_sessions=False, sched=sched)
-    sim = Simulation(topology(1), RunSettings(**{**{f: getattr(base, f) for f in base.__slots__}, **settings}),
-                     COST, traces)
+    # decode holds every turn here at once (4,096 one-token pages), so turns wait in stage 0's queue, whose
+    # order these tests are about, not in the router's for decode room
+    sim = Simulation(replace(topology(1), decode_kv_gib_per_gpu=4096 / GIB),
+                     RunSettings(**{**{f: getattr(base, f) for f in base.__slots__}, **settings}), COST, traces)
     sim.run()
     return sim
 

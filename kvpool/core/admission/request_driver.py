@@ -15,7 +15,8 @@ and feeds back what happened; every decision is here and in ``Admission``:
 
 Every ``Admitted`` admission answers (tickets for other queued requests, expiries) comes out as an
 ``Apply`` effect: the router hands those to their waiters. ``end`` releases the ticket, however the request
-ended.
+ended. With ``log`` set to a list, every event's effects are kept there as (event, effect), in order: what
+the request record keeps and ``kvpool simulate --validate`` compares (``effect_fields``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,26 @@ class Failed:
 Effect = Serve | WaitForTicket | WaitForHealth | Apply | Moved | Failed
 
 
+def effect_fields(effect: Effect) -> dict[str, object]:
+    """An effect as plain fields (its kind under "effect"), what a record keeps and a comparison reads: a
+    ticket by why it went where it did (its pipeline's reason, its shard's locality, its tries), not by
+    the names, which are each deployment's own; admission's answers by how many of each; a failure by its
+    kind; times left out."""
+    fields: dict[str, object] = {"effect": type(effect).__name__}
+    if isinstance(effect, Serve):
+        t = effect.ticket
+        fields.update(pipeline_reason=t.pipeline_reason.value, locality=t.locality.value, tries=t.tries,
+                      shard_tries=t.shard_tries)
+    elif isinstance(effect, Apply):
+        a = effect.admitted
+        fields.update(tickets=len(a.tickets), expired=len(a.expired), unavailable=len(a.unavailable))
+    elif isinstance(effect, Moved):
+        fields["kind"] = effect.kind
+    elif isinstance(effect, Failed):
+        fields["error"] = type(effect.error).__name__
+    return fields
+
+
 class RouterRequest:
     """One request at the router (see the module doc). ``request.session_key`` is scoped by tenant."""
 
@@ -84,6 +105,7 @@ class RouterRequest:
         self._error: KvpoolError | None = None  # the failure a health wait may still undo
         self._failed_round = 0
         self.arrived_at = 0.0  # (the caller's clock) its queue deadline counts from here, refused or not
+        self.log: list[tuple[str, Effect]] | None = None  # set to a list: every event's effects, kept
 
     @property
     def request_id(self) -> str:
@@ -94,30 +116,36 @@ class RouterRequest:
         refuses: never fits, queue full, a part missing)."""
         self.arrived_at = now
         ticket = self.admission.admit(self.request, now)
-        return self.ticketed(ticket) if ticket is not None else [WaitForTicket()]
+        if ticket is None:
+            return self._out("admit", [WaitForTicket()])
+        self.ticket = ticket
+        return self._out("admit", [Serve(ticket)])
 
     def ticketed(self, ticket: Ticket) -> list[Effect]:
         self.ticket = ticket
-        return [Serve(ticket)]
+        return self._out("ticketed", [Serve(ticket)])
 
     def reserved(self, now: float) -> list[Effect]:
         """The ticket's shard holds the room."""
-        return [Apply(self.admission.confirmed(self.request_id, now))]
+        return self._out("reserved", [Apply(self.admission.confirmed(self.request_id, now))])
 
     def token(self) -> list[Effect]:
         """A token reached the client: nothing moves the request now."""
         if not self.first_token:
             self.first_token = True
             self.admission.prefill_ended(self.request_id)
-        return []
+        return self._out("token", [])
 
     def refused(self, epoch: int | None, now: float) -> list[Effect]:
         """The shard had no room (``epoch``: its give-back count then): queued again as if it never left."""
         self.ticket = None
-        return [Apply(self.admission.refused(self.request, epoch, now)), WaitForTicket()]
+        return self._out("refused", [Apply(self.admission.refused(self.request, epoch, now)), WaitForTicket()])
 
     def failed(self, error: KvpoolError, now: float) -> list[Effect]:
         """The Serve call failed: another pipeline or shard when the core allows it, else the end."""
+        return self._out("failed", self._failed(error, now))
+
+    def _failed(self, error: KvpoolError, now: float) -> list[Effect]:
         current = self.admission.ticket(self.request_id) or self.ticket
         if current is None:
             raise FailedPrecondition(f"request {self.request_id}: failed without a ticket")
@@ -138,6 +166,9 @@ class RouterRequest:
 
     def health_round(self, now: float, deadline: float) -> list[Effect]:
         """While waiting for health: a round ended (or the wait's ``deadline`` came)."""
+        return self._out("health_round", self._health_round(now, deadline))
+
+    def _health_round(self, now: float, deadline: float) -> list[Effect]:
         error, current = self._error, self.admission.ticket(self.request_id) or self.ticket
         if error is None or current is None:
             return []
@@ -155,7 +186,12 @@ class RouterRequest:
         if self.ended:
             return []
         self.ended = True
-        return [Apply(self.admission.release(self.request_id, now))]
+        return self._out("end", [Apply(self.admission.release(self.request_id, now))])
+
+    def _out(self, event: str, effects: list[Effect]) -> list[Effect]:
+        if self.log is not None:
+            self.log.extend((event, effect) for effect in effects)
+        return effects
 
     def _moved(self, kind: str, came_from: str, moved: Ticket) -> list[Effect]:
         self.ticket = moved

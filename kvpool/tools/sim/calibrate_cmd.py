@@ -42,8 +42,10 @@ def counted_windows(windows: list[dict[str, float]], warmup: float, duration: fl
 
 def _row(fit: Any, run: dict[str, Any]) -> str:
     return (f"fit kv {fit.device_kv_gib_per_gpu:6.1f} GiB  prefill x{fit.prefill_level:.3f}  decode "
-            f"x{fit.decode_level:.3f}  think x{fit.think_scale:.4f} -> {run['throughput_per_gpu']:8,.0f} tok/s/GPU  "
-            f"pool {run['pool_share']:.1%}  dec KV {run['decode_kv_use_p50']:.1%}  TTFT p50 "
+            f"x{fit.decode_level:.3f}  think x{fit.think_scale:.4f}  decode kv {fit.decode_kv_gib_per_gpu:.1f} GiB "
+            f"-> {run['throughput_per_gpu']:8,.0f} tok/s/GPU  "
+            f"pool {run['pool_share']:.1%}  dec KV held {run['decode_kv_reserved_p50']:.1%} filled "
+            f"{run['decode_kv_use_p50']:.1%}  TTFT p50 "
             f"{run['ttft_p50_s']:.2f}s  queue {run['prefill_queue_mean']:.1f}  reuse {run['reuse_ratio']:.2%} / "
             f"bound {run['trace_bound']:.2%}  restore {run['restore_p50_ms']:.0f}ms  spread "
             f"{run['stage_spread_mean_s']:.2f}s  busy {run['prefill_busy']:.0%}  TTFT mean {run['ttft_mean_s']:.1f}s  "

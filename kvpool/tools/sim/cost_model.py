@@ -95,10 +95,11 @@ class MasterCost:
 class FitInputs:
     """The calibration's inputs (``kvpool simulate --calibrate`` fits them; everything else is fixed)."""
 
-    device_kv_gib_per_gpu: float = 100.0  # effective KV per GPU, prefill and decode alike
+    device_kv_gib_per_gpu: float = 100.0  # effective KV per prefill GPU
     prefill_level: float = 1.0  # multiplies every [prefill] chunk time
-    decode_level: float = 1.0  # multiplies every [decode] step time
+    decode_level: float = 1.0  # multiplies every [decode] step time (not fitted)
     think_scale: float = 1.0  # multiplies each turn's recorded think time
+    decode_kv_gib_per_gpu: float = 0.0  # effective KV per decode GPU; 0: as a prefill GPU's
 
 
 # fields that must be > 0 (the rest must be >= 0)

@@ -1,4 +1,5 @@
-"""A simulated decode shard: the core's ``DecodeScheduler`` (admission, pages, batch), stepped in runs.
+"""A simulated decode shard: the core's ``ShardRoom`` (pages reserved at the router's ticket, before prefill)
+and ``DecodeScheduler`` (the batch), stepped in runs.
 
 Every running sequence is in every step (continuous batching). Stepping one
 token at a time would be per-token work (~400 steps per turn, tens of
@@ -9,8 +10,9 @@ sequence submitted meanwhile cuts the run at the end of the step in progress,
 so it joins at the next step boundary, as with real continuous batching.
 
 The core's per-token calls (``on_step``, ``on_token``) are not made: output
-counts live here. Admission, page reservation for a sequence's whole life,
-FIFO without overtaking and release are the core's.
+counts live here. The room (pages for a sequence's whole life, taken when the
+router's ticket reaches the shard, given back at the end: ``RouterSim``), the
+batch's FIFO admission and release are the core's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpool.core.decode.scheduler import DecodeScheduler
-from kvpool.core.errors import InvalidArgument
+from kvpool.core.decode.shard_room import ShardRoom
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job
@@ -28,14 +30,13 @@ from kvpool.tools.sim.job import Job
 
 @dataclass(slots=True)
 class ShardSim:
-    """One decode shard on ``server``; ``on_admitted``/``on_done`` report to the router and the session."""
+    """One decode shard on ``server``; ``on_done`` reports a sequence's last token (its room goes back there)."""
 
     name: str
     server: int
     loop: EventLoop
     cost: CostModel
-    scheduler: DecodeScheduler
-    on_admitted: Callable[[Job], None]
+    room: ShardRoom
     on_done: Callable[[Job], None]
     jobs: dict[str, Job] = field(default_factory=dict)
     remaining: dict[str, int] = field(default_factory=dict)
@@ -46,6 +47,10 @@ class ShardSim:
     _run_steps: int = 0
     _stepping: bool = False
     num_steps: int = 0
+
+    @property
+    def scheduler(self) -> DecodeScheduler:
+        return self.room.scheduler
 
     @property
     def num_pages(self) -> int:
@@ -70,18 +75,14 @@ class ShardSim:
             filled += -(-(seq.num_prompt_tokens + decoded) // page)
         return filled
 
-    def submit(self, job: Job) -> bool:
-        """Queue a sequence; False (nothing queued) when it could never run here."""
-        try:
-            self.scheduler.submit(job.job_id, job.turn.input_tokens, max(1, job.turn.output_tokens))
-        except InvalidArgument:
-            return False
+    def submit(self, job: Job) -> None:
+        """Queue a sequence whose room the shard holds (its KV has landed) for the batch."""
+        self.scheduler.submit(job.job_id, job.turn.input_tokens, max(1, job.turn.output_tokens))
         self.jobs[job.job_id] = job
         if self._stepping:
             self._cut()
         else:
             self._plan()
-        return True
 
     def _cut(self) -> None:
         """End the current run at the end of the step in progress."""
@@ -95,7 +96,6 @@ class ShardSim:
         for seq in self.scheduler.admit():
             self.remaining[seq.seq_id] = seq.max_tokens
             self.kv_tokens += seq.num_prompt_tokens
-            self.on_admitted(self.jobs[seq.seq_id])
         if not self.remaining:
             self._stepping = False
             return
@@ -120,9 +120,9 @@ class ShardSim:
                 finished.append(seq_id)
         self.kv_tokens += steps * len(self.remaining)
         for seq_id in finished:
-            seq = self.scheduler.release(seq_id)
+            seq = self.scheduler.get(seq_id)
             del self.remaining[seq_id]
             if seq is not None:
                 self.kv_tokens -= seq.num_prompt_tokens + seq.max_tokens  # what admit and the steps added
-            self.on_done(self.jobs.pop(seq_id))
+            self.on_done(self.jobs.pop(seq_id))  # the router's end gives the room back
         self._plan()

@@ -1,11 +1,12 @@
 """One simulated run: a cluster of the core's policy objects, a closed loop of trace sessions, a clock.
 
 The cluster is the services' decisions without their processes: per server,
-prefill pipelines (``BlockManager`` + ``PrefillRequest``), decode shards
-(``DecodeScheduler``), store segments mounted on pool masters
-(``PoolIndex``: one over every store of every server when the pool is
-shared; one per server over its prefill-side store only when split), and one
-router (``RoutingPolicy``). Stores heartbeat every second; a store that dies
+prefill pipelines (stage 0's ``PrefillDriver`` over its ``BlockManager``),
+decode shards (``ShardRoom`` + ``DecodeScheduler``), store segments mounted on
+pool masters (``PoolIndex``: one over every store of every server when the
+pool is shared; one per server over its prefill-side store only when split),
+and one router (``RouterRequest`` over ``Admission``: a turn's decode room is
+reserved at its ticket, before prefill, or it queues). Stores heartbeat every second; a store that dies
 stops, and the master drops it after its TTL (``expire_segments``). Each
 master serves its operations one at a time and each server's NIC is shared by
 the transfers crossing it (``network``).
@@ -27,9 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.core.admission.admission import Admission, ShardShape
 from kvpool.core.prefill.block_manager import BlockManager
-from kvpool.core.decode.pages import pages_for
+from kvpool.core.decode.regions import REGION_ALIGNMENT
 from kvpool.core.decode.scheduler import DecodeScheduler
+from kvpool.core.decode.shard_room import ShardRoom
+from kvpool.core.errors import InvalidArgument, KvpoolError
 from kvpool.core.prefill.planner import max_hit_chunks
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.settings import IndexSettings
@@ -42,6 +46,7 @@ from kvpool.tools.sim.job import Job
 from kvpool.tools.sim.metrics import Metrics
 from kvpool.tools.sim.network import MasterQueue, Network
 from kvpool.tools.sim.prefill_sim import PipelineSim
+from kvpool.tools.sim.router_sim import RouterSim
 from kvpool.tools.sim.session_sim import SessionAware
 from kvpool.tools.sim.summary import summarize
 from kvpool.tools.sim.topology import AFFINITY_NONE, GIB, RunSettings, Topology
@@ -73,9 +78,9 @@ class Simulation:
     shards: dict[str, ShardSim] = field(default_factory=dict)
     plays: dict[int, SessionPlay] = field(default_factory=dict)
     trace_policy: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("arrivals", "cut_to_context", "tokens_cut", "refused_device_cache", "refused_decode"), 0))
+        ("arrivals", "cut_to_context", "tokens_cut", "refused_device_cache", "refused_decode", "expired_in_queue"), 0))
     metrics: Metrics = field(init=False)
-    router: RoutingPolicy = field(init=False)
+    router: RouterSim = field(init=False)
     sessions: SessionAware | None = None  # sched=session
     _next_instance: int = 0
     _acked: dict[str, int] = field(default_factory=dict)
@@ -138,10 +143,29 @@ class Simulation:
                 name = f"d{server}.{d}"
                 scheduler = DecodeScheduler(pages, topo.decode_page_tokens, topo.decode_max_batch, topo.max_context,
                                             self.loop.clock)
-                self.shards[name] = ShardSim(name, server, self.loop, cost, scheduler, self._admitted, self._done)
-        # AFFINITY_NONE places every turn without its session key (the policy's least-loaded rule)
-        self.router = RoutingPolicy.of(self.pipelines, self.shards,
-                                       affinity_max_queue=max(1, self.settings.affinity_max_queue))
+                self.shards[name] = ShardSim(name, server, self.loop, cost, ShardRoom(scheduler), self._done)
+        rooms = {name: shard.room for name, shard in self.shards.items()}
+        self.router = RouterSim(self.loop, self._admission(num_blocks, pages), rooms, self._served, self._unserved)
+
+    def _admission(self, num_blocks: int, num_pages: int) -> Admission:
+        """The router's admission over every pipeline and shard, each shape known, each shard telling when room
+        comes back; its queue holds every waiting turn (``RunSettings.queue_timeout_s``)."""
+        topo, chunk = self.topology, self.cost.model.chunk_tokens
+        routing = RoutingPolicy.of(self.pipelines, self.shards,
+                                   affinity_max_queue=max(1, self.settings.affinity_max_queue))
+        admission = Admission(routing, {n: f"server{s.server}" for n, s in self.shards.items()},
+                              {n: p.host for n, p in self.pipelines.items()}, max_queue=1 << 20,
+                              queue_timeout_s=self.settings.queue_timeout_s)
+        # the simulated shards count pages only: a receive arena as large as the longest prompt's region
+        per_token = self.cost.model.kv_bytes_per_token
+        arena = -(-topo.max_context * per_token // REGION_ALIGNMENT) * REGION_ALIGNMENT
+        for name in self.pipelines:
+            admission.set_pipeline_shape(name, num_blocks, chunk)
+        for name in self.shards:
+            admission.set_shard_shape(name, ShardShape(num_pages, topo.decode_page_tokens, arena, per_token, 0,
+                                                       topo.max_context))
+            admission.set_watched(name, True, 0)
+        return admission
 
     # ---- sessions -----------------------------------------------------------
 
@@ -185,30 +209,35 @@ class Simulation:
         if cut:
             policy["cut_to_context"] += 1
             policy["tokens_cut"] += recorded - turn.input_tokens
-        pipeline = next(iter(self.pipelines.values()))
-        if pipeline.blocks.num_blocks_needed(turn.input_tokens) > pipeline.blocks.num_blocks:
-            policy["refused_device_cache"] += 1  # the edge refuses what no device cache could hold
-            self._next_turn(play)
-            return
         job = Job(f"{play.key}.t{play.next_turn - 1}", play, turn, self.loop.now)
-        job.decode_pages = pages_for(turn.input_tokens + max(1, turn.output_tokens) - 1, self.topology.decode_page_tokens)
-        for shard in self.shards.values():
-            self.router.report_free_pages(shard.name, shard.free_pages())
-        key = "" if self.settings.affinity_max_queue == AFFINITY_NONE else play.key
-        job.placement = self.router.place(key, job.decode_pages)
-        pipeline = self.pipelines[job.placement.pipeline]
-        job.placed_as = placed_on(play, pipeline.server)
+        # AFFINITY_NONE places every turn without its session key (the policy's least-loaded rule)
+        self.router.arrive(job, "" if self.settings.affinity_max_queue == AFFINITY_NONE else play.key)
+
+    def _served(self, job: Job) -> None:
+        """The turn's shard holds its room: it goes to its ticket's pipeline."""
+        assert job.ticket is not None
+        pipeline = self.pipelines[job.ticket.pipeline]
+        job.placed_as = placed_on(job.play, pipeline.server)
         if self.sessions is not None:
             self.sessions.arrived(job, pipeline)
         pipeline.enqueue(job)
 
+    def _unserved(self, job: Job, error: KvpoolError) -> None:
+        """The router refused the turn: no device cache could hold it, no shard ever could, or its wait for
+        decode room outlasted the queue's timeout. Counted by name; the session goes on."""
+        if isinstance(error, InvalidArgument):
+            self.trace_policy["refused_device_cache" if error.field == "prompt" else "refused_decode"] += 1
+        else:
+            self.trace_policy["expired_in_queue"] += 1
+        self._next_turn(job.play)
+
     def _prefilled(self, job: Job) -> None:
         """Prefill ended: count the bounds, then hand the KV to decode (across the NICs when on another server)."""
         request = job.request
-        assert request is not None and job.placement is not None
+        assert request is not None and job.ticket is not None
         self._count_bounds(job.play, job.turn, request.chunk_hashes, request.num_tokens, request.chunk_size)
-        pipeline = self.pipelines[job.placement.pipeline]
-        shard = self.shards[job.placement.shard]
+        pipeline = self.pipelines[job.ticket.pipeline]
+        shard = self.shards[job.ticket.shard]
         nbytes = request.num_tokens * self.cost.model.kv_bytes_per_token
         job.handoff_parts = 2 if shard.server != pipeline.server else 1
         self.loop.after(self.cost.handoff_s(nbytes, self.topology.num_stages), self._handoff_part, job)
@@ -239,22 +268,14 @@ class Simulation:
             self._handed_off(job)
 
     def _handed_off(self, job: Job) -> None:
-        assert job.placement is not None
-        self.pipelines[job.placement.pipeline].handed_off(job)
+        assert job.ticket is not None
+        self.pipelines[job.ticket.pipeline].handed_off(job)
         self.metrics.on_first_token(job)
-        if not self.shards[job.placement.shard].submit(job):
-            self.trace_policy["refused_decode"] += 1
-            self.router.finish(job.placement, job.decode_pages)
-            self._turn_ended(job)
-            self._next_turn(job.play)
-
-    def _admitted(self, job: Job) -> None:
-        assert job.placement is not None
-        self.router.admitted(job.placement, job.decode_pages)
+        self.router.first_token(job)
+        self.shards[job.ticket.shard].submit(job)
 
     def _done(self, job: Job) -> None:
-        assert job.placement is not None
-        self.router.finish(job.placement)
+        self.router.ended(job)
         self.metrics.on_decode_done(job)
         self._turn_ended(job)
         self._next_turn(job.play)
@@ -262,12 +283,12 @@ class Simulation:
     def _turn_ended(self, job: Job) -> None:
         """sched=session: the client's hints ride on the turn's end: ``session_end`` on its last turn,
         else ``expected_next_s`` (the next turn's think time as this run plays it)."""
-        if self.sessions is None or job.placement is None:
+        if self.sessions is None or job.ticket is None:
             return
         play = job.play
         end = play.done
         expected = None if end or not self.settings.think else play.trace.turns[play.next_turn].think_time * self.think_scale
-        self.sessions.turn_ended(job, self.pipelines[job.placement.pipeline], expected, end)
+        self.sessions.turn_ended(job, self.pipelines[job.ticket.pipeline], expected, end)
 
     # ---- stores, sampling, failure -----------------------------------------
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool.core.admission.request_driver import RouterRequest
+from kvpool.core.admission.room import Ticket
 from kvpool.core.pool.records import LookupResult
 from kvpool.core.prefill.driver import PrefillDriver
 from kvpool.core.prefill.request import PrefillRequest
-from kvpool.core.admission.routing import Placement
 from kvpool.core.sessions.table import SessionId
 from kvpool.tools.sim.workload import SessionPlay
 from kvpool.workload.weka import Turn
@@ -26,7 +27,8 @@ class Job:
     play: SessionPlay
     turn: Turn
     arrival: float
-    placement: Placement | None = None
+    router: RouterRequest | None = None  # the router's driver of the turn (kvpool.core.admission.request_driver)
+    ticket: Ticket | None = None  # its pipeline and decode shard, once the shard holds its room
     placed_as: str = ""  # where its server is for the session's history (``workload.placed_on``)
     request: PrefillRequest | None = None  # the driver's, once admitted
     driver: PrefillDriver | None = None  # stage 0's driver of its prefill (kvpool.core.prefill.driver)
@@ -36,12 +38,10 @@ class Job:
     restored_at: float = 0.0  # its restore (every part) ended
     first_token_at: float = 0.0  # the handoff's end
     compute_s: float = 0.0
-    decode_pages: int = 0
     handoff_parts: int = 0  # the handoff's parts still in flight (its fixed cost; the NICs' bytes)
     # its restore in flight (the pipeline's, per request: under validation stage 0 may hold several)
     lease: int = 0
     readable: int = 0  # leading planned pool chunks whose every object lives on a store still alive
-    restore_parts: int = 0  # parts of the restore still in flight (the GPUs' reads, each remote server's bytes)
     read_s: float = 0.0  # one stage's share of the restore
     restore_timed: bool = False  # a restore was timed (a lookup that planned pool chunks)
     chain_restore: bool = False  # its forward restores on the chain (the forward's end confirms the counts)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, object_key
 from kvpool.core.pool.index import PoolIndex
-from kvpool.core.pool.records import LookupResult, PutRequestItem, PutStatus
+from kvpool.core.pool.records import PutRequestItem, PutStatus
 from kvpool.core.prefill.queue import PrefillQueue, WorkWeights, prefill_work_s
 from kvpool.core.prefill.driver import (
     Admitted,
@@ -79,12 +79,13 @@ class PipelineSim:
     queue: PrefillQueue = field(default_factory=PrefillQueue)
     work_weights: WorkWeights = field(default_factory=WorkWeights)
     sessions: SessionAware | None = None  # sched=session: retention, session end, prefetch
-    # the validation's hooks (set together): ``block_gate`` runs each of stage 0's block events (a turn's
-    # touch of its session on arrival, "touch"; a release of a request's blocks or its save's, "free") and
-    # ``pool_gate`` each pool operation (a lookup, a lease's release, each stage's put start and end)
-    # when the cluster's recorded order reaches it; None: at once, without the per-stage puts
-    block_gate: Callable[[tuple[str, str], Callable[[], object]], None] | None = None
-    pool_gate: Callable[[tuple[str, str], Callable[[], int | None]], None] | None = None
+    # ``block_gate`` runs each of stage 0's block events (a turn's touch of its session on arrival, "touch";
+    # a forward's commit, "commit"; a release of a request's blocks or its save's, "free") and ``pool_gate``
+    # each pool operation (a lookup, a lease's release, a save's put start and end): at once, or under
+    # validation (``recorded``) when the cluster's recorded order reaches it
+    block_gate: Callable[[tuple[str, str], Callable[[], object]], None] = field(default=lambda step, apply: apply())
+    pool_gate: Callable[[tuple[str, str], Callable[[], int | None]], None] = field(default=lambda step, apply: apply())
+    recorded: bool = False  # the validation: the gates follow the cluster's orders
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
     busy: bool = False  # stage 0 holds a request (admitted, not yet through its own compute)
     flow: StageFlow | None = None  # the stages' next free times (made on first use: num_stages)
@@ -101,15 +102,11 @@ class PipelineSim:
 
     def enqueue(self, job: Job) -> None:
         self._waiting[job.job_id] = job
-        # as stage 0 does on every turn's arrival: the session's cached free blocks become the most recent
-        if self.block_gate is None:
-            self.blocks.touch_session(session_of(job))
-        else:
-            self.block_gate(("touch", job.job_id), partial(self._touch, job))
         self.queue.push(job.job_id, self.estimate_work_s(job), self.loop.now)
-        self.kick()
+        self.block_gate(("touch", job.job_id), partial(self._touch, job))
 
     def _touch(self, job: Job) -> None:
+        """As stage 0 does on every turn's arrival: the session's cached free blocks become the most recent."""
         self.blocks.touch_session(session_of(job))
         self.kick()  # its admission may be the next event
 
@@ -134,7 +131,7 @@ class PipelineSim:
         if self.busy or not len(self.queue):
             return
         job = self._waiting[self.queue.peek(self.loop.now) or ""]
-        if len(self.queue) > 1 and self.block_gate is None:
+        if len(self.queue) > 1 and not self.recorded:
             # as stage 0's gate before an admission: the waiting histories in serving order, the next served
             # the last evicted (under validation the cluster runs ungated: it admits on arrival)
             self.blocks.touch_sessions([session_of(self._waiting[i]) for i in self.queue.serving_order(self.loop.now)])
@@ -152,7 +149,7 @@ class PipelineSim:
         del self._waiting[job.job_id]
         # under validation the recorded order alone admits: the cluster's stage 0 admits while earlier
         # requests are still looked up (holding it would stall an order where a later lookup came first)
-        self.busy = self.block_gate is None
+        self.busy = not self.recorded
         job.request = job.driver.request
         if self.sessions is not None:
             self.sessions.admitted(job, self)
@@ -175,19 +172,11 @@ class PipelineSim:
         """The driver's effects, in simulated time (the cost model's, and the shared master and NICs)."""
         for effect in effects:
             if isinstance(effect, Lookup):
-                lookup_s = self.cost.lookup_s(len(effect.candidates))
-                if self.pool_gate is not None:  # the validation: the lookup at its place in the master's order
-                    self.master.call(lookup_s, self.pool_gate, ("lookup", job.job_id),
-                                     partial(self._gated_lookup, job, effect))
-                else:
-                    self.master.call(lookup_s, self._looked_up, job, effect)
+                self.master.call(self.cost.lookup_s(len(effect.candidates)), self.pool_gate, ("lookup", job.job_id),
+                                 partial(self._looked_up, job, effect))
             elif isinstance(effect, ReleaseLease):
-                lease = int(effect.lease_id)
-                if self.pool_gate is not None:
-                    self.master.call(self.cost.release_s(), self.pool_gate, ("release", job.job_id),
-                                     partial(self.index.release_lease, lease))
-                else:
-                    self.master.call(self.cost.release_s(), self.index.release_lease, lease)
+                self.master.call(self.cost.release_s(), self.pool_gate, ("release", job.job_id),
+                                 partial(self.index.release_lease, int(effect.lease_id)))
             elif isinstance(effect, Forward):
                 job.chain_restore = effect.restore
                 if effect.restore:  # every stage reads its part first (the restore rides the chain)
@@ -209,46 +198,45 @@ class PipelineSim:
                 job.request = job.driver.request
             # PlannedAgain: nothing to time
 
-    def _gated_lookup(self, job: Job, effect: Lookup) -> int:
-        result = self._lookup(job, effect)
-        self._looked_up(job, effect, result)
-        return result.num_found
-
-    def _lookup(self, job: Job, effect: Lookup) -> LookupResult:
-        return self.index.lookup([group_id(job.play.namespace, h) for h in effect.candidates],
-                                 held_prefix=effect.held)
-
-    def _looked_up(self, job: Job, effect: Lookup, result: LookupResult | None = None) -> None:
-        """The master served the lookup: the driver plans."""
+    def _looked_up(self, job: Job, effect: Lookup) -> int:
+        """The master serves the lookup: the driver plans. The complete groups found (the validation's figure)."""
         assert job.driver is not None
         self.metrics.on_lookup(self.loop.now - job.prefill_start)
-        if result is None:
-            result = self._lookup(job, effect)
-        job.lookup = result
+        result = job.lookup = self.index.lookup([group_id(job.play.namespace, h) for h in effect.candidates],
+                                                held_prefix=effect.held)
         self._drive(job, job.driver.looked_up(result.num_found, str(result.lease_id) if result.lease_id else ""))
+        return result.num_found
 
     def _restore(self, job: Job) -> None:
         """Every stage reads its objects of the planned chunks (objects on other servers also cross both
         servers' NICs)."""
         request, result = job.request, job.lookup
         assert request is not None and result is not None and request.restore_plan is not None
-        plan = request.restore_plan
-        restored = result.groups[: plan.num_pool_chunks]  # located from the first chunk past the device's
-        job.readable = self.leading_readable(restored)
-        restore_s = self.cost.restore_s(plan.num_pool_chunks, self.stage_bytes_per_token)
-        remote = self.remote_bytes(restored[: job.readable]) if restored else {}
-        job.restore_parts = 1 + len(remote)
-        job.read_s = restore_s
+        num_chunks = request.restore_plan.num_pool_chunks
+        job.read_s = self.cost.restore_s(num_chunks, self.stage_bytes_per_token)
         job.restore_start = self.loop.now
         job.restore_timed = True
-        self.loop.after(restore_s, self._restore_part_done, job)
-        for host, nbytes in remote.items():
-            self.network.send(host, self.host, nbytes, self._restore_part_done, job)
+        self.read(result.groups[:num_chunks], num_chunks, partial(self._restored, job))
 
-    def _restore_part_done(self, job: Job) -> None:
-        job.restore_parts -= 1
-        if job.restore_parts:
-            return
+    def read(self, groups: list, num_chunks: int, done: Callable[[int], None]) -> None:
+        """Every stage reads its objects of ``num_chunks`` planned chunks (``groups``, located from the first
+        chunk past the device's) for the cost model's restore time; objects on other servers cross both servers'
+        NICs too. ``done(readable)`` once every part landed: the leading groups every stage could read."""
+        readable = self.leading_readable(groups)
+        remote = self.remote_bytes(groups[:readable])
+        parts = [1 + len(remote)]
+
+        def landed() -> None:
+            parts[0] -= 1
+            if not parts[0]:
+                done(readable)
+
+        self.loop.after(self.cost.restore_s(num_chunks, self.stage_bytes_per_token), landed)
+        for host, nbytes in remote.items():
+            self.network.send(host, self.host, nbytes, landed)
+
+    def _restored(self, job: Job, readable: int) -> None:
+        job.readable = readable
         request = job.request
         assert request is not None and job.driver is not None
         job.restored_at = self.loop.now
@@ -308,9 +296,6 @@ class PipelineSim:
     def _computed(self, job: Job) -> None:
         """The last stage computed its part: the driver commits the computed chunks (under validation at the
         commit's place in stage 0's recorded order: it decides which block caches a chunk); save, hand off."""
-        if self.block_gate is None:
-            self._forward_ended(job)
-            return
         self.block_gate(("commit", job.job_id), partial(self._forward_ended, job))
 
     def _forward_ended(self, job: Job) -> None:
@@ -318,93 +303,57 @@ class PipelineSim:
         counts = [job.readable] * self.num_stages if job.chain_restore else []
         saves = job.driver.save_held
         effects = self._recorded(job, job.driver.forward_ended(self.loop.now, counts))
-        if self.block_gate is not None and not saves:
-            # the validation: a save of nothing releases nothing, in its place (an order that names it waits)
+        if not saves:  # a save of nothing releases nothing, in its place (a recorded order that names it waits)
             self.block_gate(("free", f"{job.job_id}/save"), lambda: None)
         self._carry_out(job, effects)
 
     def _save_then_free(self, job: Job, holder: str) -> None:
         """The save of the request's chunks, then its hold on their blocks ends (``saves_ended``): stage 0
-        reserves every stage's object of every chunk in one put, the stages write their own, one commit. Under
-        validation the put and its end run at their places in the master's recorded order, and the blocks go
-        at theirs in stage 0's."""
+        reserves every stage's object of every chunk in one put (none when there is nothing to save), the
+        stages write their own, one commit; the blocks go back then, at their place in stage 0's order."""
         request, driver = job.request, job.driver
         assert request is not None and driver is not None
-        chunks, ns = list(request.chunks_to_save), job.play.namespace
-
-        def ended() -> None:
-            self._drive(job, driver.saves_ended(holder, self.loop.now))
-
-        put_s = self.cost.put_s(len(chunks) * self.num_stages)
-        if self.pool_gate is None:
-            self.master.call(put_s, self._save, ns, chunks, ended)
-            return
-        gate = self.block_gate
-        assert gate is not None
+        chunks = list(request.chunks_to_save)
 
         def freed() -> None:
-            gate(("free", holder), ended)
+            self.block_gate(("free", holder), lambda: self._drive(job, driver.saves_ended(holder, self.loop.now)))
 
-        if not chunks:  # nothing to put: the blocks go at their place
+        if not chunks:
             freed()
             return
-        self.master.call(put_s, self.pool_gate, ("put_start", f"{job.job_id}/0"),
-                         partial(self._put_gated, job.job_id, ns, chunks, freed))
+        self.master.call(self.cost.put_s(len(chunks) * self.num_stages), self.pool_gate,
+                         ("put_start", f"{job.job_id}/0"), partial(self._put, job, chunks, freed))
 
-    def _items(self, ns: str, chunks: list) -> list[PutRequestItem]:
-        """Every stage's object of every chunk, stage by stage, as stage 0 reserves them."""
-        return [PutRequestItem(object_key(ns, h, s), group_id(ns, h), self.num_stages, self.stage_object_bytes[s])
-                for s in range(self.num_stages) for h in chunks]
-
-    def _put_gated(self, request_id: str, ns: str, chunks: list, ended: Callable[[], None]) -> int:
-        """The validation: the save's put start; its end goes to the gate. Returns the groups it evicted."""
-        assert self.pool_gate is not None
-        items = self._items(ns, chunks)
+    def _put(self, job: Job, chunks: list, freed: Callable[[], None]) -> int:
+        """Write-through when the master serves the put: every stage's object of every chunk (stage by stage, as
+        stage 0 reserves them), committed at the put end's place; bytes placed on another server's store load
+        both NICs, and the commit does not wait for them. Returns the groups it evicted."""
+        ns = job.play.namespace
+        items = [PutRequestItem(object_key(ns, h, s), group_id(ns, h), self.num_stages, self.stage_object_bytes[s])
+                 for s in range(self.num_stages) for h in chunks]
         evicted_before = self.index.counters.evicted_groups
-        outcomes = self.index.put_start(self.host, items)
-        commits = [(item.key, 0) for item, o in zip(items, outcomes) if o.status is PutStatus.RESERVED]
+        commits, remote = [], {}
+        for item, outcome in zip(items, self.index.put_start(self.host, items)):
+            if outcome.status is PutStatus.RESERVED:
+                commits.append((item.key, 0))
+                if outcome.segment is not None and outcome.segment.host != self.host:
+                    remote[outcome.segment.host] = remote.get(outcome.segment.host, 0) + item.size
         evicted = self.index.counters.evicted_groups - evicted_before
         self.metrics.on_save(len(items), len(commits), evicted)
+        for host, nbytes in remote.items():
+            self.network.send(self.host, host, nbytes)
 
         def commit() -> int:
             if commits:  # stage 0 sends no put end when nothing was reserved
                 self.index.put_end(commits)
-            ended()
+            freed()
             return len(commits)
 
-        self.pool_gate(("put_end", f"{request_id}/0"), commit)
+        self.pool_gate(("put_end", f"{job.job_id}/0"), commit)
         return evicted
-
-    def _save(self, ns: str, chunks: list, ended: Callable[[], None]) -> None:
-        """Write-through: every stage's object of every chunk to save, one batch, committed when served;
-        the save's hold on its blocks ends then."""
-        items = self._items(ns, chunks)
-        evicted_before = self.index.counters.evicted_groups
-        outcomes = self.index.put_start(self.host, items)
-        commits = []
-        remote: dict[str, int] = {}
-        for item, outcome in zip(items, outcomes):
-            if outcome.status is PutStatus.RESERVED:
-                commits.append((item.key, 0))
-                segment = outcome.segment
-                if segment is not None and segment.host != self.host:
-                    remote[segment.host] = remote.get(segment.host, 0) + item.size
-        if commits:
-            self.index.put_end(commits)
-        self.metrics.on_save(len(items), len(commits), self.index.counters.evicted_groups - evicted_before)
-        for host, nbytes in remote.items():
-            self.network.send(self.host, host, nbytes)
-        ended()
 
     def handed_off(self, job: Job) -> None:
         """Decode has the KV: the hold ends and its blocks may serve the queue head."""
         driver = job.driver
         assert driver is not None
-        if self.block_gate is None:
-            self._drive(job, driver.release())
-        else:
-            self.block_gate(("free", job.job_id), partial(self._release, job))
-
-    def _release(self, job: Job) -> None:
-        assert job.driver is not None
-        self._drive(job, job.driver.release())
+        self.block_gate(("free", job.job_id), lambda: self._drive(job, driver.release()))

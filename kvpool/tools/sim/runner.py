@@ -35,7 +35,8 @@ def run_spec(spec: RunSpec, trace_dir: str, cost_path: str | CostModel, base: Ru
         warmup_s=min(base.warmup_s, spec.duration_s / 2), fail_server_at_s=spec.fail_at_s,
         affinity_max_queue=base.affinity_max_queue if spec.affinity is None else spec.affinity,
     )
-    topology = replace(topology, num_servers=spec.servers, device_kv_gib_per_gpu=cost.fit.device_kv_gib_per_gpu)
+    topology = replace(topology, num_servers=spec.servers, device_kv_gib_per_gpu=cost.fit.device_kv_gib_per_gpu,
+                       decode_kv_gib_per_gpu=cost.fit.decode_kv_gib_per_gpu or topology.decode_kv_gib_per_gpu)
     result = Simulation(topology, settings, cost, traces).run()
     result.update(label=spec.label, sessions_per_server=spec.sessions_per_server, fail_at_s=spec.fail_at_s,
                   window_s=settings.window_s, reading=spec.reading, seed_sessions=spec.seed_sessions,

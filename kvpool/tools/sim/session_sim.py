@@ -24,7 +24,9 @@ on the event loop and does the reads as a prefill's restore does them:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from kvpool.core.prefill.block_manager import BlockManager
@@ -36,7 +38,7 @@ from kvpool.core.sessions.table import SessionId
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job, session_of
-from kvpool.tools.sim.network import MasterQueue, Network
+from kvpool.tools.sim.network import MasterQueue
 
 
 @dataclass(slots=True)
@@ -48,8 +50,6 @@ class Staging:
     namespace: str
     started: float = 0.0
     lease: int = 0
-    readable: int = 0
-    parts: int = 0
 
 
 @dataclass(slots=True)
@@ -110,26 +110,16 @@ class SessionAware:
         request = staging.request
         result = pipeline.index.lookup([group_id(staging.namespace, h) for h in request.lookup_candidates],
                                        held_prefix=request.num_device_chunks)
-        plan = request.plan_lookup(result.num_found)
+        num_chunks = request.plan_lookup(result.num_found).num_pool_chunks
         staging.lease = result.lease_id
-        restored = result.groups[: plan.num_pool_chunks]  # located from the first chunk past the device's
-        staging.readable = pipeline.leading_readable(restored)
-        remote = pipeline.remote_bytes(restored[: staging.readable]) if restored else {}
         staging.started = pipeline.loop.now
-        staging.parts = 1 + len(remote)
-        pipeline.loop.after(pipeline.cost.restore_s(plan.num_pool_chunks, pipeline.stage_bytes_per_token),
-                            self._read_part_done, staging, pipeline)
-        for host, nbytes in remote.items():
-            pipeline.network.send(host, pipeline.host, nbytes, self._read_part_done, staging, pipeline)
+        pipeline.read(result.groups[:num_chunks], num_chunks, partial(self._read, staging, pipeline))
 
-    def _read_part_done(self, staging: Staging, pipeline: PipelineSim) -> None:
-        staging.parts -= 1
-        if staging.parts:
-            return
+    def _read(self, staging: Staging, pipeline: PipelineSim, readable: int) -> None:
         if staging.lease:
             pipeline.master.call(pipeline.cost.release_s(), pipeline.index.release_lease, staging.lease)
         request = staging.request
-        request.apply_restore([staging.readable] * pipeline.num_stages, pipeline.blocks)
+        request.apply_restore([readable] * pipeline.num_stages, pipeline.blocks)
         result = self.policy(pipeline).staged(staging.session, request, pipeline.loop.now - staging.started)
         self.outcomes[result.outcome] += 1
         if not result.hold:
@@ -160,16 +150,10 @@ class PipelineSim(Protocol):
     blocks: BlockManager
     index: PoolIndex
     master: MasterQueue
-    network: Network
 
     @property
     def num_stages(self) -> int: ...
 
-    @property
-    def stage_bytes_per_token(self) -> float: ...
-
-    def leading_readable(self, groups: list) -> int: ...
-
-    def remote_bytes(self, groups: list) -> dict[str, int]: ...
+    def read(self, groups: list, num_chunks: int, done: Callable[[int], None]) -> None: ...
 
     def kick(self) -> None: ...

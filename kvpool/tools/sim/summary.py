@@ -10,7 +10,8 @@ warm-up, over the counted span, per GPU of every server, prefill and decode):
   the work the GPUs did.
 Decode KV use: filled pages (a sequence's prompt and its tokens decoded so
 far) over all pages, sampled every 5 s per shard; ``decode_kv_reserved_p50``
-counts the pages admission reserved for a sequence's whole life instead.
+counts the pages the shards hold instead: each turn's pages for its whole
+life, from its router ticket (before prefill) to its last token.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
     out["prompt_tok_s"] = m.window_prompt_tokens / span
     # restore time on the critical path, per turn prefilled (a turn that restores nothing adds 0)
     out["restore_critical_s_per_turn"] = sum(m.restore_s) / max(1, m.counted_turns)
-    out["errors"] = sim.trace_policy["refused_device_cache"] + sim.trace_policy["refused_decode"]
+    out["errors"] = sum(sim.trace_policy[k] for k in ("refused_device_cache", "refused_decode", "expired_in_queue"))
     out["ttft_breakdown"] = ttft_breakdown(m.ttft_parts)
     out["queue_overdue_pops"] = sum(p.queue.num_overdue_pops for p in sim.pipelines.values())
     out["queue_budget_pops"] = sum(p.queue.num_budget_pops for p in sim.pipelines.values())

@@ -107,6 +107,8 @@ class RunSettings:
     # open loop: sessions already running at the start (over ``start_spread_s``), so the load is near its
     # steady state after a shorter warm-up (a session lives ~20 minutes at the calibrated pace)
     open_loop_initial_sessions: int = 0
+    # the router's queue: a turn waits this long for decode room, then leaves unserved (``expired_in_queue``)
+    queue_timeout_s: float = 30.0  # the router's default
     # the summary also carries every counted turn's TTFT (``ttft_samples``): the comparisons pool runs' turns
     keep_ttft_samples: bool = False
 

@@ -278,7 +278,9 @@ def replay_sessions(
         pipeline.queue = RecordedOrderQueue(recorded)  # type: ignore[assignment]
         pipeline.block_gate = recorded.run
         pipeline.pool_gate = master.run
+        pipeline.recorded = True
         pipeline.effects = {}  # each request's driver effects, to compare with the cluster's
+    sim.router.effects = {}  # and its router driver's
     sim.run()
     counts = {}
     for job_id, d, p, c in sim.metrics.turn_tokens:
@@ -290,6 +292,7 @@ def replay_sessions(
             "ttft_p50_s": percentile(ttft, 50) if ttft else 0.0, "events_left": recorded.num_left,
             "pool_ops_left": master.num_left, "pool_ops_differing": master.differing,
             "effects": {job_id: e for p in sim.pipelines.values() for job_id, e in (p.effects or {}).items()},
+            "router_effects": sim.router.effects,
             # where an order the simulator could not follow stopped (None: followed to its end)
             "stopped_at": (recorded.head(), master.head())}
     return counts, sim.loop.now, pool
@@ -326,36 +329,3 @@ def differing_effects(sim: Mapping[str, Sequence[Mapping[str, Any]]],
 def _turn_order(name: str) -> tuple[int, int]:
     session, turn = name.split(".t")
     return int(session[1:]), int(turn)
-
-
-def compare(sim: Sequence[TurnCounts], real: Sequence[TurnCounts], sim_wall_s: float = 0.0,
-            real_wall_s: float = 0.0) -> dict[str, Any]:
-    """The validation's verdict: the real run's turns against the simulator's first as many, in order.
-
-    ``throughput_error`` and ``ttft_p50_error`` are relative ((sim - real) / real; 0.0 when real is 0);
-    throughput is prompt tokens over each side's elapsed (simulated or wall) seconds.
-    """
-    head = list(sim[: len(real)])
-
-    def reuse(turns: Sequence[TurnCounts]) -> float:
-        total = sum(t.prompt_tokens for t in turns)
-        return sum(t.device_tokens + t.pool_tokens for t in turns) / total if total else 0.0
-
-    def relative(a: float, b: float) -> float:
-        return (a - b) / b if b else 0.0
-
-    def split(turns: Sequence[TurnCounts]) -> list[tuple[int, int, int, int]]:
-        return [(t.prompt_tokens, t.device_tokens, t.pool_tokens, t.computed_tokens) for t in turns]
-
-    mismatches = [i for i, (a, b) in enumerate(zip(split(head), split(real))) if a != b]
-    sim_tput = sum(t.prompt_tokens for t in head) / sim_wall_s if sim_wall_s else 0.0
-    real_tput = sum(t.prompt_tokens for t in real) / real_wall_s if real_wall_s else 0.0
-    return {
-        "turns_compared": len(real),
-        "sim_reuse": reuse(head), "real_reuse": reuse(real),
-        "first_mismatch": mismatches[0] if mismatches else -1,
-        "throughput_error": relative(sim_tput, real_tput),
-        "ttft_p50_error": relative(percentile([t.ttft_s for t in head], 50), percentile([t.ttft_s for t in real], 50)),
-        "reuse_equal": len(head) == len(real) and reuse(head) == reuse(real),
-        "token_counts_equal": len(head) == len(real) and not mismatches,
-    }

@@ -4,19 +4,21 @@ The cluster side is ``kvpool replay``'s (``kvpool.tools.up.up_cluster`` + ``kvpo
 ``VALIDATION_TRACES`` (no sub-agents: one request in flight per session) at once, no think time, the tiny
 model, a device cache (``DEVICE_CACHE_TOKENS``) too small for every session's history, so turns restore
 from the pool, and two stores of ``SEGMENT_BYTES`` each, too small for every history, so the master evicts.
-The cluster records what each request saw (``kvpool.request_record``; no log is read): stage 0's driver
-effects (``kvpool.core.prefill.driver``) with each turn's arrival, which touches its session's cached
-blocks, and the master's pool operations (each lookup, lease release, and each stage's put start and put
-end, with its outcome). From those come two orders, stage 0's block events (arrival, admission, each
-release of a request's blocks and of its save's) and the master's operations; the simulator applies each
-in its recorded order (``kvpool.tools.sim.validate.replay_sessions``), running the same driver, so every
-turn's device / pool / computed tokens should be equal (``mismatched_turns`` lists those that differ), and
-so should every request's driver effects, one by one (``effects_equal``; ``effects_differing`` names the
-requests that differ), and the pool operations' outcomes (``pool_ops_differing``: a lookup's complete
-groups, a put's evictions). The last JSON line ends with ``pool_tokens``, ``evictions``,
-``effects_equal``, ``token_counts_equal``, ``throughput_error`` and ``ttft_p50_error``. The simulator's
-times come from ``cost_model_cpu.toml`` (measured on this host for this cluster) unless ``--cost-model``
-names another; ``--runs N`` repeats the whole comparison and reports the timing errors' median and spread.
+The cluster records what each request saw (``kvpool.request_record``; no log is read): the router's driver
+effects (``kvpool.core.admission.request_driver``), stage 0's (``kvpool.core.prefill.driver``) with each
+turn's arrival, which touches its session's cached blocks, and the master's pool operations (each lookup,
+lease release, and each stage's put start and put end, with its outcome). From those come two orders,
+stage 0's block events (arrival, admission, each release of a request's blocks and of its save's) and the
+master's operations; the simulator applies each in its recorded order
+(``kvpool.tools.sim.validate.replay_sessions``), running the same drivers, so every turn's device / pool /
+computed tokens should be equal (``mismatched_turns`` lists those that differ), and so should every
+request's driver effects, the router's and stage 0's, one by one (``effects_equal``; ``effects_differing``
+and ``router_effects_differing`` name the requests that differ), and the pool operations' outcomes
+(``pool_ops_differing``: a lookup's complete groups, a put's evictions). The last JSON line ends with
+``pool_tokens``, ``evictions``, ``effects_equal``, ``token_counts_equal``, ``throughput_error`` and
+``ttft_p50_error``. The simulator's times come from ``cost_model_cpu.toml`` (measured on this host for this
+cluster) unless ``--cost-model`` names another; ``--runs N`` repeats the whole comparison and reports the
+timing errors' median and spread.
 """
 
 from __future__ import annotations
@@ -40,16 +42,20 @@ DEVICE_CACHE_TOKENS = 4608  # 18 chunks a stage: the longest prompt (4,361 token
 SEGMENT_BYTES = 8 << 20  # two stores of 8 MiB: 21 groups of 4 x 196,608 B, fewer than the histories hold
 
 
+Effects = dict[str, list[dict[str, Any]]]
+
+
 def block_events(records: list[dict[str, Any]], session_ids: list[str]) -> list[tuple[str, str]]:
     """Stage 0's block events in their recorded order (``recorded_orders``' first part)."""
     return recorded_orders(records, session_ids)[0]
 
 
 def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
-                    ) -> tuple[list[tuple[str, str]], list[Any], dict[str, list[dict[str, Any]]]]:
+                    ) -> tuple[list[tuple[str, str]], list[Any], Effects, Effects]:
     """What the cluster recorded (``kvpool.request_record``), named as the simulator names requests
     (``s{session index}.t{turn index}``): stage 0's block events, the master's pool operations, each in its
-    own order, and each request's driver effects.
+    own order, each request's stage 0 driver effects, and each request's router driver effects (with the
+    event that made each).
 
     Block events: ("touch", id) at a turn's arrival (it touches its session's cached blocks), ("admit", id)
     at its first admission (``Admitted``), ("commit", id) once its forward ended and its computed chunks
@@ -106,7 +112,13 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
             continue
         holder = f"{name}/{str(record.get('first_key', '')).rpartition('/')[2]}" if op.startswith("put") else name
         ops.append(((op, holder), int(record.get(figure[op], 0))))
-    return blocks, ops, effects
+    router: Effects = {}
+    for record in records:  # one router: each request's effects, in its driver's order
+        name = names.get(str(record.get("request_id")))
+        if record.get("source") == "router" and record.get("kind") == "effect" and name is not None:
+            router.setdefault(name, []).append({k: v for k, v in record.items()
+                                                if k not in ("source", "kind", "request_id", "session_key")})
+    return blocks, ops, effects, router
 
 
 def turn_key(request_id: str) -> tuple[int, int]:
@@ -144,12 +156,13 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float)
         result = asyncio.run(run_replay(cluster.http_url, workload, options, _probes(cluster)))
     finally:
         cluster.stop()
-    events, pool_ops, effects = recorded_orders(read_records(records), session_ids)
+    events, pool_ops, effects, router_effects = recorded_orders(read_records(records), session_ids)
     index = {sid: k for k, sid in enumerate(session_ids)}
     turns = {(index[r.session_id], r.turn): TurnCounts(r.prompt_tokens, r.device_tokens, r.pool_tokens,
                                                       r.computed_tokens, r.ttft_s, r.completion_tokens)
              for r in result.records if r.error is None}
-    return {"turns": turns, "events": events, "pool_ops": pool_ops, "effects": effects, "wall_s": result.wall_s,
+    return {"turns": turns, "events": events, "pool_ops": pool_ops, "effects": effects,
+            "router_effects": router_effects, "wall_s": result.wall_s,
             "pool": result.pool or {},
             "errors": sum(r.error is not None for r in result.records)}
 
@@ -165,8 +178,10 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
         real.get("pool_ops", ()))
     keys = sorted(real_turns)
     mismatches = [key for key in keys if key not in sim_turns or _split(sim_turns[key]) != _split(real_turns[key])]
-    real_effects = real.get("effects", {})
+    real_effects, real_router = real.get("effects", {}), real.get("router_effects", {})
     differing = differing_effects(sim_pool["effects"], real_effects)
+    router_differing = [name for name in sorted(real_router, key=turn_key)
+                        if real_router[name] != sim_pool["router_effects"].get(name)]
     # throughput: prompt tokens of the turns both sides ran over each side's span
     prompt = sum(real_turns[k].prompt_tokens for k in keys)
     sim_tput, real_tput = prompt / sim_span if sim_span else 0.0, prompt / real["wall_s"] if real["wall_s"] else 0.0
@@ -179,13 +194,14 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
         "num_pool_ops_differing": len(sim_pool["pool_ops_differing"]), "real_errors": real["errors"],
         "num_mismatched_turns": len(mismatches), "mismatched_turns": [list(k) for k in mismatches[:10]],
         "requests_effects_compared": len(real_effects), "num_effects_differing": len(differing),
-        "effects_differing": differing[:10],
+        "effects_differing": differing[:10], "router_effects_compared": len(real_router),
+        "num_router_effects_differing": len(router_differing), "router_effects_differing": router_differing[:10],
         "real_pool_tokens": sum(real_turns[k].pool_tokens for k in keys),
         "real_evictions": int(real["pool"].get("evicted_groups", -1)),
         "real_wall_s": real["wall_s"], "sim_span_s": sim_span,
         "pool_tokens": sum(sim_turns[k].pool_tokens for k in keys if k in sim_turns),
         "evictions": sim_pool["evictions"],
-        "effects_equal": bool(real_effects) and not differing,
+        "effects_equal": bool(real_effects) and not differing and bool(real_router) and not router_differing,
         "token_counts_equal": bool(keys) and not mismatches,
         "throughput_error": (sim_tput - real_tput) / real_tput if real_tput else 0.0,
         "ttft_p50_error": (sim_pool["ttft_p50_s"] - real_ttft) / real_ttft if real_ttft else 0.0,
