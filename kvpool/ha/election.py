@@ -111,7 +111,7 @@ class Candidate:
 
         async def send() -> None:
             while True:
-                keepalive.send()
+                await keepalive.send()
                 await asyncio.sleep(self.times.keepalive_s)
 
         async def receive() -> None:
@@ -254,7 +254,7 @@ class Registration:
 
     async def _send(self, keepalive: KeepAlive) -> None:
         while True:
-            keepalive.send()
+            await keepalive.send()
             await asyncio.sleep(self.keepalive_s)
 
 

@@ -9,7 +9,6 @@ caller (the candidate, the leader watch) decides what it means.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -140,16 +139,13 @@ class EtcdClient:
         stream breaks (the error raises) or the caller stops iterating."""
         create = rpc_pb2.WatchCreateRequest(key=key, start_revision=start_revision,
                                             range_end=prefix_end(key) if prefix else b"")
-        outbox: asyncio.Queue[rpc_pb2.WatchRequest] = asyncio.Queue()
-        outbox.put_nowait(rpc_pb2.WatchRequest(create_request=create))
-
-        async def requests() -> AsyncIterator[rpc_pb2.WatchRequest]:
-            while True:
-                yield await outbox.get()
-
-        call = self.watches.Watch(requests())
+        call = self.watches.Watch()  # written to, not fed by a generator: cancelling it leaves nothing behind
         try:
-            async for response in call:
+            await call.write(rpc_pb2.WatchRequest(create_request=create))
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    raise RuntimeError(f"etcd ended the watch of {key!r}")
                 if response.canceled:
                     raise RuntimeError(f"etcd cancelled the watch of {key!r}: {response.cancel_reason or 'compacted'}")
                 for event in response.events:
@@ -166,20 +162,19 @@ class KeepAlive:
 
     def __init__(self, client: EtcdClient, lease_id: int) -> None:
         self.lease_id = lease_id
-        self._outbox: asyncio.Queue[rpc_pb2.LeaseKeepAliveRequest] = asyncio.Queue()
         self._sent: deque[float] = deque()
-        self._call = client.leases.LeaseKeepAlive(self._requests())
+        self._call = client.leases.LeaseKeepAlive()
 
-    async def _requests(self) -> AsyncIterator[rpc_pb2.LeaseKeepAliveRequest]:
-        while True:
-            yield await self._outbox.get()
-
-    def send(self) -> None:
+    async def send(self) -> None:
+        """One keep-alive, written now (one writer at a time: the caller's loop)."""
         self._sent.append(time.monotonic())
-        self._outbox.put_nowait(rpc_pb2.LeaseKeepAliveRequest(ID=self.lease_id))
+        await self._call.write(rpc_pb2.LeaseKeepAliveRequest(ID=self.lease_id))
 
     async def answers(self) -> AsyncIterator[tuple[float, int]]:
-        async for response in self._call:
+        while True:
+            response = await self._call.read()
+            if response is grpc.aio.EOF:
+                return
             sent = self._sent.popleft() if self._sent else time.monotonic()
             yield sent, response.TTL
 
