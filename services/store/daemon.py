@@ -195,8 +195,7 @@ class Store:
         failures = 0
         while not stop.is_set():
             if wait_s > 0:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait_s)
+                await self._pause(stop, wait_s)
             if stop.is_set():
                 return
             if self.with_standbys and self.link is not None and self.link.stale():
@@ -229,6 +228,21 @@ class Store:
                     # the master may be restarting: look again soon, never slower than the interval
                     wait_s = min(RETRY_MIN_S * 2**failures, self.heartbeat_interval_s)
                     failures += 1
+
+    async def _pause(self, stop: asyncio.Event, wait_s: float) -> None:
+        """Wait ``wait_s``, less if we are told to stop or (with standbys) a new leader is announced."""
+        waits = [asyncio.ensure_future(stop.wait())]
+        if self.with_standbys and self.link is not None and self.link.changed is not None:
+            if self.link.stale():  # the leader already changed: follow it now
+                waits[0].cancel()
+                return
+            self.link.changed.clear()  # (a vacancy left it set: only a change from now on wakes us)
+            waits.append(asyncio.ensure_future(self.link.changed.wait()))
+        try:
+            await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
 
     async def _beat(self) -> Beat | None:
         """One heartbeat; with standbys a long-poll, abandoned (None) when the leader changes meanwhile."""
