@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,16 @@ READERS = 2
 FAILOVER_DEADLINE_S = 30.0
 
 
+SOURCE_BYTES = SLOTS * MEMBERS * OBJECT_BYTES
+
+
+def fill_sources(buffer: HostBuffer) -> None:
+    """Random bytes in every slot: what the groups are saved from and compared with."""
+    rng = np.random.default_rng(11)
+    view = np.frombuffer(buffer.view(0, SOURCE_BYTES), dtype=np.uint8)
+    view[:] = rng.integers(0, 256, size=SOURCE_BYTES, dtype=np.uint8)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else 0.0
@@ -74,12 +85,7 @@ class Load:
 
     @property
     def source_bytes(self) -> int:
-        return SLOTS * MEMBERS * OBJECT_BYTES
-
-    def fill(self) -> None:
-        rng = np.random.default_rng(11)
-        view = np.frombuffer(self.buffer.view(0, self.source_bytes), dtype=np.uint8)
-        view[:] = rng.integers(0, 256, size=self.source_bytes, dtype=np.uint8)
+        return SOURCE_BYTES
 
     def source(self, g: int, m: int) -> int:
         return ((g % SLOTS) * MEMBERS + m) * OBJECT_BYTES
@@ -249,10 +255,42 @@ async def _count_changes(etcd: str, seconds: float) -> int:
     return changes
 
 
+SAVE_SAMPLES = 200
+
+
+async def save_ms(load: Load, first: int) -> float:
+    """The median client-observed time of a save (one group of ``MEMBERS`` objects: PutStart, the bytes by
+    shared memory, PutEnd) over ``SAVE_SAMPLES`` saves one after another, nothing else running."""
+    times = []
+    for g in range(first, first + SAVE_SAMPLES):
+        start = time.perf_counter()
+        stored = await load.put_group(g)
+        times.append((time.perf_counter() - start) * 1000)
+        if not stored:
+            raise RuntimeError("a save was not stored while measuring what a save costs")
+    return statistics.median(times)
+
+
+async def single_master_save_ms(workdir: Path, engine: TransferEngine, buffer: HostBuffer,
+                                master_args: list[str]) -> float:
+    """``save_ms`` on the one master without etcd, the same stores and buffer: the baseline of the same run."""
+    with LocalPool(num_stores=2, segment_size=SEGMENT_SIZE, master_args=master_args,
+                   workdir=workdir / "single") as pool:
+        client = PoolClient(pool.master_address, engine)
+        client.register(buffer.address, buffer.size)
+        try:
+            load = Load(client, buffer)
+            return await save_ms(load, 2 * 10**6)
+        finally:
+            await client.close()
+
+
 async def run_leader(workdir: Path, leader_kills: int, quiet_s: float, master_args: list[str]) -> dict[str, Any]:
     engine = TransferEngine()
     buffer = HostBuffer((SLOTS + READERS + 1) * MEMBERS * OBJECT_BYTES)
     engine.register(buffer.address, buffer.size)
+    fill_sources(buffer)
+    single_ms = await single_master_save_ms(workdir, engine, buffer, master_args)
     with LocalPool(num_stores=2, segment_size=SEGMENT_SIZE, master_args=master_args, workdir=workdir / "leader",
                    master_standbys=1) as pool:
         assert pool.cluster is not None and pool.cluster.etcd is not None
@@ -260,16 +298,19 @@ async def run_leader(workdir: Path, leader_kills: int, quiet_s: float, master_ar
         client = PoolClient(pool.master_address, engine)
         client.register(buffer.address, buffer.size)
         load = Load(client, buffer)
-        load.fill()
         try:
             if not await client.connect(30.0):
                 raise RuntimeError("no master leader announced in etcd")
             await _wait(lambda: load.put_group(10**6), "a first save", FAILOVER_DEADLINE_S)
+            standby_ms = await save_ms(load, 3 * 10**6)
+            load.acknowledged.clear()  # measured saves aside: the load's own are checked at the end
             load.start()
             await _wait(lambda: _at_least(load, 8), "saves under load", FAILOVER_DEADLINE_S)
             epoch0 = (await leader(etcd))[1]
             failovers = [await _kill_once(pool, load, etcd) for _ in range(leader_kills)]
             out: dict[str, Any] = {
+                # what a save costs the client when PutEnd waits for the stores to hold its commit
+                "save_ms_p50_single_master": round(single_ms, 3), "save_ms_p50_with_standby": round(standby_ms, 3),
                 "leader_kills": leader_kills,
                 "failover_s_p50": round(percentile(failovers, 0.5), 3),
                 "failover_s_p99": round(percentile(failovers, 0.99), 3),
@@ -323,6 +364,8 @@ def leader_targets(result: dict[str, Any]) -> dict[str, bool]:
 
 def format_leader(r: dict[str, Any]) -> str:
     return "\n".join([
+        (f"a save (4 × 16 KiB): p50 {r['save_ms_p50_with_standby']} ms with a standby (PutEnd waits for the stores), "
+         f"{r['save_ms_p50_single_master']} ms on one master"),
         (f"leader kill -9 ×{r['leader_kills']} under load: failover p50 {r['failover_s_p50']} s, "
          f"p99 {r['failover_s_p99']} s (max {r['failover_s_max']} s)"),
         (f"acknowledged groups {r['groups_acknowledged']}: objects lost {r['objects_lost']}, wrong bytes "
