@@ -83,8 +83,8 @@ def unit_commands(unit_text: dict[str, str] | None = None) -> list[tuple[str, li
     return commands
 
 
-def compose_commands() -> list[tuple[str, list[str]]]:
-    text = (ROOT / "compose.yaml").read_text()
+def compose_commands(compose_file: str = "compose.yaml") -> list[tuple[str, list[str]]]:
+    text = (ROOT / compose_file).read_text()
     return [(m.group(1), json.loads(m.group(2)))
             for m in re.finditer(r"^  ([\w-]+):\n(?:    .*\n)*?    command: (\[[^\]]*\])", text, re.M)]
 
@@ -290,3 +290,30 @@ def test_a_master_unit_can_name_the_etcd_its_standbys_elect_in(tmp_path: Path) -
     _, store = kvpool_argv(exec_start((UNIT_DIR / "kvpool-store@.service").read_text()))
     store_settings = build_settings([*expand(store, "0"), "--master", "etcd://10.0.0.9:2379"], config)
     assert store_settings.master == "etcd://10.0.0.9:2379"
+
+
+STANDBY_COMPOSE = "compose.standby.yaml"
+STANDBY_CONFIG = ROOT / "deploy" / "compose" / "cluster-standby.toml"
+
+
+def test_the_standby_compose_file_runs_two_master_candidates_and_stores_that_follow_the_leader() -> None:
+    commands = dict(compose_commands(STANDBY_COMPOSE))
+    assert set(commands) == {"etcd", "master-standby"}  # the rest are compose.yaml's, with the standby settings
+    standby = build_settings(commands["master-standby"], STANDBY_CONFIG)
+    assert standby.etcd == "127.0.0.1:2379" and standby.port == 7602
+    master = dict(compose_commands())["master"]
+    assert build_settings(master, STANDBY_CONFIG).etcd == standby.etcd
+    for name in ("store-0", "prefill-0"):
+        assert build_settings(dict(compose_commands())[name], STANDBY_CONFIG).master == "etcd://127.0.0.1:2379"
+    text = (ROOT / STANDBY_COMPOSE).read_text()
+    # every kvpool service of compose.yaml that reaches the master reads the standby settings
+    for name in ("master", "store-0", "store-1", "prefill-0", "prefill-1", "prefill-2", "prefill-3"):
+        assert re.search(rf"^  {name}:\n    volumes: \[\*standby-settings\]", text, re.M), name
+
+
+@pytest.mark.cluster  # runs etcd --help
+def test_the_standby_compose_etcd_takes_its_flags_over_mutual_tls() -> None:
+    argv = dict(compose_commands(STANDBY_COMPOSE))["etcd"]
+    flags = {a for a in argv if a.startswith("--")}
+    assert flags <= etcd_flags(), flags - etcd_flags()
+    assert "--client-cert-auth" in argv and argv[argv.index("--trusted-ca-file") + 1] == "/etc/kvpool/tls/ca.pem"

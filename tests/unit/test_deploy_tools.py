@@ -96,9 +96,10 @@ def test_systemd_check_catches(change, expected: str, tmp_path: Path) -> None:  
     assert any(expected in line for line in lines), lines
 
 
-def compose_config(compose_file: Path) -> subprocess.CompletedProcess[str]:
+def compose_config(compose_file: Path, *more: Path) -> subprocess.CompletedProcess[str]:
     assert DOCKER_COMPOSE is not None
-    return subprocess.run([DOCKER_COMPOSE, "-f", str(compose_file), "config", "--quiet"],
+    files = [arg for f in (compose_file, *more) for arg in ("-f", str(f))]
+    return subprocess.run([DOCKER_COMPOSE, *files, "config", "--quiet"],
                           capture_output=True, text=True, timeout=120, cwd=compose_file.parent)
 
 
@@ -106,6 +107,14 @@ def compose_config(compose_file: Path) -> subprocess.CompletedProcess[str]:
 @needs_compose
 def test_docker_compose_accepts_compose_file() -> None:
     done = compose_config(ROOT / "compose.yaml")
+    assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), (
+        f"docker-compose config (exit {done.returncode}):\n{done.stdout}{done.stderr}")
+
+
+@pytest.mark.cluster
+@needs_compose
+def test_docker_compose_accepts_the_standby_file_over_compose_file() -> None:
+    done = compose_config(ROOT / "compose.yaml", ROOT / "compose.standby.yaml")
     assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), (
         f"docker-compose config (exit {done.returncode}):\n{done.stdout}{done.stderr}")
 
