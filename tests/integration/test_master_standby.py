@@ -184,3 +184,17 @@ def test_the_leader_killed_mid_replay_every_turn_completes_with_the_right_answer
     # a new leader took over (the standby, or the killed one back first): the stores re-mounted to it
     logs = [p.read_text() for p in (tmp_path / "chaos").glob("store*.log")]
     assert logs and all('"master_restarted_remounted"' in text for text in logs)
+
+
+def test_kvpool_up_with_a_standby_serves_the_demo(tmp_path: Path) -> None:
+    workdir = tmp_path / "up"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpool.services.cli", "up", "--master-standbys", "1", "--demo", "--trace", "synthetic",
+         "--turns", "2", "--http-port", "0", "--grpc-port", "0", "--segment-size", "64MiB", "--workdir", str(workdir)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "master-standby1" in result.stdout  # both candidates listed among the processes
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("synthetic-")]
+    assert len(rows) == 4 and all(int(r[4]) > 0 for r in rows if int(r[1]) == 1), result.stdout  # pool hits
+    assert (workdir / "etcd" / "etcd.log").exists()
