@@ -18,11 +18,11 @@ class MasterSettings(IndexSettings):
     port: int = setting(7601, help="gRPC port (0 picks a free one)")
     admin_port: int = setting(9601, help="Prometheus /metrics port (0 picks a free one)")
     heartbeat_interval_s: float = setting(2.0, help="heartbeat period told to stores, in seconds")
-    etcd: str = setting("", help="etcd endpoint (host:port): run as a candidate for the master elected there, the "
-                        "leader or a standby; stores, stages and clients then name etcd://HOST:PORT as their master "
-                        "(default: the one master, without etcd)", metavar="HOST:PORT")
+    etcd: str = setting("", help="etcd endpoint: run as a candidate for the master elected there, the leader or a "
+                        "standby; stores, stages and clients then name etcd://HOST:PORT as their master",
+                        metavar="HOST:PORT", default_text="none: the one master, without etcd")
     advertise: str = setting("", help="with --etcd: the address stores and clients reach this master at",
-                             default_text="host:port as bound")
+                             metavar="HOST:PORT", default_text="host:port as bound")
     lease_ttl_s: float = setting(2.0, help="with --etcd: the leader's lease in whole seconds; a dead leader is "
                                  "replaced about this long after it died")
     lease_keepalive_s: float = setting(0.4, help="with --etcd: keep-alive period of the leader's lease")
