@@ -20,6 +20,7 @@ from kvpool.ha.election import LEADER_KEY, leader_of
 from kvpool.ha.etcd_client import EtcdClient
 from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import PutObject, PutResult
+from kvpool.pool.stats_client import fetch_stats
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.tools.cluster import LocalPool
 from kvpool.transfer import HostBuffer, TransferEngine
@@ -109,8 +110,10 @@ async def test_the_leader_killed_the_standby_leads_and_nothing_acknowledged_is_l
     assert new_address != old_address and new_epoch > old_epoch
     assert ha_client.link.epoch == new_epoch
     assert await bytes_right(ha_client, buffer, groups)
-    # the new leader takes saves
+    # the new leader takes saves, and kvpool pool stats finds it through etcd too
     assert await put_groups(ha_client, buffer, "ns/c", 2, start=16 * MEMBERS)
+    stats = await fetch_stats(ha_pool.master_address)
+    assert len(stats["segments"]) == 2 and int(stats["num_objects"]) == 18 * MEMBERS
     assert failover_s < 10.0, failover_s
 
 

@@ -113,7 +113,9 @@ def _probes(cluster: Any) -> ClusterProbes:
         router=root(cluster.find("router")),
         stages={p.name: root(p) for p in cluster.services if "-stage" in p.name},
         decode={p.name: root(p) for p in cluster.services if p.name.startswith("decode")},
-        master=f"{host}:{master.ready['port']}" if master else "")
+        # with standbys, the leader wherever etcd announces it
+        master=(cluster.master_address if cluster.etcd is not None else f"{host}:{master.ready['port']}")
+        if master else "")
 
 
 def _run_level(args: argparse.Namespace, workload: ReplayWorkload, options: ReplayOptions,
