@@ -159,3 +159,33 @@ async def test_a_bad_wait_is_refused_naming_the_field(ha_pool: LocalPool) -> Non
         with pytest.raises(grpc.aio.AioRpcError) as bad:
             await stub.Heartbeat(pool_pb2.HeartbeatRequest(segment_id="x", wait_ms=10**9), timeout=5.0)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "wait_ms" in (bad.value.details() or "")
+
+
+async def test_a_store_whose_registration_lapses_is_dropped_before_its_heartbeat_ttl(
+        tmp_path: Path, engine: TransferEngine, buffer: HostBuffer) -> None:
+    # a heartbeat TTL far longer than the registration's 2 s lease: only etcd can drop the store this soon
+    args = ["--segment-ttl-s", "60", "--heartbeat-interval-s", "2"]
+    with LocalPool(num_stores=2, segment_size="8MiB", master_args=args, workdir=tmp_path, master_standbys=1) as pool:
+        client = PoolClient(pool.master_address, engine)
+        client.register(buffer.address, buffer.size)
+        try:
+            assert await client.connect(10.0)
+            await eventually(lambda: _segments(client, 2), what="both stores mounted")
+            frozen = pool.stores[1]
+            frozen.pause()
+            try:  # within its lease (2 s) and slack for a busy host, far inside the 60 s heartbeat TTL
+                await eventually(lambda: _segments(client, 1), timeout_s=15.0, what="the frozen store dropped")
+                # placement skips it: a save lands on the live store
+                assert await put_groups(client, buffer, "ns/p", 2, start=0)
+            finally:
+                frozen.resume()
+            await eventually(lambda: _segments(client, 2), timeout_s=20.0, what="the store back, registered again")
+        finally:
+            await client.close()
+
+
+async def _segments(client: PoolClient, count: int) -> bool:
+    try:
+        return len((await client.stats()).segments) == count
+    except grpc.aio.AioRpcError:
+        return False
