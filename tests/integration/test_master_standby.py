@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -102,10 +101,8 @@ async def test_the_leader_killed_the_standby_leads_and_nothing_acknowledged_is_l
     assert old_epoch > 0
     # the last batch right before the kill: its PutEnd was answered only once the stores held the records
     groups += await put_groups(ha_client, buffer, "ns/b", 8, start=8 * MEMBERS)
-    ha_pool.candidate_at(old_address).kill()
-    killed_at = time.monotonic()
+    ha_pool.candidate_at(old_address).kill()  # (how fast the standby takes over is bench faults' to measure)
     await eventually(lambda: all_found(ha_client, groups), timeout_s=15.0, what="every group found again")
-    failover_s = time.monotonic() - killed_at
     new_address, new_epoch = await leader_address(ha_pool)
     assert new_address != old_address and new_epoch > old_epoch
     assert ha_client.link.epoch == new_epoch
@@ -114,7 +111,6 @@ async def test_the_leader_killed_the_standby_leads_and_nothing_acknowledged_is_l
     assert await put_groups(ha_client, buffer, "ns/c", 2, start=16 * MEMBERS)
     stats = await fetch_stats(ha_pool.master_address)
     assert len(stats["segments"]) == 2 and int(stats["num_objects"]) == 18 * MEMBERS
-    assert failover_s < 10.0, failover_s
 
 
 async def test_a_leader_paused_past_its_lease_answers_and_commits_nothing_when_resumed(
