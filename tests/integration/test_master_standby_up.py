@@ -49,3 +49,20 @@ def test_kvpool_up_with_a_standby_serves_the_demo(tmp_path: Path) -> None:
     rows = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("synthetic-")]
     assert len(rows) == 4 and all(int(r[4]) > 0 for r in rows if int(r[1]) == 1), result.stdout  # pool hits
     assert (workdir / "etcd" / "etcd.log").exists()
+
+
+def test_kvpool_up_secure_with_a_standby_runs_etcd_over_mutual_tls(tmp_path: Path) -> None:
+    workdir = tmp_path / "up"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpool.services.cli", "up", "--secure", "--master-standbys", "1", "--demo",
+         "--trace", "synthetic", "--turns", "2", "--http-port", "0", "--grpc-port", "0", "--segment-size", "64MiB",
+         "--workdir", str(workdir)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("synthetic-")]
+    assert len(rows) == 4 and all(int(r[4]) > 0 for r in rows if int(r[1]) == 1), result.stdout
+    etcd_log = (workdir / "etcd" / "etcd.log").read_text()
+    # clients over TLS only, each with a certificate of the cluster's CA (the masters' and stores' own)
+    assert '"listen-client-urls":["https://' in etcd_log and "client-cert-auth = true" in etcd_log
+    assert (workdir / "certs" / "etcd.pem").exists()
