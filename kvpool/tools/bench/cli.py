@@ -132,6 +132,9 @@ def add_bench(sub: Any) -> None:
     )
     add_report_flags(master, quick="10^4 and 10^5 objects, shorter phases")
     master.add_argument("--objects", help="object counts to measure at, comma separated (default 100000,1000000)")
+    master.add_argument("--master-standbys", type=int, default=0, metavar="N",
+                        help="measure the leader of a master with N standbys through etcd: every PutEnd waits "
+                        "until the stores hold its commit (default 0: the one master)")
     master.add_argument("--clients", type=int, default=4, help="client processes at saturation")
     master.add_argument("--seconds", type=float, help="length of the saves' and turns' saturation phases "
                         "(default 8; quick 3)")
