@@ -114,6 +114,7 @@ TABLES: dict[str, Table] = {
     )),
     "bench-master": Table(("*-bench-master*.json",), rows="output/scales", columns=(
         C("objects", "objects", ","),
+        C("master standbys", "@output/master_standbys"),
         C("index B/object", "index_bytes_per_object"),
         C("cheapest call ms", "call_floor_cpu_ms", ".3f"),
         C("session message ms", "session_floor_cpu_ms", ".3f"),
