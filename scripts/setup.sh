@@ -42,7 +42,8 @@ if [ $((${#missing[@]} + ${#tools[@]})) -gt 0 ]; then
   [ ${#tools[@]} -eq 0 ] || "${apt_install[@]}" --no-install-recommends "${tools[@]}" >/dev/null
 fi
 # the package enables a system etcd; kvpool starts its own, so keep that one from holding ports and data
-if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ] && systemctl is-enabled --quiet etcd 2>/dev/null; then
+if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ] \
+    && systemctl is-enabled --quiet etcd 2>/dev/null; then
   as_root systemctl disable --now etcd >/dev/null 2>&1 || true
 fi
 
