@@ -26,8 +26,8 @@ from kvpool.core.pool.paths import BytePath, SegmentAccess, byte_path
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.pool.endpoint_batches import move_by_endpoint
 from kvpool.pool.memory_moves import MemoryMove, move_by_memory
-from kvpool.pool.session_client import MasterSession
-from kvpool.ha.master_link import MasterLink
+from kvpool.pool.session_client import MasterSession, session_error
+from kvpool.ha.master_link import MasterLink, epoch_of
 from kvpool.pool.objects import (
     GroupLocation,
     LookupResult,
@@ -552,7 +552,13 @@ class PoolClient:
         the master is there."""
         self._start_watch()
         try:
-            response = await method(request, timeout=RPC_TIMEOUT_S)
+            if self.link.watch is None:
+                response = await method(request, timeout=RPC_TIMEOUT_S)
+            else:  # with standbys: an answer of an older epoch than one already taken is refused
+                call = method(request, timeout=RPC_TIMEOUT_S)
+                response = await call
+                if not self.link.admit(epoch_of(await call.initial_metadata())):
+                    raise session_error(grpc.StatusCode.UNAVAILABLE, "a deposed master answered (older epoch)")
         except grpc.aio.AioRpcError as exc:
             self._outcome(exc)
             raise

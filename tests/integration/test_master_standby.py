@@ -111,6 +111,11 @@ async def test_the_leader_killed_the_standby_leads_and_nothing_acknowledged_is_l
     assert await put_groups(ha_client, buffer, "ns/c", 2, start=16 * MEMBERS)
     stats = await fetch_stats(ha_pool.master_address)
     assert len(stats["segments"]) == 2 and int(stats["num_objects"]) == 18 * MEMBERS
+    # the client's fence: had a newer leader answered already, this leader's answers would be refused
+    assert ha_client.link.fence.admit(new_epoch + 1000)
+    with pytest.raises(grpc.aio.AioRpcError) as fenced:
+        await ha_client.stats()
+    assert fenced.value.code() == grpc.StatusCode.UNAVAILABLE and "older epoch" in (fenced.value.details() or "")
 
 
 async def test_a_leader_paused_past_its_lease_answers_and_commits_nothing_when_resumed(
