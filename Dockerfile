@@ -12,9 +12,11 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS runtime
-# the transfer engine links libibverbs, librdmacm and libcurl even for TCP; stores bind their NUMA node with numactl
+# the transfer engine links libibverbs, librdmacm and libcurl even for TCP; stores bind their NUMA node with numactl;
+# etcd-server: compose.standby.yaml's etcd runs from this image
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libibverbs1 librdmacm1 libcurl4 numactl \
+    etcd-server \
  && rm -rf /var/lib/apt/lists/*
 
 FROM runtime AS build

@@ -22,7 +22,9 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 # network namespaces with ip and iptables, which KVPOOL_TEST_TOOLS=0 leaves out. (The Dockerfile installs its own list.)
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 missing=() tools=()
-for pkg in libibverbs1 librdmacm1 libcurl4 numactl; do installed "$pkg" || missing+=("$pkg"); done
+# etcd-server: the master's standbys elect a leader through etcd (kvpool up --master-standbys; the tests start
+# their own etcd on free ports and never the system's service, which setup leaves stopped)
+for pkg in libibverbs1 librdmacm1 libcurl4 numactl etcd-server; do installed "$pkg" || missing+=("$pkg"); done
 # the bind shim (kvpool/native/bind_shim.c) is compiled here: a C compiler and libc headers
 command -v gcc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
 if [ "${KVPOOL_TEST_TOOLS:-1}" != 0 ]; then
@@ -38,6 +40,11 @@ if [ $((${#missing[@]} + ${#tools[@]})) -gt 0 ]; then
   [ ${#missing[@]} -eq 0 ] || "${apt_install[@]}" "${missing[@]}" >/dev/null
   # without recommends: docker-compose would bring the docker daemon along
   [ ${#tools[@]} -eq 0 ] || "${apt_install[@]}" --no-install-recommends "${tools[@]}" >/dev/null
+fi
+# the package enables a system etcd; kvpool starts its own, so keep that one from holding ports and data
+if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ] \
+    && systemctl is-enabled --quiet etcd 2>/dev/null; then
+  as_root systemctl disable --now etcd >/dev/null 2>&1 || true
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -26,7 +26,8 @@ from kvpool.core.pool.paths import BytePath, SegmentAccess, byte_path
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.pool.endpoint_batches import move_by_endpoint
 from kvpool.pool.memory_moves import MemoryMove, move_by_memory
-from kvpool.pool.session_client import MasterSession
+from kvpool.pool.session_client import MasterSession, session_error
+from kvpool.ha.master_link import MasterLink, epoch_of
 from kvpool.pool.objects import (
     GroupLocation,
     LookupResult,
@@ -62,6 +63,7 @@ _RESERVED = pool_pb2.PUT_STATUS_RESERVED
 _ALREADY_EXISTS = pool_pb2.PUT_STATUS_ALREADY_EXISTS
 # xxh3 hashes this much in well under a millisecond: cheaper inline than a thread hop
 INLINE_CHECKSUM_BYTES = 1 << 20
+NO_LEADER_TARGET = "unix:/nonexistent/kvpool-no-master-leader-yet"
 
 
 
@@ -118,21 +120,74 @@ class PoolClient:
             (path.value, direction): 0 for path in BytePath for direction in ("read", "write")}
         options = [o for o in service.GRPC_OPTIONS if o[0] != "grpc.max_reconnect_backoff_ms"]
         options.append(("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS))
-        self._channel = service.channel(master, options)
+        # etcd://HOST:PORT: the leader etcd announces, followed as it changes (kvpool.ha.master_link)
+        self.link = MasterLink(master, lambda address: service.channel(address, options))
+        # until a leader is known, a channel that reaches nothing: a call is a miss, as with a master down
+        self._no_leader = None if self.link.channel is not None else service.channel(NO_LEADER_TARGET, options)
+        self._channel = self.link.channel or self._no_leader
         self._stub = pool_pb2_grpc.PoolMasterStub(self._channel)
         # lookups, releases and puts ride one stream (a unary call each costs the master several times more)
-        self.session = MasterSession(self._channel, self._stub)
+        self.session = MasterSession(self._channel, self._stub, self._admit_epoch)
         self._regions: list[tuple[int, int]] = []
         # a master known down is answered at once: lookups miss, puts are not stored
         self.breaker = MasterBreaker()
         self._watch: asyncio.Task[None] | None = None
+        self._follower: asyncio.Task[None] | None = None
+
+    def _admit_epoch(self, epoch: int) -> bool:
+        return self.link.admit(epoch)
+
+    async def connect(self, timeout_s: float = PUT_WAIT_S) -> bool:
+        """With etcd: wait (at most ``timeout_s``) for a leader and reach it; true once one is reached (always
+        true for a master named by address)."""
+        if self.link.watch is None:
+            return True
+        self._start_watch()
+        if not await self.link.connect(timeout_s):
+            return False
+        if self.link.channel is not self._channel:
+            await self._reach_leader()
+        return True
+
+    async def _follow_leader(self) -> None:
+        """With etcd: move to each new leader as the watch announces it."""
+        changed = self.link.changed
+        assert changed is not None
+        await self.link.connect(0.0)
+        while True:
+            changed.clear()  # before looking: a change from here on wakes the wait below
+            if self.link.stale():
+                await self.link.follow()
+            if self.link.channel is not None and self.link.channel is not self._channel:
+                await self._reach_leader()
+            await changed.wait()
+
+    async def _reach_leader(self) -> None:
+        """Calls go to the link's channel from now on; calls on the old session fail (a miss, a put not stored)."""
+        old_session, old_channel = self.session, self._channel
+        assert self.link.channel is not None
+        self._channel = self.link.channel
+        self._stub = pool_pb2_grpc.PoolMasterStub(self._channel)
+        self.session = MasterSession(self._channel, self._stub, self._admit_epoch)
+        if self._watch is not None:  # the breaker follows the new channel's connectivity
+            self._watch.cancel()
+            self._watch = asyncio.get_running_loop().create_task(self._watch_channel())
+        self.breaker.success()
+        log.info("pool_master_leader_reached", master=self.link.address, epoch=self.link.epoch)
+        await old_session.close()
+        if old_channel is self._no_leader:  # the link closes the channels it opened
+            await old_channel.close()
+            self._no_leader = None
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+        for task in (self._watch, self._follower):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.session.close()
-        await self._channel.close()
+        if self._no_leader is not None:
+            await self._no_leader.close()
+        await self.link.close()
         await self.maps.close()
 
     # ---- the path of each move -------------------------------------------
@@ -199,6 +254,8 @@ class PoolClient:
     def _start_watch(self) -> None:
         if self._watch is None:
             self._watch = asyncio.get_running_loop().create_task(self._watch_channel())
+        if self.link.watch is not None and self._follower is None:
+            self._follower = asyncio.get_running_loop().create_task(self._follow_leader())
 
     async def _watch_channel(self) -> None:
         """The channel's own connectivity opens and closes the breaker, so no request has to find out."""
@@ -481,6 +538,7 @@ class PoolClient:
     async def _session(self, kind: str, request: Any, unary: Any, timeout: float) -> Any:
         """A call on the session stream (``unary``: its method, for a master without one); every answer tells
         the breaker the master is there."""
+        self._start_watch()
         try:
             response = await self.session.call(kind, request, unary, timeout)
         except grpc.aio.AioRpcError as exc:
@@ -492,8 +550,15 @@ class PoolClient:
     async def _call(self, method, request):  # type: ignore[no-untyped-def]
         """Idempotent calls (gRPC tries them again: ``kvpool.core.admission.retry``). Every answer tells the breaker
         the master is there."""
+        self._start_watch()
         try:
-            response = await method(request, timeout=RPC_TIMEOUT_S)
+            if self.link.watch is None:
+                response = await method(request, timeout=RPC_TIMEOUT_S)
+            else:  # with standbys: an answer of an older epoch than one already taken is refused
+                call = method(request, timeout=RPC_TIMEOUT_S)
+                response = await call
+                if not self.link.admit(epoch_of(await call.initial_metadata())):
+                    raise session_error(grpc.StatusCode.UNAVAILABLE, "a deposed master answered (older epoch)")
         except grpc.aio.AioRpcError as exc:
             self._outcome(exc)
             raise

@@ -38,6 +38,7 @@ import structlog
 
 from kvpool import tracing
 from kvpool.core.admission.retry import session_attempts, session_backoff_s
+from kvpool.ha.master_link import epoch_of
 from kvpool.request_id import current_request_id
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.status import FIELD_KEY
@@ -59,8 +60,11 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 class MasterSession:
     """One ``Session`` stream to a master, shared by every caller of one client (see the module doc)."""
 
-    def __init__(self, channel: grpc.aio.Channel, stub: pool_pb2_grpc.PoolMasterStub) -> None:
+    def __init__(self, channel: grpc.aio.Channel, stub: pool_pb2_grpc.PoolMasterStub,
+                 admit_epoch: Callable[[int], bool] | None = None) -> None:
         self._channel = channel
+        # a master with standbys names its epoch in the stream's headers: an older one than seen is refused
+        self._admit_epoch = admit_epoch
         self._stub = stub
         self._call: Any = None  # the open stream (grpc.aio.StreamStreamCall), None until opened or once broken
         self._outbox: asyncio.Queue[pool_pb2.SessionRequest | None] | None = None
@@ -149,9 +153,13 @@ class MasterSession:
         try:
             # the master's headers first: a stream refused as it opens ends with its own status (a write racing
             # the refusal would fail with a client-side send error that hides it)
-            await call.initial_metadata()
+            headers = await call.initial_metadata()
             if call.done():
                 self._break(await self._status(call, None), call)
+                return
+            if self._admit_epoch is not None and not self._admit_epoch(epoch_of(headers)):
+                self._break(session_error(grpc.StatusCode.UNAVAILABLE, "a deposed master answered (older epoch)"),
+                            call)
                 return
             while True:
                 message = await outbox.get()

@@ -67,18 +67,20 @@ class SegmentAccess(_message.Message):
     def __init__(self, segment_id: _Optional[str] = ..., host: _Optional[str] = ..., base_address: _Optional[int] = ..., shared_memory: _Optional[_Union[SharedMemory, _Mapping]] = ..., number: _Optional[int] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
-    __slots__ = ("master_incarnation", "heartbeat_interval_s", "rejected_keys", "sequence", "num_adopted")
+    __slots__ = ("master_incarnation", "heartbeat_interval_s", "rejected_keys", "sequence", "num_adopted", "epoch")
     MASTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     REJECTED_KEYS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     NUM_ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     master_incarnation: str
     heartbeat_interval_s: float
     rejected_keys: _containers.RepeatedScalarFieldContainer[str]
     sequence: int
     num_adopted: int
-    def __init__(self, master_incarnation: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., rejected_keys: _Optional[_Iterable[str]] = ..., sequence: _Optional[int] = ..., num_adopted: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, master_incarnation: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., rejected_keys: _Optional[_Iterable[str]] = ..., sequence: _Optional[int] = ..., num_adopted: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ObjectRecord(_message.Message):
     __slots__ = ("key", "group_id", "group_size", "offset", "size", "checksum", "tenant")
@@ -121,22 +123,26 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, objects_dropped: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("segment_id", "acked_sequence")
+    __slots__ = ("segment_id", "acked_sequence", "wait_ms")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     acked_sequence: int
-    def __init__(self, segment_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, segment_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("master_incarnation", "changes", "more")
+    __slots__ = ("master_incarnation", "changes", "more", "epoch")
     MASTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     master_incarnation: str
     changes: _containers.RepeatedCompositeFieldContainer[SegmentChange]
     more: bool
-    def __init__(self, master_incarnation: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[SegmentChange, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, master_incarnation: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[SegmentChange, _Mapping]]] = ..., more: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PutItem(_message.Message):
     __slots__ = ("key", "group_id", "group_size", "size")

@@ -122,6 +122,8 @@ class ThrowawayCA:
 COMPOSE_IDENTITIES = {
     "master": "master", "store-0": "store/store-0", "store-1": "store/store-1",
     **{f"prefill-{i}": "prefill" for i in range(4)}, "decode-0": "decode", "router": "router", "client": "client",
+    # compose.standby.yaml's: etcd (it asks every client for a certificate of the CA) and the master's standby
+    "etcd": "etcd", "master-standby": "master",
 }
 MONITOR = "monitor"  # the scraper's role and folder (docs/operations.md, "Scraping the admin ports")
 API_KEYS_FILE = "api_keys"  # in the router's folder: the keys it accepts (deploy/compose/cluster.toml)

@@ -88,6 +88,19 @@ TABLES: dict[str, Table] = {
         C("lookup wait max, master down (ms)", "output/lookup_wait_ms_max_master_down", ".1f"),
         C("≤ 50 ms target met", "output/targets/lookup_waits_at_most_50ms_master_down"),
     )),
+    "bench-leader": Table(("*-bench-leader*.json",), columns=(
+        C("kills", "output/leader/leader_kills"),
+        C("`failover_s_p50` (≤ 3)", "output/leader/failover_s_p50", ".3f"),
+        C("`failover_s_p99` (≤ 6)", "output/leader/failover_s_p99", ".3f"),
+        C("`objects_lost`", "output/leader/objects_lost"),
+        C("`wrong_bytes`", "output/leader/wrong_bytes"),
+        C("`requests_failed`", "output/leader/requests_failed"),
+        C("`fenced`", "output/leader/fenced"),
+        C("quiet s", "output/leader/quiet_s", ".0f"),
+        C("`leader_changes_without_kills`", "output/leader/leader_changes_without_kills"),
+        C("save ms, one master", "output/leader/save_ms_p50_single_master", ".2f"),
+        C("save ms, with a standby", "output/leader/save_ms_p50_with_standby", ".2f"),
+    )),
     "bench-prefill": Table(("*-bench-prefill*.json",), columns=(
         C("`reuse_ratio`", "output/reuse_ratio", ".4f"),
         C("`trace_bound`", "output/trace_bound", ".4f"),
@@ -101,6 +114,7 @@ TABLES: dict[str, Table] = {
     )),
     "bench-master": Table(("*-bench-master*.json",), rows="output/scales", columns=(
         C("objects", "objects", ","),
+        C("master standbys", "@output/master_standbys"),
         C("index B/object", "index_bytes_per_object"),
         C("cheapest call ms", "call_floor_cpu_ms", ".3f"),
         C("session message ms", "session_floor_cpu_ms", ".3f"),

@@ -48,6 +48,7 @@ from kvpool.secret_files import UnsafeFolder, write_secret
 from kvpool.tools.api_key import API_KEY_ENV, auth_headers
 from kvpool.settings import read_config
 from kvpool.tools.certs import Identity, ThrowawayCA
+from kvpool.tools.cluster.etcd import TlsFiles
 from kvpool.tools.cluster import (
     Cluster,
     DecodeSpec,
@@ -82,6 +83,9 @@ class UpSettings:
     segment_size: str | None = setting(None, help="DRAM each store contributes to the pool", metavar="SIZE",
                                        default_text="512MiB, unless the [store] table sets it")
     pool: bool = setting(True, help="share a KV pool (--no-pool: the pipelines use their device cache only)")
+    master_standbys: int = setting(0, help="pool master standbys beside the leader: with 1 or more, up starts an "
+                                   "etcd (Debian's etcd-server) in the workdir, and the masters elect their leader "
+                                   "there; stores and stages follow it (0: one master, no etcd)", metavar="N")
     model: str = setting("tiny", help="model config of every service", choices=tuple(CONFIGS))
     model_dir: str = setting("", help="serve a Hugging Face DeepSeek-V3-architecture directory (config.json, "
                              "safetensors weights, tokenizer.json, chat template): every prefill stage, decode "
@@ -130,6 +134,8 @@ class UpSettings:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.stores < 0:
             raise ValueError(f"stores: must be >= 0, got {self.stores}")
+        if not 0 <= self.master_standbys <= 8:
+            raise ValueError(f"master_standbys: must be in 0..8, got {self.master_standbys}")
         if self.stores == 0:
             self.pool = False
         for name in ("http_port", "grpc_port"):
@@ -216,7 +222,7 @@ def up_topology(settings: UpSettings, config: str | None = None, log_level: str 
                    for i in range(s.decode_shards))
     common = ("--log-level", log_level, "--log-format", "json", *(("--config", config) if config else ()))
     return Topology((ServerSpec(stores=stores, pipelines=pipelines, decode_shards=shards),),
-                    master=MasterSpec(args=weights) if s.pool else None,
+                    master=MasterSpec(args=weights, standbys=s.master_standbys) if s.pool else None,
                     # --reuse-port: a rolling restart hands the router over to a second one on its ports
                     router=RouterSpec(port=s.grpc_port, http_port=s.http_port, args=(
                         "--model", s.model, *model_dir, "--reuse-port", *weights,
@@ -253,6 +259,17 @@ class UpAccess:
             extra += ["--api-keys-file", str(keys_file)]  # a file: keys never show on a command line
         return extra
 
+    def etcd_tls(self, workdir: Path, host: str) -> TlsFiles | None:
+        """With ``secure``: etcd's certificate of the same CA (it asks every client for one of that CA)."""
+        if not self.secure:
+            return None
+        if self.ca is None:  # etcd starts before every other process: the CA is made here
+            self.ca = ThrowawayCA(workdir / "certs", hosts=(host,))
+            self.client = self.ca.issue("client")
+            self.monitor = self.ca.issue("monitor")
+        identity = self.ca.issue("etcd")  # on loopback, as every certificate of the CA may serve
+        return TlsFiles(identity.ca, identity.cert, identity.key)
+
     def bearer(self) -> dict[str, str]:
         """The header that authenticates ``up``'s own calls to the router (the first key), if keys are set."""
         return auth_headers(self.api_keys[0]) if self.api_keys else {}
@@ -266,8 +283,9 @@ def up_cluster(settings: UpSettings, config: str | None = None, log_level: str =
     and every internal port would serve anyone on the host in plaintext."""
     workdir = Path(settings.workdir) if settings.workdir else None
     keys = settings.keys()
-    return Cluster(up_topology(settings, config, log_level, supervisor_status), workdir=workdir,
-                   access=UpAccess(keys, settings.secure or bool(keys), settings.insecure))
+    access = UpAccess(keys, settings.secure or bool(keys), settings.insecure)
+    return Cluster(up_topology(settings, config, log_level, supervisor_status), workdir=workdir, access=access,
+                   etcd_tls=access.etcd_tls)
 
 
 def wait_for_stop_signal(tick: Callable[[], None] | None = None, on_hangup: Callable[[], None] | None = None,

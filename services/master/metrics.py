@@ -38,6 +38,10 @@ class MasterMetrics:
                                       registry=r)
         self.unacked_changes = Gauge("kvpool_pool_unacked_changes",
                                      "Changes to committed objects not yet acknowledged by their stores", registry=r)
+        # a master with standbys (--etcd)
+        self.leading = Gauge("kvpool_master_leader", "1 while this master leads and answers (with --etcd)", registry=r)
+        self.epoch = Gauge("kvpool_master_epoch", "The epoch of this master's last term as leader", registry=r)
+        self.leader_terms = Counter("kvpool_master_leader_terms", "Terms this master won as leader", registry=r)
         self.lookup_groups = Counter("kvpool_pool_lookup_groups", "Groups asked for in lookups", registry=r)
         self.lookup_hit_groups = Counter("kvpool_pool_lookup_hit_groups", "Groups found complete in lookups", registry=r)
         # by tenant, bounded: the first 16 tenants by name, the rest as "other"
@@ -48,6 +52,11 @@ class MasterMetrics:
                                              "Groups evicted, by the tenant whose group it was", ["tenant"], registry=r)
         self._last = (0, 0, 0, 0, 0, 0, 0, 0, 0)
         self._last_evicted: dict[str, int] = {}
+
+    def new_index(self) -> None:
+        """A new leader's term starts a new index, whose counters start at zero: count from there."""
+        self._last = (0,) * len(self._last)
+        self._last_evicted = {}
 
     def observe_lookup(self, requested: int, hit: int) -> None:
         self.lookup_groups.inc(requested)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -12,7 +14,7 @@ from typing import Any
 import grpc
 import structlog
 
-from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted
+from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
@@ -31,6 +33,7 @@ from opentelemetry import trace
 from kvpool.request_id import bound_request_id, current_request_id, is_sane, served
 from kvpool.request_record import RequestRecord
 from kvpool.status import rejected, status_errors
+from kvpool.services.master.election import HaState
 from kvpool.services.master.metrics import MasterMetrics
 
 log = structlog.get_logger(__name__)
@@ -39,6 +42,7 @@ MAX_KEY_BYTES = 512
 MAX_BATCH = 4096
 MAX_GROUP_SIZE = 64
 MAX_LEASE_MS = 600_000
+MAX_WAIT_MS = 60_000  # a heartbeat's long-poll
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 
@@ -148,8 +152,10 @@ _SECOND = itemgetter(1)
 class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     """Thin shell over :class:`PoolIndex`; every call runs on the event loop, so the index needs no lock."""
 
-    def __init__(self, index: PoolIndex, incarnation: str, heartbeat_interval_s: float, metrics: MasterMetrics) -> None:
+    def __init__(self, index: PoolIndex, incarnation: str, heartbeat_interval_s: float, metrics: MasterMetrics,
+                 ha: HaState | None = None) -> None:
         self.index = index
+        self.ha = ha  # None: the one master, without etcd
         self.incarnation = incarnation
         self.heartbeat_interval_s = heartbeat_interval_s
         self.metrics = metrics
@@ -168,14 +174,86 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
                       context: Any) -> AsyncIterator[pool_pb2.SessionResponse]:
         """Each message answered in order, as its unary method would answer it; an error ends only its own
         call (``SessionResponse.code``), never the stream. Headers go first: the client writes once it has them,
-        so a stream refused as it opens (a role check) ends with its own status, not a failed write's."""
-        await context.send_initial_metadata(())
-        async for message in requests:
-            yield self.session_answer(message)
+        so a stream refused as it opens (a role check) ends with its own status, not a failed write's.
+        With standbys: the headers carry the epoch, and a ``put_end`` is answered once the stores hold its commit
+        (out of order: each answer names its call)."""
+        if self.ha is None:
+            await context.send_initial_metadata(())
+            async for message in requests:
+                yield self.session_answer(message)
+            return
+        refusal = self.ha.refusal()
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+        await context.send_initial_metadata(self.ha.metadata)
+        answers: asyncio.Queue[pool_pb2.SessionResponse | None] = asyncio.Queue()
+        reader = asyncio.create_task(self._read_session(requests, answers))
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _read_session(self, requests: AsyncIterator[pool_pb2.SessionRequest],
+                            answers: asyncio.Queue[pool_pb2.SessionResponse | None]) -> None:
+        held: set[asyncio.Task[None]] = set()
+        try:
+            async for message in requests:
+                answer = self.session_answer(message)
+                targets = self._commit_targets(message.put_end.items) \
+                    if not answer.code and message.WhichOneof("body") == "put_end" else None
+                if not targets:
+                    answers.put_nowait(answer)
+                    continue
+                task = asyncio.create_task(self._answer_when_durable(answer, targets, answers))
+                held.add(task)
+                task.add_done_callback(held.discard)
+            if held:
+                await asyncio.gather(*held, return_exceptions=True)
+        finally:
+            for task in held:
+                task.cancel()
+            answers.put_nowait(None)
+
+    async def _answer_when_durable(self, answer: pool_pb2.SessionResponse, targets: dict[str, int],
+                                   answers: asyncio.Queue[pool_pb2.SessionResponse | None]) -> None:
+        assert self.ha is not None
+        try:
+            await self.ha.waiters.durable(targets)
+        except Unavailable as exc:
+            answer.ClearField("put_end")
+            answer.code, answer.message, answer.field = grpc.StatusCode.UNAVAILABLE.value[0], str(exc), "items"
+        answers.put_nowait(answer)
+
+    def _commit_targets(self, items: Any) -> dict[str, int]:
+        """Per segment, the journal sequence its store must hold for these committed keys to be durable."""
+        targets: dict[str, int] = {}
+        objects, segments = self.index.objects, self.index.segments
+        for item in items:
+            obj = objects.get(item.key)
+            if obj is not None and obj.committed and obj.segment_id not in targets:
+                segment = segments.get(obj.segment_id)
+                if segment is not None and segment.journal.acked < segment.journal.sequence:
+                    targets[obj.segment_id] = segment.journal.sequence
+        return targets
+
+    async def leading(self, context: Any) -> None:
+        """With standbys: refuse unless this master leads now, and tell the caller its epoch."""
+        if self.ha is None:
+            return
+        refusal = self.ha.refusal()
+        if refusal is not None:
+            raise Unavailable(refusal, field="")
+        await context.send_initial_metadata(self.ha.metadata)
 
     def session_answer(self, message: pool_pb2.SessionRequest) -> pool_pb2.SessionResponse:
         answer = pool_pb2.SessionResponse(call=message.call)
         kind = message.WhichOneof("body")
+        if self.ha is not None and (refusal := self.ha.refusal()) is not None:
+            answer.code, answer.message = grpc.StatusCode.UNAVAILABLE.value[0], refusal
+            return answer
         if kind is None:
             error = InvalidArgument("body: names no call (lookup, release_lease, put_start, put_end or put_revoke)",
                                     field="body")
@@ -195,7 +273,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             else:
                 self._answer(answer, kind, call, getattr(message, kind))
         except KvpoolError as exc:
-            answer.code, answer.message, answer.field = rejected(exc, name).value[0], str(exc), exc.field
+            answer.code, answer.message, answer.field = rejected(exc, name).value[0], str(exc), exc.field or ""
         except Exception:  # a bug: this call fails as a unary one would (UNKNOWN); the stream goes on
             log.exception("session_call_failed", method=name)
             answer.code, answer.message = grpc.StatusCode.UNKNOWN.value[0], f"{name}: internal error"
@@ -236,6 +314,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         shared = shared_memory_from_message(request.shared_memory) if request.HasField("shared_memory") else None
         if shared is not None:
             shared.check("shared_memory")
+        await self.leading(context)
         result = self.index.mount_segment(
             request.segment_id, request.endpoint, request.host, request.base_address, request.size, request.numa_node,
             records, shared,
@@ -255,27 +334,46 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         return pool_pb2.MountSegmentResponse(
             master_incarnation=self.incarnation, heartbeat_interval_s=self.heartbeat_interval_s,
             rejected_keys=result.rejected_keys, sequence=result.sequence, num_adopted=result.adopted,
+            epoch=self.ha.epoch if self.ha is not None else 0,
         )
 
     @status_errors
     async def UnmountSegment(self, request: pool_pb2.UnmountSegmentRequest, context: Any) -> pool_pb2.UnmountSegmentResponse:
         check_name(request.segment_id, "segment_id")
+        await self.leading(context)
         dropped = self.index.unmount_segment(request.segment_id)
+        if self.ha is not None:
+            self.ha.waiters.dropped(request.segment_id)
         log.info("segment_unmounted", segment_id=request.segment_id, objects_dropped=dropped)
         return pool_pb2.UnmountSegmentResponse(objects_dropped=dropped)
 
     @status_errors
     async def Heartbeat(self, request: pool_pb2.HeartbeatRequest, context: Any) -> pool_pb2.HeartbeatResponse:
         check_name(request.segment_id, "segment_id")
-        changes, more = self.index.heartbeat(request.segment_id, request.acked_sequence)
-        return pool_pb2.HeartbeatResponse(
-            master_incarnation=self.incarnation, changes=[change_message(c) for c in changes], more=more
-        )
+        if request.wait_ms > MAX_WAIT_MS:
+            raise InvalidArgument(f"wait_ms: {request.wait_ms} is more than {MAX_WAIT_MS}")
+        if self.ha is None:
+            changes, more = self.index.heartbeat(request.segment_id, request.acked_sequence)
+            return pool_pb2.HeartbeatResponse(
+                master_incarnation=self.incarnation, changes=[change_message(c) for c in changes], more=more
+            )
+        await self.leading(context)
+        index = self.index
+        changes, more = index.heartbeat(request.segment_id, request.acked_sequence)
+        self.ha.waiters.acked(request.segment_id, index.segments[request.segment_id].journal.acked)
+        if not changes and request.wait_ms:  # long-poll: answer as soon as a commit waits for this store
+            await self.ha.waiters.hold(request.segment_id, False, request.wait_ms / 1000)
+            if self.index is not index or self.ha.refusal() is not None:
+                raise Unavailable(self.ha.refusal() or "master: a new term began while the heartbeat waited")
+            changes, more = index.heartbeat(request.segment_id, request.acked_sequence)
+        return pool_pb2.HeartbeatResponse(master_incarnation=self.incarnation, more=more, epoch=self.ha.epoch,
+                                          changes=[change_message(c) for c in changes])
 
     # ---- writes ---------------------------------------------------------
 
     @status_errors
     async def PutStart(self, request: pool_pb2.PutStartRequest, context: Any) -> pool_pb2.PutStartResponse:
+        await self.leading(context)
         return self.put_start(request)
 
     def put_start(self, request: pool_pb2.PutStartRequest) -> pool_pb2.PutStartResponse:
@@ -328,7 +426,14 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def PutEnd(self, request: pool_pb2.PutEndRequest, context: Any) -> pool_pb2.PutEndResponse:
-        return self.put_end(request)
+        if self.ha is None:
+            return self.put_end(request)
+        await self.leading(context)
+        response = self.put_end(request)
+        targets = self._commit_targets(request.items)
+        if targets:
+            await self.ha.waiters.durable(targets)
+        return response
 
     def put_end(self, request: pool_pb2.PutEndRequest) -> pool_pb2.PutEndResponse:
         check_batch(len(request.items), "items")
@@ -341,6 +446,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def PutRevoke(self, request: pool_pb2.PutRevokeRequest, context: Any) -> pool_pb2.PutRevokeResponse:
+        await self.leading(context)
         return self.put_revoke(request)
 
     def put_revoke(self, request: pool_pb2.PutRevokeRequest) -> pool_pb2.PutRevokeResponse:
@@ -354,12 +460,16 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def Lookup(self, request: pool_pb2.LookupRequest, context: Any) -> pool_pb2.LookupResponse:
+        await self.leading(context)
         return self.lookup(request)
 
     def lookup(self, request: pool_pb2.LookupRequest,
                response: pool_pb2.LookupResponse | None = None) -> pool_pb2.LookupResponse:
         """``response``: a message to fill (a session's answer), else a new one."""
         group_ids = request.group_ids
+        if self.ha is not None and not self.ha.lookups_open(frozenset(self.index.segments)):
+            raise Unavailable("master: a new leader is adopting the stores' block reports (a miss: compute)",
+                              field="")
         check_batch(len(group_ids), "group_ids")
         check_names(group_ids, "group_ids")
         if not 0 <= request.lease_ms <= MAX_LEASE_MS:
@@ -418,6 +528,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def ReleaseLease(self, request: pool_pb2.ReleaseLeaseRequest, context: Any) -> pool_pb2.ReleaseLeaseResponse:
+        await self.leading(context)
         return self.release_lease(request)
 
     def release_lease(self, request: pool_pb2.ReleaseLeaseRequest) -> pool_pb2.ReleaseLeaseResponse:
@@ -444,12 +555,14 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def Exists(self, request: pool_pb2.ExistsRequest, context: Any) -> pool_pb2.ExistsResponse:
+        await self.leading(context)
         check_batch(len(request.keys), "keys")
         check_names(request.keys, "keys")
         return pool_pb2.ExistsResponse(exists=self.index.exists(request.keys))
 
     @status_errors
     async def Remove(self, request: pool_pb2.RemoveRequest, context: Any) -> pool_pb2.RemoveResponse:
+        await self.leading(context)
         check_batch(len(request.group_ids), "group_ids")
         check_names(request.group_ids, "group_ids")
         removed, busy = self.index.remove(request.group_ids)
@@ -457,12 +570,14 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
     @status_errors
     async def Demote(self, request: pool_pb2.DemoteRequest, context: Any) -> pool_pb2.DemoteResponse:
+        await self.leading(context)
         check_batch(len(request.group_ids), "group_ids")
         check_names(request.group_ids, "group_ids")
         return pool_pb2.DemoteResponse(num_demoted=self.index.demote(request.group_ids))
 
     @status_errors
     async def Stats(self, request: pool_pb2.StatsRequest, context: Any) -> pool_pb2.StatsResponse:
+        await self.leading(context)
         return stats_message(self.index, self.incarnation)
 
 

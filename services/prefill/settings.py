@@ -34,7 +34,8 @@ class PrefillSettings(ModelSetting):
     port: int = setting(-1, help="gRPC port (0 picks a free one)", default_text="7700 + stage")
     admin_port: int = setting(-1, help="Prometheus port (0 picks a free one)", default_text="9700 + stage")
     # "" runs without a pool (device cache only); --no-pool says so on the command line
-    master: str = setting("127.0.0.1:7601", help="pool master address")
+    master: str = setting("127.0.0.1:7601", help="pool master address, or etcd://HOST:PORT: the leader of the "
+                          "masters elected in that etcd (kvpool master --etcd), followed as it changes")
     pool_path: str = setting("auto", help="how pool bytes move: auto (shared memory with a store on this host, "
                              "else the transfer engine) or engine (the engine everywhere, for comparison)",
                              choices=("auto", "engine"))

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -33,13 +35,19 @@ from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.pool.records import ObjectRecord
 from kvpool.shared_memory import SegmentShare, SharedSegment
 from kvpool.services.store import numa
-from kvpool.services.store.master_client import MasterClient, SegmentMount
+from kvpool.ha.election import Registration
+from kvpool.ha.etcd_client import EtcdClient
+from kvpool.ha.master_link import MasterLink
+from kvpool.services.store.master_client import Beat, MasterClient, SegmentMount
 from kvpool.services.store.records import SegmentRecords
 from kvpool.services.store.settings import StoreSettings
 
 log = structlog.get_logger(__name__)
 
 RETRY_MIN_S = 0.1
+# with etcd: a store's registration lease; a store that dies is dead for placement this long after
+REGISTRATION_TTL_S = 2
+REGISTRATION_KEEPALIVE_S = 0.4
 # a restarted master should get its block reports at once: reconnect every
 # 0.25 s at most rather than gRPC's default backoff (up to 2 s here); one
 # store's connection attempts cost a dead master nothing
@@ -47,6 +55,10 @@ MASTER_CHANNEL_OPTIONS = [
     *[(k, v) for k, v in service.GRPC_OPTIONS if k != "grpc.max_reconnect_backoff_ms"],
     ("grpc.max_reconnect_backoff_ms", 250),
 ]
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 class StoreMetrics:
@@ -74,19 +86,40 @@ class Store:
     settings: StoreSettings
     engine: TransferEngine | None  # None: reached only by shared memory (no engine port)
     segment: HostBuffer | SharedSegment
-    master: MasterClient
+    master: MasterClient | None  # None until a leader is found (with etcd)
     metrics: StoreMetrics
     host_name: str = field(default_factory=local_host_name)
     incarnation: str = ""
     heartbeat_interval_s: float = 0.0
     records: SegmentRecords = field(default_factory=SegmentRecords)
     shared: SharedMemoryRef | None = None  # where clients on this host map the segment
+    link: MasterLink | None = None  # with etcd: follows the leader (``master`` is a client of its channel)
+    _channel_of_master: Any = None
 
     @property
     def endpoint(self) -> str:
         return self.engine.endpoint if self.engine is not None else ""
 
+    @property
+    def with_standbys(self) -> bool:
+        return self.link is not None and self.link.watch is not None
+
+    async def _follow_leader(self) -> None:
+        """With etcd: reach the leader announced now (waiting for one), before a mount."""
+        assert self.link is not None
+        if not await self.link.connect(self.settings.heartbeat_interval_s):
+            raise _unavailable(f"no master leader announced in etcd at {self.link.etcd}")
+        if self.link.stale():
+            await self.link.follow()
+        if self.link.channel is not self._channel_of_master:
+            assert self.link.channel is not None
+            self.master = MasterClient(self.link.channel)
+            self._channel_of_master = self.link.channel
+
     async def mount(self) -> None:
+        if self.with_standbys:
+            await self._follow_leader()
+        assert self.master is not None
         report, unverified = await asyncio.to_thread(self._verified_records)
         if unverified:
             self.metrics.unverified.inc(len(unverified))
@@ -96,6 +129,8 @@ class Store:
                          self.segment.size, self.settings.numa_node, self.shared),
             report,
         )
+        if self.link is not None and not self.link.admit(response.epoch):
+            raise _unavailable(f"a deposed master (epoch {response.epoch}) answered the mount")
         rejected = response.rejected_keys
         self.records.reset([r for r in report if r.key not in rejected], response.sequence)
         self.metrics.records.set(len(self.records))
@@ -114,7 +149,7 @@ class Store:
         self.metrics.mounted.set(1)
         self.metrics.mounts.inc()
         log.info("segment_mounted", segment_id=self.settings.segment_id, master=self.settings.master,
-                 incarnation=self.incarnation)
+                 incarnation=self.incarnation, epoch=response.epoch or None)
 
     def _verified_records(self) -> tuple[list[ObjectRecord], list[str]]:
         with self.segment.view() as view:
@@ -160,16 +195,25 @@ class Store:
         failures = 0
         while not stop.is_set():
             if wait_s > 0:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait_s)
+                await self._pause(stop, wait_s)
             if stop.is_set():
                 return
+            if self.with_standbys and self.link is not None and self.link.stale():
+                log.info("master_leader_changed", segment_id=self.settings.segment_id)
+                self.metrics.mounted.set(0)
+                await self.mount_until_done(stop)
+                wait_s = 0.0
+                continue
             try:
-                response = await self.master.heartbeat(self.settings.segment_id, self.records.acked_sequence)
+                response = await self._beat()
+                if response is None:  # the leader changed while the beat waited
+                    wait_s = 0.0
+                    continue
                 self.metrics.mounted.set(1)
                 self.records.apply(response.changes)
                 self.metrics.records.set(len(self.records))
-                wait_s = 0.0 if response.more else self.heartbeat_interval_s
+                # with standbys the master holds each beat until a commit waits: beat again at once
+                wait_s = 0.0 if response.more or self.with_standbys else self.heartbeat_interval_s
                 failures = 0
             except grpc.aio.AioRpcError as exc:
                 self.metrics.heartbeat_failures.inc()
@@ -185,7 +229,47 @@ class Store:
                     wait_s = min(RETRY_MIN_S * 2**failures, self.heartbeat_interval_s)
                     failures += 1
 
+    async def _pause(self, stop: asyncio.Event, wait_s: float) -> None:
+        """Wait ``wait_s``, less if we are told to stop or (with standbys) a new leader is announced."""
+        waits = [asyncio.ensure_future(stop.wait())]
+        if self.with_standbys and self.link is not None and self.link.changed is not None:
+            if self.link.stale():  # the leader already changed: follow it now
+                waits[0].cancel()
+                return
+            self.link.changed.clear()  # (a vacancy left it set: only a change from now on wakes us)
+            waits.append(asyncio.ensure_future(self.link.changed.wait()))
+        try:
+            await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+
+    async def _beat(self) -> Beat | None:
+        """One heartbeat; with standbys a long-poll, abandoned (None) when the leader changes meanwhile."""
+        assert self.master is not None
+        if not self.with_standbys:
+            return await self.master.heartbeat(self.settings.segment_id, self.records.acked_sequence)
+        assert self.link is not None and self.link.changed is not None
+        beat = asyncio.ensure_future(self.master.heartbeat(
+            self.settings.segment_id, self.records.acked_sequence, self.heartbeat_interval_s))
+        changed = asyncio.ensure_future(self.link.changed.wait())
+        try:
+            await asyncio.wait([beat, changed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            changed.cancel()
+        if not beat.done() and self.link.stale():
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await beat
+            return None
+        response = await beat
+        if not self.link.admit(response.epoch):
+            raise _unavailable(f"a deposed master (epoch {response.epoch}) answered the heartbeat")
+        return response
+
     async def unmount(self) -> None:
+        if self.master is None:
+            return
         try:
             await self.master.unmount(self.settings.segment_id)
             log.info("segment_unmounted", segment_id=self.settings.segment_id)
@@ -226,8 +310,15 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
     admin_port = service.start_metrics(settings.host, settings.admin_port, metrics.registry)
     stop = asyncio.Event()
     service.install_stop_signals(stop)
-    channel = service.channel(settings.master, MASTER_CHANNEL_OPTIONS)
-    store = Store(settings, engine, segment, MasterClient(channel), metrics, shared=shared)
+    link = MasterLink(settings.master, lambda address: service.channel(address, MASTER_CHANNEL_OPTIONS))
+    store = Store(settings, engine, segment, MasterClient(link.channel) if link.channel is not None else None,
+                  metrics, shared=shared, link=link, _channel_of_master=link.channel)
+    registration: asyncio.Task[None] | None = None
+    if link.etcd is not None:  # dead for placement as soon as this lease lapses
+        value = json.dumps({"endpoint": store.endpoint, "host": store.host_name}).encode()
+        registration = asyncio.create_task(Registration(
+            EtcdClient(link.etcd), settings.segment_id, value, REGISTRATION_TTL_S, REGISTRATION_KEEPALIVE_S,
+        ).run(stop))
     heartbeat: asyncio.Task[None] | None = None
     try:
         if await store.mount_until_done(stop, first=True):
@@ -254,9 +345,12 @@ async def serve(settings: StoreSettings, ready_file: str | None = None) -> None:
             except Exception:  # a bug in the loop must not skip the clean shutdown below
                 log.exception("heartbeat_task_failed")
         await store.unmount()
+        if registration is not None:  # revokes its lease as it stops
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(registration, 2.0)
         if share is not None:
             await share.close()  # peers see the socket close and unmap the segment
-        await channel.close()
+        await link.close()
         await handle.server.stop(grace=1.0)
         if engine is not None:
             engine.unregister(segment.address)

@@ -44,6 +44,7 @@ class Mounted:
     num_adopted: int
     master_incarnation: str
     heartbeat_interval_s: float
+    epoch: int = 0  # the leader's (a master with standbys)
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,6 +53,7 @@ class Beat:
 
     changes: tuple[SegmentChange, ...]
     more: bool
+    epoch: int = 0
 
 
 def record_message(record: ObjectRecord) -> pool_pb2.ObjectRecord:
@@ -89,12 +91,14 @@ class MasterClient:
             timeout=RPC_TIMEOUT_S,
         )
         return Mounted(response.sequence, frozenset(response.rejected_keys), response.num_adopted,
-                       response.master_incarnation, response.heartbeat_interval_s)
+                       response.master_incarnation, response.heartbeat_interval_s, response.epoch)
 
-    async def heartbeat(self, segment_id: str, acked_sequence: int) -> Beat:
-        request = pool_pb2.HeartbeatRequest(segment_id=segment_id, acked_sequence=acked_sequence)
-        response = await self._stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)
-        return Beat(tuple(change_from_message(c) for c in response.changes), response.more)
+    async def heartbeat(self, segment_id: str, acked_sequence: int, wait_s: float = 0.0) -> Beat:
+        """``wait_s``: the master may hold the answer this long for changes (a master with standbys)."""
+        request = pool_pb2.HeartbeatRequest(segment_id=segment_id, acked_sequence=acked_sequence,
+                                            wait_ms=round(wait_s * 1000))
+        response = await self._stub.Heartbeat(request, timeout=RPC_TIMEOUT_S + wait_s)
+        return Beat(tuple(change_from_message(c) for c in response.changes), response.more, response.epoch)
 
     async def unmount(self, segment_id: str) -> None:
         await self._stub.UnmountSegment(pool_pb2.UnmountSegmentRequest(segment_id=segment_id),

@@ -12,7 +12,8 @@ from kvpool.sizes import parse_size
 
 @dataclass(slots=True)
 class StoreSettings:
-    master: str = setting("127.0.0.1:7601", help="pool master address")
+    master: str = setting("127.0.0.1:7601", help="pool master address, or etcd://HOST:PORT: the leader of the "
+                          "masters elected in that etcd (kvpool master --etcd), followed as it changes")
     host: str = setting("127.0.0.1", help="listen address for health and metrics")
     # -1: 7610 + numa_node (and 9610 + numa_node), so one store per node on a
     # host gets distinct ports without configuration

@@ -67,17 +67,24 @@ def instances(unit: Path) -> list[tuple[str, str]]:
     return [(unit.name.replace("@.", f"@{i}."), i) for i in INSTANCES[unit.name]]
 
 
+ETCD_UNIT = "kvpool-etcd.service"  # runs etcd, not kvpool (its own checks below)
+ETCD = "/usr/bin/etcd"
+
+
 def unit_commands(unit_text: dict[str, str] | None = None) -> list[tuple[str, list[str]]]:
+    """Every kvpool unit's command (the etcd unit's is etcd's)."""
     texts = unit_text or {u.name: u.read_text() for u in sorted(UNIT_DIR.glob("*.service"))}
     commands = []
     for name, text in texts.items():
+        if name == ETCD_UNIT:
+            continue
         for instance_name, instance in instances(Path(name)):
             commands.append((instance_name, expand(kvpool_argv(exec_start(text))[1], instance)))
     return commands
 
 
-def compose_commands() -> list[tuple[str, list[str]]]:
-    text = (ROOT / "compose.yaml").read_text()
+def compose_commands(compose_file: str = "compose.yaml") -> list[tuple[str, list[str]]]:
+    text = (ROOT / compose_file).read_text()
     return [(m.group(1), json.loads(m.group(2)))
             for m in re.finditer(r"^  ([\w-]+):\n(?:    .*\n)*?    command: (\[[^\]]*\])", text, re.M)]
 
@@ -246,3 +253,67 @@ def test_compose_gives_every_sharing_service_one_private_socket_folder() -> None
     for name, argv in compose_commands():
         if name in sharing:
             assert build_settings(argv, COMPOSE_CONFIG).shared_memory_dir == "/run/kvpool", name
+
+
+def etcd_flags() -> set[str]:
+    """The flags Debian's etcd takes, as its --help lists them."""
+    import shutil
+    import subprocess
+
+    if shutil.which("etcd") is None and not Path(ETCD).exists():
+        pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+    done = subprocess.run([shutil.which("etcd") or ETCD, "--help"], capture_output=True, text=True, timeout=30)
+    return set(re.findall(r"^\s+(--[a-z0-9-]+)", done.stdout + done.stderr, re.M))
+
+
+@pytest.mark.cluster  # runs etcd --help
+def test_the_etcd_unit_runs_etcd_with_flags_it_knows_over_mutual_tls() -> None:
+    argv = exec_start((UNIT_DIR / ETCD_UNIT).read_text())
+    assert argv[0] == ETCD
+    flags = [a for a in argv[1:] if a.startswith("--")]
+    assert set(flags) <= etcd_flags(), set(flags) - etcd_flags()
+    values = dict(zip(argv[1::2], argv[2::2]))
+    # clients must show a certificate of the cluster's CA: the unit's own credentials
+    assert "--client-cert-auth" in argv and values["--trusted-ca-file"] == "%d/ca.pem"
+    assert (values["--cert-file"], values["--key-file"]) == ("%d/cert.pem", "%d/key.pem")
+    assert values["--listen-client-urls"].startswith("https://") and values["--data-dir"] == "/var/lib/kvpool-etcd"
+    assert "StateDirectory=kvpool-etcd" in (UNIT_DIR / ETCD_UNIT).read_text().splitlines()
+
+
+def test_a_master_unit_can_name_the_etcd_its_standbys_elect_in(tmp_path: Path) -> None:
+    # [master] etcd = "...", [store] master = "etcd://...": what docs/operations.md tells a standby's operator
+    config = tmp_path / "cluster.toml"
+    config.write_text(EXAMPLE_CONFIG.read_text() + "\n")
+    _, argv = kvpool_argv(exec_start((UNIT_DIR / "kvpool-master.service").read_text()))
+    settings = build_settings([*argv, "--etcd", "10.0.0.9:2379"], config)
+    assert settings.etcd == "10.0.0.9:2379" and settings.lease_times().ttl_s == 2.0
+    _, store = kvpool_argv(exec_start((UNIT_DIR / "kvpool-store@.service").read_text()))
+    store_settings = build_settings([*expand(store, "0"), "--master", "etcd://10.0.0.9:2379"], config)
+    assert store_settings.master == "etcd://10.0.0.9:2379"
+
+
+STANDBY_COMPOSE = "compose.standby.yaml"
+STANDBY_CONFIG = ROOT / "deploy" / "compose" / "cluster-standby.toml"
+
+
+def test_the_standby_compose_file_runs_two_master_candidates_and_stores_that_follow_the_leader() -> None:
+    commands = dict(compose_commands(STANDBY_COMPOSE))
+    assert set(commands) == {"etcd", "master-standby"}  # the rest are compose.yaml's, with the standby settings
+    standby = build_settings(commands["master-standby"], STANDBY_CONFIG)
+    assert standby.etcd == "127.0.0.1:2379" and standby.port == 7602
+    master = dict(compose_commands())["master"]
+    assert build_settings(master, STANDBY_CONFIG).etcd == standby.etcd
+    for name in ("store-0", "prefill-0"):
+        assert build_settings(dict(compose_commands())[name], STANDBY_CONFIG).master == "etcd://127.0.0.1:2379"
+    text = (ROOT / STANDBY_COMPOSE).read_text()
+    # every kvpool service of compose.yaml that reaches the master reads the standby settings
+    for name in ("master", "store-0", "store-1", "prefill-0", "prefill-1", "prefill-2", "prefill-3"):
+        assert re.search(rf"^  {name}:\n    volumes: \[\*standby-settings\]", text, re.M), name
+
+
+@pytest.mark.cluster  # runs etcd --help
+def test_the_standby_compose_etcd_takes_its_flags_over_mutual_tls() -> None:
+    argv = dict(compose_commands(STANDBY_COMPOSE))["etcd"]
+    flags = {a for a in argv if a.startswith("--")}
+    assert flags <= etcd_flags(), flags - etcd_flags()
+    assert "--client-cert-auth" in argv and argv[argv.index("--trusted-ca-file") + 1] == "/etc/kvpool/tls/ca.pem"

@@ -249,7 +249,7 @@ def test_the_core_is_packages_by_concern_with_a_few_shared_primitives() -> None:
     top = {p.stem for p in core.glob("*.py")} - {"__init__"}
     assert top == CORE_PRIMITIVES
     packages = sorted(p.name for p in core.iterdir() if (p / "__init__.py").exists())
-    assert packages == ["admission", "api", "decode", "handoff", "pool", "prefill", "sessions", "supervision",
+    assert packages == ["admission", "api", "decode", "ha", "handoff", "pool", "prefill", "sessions", "supervision",
                         "tenancy"]
     for name in packages:  # each package's __init__ says what it owns, and nothing more
         tree = parsed(core / name / "__init__.py")

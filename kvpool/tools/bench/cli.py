@@ -68,10 +68,21 @@ def add_bench(sub: Any) -> None:
         description="Starts a master, two stores and a four-stage prefill pipeline; four stages save groups while "
         "readers check every byte; kills the master with -9 and starts it again while the pipeline computes "
         "(recovery time, groups usable without a put, saves skipped), then kills one store (groups lost next to "
-        "the share it held). One run; every figure measured in it.",
+        "the share it held). Then the leader scenario: etcd, a master and a standby, two stores and a writer and "
+        "readers under load; the leader is killed with -9 --leader-kills times (failover p50/p99 from the kill to "
+        "the first lookup the new leader serves, objects acknowledged and lost, wrong bytes, failed requests), "
+        "paused past its lease and resumed (fenced), and --quiet-s seconds of load count leader changes without "
+        "a kill. One run; every figure measured in it.",
     )
     add_report_flags(faults, quick="small run (16 groups), about a minute and a half")
     faults.add_argument("--groups", type=int, help="groups of four 1 MiB members to write (default 64; quick 16)")
+    faults.add_argument("--leader-kills", type=int,
+                        help="leader scenario: times the master leader is killed with -9 under load (default 10)")
+    faults.add_argument("--quiet-s", type=float,
+                        help="leader scenario: seconds of load without a fault, counting leader changes (default "
+                        "600, the issue's ten minutes; --quick 60, a shorter window for development)")
+    faults.add_argument("--scenarios", help="which to run, comma separated: pool (master restart, store kill, "
+                        "outage under prefill), leader (a master and a standby through etcd) (default both)")
     decode = bench_sub.add_parser(
         "decode", help="decode tokens/s of one shard at 1, 4, 16 and 64 concurrent sequences",
         description="Starts one decode shard process (tiny model by default), fills each prompt's KV through "
@@ -124,6 +135,9 @@ def add_bench(sub: Any) -> None:
     )
     add_report_flags(master, quick="10^4 and 10^5 objects, shorter phases")
     master.add_argument("--objects", help="object counts to measure at, comma separated (default 100000,1000000)")
+    master.add_argument("--master-standbys", type=int, default=0, metavar="N",
+                        help="measure the leader of a master with N standbys through etcd: every PutEnd waits "
+                        "until the stores hold its commit (default 0: the one master)")
     master.add_argument("--clients", type=int, default=4, help="client processes at saturation")
     master.add_argument("--seconds", type=float, help="length of the saves' and turns' saturation phases "
                         "(default 8; quick 3)")

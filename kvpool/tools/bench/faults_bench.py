@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from kvpool import service
+from kvpool.tools.bench.faults_leader import format_leader, leader_targets, run_leader
 from kvpool.tools.bench.faults_pool import NUM_STAGES, FaultGroups, Readers
 from kvpool.tools.cluster import LocalPipeline, LocalPool, ServiceProcess
 from kvpool.pool.client import PoolClient
@@ -59,6 +60,10 @@ class FaultSettings:
     segment_ttl_s: float = 4.0
     prompts_after: int = 6
     device_cache_tokens: int = 2048
+    # the leader scenario (kvpool/tools/bench/faults_leader.py): a master and a standby through etcd
+    leader_kills: int = 10
+    quiet_s: float = 600.0  # load with no fault, counting leader changes (the issue's 10 minutes)
+    scenarios: tuple[str, ...] = ("pool", "leader")
 
     @property
     def segment_size(self) -> str:
@@ -66,7 +71,8 @@ class FaultSettings:
         return f"{max(64, self.num_groups * NUM_STAGES * self.object_bytes // MiB)}MiB"
 
 
-QUICK = FaultSettings(num_groups=16, prompts_after=3)
+QUICK = FaultSettings(num_groups=16, prompts_after=3, quiet_s=60.0)  # a dev's minute of quiet, not ten
+SCENARIOS = ("pool", "leader")
 
 
 def _metric_sum(text: str, name: str) -> float:
@@ -163,7 +169,7 @@ async def _phases(settings: FaultSettings, pool: LocalPool, client: PoolClient, 
     groups_before, wrong_before = await groups.usable()
     readers = Readers(groups)
     readers.start()
-    out: dict[str, Any] = {"settings": asdict(settings), "objects_stored": stored, "groups": settings.num_groups,
+    out: dict[str, Any] = {"objects_stored": stored, "groups": settings.num_groups,
                            "groups_before": groups_before}
     with LocalPipeline(num_stages=NUM_STAGES, master=pool.master_address, workdir=workdir / "stages",
                        stage_args=["--device-cache-tokens", str(settings.device_cache_tokens)]) as pipeline:
@@ -278,12 +284,23 @@ async def _master_waits(client: PoolClient, group: str, calls: int = 20) -> dict
 
 def run(settings: FaultSettings, workdir: Path | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-faults-") as tmp:
-        return asyncio.run(_run(settings, workdir or Path(tmp)))
+        base = workdir or Path(tmp)
+        result: dict[str, Any] = {"settings": asdict(settings)}
+        if "pool" in settings.scenarios:
+            result.update(asyncio.run(_run(settings, base)))
+        if "leader" in settings.scenarios:
+            master_args = ["--heartbeat-interval-s", "0.5", "--segment-ttl-s", "4", "--put-timeout-s", "5",
+                           "--lease-s", "5"]
+            result["leader"] = asyncio.run(run_leader(base, settings.leader_kills, settings.quiet_s, master_args))
+        return result
 
 
 def targets(result: dict[str, Any]) -> dict[str, bool]:
+    out = leader_targets(result["leader"]) if "leader" in result else {}
+    if "groups" not in result:
+        return out
     groups = result["groups"]
-    return {
+    return out | {
         "usable_after_master_restart_99pct": result["groups_usable_after_master_restart"] >= 0.99 * groups,
         "recovery_within_heartbeat_plus_2s": result["master_recovery_s"] <= result["recovery_target_s"],
         "one_store_loses_at_most_60pct": result["groups_lost_one_store"] <= 0.6 * groups,
@@ -295,6 +312,10 @@ def targets(result: dict[str, Any]) -> dict[str, bool]:
 
 def format_report(result: dict[str, Any]) -> str:
     r = result
+    leader = [format_leader(r["leader"])] if "leader" in r else []
+    targets_line = "targets: " + ", ".join(f"{k}={'ok' if v else 'MISSED'}" for k, v in r["targets"].items())
+    if "groups" not in r:
+        return "\n".join([*leader, targets_line])
     lines = [
         f"groups written: {r['groups_before']}/{r['groups']} usable before the faults",
         (f"master kill -9 → first hit: {r['master_recovery_s']} s (target {r['recovery_target_s']} s); "
@@ -309,7 +330,8 @@ def format_report(result: dict[str, Any]) -> str:
         (f"one of two stores kill -9: {r['groups_lost_one_store']}/{r['groups']} groups lost "
          f"(that store held {r['groups_expected_lost_one_store']} groups' worth of objects)"),
         f"readers: {r['reader_reads']} reads, {r['reader_misses']} misses, {r['wrong_bytes']} wrong bytes",
-        "targets: " + ", ".join(f"{k}={'ok' if v else 'MISSED'}" for k, v in r["targets"].items()),
+        *leader,
+        targets_line,
     ]
     return "\n".join(lines)
 
@@ -317,11 +339,27 @@ def format_report(result: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> int:
     """``kvpool bench faults``: print the report; with ``--json`` the last line is one JSON object."""
     settings = QUICK if args.quick else FaultSettings()
+    changes: dict[str, Any] = {}
     if args.groups:
-        settings = FaultSettings(**{**asdict(settings), "num_groups": args.groups})
+        changes["num_groups"] = args.groups
+    if getattr(args, "leader_kills", None) is not None:
+        changes["leader_kills"] = args.leader_kills
+    if getattr(args, "quiet_s", None) is not None:
+        changes["quiet_s"] = args.quiet_s
+    if getattr(args, "scenarios", None):
+        chosen = tuple(s for s in args.scenarios.split(",") if s)
+        if not chosen or set(chosen) - set(SCENARIOS):
+            raise SystemExit(f"kvpool bench faults: --scenarios: {args.scenarios!r} names none of or more than "
+                             f"{', '.join(SCENARIOS)}")
+        changes["scenarios"] = chosen
+    if changes:
+        settings = FaultSettings(**{**asdict(settings), **changes})
+    if settings.leader_kills < 1 or settings.quiet_s < 0:
+        raise SystemExit("kvpool bench faults: --leader-kills must be at least 1 and --quiet-s not negative")
     result = run(settings)
     result["targets"] = targets(result)
     print(format_report(result))
     if args.json:
         print(json.dumps(result, sort_keys=True))
-    return 0 if result["wrong_bytes"] == 0 else 1
+    wrong = result.get("wrong_bytes", 0) + result.get("leader", {}).get("wrong_bytes", 0)
+    return 0 if wrong == 0 else 1

@@ -277,11 +277,11 @@ _KINDS = {"populate": _populate, "ops": _ops}
 
 class Run:
     def __init__(self, pool: LocalPool, executor: ProcessPoolExecutor, clients: int, seconds: float,
-                 cost_seconds: float, turn: Turn) -> None:
+                 cost_seconds: float, turn: Turn, leader: tuple[str, int] | None = None) -> None:
+        """``leader``: (address, pid) of the master to measure (with standbys: the leader), else the one master."""
         self.pool = pool
-        self.master = pool.master_address
         assert pool.master is not None
-        self.pid = int(pool.master.ready["pid"])
+        self.master, self.pid = leader or (pool.master_address, int(pool.master.ready["pid"]))
         self.executor = executor
         self.clients = clients
         self.seconds = seconds
@@ -407,6 +407,38 @@ def _turn(turn: Turn) -> dict[str, Any]:
     return {"history_chunks": turn.history_chunks, "device_share": turn.device_share, "new_chunks": turn.new_chunks}
 
 
+def _leader(pool: LocalPool) -> tuple[str, int]:
+    """The elected leader's address and pid (with standbys), once the stores have mounted on it."""
+    from kvpool.tools.bench.faults_leader import leader
+
+    assert pool.cluster is not None and pool.cluster.etcd is not None
+    etcd = pool.cluster.etcd.endpoint
+    deadline = time.monotonic() + 30.0
+    while True:
+        address, _ = asyncio.run(leader(etcd))
+        if address:
+            stats = asyncio.run(_segments(address))
+            if stats == 2:
+                return address, int(pool.candidate_at(address).ready["pid"])
+        if time.monotonic() > deadline:
+            raise RuntimeError("no leader with both stores mounted within 30 s")
+        time.sleep(0.1)
+
+
+async def _segments(address: str) -> int:
+    import grpc
+
+    from kvpool import service
+    from kvpool.rpc import pool_pb2, pool_pb2_grpc
+
+    async with service.channel(address) as channel:
+        try:
+            stats = await pool_pb2_grpc.PoolMasterStub(channel).Stats(pool_pb2.StatsRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return 0
+    return len(stats.segments)
+
+
 def _share(part: int, whole: int) -> float | None:
     return round(part / whole, 3) if whole else None
 
@@ -416,10 +448,12 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
     capacity = math.ceil(objects * OBJECT_BYTES / HIGH_WATERMARK)
     segment = math.ceil(capacity / 2 / (1 << 20)) << 20
     context = get_context("spawn")
-    with LocalPool(num_stores=2, segment_size=str(segment), workdir=workdir,
+    standbys = getattr(args, "master_standbys", 0)
+    with LocalPool(num_stores=2, segment_size=str(segment), workdir=workdir, master_standbys=standbys,
                    master_args=["--high-watermark", str(HIGH_WATERMARK)]) as pool, \
             ProcessPoolExecutor(max_workers=args.clients + 1, mp_context=context) as executor:
-        run = Run(pool, executor, args.clients, args.seconds, args.cost_seconds, turn)
+        run = Run(pool, executor, args.clients, args.seconds, args.cost_seconds, turn,
+                  _leader(pool) if standbys else None)
         report: dict[str, Any] = {"objects": objects, **run.populate(objects)}
         newest = list(range(report["histories"]))[-max(1, min(64, report["histories"] // 2)):]
         report["call_floor_cpu_ms"] = run.cost("floor", False, newest)["cpu_ms"]
@@ -462,7 +496,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"stages": STAGES, "history_chunks": HISTORY_CHUNKS, "save_chunks": SAVE_CHUNKS,
                               "object_bytes": OBJECT_BYTES, "clients": args.clients,
                               "turn": _turn(Turn(HISTORY_CHUNKS, args.turn_device_share, args.turn_new_chunks)),
-                              "cpus": os.cpu_count()}
+                              "cpus": os.cpu_count(), "master_standbys": getattr(args, "master_standbys", 0)}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as tmp:
         for objects in scales:
             report.setdefault("scales", []).append(measure(objects, args, Path(tmp) / str(objects)))

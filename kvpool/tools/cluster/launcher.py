@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.secret_files import private_folder
+from kvpool.tools.cluster.etcd import EtcdProcess, TlsFiles
 from kvpool.tools.cluster.netns import BRIDGE_ADDRESS, NetnsUnavailable, Network, Place, ServerLink, uts_works
 from kvpool.tools.cluster.process import ServiceProcess
 from kvpool.tools.cluster.topology import MasterSpec, PipelineSpec, ServerSpec, StoreSpec, Topology
@@ -95,12 +96,16 @@ class Cluster:
     topology: Topology
     workdir: Path | None = None
     servers: list[Server] = field(default_factory=list)
-    master: ServiceProcess | None = None  # the shared one
+    master: ServiceProcess | None = None  # the shared one (with standbys: the first candidate started)
+    standbys: list[ServiceProcess] = field(default_factory=list)  # the shared master's other candidates
+    etcd: EtcdProcess | None = None  # where the candidates elect a leader (standbys only)
     router: ServiceProcess | None = None
     network: Network | None = None
     network_mode: str = ""  # with named servers: "netns: ..." or "loopback: ..." and why
     # more flags per process (name, args, host, workdir): its credentials (kvpool up's keys and certificates)
     access: Callable[[str, list[str], str, Path], list[str]] | None = None
+    # a secure cluster's etcd certificate (kvpool up --secure), made in the workdir
+    etcd_tls: Callable[[Path, str], TlsFiles | None] | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     # ---- the whole ------------------------------------------------------
@@ -132,7 +137,7 @@ class Cluster:
         tiers = [[self.router] if self.router else [],
                  [p for s in self.servers for p in (*(x for st in s.stages for x in st), *s.decode)],
                  [p for s in self.servers for p in s.stores],
-                 [p for s in self.servers if (p := s.master) is not None] + ([self.master] if self.master else [])]
+                 [p for s in self.servers if (p := s.master) is not None] + self.masters]
         try:
             for i, procs in enumerate(tiers):
                 # the router drains (SIGTERM); behind it nobody routes any more, so the rest only
@@ -143,6 +148,9 @@ class Cluster:
                 for proc in procs:
                     proc.stop()
         finally:
+            if self.etcd is not None:
+                self.etcd.stop()
+                self.etcd = None
             if self.network is not None:
                 self.network.remove()
                 self.network = None
@@ -161,14 +169,15 @@ class Cluster:
     @property
     def services(self) -> list[ServiceProcess]:
         """Every process: the shared master, each server's, the router."""
-        shared = [self.master] if self.master is not None else []
+        shared = self.masters
         router = [self.router] if self.router is not None else []
         return [*shared, *(p for s in self.servers for p in s.services), *router]
 
     @property
     def masters(self) -> list[ServiceProcess]:
-        """The shared master, when there is one (a split pool's masters belong to their servers)."""
-        return [self.master] if self.master is not None else []
+        """The shared master and its standbys, when there is one (a split pool's masters belong to their
+        servers)."""
+        return [self.master, *self.standbys] if self.master is not None else []
 
     def find(self, name: str) -> ServiceProcess:
         return next(p for p in self.services if p.name == name)
@@ -178,6 +187,8 @@ class Cluster:
         """The shared master's address as the servers reach it (or the topology's master started apart)."""
         if self.master is None:
             return self.topology.master_address
+        if self.etcd is not None:  # the leader, wherever etcd says it is
+            return f"etcd://{self.etcd.endpoint}"
         return f"{BRIDGE_ADDRESS if self.network is not None else self.topology.host}:{self.master.ready['port']}"
 
     @property
@@ -209,11 +220,30 @@ class Cluster:
     def restart_master(self) -> ServiceProcess:
         """(Re)start the shared master on the port it had (stores re-mount, clients reconnect)."""
         spec = self.topology.master or MasterSpec()
+        if spec.standbys:
+            return self.restart_candidate(spec.name)
         port = int(self.master.ready["port"]) if self.master is not None and self.master.ready else spec.port
         self.master = self._spawn(spec.name, ["master", "--port", str(port), "--admin-port", "0", *spec.args],
                                   None)
         self.master.wait_ready(timeout_s=READY_TIMEOUT_S)
         return self.master
+
+    def restart_candidate(self, name: str) -> ServiceProcess:
+        """(Re)start one master candidate (with standbys) on the port it had: it comes back as a standby."""
+        spec = self.topology.master or MasterSpec()
+        assert self.etcd is not None and name in spec.names
+        old = next((p for p in self.masters if p.name == name), None)
+        port = int(old.ready["port"]) if old is not None and old.ready else 0
+        proc = self._spawn(name, ["master", "--port", str(port), "--admin-port", "0", "--etcd", self.etcd.endpoint,
+                                  *spec.args], None)
+        proc.wait_ready(timeout_s=READY_TIMEOUT_S)
+        if name == spec.name:
+            self.master = proc
+        else:
+            self.standbys = [proc if p.name == name else p for p in self.standbys]
+            if old is None:
+                self.standbys.append(proc)
+        return proc
 
     def add_store(self, server: int, spec: StoreSpec) -> ServiceProcess:
         """Start one more store of server ``server`` (not waited for: ``wait_ready`` it)."""
@@ -253,7 +283,14 @@ class Cluster:
             self.network_mode = f"loopback: {reason}; ONE host name for all servers ({uts}), no link shaping"
 
     def _start_masters(self) -> None:
-        if self.topology.master is not None:
+        spec = self.topology.master
+        if spec is not None and spec.standbys:
+            assert self.workdir is not None
+            tls = self.etcd_tls(self.workdir, self.topology.host) if self.etcd_tls is not None else None
+            self.etcd = EtcdProcess(self.workdir / "etcd", tls=tls).start()
+            for name in spec.names:  # the first started is the first leader (it campaigns first)
+                self.restart_candidate(name)
+        elif spec is not None:
             self.restart_master()  # the root namespace, on the bridge: every server reaches it over its link
         # a split master is part of its server: it goes when the server goes
         for srv in self.servers:

@@ -37,7 +37,7 @@ class _Part:
 
 @dataclass(slots=True)
 class LocalPool(_Part):
-    """A master and N stores on this host."""
+    """A master (and its standbys, with etcd) and N stores on this host."""
 
     num_stores: int = 2
     segment_size: str = "64MiB"
@@ -45,9 +45,11 @@ class LocalPool(_Part):
     store_args: list[str] = field(default_factory=list)
     workdir: Path | None = None
     cluster: Cluster | None = None
+    master_standbys: int = 0
 
     def start(self) -> LocalPool:
-        topology = pool_topology(self.num_stores, self.segment_size, tuple(self.master_args), tuple(self.store_args))
+        topology = pool_topology(self.num_stores, self.segment_size, tuple(self.master_args), tuple(self.store_args),
+                                 self.master_standbys)
         self.cluster = Cluster(topology, workdir=self.workdir).start()
         return self
 
@@ -58,6 +60,15 @@ class LocalPool(_Part):
     @property
     def master(self) -> ServiceProcess | None:
         return self._started().master
+
+    @property
+    def candidates(self) -> list[ServiceProcess]:
+        """The master and its standbys."""
+        return self._started().masters
+
+    def candidate_at(self, address: str) -> ServiceProcess:
+        """The candidate serving at ``address`` (as the leader key names it)."""
+        return next(p for p in self.candidates if address.endswith(f":{p.ready['port']}"))
 
     @property
     def stores(self) -> list[ServiceProcess]:

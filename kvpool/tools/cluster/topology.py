@@ -18,6 +18,13 @@ class MasterSpec:
     name: str = "master"
     port: int = 0
     args: tuple[str, ...] = ()
+    # standbys: more candidates beside it, the leader elected through an etcd the launcher starts
+    standbys: int = 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The candidates' process names: the first, then ``{name}-standby{i}``."""
+        return (self.name, *(f"{self.name}-standby{i}" for i in range(1, self.standbys + 1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +102,12 @@ class Topology:
     def __post_init__(self) -> None:
         if not self.servers:
             raise ValueError("servers: at least one")
-        names = [m.name for m in (self.master, self.router) if m is not None]
+        names = [*(self.master.names if self.master is not None else ()),
+                 *((self.router.name,) if self.router is not None else ())]
+        if self.master is not None and self.master.standbys and self.netns:
+            raise ValueError("master standbys: etcd listens on this host's loopback, which namespaces do not reach")
+        if self.master is not None and self.master.standbys < 0:
+            raise ValueError(f"master standbys: must be >= 0, got {self.master.standbys}")
         for server in self.servers:
             names += [m.name for m in (server.master,) if m is not None]
             names += [s.name for s in server.stores] + [d.name for d in server.decode_shards]
@@ -115,10 +127,11 @@ class Topology:
 
 
 def pool_topology(num_stores: int, segment_size: str, master_args: tuple[str, ...] = (),
-                  store_args: tuple[str, ...] = ()) -> Topology:
-    """A master and ``num_stores`` stores named ``store{i}``."""
+                  store_args: tuple[str, ...] = (), master_standbys: int = 0) -> Topology:
+    """A master (and ``master_standbys`` standbys, with etcd) and ``num_stores`` stores named ``store{i}``."""
     stores = tuple(StoreSpec(f"store{i}", ("--segment-size", segment_size, *store_args)) for i in range(num_stores))
-    return Topology((ServerSpec(stores=stores),), master=MasterSpec(args=master_args), die_with_parent=False)
+    return Topology((ServerSpec(stores=stores),), master=MasterSpec(args=master_args, standbys=master_standbys),
+                    die_with_parent=False)
 
 
 def pipeline_topology(num_stages: int, master: str, stage_args: tuple[str, ...] = ()) -> Topology:

@@ -210,6 +210,7 @@ def main_chaos(args: Any, workload: ReplayWorkload, faults: list[Fault], device_
         settings = UpSettings(http_port=0, grpc_port=0, pipelines=args.pipelines, stages=args.stages,
                               decode_shards=args.decode_shards, stores=0 if phase == "no_pool" else args.stores,
                               segment_size=args.segment_size,
+                              master_standbys=0 if phase == "no_pool" else getattr(args, "master_standbys", 0),
                               kv_dtype="float32", device_cache_tokens=device_cache_tokens,
                               workdir=str(workdir_of(workdir, phase)))
         cluster = up_cluster(settings, str(write_config(workdir / f"chaos-{phase}.toml", args)), args.log_level)

@@ -64,6 +64,9 @@ def add_replay_parser(sub: Any) -> None:
     cluster.add_argument("--decode-shards", type=int, default=1, help="decode shards")
     cluster.add_argument("--stores", type=int, default=2, help="store daemons (0: no pool)")
     cluster.add_argument("--segment-size", default="512MiB", help="DRAM each store gives the pool")
+    cluster.add_argument("--master-standbys", type=int, default=0, metavar="N",
+                         help="pool master standbys, the leader elected through an etcd in the workdir (kvpool up "
+                         "--master-standbys); with --chaos, kill:master kills the first candidate, the leader")
     cluster.add_argument("--device-cache-tokens", type=int, help="each prefill stage's device KV capacity in tokens "
                          "(default 32768; with --url only checked when given)")
     cluster.add_argument("--decode-pages", type=int, help="KV pages of each decode shard (default: from its kv_bytes)")
@@ -110,7 +113,9 @@ def _probes(cluster: Any) -> ClusterProbes:
         router=root(cluster.find("router")),
         stages={p.name: root(p) for p in cluster.services if "-stage" in p.name},
         decode={p.name: root(p) for p in cluster.services if p.name.startswith("decode")},
-        master=f"{host}:{master.ready['port']}" if master else "")
+        # with standbys, the leader wherever etcd announces it
+        master=(cluster.master_address if cluster.etcd is not None else f"{host}:{master.ready['port']}")
+        if master else "")
 
 
 def _run_level(args: argparse.Namespace, workload: ReplayWorkload, options: ReplayOptions,
@@ -122,6 +127,7 @@ def _run_level(args: argparse.Namespace, workload: ReplayWorkload, options: Repl
 
     settings = UpSettings(http_port=0, grpc_port=0, pipelines=args.pipelines, stages=args.stages,
                           decode_shards=args.decode_shards, stores=args.stores, segment_size=args.segment_size,
+                          master_standbys=args.master_standbys,
                           kv_dtype=args.kv_dtype, device_cache_tokens=device_cache_tokens,
                           workdir=str(workdir / f"c{options.concurrency}"))
     config = write_config(workdir / f"replay-c{options.concurrency}.toml", args)
