@@ -137,19 +137,24 @@ def tiny_workload(num_sessions: int = 2, turns: int = 3) -> ReplayWorkload:
 
 
 def test_tiny_shared_against_split_end_to_end() -> None:
-    """Both sides of ``--compare pool=shared,split``, on loopback: the split side in namespaces is
-    test_netns_split_pool_one_master_per_server_and_everything_removed; the shaped-link figures are the
-    benchmark's (docs/benchmarks.md)."""
+    """Every side of ``--compare pool=shared,split`` (shared, split-moving, split-strict), on loopback: the split
+    side in namespaces is test_netns_split_pool_one_master_per_server_and_everything_removed; the shaped-link
+    figures are the benchmark's (docs/benchmarks.md)."""
     workload = tiny_workload()
-    out = run_compare("pool", ("shared", "split"), TopologySettings(**TINY, netns=False), workload, [2],
-                      ReplayOptions(concurrency=2, think_scale=0.0))
-    for side in ("shared", "split"):
+    out = run_compare("pool", ("shared", "split-moving", "split-strict"), TopologySettings(**TINY, netns=False),
+                      workload, [2], ReplayOptions(concurrency=2, think_scale=0.0))
+    for side in ("shared", "split-moving", "split-strict"):
         summary = out["sides"][side]
         assert (summary["turns_sent"], summary["turns_ok"], summary["errors"]) == (6, 6, 0)
         assert summary["network_mode"].startswith("loopback")
         assert summary["link_bytes"] == [None, None]
         # turns 2 and 3 of each session find the earlier turns' chunks (device or pool)
         assert summary["reuse_ratio"] > 0
-    assert out["shared_over_split"] > 0 and math.isfinite(out["shared_over_split"])
-    # each session: 256..384 tokens, one full 256-token chunk in all; a chunk is 8 layers × 96 floats a token
+        assert out[f"reuse_{side.replace('-', '_')}"] == summary["reuse_ratio"]
+        assert out[f"errors_{side.replace('-', '_')}"] == 0
+    # the router started with --affinity-max-queue (the policy's threshold is tested in its own unit tests)
+    assert out["sides"]["split-strict"]["session_moves"] == 0
+    for key in ("shared_over_split_moving", "shared_over_split_strict"):
+        assert out[key] > 0 and math.isfinite(out[key])
+    assert out["shared_over_split"] == out["shared_over_split_moving"] and out["errors"] == 0
     assert out["regime"]["working_set_bytes"] == 2 * 8 * 256 * 96 * 4

@@ -37,13 +37,17 @@ from kvpool.tools.replay.workload import ReplayWorkload, load_workload
 from kvpool.sizes import format_size, parse_size
 
 SUMMARY_KEYS = ("prompt_tok_s", "reuse_ratio", "device_share", "pool_share", "computed_share", "ttft_p50_s",
-                "turns_sent", "errors", "wall_s", "pool_evicted_groups", "restore_bytes", "cross_server_handoff_share")
+                "turns_sent", "errors", "wall_s", "pool_evicted_groups", "restore_bytes", "cross_server_handoff_share",
+                "session_moves")
 
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("comparisons (--compare): K logical servers, started fresh for every side and level")
     g.add_argument("--compare", metavar="WHAT=A,B",
-                   help="pool=shared,split (one pool over every store against one per server) or groups=on,off "
+                   help="pool=shared,split (one pool over every store against one per server, the split side "
+                   "twice: split-moving, the router's own session affinity, where a session moves off a pipeline "
+                   "with a long queue, and split-strict, where a session's turns always wait for its home server; "
+                   "name one of them instead of split to run only it) or groups=on,off "
                    "(whole-group against per-object eviction) or locality=on,off (the router prefers the decode "
                    "shard on the pipeline's server, or not) or sched=fifo,session (the router's admission queue and "
                    "stage 0's gate work-aware, and the clients' session hints, or neither); the same sessions on "
