@@ -53,6 +53,8 @@ COMPARISONS = {"pool": ("shared", "split-moving", "split-strict"), "groups": ("o
 USABLE_SHARE = 0.85
 
 
+# the side whose queue --find-load steps the load up for: the one the other is measured against
+BASELINES = {"pool": ("split-moving", "split-strict"), "groups": ("off",), "locality": ("off",), "sched": ("fifo",)}
 # pool=: "split" is both split baselines
 SIDE_ALIASES = {"pool": {"split": ("split-moving", "split-strict")}}
 
@@ -231,12 +233,34 @@ def run_side(settings: TopologySettings, workload: ReplayWorkload, options: Repl
     return summary
 
 
+def baseline_side(what: str, sides: Sequence[str]) -> str:
+    """The side a load is found for: sched's fifo, pool's first split side, groups' or locality's off."""
+    return next((side for side in sides if side in BASELINES[what]), sides[0])
+
+
+def prefill_queueing(summary: dict[str, Any]) -> dict[str, Any]:
+    """Whether a side's prefill queued: the mean wait in front of prefill (the router's admission queue, stage
+    0's gate, stage 0's wait for device blocks; each a mean over every request) against the median prefill
+    service time (stage 0's pipeline compute). ``queues``: the wait is at least the service time."""
+    waits = [summary.get(k) for k in ("router_queue_wait_mean_s", "prefill_gate_wait_mean_s",
+                                       "prefill_queue_wait_mean_s")]
+    wait = sum(w for w in waits if isinstance(w, (int, float)) and math.isfinite(w))
+    service = summary.get("prefill_compute_p50_s", math.nan)
+    return {"prefill_wait_mean_s": wait, "prefill_service_p50_s": service,
+            "queues": bool(math.isfinite(service) and wait >= service)}
+
+
 def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workload: ReplayWorkload,
                 levels: Sequence[int], options: ReplayOptions, fault: Fault | None = None,
-                workdir: Path | None = None, on_side: Any = None, at_once: bool = False) -> dict[str, Any]:
+                workdir: Path | None = None, on_side: Any = None, at_once: bool = False,
+                ran: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Every side at every level (fresh topologies), then the comparison's headline figures; ``at_once``:
-    the sides of a level run at the same time (without a fault), so a load that moves moves for both."""
+    the sides of a level run at the same time (without a fault), so a load that moves moves for both.
+    ``ran``: sides already run at the one level (the load finder's last step), not run again."""
     per_side: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    ran = ran or {}
+    if ran and (len(levels) != 1 or at_once or fault is not None):
+        raise ValueError("ran: only for one level, the sides one after the other, and no fault")
     for level in levels:
         def one_side(side: str) -> tuple[dict[str, Any], Path | None, TopologySettings, ReplayOptions]:
             where = workdir / f"{what}-{side}-c{level}" if workdir is not None else None
@@ -249,7 +273,8 @@ def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workloa
             with ThreadPoolExecutor(len(sides)) as pool:
                 done = list(pool.map(one_side, sides))
         else:
-            done = [one_side(side) for side in sides]
+            done = [(ran[side], None, side_settings(base, what, side), options) if side in ran else one_side(side)
+                    for side in sides]
         for side, (summary, where, settings, level_options) in zip(sides, done):
             if fault is not None and summary.get("kill", {}).get("killed"):
                 # the reuse a kill costs: against the same side and requests with no kill

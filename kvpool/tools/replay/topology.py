@@ -12,9 +12,10 @@ One router over every server's pipeline and shard places sessions as it
 always does: a session stays on its pipeline while fewer than the router's
 ``--affinity-max-queue`` requests are in flight there, and moves otherwise;
 ``affinity_max_queue=AFFINITY_STRICT`` keeps every session on the pipeline it
-first went to, its turns waiting there however long the queue. Each server's processes run under a host name of their own
-(``kvr-s{i}``, placement's "the writer's own host first") and, where this
-host can make them, in a network namespace of their own, reaching the others
+first went to, its turns waiting there however long the queue.
+Each server's processes run under a host name of their own (``kvr-s{i}``,
+placement's "the writer's own host first") and, where this host can make
+them, in a network namespace of their own, reaching the others
 over a veth link shaped to ``link_gbit`` (``kvpool.tools.cluster.netns``).
 Where namespaces cannot be made the servers share loopback and the cluster's
 ``network_mode`` says why.
