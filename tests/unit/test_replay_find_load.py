@@ -61,14 +61,14 @@ def test_the_baseline_is_the_side_measured_against() -> None:
     assert baseline_side("groups", ("on", "off")) == "off"
 
 
-def test_queueing_is_the_mean_wait_in_front_of_prefill_against_the_median_service() -> None:
-    summary = {"router_queue_wait_mean_s": 0.5, "prefill_gate_wait_mean_s": 0.25, "prefill_queue_wait_mean_s": 0.0,
+def test_queueing_is_the_median_wait_in_front_of_prefill_against_the_median_service() -> None:
+    summary = {"router_queue_wait_p50_s": 0.5, "prefill_gate_wait_p50_s": 0.25, "prefill_queue_wait_p50_s": 0.0,
                "prefill_compute_p50_s": 0.8}
-    assert prefill_queueing(summary) == {"prefill_wait_mean_s": 0.75, "prefill_service_p50_s": 0.8, "queues": False}
-    assert prefill_queueing({**summary, "prefill_gate_wait_mean_s": 0.3})["queues"]
+    assert prefill_queueing(summary) == {"prefill_wait_p50_s": 0.75, "prefill_service_p50_s": 0.8, "queues": False}
+    assert prefill_queueing({**summary, "prefill_gate_wait_p50_s": 0.3})["queues"]
     # no gate on a side (nan): the other waits count; no service measured: never queueing
-    assert prefill_queueing({**summary, "prefill_gate_wait_mean_s": math.nan})["prefill_wait_mean_s"] == 0.5
-    assert not prefill_queueing({**summary, "prefill_compute_p50_s": math.nan, "router_queue_wait_mean_s": 9.0})[
+    assert prefill_queueing({**summary, "prefill_gate_wait_p50_s": math.nan})["prefill_wait_p50_s"] == 0.5
+    assert not prefill_queueing({**summary, "prefill_compute_p50_s": math.nan, "router_queue_wait_p50_s": 9.0})[
         "queues"]
 
 

@@ -239,14 +239,16 @@ def baseline_side(what: str, sides: Sequence[str]) -> str:
 
 
 def prefill_queueing(summary: dict[str, Any]) -> dict[str, Any]:
-    """Whether a side's prefill queued: the mean wait in front of prefill (the router's admission queue, stage
-    0's gate, stage 0's wait for device blocks; each a mean over every request) against the median prefill
-    service time (stage 0's pipeline compute). ``queues``: the wait is at least the service time."""
-    waits = [summary.get(k) for k in ("router_queue_wait_mean_s", "prefill_gate_wait_mean_s",
-                                       "prefill_queue_wait_mean_s")]
+    """Whether a side's prefill queued: the median wait in front of prefill (the sum of the medians of the
+    router's admission queue, stage 0's gate and stage 0's wait for device blocks, each estimated from its
+    histogram) against the median prefill service time (stage 0's pipeline compute). ``queues``: the wait is at
+    least the service time, so at least about half the requests waited a whole service time. A mean would not
+    do: a few long waits lift it while most requests pass at once."""
+    waits = [summary.get(k) for k in ("router_queue_wait_p50_s", "prefill_gate_wait_p50_s",
+                                       "prefill_queue_wait_p50_s")]
     wait = sum(w for w in waits if isinstance(w, (int, float)) and math.isfinite(w))
     service = summary.get("prefill_compute_p50_s", math.nan)
-    return {"prefill_wait_mean_s": wait, "prefill_service_p50_s": service,
+    return {"prefill_wait_p50_s": wait, "prefill_service_p50_s": service,
             "queues": bool(math.isfinite(service) and wait >= service)}
 
 

@@ -42,12 +42,12 @@ from kvpool.tools.replay.workload import ReplayWorkload, load_workload
 from kvpool.sizes import format_size, parse_size
 
 FIND_LOAD_START = 8  # the load finder's first step, in sessions, without --sessions
-FIND_LOAD_RULE = ("the baseline side alone, every session at once, the sessions doubled a step until its mean wait "
-                  "in front of prefill (the router's queue, stage 0's gate and its wait for device blocks) is at "
+FIND_LOAD_RULE = ("the baseline side alone, every session at once, the sessions doubled a step until its median "
+                  "wait in front of prefill (the router's queue, stage 0's gate and its wait for device blocks) is at "
                   "least its median prefill service time (stage 0's pipeline compute), or the steps end")
 SUMMARY_KEYS = ("prompt_tok_s", "reuse_ratio", "device_share", "pool_share", "computed_share", "ttft_p50_s",
                 "turns_sent", "errors", "wall_s", "pool_evicted_groups", "restore_bytes", "cross_server_handoff_share",
-                "session_moves", "prefill_gate_wait_mean_s", "router_queue_wait_mean_s", "prefill_compute_p50_s")
+                "session_moves", "prefill_gate_wait_p50_s", "router_queue_wait_p50_s", "prefill_compute_p50_s")
 
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,8 +94,8 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--find-load", action=argparse.BooleanOptionalAction, default=None,
                    help="find a load where the baseline side's prefill queues (sched: fifo; pool: split; groups, "
                    "locality: off) before comparing: that side alone, every session at once, from --sessions "
-                   f"(default {FIND_LOAD_START}) doubling up to --find-load-max-sessions, until its mean wait in front "
-                   "of prefill (the router's queue, stage 0's gate, its wait for device blocks) reaches its median "
+                   f"(default {FIND_LOAD_START}) doubling up to --find-load-max-sessions, until its median wait in "
+                   "front of prefill (the router's queue, stage 0's gate, its wait for device blocks) reaches its median "
                    "prefill service time; then every side at that load, the baseline's step reused. Reports the load "
                    "chosen and every step (JSON: load). Default: on for sched= unless --concurrency (a load of your "
                    "own: --sessions and --concurrency as given) or --kill-server is given, off otherwise; not with "
@@ -245,7 +245,7 @@ def find_load(args: argparse.Namespace, what: str, sides: tuple[str, ...], workd
         steps.append({"sessions": found, "concurrency": found, **queueing, "ttft_p50_s": summary["ttft_p50_s"],
                       "errors": summary["errors"]})
         print(f"  find-load: {what}={baseline} with {found} sessions at once: wait in front of prefill "
-              f"{_fmt(queueing['prefill_wait_mean_s'])} s (mean) against its service "
+              f"{_fmt(queueing['prefill_wait_p50_s'])} s (median) against its service "
               f"{_fmt(queueing['prefill_service_p50_s'])} s (median): "
               f"{'queues' if queueing['queues'] else 'does not queue'}", flush=True)
         chosen = step_plan, summary
