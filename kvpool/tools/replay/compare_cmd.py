@@ -95,11 +95,11 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
                    help="find a load where the baseline side's prefill queues (sched: fifo; pool: split; groups, "
                    "locality: off) before comparing: that side alone, every session at once, from --sessions "
                    f"(default {FIND_LOAD_START}) doubling up to --find-load-max-sessions, until its median wait in "
-                   "front of prefill (the router's queue, stage 0's gate, its wait for device blocks) reaches its median "
-                   "prefill service time; then every side at that load, the baseline's step reused. Reports the load "
-                   "chosen and every step (JSON: load). Default: on for sched= unless --concurrency (a load of your "
-                   "own: --sessions and --concurrency as given) or --kill-server is given, off otherwise; not with "
-                   "--concurrency or --kill-server")
+                   "front of prefill (the router's queue, stage 0's gate, its wait for device blocks) reaches its "
+                   "median prefill service time; then every side at that load, the baseline's step reused. Reports "
+                   "the load chosen and every step (JSON: load). Default: on for sched= unless --concurrency (a "
+                   "load of your own: --sessions and --concurrency as given) or --kill-server is given, off "
+                   "otherwise; not with --concurrency or --kill-server")
     g.add_argument("--find-load-max-sessions", type=int, default=64, metavar="N",
                    help="--find-load's last step, in sessions (default 64; the trace may hold fewer)")
     g.add_argument("--loopback", action="store_true", help="no network namespaces even where they work")
