@@ -221,8 +221,8 @@ def load_steps(start: int, most: int) -> list[int]:
     return steps
 
 
-def find_load(args: argparse.Namespace, what: str, sides: tuple[str, ...], workdir: Path,
-              on_side: Any) -> tuple[Plan, dict[str, Any], dict[str, dict[str, Any]]]:
+def find_load(args: argparse.Namespace, what: str, sides: tuple[str, ...],
+              workdir: Path) -> tuple[Plan, dict[str, Any], dict[str, dict[str, Any]]]:
     """Step the sessions up (concurrency: every session at once) with the baseline side alone, on a fresh
     cluster a step, until its prefill queues (``prefill_queueing``) or the steps end; the plan at the load
     chosen, the steps tried, and the baseline's run there (the comparison's, not run again)."""
@@ -253,7 +253,6 @@ def find_load(args: argparse.Namespace, what: str, sides: tuple[str, ...], workd
             break
     assert chosen is not None
     step_plan, summary = chosen
-    on_side(baseline, summary)
     load = {"rule": FIND_LOAD_RULE, "baseline": baseline, "sessions": steps[-1]["sessions"],
             "concurrency": steps[-1]["concurrency"], "queues": steps[-1]["queues"], "steps": steps}
     return step_plan, load, {baseline: summary}
@@ -290,7 +289,7 @@ def main(args: argparse.Namespace, levels: list[int]) -> int:
             ran: dict[str, dict[str, Any]] = {}
             chosen = first
             if finding:
-                chosen, load, ran = find_load(args, what, sides, workdir, on_side)
+                chosen, load, ran = find_load(args, what, sides, workdir)
                 levels = [load["concurrency"]]
                 print(f"kvpool replay: the load chosen: {load['sessions']} sessions, every one at once"
                       + ("" if load["queues"] else f" (the last step: {load['baseline']}'s prefill never queued)"),
