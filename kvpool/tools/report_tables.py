@@ -197,8 +197,11 @@ TABLES: dict[str, Table] = {
         C("computed", "computed_share", ".2f"),
         C("TTFT p50 s", "ttft_p50_s", ".1f"),
         C("failed", "failed"),
+        C("errors", "errors"),
+        C("session moves", "session_moves"),
         C("answered after the kill", "answered_after_kill"),
         C("`shared_over_split`", "@output/shared_over_split", ".2f"),
+        C("`shared_over_split_strict`", "@output/shared_over_split_strict", ".2f"),
     )),
     "replay-compare-groups": Table(("*-replay-compare-groups*.json",), rows="output/sides", columns=(
         C("groups", "side"),
@@ -221,6 +224,7 @@ TABLES: dict[str, Table] = {
     )),
     "replay-compare-sched": Table(("*-replay-compare-sched*.json",), rows="output/runs", columns=(
         C("sessions", "sessions"),
+        C("sessions tried (`--find-load`)", "load_steps"),
         C("aging s", "aging_s"),
         C("TTFT p50 ratio", "ttft_p50_session_over_fifo", ".3f"),
         C("p99 ratio", "ttft_p99_session_over_fifo", ".3f"),

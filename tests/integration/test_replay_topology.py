@@ -13,7 +13,9 @@ import json
 import math
 import os
 import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -137,19 +139,65 @@ def tiny_workload(num_sessions: int = 2, turns: int = 3) -> ReplayWorkload:
 
 
 def test_tiny_shared_against_split_end_to_end() -> None:
-    """Both sides of ``--compare pool=shared,split``, on loopback: the split side in namespaces is
-    test_netns_split_pool_one_master_per_server_and_everything_removed; the shaped-link figures are the
-    benchmark's (docs/benchmarks.md)."""
+    """Every side of ``--compare pool=shared,split`` (shared, split-moving, split-strict), on loopback: the split
+    side in namespaces is test_netns_split_pool_one_master_per_server_and_everything_removed; the shaped-link
+    figures are the benchmark's (docs/benchmarks.md)."""
     workload = tiny_workload()
-    out = run_compare("pool", ("shared", "split"), TopologySettings(**TINY, netns=False), workload, [2],
-                      ReplayOptions(concurrency=2, think_scale=0.0))
-    for side in ("shared", "split"):
+    out = run_compare("pool", ("shared", "split-moving", "split-strict"), TopologySettings(**TINY, netns=False),
+                      workload, [2], ReplayOptions(concurrency=2, think_scale=0.0))
+    for side in ("shared", "split-moving", "split-strict"):
         summary = out["sides"][side]
         assert (summary["turns_sent"], summary["turns_ok"], summary["errors"]) == (6, 6, 0)
         assert summary["network_mode"].startswith("loopback")
         assert summary["link_bytes"] == [None, None]
         # turns 2 and 3 of each session find the earlier turns' chunks (device or pool)
         assert summary["reuse_ratio"] > 0
-    assert out["shared_over_split"] > 0 and math.isfinite(out["shared_over_split"])
-    # each session: 256..384 tokens, one full 256-token chunk in all; a chunk is 8 layers × 96 floats a token
+        assert out[f"reuse_{side.replace('-', '_')}"] == summary["reuse_ratio"]
+        assert out[f"errors_{side.replace('-', '_')}"] == 0
+    # the router started with --affinity-max-queue (the policy's threshold is tested in its own unit tests)
+    assert out["sides"]["split-strict"]["session_moves"] == 0
+    for key in ("shared_over_split_moving", "shared_over_split_strict"):
+        assert out[key] > 0 and math.isfinite(out[key])
+    assert out["shared_over_split"] == out["shared_over_split_moving"] and out["errors"] == 0
     assert out["regime"]["working_set_bytes"] == 2 * 8 * 256 * 96 * 4
+
+
+def write_weka_folder(folder: Path, sessions: int) -> Path:
+    """``sessions`` weka traces of three turns, each turn extending the last by one 256-token block."""
+    folder.mkdir()
+    for s in range(1, sessions + 1):
+        requests = [{"t": float(i), "in": 256 * (2 + i) + 10, "out": 2, "think_time": 0.0,
+                     "hash_ids": list(range(100 * s, 100 * s + 2 + i))} for i in range(3)]
+        doc = {"id": f"tiny{s}", "block_size": 256, "hash_id_scope": "local", "tool_tokens": 0, "system_tokens": 0,
+               "requests": requests}
+        (folder / f"trace_{s:04d}.json").write_text(json.dumps(doc))
+    return folder
+
+
+def test_sched_compare_finds_its_load_then_compares_there(tmp_path: Path) -> None:
+    """``--compare sched=fifo,session`` with its load finder on (the default): FIFO alone steps 1 then 2 sessions
+    until its prefill queues; both sides then run at the last step's load, FIFO's step standing as its side."""
+    trace = write_weka_folder(tmp_path / "weka", 2)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool.services.cli", "replay", str(trace), "--compare", "sched=fifo,session",
+         "--servers", "1", "--stages", "1", "--scale", "1", "--sessions", "1", "--find-load-max-sessions", "2",
+         "--think-scale", "0", "--max-tokens", "2", "--loopback", "--json"],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    load = out["load"]
+    steps = load["steps"]
+    assert [s["sessions"] for s in steps] == [1, 2][:len(steps)] and steps
+    assert all(not s["queues"] for s in steps[:-1])  # it stopped at the first step that queued, or the last
+    for step in steps:
+        assert step["queues"] == (step["prefill_wait_p50_s"] >= step["prefill_service_p50_s"])
+        assert step["prefill_service_p50_s"] > 0 and step["errors"] == 0
+    assert (load["sessions"], load["concurrency"]) == (steps[-1]["sessions"],) * 2
+    assert load["queues"] == steps[-1]["queues"]
+    assert out["levels"] == [load["concurrency"]] and out["sessions"] == load["sessions"]
+    fifo, session = out["sides"]["fifo"], out["sides"]["session"]
+    assert fifo["ttft_p50_s"] == steps[-1]["ttft_p50_s"]  # the step's run, not another
+    for side in (fifo, session):
+        assert (side["concurrency"], side["sessions"], side["turns_sent"], side["errors"]) == \
+            (load["sessions"], load["sessions"], 3 * load["sessions"], 0)
+    assert out["errors"] == 0 and math.isfinite(out["ttft_p50_session_over_fifo"])

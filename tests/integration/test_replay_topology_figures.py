@@ -22,14 +22,16 @@ MiB = 1 << 20
 
 
 def test_parse_compare() -> None:
-    assert parse_compare("pool=shared,split") == ("pool", ("shared", "split"))
+    # split: both baselines, sessions free to move and sessions kept on their home server
+    assert parse_compare("pool=shared,split") == ("pool", ("shared", "split-moving", "split-strict"))
+    assert parse_compare("pool=shared,split-strict") == ("pool", ("shared", "split-strict"))
     assert parse_compare("groups=on,off") == ("groups", ("on", "off"))
     assert parse_compare("locality=on,off") == ("locality", ("on", "off"))
     assert parse_compare("sched=fifo,session") == ("sched", ("fifo", "session"))
     for bad in ("pool=shared,shared", "pool=shared,both", "groups", "eviction=on,off", "pool=", "locality=on,on",
-                "sched=fifo,lifo"):
-        with pytest.raises(ValueError, match="expected pool=shared,split, groups=on,off, locality=on,off or "
-                                             "sched=fifo,session"):
+                "sched=fifo,lifo", "pool=shared,split,split-strict", "groups=on,split"):
+        with pytest.raises(ValueError, match=r"expected pool=shared,split \(split: split-moving and split-strict\), "
+                                             "groups=on,off, locality=on,off or sched=fifo,session"):
             parse_compare(bad)
 
 

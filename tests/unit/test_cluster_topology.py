@@ -8,7 +8,8 @@ import pytest
 
 from kvpool.tools.cluster import PipelineSpec, ServerSpec, StoreSpec, Topology
 from kvpool.tools.cluster.topology import decode_topology, pipeline_topology, pool_topology
-from kvpool.tools.replay.topology import TopologySettings, side_topology
+from kvpool.tools.replay.compare import side_settings
+from kvpool.tools.replay.topology import AFFINITY_STRICT, TopologySettings, side_topology
 from kvpool.tools.up import UpSettings, store_numa_nodes, up_topology
 from kvpool.host_numa import numa_nodes
 
@@ -80,6 +81,22 @@ def test_compare_sides_shared_and_split() -> None:
     assert split.names == ("router", "s0-master", "s0-store-p", "s0-decode", "s0-stage0",
                            "s1-master", "s1-store-p", "s1-decode", "s1-stage0")
     assert split.servers[1].master is not None and split.servers[1].master.args == ("--eviction", "object")
+
+
+def test_compare_split_baselines_differ_only_in_the_routers_affinity() -> None:
+    """split-strict: the router never moves a session off its pipeline; split-moving: the router's own default."""
+    base = TopologySettings(servers=2, stages=1)
+    strict = side_topology(side_settings(base, "pool", "split-strict"))
+    moving = side_topology(side_settings(base, "pool", "split-moving"))
+    assert strict.router is not None and moving.router is not None
+    args = list(strict.router.args)
+    assert args[args.index("--affinity-max-queue") + 1] == str(AFFINITY_STRICT)
+    assert "--affinity-max-queue" not in moving.router.args
+    assert strict.names == moving.names and strict.master is None and moving.master is None
+    shared = side_settings(base, "pool", "shared")
+    assert (shared.pool, shared.affinity_max_queue) == ("shared", 0)
+    with pytest.raises(ValueError, match="affinity_max_queue must be >= 0"):
+        TopologySettings(affinity_max_queue=-1)
 
 
 def test_one_part_topologies() -> None:

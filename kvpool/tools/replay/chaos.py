@@ -199,7 +199,7 @@ def main_chaos(args: Any, workload: ReplayWorkload, faults: list[Fault], device_
     from kvpool.tools.replay.chaos_report import chaos_report
     from kvpool.tools.up import UpSettings, up_cluster
 
-    level = int(str(args.concurrency).split(",")[0])
+    level = int(str(args.concurrency or "4").split(",")[0])
     options = ReplayOptions(concurrency=level, think_scale=args.think_scale, duration_s=args.duration,
                             chunk_size=args.chunk_size)
     results: dict[str, tuple[ChaosRun, ReplayResult]] = {}

@@ -47,7 +47,8 @@ def add_replay_parser(sub: Any) -> None:
                    help="a weka session file or folder, or a Mooncake .jsonl (default ../shared/traces/agentx-weka)")
     p.add_argument("--url", help="a running router's HTTP URL; no cluster is started")
     p.add_argument("--master", default="", help="with --url: the pool master's gRPC address, for pool occupancy")
-    p.add_argument("--concurrency", default="4", help="concurrent sessions; a list such as 8,16,32 runs each level")
+    p.add_argument("--concurrency", help="concurrent sessions; a list such as 8,16,32 runs each level (default 4; "
+                   "--compare sched= finds its own unless given, see --find-load)")
     p.add_argument("--sessions", type=int, help="replay the first N sessions (Mooncake: the first N requests)")
     p.add_argument("--duration", type=float, help="stop issuing requests after this many seconds (per level)")
     p.add_argument("--scale", type=int, default=16, help="token scale: a 64-token block becomes 64/S tokens")
@@ -143,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
     from kvpool.tools.cluster import ServiceFailed
     from kvpool.model import get_config
 
-    levels = _levels(args.concurrency)
+    levels = _levels(args.concurrency or "4")
     faults = _chaos_faults(args) if args.chaos else None  # a bad SPEC stops here, before any process
     if args.compare:
         from kvpool.tools.replay.compare_cmd import main as compare

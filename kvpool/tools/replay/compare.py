@@ -1,8 +1,15 @@
 """The seed's side-by-side comparisons: the same sessions replayed on two topologies, one after the other.
 
 - ``pool=shared,split``: K logical servers with one pool over every store
-  against one pool per server over its prefill-side store. ``shared_over_split``
-  is the prompt throughput ratio at the highest concurrency.
+  against one pool per server over its prefill-side store, the split side
+  twice: ``split-moving`` with the router's own session affinity (a session
+  moves off a pipeline with a long queue, leaving its history in the other
+  server's pool) and ``split-strict`` (a session's turns always go to its home
+  server, waiting there). ``shared_over_split_moving`` and
+  ``shared_over_split_strict`` are the prompt throughput ratios at the highest
+  concurrency, the shared side at the router's own affinity;
+  ``shared_over_split`` is the moving one, as it always was. ``pool=shared,
+  split-moving`` or ``pool=shared,split-strict`` runs one baseline only.
 - ``groups=on,off``: whole-group eviction against per-object eviction (the
   master's ``--eviction group|object``); ``reuse_groups_on`` and
   ``reuse_groups_off`` are the prompt-token reuse of each.
@@ -35,30 +42,39 @@ from kvpool.tools.cluster import Cluster
 from kvpool.tools.replay.engine import run_replay
 from kvpool.tools.replay.probes import ClusterProbes
 from kvpool.tools.replay.records import ReplayOptions, ReplayResult
-from kvpool.tools.replay.topology import TopologySettings, side_topology
+from kvpool.tools.replay.topology import AFFINITY_STRICT, TopologySettings, side_topology
 from kvpool.tools.replay.workload import ReplayWorkload
 from kvpool.sizes import format_size, parse_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
-COMPARISONS = {"pool": ("shared", "split"), "groups": ("on", "off"), "locality": ("on", "off"),
+COMPARISONS = {"pool": ("shared", "split-moving", "split-strict"), "groups": ("on", "off"), "locality": ("on", "off"),
                "sched": ("fifo", "session")}
 # the master's watermarks: a pool holds about low_watermark of its bytes once eviction runs
 USABLE_SHARE = 0.85
 
 
+# the side whose queue --find-load steps the load up for: the one the other is measured against
+BASELINES = {"pool": ("split-moving", "split-strict"), "groups": ("off",), "locality": ("off",), "sched": ("fifo",)}
+# pool=: "split" is both split baselines
+SIDE_ALIASES = {"pool": {"split": ("split-moving", "split-strict")}}
+
+
 def parse_compare(text: str) -> tuple[str, tuple[str, ...]]:
-    """``"pool=shared,split"`` → ``("pool", ("shared", "split"))``; only the two comparisons above."""
+    """``"pool=shared,split"`` → ``("pool", ("shared", "split-moving", "split-strict"))``; only the
+    comparisons above."""
     what, _, sides_text = text.partition("=")
-    sides = tuple(s.strip() for s in sides_text.split(",") if s.strip())
+    aliases = SIDE_ALIASES.get(what, {})
+    sides = tuple(side for s in sides_text.split(",") if s.strip() for side in aliases.get(s.strip(), (s.strip(),)))
     if what not in COMPARISONS or not sides or set(sides) - set(COMPARISONS[what]) or len(set(sides)) != len(sides):
-        raise ValueError(f"--compare: expected pool=shared,split, groups=on,off, locality=on,off or "
-                         f"sched=fifo,session, got {text!r}")
+        raise ValueError(f"--compare: expected pool=shared,split (split: split-moving and split-strict), "
+                         f"groups=on,off, locality=on,off or sched=fifo,session, got {text!r}")
     return what, sides
 
 
 def side_settings(base: TopologySettings, what: str, side: str) -> TopologySettings:
     if what == "pool":
-        return dataclasses.replace(base, pool=side)
+        return dataclasses.replace(base, pool="shared" if side == "shared" else "split",
+                                   affinity_max_queue=AFFINITY_STRICT if side == "split-strict" else 0)
     if what == "locality":
         return dataclasses.replace(base, locality=side == "on")
     if what == "sched":
@@ -174,6 +190,19 @@ def fault_report(result: ReplayResult, at_s: float) -> dict[str, Any]:
             "reuse_before_kill": reuse(before), "reuse_after_kill": reuse(answered)}
 
 
+def session_moves(result: ReplayResult) -> int:
+    """Turns answered by another pipeline than the session's turn before (strict affinity: none but a
+    failure's)."""
+    last: dict[str, str] = {}
+    moves = 0
+    for r in sorted(result.records, key=lambda r: (r.session_id, r.turn)):
+        if not r.pipeline:
+            continue
+        moves += r.session_id in last and last[r.session_id] != r.pipeline
+        last[r.session_id] = r.pipeline
+    return moves
+
+
 def run_side(settings: TopologySettings, workload: ReplayWorkload, options: ReplayOptions,
              fault: Fault | None = None, workdir: Path | None = None) -> dict[str, Any]:
     """One side at one concurrency on a fresh cluster: the engine's summary plus links, regime and fault."""
@@ -193,6 +222,7 @@ def run_side(settings: TopologySettings, workload: ReplayWorkload, options: Repl
     group_bytes = chunk_nbytes(settings.model, settings.kv_dtype, options.chunk_size)
     summary["regime"] = regime(working_set_bytes(prompts, options.chunk_size, group_bytes),
                                parse_size(settings.segment_size), settings.servers)
+    summary["session_moves"] = session_moves(result)
     summary["network_mode"] = cluster.network_mode
     summary["link_bytes"] = [None if a is None or b is None else {"in": a[0] - b[0], "out": a[1] - b[1]}
                              for a, b in zip(links_after, links_before, strict=True)]
@@ -203,12 +233,36 @@ def run_side(settings: TopologySettings, workload: ReplayWorkload, options: Repl
     return summary
 
 
+def baseline_side(what: str, sides: Sequence[str]) -> str:
+    """The side a load is found for: sched's fifo, pool's first split side, groups' or locality's off."""
+    return next((side for side in sides if side in BASELINES[what]), sides[0])
+
+
+def prefill_queueing(summary: dict[str, Any]) -> dict[str, Any]:
+    """Whether a side's prefill queued: the median wait in front of prefill (the sum of the medians of the
+    router's admission queue, stage 0's gate and stage 0's wait for device blocks, each estimated from its
+    histogram) against the median prefill service time (stage 0's pipeline compute). ``queues``: the wait is at
+    least the service time, so at least about half the requests waited a whole service time. A mean would not
+    do: a few long waits lift it while most requests pass at once."""
+    waits = [summary.get(k) for k in ("router_queue_wait_p50_s", "prefill_gate_wait_p50_s",
+                                       "prefill_queue_wait_p50_s")]
+    wait = sum(w for w in waits if isinstance(w, (int, float)) and math.isfinite(w))
+    service = summary.get("prefill_compute_p50_s", math.nan)
+    return {"prefill_wait_p50_s": wait, "prefill_service_p50_s": service,
+            "queues": bool(math.isfinite(service) and wait >= service)}
+
+
 def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workload: ReplayWorkload,
                 levels: Sequence[int], options: ReplayOptions, fault: Fault | None = None,
-                workdir: Path | None = None, on_side: Any = None, at_once: bool = False) -> dict[str, Any]:
+                workdir: Path | None = None, on_side: Any = None, at_once: bool = False,
+                ran: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Every side at every level (fresh topologies), then the comparison's headline figures; ``at_once``:
-    the sides of a level run at the same time (without a fault), so a load that moves moves for both."""
+    the sides of a level run at the same time (without a fault), so a load that moves moves for both.
+    ``ran``: sides already run at the one level (the load finder's last step), not run again."""
     per_side: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    ran = ran or {}
+    if ran and (len(levels) != 1 or at_once or fault is not None):
+        raise ValueError("ran: only for one level, the sides one after the other, and no fault")
     for level in levels:
         def one_side(side: str) -> tuple[dict[str, Any], Path | None, TopologySettings, ReplayOptions]:
             where = workdir / f"{what}-{side}-c{level}" if workdir is not None else None
@@ -221,7 +275,8 @@ def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workloa
             with ThreadPoolExecutor(len(sides)) as pool:
                 done = list(pool.map(one_side, sides))
         else:
-            done = [one_side(side) for side in sides]
+            done = [(ran[side], None, side_settings(base, what, side), options) if side in ran else one_side(side)
+                    for side in sides]
         for side, (summary, where, settings, level_options) in zip(sides, done):
             if fault is not None and summary.get("kill", {}).get("killed"):
                 # the reuse a kill costs: against the same side and requests with no kill
@@ -238,13 +293,11 @@ def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workloa
     if len(levels) > 1:
         out["by_level"] = per_side
     top = {side: rows[-1] for side, rows in per_side.items()}
-    if what == "pool" and {"shared", "split"} <= set(top):
-        split = top["split"]["prompt_tok_s"]
-        out["shared_over_split"] = top["shared"]["prompt_tok_s"] / split if split else math.nan
-        out["reuse_shared"], out["reuse_split"] = top["shared"]["reuse_ratio"], top["split"]["reuse_ratio"]
+    if what == "pool":
+        out.update(pool_ratios(top))
     for side, row in top.items():
         if "reuse_lost" in row.get("kill", {}):
-            out[f"reuse_lost_{side}"] = row["kill"]["reuse_lost"]
+            out[f"reuse_lost_{side.replace('-', '_')}"] = row["kill"]["reuse_lost"]
     if what == "groups":
         for side in sides:
             out[f"reuse_groups_{side}"] = top[side]["reuse_ratio"]
@@ -254,6 +307,27 @@ def run_compare(what: str, sides: Sequence[str], base: TopologySettings, workloa
     if what == "sched" and {"fifo", "session"} <= set(top):
         out.update(sched_ratios(top["fifo"], top["session"]))
     out["regime"] = next(iter(top.values()))["regime"]
+    return out
+
+
+def pool_ratios(top: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Shared over each split baseline run (prompt tokens/s), each side's reuse and errors; ``shared_over_split``
+    and ``reuse_split`` are the moving baseline's, as before the strict one was added."""
+    out: dict[str, Any] = {}
+    shared = top.get("shared")
+    for side in ("split-moving", "split-strict"):
+        if shared is not None and side in top:
+            split = top[side]["prompt_tok_s"]
+            out[f"shared_over_{side.replace('-', '_')}"] = shared["prompt_tok_s"] / split if split else math.nan
+    if "shared_over_split_moving" in out:
+        out["shared_over_split"] = out["shared_over_split_moving"]
+    for side, row in top.items():
+        out[f"reuse_{side.replace('-', '_')}"] = row["reuse_ratio"]
+    if "split-moving" in top:
+        out["reuse_split"] = top["split-moving"]["reuse_ratio"]
+    for side, row in top.items():
+        out[f"errors_{side.replace('-', '_')}"] = row["errors"]
+    out["errors"] = sum(row["errors"] for row in top.values())
     return out
 
 

@@ -49,6 +49,8 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
     wait_sum = wait_count = queue_sum = queue_count = gate_sum = gate_count = 0.0
     wait_buckets: dict[float, float] = {}
     queue_buckets: dict[float, float] = {}
+    gate_buckets: dict[float, float] = {}
+    compute_buckets: dict[float, float] = {}
     prefetch = dict.fromkeys(("prefetched", "used", "wasted"), 0.0)
     # the stages' pool bytes by path: memory (a store on the stage's host) or the transfer engine
     by_path = {f"{path}_{direction}": 0.0 for path in ("memory", "engine") for direction in ("read", "write")}
@@ -76,6 +78,8 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
         wait_count += total(moved, "kvpool_prefill_restore_wait_seconds_count")
         queue_sum += total(moved, "kvpool_prefill_admission_wait_seconds_sum")
         queue_count += total(moved, "kvpool_prefill_admission_wait_seconds_count")
+        _add_buckets(gate_buckets, moved, "kvpool_prefill_gate_wait_seconds")
+        _add_buckets(compute_buckets, moved, "kvpool_prefill_compute_seconds")  # stage 0's: the pipeline's
         gate_sum += total(moved, "kvpool_prefill_gate_wait_seconds_sum")
         gate_count += total(moved, "kvpool_prefill_gate_wait_seconds_count")
         for how in gate_pops:  # stage 0's gate: pops that aging, the bypass budget or the backlog gate decided
@@ -91,6 +95,9 @@ def _stage_figures(before: dict[str, Metrics], after: dict[str, Metrics]) -> dic
     out["prefill_gate_pops_backlog"] = int(gate_pops["backlog"])
     _quantiles(out, "restore_wait", wait_buckets)
     _quantiles(out, "prefill_queue_wait", queue_buckets)
+    _quantiles(out, "prefill_gate_wait", gate_buckets)
+    # the prefill's service time: stage 0's wall time from the pipeline's start to its last stage's end
+    _quantiles(out, "prefill_compute", compute_buckets)
     # the restore on the critical path, per restore (each pipeline's stage 0: first stage start to last finish)
     out["restore_wait_total_s"] = wait_sum
     out["prefetched_bytes"] = int(prefetch["prefetched"])

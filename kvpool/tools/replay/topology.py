@@ -9,9 +9,13 @@ store daemons, the seed's NUMA halves: a prefill-side one and a decode-side one.
   history, so its DRAM is in nobody's pool).
 
 One router over every server's pipeline and shard places sessions as it
-always does. Each server's processes run under a host name of their own
-(``kvr-s{i}``, placement's "the writer's own host first") and, where this
-host can make them, in a network namespace of their own, reaching the others
+always does: a session stays on its pipeline while fewer than the router's
+``--affinity-max-queue`` requests are in flight there, and moves otherwise;
+``affinity_max_queue=AFFINITY_STRICT`` keeps every session on the pipeline it
+first went to, its turns waiting there however long the queue.
+Each server's processes run under a host name of their own (``kvr-s{i}``,
+placement's "the writer's own host first") and, where this host can make
+them, in a network namespace of their own, reaching the others
 over a veth link shaped to ``link_gbit`` (``kvpool.tools.cluster.netns``).
 Where namespaces cannot be made the servers share loopback and the cluster's
 ``network_mode`` says why.
@@ -35,6 +39,9 @@ from kvpool.tools.cluster import (
 )
 
 POOL_MODES = ("shared", "split")
+# the router's --affinity-max-queue for strict session affinity: a session stays on its pipeline however many
+# requests are in flight there (the router never has this many), waiting there rather than moving
+AFFINITY_STRICT = 1 << 30
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,6 +62,7 @@ class TopologySettings:
     decode_args: tuple[str, ...] = ()
     master_args: tuple[str, ...] = ()
     locality: bool = True  # the router prefers the decode shard on the pipeline's own server
+    affinity_max_queue: int = 0  # the router's --affinity-max-queue (0: its default; AFFINITY_STRICT: never move)
     sched: str = "fifo"  # stage 0's and the router's --sched: the gate's and the admission queue's order
     sched_slots: int = -1  # stage 0's --sched-slots (-1: its default)
     sched_max_wait_s: float = 0.0  # stage 0's and the router's --sched-max-wait-s (0: their default)
@@ -67,6 +75,8 @@ class TopologySettings:
             raise ValueError(f"servers and stages must be >= 1, got {self.servers} and {self.stages}")
         if self.pool not in POOL_MODES:
             raise ValueError(f"pool must be one of {POOL_MODES}, got {self.pool!r}")
+        if self.affinity_max_queue < 0:
+            raise ValueError(f"affinity_max_queue must be >= 0, got {self.affinity_max_queue}")
         if self.link_gbit <= 0:
             raise ValueError(f"link_gbit must be positive, got {self.link_gbit}")
         if self.sched_max_bypass_s is not None and not self.sched_max_bypass_s >= 0:
@@ -102,7 +112,9 @@ def side_topology(settings: TopologySettings) -> Topology:
     ) for i in range(s.servers))
     return Topology(servers, master=MasterSpec(args=master_args) if s.pool == "shared" else None,
                     router=RouterSpec(args=("--model", s.model, "--locality" if s.locality else "--no-locality",
-                                            "--sched", s.sched, *sched_bounds)),
+                                            "--sched", s.sched, *sched_bounds,
+                                            *(("--affinity-max-queue", str(s.affinity_max_queue))
+                                              if s.affinity_max_queue > 0 else ()))),
                     host="127.0.0.1",
                     common_args=("--log-level", s.log_level, "--log-format", "json"), netns=s.netns,
                     link_gbit=s.link_gbit, netns_lock_wait_s=s.netns_lock_wait_s)
