@@ -92,6 +92,11 @@ class LiveSequence:
     first_token_unix_ms: float = 0.0
 
 
+def is_landed_whole(region: ReceiveRegion) -> bool:
+    """Every stage's part of the region and its logits landed, by one writing of each stage."""
+    return region.landed is not None and region.landed.complete and not region.rewritten
+
+
 class DecodeShard:
     """Pages, regions and the running batch of one shard; ``run`` is its step loop."""
 
@@ -218,7 +223,7 @@ class DecodeShard:
         if whole is None:
             whole = self._whole[region_id] = asyncio.get_running_loop().create_future()
             region = self.regions.get(region_id)
-            if region is not None and region.landed is not None and region.landed.complete and not region.rewritten:
+            if region is not None and is_landed_whole(region):
                 whole.set_result(None)
         return whole
 
@@ -286,7 +291,7 @@ class DecodeShard:
             region.landed.land(stage, token_start, token_end, trailer)  # scattered (or nothing to scatter)
             self.metrics.landed.labels(by).inc()
             whole = self._whole.get(region_id)
-            if whole is not None and not whole.done() and region.landed.complete and not region.rewritten:
+            if whole is not None and not whole.done() and is_landed_whole(region):
                 whole.set_result(None)
         return seconds, region.landed.complete
 
