@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -198,6 +199,30 @@ def test_recorded_orders_read_arrivals_the_masters_pool_operations_and_each_requ
                                         {"event": "end", "effect": "Apply", "tickets": 0}]}
 
 
+def replay_recorded(name: str, tmp_path: Path) -> tuple[Any, Any, Any, Any, Any]:
+    """A real cluster's records (``tests/data/NAME``) read as ``simulate --validate`` reads them, and the
+    simulator's replay of the validation sessions in their recorded order: (events, stage 0's effects, the
+    router's effects, the turns, the replay's pool figures)."""
+    import gzip
+
+    from kvpool.request_record import read_records
+    from kvpool.tools.sim import validate_cmd
+    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, load_cost_model
+    from kvpool.tools.sim.validate import ValidationSetup, replay_sessions
+    from kvpool.workload.weka import load_session
+
+    records = tmp_path / "requests.jsonl"
+    records.write_bytes(gzip.decompress((ROOT / "tests" / "data" / name).read_bytes()))
+    traces = [TRACES / trace for trace in validate_cmd.VALIDATION_TRACES]
+    # the replay names a trace's one session by its file
+    events, ops, effects, router = validate_cmd.recorded_orders(read_records(records), [t.stem for t in traces])
+    setup = ValidationSetup(context=32768, device_cache_tokens=validate_cmd.DEVICE_CACHE_TOKENS,
+                            store_bytes=validate_cmd.SEGMENT_BYTES)
+    turns, _, pool = replay_sessions([load_session(t) for t in traces], setup, load_cost_model(CPU_COST_MODEL),
+                                     events, None, ops)
+    return events, effects, router, turns, pool
+
+
 def test_a_recorded_cluster_run_replays_with_every_requests_effects_equal(tmp_path: Path) -> None:
     """A real cluster's records (``simulate --validate``, 71 turns of the three sessions, recorded again
     2026-12-05 once stage 0 named its lookups' device-held prefix (49 of them had one: the master leased and
@@ -207,26 +232,11 @@ def test_a_recorded_cluster_run_replays_with_every_requests_effects_equal(tmp_pa
     chunks or 7. The simulator commits each forward at its recorded place (``("commit", id)``) and makes each
     save after it, as stage 0 does, so every request's effects come out equal, and the master's operations
     with them."""
-    import gzip
+    from kvpool.tools.sim.validate import differing_effects
 
-    from kvpool.request_record import read_records
-    from kvpool.tools.sim import validate_cmd
-    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, load_cost_model
-    from kvpool.tools.sim.validate import ValidationSetup, differing_effects, replay_sessions
-    from kvpool.workload.weka import load_session
-
-    records = tmp_path / "requests.jsonl"
-    recorded = ROOT / "tests" / "data" / "validate-records-commit-order.jsonl.gz"
-    records.write_bytes(gzip.decompress(recorded.read_bytes()))
-    traces = [TRACES / name for name in validate_cmd.VALIDATION_TRACES]
-    session_ids = [t.stem for t in traces]  # the replay names a trace's one session by its file
-    events, ops, effects, _ = validate_cmd.recorded_orders(read_records(records), session_ids)
+    events, effects, _, turns, pool = replay_recorded("validate-records-commit-order.jsonl.gz", tmp_path)
     assert ("commit", "s0.t7") in events and len(effects) == 71
     assert sum(e.get("held", 0) > 0 for turn in effects.values() for e in turn if e["effect"] == "Lookup") == 49
-    setup = ValidationSetup(context=32768, device_cache_tokens=validate_cmd.DEVICE_CACHE_TOKENS,
-                            store_bytes=validate_cmd.SEGMENT_BYTES)
-    turns, _, pool = replay_sessions([load_session(t) for t in traces], setup, load_cost_model(CPU_COST_MODEL),
-                                     events, None, ops)
     assert pool["events_left"] == 0 and pool["pool_ops_left"] == 0 and pool["pool_ops_differing"] == []
     assert differing_effects(pool["effects"], effects) == []
     assert (turns[(0, 7)].device_tokens, turns[(0, 7)].pool_tokens) == (2048, 0)  # as the cluster had it
@@ -238,24 +248,11 @@ def test_a_recorded_cluster_run_replays_with_every_requests_router_effects_equal
     once the router recorded its request driver's effects; the cluster had 30,720 pool tokens and 86
     evictions). The simulator's router runs the same driver over ``Admission``: every request's router effects
     come out as the cluster's router recorded them, and stage 0's and the master's as before."""
-    import gzip
+    from kvpool.tools.sim.validate import differing_effects
 
-    from kvpool.request_record import read_records
-    from kvpool.tools.sim import validate_cmd
-    from kvpool.tools.sim.cost_model import CPU_COST_MODEL, load_cost_model
-    from kvpool.tools.sim.validate import ValidationSetup, differing_effects, replay_sessions
-    from kvpool.workload.weka import load_session
-
-    records = tmp_path / "requests.jsonl"
-    records.write_bytes(gzip.decompress((ROOT / "tests" / "data" / "validate-records-router.jsonl.gz").read_bytes()))
-    traces = [TRACES / name for name in validate_cmd.VALIDATION_TRACES]
-    events, ops, effects, router = validate_cmd.recorded_orders(read_records(records), [t.stem for t in traces])
+    _, effects, router, turns, pool = replay_recorded("validate-records-router.jsonl.gz", tmp_path)
     assert len(router) == len(effects) == 71
     assert all(turn[0]["event"] == "admit" and turn[-1]["event"] == "end" for turn in router.values())
-    setup = ValidationSetup(context=32768, device_cache_tokens=validate_cmd.DEVICE_CACHE_TOKENS,
-                            store_bytes=validate_cmd.SEGMENT_BYTES)
-    turns, _, pool = replay_sessions([load_session(t) for t in traces], setup, load_cost_model(CPU_COST_MODEL),
-                                     events, None, ops)
     assert pool["events_left"] == 0 and pool["pool_ops_left"] == 0 and pool["pool_ops_differing"] == []
     assert differing_effects(pool["effects"], effects) == []
     assert pool["router_effects"] == router
