@@ -59,7 +59,7 @@ from opentelemetry.trace import SpanKind, format_span_id, format_trace_id
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvpool.child_env import children_env
-from kvpool.request_id import current_request_id
+from kvpool.request_id import current_request_id, is_sane
 
 REQUEST_ID_KEY = "x-request-id"
 TRACEPARENT_KEY = "traceparent"
@@ -331,6 +331,8 @@ class TraceServerInterceptor(grpc.aio.ServerInterceptor):
         traceparent = metadata_value(metadata, TRACEPARENT_KEY)
         tracestate = metadata_value(metadata, TRACESTATE_KEY)
         request_id = metadata_value(metadata, REQUEST_ID_KEY) or request_id_in(tracestate)
+        if request_id and not is_sane(request_id):  # a caller's id goes into trace files only when it is sane
+            request_id = ""
         if not (request_id or traceparent or method in ENTRY_METHODS):
             return handler
         parent = (_PROPAGATOR.extract({TRACEPARENT_KEY: traceparent, TRACESTATE_KEY: tracestate}) if traceparent

@@ -209,3 +209,35 @@ def test_the_request_id_rides_the_w3c_tracestate(tmp_path: Path, monkeypatch: An
     assert request_id_in("other=1, kvpool=req-2") == "req-2" and request_id_in("other=1") == ""
     with bound_request_id("r"):
         assert trace_context("req-3") == [("tracestate", "kvpool=req-3")]  # no span: no traceparent
+
+
+def test_a_callers_request_id_reaches_the_trace_only_when_it_is_sane(tmp_path: Path, monkeypatch: Any) -> None:
+    """An id a caller sends (header or tracestate) is written into trace files only when ``is_sane`` says so:
+    a long or odd one gives the span no id instead of carrying it."""
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("KVPOOL_RPC_TRACE", str(path))
+    sent = [(REQUEST_ID_KEY, "req-ok.1"), (REQUEST_ID_KEY, "x" * 5000), (REQUEST_ID_KEY, "a b;c"),
+            ("tracestate", "kvpool=" + "y" * 5000)]
+
+    async def exercise() -> None:
+        server = grpc.aio.server(interceptors=[TraceServerInterceptor(tracer(str(path)))])
+        port = server.add_insecure_port("127.0.0.1:0")
+
+        async def leaf(request: bytes, context: Any) -> bytes:
+            return request
+
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "trace.Test", {"UU": grpc.unary_unary_rpc_method_handler(leaf, _identity, _identity)}),))
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.unary_unary(SERVICE + "UU", request_serializer=_identity,
+                                           response_deserializer=_identity)
+                for pair in sent:
+                    assert await call(b"x", metadata=(pair,)) == b"x"
+        finally:
+            await server.stop(None)
+
+    asyncio.run(exercise())
+    ids = [json.loads(line)["request_id"] for line in path.read_text().splitlines()]
+    assert ids == ["req-ok.1"]  # the odd ids leave the span unnamed, and an unnamed call to no entry method no line
