@@ -144,9 +144,7 @@ def detached(coro: Awaitable[Any]) -> asyncio.Future[Any]:
 
 def current_traceparent() -> str:
     """The W3C ``traceparent`` of the span current here ("" when none)."""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier)
-    return carrier.get(TRACEPARENT_KEY, "")
+    return dict(trace_context("")).get(TRACEPARENT_KEY, "")
 
 
 def trace_context(request_id: str) -> list[tuple[str, str]]:
