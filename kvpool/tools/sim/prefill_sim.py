@@ -45,9 +45,9 @@ from kvpool.core.prefill.driver import (
     PrefillDriver,
     ReleaseLease,
     SavesThenFree,
-    WaitForBlocks,
     effect_fields,
 )
+from kvpool.core.prefill.stage0_admission import Stage0Admission, waits_for_blocks
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job, session_of
@@ -88,6 +88,7 @@ class PipelineSim:
     recorded: bool = False  # the validation: the gates follow the cluster's orders
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
     busy: bool = False  # stage 0 holds a request (admitted, not yet through its own compute)
+    admission: Stage0Admission = field(init=False)  # the core's admission steps over ``blocks``
     flow: StageFlow | None = None  # the stages' next free times (made on first use: num_stages)
     effects: dict[str, list[dict[str, object]]] | None = None  # the validation: each request's driver effects
 
@@ -100,14 +101,17 @@ class PipelineSim:
         """The largest stage's bytes of one token (the stages restore at once: the largest sets the time)."""
         return max(self.stage_object_bytes) / self.cost.model.chunk_tokens
 
+    def __post_init__(self) -> None:
+        self.admission = Stage0Admission(self.blocks, self.sessions.policy(self) if self.sessions else None)
+
     def enqueue(self, job: Job) -> None:
+        """A turn arrives: it queues, and (at its place in a recorded order) its session's blocks are touched."""
         self._waiting[job.job_id] = job
         self.queue.push(job.job_id, self.estimate_work_s(job), self.loop.now)
-        self.block_gate(("touch", job.job_id), partial(self._touch, job))
+        self.block_gate(("touch", job.job_id), partial(self._arrived, job))
 
-    def _touch(self, job: Job) -> None:
-        """As stage 0 does on every turn's arrival: the session's cached free blocks become the most recent."""
-        self.blocks.touch_session(session_of(job))
+    def _arrived(self, job: Job) -> None:
+        self.admission.arrived(session_of(job), self.loop.now)
         self.kick()  # its admission may be the next event
 
     def estimate_work_s(self, job: Job) -> float:
@@ -127,37 +131,30 @@ class PipelineSim:
         return prefill_work_s(num_tokens, cached, min(cached, num_pool * chunk), self.work_weights)
 
     def kick(self) -> None:
-        """Start the queue's next request (its order) when idle and its blocks fit (else wait for a handoff)."""
-        if self.busy or not len(self.queue):
-            return
-        job = self._waiting[self.queue.peek(self.loop.now) or ""]
-        if len(self.queue) > 1 and not self.recorded:
-            # as stage 0's gate before an admission: the waiting histories in serving order, the next served
-            # the last evicted (under validation the cluster runs ungated: it admits on arrival)
-            self.blocks.touch_sessions([session_of(self._waiting[i]) for i in self.queue.serving_order(self.loop.now)])
-        if job.driver is None:  # stage 0's driver of the request, as the cluster runs it
-            job.driver = PrefillDriver(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens,
-                                       job.play.hashes, self.blocks, math.inf, session=session_of(job))
-            effects = self._recorded(job, job.driver.start(self.loop.now))
-        else:
-            effects = self._recorded(job, job.driver.blocks_freed(self.loop.now))
-        if any(isinstance(e, WaitForBlocks) for e in effects):
-            if self.sessions is not None and self.sessions.unpin_all(self):
-                self.kick()  # held stagings yield to a real request (as stage 0's admission)
-            return
-        self.queue.pop(self.loop.now)
-        del self._waiting[job.job_id]
-        # under validation the recorded order alone admits: the cluster's stage 0 admits while earlier
-        # requests are still looked up (holding it would stall an order where a later lookup came first)
-        self.busy = not self.recorded
-        job.request = job.driver.request
-        if self.sessions is not None:
-            self.sessions.admitted(job, self)
-        job.prefill_start = self.loop.now
-        self.metrics.on_prefill_start(job)
-        self._carry_out(job, effects)
-        if not self.busy:  # the validation: the next recorded admission may follow at once
-            self.kick()
+        """Admit the queue's requests in its order while stage 0 is free and their blocks fit: the core's
+        ``Stage0Admission`` steps, as stage 0 takes them (the waiting histories touched in serving order under
+        more than one waiter; under validation the cluster runs ungated: it admits on arrival)."""
+        while not self.busy and len(self.queue):
+            job, now = self._waiting[self.queue.peek(self.loop.now) or ""], self.loop.now
+            serving = (None if len(self.queue) < 2 or self.recorded
+                       else [session_of(self._waiting[i]) for i in self.queue.serving_order(now)])
+            if job.driver is None:  # stage 0's driver of the request, as the cluster runs it
+                job.driver = PrefillDriver(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens,
+                                           job.play.hashes, self.blocks, math.inf, session=session_of(job))
+            effects = self._recorded(job, self.admission.admit(job.driver, now, serving))
+            if waits_for_blocks(effects):
+                if self.admission.short_of_blocks():
+                    continue  # held stagings yield to a real request
+                return
+            self.queue.pop(now)
+            del self._waiting[job.job_id]
+            # under validation the recorded order alone admits (stage 0 admits while earlier lookups run)
+            self.busy = not self.recorded
+            job.request = job.driver.request
+            self.admission.admitted(job.request)
+            job.prefill_start = now
+            self.metrics.on_prefill_start(job)
+            self._carry_out(job, effects)
 
     def _recorded(self, job: Job, effects: list[Effect]) -> list[Effect]:
         """The driver's effects of one event, kept per request under validation (``effects``)."""
