@@ -1,44 +1,28 @@
 """Session-aware prefill in the simulator (``sched=session``): retention by session, session end, prefetch.
 
-Every decision is the core's ``SessionPrefetch`` (``kvpool.core.sessions.prefetch``), one per
-pipeline, as stage 0 runs one (services/prefill/stage0/prefetch.py): the same lead, the same room
-(uncached blocks, then donors' cached blocks), the same hold of staged blocks until the
-session's turn, given back all at once to a real request short of blocks. This module times it
-on the event loop and does the reads as a prefill's restore does them:
-
-- a turn arriving starts its session's turn on its pipeline's policy (a staging armed for it is
-  disarmed, one held for it goes to it, its cached blocks are touched); its admission counts the
-  staged chunks it used;
-- a session's last turn carries ``session_end``: its cached device blocks are released and its
-  pool groups demoted;
-- any other turn's end carries ``expected_next_s`` (the client's hint; here the trace's next
-  think time times the run's think scale, so the hint is exact: a harness that knows what its
-  tool call waits on could give it); at the armed time the policy's staging request, if any,
-  looks its chunks up at the master from chunk 0 (the master's queue, as a prefill's lookup),
-  reads the pool hits for the restore time of the cost model (remote objects also cross both
-  NICs), commits them, and is held or freed as the policy says. The read overlaps everything
-  (the copy engines, not the SMs): it slows no real restore here, and no real request cancels
-  it (the services cancel none either).
+Every decision is the core's: ``SessionPrefetch`` (one per pipeline, as stage 0 runs one) and a staging's
+restore, ``Staging``, both as stage 0 runs them (services/prefill/stage0/prefetch.py). This module times
+them on the event loop: a turn's end carries its hint (``session_end`` on a session's last turn, else
+``expected_next_s``: the trace's next think time as the run plays it, so the hint is exact); a staging
+looks up at the master's queue and reads as a prefill's restore does (``PipelineSim.read``), off every
+request's path (the copy engines, not the SMs), and no real request cancels it (stage 0 cancels none).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id
-from kvpool.core.pool.index import PoolIndex
 from kvpool.core.prefill.driver import Lookup, ReleaseLease, RestoreOnStages
 from kvpool.core.sessions.prefetch import SessionPrefetch
 from kvpool.core.sessions.staging import Staged, Staging, StagingEffect
 from kvpool.core.sessions.table import SessionId
-from kvpool.tools.sim.cost_model import CostModel
-from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job, session_of
-from kvpool.tools.sim.network import MasterQueue
+
+if TYPE_CHECKING:
+    from kvpool.tools.sim.prefill_sim import PipelineSim
 
 
 @dataclass(slots=True)
@@ -119,22 +103,3 @@ class SessionAware:
                 "prefetches_skipped_pressure": self.outcomes["pressure"],
                 "prefetches_unpinned": sum(p.num_unpinned for p in self.policies.values()),
                 "prefetch_outcomes": dict(sorted(self.outcomes.items()))}
-
-
-class PipelineSim(Protocol):
-    """What prefetch needs of a simulated pipeline (``prefill_sim.PipelineSim``)."""
-
-    name: str
-    host: str
-    loop: EventLoop
-    cost: CostModel
-    blocks: BlockManager
-    index: PoolIndex
-    master: MasterQueue
-
-    @property
-    def num_stages(self) -> int: ...
-
-    def read(self, groups: list, num_chunks: int, done: Callable[[int], None]) -> None: ...
-
-    def kick(self) -> None: ...
