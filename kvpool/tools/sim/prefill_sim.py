@@ -17,7 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from kvpool.core.prefill.block_manager import BlockManager
-from kvpool.core.chunk_hash import group_id, object_key
+from kvpool.core.chunk_hash import group_id, save_objects
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.records import PutRequestItem, PutStatus
 from kvpool.core.prefill.queue import PrefillQueue, WorkWeights, prefill_work_s
@@ -304,8 +304,7 @@ class PipelineSim:
         stage 0 reserves them), committed at the put end's place; bytes placed on another server's store load
         both NICs, and the commit does not wait for them. Returns the groups it evicted."""
         ns = job.play.namespace
-        items = [PutRequestItem(object_key(ns, h, s), group_id(ns, h), self.num_stages, self.stage_object_bytes[s])
-                 for s in range(self.num_stages) for h in chunks]
+        items = [PutRequestItem(*o) for o in save_objects(ns, chunks, self.stage_object_bytes)]
         evicted_before = self.index.counters.evicted_groups
         commits, remote = [], {}
         for item, outcome in zip(items, self.index.put_start(self.host, items)):
