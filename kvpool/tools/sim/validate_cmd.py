@@ -109,8 +109,8 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float)
     workload = replace(loaded[0], sessions=[s for w in loaded for s in w.sessions])
     session_ids = [s.id for s in workload.sessions]
     settings = UpSettings(http_port=0, grpc_port=0, pipelines=1, stages=setup.num_stages, decode_shards=1,
-                          stores=2, segment_size=f"{setup.store_bytes >> 20}MiB", device_cache_tokens=setup.device_cache_tokens,
-                          workdir=str(workdir / "cluster"))
+                          stores=2, segment_size=f"{setup.store_bytes >> 20}MiB",
+                          device_cache_tokens=setup.device_cache_tokens, workdir=str(workdir / "cluster"))
     config_path = workdir / "validate.toml"
     config_path.write_text(f"[prefill]\nchunk_size = {setup.chunk_size}\n\n[router]\nrequest_timeout_s = 600.0\n")
     records = workdir / "requests.jsonl"
