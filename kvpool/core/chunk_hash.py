@@ -120,3 +120,12 @@ def group_id(namespace: str, chunk_hash: ChunkHash) -> str:
 def object_key(namespace: str, chunk_hash: ChunkHash, stage: int) -> str:
     """Pool key of one stage's layers of one chunk."""
     return f"{namespace}/{chunk_hash}/{stage}"
+
+
+def save_objects(namespace: str, chunk_hashes: Sequence[ChunkHash], stage_sizes: Sequence[int]
+                 ) -> list[tuple[str, str, int, int]]:
+    """A save's one put: every stage's object of each chunk, stage by stage, as (key, group id, group size,
+    size); stage 0 reserves them so, and the simulator's saves too."""
+    num_stages = len(stage_sizes)
+    return [(object_key(namespace, h, stage), group_id(namespace, h), num_stages, stage_sizes[stage])
+            for stage in range(num_stages) for h in chunk_hashes]

@@ -28,11 +28,14 @@ class RoomBell:
     def refused(self) -> int:
         return self.count.refused()
 
-    def observe(self, held: Held) -> None:
-        if self.count.observe(held):
-            self.num_rings += 1
-            self._rung.set()
-            self._rung = asyncio.Event()
+    def observe(self, held: Held) -> bool:
+        """What the shard holds now; True: it rang (every watcher is told)."""
+        if not self.count.observe(held):
+            return False
+        self.num_rings += 1
+        self._rung.set()
+        self._rung = asyncio.Event()
+        return True
 
     async def watch(self) -> AsyncIterator[int]:
         """The epoch now, then the epoch after each ring (rings while the caller was busy come as one)."""

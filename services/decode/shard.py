@@ -1,8 +1,9 @@
 """A decode shard's engine: the core's decisions with the model and the bytes between them.
 
 The policy (admission, pages, batch, stop rules, regions) is
-``kvpool.core.decode.scheduler`` / ``decode.regions`` and runs on the event
-loop only; the model (scatter, step, sampling) runs on the shard's one
+``kvpool.core.decode.scheduler`` / ``decode.regions``, the room they hold is
+counted by the core's ``ShardRoom`` (as the simulator's shards count it), and
+runs on the event loop only; the model (scatter, step, sampling) runs on the shard's one
 compute thread. Every token is sampled here, the first included: a region
 reserved ``with_logits`` carries the final position's logits after the KV,
 and the first token is drawn from them with the request's own generator. Each loop turn is schedule → run → postprocess, as
@@ -35,8 +36,8 @@ import structlog
 import torch
 
 from kvpool.core.decode.regions import ReceiveRegion, RegionTable
-from kvpool.core.decode.room_epoch import Held
 from kvpool.core.decode.scheduler import DecodeScheduler, DecodeSequence
+from kvpool.core.decode.shard_room import ShardRoom
 from kvpool.core.errors import FailedPrecondition, InvalidArgument, NoRoomNow, ResourceExhausted
 from kvpool.core.handoff.control import ControlRecords
 from kvpool.core.handoff.layout import HandoffLayout
@@ -140,6 +141,8 @@ class DecodeShard:
         self._whole: dict[int, asyncio.Future[None]] = {}  # region id -> resolved once all of it landed
         self._room_changed = asyncio.Event()  # set (and replaced) whenever room may have come back
         self.room = RoomBell()  # tells routers whose Serve found no room when some comes back
+        # the room's one ledger (pages and regions, both or neither; the give-back count), the core's
+        self.ledger = ShardRoom(self.scheduler, regions=self.regions, room=self.room)
         self._wake = asyncio.Event()
         self.num_steps = 0
 
@@ -167,14 +170,8 @@ class DecodeShard:
                                   f"{self.config.max_position_embeddings}")
         if max_tokens:
             self.scheduler.check(layout.num_tokens, max_tokens)
-        region = self.regions.reserve(layout, hold_s)
-        if max_tokens:
-            region.seq_id = f"region-{region.region_id}"
-            try:
-                self.scheduler.reserve(region.seq_id, layout.num_tokens, max_tokens)
-            except BaseException:
-                self.regions.free(region.region_id)
-                raise
+        region = self.ledger.hold(layout.num_tokens, max_tokens, layout=layout, hold_s=hold_s)
+        assert region is not None  # the shard has an arena
         self._publish()
         return region
 
@@ -195,11 +192,10 @@ class DecodeShard:
         if any(live.region.region_id == region_id for live in self._live.values()):
             raise InvalidArgument(f"region_id: {region_id} is in use by a Generate")
         region = self.regions.get(region_id)
-        freed = self.regions.free(region_id, WRITER_GRACE_S)
-        if region is not None and region.seq_id:
-            self.scheduler.release(region.seq_id)
+        if region is not None:
+            self.ledger.release(region, grace_s=WRITER_GRACE_S)
         self._publish()
-        return freed
+        return region is not None
 
     async def landed(self, region_id: int, stage: int, token_start: int, token_end: int,
                      trailer: bool) -> tuple[float, bool]:
@@ -303,8 +299,7 @@ class DecodeShard:
             if draining != self.regions.num_draining:
                 self._publish()  # drained bytes show at once
             for region in expired:
-                if region.seq_id:
-                    self.scheduler.release(region.seq_id)
+                self.ledger.release(region)  # its pages too (the region is gone already)
                 self.metrics.regions_expired.inc()
                 log.info("decode_region_expired", region_id=region.region_id)
                 self._publish()
@@ -347,19 +342,15 @@ class DecodeShard:
             if live is not None:
                 self._end(live)
             else:
-                self.regions.free(region_id)
-                if region.seq_id:
-                    self.scheduler.release(region.seq_id)
+                self.ledger.release(region)
                 self._publish()
 
     def _end(self, live: LiveSequence) -> None:
         """Free a sequence's pages and region now (idempotent)."""
         if self._live.get(live.seq.seq_id) is live:
             del self._live[live.seq.seq_id]
-        self.scheduler.release(live.seq.seq_id)
-        if not live.region_freed:
-            self.regions.free(live.region.region_id)
-            live.region_freed = True
+        self.ledger.release(None if live.region_freed else live.region, live.seq.seq_id)
+        live.region_freed = True
         self._publish()
         self._wake.set()
 
@@ -422,7 +413,7 @@ class DecodeShard:
         # whatever changed may have freed room: wake those waiting for it (they try again)
         self._room_changed.set()
         self._room_changed = asyncio.Event()
-        self.room.observe(Held(self.scheduler.num_pages_used, self.regions.used_bytes, self.regions.num_regions))
+        self.ledger.observe()
         self.metrics.pages_used.set(self.scheduler.num_pages_used)
         self.metrics.pages_reserved.set(self.scheduler.num_reserved)
         self.metrics.queue_length.set(self.scheduler.num_waiting)

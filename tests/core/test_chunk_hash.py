@@ -13,6 +13,7 @@ import pytest
 import xxhash
 
 from kvpool.core.chunk_hash import (
+    ChunkHash,
     chunk_hashes,
     group_id,
     hash_root,
@@ -151,3 +152,12 @@ def test_pool_keys() -> None:
     h = chunk_hashes(NS, list(range(256)))[0]
     assert group_id(NS, h) == f"{NS}/{h}"
     assert object_key(NS, h, 3) == f"{NS}/{h}/3"
+
+
+def test_a_saves_objects_are_every_stages_of_each_chunk_stage_by_stage() -> None:
+    from kvpool.core.chunk_hash import save_objects
+
+    a, b = ChunkHash("a"), ChunkHash("b")
+    assert save_objects("ns", [a, b], [10, 20]) == [
+        ("ns/a/0", "ns/a", 2, 10), ("ns/b/0", "ns/b", 2, 10), ("ns/a/1", "ns/a", 2, 20), ("ns/b/1", "ns/b", 2, 20)]
+    assert save_objects("ns", [], [10, 20]) == []

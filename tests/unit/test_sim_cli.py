@@ -89,7 +89,7 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
     # sessions, round robin, 45 turns, 3 output tokens each, timed by the CPU cost model, so the verdict is
     # exact: equal counts, no timing error, and the small pool restores and evicts
     from kvpool.tools.sim.cost_model import CPU_COST_MODEL, load_cost_model
-    from kvpool.tools.sim.validate import ValidationSetup, replay_sessions
+    from kvpool.tools.sim.validate import ValidationSetup, replay_sessions, turn_key
     from kvpool.workload.weka import load_session
     from kvpool.tools.sim import validate_cmd as simulate_validate
     from kvpool.services.cli_parser import build_parser
@@ -101,7 +101,7 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
               for kind, name in (("admit", request_id), ("free", request_id), ("free", request_id + "/save"))]
     setup = ValidationSetup(context=32768, device_cache_tokens=simulate_validate.DEVICE_CACHE_TOKENS,
                             store_bytes=simulate_validate.SEGMENT_BYTES)
-    keys = [simulate_validate.turn_key(r) for r in order]
+    keys = [turn_key(r) for r in order]
     turns, span, pool = replay_sessions(sessions, setup, load_cost_model(CPU_COST_MODEL), events,
                                         dict.fromkeys(keys, 3))
     assert pool["events_left"] == 0
@@ -138,7 +138,8 @@ def stage0(kind: str, request_id: str, session_key: str, **fields: object) -> di
 
 
 def test_block_events_from_stage_zeros_records() -> None:
-    from kvpool.tools.sim.validate_cmd import block_events, turn_key
+    from kvpool.tools.sim.validate import turn_key
+    from kvpool.tools.sim.validate_cmd import recorded_orders
 
     def admitted(request_id: str, session_key: str, attempt: int = 1) -> dict[str, object]:
         return stage0("effect", request_id, session_key, effect="Admitted", attempt=attempt)
@@ -156,7 +157,7 @@ def test_block_events_from_stage_zeros_records() -> None:
         admitted("r5", "a"), freed("r2", "a", "r2"),
     ]
     # a forward's end (its computed chunks cached) is a block event too: which block caches a chunk depends on it
-    assert block_events(records, ["a", "b"]) == [
+    assert recorded_orders(records, ["a", "b"])[0] == [
         ("admit", "s1.t0"), ("admit", "s0.t0"), ("commit", "s1.t0"), ("free", "s1.t0"), ("free", "s1.t0/save"),
         ("admit", "s0.t1"), ("free", "s0.t0")]
     assert turn_key("s12.t3") == (12, 3)
@@ -282,24 +283,22 @@ def test_recorded_pool_ops_apply_in_the_recorded_order_and_count_differing_outco
     assert master.differing == [("lookup", "s0.t0")]
 
 
-def test_recorded_order_queue_admits_only_the_next_recorded_request() -> None:
+def test_recorded_block_events_run_in_the_recorded_order_and_admit_only_the_recorded_turns() -> None:
     from kvpool.tools.sim.events import EventLoop
-    from kvpool.tools.sim.validate import RecordedBlockEvents, RecordedOrderQueue
+    from kvpool.tools.sim.validate import RecordedBlockEvents
 
     loop = EventLoop()
     events = RecordedBlockEvents([("admit", "s1.t0"), ("free", "s1.t0"), ("admit", "s0.t0")], loop)
-    queue = RecordedOrderQueue(events)
-    queue.push("s0.t0", 1.0, 0.0)
-    assert len(queue) == 0 and queue.peek(0.0) is None and queue.pop(0.0) is None  # s1.t0 goes first
-    queue.push("s1.t0", 9.0, 1.0)
-    assert len(queue) == 2 and queue.peek(1.0) == "s1.t0" and queue.pop(1.0) == "s1.t0"
-    assert len(queue) == 0  # s0.t0 waits for s1.t0's release
-    freed: list[str] = []
-    events.run(("free", "s9.t9/save"), lambda: freed.append("s9.t9/save"))  # not in the order: at once
-    events.run(("free", "s1.t0"), lambda: freed.append("s1.t0"))
-    assert freed == ["s9.t9/save"]
+    ran: list[str] = []
+    events.run(("admit", "s0.t0"), lambda: ran.append("admit s0.t0"))  # s1.t0 goes first
+    events.run(("admit", "s9.t9"), lambda: ran.append("admit s9.t9"))  # never admitted by the cluster: never
+    events.run(("free", "s9.t9/save"), lambda: ran.append("free s9.t9/save"))  # not in the order: at once
     loop.run(1.0)
-    assert freed == ["s9.t9/save", "s1.t0"] and queue.pop(1.0) == "s0.t0" and events.num_left == 0
+    assert ran == ["free s9.t9/save"] and events.num_left == 3 and events.head() == ("admit", "s1.t0")
+    events.run(("free", "s1.t0"), lambda: ran.append("free s1.t0"))
+    events.run(("admit", "s1.t0"), lambda: ran.append("admit s1.t0"))
+    loop.run(2.0)
+    assert ran == ["free s9.t9/save", "admit s1.t0", "free s1.t0", "admit s0.t0"] and events.num_left == 0
 
 
 def test_replay_follows_a_lookup_the_master_served_before_an_earlier_admissions() -> None:

@@ -142,7 +142,8 @@ def test_layer_split_is_even_with_the_extra_layers_first() -> None:
 def test_the_simulator_gives_the_counts_the_real_cluster_gave() -> None:
     # tests/integration/test_replay_e2e.py's trace and cluster (2 stages, 8 device chunks), whose counts
     # the real cluster produced through the HTTP API; here from the core alone
-    from kvpool.tools.sim.validate import TurnCounts, ValidationSetup, simulate_sessions
+    # one session, concurrency 1, no think time, on one pipeline sized as that cluster
+    from kvpool.tools.sim.validate import ValidationSetup, scaled_session, setup_topology
 
     def request(t: float, ids: list[int]) -> dict[str, Any]:
         return {"t": t, "in": 256 * len(ids) + 10, "out": 4, "hash_ids": ids, "think_time": 0.5}
@@ -151,14 +152,16 @@ def test_the_simulator_gives_the_counts_the_real_cluster_gave() -> None:
         request(0, [1, 2]), request(1, [1, 2, 3]), request(2, list(range(10, 17))), request(3, [1, 2, 3, 4]),
         request(4, [1, 2, 3, 4, 5])]})
     setup = ValidationSetup(scale=1, num_stages=2, device_cache_tokens=2048)
-    counts, span = simulate_sessions([trace], setup, COST)
+    cost, shaped = setup_topology(setup, COST)
+    settings = RunSettings(num_sessions=1, duration_s=1e12, warmup_s=0.0, think=False, start_spread_s=0.0,
+                           max_instances=1)
+    sim = Simulation(shaped, settings, cost, [scaled_session(trace, setup.scale, setup.max_tokens)])
+    sim.run()
     # back to back: every turn computes its new tokens (1 s a chunk, + 1 s to fill the 2-stage pipeline) and
     # decodes 4 steps of 10 ms; turn 3 first restores 3 chunks at 0.5 s an object
-    assert span == pytest.approx(sum(n / 256 + 1.0 + 0.04 for n in (522, 266, 1802, 266, 266)) + 3 * 0.5)
-    real = [TurnCounts(d + p + c, d, p, c) for d, p, c in
-            [(0, 0, 522), (512, 0, 266), (0, 0, 1802), (0, 768, 266), (1024, 0, 266)]]
-    assert [(t.device_tokens, t.pool_tokens, t.computed_tokens) for t in counts] == [
-        (t.device_tokens, t.pool_tokens, t.computed_tokens) for t in real]
+    assert sim.loop.now == pytest.approx(sum(n / 256 + 1.0 + 0.04 for n in (522, 266, 1802, 266, 266)) + 3 * 0.5)
+    assert [(d, p, c) for _, d, p, c in sim.metrics.turn_tokens] == [
+        (0, 0, 522), (512, 0, 266), (0, 0, 1802), (0, 768, 266), (1024, 0, 266)]
 
 
 def test_failure_figures_against_the_twin_run_by_hand() -> None:

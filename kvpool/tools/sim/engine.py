@@ -218,9 +218,7 @@ class Simulation:
         assert job.ticket is not None
         pipeline = self.pipelines[job.ticket.pipeline]
         job.placed_as = placed_on(job.play, pipeline.server)
-        if self.sessions is not None:
-            self.sessions.arrived(job, pipeline)
-        pipeline.enqueue(job)
+        pipeline.enqueue(job)  # its arrival (the session's turn started) at its place in stage 0's order
 
     def _unserved(self, job: Job, error: KvpoolError) -> None:
         """The router refused the turn: no device cache could hold it, no shard ever could, or its wait for

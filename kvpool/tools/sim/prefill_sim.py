@@ -1,24 +1,11 @@
-"""A simulated prefill pipeline: the core's ``PrefillRequest`` against the core's ``BlockManager`` and ``PoolIndex``.
+"""A simulated prefill pipeline: stage 0's core pieces (``Stage0Admission``, ``PrefillDriver``) over the core's
+``BlockManager`` and ``PoolIndex``, their effects timed by the cost model and the shared master and NICs.
 
-A turn's arrival touches its session's cached device blocks (the most
-recently used while it waits), as stage 0 does for every turn; before each
-admission the waiting turns' sessions are touched in serving order, the
-next served last (``BlockManager.touch_sessions``, as the gated stage 0
-does). Stage 0
-admits one request at a time, when it is free itself: admit (device
-blocks) → one pool lookup from chunk 0 (``plan_lookup``), queued at the
-pool's master → restore (each stage reads its own objects when it is free;
-objects on other servers also cross both servers' NICs) → compute (the
-stages as a flow shop over the request's forwarded pieces: ``stages``) →
-save (``chunks_to_save`` as one put batch, every stage's object of each
-chunk in its group, queued at the master) → the request's KV stays held
-until its handoff to decode ends. The next request is admitted when stage 0
-has computed its part, while the later stages still work on this one.
-
-Times come from the cost model and the shared resources (``network``);
-decisions only from the core. A save is put_start + put_end when the master
-serves it, off the request's critical path; its bytes to another server's
-store load both NICs but commit does not wait for them.
+Gated (the simulator's runs), stage 0 admits one request at a time, when it has computed its part of the
+last one; ``ungated`` (the validation's cluster) every request tries its admission on arrival. A restore
+rides the forward's chain (each stage reads its objects; objects on other servers cross both NICs), the
+stages are a flow shop (``stages``), a save is one put of every stage's object of each chunk, off the
+request's path, and the request's blocks stay held until its handoff to decode ends.
 """
 
 from __future__ import annotations
@@ -30,7 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from kvpool.core.prefill.block_manager import BlockManager
-from kvpool.core.chunk_hash import group_id, object_key
+from kvpool.core.chunk_hash import group_id, save_objects
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.records import PutRequestItem, PutStatus
 from kvpool.core.prefill.queue import PrefillQueue, WorkWeights, prefill_work_s
@@ -45,9 +32,9 @@ from kvpool.core.prefill.driver import (
     PrefillDriver,
     ReleaseLease,
     SavesThenFree,
-    WaitForBlocks,
     effect_fields,
 )
+from kvpool.core.prefill.stage0_admission import Stage0Admission, waits_for_blocks
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job, session_of
@@ -82,12 +69,14 @@ class PipelineSim:
     # ``block_gate`` runs each of stage 0's block events (a turn's touch of its session on arrival, "touch";
     # a forward's commit, "commit"; a release of a request's blocks or its save's, "free") and ``pool_gate``
     # each pool operation (a lookup, a lease's release, a save's put start and end): at once, or under
-    # validation (``recorded``) when the cluster's recorded order reaches it
+    # validation when the cluster's recorded order reaches it
     block_gate: Callable[[tuple[str, str], Callable[[], object]], None] = field(default=lambda step, apply: apply())
     pool_gate: Callable[[tuple[str, str], Callable[[], int | None]], None] = field(default=lambda step, apply: apply())
-    recorded: bool = False  # the validation: the gates follow the cluster's orders
+    ungated: bool = False  # stage 0 without a gate (the validation's cluster): each request admitted on arrival
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
+    _blocked: list[Job] = field(default_factory=list)  # ungated: requests waiting for blocks
     busy: bool = False  # stage 0 holds a request (admitted, not yet through its own compute)
+    admission: Stage0Admission = field(init=False)  # the core's admission steps over ``blocks``
     flow: StageFlow | None = None  # the stages' next free times (made on first use: num_stages)
     effects: dict[str, list[dict[str, object]]] | None = None  # the validation: each request's driver effects
 
@@ -100,14 +89,21 @@ class PipelineSim:
         """The largest stage's bytes of one token (the stages restore at once: the largest sets the time)."""
         return max(self.stage_object_bytes) / self.cost.model.chunk_tokens
 
-    def enqueue(self, job: Job) -> None:
-        self._waiting[job.job_id] = job
-        self.queue.push(job.job_id, self.estimate_work_s(job), self.loop.now)
-        self.block_gate(("touch", job.job_id), partial(self._touch, job))
+    def __post_init__(self) -> None:
+        self.admission = Stage0Admission(self.blocks, self.sessions.policy(self) if self.sessions else None)
 
-    def _touch(self, job: Job) -> None:
-        """As stage 0 does on every turn's arrival: the session's cached free blocks become the most recent."""
-        self.blocks.touch_session(session_of(job))
+    def enqueue(self, job: Job) -> None:
+        """A turn arrives: its session's blocks are touched and it queues; ``ungated`` (the validation's cluster
+        runs stage 0 without a gate) it tries its admission at once instead (each at its recorded place)."""
+        if not self.ungated:
+            self._waiting[job.job_id] = job
+            self.queue.push(job.job_id, self.estimate_work_s(job), self.loop.now)
+        self.block_gate(("touch", job.job_id), partial(self._arrived, job))
+        if self.ungated:
+            self.block_gate(("admit", job.job_id), partial(self._try, job, None))
+
+    def _arrived(self, job: Job) -> None:
+        self.admission.arrived(session_of(job), self.loop.now)
         self.kick()  # its admission may be the next event
 
     def estimate_work_s(self, job: Job) -> float:
@@ -127,49 +123,47 @@ class PipelineSim:
         return prefill_work_s(num_tokens, cached, min(cached, num_pool * chunk), self.work_weights)
 
     def kick(self) -> None:
-        """Start the queue's next request (its order) when idle and its blocks fit (else wait for a handoff)."""
-        if self.busy or not len(self.queue):
-            return
-        job = self._waiting[self.queue.peek(self.loop.now) or ""]
-        if len(self.queue) > 1 and not self.recorded:
-            # as stage 0's gate before an admission: the waiting histories in serving order, the next served
-            # the last evicted (under validation the cluster runs ungated: it admits on arrival)
-            self.blocks.touch_sessions([session_of(self._waiting[i]) for i in self.queue.serving_order(self.loop.now)])
+        """Admit the queue's requests in its order while stage 0 is free and their blocks fit (the waiting
+        histories touched in serving order under more than one waiter, as stage 0's gate does); ``ungated``,
+        try again the requests that wait for blocks."""
+        for job in self._blocked[:] if self.ungated else ():
+            self._blocked.remove(job)
+            self._try(job, None)
+        while not self.busy and len(self.queue):
+            job, now = self._waiting[self.queue.peek(self.loop.now) or ""], self.loop.now
+            serving = None if len(self.queue) < 2 else [session_of(self._waiting[i])
+                                                        for i in self.queue.serving_order(now)]
+            if not self._try(job, serving):
+                return
+
+    def _try(self, job: Job, serving: list | None) -> bool:
+        """``job`` tries its admission (the core's ``Stage0Admission`` steps, as stage 0 takes them): admitted,
+        or it waits for blocks (held stagings yield to it first)."""
         if job.driver is None:  # stage 0's driver of the request, as the cluster runs it
             job.driver = PrefillDriver(job.job_id, job.turn.input_tokens, self.cost.model.chunk_tokens,
                                        job.play.hashes, self.blocks, math.inf, session=session_of(job))
-            effects = self._recorded(job, job.driver.start(self.loop.now))
-        else:
-            effects = self._recorded(job, job.driver.blocks_freed(self.loop.now))
-        if any(isinstance(e, WaitForBlocks) for e in effects):
-            if self.sessions is not None and self.sessions.unpin_all(self):
-                self.kick()  # held stagings yield to a real request (as stage 0's admission)
-            return
-        self.queue.pop(self.loop.now)
-        del self._waiting[job.job_id]
-        # under validation the recorded order alone admits: the cluster's stage 0 admits while earlier
-        # requests are still looked up (holding it would stall an order where a later lookup came first)
-        self.busy = not self.recorded
+        effects = self.admission.admit(job.driver, self.loop.now, serving)
+        while waits_for_blocks(effects):
+            self._carry_out(job, effects)  # (kept only)
+            if not self.admission.short_of_blocks():
+                self._blocked += [job] if self.ungated else []
+                return False
+            effects = self.admission.admit(job.driver, self.loop.now, serving)
+        if not self.ungated:
+            self.queue.pop(self.loop.now)
+            del self._waiting[job.job_id]
+            self.busy = True
         job.request = job.driver.request
-        if self.sessions is not None:
-            self.sessions.admitted(job, self)
+        self.admission.admitted(job.request)
         job.prefill_start = self.loop.now
         self.metrics.on_prefill_start(job)
         self._carry_out(job, effects)
-        if not self.busy:  # the validation: the next recorded admission may follow at once
-            self.kick()
-
-    def _recorded(self, job: Job, effects: list[Effect]) -> list[Effect]:
-        """The driver's effects of one event, kept per request under validation (``effects``)."""
-        if self.effects is not None:
-            self.effects.setdefault(job.job_id, []).extend(effect_fields(e) for e in effects)
-        return effects
-
-    def _drive(self, job: Job, effects: list[Effect]) -> None:
-        self._carry_out(job, self._recorded(job, effects))
+        return True
 
     def _carry_out(self, job: Job, effects: list[Effect]) -> None:
-        """The driver's effects, in simulated time (the cost model's, and the shared master and NICs)."""
+        """The driver's effects of one event, in simulated time (kept per request under validation)."""
+        if self.effects is not None:
+            self.effects.setdefault(job.job_id, []).extend(effect_fields(e) for e in effects)
         for effect in effects:
             if isinstance(effect, Lookup):
                 self.master.call(self.cost.lookup_s(len(effect.candidates)), self.pool_gate, ("lookup", job.job_id),
@@ -204,26 +198,44 @@ class PipelineSim:
         self.metrics.on_lookup(self.loop.now - job.prefill_start)
         result = job.lookup = self.index.lookup([group_id(job.play.namespace, h) for h in effect.candidates],
                                                 held_prefix=effect.held)
-        self._drive(job, job.driver.looked_up(result.num_found, str(result.lease_id) if result.lease_id else ""))
+        self._carry_out(job, job.driver.looked_up(result.num_found, str(result.lease_id) if result.lease_id else ""))
         return result.num_found
 
     def _restore(self, job: Job) -> None:
-        """Every stage reads its objects of the planned chunks (objects on other servers also cross both
-        servers' NICs)."""
+        """Every stage reads its objects of the planned chunks, then the forward (a dead store fails every
+        stage's read of its groups alike: the forward's end says how far they got)."""
         request, result = job.request, job.lookup
         assert request is not None and result is not None and request.restore_plan is not None
         num_chunks = request.restore_plan.num_pool_chunks
         job.read_s = self.cost.restore_s(num_chunks, self.stage_bytes_per_token)
-        job.restore_start = self.loop.now
-        job.restore_timed = True
-        self.read(result.groups[:num_chunks], num_chunks, partial(self._restored, job))
+        job.restore_start, job.restore_timed = self.loop.now, True
+
+        def restored(readable: int) -> None:
+            job.readable, job.restored_at = readable, self.loop.now
+            self._observe_restore(num_chunks, self.loop.now - job.restore_start)
+            self._forward(job)
+
+        self.read(result.groups[:num_chunks], num_chunks, restored)
+
+    def _observe_restore(self, num_chunks: int, seconds: float) -> None:
+        self.metrics.on_restore(seconds, num_chunks)
+        if self.sessions is not None:  # as stage 0 does: the prefetch's lead follows the measured restores
+            self.sessions.observe_restore(self, num_chunks, seconds)
 
     def read(self, groups: list, num_chunks: int, done: Callable[[int], None]) -> None:
-        """Every stage reads its objects of ``num_chunks`` planned chunks (``groups``, located from the first
-        chunk past the device's) for the cost model's restore time; objects on other servers cross both servers'
-        NICs too. ``done(readable)`` once every part landed: the leading groups every stage could read."""
-        readable = self.leading_readable(groups)
-        remote = self.remote_bytes(groups[:readable])
+        """Every stage reads its objects of ``num_chunks`` planned chunks (``groups``) in the cost model's restore
+        time, objects on other servers across both NICs too; then ``done(the leading groups every stage could
+        read``: a read from a dead store fails)."""
+        segments, readable, remote = self.index.segments, len(groups), {}
+        for i, group in enumerate(groups):
+            hosts = [(seg.host if (seg := segments.get(o.segment_id)) else None, o.size)
+                     for o in group.members.values()]
+            if self.dead_hosts and any(host is None or host in self.dead_hosts for host, _ in hosts):
+                readable = i
+                break
+            for host, size in hosts:
+                if host is not None and host != self.host:
+                    remote[host] = remote.get(host, 0) + size
         parts = [1 + len(remote)]
 
         def landed() -> None:
@@ -235,50 +247,13 @@ class PipelineSim:
         for host, nbytes in remote.items():
             self.network.send(host, self.host, nbytes, landed)
 
-    def _restored(self, job: Job, readable: int) -> None:
-        job.readable = readable
-        request = job.request
-        assert request is not None and job.driver is not None
-        job.restored_at = self.loop.now
-        num_chunks = request.restore_plan.num_pool_chunks if request.restore_plan else 0
-        self.metrics.on_restore(self.loop.now - job.restore_start, num_chunks)
-        if self.sessions is not None:  # as stage 0 does: the prefetch's lead follows the measured restores
-            self.sessions.observe_restore(self, num_chunks, self.loop.now - job.restore_start)
-        # every stage reads its own objects; a dead store fails every stage's read of its groups alike: the
-        # forward's end says how far every stage got (short of the plan: planned again without the pool)
-        self._forward(job)
-
-    def leading_readable(self, groups: list) -> int:
-        """A read from a dead store fails (a miss): how far every stage can read, from the head."""
-        if not self.dead_hosts:
-            return len(groups)
-        segments = self.index.segments
-        for i, group in enumerate(groups):
-            for obj in group.members.values():
-                segment = segments.get(obj.segment_id)
-                if segment is None or segment.host in self.dead_hosts:
-                    return i
-        return len(groups)
-
-    def remote_bytes(self, groups: list) -> dict[str, int]:
-        by_host: dict[str, int] = {}
-        segments = self.index.segments
-        for group in groups:
-            for obj in group.members.values():
-                segment = segments.get(obj.segment_id)
-                if segment is not None and segment.host != self.host:
-                    by_host[segment.host] = by_host.get(segment.host, 0) + obj.size
-        return by_host
-
     def _forward(self, job: Job) -> None:
         """The stages as a flow shop over the request's pieces (after its restore, when it had one)."""
         request = job.request
         assert request is not None
         if not job.restore_timed:  # nothing restored: the forward follows the lookup (or the admission)
             job.restore_start = job.restored_at = self.loop.now
-            self.metrics.on_restore(0.0, 0)
-            if self.sessions is not None:
-                self.sessions.observe_restore(self, 0, 0.0)
+            self._observe_restore(0, 0.0)
         if self.flow is None:
             self.flow = StageFlow(self.num_stages)
         times = self.cost.stage_times(request.compute_start, request.num_computed_tokens)
@@ -302,7 +277,7 @@ class PipelineSim:
         assert job.driver is not None
         counts = [job.readable] * self.num_stages if job.chain_restore else []
         saves = job.driver.save_held
-        effects = self._recorded(job, job.driver.forward_ended(self.loop.now, counts))
+        effects = job.driver.forward_ended(self.loop.now, counts)
         if not saves:  # a save of nothing releases nothing, in its place (a recorded order that names it waits)
             self.block_gate(("free", f"{job.job_id}/save"), lambda: None)
         self._carry_out(job, effects)
@@ -316,7 +291,7 @@ class PipelineSim:
         chunks = list(request.chunks_to_save)
 
         def freed() -> None:
-            self.block_gate(("free", holder), lambda: self._drive(job, driver.saves_ended(holder, self.loop.now)))
+            self.block_gate(("free", holder), lambda: self._carry_out(job, driver.saves_ended(holder, self.loop.now)))
 
         if not chunks:
             freed()
@@ -329,8 +304,7 @@ class PipelineSim:
         stage 0 reserves them), committed at the put end's place; bytes placed on another server's store load
         both NICs, and the commit does not wait for them. Returns the groups it evicted."""
         ns = job.play.namespace
-        items = [PutRequestItem(object_key(ns, h, s), group_id(ns, h), self.num_stages, self.stage_object_bytes[s])
-                 for s in range(self.num_stages) for h in chunks]
+        items = [PutRequestItem(*o) for o in save_objects(ns, chunks, self.stage_object_bytes)]
         evicted_before = self.index.counters.evicted_groups
         commits, remote = [], {}
         for item, outcome in zip(items, self.index.put_start(self.host, items)):
@@ -356,4 +330,4 @@ class PipelineSim:
         """Decode has the KV: the hold ends and its blocks may serve the queue head."""
         driver = job.driver
         assert driver is not None
-        self.block_gate(("free", job.job_id), lambda: self._drive(job, driver.release()))
+        self.block_gate(("free", job.job_id), lambda: self._carry_out(job, driver.release()))

@@ -1,55 +1,28 @@
 """Session-aware prefill in the simulator (``sched=session``): retention by session, session end, prefetch.
 
-Every decision is the core's ``SessionPrefetch`` (``kvpool.core.sessions.prefetch``), one per
-pipeline, as stage 0 runs one (services/prefill/stage0/prefetch.py): the same lead, the same room
-(uncached blocks, then donors' cached blocks), the same hold of staged blocks until the
-session's turn, given back all at once to a real request short of blocks. This module times it
-on the event loop and does the reads as a prefill's restore does them:
-
-- a turn arriving starts its session's turn on its pipeline's policy (a staging armed for it is
-  disarmed, one held for it goes to it, its cached blocks are touched); its admission counts the
-  staged chunks it used;
-- a session's last turn carries ``session_end``: its cached device blocks are released and its
-  pool groups demoted;
-- any other turn's end carries ``expected_next_s`` (the client's hint; here the trace's next
-  think time times the run's think scale, so the hint is exact: a harness that knows what its
-  tool call waits on could give it); at the armed time the policy's staging request, if any,
-  looks its chunks up at the master from chunk 0 (the master's queue, as a prefill's lookup),
-  reads the pool hits for the restore time of the cost model (remote objects also cross both
-  NICs), commits them, and is held or freed as the policy says. The read overlaps everything
-  (the copy engines, not the SMs): it slows no real restore here, and no real request cancels
-  it (the services cancel none either).
+Every decision is the core's: ``SessionPrefetch`` (one per pipeline, as stage 0 runs one) and a staging's
+restore, ``Staging``, both as stage 0 runs them (services/prefill/stage0/prefetch.py). This module times
+them on the event loop: a turn's end carries its hint (``session_end`` on a session's last turn, else
+``expected_next_s``: the trace's next think time as the run plays it, so the hint is exact); a staging
+looks up at the master's queue and reads as a prefill's restore does (``PipelineSim.read``), off every
+request's path (the copy engines, not the SMs), and no real request cancels it (stage 0 cancels none).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id
-from kvpool.core.pool.index import PoolIndex
-from kvpool.core.prefill.request import PrefillRequest
+from kvpool.core.prefill.driver import Lookup, ReleaseLease, RestoreOnStages
 from kvpool.core.sessions.prefetch import SessionPrefetch
+from kvpool.core.sessions.staging import Staged, Staging, StagingEffect
 from kvpool.core.sessions.table import SessionId
-from kvpool.tools.sim.cost_model import CostModel
-from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job, session_of
-from kvpool.tools.sim.network import MasterQueue
 
-
-@dataclass(slots=True)
-class Staging:
-    """One staging's read in flight."""
-
-    session: SessionId
-    request: PrefillRequest
-    namespace: str
-    started: float = 0.0
-    lease: int = 0
+if TYPE_CHECKING:
+    from kvpool.tools.sim.prefill_sim import PipelineSim
 
 
 @dataclass(slots=True)
@@ -69,19 +42,8 @@ class SessionAware:
 
     # ---- a turn's life --------------------------------------------------------
 
-    def arrived(self, job: Job, pipeline: PipelineSim) -> None:
-        self.policy(pipeline).turn_started(session_of(job), pipeline.loop.now)
-
-    def admitted(self, job: Job, pipeline: PipelineSim) -> None:
-        assert job.request is not None
-        self.policy(pipeline).admitted(job.request)
-
     def observe_restore(self, pipeline: PipelineSim, num_chunks: int, seconds: float) -> None:
         self.policy(pipeline).observe_restore(num_chunks, seconds)
-
-    def unpin_all(self, pipeline: PipelineSim) -> int:
-        """A real request is short of blocks on this pipeline: its held stagings go back."""
-        return len(self.policy(pipeline).unpin_all())
 
     def turn_ended(self, job: Job, pipeline: PipelineSim, expected_next_s: float | None, end: bool) -> None:
         policy, session, now = self.policy(pipeline), session_of(job), pipeline.loop.now
@@ -94,37 +56,40 @@ class SessionAware:
         elif result.armed is not None:
             pipeline.loop.at(result.armed.at, self._stage, session, result.armed.ticket, job.play.namespace, pipeline)
 
-    # ---- staging: a prefill's restore path ---------------------------------------
+    # ---- staging: the core's ``Staging`` on a prefill's restore path ---------------------
 
     def _stage(self, session: SessionId, ticket: int, namespace: str, pipeline: PipelineSim) -> None:
-        request = self.policy(pipeline).begin(session, ticket, pipeline.loop.now)
-        if isinstance(request, str):
-            self.outcomes[request] += 1
+        staging = Staging(self.policy(pipeline), session, ticket)
+        effects = staging.start(pipeline.loop.now)
+        self.num_prefetches += staging.request is not None
+        self._carry(staging, namespace, pipeline, effects)
+
+    def _carry(self, staging: Staging, namespace: str, pipeline: PipelineSim, effects: list[StagingEffect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Lookup):
+                pipeline.master.call(pipeline.cost.lookup_s(len(effect.candidates)), self._looked_up, staging,
+                                     namespace, pipeline, effect)
+            elif isinstance(effect, ReleaseLease):
+                pipeline.master.call(pipeline.cost.release_s(), pipeline.index.release_lease, int(effect.lease_id))
+            elif isinstance(effect, Staged):
+                self.outcomes[effect.outcome] += 1
+                if staging.request is not None:
+                    pipeline.kick()  # blocks went back, or a held staging a waiting request may take back
+
+    def _looked_up(self, staging: Staging, namespace: str, pipeline: PipelineSim, lookup: Lookup) -> None:
+        result = pipeline.index.lookup([group_id(namespace, h) for h in lookup.candidates], held_prefix=lookup.held)
+        effects = staging.looked_up(result.num_found, str(result.lease_id) if result.lease_id else "")
+        if not any(isinstance(e, RestoreOnStages) for e in effects):
+            self._carry(staging, namespace, pipeline, effects)
             return
-        self.num_prefetches += 1
-        staging = Staging(session, request, namespace)
-        pipeline.master.call(pipeline.cost.lookup_s(len(request.lookup_candidates)), self._looked_up, staging,
-                             pipeline)
+        assert staging.request is not None and staging.request.restore_plan is not None
+        num_chunks, started = staging.request.restore_plan.num_pool_chunks, pipeline.loop.now
 
-    def _looked_up(self, staging: Staging, pipeline: PipelineSim) -> None:
-        request = staging.request
-        result = pipeline.index.lookup([group_id(staging.namespace, h) for h in request.lookup_candidates],
-                                       held_prefix=request.num_device_chunks)
-        num_chunks = request.plan_lookup(result.num_found).num_pool_chunks
-        staging.lease = result.lease_id
-        staging.started = pipeline.loop.now
-        pipeline.read(result.groups[:num_chunks], num_chunks, partial(self._read, staging, pipeline))
+        def read(readable: int) -> None:
+            effects = staging.read([readable] * pipeline.num_stages, pipeline.loop.now - started)
+            self._carry(staging, namespace, pipeline, effects)
 
-    def _read(self, staging: Staging, pipeline: PipelineSim, readable: int) -> None:
-        if staging.lease:
-            pipeline.master.call(pipeline.cost.release_s(), pipeline.index.release_lease, staging.lease)
-        request = staging.request
-        request.apply_restore([readable] * pipeline.num_stages, pipeline.blocks)
-        result = self.policy(pipeline).staged(staging.session, request, pipeline.loop.now - staging.started)
-        self.outcomes[result.outcome] += 1
-        if not result.hold:
-            pipeline.blocks.free(request.request_id)
-        pipeline.kick()
+        pipeline.read(result.groups[:num_chunks], num_chunks, read)
 
     def figures(self) -> dict[str, Any]:
         ledgers = [p.ledger for p in self.policies.values()]
@@ -138,22 +103,3 @@ class SessionAware:
                 "prefetches_skipped_pressure": self.outcomes["pressure"],
                 "prefetches_unpinned": sum(p.num_unpinned for p in self.policies.values()),
                 "prefetch_outcomes": dict(sorted(self.outcomes.items()))}
-
-
-class PipelineSim(Protocol):
-    """What prefetch needs of a simulated pipeline (``prefill_sim.PipelineSim``)."""
-
-    name: str
-    host: str
-    loop: EventLoop
-    cost: CostModel
-    blocks: BlockManager
-    index: PoolIndex
-    master: MasterQueue
-
-    @property
-    def num_stages(self) -> int: ...
-
-    def read(self, groups: list, num_chunks: int, done: Callable[[int], None]) -> None: ...
-
-    def kick(self) -> None: ...

@@ -1,24 +1,15 @@
-"""``kvpool simulate --validate``: a few concurrent sessions in the simulator and on a local cluster, compared.
+"""``kvpool simulate --validate``: a few concurrent sessions on a local cluster and in the simulator, compared.
 
-The cluster side is ``kvpool replay``'s (``kvpool.tools.up.up_cluster`` + ``kvpool.tools.replay.run_replay``):
-``VALIDATION_TRACES`` (no sub-agents: one request in flight per session) at once, no think time, the tiny
-model, a device cache (``DEVICE_CACHE_TOKENS``) too small for every session's history, so turns restore
-from the pool, and two stores of ``SEGMENT_BYTES`` each, too small for every history, so the master evicts.
-The cluster records what each request saw (``kvpool.request_record``; no log is read): the router's driver
-effects (``kvpool.core.admission.request_driver``), stage 0's (``kvpool.core.prefill.driver``) with each
-turn's arrival, which touches its session's cached blocks, and the master's pool operations (each lookup,
-lease release, and each stage's put start and put end, with its outcome). From those come two orders,
-stage 0's block events (arrival, admission, each release of a request's blocks and of its save's) and the
-master's operations; the simulator applies each in its recorded order
-(``kvpool.tools.sim.validate.replay_sessions``), running the same drivers, so every turn's device / pool /
-computed tokens should be equal (``mismatched_turns`` lists those that differ), and so should every
-request's driver effects, the router's and stage 0's, one by one (``effects_equal``; ``effects_differing``
-and ``router_effects_differing`` name the requests that differ), and the pool operations' outcomes
-(``pool_ops_differing``: a lookup's complete groups, a put's evictions). The last JSON line ends with
-``pool_tokens``, ``evictions``, ``effects_equal``, ``token_counts_equal``, ``throughput_error`` and
-``ttft_p50_error``. The simulator's times come from ``cost_model_cpu.toml`` (measured on this host for this
-cluster) unless ``--cost-model`` names another; ``--runs N`` repeats the whole comparison and reports the
-timing errors' median and spread.
+The cluster (``kvpool replay``'s: ``up_cluster`` + ``run_replay``) plays ``VALIDATION_TRACES`` at once, no
+think time, the tiny model, a device cache too small for every history (turns restore from the pool) and two
+stores too small for every history (the master evicts). It records what each request saw
+(``kvpool.request_record``; no log is read): the router's and stage 0's driver effects, each turn's arrival,
+and the master's pool operations with their outcomes. The simulator replays the sessions in those orders
+(``validate.replay_sessions``), running the same drivers: every turn's device / pool / computed tokens
+(``token_counts_equal``, ``mismatched_turns``), every request's effects, the router's and stage 0's, one by
+one (``effects_equal``, ``effects_differing``, ``router_effects_differing``) and the pool operations' outcomes
+(``pool_ops_differing``) should be equal. Times come from ``cost_model_cpu.toml`` unless ``--cost-model``;
+``--runs N`` repeats the comparison and reports the timing errors' median and spread.
 """
 
 from __future__ import annotations
@@ -45,35 +36,17 @@ SEGMENT_BYTES = 8 << 20  # two stores of 8 MiB: 21 groups of 4 x 196,608 B, fewe
 Effects = dict[str, list[dict[str, Any]]]
 
 
-def block_events(records: list[dict[str, Any]], session_ids: list[str]) -> list[tuple[str, str]]:
-    """Stage 0's block events in their recorded order (``recorded_orders``' first part)."""
-    return recorded_orders(records, session_ids)[0]
-
-
 def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
                     ) -> tuple[list[tuple[str, str]], list[Any], Effects, Effects]:
-    """What the cluster recorded (``kvpool.request_record``), named as the simulator names requests
-    (``s{session index}.t{turn index}``): stage 0's block events, the master's pool operations, each in its
-    own order, each request's stage 0 driver effects, and each request's router driver effects (with the
-    event that made each).
-
-    Block events: ("touch", id) at a turn's arrival (it touches its session's cached blocks), ("admit", id)
-    at its first admission (``Admitted``), ("commit", id) once its forward ended and its computed chunks
-    became cached (``Prefilled``: a chunk another block already caches stays with that block, so whether
-    another request's allocation evicted that one first decides what later turns hit), ("free", id or
-    "id/save") for every holder a ``Freed`` names.
-    Each session has one request in flight, so its n-th admitted request is its turn n; an attempt never
-    admitted (refused before its admission and retried under another id) is no turn, and its records are
-    left out, as are those of requests outside the sessions (none in a validation).
-
-    Pool operations: ((op, holder), figure), holder the request's name, or "name/stage" for a put (the
-    stage from its first key, ``object_key``'s last part); figure: a lookup's complete groups, a release's
-    1 (released) or 0, a put start's groups evicted, a put end's objects committed.
-    """
+    """What the cluster recorded, requests named as the simulator names them (``s{session}.t{turn}``: a
+    session's n-th admitted request is its turn n; other records are left out): stage 0's block events in
+    their order (a turn's "touch" on arrival, its first "admit", its "commit" once its forward's chunks became
+    cached, a "free" of each holder a ``Freed`` names), the master's operations in theirs (``((op, holder),
+    figure)``: a lookup's complete groups, a release's 1 or 0, a put start's evictions, a put end's commits;
+    a put's holder is "name/stage"), and each request's stage 0 and router effects."""
     index = {sid: k for k, sid in enumerate(session_ids)}
     stage0 = [r for r in records if r.get("source") == "stage0"]
     master = [r for r in records if r.get("source") == "master" and r.get("kind") == "pool_op"]
-    # a session's n-th admitted request is its turn n (an attempt that never got admitted is no turn)
     names: dict[str, str] = {}
     turns = [0] * len(session_ids)
     for record in stage0:
@@ -121,12 +94,6 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
     return blocks, ops, effects, router
 
 
-def turn_key(request_id: str) -> tuple[int, int]:
-    """``s{k}.t{i}`` → (k, i)."""
-    session, turn = request_id.split(".t")
-    return int(session[1:]), int(turn)
-
-
 def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float) -> dict[str, Any]:
     from kvpool.model import get_config
     from kvpool.tools.replay import ReplayOptions, load_workload, run_replay
@@ -142,8 +109,8 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float)
     workload = replace(loaded[0], sessions=[s for w in loaded for s in w.sessions])
     session_ids = [s.id for s in workload.sessions]
     settings = UpSettings(http_port=0, grpc_port=0, pipelines=1, stages=setup.num_stages, decode_shards=1,
-                          stores=2, segment_size=f"{setup.store_bytes >> 20}MiB", device_cache_tokens=setup.device_cache_tokens,
-                          workdir=str(workdir / "cluster"))
+                          stores=2, segment_size=f"{setup.store_bytes >> 20}MiB",
+                          device_cache_tokens=setup.device_cache_tokens, workdir=str(workdir / "cluster"))
     config_path = workdir / "validate.toml"
     config_path.write_text(f"[prefill]\nchunk_size = {setup.chunk_size}\n\n[router]\nrequest_timeout_s = 600.0\n")
     records = workdir / "requests.jsonl"
@@ -170,7 +137,7 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float)
 def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]) -> dict[str, Any]:
     """The simulator in the cluster's admission order against the cluster's turns."""
     from kvpool.tools.sim.metrics import percentile
-    from kvpool.tools.sim.validate import differing_effects, replay_sessions
+    from kvpool.tools.sim.validate import differing_effects, replay_sessions, turn_key
 
     real_turns = real["turns"]
     sim_turns, sim_span, sim_pool = replay_sessions(

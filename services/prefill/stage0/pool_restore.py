@@ -13,7 +13,7 @@ Two ways to reach the later stages:
   before any stage has read it; a stage that falls short fails the forward (``RestoreFellShort``)
   and the driver plans the request again without the pool.
 - by ``Restore`` calls, one per later stage at once (``on_stages``): later stages of an older version,
-  and a session's staging (``prefetch.py``, through ``restore``), which runs no forward.
+  and a session's staging (``prefetch.py``, the core's ``Staging`` deciding), which runs no forward.
 """
 
 from __future__ import annotations
@@ -120,30 +120,6 @@ class PoolRestore:
         """How to reach the segments ``chunks`` lie in, as the master told this stage."""
         assert self.pool is not None
         return self.pool.accesses_of({c.location.segment_id for c in chunks})
-
-    async def restore(self, request: PrefillRequest, use_pool: bool = True) -> RestoreReport:
-        """Look the pool-candidate chunks up (none without ``use_pool``), restore them on every stage by
-        ``Restore`` calls, apply what all stages got (a session's staging)."""
-        report = RestoreReport()
-        # from the head: the lookup also finds device hits whose pool copy is gone (written back)
-        candidates = request.lookup_candidates if use_pool else []
-        if self.pool is None or not candidates:
-            request.plan(0)
-            request.apply_restore([], self.blocks)
-            return report
-        lookup = await self.lookup(request, candidates, report, request.num_device_chunks)
-        plan = request.plan_lookup(lookup.num_complete)
-        try:
-            if plan.num_pool_chunks:
-                t1 = time.perf_counter()
-                report.stages = await self.on_stages(request, lookup)
-                report.wait_ms = (time.perf_counter() - t1) * 1e3
-        finally:
-            # the bytes are in the pages now: the lease (and any corrupt group's report) is the master's
-            # business, not this request's, so its release does not hold the first token back
-            self.release(lookup.lease_id, self.corrupt_groups(request, report.stages))
-        request.apply_restore([s.num_chunks_restored for s in report.stages], self.blocks)
-        return report
 
     def corrupt_groups(self, request: PrefillRequest, stages: Sequence[StageRestoreFigures],
                        more: Sequence[int] = ()) -> list[str]:

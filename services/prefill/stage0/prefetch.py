@@ -2,8 +2,9 @@
 
 Every decision is the core's ``SessionPrefetch`` (``kvpool.core.sessions.prefetch``: when a
 staging starts, which blocks it may take, holding staged blocks until the session's turn, giving
-them all back to a real request short of blocks; the simulator runs the same policy). This module
-times it and does the I/O:
+them all back to a real request short of blocks), ordered on the restore path by the core's
+``Staging`` (``kvpool.core.sessions.staging``); the simulator runs both. This module times it and
+does the I/O:
 
 - every prefill names its session (``SessionId(tenant, session_key)``): its
   blocks are that session's cached blocks when freed, and its arrival touches
@@ -12,8 +13,8 @@ times it and does the I/O:
   the session's cached blocks and demotes its pool groups to the front of
   eviction (``session_end``), or arms a staging just ahead of
   ``expected_next_s``: an asyncio task sleeps until the armed time, then
-  restores the staging request the policy admitted through the same restore
-  path a prefill takes, and frees it unless the policy holds it for the turn.
+  carries the staging's effects out on the restore path a prefill takes
+  (lookup, every stage's read, the lease's end, the blocks freed unless held).
   A staging waiting for its time is cancelled when the session's turn arrives,
   a new hint comes or it ends; one reading is never cancelled (the stages
   write straight into its blocks).
@@ -24,19 +25,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, Protocol
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
 from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import ChunkHash, group_id
+from kvpool.core.prefill.driver import Freed, Lookup, ReleaseLease, RestoreOnStages
 from kvpool.core.prefill.request import PrefillRequest
+from kvpool.core.prefill.restore_figures import StageRestoreFigures
 from kvpool.core.sessions.prefetch import SESSION_END, SessionPrefetch
+from kvpool.core.sessions.staging import FAILED, Staged, Staging, StagingEffect
 from kvpool.core.sessions.table import SessionId
 from kvpool.core.tenancy.shares import tenant_name
 from kvpool.core.prefill.work_scale import REFERENCE_WEIGHTS, WorkScale, host_work_s
 from kvpool.pool.client import PoolClient
+from kvpool.pool.objects import LookupResult
+from kvpool.services.prefill.stage0.pool_restore import RestoreReport
 
 log = structlog.get_logger(__name__)
 
@@ -48,13 +56,21 @@ class _Runner(Protocol):
 
 
 class _Restorer(Protocol):
-    async def restore(self, request: PrefillRequest) -> Any: ...
+    async def lookup(self, request: PrefillRequest, candidates: Sequence[ChunkHash], report: RestoreReport,
+                     held: int = 0) -> LookupResult: ...
+
+    async def on_stages(self, request: PrefillRequest, lookup: LookupResult) -> list[StageRestoreFigures]: ...
+
+    def release(self, lease_id: str, corrupt: list[str]) -> None: ...
+
+    def corrupt_groups(self, request: PrefillRequest, stages: Sequence[StageRestoreFigures],
+                       more: Sequence[int] = ()) -> list[str]: ...
 
 
 class PrefillScheduler(Protocol):
     """What staging needs of stage 0's scheduler (``scheduler.PrefillScheduler``): its block table, the
-    pool, and its restore and free, so a staging takes the very path a prefill's restore takes; and its
-    stage's measured speed, for the gate's estimates."""
+    pool, its restore steps and the log of freed blocks, so a staging takes the very path a prefill's restore
+    takes; and its stage's measured speed, for the gate's estimates."""
 
     blocks: BlockManager
     chunk_size: int
@@ -63,8 +79,6 @@ class PrefillScheduler(Protocol):
     runner: _Runner
 
     restorer: _Restorer
-
-    async def free(self, request_id: str) -> None: ...
 
     def blocks_released(self, holders: list[str]) -> None: ...
 
@@ -98,24 +112,24 @@ class SessionPrefetcher:
     # ---- a prefill's life -----------------------------------------------------
 
     def turn_started(self, session: SessionId | None) -> None:
-        if session is None:
-            return
-        self._cancel_waiting(session)  # its turn came first
-        released = self.policy.turn_started(session, time.monotonic())
-        if released is not None:
-            self.scheduler.blocks_released([released])  # its blocks are this turn's now, and evictable
+        """Its turn came first: a staging still waiting for its time is cancelled (the policy's part is
+        ``Stage0Admission.arrived``)."""
+        if session is not None:
+            self._cancel_waiting(session)
 
-    def unpin_all(self) -> int:
-        """A real request is short of blocks: every held staging goes back to the cache (still cached,
-        now evictable). Returns how many; the caller tries its admission again."""
-        released = self.policy.unpin_all()
+    def took_back(self, released: list[str]) -> int:
+        """Held stagings went back to the cache (still cached, now evictable) for a real request short of
+        blocks: counted and logged as frees. Returns how many; the caller tries its admission again."""
         self.metrics.unpinned.inc(len(released))
         if released:
             self.scheduler.blocks_released(released)
         return len(released)
 
-    def admitted(self, request: PrefillRequest) -> None:
-        used, wasted = self.policy.admitted(request)
+    def unpin_all(self) -> int:
+        return self.took_back(self.policy.unpin_all())
+
+    def admitted(self, used: int, wasted: int) -> None:
+        """A turn got its blocks: bytes of its session's staged chunks it used, and those lost meanwhile."""
         self.metrics.bytes.labels("used").inc(used)
         self.metrics.bytes.labels("wasted").inc(wasted)
 
@@ -209,20 +223,43 @@ class SessionPrefetcher:
         self.metrics.hints.labels(outcome).inc()
 
     async def _stage(self, session: SessionId, ticket: int) -> str:
-        scheduler = self.scheduler
-        request = self.policy.begin(session, ticket, time.monotonic(), scheduler.pool is not None)
-        if isinstance(request, str):
-            return request
-        holder = request.request_id
+        """Carry the core's staging (``kvpool.core.sessions.staging``) out on a prefill's restore path."""
+        scheduler, restorer = self.scheduler, self.scheduler.restorer
+        staging = Staging(self.policy, session, ticket)
+        pending = deque(staging.start(time.monotonic(), scheduler.pool is not None))
+        report, lookup = RestoreReport(), None
         try:
-            report = await scheduler.restorer.restore(request)  # every stage reads its own objects into the blocks
+            while pending:
+                effect = pending.popleft()
+                if isinstance(effect, Lookup):
+                    assert staging.request is not None
+                    lookup = await restorer.lookup(staging.request, effect.candidates, report, effect.held)
+                    pending.extend(staging.looked_up(lookup.num_complete, lookup.lease_id))
+                elif isinstance(effect, RestoreOnStages):  # every stage reads its own objects into the blocks
+                    assert staging.request is not None and lookup is not None
+                    t1 = time.perf_counter()
+                    report.stages = await restorer.on_stages(staging.request, lookup)
+                    report.wait_ms = (time.perf_counter() - t1) * 1e3
+                    corrupt = sorted({i for s in report.stages for i in s.corrupt_chunk_indexes})
+                    pending.extend(staging.read([s.num_chunks_restored for s in report.stages],
+                                                report.wait_ms / 1e3, corrupt))
+                else:
+                    self._carry_out(staging, effect, report)
         except BaseException:
-            await scheduler.free(holder)
+            for effect in staging.failed():
+                self._carry_out(staging, effect, report)
             raise
-        result = self.policy.staged(session, request, report.wait_ms / 1e3)
-        if not result.hold:
-            await scheduler.free(holder)  # its turn came meanwhile (the blocks are its device hits), or nothing
-        self.metrics.bytes.labels("prefetched").inc(result.prefetched_bytes)
-        log.info("prefetch_staged", session_key=session.key, chunks=request.num_restored_chunks,
-                 bytes=sum(s.bytes for s in report.stages))
-        return result.outcome
+        return staging.outcome
+
+    def _carry_out(self, staging: Staging, effect: StagingEffect, report: RestoreReport) -> None:
+        """A staging's effect that needs no answer: a lease's end, blocks gone back, its end."""
+        if isinstance(effect, ReleaseLease):  # off the staging's path: the bytes are in the blocks now
+            assert staging.request is not None
+            self.scheduler.restorer.release(effect.lease_id, self.scheduler.restorer.corrupt_groups(
+                staging.request, report.stages, effect.corrupt_chunk_indexes))
+        elif isinstance(effect, Freed):
+            self.scheduler.blocks_released(list(effect.holders))
+        elif isinstance(effect, Staged) and effect.outcome != FAILED and staging.request is not None:
+            self.metrics.bytes.labels("prefetched").inc(effect.prefetched_bytes)
+            log.info("prefetch_staged", session_key=staging.session.key, chunks=staging.request.num_restored_chunks,
+                     bytes=sum(s.bytes for s in report.stages))

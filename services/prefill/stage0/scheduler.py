@@ -5,7 +5,10 @@ them), collect the handoff's figures, free the blocks.
 
 Every decision is the core's: the request's driver (``kvpool.core.prefill.driver``,
 a sans-I/O state machine over the block manager, one block table for all
-stages, and the hit planner). This module carries its effects out (the
+stages, and the hit planner) and stage 0's admission steps around it
+(``kvpool.core.prefill.stage0_admission``: a turn's arrival, the gated touch
+of the waiting histories, held stagings taken back for a request short of
+blocks), which the simulator's pipeline runs too. This module carries its effects out (the
 lookup, the restore, the forward, the lease's release, the saves' wait, the
 wake-ups) and feeds the answers back; the restore from the pool is
 ``pool_restore.py``, the stages' handoff and save ends ``stage_ends.py``.
@@ -52,6 +55,7 @@ from kvpool.core.prefill.driver import (
     save_holder,
 )
 from kvpool.core.prefill.queue_settings import queue_order
+from kvpool.core.prefill.stage0_admission import Stage0Admission
 from kvpool.core.sessions.table import SessionId
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, TenantShares, tenant_name
 from kvpool.pool.client import PoolClient
@@ -152,6 +156,7 @@ class PrefillScheduler:
             metrics.registry.register(GatePopsCollector(self.gate.queue))
         self.prefetcher = SessionPrefetcher(self, PrefetchMetrics(metrics.registry),
                                             runner.chunk_nbytes * self.settings.num_stages)
+        self.admission = Stage0Admission(self.blocks, self.prefetcher.policy)  # the core's admission steps
 
     # ---- the request path ----------------------------------------------
 
@@ -196,6 +201,9 @@ class PrefillScheduler:
         session = SessionId(tenant_name(tenant), session_key) if session_key else None
         work_s = self.prefetcher.work_s(hashes, len(token_ids), session)
         self.prefetcher.turn_started(session)
+        released = self.admission.arrived(session, time.monotonic())
+        if released is not None:
+            self.blocks_released([released])  # its blocks are this turn's now, and evictable
         # the session's cached blocks were touched: a block event (kvpool simulate --validate follows it)
         bound.debug("prefill_arrived")
         self.record.write("touch", request_id, session_key=session_key)
@@ -231,13 +239,11 @@ class PrefillScheduler:
                                pool=self.pool is not None,
                                restore_on_chain=all(s.restore_on_chain for s in self.stages))
         flow = _Flow(driver, token_ids, return_logits, tenant, target, started, bound, session.key if session else "")
-        if self.gate is not None:
-            # the histories of this request and of those still waiting, in serving order: the next served is
-            # the last evicted (arrival order alone made the oldest waiter, served next, the first evicted)
-            self.blocks.touch_sessions(([session] if session is not None else [])
-                                       + self.gate.waiting_sessions(time.monotonic()))
+        # under the gate, the histories of this request and of those still waiting are touched in serving order
+        serving = (([session] if session is not None else []) + self.gate.waiting_sessions(time.monotonic())
+                   if self.gate is not None else None)
         self._admission_begins(flow)
-        self._feed(flow, driver.start(time.monotonic()))
+        self._feed(flow, self.admission.admit(driver, time.monotonic(), serving))
         task = asyncio.ensure_future(self._drive(flow))
         try:
             return await asyncio.shield(task)
@@ -304,7 +310,7 @@ class PrefillScheduler:
                 await self._wait_for_blocks(effect.deadline, flow.frees_seen)
             finally:
                 flow.waiting = False
-            self._feed(flow, driver.blocks_freed(time.monotonic()))
+            self._feed(flow, self.admission.admit(driver, time.monotonic()))
         elif isinstance(effect, Admitted):
             if flow.waiting_blocks:
                 flow.waiting_blocks = False
@@ -314,7 +320,7 @@ class PrefillScheduler:
             self.metrics.observe_tenants(self.blocks.tenant_blocks)
             # the admission order (kvpool simulate --validate replays the simulator in it)
             bound.info("prefill_admitted", attempt=effect.attempt, tokens=driver.request.num_tokens)
-            self.prefetcher.admitted(driver.request)
+            self.prefetcher.admitted(*self.admission.admitted(driver.request))
             flow.restore = RestoreReport()
         elif isinstance(effect, Lookup):
             flow.lookup = await self.restorer.lookup(driver.request, effect.candidates, flow.restore, effect.held)
@@ -452,7 +458,7 @@ class PrefillScheduler:
     async def _wait_for_blocks(self, deadline: float, frees_seen: int) -> None:
         """Until blocks go back (held stagings yield to a real request first) or the deadline comes; at once
         when some went back since the driver found none (``frees_seen``: the count of frees then)."""
-        if self.prefetcher.unpin_all():
+        if self.prefetcher.took_back(self.admission.short_of_blocks()):
             return
         async with self._freed:  # a free counts before it notifies, and notifies under this lock
             if self._frees != frees_seen:

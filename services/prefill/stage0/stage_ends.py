@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from kvpool.core.chunk_hash import ChunkHash, group_id, object_key
+from kvpool.core.chunk_hash import ChunkHash, save_objects
 from kvpool.core.errors import KvpoolError, Unavailable
 from kvpool.pool.objects import ObjectLocation, PutResult
 from kvpool.core.handoff.target import HandoffFigures, HandoffTarget, StageHandoffFigures
@@ -130,8 +130,7 @@ class StageEnds:
         assert pool is not None
         num_stages, count, ns = len(self.stages) + 1, len(plan.chunk_hashes), runner.namespace
         sizes = [runner.chunk_nbytes] + [s.chunk_bytes for s in self.stages]
-        items = [(object_key(ns, h, stage), group_id(ns, h), num_stages, sizes[stage])
-                 for stage in range(num_stages) for h in plan.chunk_hashes]
+        items = save_objects(ns, plan.chunk_hashes, sizes)
         reserved = await pool.reserve(items, plan.tenant, release)
         writes: list[list[ChunkToRestore]] = [[] for _ in range(num_stages)]
         group_of: dict[str, str] = {}  # each reserved object's group

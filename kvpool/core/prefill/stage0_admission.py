@@ -1,0 +1,67 @@
+"""Stage 0's admission of its requests over one block table, sans-I/O: the steps its scheduler and the
+simulator's pipeline both take around each request's driver (``kvpool.core.prefill.driver``).
+
+Pure: no I/O, no clock of its own. Stage 0's scheduler (services/prefill/stage0/scheduler.py) and the
+simulated pipeline (kvpool/tools/sim/prefill_sim.py) run it; the order of the queue is the core's
+(``PrefillQueue`` / ``FairQueue``), the admission the driver's. The steps:
+
+- ``arrived``: a turn reached stage 0. A staging armed for its session is disarmed, one held for it
+  goes to it (its blocks stay cached, the most recently used), and its session's cached blocks are
+  touched (retention by session).
+- ``admit``: the queue's head tries its admission. Under a gate, the sessions of the head and of the
+  requests still waiting are touched first, in serving order: the next served is the last evicted.
+  Then its driver starts (or, after a wait, tries again): ``Admitted`` or ``WaitForBlocks``.
+- ``short_of_blocks``: the head waits for blocks: every staging held for a session's turn goes back
+  first (cached, now evictable: a prefetch never makes a real request wait); when any did, the head
+  tries again at once, else it waits for a free.
+- ``admitted``: the request holds its blocks; the prefetch ledger counts the staged chunks it used.
+
+Invariant: a staging is held only while no request waits for blocks (``short_of_blocks`` takes every
+one back before a request waits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.core.prefill.block_manager import BlockManager
+from kvpool.core.prefill.driver import Effect, PrefillDriver, Step, WaitForBlocks
+from kvpool.core.prefill.request import PrefillRequest
+from kvpool.core.sessions.prefetch import SessionPrefetch
+from kvpool.core.sessions.table import SessionId
+
+
+def waits_for_blocks(effects: Sequence[Effect]) -> bool:
+    return any(isinstance(e, WaitForBlocks) for e in effects)
+
+
+@dataclass(slots=True)
+class Stage0Admission:
+    """One block table's admissions; ``prefetch``: its session prefetch policy (None: none runs)."""
+
+    blocks: BlockManager
+    prefetch: SessionPrefetch | None = None
+
+    def arrived(self, session: SessionId | None, now: float) -> str | None:
+        """A turn of ``session`` reached stage 0. Returns the holder of a staging held for it, let go to it
+        (its blocks are this turn's device hits now): a block event to log."""
+        released = self.prefetch.turn_started(session, now) if self.prefetch is not None else None
+        self.blocks.touch_session(session)
+        return released
+
+    def admit(self, driver: PrefillDriver, now: float, serving: Sequence[SessionId] | None = None) -> list[Effect]:
+        """The queue's head (``driver``) tries its admission; ``serving``: under a gate, the sessions of the
+        head and of those still waiting, in serving order (touched first: the next served the last evicted)."""
+        if serving:
+            self.blocks.touch_sessions(list(serving))
+        return driver.start(now) if driver.step is Step.NEW else driver.blocks_freed(now)
+
+    def short_of_blocks(self) -> list[str]:
+        """The head waits for blocks: the held stagings go back first. Their holders (none: wait for a free;
+        some: try again now)."""
+        return self.prefetch.unpin_all() if self.prefetch is not None else []
+
+    def admitted(self, request: PrefillRequest) -> tuple[int, int]:
+        """The request holds its blocks: bytes (used, wasted) of its session's staged chunks."""
+        return self.prefetch.admitted(request) if self.prefetch is not None else (0, 0)
