@@ -79,6 +79,7 @@ class Candidate:
     async def _campaign(self, value: bytes, stop: asyncio.Event) -> Leader | None:
         """Try once; while we win, lead until deposed and return None; else return who holds the key."""
         assert self.leadership is not None
+        self.leadership.stand_by()  # a deposed candidate campaigns again as a standby (and says so when refusing)
         sent = time.monotonic()
         lease_id, _ = await self.client.grant(int(self.times.ttl_s))
         created, kv = await self.client.create(LEADER_KEY, value, lease_id)
@@ -87,7 +88,6 @@ class Candidate:
                 await self.client.revoke(lease_id)
             return leader_of(kv) if kv is not None else Leader("?", Epoch(1))
         assert kv is not None
-        self.leadership.stand_by()
         self.leadership.won(kv.create_revision, sent)
         log.info("master_elected", address=self.address, epoch=kv.create_revision, lease_ttl_s=self.times.ttl_s)
         await self.on_change(Role.LEADER, kv.create_revision)
