@@ -206,13 +206,17 @@ def _up(files: list[str], ports: list[int], image: str, credentials: Path) -> It
             yield start
         finally:
             # what each container said, kept past `down` (printed with -s): the first thing to read on a failure
-            logs = subprocess.run(["docker-compose", "-p", PROJECT, "logs", "--no-color", "--timestamps"],
-                                  cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
             saved = credentials.parent / f"compose-logs-{Path(files[-1]).stem}.txt"
-            saved.write_text(logs)
+            saved.write_text(project_logs())
             figure("container logs", str(saved))
             subprocess.run(["docker-compose", "-p", PROJECT, "down", "-v", "--timeout", "20"], cwd=ROOT,
                            capture_output=True, timeout=300)
+
+
+def project_logs() -> str:
+    """What every container of the project has written (across its restarts), with docker's timestamps."""
+    return subprocess.run(["docker-compose", "-p", PROJECT, "logs", "--no-color", "--timestamps"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
 
 
 def down_leaves_nothing(services: set[str], ports: list[int]) -> None:
