@@ -124,8 +124,16 @@ class Candidate:
         async def watchdog() -> None:
             while self.leadership.check(time.monotonic()):
                 await asyncio.sleep(max(0.0, self.leadership.deadline - time.monotonic()) + 0.001)
+            # what tells a starved process from a slow etcd: a watchdog that woke long past the deadline was not
+            # run on time (the process or its loop stalled); one on time, with keep-alives sent and unanswered,
+            # waited on etcd (or the network)
+            now = time.monotonic()
             log.warning("master_lease_deadline_passed", epoch=self.leadership.epoch,
-                        detail="no keep-alive answered in time: stop answering before another can win")
+                        detail="no keep-alive answered in time: stop answering before another can win",
+                        woke_after_deadline_s=round(now - self.leadership.deadline, 3),
+                        last_sent_s_ago=round(now - keepalive.last_sent, 3),
+                        last_answered_s_ago=round(now - keepalive.last_answered, 3) if keepalive.last_answered
+                        else None, unanswered=keepalive.unanswered)
 
         tasks = [asyncio.create_task(coro) for coro in (send(), receive(), watchdog(), stop.wait())]
         try:
