@@ -145,7 +145,7 @@ def exited_at(service: str) -> float:
     return finished.timestamp() - time.time() + time.monotonic()
 
 
-def fail_over(what: str, leader: str, epoch: int, kill: Callable[[], None], may_lead: set[str],
+def fail_over(what: str, leader: str, epoch: int, kill: Callable[[], None], instant: bool, may_lead: set[str],
               resend: Callable[[], Any]) -> tuple[str, int, Any]:
     """Kill the leader (``kill``), send a turn at once (``resend``, on a thread: it waits or recomputes), and
     wait for a candidate of ``may_lead`` to lead under a newer epoch with the whole pool; the pool lost
@@ -175,9 +175,11 @@ def fail_over(what: str, leader: str, epoch: int, kill: Callable[[], None], may_
     during.join(timeout=300)
     assert "error" not in done, done.get("error")
     assert "reply" in done, "the turn sent at the kill did not finish in 300 s"
-    # from when the killed process exited, as docker recorded it: `docker kill` itself has taken 2 s to return
-    killed_at = exited_at(CANDIDATES[leader])
-    assert called_at - 1 <= killed_at <= elected_at, (called_at, killed_at, elected_at)
+    # from the kill: SIGKILL from here is at once; `docker kill` has taken 2 s to return, so there from when the
+    # process exited as docker recorded it (docker notes an exit some milliseconds late)
+    exited = exited_at(CANDIDATES[leader])
+    assert called_at - 1 <= exited <= elected_at, (called_at, exited, elected_at)
+    killed_at = called_at if instant else exited
     figure(f"failover, {what}", f"{CANDIDATES[new_leader]} announced in etcd {elected_at - killed_at:.2f} s after "
            f"the killed process exited (epoch {epoch} -> {new_epoch}), serving the whole pool "
            f"({after['num_complete_groups']} groups, {after['num_objects']} objects, both stores re-mounted) at "
@@ -241,7 +243,7 @@ def test_standby_takes_over_from_a_killed_leader(cluster: dict[str, Any]) -> Non
     lost = CANDIDATES[leader]
     standby = next(a for a in CANDIDATES if a != leader)
     leader, epoch, during = fail_over("the leader's container killed", leader, epoch,
-                                      lambda: run("docker", "kill", container(lost)["Id"]), {standby},
+                                      lambda: run("docker", "kill", container(lost)["Id"]), False, {standby},
                                       lambda: turn(second_messages))
     assert during.choices[0].message.content == answer
     start = time.monotonic()
@@ -264,7 +266,7 @@ def test_standby_takes_over_from_a_killed_leader(cluster: dict[str, Any]) -> Non
     crashed = CANDIDATES[leader]
     old_pid, old_restarts = container(crashed)["State"]["Pid"], container(crashed)["RestartCount"]
     leader, epoch, during = fail_over("the leader's process crashed", leader, epoch,
-                                      lambda: os.kill(old_pid, signal.SIGKILL), set(CANDIDATES),
+                                      lambda: os.kill(old_pid, signal.SIGKILL), True, set(CANDIDATES),
                                       lambda: turn(messages))
     assert during.choices[0].message.content == third_answer
     wait_for("the crashed candidate restarted by docker", lambda: (
