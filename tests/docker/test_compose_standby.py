@@ -180,8 +180,9 @@ def fail_over(what: str, leader: str, epoch: int, kill: Callable[[], None], inst
     exited = exited_at(CANDIDATES[leader])
     assert called_at - 1 <= exited <= elected_at, (called_at, exited, elected_at)
     killed_at = called_at if instant else exited
+    since = "SIGKILL was sent" if instant else "the killed process exited"
     figure(f"failover, {what}", f"{CANDIDATES[new_leader]} announced in etcd {elected_at - killed_at:.2f} s after "
-           f"the killed process exited (epoch {epoch} -> {new_epoch}), serving the whole pool "
+           f"{since} (epoch {epoch} -> {new_epoch}), serving the whole pool "
            f"({after['num_complete_groups']} groups, {after['num_objects']} objects, both stores re-mounted) at "
            f"{whole_at - killed_at:.2f} s; the turn sent at the kill completed at {done['at'] - killed_at:.2f} s")
     return new_leader, new_epoch, done["reply"]
