@@ -79,6 +79,7 @@ class Candidate:
     async def _campaign(self, value: bytes, stop: asyncio.Event) -> Leader | None:
         """Try once; while we win, lead until deposed and return None; else return who holds the key."""
         assert self.leadership is not None
+        self.leadership.stand_by()  # a deposed candidate campaigns again as a standby (and says so when refusing)
         sent = time.monotonic()
         lease_id, _ = await self.client.grant(int(self.times.ttl_s))
         created, kv = await self.client.create(LEADER_KEY, value, lease_id)
@@ -87,7 +88,6 @@ class Candidate:
                 await self.client.revoke(lease_id)
             return leader_of(kv) if kv is not None else Leader("?", Epoch(1))
         assert kv is not None
-        self.leadership.stand_by()
         self.leadership.won(kv.create_revision, sent)
         log.info("master_elected", address=self.address, epoch=kv.create_revision, lease_ttl_s=self.times.ttl_s)
         await self.on_change(Role.LEADER, kv.create_revision)
@@ -124,8 +124,16 @@ class Candidate:
         async def watchdog() -> None:
             while self.leadership.check(time.monotonic()):
                 await asyncio.sleep(max(0.0, self.leadership.deadline - time.monotonic()) + 0.001)
+            # what tells a starved process from a slow etcd: a watchdog that woke long past the deadline was not
+            # run on time (the process or its loop stalled); one on time, with keep-alives sent and unanswered,
+            # waited on etcd (or the network)
+            now = time.monotonic()
             log.warning("master_lease_deadline_passed", epoch=self.leadership.epoch,
-                        detail="no keep-alive answered in time: stop answering before another can win")
+                        detail="no keep-alive answered in time: stop answering before another can win",
+                        woke_after_deadline_s=round(now - self.leadership.deadline, 3),
+                        last_sent_s_ago=round(now - keepalive.last_sent, 3),
+                        last_answered_s_ago=round(now - keepalive.last_answered, 3) if keepalive.last_answered
+                        else None, unanswered=keepalive.unanswered)
 
         tasks = [asyncio.create_task(coro) for coro in (send(), receive(), watchdog(), stop.wait())]
         try:

@@ -164,10 +164,16 @@ class KeepAlive:
         self.lease_id = lease_id
         self._sent: deque[float] = deque()
         self._call = client.leases.LeaseKeepAlive()
+        self.last_sent = self.last_answered = 0.0  # when (time.monotonic()), for the logs: 0 never
+
+    @property
+    def unanswered(self) -> int:
+        return len(self._sent)
 
     async def send(self) -> None:
         """One keep-alive, written now (one writer at a time: the caller's loop)."""
-        self._sent.append(time.monotonic())
+        self.last_sent = time.monotonic()
+        self._sent.append(self.last_sent)
         await self._call.write(rpc_pb2.LeaseKeepAliveRequest(ID=self.lease_id))
 
     async def answers(self) -> AsyncIterator[tuple[float, int]]:
@@ -175,7 +181,8 @@ class KeepAlive:
             response = await self._call.read()
             if response is grpc.aio.EOF:
                 return
-            sent = self._sent.popleft() if self._sent else time.monotonic()
+            self.last_answered = time.monotonic()
+            sent = self._sent.popleft() if self._sent else self.last_answered
             yield sent, response.TTL
 
     def cancel(self) -> None:

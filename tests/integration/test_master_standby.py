@@ -143,10 +143,21 @@ async def test_a_leader_paused_past_its_lease_answers_and_commits_nothing_when_r
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Lookup(pool_pb2.LookupRequest(group_ids=groups), timeout=5.0)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # deposed, it campaigns again and stands by behind the new leader, and its refusals say so
+        await eventually(lambda: _refused_as(stub, "is a standby, not the leader"), timeout_s=10.0,
+                         what="the old leader standing by")
     assert not await all_found(ha_client, ["ns/late"])
     assert await bytes_right(ha_client, buffer, groups)
     new_address, new_epoch = await leader_address(ha_pool)
     assert new_address != old_address and new_epoch > old_epoch
+
+
+async def _refused_as(stub: pool_pb2_grpc.PoolMasterStub, words: str) -> bool:
+    try:
+        await stub.Stats(pool_pb2.StatsRequest(), timeout=5.0)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAVAILABLE and words in (exc.details() or "")
+    return False
 
 
 async def _new_leader(pool: LocalPool, old_epoch: int) -> bool:
