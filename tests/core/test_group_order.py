@@ -107,7 +107,8 @@ index_ops = st.lists(st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(index_ops)
-@example([("put", 0, "a"), ("put", 1, "a"), ("put", 2, "a"), ("lookup", 0, 2, 0), ("touch", [1]), ("release", 0, False)])
+@example([("put", 0, "a"), ("put", 1, "a"), ("put", 2, "a"), ("lookup", 0, 2, 0), ("touch", [1]),
+          ("release", 0, False)])
 @example([("put", 0, "a"), ("put", 1, "b"), ("put", 2, "a"), ("lookup", 0, 3, 1), ("lookup", 1, 2, 0),
           ("release", 0, True), ("put", 3, "a"), ("release", 0, False)])
 def test_a_release_that_moves_nothing_leaves_the_order_a_moving_one_leaves(steps: list[tuple]) -> None:
