@@ -145,3 +145,21 @@ def test_a_release_that_moves_nothing_leaves_the_order_a_moving_one_leaves(steps
         assert list(pair[0].groups) == list(pair[1].groups)
         assert {t: list(g) for t, g in pair[0].group_table.by_tenant.items()} == \
             {t: list(g) for t, g in pair[1].group_table.by_tenant.items()}
+
+
+def test_a_release_moves_none_of_the_groups_dropped_since_its_lookup_nor_their_successors() -> None:
+    """The held prefix is not leased: it may be removed between a lookup and its release, and a new group of
+    the same id saved. The release moves only what its lookup found and the index still holds."""
+    index, _ = make_index(segment_bytes=64 * KB)
+    for group in "abc":
+        index.put_start("host0", [PutRequestItem(f"{group}/0", group, 1, KB)])
+        index.put_end([(f"{group}/0", 1)])
+    found = index.lookup(["a", "b"], 60.0, held_prefix=1)  # a held, b leased
+    assert list(index.groups) == ["c", "b", "a"]
+    assert index.remove(["a"]) == (1, [])
+    index.put_start("host0", [PutRequestItem("a/0", "a", 1, KB)])  # a new group a, the newest
+    index.put_end([("a/0", 2)])
+    index.touch(["c"])
+    assert list(index.groups) == ["b", "a", "c"]
+    assert index.release_lease(found.lease_id)
+    assert list(index.groups) == ["a", "c", "b"]  # b moved; the new a is not the a the lookup found

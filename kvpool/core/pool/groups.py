@@ -56,6 +56,7 @@ class GroupTable:
         return group
 
     def remove(self, group: Group) -> None:
+        group.dropped = True
         del self.groups[group.group_id]
         groups = self.by_tenant[group.tenant]
         if groups is not self.groups:
