@@ -123,26 +123,50 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, objects_dropped: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("segment_id", "acked_sequence", "wait_ms")
+    __slots__ = ("segment_id", "acked_sequence", "wait_ms", "packed")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     acked_sequence: int
     wait_ms: int
-    def __init__(self, segment_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    packed: bool
+    def __init__(self, segment_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ..., wait_ms: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
+
+class PackedChanges(_message.Message):
+    __slots__ = ("sequence", "key", "group_id", "group_size", "offset", "size", "checksum", "tenant")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    sequence: _containers.RepeatedScalarFieldContainer[int]
+    key: _containers.RepeatedScalarFieldContainer[str]
+    group_id: _containers.RepeatedScalarFieldContainer[str]
+    group_size: _containers.RepeatedScalarFieldContainer[int]
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    size: _containers.RepeatedScalarFieldContainer[int]
+    checksum: _containers.RepeatedScalarFieldContainer[int]
+    tenant: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sequence: _Optional[_Iterable[int]] = ..., key: _Optional[_Iterable[str]] = ..., group_id: _Optional[_Iterable[str]] = ..., group_size: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ..., checksum: _Optional[_Iterable[int]] = ..., tenant: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("master_incarnation", "changes", "more", "epoch")
+    __slots__ = ("master_incarnation", "changes", "more", "epoch", "packed_changes")
     MASTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PACKED_CHANGES_FIELD_NUMBER: _ClassVar[int]
     master_incarnation: str
     changes: _containers.RepeatedCompositeFieldContainer[SegmentChange]
     more: bool
     epoch: int
-    def __init__(self, master_incarnation: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[SegmentChange, _Mapping]]] = ..., more: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    packed_changes: PackedChanges
+    def __init__(self, master_incarnation: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[SegmentChange, _Mapping]]] = ..., more: _Optional[bool] = ..., epoch: _Optional[int] = ..., packed_changes: _Optional[_Union[PackedChanges, _Mapping]] = ...) -> None: ...
 
 class PutItem(_message.Message):
     __slots__ = ("key", "group_id", "group_size", "size")

@@ -228,6 +228,11 @@ class Store:
                     # the master may be restarting: look again soon, never slower than the interval
                     wait_s = min(RETRY_MIN_S * 2**failures, self.heartbeat_interval_s)
                     failures += 1
+            except ValueError as exc:  # an answer this store cannot read (changes_from_packed): nothing applied
+                self.metrics.heartbeat_failures.inc()
+                log.warning("heartbeat_failed", code="MALFORMED_ANSWER", details=str(exc))
+                wait_s = min(RETRY_MIN_S * 2**failures, self.heartbeat_interval_s)
+                failures += 1
 
     async def _pause(self, stop: asyncio.Event, wait_s: float) -> None:
         """Wait ``wait_s``, less if we are told to stop or (with standbys) a new leader is announced."""

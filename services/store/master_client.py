@@ -68,10 +68,36 @@ def record_from_message(message: pool_pb2.ObjectRecord) -> ObjectRecord:
                         message.checksum, message.tenant)
 
 
+def changes_of(response: pool_pb2.HeartbeatResponse) -> tuple[SegmentChange, ...]:
+    """A heartbeat's changes, packed (asked for) or one message each (a master that does not pack)."""
+    if response.HasField("packed_changes"):
+        return changes_from_packed(response.packed_changes)
+    return tuple(change_from_message(c) for c in response.changes)
+
+
 def change_from_message(message: pool_pb2.SegmentChange) -> SegmentChange:
     if message.removed_key:
         return SegmentChange(message.sequence, removed_key=message.removed_key)
     return SegmentChange(message.sequence, added=record_from_message(message.added))
+
+
+_PACKED_FIELDS = ("key", "group_id", "group_size", "offset", "size", "checksum", "tenant")
+
+
+def changes_from_packed(packed: pool_pb2.PackedChanges) -> tuple[SegmentChange, ...]:
+    """``PackedChanges`` as the changes they stand for; fields of unequal lengths are refused, naming the
+    first that differs from ``sequence``."""
+    count = len(packed.sequence)
+    for name in _PACKED_FIELDS:
+        if len(getattr(packed, name)) != count:
+            raise ValueError(f"packed_changes.{name}: {len(getattr(packed, name))} entries, but "
+                             f"packed_changes.sequence has {count}")
+    return tuple(
+        SegmentChange(sequence, removed_key=key) if not group_size else
+        SegmentChange(sequence, added=ObjectRecord(key, group_id, group_size, offset, size, checksum, tenant))
+        for sequence, key, group_id, group_size, offset, size, checksum, tenant in zip(
+            packed.sequence, packed.key, packed.group_id, packed.group_size, packed.offset, packed.size,
+            packed.checksum, packed.tenant))
 
 
 class MasterClient:
@@ -96,9 +122,9 @@ class MasterClient:
     async def heartbeat(self, segment_id: str, acked_sequence: int, wait_s: float = 0.0) -> Beat:
         """``wait_s``: the master may hold the answer this long for changes (a master with standbys)."""
         request = pool_pb2.HeartbeatRequest(segment_id=segment_id, acked_sequence=acked_sequence,
-                                            wait_ms=round(wait_s * 1000))
+                                            wait_ms=round(wait_s * 1000), packed=True)
         response = await self._stub.Heartbeat(request, timeout=RPC_TIMEOUT_S + wait_s)
-        return Beat(tuple(change_from_message(c) for c in response.changes), response.more, response.epoch)
+        return Beat(changes_of(response), response.more, response.epoch)
 
     async def unmount(self, segment_id: str) -> None:
         await self._stub.UnmountSegment(pool_pb2.UnmountSegmentRequest(segment_id=segment_id),

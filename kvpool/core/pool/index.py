@@ -75,18 +75,19 @@ def leading_usable(groups: list[Group | None]) -> list[Group]:
     return found[:corrupt.index(True)] if True in corrupt else found
 
 
-def still_usable(groups: list[Group], live: dict[str, Group]) -> list[Group]:
-    """Those of ``groups`` the index still holds (not dropped, nor replaced by a new group of the same id)
-    and that are not corrupt, in order; in C when all are (a release, nearly always)."""
-    if all(map(is_, map(live.get, map(_GROUP_ID, groups)), groups)) and not any(map(_CORRUPT, groups)):
+def still_usable(groups: list[Group]) -> list[Group]:
+    """Those of ``groups`` the index still holds (not dropped, nor replaced by a new group of the same id: the
+    table marks what it forgets) and that are not corrupt, in order; in C when all are (a release, nearly
+    always), with no lookup by id."""
+    if not any(map(_DROPPED, groups)) and not any(map(_CORRUPT, groups)):
         return groups
-    return [g for g in groups if live.get(g.group_id) is g and not g.corrupt]
+    return [g for g in groups if not g.dropped and not g.corrupt]
 
 
-_GROUP_ID = attrgetter("group_id")
 _COMMITTED = attrgetter("num_committed")
 _SIZE = attrgetter("size")
 _CORRUPT = attrgetter("corrupt")
+_DROPPED = attrgetter("dropped")
 
 
 class PoolIndex:
@@ -152,6 +153,8 @@ class PoolIndex:
         leased = found[held_prefix:] if held_prefix else found
         lease_id = self.leases.grant(leased, duration, found[:held_prefix]) if leased else 0
         self.group_table.touch_groups(found)
+        if lease_id:
+            self.leases.mark(lease_id, self.group_table.version)  # the order this touch left
         return LookupResult(leased, lease_id, duration, len(found))
 
     def release_lease(self, lease_id: int, corrupt_group_ids: Collection[str] = ()) -> bool:
@@ -161,14 +164,19 @@ class PoolIndex:
         failed their checksum; they are hidden now and dropped once no lease
         holds them (``pool.corrupt``). Unknown to an ended or expired lease.
         """
+        touched_at = self.leases.mark_of(lease_id)
         released = self.leases.release(lease_id)
         if released is None:
             return False
         groups, held = released
         if corrupt_group_ids:
             condemn(groups, self.groups, corrupt_group_ids)
-        # in prefix order, the held prefix first, as the lookup found them
-        self.group_table.touch_groups(still_usable(held + groups if held else groups, self.groups))
+        # in prefix order, the held prefix first, as the lookup found them; unless nothing changed the order
+        # since the lookup's touch (removals leave it) and all are usable: they are still last, in this order
+        found = held + groups if held else groups
+        usable = still_usable(found)
+        if usable is not found or touched_at != self.group_table.version:
+            self.group_table.touch_groups(usable)
         self._drop_corrupt(groups)  # this lease's or an earlier reader's condemned groups no lease holds now
         return True
 

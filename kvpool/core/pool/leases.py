@@ -26,6 +26,8 @@ class LeaseTable:
     _leases: dict[int, tuple[list[Group], list[Group]]] = field(default_factory=dict)
     _expiry: list[tuple[float, int]] = field(default_factory=list)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # what the caller noted of a lease when it granted it (the group table's version after its touch)
+    _marks: dict[int, int] = field(default_factory=dict)
 
     def grant(self, groups: list[Group], duration_s: float, held: list[Group] | None = None) -> int:
         """Lease ``groups``; ``held``: the groups found before them, unleased (the caller holds them)."""
@@ -36,11 +38,19 @@ class LeaseTable:
             group.num_leases += 1
         return lease_id
 
+    def mark(self, lease_id: int, value: int) -> None:
+        """Note ``value`` with a live lease (gone when it ends)."""
+        self._marks[lease_id] = value
+
+    def mark_of(self, lease_id: int) -> int | None:
+        return self._marks.get(lease_id)
+
     def release(self, lease_id: int) -> tuple[list[Group], list[Group]] | None:
         """End a lease; returns the groups it held and those found before them, or None if it is unknown
         (ended or expired)."""
         released = self._leases.pop(lease_id, None)
         if released is not None:
+            self._marks.pop(lease_id, None)
             _unlease(released[0])
         return released
 

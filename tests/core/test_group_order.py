@@ -1,0 +1,165 @@
+"""The group table's order is exactly the one two ordered dicts moved one group at a time gave, with its
+shortcuts: one tenant's dict is ``groups`` itself, and a release whose groups are still where its lookup left
+them moves nothing."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvpool.core.pool.groups import GroupTable
+from kvpool.core.pool.leases import LeaseTable
+from kvpool.core.pool.records import Group, PutRequestItem
+from tests.core.fixtures import KB, make_index
+
+IDS = [f"g{i}" for i in range(10)]
+TENANTS = ["a", "b"]
+
+table_ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(IDS), st.sampled_from(TENANTS)),
+    st.tuples(st.just("remove"), st.sampled_from(IDS)),
+    st.tuples(st.just("touch"), st.lists(st.sampled_from(IDS), max_size=6)),
+    st.tuples(st.just("touch_groups"), st.lists(st.sampled_from(IDS), max_size=6)),
+    st.tuples(st.just("demote"), st.lists(st.sampled_from(IDS), max_size=4)),
+), max_size=50)
+
+
+class Reference:
+    """The former table: one ordered dict for all, one per tenant, each group moved in both."""
+
+    def __init__(self) -> None:
+        self.groups: OrderedDict[str, Group] = OrderedDict()
+        self.by_tenant: dict[str, OrderedDict[str, Group]] = {}
+
+    def add(self, group: Group) -> None:
+        self.groups[group.group_id] = group
+        self.by_tenant.setdefault(group.tenant, OrderedDict())[group.group_id] = group
+
+    def remove(self, group_id: str) -> None:
+        group = self.groups.pop(group_id)
+        del self.by_tenant[group.tenant][group_id]
+        if not self.by_tenant[group.tenant]:
+            del self.by_tenant[group.tenant]
+
+    def touch(self, group_ids: list[str]) -> None:
+        for group_id in reversed(group_ids):
+            if group_id in self.groups:
+                self.groups.move_to_end(group_id)
+                self.by_tenant[self.groups[group_id].tenant].move_to_end(group_id)
+
+    def demote(self, group_ids: list[str]) -> None:
+        for group_id in group_ids:
+            if group_id in self.groups:
+                self.groups.move_to_end(group_id, last=False)
+                self.by_tenant[self.groups[group_id].tenant].move_to_end(group_id, last=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(table_ops)
+def test_the_table_orders_groups_and_tenants_exactly_as_two_dicts_moved_in_step(steps: list[tuple]) -> None:
+    table, ref = GroupTable(), Reference()
+    for step in steps:
+        kind = step[0]
+        version = table.version
+        if kind == "add" and step[1] not in ref.groups:
+            group = Group(step[1], 1, tenant=step[2])
+            table.add(group)
+            ref.add(group)
+        elif kind == "remove" and step[1] in ref.groups:
+            before = list(table.groups)
+            table.remove(ref.groups[step[1]])
+            ref.remove(step[1])
+            assert table.version == version  # a removal leaves the others' order
+            assert list(table.groups) == [g for g in before if g != step[1]]
+        elif kind == "touch":
+            table.touch(step[1])
+            ref.touch(step[1])
+        elif kind == "touch_groups":
+            found = [ref.groups[g] for g in step[1] if g in ref.groups]
+            table.touch_groups(found)
+            ref.touch([g.group_id for g in found])
+        elif kind == "demote":
+            assert table.demote(step[1]) == sum(g in ref.groups for g in step[1])
+            ref.demote(step[1])
+        assert list(table.groups) == list(ref.groups)
+        assert {t: list(g) for t, g in table.by_tenant.items()} == {t: list(g) for t, g in ref.by_tenant.items()}
+        assert table.one_tenant == (len(ref.by_tenant) == 1)
+
+
+class AlwaysMoves(LeaseTable):
+    """Leases whose release never finds its lookup's mark: it always moves its groups."""
+
+    def mark_of(self, lease_id: int) -> int | None:
+        return None
+
+
+index_ops = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 11), st.sampled_from(TENANTS)),
+    st.tuples(st.just("lookup"), st.integers(0, 11), st.integers(1, 5), st.integers(0, 3)),
+    st.tuples(st.just("release"), st.integers(0, 3), st.booleans()),
+    st.tuples(st.just("touch"), st.lists(st.integers(0, 11), max_size=3)),
+    st.tuples(st.just("demote"), st.lists(st.integers(0, 11), max_size=3)),
+    st.tuples(st.just("remove"), st.integers(0, 11)),
+), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(index_ops)
+@example([("put", 0, "a"), ("put", 1, "a"), ("put", 2, "a"), ("lookup", 0, 2, 0), ("touch", [1]),
+          ("release", 0, False)])
+@example([("put", 0, "a"), ("put", 1, "b"), ("put", 2, "a"), ("lookup", 0, 3, 1), ("lookup", 1, 2, 0),
+          ("release", 0, True), ("put", 3, "a"), ("release", 0, False)])
+def test_a_release_that_moves_nothing_leaves_the_order_a_moving_one_leaves(steps: list[tuple]) -> None:
+    """Two indexes, the same calls (puts that evict at the watermark, lookups, releases with corrupt groups,
+    touches, demotions, removals): one may skip a release's moves, the other always moves. Same order."""
+    pair = [make_index(segment_bytes=12 * KB, segments=1, high_watermark=0.8, low_watermark=0.6)[0]
+            for _ in range(2)]
+    pair[1].leases = AlwaysMoves(pair[1].clock)
+    leases: list[list[int]] = [[], []]
+    for step in steps:
+        for index, held in zip(pair, leases):
+            kind = step[0]
+            if kind == "put":
+                gid = f"g{step[1]}"
+                items = [PutRequestItem(f"{gid}/{m}", gid, 2, KB // 2, step[2]) for m in range(2)]
+                index.put_start("host0", items)
+                index.put_end([(k, 1) for k in (i.key for i in items) if k in index.puts.in_flight])
+            elif kind == "lookup":
+                ids = [f"g{(step[1] + i) % 12}" for i in range(step[2])]
+                result = index.lookup(ids, 60.0, min(step[3], step[2]))
+                if result.lease_id:
+                    held.append(result.lease_id)
+            elif kind == "release" and held:
+                lease_id = held.pop(step[1] % len(held))
+                groups = index.leases._leases.get(lease_id, ([], []))[0]
+                corrupt = [groups[0].group_id] if step[2] and groups else []
+                index.release_lease(lease_id, corrupt)
+            elif kind == "touch":
+                index.touch([f"g{i}" for i in step[1]])
+            elif kind == "demote":
+                index.demote([f"g{i}" for i in step[1]])
+            elif kind == "remove":
+                index.remove([f"g{step[1]}"])
+        assert list(pair[0].groups) == list(pair[1].groups)
+        assert {t: list(g) for t, g in pair[0].group_table.by_tenant.items()} == \
+            {t: list(g) for t, g in pair[1].group_table.by_tenant.items()}
+
+
+def test_a_release_moves_none_of_the_groups_dropped_since_its_lookup_nor_their_successors() -> None:
+    """The held prefix is not leased: it may be removed between a lookup and its release, and a new group of
+    the same id saved. The release moves only what its lookup found and the index still holds."""
+    index, _ = make_index(segment_bytes=64 * KB)
+    for group in "abc":
+        index.put_start("host0", [PutRequestItem(f"{group}/0", group, 1, KB)])
+        index.put_end([(f"{group}/0", 1)])
+    found = index.lookup(["a", "b"], 60.0, held_prefix=1)  # a held, b leased
+    assert list(index.groups) == ["c", "b", "a"]
+    assert index.remove(["a"]) == (1, [])
+    index.put_start("host0", [PutRequestItem("a/0", "a", 1, KB)])  # a new group a, the newest
+    index.put_end([("a/0", 2)])
+    index.touch(["c"])
+    assert list(index.groups) == ["b", "a", "c"]
+    assert index.release_lease(found.lease_id)
+    assert list(index.groups) == ["a", "c", "b"]  # b moved; the new a is not the a the lookup found
