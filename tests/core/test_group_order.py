@@ -85,7 +85,7 @@ def test_the_table_orders_groups_and_tenants_exactly_as_two_dicts_moved_in_step(
             ref.demote(step[1])
         assert list(table.groups) == list(ref.groups)
         assert {t: list(g) for t, g in table.by_tenant.items()} == {t: list(g) for t, g in ref.by_tenant.items()}
-        assert table.one_tenant == (len(ref.by_tenant) == 1)
+        assert not table.one_tenant or len(ref.by_tenant) == 1
 
 
 class AlwaysMoves(LeaseTable):
@@ -163,3 +163,21 @@ def test_a_release_moves_none_of_the_groups_dropped_since_its_lookup_nor_their_s
     assert list(index.groups) == ["b", "a", "c"]
     assert index.release_lease(found.lease_id)
     assert list(index.groups) == ["a", "c", "b"]  # b moved; the new a is not the a the lookup found
+
+
+def test_a_tenant_whose_only_group_comes_and_goes_splits_the_table_once() -> None:
+    """The first tenant's groups get a dict of their own when a second tenant comes, and keep it after: a
+    small tenant saving and losing its one group does not copy the whole order at each return."""
+    table = GroupTable()
+    for i in range(100):
+        table.add(Group(f"a{i}", 1, tenant="a"))
+    assert table.one_tenant
+    table.add(Group("b0", 1, tenant="b"))
+    own = table.by_tenant["a"]
+    assert own is not table.groups and list(own) == [f"a{i}" for i in range(100)]
+    for i in range(50):
+        table.remove(table.groups[f"b{i}"])
+        assert table.by_tenant["a"] is own and not table.one_tenant
+        table.add(Group(f"b{i + 1}", 1, tenant="b"))
+        assert table.by_tenant["a"] is own
+    assert list(table.by_tenant["a"]) == [f"a{i}" for i in range(100)] and list(table.by_tenant["b"]) == ["b50"]

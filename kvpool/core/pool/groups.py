@@ -4,7 +4,10 @@ Eviction takes a tenant's own oldest group in O(1) and weighs tenants by
 their bytes (``tenancy.shares``). It knows nothing of the index.
 
 While every group is one tenant's (nearly always), that tenant's ordered dict
-is ``groups`` itself: a use moves each group once, not twice. ``version``
+is ``groups`` itself: a use moves each group once, not twice. A second tenant's
+first group copies the first tenant's order into a dict of its own, once: the
+table never goes back (a tenant whose only group comes and goes would otherwise
+copy the whole table at each return). ``version``
 counts the changes of order (a use, a new group, a demotion; a removal leaves
 the others' order as it was), so a caller can tell that groups it moved to
 the end are still there in the same order (a release after its lookup).
@@ -63,9 +66,6 @@ class GroupTable:
             del groups[group.group_id]
         if not groups:
             del self.by_tenant[group.tenant]
-        if len(self.by_tenant) == 1 and not self.one_tenant:  # one tenant left: all the groups are its
-            (only,) = self.by_tenant
-            self.by_tenant[only] = self.groups
 
     def touch(self, group_ids: Iterable[str]) -> None:
         """Mark groups used, the first named becoming the most recently used."""
