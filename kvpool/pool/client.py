@@ -134,6 +134,11 @@ class PoolClient:
         self._watch: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
 
+    def start(self) -> None:
+        """Follow the master from now on (with etcd: watch for the leader and reach it), so a process's first
+        request finds it known, rather than missing the pool while the watch starts. Call on the running loop."""
+        self._start_watch()
+
     def _admit_epoch(self, epoch: int) -> bool:
         return self.link.admit(epoch)
 

@@ -70,6 +70,7 @@ async def serve(settings: PrefillSettings, ready_file: str | None = None) -> Non
     pool = PoolClient(settings.master, engine, engine_only=settings.pool_path == "engine") if settings.master else None
     metrics = PrefillMetrics()
     if pool is not None:
+        pool.start()  # with standbys: the leader is found now, not by the first request (which would miss)
         metrics.registry.register(PoolPathCollector(pool))
     runner = StageRunner(settings, engine, pool, metrics)
     link = ActivationLink(runner, settings.next_address)

@@ -41,7 +41,7 @@ def test_the_leader_killed_mid_replay_every_turn_completes_with_the_right_answer
 def test_kvpool_up_secure_with_a_standby_runs_etcd_over_mutual_tls(tmp_path: Path) -> None:
     workdir = tmp_path / "up"
     result = subprocess.run(
-        [sys.executable, "-m", "kvpool.services.cli", "up", "--secure", "--master-standbys", "1", "--demo",
+        [sys.executable, "-m", "kvpool.services.cli", "up", "--log-level", "debug", "--secure", "--master-standbys", "1", "--demo",
          "--trace", "synthetic", "--turns", "2", "--http-port", "0", "--grpc-port", "0", "--segment-size", "64MiB",
          "--workdir", str(workdir)],
         capture_output=True, text=True, timeout=600,
@@ -50,6 +50,9 @@ def test_kvpool_up_secure_with_a_standby_runs_etcd_over_mutual_tls(tmp_path: Pat
     assert "master-standby1" in result.stdout  # both candidates listed among the processes
     rows = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("synthetic-")]
     assert len(rows) == 4 and all(int(r[4]) > 0 for r in rows if int(r[1]) == 1), result.stdout  # pool hits
+    # stage 0 found the leader as it started, not with its first request (whose lookup would have missed)
+    (stage0,) = [t for t in (p.read_text() for p in workdir.rglob("*.log")) if '"prefill_admitted"' in t]
+    assert 0 <= stage0.find('"pool_master_leader_reached"') < stage0.find('"prefill_admitted"')
     etcd_log = (workdir / "etcd" / "etcd.log").read_text()
     # clients over TLS only, each with a certificate of the cluster's CA (the masters' and stores' own)
     assert '"listen-client-urls":["https://' in etcd_log and "client-cert-auth = true" in etcd_log
