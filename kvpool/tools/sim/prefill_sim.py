@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, save_objects
@@ -35,6 +35,7 @@ from kvpool.core.prefill.driver import (
     effect_fields,
 )
 from kvpool.core.prefill.stage0_admission import Stage0Admission, waits_for_blocks
+from kvpool.core.sessions.prefetch import SessionPrefetch
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job, session_of
@@ -42,8 +43,14 @@ from kvpool.tools.sim.metrics import Metrics
 from kvpool.tools.sim.network import MasterQueue, Network
 from kvpool.tools.sim.stages import StageFlow
 
-if TYPE_CHECKING:
-    from kvpool.tools.sim.session_sim import SessionAware
+
+class SessionHooks(Protocol):
+    """What a pipeline asks of sched=session's part (``session_sim.SessionAware``): its prefetch policy, and
+    each measured restore (the prefetch's lead follows them, as stage 0's does)."""
+
+    def policy(self, pipeline: PipelineSim) -> SessionPrefetch: ...
+
+    def observe_restore(self, pipeline: PipelineSim, num_chunks: int, seconds: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -65,7 +72,7 @@ class PipelineSim:
     dead_hosts: set[str] = field(default_factory=set)  # stores that died (the master may not know yet)
     queue: PrefillQueue = field(default_factory=PrefillQueue)
     work_weights: WorkWeights = field(default_factory=WorkWeights)
-    sessions: SessionAware | None = None  # sched=session: retention, session end, prefetch
+    sessions: SessionHooks | None = None  # sched=session: retention, session end, prefetch
     # ``block_gate`` runs each of stage 0's block events (a turn's touch of its session on arrival, "touch";
     # a forward's commit, "commit"; a release of a request's blocks or its save's, "free") and ``pool_gate``
     # each pool operation (a lookup, a lease's release, a save's put start and end): at once, or under
