@@ -75,11 +75,13 @@ def test_a_session_on_one_server_exact_counts_and_times() -> None:
     ]
     assert m.put_objects == 4 * (2 + 3 + 1)  # every stage's object of every chunk computed
     assert m.master_lookups == 3
-    # T0: 522/256 chunk-times of 1 s, plus 3 to fill the pipeline; handoff ~0; decode 4 steps of 10 ms
-    assert m.ttft_s[0] == pytest.approx(522 / 256 + 3.0)
+    # T0: 522/256 chunk-times of 1 s, plus 3 to fill the pipeline; handoff ~0; TTFT ends at the first decoded
+    # token, the end of its first 10 ms step (decode: 4 steps of 10 ms)
+    assert m.ttft_s[0] == pytest.approx(522 / 256 + 3.0 + 0.01)
     # T2 restores 2 chunks at 0.5 s an object (each stage reads its own at once)
     assert m.restore_s == [pytest.approx(1.0)]
-    assert m.ttft_s[2] == pytest.approx(1.0 + 266 / 256 + 3.0)
+    assert m.ttft_s[2] == pytest.approx(1.0 + 266 / 256 + 3.0 + 0.01)
+    assert m.first_token_wait_s == [pytest.approx(0.01)] * 3  # each waited for no batch: its first step
     assert sim.trace_bound() == pytest.approx(512 / (522 + 778 + 778))
 
 
@@ -229,8 +231,8 @@ def test_a_lookup_waits_for_the_masters_service_and_puts_queue_behind_it() -> No
     sim = Simulation(topology(1), settings, cost, [trace])
     sim.run()
     # the lookup's 0.25 s precede compute (522/256 chunk-times + 3 to fill); the put (0.5 + 8 objects x
-    # 0.125 s) runs after compute, off the request's path
-    assert sim.metrics.ttft_s == [pytest.approx(0.25 + 522 / 256 + 3.0)]
+    # 0.125 s) runs after compute, off the request's path; then the first decode step (10 ms)
+    assert sim.metrics.ttft_s == [pytest.approx(0.25 + 522 / 256 + 3.0 + 0.01)]
     assert sim.masters[0].busy_s == pytest.approx(0.25 + 0.5 + 8 * 0.125)
     assert sim.metrics.lookup_wait_s == [pytest.approx(0.25)]
     # after warm-up (from 0 here): the one turn's master time, a lookup and a put
@@ -279,8 +281,8 @@ def test_a_turn_short_of_decode_room_waits_at_the_router_and_prefills_once_room_
                                ("ticketed", "Serve"), ("reserved", "Apply"), ("end", "Apply")]
     assert events["s2.t0"] == [("admit", "WaitForTicket"), ("ticketed", "Serve"), ("reserved", "Apply"),
                                ("end", "Apply")]
-    # s1 and s2 were prefilled only after s0's decode ended (COST: 4 steps of 10 ms after its first token)
-    s0_done = sim.metrics.ttft_s[0] + 4 * 0.01
+    # s1 and s2 were prefilled only after s0's decode ended (COST: 4 steps of 10 ms, the first its first token)
+    s0_done = sim.metrics.ttft_s[0] + 3 * 0.01
     assert min(sim.metrics.ttft_s[1:]) > s0_done
     assert sim.trace_policy["expired_in_queue"] == 0 and not sim.router.jobs
     assert all(shard.room.num_held == 0 for shard in sim.shards.values())

@@ -32,7 +32,8 @@ def run_spec(spec: RunSpec, trace_dir: str, cost_path: str | CostModel, base: Ru
     traces = _sessions(trace_dir)
     settings = replace(
         base, num_sessions=spec.sessions_per_server * spec.servers, pool=spec.pool, duration_s=spec.duration_s,
-        warmup_s=min(base.warmup_s, spec.duration_s / 2), fail_server_at_s=spec.fail_at_s,
+        warmup_s=base.warmup_s if base.warmup_s < spec.duration_s else spec.duration_s / 2,
+        fail_server_at_s=spec.fail_at_s,
         affinity_max_queue=base.affinity_max_queue if spec.affinity is None else spec.affinity,
     )
     topology = replace(topology, num_servers=spec.servers, device_kv_gib_per_gpu=cost.fit.device_kv_gib_per_gpu,
