@@ -313,3 +313,28 @@ def test_whatever_the_turns_and_the_decode_room_every_turn_ends_and_nothing_is_h
     assert all(p.blocks.num_free_blocks == p.blocks.num_blocks for p in sim.pipelines.values())
     # every turn's router effects end with its release
     assert all(e[-1]["event"] == "end" for e in sim.router.effects.values())
+
+
+def test_sessions_of_one_agent_share_their_system_and_tool_prefix_and_nothing_after() -> None:
+    from kvpool.tools.sim.workload import SessionPlay
+
+    # two traces whose first 8 blocks (2 chunks) are the agent's prefix; they share 12 leading blocks in all
+    def trace(name: str, tail: int) -> Session:
+        ids = list(range(1, 13)) + list(range(tail, tail + 8))
+        return parse_session({"id": name, "block_size": 64, "system_tokens": 128, "tool_tokens": 384,
+                              "requests": [{"t": 0.0, "in": 64 * 20, "out": 4, "hash_ids": ids}]})
+
+    a, b = trace("a", 100), trace("b", 200)
+    plays = [SessionPlay(0, a, agent_prefix=True), SessionPlay(1, a, agent_prefix=True),
+             SessionPlay(2, b, agent_prefix=True), SessionPlay(3, a)]
+    hashes = []
+    for play in plays:
+        play.take_turn(256)
+        hashes.append(play.hashes)
+    assert plays[0].shared_blocks == 8 and len(hashes[0]) == 5
+    # two sessions of one trace: the prefix's 2 chunks alike, the rest their own (no history shared)
+    assert hashes[0][:2] == hashes[1][:2] and not set(hashes[0][2:]) & set(hashes[1][2:])
+    # another trace with the same prefix: its 2 chunks too (its third, past the agent's prefix, is its own)
+    assert hashes[2][:2] == hashes[0][:2] and hashes[2][2] != hashes[0][2]
+    # without the agent's prefix a session shares nothing
+    assert not set(hashes[3]) & set(hashes[0])

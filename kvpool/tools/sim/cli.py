@@ -27,8 +27,8 @@ def add_simulate_parser(sub: Any) -> None:
         "simulate", help="simulate the cluster at the seed's scale and past it (the core's own policy code)",
         description="A discrete-event simulation that drives kvpool.core (pool index, block manager, prefill "
         "request, decode scheduler, router policy) with real weka traces at full token scale: shared vs split "
-        "pools at 32-112 sessions per server on 4 servers, a single-server calibration run, and 8/16/32 servers "
-        "with one server's stores dying mid-run. No process is started and no byte moves.",
+        "pools at 32-112 sessions per server on 4 servers, a single-server calibration run, 8/16/32/64 servers "
+        "(one server's stores dying mid-run) and the capacity scenario (split stores that evict). No process is started and no byte moves.",
     )
     p.add_argument("--traces", default=str(DEFAULT_TRACES), help="folder of weka trace_*.json files")
     p.add_argument("--cost-model", default=None,
@@ -39,8 +39,15 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--duration", type=float, default=None,
                    help="simulated seconds per seed run (default 900); with --calibrate the seconds counted after "
                    "the warm-up (default 3600, --quick 1200; shorter than the settling rule's 1200 is refused)")
-    p.add_argument("--scale-duration", type=float, default=600.0,
-                   help="simulated seconds per 8/16/32-server run (default 600; server 0's stores die at 2/3 of it)")
+    p.add_argument("--scale-duration", type=float, default=2700.0,
+                   help="simulated seconds per 8/16/32/64-server run (default 2700: --scale-warmup, then the settling "
+                   "rule's 1200 s counted; server 0's stores die at 2/3 of it)")
+    p.add_argument("--scale-warmup", type=float, default=1500.0,
+                   help="simulated seconds before a scale-out or capacity run counts (default 1500: past the pool "
+                   "share's climb after a cold start)")
+    p.add_argument("--capacity-duration", type=float, default=2700.0,
+                   help="simulated seconds per capacity run (4 servers, prompts as recorded, one agent's prefix "
+                   "shared; default 2700)")
     p.add_argument("--scale-sessions", type=int, default=112,
                    help="sessions per server in the 8/16/32-server runs (default 112: the calibrated server's "
                    "saturating load)")
@@ -109,7 +116,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     duration = 240.0 if args.quick else args.duration
     scale_duration = 240.0 if args.quick else args.scale_duration
-    specs = matrix(duration, scale_duration, args.quick, args.scale_sessions)
+    specs = matrix(duration, scale_duration, args.quick, args.scale_sessions, args.scale_warmup,
+                   args.capacity_duration, args.scale_warmup)
     if args.only:
         wanted = set(args.only.split(","))
         specs = [s for s in specs if s.label in wanted]

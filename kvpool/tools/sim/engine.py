@@ -174,7 +174,7 @@ class Simulation:
         instance = self._next_instance
         self._next_instance += 1
         trace = self.traces[(instance + self.settings.seed_offset) % len(self.traces)]
-        play = self.plays[instance] = SessionPlay(instance, trace)
+        play = self.plays[instance] = SessionPlay(instance, trace, agent_prefix=self.settings.agent_prefix)
         self._seen[instance] = set()
         self._seen_blocks[instance] = set()
         self._next_turn(play, first=True)

@@ -112,6 +112,8 @@ class RunSettings:
     open_loop_initial_sessions: int = 0
     # the router's queue: a turn waits this long for decode room, then leaves unserved (``expired_in_queue``)
     queue_timeout_s: float = 30.0  # the router's default
+    # every session is one agent's: they share their system and tool prefix (``workload.own_block_ids``)
+    agent_prefix: bool = False
     # the summary also carries every counted turn's TTFT (``ttft_samples``): the comparisons pool runs' turns
     keep_ttft_samples: bool = False
 
