@@ -28,7 +28,8 @@ def add_simulate_parser(sub: Any) -> None:
         description="A discrete-event simulation that drives kvpool.core (pool index, block manager, prefill "
         "request, decode scheduler, router policy) with real weka traces at full token scale: shared vs split "
         "pools at 32-112 sessions per server on 4 servers, a single-server calibration run, 8/16/32/64 servers "
-        "(one server's stores dying mid-run) and the capacity scenario (split stores that evict). No process is started and no byte moves.",
+        "(one server's stores dying mid-run) and the capacity scenario (split stores that evict). No process is "
+        "started and no byte moves.",
     )
     p.add_argument("--traces", default=str(DEFAULT_TRACES), help="folder of weka trace_*.json files")
     p.add_argument("--cost-model", default=None,

@@ -182,7 +182,8 @@ def final_object(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]
         if not (r["label"].startswith("scale-") and r["label"].endswith("-nofail")):
             continue
         n = r["servers"]
-        out["scale_out"][str(n)] = scale_row(r, by_label.get(f"scale-{n}-split"), by_label.get(f"scale-{n}-split-strict"))
+        out["scale_out"][str(n)] = scale_row(r, by_label.get(f"scale-{n}-split"),
+                                             by_label.get(f"scale-{n}-split-strict"))
     for r in results:
         base = by_label.get(f"{r['label']}-nofail")
         if not r["label"].startswith("scale-") or base is None:
@@ -242,7 +243,8 @@ def capacity_rows(results: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         split, strict = by_label.get(f"capacity-{parts[1]}-split"), by_label.get(f"capacity-{parts[1]}-split-strict")
         row: dict[str, Any] = {"servers": r["servers"], "sessions_per_server": r["sessions_per_server"],
-                               "shared_over_split_moving": _over(r, split), "shared_over_split_strict": _over(r, strict),
+                               "shared_over_split_moving": _over(r, split),
+                               "shared_over_split_strict": _over(r, strict),
                                "steady": all(x is not None and x.get("steady", False) for x in (r, split, strict))}
         for side, x in (("shared", r), ("split", split), ("split_strict", strict)):
             if x is not None:
