@@ -125,7 +125,8 @@ def main(args: argparse.Namespace) -> int:
     for label, r in (("112", run), ("96", run96)):
         st = r["settling"]
         print(f"  {'ok ' if st['steady'] else 'OUT'} {label} sessions steady: pool share "
-              f"{st['pool_share_first_half']:.1%} then {st['pool_share_second_half']:.1%} over {st['counted_s']:.0f} s ({st['rule']})")
+              f"{st['pool_share_first_half']:.1%} then {st['pool_share_second_half']:.1%} over "
+              f"{st['counted_s']:.0f} s ({st['rule']})")
     for w in run["windows"]:
         print(f"  112 sessions, {w['t']:5.0f}-{w['t'] + WINDOW_S:5.0f} s: pool share {w['pool_share']:.1%}  "
               f"reuse {w['reuse']:.2%}  {w['throughput_per_gpu']:8,.0f} tok/s/GPU")
