@@ -46,6 +46,12 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--scale-warmup", type=float, default=1500.0,
                    help="simulated seconds before a scale-out or capacity run counts (default 1500: past the pool "
                    "share's climb after a cold start)")
+    p.add_argument("--capacity-sessions", default="112,224", metavar="N,...",
+                   help="the capacity scenario's sessions per server (default 112,224: a split server's store holds "
+                   "the live histories of ~184 sessions of prompts as recorded)")
+    p.add_argument("--capacity-servers", type=int, default=4,
+                   help="servers in the capacity scenario (default 4, the seed's; 1 runs shared against split-strict "
+                   "alone, no session can move)")
     p.add_argument("--capacity-duration", type=float, default=2700.0,
                    help="simulated seconds per capacity run (4 servers, prompts as recorded, one agent's prefix "
                    "shared; default 2700)")
@@ -117,8 +123,15 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     duration = 240.0 if args.quick else args.duration
     scale_duration = 240.0 if args.quick else args.scale_duration
+    try:
+        capacity = tuple(int(n) for n in args.capacity_sessions.split(","))
+        if not capacity or min(capacity) <= 0 or args.capacity_servers <= 0:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"kvpool simulate: --capacity-sessions / --capacity-servers: expected positive integers, "
+                         f"got {args.capacity_sessions!r} / {args.capacity_servers!r}") from None
     specs = matrix(duration, scale_duration, args.quick, args.scale_sessions, args.scale_warmup,
-                   args.capacity_duration, args.scale_warmup)
+                   args.capacity_duration, args.scale_warmup, capacity, args.capacity_servers)
     if args.only:
         wanted = set(args.only.split(","))
         specs = [s for s in specs if s.label in wanted]

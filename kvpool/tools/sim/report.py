@@ -54,7 +54,8 @@ def seed_label(reading: str, sessions: int, pool: str, affinity: int) -> str:
 
 def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessions: int = 112,
            scale_warmup_s: float | None = None, capacity_duration_s: float = 2700.0,
-           capacity_warmup_s: float = 1500.0) -> list[RunSpec]:
+           capacity_warmup_s: float = 1500.0, capacity_sessions: tuple[int, ...] = CAPACITY_SESSIONS,
+           capacity_servers: int = SEED_SERVERS) -> list[RunSpec]:
     """The runs; the scale-out's store failure comes at two thirds of its duration (after warm-up)."""
     if quick:
         specs = [RunSpec("calibration", 1, 16, "shared", duration_s)]
@@ -82,7 +83,7 @@ def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessio
         # the split baseline as an operator would run it (sessions never leave their pipeline), and its shared twin
         specs += [RunSpec(f"scale-{s}-{twin}strict", s, scale_sessions, pool, scale_duration_s,
                           affinity=AFFINITY_STRICT, warmup_s=w) for twin, pool in (("", "shared"), ("split-", "split"))]
-    return specs + capacity_specs(CAPACITY_SESSIONS, capacity_duration_s, capacity_warmup_s)
+    return specs + capacity_specs(capacity_sessions, capacity_duration_s, capacity_warmup_s, capacity_servers)
 
 
 def capacity_specs(sessions: tuple[int, ...], duration_s: float, warmup_s: float,
