@@ -316,6 +316,9 @@ TABLES: dict[str, Table] = {
         C("shared pool use p50", "shared/pool_use_p50", ".0%"),
         C("split strict pool use p50", "split_strict/pool_use_p50", ".0%"),
         C("split strict evictions/s", "split_strict/master_evictions_per_s", ".1f"),
+        C("shared decode pages held p50", "shared/decode_kv_reserved_p50", ".0%"),
+        C("shared TTFT p50 s", "shared/ttft_p50_s", ".1f"),
+        C("shared turns refused or expired / arrivals", "shared/errors"), C("shared arrivals", "shared/arrivals"),
     )),
     "simulate-scale-out": Table(("*-simulate-scale-out*.json",), rows="output/scale_out", key_header="servers",
                                 columns=(

@@ -82,7 +82,9 @@ def test_the_capacity_rows_compare_shared_with_both_split_baselines_and_say_whet
         ("capacity-224-shared", "shared", None, True, 1 << 20), ("capacity-224-split", "split", None, True, 1 << 20),
         ("capacity-224-split-strict", "split", AFFINITY_STRICT, True, 1 << 20)]
     figures = {"reuse_ratio": 0.9, "pool_share": 0.4, "device_share": 0.5, "ttft_p50_s": 9.0, "pool_use_p50": 0.5,
-               "master_evictions_per_s": 0.0, "prefill_busy": 0.99, "master_utilization": 0.1}
+               "master_evictions_per_s": 0.0, "prefill_busy": 0.99, "master_utilization": 0.1,
+               "decode_kv_reserved_p50": 0.9, "errors": 0, "turns_per_s": 3.0, "settling": {},
+               "trace_policy": {"arrivals": 10}}
     results = [scaled("capacity-224-shared", 4, "shared", 40_000.0, **figures),
                scaled("capacity-224-split", 4, "split", 10_000.0, **figures),
                scaled("capacity-224-split-strict", 4, "split", 20_000.0, **{**figures, "master_evictions_per_s": 3.5})]

@@ -251,7 +251,9 @@ def capacity_rows(results: list[dict[str, Any]]) -> dict[str, Any]:
             if x is not None:
                 row[side] = {k: x[k] for k in ("throughput_per_gpu", "reuse_ratio", "pool_share", "device_share",
                                                 "ttft_p50_s", "pool_use_p50", "master_evictions_per_s", "steady",
-                                                "prefill_busy", "master_utilization")}
+                                                "prefill_busy", "master_utilization", "decode_kv_reserved_p50",
+                                                "errors", "turns_per_s", "settling")}
+                row[side]["arrivals"] = x["trace_policy"]["arrivals"]
         row["split_evicts"] = bool(strict is not None and strict["master_evictions_per_s"] > 0)
         out[parts[1]] = row
     return out
