@@ -63,8 +63,66 @@ def test_a_step_moves_each_input_the_way_its_figure_asks() -> None:
 def test_the_check_reports_each_whole_window_after_the_warm_up() -> None:
     from kvpool.tools.sim.calibrate_cmd import counted_windows
 
-    windows = [{"t": t, "pool_share": 0.1 * k, "reuse": 0.95, "tokens_done": 2_400_000.0 * k}
+    windows = [{"t": t, "pool_share": 0.1 * k, "reuse": 0.95, "prompt_tokens": 100.0, "tokens_done": 2_400_000.0 * k}
                for k, t in enumerate((0.0, 300.0, 600.0, 900.0))]
     got = counted_windows(windows, warmup=300.0, duration=1100.0, window_s=300.0, gpus=8)
-    assert got == [{"t": 300.0, "pool_share": 0.1, "reuse": 0.95, "throughput_per_gpu": 1000.0},
-                   {"t": 600.0, "pool_share": 0.2, "reuse": 0.95, "throughput_per_gpu": 2000.0}]
+    assert got == [{"t": 300.0, "pool_share": 0.1, "reuse": 0.95, "prompt_tokens": 100.0, "throughput_per_gpu": 1000.0},
+                   {"t": 600.0, "pool_share": 0.2, "reuse": 0.95, "prompt_tokens": 100.0, "throughput_per_gpu": 2000.0}]
+
+
+def test_the_settling_rule_compares_the_pool_share_of_the_counted_spans_two_halves() -> None:
+    from kvpool.tools.sim.metrics import SETTLE_MIN_S, settling
+
+    def windows(shares: list[float], tokens: float = 100.0) -> list[dict[str, float]]:
+        return [{"t": 300.0 * k, "pool_share": share, "prompt_tokens": tokens} for k, share in enumerate(shares)]
+
+    # a warm-up window, then 12 counted ones: the share climbs by 8 points over the first half
+    climbing = settling(windows([0.1] + [0.30, 0.32, 0.34, 0.36, 0.38, 0.40] + [0.42] * 6), 300.0, 3900.0, 300.0)
+    assert climbing["steady"] is False and climbing["moved"] == pytest.approx(0.42 - 0.35)
+    flat = settling(windows([0.1] + [0.40, 0.44, 0.38, 0.42, 0.41, 0.43, 0.39, 0.45, 0.40, 0.42, 0.41, 0.44]),
+                    300.0, 3900.0, 300.0)
+    assert flat["steady"] is True and flat["counted_s"] == 3600.0 and flat["windows"] == 12
+    # the halves weigh each window by its prompt tokens
+    weighted = settling([{"t": 0.0, "pool_share": 0.2, "prompt_tokens": 300.0},
+                         {"t": 300.0, "pool_share": 0.6, "prompt_tokens": 100.0},
+                         {"t": 600.0, "pool_share": 0.3, "prompt_tokens": 400.0},
+                         {"t": 900.0, "pool_share": 0.3, "prompt_tokens": 400.0}], 0.0, 1200.0, 300.0)
+    assert weighted["pool_share_first_half"] == pytest.approx(0.3) and weighted["steady"] is True
+    # as flat, but 900 s counted: too short to be told steady
+    short = settling(windows([0.1, 0.4, 0.4, 0.4]), 300.0, 1200.0, 300.0)
+    assert short["counted_s"] == 900.0 < SETTLE_MIN_S and short["steady"] is False
+    # a window the run did not finish is not counted
+    assert settling(windows([0.1, 0.4, 0.4, 0.4, 0.4, 0.9]), 300.0, 1600.0, 300.0)["windows"] == 4
+
+
+def test_a_calibration_shorter_than_the_settling_rule_is_refused_before_it_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from kvpool.tools.sim.calibrate_cmd import counted_span
+    from kvpool.tools.sim.cli import add_simulate_parser, main as simulate
+
+    parser = argparse.ArgumentParser()
+    add_simulate_parser(parser.add_subparsers())
+    args = parser.parse_args(["simulate", "--calibrate", "--duration", "900"])
+    assert simulate(args) == 2
+    assert "--duration: 900 s counted is shorter than the settling rule's 1200 s" in capsys.readouterr().err
+    # --quick counts the rule's shortest span; the warm-up is past the pool share's climb unless given
+    assert counted_span(parser.parse_args(["simulate", "--calibrate", "--quick"])) == (1500.0, 1200.0)
+    assert counted_span(parser.parse_args(["simulate", "--calibrate", "--warmup", "300"])) == (300.0, 3600.0)
+
+
+def test_the_fit_sees_only_the_fitted_figures_and_names_each_input_with_its_figure() -> None:
+    from kvpool.tools.sim.calibrate import FITTED, fit_view, fitted_rows
+
+    view = fit_view(run())
+    assert set(view) == {"throughput_per_gpu", "pool_share", "decode_kv_reserved_p50", "ttft_p50_s",
+                         "prefill_busy", "ttft_mean_s", "think_mean_s"}
+    assert not {"restore_p50_ms", "stage_spread_mean_s", "reuse_ratio", "trace_bound"} & set(view)
+    rows = fitted_rows(FitInputs(device_kv_gib_per_gpu=42.0), run())
+    assert len(rows) == len(FITTED) <= 4
+    assert rows[0] == {"input": "[fit] device_kv_gib_per_gpu", "value": 42.0, "fitted_to": "pool_share",
+                       "name": "pool share", "figure": 0.46, "target": "46% ± 8 points", "within": True}
+    # a check out of range or a run not steady: not calibrated, whatever the fitted figures say
+    assert verdict(run(steady=False), run())["calibrated"] is False
+    assert verdict(run(steady=True), run(steady=True, ttft_p50_s=5.0))["calibrated"] is True

@@ -75,11 +75,13 @@ def test_a_session_on_one_server_exact_counts_and_times() -> None:
     ]
     assert m.put_objects == 4 * (2 + 3 + 1)  # every stage's object of every chunk computed
     assert m.master_lookups == 3
-    # T0: 522/256 chunk-times of 1 s, plus 3 to fill the pipeline; handoff ~0; decode 4 steps of 10 ms
-    assert m.ttft_s[0] == pytest.approx(522 / 256 + 3.0)
+    # T0: 522/256 chunk-times of 1 s, plus 3 to fill the pipeline; handoff ~0; TTFT ends at the first decoded
+    # token, the end of its first 10 ms step (decode: 4 steps of 10 ms)
+    assert m.ttft_s[0] == pytest.approx(522 / 256 + 3.0 + 0.01)
     # T2 restores 2 chunks at 0.5 s an object (each stage reads its own at once)
     assert m.restore_s == [pytest.approx(1.0)]
-    assert m.ttft_s[2] == pytest.approx(1.0 + 266 / 256 + 3.0)
+    assert m.ttft_s[2] == pytest.approx(1.0 + 266 / 256 + 3.0 + 0.01)
+    assert m.first_token_wait_s == [pytest.approx(0.01)] * 3  # each waited for no batch: its first step
     assert sim.trace_bound() == pytest.approx(512 / (522 + 778 + 778))
 
 
@@ -232,8 +234,8 @@ def test_a_lookup_waits_for_the_masters_service_and_puts_queue_behind_it() -> No
     sim = Simulation(topology(1), settings, cost, [trace])
     sim.run()
     # the lookup's 0.25 s precede compute (522/256 chunk-times + 3 to fill); the put (0.5 + 8 objects x
-    # 0.125 s) runs after compute, off the request's path
-    assert sim.metrics.ttft_s == [pytest.approx(0.25 + 522 / 256 + 3.0)]
+    # 0.125 s) runs after compute, off the request's path; then the first decode step (10 ms)
+    assert sim.metrics.ttft_s == [pytest.approx(0.25 + 522 / 256 + 3.0 + 0.01)]
     assert sim.masters[0].busy_s == pytest.approx(0.25 + 0.5 + 8 * 0.125)
     assert sim.metrics.lookup_wait_s == [pytest.approx(0.25)]
     # after warm-up (from 0 here): the one turn's master time, a lookup and a put
@@ -282,8 +284,8 @@ def test_a_turn_short_of_decode_room_waits_at_the_router_and_prefills_once_room_
                                ("ticketed", "Serve"), ("reserved", "Apply"), ("end", "Apply")]
     assert events["s2.t0"] == [("admit", "WaitForTicket"), ("ticketed", "Serve"), ("reserved", "Apply"),
                                ("end", "Apply")]
-    # s1 and s2 were prefilled only after s0's decode ended (COST: 4 steps of 10 ms after its first token)
-    s0_done = sim.metrics.ttft_s[0] + 4 * 0.01
+    # s1 and s2 were prefilled only after s0's decode ended (COST: 4 steps of 10 ms, the first its first token)
+    s0_done = sim.metrics.ttft_s[0] + 3 * 0.01
     assert min(sim.metrics.ttft_s[1:]) > s0_done
     assert sim.trace_policy["expired_in_queue"] == 0 and not sim.router.jobs
     assert all(shard.room.num_held == 0 for shard in sim.shards.values())
@@ -314,3 +316,28 @@ def test_whatever_the_turns_and_the_decode_room_every_turn_ends_and_nothing_is_h
     assert all(p.blocks.num_free_blocks == p.blocks.num_blocks for p in sim.pipelines.values())
     # every turn's router effects end with its release
     assert all(e[-1]["event"] == "end" for e in sim.router.effects.values())
+
+
+def test_sessions_of_one_agent_share_their_system_and_tool_prefix_and_nothing_after() -> None:
+    from kvpool.tools.sim.workload import SessionPlay
+
+    # two traces whose first 8 blocks (2 chunks) are the agent's prefix; they share 12 leading blocks in all
+    def trace(name: str, tail: int) -> Session:
+        ids = list(range(1, 13)) + list(range(tail, tail + 8))
+        return parse_session({"id": name, "block_size": 64, "system_tokens": 128, "tool_tokens": 384,
+                              "requests": [{"t": 0.0, "in": 64 * 20, "out": 4, "hash_ids": ids}]})
+
+    a, b = trace("a", 100), trace("b", 200)
+    plays = [SessionPlay(0, a, agent_prefix=True), SessionPlay(1, a, agent_prefix=True),
+             SessionPlay(2, b, agent_prefix=True), SessionPlay(3, a)]
+    hashes = []
+    for play in plays:
+        play.take_turn(256)
+        hashes.append(play.hashes)
+    assert plays[0].shared_blocks == 8 and len(hashes[0]) == 5
+    # two sessions of one trace: the prefix's 2 chunks alike, the rest their own (no history shared)
+    assert hashes[0][:2] == hashes[1][:2] and not set(hashes[0][2:]) & set(hashes[1][2:])
+    # another trace with the same prefix: its 2 chunks too (its third, past the agent's prefix, is its own)
+    assert hashes[2][:2] == hashes[0][:2] and hashes[2][2] != hashes[0][2]
+    # without the agent's prefix a session shares nothing
+    assert not set(hashes[3]) & set(hashes[0])

@@ -185,13 +185,14 @@ def test_a_turns_arrival_touches_its_sessions_cached_blocks_in_fifo_too() -> Non
 def test_ttft_breakdown_by_band() -> None:
     from kvpool.tools.sim.metrics import ttft_breakdown
 
-    # 100 turns: TTFT i+1 s, queue i s, 1 s after the restore; the slowest also waited 0.5 s on its lookup
-    parts = [(i + 1.0, float(i), 0.0, 0.0, 1.0) for i in range(99)] + [(100.0, 98.5, 0.5, 0.0, 1.0)]
+    # 100 turns: TTFT i+1 s, queue i s, 1 s after the restore (0.75 to the handoff's end, 0.25 to the first decoded
+    # token); the slowest also waited 0.5 s on its lookup
+    parts = [(i + 1.0, float(i), 0.0, 0.0, 0.75, 0.25) for i in range(99)] + [(100.0, 98.5, 0.5, 0.0, 0.75, 0.25)]
     out = ttft_breakdown(parts)
     assert out["all"]["turns"] == 100 and out["all"]["ttft_s"] == pytest.approx(50.5)
     assert (out["p40_p60"]["turns"], out["p40_p60"]["ttft_s"], out["p40_p60"]["queue_s"]) == (21, 50.0, 49.0)
     assert out["p99_up"] == {"turns": 1, "ttft_s": 100.0, "queue_s": 98.5, "lookup_s": 0.5, "restore_s": 0.0,
-                             "after_restore_s": 1.0}
+                             "after_restore_s": 0.75, "first_token_s": 0.25}
     assert ttft_breakdown([]) == {}
     # the prefetched turn of the hand-made run waits on no restore; FIFO's restores its 2 chunks (1 s)
     traces = [session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0)), session((778, list(range(21, 33)), 0.0))]

@@ -27,8 +27,9 @@ def add_simulate_parser(sub: Any) -> None:
         "simulate", help="simulate the cluster at the seed's scale and past it (the core's own policy code)",
         description="A discrete-event simulation that drives kvpool.core (pool index, block manager, prefill "
         "request, decode scheduler, router policy) with real weka traces at full token scale: shared vs split "
-        "pools at 32-112 sessions per server on 4 servers, a single-server calibration run, and 8/16/32 servers "
-        "with one server's stores dying mid-run. No process is started and no byte moves.",
+        "pools at 32-112 sessions per server on 4 servers, a single-server calibration run, 8/16/32/64 servers "
+        "(one server's stores dying mid-run) and the capacity scenario (split stores that evict). No process is "
+        "started and no byte moves.",
     )
     p.add_argument("--traces", default=str(DEFAULT_TRACES), help="folder of weka trace_*.json files")
     p.add_argument("--cost-model", default=None,
@@ -36,13 +37,33 @@ def add_simulate_parser(sub: Any) -> None:
                    f"{CPU_COST_MODEL.name}, measured on this host for the local cluster --validate starts)")
     # defaults: the matrix of docs/simulation.md, 56 runs; on a shared 2-core host that is hours, one run at a
     # time (each run's wall time is in the doc's tables; --jobs runs several at once)
-    p.add_argument("--duration", type=float, default=900.0, help="simulated seconds per seed run (default 900)")
-    p.add_argument("--scale-duration", type=float, default=600.0,
-                   help="simulated seconds per 8/16/32-server run (default 600; server 0's stores die at 2/3 of it)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="simulated seconds per seed run (default 900); with --calibrate the seconds counted after "
+                   "the warm-up (default 3600, --quick 1200; shorter than the settling rule's 1200 is refused)")
+    p.add_argument("--scale-duration", type=float, default=2700.0,
+                   help="simulated seconds per 8/16/32/64-server run (default 2700: --scale-warmup, then the settling "
+                   "rule's 1200 s counted; server 0's stores die at 2/3 of it)")
+    p.add_argument("--scale-warmup", type=float, default=1500.0,
+                   help="simulated seconds before a scale-out or capacity run counts (default 1500: past the pool "
+                   "share's climb after a cold start)")
+    p.add_argument("--capacity-sessions", default="112,224", metavar="N,...",
+                   help="the capacity scenario's sessions per server (default 112,224: a split server's store holds "
+                   "the live histories of ~184 sessions of prompts as recorded)")
+    p.add_argument("--capacity-servers", type=int, default=4,
+                   help="servers in the capacity scenario (default 4, the seed's; 1 runs shared against split-strict "
+                   "alone, no session can move)")
+    p.add_argument("--capacity-duration", type=float, default=2700.0,
+                   help="simulated seconds per capacity run (4 servers, prompts as recorded, one agent's prefix "
+                   "shared; default 2700)")
     p.add_argument("--scale-sessions", type=int, default=112,
                    help="sessions per server in the 8/16/32-server runs (default 112: the calibrated server's "
                    "saturating load)")
-    p.add_argument("--warmup", type=float, default=300.0, help="simulated seconds before throughput/TTFT count")
+    p.add_argument("--warmup", type=float, default=None,
+                   help="simulated seconds before throughput/TTFT count (default 300; --calibrate: 1500, past the "
+                   "pool share's climb after a cold start)")
+    p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
+                   help="cut a prompt whose prompt + output passes TOKENS to its leading tokens (default 163840, "
+                   "DeepSeek-V3's context, which cuts 9.5%% of the recorded prompts; 1048576: none cut)")
     p.add_argument("--think-scale", type=float, default=None,
                    help="each turn's think time is the trace's times this (default: the cost model's [fit] think_scale)")
     p.add_argument("--no-think", action="store_true", help="send each turn as soon as the last one ends")
@@ -102,7 +123,15 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     duration = 240.0 if args.quick else args.duration
     scale_duration = 240.0 if args.quick else args.scale_duration
-    specs = matrix(duration, scale_duration, args.quick, args.scale_sessions)
+    try:
+        capacity = tuple(int(n) for n in args.capacity_sessions.split(","))
+        if not capacity or min(capacity) <= 0 or args.capacity_servers <= 0:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"kvpool simulate: --capacity-sessions / --capacity-servers: expected positive integers, "
+                         f"got {args.capacity_sessions!r} / {args.capacity_servers!r}") from None
+    specs = matrix(duration, scale_duration, args.quick, args.scale_sessions, args.scale_warmup,
+                   args.capacity_duration, args.scale_warmup, capacity, args.capacity_servers)
     if args.only:
         wanted = set(args.only.split(","))
         specs = [s for s in specs if s.label in wanted]
@@ -119,7 +148,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                            reorder_below_s=args.sched_reorder_below_s, session_order=args.session_order)
     except ValueError as exc:
         raise SystemExit(f"kvpool simulate: {exc}") from None
-    topology = Topology()
+    topology = Topology() if args.max_context is None else Topology(max_context=args.max_context)
     call = (args.traces, cost_model_path(args), base, topology)
     # the biggest runs first, so the pool's processes end together
     order = sorted(specs, key=lambda s: -s.servers * s.sessions_per_server * s.duration_s)
@@ -135,6 +164,12 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.max_context is not None and args.max_context <= 0:
+        print(f"kvpool simulate: --max-context: must be positive, got {args.max_context}", file=sys.stderr)
+        return 2
+    if not args.calibrate:  # the calibration has its own defaults (calibrate_cmd.counted_span)
+        args.duration = 900.0 if args.duration is None else args.duration
+        args.warmup = 300.0 if args.warmup is None else args.warmup
     if args.validate:
         from kvpool.tools.sim.validate_cmd import main as validate
 

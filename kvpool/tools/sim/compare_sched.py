@@ -169,8 +169,8 @@ def run_compare(args: argparse.Namespace, cost_path: str) -> dict[str, Any]:
     from kvpool.tools.sim.cost_model import load_cost_model
 
     parse_sched_compare(args.compare)
-    duration = 240.0 if args.quick else args.duration
-    warmup = min(60.0 if args.quick else args.warmup, duration / 2)
+    duration = 240.0 if args.quick else (args.duration or 900.0)
+    warmup = min(60.0 if args.quick else (300.0 if args.warmup is None else args.warmup), duration / 2)
     sessions = args.sessions
     if args.first_seed < 0:
         raise SystemExit(f"kvpool simulate: --first-seed: must be >= 0, got {args.first_seed}")

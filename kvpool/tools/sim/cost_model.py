@@ -1,8 +1,13 @@
 """The simulator's cost model: how long prefill, restore, decode and the handoff take.
 
 Pure: read from a small TOML file (``cost_model.toml`` beside this module is
-the default, with the source of every number in its comments), validated on
-load; a bad value raises ``ValueError`` naming ``[table] field``.
+the default), validated on load; a bad value raises ``ValueError`` naming
+``[table] field``. Provenance: the file's ``[sources]`` table names where each
+constant came from (``provenance``: a dated bench record under docs/results,
+the seed's text and hardware, or "fitted" for the ``[fit]`` inputs the
+calibration sets); ``[master] record`` names the ``kvpool bench master``
+record the master's service times are read from (``master_cost_from_bench``),
+so repointing the price at a newer run is changing that one name.
 
 Invariants: every time and rate is finite and non-negative, bandwidths and
 sizes positive; the functions are pure in their arguments.
@@ -10,12 +15,17 @@ sizes positive; the functions are pure in their arguments.
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 DEFAULT_COST_MODEL = Path(__file__).with_name("cost_model.toml")
+# dated records of the benches (``kvpool bench ... --json``), where ``[master] record`` and bench sources point
+RESULTS_DIR = Path(__file__).resolve().parents[3] / "docs" / "results"
+# the seed's text (the comparison this project reproduces); a source "seed: ..." points here
+SEED_TEXT = "../shared/seed/000_7671f4ecc24755b8.txt"
 # the local cluster `kvpool simulate --validate` starts (tiny model, float32 KV, this host's CPUs)
 CPU_COST_MODEL = Path(__file__).with_name("cost_model_cpu.toml")
 
@@ -81,7 +91,11 @@ class HandoffCost:
 
 @dataclass(frozen=True, slots=True)
 class MasterCost:
-    """One pool master's service time per operation (it serves one at a time: ``network.MasterQueue``)."""
+    """One pool master's service time per operation (it serves one at a time: ``network.MasterQueue``).
+
+    With ``[master] record`` the times are read from that ``kvpool bench master`` record
+    (``master_cost_from_bench``); a time given beside it is refused (one source for the price).
+    """
 
     lookup_base_s: float = 0.0
     lookup_per_group_s: float = 0.0
@@ -89,6 +103,47 @@ class MasterCost:
     put_per_object_s: float = 0.0
     release_s: float = 0.0  # a lease's release
     cpu_scale: float = 1.0  # the master's host against the host the times were measured on (time x this)
+    record: str = ""  # a kvpool bench master record under docs/results the times come from ("": given here)
+
+
+def master_cost_from_bench(output: dict[str, object], cpu_scale: float = 1.0, record: str = "") -> MasterCost:
+    """The master's service times from a ``kvpool bench master --json`` output: its largest scale's CPU per call.
+
+    The bench measures, on a master holding its most objects, the CPU of one lookup of a ``history_chunks``
+    history that hits, with its release (``lookup_cpu_ms``), of one save of ``save_chunks`` chunks x ``stages``
+    objects (``save_cpu_ms``: one put_start and one put_end), and of the cheapest session message
+    (``session_floor_cpu_ms``: what a call costs whatever it does). A release and each call's base are that
+    floor; the rest of a lookup is spread over its groups, the rest of a save over its objects.
+    ``turn_cpu_ms`` (a typical turn's calls) is not used here: ``bench_turn_check`` compares it.
+    """
+    try:
+        scales = output["scales"]
+        assert isinstance(scales, list) and scales
+        top = max(scales, key=lambda s: s["objects"])
+        floor = float(top["session_floor_cpu_ms"]) / 1e3
+        lookup = float(top["lookup_cpu_ms"]) / 1e3
+        save = float(top["save_cpu_ms"]) / 1e3
+        groups = int(output["history_chunks"])  # type: ignore[call-overload]
+        objects = int(output["save_chunks"]) * int(output["stages"])  # type: ignore[call-overload]
+    except (KeyError, TypeError, ValueError, AssertionError) as exc:
+        raise ValueError(f"[master] record {record or '(given)'}: not a kvpool bench master output ({exc!r})") from None
+    if not 0 < 2 * floor < min(lookup, save):
+        raise ValueError(f"[master] record {record}: a call's floor {floor * 1e3} ms does not fit its lookup and save")
+    return MasterCost(lookup_base_s=floor, lookup_per_group_s=(lookup - 2 * floor) / groups, put_base_s=2 * floor,
+                      put_per_object_s=(save - 2 * floor) / objects, release_s=floor, cpu_scale=cpu_scale,
+                      record=record)
+
+
+def bench_turn_check(master: MasterCost, output: dict[str, object]) -> dict[str, float]:
+    """The bench's typical turn (a lookup of its history, the release, a save of its new chunks) priced by
+    ``master`` against the bench's own ``turn_cpu_ms``: a figure the price was not read from."""
+    top = max(output["scales"], key=lambda s: s["objects"])  # type: ignore[arg-type, index]
+    turn = output["turn"]
+    objects = int(turn["new_chunks"]) * int(output["stages"])  # type: ignore[index, call-overload]
+    priced = (master.lookup_base_s + master.lookup_per_group_s * int(turn["history_chunks"])  # type: ignore[index]
+              + master.release_s + master.put_base_s + master.put_per_object_s * objects) / master.cpu_scale
+    return {"priced_ms": priced * 1e3, "measured_ms": float(top["turn_cpu_ms"]),
+            "priced_over_measured": priced * 1e3 / float(top["turn_cpu_ms"])}
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +161,7 @@ class FitInputs:
 _POSITIVE = {"num_layers", "kv_entry_bytes", "chunk_tokens", "read_gbps_per_gpu", "gbps", "max_transfer_bytes",
              "device_kv_gib_per_gpu", "prefill_level", "decode_level", "cpu_scale"}
 _FLAGS = {"sequential_stages"}  # integers that must be 0 or 1
+_STRINGS = {"record"}
 _TABLES = {"model": ModelShape, "prefill": PrefillCost, "restore": RestoreCost, "decode": DecodeCost,
            "handoff": HandoffCost, "master": MasterCost, "fit": FitInputs}
 
@@ -121,6 +177,8 @@ class CostModel:
     handoff: HandoffCost = HandoffCost()
     master: MasterCost = MasterCost()
     fit: FitInputs = FitInputs()
+    # "table.field" -> where the constant came from (the file's [sources]); empty for a model built in code
+    sources: tuple[tuple[str, str], ...] = ()
 
     def compute_s(self, first_token: int, num_tokens: int, num_stages: int) -> float:
         """Time through an idle pipeline to compute tokens ``[first_token, first_token + num_tokens)``.
@@ -193,7 +251,7 @@ class CostModel:
 
 def parse_cost_model(document: dict[str, object], where: str = "cost model") -> CostModel:
     """A ``CostModel`` from a decoded TOML document; unknown or bad fields raise ``ValueError`` naming them."""
-    unknown = sorted(set(document) - set(_TABLES))
+    unknown = sorted(set(document) - set(_TABLES) - {"sources"})
     if unknown:
         raise ValueError(f"{where}: [{unknown[0]}]: unknown table (expected one of {sorted(_TABLES)})")
     parts = {}
@@ -210,6 +268,11 @@ def parse_cost_model(document: dict[str, object], where: str = "cost model") -> 
             if name not in values:
                 continue
             value = values[name]
+            if name in _STRINGS:
+                if not isinstance(value, str):
+                    raise ValueError(f"{where}: [{table}] {name}: expected a string, got {value!r}")
+                kwargs[name] = value
+                continue
             want_int = isinstance(f.default, int)
             if isinstance(value, bool) or not isinstance(value, int | float) or (want_int and not isinstance(value, int)):
                 kind = "an integer" if want_int else "a number"
@@ -221,16 +284,66 @@ def parse_cost_model(document: dict[str, object], where: str = "cost model") -> 
                 raise ValueError(f"{where}: [{table}] {name}: must be 0 or 1, got {value!r}")
             kwargs[name] = value if want_int else float(value)
         parts[table] = cls(**kwargs)
-    return CostModel(**parts)
+    return CostModel(**parts, sources=_sources(document.get("sources", {}), where))
 
 
-def load_cost_model(path: Path | str = DEFAULT_COST_MODEL) -> CostModel:
+def _sources(values: object, where: str) -> tuple[tuple[str, str], ...]:
+    """``[sources]``: ``"table.field" = "where it came from"``, each naming a field of the model."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: [sources]: expected a table")
+    out = []
+    for key, text in values.items():
+        table, _, name = key.partition(".")
+        if table not in _TABLES or name not in {f.name for f in fields(_TABLES[table])}:
+            raise ValueError(f"{where}: [sources] {key}: names no field of the cost model")
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{where}: [sources] {key}: expected a non-empty string")
+        out.append((key, text))
+    return tuple(sorted(out))
+
+
+def _with_master_record(cost: CostModel, where: str, results_dir: Path) -> CostModel:
+    """``[master] record``: the master's times read from that bench record (none given beside it)."""
+    master = cost.master
+    if not master.record:
+        return cost
+    given = [f.name for f in fields(MasterCost)
+             if f.name not in ("record", "cpu_scale") and getattr(master, f.name) != getattr(MasterCost(), f.name)]
+    if given:
+        raise ValueError(f"{where}: [master] {given[0]}: given beside record {master.record!r} (one source)")
+    path = results_dir / master.record
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where}: [master] record: cannot read {path} ({exc})") from None
+    output = document.get("output", document)
+    return replace(cost, master=master_cost_from_bench(output, master.cpu_scale, master.record))
+
+
+def provenance(cost: CostModel) -> dict[str, dict[str, object]]:
+    """Every constant of the model with its value and source: ``[fit]`` inputs are ``fitted`` (the
+    calibration sets them), ``[master]``'s times are the bench record's, the rest the file's ``[sources]``
+    (a constant without one says so: ``"source": None``)."""
+    named = dict(cost.sources)
+    out: dict[str, dict[str, object]] = {}
+    for table in _TABLES:
+        part = getattr(cost, table)
+        for f in fields(part):
+            key = f"{table}.{f.name}"
+            source = named.get(key)
+            if table == "master" and cost.master.record and f.name not in ("cpu_scale", "record"):
+                source = f"bench: {cost.master.record} (master_cost_from_bench)"
+            out[key] = {"value": getattr(part, f.name), "source": source}
+    return out
+
+
+def load_cost_model(path: Path | str = DEFAULT_COST_MODEL, results_dir: Path = RESULTS_DIR) -> CostModel:
     path = Path(path)
     try:
         document = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
-    return parse_cost_model(document, str(path))
+    return _with_master_record(parse_cost_model(document, str(path)), str(path), results_dir)
 
 
 def cost_model_path(args: object) -> str:

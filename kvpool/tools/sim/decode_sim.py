@@ -9,7 +9,9 @@ by one token per sequence per step: the mean over the run is used). A
 sequence submitted meanwhile cuts the run at the end of the step in progress,
 so it joins at the next step boundary, as with real continuous batching.
 
-The core's per-token calls (``on_step``, ``on_token``) are not made: output
+A sequence's first decoded token is the end of the first step it is in
+(``on_first_token``): the time to it counts the handoff, the wait for the
+batch and that step. The core's per-token calls (``on_step``, ``on_token``) are not made: output
 counts live here. The room (pages for a sequence's whole life, taken when the
 router's ticket reaches the shard, given back at the end: ``RouterSim``), the
 batch's FIFO admission and release are the core's.
@@ -38,6 +40,8 @@ class ShardSim:
     cost: CostModel
     room: ShardRoom
     on_done: Callable[[Job], None]
+    # a sequence's first decoded token (the end of its first step in the batch): TTFT ends there
+    on_first_token: Callable[[Job], None] | None = None
     jobs: dict[str, Job] = field(default_factory=dict)
     remaining: dict[str, int] = field(default_factory=dict)
     kv_tokens: int = 0  # KV entries held by running sequences
@@ -93,7 +97,8 @@ class ShardSim:
             self.loop.at(self._run_start + done * self._step_s, self._end, self._epoch)
 
     def _plan(self) -> None:
-        for seq in self.scheduler.admit():
+        admitted = self.scheduler.admit()
+        for seq in admitted:
             self.remaining[seq.seq_id] = seq.max_tokens
             self.kv_tokens += seq.num_prompt_tokens
         if not self.remaining:
@@ -106,6 +111,9 @@ class ShardSim:
         self._run_start = self.loop.now
         self._run_steps = steps
         self._stepping = True
+        if self.on_first_token is not None:  # a run is never cut inside its first step: its end is the token
+            for seq in admitted:
+                self.loop.at(self.loop.now + self._step_s, self.on_first_token, self.jobs[seq.seq_id])
         self.loop.at(self.loop.now + steps * self._step_s, self._end, self._epoch)
 
     def _end(self, epoch: int) -> None:

@@ -143,7 +143,8 @@ class Simulation:
                 name = f"d{server}.{d}"
                 scheduler = DecodeScheduler(pages, topo.decode_page_tokens, topo.decode_max_batch, topo.max_context,
                                             self.loop.clock)
-                self.shards[name] = ShardSim(name, server, self.loop, cost, ShardRoom(scheduler), self._done)
+                self.shards[name] = ShardSim(name, server, self.loop, cost, ShardRoom(scheduler), self._done,
+                                             self._first_token)
         rooms = {name: shard.room for name, shard in self.shards.items()}
         self.router = RouterSim(self.loop, self._admission(num_blocks, pages), rooms, self._served, self._unserved)
 
@@ -173,7 +174,7 @@ class Simulation:
         instance = self._next_instance
         self._next_instance += 1
         trace = self.traces[(instance + self.settings.seed_offset) % len(self.traces)]
-        play = self.plays[instance] = SessionPlay(instance, trace)
+        play = self.plays[instance] = SessionPlay(instance, trace, agent_prefix=self.settings.agent_prefix)
         self._seen[instance] = set()
         self._seen_blocks[instance] = set()
         self._next_turn(play, first=True)
@@ -266,11 +267,16 @@ class Simulation:
             self._handed_off(job)
 
     def _handed_off(self, job: Job) -> None:
+        """The KV landed on decode: prefill's blocks (held until now) go back, and the turn waits for the batch."""
         assert job.ticket is not None
+        job.handed_off_at = self.loop.now
         self.pipelines[job.ticket.pipeline].handed_off(job)
+        self.shards[job.ticket.shard].submit(job)
+
+    def _first_token(self, job: Job) -> None:
+        """The turn's first decoded token: TTFT ends here (the handoff, decode's queue and its first step in it)."""
         self.metrics.on_first_token(job)
         self.router.first_token(job)
-        self.shards[job.ticket.shard].submit(job)
 
     def _done(self, job: Job) -> None:
         self.router.ended(job)

@@ -36,7 +36,8 @@ class Job:
     prefill_start: float = 0.0
     restore_start: float = 0.0
     restored_at: float = 0.0  # its restore (every part) ended
-    first_token_at: float = 0.0  # the handoff's end
+    handed_off_at: float = 0.0  # the handoff's end (its KV on the decode shard)
+    first_token_at: float = 0.0  # the end of its first decode step
     compute_s: float = 0.0
     handoff_parts: int = 0  # the handoff's parts still in flight (its fixed cost; the NICs' bytes)
     # its restore in flight (the pipeline's, per request: under validation stage 0 may hold several)

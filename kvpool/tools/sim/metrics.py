@@ -46,15 +46,17 @@ class Metrics:
     turns_done: int = 0
     counted_turns: int = 0  # turns prefilled after warm-up
     ttft_s: list[float] = field(default_factory=list)
-    # per counted turn: its TTFT and its parts (queue, lookup, restore, after the restore: compute and handoff)
-    ttft_parts: list[tuple[float, float, float, float, float]] = field(default_factory=list)
+    # per counted turn: its TTFT and its parts (queue, lookup, restore, after the restore: compute and handoff,
+    # then decode: the wait for the batch and the first step)
+    ttft_parts: list[tuple[float, float, float, float, float, float]] = field(default_factory=list)
     queue_s: list[float] = field(default_factory=list)
     restore_s: list[float] = field(default_factory=list)
     restore_tokens: list[int] = field(default_factory=list)
     spread_s: list[float] = field(default_factory=list)  # first stage starts -> last stage finishes
     prefill_busy_s: float = 0.0  # stage 0's time from a request's admission to its own compute's end
     compute_s: float = 0.0  # of which computing
-    decode_s: list[float] = field(default_factory=list)  # handoff's end -> last token
+    decode_s: list[float] = field(default_factory=list)  # first token -> last token
+    first_token_wait_s: list[float] = field(default_factory=list)  # handoff's end -> first decoded token
     think_s: list[float] = field(default_factory=list)  # each think scheduled after warm-up
     lookup_wait_s: list[float] = field(default_factory=list)  # a lookup's time at its master, queue + service
     decode_use: list[float] = field(default_factory=list)  # filled pages / all pages, per shard and sample
@@ -120,10 +122,11 @@ class Metrics:
     def on_first_token(self, job: Job) -> None:
         job.first_token_at = self.now()
         if job.arrival >= self.warmup_s:
+            self.first_token_wait_s.append(self.now() - job.handed_off_at)
             self.ttft_s.append(self.now() - job.arrival)
             self.ttft_parts.append((self.now() - job.arrival, job.prefill_start - job.arrival,
                                     job.restore_start - job.prefill_start, job.restored_at - job.restore_start,
-                                    self.now() - job.restored_at))
+                                    job.handed_off_at - job.restored_at, self.now() - job.handed_off_at))
 
     def on_decode_done(self, job: Job) -> None:
         window = int(self.now() // self.window_s)
@@ -171,7 +174,7 @@ class Metrics:
             device, pool, computed = self.windows[index]
             total = device + pool + computed or 1
             series.append({"t": index * self.window_s, "reuse": (device + pool) / total, "pool_share": pool / total,
-                           "tokens_done": self.done_windows.get(index, 0)})
+                           "prompt_tokens": device + pool + computed, "tokens_done": self.done_windows.get(index, 0)})
         return series
 
     @staticmethod
@@ -179,9 +182,36 @@ class Metrics:
         return statistics.median(values) if values else 0.0
 
 
-def ttft_breakdown(parts: list[tuple[float, float, float, float, float]]) -> dict[str, dict[str, float]]:
+# The settling rule: a run counts once its pool share has settled. Its counted span (after the warm-up) is cut in
+# two halves of its whole windows; the pool share of each half (their prompt tokens the pool served, over their
+# prompt tokens) may differ by at most SETTLE_POINTS, and the span must be at least SETTLE_MIN_S long. A share
+# still climbing (the one-server runs' climbs for ~20 minutes after a cold start) differs between the halves.
+SETTLE_POINTS = 0.03
+SETTLE_MIN_S = 1200.0
+
+
+def settling(windows: list[dict[str, float]], warmup_s: float, duration_s: float,
+             window_s: float) -> dict[str, Any]:
+    """The settling rule over a run's windows (``Metrics.window_series``): ``steady`` when it holds."""
+    counted = [w for w in windows if w["t"] >= warmup_s and w["t"] + window_s <= duration_s]
+    half = len(counted) // 2
+    halves = [counted[:half], counted[len(counted) - half:]] if half else [[], []]
+    shares = []
+    for part in halves:
+        tokens = sum(w.get("prompt_tokens", 0.0) for w in part)
+        shares.append(sum(w["pool_share"] * w.get("prompt_tokens", 0.0) for w in part) / tokens if tokens else 0.0)
+    span = len(counted) * window_s
+    moved = abs(shares[1] - shares[0])
+    return {"rule": f"pool share of the counted span's two halves within {SETTLE_POINTS:.0%} points, span >= "
+                    f"{SETTLE_MIN_S:.0f} s", "counted_s": span, "windows": len(counted),
+            "pool_share_first_half": shares[0], "pool_share_second_half": shares[1], "moved": moved,
+            "steady": bool(span >= SETTLE_MIN_S and half and moved <= SETTLE_POINTS)}
+
+
+def ttft_breakdown(parts: list[tuple[float, float, float, float, float, float]]) -> dict[str, dict[str, float]]:
     """Where turns' TTFT goes, as mean seconds of each part: over all counted turns, the turns around the
-    median (TTFT between its 40th and 60th percentiles) and the slowest (at or above the 99th)."""
+    median (TTFT between its 40th and 60th percentiles) and the slowest (at or above the 99th). TTFT ends at
+    the first decoded token: ``first_token_s`` is from the handoff's end to it (decode's queue and first step)."""
     ttfts = sorted(p[0] for p in parts)
 
     def band(lo: float, hi: float) -> dict[str, float]:
@@ -189,7 +219,7 @@ def ttft_breakdown(parts: list[tuple[float, float, float, float, float]]) -> dic
         n = max(1, len(rows))
         return {"turns": len(rows), "ttft_s": sum(r[0] for r in rows) / n, "queue_s": sum(r[1] for r in rows) / n,
                 "lookup_s": sum(r[2] for r in rows) / n, "restore_s": sum(r[3] for r in rows) / n,
-                "after_restore_s": sum(r[4] for r in rows) / n}
+                "after_restore_s": sum(r[4] for r in rows) / n, "first_token_s": sum(r[5] for r in rows) / n}
 
     if not ttfts:
         return {}

@@ -23,7 +23,11 @@ SEED_SERVERS = 4
 SEED_SESSIONS = (96, 112)
 READINGS = ("total", "per_server")
 THRESHOLDS = (AFFINITY_STRICT, 2, 4, 8, AFFINITY_NONE)
-SCALE_SERVERS = (8, 16, 32)
+SCALE_SERVERS = (8, 16, 32, 64)
+# the seed's capacity mechanism: 4 servers, prompts as recorded, every session one agent's (their system and tool
+# prefix shared), sessions per server from where one split server's store holds its live histories to past it
+CAPACITY_SESSIONS = (112, 224)
+CONTEXT_AS_RECORDED = 1 << 20  # (topology.CONTEXT_AS_RECORDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +43,19 @@ class RunSpec:
     affinity: int | None = None  # the router's affinity threshold (None: the run settings')
     reading: str = ""  # seed runs: "total" or "per_server"
     seed_sessions: int = 0  # seed runs: 96 or 112 as the seed says it
+    warmup_s: float | None = None  # None: the run settings'
+    max_context: int | None = None  # None: the topology's
+    agent_prefix: bool = False  # every session one agent's (RunSettings.agent_prefix)
 
 
 def seed_label(reading: str, sessions: int, pool: str, affinity: int) -> str:
     return f"seed-{reading}-{sessions}-{pool}-{affinity_label(affinity)}"
 
 
-def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessions: int = 112) -> list[RunSpec]:
+def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessions: int = 112,
+           scale_warmup_s: float | None = None, capacity_duration_s: float = 2700.0,
+           capacity_warmup_s: float = 1500.0, capacity_sessions: tuple[int, ...] = CAPACITY_SESSIONS,
+           capacity_servers: int = SEED_SERVERS) -> list[RunSpec]:
     """The runs; the scale-out's store failure comes at two thirds of its duration (after warm-up)."""
     if quick:
         specs = [RunSpec("calibration", 1, 16, "shared", duration_s)]
@@ -54,7 +64,9 @@ def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessio
                   for a in (AFFINITY_STRICT, 4) for pool in ("shared", "split")]
         return specs + [RunSpec("scale-4", 4, 8, "shared", scale_duration_s, scale_duration_s * 2 / 3),
                         RunSpec("scale-4-nofail", 4, 8, "shared", scale_duration_s),
-                        RunSpec("scale-4-split", 4, 8, "split", scale_duration_s)]
+                        RunSpec("scale-4-split", 4, 8, "split", scale_duration_s),
+                        RunSpec("scale-4-split-strict", 4, 8, "split", scale_duration_s, affinity=AFFINITY_STRICT),
+                        *capacity_specs((8,), duration_s, duration_s / 4, servers=2)]
     specs = [RunSpec("calibration", 1, 112, "shared", duration_s)]
     for reading in READINGS:
         for n in SEED_SESSIONS:
@@ -62,14 +74,26 @@ def matrix(duration_s: float, scale_duration_s: float, quick: bool, scale_sessio
             specs += [RunSpec(seed_label(reading, n, pool, a), SEED_SERVERS, per_server, pool, duration_s,
                               affinity=a, reading=reading, seed_sessions=n)
                       for a in THRESHOLDS for pool in ("shared", "split")]
+    w = scale_warmup_s
     for s in SCALE_SERVERS:  # each with its twin without the failure (the loss is their difference) and split
-        specs += [RunSpec(f"scale-{s}", s, scale_sessions, "shared", scale_duration_s, scale_duration_s * 2 / 3),
-                  RunSpec(f"scale-{s}-nofail", s, scale_sessions, "shared", scale_duration_s),
-                  RunSpec(f"scale-{s}-split", s, scale_sessions, "split", scale_duration_s)]
+        specs += [RunSpec(f"scale-{s}", s, scale_sessions, "shared", scale_duration_s, scale_duration_s * 2 / 3,
+                          warmup_s=w),
+                  RunSpec(f"scale-{s}-nofail", s, scale_sessions, "shared", scale_duration_s, warmup_s=w),
+                  RunSpec(f"scale-{s}-split", s, scale_sessions, "split", scale_duration_s, warmup_s=w)]
         # the split baseline as an operator would run it (sessions never leave their pipeline), and its shared twin
         specs += [RunSpec(f"scale-{s}-{twin}strict", s, scale_sessions, pool, scale_duration_s,
-                          affinity=AFFINITY_STRICT) for twin, pool in (("", "shared"), ("split-", "split"))]
-    return specs
+                          affinity=AFFINITY_STRICT, warmup_s=w) for twin, pool in (("", "shared"), ("split-", "split"))]
+    return specs + capacity_specs(capacity_sessions, capacity_duration_s, capacity_warmup_s, capacity_servers)
+
+
+def capacity_specs(sessions: tuple[int, ...], duration_s: float, warmup_s: float,
+                   servers: int = SEED_SERVERS) -> list[RunSpec]:
+    """The capacity scenario at each sessions per server: shared, split with the router's affinity (sessions
+    move) and split with strict affinity (sessions kept home), prompts as recorded, one agent's prefix shared."""
+    return [RunSpec(f"capacity-{n}-{side}", servers, n, "split" if side != "shared" else "shared", duration_s,
+                    affinity=AFFINITY_STRICT if side == "split-strict" else None, warmup_s=warmup_s,
+                    max_context=CONTEXT_AS_RECORDED, agent_prefix=True)
+            for n in sessions for side in ("shared", "split", "split-strict")]
 
 
 COLUMNS = (
@@ -155,19 +179,22 @@ def final_object(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]
             "throughput_per_gpu", "throughput_per_gpu_computed", "reuse_ratio", "trace_bound", "pool_share",
             "ttft_p50_s", "restore_p50_ms", "decode_kv_use_p50", "stage_spread_mean_s", "trace_policy")}
     out["scale_out"] = {}
+    for r in results:  # each size's shared run without the failure, against both split baselines
+        if not (r["label"].startswith("scale-") and r["label"].endswith("-nofail")):
+            continue
+        n = r["servers"]
+        out["scale_out"][str(n)] = scale_row(r, by_label.get(f"scale-{n}-split"),
+                                             by_label.get(f"scale-{n}-split-strict"))
     for r in results:
         base = by_label.get(f"{r['label']}-nofail")
         if not r["label"].startswith("scale-") or base is None:
             continue
-        figures = {k: base[k] for k in SCALE_KEYS}
-        split = by_label.get(f"{r['label']}-split")
-        if split is not None:
-            figures["shared_over_split"] = base["throughput_per_gpu"] / max(split["throughput_per_gpu"], 1e-9)
-            figures["split_master_utilization"] = split["master_utilization"]
-        figures["sessions_per_server"] = base["sessions_per_server"]
+        figures = out["scale_out"][str(r["servers"])]
         figures["dropped_objects"] = r["dropped_objects"]
         figures.update(failure_figures(r["windows"], base["windows"], r["fail_at_s"], r["window_s"]))
-        out["scale_out"][str(r["servers"])] = figures
+    capacity = capacity_rows(results)
+    if capacity:
+        out["capacity"] = capacity
     for r in results:  # strict affinity at scale: shared against split, each from its own run
         split = by_label.get(f"scale-{r['servers']}-split-strict")
         if r["label"] != f"scale-{r['servers']}-strict" or split is None:
@@ -175,6 +202,60 @@ def final_object(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]
         out["scale_out"].setdefault(str(r["servers"]), {})["strict"] = {
             "shared_over_split": r["throughput_per_gpu"] / max(split["throughput_per_gpu"], 1e-9),
             **{k: r[k] for k in STRICT_KEYS}, **{f"split_{k}": split[k] for k in STRICT_KEYS}}
+    return out
+
+
+def _over(shared: dict[str, Any], split: dict[str, Any] | None) -> float | None:
+    return None if split is None else shared["throughput_per_gpu"] / max(split["throughput_per_gpu"], 1e-9)
+
+
+# what a server count's pool can be limited by: each resource's busy share in the shared run
+LIMITS = ("master_busy", "prefill_busy", "nic_busy")
+
+
+def scale_row(shared: dict[str, Any], split: dict[str, Any] | None, strict: dict[str, Any] | None) -> dict[str, Any]:
+    """One server count: the shared pool's run (the router's affinity) against the split pools with sessions
+    moving (``split``, the same affinity) and kept home (``strict``); ``steady`` when all three settled;
+    ``limit``: the resource nearest saturation in the shared run (master, prefill or the busiest NIC)."""
+    row: dict[str, Any] = {k: shared[k] for k in SCALE_KEYS}
+    row.update(servers=shared["servers"], shards=shared["masters"], sessions_per_server=shared["sessions_per_server"],
+               master_busy=shared["master_utilization"], prefill_busy=shared["prefill_busy"],
+               nic_busy=shared["nic_use_peak"],
+               shared_over_split_moving=_over(shared, split), shared_over_split_strict=_over(shared, strict),
+               steady=all(r is not None and r.get("steady", False) for r in (shared, split, strict)),
+               steady_runs={label: r.get("steady", False) for label, r in
+                            (("shared", shared), ("split", split), ("split_strict", strict)) if r is not None},
+               duration_s=shared["duration_s"], warmup_s=shared["warmup_s"])
+    row["shared_over_split"] = row["shared_over_split_moving"]
+    if split is not None:
+        row["split_master_utilization"] = split["master_utilization"]
+    row["limit"] = max(LIMITS, key=lambda k: row[k])
+    return row
+
+
+def capacity_rows(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The capacity scenario per sessions a server: shared over split (moving and strict), and whether the split
+    side's stores evicted (its masters' evictions a second and pool use) while the shared one's did not."""
+    by_label = {r["label"]: r for r in results}
+    out: dict[str, Any] = {}
+    for r in results:
+        parts = r["label"].split("-")
+        if parts[0] != "capacity" or parts[2:] != ["shared"]:
+            continue
+        split, strict = by_label.get(f"capacity-{parts[1]}-split"), by_label.get(f"capacity-{parts[1]}-split-strict")
+        row: dict[str, Any] = {"servers": r["servers"], "sessions_per_server": r["sessions_per_server"],
+                               "shared_over_split_moving": _over(r, split),
+                               "shared_over_split_strict": _over(r, strict),
+                               "steady": all(x is not None and x.get("steady", False) for x in (r, split, strict))}
+        for side, x in (("shared", r), ("split", split), ("split_strict", strict)):
+            if x is not None:
+                row[side] = {k: x[k] for k in ("throughput_per_gpu", "reuse_ratio", "pool_share", "device_share",
+                                                "ttft_p50_s", "pool_use_p50", "master_evictions_per_s", "steady",
+                                                "prefill_busy", "master_utilization", "decode_kv_reserved_p50",
+                                                "errors", "turns_per_s", "settling")}
+                row[side]["arrivals"] = x["trace_policy"]["arrivals"]
+        row["split_evicts"] = bool(strict is not None and strict["master_evictions_per_s"] > 0)
+        out[parts[1]] = row
     return out
 
 

@@ -30,11 +30,15 @@ def run_spec(spec: RunSpec, trace_dir: str, cost_path: str | CostModel, base: Ru
              topology: Topology) -> dict[str, Any]:
     cost = cost_path if isinstance(cost_path, CostModel) else load_cost_model(Path(cost_path))
     traces = _sessions(trace_dir)
+    warmup = base.warmup_s if spec.warmup_s is None else spec.warmup_s
     settings = replace(
         base, num_sessions=spec.sessions_per_server * spec.servers, pool=spec.pool, duration_s=spec.duration_s,
-        warmup_s=min(base.warmup_s, spec.duration_s / 2), fail_server_at_s=spec.fail_at_s,
+        warmup_s=warmup if warmup < spec.duration_s else spec.duration_s / 2, agent_prefix=spec.agent_prefix,
+        fail_server_at_s=spec.fail_at_s,
         affinity_max_queue=base.affinity_max_queue if spec.affinity is None else spec.affinity,
     )
+    if spec.max_context is not None:
+        topology = replace(topology, max_context=spec.max_context)
     topology = replace(topology, num_servers=spec.servers, device_kv_gib_per_gpu=cost.fit.device_kv_gib_per_gpu,
                        decode_kv_gib_per_gpu=cost.fit.decode_kv_gib_per_gpu or topology.decode_kv_gib_per_gpu)
     result = Simulation(topology, settings, cost, traces).run()

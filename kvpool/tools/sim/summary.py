@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.tools.sim.metrics import percentile, ttft_breakdown
+from kvpool.tools.sim.metrics import percentile, settling, ttft_breakdown
 
 
 def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
@@ -53,6 +53,8 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
         "prefill_compute_share": m.compute_s / max(m.prefill_busy_s, 1e-9),
         "ttft_mean_s": sum(m.ttft_s) / max(1, len(m.ttft_s)),
         "decode_mean_s": sum(m.decode_s) / max(1, len(m.decode_s)),
+        # TTFT's last part: the handoff's end to the first decoded token (decode's queue and its first step)
+        "first_token_wait_mean_s": sum(m.first_token_wait_s) / max(1, len(m.first_token_wait_s)),
         "think_mean_s": sum(m.think_s) / max(1, len(m.think_s)),
         "decode_kv_use_p50": percentile(m.decode_use, 50),
         "decode_kv_reserved_p50": percentile(m.decode_reserved, 50),
@@ -81,6 +83,8 @@ def summarize(sim: Any, wall_s: float) -> dict[str, Any]:
     out["nic_use"] = out["cross_server_bytes_per_s_per_nic"] / nic
     out["nic_use_peak"] = out["cross_server_bytes_per_s_peak_nic"] / nic
     out["windows"] = m.window_series()
+    out["settling"] = settling(out["windows"], s.warmup_s, s.duration_s, s.window_s)
+    out["steady"] = out["settling"]["steady"]
     out["sched"] = s.sched
     out["prompt_tok_s"] = m.window_prompt_tokens / span
     # restore time on the critical path, per turn prefilled (a turn that restores nothing adds 0)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 GIB = 1 << 30
+CONTEXT_AS_RECORDED = 1 << 20  # above every recorded prompt + output (the longest: 838K tokens): nothing is cut
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,9 @@ class Topology:
     nic_gbps: float = 50.0
     decode_page_tokens: int = 64
     decode_max_batch: int = 256
-    max_context: int = 163_840  # DeepSeek-V3's max_position_embeddings
+    # the longest prompt + output a turn may have: DeepSeek-V3's max_position_embeddings, which cuts 9.5% of the
+    # recorded prompts (``workload.fit_to_context``); CONTEXT_AS_RECORDED cuts none (``--max-context``)
+    max_context: int = 163_840
 
     def __post_init__(self) -> None:
         for name in ("num_servers", "gpus_per_server", "num_stages", "pipelines_per_server",
@@ -109,6 +112,8 @@ class RunSettings:
     open_loop_initial_sessions: int = 0
     # the router's queue: a turn waits this long for decode room, then leaves unserved (``expired_in_queue``)
     queue_timeout_s: float = 30.0  # the router's default
+    # every session is one agent's: they share their system and tool prefix (``workload.own_block_ids``)
+    agent_prefix: bool = False
     # the summary also carries every counted turn's TTFT (``ttft_samples``): the comparisons pool runs' turns
     keep_ttft_samples: bool = False
 

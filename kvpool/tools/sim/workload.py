@@ -12,7 +12,13 @@ those leading block ids, which is what equal leading token ids would give
 
 Sessions are played as instances: instance k plays trace ``k % num_traces``
 under its own namespace, so two instances of one trace share nothing (as two
-real sessions share nothing in these per-session-id traces).
+real sessions share nothing in these per-session-id traces). With
+``agent_prefix`` every instance is a session of one agent: all share one
+namespace, and each keeps the trace's own block ids only over its system and
+tool prefix (``system_tokens + tool_tokens``; the traces' prefixes are equal
+over their first 10-20K tokens), its later blocks made its own
+(``own_block_ids``), so sessions share chunks exactly where their prefixes are
+equal and nothing after.
 """
 
 from __future__ import annotations
@@ -25,13 +31,28 @@ from kvpool.workload.weka import Session, Turn
 BLOCK_TOKENS = 64
 
 
-def turn_chunk_hashes(namespace: str, turn: Turn, block_size: int, chunk_tokens: int) -> list[ChunkHash]:
-    """The chunk hashes of one prompt: ``turn.input_tokens // chunk_tokens`` of them."""
+AGENT_NAMESPACE = "sim/agent"
+
+
+def own_block_ids(ids: list[int], shared_blocks: int, instance: int) -> list[int]:
+    """``ids`` with every block past the first ``shared_blocks`` made the instance's own: XOR with a salt
+    distinct for every instance (k x an odd constant + 1, a bijection of uint32), so two instances' chains part at
+    their first own chunk even when they play one trace."""
+    salt = (instance * 2654435761 + 1) & 0xFFFFFFFF
+    return ids[:shared_blocks] + [(i ^ salt) & 0xFFFFFFFF for i in ids[shared_blocks:]]
+
+
+def turn_chunk_hashes(namespace: str, turn: Turn, block_size: int, chunk_tokens: int,
+                      own: tuple[int, int] | None = None) -> list[ChunkHash]:
+    """The chunk hashes of one prompt: ``turn.input_tokens // chunk_tokens`` of them (``own``: the instance
+    and its shared prefix's blocks, for ``own_block_ids``)."""
     if chunk_tokens % block_size:
         raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the trace's block size {block_size}")
     blocks_per_chunk = chunk_tokens // block_size
     num_chunks = turn.input_tokens // chunk_tokens
     ids = turn.hash_ids[: num_chunks * blocks_per_chunk]
+    if own is not None:
+        ids = own_block_ids(list(ids), own[1], own[0])
     return chunk_hashes(namespace, ids, blocks_per_chunk)
 
 
@@ -44,6 +65,7 @@ class SessionPlay:
     next_turn: int = 0
     hashes: list[ChunkHash] = field(default_factory=list)
     servers: list[int] = field(default_factory=list)  # the server of each turn placed so far
+    agent_prefix: bool = False  # a session of one agent: its system and tool prefix shared (see the module doc)
 
     @property
     def key(self) -> str:
@@ -51,7 +73,11 @@ class SessionPlay:
 
     @property
     def namespace(self) -> str:
-        return f"sim/{self.instance}/{self.trace.id}"
+        return AGENT_NAMESPACE if self.agent_prefix else f"sim/{self.instance}/{self.trace.id}"
+
+    @property
+    def shared_blocks(self) -> int:
+        return (self.trace.system_tokens + self.trace.tool_tokens) // self.trace.block_size
 
     @property
     def done(self) -> bool:
@@ -62,7 +88,8 @@ class SessionPlay:
         recorded = self.trace.turns[self.next_turn]
         self.next_turn += 1
         turn = recorded if max_context is None else fit_to_context(recorded, self.trace.block_size, max_context)
-        self.hashes = turn_chunk_hashes(self.namespace, turn, self.trace.block_size, chunk_tokens)
+        own = (self.instance, self.shared_blocks) if self.agent_prefix else None
+        self.hashes = turn_chunk_hashes(self.namespace, turn, self.trace.block_size, chunk_tokens, own)
         return turn, turn is not recorded
 
 
