@@ -203,9 +203,10 @@ class Election(RuleBasedStateMachine):
     @precondition(lambda self: self.replies)
     @rule()
     def late_reply(self) -> None:
-        before = self.client.epoch
-        admitted = self.client.admit(self.replies.pop(0))
-        assert admitted == (self.client.epoch >= before)
+        before, epoch = self.client.epoch, self.replies.pop(0)
+        admitted = self.client.admit(epoch)
+        # a reply of an older epoch than the client heard is refused, and leaves what it heard as it was
+        assert admitted == (epoch >= before) and self.client.epoch == max(before, epoch)
 
     @invariant()
     def at_most_one_serves_and_it_holds_the_lease(self) -> None:
