@@ -111,7 +111,7 @@ def test_validate_json_line_keys_with_the_cluster_side_replaced(monkeypatch: pyt
     monkeypatch.setattr(simulate_validate, "_real_side", lambda *a: real)
     args = build_parser().parse_args(["simulate", "--validate", "--quick", "--json", "--traces", str(TRACES)])
     assert simulate_validate.main(args) == 0
-    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    final = json.loads(capsys.readouterr().out)  # one JSON document on stdout (the runs' lines go to stderr)
     assert list(final)[-6:] == ["pool_tokens", "evictions", "effects_equal", "token_counts_equal", "throughput_error",
                                 "ttft_p50_error"]
     assert final["cost_model"] == "cost_model_cpu.toml" and final["runs"] == 1

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -203,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
         run = compare_one(sessions, setup, cost, real)
         run["sim_wall_s"] = time.perf_counter() - t0
         runs.append(run)
-        print(json.dumps(run))
+        print(json.dumps(run), file=sys.stderr)  # each run as it ends; stdout holds one document, the summary
     last = runs[-1]
     errors = {key: [r[key] for r in runs] for key in ("throughput_error", "ttft_p50_error")}
     out = {"traces": list(VALIDATION_TRACES), "scale": setup.scale, "cost_model": Path(cost_path).name,
