@@ -30,7 +30,8 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
 def _log(args: argparse.Namespace) -> None:
     fmt = getattr(args, "log_format", "auto")
-    configure_logging(getattr(args, "log_level", "warning"), json=None if fmt == "auto" else fmt == "json")
+    # kvpool up's flag defaults to None (see services_log_level): up itself logs at info then
+    configure_logging(getattr(args, "log_level", "warning") or "info", json=None if fmt == "auto" else fmt == "json")
 
 
 def _settings(cls: type, section: str, args: argparse.Namespace) -> Any:
@@ -142,8 +143,14 @@ def _run_up(args: argparse.Namespace) -> int:
         demo = play
     from kvpool.services.memory_budget import memory_budget
 
-    return run_up(settings, args.config, "warning" if args.log_level == "info" else args.log_level, demo,
-                  memory_budget(settings, args.config), args.ready_file)
+    return run_up(settings, args.config, services_log_level(args), demo, memory_budget(settings, args.config),
+                  args.ready_file)
+
+
+def services_log_level(args: argparse.Namespace) -> str:
+    """The level ``kvpool up`` gives the services it starts: warning unless ``--log-level`` was given (so
+    ``--log-level info`` gets their info lines, where the default keeps the terminal and files quiet)."""
+    return args.log_level or "warning"
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -108,6 +108,8 @@ def _add_up(sub: Any) -> None:
                        "healthy, print where each listens, and stop them all on Ctrl-C or SIGTERM. Its shape comes "
                        "from the [up] table of --config (every service also reads its own table), flags win.")
     _common(p)
+    # not given: up logs at info and the services it starts at warning; given: both at that level
+    p.set_defaults(log_level=None)
     add_setting_flags(p, UpSettings)
     # refused by services/cli.py with the reason: named here so that it is not taken for --api-keys-file
     p.add_argument("--api-key", dest="api_key_on_command_line", metavar="KEY", help=argparse.SUPPRESS)

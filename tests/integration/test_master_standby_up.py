@@ -41,8 +41,8 @@ def test_the_leader_killed_mid_replay_every_turn_completes_with_the_right_answer
 def test_kvpool_up_secure_with_a_standby_runs_etcd_over_mutual_tls(tmp_path: Path) -> None:
     workdir = tmp_path / "up"
     result = subprocess.run(
-        [sys.executable, "-m", "kvpool.services.cli", "up", "--log-level", "debug", "--secure", "--master-standbys", "1", "--demo",
-         "--trace", "synthetic", "--turns", "2", "--http-port", "0", "--grpc-port", "0", "--segment-size", "64MiB",
+        [sys.executable, "-m", "kvpool.services.cli", "up", "--log-level", "info", "--secure", "--master-standbys", "1",
+         "--demo", "--trace", "synthetic", "--turns", "2", "--http-port", "0", "--grpc-port", "0", "--segment-size", "64MiB",
          "--workdir", str(workdir)],
         capture_output=True, text=True, timeout=600,
     )

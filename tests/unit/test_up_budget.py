@@ -79,3 +79,17 @@ def test_what_the_user_gives_up_wins_over_the_service_table(tmp_path: Path) -> N
     assert _value(args["store"], "--segment-size") is None  # [store] says 1GiB; up was told nothing
     assert settings.handed(read_config(str(config))) == {
         "store": {}, "prefill": {"device_cache_tokens": 4096}, "decode": {"region_arena_bytes": "96MiB"}}
+
+
+def test_up_gives_its_services_warning_unless_a_level_is_asked_for() -> None:
+    """``kvpool up`` keeps its services at warning by default, and gives them the level asked for otherwise:
+    ``--log-level info`` is not the default (it used to be read as one, so their info lines could not be had)."""
+    from kvpool.services import cli, cli_parser
+
+    def level(*flags: str) -> str:
+        return cli.services_log_level(cli_parser.build_parser().parse_args(["up", *flags]))
+
+    assert level() == "warning"
+    assert [level("--log-level", name) for name in ("debug", "info", "warning", "error")] == [
+        "debug", "info", "warning", "error"]
+    assert cli_parser.build_parser().parse_args(["master"]).log_level == "info"  # other commands as before
