@@ -42,8 +42,8 @@ def test_kvpool_up_secure_with_a_standby_runs_etcd_over_mutual_tls(tmp_path: Pat
     workdir = tmp_path / "up"
     result = subprocess.run(
         [sys.executable, "-m", "kvpool.services.cli", "up", "--log-level", "info", "--secure", "--master-standbys", "1",
-         "--demo", "--trace", "synthetic", "--turns", "2", "--http-port", "0", "--grpc-port", "0", "--segment-size", "64MiB",
-         "--workdir", str(workdir)],
+         "--demo", "--trace", "synthetic", "--turns", "2", "--http-port", "0", "--grpc-port", "0",
+         "--segment-size", "64MiB", "--workdir", str(workdir)],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
