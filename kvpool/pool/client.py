@@ -21,6 +21,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from kvpool import service
+from kvpool.core.pool.compact import full_keys
 from kvpool.core.pool.master_breaker import MasterBreaker
 from kvpool.core.pool.paths import BytePath, SegmentAccess, byte_path
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
@@ -76,19 +77,31 @@ def access_message(access: SegmentAccess) -> pool_pb2.SegmentAccess:
     return pool_pb2.SegmentAccess(segment_id=access.segment_id, host=access.host, base_address=access.base_address,
                                   shared_memory=shared_memory_message(access.shared))
 
-def packed_groups(packed: pool_pb2.PackedGroups, segments: Sequence[pool_pb2.SegmentAccess]) -> list[GroupLocation]:
+def packed_groups(packed: pool_pb2.PackedGroups, segments: Sequence[pool_pb2.SegmentAccess],
+                  group_ids: Sequence[str] | None = None) -> list[GroupLocation]:
     """A lookup's ``PackedGroups`` as located groups; a member naming a segment the answer does not
-    describe is a malformed answer (``ValueError``)."""
+    describe is a malformed answer (``ValueError``). ``group_ids``: the answer is compact
+    (``LookupResponse.compact``), and these are the ids its groups were asked by, from the first located."""
     by_number = {s.number: (s.segment_id, s.endpoint) for s in segments}
     keys, numbers, addresses = list(packed.key), list(packed.segment), list(packed.address)
     sizes, sums = list(packed.size), list(packed.checksum)
     counts = list(packed.num_members)
-    if not (len(keys) == len(numbers) == len(addresses) == len(sizes) == len(sums) == sum(counts)) or \
-            len(counts) != len(packed.group_id):
+    if not (len(keys) == len(numbers) == len(addresses) == len(sizes) == len(sums) == sum(counts)):
         raise ValueError("packed: its arrays disagree in length")
+    if group_ids is None:
+        ids: Sequence[str] = packed.group_id
+        if len(counts) != len(ids):
+            raise ValueError("packed: its arrays disagree in length")
+    elif len(packed.group_id) or len(counts) > len(group_ids):
+        raise ValueError(f"packed: a compact answer of {len(counts)} groups (and {len(packed.group_id)} ids) to "
+                         f"{len(group_ids)} asked")
+    else:
+        ids = group_ids
     groups = []
     i = 0
-    for group_id, count in zip(packed.group_id, counts):
+    for group_id, count in zip(ids, counts):
+        if group_ids is not None:
+            keys[i:i + count] = full_keys(group_id, keys[i:i + count])
         members = {}
         for j in range(i, i + count):
             try:
@@ -454,7 +467,7 @@ class PoolClient:
         if not allowed:
             return LookupResult([], 0, 0)
         request = pool_pb2.LookupRequest(group_ids=list(group_ids), lease_ms=lease_ms, held_prefix=held_prefix,
-                                         packed=True, packed_bytes=True)
+                                         packed=True, packed_bytes=True, compact=True)
         try:
             response = await self._session("lookup", request, self._stub.Lookup,
                                            PROBE_TIMEOUT_S if probing else RPC_TIMEOUT_S)
@@ -472,7 +485,8 @@ class PoolClient:
                 packed = response.packed
                 if response.packed_bytes:  # a master that answers packed_bytes
                     packed = pool_pb2.PackedGroups.FromString(response.packed_bytes)
-                groups = packed_groups(packed, response.segments)
+                groups = packed_groups(packed, response.segments,
+                                       group_ids[held_prefix:] if response.compact else None)
             except (ValueError, DecodeError) as exc:  # never from a master of this version: a miss, lease given back
                 log.warning("pool_lookup_malformed", error=str(exc))
                 await self.release(response.lease_id)

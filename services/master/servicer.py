@@ -15,6 +15,7 @@ import grpc
 import structlog
 
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
+from kvpool.core.pool.compact import compact_keys
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
@@ -154,14 +155,17 @@ def add_accesses(field: Any, segments: Iterable[Segment]) -> None:
                   endpoint=segment.endpoint)
 
 
-def packed_group(group: Group, segments: dict[str, Segment]) -> tuple[bytes, tuple[str, ...]]:
+def packed_group(group: Group, segments: dict[str, Segment], compact: bool = False) -> tuple[bytes, tuple[str, ...]]:
     """One complete group's part of a packed lookup answer (``PackedGroups``: packed repeated fields of
     concatenated encodings merge in order), and the ids of the segments it names. Made once per group: the
-    index forgets it whenever a member changes (``Group.encoded``)."""
+    index forgets it whenever a member changes (``Group.encoded``, ``Group.compact``). ``compact``: without
+    the group's id, and with each key a reader derives as "" (``kvpool.core.pool.compact``)."""
     members = list(group.members.values())
     named = {obj.segment_id: segments[obj.segment_id] for obj in members}
+    keys = [obj.key for obj in members]
     message = pool_pb2.PackedGroups(
-        group_id=[group.group_id], num_members=[len(members)], key=[obj.key for obj in members],
+        group_id=() if compact else [group.group_id], num_members=[len(members)],
+        key=compact_keys(group.group_id, keys) if compact else keys,
         segment=[named[obj.segment_id].number for obj in members],
         address=[named[obj.segment_id].base_address + obj.offset for obj in members],
         size=[obj.size for obj in members], checksum=[obj.checksum for obj in members])
@@ -169,6 +173,7 @@ def packed_group(group: Group, segments: dict[str, Segment]) -> tuple[bytes, tup
 
 
 _ENCODED = attrgetter("encoded")
+_COMPACT = attrgetter("compact")
 _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
 
@@ -508,22 +513,29 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         response.num_complete, response.lease_id = result.num_found, result.lease_id
         response.lease_ms = round(result.lease_s * 1000)
         if request.packed:
-            add_accesses(response.segments, self._packed(response, result.groups, request.packed_bytes))
+            add_accesses(response.segments, self._packed(response, result.groups, request.packed_bytes,
+                                                                 request.compact))
         else:
             add_accesses(response.segments, self._groups(response, result.groups))
         self.metrics.observe_lookup(len(group_ids), result.num_found)
         return response
 
-    def _packed(self, response: pool_pb2.LookupResponse, groups: list[Group], as_bytes: bool) -> Iterable[Segment]:
+    def _packed(self, response: pool_pb2.LookupResponse, groups: list[Group], as_bytes: bool,
+                compact: bool) -> Iterable[Segment]:
         """The located groups as ``PackedGroups``: each group's encoding made once and joined, as bytes
-        (``as_bytes``: never parsed here) or parsed in C into ``packed``."""
+        (``as_bytes``: never parsed here) or parsed in C into ``packed``; ``compact``: in the compact form."""
         segments = self.index.segments
-        encodings = list(map(_ENCODED, groups))
+        encodings = list(map(_COMPACT if compact else _ENCODED, groups))
         if None in encodings:  # (by identity first: a tuple never equals None) groups no lookup found yet
             for i, group in enumerate(groups):
                 if encodings[i] is None:
-                    encodings[i] = group.encoded = packed_group(group, segments)
+                    encodings[i] = packed_group(group, segments, compact)
+                    if compact:
+                        group.compact = encodings[i]
+                    else:
+                        group.encoded = encodings[i]
         response.packed.SetInParent()  # present even when empty: this master answered in the packed form
+        response.compact = compact
         if encodings:
             joined = b"".join(map(_FIRST, encodings))
             if as_bytes:

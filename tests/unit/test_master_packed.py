@@ -162,3 +162,43 @@ def test_corrupt_groups_without_a_lease_in_a_put_start_are_refused_naming_the_fi
     assert refused.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.args[1].startswith("release_corrupt_group_ids: given without release_lease_id")
     assert "x/0" not in index.objects  # refused before anything changed
+
+
+def test_the_compact_answer_leaves_out_ids_and_derivable_keys_and_reads_back_exactly() -> None:
+    service, index = servicer()
+    put(index, "a")
+    put(index, "b", host="host1")
+    odd = [PutRequestItem(key, "c", 2, KB) for key in ("c/1", "other-name")]  # keys that are not derivable
+    index.put_start("host0", odd)
+    index.put_end([(odd[0].key, 31), (odd[1].key, 32)])
+    full = lookup(service, ["a", "b", "c"], packed=True, held_prefix=1)
+    compact = lookup(service, ["a", "b", "c"], packed=True, held_prefix=1, compact=True)
+    assert compact.compact and not full.compact
+    c = compact.packed
+    assert list(c.group_id) == [] and list(c.num_members) == [4, 2]
+    assert list(c.key) == ["", "", "", "", "c/1", "other-name"]  # "c/1" is c's first member, not its second
+    assert (list(c.segment), list(c.address), list(c.size), list(c.checksum)) == (
+        list(full.packed.segment), list(full.packed.address), list(full.packed.size), list(full.packed.checksum))
+    assert packed_groups(c, compact.segments, ["b", "c"]) == packed_groups(full.packed, full.segments)
+    raw = lookup(service, ["a", "b", "c"], packed=True, packed_bytes=True, held_prefix=1, compact=True)
+    assert raw.compact and pool_pb2.PackedGroups.FromString(raw.packed_bytes) == c
+    # each form's encoding is kept apart, and both are forgotten when a member changes
+    group = index.groups["b"]
+    assert group.compact is not None and group.encoded is not None and group.compact != group.encoded
+    index.drop_member(group, "b/3")
+    assert group.compact is None and group.encoded is None
+
+
+def test_a_compact_answer_that_cannot_be_read_is_refused() -> None:
+    segments = [pool_pb2.SegmentAccess(segment_id="seg0", number=1, endpoint="e:1")]
+    two = pool_pb2.PackedGroups(num_members=[1, 1], key=["", ""], segment=[1, 1], address=[1, 2], size=[3, 3],
+                                checksum=[5, 6])
+    with pytest.raises(ValueError, match="a compact answer of 2 groups"):
+        packed_groups(two, segments, ["a"])  # more groups than were asked
+    with_ids = pool_pb2.PackedGroups(group_id=["a"], num_members=[1], key=[""], segment=[1], address=[1], size=[3],
+                                     checksum=[5])
+    with pytest.raises(ValueError, match=r"\(and 1 ids\)"):
+        packed_groups(with_ids, segments, ["a"])
+    assert packed_groups(two, segments, ["a", "b", "c"]) == [
+        GroupLocation("a", {"a/0": ObjectLocation("a/0", "e:1", 1, 3, 5, "seg0")}),
+        GroupLocation("b", {"b/0": ObjectLocation("b/0", "e:1", 2, 3, 6, "seg0")})]

@@ -147,7 +147,7 @@ class PutTable:
             group = groups[obj.group_id]
             group.num_in_flight -= 1
             group.num_committed += 1
-            group.encoded = None
+            group.encoded = group.compact = None
             if group.complete:
                 self.incomplete.pop(obj.group_id, None)
             segments[obj.segment_id].journal.add(

@@ -157,6 +157,8 @@ class Group:
     # the master's encoding of the complete group's locations for lookups, made at the first lookup
     # that finds it; the index sets it back to None whenever a member changes
     encoded: object = None
+    # the same in the compact form (kvpool.core.pool.compact), made and forgotten alike
+    compact: object = None
     # the index forgot it (dropped, evicted, removed): a lease may still hold it, a lookup never finds it again
     dropped: bool = False
 

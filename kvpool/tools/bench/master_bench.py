@@ -21,7 +21,7 @@ For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
    client's ``Session`` stream, ``kvpool.pool.session_client``):
    - ``lookup_cpu_ms``: a lookup of one ``HISTORY_CHUNKS``-group history that
      hits, with its release; legacy answers one message per object, today's
-     packed arrays (``LookupRequest.packed``);
+     packed arrays in the compact form (``LookupRequest.packed``, ``compact``);
    - ``save_cpu_ms``: a save of ``SAVE_CHUNKS`` chunks over the stages; legacy is
      one put pair per stage, today's one pair for all stages;
    - ``turn_cpu_ms``: the calls of a typical turn (``--turn-*``): a lookup of the
@@ -176,7 +176,7 @@ class Calls:
         pb = self.pb
         request = (pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS) if legacy else
                    pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS, held_prefix=held, packed=True,
-                                     packed_bytes=True))
+                                     packed_bytes=True, compact=True))
         t0 = time.perf_counter()
         response = await self._call("lookup", self.stub.Lookup, request, legacy)
         took = time.perf_counter() - t0
