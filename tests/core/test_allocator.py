@@ -237,6 +237,41 @@ def test_equal_size_churn_never_fragments() -> None:
     assert (alloc.num_free_extents, alloc.num_allocations, alloc.used_bytes) == (1, 0, 0)
 
 
+# -- the best-fit structure's own accounting ------------------------------------
+
+
+def check_heaps(alloc: SegmentAllocator) -> None:
+    """The sizes, heaps and counts agree with the free extents, and the stale count with the heaps."""
+    by_size: dict[int, list[int]] = {}
+    for offset, size in alloc._free_at.items():
+        by_size.setdefault(size, []).append(offset)
+    assert alloc._sizes == sorted(by_size)
+    assert alloc._count == {size: len(offsets) for size, offsets in by_size.items()}
+    assert set(alloc._at_size) == set(by_size)
+    for size, offsets in by_size.items():
+        assert set(offsets) <= set(alloc._at_size[size])  # every free extent has its entry
+    entries = sum(len(heap) for heap in alloc._at_size.values())
+    assert alloc._stale == entries - len(alloc._free_at)
+
+
+def test_stale_entries_are_skipped_and_the_heaps_built_afresh_when_they_outnumber_live_ones() -> None:
+    alloc = SegmentAllocator(64 * 1000, 64)
+    offsets = [alloc.allocate(64) for _ in range(1000)]
+    for offset in offsets[::2]:  # 500 one-block holes, none touching
+        alloc.free(offset)
+    check_heaps(alloc)
+    assert alloc._stale == 0 and alloc.num_free_extents == 500
+    rebuilt = False
+    for offset in offsets[1::2][:-1]:  # each merges two holes into one: their entries go stale
+        alloc.free(offset)
+        check_heaps(alloc)
+        rebuilt = rebuilt or alloc._stale == 0
+    assert rebuilt  # stale entries came to outnumber the live ones at least once
+    # what is left: blocks 0-998 free as one, block 999 live; the best fit still takes the lowest offset
+    assert alloc.free_extents() == [Extent(0, 64 * 999)] and alloc.allocate(64) == 0
+    check_heaps(alloc)
+
+
 # -- mixed sizes against a reference model -------------------------------------
 
 
@@ -315,6 +350,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert alloc.largest_free == max((s for _, s in gaps), default=0)
         assert alloc.num_allocations == len(self.live)
         assert alloc.num_free_extents == len(gaps)
+        check_heaps(alloc)
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase

@@ -6,9 +6,9 @@ segment and only ever hands out offsets; the bytes live in the store.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass
-
-from sortedcontainers import SortedList
+from heapq import heapify, heappop, heappush
 
 # 64 bytes = one cache line: objects never share a line (no false sharing
 # between concurrent writers), and the transfer engine's DMA / memcpy paths
@@ -60,13 +60,20 @@ class SegmentAllocator:
     fragments: if capacity is a multiple of the rounded size, `allocate`
     succeeds iff `free_bytes >= size`.
 
-    Every operation is O(log n) in the number of free extents.
+    Every operation is O(log n) in the number of free extents, and runs in C but for a few steps: the free
+    extents' distinct sizes are a sorted list (few: equal-sized objects leave holes of whole numbers of
+    objects), and the extents of one size a heap of offsets. An extent taken out of the middle of its heap
+    (merged with a neighbour) stays there, stale, until a pop meets it (``_free_at`` says which entries are
+    live) or the heaps are built afresh once stale entries outnumber live ones.
     """
 
     __slots__ = (
         "_capacity",
         "_alignment",
-        "_by_size",
+        "_sizes",
+        "_at_size",
+        "_count",
+        "_stale",
         "_free_at",
         "_free_ending_at",
         "_allocations",
@@ -85,8 +92,11 @@ class SegmentAllocator:
             raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
         self._capacity = capacity
         self._alignment = alignment
-        # free extents as (size, offset): best fit = first entry >= (need, -1)
-        self._by_size: SortedList = SortedList([(capacity, 0)])
+        # best fit = the lowest live offset in the heap of the smallest size >= need
+        self._sizes: list[int] = [capacity]  # distinct sizes of free extents, ascending
+        self._at_size: dict[int, list[int]] = {capacity: [0]}  # size -> heap of offsets, stale ones included
+        self._count: dict[int, int] = {capacity: 1}  # size -> free extents of that size (never 0)
+        self._stale = 0  # heap entries no free extent stands behind
         self._free_at: dict[int, int] = {0: capacity}  # offset -> size
         self._free_ending_at: dict[int, int] = {capacity: 0}  # end -> offset
         self._allocations: dict[int, int] = {}  # offset -> rounded size
@@ -113,7 +123,7 @@ class SegmentAllocator:
     @property
     def largest_free(self) -> int:
         """Size of the largest contiguous free extent (0 when full)."""
-        return self._by_size[-1][0] if self._by_size else 0
+        return self._sizes[-1] if self._sizes else 0
 
     @property
     def num_allocations(self) -> int:
@@ -121,7 +131,7 @@ class SegmentAllocator:
 
     @property
     def num_free_extents(self) -> int:
-        return len(self._by_size)
+        return len(self._free_at)
 
     def rounded_size(self, size: int) -> int:
         """Bytes an allocation of `size` takes: `size` rounded up to the alignment."""
@@ -146,12 +156,25 @@ class SegmentAllocator:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"size must be a positive int, got {size!r}")
         need = self.rounded_size(size)
-        i = self._by_size.bisect_left((need, -1))
-        if i == len(self._by_size):
+        sizes = self._sizes
+        i = bisect_left(sizes, need)
+        if i == len(sizes):
             return None
-        hole_size, offset = self._by_size.pop(i)
-        del self._free_at[offset]
+        hole_size = sizes[i]
+        heap, free_at = self._at_size[hole_size], self._free_at
+        offset = heappop(heap)
+        while free_at.get(offset) != hole_size:  # stale: that extent was merged or taken meanwhile
+            self._stale -= 1
+            offset = heappop(heap)
+        del free_at[offset]
         del self._free_ending_at[offset + hole_size]
+        count = self._count[hole_size] - 1
+        if count:
+            self._count[hole_size] = count
+        else:  # the last of its size: what is left in its heap is stale
+            del self._count[hole_size]
+            self._stale -= len(self._at_size.pop(hole_size))
+            del sizes[i]
         if hole_size > need:
             # the remainder stays one extent; its right neighbour is allocated,
             # so it is still coalesced
@@ -181,18 +204,43 @@ class SegmentAllocator:
     # -- internals ------------------------------------------------------------
 
     def _add_free(self, offset: int, size: int) -> None:
-        self._by_size.add((size, offset))
         self._free_at[offset] = size
         self._free_ending_at[offset + size] = offset
+        count = self._count.get(size)
+        if count is None:
+            insort(self._sizes, size)
+            self._count[size] = 1
+            self._at_size[size] = [offset]
+        else:
+            self._count[size] = count + 1
+            heappush(self._at_size[size], offset)
 
     def _remove_free(self, offset: int, size: int) -> None:
-        self._by_size.remove((size, offset))
+        """Take a free extent out (it merges with a neighbour); its heap entry goes stale."""
         del self._free_at[offset]
         del self._free_ending_at[offset + size]
+        count = self._count[size] - 1
+        if count:
+            self._count[size] = count
+            self._stale += 1
+            if self._stale > 2 * len(self._free_at) + 64:
+                self._rebuild_heaps()
+        else:  # the last of its size: its heap goes, with the stale entries in it
+            del self._count[size]
+            self._stale -= len(self._at_size.pop(size)) - 1
+            del self._sizes[bisect_left(self._sizes, size)]
+
+    def _rebuild_heaps(self) -> None:
+        at_size: dict[int, list[int]] = {}
+        for offset, size in self._free_at.items():
+            at_size.setdefault(size, []).append(offset)
+        for heap in at_size.values():
+            heapify(heap)
+        self._at_size, self._stale = at_size, 0
 
     def __repr__(self) -> str:
         return (
             f"SegmentAllocator(capacity={self._capacity}, used={self._used_bytes}, "
-            f"allocations={len(self._allocations)}, free_extents={len(self._by_size)}, "
+            f"allocations={len(self._allocations)}, free_extents={len(self._free_at)}, "
             f"largest_free={self.largest_free})"
         )
