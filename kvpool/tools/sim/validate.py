@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import xxhash
@@ -32,14 +32,15 @@ from kvpool.workload.weka import Session
 
 @dataclass(frozen=True, slots=True)
 class TurnCounts:
-    """One turn's prompt split, as either side reports it."""
+    """One turn's prompt split, as either side reports it (equal: the same split, whatever the times)."""
 
     prompt_tokens: int
     device_tokens: int
     pool_tokens: int
     computed_tokens: int
-    ttft_s: float = 0.0
-    output_tokens: int = 0  # the real side's completion tokens (the simulator decodes the trace's, capped)
+    ttft_s: float = field(default=0.0, compare=False)
+    # the real side's completion tokens (the simulator decodes the trace's, capped)
+    output_tokens: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,11 +213,11 @@ def comparable_effects(effects: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     return out + saves
 
 
-def differing_effects(sim: Mapping[str, Sequence[Mapping[str, Any]]],
-                      real: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
-    """The requests (named as the simulator names them) whose effects differ, one by one, in order."""
-    return [name for name in sorted(real, key=turn_key)
-            if comparable_effects(real[name]) != comparable_effects(sim.get(name, ()))]
+def differing_effects(sim: Mapping[str, Sequence[Mapping[str, Any]]], real: Mapping[str, Sequence[Mapping[str, Any]]],
+                      comparable: Callable[[Sequence[Mapping[str, Any]]], Any] = comparable_effects) -> list[str]:
+    """The requests (named as the simulator names them) whose effects differ, one by one, in order (stage 0's
+    as ``comparable_effects`` has them; the router's, ``list``: as they are)."""
+    return [name for name in sorted(real, key=turn_key) if comparable(real[name]) != comparable(sim.get(name, ()))]
 
 
 def turn_key(request_id: str) -> tuple[int, int]:
