@@ -59,6 +59,16 @@ def recording_children(path: Path) -> Iterator[None]:
         yield
 
 
+def effects_by_request(records: list[dict[str, Any]], source: str) -> dict[str, list[dict[str, Any]]]:
+    """Each request's driver effects that ``source`` recorded, in their order, as ``effect_fields`` gave them."""
+    effects: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        if record.get("source") == source and record.get("kind") == "effect":
+            effects.setdefault(str(record.get("request_id")), []).append(
+                {k: v for k, v in record.items() if k not in ("source", "kind", "request_id", "session_key")})
+    return effects
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Every record in the file, in its order (a torn last line, of a process killed mid-write, is left out)."""
     records = []

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from kvpool import service
-from kvpool.request_record import read_records, recording_children
+from kvpool.request_record import effects_by_request, read_records, recording_children
 from kvpool.rpc import router_pb2, router_pb2_grpc
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
@@ -126,11 +126,8 @@ async def test_the_router_records_each_requests_driver_effects_queued_refused_an
         await asyncio.gather(*(generate(channel, prompt(100 + i), 4) for i in range(4)))
 
     def router_records() -> dict[str, list[tuple[str, str]]]:
-        requests: dict[str, list[tuple[str, str]]] = {}
-        for r in read_records(path)[before:]:
-            if r["source"] == "router":
-                requests.setdefault(r["request_id"], []).append((r["event"], r["effect"]))
-        return requests
+        return {request_id: [(e["event"], e["effect"]) for e in effects]
+                for request_id, effects in effects_by_request(read_records(path)[before:], "router").items()}
 
     await eventually(lambda: len(router_records()) == 4)
     requests = router_records()

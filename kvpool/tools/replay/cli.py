@@ -124,7 +124,7 @@ def _run_level(args: argparse.Namespace, workload: ReplayWorkload, options: Repl
     if args.url:
         probes = ClusterProbes(router=args.url.rstrip("/"), master=args.master)
         return asyncio.run(run_replay(args.url, workload, options, probes))
-    from kvpool.tools.up import UpSettings, up_cluster
+    from kvpool.tools.up import UpSettings
 
     settings = UpSettings(http_port=0, grpc_port=0, pipelines=args.pipelines, stages=args.stages,
                           decode_shards=args.decode_shards, stores=args.stores, segment_size=args.segment_size,
@@ -132,7 +132,16 @@ def _run_level(args: argparse.Namespace, workload: ReplayWorkload, options: Repl
                           kv_dtype=args.kv_dtype, device_cache_tokens=device_cache_tokens,
                           workdir=str(workdir / f"c{options.concurrency}"))
     config = write_config(workdir / f"replay-c{options.concurrency}.toml", args)
-    cluster = up_cluster(settings, str(config), args.log_level)
+    return replay_on_new_cluster(settings, config, workload, options, args.log_level)
+
+
+def replay_on_new_cluster(settings: Any, config: Path, workload: ReplayWorkload, options: ReplayOptions,
+                          log_level: str = "warning") -> ReplayResult:
+    """``workload`` on a fresh local cluster (``up_cluster(settings)`` with ``config``), stopped however the
+    replay ended."""
+    from kvpool.tools.up import up_cluster
+
+    cluster = up_cluster(settings, str(config), log_level)
     cluster.start()
     try:
         return asyncio.run(run_replay(cluster.http_url, workload, options, _probes(cluster)))

@@ -131,11 +131,13 @@ class Simulation:
                 index.mount_segment(f"{host}/numa{numa}", f"{host}:{numa}", host, 0, store_bytes, numa)
             for p in range(topo.pipelines_per_server):
                 name = f"p{server}.{p}"
+                blocks = BlockManager(num_blocks, chunk)
                 self.pipelines[name] = PipelineSim(
-                    name, server, host, self.loop, cost, BlockManager(num_blocks, chunk), index, stage_bytes,
+                    name, server, host, self.loop, cost, blocks, index, stage_bytes,
                     self.metrics, self._prefilled, self.network, master, self._dead_hosts,
                     PrefillQueue(order, self.settings.max_wait_s, self.settings.max_bypass_s,
-                                 self.settings.reorder_below_s), weights, self.sessions,
+                                 self.settings.reorder_below_s), weights,
+                    self.sessions.policy(name, blocks) if self.sessions else None,
                 )
             pages = int(topo.gpus_per_decode_shard * topo.decode_kv_gib * GIB
                         // (cost.model.kv_bytes_per_token * topo.decode_page_tokens))

@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
 
 from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, save_objects
@@ -44,15 +43,6 @@ from kvpool.tools.sim.network import MasterQueue, Network
 from kvpool.tools.sim.stages import StageFlow
 
 
-class SessionHooks(Protocol):
-    """What a pipeline asks of sched=session's part (``session_sim.SessionAware``): its prefetch policy, and
-    each measured restore (the prefetch's lead follows them, as stage 0's does)."""
-
-    def policy(self, pipeline: PipelineSim) -> SessionPrefetch: ...
-
-    def observe_restore(self, pipeline: PipelineSim, num_chunks: int, seconds: float) -> None: ...
-
-
 @dataclass(slots=True)
 class PipelineSim:
     """One prefill pipeline on ``server``; ``index`` is the pool its saves and restores use."""
@@ -72,7 +62,7 @@ class PipelineSim:
     dead_hosts: set[str] = field(default_factory=set)  # stores that died (the master may not know yet)
     queue: PrefillQueue = field(default_factory=PrefillQueue)
     work_weights: WorkWeights = field(default_factory=WorkWeights)
-    sessions: SessionHooks | None = None  # sched=session: retention, session end, prefetch
+    prefetch: SessionPrefetch | None = None  # sched=session: the pipeline's policy (``session_sim.SessionAware``)
     # ``block_gate`` runs each of stage 0's block events (a turn's touch of its session on arrival, "touch";
     # a forward's commit, "commit"; a release of a request's blocks or its save's, "free") and ``pool_gate``
     # each pool operation (a lookup, a lease's release, a save's put start and end): at once, or under
@@ -97,7 +87,7 @@ class PipelineSim:
         return max(self.stage_object_bytes) / self.cost.model.chunk_tokens
 
     def __post_init__(self) -> None:
-        self.admission = Stage0Admission(self.blocks, self.sessions.policy(self) if self.sessions else None)
+        self.admission = Stage0Admission(self.blocks, self.prefetch)
 
     def enqueue(self, job: Job) -> None:
         """A turn arrives: its session's blocks are touched and it queues; ``ungated`` (the validation's cluster
@@ -226,8 +216,8 @@ class PipelineSim:
 
     def _observe_restore(self, num_chunks: int, seconds: float) -> None:
         self.metrics.on_restore(seconds, num_chunks)
-        if self.sessions is not None:  # as stage 0 does: the prefetch's lead follows the measured restores
-            self.sessions.observe_restore(self, num_chunks, seconds)
+        if self.prefetch is not None:  # as stage 0 does: the prefetch's lead follows the measured restores
+            self.prefetch.observe_restore(num_chunks, seconds)
 
     def read(self, groups: list, num_chunks: int, done: Callable[[int], None]) -> None:
         """Every stage reads its objects of ``num_chunks`` planned chunks (``groups``) in the cost model's restore

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpool.core.chunk_hash import group_id
+from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.prefill.driver import Lookup, ReleaseLease, RestoreOnStages
 from kvpool.core.sessions.prefetch import SessionPrefetch
 from kvpool.core.sessions.staging import Staged, Staging, StagingEffect
@@ -27,26 +28,22 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class SessionAware:
-    """One run's session prefetch policies (one per pipeline, made on first use) and their counts."""
+    """One run's session prefetch policies (one per pipeline, made with it) and their counts."""
 
     chunk_bytes: int  # one chunk, every stage
-    policies: dict[str, SessionPrefetch] = field(default_factory=dict)  # by pipeline
+    policies: dict[str, SessionPrefetch] = field(default_factory=dict)  # by pipeline (each pipeline's prefetch)
     outcomes: Counter[str] = field(default_factory=Counter)  # every staging's outcome (the services' hints)
     num_prefetches: int = 0  # stagings that read
 
-    def policy(self, pipeline: PipelineSim) -> SessionPrefetch:
-        policy = self.policies.get(pipeline.name)
-        if policy is None:
-            policy = self.policies[pipeline.name] = SessionPrefetch(pipeline.blocks, self.chunk_bytes)
+    def policy(self, pipeline: str, blocks: BlockManager) -> SessionPrefetch:
+        """A new pipeline's policy over its block table (``PipelineSim.prefetch``: its stage 0's)."""
+        policy = self.policies[pipeline] = SessionPrefetch(blocks, self.chunk_bytes)
         return policy
 
     # ---- a turn's life --------------------------------------------------------
 
-    def observe_restore(self, pipeline: PipelineSim, num_chunks: int, seconds: float) -> None:
-        self.policy(pipeline).observe_restore(num_chunks, seconds)
-
     def turn_ended(self, job: Job, pipeline: PipelineSim, expected_next_s: float | None, end: bool) -> None:
-        policy, session, now = self.policy(pipeline), session_of(job), pipeline.loop.now
+        policy, session, now = self.policies[pipeline.name], session_of(job), pipeline.loop.now
         policy.turn_ended(session, now, job.play.hashes)
         if not end and expected_next_s is None:
             return  # no hint: nothing is armed (the router sends none)
@@ -59,7 +56,7 @@ class SessionAware:
     # ---- staging: the core's ``Staging`` on a prefill's restore path ---------------------
 
     def _stage(self, session: SessionId, ticket: int, namespace: str, pipeline: PipelineSim) -> None:
-        staging = Staging(self.policy(pipeline), session, ticket)
+        staging = Staging(self.policies[pipeline.name], session, ticket)
         effects = staging.start(pipeline.loop.now)
         self.num_prefetches += staging.request is not None
         self._carry(staging, namespace, pipeline, effects)

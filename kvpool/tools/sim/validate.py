@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import xxhash
@@ -32,14 +32,15 @@ from kvpool.workload.weka import Session
 
 @dataclass(frozen=True, slots=True)
 class TurnCounts:
-    """One turn's prompt split, as either side reports it."""
+    """One turn's prompt split, as either side reports it (equal: the same split, whatever the times)."""
 
     prompt_tokens: int
     device_tokens: int
     pool_tokens: int
     computed_tokens: int
-    ttft_s: float = 0.0
-    output_tokens: int = 0  # the real side's completion tokens (the simulator decodes the trace's, capped)
+    ttft_s: float = field(default=0.0, compare=False)
+    # the real side's completion tokens (the simulator decodes the trace's, capped)
+    output_tokens: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,18 +63,20 @@ def tail_block_id(last_id: int, input_tokens: int) -> int:
     return (1 << 31) | xxhash.xxh32_intdigest(f"{last_id}:{input_tokens}".encode()) >> 1
 
 
-def scaled_session(session: Session, scale: int, max_tokens: int) -> Session:
+def scaled_session(session: Session, scale: int, max_tokens: int, outputs: Mapping[int, int] | None = None) -> Session:
     """The session as a replay at ``scale`` sends it: blocks of 64/s tokens, prompts and outputs scaled/capped
-    (a rounded-up tail that fills a whole block gets a block id of its own content)."""
+    (a rounded-up tail that fills a whole block gets a block id of its own content); ``outputs``: the turns'
+    (by index) output tokens instead, where it names them (the cluster's)."""
     block_tokens = scaled_block_tokens(session.block_size, scale)
     turns = []
-    for t in session.turns:
+    for i, t in enumerate(session.turns):
         full_blocks, rem = divmod(t.input_tokens, session.block_size)
         ids = t.hash_ids
         if len(ids) == full_blocks and -(-rem * block_tokens // session.block_size) == block_tokens:
             ids = (*ids, tail_block_id(ids[-1] if ids else -1, t.input_tokens))
         turns.append(replace(t, input_tokens=scaled_prompt_tokens(t.input_tokens, session.block_size, scale),
-                             output_tokens=max(1, min(max_tokens, t.output_tokens)), hash_ids=ids))
+                             output_tokens=max(1, (outputs or {}).get(i, min(max_tokens, t.output_tokens))),
+                             hash_ids=ids))
     return replace(session, block_size=block_tokens, turns=tuple(turns))
 
 
@@ -162,11 +165,8 @@ def replay_sessions(
     settings = RunSettings(num_sessions=len(sessions), duration_s=3600.0, warmup_s=0.0, think=False,
                            start_spread_s=0.0, max_instances=len(sessions), max_turns=len(admits))
     outputs = output_tokens or {}
-    scaled = []
-    for k, session in enumerate(sessions):
-        s = scaled_session(session, setup.scale, setup.max_tokens)
-        scaled.append(replace(s, turns=tuple(replace(t, output_tokens=max(1, outputs.get((k, i), t.output_tokens)))
-                                             for i, t in enumerate(s.turns))))
+    scaled = [scaled_session(session, setup.scale, setup.max_tokens, {i: n for (j, i), n in outputs.items() if j == k})
+              for k, session in enumerate(sessions)]
     sim = Simulation(topology, settings, cost, scaled, index_settings=IndexSettings(lease_s=1e9))
     # instance k plays sessions[k] (no restarts past len(sessions)): job ids are "s{k}.t{turn}"
     recorded = RecordedBlockEvents(events, sim.loop)
@@ -212,11 +212,11 @@ def comparable_effects(effects: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     return out + saves
 
 
-def differing_effects(sim: Mapping[str, Sequence[Mapping[str, Any]]],
-                      real: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
-    """The requests (named as the simulator names them) whose effects differ, one by one, in order."""
-    return [name for name in sorted(real, key=turn_key)
-            if comparable_effects(real[name]) != comparable_effects(sim.get(name, ()))]
+def differing_effects(sim: Mapping[str, Sequence[Mapping[str, Any]]], real: Mapping[str, Sequence[Mapping[str, Any]]],
+                      comparable: Callable[[Sequence[Mapping[str, Any]]], Any] = comparable_effects) -> list[str]:
+    """The requests (named as the simulator names them) whose effects differ, one by one, in order (stage 0's
+    as ``comparable_effects`` has them; the router's, ``list``: as they are)."""
+    return [name for name in sorted(real, key=turn_key) if comparable(real[name]) != comparable(sim.get(name, ()))]
 
 
 def turn_key(request_id: str) -> tuple[int, int]:

@@ -15,7 +15,6 @@ one (``effects_equal``, ``effects_differing``, ``router_effects_differing``) and
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -25,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvpool.request_record import read_records, recording_children
+from kvpool.request_record import effects_by_request, read_records, recording_children
 
 # no sub-agents, 14-33 turns each of 1-4.4K tokens at scale 16
 VALIDATION_TRACES = ("trace_0002.json", "trace_0019.json", "trace_0021.json")
@@ -47,7 +46,6 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
     a put's holder is "name/stage"), and each request's stage 0 and router effects."""
     index = {sid: k for k, sid in enumerate(session_ids)}
     stage0 = [r for r in records if r.get("source") == "stage0"]
-    master = [r for r in records if r.get("source") == "master" and r.get("kind") == "pool_op"]
     names: dict[str, str] = {}
     turns = [0] * len(session_ids)
     for record in stage0:
@@ -59,7 +57,6 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
             turns[k] += 1
     seen: set[tuple[str, str]] = set()
     blocks: list[tuple[str, str]] = []
-    effects: dict[str, list[dict[str, Any]]] = {}
     for record in stage0:  # one stage 0: its records are in the order things happened there
         name = names.get(str(record.get("request_id")))
         if name is None:
@@ -69,38 +66,29 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
         if kind is not None and (kind, name) not in seen:
             seen.add((kind, name))
             blocks.append((kind, name))
-        if record.get("kind") != "effect":
-            continue
-        effects.setdefault(name, []).append({k: v for k, v in record.items()
-                                             if k not in ("source", "kind", "request_id", "session_key")})
-        if record.get("effect") == "Freed":
-            for holder in record.get("holders", ()):
-                request_id, save, _ = str(holder).partition("/save")
-                if request_id in names:
-                    blocks.append(("free", names[request_id] + ("/save" if save else "")))
+        for holder in record.get("holders", ()) if record.get("effect") == "Freed" else ():
+            request_id, save, _ = str(holder).partition("/save")
+            if request_id in names:
+                blocks.append(("free", names[request_id] + ("/save" if save else "")))
     figure = {"lookup": "complete", "release": "released", "put_start": "evicted", "put_end": "items"}
     ops: list[Any] = []
-    for record in master:  # one master: its operations in the order it served them
+    for record in records:  # one master: its operations in the order it served them
         op, name = record.get("op"), names.get(str(record.get("request_id")))
-        if op not in figure or name is None:
+        if record.get("source") != "master" or op not in figure or name is None:
             continue
         holder = f"{name}/{str(record.get('first_key', '')).rpartition('/')[2]}" if op.startswith("put") else name
         ops.append(((op, holder), int(record.get(figure[op], 0))))
-    router: Effects = {}
-    for record in records:  # one router: each request's effects, in its driver's order
-        name = names.get(str(record.get("request_id")))
-        if record.get("source") == "router" and record.get("kind") == "effect" and name is not None:
-            router.setdefault(name, []).append({k: v for k, v in record.items()
-                                                if k not in ("source", "kind", "request_id", "session_key")})
-    return blocks, ops, effects, router
+    stage0_effects, router = ({names[i]: e for i, e in effects_by_request(records, source).items() if i in names}
+                              for source in ("stage0", "router"))  # one router: each request's in its order
+    return blocks, ops, stage0_effects, router
 
 
 def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float) -> dict[str, Any]:
     from kvpool.model import get_config
-    from kvpool.tools.replay import ReplayOptions, load_workload, run_replay
-    from kvpool.tools.replay.cli import _probes
+    from kvpool.tools.replay import ReplayOptions, load_workload
+    from kvpool.tools.replay.cli import replay_on_new_cluster
     from kvpool.tools.sim.validate import TurnCounts
-    from kvpool.tools.up import UpSettings, up_cluster
+    from kvpool.tools.up import UpSettings
 
     config = get_config("tiny")
     loaded = [load_workload(t, scale=setup.scale, vocab_size=config.vocab_size, context=setup.context,
@@ -114,16 +102,11 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float)
                           device_cache_tokens=setup.device_cache_tokens, workdir=str(workdir / "cluster"))
     config_path = workdir / "validate.toml"
     config_path.write_text(f"[prefill]\nchunk_size = {setup.chunk_size}\n\n[router]\nrequest_timeout_s = 600.0\n")
+    options = ReplayOptions(concurrency=len(session_ids), think_scale=0.0, duration_s=duration_s,
+                            chunk_size=setup.chunk_size)
     records = workdir / "requests.jsonl"
-    with recording_children(records):  # what each request saw, stage 0's and the master's (no log is read)
-        cluster = up_cluster(settings, str(config_path))
-        cluster.start()
-    try:
-        options = ReplayOptions(concurrency=len(session_ids), think_scale=0.0, duration_s=duration_s,
-                                chunk_size=setup.chunk_size)
-        result = asyncio.run(run_replay(cluster.http_url, workload, options, _probes(cluster)))
-    finally:
-        cluster.stop()
+    with recording_children(records):  # what each request saw, the router's, stage 0's and the master's
+        result = replay_on_new_cluster(settings, config_path, workload, options)
     events, pool_ops, effects, router_effects = recorded_orders(read_records(records), session_ids)
     index = {sid: k for k, sid in enumerate(session_ids)}
     turns = {(index[r.session_id], r.turn): TurnCounts(r.prompt_tokens, r.device_tokens, r.pool_tokens,
@@ -138,18 +121,17 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float)
 def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]) -> dict[str, Any]:
     """The simulator in the cluster's admission order against the cluster's turns."""
     from kvpool.tools.sim.metrics import percentile
-    from kvpool.tools.sim.validate import differing_effects, replay_sessions, turn_key
+    from kvpool.tools.sim.validate import differing_effects, replay_sessions
 
     real_turns = real["turns"]
     sim_turns, sim_span, sim_pool = replay_sessions(
         sessions, setup, cost, real["events"], {key: t.output_tokens for key, t in real_turns.items()},
         real.get("pool_ops", ()))
     keys = sorted(real_turns)
-    mismatches = [key for key in keys if key not in sim_turns or _split(sim_turns[key]) != _split(real_turns[key])]
+    mismatches = [key for key in keys if sim_turns.get(key) != real_turns[key]]  # (the split: TurnCounts' ==)
     real_effects, real_router = real.get("effects", {}), real.get("router_effects", {})
     differing = differing_effects(sim_pool["effects"], real_effects)
-    router_differing = [name for name in sorted(real_router, key=turn_key)
-                        if real_router[name] != sim_pool["router_effects"].get(name)]
+    router_differing = differing_effects(sim_pool["router_effects"], real_router, list)
     # throughput: prompt tokens of the turns both sides ran over each side's span
     prompt = sum(real_turns[k].prompt_tokens for k in keys)
     sim_tput, real_tput = prompt / sim_span if sim_span else 0.0, prompt / real["wall_s"] if real["wall_s"] else 0.0
@@ -174,10 +156,6 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
         "throughput_error": (sim_tput - real_tput) / real_tput if real_tput else 0.0,
         "ttft_p50_error": (sim_pool["ttft_p50_s"] - real_ttft) / real_ttft if real_ttft else 0.0,
     }
-
-
-def _split(t: Any) -> tuple[int, int, int, int]:
-    return (t.prompt_tokens, t.device_tokens, t.pool_tokens, t.computed_tokens)
 
 
 def main(args: argparse.Namespace) -> int:
