@@ -349,6 +349,8 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
+            # stopped before the caller closes what it read (a generator cannot close mid-read: RuntimeError)
+            await asyncio.wait({task})
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

@@ -49,3 +49,34 @@ async def served(blocked_send: int | None) -> list[str]:
 @pytest.mark.parametrize("blocked_send", [None, 3])
 def test_a_stream_cancelled_in_send_or_in_its_body_closes_the_body_before_returning(blocked_send: int | None) -> None:
     assert asyncio.run(served(blocked_send)) == ["disconnect", "body closed", "returned"]
+
+
+def test_a_client_gone_before_the_first_token_ends_in_499_with_the_generation_closed() -> None:
+    """The wait for the first token is cancelled when the client goes away; the generation it was reading is
+    then closed by the caller, which must find it stopped, not still running its cancelled read."""
+    from kvpool.services.router.http_api import ApiError, _first, _until_disconnected
+
+    async def scenario() -> tuple[int, list[str]]:
+        events: list[str] = []
+
+        async def tokens() -> AsyncIterator[int]:
+            try:
+                await asyncio.Event().wait()  # the first token never comes
+                yield 1
+            finally:
+                events.append("generation closed")
+
+        class Request:
+            async def receive(self) -> dict[str, Any]:
+                await asyncio.sleep(0.01)
+                return {"type": "http.disconnect"}
+
+        generation = tokens()
+        try:
+            await _until_disconnected(Request(), _first(generation))  # type: ignore[arg-type]
+        except ApiError as exc:
+            await generation.aclose()  # what _serve does with any failure
+            return exc.status, events
+        raise AssertionError("no error for a client that went away")
+
+    assert asyncio.run(scenario()) == (499, ["generation closed"])
