@@ -120,6 +120,7 @@ TABLES: dict[str, Table] = {
         C("session message ms", "session_floor_cpu_ms", ".3f"),
         C("lookup + release ms", "lookup_cpu_ms", ".3f"),
         C("legacy", "lookup_cpu_ms_legacy", ".3f"),
+        C("answer in full", "lookup_cpu_ms_full_answer", ".3f"),
         C("save ms", "save_cpu_ms", ".3f"),
         C("legacy", "save_cpu_ms_legacy", ".3f"),
         C("typical turn ms", "turn_cpu_ms", ".3f"),

@@ -21,7 +21,8 @@ For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
    client's ``Session`` stream, ``kvpool.pool.session_client``):
    - ``lookup_cpu_ms``: a lookup of one ``HISTORY_CHUNKS``-group history that
      hits, with its release; legacy answers one message per object, today's
-     packed arrays in the compact form (``LookupRequest.packed``, ``compact``);
+     packed arrays in the compact form (``LookupRequest.packed``, ``compact``), and
+     ``lookup_cpu_ms_full_answer`` today's calls with the answer packed in full;
    - ``save_cpu_ms``: a save of ``SAVE_CHUNKS`` chunks over the stages; legacy is
      one put pair per stage, today's one pair for all stages;
    - ``turn_cpu_ms``: the calls of a typical turn (``--turn-*``): a lookup of the
@@ -170,13 +171,14 @@ class Calls:
             await self._call("put_end", self.stub.PutEnd, pb.PutEndRequest(items=commits), legacy)
         return len(commits)
 
-    async def lookup(self, groups: list[str], held: int, legacy: bool, release: bool = True) -> tuple[float, int]:
+    async def lookup(self, groups: list[str], held: int, legacy: bool, release: bool = True,
+                     compact: bool = True) -> tuple[float, int]:
         """Look a history up and (``release``) release its lease: the lookup's own latency (s), and the lease
-        left to release (0 when released or none)."""
+        left to release (0 when released or none). ``compact``: today's answer (else packed in full)."""
         pb = self.pb
         request = (pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS) if legacy else
                    pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS, held_prefix=held, packed=True,
-                                     packed_bytes=True, compact=True))
+                                     packed_bytes=True, compact=compact))
         t0 = time.perf_counter()
         response = await self._call("lookup", self.stub.Lookup, request, legacy)
         took = time.perf_counter() - t0
@@ -256,7 +258,8 @@ async def _ops(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
             history = histories[done % len(histories)]
             held = turn.held if op == "turn" else 0
             # today a turn's save ends its lookup's lease in its first call; legacy releases on its own
-            took, lease = await calls.lookup(group_ids(history), held, legacy, release=op == "lookup" or legacy)
+            took, lease = await calls.lookup(group_ids(history), held, legacy, release=op == "lookup" or legacy,
+                                             compact=not job.get("full_answer"))
             latencies.append(took)
         if op in ("save", "turn"):
             count = SAVE_CHUNKS if op == "save" else turn.new_chunks
@@ -347,12 +350,13 @@ class Run:
         self.jobs([{"kind": "ops", "op": "lookup", "legacy": False, "turn": _turn(self.turn), "histories": histories,
                     "fresh_from": self._fresh(), "count": len(histories)}])
 
-    def cost(self, op: str, legacy: bool, histories: list[int]) -> dict[str, Any]:
-        """The master's CPU per operation, one client calling one after another."""
+    def cost(self, op: str, legacy: bool, histories: list[int], full_answer: bool = False) -> dict[str, Any]:
+        """The master's CPU per operation, one client calling one after another (``full_answer``: today's calls,
+        a lookup's answer packed in full, not compact)."""
         if op in ("lookup", "turn"):
             self.refresh(histories)
         self.settle(f"{op}_cpu_ms" + ("_legacy" if legacy else ""))
-        job = {"kind": "ops", "op": op, "legacy": legacy, "turn": _turn(self.turn),
+        job = {"kind": "ops", "op": op, "legacy": legacy, "turn": _turn(self.turn), "full_answer": full_answer,
                "histories": histories, "fresh_from": self._fresh(), "pid": self.pid, "seconds": self.cost_seconds}
         if op == "turn":  # its saves evict: at most half of what the pool holds beside the histories it looks up
             spare = self.stats().num_objects - len(histories) * HISTORY_CHUNKS * STAGES
@@ -458,16 +462,19 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
         newest = list(range(report["histories"]))[-max(1, min(64, report["histories"] // 2)):]
         report["call_floor_cpu_ms"] = run.cost("floor", False, newest)["cpu_ms"]
         report["session_floor_cpu_ms"] = run.cost("session_floor", False, newest)["cpu_ms"]
-        for op in ("lookup", "save", "turn"):
-            for legacy in (True, False):
-                key = f"{op}_cpu_ms" + ("_legacy" if legacy else "")
-                cost = run.cost(op, legacy, newest)
-                report[key] = cost["cpu_ms"]
-                report.setdefault("cost_calls", {})[key] = cost["calls"]
-                if cost["hit_share"] is not None:
-                    report.setdefault("cost_hit_share", {})[key] = cost["hit_share"]
-                if cost["short"]:  # a miss: the leading groups its lookups found (why, next to refresh_refused)
-                    report.setdefault("cost_misses_found", {})[key] = cost["short"]
+        # each op in the older call pattern and today's, side by side; a lookup also with today's calls but its
+        # answer packed in full (before the compact form)
+        forms = [("lookup", True, False), ("lookup", False, False), ("lookup", False, True),
+                 ("save", True, False), ("save", False, False), ("turn", True, False), ("turn", False, False)]
+        for op, legacy, full in forms:
+            key = f"{op}_cpu_ms" + ("_legacy" if legacy else "") + ("_full_answer" if full else "")
+            cost = run.cost(op, legacy, newest, full)
+            report[key] = cost["cpu_ms"]
+            report.setdefault("cost_calls", {})[key] = cost["calls"]
+            if cost["hit_share"] is not None:
+                report.setdefault("cost_hit_share", {})[key] = cost["hit_share"]
+            if cost["short"]:  # a miss: the leading groups its lookups found (why, next to refresh_refused)
+                report.setdefault("cost_misses_found", {})[key] = cost["short"]
         lookups = run.saturate("lookup", newest, churn=True, at_least=args.lookups)
         report.update(lookups_per_s=lookups["per_s"], lookup_ms_p50=lookups["lookup_ms_p50"],
                       lookup_ms_p99=lookups["lookup_ms_p99"], lookup_hit_share=lookups["hit_share"],
@@ -515,7 +522,8 @@ def format_report(report: dict[str, Any]) -> str:
                      f"master {value['call_floor_cpu_ms']} ms, a session message "
                      f"{value['session_floor_cpu_ms']} ms:")
         for op in ("lookup", "save", "turn"):
-            lines.append(f"  {op}_cpu_ms {value[f'{op}_cpu_ms']} (legacy {value[f'{op}_cpu_ms_legacy']})")
+            full = f", answer in full {value['lookup_cpu_ms_full_answer']}" if op == "lookup" else ""
+            lines.append(f"  {op}_cpu_ms {value[f'{op}_cpu_ms']} (legacy {value[f'{op}_cpu_ms_legacy']}{full})")
         lines.append(f"  lookups/s {value['lookups_per_s']} (p50 {value['lookup_ms_p50']} ms, p99 "
                      f"{value['lookup_ms_p99']} ms, hits {value['lookup_hit_share']}), saves/s {value['saves_per_s']}, "
                      f"turns/s {value['turns_per_s_per_master']}")
