@@ -27,6 +27,7 @@ How:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import itertools
 import time
@@ -69,6 +70,7 @@ class MasterSession:
         self._call: Any = None  # the open stream (grpc.aio.StreamStreamCall), None until opened or once broken
         self._outbox: asyncio.Queue[pool_pb2.SessionRequest | None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._ending: set[asyncio.Task[None]] = set()  # ended streams' write sides being closed (``_break``)
         self._pending: dict[int, asyncio.Future[pool_pb2.SessionResponse]] = {}
         self._numbers = itertools.count(1)
         self.unsupported = False  # the master has no Session: unary calls for good
@@ -214,8 +216,14 @@ class MasterSession:
         ``error``; the next call opens a new one."""
         if call is not None and call is not self._call:
             return
-        if self._call is not None:
-            self._call.cancel()
+        if self._call is not None and not self._call.cancel():
+            # it ended by itself (the master went away): with interceptors on the channel, grpc.aio feeds our
+            # writes to the call through a task of its own, which a cancel of an ended call leaves waiting for
+            # the next write; destroyed pending, it spills "aclose(): asynchronous generator is already
+            # running" errors into the log. Closing the write side ends it.
+            ending = asyncio.get_running_loop().create_task(_end_writes(self._call))
+            self._ending.add(ending)
+            ending.add_done_callback(self._ending.discard)
         self._call = self._outbox = None
         current = asyncio.current_task()
         for task in self._tasks:
@@ -228,3 +236,8 @@ class MasterSession:
                 answer.set_exception(error)
         if error.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNIMPLEMENTED):
             log.info("pool_session_broken", code=error.code().name, details=error.details(), waiting=len(pending))
+
+
+async def _end_writes(call: Any) -> None:
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await call.done_writing()

@@ -182,3 +182,36 @@ async def test_store_restarted_with_a_new_segment_brings_back_nothing(
     s = await client.stats()
     assert s.adopted_objects == (8 - len(on_victim)) * MEMBERS
     assert s.num_objects == s.adopted_objects
+
+
+async def test_a_session_stream_the_master_ended_leaves_no_task_behind(pool: LocalPool) -> None:
+    """The master dies under an open ``Session`` stream: the client's next calls fail (a miss for the pool
+    client) and nothing is left pending in the loop. grpc.aio's pump of the stream's writes outlived an ended
+    call, and was destroyed pending with "aclose(): asynchronous generator is already running" errors."""
+    import asyncio
+    import gc
+
+    from kvpool.pool.session_client import MasterSession
+
+    reported: list[str] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: reported.append(str(context.get("message"))))
+    channel = service.channel(pool.master_address)
+    stub = pool_pb2_grpc.PoolMasterStub(channel)
+    session = MasterSession(channel, stub)
+    missing = pool_pb2.ReleaseLeaseRequest(lease_id=1 << 62)
+    try:
+        assert (await session.call("release_lease", missing, stub.ReleaseLease, timeout=10)).released is False
+        assert pool.master is not None
+        pool.master.kill()
+        for _ in range(2):  # the broken stream, then a new one that cannot connect
+            with pytest.raises(grpc.aio.AioRpcError):
+                await session.call("release_lease", missing, stub.ReleaseLease, timeout=5)
+        for _ in range(3):
+            gc.collect()  # what is left pending and unreferenced is reported as it is destroyed
+            await asyncio.sleep(0.1)
+    finally:
+        await session.close()
+        await channel.close()
+        loop.set_exception_handler(None)
+    assert reported == []
