@@ -27,6 +27,7 @@ from kvpool.core.pool.paths import BytePath, SegmentAccess, byte_path
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.pool.endpoint_batches import move_by_endpoint
 from kvpool.pool.memory_moves import MemoryMove, move_by_memory
+from kvpool.pool.kept_histories import KeptHistories
 from kvpool.pool.session_client import MasterSession, session_error
 from kvpool.ha.master_link import MasterLink, epoch_of
 from kvpool.pool.objects import (
@@ -114,6 +115,14 @@ def packed_groups(packed: pool_pb2.PackedGroups, segments: Sequence[pool_pb2.Seg
     return groups
 
 
+def _lookup_request(group_ids: list[str], lease_ms: int, held_prefix: int, handle: int,
+                    kept: int) -> pool_pb2.LookupRequest:
+    """A lookup of ``group_ids``; with a kept ``handle`` for their first ``kept``, only the ids after them."""
+    return pool_pb2.LookupRequest(group_ids=group_ids[kept:] if handle else group_ids, lease_ms=lease_ms,
+                                  held_prefix=held_prefix, packed=True, packed_bytes=True, compact=True,
+                                  history=handle, history_groups=kept if handle else 0)
+
+
 class PoolClient:
     """Talks to one pool master and moves bytes by memory with the stores on its host and with one transfer
     engine with the others; without an engine (a one-host cluster opens none) a move that needs one fails
@@ -141,6 +150,7 @@ class PoolClient:
         self._stub = pool_pb2_grpc.PoolMasterStub(self._channel)
         # lookups, releases and puts ride one stream (a unary call each costs the master several times more)
         self.session = MasterSession(self._channel, self._stub, self._admit_epoch)
+        self.histories = KeptHistories()  # the master's handles for histories found, for their next lookup
         self._regions: list[tuple[int, int]] = []
         # a master known down is answered at once: lookups miss, puts are not stored
         self.breaker = MasterBreaker()
@@ -187,6 +197,7 @@ class PoolClient:
         self._channel = self.link.channel
         self._stub = pool_pb2_grpc.PoolMasterStub(self._channel)
         self.session = MasterSession(self._channel, self._stub, self._admit_epoch)
+        self.histories.clear()  # the new leader keeps none of the old one's handles
         if self._watch is not None:  # the breaker follows the new channel's connectivity
             self._watch.cancel()
             self._watch = asyncio.get_running_loop().create_task(self._watch_channel())
@@ -466,11 +477,20 @@ class PoolClient:
         allowed, probing = self._admit()
         if not allowed:
             return LookupResult([], 0, 0)
-        request = pool_pb2.LookupRequest(group_ids=list(group_ids), lease_ms=lease_ms, held_prefix=held_prefix,
-                                         packed=True, packed_bytes=True, compact=True)
+        group_ids = list(group_ids)
+        timeout = PROBE_TIMEOUT_S if probing else RPC_TIMEOUT_S
+        handle, kept = self.histories.take(group_ids)
         try:
-            response = await self._session("lookup", request, self._stub.Lookup,
-                                           PROBE_TIMEOUT_S if probing else RPC_TIMEOUT_S)
+            response = await self._session("lookup", _lookup_request(group_ids, lease_ms, held_prefix, handle, kept),
+                                           self._stub.Lookup, timeout)
+            if kept and response.history_groups != kept:
+                # not taken: a master that no longer keeps it (a new one keeps none), or an older one that does
+                # not know handles and answered for the ids after it (its lease given back): every id again
+                self.histories.clear()
+                if not response.history_unknown:
+                    await self.release(response.lease_id)
+                response = await self._session("lookup", _lookup_request(group_ids, lease_ms, held_prefix, 0, 0),
+                                               self._stub.Lookup, timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from exc
@@ -480,6 +500,8 @@ class PoolClient:
             self.breaker.abandoned()
             raise
         self._learn(response.segments)
+        if response.history and response.num_complete:
+            self.histories.keep(group_ids[:response.num_complete], response.history)
         if response.HasField("packed"):
             try:
                 packed = response.packed

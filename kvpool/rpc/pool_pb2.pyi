@@ -255,20 +255,24 @@ class PutRevokeResponse(_message.Message):
     def __init__(self, num_revoked: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("group_ids", "lease_ms", "held_prefix", "packed", "packed_bytes", "compact")
+    __slots__ = ("group_ids", "lease_ms", "held_prefix", "packed", "packed_bytes", "compact", "history", "history_groups")
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     HELD_PREFIX_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     PACKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPACT_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_GROUPS_FIELD_NUMBER: _ClassVar[int]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_ms: int
     held_prefix: int
     packed: bool
     packed_bytes: bool
     compact: bool
-    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ..., held_prefix: _Optional[int] = ..., packed: _Optional[bool] = ..., packed_bytes: _Optional[bool] = ..., compact: _Optional[bool] = ...) -> None: ...
+    history: int
+    history_groups: int
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ..., held_prefix: _Optional[int] = ..., packed: _Optional[bool] = ..., packed_bytes: _Optional[bool] = ..., compact: _Optional[bool] = ..., history: _Optional[int] = ..., history_groups: _Optional[int] = ...) -> None: ...
 
 class ObjectLocation(_message.Message):
     __slots__ = ("key", "location", "checksum")
@@ -289,7 +293,7 @@ class GroupLocation(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., members: _Optional[_Iterable[_Union[ObjectLocation, _Mapping]]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_complete", "groups", "lease_id", "lease_ms", "segments", "packed", "packed_bytes", "compact")
+    __slots__ = ("num_complete", "groups", "lease_id", "lease_ms", "segments", "packed", "packed_bytes", "compact", "history", "history_unknown", "history_groups")
     NUM_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +302,9 @@ class LookupResponse(_message.Message):
     PACKED_FIELD_NUMBER: _ClassVar[int]
     PACKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPACT_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_complete: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupLocation]
     lease_id: int
@@ -306,7 +313,10 @@ class LookupResponse(_message.Message):
     packed: PackedGroups
     packed_bytes: bytes
     compact: bool
-    def __init__(self, num_complete: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ..., packed: _Optional[_Union[PackedGroups, _Mapping]] = ..., packed_bytes: _Optional[bytes] = ..., compact: _Optional[bool] = ...) -> None: ...
+    history: int
+    history_unknown: bool
+    history_groups: int
+    def __init__(self, num_complete: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupLocation, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ..., packed: _Optional[_Union[PackedGroups, _Mapping]] = ..., packed_bytes: _Optional[bytes] = ..., compact: _Optional[bool] = ..., history: _Optional[int] = ..., history_unknown: _Optional[bool] = ..., history_groups: _Optional[int] = ...) -> None: ...
 
 class PackedGroups(_message.Message):
     __slots__ = ("group_id", "num_members", "key", "segment", "address", "size", "checksum")

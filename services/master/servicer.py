@@ -497,27 +497,37 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         if self.ha is not None and not self.ha.lookups_open(frozenset(self.index.segments)):
             raise Unavailable("master: a new leader is adopting the stores' block reports (a miss: compute)",
                               field="")
-        check_batch(len(group_ids), "group_ids")
+        history, kept = request.history, request.history_groups
+        if bool(history) != bool(kept):
+            raise InvalidArgument(f"history_groups: {kept} with history {history} (both are given, or neither)")
+        if not group_ids and not kept:
+            raise InvalidArgument("group_ids: must not be empty")
+        check_batch(len(group_ids) + kept, "group_ids")  # (with the handle's groups)
         check_names(group_ids, "group_ids")
         if not 0 <= request.lease_ms <= MAX_LEASE_MS:
             raise InvalidArgument(f"lease_ms: {request.lease_ms} is outside 0..{MAX_LEASE_MS}")
-        if request.held_prefix > len(group_ids):
-            raise InvalidArgument(f"held_prefix: {request.held_prefix} is more than the {len(group_ids)} group ids")
+        num_groups = len(group_ids) + kept
+        if request.held_prefix > num_groups:
+            raise InvalidArgument(f"held_prefix: {request.held_prefix} is more than the {num_groups} group ids")
         lease_s = request.lease_ms / 1000 if request.lease_ms else None
-        result = self.index.lookup(group_ids, lease_s, request.held_prefix)
-        log.debug("pool_op", op="lookup", groups=len(group_ids), complete=result.num_found, lease_id=result.lease_id)
-        self.record.write("pool_op", current_request_id(), op="lookup", groups=len(group_ids),
+        result = self.index.lookup(group_ids, lease_s, request.held_prefix, history, kept)
+        log.debug("pool_op", op="lookup", groups=num_groups, complete=result.num_found, lease_id=result.lease_id,
+                  history=bool(history))
+        self.record.write("pool_op", current_request_id(), op="lookup", groups=num_groups,
                           complete=result.num_found)
         if response is None:
             response = pool_pb2.LookupResponse()
         response.num_complete, response.lease_id = result.num_found, result.lease_id
         response.lease_ms = round(result.lease_s * 1000)
+        response.history, response.history_unknown = result.history, result.unknown_history
+        if history and not result.unknown_history:
+            response.history_groups = kept
         if request.packed:
             add_accesses(response.segments, self._packed(response, result.groups, request.packed_bytes,
                                                                  request.compact))
         else:
             add_accesses(response.segments, self._groups(response, result.groups))
-        self.metrics.observe_lookup(len(group_ids), result.num_found)
+        self.metrics.observe_lookup(num_groups, result.num_found)
         return response
 
     def _packed(self, response: pool_pb2.LookupResponse, groups: list[Group], as_bytes: bool,

@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {
     "index_bytes_per_object", "call_floor_cpu_ms", "lookups_per_s", "saves_per_s", "lookup_ms_p50", "lookup_ms_p99",
-    "lookup_cpu_ms", "lookup_cpu_ms_legacy", "lookup_cpu_ms_full_answer", "save_cpu_ms", "save_cpu_ms_legacy",
+    "lookup_cpu_ms", "lookup_cpu_ms_legacy", "lookup_cpu_ms_full_answer", "lookup_cpu_ms_by_ids", "save_cpu_ms",
+    "save_cpu_ms_legacy", "turn_cpu_ms_by_ids",
     "turn_cpu_ms", "turn_cpu_ms_legacy", "turns_per_s_per_master", "session_floor_cpu_ms", "resident_objects",
     "lookup_hit_share", "lookups_measured", "evicted_groups_during_lookups", "saves_per_s_beside",
     "master_busy_lookups",
@@ -40,8 +41,8 @@ def test_bench_master_small() -> None:
     why = {k: at.get(k) for k in ("cost_misses_found", "refresh_refused", "unsettled")}  # said when it fails
     assert at["lookup_hit_share"] == 1.0 and set(at["cost_hit_share"].values()) == {1.0}, why
     assert at["lookups_measured"] >= 200 and at["evicted_groups_during_lookups"] > 0
-    for key in ("lookup_cpu_ms", "lookup_cpu_ms_full_answer", "save_cpu_ms", "turn_cpu_ms", "call_floor_cpu_ms",
-                "session_floor_cpu_ms", "lookups_per_s", "saves_per_s"):
+    for key in ("lookup_cpu_ms", "lookup_cpu_ms_full_answer", "lookup_cpu_ms_by_ids", "save_cpu_ms", "turn_cpu_ms",
+                "turn_cpu_ms_by_ids", "call_floor_cpu_ms", "session_floor_cpu_ms", "lookups_per_s", "saves_per_s"):
         assert at[key] > 0, key
     assert set(report["targets"]) == {"lookup_cpu_ms", "save_cpu_ms", "turn_cpu_ms"}
     assert all(t["at"] == 8000 and t["value"] == at[key] for key, t in report["targets"].items())

@@ -214,3 +214,34 @@ async def test_puts_racing_eviction_never_yield_partial_groups_or_bad_reads(
         if found.num_complete:
             assert await client.exists([f"ns/race{g}/{m}" for m in range(GROUP)]) == [True] * GROUP
             await client.release(found.lease_id)
+
+
+async def test_a_history_looked_up_again_goes_by_its_handle_and_finds_the_same(
+        client: PoolClient, pool: LocalPool, engine, buffer: HostBuffer) -> None:  # type: ignore[no-untyped-def]
+    """The second lookup of a history sends the master's handle and only the ids after it; the answer is the
+    one every id gets. A master that does not know the handle (here: a client's handle made up) is asked
+    again with every id."""
+    ids = [f"ns/hist{g}" for g in range(6)]
+    for g, group_id in enumerate(ids[:5]):  # the sixth is not stored: every lookup stops before it
+        assert await client.put(write_group(buffer, g * GROUP * 256, group_id, 256)) == [PutResult.STORED] * GROUP
+    first = await client.lookup(ids[:3])
+    await client.release(first.lease_id)
+    assert len(client.histories) == 1 and client.histories.take(ids[:2]) == (0, 0)  # only its whole prefix
+    plain = PoolClient(pool.master_address, engine)  # no handles: every lookup by ids
+    try:
+        for held in (0, 2):
+            by_handle = await client.lookup(ids, held_prefix=held)
+            by_ids = await plain.lookup(ids, held_prefix=held)
+            assert (by_handle.num_complete, by_handle.first) == (by_ids.num_complete, by_ids.first) == (5, held)
+            assert by_handle.groups == by_ids.groups and len(client.histories) == 1
+            await client.release(by_handle.lease_id)
+            await plain.release(by_ids.lease_id)
+        handle, kept = client.histories.take(ids)
+        assert handle and kept == 5
+        client.histories.keep(ids[:5], handle ^ 1)  # a handle the master never gave
+        again, expected = await client.lookup(ids), await plain.lookup(ids)
+        assert again.num_complete == 5 and again.groups == expected.groups and len(client.histories) == 1
+        await client.release(again.lease_id)
+        await plain.release(expected.lease_id)
+    finally:
+        await plain.close()

@@ -57,6 +57,7 @@ from kvpool.core.pool.records import (
     SegmentChange,
     StoredObject,
 )
+from kvpool.core.pool.histories import HistoryHandles
 from kvpool.core.pool.segments import SegmentTable
 from kvpool.core.pool.settings import IndexSettings
 from kvpool.core.tenancy.shares import TenantShares
@@ -95,7 +96,7 @@ class PoolIndex:
 
     __slots__ = (
         "settings", "clock", "objects", "groups", "counters", "segment_table", "eviction", "failures",
-        "leases", "group_table", "shares", "puts",
+        "leases", "group_table", "shares", "puts", "histories",
     )
 
     def __init__(self, settings: IndexSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -108,6 +109,7 @@ class PoolIndex:
         self.counters = IndexCounters()
         self.failures = GroupFailures(self.settings.failed_group_hold_s, clock)
         self.leases = LeaseTable(clock)
+        self.histories = HistoryHandles()  # found histories, for their next lookup
         self.segment_table = SegmentTable(self, self.settings, clock, self.counters, self.failures)
         self.eviction = Eviction(self, self.counters, self.settings.eviction, self.shares)
         self.puts = PutTable(self, self.settings, clock, self.counters, self.failures, self.group_table,
@@ -138,15 +140,34 @@ class PoolIndex:
 
     # ---- reads ----------------------------------------------------------
 
-    def lookup(self, group_ids: Sequence[str], lease_s: float | None = None, held_prefix: int = 0) -> LookupResult:
+    def lookup(self, group_ids: Sequence[str], lease_s: float | None = None, held_prefix: int = 0,
+               history: int = 0, history_len: int = 0) -> LookupResult:
         """Count leading complete groups; touch them; lease those after the first ``held_prefix``.
 
         The caller holds the first ``held_prefix`` groups itself (its device cache): they count and are
         touched as any found group, but are not leased (nobody reads them from the pool). The release
         touches them again with the leased ones, as if they were leased.
+
+        ``history``: a handle an earlier lookup returned (``LookupResult.history``), standing for the first
+        ``history_len`` groups; ``group_ids`` are then the ids after them, and ``held_prefix`` counts from the
+        handle's first group. The found groups are kept under a new handle (``kvpool.core.pool.histories``),
+        which replaces the one used.
         """
         self.expire_leases()
-        found = leading_usable(list(map(self.groups.get, group_ids)))
+        if history:
+            kept = self.histories.get(history)
+            if kept is None or len(kept) < history_len:
+                return LookupResult([], 0, 0.0, unknown_history=True)
+            prefix = kept[:history_len]
+            if any(map(_DROPPED, prefix)):  # forgotten since: what the dict holds under their ids now
+                get = self.groups.get
+                prefix = [get(g.group_id) if g.dropped else g for g in prefix]
+            candidates = prefix + list(map(self.groups.get, group_ids)) if group_ids else prefix
+        else:
+            candidates = list(map(self.groups.get, group_ids))
+        found = leading_usable(candidates)
+        if history:
+            self.histories.drop(history)  # the answer's handle, if any, stands for the same history and more
         if not found:
             return LookupResult([], 0, 0.0)
         duration = self.settings.lease_s if lease_s is None else lease_s
@@ -155,7 +176,8 @@ class PoolIndex:
         self.group_table.touch_groups(found)
         if lease_id:
             self.leases.mark(lease_id, self.group_table.version)  # the order this touch left
-        return LookupResult(leased, lease_id, duration, len(found))
+        handle = self.histories.keep(list(found) if leased is found else found)  # (the lease keeps its own)
+        return LookupResult(leased, lease_id, duration, len(found), handle)
 
     def release_lease(self, lease_id: int, corrupt_group_ids: Collection[str] = ()) -> bool:
         """End a lease early (the reader is done); a read counts as a use.

@@ -200,3 +200,7 @@ class LookupResult:
     lease_id: int
     lease_s: float
     num_found: int = 0
+    # the found groups kept for the next lookup of this history (``kvpool.core.pool.histories``; 0: none)
+    history: int = 0
+    # the handle asked by is not (or no longer) known: nothing was looked up, the caller sends its ids
+    unknown_history: bool = False

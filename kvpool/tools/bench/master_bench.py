@@ -21,15 +21,19 @@ For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
    client's ``Session`` stream, ``kvpool.pool.session_client``):
    - ``lookup_cpu_ms``: a lookup of one ``HISTORY_CHUNKS``-group history that
      hits, with its release; legacy answers one message per object, today's
-     packed arrays in the compact form (``LookupRequest.packed``, ``compact``), and
-     ``lookup_cpu_ms_full_answer`` today's calls with the answer packed in full;
+     packed arrays in the compact form (``LookupRequest.packed``, ``compact``),
+     the history named as the next turn of a session names it: the handle its
+     last lookup got (``LookupRequest.history``) for all but its last
+     ``--turn-new-chunks`` groups, and their ids. ``lookup_cpu_ms_by_ids``
+     names every id (no handle), ``lookup_cpu_ms_full_answer`` also has the
+     answer packed in full (before the compact form);
    - ``save_cpu_ms``: a save of ``SAVE_CHUNKS`` chunks over the stages; legacy is
      one put pair per stage, today's one pair for all stages;
    - ``turn_cpu_ms``: the calls of a typical turn (``--turn-*``): a lookup of the
      history (legacy: every group from chunk 0, leased and located; today's:
      the device-held prefix only counted and touched, ``held_prefix``), its
      release (today's: in the save's ``PutStart``), and the save of the turn's
-     new chunks.
+     new chunks; ``turn_cpu_ms_by_ids`` names every id (no handle).
    ``call_floor_cpu_ms`` is the cheapest unary call's (one key's ``Exists``):
    what gRPC itself costs the master per unary call, whatever the call does;
    ``session_floor_cpu_ms`` the cheapest session message's (the release of a
@@ -139,6 +143,8 @@ class Calls:
         self.lookups = 0
         self.refused: dict[str, int] = {}  # put items neither reserved nor already there, by status
         self.short: list[int] = []  # how many leading groups a lookup that missed found (the first few)
+        # the master's handle for each history's last lookup and how many groups it found, by the first id
+        self.handles: dict[str, tuple[int, int]] = {}
 
     async def save(self, groups: list[str], legacy: bool, release: int = 0) -> int:
         """Put every stage's object of ``groups``: one pair for all, its start ending the lease ``release``
@@ -172,16 +178,25 @@ class Calls:
         return len(commits)
 
     async def lookup(self, groups: list[str], held: int, legacy: bool, release: bool = True,
-                     compact: bool = True) -> tuple[float, int]:
+                     form: str = "today", new_chunks: int = 0) -> tuple[float, int]:
         """Look a history up and (``release``) release its lease: the lookup's own latency (s), and the lease
-        left to release (0 when released or none). ``compact``: today's answer (else packed in full)."""
+        left to release (0 when released or none). ``form``: today's (the history's handle from its last
+        lookup for all but its last ``new_chunks`` groups, as the next turn of a session sends it, the answer
+        compact), ``by_ids`` (every id, compact), ``full_answer`` (every id, the answer packed in full)."""
         pb = self.pb
+        handle, found = self.handles.pop(groups[0], (0, 0)) if form == "today" and not legacy else (0, 0)
+        kept = min(len(groups) - new_chunks, found) if handle else 0  # (it stands for what its lookup found)
         request = (pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS) if legacy else
-                   pb.LookupRequest(group_ids=groups, lease_ms=LEASE_MS, held_prefix=held, packed=True,
-                                     packed_bytes=True, compact=compact))
+                   pb.LookupRequest(group_ids=groups[kept:], lease_ms=LEASE_MS, held_prefix=held, packed=True,
+                                     packed_bytes=True, compact=form != "full_answer", history=handle,
+                                     history_groups=kept))
         t0 = time.perf_counter()
         response = await self._call("lookup", self.stub.Lookup, request, legacy)
         took = time.perf_counter() - t0
+        if handle and response.history_groups != kept:
+            raise RuntimeError(f"the master did not take a history handle it gave ({response.history_unknown=})")
+        if form == "today" and response.history:
+            self.handles[groups[0]] = (response.history, response.num_complete)
         self.lookups += 1
         self.hits += response.num_complete == len(groups)
         if response.num_complete != len(groups) and len(self.short) < 8:
@@ -259,7 +274,7 @@ async def _ops(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
             held = turn.held if op == "turn" else 0
             # today a turn's save ends its lookup's lease in its first call; legacy releases on its own
             took, lease = await calls.lookup(group_ids(history), held, legacy, release=op == "lookup" or legacy,
-                                             compact=not job.get("full_answer"))
+                                             form=job.get("form", "today"), new_chunks=turn.new_chunks)
             latencies.append(took)
         if op in ("save", "turn"):
             count = SAVE_CHUNKS if op == "save" else turn.new_chunks
@@ -350,13 +365,13 @@ class Run:
         self.jobs([{"kind": "ops", "op": "lookup", "legacy": False, "turn": _turn(self.turn), "histories": histories,
                     "fresh_from": self._fresh(), "count": len(histories)}])
 
-    def cost(self, op: str, legacy: bool, histories: list[int], full_answer: bool = False) -> dict[str, Any]:
-        """The master's CPU per operation, one client calling one after another (``full_answer``: today's calls,
-        a lookup's answer packed in full, not compact)."""
+    def cost(self, op: str, legacy: bool, histories: list[int], form: str = "today") -> dict[str, Any]:
+        """The master's CPU per operation, one client calling one after another (``form``: a lookup's, as
+        ``Calls.lookup`` takes it)."""
         if op in ("lookup", "turn"):
             self.refresh(histories)
         self.settle(f"{op}_cpu_ms" + ("_legacy" if legacy else ""))
-        job = {"kind": "ops", "op": op, "legacy": legacy, "turn": _turn(self.turn), "full_answer": full_answer,
+        job = {"kind": "ops", "op": op, "legacy": legacy, "turn": _turn(self.turn), "form": form,
                "histories": histories, "fresh_from": self._fresh(), "pid": self.pid, "seconds": self.cost_seconds}
         if op == "turn":  # its saves evict: at most half of what the pool holds beside the histories it looks up
             spare = self.stats().num_objects - len(histories) * HISTORY_CHUNKS * STAGES
@@ -462,13 +477,14 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
         newest = list(range(report["histories"]))[-max(1, min(64, report["histories"] // 2)):]
         report["call_floor_cpu_ms"] = run.cost("floor", False, newest)["cpu_ms"]
         report["session_floor_cpu_ms"] = run.cost("session_floor", False, newest)["cpu_ms"]
-        # each op in the older call pattern and today's, side by side; a lookup also with today's calls but its
-        # answer packed in full (before the compact form)
-        forms = [("lookup", True, False), ("lookup", False, False), ("lookup", False, True),
-                 ("save", True, False), ("save", False, False), ("turn", True, False), ("turn", False, False)]
-        for op, legacy, full in forms:
-            key = f"{op}_cpu_ms" + ("_legacy" if legacy else "") + ("_full_answer" if full else "")
-            cost = run.cost(op, legacy, newest, full)
+        # each op in the older call pattern and today's, side by side; a lookup and a turn also by every id (no
+        # history handle), and a lookup with its answer packed in full besides (before the compact form)
+        forms = [("lookup", True, "today"), ("lookup", False, "today"), ("lookup", False, "by_ids"),
+                 ("lookup", False, "full_answer"), ("save", True, "today"), ("save", False, "today"),
+                 ("turn", True, "today"), ("turn", False, "today"), ("turn", False, "by_ids")]
+        for op, legacy, form in forms:
+            key = f"{op}_cpu_ms" + ("_legacy" if legacy else "") + ("" if form == "today" else f"_{form}")
+            cost = run.cost(op, legacy, newest, form)
             report[key] = cost["cpu_ms"]
             report.setdefault("cost_calls", {})[key] = cost["calls"]
             if cost["hit_share"] is not None:
@@ -523,6 +539,7 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{value['session_floor_cpu_ms']} ms:")
         for op in ("lookup", "save", "turn"):
             full = f", answer in full {value['lookup_cpu_ms_full_answer']}" if op == "lookup" else ""
+            full = (f", by ids {value[f'{op}_cpu_ms_by_ids']}" if op != "save" else "") + full
             lines.append(f"  {op}_cpu_ms {value[f'{op}_cpu_ms']} (legacy {value[f'{op}_cpu_ms_legacy']}{full})")
         lines.append(f"  lookups/s {value['lookups_per_s']} (p50 {value['lookup_ms_p50']} ms, p99 "
                      f"{value['lookup_ms_p99']} ms, hits {value['lookup_hit_share']}), saves/s {value['saves_per_s']}, "
