@@ -120,6 +120,15 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str], gated
     return blocks, ops, stage0_effects, router
 
 
+def cluster_config(chunk_size: int, gated: bool) -> str:
+    """The validation cluster's TOML: its chunk, stage 0's gate when ``gated`` (one prefill at a time, in arrival
+    order), and leases as long as the run (the simulated pool's never expire: an expiry is the cluster's clock,
+    not an order)."""
+    gate = 'sched = "fifo"\nsched_slots = 1\n' if gated else ""
+    return (f"[prefill]\nchunk_size = {chunk_size}\n{gate}\n[router]\nrequest_timeout_s = 600.0\n\n"
+            f"[master]\nlease_s = {LEASE_S}\n")
+
+
 def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float, gated: bool = False,
                keep: str | None = None) -> dict[str, Any]:
     from kvpool.model import get_config
@@ -139,10 +148,7 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float,
                           stores=2, segment_size=f"{setup.store_bytes >> 20}MiB",
                           device_cache_tokens=setup.device_cache_tokens, workdir=str(workdir / "cluster"))
     config_path = workdir / "validate.toml"
-    gate = 'sched = "fifo"\nsched_slots = 1\n' if gated else ""  # one prefill at a time, in arrival order
-    # leases as long as the run (the simulated pool's never expire: an expiry is the cluster's clock, not an order)
-    config_path.write_text(f"[prefill]\nchunk_size = {setup.chunk_size}\n{gate}\n[router]\nrequest_timeout_s = 600.0\n"
-                           f"\n[master]\nlease_s = {LEASE_S}\n")
+    config_path.write_text(cluster_config(setup.chunk_size, gated))
     options = ReplayOptions(concurrency=len(session_ids), think_scale=0.0, duration_s=duration_s,
                             chunk_size=setup.chunk_size)
     records = workdir / "requests.jsonl"
