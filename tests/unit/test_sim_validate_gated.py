@@ -117,3 +117,27 @@ def test_the_modes_reach_the_cluster_as_its_settings(tmp_path: Path) -> None:
         prefill = load_settings(PrefillSettings, "prefill", str(path), {"num_stages": 1})  # (no later stages)
         assert (prefill.sched, prefill.sched_slots, prefill.chunk_size) == ("fifo", slots, 256)
         assert load_settings(MasterSettings, "master", str(path), {}).lease_s == LEASE_S == 600.0
+
+
+@needs_traces
+def test_a_long_gated_cluster_run_evicts_from_both_caches_alike_and_replays_equal(monkeypatch: pytest.MonkeyPatch
+                                                                                  ) -> None:
+    """A real cluster's records (``simulate --validate --validate-mode long --validate-records``, at 441d211: gated,
+    prompts of 3.9-17.4K tokens (up to 13,833 in the 62 turns it reached in 300 s), 24 handed with another turn waiting). Its device cache and its
+    pool each hold one history, not three: both evict, and the simulator's caches evict exactly as much."""
+    from kvpool.tools.sim import prefill_sim
+    from kvpool.tools.sim.validate import differing_effects
+    from kvpool.tools.sim.validate_cmd import device_evictions
+
+    records, effects, router, turns, pool = replay_gated("validate-records-long.jsonl.gz", "long")
+    assert len(effects) == len(router) == 62 and max(t.prompt_tokens for t in turns.values()) == 13833
+    assert pool["events_left"] == 0 and pool["pool_ops_left"] == 0 and pool["pool_ops_differing"] == []
+    assert differing_effects(pool["effects"], effects) == [] and pool["router_effects"] == router
+    assert sum(t.pool_tokens for t in turns.values()) == 146688 and pool["evictions"] == 650
+    assert pool["device_evictions"] == device_evictions(records) == 953
+
+    try_admission = prefill_sim.PipelineSim._try
+    monkeypatch.setattr(prefill_sim.PipelineSim, "_try", lambda self, job, serving: try_admission(
+        self, job, list(reversed(serving)) if serving else None))  # the serving order backwards
+    _, effects, _, _, backwards = replay_gated("validate-records-long.jsonl.gz", "long")
+    assert len(differing_effects(backwards["effects"], effects)) == 8

@@ -14,7 +14,7 @@ one (``effects_equal``, ``effects_differing``, ``router_effects_differing``) and
 ``--validate-mode`` (``MODES``): ``ungated`` (stage 0 admits each turn on arrival, as the cluster's default
 FIFO stage 0 does); ``gated`` (stage 0's gate on both sides: one prefill at a time in FIFO order, the head's
 and the waiters' sessions touched in serving order when the gate hands it stage 0); ``long`` (gated, at token
-scale 4: prompts of 4.1-17.4K tokens on a device cache and a pool that each hold one history, not three).
+scale 4: prompts of 3.9-17.4K tokens on a device cache and a pool that each hold one history, not three).
 Gated, the order of arrivals and the places where the gate handed stage 0 a request come from the record;
 which request it hands, the serving order it touches, and every admission, lookup, save and eviction are
 the simulator's own (the core's). Device cache evictions are reported on both sides (``device_evictions``,
@@ -61,7 +61,7 @@ class Mode:
 MODES = {
     "ungated": Mode(),
     "gated": Mode(gated=True),
-    # scale 4: prompts of 4.1-17.4K tokens; 72 chunks a stage hold the longest prompt (69), not three histories;
+    # scale 4: prompts of 3.9-17.4K tokens; 72 chunks a stage hold the longest prompt (69), not three histories;
     # two stores of 32 MiB hold 85 groups, one history (69 at most) but not three
     "long": Mode(scale=4, device_cache_tokens=18432, segment_bytes=32 << 20, gated=True, duration_s=300.0,
                  quick_s=120.0),
