@@ -15,9 +15,10 @@ one (``effects_equal``, ``effects_differing``, ``router_effects_differing``) and
 FIFO stage 0 does); ``gated`` (stage 0's gate on both sides: one prefill at a time in FIFO order, the head's
 and the waiters' sessions touched in serving order when the gate hands it stage 0); ``long`` (gated, at token
 scale 4: prompts of 3.9-17.4K tokens on a device cache and a pool that each hold one history, not three).
-Gated, the order of arrivals and the places where the gate handed stage 0 a request come from the record;
-which request it hands, the serving order it touches, and every admission, lookup, save and eviction are
-the simulator's own (the core's). Device cache evictions are reported on both sides (``device_evictions``,
+Gated, the order of arrivals, the places where the gate handed stage 0 a request, the releases of blocks
+and the master's operations come from the record (not the forwards' commits: one prefill at a time, they
+never race); which request it hands, the serving order it touches, and every admission, lookup, save and
+eviction are the simulator's own (the core's). Device cache evictions are reported on both sides (``device_evictions``,
 ``real_device_evictions``).
 """
 
@@ -77,7 +78,8 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str], gated
     session's n-th admitted request is its turn n; other records are left out): stage 0's block events in
     their order (a turn's "touch" on arrival, its first "admit" (``gated``: where the gate handed it stage 0,
     its first effect, which may be a wait for blocks), its "commit" once its forward's chunks became
-    cached, a "free" of each holder a ``Freed`` names), the master's operations in theirs (``((op, holder),
+    cached (not ``gated``: one prefill at a time, no two forwards' commits race), a "free" of each holder a
+    ``Freed`` names), the master's operations in theirs (``((op, holder),
     figure)``: a lookup's complete groups, a release's 1 or 0, a put start's evictions, a put end's commits;
     a put's holder is "name/stage"), and each request's stage 0 and router effects."""
     index = {sid: k for k, sid in enumerate(session_ids)}
@@ -99,7 +101,7 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str], gated
             continue
         handed = gated and record.get("kind") == "effect" and ("admit", name) not in seen
         kind = ("touch" if record.get("kind") == "touch" else "admit" if record.get("effect") == "Admitted" or handed
-                else "commit" if record.get("effect") == "Prefilled" else None)
+                else "commit" if record.get("effect") == "Prefilled" and not gated else None)
         if kind is not None and (kind, name) not in seen:
             seen.add((kind, name))
             blocks.append((kind, name))
