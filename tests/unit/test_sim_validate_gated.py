@@ -132,9 +132,10 @@ def test_the_modes_reach_the_cluster_as_its_settings(tmp_path: Path) -> None:
 @needs_traces
 def test_a_long_gated_cluster_run_evicts_from_both_caches_alike_and_replays_equal(monkeypatch: pytest.MonkeyPatch
                                                                                   ) -> None:
-    """A real cluster's records (``simulate --validate --validate-mode long --validate-records``, at 441d211: gated,
-    prompts of 3.9-17.4K tokens (up to 13,833 in the 62 turns it reached in 300 s), 24 handed with another turn waiting). Its device cache and its
-    pool each hold one history, not three: both evict, and the simulator's caches evict exactly as much."""
+    """A real cluster's records (``simulate --validate --validate-mode long --validate-records``, at 441d211:
+    gated, prompts of 3.9-17.4K tokens (up to 13,833 in the 62 turns it reached in 300 s), 24 handed with another
+    turn waiting). Its device cache and its pool each hold one history, not three: both evict, and the
+    simulator's caches evict exactly as much."""
     from kvpool.tools.sim import prefill_sim
     from kvpool.tools.sim.validate import differing_effects
     from kvpool.tools.sim.validate_cmd import device_evictions
