@@ -8,7 +8,8 @@ Set ``KVPOOL_REQUEST_RECORD`` to a file (``recording_children``) and the service
   ended;
 - stage 0: ``{"source": "stage0", "kind": "touch", ...}`` at a turn's arrival (it touches its session's
   cached blocks), and ``{"kind": "effect", "effect": ..., ...}`` for every effect of its request driver
-  (``kvpool.core.prefill.driver.effect_fields``), as the driver returns them;
+  (``kvpool.core.prefill.driver.effect_fields``), as the driver returns them, and after each admission
+  ``{"kind": "blocks", "evicted": N}``: the device cache's evictions so far (``BlockManager.num_evicted``);
 - the master: ``{"source": "master", "kind": "pool_op", "op": ..., ...}`` for each lookup, lease release,
   put start and put end, with its outcome.
 

@@ -276,6 +276,7 @@ TABLES: dict[str, Table] = {
         C("`calibrated`", "output/calibrated"),
     )),
     "simulate-validate": Table(("*-simulate-validate*.json", "*-sim-validate*.json"), columns=(
+        C("mode", "output/mode"),
         C("runs", "output/runs"),
         C("turns compared", "output/turns_compared"),
         C("turns differing (per run)", "output/num_mismatched_turns_runs"),
@@ -284,7 +285,10 @@ TABLES: dict[str, Table] = {
         C("router effects differing", "output/num_router_effects_differing"),
         C("pool tokens (per run)", "output/pool_tokens_runs|output/pool_tokens", ","),
         C("evictions (per run)", "output/evictions_runs|output/evictions"),
+        C("device evictions", "output/device_evictions"),
+        C("cluster's device evictions", "output/real_device_evictions"),
         C("`token_counts_equal`", "output/token_counts_equal"),
+        C("`effects_equal`", "output/effects_equal"),
         C("throughput error", "output/throughput_error", "+.0%"),
         C("TTFT p50 error", "output/ttft_p50_error", "+.0%"),
     )),

@@ -140,6 +140,9 @@ async def test_stage_0_and_the_master_record_what_each_request_saw(stubs, record
     assert effects(again.request_id) == ["Admitted", "Lookup", "Forward", "ReleaseLease", "Prefilled", "Freed"]
     touches = [r for r in read_records(records) if r["kind"] == "touch" and r["request_id"] == again.request_id]
     assert [t["session_key"] for t in touches] == ["recorded"]
+    # after each admission, the device cache's evictions so far: evict_device's requests took the first's blocks
+    evicted = {r["request_id"]: r["evicted"] for r in read_records(records) if r["kind"] == "blocks"}
+    assert evicted[first.request_id] < evicted[again.request_id]
     def ops(request_id: str) -> list[tuple[str, object]]:
         return [(r["op"], r.get("complete", r.get("items"))) for r in read_records(records)
                 if r["source"] == "master" and r["request_id"] == request_id]

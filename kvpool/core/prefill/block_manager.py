@@ -104,6 +104,7 @@ class BlockManager:
         self.tenant_blocks: dict[str, int] = {}
         self._cached_free: dict[str, OrderedDict[int, None]] = {}
         self._session_free: dict[SessionId, OrderedDict[int, None]] = {}  # each session's cached free blocks
+        self.num_evicted = 0  # cached blocks an allocation took (their chunk uncached): the device cache's evictions
 
     # queries
     @property
@@ -346,6 +347,7 @@ class BlockManager:
         block = self._pick_free(victims)
         self._take_free(block)
         if block.chunk_hash is not None:  # lazy eviction
+            self.num_evicted += 1
             del self._hash_to_block_id[block.chunk_hash]
             block.chunk_hash = None
         self._set_tenant(block, victims.tenant)

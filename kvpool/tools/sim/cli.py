@@ -76,6 +76,11 @@ def add_simulate_parser(sub: Any) -> None:
                    help="replay a few concurrent sessions on a local cluster (kvpool replay) with a pool that "
                    "evicts, then in the simulator in the cluster's admission order; compare turn by turn")
     p.add_argument("--runs", type=int, default=1, help="--validate: whole comparisons to run (timing median, spread)")
+    p.add_argument("--validate-mode", choices=("ungated", "gated", "long"), default="ungated",
+                   help="--validate: ungated (stage 0 admits each turn on arrival); gated (one prefill at a time, "
+                   "FIFO, the serving-order touch on, on both sides); long (gated, 4-18K-token prompts that evict "
+                   "from the device cache and the pool)")
+    p.add_argument("--validate-records", metavar="FILE", help="--validate: keep the cluster's request records here")
     p.add_argument("--calibrate", action="store_true",
                    help="fit the cost model's [fit] inputs to the seed's single server at 112 sessions, check 96")
     p.add_argument("--calibrate-steps", type=int, default=4, help="most fit steps (runs) before the check")

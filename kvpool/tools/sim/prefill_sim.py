@@ -70,6 +70,9 @@ class PipelineSim:
     block_gate: Callable[[tuple[str, str], Callable[[], object]], None] = field(default=lambda step, apply: apply())
     pool_gate: Callable[[tuple[str, str], Callable[[], int | None]], None] = field(default=lambda step, apply: apply())
     ungated: bool = False  # stage 0 without a gate (the validation's cluster): each request admitted on arrival
+    # gated, the queue head's admission (the gate hands it stage 0): at once, or under validation at its recorded place
+    admit_gate: Callable[[tuple[str, str], Callable[[], object]], None] | None = None
+    _head: Job | None = None  # gated: the head handed stage 0 that waits for blocks (it tries again untouched)
     _waiting: dict[str, Job] = field(default_factory=dict)  # queued jobs by id
     _blocked: list[Job] = field(default_factory=list)  # ungated: requests waiting for blocks
     busy: bool = False  # stage 0 holds a request (admitted, not yet through its own compute)
@@ -92,14 +95,14 @@ class PipelineSim:
     def enqueue(self, job: Job) -> None:
         """A turn arrives: its session's blocks are touched and it queues; ``ungated`` (the validation's cluster
         runs stage 0 without a gate) it tries its admission at once instead (each at its recorded place)."""
-        if not self.ungated:
-            self._waiting[job.job_id] = job
-            self.queue.push(job.job_id, self.estimate_work_s(job), self.loop.now)
         self.block_gate(("touch", job.job_id), partial(self._arrived, job))
         if self.ungated:
             self.block_gate(("admit", job.job_id), partial(self._try, job, None))
 
     def _arrived(self, job: Job) -> None:
+        if not self.ungated:  # it queues as it touches its session (one step of stage 0's)
+            self._waiting[job.job_id] = job
+            self.queue.push(job.job_id, self.estimate_work_s(job), self.loop.now)
         self.admission.arrived(session_of(job), self.loop.now)
         self.kick()  # its admission may be the next event
 
@@ -127,11 +130,19 @@ class PipelineSim:
             self._blocked.remove(job)
             self._try(job, None)
         while not self.busy and len(self.queue):
-            job, now = self._waiting[self.queue.peek(self.loop.now) or ""], self.loop.now
-            serving = None if len(self.queue) < 2 else [session_of(self._waiting[i])
-                                                        for i in self.queue.serving_order(now)]
-            if not self._try(job, serving):
+            job = self._waiting[self.queue.peek(self.loop.now) or ""]
+            if job is not self._head and self.admit_gate is not None:
+                self.admit_gate(("admit", job.job_id), partial(self._hand, job))
                 return
+            if not self._hand(job):
+                return
+
+    def _hand(self, job: Job) -> bool:
+        """The gate hands stage 0 its head: the head's and the waiters' sessions are touched in serving order,
+        once (as stage 0 does when its gate hands a slot); a head that waits for blocks tries again untouched."""
+        retry, self._head = job is self._head, job
+        return self._try(job, None if retry else [session_of(self._waiting[i])
+                                                  for i in self.queue.serving_order(self.loop.now)])
 
     def _try(self, job: Job, serving: list | None) -> bool:
         """``job`` tries its admission (the core's ``Stage0Admission`` steps, as stage 0 takes them): admitted,
@@ -149,7 +160,7 @@ class PipelineSim:
         if not self.ungated:
             self.queue.pop(self.loop.now)
             del self._waiting[job.job_id]
-            self.busy = True
+            self.busy, self._head = True, None
         job.request = job.driver.request
         self.admission.admitted(job.request)
         job.prefill_start = self.loop.now

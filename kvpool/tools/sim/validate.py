@@ -154,11 +154,16 @@ class RecordedBlockEvents(RecordedOrder):
 def replay_sessions(
     sessions: Sequence[Session], setup: ValidationSetup, cost: CostModel, events: Sequence[BlockEvent],
     output_tokens: Mapping[tuple[int, int], int] | None = None, pool_ops: Sequence[tuple[PoolOp, int]] = (),
+    gated: bool = False,
 ) -> tuple[dict[tuple[int, int], TurnCounts], float, dict[str, Any]]:
-    """Play the sessions at once (no think time) on one ungated pipeline, stage 0's block ``events`` and the
+    """Play the sessions at once (no think time) on one pipeline, stage 0's block ``events`` and the
     master's ``pool_ops`` each in the cluster's recorded order (request ids ``s{session}.t{turn}``); leases do
-    not expire. ``output_tokens`` replaces the outputs of the turns it names (the cluster's). The counts per
-    (session, turn), the simulated seconds, and the pool's figures and each request's effects."""
+    not expire. Ungated, each turn tries its admission at its recorded place; ``gated``, the pipeline's own
+    FIFO queue hands stage 0 its head, one request at a time, the head's and the waiters' sessions touched in
+    serving order, at the place where the cluster's gate handed one (an arrival queues at its recorded place:
+    the "touch"; a head the cluster did not hand there is never handed). ``output_tokens`` replaces the
+    outputs of the turns it names (the cluster's). The counts per (session, turn), the simulated seconds, and
+    the pool's figures and each request's effects."""
     cost, topology = setup_topology(setup, cost)
     admits = [request_id for kind, request_id in events if kind == "admit"]
     # a bound on simulated time: an order the simulator could not follow stops there, not never
@@ -171,10 +176,11 @@ def replay_sessions(
     # instance k plays sessions[k] (no restarts past len(sessions)): job ids are "s{k}.t{turn}"
     recorded = RecordedBlockEvents(events, sim.loop)
     master = RecordedPoolOps(pool_ops, sim.loop)
-    for pipeline in sim.pipelines.values():  # one, ungated as the cluster's stage 0
+    for pipeline in sim.pipelines.values():  # one, gated or not as the cluster's stage 0
         pipeline.block_gate = recorded.run
         pipeline.pool_gate = master.run
-        pipeline.ungated = True
+        pipeline.ungated = not gated
+        pipeline.admit_gate = recorded.run if gated else None
         pipeline.effects = {}  # each request's driver effects, to compare with the cluster's
     sim.router.effects = {}  # and its router driver's
     sim.run()
@@ -182,6 +188,7 @@ def replay_sessions(
     ttft = sorted(sim.metrics.ttft_s)
     pool = {"pool_tokens": sum(t.pool_tokens for t in counts.values()),
             "evictions": sum(i.counters.evicted_groups for i in sim.indexes),
+            "device_evictions": sum(p.blocks.num_evicted for p in sim.pipelines.values()),
             "ttft_p50_s": percentile(ttft, 50) if ttft else 0.0, "events_left": recorded.num_left,
             "pool_ops_left": master.num_left, "pool_ops_differing": master.differing,
             "effects": {job_id: e for p in sim.pipelines.values() for job_id, e in (p.effects or {}).items()},

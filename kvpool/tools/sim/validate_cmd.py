@@ -10,6 +10,16 @@ and the master's pool operations with their outcomes. The simulator replays the 
 one (``effects_equal``, ``effects_differing``, ``router_effects_differing``) and the pool operations' outcomes
 (``pool_ops_differing``) should be equal. Times come from ``cost_model_cpu.toml`` unless ``--cost-model``;
 ``--runs N`` repeats the comparison and reports the timing errors' median and spread.
+
+``--validate-mode`` (``MODES``): ``ungated`` (stage 0 admits each turn on arrival, as the cluster's default
+FIFO stage 0 does); ``gated`` (stage 0's gate on both sides: one prefill at a time in FIFO order, the head's
+and the waiters' sessions touched in serving order when the gate hands it stage 0); ``long`` (gated, at token
+scale 4: prompts of 3.9-17.4K tokens on a device cache and a pool that each hold one history, not three).
+Gated, the order of arrivals, the places where the gate handed stage 0 a request, the releases of blocks
+and the master's operations come from the record (not the forwards' commits: one prefill at a time, they
+never race); which request it hands, the serving order it touches, and every admission, lookup, save and
+eviction are the simulator's own (the core's). Device cache evictions are reported on both sides (``device_evictions``,
+``real_device_evictions``).
 """
 
 from __future__ import annotations
@@ -18,9 +28,10 @@ import argparse
 import json
 import statistics
 import sys
+import shutil
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +42,44 @@ VALIDATION_TRACES = ("trace_0002.json", "trace_0019.json", "trace_0021.json")
 DURATION_S = 180.0  # every turn of the three sessions on a loaded host (71 turns took 73 s; 90 s once ran only 57)
 DEVICE_CACHE_TOKENS = 4608  # 18 chunks a stage: the longest prompt (4,361 tokens) fits, three histories do not
 SEGMENT_BYTES = 8 << 20  # two stores of 8 MiB: 21 groups of 4 x 196,608 B, fewer than the histories hold
+LEASE_S = 600.0  # the master's read lease (its default, 5 s, expired under restores of 17K-token prompts here)
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """``--validate-mode``: the sessions' token scale, the cluster's sizes, whether stage 0 is gated (one
+    prefill at a time, FIFO: ``--sched fifo --sched-slots 1``, so its gate touches the waiters' sessions in
+    serving order), the replay's seconds (``--quick``'s)."""
+
+    scale: int = 16
+    device_cache_tokens: int = DEVICE_CACHE_TOKENS
+    segment_bytes: int = SEGMENT_BYTES
+    gated: bool = False
+    duration_s: float = DURATION_S
+    quick_s: float = 30.0
+
+
+MODES = {
+    "ungated": Mode(),
+    "gated": Mode(gated=True),
+    # scale 4: prompts of 3.9-17.4K tokens; 72 chunks a stage hold the longest prompt (69), not three histories;
+    # two stores of 32 MiB hold 85 groups, one history (69 at most) but not three
+    "long": Mode(scale=4, device_cache_tokens=18432, segment_bytes=32 << 20, gated=True, duration_s=300.0,
+                 quick_s=120.0),
+}
 
 
 Effects = dict[str, list[dict[str, Any]]]
 
 
-def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
+def recorded_orders(records: list[dict[str, Any]], session_ids: list[str], gated: bool = False
                     ) -> tuple[list[tuple[str, str]], list[Any], Effects, Effects]:
     """What the cluster recorded, requests named as the simulator names them (``s{session}.t{turn}``: a
     session's n-th admitted request is its turn n; other records are left out): stage 0's block events in
-    their order (a turn's "touch" on arrival, its first "admit", its "commit" once its forward's chunks became
-    cached, a "free" of each holder a ``Freed`` names), the master's operations in theirs (``((op, holder),
+    their order (a turn's "touch" on arrival, its first "admit" (``gated``: where the gate handed it stage 0,
+    its first effect, which may be a wait for blocks), its "commit" once its forward's chunks became
+    cached (not ``gated``: one prefill at a time, no two forwards' commits race), a "free" of each holder a
+    ``Freed`` names), the master's operations in theirs (``((op, holder),
     figure)``: a lookup's complete groups, a release's 1 or 0, a put start's evictions, a put end's commits;
     a put's holder is "name/stage"), and each request's stage 0 and router effects."""
     index = {sid: k for k, sid in enumerate(session_ids)}
@@ -61,8 +99,9 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
         name = names.get(str(record.get("request_id")))
         if name is None:
             continue
-        kind = ("touch" if record.get("kind") == "touch" else "admit" if record.get("effect") == "Admitted"
-                else "commit" if record.get("effect") == "Prefilled" else None)
+        handed = gated and record.get("kind") == "effect" and ("admit", name) not in seen
+        kind = ("touch" if record.get("kind") == "touch" else "admit" if record.get("effect") == "Admitted" or handed
+                else "commit" if record.get("effect") == "Prefilled" and not gated else None)
         if kind is not None and (kind, name) not in seen:
             seen.add((kind, name))
             blocks.append((kind, name))
@@ -83,7 +122,17 @@ def recorded_orders(records: list[dict[str, Any]], session_ids: list[str]
     return blocks, ops, stage0_effects, router
 
 
-def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float) -> dict[str, Any]:
+def cluster_config(chunk_size: int, gated: bool) -> str:
+    """The validation cluster's TOML: its chunk, stage 0's gate when ``gated`` (one prefill at a time, in arrival
+    order), and leases as long as the run (the simulated pool's never expire: an expiry is the cluster's clock,
+    not an order)."""
+    gate = 'sched = "fifo"\nsched_slots = 1\n' if gated else ""
+    return (f"[prefill]\nchunk_size = {chunk_size}\n{gate}\n[router]\nrequest_timeout_s = 600.0\n\n"
+            f"[master]\nlease_s = {LEASE_S}\n")
+
+
+def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float, gated: bool = False,
+               keep: str | None = None) -> dict[str, Any]:
     from kvpool.model import get_config
     from kvpool.tools.replay import ReplayOptions, load_workload
     from kvpool.tools.replay.cli import replay_on_new_cluster
@@ -101,24 +150,34 @@ def _real_side(traces: list[Path], setup: Any, workdir: Path, duration_s: float)
                           stores=2, segment_size=f"{setup.store_bytes >> 20}MiB",
                           device_cache_tokens=setup.device_cache_tokens, workdir=str(workdir / "cluster"))
     config_path = workdir / "validate.toml"
-    config_path.write_text(f"[prefill]\nchunk_size = {setup.chunk_size}\n\n[router]\nrequest_timeout_s = 600.0\n")
+    config_path.write_text(cluster_config(setup.chunk_size, gated))
     options = ReplayOptions(concurrency=len(session_ids), think_scale=0.0, duration_s=duration_s,
                             chunk_size=setup.chunk_size)
     records = workdir / "requests.jsonl"
     with recording_children(records):  # what each request saw, the router's, stage 0's and the master's
         result = replay_on_new_cluster(settings, config_path, workload, options)
-    events, pool_ops, effects, router_effects = recorded_orders(read_records(records), session_ids)
+    if keep:
+        shutil.copyfile(records, keep)
+    recorded = read_records(records)
+    events, pool_ops, effects, router_effects = recorded_orders(recorded, session_ids, gated)
     index = {sid: k for k, sid in enumerate(session_ids)}
     turns = {(index[r.session_id], r.turn): TurnCounts(r.prompt_tokens, r.device_tokens, r.pool_tokens,
                                                       r.computed_tokens, r.ttft_s, r.completion_tokens)
              for r in result.records if r.error is None}
     return {"turns": turns, "events": events, "pool_ops": pool_ops, "effects": effects,
             "router_effects": router_effects, "wall_s": result.wall_s,
-            "pool": result.pool or {},
+            "pool": result.pool or {}, "device_evictions": device_evictions(recorded),
             "errors": sum(r.error is not None for r in result.records)}
 
 
-def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]) -> dict[str, Any]:
+def device_evictions(records: list[dict[str, Any]]) -> int:
+    """Stage 0's device cache evictions, as of its last admission (-1: not recorded)."""
+    return max((int(r.get("evicted", 0)) for r in records if r.get("source") == "stage0" and r.get("kind") == "blocks"),
+               default=-1)
+
+
+def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any], gated: bool = False
+                ) -> dict[str, Any]:
     """The simulator in the cluster's admission order against the cluster's turns."""
     from kvpool.tools.sim.metrics import percentile
     from kvpool.tools.sim.validate import differing_effects, replay_sessions
@@ -126,7 +185,7 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
     real_turns = real["turns"]
     sim_turns, sim_span, sim_pool = replay_sessions(
         sessions, setup, cost, real["events"], {key: t.output_tokens for key, t in real_turns.items()},
-        real.get("pool_ops", ()))
+        real.get("pool_ops", ()), gated)
     keys = sorted(real_turns)
     mismatches = [key for key in keys if sim_turns.get(key) != real_turns[key]]  # (the split: TurnCounts' ==)
     real_effects, real_router = real.get("effects", {}), real.get("router_effects", {})
@@ -151,6 +210,7 @@ def compare_one(sessions: list[Any], setup: Any, cost: Any, real: dict[str, Any]
         "real_wall_s": real["wall_s"], "sim_span_s": sim_span,
         "pool_tokens": sum(sim_turns[k].pool_tokens for k in keys if k in sim_turns),
         "evictions": sim_pool["evictions"],
+        "real_device_evictions": real.get("device_evictions", -1), "device_evictions": sim_pool["device_evictions"],
         "effects_equal": bool(real_effects) and not differing and bool(real_router) and not router_differing,
         "token_counts_equal": bool(keys) and not mismatches,
         "throughput_error": (sim_tput - real_tput) / real_tput if real_tput else 0.0,
@@ -169,23 +229,27 @@ def main(args: argparse.Namespace) -> int:
     if missing:
         print(f"kvpool simulate --validate: no {', '.join(missing)} (give --traces)")
         return 2
-    setup = ValidationSetup(context=get_config("tiny").max_position_embeddings, device_cache_tokens=DEVICE_CACHE_TOKENS,
-                            store_bytes=SEGMENT_BYTES)
+    name = getattr(args, "validate_mode", None) or "ungated"
+    mode = MODES[name]
+    setup = ValidationSetup(scale=mode.scale, context=get_config("tiny").max_position_embeddings,
+                            device_cache_tokens=mode.device_cache_tokens, store_bytes=mode.segment_bytes)
     cost_path = cost_model_path(args)
     cost = load_cost_model(cost_path)  # a bad file fails before the cluster starts
     sessions = [load_session(t) for t in traces]
     runs = []
     for _ in range(max(1, args.runs)):
         with tempfile.TemporaryDirectory(prefix="kvpool-validate-") as tmp:
-            real = _real_side(traces, setup, Path(tmp), 30.0 if args.quick else DURATION_S)
+            real = _real_side(traces, setup, Path(tmp), mode.quick_s if args.quick else mode.duration_s, mode.gated,
+                              getattr(args, "validate_records", None))
         t0 = time.perf_counter()
-        run = compare_one(sessions, setup, cost, real)
+        run = compare_one(sessions, setup, cost, real, mode.gated)
         run["sim_wall_s"] = time.perf_counter() - t0
         runs.append(run)
         print(json.dumps(run), file=sys.stderr)  # each run as it ends; stdout holds one document, the summary
     last = runs[-1]
     errors = {key: [r[key] for r in runs] for key in ("throughput_error", "ttft_p50_error")}
-    out = {"traces": list(VALIDATION_TRACES), "scale": setup.scale, "cost_model": Path(cost_path).name,
+    out = {"mode": name, "gated": mode.gated, "traces": list(VALIDATION_TRACES), "scale": setup.scale,
+           "cost_model": Path(cost_path).name,
            "device_cache_tokens": setup.device_cache_tokens, "segment_bytes": setup.store_bytes, "runs": len(runs),
            **{k: v for k, v in last.items() if k not in _LAST},
            "num_mismatched_turns_runs": [r["num_mismatched_turns"] for r in runs],

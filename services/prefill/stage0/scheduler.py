@@ -270,6 +270,8 @@ class PrefillScheduler:
             for effect in effects:
                 self.record.write("effect", flow.driver.request_id, session_key=flow.session_key,
                                   **effect_fields(effect))
+            if any(isinstance(e, Admitted) for e in effects):  # the device cache's evictions so far
+                self.record.write("blocks", flow.driver.request_id, evicted=self.blocks.num_evicted)
         flow.feed(effects, self._frees)
 
     def _admission_begins(self, flow: _Flow) -> None:
