@@ -56,7 +56,7 @@ def test_a_group_saved_anew_under_its_id_is_found_as_the_ids_would_find_it() -> 
 
 
 def test_the_oldest_handles_go_past_the_bound() -> None:
-    handles = HistoryHandles(max_groups=5)
+    handles = HistoryHandles(min_groups=5)
     groups = [Group(f"g{i}", 1) for i in range(3)]
     a, b = handles.keep(groups[:2]), handles.keep(groups[:2])
     assert handles.get(a) is not None  # a is now the most recently used
@@ -64,6 +64,8 @@ def test_the_oldest_handles_go_past_the_bound() -> None:
     assert handles.get(b) is None and handles.get(a) is not None and handles.get(c) is not None
     assert handles.num_groups == 5 and len(handles) == 2
     assert handles.keep([]) == 0 and handles.keep([Group("x", 1)] * 6) == 0  # nothing, or more than the bound
+    d = handles.keep([Group("x", 1)] * 6, live_groups=8)  # an index of 8 groups: up to 8 kept (the oldest go)
+    assert d and handles.get(a) is None and handles.get(c) is None and handles.num_groups == 6 == len(handles) * 6
 
 
 OPS = st.lists(st.one_of(

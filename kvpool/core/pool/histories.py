@@ -20,30 +20,32 @@ from dataclasses import dataclass, field
 
 from kvpool.core.pool.records import Group
 
-# group references kept over all handles (8 bytes each, and what they keep alive): the oldest handles go first.
-# 4M is about 9,000 histories of 450 chunks: 64 servers' 112 sessions each, with room.
-MAX_KEPT_GROUPS = 1 << 22
+# Group references kept over all handles, at most (the oldest handles go first): as many as the index holds
+# groups, and never fewer than this. A kept group the index forgot stays in memory with its members until its
+# handle goes, so the bound scales with the index: kept groups cost at most as much again as the live ones.
+MIN_KEPT_GROUPS = 1 << 16
 
 
 @dataclass(slots=True)
 class HistoryHandles:
     """Handle -> a found history's groups, in prefix order; least recently used handles go past the bound."""
 
-    max_groups: int = MAX_KEPT_GROUPS
+    min_groups: int = MIN_KEPT_GROUPS
     _kept: OrderedDict[int, list[Group]] = field(default_factory=OrderedDict)
     _num_groups: int = 0
 
-    def keep(self, groups: Sequence[Group]) -> int:
+    def keep(self, groups: Sequence[Group], live_groups: int = 0) -> int:
         """A new handle for ``groups`` (not copied again: the caller gives up the list); 0 when it cannot be
-        kept (empty, or more than the bound)."""
-        if not groups or len(groups) > self.max_groups:
+        kept (empty, or more than the bound: ``live_groups``, the index's, or ``min_groups``)."""
+        bound = max(self.min_groups, live_groups)
+        if not groups or len(groups) > bound:
             return 0
         handle = secrets.randbits(63) or 1
         while handle in self._kept:
             handle = secrets.randbits(63) or 1
         self._kept[handle] = groups if isinstance(groups, list) else list(groups)
         self._num_groups += len(groups)
-        while self._num_groups > self.max_groups:
+        while self._num_groups > bound:
             _, oldest = self._kept.popitem(last=False)
             self._num_groups -= len(oldest)
         return handle

@@ -176,7 +176,8 @@ class PoolIndex:
         self.group_table.touch_groups(found)
         if lease_id:
             self.leases.mark(lease_id, self.group_table.version)  # the order this touch left
-        handle = self.histories.keep(list(found) if leased is found else found)  # (the lease keeps its own)
+        kept_list = list(found) if leased is found else found  # (the lease keeps its own list)
+        handle = self.histories.keep(kept_list, len(self.groups))
         return LookupResult(leased, lease_id, duration, len(found), handle)
 
     def release_lease(self, lease_id: int, corrupt_group_ids: Collection[str] = ()) -> bool:
