@@ -15,6 +15,7 @@ stage idle the last stage ends at ``CostModel.compute_s`` after the restore.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvpool.tools.sim.cost_model import StageTimes
@@ -38,22 +39,23 @@ class StageFlow:
 
         ``read_from``: when the restore could start (the lookup served); ``stage0_read_end``: when stage 0's
         share (and every remote server's bytes) has landed; ``read_s``: one stage's share of the restore.
+
+        Stage ``s`` is ready at ``r_s`` (its read landed and its GPU free); piece ``k`` ends on it at
+        ``max(its end of piece k - 1, stage s - 1's end of piece k) + p_k``. Every stage takes ``p_k`` for piece
+        ``k``, so the last piece ends at ``max over j <= s of (r_j + (s - j) * max p) + sum p``: a path through
+        the pieces and stages that steps down a stage on the longest piece (exact, no per-piece work).
         """
         ends = []
-        start = end = 0.0
+        ready = -math.inf  # max over the stages before of r_j + (s - j) * the longest piece
         for s in range(self.num_stages):
             if s == 0:
                 read_end = stage0_read_end
             else:
                 read_end = max(stage0_read_end, max(read_from, self.free_at[s]) + read_s)
-            if s == 0:
-                # its GPU computes one request at a time (a no-op when stage 0 admits only when free; a
-                # validation admits in the cluster's order)
-                start = max(read_end, self.free_at[0])
-                end = start + times.span_s
-            else:
-                start = max(read_end, start + times.first_piece_s)
-                end = max(start + times.span_s, end + times.last_piece_s)
+            # its GPU computes one request at a time (for stage 0 a no-op when it admits only when free; a
+            # validation admits in the cluster's order)
+            ready = max(ready + times.max_piece_s if s else -math.inf, read_end, self.free_at[s])
+            end = ready + times.span_s
             self.free_at[s] = end
             ends.append(end)
         return ends
