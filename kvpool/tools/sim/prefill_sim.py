@@ -20,7 +20,7 @@ from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, save_objects
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.records import PutRequestItem, PutStatus
-from kvpool.core.prefill.queue import PrefillQueue, WorkWeights, prefill_work_s
+from kvpool.core.prefill.queue import PrefillQueue, WorkWeights
 from kvpool.core.prefill.driver import (
     Admitted,
     Effect,
@@ -114,20 +114,9 @@ class PipelineSim:
         self.kick()  # its admission may be the next event
 
     def estimate_work_s(self, job: Job) -> float:
-        """What the turn brings, as stage 0 sees it on arrival: the device's cached prefix (a read-only
-        match), the pool's complete groups after it (read-only, no lease), the rest computed."""
-        hashes, chunk = job.play.hashes, self.cost.model.chunk_tokens
-        num_device = self.blocks.match_prefix(hashes)
-        groups, ns = self.index.groups, job.play.namespace
-        num_pool = 0
-        for h in hashes[num_device:]:
-            group = groups.get(group_id(ns, h))
-            if group is None or not group.complete:
-                break
-            num_pool += 1
-        num_tokens = job.turn.input_tokens
-        cached = min((num_device + num_pool) * chunk, num_tokens - 1)
-        return prefill_work_s(num_tokens, cached, min(cached, num_pool * chunk), self.work_weights)
+        """What the turn brings, as stage 0 sees it on arrival (the core's ``Stage0Admission.work_s``, as stage 0
+        calls it; the simulator's weights are its cost model's, so no host factor)."""
+        return self.admission.work_s(job.play.hashes, job.turn.input_tokens, session_of(job), self.work_weights)
 
     def kick(self) -> None:
         """Admit the queue's requests in its order while stage 0 is free and their blocks fit (the waiting
