@@ -192,8 +192,8 @@ class PipelineSim:
         """The master serves the lookup: the driver plans. The complete groups found (the validation's figure)."""
         assert job.driver is not None
         self.metrics.on_lookup(self.loop.now - job.prefill_start)
-        result = job.lookup = self.index.lookup([group_id(job.play.namespace, h) for h in effect.candidates],
-                                                held_prefix=effect.held)
+        ns = job.play.namespace
+        result = job.lookup = self.index.lookup([group_id(ns, h) for h in effect.candidates], held_prefix=effect.held)
         self._carry_out(job, job.driver.looked_up(result.num_found, str(result.lease_id) if result.lease_id else ""))
         return result.num_found
 
@@ -222,16 +222,16 @@ class PipelineSim:
         """Every stage reads its objects of ``num_chunks`` planned chunks (``groups``) in the cost model's restore
         time, objects on other servers across both NICs too; then ``done(the leading groups every stage could
         read``: a read from a dead store fails)."""
-        segments, readable, remote = self.index.segments, len(groups), {}
+        segments, readable, remote, dead = self.index.segments, len(groups), {}, self.dead_hosts
+        local = {sid for sid, seg in segments.items() if seg.host == self.host}
         for i, group in enumerate(groups):
-            hosts = [(seg.host if (seg := segments.get(o.segment_id)) else None, o.size)
-                     for o in group.members.values()]
-            if self.dead_hosts and any(host is None or host in self.dead_hosts for host, _ in hosts):
+            members = group.members.values()
+            if dead and any((seg := segments.get(o.segment_id)) is None or seg.host in dead for o in members):
                 readable = i
                 break
-            for host, size in hosts:
-                if host is not None and host != self.host:
-                    remote[host] = remote.get(host, 0) + size
+            for o in members:
+                if o.segment_id not in local and (seg := segments.get(o.segment_id)) is not None:
+                    remote[seg.host] = remote.get(seg.host, 0) + o.size
         parts = [1 + len(remote)]
 
         def landed() -> None:
