@@ -203,7 +203,6 @@ class PipelineSim:
         request, result = job.request, job.lookup
         assert request is not None and result is not None and request.restore_plan is not None
         num_chunks = request.restore_plan.num_pool_chunks
-        job.read_s = self.cost.restore_s(num_chunks, self.stage_bytes_per_token)
         job.restore_start, job.restore_timed = self.loop.now, True
 
         def restored(readable: int) -> None:
@@ -253,7 +252,7 @@ class PipelineSim:
         if self.flow is None:
             self.flow = StageFlow(self.num_stages)
         times = self.cost.stage_times(request.compute_start, request.num_computed_tokens)
-        ends = self.flow.schedule(job.restore_start, self.loop.now, job.read_s, times)
+        ends = self.flow.schedule(self.loop.now, times)
         job.compute_s = times.span_s
         self.loop.at(ends[0], self._stage0_done, job)
         self.loop.at(ends[-1], self._computed, job)
