@@ -81,13 +81,16 @@ def hash_root(namespace: str, tenant: str = "", cache_salt: str = "") -> str:
     return json.dumps([namespace, tenant, cache_salt], separators=(",", ":"), ensure_ascii=True)
 
 
-def chunk_hashes(namespace: str, token_ids: Sequence[int], chunk_size: int = CHUNK_SIZE) -> list[ChunkHash]:
+def chunk_hashes(namespace: str, token_ids: Sequence[int], chunk_size: int = CHUNK_SIZE,
+                 after: ChunkHash | None = None) -> list[ChunkHash]:
     """Chained xxh3_128 hashes of the full chunks of ``token_ids``.
 
     ``H(parent, chunk) = xxh3_128(parent_bytes || uint32le(chunk))`` where
     ``parent_bytes`` is the UTF-8 root (the namespace, or ``hash_root``'s) for chunk 0 and the previous
     16-byte digest after that. The trailing partial chunk is not hashed.
     Token ids must fit in uint32 (``ValueError`` otherwise).
+    ``after``: the chain goes on after that chunk's hash (``token_ids`` are the tokens after its chunk), so a
+    prompt that extends a hashed one hashes only its new chunks, to the same hashes.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -102,7 +105,7 @@ def chunk_hashes(namespace: str, token_ids: Sequence[int], chunk_size: int = CHU
         tokens.byteswap()
     data = memoryview(tokens).cast("B")
     chunk_bytes = 4 * chunk_size
-    parent = namespace.encode("utf-8")
+    parent = namespace.encode("utf-8") if after is None else bytes.fromhex(after)
     hashes: list[ChunkHash] = []
     for i in range(num_chunks):
         hasher = xxhash.xxh3_128(parent)

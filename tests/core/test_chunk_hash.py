@@ -161,3 +161,10 @@ def test_a_saves_objects_are_every_stages_of_each_chunk_stage_by_stage() -> None
     assert save_objects("ns", [a, b], [10, 20]) == [
         ("ns/a/0", "ns/a", 2, 10), ("ns/b/0", "ns/b", 2, 10), ("ns/a/1", "ns/a", 2, 20), ("ns/b/1", "ns/b", 2, 20)]
     assert save_objects("ns", [], [10, 20]) == []
+
+
+def test_a_chain_goes_on_after_a_hash_to_the_same_hashes() -> None:
+    whole = chunk_hashes(NS, tokens(1024), 256)
+    assert chunk_hashes(NS, tokens(1024)[512:], 256, after=whole[1]) == whole[2:]
+    assert chunk_hashes(NS, tokens(1024)[256:], 256, after=whole[0]) == whole[1:]
+    assert chunk_hashes(NS, tokens(1024)[512:], 256, after=whole[0]) != whole[2:]  # a chunk skipped: another chain

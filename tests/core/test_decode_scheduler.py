@@ -238,3 +238,39 @@ class DecodeMachine(RuleBasedStateMachine):
 
 TestDecodeMachine = DecodeMachine.TestCase
 TestDecodeMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_pages_in_runs_give_what_a_heap_of_single_ids_gives() -> None:
+    """The allocator keeps free runs, not single ids: any sequence of allocations and frees (some refused) gives
+    the same ids, the same refusals and the same free list as a heap of ids (its former, per-page form)."""
+    import heapq
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.integers(1, 40), st.lists(st.tuples(st.booleans(), st.integers(0, 9), st.integers(0, 1 << 30)),
+                                        max_size=80))
+    def check(num_pages: int, steps: list[tuple[bool, int, int]]) -> None:
+        pages, heap, held = PageAllocator(num_pages), list(range(num_pages)), []
+        for take, num, pick in steps:
+            if take:
+                want = None if num > len(heap) else [heapq.heappop(heap) for _ in range(num)]
+                assert pages.allocate(num) == want
+                if want:
+                    held.append(want)
+            elif held:
+                ids = held.pop(pick % len(held))
+                if pick % 3 == 0 and heap:  # a free page among them: refused, nothing freed
+                    with pytest.raises(InvalidArgument, match="page_ids"):
+                        pages.free([*ids, heap[0]])
+                if pick % 5 == 0 and ids:
+                    with pytest.raises(InvalidArgument, match="repeats"):
+                        pages.free([*ids, ids[0]])
+                pages.free(ids[::-1] if pick % 2 else ids)
+                for i in ids:
+                    heapq.heappush(heap, i)
+            assert pages.free_page_ids() == sorted(heap)
+            assert pages.num_free == len(heap) and pages.num_used == num_pages - len(heap)
+
+    check()

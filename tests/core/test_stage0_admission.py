@@ -75,6 +75,31 @@ def lost_history() -> tuple[Stage0Admission, int]:
     return admission, armed.ticket
 
 
+# ---- the work estimate -------------------------------------------------------------
+
+
+def test_the_work_estimate_counts_the_device_prefix_free_and_the_known_history_restored() -> None:
+    from kvpool.core.prefill.queue import WorkWeights
+
+    admission, _ = lost_history()  # A's 3 chunks known, 1 still on the device
+    policy = admission.prefetch
+    assert policy is not None
+    weights = WorkWeights(chunk_tokens=CHUNK, chunk_base_s=1.0, per_context_token_s=0.0, restore_per_token_s=9.0)
+    hashes = H("a", 4)
+    # 17 tokens: 12 cached (3 chunks: 1 on the device, 2 restored at the measured 0.02 s a chunk), 5 computed at
+    # a chunk-second per 4 tokens, times the host's factor 2
+    assert admission.work_s(hashes, 17, A, weights, 2.0) == 2 * 5 / 4 + 2 * 0.02
+    policy.observe_restore(2, 1.0)  # restores measured slower: the estimate follows (0.02 + 0.2 x (0.5 - 0.02))
+    assert admission.work_s(hashes, 17, A, weights, 2.0) == 2 * 5 / 4 + 2 * (0.02 + 0.2 * (0.5 - 0.02))
+    # no session (or one not known): only the device's prefix is free, nothing restored
+    assert admission.work_s(hashes, 17, None, weights) == 13 / 4
+    assert admission.work_s(hashes, 17, B, weights) == 13 / 4
+    # no prefetch policy (the simulator's sched=fifo): no history known
+    assert Stage0Admission(admission.blocks).work_s(hashes, 17, A, weights) == 13 / 4
+    # a history that leaves off the prompt's prefix counts only as far as they agree
+    assert admission.work_s(H("a", 2) + H("x", 2), 17, A, weights) == 9 / 4 + (0.02 + 0.2 * (0.5 - 0.02))
+
+
 # ---- the staging ----------------------------------------------------------------
 
 

@@ -341,3 +341,21 @@ def test_sessions_of_one_agent_share_their_system_and_tool_prefix_and_nothing_af
     assert hashes[2][:2] == hashes[0][:2] and hashes[2][2] != hashes[0][2]
     # without the agent's prefix a session shares nothing
     assert not set(hashes[3]) & set(hashes[0])
+
+
+def test_a_turn_hashes_only_what_it_does_not_share_with_the_last_to_the_same_hashes() -> None:
+    from kvpool.core.chunk_hash import chunk_hashes
+    from kvpool.tools.sim.workload import turn_chunk_hashes
+    from kvpool.workload.weka import Turn
+
+    def turn(ids: list[int]) -> Turn:
+        return Turn(0.0, 64 * len(ids) + 10, 1, tuple(ids), 0.0)
+
+    grown, branched, shorter = list(range(1, 22)), [*range(1, 7), 99, *range(8, 30)], list(range(1, 10))
+    last = None
+    for ids in (list(range(1, 13)), grown, branched, shorter, shorter, []):
+        for own in (None, (3, 2)):
+            got = turn_chunk_hashes("ns", turn(ids), 64, 256, own, last)
+            fresh = turn_chunk_hashes("ns", turn(ids), 64, 256, own)
+            assert got == fresh and got[1] == chunk_hashes("ns", fresh[0][: len(ids) // 4 * 4], 4)
+        last = got

@@ -49,19 +49,20 @@ class PrefillCost:
     # 1: each stage computes the request's whole span before the next stage starts (num_stages
     # stage-times per chunk, no fill), as kvpool's stage processes do with one forward per request
     sequential_stages: int = 0
-    # tokens a stage forwards at once and passes on (0: one chunk): the next stage starts a piece when the
-    # previous stage has finished it, so a request shorter than a piece goes through the stages one after
-    # another (``stage_times``)
+    # a stage forwards a request in pieces that end at multiples of this many tokens (0: of one chunk), as the
+    # services' stages do (``--forward-piece-tokens``: every request runs the same pieces), and passes each on
+    # when it ends: the next stage starts a piece when the previous stage has finished it, so a request inside
+    # one piece goes through the stages one after another (``stage_times``)
     forward_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class StageTimes:
-    """One request's compute on one stage: ``span_s`` in all; its first and its last forwarded piece."""
+    """One request's compute on one stage: ``span_s`` in all, and its longest forwarded piece (every stage
+    computes the same pieces in the same time: what an exact flow of the stages needs, ``stages.StageFlow``)."""
 
     span_s: float
-    first_piece_s: float
-    last_piece_s: float
+    max_piece_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,17 +185,17 @@ class CostModel:
         """Time through an idle pipeline to compute tokens ``[first_token, first_token + num_tokens)``.
 
         A stage forwards a request in pieces (``stage_times``); the next stage
-        takes each piece when the previous one has finished it, so an idle
-        pipeline takes one stage's span plus ``num_stages - 1`` piece times to
-        fill (one chunk's by default; with ``prefill.sequential_stages`` the
-        whole span: ``num_stages`` spans). A chunk's cost is linear in its
-        context, so every sum is closed form (no per-chunk work: a turn
-        computes up to ~450 chunks).
+        takes each piece when the previous one has finished it. Every stage
+        computes a piece in the same time, so an idle pipeline takes one
+        stage's span plus ``num_stages - 1`` times its longest piece (a flow
+        shop of equal stages). A chunk's cost is linear in its context, so
+        every sum is closed form (no per-chunk work: a turn computes up to
+        ~450 chunks).
         """
         if num_tokens <= 0:
             return 0.0
         t = self.stage_times(first_token, num_tokens)
-        return t.span_s + (num_stages - 1) * max(t.first_piece_s, t.last_piece_s)
+        return t.span_s + (num_stages - 1) * t.max_piece_s
 
     def _piece_s(self, first_token: float, num_tokens: float) -> float:
         """One stage's time for tokens ``[first_token, first_token + num_tokens)`` (chunks at their mean context)."""
@@ -204,17 +205,23 @@ class CostModel:
         return self.fit.prefill_level * num_tokens / c * (p.chunk_base_s + p.chunk_per_context_token_s * mean_context)
 
     def stage_times(self, first_token: int, num_tokens: int) -> StageTimes:
-        """One stage's span over the request, and its first and last piece of ``forward_tokens`` (one chunk
-        when 0; the whole span with ``sequential_stages``): what the flow of stages needs
-        (``prefill_sim.stage_schedule``)."""
+        """One stage's span over the request and its longest piece. Pieces end at multiples of
+        ``forward_tokens`` (one chunk when 0), as the services' ``StageRunner.forward`` cuts them, so a request
+        that crosses a multiple forwards two pieces or more however short; with ``sequential_stages`` the span
+        is one piece. A piece's time grows with its context: the longest is the first, the last, or the last
+        whole one before it."""
         if num_tokens <= 0:
-            return StageTimes(0.0, 0.0, 0.0)
+            return StageTimes(0.0, 0.0)
         span = self._piece_s(first_token, num_tokens)
         if self.prefill.sequential_stages:
-            return StageTimes(span, span, span)
-        piece = min(self.prefill.forward_tokens or self.model.chunk_tokens, num_tokens)
-        return StageTimes(span, self._piece_s(first_token, piece),
-                          self._piece_s(first_token + num_tokens - piece, piece))
+            return StageTimes(span, span)
+        size, end = self.prefill.forward_tokens or self.model.chunk_tokens, first_token + num_tokens
+        first_end = min(end, (first_token // size + 1) * size)
+        last_start = max(first_token, (end - 1) // size * size)
+        longest = max(self._piece_s(first_token, first_end - first_token), self._piece_s(last_start, end - last_start))
+        if last_start - size >= first_end:  # a whole piece between them
+            longest = max(longest, self._piece_s(last_start - size, size))
+        return StageTimes(span, longest)
 
     def restore_s(self, num_chunks: int, stage_bytes_per_token: float) -> float:
         """One GPU reads its stage's objects of ``num_chunks`` chunks (the stages read at once)."""

@@ -43,7 +43,6 @@ class Job:
     # its restore in flight (the pipeline's, per request: under validation stage 0 may hold several)
     lease: int = 0
     readable: int = 0  # leading planned pool chunks whose every object lives on a store still alive
-    read_s: float = 0.0  # one stage's share of the restore
     restore_timed: bool = False  # a restore was timed (a lookup that planned pool chunks)
     chain_restore: bool = False  # its forward restores on the chain (the forward's end confirms the counts)
 

@@ -19,7 +19,7 @@ from kvpool.core.prefill.block_manager import BlockManager
 from kvpool.core.chunk_hash import group_id, save_objects
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.records import PutRequestItem, PutStatus
-from kvpool.core.prefill.queue import PrefillQueue, WorkWeights, prefill_work_s
+from kvpool.core.prefill.queue import PrefillQueue, WorkWeights
 from kvpool.core.prefill.driver import (
     Admitted,
     Effect,
@@ -107,20 +107,9 @@ class PipelineSim:
         self.kick()  # its admission may be the next event
 
     def estimate_work_s(self, job: Job) -> float:
-        """What the turn brings, as stage 0 sees it on arrival: the device's cached prefix (a read-only
-        match), the pool's complete groups after it (read-only, no lease), the rest computed."""
-        hashes, chunk = job.play.hashes, self.cost.model.chunk_tokens
-        num_device = self.blocks.match_prefix(hashes)
-        groups, ns = self.index.groups, job.play.namespace
-        num_pool = 0
-        for h in hashes[num_device:]:
-            group = groups.get(group_id(ns, h))
-            if group is None or not group.complete:
-                break
-            num_pool += 1
-        num_tokens = job.turn.input_tokens
-        cached = min((num_device + num_pool) * chunk, num_tokens - 1)
-        return prefill_work_s(num_tokens, cached, min(cached, num_pool * chunk), self.work_weights)
+        """What the turn brings, as stage 0 sees it on arrival (the core's ``Stage0Admission.work_s``, as stage 0
+        calls it; the simulator's weights are its cost model's, so no host factor)."""
+        return self.admission.work_s(job.play.hashes, job.turn.input_tokens, session_of(job), self.work_weights)
 
     def kick(self) -> None:
         """Admit the queue's requests in its order while stage 0 is free and their blocks fit (the waiting
@@ -204,8 +193,8 @@ class PipelineSim:
         """The master serves the lookup: the driver plans. The complete groups found (the validation's figure)."""
         assert job.driver is not None
         self.metrics.on_lookup(self.loop.now - job.prefill_start)
-        result = job.lookup = self.index.lookup([group_id(job.play.namespace, h) for h in effect.candidates],
-                                                held_prefix=effect.held)
+        ns = job.play.namespace
+        result = job.lookup = self.index.lookup([group_id(ns, h) for h in effect.candidates], held_prefix=effect.held)
         self._carry_out(job, job.driver.looked_up(result.num_found, str(result.lease_id) if result.lease_id else ""))
         return result.num_found
 
@@ -215,7 +204,6 @@ class PipelineSim:
         request, result = job.request, job.lookup
         assert request is not None and result is not None and request.restore_plan is not None
         num_chunks = request.restore_plan.num_pool_chunks
-        job.read_s = self.cost.restore_s(num_chunks, self.stage_bytes_per_token)
         job.restore_start, job.restore_timed = self.loop.now, True
 
         def restored(readable: int) -> None:
@@ -234,16 +222,16 @@ class PipelineSim:
         """Every stage reads its objects of ``num_chunks`` planned chunks (``groups``) in the cost model's restore
         time, objects on other servers across both NICs too; then ``done(the leading groups every stage could
         read``: a read from a dead store fails)."""
-        segments, readable, remote = self.index.segments, len(groups), {}
+        segments, readable, remote, dead = self.index.segments, len(groups), {}, self.dead_hosts
+        local = {sid for sid, seg in segments.items() if seg.host == self.host}
         for i, group in enumerate(groups):
-            hosts = [(seg.host if (seg := segments.get(o.segment_id)) else None, o.size)
-                     for o in group.members.values()]
-            if self.dead_hosts and any(host is None or host in self.dead_hosts for host, _ in hosts):
+            members = group.members.values()
+            if dead and any((seg := segments.get(o.segment_id)) is None or seg.host in dead for o in members):
                 readable = i
                 break
-            for host, size in hosts:
-                if host is not None and host != self.host:
-                    remote[host] = remote.get(host, 0) + size
+            for o in members:
+                if o.segment_id not in local and (seg := segments.get(o.segment_id)) is not None:
+                    remote[seg.host] = remote.get(seg.host, 0) + o.size
         parts = [1 + len(remote)]
 
         def landed() -> None:
@@ -265,7 +253,7 @@ class PipelineSim:
         if self.flow is None:
             self.flow = StageFlow(self.num_stages)
         times = self.cost.stage_times(request.compute_start, request.num_computed_tokens)
-        ends = self.flow.schedule(job.restore_start, self.loop.now, job.read_s, times)
+        ends = self.flow.schedule(self.loop.now, times)
         job.compute_s = times.span_s
         self.loop.at(ends[0], self._stage0_done, job)
         self.loop.at(ends[-1], self._computed, job)

@@ -1,12 +1,15 @@
 """A prefill pipeline's stages as a flow shop: each stage GPU does one thing at a time, requests overlap.
 
-Stage 0 (the scheduler) admits a request when it is itself free, looks it up
-and reads its share of the restore; every later stage reads its share once it
-has finished the requests before (its GPU's reads and unpacks queue behind
-its compute), then forwards the request's pieces as the stage before hands
-them on. So while stage 3 still computes one request, stage 0 already
-restores the next, and a request's first stage starting and its last stage
-finishing lie further apart as the load rises (the seed: 0.4-1.2 s).
+Stage 0 (the scheduler) admits a request when it is itself free and looks it up;
+then every stage reads its share of the restore at once, as the services' do:
+stage 0 sends the later stages their restores first thing in the request's
+stream, and a stage's restore runs beside its compute of earlier requests
+(``StageRunner.restore`` moves bytes on the engine's threads, not on the compute
+lane), so a read never waits for its stage to finish another request. Each stage
+then computes the request's pieces as the stage before hands them on. So while
+stage 3 still computes one request, stage 0 already computes the next, and a
+request's first stage starting and its last stage finishing lie further apart
+as the load rises (the seed: 0.4-1.2 s).
 
 Invariants: a stage's work never overlaps itself (``free_at`` only grows);
 a stage starts a piece only after the stage before finished it; with every
@@ -15,6 +18,7 @@ stage idle the last stage ends at ``CostModel.compute_s`` after the restore.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvpool.tools.sim.cost_model import StageTimes
@@ -33,27 +37,22 @@ class StageFlow:
         if not self.free_at:
             self.free_at = [0.0] * self.num_stages
 
-    def schedule(self, read_from: float, stage0_read_end: float, read_s: float, times: StageTimes) -> list[float]:
-        """Book one request; each stage's compute end, in stage order.
+    def schedule(self, read_end: float, times: StageTimes) -> list[float]:
+        """Book one request whose restore has landed on every stage at ``read_end`` (stage 0's share, the
+        later stages' and every remote server's bytes, read at once); each stage's compute end, in stage order.
 
-        ``read_from``: when the restore could start (the lookup served); ``stage0_read_end``: when stage 0's
-        share (and every remote server's bytes) has landed; ``read_s``: one stage's share of the restore.
+        Stage ``s`` is ready at ``r_s`` (the read landed and its GPU free); piece ``k`` ends on it at
+        ``max(its end of piece k - 1, stage s - 1's end of piece k) + p_k``. Every stage takes ``p_k`` for piece
+        ``k``, so the last piece ends at ``max over j <= s of (r_j + (s - j) * max p) + sum p``: a path through
+        the pieces and stages that steps down a stage on the longest piece (exact, no per-piece work).
         """
         ends = []
-        start = end = 0.0
+        ready = -math.inf  # max over the stages before of r_j + (s - j) * the longest piece
         for s in range(self.num_stages):
-            if s == 0:
-                read_end = stage0_read_end
-            else:
-                read_end = max(stage0_read_end, max(read_from, self.free_at[s]) + read_s)
-            if s == 0:
-                # its GPU computes one request at a time (a no-op when stage 0 admits only when free; a
-                # validation admits in the cluster's order)
-                start = max(read_end, self.free_at[0])
-                end = start + times.span_s
-            else:
-                start = max(read_end, start + times.first_piece_s)
-                end = max(start + times.span_s, end + times.last_piece_s)
+            # its GPU computes one request at a time (for stage 0 a no-op when it admits only when free; a
+            # validation admits in the cluster's order)
+            ready = max(ready + times.max_piece_s, read_end, self.free_at[s])
+            end = ready + times.span_s
             self.free_at[s] = end
             ends.append(end)
         return ends

@@ -43,17 +43,25 @@ def own_block_ids(ids: list[int], shared_blocks: int, instance: int) -> list[int
 
 
 def turn_chunk_hashes(namespace: str, turn: Turn, block_size: int, chunk_tokens: int,
-                      own: tuple[int, int] | None = None) -> list[ChunkHash]:
-    """The chunk hashes of one prompt: ``turn.input_tokens // chunk_tokens`` of them (``own``: the instance
-    and its shared prefix's blocks, for ``own_block_ids``)."""
+                      own: tuple[int, int] | None = None,
+                      last: tuple[list[int], list[ChunkHash]] | None = None) -> tuple[list[int], list[ChunkHash]]:
+    """The block ids hashed and the chunk hashes of one prompt: ``turn.input_tokens // chunk_tokens`` of them
+    (``own``: the instance and its shared prefix's blocks, for ``own_block_ids``). ``last``: the session's last
+    prompt's (ids, hashes): the chunks the two share are not hashed again (the chain gives the same hashes)."""
     if chunk_tokens % block_size:
         raise ValueError(f"chunk_tokens {chunk_tokens} is not a multiple of the trace's block size {block_size}")
     blocks_per_chunk = chunk_tokens // block_size
     num_chunks = turn.input_tokens // chunk_tokens
     ids = turn.hash_ids[: num_chunks * blocks_per_chunk]
-    if own is not None:
-        ids = own_block_ids(list(ids), own[1], own[0])
-    return chunk_hashes(namespace, ids, blocks_per_chunk)
+    ids = own_block_ids(list(ids), own[1], own[0]) if own is not None else list(ids)
+    if not last:
+        return ids, chunk_hashes(namespace, ids, blocks_per_chunk)
+    last_ids, last_hashes = last
+    n = min(len(ids), len(last_ids)) // blocks_per_chunk
+    if ids[: n * blocks_per_chunk] != last_ids[: n * blocks_per_chunk]:
+        n = next(i for i, (a, b) in enumerate(zip(ids, last_ids)) if a != b) // blocks_per_chunk
+    rest = chunk_hashes(namespace, ids[n * blocks_per_chunk:], blocks_per_chunk, last_hashes[n - 1] if n else None)
+    return ids, last_hashes[:n] + rest
 
 
 @dataclass(slots=True)
@@ -66,6 +74,7 @@ class SessionPlay:
     hashes: list[ChunkHash] = field(default_factory=list)
     servers: list[int] = field(default_factory=list)  # the server of each turn placed so far
     agent_prefix: bool = False  # a session of one agent: its system and tool prefix shared (see the module doc)
+    _hashed: tuple[list[int], list[ChunkHash]] | None = None  # the last prompt's block ids and chunk hashes
 
     @property
     def key(self) -> str:
@@ -89,7 +98,8 @@ class SessionPlay:
         self.next_turn += 1
         turn = recorded if max_context is None else fit_to_context(recorded, self.trace.block_size, max_context)
         own = (self.instance, self.shared_blocks) if self.agent_prefix else None
-        self.hashes = turn_chunk_hashes(self.namespace, turn, self.trace.block_size, chunk_tokens, own)
+        self._hashed = turn_chunk_hashes(self.namespace, turn, self.trace.block_size, chunk_tokens, own, self._hashed)
+        self.hashes = self._hashed[1]
         return turn, turn is not recorded
 
 

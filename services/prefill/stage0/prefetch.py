@@ -41,7 +41,7 @@ from kvpool.core.sessions.prefetch import SESSION_END, SessionPrefetch
 from kvpool.core.sessions.staging import FAILED, Staged, Staging, StagingEffect
 from kvpool.core.sessions.table import SessionId
 from kvpool.core.tenancy.shares import tenant_name
-from kvpool.core.prefill.work_scale import REFERENCE_WEIGHTS, WorkScale, host_work_s
+from kvpool.core.prefill.work_scale import WorkScale
 from kvpool.pool.client import PoolClient
 from kvpool.pool.objects import LookupResult
 from kvpool.services.prefill.stage0.pool_restore import RestoreReport
@@ -139,23 +139,6 @@ class SessionPrefetcher:
 
     def turn_ended(self, session: SessionId | None, chunk_hashes: list[ChunkHash]) -> None:
         self.policy.turn_ended(session, time.monotonic(), chunk_hashes)
-
-    def work_s(self, hashes: list[ChunkHash], num_tokens: int, session: SessionId | None) -> float:
-        """The gate's estimate of a prompt's work: the device's cached prefix is free, what else the
-        session's last prompt shares with it is restored (the pool holds it), the rest is computed."""
-        chunk = self.scheduler.chunk_size
-        num_device = self.scheduler.blocks.match_prefix(hashes)
-        state = self.policy.sessions.get(session) if session is not None else None
-        known = 0
-        for a, b in zip(state.chunk_hashes if state is not None else (), hashes):
-            if a != b:
-                break
-            known += 1
-        cached = min(max(num_device, known) * chunk, num_tokens - 1)
-        restore_chunks = -(-min(cached, max(0, known - num_device) * chunk) // chunk)
-        # in this host's seconds: the compute at the measured speed, the restore as restores took here
-        return host_work_s(num_tokens, cached, restore_chunks, REFERENCE_WEIGHTS,
-                           self.scheduler.runner.work_scale.factor, self.policy.restore_s_per_chunk)
 
     # ---- the RPC --------------------------------------------------------------
 

@@ -63,6 +63,7 @@ from kvpool.request_record import RequestRecord
 from kvpool.request_id import new_request_id
 from kvpool.core.handoff.target import HandoffFigures, HandoffTarget
 from kvpool.core.prefill.stage_forward import StageForward, StageForwardResult
+from kvpool.core.prefill.work_scale import REFERENCE_WEIGHTS
 from kvpool.services.prefill.handoff import HandoffMetrics, StageHandoff
 from kvpool.services.prefill.stage0.gate import PrefillGate
 from kvpool.services.prefill.metrics import GatePopsCollector, PrefillMetrics
@@ -199,7 +200,9 @@ class PrefillScheduler:
         hashes = chunk_hashes(hash_root(self.namespace, tenant, cache_salt), token_ids, self.chunk_size)
         bound = log.bind(request_id=request_id, session_key=session_key)
         session = SessionId(tenant_name(tenant), session_key) if session_key else None
-        work_s = self.prefetcher.work_s(hashes, len(token_ids), session)
+        # the gate's estimate, in this host's seconds (the core's one decision, the simulator's too)
+        work_s = self.admission.work_s(hashes, len(token_ids), session, REFERENCE_WEIGHTS,
+                                       self.runner.work_scale.factor)
         self.prefetcher.turn_started(session)
         released = self.admission.arrived(session, time.monotonic())
         if released is not None:
