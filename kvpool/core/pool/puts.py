@@ -34,6 +34,7 @@ from kvpool.core.pool.records import (
     PutOutcome,
     PutRequestItem,
     PutStatus,
+    Segment,
     StoredObject,
 )
 from kvpool.core.pool.segments import SegmentTable
@@ -95,6 +96,9 @@ class PutTable:
         started = self.clock()
         objects, groups, in_flight, failed = self.index.objects, self.group_table.groups, self.in_flight, self.failures
         failed_here: set[str] = set()
+        # group_first's answers in this batch: a pure function of the rotation and the group's segments, which
+        # repeat from item to item (a save's groups each lie in one store), and a sort of every segment each
+        firsts: dict[tuple[int, frozenset[str]], list[Segment]] = {}
         for item in items:
             key = item.key
             if key in objects:
@@ -104,10 +108,15 @@ class PutTable:
                 outcomes.append(PutOutcome(PutStatus.GROUP_FAILED))
                 continue
             group = groups.get(item.group_id)
-            order = rotations[num_placed % len(rotations)]
+            rotation = num_placed % len(rotations)
+            order = rotations[rotation]
             if group is not None and group.members:
                 # keep a group in one store where room allows
-                order = group_first(order, {m.segment_id for m in group.members.values()}, client_host)
+                held = frozenset([m.segment_id for m in group.members.values()])
+                first = firsts.get((rotation, held))
+                if first is None:
+                    first = firsts[rotation, held] = group_first(order, held, client_host)
+                order = first
             # a group is its first writer's
             tenant = group.tenant if group is not None else tenant_name(item.tenant)
             placed = self.eviction.reserve(order, item.size, high, low, keep=item.group_id, tenant=tenant)
