@@ -484,10 +484,11 @@ class PoolClient:
             response = await self._session("lookup", _lookup_request(group_ids, lease_ms, held_prefix, handle, kept),
                                            self._stub.Lookup, timeout)
             if kept and response.history_groups != kept:
-                # not taken: a master that no longer keeps it (a new one keeps none), or an older one that does
-                # not know handles and answered for the ids after it (its lease given back): every id again
-                self.histories.clear()
+                # not taken: a master that no longer keeps it (that one is gone: take() took it out), or an older
+                # one that does not know handles and answered for the ids after it (its lease given back, and
+                # none of the handles will do there): every id again
                 if not response.history_unknown:
+                    self.histories.clear()
                     await self.release(response.lease_id)
                 response = await self._session("lookup", _lookup_request(group_ids, lease_ms, held_prefix, 0, 0),
                                                self._stub.Lookup, timeout)

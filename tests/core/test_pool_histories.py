@@ -64,7 +64,7 @@ def test_the_oldest_handles_go_past_the_bound() -> None:
     assert handles.get(b) is None and handles.get(a) is not None and handles.get(c) is not None
     assert handles.num_groups == 5 and len(handles) == 2
     assert handles.keep([]) == 0 and handles.keep([Group("x", 1)] * 6) == 0  # nothing, or more than the bound
-    d = handles.keep([Group("x", 1)] * 6, live_groups=8)  # an index of 8 groups: up to 8 kept (the oldest go)
+    d = handles.keep([Group("x", 1)] * 6, live_groups=4)  # an index of 4 groups: up to 8 kept (the oldest go)
     assert d and handles.get(a) is None and handles.get(c) is None and handles.num_groups == 6 == len(handles) * 6
 
 

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 
 from kvpool.core.pool.records import Group
 
-# Group references kept over all handles, at most (the oldest handles go first): as many as the index holds
-# groups, and never fewer than this. A kept group the index forgot stays in memory with its members until its
-# handle goes, so the bound scales with the index: kept groups cost at most as much again as the live ones.
+# Group references kept over all handles, at most (the oldest handles go first): twice as many as the index
+# holds groups (sessions share their system and tool prefixes, so live histories name groups more than once),
+# and never fewer than this. A kept group the index forgot stays in memory with its members until its handle
+# goes, so the bound scales with the index: forgotten kept groups cost at most twice the live ones.
 MIN_KEPT_GROUPS = 1 << 16
+KEPT_PER_LIVE_GROUP = 2
 
 
 @dataclass(slots=True)
@@ -36,8 +38,8 @@ class HistoryHandles:
 
     def keep(self, groups: Sequence[Group], live_groups: int = 0) -> int:
         """A new handle for ``groups`` (not copied again: the caller gives up the list); 0 when it cannot be
-        kept (empty, or more than the bound: ``live_groups``, the index's, or ``min_groups``)."""
-        bound = max(self.min_groups, live_groups)
+        kept (empty, or more than the bound: twice ``live_groups``, the index's, or ``min_groups``)."""
+        bound = max(self.min_groups, KEPT_PER_LIVE_GROUP * live_groups)
         if not groups or len(groups) > bound:
             return 0
         handle = secrets.randbits(63) or 1
