@@ -333,7 +333,7 @@ class PoolIndex:
         self.segment_table.release(obj)
 
     def drop_member(self, group: Group, key: str) -> None:
-        group.encoded = group.compact = None
+        group.forget_encodings()
         obj = group.members.pop(key)
         group.num_committed -= 1
         self.free(obj)
@@ -346,7 +346,7 @@ class PoolIndex:
         if group is None:
             group = self.group_table.add(Group(obj.group_id, group_size, tenant=obj.tenant))
         obj.tenant = group.tenant  # a group is one tenant's, whatever a report says
-        group.encoded = group.compact = None
+        group.forget_encodings()
         self.objects[obj.key] = obj
         self.group_table.add_object(obj)
         group.members[obj.key] = obj

@@ -156,7 +156,7 @@ class PutTable:
             group = groups[obj.group_id]
             group.num_in_flight -= 1
             group.num_committed += 1
-            group.encoded = group.compact = None
+            group.forget_encodings()
             if group.complete:
                 self.incomplete.pop(obj.group_id, None)
             segments[obj.segment_id].journal.add(

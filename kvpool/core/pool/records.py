@@ -166,6 +166,10 @@ class Group:
     def complete(self) -> bool:
         return self.num_committed == self.size
 
+    def forget_encodings(self) -> None:
+        """A member changed: the kept lookup encodings (``encoded``, ``compact``) no longer hold."""
+        self.encoded = self.compact = None
+
     @property
     def busy(self) -> bool:
         """Busy groups are never evicted."""
