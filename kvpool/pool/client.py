@@ -13,7 +13,7 @@ never raise: a put reports NOT_STORED, a read reports a miss.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import grpc
@@ -67,6 +67,11 @@ _ALREADY_EXISTS = pool_pb2.PUT_STATUS_ALREADY_EXISTS
 INLINE_CHECKSUM_BYTES = 1 << 20
 NO_LEADER_TARGET = "unix:/nonexistent/kvpool-no-master-leader-yet"
 
+
+
+def _release_done(error: grpc.aio.AioRpcError | None) -> None:
+    if error is not None:  # the lease expires on its own
+        log.info("pool_release_failed", code=error.code().name, corrupt_groups=0)
 
 
 def access_from_message(message: pool_pb2.SegmentAccess) -> SegmentAccess:
@@ -156,6 +161,7 @@ class PoolClient:
         self.breaker = MasterBreaker()
         self._watch: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()  # revokes of commits that did not take
 
     def start(self) -> None:
         """Follow the master from now on (with etcd: watch for the leader and reach it), so a process's first
@@ -214,6 +220,8 @@ class PoolClient:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         await self.session.close()
+        for task in list(self._background):
+            task.cancel()
         if self._no_leader is not None:
             await self._no_leader.close()
         await self.link.close()
@@ -453,6 +461,32 @@ class PoolClient:
             await self.revoke([k for k, _ in items])
             return False
 
+    def commit_soon(self, items: Sequence[tuple[str, int]], on_done: Callable[[bool], None] | None = None) -> None:
+        """``commit`` that nobody waits for: it rides on this client's next message to the master, or goes on its
+        own within a few milliseconds (``kvpool.pool.session_client``: one message fewer a save). ``on_done``
+        hears whether it took; when it did not, the objects are revoked, as ``commit``'s are."""
+        if not items:
+            if on_done is not None:
+                on_done(True)
+            return
+        keys = [k for k, _ in items]
+
+        def done(error: grpc.aio.AioRpcError | None) -> None:
+            if error is not None:
+                log.warning("pool_put_end_failed", code=error.code().name, details=error.details(),
+                            objects=len(keys))
+            if error is not None and error.code() != grpc.StatusCode.CANCELLED:  # (closing: the put timeout will)
+                # (a commit the master took meanwhile stays: a revoke leaves committed keys alone)
+                task = asyncio.get_running_loop().create_task(self.revoke(keys))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            if on_done is not None:
+                on_done(error is None)
+
+        self._start_watch()
+        self.session.ride("put_end", pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c)
+                                                                   for k, c in items]), done)
+
     async def revoke(self, keys: Sequence[str]) -> None:
         """Give back reserved objects that will not be written (one ``PutRevoke``; best effort)."""
         if not keys:
@@ -550,6 +584,10 @@ class PoolClient:
         if lease_id == 0:
             return
         request = pool_pb2.ReleaseLeaseRequest(lease_id=lease_id, corrupt_group_ids=list(corrupt_group_ids))
+        if not corrupt_group_ids:  # nobody waits for a clean release: it rides on the next message
+            self._start_watch()
+            self.session.ride("release_lease", request, _release_done)
+            return
         try:
             await self._session("release_lease", request, self._stub.ReleaseLease, RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:

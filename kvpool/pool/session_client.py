@@ -22,6 +22,16 @@ How:
   status. So callers handle both forms alike.
 - A master that does not know ``Session`` (UNIMPLEMENTED) is called by its unary
   methods from then on.
+- Rides: a call nobody waits for (a clean release, a commit: ``ride``) rides on
+  the client's next message (``SessionRequest.rides``, applied before its
+  body), or on a message of its own once it has waited ``RIDE_WAIT_S``. Each
+  message costs the master about as much in gRPC as a lookup's own work, and
+  a busy client sends one every few milliseconds: a turn's release rides on
+  its save, its commit on the next lookup. ``on_done`` hears each ride's
+  outcome: None once applied, else the error its unary call would have
+  raised (or the broken stream's: then whether it was applied is unknown).
+  A master that predates rides answers without ``rides_taken``: its rides go
+  again as calls, and every later one too. ``close`` sends the rides waiting.
 """
 
 from __future__ import annotations
@@ -57,6 +67,16 @@ def session_error(code: grpc.StatusCode, details: str, field: str = "") -> grpc.
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
+# how long a ride waits for a call to carry it before it goes in a message of its own: a busy client sends one
+# sooner, and an idle one loses nothing by 2 ms (nobody waits for a ride; the turn after reads it in order)
+RIDE_WAIT_S = 0.002
+MAX_RIDES = 64  # on one message (the master takes up to its batch limit)
+RIDE_TIMEOUT_S = 10.0  # for a message carrying only rides
+CLOSE_FLUSH_S = 2.0  # ``close`` waits this long for the rides waiting to be taken
+_RIDE_METHODS = {"release_lease": "ReleaseLease", "put_end": "PutEnd"}
+
+RideDone = Callable[[grpc.aio.AioRpcError | None], None]
+
 
 class MasterSession:
     """One ``Session`` stream to a master, shared by every caller of one client (see the module doc)."""
@@ -76,9 +96,123 @@ class MasterSession:
         self.unsupported = False  # the master has no Session: unary calls for good
         self.opened = 0  # streams opened (1 while the master stays up)
         self._tracing = tracing.tracing()
+        self._rides: list[tuple[pool_pb2.SessionRide, RideDone | None]] = []  # waiting for a message
+        self._ride_timer: asyncio.TimerHandle | None = None
+        self._ride_tasks: set[asyncio.Task[None]] = set()  # rides' own messages, and rides gone as calls
+        self.rides_unsupported = False  # the master predates rides: they go as calls for good
 
     async def close(self) -> None:
+        if self._ride_timer is not None:
+            self._ride_timer.cancel()
+            self._ride_timer = None
+        if self._rides and self._call is not None:  # (no stream: the master is away, and nobody waits)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
         self._break(session_error(grpc.StatusCode.CANCELLED, "the pool client closed"))
+        for task in list(self._ride_tasks):
+            task.cancel()
+        rides, self._rides = self._rides, []
+        _rides_failed(rides, session_error(grpc.StatusCode.CANCELLED, "the pool client closed"))
+
+    async def flush(self) -> None:
+        """Send the rides waiting now, and wait until every ride sent on a message of its own (or as a call) is
+        answered."""
+        while self._rides:
+            await self._carry_rides()
+        while self._ride_tasks:
+            await asyncio.gather(*self._ride_tasks, return_exceptions=True)
+
+    def ride(self, kind: str, body: Any, on_done: RideDone | None = None) -> None:
+        """``body`` (a ``SessionRide.body`` field named ``kind``: ``release_lease`` or ``put_end``) on this
+        client's next message, or on one of its own within ``RIDE_WAIT_S``; nobody waits for it. ``on_done``:
+        see the module doc (called on the event loop; it must not raise)."""
+        if self.unsupported or self.rides_unsupported:
+            self._as_call(kind, body, on_done)
+            return
+        ride = pool_pb2.SessionRide(request_id=current_request_id(), **{kind: body})
+        if self._tracing:
+            ride.traceparent = tracing.current_traceparent()
+            ride.sent = time.time()
+            ride.detached = True  # nobody waits for it
+        self._rides.append((ride, on_done))
+        if self._ride_timer is None:
+            delay = 0.0 if len(self._rides) >= MAX_RIDES else RIDE_WAIT_S
+            self._ride_timer = asyncio.get_running_loop().call_later(delay, self._flush_rides)
+
+    def _flush_rides(self) -> None:
+        self._ride_timer = None
+        if self._rides:  # (no call took them meanwhile) in a message of their own, outside any request's context
+            task = contextvars.Context().run(asyncio.get_running_loop().create_task, self._carry_rides())
+            self._ride_tasks.add(task)
+            task.add_done_callback(self._ride_tasks.discard)
+
+    async def _carry_rides(self) -> None:
+        """Send the rides waiting in a message with no body."""
+        message = pool_pb2.SessionRequest()
+        rides = self._take_rides(message)
+        if not rides:
+            return
+        try:
+            response = await self._send(message, time.monotonic() + RIDE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            self._rides_lost(rides, exc)
+            return
+        except asyncio.CancelledError:
+            _rides_failed(rides, session_error(grpc.StatusCode.CANCELLED, "the pool client closed"))
+            raise
+        self._rides_answered(rides, response)
+
+    def _take_rides(self, message: pool_pb2.SessionRequest) -> list[tuple[pool_pb2.SessionRide, RideDone | None]]:
+        """Move the rides waiting (up to ``MAX_RIDES``) onto ``message``."""
+        if not self._rides:
+            return []
+        rides, self._rides = self._rides[:MAX_RIDES], self._rides[MAX_RIDES:]
+        if not self._rides and self._ride_timer is not None:
+            self._ride_timer.cancel()
+            self._ride_timer = None
+        message.rides.extend([ride for ride, _ in rides])
+        return rides
+
+    def _rides_answered(self, rides: list[tuple[pool_pb2.SessionRide, RideDone | None]],
+                        response: pool_pb2.SessionResponse) -> None:
+        if response.rides_taken != len(rides):  # a master that predates rides: it dropped them unread
+            if not self.rides_unsupported:
+                log.info("pool_master_without_rides")
+            self.rides_unsupported = True
+            for ride, on_done in rides:
+                kind = ride.WhichOneof("body")
+                self._as_call(kind, getattr(ride, kind), on_done)
+            return
+        failures = {f.index: f for f in response.ride_failures}
+        for index, (_, on_done) in enumerate(rides):
+            failure = failures.get(index)
+            error = None if failure is None else session_error(
+                _CODES.get(failure.code, grpc.StatusCode.UNKNOWN), failure.message, failure.field)
+            _done(on_done, error)
+
+    def _rides_lost(self, rides: list[tuple[pool_pb2.SessionRide, RideDone | None]],
+                    error: grpc.aio.AioRpcError) -> None:
+        """The message carrying ``rides`` got no answer: a master without ``Session`` takes them as calls; else
+        their fate is unknown, and each hears ``error``."""
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            for ride, on_done in rides:
+                kind = ride.WhichOneof("body")
+                self._as_call(kind, getattr(ride, kind), on_done)
+            return
+        _rides_failed(rides, error)
+
+    def _as_call(self, kind: str, body: Any, on_done: RideDone | None) -> None:
+        """A ride as a call of its own, nobody waiting for it."""
+        async def go() -> None:
+            try:
+                await self.call(kind, body, getattr(self._stub, _RIDE_METHODS[kind]), RIDE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                _done(on_done, exc)
+                return
+            _done(on_done, None)
+        task = asyncio.get_running_loop().create_task(go())
+        self._ride_tasks.add(task)
+        task.add_done_callback(self._ride_tasks.discard)
 
     async def call(self, kind: str, body: Any, unary: Unary, timeout: float, wait_for_ready: bool = False) -> Any:
         """``body`` (a ``SessionRequest.body`` field named ``kind``) answered: its response, or the error the
@@ -99,12 +233,17 @@ class MasterSession:
             message.traceparent = tracing.current_traceparent()
             message.sent = time.time()
             message.detached = tracing.DETACHED.get()
+        rides = self._take_rides(message)
         attempts = session_attempts(kind)
         for attempt in range(1, attempts + 1):
             try:
                 response = await self._send(message, deadline)
                 break
             except grpc.aio.AioRpcError as exc:
+                if rides:  # unanswered: they do not go again with the call
+                    message.ClearField("rides")
+                    self._rides_lost(rides, exc)
+                    rides = []
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     self.unsupported = True  # an older master
                     log.info("pool_master_without_session", details=exc.details())
@@ -118,6 +257,12 @@ class MasterSession:
                         self._channel.get_state() != grpc.ChannelConnectivity.READY:
                     raise
                 await asyncio.sleep(wait)
+            except asyncio.CancelledError:
+                if rides:  # the caller went away: the message may still go, but its answer will not be read
+                    _rides_failed(rides, session_error(grpc.StatusCode.CANCELLED, "the call carrying it was cancelled"))
+                raise
+        if rides:
+            self._rides_answered(rides, response)
         if response.code:
             raise session_error(_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message, response.field)
         return getattr(response, kind)
@@ -236,6 +381,20 @@ class MasterSession:
                 answer.set_exception(error)
         if error.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNIMPLEMENTED):
             log.info("pool_session_broken", code=error.code().name, details=error.details(), waiting=len(pending))
+
+
+def _done(on_done: RideDone | None, error: grpc.aio.AioRpcError | None) -> None:
+    if on_done is None:
+        return
+    try:
+        on_done(error)
+    except Exception:  # a bug in the callback: the session goes on
+        log.exception("pool_ride_callback_failed")
+
+
+def _rides_failed(rides: list[tuple[pool_pb2.SessionRide, RideDone | None]], error: grpc.aio.AioRpcError) -> None:
+    for _, on_done in rides:
+        _done(on_done, error)
 
 
 async def _end_writes(call: Any) -> None:

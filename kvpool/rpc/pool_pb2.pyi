@@ -473,7 +473,7 @@ class StatsResponse(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ..., failed_groups: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., rejected_records: _Optional[int] = ..., abandoned_groups: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("call", "request_id", "traceparent", "sent", "detached", "lookup", "release_lease", "put_start", "put_end", "put_revoke")
+    __slots__ = ("call", "request_id", "traceparent", "sent", "detached", "lookup", "release_lease", "put_start", "put_end", "put_revoke", "rides")
     CALL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
@@ -484,6 +484,7 @@ class SessionRequest(_message.Message):
     PUT_START_FIELD_NUMBER: _ClassVar[int]
     PUT_END_FIELD_NUMBER: _ClassVar[int]
     PUT_REVOKE_FIELD_NUMBER: _ClassVar[int]
+    RIDES_FIELD_NUMBER: _ClassVar[int]
     call: int
     request_id: str
     traceparent: str
@@ -494,10 +495,39 @@ class SessionRequest(_message.Message):
     put_start: PutStartRequest
     put_end: PutEndRequest
     put_revoke: PutRevokeRequest
-    def __init__(self, call: _Optional[int] = ..., request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., sent: _Optional[float] = ..., detached: _Optional[bool] = ..., lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseRequest, _Mapping]] = ..., put_start: _Optional[_Union[PutStartRequest, _Mapping]] = ..., put_end: _Optional[_Union[PutEndRequest, _Mapping]] = ..., put_revoke: _Optional[_Union[PutRevokeRequest, _Mapping]] = ...) -> None: ...
+    rides: _containers.RepeatedCompositeFieldContainer[SessionRide]
+    def __init__(self, call: _Optional[int] = ..., request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., sent: _Optional[float] = ..., detached: _Optional[bool] = ..., lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseRequest, _Mapping]] = ..., put_start: _Optional[_Union[PutStartRequest, _Mapping]] = ..., put_end: _Optional[_Union[PutEndRequest, _Mapping]] = ..., put_revoke: _Optional[_Union[PutRevokeRequest, _Mapping]] = ..., rides: _Optional[_Iterable[_Union[SessionRide, _Mapping]]] = ...) -> None: ...
+
+class SessionRide(_message.Message):
+    __slots__ = ("request_id", "traceparent", "sent", "detached", "release_lease", "put_end")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
+    PUT_END_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    traceparent: str
+    sent: float
+    detached: bool
+    release_lease: ReleaseLeaseRequest
+    put_end: PutEndRequest
+    def __init__(self, request_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., sent: _Optional[float] = ..., detached: _Optional[bool] = ..., release_lease: _Optional[_Union[ReleaseLeaseRequest, _Mapping]] = ..., put_end: _Optional[_Union[PutEndRequest, _Mapping]] = ...) -> None: ...
+
+class RideFailure(_message.Message):
+    __slots__ = ("index", "code", "message", "field")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    code: int
+    message: str
+    field: str
+    def __init__(self, index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("call", "code", "message", "field", "lookup", "release_lease", "put_start", "put_end", "put_revoke")
+    __slots__ = ("call", "code", "message", "field", "lookup", "release_lease", "put_start", "put_end", "put_revoke", "rides_taken", "ride_failures")
     CALL_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +537,8 @@ class SessionResponse(_message.Message):
     PUT_START_FIELD_NUMBER: _ClassVar[int]
     PUT_END_FIELD_NUMBER: _ClassVar[int]
     PUT_REVOKE_FIELD_NUMBER: _ClassVar[int]
+    RIDES_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    RIDE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     call: int
     code: int
     message: str
@@ -516,4 +548,6 @@ class SessionResponse(_message.Message):
     put_start: PutStartResponse
     put_end: PutEndResponse
     put_revoke: PutRevokeResponse
-    def __init__(self, call: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseResponse, _Mapping]] = ..., put_start: _Optional[_Union[PutStartResponse, _Mapping]] = ..., put_end: _Optional[_Union[PutEndResponse, _Mapping]] = ..., put_revoke: _Optional[_Union[PutRevokeResponse, _Mapping]] = ...) -> None: ...
+    rides_taken: int
+    ride_failures: _containers.RepeatedCompositeFieldContainer[RideFailure]
+    def __init__(self, call: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., release_lease: _Optional[_Union[ReleaseLeaseResponse, _Mapping]] = ..., put_start: _Optional[_Union[PutStartResponse, _Mapping]] = ..., put_end: _Optional[_Union[PutEndResponse, _Mapping]] = ..., put_revoke: _Optional[_Union[PutRevokeResponse, _Mapping]] = ..., rides_taken: _Optional[int] = ..., ride_failures: _Optional[_Iterable[_Union[RideFailure, _Mapping]]] = ...) -> None: ...

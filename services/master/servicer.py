@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -41,6 +41,7 @@ log = structlog.get_logger(__name__)
 
 MAX_KEY_BYTES = 512
 MAX_BATCH = 4096
+MAX_RIDES = 256  # calls riding on one Session message (a pool client sends at most 64)
 MAX_GROUP_SIZE = 64
 MAX_LEASE_MS = 600_000
 MAX_WAIT_MS = 60_000  # a heartbeat's long-poll
@@ -178,6 +179,10 @@ _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
 
 
+def _apply(call: Callable[[Any], Any], request: Any) -> None:
+    call(request)
+
+
 class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     """Thin shell over :class:`PoolIndex`; every call runs on the event loop, so the index needs no lock."""
 
@@ -280,14 +285,32 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     def session_answer(self, message: pool_pb2.SessionRequest) -> pool_pb2.SessionResponse:
         answer = pool_pb2.SessionResponse(call=message.call)
         kind = message.WhichOneof("body")
+        rides = message.rides
         if self.ha is not None and (refusal := self.ha.refusal()) is not None:
             answer.code, answer.message = grpc.StatusCode.UNAVAILABLE.value[0], refusal
+            if rides:  # not applied: each fails as its unary call would
+                answer.rides_taken = len(rides)
+                for index in range(len(rides)):
+                    answer.ride_failures.add(index=index, code=answer.code, message=refusal)
             return answer
+        if rides:
+            self._ride(answer, rides)
+            if kind is None:  # the client flushing its rides
+                return answer
         if kind is None:
             error = InvalidArgument("body: names no call (lookup, release_lease, put_start, put_end or put_revoke)",
                                     field="body")
             answer.code, answer.message, answer.field = rejected(error, "Session").value[0], str(error), "body"
             return answer
+        code, text, field = self._served(message, kind, lambda call, request: self._answer(answer, kind, call, request))
+        if code:
+            answer.code, answer.message, answer.field = code, text, field
+        return answer
+
+    def _served(self, message: Any, kind: str, apply: Callable[[Any, Any], None]) -> tuple[int, str, str]:
+        """Serve one call of a Session message (its body, or a ride: ``message`` carries its request id and
+        span) as a unary call's interceptors would: the id bound, one access-log line, a span when tracing.
+        ``apply(handler, request)``; returns the status (0 when it succeeded), its message and its field."""
         call, name = self.session_calls[kind]
         request_id = message.request_id if message.request_id and is_sane(message.request_id) else ""
         span = token = None
@@ -295,22 +318,45 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             span = tracing.session_span(self.tracer, f"/kvpool.rpc.PoolMaster/{name}", request_id,
                                         message.traceparent, message.sent, message.detached, time.time_ns())
             token = otel_context.attach(trace.set_span_in_context(span.span))  # its logs name the trace
+        code, text, field = 0, "", ""
         try:
             if request_id:  # as a unary call's interceptor does: the id bound, and one access-log line
                 with bound_request_id(request_id), served(f"/kvpool.rpc.PoolMaster/{name}"):
-                    self._answer(answer, kind, call, getattr(message, kind))
+                    apply(call, getattr(message, kind))
             else:
-                self._answer(answer, kind, call, getattr(message, kind))
+                apply(call, getattr(message, kind))
         except KvpoolError as exc:
-            answer.code, answer.message, answer.field = rejected(exc, name).value[0], str(exc), exc.field or ""
+            code, text, field = rejected(exc, name).value[0], str(exc), exc.field or ""
         except Exception:  # a bug: this call fails as a unary one would (UNKNOWN); the stream goes on
             log.exception("session_call_failed", method=name)
-            answer.code, answer.message = grpc.StatusCode.UNKNOWN.value[0], f"{name}: internal error"
+            code, text = grpc.StatusCode.UNKNOWN.value[0], f"{name}: internal error"
         if span is not None:
             otel_context.detach(token)
             span.replied()
-            span.end(RuntimeError(answer.message) if answer.code else None)
-        return answer
+            span.end(RuntimeError(text) if code else None)
+        return code, text, field
+
+    def _ride(self, answer: pool_pb2.SessionResponse, rides: Any) -> None:
+        """Apply a message's rides in order (calls nobody waits for: a release, a commit), each under its own
+        request id; a failure is answered in ``ride_failures`` and stops neither the others nor the body."""
+        answer.rides_taken = len(rides)
+        if len(rides) > MAX_RIDES:  # none applied: each fails
+            error = InvalidArgument(f"rides: {len(rides)} is more than {MAX_RIDES} on one message", field="rides")
+            code = rejected(error, "Session").value[0]
+            for index in range(len(rides)):
+                answer.ride_failures.add(index=index, code=code, message=str(error), field="rides")
+            return
+        for index, ride in enumerate(rides):
+            kind = ride.WhichOneof("body")
+            if kind is None:
+                answer.ride_failures.add(index=index, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                         message=f"rides[{index}].body: names no call (release_lease or put_end)",
+                                         field=f"rides[{index}].body")
+                continue
+            code, text, field = self._served(ride, kind, _apply)
+            if code:
+                answer.ride_failures.add(index=index, code=code, message=f"rides[{index}]: {text}",
+                                         field=f"rides[{index}].{field}" if field else f"rides[{index}]")
 
     @staticmethod
     def _answer(answer: pool_pb2.SessionResponse, kind: str, call: Any, request: Any) -> None:

@@ -60,7 +60,9 @@ def test_session_answers_as_the_unary_calls_do_on_one_stream() -> None:
             assert [g.group_id for g in found.groups] == list(unary.packed.group_id) == ["g2", "g3", "g4", "g5"]
             assert found.groups[0].members["g2/1"].checksum == 202
             assert found.lease_id and found.lease_id != unary.lease_id
-            await client.release(found.lease_id)
+            await client.release(found.lease_id)  # a ride: on the next message, or on its own within 2 ms
+            assert servicer.index.num_leases == 2
+            await client.session.flush()
             released = await stub.ReleaseLease(pool_pb2.ReleaseLeaseRequest(lease_id=found.lease_id))
             assert not released.released  # the session's release ended it already
             assert servicer.index.num_leases == 1  # the unary lookup's lease alone
@@ -170,8 +172,9 @@ def test_a_master_without_session_is_called_by_its_unary_methods() -> None:
         try:
             found = await client.lookup(["g0", "g1", "g2"], lease_ms=5000)
             assert found.num_complete == 3 and client.session.unsupported
-            await client.release(found.lease_id)
-            assert old.index.num_leases == 0
+            await client.release(found.lease_id)  # (nobody waits for a release: it goes as a call of its own)
+            await client.session.flush()
+            assert old.index.num_leases == 0 and not client.session._ride_tasks
             assert [type(r).__name__ for r in await client.reserve([("m/0", "m", 1, KB)])] == ["ObjectLocation"]
             assert await client.commit([("m/0", 3)])
         finally:
@@ -226,6 +229,164 @@ def test_a_call_not_answered_in_time_times_out_alone() -> None:
             assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert client.session.opened == 1 and client.session._call is not None  # the stream lives on
             assert not client.session._pending
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
+
+
+# ---- rides: calls nobody waits for, on the next message ---------------------------------------------------------
+
+
+class CountingMaster(PoolMasterServicer):
+    """Counts the Session messages it answers, and what each carried."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.messages: list[tuple[str | None, list[str]]] = []
+
+    def session_answer(self, message: pool_pb2.SessionRequest) -> pool_pb2.SessionResponse:
+        self.messages.append((message.WhichOneof("body"), [r.WhichOneof("body") for r in message.rides]))
+        return super().session_answer(message)
+
+
+def counting() -> CountingMaster:
+    master = filled()
+    master.__class__ = CountingMaster
+    master.messages = []  # type: ignore[attr-defined]
+    return master  # type: ignore[return-value]
+
+
+def test_a_release_and_a_commit_ride_on_the_next_call_and_are_applied_before_it() -> None:
+    async def body() -> None:
+        master = counting()
+        handle = await serving(master)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        done: list[bool] = []
+        try:
+            found = await client.lookup(["g0", "g1"], lease_ms=5000)
+            reserved = await client.reserve([("n/0", "n", 1, KB)])
+            assert type(reserved[0]).__name__ == "ObjectLocation"
+            await client.release(found.lease_id)
+            client.commit_soon([("n/0", 9)], done.append)
+            assert master.index.num_leases == 1 and not master.index.objects["n/0"].committed  # not sent yet
+            # the next call carries both, and the master applied them first: the lookup finds the new group
+            again = await client.lookup(["n"], lease_ms=5000)
+            assert again.num_complete == 1 and done == [True]
+            assert master.messages[-1] == ("lookup", ["release_lease", "put_end"])
+            assert master.index.num_leases == 1  # the new lookup's own
+            assert master.index.objects["n/0"].committed and master.index.objects["n/0"].checksum == 9
+            assert len(master.messages) == 3  # lookup, put_start, lookup: no message of their own
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
+
+
+def test_a_ride_with_no_call_to_carry_it_goes_alone_within_its_wait_and_close_sends_those_waiting() -> None:
+    async def body() -> None:
+        master = counting()
+        handle = await serving(master)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        try:
+            found = await client.lookup(["g0"], lease_ms=5000)
+            await client.release(found.lease_id)
+            for _ in range(200):  # RIDE_WAIT_S is 2 ms
+                if master.index.num_leases == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert master.index.num_leases == 0
+            assert master.messages == [("lookup", []), (None, ["release_lease"])]
+            # one more, and the client closes before its wait is over: close sends it
+            found = await client.lookup(["g1"], lease_ms=5000)
+            await client.release(found.lease_id)
+        finally:
+            await client.close()
+        assert master.index.num_leases == 0 and master.messages[-1] == (None, ["release_lease"])
+        await handle.server.stop(None)
+    run(body)
+
+
+def test_a_ride_that_fails_is_told_to_its_caller_and_fails_neither_the_others_nor_the_call() -> None:
+    async def body() -> None:
+        master = counting()
+        handle = await serving(master)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        outcomes: list[tuple[str, bool]] = []
+        try:
+            await client.reserve([("a/0", "a", 1, KB), ("b/0", "b", 1, KB)])
+            client.commit_soon([("a/0", 1)], lambda ok: outcomes.append(("a", ok)))
+            client.commit_soon([("never/0", 2)], lambda ok: outcomes.append(("never", ok)))  # never reserved
+            client.commit_soon([("b/0", 3)], lambda ok: outcomes.append(("b", ok)))
+            assert (await client.lookup(["g0"])).num_complete == 1  # the carrier is answered as ever
+            assert outcomes == [("a", True), ("never", False), ("b", True)]
+            assert master.index.objects["a/0"].committed and master.index.objects["b/0"].committed
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
+
+
+def test_the_master_answers_each_ride_in_order_and_names_a_bad_ones_field() -> None:
+    servicer = filled()
+    index = servicer.index
+    found = index.lookup(["g0"], 5.0)
+    index.put_start("host0", [PutRequestItem("c/0", "c", 1, KB)])
+    ride = pool_pb2.SessionRide
+    message = pool_pb2.SessionRequest(call=3, rides=[
+        ride(request_id="req-1", release_lease=pool_pb2.ReleaseLeaseRequest(lease_id=found.lease_id)),
+        ride(put_end=pool_pb2.PutEndRequest()),  # no items
+        ride(),  # no call
+        ride(put_end=pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key="c/0", checksum=4)])),
+    ], lookup=pool_pb2.LookupRequest(group_ids=["c"]))
+    answer = servicer.session_answer(message)
+    assert answer.code == 0 and answer.lookup.num_complete == 1  # the commit came first
+    assert answer.rides_taken == 4 and not index.release_lease(found.lease_id)  # the first ride ended it
+    assert [(f.index, grpc.StatusCode.INVALID_ARGUMENT.value[0] == f.code, f.field) for f in answer.ride_failures] == [
+        (1, True, "rides[1].items"), (2, True, "rides[2].body")]
+    assert "rides[1]: items: must not be empty" in answer.ride_failures[0].message
+    # rides alone (a client flushing them), and more than a call takes: each fails, nothing applied
+    alone = servicer.session_answer(pool_pb2.SessionRequest(call=4, rides=[
+        ride(release_lease=pool_pb2.ReleaseLeaseRequest(lease_id=12345))]))
+    assert (alone.code, alone.rides_taken, len(alone.ride_failures), alone.WhichOneof("body")) == (0, 1, 0, None)
+    many = servicer.session_answer(pool_pb2.SessionRequest(call=5, rides=[ride(
+        release_lease=pool_pb2.ReleaseLeaseRequest(lease_id=1))] * 257))
+    assert many.rides_taken == 257 and len(many.ride_failures) == 257 and many.ride_failures[0].field == "rides"
+    assert "257 is more than 256" in many.ride_failures[0].message
+
+
+class MasterBeforeRides(PoolMasterServicer):
+    """A master with ``Session`` from before rides: it never reads them, and its answers do not count them."""
+
+    def session_answer(self, message: pool_pb2.SessionRequest) -> pool_pb2.SessionResponse:
+        message.ClearField("rides")
+        if message.WhichOneof("body") is None:
+            return pool_pb2.SessionResponse(call=message.call, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                            message="body: names no call", field="body")
+        return super().session_answer(message)
+
+
+def test_a_master_that_predates_rides_gets_them_again_as_calls() -> None:
+    async def body() -> None:
+        old = filled()
+        old.__class__ = MasterBeforeRides
+        handle = await serving(old)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        done: list[bool] = []
+        try:
+            found = await client.lookup(["g0"], lease_ms=5000)
+            await client.reserve([("m/0", "m", 1, KB)])
+            await client.release(found.lease_id)
+            client.commit_soon([("m/0", 5)], done.append)
+            await client.lookup(["g1"])  # carries them; the master drops them unread, and the client sees it
+            await client.session.flush()
+            assert client.session.rides_unsupported and done == [True]
+            assert old.index.objects["m/0"].committed
+            assert not old.index.release_lease(found.lease_id)  # released already
+            found = await client.lookup(["g2"], lease_ms=5000)
+            await client.release(found.lease_id)  # from now on a call of its own at once
+            await client.session.flush()
+            assert not old.index.release_lease(found.lease_id)
         finally:
             await client.close()
             await handle.server.stop(None)

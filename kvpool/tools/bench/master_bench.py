@@ -29,6 +29,9 @@ For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
      answer packed in full (before the compact form);
    - ``save_cpu_ms``: a save of ``SAVE_CHUNKS`` chunks over the stages; legacy is
      one put pair per stage, today's one pair for all stages;
+   - today's releases and commits ride on the client's next message
+     (``MasterSession.ride``: a message fewer each), as the pool client sends
+     them; ``*_rides_off`` (lookup, save, turn) awaits each alone, as before;
    - ``turn_cpu_ms``: the calls of a typical turn (``--turn-*``): a lookup of the
      history (legacy: every group from chunk 0, leased and located; today's:
      the device-held prefix only counted and touched, ``held_prefix``), its
@@ -145,6 +148,8 @@ class Calls:
         self.short: list[int] = []  # how many leading groups a lookup that missed found (the first few)
         # the master's handle for each history's last lookup and how many groups it found, by the first id
         self.handles: dict[str, tuple[int, int]] = {}
+        # today's releases and commits ride on the next message (``MasterSession.ride``); off: each awaited alone
+        self.rides = True
 
     async def save(self, groups: list[str], legacy: bool, release: int = 0) -> int:
         """Put every stage's object of ``groups``: one pair for all, its start ending the lease ``release``
@@ -173,9 +178,16 @@ class Calls:
             if r.status not in (pb.PUT_STATUS_RESERVED, pb.PUT_STATUS_ALREADY_EXISTS):
                 name = pb.PutStatus.Name(r.status)
                 self.refused[name] = self.refused.get(name, 0) + 1
-        if commits:
+        if commits and not legacy and self.rides:
+            self.session.ride("put_end", pb.PutEndRequest(items=commits), self._ride_done)
+        elif commits:
             await self._call("put_end", self.stub.PutEnd, pb.PutEndRequest(items=commits), legacy)
         return len(commits)
+
+    def _ride_done(self, error: Any) -> None:
+        if error is not None:
+            name = f"ride_{error.code().name}"
+            self.refused[name] = self.refused.get(name, 0) + 1
 
     async def lookup(self, groups: list[str], held: int, legacy: bool, release: bool = True,
                      form: str = "today", new_chunks: int = 0) -> tuple[float, int]:
@@ -201,6 +213,9 @@ class Calls:
         self.hits += response.num_complete == len(groups)
         if response.num_complete != len(groups) and len(self.short) < 8:
             self.short.append(response.num_complete)
+        if response.lease_id and release and not legacy and self.rides:
+            self.session.ride("release_lease", pb.ReleaseLeaseRequest(lease_id=response.lease_id), self._ride_done)
+            return took, 0
         if response.lease_id and release:
             await self._call("release_lease", self.stub.ReleaseLease,
                              pb.ReleaseLeaseRequest(lease_id=response.lease_id), legacy)
@@ -255,6 +270,8 @@ def _loop_until(job: dict[str, Any]) -> tuple[float, int]:
 async def _ops(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
     """One kind of operation as fast as answered; the master's CPU read around the loop when ``pid`` is given."""
     op, legacy, turn = job["op"], job["legacy"], Turn(**job["turn"])
+    form = job.get("form", "today")
+    calls.rides = form != "rides_off"
     histories, fresh = job["histories"], job["fresh_from"]
     pid = job.get("pid")
     deadline, most = _loop_until(job)
@@ -274,13 +291,15 @@ async def _ops(calls: Calls, job: dict[str, Any]) -> dict[str, Any]:
             held = turn.held if op == "turn" else 0
             # today a turn's save ends its lookup's lease in its first call; legacy releases on its own
             took, lease = await calls.lookup(group_ids(history), held, legacy, release=op == "lookup" or legacy,
-                                             form=job.get("form", "today"), new_chunks=turn.new_chunks)
+                                             form="today" if form == "rides_off" else form,
+                                             new_chunks=turn.new_chunks)
             latencies.append(took)
         if op in ("save", "turn"):
             count = SAVE_CHUNKS if op == "save" else turn.new_chunks
             # fresh chunks of a history nobody looks up: every save reserves, and at the watermark evicts
             committed += await calls.save(group_ids(fresh, done * count, count), legacy, lease)
         done += 1
+    await calls.session.flush()  # the last call's rides, within what is counted
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(pid) - cpu0 if pid else 0.0
     return {"done": done, "wall_s": wall, "master_cpu_s": cpu, "latencies": latencies, "committed": committed,
@@ -480,8 +499,9 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
         # each op in the older call pattern and today's, side by side; a lookup and a turn also by every id (no
         # history handle), and a lookup with its answer packed in full besides (before the compact form)
         forms = [("lookup", True, "today"), ("lookup", False, "today"), ("lookup", False, "by_ids"),
-                 ("lookup", False, "full_answer"), ("save", True, "today"), ("save", False, "today"),
-                 ("turn", True, "today"), ("turn", False, "today"), ("turn", False, "by_ids")]
+                 ("lookup", False, "full_answer"), ("lookup", False, "rides_off"), ("save", True, "today"),
+                 ("save", False, "today"), ("save", False, "rides_off"), ("turn", True, "today"),
+                 ("turn", False, "today"), ("turn", False, "by_ids"), ("turn", False, "rides_off")]
         for op, legacy, form in forms:
             key = f"{op}_cpu_ms" + ("_legacy" if legacy else "") + ("" if form == "today" else f"_{form}")
             cost = run.cost(op, legacy, newest, form)
@@ -540,6 +560,7 @@ def format_report(report: dict[str, Any]) -> str:
         for op in ("lookup", "save", "turn"):
             full = f", answer in full {value['lookup_cpu_ms_full_answer']}" if op == "lookup" else ""
             full = (f", by ids {value[f'{op}_cpu_ms_by_ids']}" if op != "save" else "") + full
+            full += f", rides off {value[f'{op}_cpu_ms_rides_off']}" if f"{op}_cpu_ms_rides_off" in value else ""
             lines.append(f"  {op}_cpu_ms {value[f'{op}_cpu_ms']} (legacy {value[f'{op}_cpu_ms_legacy']}{full})")
         lines.append(f"  lookups/s {value['lookups_per_s']} (p50 {value['lookup_ms_p50']} ms, p99 "
                      f"{value['lookup_ms_p99']} ms, hits {value['lookup_hit_share']}), saves/s {value['saves_per_s']}, "

@@ -150,16 +150,21 @@ class StageEnds:
         lost = {group for key, group in group_of.items() if key not in written}
         keep = {key: checksum for key, checksum in written.items() if group_of[key] not in lost}
         await pool.revoke([key for key, group in group_of.items() if group in lost])
-        stored = len(keep) if keep and await pool.commit(list(keep.items())) else 0
         exists = sum(r is PutResult.EXISTS for r in reserved)
-        not_stored = len(reserved) - stored - exists
         metrics = runner.metrics
-        metrics.saves_stored.labels("stored").inc(stored)
         metrics.saves_stored.labels("exists").inc(exists)
-        if not_stored:
-            metrics.saves_skipped.labels("not_stored").inc(not_stored)
-            log.info("chunks_not_stored", request_id=request_id, stored=stored, exists=exists, total=len(reserved))
-        log.debug("request_saved", request_id=request_id, stored=stored, exists=exists, not_stored=not_stored)
+
+        def committed(ok: bool) -> None:  # (the commit rides on stage 0's next message to the master)
+            stored = len(keep) if ok else 0
+            not_stored = len(reserved) - stored - exists
+            metrics.saves_stored.labels("stored").inc(stored)
+            if not_stored:
+                metrics.saves_skipped.labels("not_stored").inc(not_stored)
+                log.info("chunks_not_stored", request_id=request_id, stored=stored, exists=exists,
+                         total=len(reserved))
+            log.debug("request_saved", request_id=request_id, stored=stored, exists=exists, not_stored=not_stored)
+
+        pool.commit_soon(list(keep.items()), committed)
 
     async def _write_told_remote(self, stage: int, request_id: str, writes: StageRestore
                                  ) -> tuple[SaveFigures, list[tuple[str, int]]]:
