@@ -527,6 +527,12 @@ class PoolClient:
                 response = await self._session("lookup", _lookup_request(group_ids, lease_ms, held_prefix, 0, 0),
                                                self._stub.Lookup, timeout)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and kept:
+                # a master that does not know handles reads the ids after the handle as the whole history, and
+                # refuses a held prefix longer than they are: every id again, and no handle from now on there
+                log.info("pool_lookup_handle_refused", details=exc.details())
+                self.histories.clear()
+                return await self.lookup(group_ids, lease_ms, held_prefix)
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from exc
             log.info("pool_lookup_miss", code=exc.code().name, details=exc.details())

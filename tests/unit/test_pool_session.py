@@ -391,3 +391,40 @@ def test_a_master_that_predates_rides_gets_them_again_as_calls() -> None:
             await client.close()
             await handle.server.stop(None)
     run(body)
+
+
+class DowngradedMaster(PoolMasterServicer):
+    """A master whose build goes back to one from before history handles (``old``): it never reads a lookup's
+    handle fields (unknown to it) and never answers one."""
+
+    old = False
+
+    def lookup(self, request: Any, response: Any = None) -> Any:
+        if not self.old:
+            return super().lookup(request, response)
+        request.ClearField("history")
+        request.ClearField("history_groups")
+        answer = super().lookup(request, response)
+        answer.ClearField("history")
+        return answer
+
+
+def test_a_handle_refused_by_a_master_that_predates_handles_asks_again_by_every_id() -> None:
+    async def body() -> None:
+        master = DowngradedMaster(filled().index, "test", 1.0, MasterMetrics(CollectorRegistry()))
+        handle = await serving(master)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        try:
+            first = await client.lookup(["g0", "g1", "g2"], lease_ms=5000)
+            assert first.num_complete == 3 and len(client.histories) == 1  # a handle for g0..g2
+            await client.release(first.lease_id)
+            master.old = True
+            # the handle stands for 3 ids and 3 more follow; the old master reads a history of 3 groups with a held
+            # prefix of 4, and refuses it: the client asks again by every id
+            again = await client.lookup([f"g{g}" for g in range(6)], lease_ms=5000, held_prefix=4)
+            assert (again.num_complete, again.first) == (6, 4)
+            assert [g.group_id for g in again.groups] == ["g4", "g5"] and len(client.histories) == 0
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
