@@ -359,3 +359,29 @@ def test_a_turn_hashes_only_what_it_does_not_share_with_the_last_to_the_same_has
             fresh = turn_chunk_hashes("ns", turn(ids), 64, 256, own)
             assert got == fresh and got[1] == chunk_hashes("ns", fresh[0][: len(ids) // 4 * 4], 4)
         last = got
+
+
+def test_a_runs_memory_follows_its_live_sessions_not_its_simulated_time() -> None:
+    # 2 session slots, each trace 3 turns of 2-3 chunks: over 6,000 s the slots play ~300 instances, each
+    # ending (its state forgotten) before the next starts. What the run keeps stays within bounds the whole
+    # time: per-instance state for the live instances only, no lookup history handle (the simulated driver
+    # never sends one, and a kept one would keep the groups it names after the index forgets them), and the
+    # pool's groups within its 2 MiB (1 KiB a group: it evicts)
+    traces = [session((522, [k * 100 + i for i in range(8)], 1.0), (778, [k * 100 + i for i in range(12)], 1.0),
+                      (778, [k * 100 + 50 + i for i in range(12)], 1.0)) for k in range(4)]
+    settings_ = RunSettings(num_sessions=2, duration_s=6000.0, warmup_s=0.0, think_scale=1.0, start_spread_s=0.0)
+    sim = Simulation(topology(1), settings_, COST, traces)
+    seen: list[tuple[int, int, int, int, int]] = []
+
+    def sample() -> None:
+        seen.append((len(sim.plays), len(sim._seen), len(sim._seen_blocks),
+                     sum(len(i.histories) for i in sim.indexes), sum(len(i.groups) for i in sim.indexes)))
+        sim.loop.after(50.0, sample)
+
+    sim.loop.at(1.0, sample)
+    sim.run()
+    assert sim._next_instance > 200  # many instances started and ended
+    assert sim.metrics.master_lookups > 600 and sim.metrics.evicted_groups > 0  # lookups ran, the pool evicted
+    assert len(seen) == 120
+    assert all(plays <= 2 and seen_ <= 2 and blocks <= 2 and handles == 0 and groups <= 2048
+               for plays, seen_, blocks, handles, groups in seen), seen

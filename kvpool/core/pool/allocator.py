@@ -134,7 +134,10 @@ class SegmentAllocator:
         return len(self._free_at)
 
     def rounded_size(self, size: int) -> int:
-        """Bytes an allocation of `size` takes: `size` rounded up to the alignment."""
+        """Bytes an allocation of `size` takes: `size` rounded up to the alignment (`size` itself when aligned:
+        the live allocations of one size then share one int, not one each)."""
+        if not size & (self._alignment - 1):
+            return size
         return -(-size // self._alignment) * self._alignment
 
     def allocation_size(self, offset: int) -> int:

@@ -130,7 +130,8 @@ class PutTable:
             group = groups.get(item.group_id)  # eviction may have dropped it meanwhile
             if group is None:
                 group = self.group_table.add(Group(item.group_id, item.group_size, tenant=tenant))
-            obj = StoredObject(key, item.group_id, segment.segment_id, offset, item.size, tenant=group.tenant)
+            # the group's own id string: a group's members name it once in memory, not once per member
+            obj = StoredObject(key, group.group_id, segment.segment_id, offset, item.size, tenant=group.tenant)
             objects[key] = obj
             self.group_table.add_object(obj)
             segment.keys.add(key)

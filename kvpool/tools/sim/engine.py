@@ -76,7 +76,7 @@ class Simulation:
     network: Network = field(init=False)
     pipelines: dict[str, PipelineSim] = field(default_factory=dict)
     shards: dict[str, ShardSim] = field(default_factory=dict)
-    plays: dict[int, SessionPlay] = field(default_factory=dict)
+    plays: dict[int, SessionPlay] = field(default_factory=dict)  # the live instances (``_end_session``)
     trace_policy: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("arrivals", "cut_to_context", "tokens_cut", "refused_device_cache", "refused_decode", "expired_in_queue"), 0))
     metrics: Metrics = field(init=False)
@@ -85,8 +85,8 @@ class Simulation:
     _next_instance: int = 0
     _acked: dict[str, int] = field(default_factory=dict)
     _dead_hosts: set[str] = field(default_factory=set)
-    _seen: dict[int, set[str]] = field(default_factory=dict)  # chunk hashes each instance prefilled
-    _seen_blocks: dict[int, set[int]] = field(default_factory=dict)  # block ids each instance prefilled
+    _seen: dict[int, set[str]] = field(default_factory=dict)  # chunk hashes each live instance prefilled
+    _seen_blocks: dict[int, set[int]] = field(default_factory=dict)  # block ids each live instance prefilled
     _bound_hits: int = 0  # after warm-up: leading chunks an unlimited prefix cache would hold
     _block_hits: int = 0  # after warm-up: tokens of blocks seen before in the session (the trace's bound)
     dropped_objects: int = 0
@@ -188,6 +188,7 @@ class Simulation:
                 self.loop.stop()
                 return
         if play.done:
+            self._end_session(play)
             if self.settings.open_loop_sessions_per_s is not None:
                 return  # open loop: sessions arrive on their own clock
             limit = self.settings.max_instances
@@ -203,6 +204,11 @@ class Simulation:
         if not first and self.metrics.after_warmup():
             self.metrics.think_s.append(think)
         self.loop.after(think, self._arrive, play)
+
+    def _end_session(self, play: SessionPlay) -> None:
+        """The instance played its last turn (nothing of it runs again): what the run kept for it goes, so the
+        run's memory follows the live sessions, not every session it ever started."""
+        del self.plays[play.instance], self._seen[play.instance], self._seen_blocks[play.instance]
 
     def _arrive(self, play: SessionPlay) -> None:
         policy = self.trace_policy

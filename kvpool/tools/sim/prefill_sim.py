@@ -11,14 +11,14 @@ request's path, and the request's blocks stay held until its handoff to decode e
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 from kvpool.core.prefill.block_manager import BlockManager
-from kvpool.core.chunk_hash import group_id, save_objects
+from kvpool.core.chunk_hash import ChunkHash, group_id, save_objects
 from kvpool.core.pool.index import PoolIndex
-from kvpool.core.pool.records import PutRequestItem, PutStatus
+from kvpool.core.pool.records import LookupResult, PutRequestItem, PutStatus
 from kvpool.core.prefill.queue import PrefillQueue, WorkWeights
 from kvpool.core.prefill.driver import (
     Admitted,
@@ -193,10 +193,18 @@ class PipelineSim:
         """The master serves the lookup: the driver plans. The complete groups found (the validation's figure)."""
         assert job.driver is not None
         self.metrics.on_lookup(self.loop.now - job.prefill_start)
-        ns = job.play.namespace
-        result = job.lookup = self.index.lookup([group_id(ns, h) for h in effect.candidates], held_prefix=effect.held)
+        result = job.lookup = self.lookup(job.play.namespace, effect.candidates, effect.held)
         self._carry_out(job, job.driver.looked_up(result.num_found, str(result.lease_id) if result.lease_id else ""))
         return result.num_found
+
+    def lookup(self, namespace: str, candidates: Sequence[ChunkHash], held: int) -> LookupResult:
+        """The master's lookup of ``candidates`` by their ids. Its history handle goes at once: the simulated
+        driver names every id each time and never sends one, and a kept handle would keep its groups in memory
+        after the index forgot them (up to twice the index's groups, ``kvpool.core.pool.histories``)."""
+        result = self.index.lookup([group_id(namespace, h) for h in candidates], held_prefix=held)
+        if result.history:
+            self.index.histories.drop(result.history)
+        return result
 
     def _restore(self, job: Job) -> None:
         """Every stage reads its objects of the planned chunks, then the forward (a dead store fails every

@@ -74,7 +74,7 @@ class SessionAware:
                     pipeline.kick()  # blocks went back, or a held staging a waiting request may take back
 
     def _looked_up(self, staging: Staging, namespace: str, pipeline: PipelineSim, lookup: Lookup) -> None:
-        result = pipeline.index.lookup([group_id(namespace, h) for h in lookup.candidates], held_prefix=lookup.held)
+        result = pipeline.lookup(namespace, lookup.candidates, lookup.held)
         effects = staging.looked_up(result.num_found, str(result.lease_id) if result.lease_id else "")
         if not any(isinstance(e, RestoreOnStages) for e in effects):
             self._carry(staging, namespace, pipeline, effects)
