@@ -70,7 +70,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 # how long a ride waits for a call to carry it before it goes in a message of its own: a busy client sends one
 # sooner, and an idle one loses nothing by 2 ms (nobody waits for a ride; the turn after reads it in order)
 RIDE_WAIT_S = 0.002
-MAX_RIDES = 64  # on one message (the master takes up to its batch limit)
+MAX_RIDES = 64  # on one message (the master takes up to 256)
+MAX_RIDE_ITEMS = 4096  # commits and corrupt group ids of one message's rides in all (the master's batch limit)
 RIDE_TIMEOUT_S = 10.0  # for a message carrying only rides
 CLOSE_FLUSH_S = 2.0  # ``close`` waits this long for the rides waiting to be taken
 _RIDE_METHODS = {"release_lease": "ReleaseLease", "put_end": "PutEnd"}
@@ -163,11 +164,20 @@ class MasterSession:
         self._rides_answered(rides, response)
 
     def _take_rides(self, message: pool_pb2.SessionRequest) -> list[tuple[pool_pb2.SessionRide, RideDone | None]]:
-        """Move the rides waiting (up to ``MAX_RIDES``) onto ``message``."""
+        """Move the rides waiting onto ``message``: up to ``MAX_RIDES``, and (after the first) up to
+        ``MAX_RIDE_ITEMS`` items in all, as the master takes them."""
         if not self._rides:
             return []
-        rides, self._rides = self._rides[:MAX_RIDES], self._rides[MAX_RIDES:]
-        if not self._rides and self._ride_timer is not None:
+        count = items = 0
+        for ride, _ in self._rides[:MAX_RIDES]:
+            items += len(ride.put_end.items) + len(ride.release_lease.corrupt_group_ids)
+            if count and items > MAX_RIDE_ITEMS:
+                break
+            count += 1
+        rides, self._rides = self._rides[:count], self._rides[count:]
+        if self._rides and self._ride_timer is None:  # more than one message takes: the rest go next
+            self._ride_timer = asyncio.get_running_loop().call_later(0.0, self._flush_rides)
+        elif not self._rides and self._ride_timer is not None:
             self._ride_timer.cancel()
             self._ride_timer = None
         message.rides.extend([ride for ride, _ in rides])

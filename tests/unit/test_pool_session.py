@@ -352,7 +352,10 @@ def test_the_master_answers_each_ride_in_order_and_names_a_bad_ones_field() -> N
     many = servicer.session_answer(pool_pb2.SessionRequest(call=5, rides=[ride(
         release_lease=pool_pb2.ReleaseLeaseRequest(lease_id=1))] * 257))
     assert many.rides_taken == 257 and len(many.ride_failures) == 257 and many.ride_failures[0].field == "rides"
-    assert "257 is more than 256" in many.ride_failures[0].message
+    assert "257 rides of 0 items in all is more than 256 rides" in many.ride_failures[0].message
+    commit = pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key="c/0", checksum=4)] * 2049)
+    heavy = servicer.session_answer(pool_pb2.SessionRequest(call=6, rides=[ride(put_end=commit)] * 2))
+    assert len(heavy.ride_failures) == 2 and "4098 items in all" in heavy.ride_failures[0].message
 
 
 class MasterBeforeRides(PoolMasterServicer):
@@ -424,6 +427,30 @@ def test_a_handle_refused_by_a_master_that_predates_handles_asks_again_by_every_
             again = await client.lookup([f"g{g}" for g in range(6)], lease_ms=5000, held_prefix=4)
             assert (again.num_complete, again.first) == (6, 4)
             assert [g.group_id for g in again.groups] == ["g4", "g5"] and len(client.histories) == 0
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+    run(body)
+
+
+def test_rides_past_a_messages_item_limit_go_on_the_next_message() -> None:
+    async def body() -> None:
+        index, _ = make_index(segment_bytes=1024 * KB, segments=2)
+        master = CountingMaster(index, "test", 1.0, MasterMetrics(CollectorRegistry()))
+        handle = await serving(master)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        done: list[bool] = []
+        try:
+            batches = [[(f"b{b}-{i}/0", f"b{b}-{i}", 1, 64) for i in range(1500)] for b in range(3)]
+            for batch in batches:
+                assert all(type(r).__name__ == "ObjectLocation" for r in await client.reserve(batch))
+            for batch in batches:  # 4,500 commits in all: more than one message takes (4,096)
+                client.commit_soon([(key, 1) for key, _, _, _ in batch], done.append)
+            await client.lookup(["b0-0"])
+            await client.session.flush()
+            assert done == [True, True, True]
+            assert master.messages[-2:] == [("lookup", ["put_end", "put_end"]), (None, ["put_end"])]
+            assert all(index.objects[key].committed for batch in batches for key, _, _, _ in batch)
         finally:
             await client.close()
             await handle.server.stop(None)
