@@ -6,6 +6,7 @@ stream that breaks and one that does not answer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -43,6 +44,18 @@ async def serving(servicer: PoolMasterServicer, port: int = 0) -> service.Server
 
 def run(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(body())
+
+
+@contextlib.asynccontextmanager
+async def client_of(servicer: PoolMasterServicer) -> AsyncIterator[PoolClient]:
+    """A pool client of ``servicer`` served over real gRPC; both closed at the end."""
+    handle = await serving(servicer)
+    client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+    try:
+        yield client
+    finally:
+        await client.close()
+        await handle.server.stop(None)
 
 
 def test_session_answers_as_the_unary_calls_do_on_one_stream() -> None:
@@ -260,10 +273,8 @@ def counting() -> CountingMaster:
 def test_a_release_and_a_commit_ride_on_the_next_call_and_are_applied_before_it() -> None:
     async def body() -> None:
         master = counting()
-        handle = await serving(master)
-        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
         done: list[bool] = []
-        try:
+        async with client_of(master) as client:
             found = await client.lookup(["g0", "g1"], lease_ms=5000)
             reserved = await client.reserve([("n/0", "n", 1, KB)])
             assert type(reserved[0]).__name__ == "ObjectLocation"
@@ -277,9 +288,6 @@ def test_a_release_and_a_commit_ride_on_the_next_call_and_are_applied_before_it(
             assert master.index.num_leases == 1  # the new lookup's own
             assert master.index.objects["n/0"].committed and master.index.objects["n/0"].checksum == 9
             assert len(master.messages) == 3  # lookup, put_start, lookup: no message of their own
-        finally:
-            await client.close()
-            await handle.server.stop(None)
     run(body)
 
 
@@ -310,10 +318,8 @@ def test_a_ride_with_no_call_to_carry_it_goes_alone_within_its_wait_and_close_se
 def test_a_ride_that_fails_is_told_to_its_caller_and_fails_neither_the_others_nor_the_call() -> None:
     async def body() -> None:
         master = counting()
-        handle = await serving(master)
-        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
         outcomes: list[tuple[str, bool]] = []
-        try:
+        async with client_of(master) as client:
             await client.reserve([("a/0", "a", 1, KB), ("b/0", "b", 1, KB)])
             client.commit_soon([("a/0", 1)], lambda ok: outcomes.append(("a", ok)))
             client.commit_soon([("never/0", 2)], lambda ok: outcomes.append(("never", ok)))  # never reserved
@@ -321,9 +327,6 @@ def test_a_ride_that_fails_is_told_to_its_caller_and_fails_neither_the_others_no
             assert (await client.lookup(["g0"])).num_complete == 1  # the carrier is answered as ever
             assert outcomes == [("a", True), ("never", False), ("b", True)]
             assert master.index.objects["a/0"].committed and master.index.objects["b/0"].committed
-        finally:
-            await client.close()
-            await handle.server.stop(None)
     run(body)
 
 
@@ -373,10 +376,8 @@ def test_a_master_that_predates_rides_gets_them_again_as_calls() -> None:
     async def body() -> None:
         old = filled()
         old.__class__ = MasterBeforeRides
-        handle = await serving(old)
-        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
         done: list[bool] = []
-        try:
+        async with client_of(old) as client:
             found = await client.lookup(["g0"], lease_ms=5000)
             await client.reserve([("m/0", "m", 1, KB)])
             await client.release(found.lease_id)
@@ -390,9 +391,6 @@ def test_a_master_that_predates_rides_gets_them_again_as_calls() -> None:
             await client.release(found.lease_id)  # from now on a call of its own at once
             await client.session.flush()
             assert not old.index.release_lease(found.lease_id)
-        finally:
-            await client.close()
-            await handle.server.stop(None)
     run(body)
 
 
@@ -415,9 +413,7 @@ class DowngradedMaster(PoolMasterServicer):
 def test_a_handle_refused_by_a_master_that_predates_handles_asks_again_by_every_id() -> None:
     async def body() -> None:
         master = DowngradedMaster(filled().index, "test", 1.0, MasterMetrics(CollectorRegistry()))
-        handle = await serving(master)
-        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
-        try:
+        async with client_of(master) as client:
             first = await client.lookup(["g0", "g1", "g2"], lease_ms=5000)
             assert first.num_complete == 3 and len(client.histories) == 1  # a handle for g0..g2
             await client.release(first.lease_id)
@@ -427,9 +423,6 @@ def test_a_handle_refused_by_a_master_that_predates_handles_asks_again_by_every_
             again = await client.lookup([f"g{g}" for g in range(6)], lease_ms=5000, held_prefix=4)
             assert (again.num_complete, again.first) == (6, 4)
             assert [g.group_id for g in again.groups] == ["g4", "g5"] and len(client.histories) == 0
-        finally:
-            await client.close()
-            await handle.server.stop(None)
     run(body)
 
 
@@ -437,10 +430,8 @@ def test_rides_past_a_messages_item_limit_go_on_the_next_message() -> None:
     async def body() -> None:
         index, _ = make_index(segment_bytes=1024 * KB, segments=2)
         master = CountingMaster(index, "test", 1.0, MasterMetrics(CollectorRegistry()))
-        handle = await serving(master)
-        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
         done: list[bool] = []
-        try:
+        async with client_of(master) as client:
             batches = [[(f"b{b}-{i}/0", f"b{b}-{i}", 1, 64) for i in range(1500)] for b in range(3)]
             for batch in batches:
                 assert all(type(r).__name__ == "ObjectLocation" for r in await client.reserve(batch))
@@ -451,7 +442,4 @@ def test_rides_past_a_messages_item_limit_go_on_the_next_message() -> None:
             assert done == [True, True, True]
             assert master.messages[-2:] == [("lookup", ["put_end", "put_end"]), (None, ["put_end"])]
             assert all(index.objects[key].committed for batch in batches for key, _, _, _ in batch)
-        finally:
-            await client.close()
-            await handle.server.stop(None)
     run(body)
