@@ -475,11 +475,11 @@ class PoolClient:
             if error is not None:
                 log.warning("pool_put_end_failed", code=error.code().name, details=error.details(),
                             objects=len(keys))
-            if error is not None and error.code() != grpc.StatusCode.CANCELLED:  # (closing: the put timeout will)
-                # (a commit the master took meanwhile stays: a revoke leaves committed keys alone)
-                task = asyncio.get_running_loop().create_task(self.revoke(keys))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                if error.code() != grpc.StatusCode.CANCELLED:  # (closing: the put timeout gives them back)
+                    # (a commit the master took meanwhile stays: a revoke leaves committed keys alone)
+                    task = asyncio.get_running_loop().create_task(self.revoke(keys))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
             if on_done is not None:
                 on_done(error is None)
 

@@ -190,9 +190,7 @@ class MasterSession:
             if not self.rides_unsupported:
                 log.info("pool_master_without_rides")
             self.rides_unsupported = True
-            for ride, on_done in rides:
-                kind = ride.WhichOneof("body")
-                self._as_call(kind, getattr(ride, kind), on_done)
+            self._as_calls(rides)
             return
         failures = {f.index: f for f in response.ride_failures}
         for index, (_, on_done) in enumerate(rides):
@@ -206,11 +204,15 @@ class MasterSession:
         """The message carrying ``rides`` got no answer: a master without ``Session`` takes them as calls; else
         their fate is unknown, and each hears ``error``."""
         if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-            for ride, on_done in rides:
-                kind = ride.WhichOneof("body")
-                self._as_call(kind, getattr(ride, kind), on_done)
+            self._as_calls(rides)
             return
         _rides_failed(rides, error)
+
+    def _as_calls(self, rides: list[tuple[pool_pb2.SessionRide, RideDone | None]]) -> None:
+        """Rides a master did not take, each again as a call of its own."""
+        for ride, on_done in rides:
+            kind = ride.WhichOneof("body")
+            self._as_call(kind, getattr(ride, kind), on_done)
 
     def _as_call(self, kind: str, body: Any, on_done: RideDone | None) -> None:
         """A ride as a call of its own, nobody waiting for it."""

@@ -183,6 +183,15 @@ def _apply(call: Callable[[Any], Any], request: Any) -> None:
     call(request)
 
 
+def _fail_rides(answer: pool_pb2.SessionResponse, count: int, code: int, message: str, field: str = "") -> None:
+    """Every one of a message's ``count`` rides failed, none applied (taken, so the client does not send them
+    again as calls)."""
+    if count:
+        answer.rides_taken = count
+        for index in range(count):
+            answer.ride_failures.add(index=index, code=code, message=message, field=field)
+
+
 class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     """Thin shell over :class:`PoolIndex`; every call runs on the event loop, so the index needs no lock."""
 
@@ -288,10 +297,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         rides = message.rides
         if self.ha is not None and (refusal := self.ha.refusal()) is not None:
             answer.code, answer.message = grpc.StatusCode.UNAVAILABLE.value[0], refusal
-            if rides:  # not applied: each fails as its unary call would
-                answer.rides_taken = len(rides)
-                for index in range(len(rides)):
-                    answer.ride_failures.add(index=index, code=answer.code, message=refusal)
+            _fail_rides(answer, len(rides), answer.code, refusal)  # not applied: each as its unary call would
             return answer
         if rides:
             self._ride(answer, rides)
@@ -345,9 +351,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         if len(rides) > MAX_RIDES or items > MAX_BATCH:  # none applied: each fails
             error = InvalidArgument(f"rides: {len(rides)} rides of {items} items in all is more than "
                                     f"{MAX_RIDES} rides or {MAX_BATCH} items on one message", field="rides")
-            code = rejected(error, "Session").value[0]
-            for index in range(len(rides)):
-                answer.ride_failures.add(index=index, code=code, message=str(error), field="rides")
+            _fail_rides(answer, len(rides), rejected(error, "Session").value[0], str(error), "rides")
             return
         for index, ride in enumerate(rides):
             kind = ride.WhichOneof("body")
