@@ -17,7 +17,7 @@ from kvpool.ha.election import Candidate
 from kvpool.ha.etcd_client import EtcdClient
 from kvpool.services.master.durability import CommitWaiters
 from kvpool.services.master.election import HaState, watch_registrations
-from kvpool.services.master.heap import HeapKeeper
+from kvpool.heap import HeapKeeper
 from kvpool.services.master.metrics import MasterMetrics
 from kvpool.services.master.servicer import PoolMasterServicer
 from kvpool.services.master.settings import MasterSettings

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from kvpool.services.master.heap import HeapKeeper
+from kvpool.heap import HeapKeeper
 
 
 class Node:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 from typing import Any
 
@@ -60,6 +61,33 @@ def test_event_loop_runs_in_time_then_schedule_order() -> None:
     loop.at(5.0, seen.append, "late")
     loop.run(3.0)
     assert seen == ["a", "b", "c"] and loop.now == 3.0
+
+
+def test_housekeeping_runs_every_so_many_events_outside_simulated_time() -> None:
+    """The runner keeps the heap from here (``kvpool.heap``): called between events, it changes no event's time."""
+    every = EventLoop.HOUSEKEEPING_EVERY
+    kept: list[tuple[int, float]] = []
+    loop = EventLoop()
+    loop.housekeeping = lambda: kept.append((loop.num_events, loop.now))
+    times: list[float] = []
+    for k in range(2 * every + 5):
+        loop.at(k * 0.001, times.append, k * 0.001)
+    loop.run(10.0)
+    assert kept == [(every, (every - 1) * 0.001), (2 * every, (2 * every - 1) * 0.001)]
+    assert times == sorted(times) and len(times) == 2 * every + 5 and loop.now == 10.0
+
+
+def test_a_simulation_freezes_its_heap_as_it_goes_and_gives_it_back_at_its_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvpool.heap``: mid-run what survived is frozen (full collections do not walk the index again and again);
+    after the run nothing is, so the next run in the same worker is collected as before."""
+    monkeypatch.setattr(EventLoop, "HOUSEKEEPING_EVERY", 2)
+    gc.unfreeze()
+    frozen: list[int] = []
+    sim = run(session((522, A, 0.0), (778, A + [9, 10, 11, 12], 100.0)), "shared",
+              setup=lambda sim: sim.loop.at(15.0, lambda: frozen.append(gc.get_freeze_count())))
+    assert frozen and frozen[0] > 0
+    assert gc.get_freeze_count() == 0 and sim.loop.housekeeping is None
 
 
 def test_a_session_on_one_server_exact_counts_and_times() -> None:

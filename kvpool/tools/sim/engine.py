@@ -23,6 +23,7 @@ none is dropped silently.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from kvpool.core.prefill.queue import PrefillQueue, QueueOrder, WorkWeights
 from kvpool.core.admission.routing import RoutingPolicy
 from kvpool.tools.sim.cost_model import CostModel
 from kvpool.tools.sim.decode_sim import ShardSim
+from kvpool.heap import HeapKeeper
 from kvpool.tools.sim.events import EventLoop
 from kvpool.tools.sim.job import Job
 from kvpool.tools.sim.metrics import Metrics
@@ -352,7 +354,13 @@ class Simulation:
         self.loop.at(0.0, self._sample)
         if s.fail_server_at_s is not None:
             self.loop.at(s.fail_server_at_s, self._fail_server, 0)
-        self.loop.run(s.duration_s)
+        keeper = HeapKeeper()  # the index of every server: full collections would walk it again and again
+        self.loop.housekeeping = lambda: keeper.tick(time.monotonic())
+        try:
+            self.loop.run(s.duration_s)
+        finally:
+            self.loop.housekeeping = None
+            gc.unfreeze()  # this run's heap goes back to the collector (the next run in this worker starts clean)
         return self.summary(time.perf_counter() - wall0)
 
     def trace_bound(self) -> float:

@@ -1,6 +1,6 @@
-"""The master's heap and Python's cyclic garbage collector.
+"""A long-lived heap of millions of objects and Python's cyclic garbage collector (the master, the simulator).
 
-The index holds millions of small objects (10^6 pool objects are about 3.5M
+The master's index holds millions of small objects (10^6 pool objects are about 3.5M
 tracked objects). A full collection walks all of them: 640 ms on a 2-core
 host, during which the event loop serves nothing, and CPython starts one
 whenever the objects that survived since the last one pass a quarter of the
@@ -15,6 +15,9 @@ generation (``gc.freeze``), where collections do not look, and once every
 garbage the gRPC calls of that span left behind (a cycle that outlived a
 freeze) is found then, and the stall happens then, logged with its length,
 instead of at random under load.
+
+The simulator holds the same index, for every server it models, and more: at 8 servers full collections took a
+third of its run (146 s against 90 s with the collector off, the same results). It ticks a keeper as it goes.
 """
 
 from __future__ import annotations
