@@ -313,6 +313,43 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert offset == min(fitting)[1]  # best fit, lowest offset on ties
         self.live[offset] = need
 
+    @rule(sizes=st.lists(st.integers(1, 700), min_size=1, max_size=5))
+    def allocate_run(self, sizes: list[int]) -> None:
+        """A group's members: one best-fit hole for them all, then one allocation each, back to back."""
+        align = self.alloc.alignment
+        needs = [-(-size // align) * align for size in sizes]
+        fitting = [(gap_size, offset) for offset, gap_size in self.model_gaps() if gap_size >= sum(needs)]
+        offset = self.alloc.allocate_run(sizes)
+        if not fitting:
+            assert offset is None
+            return
+        assert offset == min(fitting)[1]
+        for need in needs:
+            self.live[offset] = need
+            offset += need
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free_run(self, data: st.DataObject) -> None:
+        """Any live allocations at once, back to back or not: the same free extents as freeing each."""
+        offsets = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, max_size=6, unique=True))
+        self.alloc.free_run(offsets)
+        for offset in offsets:
+            del self.live[offset]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), dead=st.integers(-1, 5000))
+    def free_run_with_a_dead_offset_frees_nothing(self, data: st.DataObject, dead: int) -> None:
+        live = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, max_size=3, unique=True))
+        for bad in ([*live, dead] if dead not in self.live else [], [*live, live[0]]):
+            if not bad:
+                continue
+            try:
+                self.alloc.free_run(bad)
+            except UnknownOffsetError:
+                continue
+            raise AssertionError(f"free_run({bad}) did not raise")
+
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:

@@ -186,14 +186,56 @@ class SegmentAllocator:
         self._used_bytes += need
         return offset
 
+    def allocate_run(self, sizes: list[int]) -> int | None:
+        """Reserve one allocation per size, back to back (a group's members: one hole found, one remainder
+        left); return the first's offset (the next start where the one before ends, each rounded), or None when
+        no free extent holds them all. Each is then an allocation of its own, freed alone or in a run."""
+        needs = [self.rounded_size(size) for size in sizes]
+        if len(needs) == 1:
+            return self.allocate(sizes[0])
+        if not needs or min(needs) <= 0:
+            raise ValueError(f"sizes must be positive ints, got {sizes!r}")
+        first = self.allocate(sum(needs))
+        if first is None:
+            return None
+        allocations = self._allocations
+        del allocations[first]
+        offset = first
+        for need in needs:
+            allocations[offset] = need
+            offset += need
+        return first
+
+    def free_run(self, offsets: list[int]) -> None:
+        """``free`` each of ``offsets``; allocations that lie back to back (as ``allocate_run`` left them) go back
+        as one extent, merged with their neighbours once. Checked first: UnknownOffsetError, and nothing freed,
+        if any is not a live allocation or is named twice."""
+        allocations = self._allocations
+        if len(set(offsets)) != len(offsets):
+            raise UnknownOffsetError(f"offsets named twice in one run: {sorted(offsets)}")
+        for offset in offsets:
+            if offset not in allocations:
+                raise UnknownOffsetError(f"no live allocation at offset {offset}")
+        ordered = sorted(offsets)
+        start = end = ordered[0]
+        for offset in ordered:
+            if offset != end:  # a gap: what ran so far goes back, a new run starts
+                self._free_extent(start, end)
+                start = offset
+            end = offset + allocations.pop(offset)
+        self._free_extent(start, end)
+
     def free(self, offset: int) -> None:
         """Release the allocation at `offset`, merging it with free neighbours.
         UnknownOffsetError if `offset` is not a live allocation (double free)."""
         size = self._allocations.pop(offset, None)
         if size is None:
             raise UnknownOffsetError(f"no live allocation at offset {offset}")
-        self._used_bytes -= size
-        start, end = offset, offset + size
+        self._free_extent(offset, offset + size)
+
+    def _free_extent(self, start: int, end: int) -> None:
+        """[start, end), allocated until now, becomes free, merged with free neighbours."""
+        self._used_bytes -= end - start
         left = self._free_ending_at.get(start)
         if left is not None:
             self._remove_free(left, start - left)

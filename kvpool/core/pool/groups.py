@@ -121,6 +121,18 @@ class GroupTable:
         else:
             del self.tenant_bytes[obj.tenant]
 
+    def remove_objects(self, objs: Iterable[StoredObject]) -> None:
+        """``remove_object`` of each (a group's members: one tenant, one update)."""
+        by_tenant: dict[str, int] = {}
+        for obj in objs:
+            by_tenant[obj.tenant] = by_tenant.get(obj.tenant, 0) + obj.size
+        for tenant, size in by_tenant.items():
+            left = self.tenant_bytes[tenant] - size
+            if left:
+                self.tenant_bytes[tenant] = left
+            else:
+                del self.tenant_bytes[tenant]
+
     def of_tenant(self, tenant: str) -> OrderedDict[str, Group]:
         return self.by_tenant.get(tenant, _EMPTY)
 

@@ -315,17 +315,23 @@ class PoolIndex:
         """What tenants' shares divide: the bytes the pool fills before it evicts."""
         return self.settings.high_watermark * self.capacity
 
-    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
-        return self.segment_table.allocate(order, size)
+    def allocate(self, order: list[Segment], size: int, parts: list[int] | None = None) -> tuple[Segment, int] | None:
+        return self.segment_table.allocate(order, size, parts)
 
     def drop_group(self, group_id: str) -> int:
+        """``free`` every member, a group at a time: one tenant's bytes, one run of space per segment."""
         group = self.groups[group_id]
         self.group_table.remove(group)
         self.puts.incomplete.pop(group_id, None)
-        for key, obj in group.members.items():
-            self.puts.in_flight.pop(key, None)
-            self.free(obj)
-        return len(group.members)
+        members = group.members
+        in_flight, objects = self.puts.in_flight, self.objects
+        for key in members:
+            if in_flight:
+                in_flight.pop(key, None)
+            del objects[key]
+        self.group_table.remove_objects(members.values())
+        self.segment_table.release_all(members.values())
+        return len(members)
 
     def free(self, obj: StoredObject) -> None:
         del self.objects[obj.key]

@@ -99,7 +99,17 @@ class PutTable:
         # group_first's answers in this batch: a pure function of the rotation and the group's segments, which
         # repeat from item to item (a save's groups each lie in one store), and a sort of every segment each
         firsts: dict[tuple[int, frozenset[str]], list[Segment]] = {}
-        for item in items:
+        position, num_items = 0, len(items)
+        while position < num_items:
+            item = items[position]
+            position += 1
+            group_size = item.group_size
+            if group_size > 1 and item.group_id not in groups and position - 1 + group_size <= num_items:
+                run = self._new_group_run(items, position - 1, objects, failed)
+                if run and self._place_run(run, rotations[num_placed % len(rotations)], high, low, started, outcomes):
+                    num_placed += group_size
+                    position += group_size - 1
+                    continue
             key = item.key
             if key in objects:
                 outcomes.append(PutOutcome(PutStatus.ALREADY_EXISTS))
@@ -144,6 +154,50 @@ class PutTable:
             self._give_back_failed(items, outcomes, failed_here)
         self.group_table.touch(dict.fromkeys(item.group_id for item in items if item.group_id in groups))
         return outcomes
+
+    @staticmethod
+    def _new_group_run(items: Sequence[PutRequestItem], first: int, objects: dict[str, StoredObject],
+                       failed: GroupFailures) -> Sequence[PutRequestItem]:
+        """The items from ``first`` on that are every member of one group the index has never seen, in a row
+        (a save's chunk: its stages), or nothing."""
+        group_id = items[first].group_id
+        run = items[first:first + items[first].group_size]
+        if group_id in failed:
+            return ()
+        for item in run:
+            if item.group_id != group_id or item.key in objects:
+                return ()
+        return run
+
+    def _place_run(self, run: Sequence[PutRequestItem], order: list[Segment], high: float, low: float,
+                   started: float, outcomes: list[PutOutcome]) -> bool:
+        """Every member of a new group at once, back to back in the first segment of ``order`` with room for
+        them all (where one by one each would follow the first: ``group_first``): one eviction pass, one hole,
+        one run of space to give back when the group goes. False, with nothing changed, when no segment has
+        such room (the members are then placed one by one)."""
+        first = run[0]
+        group_id, tenant = first.group_id, tenant_name(first.tenant)
+        sizes = [item.size for item in run]
+        placed = self.eviction.reserve_run(order, sizes, high, low, group_id, tenant)
+        if placed is None:
+            return False
+        segment, offset = placed
+        group = self.group_table.add(Group(group_id, first.group_size, tenant=tenant))
+        group_id, tenant = group.group_id, group.tenant
+        segment_id, keys, members, rounded = segment.segment_id, segment.keys, group.members, segment.allocator.rounded_size
+        objects, in_flight, add_object = self.index.objects, self.in_flight, self.group_table.add_object
+        for item in run:
+            key = item.key
+            obj = StoredObject(key, group_id, segment_id, offset, item.size, tenant=tenant)
+            objects[key] = members[key] = obj
+            add_object(obj)
+            keys.add(key)
+            in_flight[key] = started
+            outcomes.append(PutOutcome(PutStatus.RESERVED, segment, offset))
+            offset += rounded(item.size)
+        group.num_in_flight = len(run)
+        self.mark_incomplete(group_id)
+        return True
 
     def put_end(self, commits: Sequence[tuple[str, int]]) -> int:
         """Commit in-flight puts (key, checksum); all or none."""

@@ -16,7 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -72,12 +72,14 @@ class SegmentTable:
 
     # ---- space ----------------------------------------------------------
 
-    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
+    def allocate(self, order: list[Segment], size: int, parts: list[int] | None = None) -> tuple[Segment, int] | None:
+        """``size`` bytes in the first segment of ``order`` with room; with ``parts`` (summing to ``size``), one
+        allocation each, back to back from the offset returned (``SegmentAllocator.allocate_run``)."""
         for segment in order:
             allocator = segment.allocator
             if allocator.largest_free >= size:
                 before = allocator.used_bytes
-                offset = allocator.allocate(size)
+                offset = allocator.allocate(size) if parts is None else allocator.allocate_run(parts)
                 if offset is not None:
                     self.used_bytes += allocator.used_bytes - before
                     return segment, offset
@@ -95,6 +97,29 @@ class SegmentTable:
         self.used_bytes -= before - allocator.used_bytes
         if obj.committed:  # the store holds its record: it must forget it
             segment.journal.remove(obj.key)
+
+    def release_all(self, objs: Collection[StoredObject]) -> None:
+        """``release`` each of ``objs`` (a group's members): those in one segment go back as runs, merged once
+        where they lie back to back (``SegmentAllocator.free_run``)."""
+        if not objs:
+            return
+        segment_id = next(iter(objs)).segment_id
+        if any(obj.segment_id != segment_id for obj in objs):
+            for obj in objs:
+                self.release(obj)
+            return
+        segment = self.segments.get(segment_id)
+        if segment is None:
+            return
+        segment.keys.difference_update([obj.key for obj in objs])
+        allocator = segment.allocator
+        before = allocator.used_bytes
+        allocator.free_run([obj.offset for obj in objs])
+        self.used_bytes -= before - allocator.used_bytes
+        journal = segment.journal
+        for obj in objs:
+            if obj.committed:
+                journal.remove(obj.key)
 
     # ---- mounts ---------------------------------------------------------
 
