@@ -1,4 +1,10 @@
-"""Plain records the pool master's index keeps and returns."""
+"""Plain records the pool master's index keeps and returns.
+
+The ones a save makes per object (``PutRequestItem``, ``ObjectRecord``, ``SegmentChange``) are not frozen
+dataclasses: a frozen one's ``__init__`` sets each field through ``object.__setattr__``, 2.4 µs against 0.3
+for a plain one of seven fields, and a save of 88 objects made about 340 of them (a third of its cost to the
+master). Nothing changes them once made; nothing hashes them.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ class PutStatus(enum.Enum):
     GROUP_FAILED = 4
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class PutRequestItem:
     key: str
     group_id: str
@@ -48,7 +54,7 @@ class IndexCounters:
     evicted_groups_by_tenant: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class ObjectRecord:
     """What a store keeps of one committed object in its own segment, and reports when it (re-)mounts."""
 
@@ -61,7 +67,7 @@ class ObjectRecord:
     tenant: str = DEFAULT_TENANT
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class SegmentChange:
     """One change to a segment's committed objects: ``added`` set, or ``removed_key`` forgotten."""
 
