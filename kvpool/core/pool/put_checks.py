@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Container, Mapping, Sequence
+from operator import attrgetter
 
 from kvpool.core.errors import FailedPrecondition, InvalidArgument
 from kvpool.core.pool.records import Group, PutRequestItem, Segment
@@ -17,6 +19,8 @@ def check_put_batch(
     """Raise ``InvalidArgument`` naming the first bad item: a duplicate key, an object larger than any
     segment, a ``group_size`` that disagrees with the group's, or more members than the group holds."""
     largest = max((s.size for s in segments.values()), default=0)
+    if _all_good(items, largest, groups, objects):
+        return
     declared: dict[str, int] = {}
     new_members: dict[str, int] = {}
     seen: set[str] = set()
@@ -45,6 +49,36 @@ def check_put_batch(
                     f"items[{i}].key: group {item.group_id!r} already has {have + count - 1} "
                     f"of {item.group_size} members"
                 )
+
+
+def _all_good(items: Sequence[PutRequestItem], largest: int, groups: Mapping[str, Group],
+              objects: Container[str]) -> bool:
+    """True when the batch passes every check, decided a group at a time (most steps in C) for the batches a
+    save sends: distinct new keys, one size per group. False does not say which item is bad (the loop does)."""
+    keys = [item.key for item in items]
+    if len(set(keys)) != len(keys) or not isinstance(objects, Mapping) or not objects.keys().isdisjoint(keys):
+        return False
+    if segments_too_small(items, largest):
+        return False
+    declared = dict(zip(map(_GROUP_ID, items), map(_GROUP_SIZE, items)))
+    if len(declared) != len(set(zip(map(_GROUP_ID, items), map(_GROUP_SIZE, items)))):
+        return False  # a group declared with two sizes
+    for group_id, count in Counter(map(_GROUP_ID, items)).items():
+        group = groups.get(group_id)
+        have, size = (len(group.members), group.size) if group is not None else (0, declared[group_id])
+        if size != declared[group_id] or have + count > size:
+            return False
+    return True
+
+
+def segments_too_small(items: Sequence[PutRequestItem], largest: int) -> bool:
+    """An item larger than the largest segment (with no segment, none is)."""
+    return largest > 0 and max(map(_SIZE, items), default=0) > largest
+
+
+_GROUP_ID = attrgetter("group_id")
+_GROUP_SIZE = attrgetter("group_size")
+_SIZE = attrgetter("size")
 
 
 def check_put_end(commits: Sequence[tuple[str, int]], in_flight: Container[str]) -> None:
