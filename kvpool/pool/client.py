@@ -83,6 +83,29 @@ def access_message(access: SegmentAccess) -> pool_pb2.SegmentAccess:
     return pool_pb2.SegmentAccess(segment_id=access.segment_id, host=access.host, base_address=access.base_address,
                                   shared_memory=shared_memory_message(access.shared))
 
+def put_locations(items: Sequence[tuple[str, str, int, int]], packed: pool_pb2.PackedPutResults,
+                  segments: Sequence[pool_pb2.SegmentAccess]) -> list[ObjectLocation | PutResult]:
+    """A PutStart's packed answer (``PutStartRequest.packed``) for ``(key, group_id, group_size, size)`` items:
+    per item where to write it, or EXISTS, or NOT_STORED. An answer whose arrays do not match the items, or
+    that names a segment it does not describe, is malformed (``ValueError``)."""
+    statuses, numbers, addresses = list(packed.status), list(packed.segment), list(packed.address)
+    if not len(statuses) == len(numbers) == len(addresses) == len(items):
+        raise ValueError(f"packed: {len(statuses)}, {len(numbers)} and {len(addresses)} entries for {len(items)} "
+                         "items")
+    by_number = {s.number: (s.segment_id, s.endpoint) for s in segments}
+    reserved: list[ObjectLocation | PutResult] = []
+    for i, ((key, _, _, size), status) in enumerate(zip(items, statuses)):
+        if status != _RESERVED:
+            reserved.append(PutResult.EXISTS if status == _ALREADY_EXISTS else PutResult.NOT_STORED)
+            continue
+        try:
+            segment_id, endpoint = by_number[numbers[i]]
+        except KeyError:
+            raise ValueError(f"packed.segment[{i}]: segment {numbers[i]} is not in the answer") from None
+        reserved.append(ObjectLocation(key, endpoint, addresses[i], size, 0, segment_id))
+    return reserved
+
+
 def packed_groups(packed: pool_pb2.PackedGroups, segments: Sequence[pool_pb2.SegmentAccess],
                   group_ids: Sequence[str] | None = None) -> list[GroupLocation]:
     """A lookup's ``PackedGroups`` as located groups; a member naming a segment the answer does not
@@ -397,7 +420,7 @@ class PoolClient:
                 pool_pb2.PutStartRequest(
                     client_host=self.host_name, tenant=tenant,
                     items=[item(key=k, group_id=g, group_size=n, size=size) for k, g, n, size in items],
-                    release_lease_id=int(lease_id), release_corrupt_group_ids=list(corrupt),
+                    release_lease_id=int(lease_id), release_corrupt_group_ids=list(corrupt), packed=True,
                 ),
                 self._stub.PutStart,
                 # a probe does not wait for the channel; otherwise ride out a reconnect briefly
@@ -414,7 +437,14 @@ class PoolClient:
             raise
         self._outcome(None)
         self._learn(started.segments)
-        reserved: list[ObjectLocation | PutResult] = []
+        if started.HasField("packed"):
+            try:
+                return put_locations(items, started.packed, started.segments)
+            except ValueError as exc:  # the master's answer is not one this client can read: give it all back
+                log.error("pool_put_answer_malformed", error=str(exc), objects=len(items))
+                await self.revoke([key for key, _, _, _ in items])
+                return not_stored
+        reserved: list[ObjectLocation | PutResult] = []  # a master that predates packed answers
         for (key, _, _, size), result in zip(items, started.results):
             status = result.status
             if status == _RESERVED:

@@ -181,18 +181,20 @@ class PutItem(_message.Message):
     def __init__(self, key: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("client_host", "items", "tenant", "release_lease_id", "release_corrupt_group_ids")
+    __slots__ = ("client_host", "items", "tenant", "release_lease_id", "release_corrupt_group_ids", "packed")
     CLIENT_HOST_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_CORRUPT_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     client_host: str
     items: _containers.RepeatedCompositeFieldContainer[PutItem]
     tenant: str
     release_lease_id: int
     release_corrupt_group_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, client_host: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., tenant: _Optional[str] = ..., release_lease_id: _Optional[int] = ..., release_corrupt_group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    packed: bool
+    def __init__(self, client_host: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., tenant: _Optional[str] = ..., release_lease_id: _Optional[int] = ..., release_corrupt_group_ids: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class Location(_message.Message):
     __slots__ = ("segment_id", "endpoint", "address", "size")
@@ -215,12 +217,24 @@ class PutStartResult(_message.Message):
     def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., location: _Optional[_Union[Location, _Mapping]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("results", "segments")
+    __slots__ = ("results", "segments", "packed")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[PutStartResult]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentAccess]
-    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ...) -> None: ...
+    packed: PackedPutResults
+    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ..., packed: _Optional[_Union[PackedPutResults, _Mapping]] = ...) -> None: ...
+
+class PackedPutResults(_message.Message):
+    __slots__ = ("status", "segment", "address")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    status: _containers.RepeatedScalarFieldContainer[PutStatus]
+    segment: _containers.RepeatedScalarFieldContainer[int]
+    address: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Iterable[_Union[PutStatus, str]]] = ..., segment: _Optional[_Iterable[int]] = ..., address: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutCommit(_message.Message):
     __slots__ = ("key", "checksum")

@@ -21,6 +21,7 @@ from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
     Group,
     ObjectRecord,
+    PutOutcome,
     PutRequestItem,
     PutStatus,
     Segment,
@@ -176,6 +177,25 @@ def add_accesses(field: Any, segments: Iterable[Segment]) -> None:
         field.add(segment_id=segment.segment_id, host=segment.host, base_address=segment.base_address,
                   shared_memory=shared_memory_message(segment.shared), number=segment.number,
                   endpoint=segment.endpoint)
+
+
+def packed_put_results(outcomes: Sequence[PutOutcome]) -> pool_pb2.PutStartResponse:
+    """A PutStart's answer as ``PackedPutResults``: three flat arrays filled in C, not a message per item."""
+    response = pool_pb2.PutStartResponse()
+    packed = response.packed
+    packed.status.extend([outcome.status.value for outcome in outcomes])
+    segments = [outcome.segment for outcome in outcomes]
+    if None in segments:  # not every item reserved: 0, 0 for those
+        packed.segment.extend([s.number if s is not None else 0 for s in segments])
+        packed.address.extend([s.base_address + o.offset if s is not None else 0 for s, o in zip(segments, outcomes)])
+    else:
+        packed.segment.extend(map(_NUMBER, segments))  # type: ignore[arg-type]
+        packed.address.extend([s.base_address + o.offset for s, o in zip(segments, outcomes)])  # type: ignore
+    add_accesses(response.segments, {s.segment_id: s for s in segments if s is not None}.values())
+    return response
+
+
+_NUMBER = attrgetter("number")
 
 
 def packed_group(group: Group, segments: dict[str, Segment], compact: bool = False) -> tuple[bytes, tuple[str, ...]]:
@@ -502,6 +522,8 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
                 f"items: no space for {len(items)} objects (pool {self.index.used_bytes}/"
                 f"{self.index.capacity} bytes used, nothing evictable)"
             )
+        if request.packed:
+            return packed_put_results(outcomes)
         response = pool_pb2.PutStartResponse()
         add = response.results.add
         named: dict[str, Segment] = {}

@@ -169,14 +169,16 @@ class Calls:
     async def _put(self, keys: list[str], release: int = 0, legacy: bool = False) -> int:
         pb = self.pb
         items = [pb.PutItem(key=k, group_id=k.rsplit("/", 1)[0], group_size=STAGES, size=OBJECT_BYTES) for k in keys]
+        # today's answer is packed (``PackedPutResults``), as the pool client asks for it; legacy's one per item
         started = await self._call("put_start", self.stub.PutStart,
-                                   pb.PutStartRequest(client_host="bench", items=items, release_lease_id=release),
-                                   legacy)
-        commits = [pb.PutCommit(key=k, checksum=i + 1) for i, (k, r) in enumerate(zip(keys, started.results))
-                   if r.status == pb.PUT_STATUS_RESERVED]
-        for r in started.results:
-            if r.status not in (pb.PUT_STATUS_RESERVED, pb.PUT_STATUS_ALREADY_EXISTS):
-                name = pb.PutStatus.Name(r.status)
+                                   pb.PutStartRequest(client_host="bench", items=items, release_lease_id=release,
+                                                      packed=not legacy), legacy)
+        statuses = list(started.packed.status) if not legacy else [r.status for r in started.results]
+        commits = [pb.PutCommit(key=k, checksum=i + 1) for i, (k, status) in enumerate(zip(keys, statuses))
+                   if status == pb.PUT_STATUS_RESERVED]
+        for status in statuses:
+            if status not in (pb.PUT_STATUS_RESERVED, pb.PUT_STATUS_ALREADY_EXISTS):
+                name = pb.PutStatus.Name(status)
                 self.refused[name] = self.refused.get(name, 0) + 1
         if commits and not legacy and self.rides:
             self.session.ride("put_end", pb.PutEndRequest(items=commits), self._ride_done)
