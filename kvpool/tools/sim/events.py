@@ -19,7 +19,7 @@ class EventLoop:
     __slots__ = ("now", "_heap", "_seq", "num_events", "_stopped", "housekeeping")
 
     # events between two calls of ``housekeeping``
-    HOUSEKEEPING_EVERY = 1 << 10
+    HOUSEKEEPING_EVERY = 1 << 12
 
     def __init__(self, housekeeping: Callable[[], None] | None = None) -> None:
         self.now = 0.0
