@@ -1,11 +1,12 @@
-"""A new group's members placed at once (``PutTable._place_run``: one eviction pass, one hole, one run of space
-given back when the group goes) decide exactly what placing them one by one decides: the same statuses, the
-same groups evicted in the same order, the same segments, bytes and tenants' bytes, the same store journals.
-Only where in a segment the bytes lie may differ: with objects of one size (the KV case: holes are whole
-objects) that never changes what fits."""
+"""A new group's members placed at once (``PutTable._place_run``: one hole, one run of space given back when the
+group goes) decide exactly what placing them one by one decides, whatever the order of the batch's items: the
+same statuses, the same groups evicted in the same order, the same segments, bytes and tenants' bytes, the same
+store journals. Only where in a segment the bytes lie may differ: with objects of one size (the KV case: holes
+are whole objects) that never changes what fits."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
@@ -22,7 +23,7 @@ from tests.core.fixtures import KB, make_index
 @contextmanager
 def one_by_one() -> Iterator[None]:
     """Every member placed alone, as before runs (no run is ever found)."""
-    with mock.patch.object(PutTable, "_new_group_run", staticmethod(lambda *args: ())):
+    with mock.patch.object(PutTable, "_runs", lambda *args: {}):
         yield
 
 
@@ -33,7 +34,8 @@ def state(index: PoolIndex) -> tuple[object, ...]:
     return (list(index.groups), index.used_bytes, dict(index.group_table.tenant_bytes), sorted(index.objects),
             counters.evicted_groups, counters.evicted_bytes, counters.failed_groups,
             dict(counters.evicted_groups_by_tenant), {sid: sorted(s.keys) for sid, s in index.segments.items()},
-            journals, {g: (x.num_committed, x.num_in_flight) for g, x in index.groups.items()})
+            journals, {g: (x.num_committed, x.num_in_flight) for g, x in index.groups.items()},
+            list(index.puts.incomplete), sorted(index.puts.in_flight))
 
 
 # one save: groups of 1-4 members, a tenant each; commit or leave in flight
@@ -44,9 +46,11 @@ OPS = st.lists(st.one_of(st.tuples(st.just("save"), SAVE), st.tuples(st.just("us
 
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS, weights=st.sampled_from([(), ("a=3",)]), alignment=st.sampled_from([1, 1024]),
-       size=st.integers(KB // 2, 6 * KB))
+       size=st.integers(KB // 2, 6 * KB), order=st.sampled_from(["groups", "stages", "shuffled"]),
+       shuffle=st.randoms(use_true_random=False))
 def test_placing_a_groups_members_at_once_decides_what_one_by_one_decides(
-        ops: list[tuple[str, object]], weights: tuple[str, ...], alignment: int, size: int) -> None:
+        ops: list[tuple[str, object]], weights: tuple[str, ...], alignment: int, size: int, order: str,
+        shuffle: random.Random) -> None:
     runs, _ = make_index(segment_bytes=40 * KB, segments=2, tenant_weights=list(weights), alignment=alignment)
     alone, _ = make_index(segment_bytes=40 * KB, segments=2, tenant_weights=list(weights), alignment=alignment)
     made = 0
@@ -66,6 +70,10 @@ def test_placing_a_groups_members_at_once_decides_what_one_by_one_decides(
             items += batch
             if commit:
                 commits += [item.key for item in batch]
+        if order == "stages":  # every group's first member, then every second one... (as stage 0 sends a save)
+            items.sort(key=lambda item: int(item.key.rsplit("/", 1)[1]))
+        elif order == "shuffled":
+            shuffle.shuffle(items)
         got = runs.put_start("host0", items)
         with one_by_one():
             expected = alone.put_start("host0", items)

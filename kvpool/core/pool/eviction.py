@@ -90,47 +90,20 @@ class Eviction:
         """Place ``size`` bytes of ``tenant``: evict to ``low`` used bytes past ``high``, then allocate."""
         if not order:
             return None
-        victims = self._to_watermark(size, high, low, keep, tenant)
+        index = self.index
+        victims: VictimOrder | None = None
+        if index.used_bytes + size > high:
+            victims = self.victim_order(tenant, size)
+            while index.used_bytes + size > low and self.evict_one(victims, keep, any_allowed=False):
+                pass
         while True:
-            placed = self.index.allocate(order, size)
+            placed = index.allocate(order, size)
             if placed is not None:
                 return placed
             if victims is None:
                 victims = self.victim_order(tenant, size)
             if not self.evict_one(victims, keep, any_allowed=True):
                 return None
-
-    def reserve_run(
-        self, order: list[Segment], sizes: list[int], high: float, low: float, keep: str, tenant: str
-    ) -> tuple[Segment, int] | None:
-        """Place ``sizes`` (a new group's members) back to back in ``order``'s first segment, deciding exactly
-        what ``reserve`` one member at a time would: the first member's evictions, then one allocation of them
-        all. None when that would not be so, with only the first member's evictions made (as ``reserve`` makes
-        them first): a later member would pass ``high`` (``reserve`` evicts for it after placing the ones
-        before), or the first segment has no one run of room for them all (one at a time, a member that does not
-        fit there goes elsewhere). The caller then places them one at a time."""
-        if not order:
-            return None
-        rounded = order[0].allocator.rounded_size  # one alignment for every segment (the index's settings)
-        self._to_watermark(sizes[0], high, low, keep, tenant)
-        placed_bytes = rounded(sizes[0])
-        used = self.index.used_bytes
-        for size in sizes[1:]:
-            if used + placed_bytes + size > high:
-                return None
-            placed_bytes += rounded(size)
-        return self.index.allocate(order[:1], placed_bytes, sizes)
-
-    def _to_watermark(self, size: int, high: float, low: float, keep: str, tenant: str) -> VictimOrder | None:
-        """Past ``high``, evict idle groups until ``size`` more fits under ``low``. The victims' order, or None
-        when nothing was past ``high``."""
-        index = self.index
-        if index.used_bytes + size <= high:
-            return None
-        victims = self.victim_order(tenant, size)
-        while index.used_bytes + size > low and self.evict_one(victims, keep, any_allowed=False):
-            pass
-        return victims
 
     def victim_order(self, tenant: str, size: int) -> VictimOrder:
         index = self.index

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
 from kvpool.core.pool.placement import batch_orders, group_first
@@ -40,6 +41,8 @@ from kvpool.core.pool.records import (
 from kvpool.core.pool.segments import SegmentTable
 from kvpool.core.pool.settings import IndexSettings
 from kvpool.core.tenancy.shares import tenant_name
+
+_GROUP_ID = attrgetter("group_id")
 
 
 class PutHost(Protocol):
@@ -99,16 +102,26 @@ class PutTable:
         # group_first's answers in this batch: a pure function of the rotation and the group's segments, which
         # repeat from item to item (a save's groups each lie in one store), and a sort of every segment each
         firsts: dict[tuple[int, frozenset[str]], list[Segment]] = {}
-        position, num_items = 0, len(items)
-        while position < num_items:
-            item = items[position]
-            position += 1
-            group_size = item.group_size
-            if group_size > 1 and item.group_id not in groups and position - 1 + group_size <= num_items:
-                run = self._new_group_run(items, position - 1, objects, failed)
-                if run and self._place_run(run, rotations[num_placed % len(rotations)], high, low, started, outcomes):
-                    num_placed += group_size
-                    position += group_size - 1
+        # new groups whose members all come in this batch, by their first member's place, where nothing in the
+        # batch evicts (``_runs``): each is placed at once at that place, its other members' outcomes kept
+        runs = self._runs(items, rotations, high)
+        kept: dict[int, PutOutcome] = {}
+        for position, item in enumerate(items):
+            if kept:
+                outcome = kept.pop(position, None)
+                if outcome is not None:
+                    outcomes.append(outcome)
+                    num_placed += 1
+                    self.mark_incomplete(item.group_id)  # at each member's place, as one at a time
+                    continue
+            run = runs.get(position)
+            if run is not None:
+                placed_run = self._place_run([items[p] for p in run], rotations[num_placed % len(rotations)][0],
+                                             started)
+                if placed_run is not None:  # else (no one hole for them there) its members go one at a time
+                    outcomes.append(placed_run[0])
+                    num_placed += 1
+                    kept.update(zip(run[1:], placed_run[1:]))
                     continue
             key = item.key
             if key in objects:
@@ -155,37 +168,43 @@ class PutTable:
         self.group_table.touch(dict.fromkeys(item.group_id for item in items if item.group_id in groups))
         return outcomes
 
-    @staticmethod
-    def _new_group_run(items: Sequence[PutRequestItem], first: int, objects: dict[str, StoredObject],
-                       failed: GroupFailures) -> Sequence[PutRequestItem]:
-        """The items from ``first`` on that are every member of one group the index has never seen, in a row
-        (a save's chunk: its stages), or nothing."""
-        group_id = items[first].group_id
-        run = items[first:first + items[first].group_size]
-        if group_id in failed:
-            return ()
-        for item in run:
-            if item.group_id != group_id or item.key in objects:
-                return ()
-        return run
+    def _runs(self, items: Sequence[PutRequestItem], rotations: list[list[Segment]], high: float
+              ) -> dict[int, list[int]]:
+        """The places in ``items`` of each group the index does not hold, whose every member is in the batch
+        (a save's chunk: its stages, in whatever order), keyed by its first member's place; none unless the
+        whole batch fits below ``high`` and in the largest free extent of each segment a member would go to
+        first. One at a time, each member would then go to its group's first member's segment, and nothing
+        would evict: placing a group at once decides the same."""
+        positions: dict[str, list[int]] = {}
+        for position, group_id in enumerate(map(_GROUP_ID, items)):
+            positions.setdefault(group_id, []).append(position)
+        groups, objects, failed = self.group_table.groups, self.index.objects, self.failures
+        runs = {places[0]: places for group_id, places in positions.items()
+                if len(places) == items[places[0]].group_size > 1 and group_id not in groups
+                and group_id not in failed and not any(items[p].key in objects for p in places)}
+        if not runs or not rotations[0]:
+            return {}
+        rounded = rotations[0][0].allocator.rounded_size  # one alignment for every segment (the index's settings)
+        total = sum(rounded(item.size) for item in items)
+        if self.segment_table.used_bytes + total > high or \
+                any(order[0].allocator.largest_free < total for order in rotations):
+            return {}
+        return runs
 
-    def _place_run(self, run: Sequence[PutRequestItem], order: list[Segment], high: float, low: float,
-                   started: float, outcomes: list[PutOutcome]) -> bool:
-        """Every member of a new group at once, back to back in the first segment of ``order`` with room for
-        them all (where one by one each would follow the first: ``group_first``): one eviction pass, one hole,
-        one run of space to give back when the group goes. False, with nothing changed, when no segment has
-        such room (the members are then placed one by one)."""
+    def _place_run(self, run: list[PutRequestItem], segment: Segment, started: float) -> list[PutOutcome] | None:
+        """Every member of a new group at once, back to back in ``segment``: one hole, one run of space to give
+        back when the group goes. None, with nothing changed, when the segment has no one hole for them all."""
         first = run[0]
-        group_id, tenant = first.group_id, tenant_name(first.tenant)
         sizes = [item.size for item in run]
-        placed = self.eviction.reserve_run(order, sizes, high, low, group_id, tenant)
+        placed = self.segment_table.allocate([segment], sum(sizes), sizes)
         if placed is None:
-            return False
-        segment, offset = placed
-        group = self.group_table.add(Group(group_id, first.group_size, tenant=tenant))
+            return None
+        offset = placed[1]
+        group = self.group_table.add(Group(first.group_id, first.group_size, tenant=tenant_name(first.tenant)))
         group_id, tenant = group.group_id, group.tenant
         segment_id, keys, members, rounded = segment.segment_id, segment.keys, group.members, segment.allocator.rounded_size
         objects, in_flight, add_object = self.index.objects, self.in_flight, self.group_table.add_object
+        outcomes = []
         for item in run:
             key = item.key
             obj = StoredObject(key, group_id, segment_id, offset, item.size, tenant=tenant)
@@ -197,7 +216,7 @@ class PutTable:
             offset += rounded(item.size)
         group.num_in_flight = len(run)
         self.mark_incomplete(group_id)
-        return True
+        return outcomes
 
     def put_end(self, commits: Sequence[tuple[str, int]]) -> int:
         """Commit in-flight puts (key, checksum); all or none."""
