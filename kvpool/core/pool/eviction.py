@@ -50,7 +50,7 @@ class Evictable(Protocol):
         """Free one committed member; a group left with no member is forgotten."""
         ...
 
-    def allocate(self, order: list[Segment], size: int, parts: list[int] | None = None) -> tuple[Segment, int] | None:
+    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
         """Place ``size`` bytes in the first segment of ``order`` with room, or nowhere."""
         ...
 

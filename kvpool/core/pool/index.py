@@ -315,8 +315,8 @@ class PoolIndex:
         """What tenants' shares divide: the bytes the pool fills before it evicts."""
         return self.settings.high_watermark * self.capacity
 
-    def allocate(self, order: list[Segment], size: int, parts: list[int] | None = None) -> tuple[Segment, int] | None:
-        return self.segment_table.allocate(order, size, parts)
+    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
+        return self.segment_table.allocate(order, size)
 
     def drop_group(self, group_id: str) -> int:
         """``free`` every member, a group at a time: one tenant's bytes, one run of space per segment."""
