@@ -60,8 +60,9 @@ def _all_good(items: Sequence[PutRequestItem], largest: int, groups: Mapping[str
         return False
     if segments_too_small(items, largest):
         return False
-    declared = dict(zip(map(_GROUP_ID, items), map(_GROUP_SIZE, items)))
-    if len(declared) != len(set(zip(map(_GROUP_ID, items), map(_GROUP_SIZE, items)))):
+    pairs = set(zip(map(_GROUP_ID, items), map(_GROUP_SIZE, items)))
+    declared = dict(pairs)
+    if len(declared) != len(pairs):
         return False  # a group declared with two sizes
     for group_id, count in Counter(map(_GROUP_ID, items)).items():
         group = groups.get(group_id)
