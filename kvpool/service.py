@@ -66,15 +66,18 @@ _UNCOUNTED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 class InFlight(grpc.aio.ServerInterceptor):
-    """Counts the calls a server is serving (health checks and reflection aside), for draining."""
+    """Counts the calls a server is serving (health checks, reflection and ``watches`` aside), for draining."""
 
-    def __init__(self) -> None:
+    def __init__(self, watches: Iterable[str] = ()) -> None:
+        # full method names of subscriptions (a server stream that lives as long as its caller, as a decode
+        # shard's WatchRoom): not work in flight, and counted they would hold every drain for its whole grace
+        self.uncounted = (*_UNCOUNTED, *watches)
         self.count = 0
         self.last_started = 0.0  # event-loop time of the last counted call
 
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         handler = await continuation(details)
-        if handler is None or details.method.startswith(_UNCOUNTED):
+        if handler is None or details.method.startswith(self.uncounted):
             return handler
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
@@ -241,6 +244,7 @@ async def create_server(
     reuse_port: bool = False,
     max_receive_bytes: int = 64 << 20,
     max_concurrent_rpcs: int | None = None,
+    watches: Iterable[str] = (),
 ) -> ServerHandle:
     """Create and start a server bound to ``host:port`` (port 0 picks one).
 
@@ -262,6 +266,8 @@ async def create_server(
     public port takes less. ``max_concurrent_rpcs``: calls open at once at
     most, streams included; one more is answered RESOURCE_EXHAUSTED (None:
     no bound, for internal ports whose callers are the cluster's own).
+    ``watches``: full method names (``/kvpool.rpc.Decode/WatchRoom``) of
+    subscriptions, which a drain does not wait for (``InFlight``).
     """
     names = list(dict.fromkeys(service_names))
     known = descriptor_pool.Default()
@@ -271,7 +277,7 @@ async def create_server(
         except KeyError:
             raise ValueError(f"no protobuf service named {name!r} is loaded; "
                              "service_names takes full names such as 'kvpool.rpc.PoolMaster'") from None
-    in_flight = InFlight()
+    in_flight = InFlight(watches)
     # in_flight outermost: a call counts as in flight for the whole of its handler
     interceptors = [in_flight, request_id.RequestIdServerInterceptor()] if inbound_request_ids else [in_flight]
     interceptors += tls.interceptors()  # the caller's certificate must name a role allowed this method

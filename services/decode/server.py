@@ -45,7 +45,8 @@ async def serve(settings: DecodeSettings, ready_file: str | None = None) -> None
         decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
     handle = await service.create_server(settings.host, settings.port, add_servicers,
-                                         service_names=["kvpool.rpc.Decode"])
+                                         service_names=["kvpool.rpc.Decode"],
+                                         watches=["/kvpool.rpc.Decode/WatchRoom"])
     # where prefill stages tell us a part of a region landed (a wildcard listen address is not one)
     host = settings.transfer_host if settings.host in ("", "0.0.0.0", "::", "[::]") else settings.host
     shard.notify_address = f"{host}:{handle.port}"

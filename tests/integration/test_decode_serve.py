@@ -273,3 +273,18 @@ async def test_a_call_cancelled_during_its_prefill_leaves_nothing_held(parts) ->
     await eventually(nothing_held, what="the region and pages given back")
     token_ids = prompt(7, 300)
     assert (await serve(told.address, serve_request(pipeline.address, token_ids)))[1] == reference(token_ids, 6)
+
+
+async def test_sigterm_drains_without_waiting_for_a_routers_room_watch(parts) -> None:  # type: ignore[no-untyped-def]
+    """A router's WatchRoom stream lives as long as the router: a draining shard does not count it as a call
+    in flight (counted, every drain lasted its whole grace, 20 s, and a rolling restart waited that long per
+    shard). Last in this module: the shard is stopped."""
+    _, _, open_shard = parts
+    async with service.channel(open_shard.address) as channel:
+        watch = decode_pb2_grpc.DecodeStub(channel).WatchRoom(decode_pb2.WatchRoomRequest(), timeout=60)
+        await watch.read()  # the stream is open on the shard
+        # SIGTERM, SIGKILL after 10 s: well inside the shard's 20 s drain, past its quiet 1.5 s
+        code = await asyncio.to_thread(open_shard.process.stop, 10.0)
+        watch.cancel()
+    drained = [line for line in open_shard.process.log_file.read_text().splitlines() if '"drained"' in line]
+    assert code == 0 and drained and '"calls_left": 0' in drained[-1], open_shard.process.log_tail()
