@@ -27,7 +27,8 @@ KEYS = {
 def test_bench_master_small() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvpool.services.cli", "bench", "master", "--objects", "8000", "--clients", "2",
-         "--seconds", "0.5", "--cost-seconds", "0.4", "--lookups", "200", "--json"],
+         "--seconds", "0.5", "--cost-seconds", "0.4", "--lookups", "200",
+         "--heartbeat-interval-s", "0.25", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=280, check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

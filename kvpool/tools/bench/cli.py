@@ -143,6 +143,9 @@ def add_bench(sub: Any) -> None:
                         "(default 8; quick 3)")
     master.add_argument("--lookups", type=int, help="lookups the saturation phase makes (default 10000; quick 1000)")
     master.add_argument("--cost-seconds", type=float, help="length of each cost phase (default 3; quick 1.5)")
+    master.add_argument("--heartbeat-interval-s", type=float, default=2.0,
+                        help="the stores' heartbeat period the master asks for (default 2.0, the master's): each "
+                        "phase first waits for the stores to acknowledge every change, about one period")
     master.add_argument("--turn-device-share", type=float, default=0.6,
                         help="share of a typical turn's history its device holds (the device served 56-69%% of "
                         "prompt tokens in the prefill bench)")

@@ -47,7 +47,8 @@ For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
    lease that is not there).
    Before each measurement the bench waits until the stores have
    acknowledged every change (heartbeats carry the master's journal to
-   them), so one phase's work does not land in the next one's CPU.
+   them), so one phase's work does not land in the next one's CPU: about one
+   heartbeat period a phase (``--heartbeat-interval-s``, the master's 2 s by default).
 3. **Saturation**: ``--clients`` processes calling as fast as the master
    answers, today's forms. ``lookups_per_s`` with ``lookup_ms_p50``/``p99``
    (client-observed, per call) over ``--lookups`` lookups (10^4; quick 10^3)
@@ -333,12 +334,14 @@ class Run:
         self.fresh = 1 << 40  # histories past every populated one: each job's saves get their own
         self.unsettled: dict[str, dict[str, int]] = {}
         self.refused: dict[str, int] = {}
+        self.workers = 0  # the most jobs submitted at once so far: the executor's processes already started
 
     def _fresh(self) -> int:
         self.fresh += 1
         return self.fresh
 
     def jobs(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        self.workers = max(self.workers, len(jobs))
         futures = [self.executor.submit(_run, {"master": self.master, **job}) for job in jobs]
         return [f.result() for f in futures]
 
@@ -376,7 +379,7 @@ class Run:
             if time.monotonic() > deadline:
                 self.unsettled[phase] = {s.segment_id: s.sequence - s.acked_sequence for s in segments}
                 return
-            time.sleep(0.5)
+            time.sleep(0.1)
 
     def refresh(self, histories: list[int]) -> None:
         """Put back whatever of ``histories`` the churn evicted (what is there is left alone), so their
@@ -411,7 +414,9 @@ class Run:
         if op in ("lookup", "turn"):
             self.refresh(histories)
         self.settle(f"{op}s_per_s")
-        start_at = time.time() + 3.0  # after every process started
+        # after every process started: a spawned one takes seconds, one started by an earlier phase none
+        start_at = time.time() + (3.0 if self.clients + churn > self.workers else 0.5)
+        self.workers = max(self.workers, self.clients + churn)
         timed = {"count": -(-at_least // self.clients)} if at_least else {"seconds": self.seconds}
         base = {"kind": "ops", "legacy": False, "turn": _turn(self.turn), "start_at": start_at}
         per = max(1, len(histories) // self.clients)
@@ -494,7 +499,8 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
     context = get_context("spawn")
     standbys = getattr(args, "master_standbys", 0)
     with LocalPool(num_stores=2, segment_size=str(segment), workdir=workdir, master_standbys=standbys,
-                   master_args=["--high-watermark", str(HIGH_WATERMARK)]) as pool, \
+                   master_args=["--high-watermark", str(HIGH_WATERMARK),
+                                "--heartbeat-interval-s", str(args.heartbeat_interval_s)]) as pool, \
             ProcessPoolExecutor(max_workers=args.clients + 1, mp_context=context) as executor:
         run = Run(pool, executor, args.clients, args.seconds, args.cost_seconds, turn,
                   _leader(pool) if standbys else None)
@@ -545,7 +551,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"stages": STAGES, "history_chunks": HISTORY_CHUNKS, "save_chunks": SAVE_CHUNKS,
                               "object_bytes": OBJECT_BYTES, "clients": args.clients,
                               "turn": _turn(Turn(HISTORY_CHUNKS, args.turn_device_share, args.turn_new_chunks)),
-                              "cpus": os.cpu_count(), "master_standbys": getattr(args, "master_standbys", 0)}
+                              "cpus": os.cpu_count(), "master_standbys": getattr(args, "master_standbys", 0),
+                              "heartbeat_interval_s": args.heartbeat_interval_s}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as tmp:
         for objects in scales:
             report.setdefault("scales", []).append(measure(objects, args, Path(tmp) / str(objects)))
