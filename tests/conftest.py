@@ -37,8 +37,12 @@ settings.load_profile("kvpool")
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: half again as many workers as cores. A cluster test spends much of its time waiting on
     its processes (one request through a pipeline computes on one stage at a time), so one worker per
-    core leaves cores idle."""
-    return max(2, (3 * len(os.sched_getaffinity(0)) + 1) // 2)
+    core leaves cores idle. The fast tier alone (``-m "not cluster"``) only computes: a worker per core,
+    since every worker imports and collects the whole suite first (torch, transformers: seconds each)."""
+    cores = len(os.sched_getaffinity(0))
+    if " ".join(str(config.getoption("markexpr", "")).split()) == "not cluster":
+        return max(1, cores)
+    return max(2, (3 * cores + 1) // 2)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

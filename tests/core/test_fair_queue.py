@@ -241,13 +241,13 @@ class FairMachine(RuleBasedStateMachine):
         assert sorted(self.queue.ids()) == sorted(self.queued) and len(self.queue) == len(self.queued)
         assert not set(self.queued) & self.left
 
-    @invariant()
-    def leads_is_a_push_then_a_peek(self) -> None:
-        for tenant in WEIGHTS:
-            for work in (0.0, 1.0, 4.0):
-                trial = copy.deepcopy(self.queue)
-                trial.push("probe", work, self.now, tenant)
-                assert self.queue.leads(work, self.now, tenant) == (trial.peek(self.now) == "probe")
+    @rule(tenant=st.sampled_from(sorted(WEIGHTS)), work=st.sampled_from([0.0, 1.0, 4.0]) | st.floats(0, 4))
+    def leads_is_a_push_then_a_peek(self, tenant: str, work: float) -> None:
+        """(A rule, not an invariant: one tenant and work a step, where checking every pair each step made
+        this machine a quarter of the fast tier's time.)"""
+        trial = copy.deepcopy(self.queue)
+        trial.push("probe", work, self.now, tenant)
+        assert self.queue.leads(work, self.now, tenant) == (trial.peek(self.now) == "probe")
 
     @invariant()
     def serving_order_is_the_pops_to_come(self) -> None:

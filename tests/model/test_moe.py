@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 import transformers
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter
 
 from kvpool.model.config import MoEConfig
 from kvpool.model.layers import SwiGLUMLP
@@ -76,6 +75,14 @@ def test_a_routing_that_cannot_pick_is_refused() -> None:
         dataclasses.replace(MOE, num_experts_per_tok=5)
 
 
+def modeling():  # type: ignore[no-untyped-def]
+    """transformers' DeepSeek-V3 modeling, imported when a test needs it: seconds to import, and every test
+    worker collects this module."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    return modeling_deepseek_v3
+
+
 def hf_config(moe: MoEConfig, hidden_size: int = 32) -> transformers.DeepseekV3Config:
     return transformers.DeepseekV3Config(
         hidden_size=hidden_size, n_routed_experts=moe.n_routed_experts, moe_intermediate_size=moe.moe_intermediate_size,
@@ -97,7 +104,7 @@ def test_the_routing_is_transformers_bit_for_bit(name: str) -> None:
     """2,048 tokens with random router weights and biases, plus tied scores: the same experts, the same bits."""
     moe = ROUTINGS[name]
     generator = torch.Generator().manual_seed(7)
-    router = DeepseekV3TopkRouter(hf_config(moe))
+    router = modeling().DeepseekV3TopkRouter(hf_config(moe))
     with torch.no_grad():
         router.weight.copy_(torch.randn(router.weight.shape, generator=generator))
         router.e_score_correction_bias.copy_(torch.rand(moe.n_routed_experts, generator=generator) * 0.2)
@@ -116,7 +123,7 @@ def test_the_routing_is_transformers_bit_for_bit(name: str) -> None:
 def test_the_moe_layer_equals_transformers(name: str) -> None:
     moe = dataclasses.replace(ROUTINGS[name], n_shared_experts=2)
     torch.manual_seed(3)
-    theirs = DeepseekV3MoE(hf_config(moe)).eval()
+    theirs = modeling().DeepseekV3MoE(hf_config(moe)).eval()
     with torch.no_grad():
         for parameter in theirs.parameters():
             parameter.normal_(0, 0.3)
