@@ -319,12 +319,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         align = self.alloc.alignment
         needs = [-(-size // align) * align for size in sizes]
         fitting = [(gap_size, offset) for offset, gap_size in self.model_gaps() if gap_size >= sum(needs)]
-        offset = self.alloc.allocate_run(sizes)
+        offsets = self.alloc.allocate_run(sizes)
         if not fitting:
-            assert offset is None
+            assert offsets is None
             return
-        assert offset == min(fitting)[1]
-        for need in needs:
+        assert offsets is not None and offsets[0] == min(fitting)[1]
+        offset = offsets[0]
+        for need, got in zip(needs, offsets, strict=True):
+            assert got == offset  # back to back
             self.live[offset] = need
             offset += need
 

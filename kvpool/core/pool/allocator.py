@@ -186,13 +186,16 @@ class SegmentAllocator:
         self._used_bytes += need
         return offset
 
-    def allocate_run(self, sizes: list[int]) -> int | None:
+    def allocate_run(self, sizes: list[int]) -> list[int] | None:
         """Reserve one allocation per size, back to back (a group's members: one hole found, one remainder
-        left); return the first's offset (the next start where the one before ends, each rounded), or None when
-        no free extent holds them all. Each is then an allocation of its own, freed alone or in a run."""
+        left); return their offsets (each the next start where the one before ends, rounded), or None when no
+        free extent holds them all. Each is then an allocation of its own, freed alone or in a run. The caller
+        keeps these offsets, the very ints the allocator keys its allocations by: one int per object in memory,
+        not two."""
         needs = [self.rounded_size(size) for size in sizes]
         if len(needs) == 1:
-            return self.allocate(sizes[0])
+            offset = self.allocate(sizes[0])
+            return None if offset is None else [offset]
         if not needs or min(needs) <= 0:
             raise ValueError(f"sizes must be positive ints, got {sizes!r}")
         first = self.allocate(sum(needs))
@@ -200,11 +203,13 @@ class SegmentAllocator:
             return None
         allocations = self._allocations
         del allocations[first]
+        offsets = []
         offset = first
         for need in needs:
             allocations[offset] = need
+            offsets.append(offset)
             offset += need
-        return first
+        return offsets
 
     def free_run(self, offsets: list[int]) -> None:
         """``free`` each of ``offsets``; allocations that lie back to back (as ``allocate_run`` left them) go back

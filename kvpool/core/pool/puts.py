@@ -195,17 +195,15 @@ class PutTable:
         """Every member of a new group at once, back to back in ``segment``: one hole, one run of space to give
         back when the group goes. None, with nothing changed, when the segment has no one hole for them all."""
         first = run[0]
-        sizes = [item.size for item in run]
-        placed = self.segment_table.allocate([segment], sum(sizes), sizes)
-        if placed is None:
+        offsets = self.segment_table.allocate_run(segment, [item.size for item in run])
+        if offsets is None:
             return None
-        offset = placed[1]
         group = self.group_table.add(Group(first.group_id, first.group_size, tenant=tenant_name(first.tenant)))
         group_id, tenant = group.group_id, group.tenant
-        segment_id, keys, members, rounded = segment.segment_id, segment.keys, group.members, segment.allocator.rounded_size
+        segment_id, keys, members = segment.segment_id, segment.keys, group.members
         objects, in_flight, add_object = self.index.objects, self.in_flight, self.group_table.add_object
         outcomes = []
-        for item in run:
+        for item, offset in zip(run, offsets):
             key = item.key
             obj = StoredObject(key, group_id, segment_id, offset, item.size, tenant=tenant)
             objects[key] = members[key] = obj
@@ -213,7 +211,6 @@ class PutTable:
             keys.add(key)
             in_flight[key] = started
             outcomes.append(PutOutcome(PutStatus.RESERVED, segment, offset))
-            offset += rounded(item.size)
         group.num_in_flight = len(run)
         self.mark_incomplete(group_id)
         return outcomes

@@ -72,18 +72,27 @@ class SegmentTable:
 
     # ---- space ----------------------------------------------------------
 
-    def allocate(self, order: list[Segment], size: int, parts: list[int] | None = None) -> tuple[Segment, int] | None:
-        """``size`` bytes in the first segment of ``order`` with room; with ``parts`` (summing to ``size``), one
-        allocation each, back to back from the offset returned (``SegmentAllocator.allocate_run``)."""
+    def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
+        """``size`` bytes in the first segment of ``order`` with room."""
         for segment in order:
             allocator = segment.allocator
             if allocator.largest_free >= size:
                 before = allocator.used_bytes
-                offset = allocator.allocate(size) if parts is None else allocator.allocate_run(parts)
+                offset = allocator.allocate(size)
                 if offset is not None:
                     self.used_bytes += allocator.used_bytes - before
                     return segment, offset
         return None
+
+    def allocate_run(self, segment: Segment, sizes: list[int]) -> list[int] | None:
+        """One allocation per size in ``segment``, back to back (``SegmentAllocator.allocate_run``): their
+        offsets, or None with nothing changed when no one hole there holds them all."""
+        allocator = segment.allocator
+        before = allocator.used_bytes
+        offsets = allocator.allocate_run(sizes)
+        if offsets is not None:
+            self.used_bytes += allocator.used_bytes - before
+        return offsets
 
     def release(self, obj: StoredObject) -> None:
         """Give back an object's space; a committed one's store is told to forget it."""
