@@ -82,7 +82,16 @@ def put_items(request_items: Sequence[pool_pb2.PutItem], tenant: str) -> list[Pu
             and min(sizes) > 0):
         for i, item in enumerate(request_items):
             check_put_item(i, item)
+    if len(_SIZES) > MAX_SIZES:  # (a caller sending ever new sizes does not grow it without bound)
+        _SIZES.clear()
+    # one int per distinct size, not one per object: each parsed size is an int of its own, and the index keeps
+    # it for the object's life (its record, and the allocator's when the size is aligned): 32 bytes an object
+    sizes = list(map(_SIZES.setdefault, sizes, sizes))
     return list(map(PutRequestItem, keys, group_ids, group_sizes, sizes, repeat(tenant)))
+
+
+_SIZES: dict[int, int] = {}
+MAX_SIZES = 4096
 
 
 def names_ok(values: Sequence[str]) -> bool:
