@@ -14,14 +14,17 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-import transformers
 
 from kvpool.tools.cluster import Cluster
 from kvpool.tools.up import UpSettings, up_cluster
 from tests.model.hf_directory import load_reference, words, write_hf_directory
+
+if TYPE_CHECKING:  # imported where used: importing it scans its whole package, ~1 s of every test worker's collection
+    import transformers
 
 pytestmark = pytest.mark.cluster
 
@@ -53,6 +56,8 @@ def post(cluster: Cluster, path: str, body: dict[str, object]) -> dict[str, obje
 
 @functools.cache
 def reference(model_dir: Path) -> tuple[transformers.DeepseekV3ForCausalLM, transformers.PreTrainedTokenizerBase]:
+    import transformers
+
     return load_reference(model_dir), transformers.AutoTokenizer.from_pretrained(model_dir)
 
 

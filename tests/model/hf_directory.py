@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvpool.model.weight_names import is_quantizable
+
+if TYPE_CHECKING:  # imported where used: importing it scans its whole package, ~1 s of every test worker's collection
+    import transformers
 
 NUM_WORDS = 60  # with <s>, </s>, <user>, <assistant>: 64 ids, the model's vocabulary
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<user>' if m['role'] != 'assistant' else '<assistant>' }}"
@@ -46,6 +48,8 @@ def write_hf_directory(path: Path, rope: dict[str, object] | None = None, seed: 
     With ``moe`` (``MOE``'s fields, changed as given) its layers from ``first_k_dense_replace`` on are MoE, the
     router's ``e_score_correction_bias`` drawn at random (transformers initializes it to zeros, where it would
     change no choice)."""
+    import transformers
+
     vocab = {"<s>": 0, "</s>": 1, "<user>": 2, "<assistant>": 3, **{f"w{i}": 4 + i for i in range(NUM_WORDS)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -77,6 +81,8 @@ def write_hf_directory(path: Path, rope: dict[str, object] | None = None, seed: 
 
 def load_reference(path: Path) -> transformers.DeepseekV3ForCausalLM:
     """transformers' model from the directory, computing in float32 as kvpool does."""
+    import transformers
+
     return transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                               attn_implementation="eager").eval()
 

@@ -6,7 +6,6 @@ import dataclasses
 
 import pytest
 import torch
-import transformers  # a dev dependency: the reference must run here, never be skipped
 
 from kvpool.model import InProcessPipeline, ModelConfig, init_weights
 from kvpool.model.hf_checkpoint import from_hf_config
@@ -14,6 +13,10 @@ from tests.model.inputs import max_abs_diff, random_token_ids
 
 
 def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]):
+    # a dev dependency: the reference must run here, never be skipped; imported here, as importing it scans
+    # its whole package, ~1 s of every test worker's collection
+    import transformers
+
     hf_config = transformers.DeepseekV3Config(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,

@@ -4,15 +4,18 @@ transformers' ``DeepseekV3TopkRouter``; the MoE layer against transformers' ``De
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-import transformers
 
 from kvpool.model.config import MoEConfig
 from kvpool.model.layers import SwiGLUMLP
 from kvpool.model.moe import MoE, route
 from tests.model.inputs import max_abs_diff
+
+if TYPE_CHECKING:  # imported where used: importing it scans its whole package, ~1 s of every test worker's collection
+    import transformers
 
 # 8 experts in 4 groups of 2 ({0, 1}, {2, 3}, {4, 5}, {6, 7}); 2 groups kept, 2 experts a token
 MOE = MoEConfig(first_k_dense_replace=0, n_routed_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
@@ -84,6 +87,8 @@ def modeling():  # type: ignore[no-untyped-def]
 
 
 def hf_config(moe: MoEConfig, hidden_size: int = 32) -> transformers.DeepseekV3Config:
+    import transformers
+
     return transformers.DeepseekV3Config(
         hidden_size=hidden_size, n_routed_experts=moe.n_routed_experts, moe_intermediate_size=moe.moe_intermediate_size,
         num_experts_per_tok=moe.num_experts_per_tok, n_shared_experts=moe.n_shared_experts, n_group=moe.n_group,

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 
 from kvpool.core.supervision.memory_budget import memory_refusal
 from kvpool.model.config import MoEConfig, YarnScaling, split_layers
@@ -72,6 +71,8 @@ MOE = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_the_published_config_passes_and_counts_every_parameter_transformers_builds(name: str) -> None:
+    import transformers  # here: importing it scans its whole package, ~1 s of every test worker's collection
+
     config = from_hf_config(PUBLISHED[name], name)
     assert config.moe == MOE[name]
     assert (config.kv_entry_dim, config.num_hidden_layers, config.rope_interleave) == (576, 61, True)
