@@ -67,7 +67,7 @@ esac
   || { [ "$engine" = none ] || { echo "setup: the transfer engine does not import" >&2; exit 1; }; }
 # every transfer-engine process preloads it, so the engine listens on its configured address only
 .venv/bin/python -c "from kvpool import bind_shim; bind_shim.build()"
-# bytecode for the project's own modules, made once: where PYTHONDONTWRITEBYTECODE is set (as on the CI image),
+# bytecode for the project's own modules, made once: where PYTHONDONTWRITEBYTECODE is set (as on the development hosts),
 # every service process would otherwise compile them again as it starts (about 0.3 s of CPU each)
 .venv/bin/python -m compileall -q kvpool services >/dev/null
 echo "setup: ready ($(.venv/bin/python --version), torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'), engine $engine)" >&2
