@@ -65,12 +65,12 @@ class MasterMetrics:
     def refresh(self, index: PoolIndex) -> None:
         self.capacity.set(index.capacity)
         self.used.set(index.used_bytes)
-        self.objects.set(len(index.objects))
+        self.objects.set(len(index.owners))
         self.groups.set(len(index.groups))
         self.segments.set(len(index.segments))
         self.leases.set(index.num_leases)
         self.in_flight.set(index.num_in_flight)
-        self.unacked_changes.set(sum(len(s.journal.entries) for s in index.segments.values()))
+        self.unacked_changes.set(sum(s.journal.unacked for s in index.segments.values()))
         c = index.counters
         now = (c.evicted_groups, c.evicted_bytes, c.revoked_puts, c.dropped_segments, c.failed_groups,
                c.adopted_objects, c.rejected_records, c.abandoned_groups, c.corrupt_groups)

@@ -19,6 +19,7 @@ from kvpool.core.pool.compact import compact_keys
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
+    ChangeRow,
     Group,
     ObjectRecord,
     PutOutcome,
@@ -26,6 +27,7 @@ from kvpool.core.pool.records import (
     PutStatus,
     Segment,
     SegmentChange,
+    change_of_row,
 )
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
@@ -134,28 +136,20 @@ def change_message(change: SegmentChange) -> pool_pb2.SegmentChange:
     return pool_pb2.SegmentChange(sequence=change.sequence, removed_key=change.removed_key)
 
 
-def _change_row(change: SegmentChange) -> tuple[int, str, str, int, int, int, int, str]:
-    added = change.added
-    if added is None:
-        return change.sequence, change.removed_key, "", 0, 0, 0, 0, ""
-    return (change.sequence, added.key, added.group_id, added.group_size, added.offset, added.size, added.checksum,
-            added.tenant)
-
-
-def packed_changes(changes: Sequence[SegmentChange]) -> pool_pb2.PackedChanges:
-    """A heartbeat's changes as ``PackedChanges``: one row a change, made into columns in C (a save's 88 commits
+def packed_changes(rows: Sequence[ChangeRow]) -> pool_pb2.PackedChanges:
+    """A heartbeat's changes as ``PackedChanges``: the journal's rows made into columns in C (a save's 88 commits
     and the evictions beside them were 176 submessages built one by one)."""
-    if not changes:
+    if not rows:
         return pool_pb2.PackedChanges()
-    sequence, key, group_id, group_size, offset, size, checksum, tenant = zip(*map(_change_row, changes))
+    sequence, key, group_id, group_size, offset, size, checksum, tenant = zip(*rows)
     return pool_pb2.PackedChanges(sequence=sequence, key=key, group_id=group_id, group_size=group_size,
                                   offset=offset, size=size, checksum=checksum, tenant=tenant)
 
 
-def heartbeat_response(changes: Sequence[SegmentChange], packed: bool, **fields: Any) -> pool_pb2.HeartbeatResponse:
+def heartbeat_response(rows: Sequence[ChangeRow], packed: bool, **fields: Any) -> pool_pb2.HeartbeatResponse:
     if packed:
-        return pool_pb2.HeartbeatResponse(packed_changes=packed_changes(changes), **fields)
-    return pool_pb2.HeartbeatResponse(changes=[change_message(c) for c in changes], **fields)
+        return pool_pb2.HeartbeatResponse(packed_changes=packed_changes(rows), **fields)
+    return pool_pb2.HeartbeatResponse(changes=[change_message(change_of_row(row)) for row in rows], **fields)
 
 
 def check_tenant(tenant: str, field_name: str) -> str:
@@ -212,15 +206,19 @@ def packed_group(group: Group, segments: dict[str, Segment], compact: bool = Fal
     concatenated encodings merge in order), and the ids of the segments it names. Made once per group: the
     index forgets it whenever a member changes (``Group.encoded``, ``Group.compact``). ``compact``: without
     the group's id, and with each key a reader derives as "" (``kvpool.core.pool.compact``)."""
-    members = list(group.members.values())
-    named = {obj.segment_id: segments[obj.segment_id] for obj in members}
-    keys = [obj.key for obj in members]
+    keys, segment_ids = group.keys, group.segment_ids
+    named = {segment_id: segments[segment_id] for segment_id in segment_ids}
+    if len(named) == 1:  # nearly always: the whole group in one segment
+        (segment,) = named.values()
+        numbers, base = [segment.number] * len(keys), segment.base_address
+        addresses = [base + offset for offset in group.offsets]
+    else:
+        numbers = [named[s].number for s in segment_ids]
+        addresses = [named[s].base_address + offset for s, offset in zip(segment_ids, group.offsets)]
     message = pool_pb2.PackedGroups(
-        group_id=() if compact else [group.group_id], num_members=[len(members)],
-        key=compact_keys(group.group_id, keys) if compact else keys,
-        segment=[named[obj.segment_id].number for obj in members],
-        address=[named[obj.segment_id].base_address + obj.offset for obj in members],
-        size=[obj.size for obj in members], checksum=[obj.checksum for obj in members])
+        group_id=() if compact else [group.group_id], num_members=[len(keys)],
+        key=compact_keys(group.group_id, list(keys)) if compact else keys,
+        segment=numbers, address=addresses, size=group.sizes, checksum=group.checksums)
     return message.SerializeToString(), tuple(named)
 
 
@@ -324,13 +322,17 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     def _commit_targets(self, items: Any) -> dict[str, int]:
         """Per segment, the journal sequence its store must hold for these committed keys to be durable."""
         targets: dict[str, int] = {}
-        objects, segments = self.index.objects, self.index.segments
+        owners, segments = self.index.owners, self.index.segments
         for item in items:
-            obj = objects.get(item.key)
-            if obj is not None and obj.committed and obj.segment_id not in targets:
-                segment = segments.get(obj.segment_id)
+            group = owners.get(item.key)
+            if group is None:
+                continue
+            position = group.keys.index(item.key)
+            segment_id = group.segment_ids[position]
+            if group.committed(position) and segment_id not in targets:
+                segment = segments.get(segment_id)
                 if segment is not None and segment.journal.acked < segment.journal.sequence:
-                    targets[obj.segment_id] = segment.journal.sequence
+                    targets[segment_id] = segment.journal.sequence
         return targets
 
     async def leading(self, context: Any) -> None:
@@ -486,17 +488,17 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         if request.wait_ms > MAX_WAIT_MS:
             raise InvalidArgument(f"wait_ms: {request.wait_ms} is more than {MAX_WAIT_MS}")
         if self.ha is None:
-            changes, more = self.index.heartbeat(request.segment_id, request.acked_sequence)
+            changes, more = self.index.heartbeat_rows(request.segment_id, request.acked_sequence)
             return heartbeat_response(changes, request.packed, master_incarnation=self.incarnation, more=more)
         await self.leading(context)
         index = self.index
-        changes, more = index.heartbeat(request.segment_id, request.acked_sequence)
+        changes, more = index.heartbeat_rows(request.segment_id, request.acked_sequence)
         self.ha.waiters.acked(request.segment_id, index.segments[request.segment_id].journal.acked)
         if not changes and request.wait_ms:  # long-poll: answer as soon as a commit waits for this store
             await self.ha.waiters.hold(request.segment_id, False, request.wait_ms / 1000)
             if self.index is not index or self.ha.refusal() is not None:
                 raise Unavailable(self.ha.refusal() or "master: a new term began while the heartbeat waited")
-            changes, more = index.heartbeat(request.segment_id, request.acked_sequence)
+            changes, more = index.heartbeat_rows(request.segment_id, request.acked_sequence)
         return heartbeat_response(changes, request.packed, master_incarnation=self.incarnation, more=more,
                                   epoch=self.ha.epoch)
 
@@ -661,13 +663,14 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         add_group = response.groups.add
         for group in groups:
             add_member = add_group(group_id=group.group_id).members.add
-            for obj in group.members.values():
-                segment = named[obj.segment_id] = segments[obj.segment_id]
-                location = add_member(key=obj.key, checksum=obj.checksum).location
-                location.segment_id = obj.segment_id
+            for key, segment_id, offset, size, checksum in zip(group.keys, group.segment_ids, group.offsets,
+                                                               group.sizes, group.checksums):
+                segment = named[segment_id] = segments[segment_id]
+                location = add_member(key=key, checksum=checksum).location
+                location.segment_id = segment_id
                 location.endpoint = segment.endpoint
-                location.address = segment.base_address + obj.offset
-                location.size = obj.size
+                location.address = segment.base_address + offset
+                location.size = size
         return named.values()
 
     @status_errors
@@ -730,7 +733,7 @@ def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
     response = pool_pb2.StatsResponse(
         capacity_bytes=index.capacity,
         used_bytes=index.used_bytes,
-        num_objects=len(index.objects),
+        num_objects=len(index.owners),
         num_groups=len(index.groups),
         num_complete_groups=sum(1 for g in groups if g.complete),
         num_puts_in_flight=index.num_in_flight,
@@ -760,7 +763,7 @@ def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
             numa_node=segment.numa_node,
             capacity_bytes=segment.size,
             used_bytes=segment.allocator.used_bytes,
-            num_objects=len(segment.keys),
+            num_objects=segment.num_objects(),
             largest_free_bytes=segment.allocator.largest_free,
             sequence=segment.journal.sequence,
             acked_sequence=segment.journal.acked,

@@ -29,11 +29,13 @@ def one_by_one() -> Iterator[None]:
 
 def state(index: PoolIndex) -> tuple[object, ...]:
     counters = index.counters
-    journals = {sid: [(c.sequence, c.added and c.added.key, c.removed_key) for c in s.journal.entries]
+    journals = {sid: [(c.sequence, c.added and c.added.key, c.removed_key) for c in s.journal.pending(1 << 30)]
                 for sid, s in index.segments.items()}
+    keys = {sid: sorted(k for g in s.groups.values() for k, at in zip(g.keys, g.segment_ids) if at == sid)
+            for sid, s in index.segments.items()}
     return (list(index.groups), index.used_bytes, dict(index.group_table.tenant_bytes), sorted(index.objects),
             counters.evicted_groups, counters.evicted_bytes, counters.failed_groups,
-            dict(counters.evicted_groups_by_tenant), {sid: sorted(s.keys) for sid, s in index.segments.items()},
+            dict(counters.evicted_groups_by_tenant), keys,
             journals, {g: (x.num_committed, x.num_in_flight) for g, x in index.groups.items()},
             list(index.puts.incomplete), sorted(index.puts.in_flight))
 

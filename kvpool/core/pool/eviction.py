@@ -46,7 +46,7 @@ class Evictable(Protocol):
         """Free every member of a group and forget it; returns members dropped."""
         ...
 
-    def drop_member(self, group: Group, key: str) -> None:
+    def drop_member(self, group: Group, position: int) -> None:
         """Free one committed member; a group left with no member is forgotten."""
         ...
 
@@ -130,16 +130,15 @@ class Eviction:
                 continue
             if self.mode == "object":
                 # all members are committed: the group is not busy
-                key, obj = next(iter(group.members.items()))
-                self.counters.evicted_bytes += obj.size
-                self.index.drop_member(group, key)
+                self.counters.evicted_bytes += group.sizes[0]
+                self.index.drop_member(group, 0)
                 if group_id not in self.index.lru_groups:
                     self.counters.evicted_groups += 1
                     by_tenant[group.tenant] = by_tenant.get(group.tenant, 0) + 1
                 return True
             self.counters.evicted_groups += 1
             by_tenant[group.tenant] = by_tenant.get(group.tenant, 0) + 1
-            self.counters.evicted_bytes += sum(m.size for m in group.members.values())
+            self.counters.evicted_bytes += group.nbytes
             self.index.drop_group(group_id)
             return True
         return False

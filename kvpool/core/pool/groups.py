@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from kvpool.core.pool.records import Group, StoredObject
+from kvpool.core.pool.records import Group
 
 
 @dataclass(slots=True)
@@ -111,27 +111,15 @@ class GroupTable:
                 found += 1
         return found
 
-    def add_object(self, obj: StoredObject) -> None:
-        self.tenant_bytes[obj.tenant] = self.tenant_bytes.get(obj.tenant, 0) + obj.size
+    def add_bytes(self, tenant: str, size: int) -> None:
+        self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + size
 
-    def remove_object(self, obj: StoredObject) -> None:
-        left = self.tenant_bytes[obj.tenant] - obj.size
+    def remove_bytes(self, tenant: str, size: int) -> None:
+        left = self.tenant_bytes[tenant] - size
         if left:
-            self.tenant_bytes[obj.tenant] = left
+            self.tenant_bytes[tenant] = left
         else:
-            del self.tenant_bytes[obj.tenant]
-
-    def remove_objects(self, objs: Iterable[StoredObject]) -> None:
-        """``remove_object`` of each (a group's members: one tenant, one update)."""
-        by_tenant: dict[str, int] = {}
-        for obj in objs:
-            by_tenant[obj.tenant] = by_tenant.get(obj.tenant, 0) + obj.size
-        for tenant, size in by_tenant.items():
-            left = self.tenant_bytes[tenant] - size
-            if left:
-                self.tenant_bytes[tenant] = left
-            else:
-                del self.tenant_bytes[tenant]
+            del self.tenant_bytes[tenant]
 
     def of_tenant(self, tenant: str) -> OrderedDict[str, Group]:
         return self.by_tenant.get(tenant, _EMPTY)

@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from itertools import repeat
 from operator import attrgetter, eq, is_
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 from kvpool.core.pool.corrupt import condemn, droppable
 from kvpool.core.pool.eviction import Eviction, GroupFailures
@@ -54,13 +54,15 @@ from kvpool.core.pool.records import (
     PutOutcome,
     PutRequestItem,
     Segment,
+    ChangeRow,
     SegmentChange,
     StoredObject,
+    change_of_row,
 )
 from kvpool.core.pool.histories import HistoryHandles
 from kvpool.core.pool.segments import SegmentTable
 from kvpool.core.pool.settings import IndexSettings
-from kvpool.core.tenancy.shares import TenantShares
+from kvpool.core.tenancy.shares import TenantShares, tenant_name
 
 
 def leading_usable(groups: list[Group | None]) -> list[Group]:
@@ -95,14 +97,14 @@ class PoolIndex:
     """Where every object lives, which groups are complete, what to evict (invariants above)."""
 
     __slots__ = (
-        "settings", "clock", "objects", "groups", "counters", "segment_table", "eviction", "failures",
+        "settings", "clock", "owners", "groups", "counters", "segment_table", "eviction", "failures",
         "leases", "group_table", "shares", "puts", "histories",
     )
 
     def __init__(self, settings: IndexSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings if settings is not None else IndexSettings()
         self.clock = clock
-        self.objects: dict[str, StoredObject] = {}
+        self.owners: dict[str, Group] = {}  # each object's group, by key
         self.group_table = GroupTable()
         self.groups = self.group_table.groups  # LRU order: the first is the least recently used
         self.shares = TenantShares.parse(self.settings.tenant_weights)
@@ -214,8 +216,14 @@ class PoolIndex:
             self.drop_group(group.group_id)
         return len(dropped)
 
+    @property
+    def objects(self) -> ObjectsView:
+        """Every object as a value, by key (``StoredObject``s made on demand: for tests and cold paths)."""
+        return ObjectsView(self.owners)
+
     def exists(self, keys: Iterable[str]) -> list[bool]:
-        return [(obj := self.objects.get(key)) is not None and obj.committed for key in keys]
+        owners = self.owners
+        return [(group := owners.get(key)) is not None and group.committed(group.keys.index(key)) for key in keys]
 
     def remove(self, group_ids: Iterable[str]) -> tuple[int, list[str]]:
         """Remove whole groups; busy ones (leased, put in flight) are left and named."""
@@ -291,6 +299,11 @@ class PoolIndex:
 
     def heartbeat(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[SegmentChange], bool]:
         """Keep a segment alive; returns the changes its store has not acknowledged, and whether more wait."""
+        rows, more = self.segment_table.heartbeat(segment_id, acked_sequence)
+        return list(map(change_of_row, rows)), more
+
+    def heartbeat_rows(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[ChangeRow], bool]:
+        """``heartbeat``, the changes as rows (``PackedChanges``' columns)."""
         return self.segment_table.heartbeat(segment_id, acked_sequence)
 
     def expire_segments(self) -> list[str]:
@@ -319,45 +332,64 @@ class PoolIndex:
         return self.segment_table.allocate(order, size)
 
     def drop_group(self, group_id: str) -> int:
-        """``free`` every member, a group at a time: one tenant's bytes, one run of space per segment."""
+        """Forget a group and give back every member's space: one tenant's bytes, one run of space per segment."""
         group = self.groups[group_id]
         self.group_table.remove(group)
         self.puts.incomplete.pop(group_id, None)
-        members = group.members
-        in_flight, objects = self.puts.in_flight, self.objects
-        for key in members:
-            if in_flight:
+        keys, owners = group.keys, self.owners
+        if group.pending:
+            in_flight = self.puts.in_flight
+            for key in keys:
                 in_flight.pop(key, None)
-            del objects[key]
-        self.group_table.remove_objects(members.values())
-        self.segment_table.release_all(members.values())
-        return len(members)
+        for key in keys:
+            del owners[key]
+        self.group_table.remove_bytes(group.tenant, group.nbytes)
+        self.segment_table.release_group(group)
+        return len(keys)
 
-    def free(self, obj: StoredObject) -> None:
-        del self.objects[obj.key]
-        self.group_table.remove_object(obj)
-        self.segment_table.release(obj)
-
-    def drop_member(self, group: Group, key: str) -> None:
-        group.forget_encodings()
-        obj = group.members.pop(key)
-        group.num_committed -= 1
-        self.free(obj)
-        if not group.members:
+    def drop_member(self, group: Group, position: int) -> None:
+        """Forget one member of a group and give back its space; a group left with no member is forgotten."""
+        self.segment_table.release_member(group, position)
+        member = group.remove_member(position)
+        del self.owners[member.key]
+        self.group_table.remove_bytes(group.tenant, member.size)
+        if not group.keys:
             self.group_table.remove(group)
             self.puts.incomplete.pop(group.group_id, None)
 
-    def adopt(self, obj: StoredObject, group_size: int) -> None:
-        group = self.groups.get(obj.group_id)
+    def adopt(self, record: ObjectRecord, segment: Segment) -> None:
+        """A committed object a store reported in ``segment`` joins its group (``plan_report`` accepted it)."""
+        group = self.groups.get(record.group_id)
         if group is None:
-            group = self.group_table.add(Group(obj.group_id, group_size, tenant=obj.tenant))
-        obj.tenant = group.tenant  # a group is one tenant's, whatever a report says
-        group.forget_encodings()
-        self.objects[obj.key] = obj
-        self.group_table.add_object(obj)
-        group.members[obj.key] = obj
-        group.num_committed += 1
+            group = self.group_table.add(Group(record.group_id, record.group_size, tenant=tenant_name(record.tenant)))
+        # a group is one tenant's, whatever a report says
+        group.add_member(record.key, segment.segment_id, record.offset, record.size, record.checksum, committed=True)
+        self.owners[record.key] = group
+        segment.groups[group.group_id] = group
+        self.group_table.add_bytes(group.tenant, record.size)
         if not group.complete:  # its other members are in stores that have not reported yet
-            self.puts.mark_incomplete(obj.group_id)
+            self.puts.mark_incomplete(group.group_id)
         else:
-            self.puts.incomplete.pop(obj.group_id, None)
+            self.puts.incomplete.pop(group.group_id, None)
+
+
+class ObjectsView(Mapping[str, StoredObject]):
+    """The index's objects by key, each a ``StoredObject`` made when asked for (the index keeps groups' columns)."""
+
+    __slots__ = ("_owners",)
+
+    def __init__(self, owners: dict[str, Group]) -> None:
+        self._owners = owners
+
+    def __getitem__(self, key: str) -> StoredObject:
+        group = self._owners[key]
+        return group.member(group.keys.index(key))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._owners
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._owners)
+
+    def __len__(self) -> int:
+        return len(self._owners)

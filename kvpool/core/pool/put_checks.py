@@ -43,7 +43,7 @@ def check_put_batch(
         if item.key not in objects:
             count = new_members.get(item.group_id, 0) + 1
             new_members[item.group_id] = count
-            have = len(group.members) if group is not None else 0
+            have = len(group.keys) if group is not None else 0
             if have + count > item.group_size:
                 raise InvalidArgument(
                     f"items[{i}].key: group {item.group_id!r} already has {have + count - 1} "
@@ -66,7 +66,7 @@ def _all_good(items: Sequence[PutRequestItem], largest: int, groups: Mapping[str
         return False  # a group declared with two sizes
     for group_id, count in Counter(map(_GROUP_ID, items)).items():
         group = groups.get(group_id)
-        have, size = (len(group.members), group.size) if group is not None else (0, declared[group_id])
+        have, size = (len(group.keys), group.size) if group is not None else (0, declared[group_id])
         if size != declared[group_id] or have + count > size:
             return False
     return True

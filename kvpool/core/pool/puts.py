@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import attrgetter
 from typing import Protocol
 
@@ -31,32 +32,37 @@ from kvpool.core.pool.put_checks import check_put_batch, check_put_end
 from kvpool.core.pool.records import (
     Group,
     IndexCounters,
-    ObjectRecord,
     PutOutcome,
     PutRequestItem,
     PutStatus,
     Segment,
-    StoredObject,
 )
 from kvpool.core.pool.segments import SegmentTable
 from kvpool.core.pool.settings import IndexSettings
 from kvpool.core.tenancy.shares import tenant_name
 
 _GROUP_ID = attrgetter("group_id")
+_KEY = attrgetter("key")
+_SIZE = attrgetter("size")
+# the members' sizes of groups placed as runs, one tuple for each distinct one (bounded, whatever callers send)
+_SIZE_TUPLES: dict[tuple[int, ...], tuple[int, ...]] = {}
+MAX_SIZE_TUPLES = 4096
 
 
 class PutHost(Protocol):
     """What the put table needs of the index."""
 
     @property
-    def objects(self) -> dict[str, StoredObject]: ...
+    def owners(self) -> dict[str, Group]:
+        """Each object's group, by key."""
+        ...
 
     def drop_group(self, group_id: str) -> int:
         """Free every member of a group and forget it; returns members dropped."""
         ...
 
-    def free(self, obj: StoredObject) -> None:
-        """Forget one object and give its bytes back (its group is the caller's to update)."""
+    def drop_member(self, group: Group, position: int) -> None:
+        """Forget one member and give its bytes back; a group left with no member is forgotten."""
         ...
 
 
@@ -86,7 +92,7 @@ class PutTable:
         (``GROUP_FAILED``), later ones are refused.
         """
         segments = self.segment_table.segments
-        check_put_batch(items, segments, self.group_table.groups, self.index.objects)
+        check_put_batch(items, segments, self.group_table.groups, self.index.owners)
         self.failures.prune()
         outcomes: list[PutOutcome] = []
         rotations = batch_orders(
@@ -97,7 +103,7 @@ class PutTable:
         high = self.settings.high_watermark * capacity
         low = self.settings.low_watermark * capacity
         started = self.clock()
-        objects, groups, in_flight, failed = self.index.objects, self.group_table.groups, self.in_flight, self.failures
+        owners, groups, in_flight, failed = self.index.owners, self.group_table.groups, self.in_flight, self.failures
         failed_here: set[str] = set()
         # group_first's answers in this batch: a pure function of the rotation and the group's segments, which
         # repeat from item to item (a save's groups each lie in one store), and a sort of every segment each
@@ -106,13 +112,17 @@ class PutTable:
         # batch evicts (``_runs``): each is placed at once at that place, its other members' outcomes kept
         runs = self._runs(items, rotations, high)
         kept: dict[int, PutOutcome] = {}
+        # each placed run's last member's place: one at a time, the group's place among the incomplete ones (its
+        # deadline) is where its last member marked it
+        last_of_runs: set[int] = set()
         for position, item in enumerate(items):
             if kept:
                 outcome = kept.pop(position, None)
                 if outcome is not None:
                     outcomes.append(outcome)
                     num_placed += 1
-                    self.mark_incomplete(item.group_id)  # at each member's place, as one at a time
+                    if position in last_of_runs:
+                        self.mark_incomplete(item.group_id)
                     continue
             run = runs.get(position)
             if run is not None:
@@ -122,9 +132,10 @@ class PutTable:
                     outcomes.append(placed_run[0])
                     num_placed += 1
                     kept.update(zip(run[1:], placed_run[1:]))
+                    last_of_runs.add(run[-1])
                     continue
             key = item.key
-            if key in objects:
+            if key in owners:
                 outcomes.append(PutOutcome(PutStatus.ALREADY_EXISTS))
                 continue
             if item.group_id in failed:
@@ -133,9 +144,9 @@ class PutTable:
             group = groups.get(item.group_id)
             rotation = num_placed % len(rotations)
             order = rotations[rotation]
-            if group is not None and group.members:
+            if group is not None and group.keys:
                 # keep a group in one store where room allows
-                held = frozenset([m.segment_id for m in group.members.values()])
+                held = frozenset(group.segment_ids)
                 first = firsts.get((rotation, held))
                 if first is None:
                     first = firsts[rotation, held] = group_first(order, held, client_host)
@@ -153,13 +164,10 @@ class PutTable:
             group = groups.get(item.group_id)  # eviction may have dropped it meanwhile
             if group is None:
                 group = self.group_table.add(Group(item.group_id, item.group_size, tenant=tenant))
-            # the group's own id string: a group's members name it once in memory, not once per member
-            obj = StoredObject(key, group.group_id, segment.segment_id, offset, item.size, tenant=group.tenant)
-            objects[key] = obj
-            self.group_table.add_object(obj)
-            segment.keys.add(key)
-            group.members[key] = obj
-            group.num_in_flight += 1
+            group.add_member(key, segment.segment_id, offset, item.size)
+            owners[key] = group
+            self.group_table.add_bytes(group.tenant, item.size)
+            segment.groups[group.group_id] = group
             self.mark_incomplete(item.group_id)
             in_flight[key] = started
             outcomes.append(PutOutcome(PutStatus.RESERVED, segment, offset))
@@ -178,10 +186,10 @@ class PutTable:
         positions: dict[str, list[int]] = {}
         for position, group_id in enumerate(map(_GROUP_ID, items)):
             positions.setdefault(group_id, []).append(position)
-        groups, objects, failed = self.group_table.groups, self.index.objects, self.failures
+        groups, owners, failed = self.group_table.groups, self.index.owners, self.failures
         runs = {places[0]: places for group_id, places in positions.items()
                 if len(places) == items[places[0]].group_size > 1 and group_id not in groups
-                and group_id not in failed and not any(items[p].key in objects for p in places)}
+                and group_id not in failed and not any(items[p].key in owners for p in places)}
         if not runs or not rotations[0]:
             return {}
         rounded = rotations[0][0].allocator.rounded_size  # one alignment for every segment (the index's settings)
@@ -192,50 +200,75 @@ class PutTable:
         return runs
 
     def _place_run(self, run: list[PutRequestItem], segment: Segment, started: float) -> list[PutOutcome] | None:
-        """Every member of a new group at once, back to back in ``segment``: one hole, one run of space to give
-        back when the group goes. None, with nothing changed, when the segment has no one hole for them all."""
+        """Every member of a new group at once, back to back in ``segment``: one hole, one record, one run of space
+        to give back when the group goes (the caller marks it incomplete). None, with nothing changed, when the
+        segment has no one hole for them all."""
         first = run[0]
-        offsets = self.segment_table.allocate_run(segment, [item.size for item in run])
+        sizes = tuple(map(_SIZE, run))
+        if len(_SIZE_TUPLES) > MAX_SIZE_TUPLES:
+            _SIZE_TUPLES.clear()
+        sizes = _SIZE_TUPLES.setdefault(sizes, sizes)  # one tuple for every group of these sizes (the KV case)
+        offsets = self.segment_table.allocate_run(segment, list(sizes))
         if offsets is None:
             return None
-        group = self.group_table.add(Group(first.group_id, first.group_size, tenant=tenant_name(first.tenant)))
-        group_id, tenant = group.group_id, group.tenant
-        segment_id, keys, members = segment.segment_id, segment.keys, group.members
-        objects, in_flight, add_object = self.index.objects, self.in_flight, self.group_table.add_object
-        outcomes = []
-        for item, offset in zip(run, offsets):
-            key = item.key
-            obj = StoredObject(key, group_id, segment_id, offset, item.size, tenant=tenant)
-            objects[key] = members[key] = obj
-            add_object(obj)
-            keys.add(key)
-            in_flight[key] = started
-            outcomes.append(PutOutcome(PutStatus.RESERVED, segment, offset))
-        group.num_in_flight = len(run)
-        self.mark_incomplete(group_id)
-        return outcomes
+        n = len(run)
+        keys = tuple(map(_KEY, run))
+        nbytes = sum(sizes)
+        group = self.group_table.add(Group(
+            first.group_id, first.group_size, tenant_name(first.tenant), keys, segment.ids(n),
+            tuple(offsets), sizes, [0] * n, pending=(1 << n) - 1, nbytes=nbytes, num_in_flight=n))
+        self.index.owners.update(zip(keys, repeat(group)))
+        self.in_flight.update(zip(keys, repeat(started)))
+        self.group_table.add_bytes(group.tenant, nbytes)
+        segment.groups[group.group_id] = group
+        return list(map(PutOutcome, repeat(PutStatus.RESERVED, n), repeat(segment, n), offsets))
 
     def put_end(self, commits: Sequence[tuple[str, int]]) -> int:
-        """Commit in-flight puts (key, checksum); all or none."""
+        """Commit in-flight puts (key, checksum); all or none. Each group's members committed here go to their
+        stores' journals as one entry (a group's members nearly always lie in one segment)."""
         check_put_end(commits, self.in_flight)
-        groups, segments = self.group_table.groups, self.segment_table.segments
+        in_flight, owners = self.in_flight, self.index.owners
+        done: dict[int, tuple[Group, list[int]]] = {}
         for key, checksum in commits:
-            del self.in_flight[key]
-            obj = self.index.objects[key]
-            obj.checksum = checksum
-            obj.committed = True
-            group = groups[obj.group_id]
-            group.num_in_flight -= 1
-            group.num_committed += 1
+            del in_flight[key]
+            group = owners[key]
+            position = group.keys.index(key)
+            group.checksums[position] = checksum
+            group.pending &= ~(1 << position)
+            entry = done.get(id(group))
+            if entry is None:
+                done[id(group)] = (group, [position])
+            else:
+                entry[1].append(position)
+        segments = self.segment_table.segments
+        for group, positions in done.values():
+            n = len(positions)
+            group.num_in_flight -= n
+            group.num_committed += n
             group.forget_encodings()
             if group.complete:
-                self.incomplete.pop(obj.group_id, None)
-            segments[obj.segment_id].journal.add(
-                ObjectRecord(key, obj.group_id, group.size, obj.offset, obj.size, checksum, obj.tenant)
-            )
+                self.incomplete.pop(group.group_id, None)
+            self._journal_added(group, positions, segments)
             if group.failed and group.num_in_flight == 0:
                 self._drop_failed(group)
         return len(commits)
+
+    @staticmethod
+    def _journal_added(group: Group, positions: list[int], segments: dict[str, Segment]) -> None:
+        segment_ids = group.segment_ids
+        checksums = group.checksums
+        if len(positions) == len(segment_ids) and segment_ids.count(segment_ids[0]) == len(segment_ids):
+            # every member at once, in one segment (a save's chunk)
+            segments[segment_ids[0]].journal.add_members(group.group_id, group.size, group.keys, group.offsets,
+                                                         group.sizes, tuple(checksums), group.tenant)
+            return
+        by_segment: dict[str, list[int]] = {}
+        for position in sorted(positions):
+            by_segment.setdefault(segment_ids[position], []).append(position)
+        for segment_id, mine in by_segment.items():
+            segments[segment_id].journal.add_members(
+                group.group_id, group.size, tuple(group.keys[i] for i in mine), tuple(group.offsets[i] for i in mine),
+                tuple(group.sizes[i] for i in mine), tuple(checksums[i] for i in mine), group.tenant)
 
     def put_revoke(self, keys: Iterable[str]) -> int:
         """Give back the space of in-flight puts and fail their groups; committed or unknown keys are left alone."""
@@ -289,15 +322,10 @@ class PutTable:
 
     def _revoke(self, key: str) -> None:
         del self.in_flight[key]
-        obj = self.index.objects[key]
-        group = self.group_table.groups[obj.group_id]
-        del group.members[key]
-        group.num_in_flight -= 1
-        self.index.free(obj)
-        if not group.members:
-            self.group_table.remove(group)
+        group = self.index.owners[key]
+        self.index.drop_member(group, group.keys.index(key))
         self.counters.revoked_puts += 1
-        self._fail_group(obj.group_id, group.size)
+        self._fail_group(group.group_id, group.size)
 
     # ---- failed groups --------------------------------------------------
 
@@ -321,15 +349,10 @@ class PutTable:
         for i, item in enumerate(items):
             if item.group_id in failed and outcomes[i].status is PutStatus.RESERVED:
                 outcomes[i] = PutOutcome(PutStatus.GROUP_FAILED)
-                obj = self.index.objects[item.key]
                 group = groups[item.group_id]
                 del self.in_flight[item.key]
-                del group.members[item.key]
-                group.num_in_flight -= 1
-                self.index.free(obj)
+                self.index.drop_member(group, group.keys.index(item.key))
         for group_id in failed:
             group = groups.get(group_id)
-            if group is not None and not group.members:
-                self.group_table.remove(group)
-            elif group is not None and not group.busy:
+            if group is not None and group.keys and not group.busy:
                 self._drop_failed(group)

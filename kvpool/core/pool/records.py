@@ -1,15 +1,19 @@
 """Plain records the pool master's index keeps and returns.
 
-The ones a save makes per object (``PutRequestItem``, ``ObjectRecord``, ``SegmentChange``) are not frozen
-dataclasses: a frozen one's ``__init__`` sets each field through ``object.__setattr__``, 2.4 µs against 0.3
-for a plain one of seven fields, and a save of 88 objects made about 340 of them (a third of its cost to the
-master). Nothing changes them once made; nothing hashes them.
+The index keeps a record per group, not per object: a ``Group`` holds its members as columns (keys, segments,
+offsets, sizes, checksums), a segment's journal holds an entry per group's commit or removal (``JournalEntry``),
+and a segment names its groups, not its keys. A save of a chunk's four stage objects makes one record where it
+made four objects, four dict entries and eight journal records (``StoredObject`` is now a value made on demand,
+for tests and cold paths). The records a save still makes per object (``PutRequestItem``, ``PutOutcome``) are not
+frozen dataclasses: a frozen one's ``__init__`` sets each field through ``object.__setattr__``, 2.4 µs against
+0.3 for a plain one of seven fields.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass, field
 
 from kvpool.core.pool.paths import SegmentAccess, SharedMemoryRef
@@ -76,36 +80,107 @@ class SegmentChange:
     removed_key: str = ""
 
 
+# one change as the store receives it: sequence, key, group id, group size (0: the key is removed), offset, size,
+# checksum, tenant (``PackedChanges``' columns)
+ChangeRow = tuple[int, str, str, int, int, int, int, str]
+
+
+def change_of_row(row: ChangeRow) -> SegmentChange:
+    sequence, key, group_id, group_size, offset, size, checksum, tenant = row
+    if not group_size:
+        return SegmentChange(sequence, removed_key=key)
+    return SegmentChange(sequence, added=ObjectRecord(key, group_id, group_size, offset, size, checksum, tenant))
+
+
+@dataclass(slots=True)
+class JournalEntry:
+    """Changes to one segment made at once, numbered ``first`` on: members of one group added (``group_size`` > 0,
+    with their offsets, sizes and checksums), or keys removed (``group_size`` 0). A save's commit or an eviction
+    is one entry a group, not one a member."""
+
+    first: int
+    keys: tuple[str, ...]
+    group_id: str = ""
+    group_size: int = 0
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    checksums: tuple[int, ...] = ()
+    tenant: str = ""
+
+    @property
+    def last(self) -> int:
+        return self.first + len(self.keys) - 1
+
+    def rows(self, after: int, limit: int) -> list[ChangeRow]:
+        """This entry's changes numbered past ``after``, at most ``limit``."""
+        skip = max(0, after - self.first + 1)
+        keys = self.keys[skip:skip + limit]
+        sequences = range(self.first + skip, self.first + skip + len(keys))
+        if not self.group_size:
+            return [(s, k, "", 0, 0, 0, 0, "") for s, k in zip(sequences, keys)]
+        n = len(keys)
+        return list(zip(sequences, keys, repeat(self.group_id, n), repeat(self.group_size, n),
+                        self.offsets[skip:skip + n], self.sizes[skip:skip + n], self.checksums[skip:skip + n],
+                        repeat(self.tenant, n)))
+
+
 @dataclass(slots=True)
 class SegmentJournal:
     """Changes to one segment's committed objects that its store has not acknowledged yet.
 
-    Invariant: ``entries`` hold exactly the changes with ``acked < sequence``,
-    in sequence order; the store's records equal the master's committed
-    objects in the segment once it has applied every entry.
+    Each change has its own sequence number (the store acknowledges them one by one); they are kept a group at a
+    time (``JournalEntry``). Invariant: ``entries`` hold exactly the changes with ``acked < sequence`` (the first
+    entry possibly in part), in sequence order; the store's records equal the master's committed objects in the
+    segment once it has applied every change.
     """
 
     sequence: int = 0
     acked: int = 0
-    entries: deque[SegmentChange] = field(default_factory=deque)
+    entries: deque[JournalEntry] = field(default_factory=deque)
 
     def add(self, record: ObjectRecord) -> None:
-        self.sequence += 1
-        self.entries.append(SegmentChange(self.sequence, added=record))
+        """One object added (a block report's resync; commits come a group at a time: ``add_members``)."""
+        self.add_members(record.group_id, record.group_size, (record.key,), (record.offset,), (record.size,),
+                         (record.checksum,), record.tenant)
+
+    def add_members(self, group_id: str, group_size: int, keys: tuple[str, ...], offsets: tuple[int, ...],
+                    sizes: tuple[int, ...], checksums: tuple[int, ...], tenant: str) -> None:
+        if keys:
+            self.entries.append(JournalEntry(self.sequence + 1, keys, group_id, group_size, offsets, sizes,
+                                             checksums, tenant))
+            self.sequence += len(keys)
 
     def remove(self, key: str) -> None:
-        self.sequence += 1
-        self.entries.append(SegmentChange(self.sequence, removed_key=key))
+        self.remove_keys((key,))
+
+    def remove_keys(self, keys: tuple[str, ...]) -> None:
+        if keys:
+            self.entries.append(JournalEntry(self.sequence + 1, keys))
+            self.sequence += len(keys)
+
+    @property
+    def unacked(self) -> int:
+        """Changes the store has not acknowledged."""
+        return self.sequence - self.acked
 
     def ack(self, sequence: int) -> None:
         """The store applied every change up to ``sequence`` (a later one than ours is clamped)."""
         self.acked = max(self.acked, min(sequence, self.sequence))
-        while self.entries and self.entries[0].sequence <= self.acked:
+        while self.entries and self.entries[0].last <= self.acked:
             self.entries.popleft()
 
+    def pending_rows(self, limit: int) -> list[ChangeRow]:
+        """The first ``limit`` changes the store has not acknowledged, as rows."""
+        rows: list[ChangeRow] = []
+        for entry in self.entries:
+            if len(rows) >= limit:
+                break
+            rows += entry.rows(self.acked, limit - len(rows))
+        return rows
+
     def pending(self, limit: int) -> list[SegmentChange]:
-        """The first ``limit`` changes the store has not acknowledged."""
-        return [change for _, change in zip(range(limit), self.entries)]
+        """``pending_rows`` as changes."""
+        return list(map(change_of_row, self.pending_rows(limit)))
 
 
 @dataclass(slots=True)
@@ -120,20 +195,36 @@ class Segment:
     size: int
     allocator: SegmentAllocator
     last_heartbeat: float
-    keys: set[str] = field(default_factory=set)
+    # every group with a member here, by id (a group nearly always lies in one segment)
+    groups: dict[str, Group] = field(default_factory=dict)
     journal: SegmentJournal = field(default_factory=SegmentJournal)
     shared: SharedMemoryRef | None = None  # mapped by clients on ``host`` (kvpool.core.pool.paths)
     # this segment's number, unique for the index's life: a segment mounted anew gets a new one
     number: int = 0
+    # ``(segment_id,) * n`` by n: one tuple for the segment ids of every group of n members here
+    same_ids: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def access(self) -> SegmentAccess:
         return SegmentAccess(self.segment_id, self.host, self.base_address, self.shared)
 
+    def ids(self, n: int) -> tuple[str, ...]:
+        """This segment's id n times (a group of n members all here), the same tuple each time."""
+        ids = self.same_ids.get(n)
+        if ids is None:
+            ids = self.same_ids[n] = (self.segment_id,) * n
+        return ids
 
-@dataclass(slots=True)
+    def num_objects(self) -> int:
+        """Members of its groups that lie here (O(groups): for stats)."""
+        segment_id = self.segment_id
+        return sum(g.segment_ids.count(segment_id) for g in self.groups.values())
+
+
+@dataclass(slots=True, frozen=True)
 class StoredObject:
-    """One object; readable only once ``committed`` (its checksum is then known)."""
+    """One member of a group, as a value: made on demand (``Group.member``) for tests and cold paths; the index
+    keeps its members in the group's columns."""
 
     key: str
     group_id: str
@@ -147,11 +238,24 @@ class StoredObject:
 
 @dataclass(slots=True)
 class Group:
-    """The members of one chunk; complete when all ``size`` members are committed."""
+    """The members of one chunk; complete when all ``size`` members are committed.
+
+    Its members are columns, one entry a member in the order they arrived (``keys``, ``segment_ids``, ``offsets``,
+    ``sizes`` as tuples, ``checksums`` a list set at each commit), not an object each: a save of a chunk makes one
+    record, not one per stage, and the index's memory is its columns. ``pending`` has bit ``i`` set while member
+    ``i``'s put is in flight.
+    """
 
     group_id: str
     size: int
-    members: dict[str, StoredObject] = field(default_factory=dict)
+    tenant: str = DEFAULT_TENANT
+    keys: tuple[str, ...] = ()
+    segment_ids: tuple[str, ...] = ()
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    checksums: list[int] = field(default_factory=list)
+    pending: int = 0
+    nbytes: int = 0  # the members' sizes, summed
     num_committed: int = 0
     num_in_flight: int = 0
     num_leases: int = 0
@@ -159,7 +263,6 @@ class Group:
     failed: bool = False
     # a reader found a member failing its checksum: hidden, dropped once no lease holds it
     corrupt: bool = False
-    tenant: str = DEFAULT_TENANT
     # the master's encoding of the complete group's locations for lookups, made at the first lookup
     # that finds it; the index sets it back to None whenever a member changes
     encoded: object = None
@@ -172,6 +275,57 @@ class Group:
     def complete(self) -> bool:
         return self.num_committed == self.size
 
+    @property
+    def num_members(self) -> int:
+        return len(self.keys)
+
+    def committed(self, position: int) -> bool:
+        return not self.pending >> position & 1
+
+    def member(self, position: int) -> StoredObject:
+        return StoredObject(self.keys[position], self.group_id, self.segment_ids[position], self.offsets[position],
+                            self.sizes[position], self.checksums[position], self.committed(position), self.tenant)
+
+    @property
+    def members(self) -> dict[str, StoredObject]:
+        """Every member as a value, by key (made anew at each call: for tests and cold paths)."""
+        return {key: self.member(i) for i, key in enumerate(self.keys)}
+
+    def add_member(self, key: str, segment_id: str, offset: int, size: int, checksum: int = 0,
+                   committed: bool = False) -> None:
+        if not committed:
+            self.pending |= 1 << len(self.keys)
+            self.num_in_flight += 1
+        else:
+            self.num_committed += 1
+        self.keys += (key,)
+        self.segment_ids += (segment_id,)
+        self.offsets += (offset,)
+        self.sizes += (size,)
+        self.checksums.append(checksum)
+        self.nbytes += size
+        self.forget_encodings()
+
+    def remove_member(self, position: int) -> StoredObject:
+        """Take member ``position`` out (its counts with it); returns it as it was."""
+        member = self.member(position)
+        if member.committed:
+            self.num_committed -= 1
+        else:
+            self.num_in_flight -= 1
+        low = self.pending & ((1 << position) - 1)
+        self.pending = low | (self.pending >> (position + 1) << position)
+        cut = slice(position, position + 1)
+        keys, segment_ids, offsets, sizes = (list(self.keys), list(self.segment_ids), list(self.offsets),
+                                             list(self.sizes))
+        for column in (keys, segment_ids, offsets, sizes, self.checksums):
+            del column[cut]
+        self.keys, self.segment_ids, self.offsets, self.sizes = tuple(keys), tuple(segment_ids), tuple(offsets), \
+            tuple(sizes)
+        self.nbytes -= member.size
+        self.forget_encodings()
+        return member
+
     def forget_encodings(self) -> None:
         """A member changed: the kept lookup encodings (``encoded``, ``compact``) no longer hold."""
         self.encoded = self.compact = None
@@ -180,6 +334,7 @@ class Group:
     def busy(self) -> bool:
         """Busy groups are never evicted."""
         return self.num_in_flight > 0 or self.num_leases > 0
+
 
 
 @dataclass(slots=True, frozen=True)

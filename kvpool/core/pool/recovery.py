@@ -24,7 +24,7 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvpool.core.pool.allocator import SegmentAllocator
-from kvpool.core.pool.records import Group, ObjectRecord, StoredObject
+from kvpool.core.pool.records import Group, ObjectRecord
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,7 +39,7 @@ def plan_report(
     records: Sequence[ObjectRecord],
     segment_size: int,
     alignment: int,
-    objects: Mapping[str, StoredObject],
+    objects: Container[str],
     groups: Mapping[str, Group],
     failed_groups: Container[str],
 ) -> ReportPlan:
@@ -54,7 +54,7 @@ def plan_report(
         rounded = -(-record.size // alignment) * alignment
         group = groups.get(record.group_id)
         size = group.size if group is not None else sizes.get(record.group_id, record.group_size)
-        have = (len(group.members) if group is not None else 0) + new_members.get(record.group_id, 0)
+        have = (len(group.keys) if group is not None else 0) + new_members.get(record.group_id, 0)
         ok = (
             record.size > 0
             and record.offset % alignment == 0

@@ -16,7 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,19 +29,19 @@ from kvpool.core.pool.records import (
     MountResult,
     ObjectRecord,
     Segment,
-    SegmentChange,
-    StoredObject,
+    ChangeRow,
 )
 from kvpool.core.pool.recovery import allocator_with_ranges, plan_report
 from kvpool.core.pool.settings import IndexSettings
-from kvpool.core.tenancy.shares import tenant_name
 
 
 class SegmentHost(Protocol):
     """What the segment table needs of the index."""
 
     @property
-    def objects(self) -> Mapping[str, StoredObject]: ...
+    def owners(self) -> Mapping[str, Group]:
+        """Each object's group, by key."""
+        ...
 
     @property
     def lru_groups(self) -> Mapping[str, Group]: ...
@@ -50,8 +50,8 @@ class SegmentHost(Protocol):
         """Free every member of a group and forget it; returns members dropped."""
         ...
 
-    def adopt(self, obj: StoredObject, group_size: int) -> None:
-        """A committed object a store reported joins its group."""
+    def adopt(self, record: ObjectRecord, segment: Segment) -> None:
+        """A committed object a store reported in ``segment`` joins its group."""
         ...
 
 
@@ -94,41 +94,52 @@ class SegmentTable:
             self.used_bytes += allocator.used_bytes - before
         return offsets
 
-    def release(self, obj: StoredObject) -> None:
-        """Give back an object's space; a committed one's store is told to forget it."""
-        segment = self.segments.get(obj.segment_id)
+    def release_member(self, group: Group, position: int) -> None:
+        """Give back the space of a group's member (before it leaves the group); a committed one's store is told to
+        forget it."""
+        segment = self.segments.get(group.segment_ids[position])
         if segment is None:
             return
-        segment.keys.discard(obj.key)
+        segment_id = segment.segment_id
+        if group.segment_ids.count(segment_id) == 1:  # its group's last member here
+            segment.groups.pop(group.group_id, None)
         allocator = segment.allocator
         before = allocator.used_bytes
-        allocator.free(obj.offset)
+        allocator.free(group.offsets[position])
         self.used_bytes -= before - allocator.used_bytes
-        if obj.committed:  # the store holds its record: it must forget it
-            segment.journal.remove(obj.key)
+        if group.committed(position):  # the store holds its record: it must forget it
+            segment.journal.remove(group.keys[position])
 
-    def release_all(self, objs: Collection[StoredObject]) -> None:
-        """``release`` each of ``objs`` (a group's members): those in one segment go back as runs, merged once
-        where they lie back to back (``SegmentAllocator.free_run``)."""
-        if not objs:
+    def release_group(self, group: Group) -> None:
+        """Give back every member's space (the group is being forgotten): a segment's members go back as one run,
+        merged once where they lie back to back (``SegmentAllocator.free_run``); the committed ones' store is told
+        to forget them, in one journal entry."""
+        segment_ids = group.segment_ids
+        if not segment_ids:
             return
-        segment_id = next(iter(objs)).segment_id
-        if any(obj.segment_id != segment_id for obj in objs):
-            for obj in objs:
-                self.release(obj)
+        first = segment_ids[0]
+        if segment_ids.count(first) == len(segment_ids):  # nearly always: the whole group in one segment
+            self._release_in(group, first, group.offsets, group.keys, group.pending)
             return
+        for segment_id in dict.fromkeys(segment_ids):
+            positions = [i for i, s in enumerate(segment_ids) if s == segment_id]
+            self._release_in(group, segment_id, tuple(group.offsets[i] for i in positions),
+                             tuple(group.keys[i] for i in positions),
+                             sum(1 << n for n, i in enumerate(positions) if not group.committed(i)))
+
+    def _release_in(self, group: Group, segment_id: str, offsets: tuple[int, ...], keys: tuple[str, ...],
+                    pending: int) -> None:
         segment = self.segments.get(segment_id)
         if segment is None:
             return
-        segment.keys.difference_update([obj.key for obj in objs])
+        segment.groups.pop(group.group_id, None)
         allocator = segment.allocator
         before = allocator.used_bytes
-        allocator.free_run([obj.offset for obj in objs])
+        allocator.free_run(list(offsets))
         self.used_bytes -= before - allocator.used_bytes
-        journal = segment.journal
-        for obj in objs:
-            if obj.committed:
-                journal.remove(obj.key)
+        if pending:
+            keys = tuple(key for n, key in enumerate(keys) if not pending >> n & 1)
+        segment.journal.remove_keys(keys)
 
     # ---- mounts ---------------------------------------------------------
 
@@ -161,7 +172,7 @@ class SegmentTable:
             self.unmount(segment_id)
         self.failures.prune()
         alignment = self.settings.alignment
-        plan = plan_report(records, size, alignment, self.index.objects, self.index.lru_groups, self.failures)
+        plan = plan_report(records, size, alignment, self.index.owners, self.index.lru_groups, self.failures)
         allocator = allocator_with_ranges(size, alignment, [(r.offset, r.size) for r in plan.accepted])
         segment = self.segments[segment_id] = Segment(
             segment_id=segment_id,
@@ -179,41 +190,42 @@ class SegmentTable:
         self.capacity += size
         self.used_bytes += allocator.used_bytes
         for record in plan.accepted:
-            obj = StoredObject(record.key, record.group_id, segment_id, record.offset, record.size, record.checksum, True,
-                               tenant_name(record.tenant))
-            segment.keys.add(record.key)
-            self.index.adopt(obj, record.group_size)
+            self.index.adopt(record, segment)
         self.counters.adopted_objects += len(plan.accepted)
         self.counters.rejected_records += len(plan.rejected_keys)
         return MountResult(True, len(plan.accepted), plan.rejected_keys, 0)
 
     def _resync(self, segment: Segment, records: Sequence[ObjectRecord]) -> MountResult:
-        held = {r.key for r in records if self._record_of(r.key, segment.segment_id) == r}
+        segment_id = segment.segment_id
+        held = {r.key for r in records if self._record_of(r.key, segment_id) == r}
         rejected = [r.key for r in records if r.key not in held]
         journal = segment.journal
         journal.entries.clear()
         journal.acked = journal.sequence
-        for key in sorted(segment.keys - held):
-            record = self._record_of(key, segment.segment_id)
+        mine = [key for group in segment.groups.values() for i, key in enumerate(group.keys)
+                if group.segment_ids[i] == segment_id and group.committed(i)]
+        for key in sorted(set(mine) - held):
+            record = self._record_of(key, segment_id)
             if record is not None:
                 journal.add(record)
         self.counters.rejected_records += len(rejected)
         return MountResult(False, len(held), rejected, journal.acked)
 
     def _record_of(self, key: str, segment_id: str) -> ObjectRecord | None:
-        obj = self.index.objects.get(key)
-        if obj is None or not obj.committed or obj.segment_id != segment_id:
+        group = self.index.owners.get(key)
+        if group is None:
             return None
-        size = self.index.lru_groups[obj.group_id].size
-        return ObjectRecord(key, obj.group_id, size, obj.offset, obj.size, obj.checksum, obj.tenant)
+        i = group.keys.index(key)
+        if not group.committed(i) or group.segment_ids[i] != segment_id:
+            return None
+        return ObjectRecord(key, group.group_id, group.size, group.offsets[i], group.sizes[i], group.checksums[i],
+                            group.tenant)
 
     def unmount(self, segment_id: str) -> int:
         """Drop a segment and every group with a member in it; returns objects dropped."""
         segment = self.get(segment_id, field_name="segment_id")
-        objects = self.index.objects
-        group_ids = {objects[key].group_id for key in segment.keys}
         dropped = 0
-        for group_id in group_ids:
+        for group_id in list(segment.groups):
             dropped += self.index.drop_group(group_id)
         del self.segments[segment_id]
         self.capacity -= segment.size
@@ -222,14 +234,15 @@ class SegmentTable:
 
     # ---- liveness -------------------------------------------------------
 
-    def heartbeat(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[SegmentChange], bool]:
-        """Keep a segment alive; returns the changes its store has not acknowledged, and whether more wait."""
+    def heartbeat(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[ChangeRow], bool]:
+        """Keep a segment alive; returns the changes its store has not acknowledged (as rows), and whether more
+        wait."""
         segment = self.get(segment_id, field_name="segment_id")
         segment.last_heartbeat = self.clock()
         journal = segment.journal
         journal.ack(acked_sequence)
-        changes = journal.pending(self.settings.max_changes_per_heartbeat)
-        return changes, len(journal.entries) > len(changes)
+        rows = journal.pending_rows(self.settings.max_changes_per_heartbeat)
+        return rows, journal.unacked > len(rows)
 
     def expire(self) -> list[str]:
         """Unmount every segment whose store missed heartbeats for the TTL."""

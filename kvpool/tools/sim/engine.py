@@ -314,12 +314,12 @@ class Simulation:
                     continue
                 more = True
                 while more:
-                    changes, more = index.heartbeat(segment.segment_id, self._acked.get(segment.segment_id, 0))
-                    if changes:
-                        self._acked[segment.segment_id] = changes[-1].sequence
-            before = len(index.objects)
+                    rows, more = index.heartbeat_rows(segment.segment_id, self._acked.get(segment.segment_id, 0))
+                    if rows:
+                        self._acked[segment.segment_id] = rows[-1][0]
+            before = len(index.owners)
             index.expire_segments()
-            self.dropped_objects += before - len(index.objects)
+            self.dropped_objects += before - len(index.owners)
         self.loop.after(HEARTBEAT_S, self._heartbeat)
 
     def _fail_server(self, server: int) -> None:

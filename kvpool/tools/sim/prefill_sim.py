@@ -233,13 +233,12 @@ class PipelineSim:
         segments, readable, remote, dead = self.index.segments, len(groups), {}, self.dead_hosts
         local = {sid for sid, seg in segments.items() if seg.host == self.host}
         for i, group in enumerate(groups):
-            members = group.members.values()
-            if dead and any((seg := segments.get(o.segment_id)) is None or seg.host in dead for o in members):
+            if dead and any((seg := segments.get(s)) is None or seg.host in dead for s in group.segment_ids):
                 readable = i
                 break
-            for o in members:
-                if o.segment_id not in local and (seg := segments.get(o.segment_id)) is not None:
-                    remote[seg.host] = remote.get(seg.host, 0) + o.size
+            for segment_id, size in zip(group.segment_ids, group.sizes):
+                if segment_id not in local and (seg := segments.get(segment_id)) is not None:
+                    remote[seg.host] = remote.get(seg.host, 0) + size
         parts = [1 + len(remote)]
 
         def landed() -> None:
