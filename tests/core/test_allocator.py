@@ -284,11 +284,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.alloc = SegmentAllocator(64)
         self.live: dict[int, int] = {}  # offset -> rounded size
+        self.runs: dict[int, list[int]] = {}  # a run's allocation (in live) -> its pieces' sizes, as asked
 
     @initialize(capacity=st.integers(1, 4096), alignment=st.sampled_from([1, 8, 64, 256]))
     def start(self, capacity: int, alignment: int) -> None:
         self.alloc = SegmentAllocator(capacity, alignment)
         self.live = {}
+        self.runs = {}
 
     def model_gaps(self) -> list[tuple[int, int]]:
         gaps: list[tuple[int, int]] = []
@@ -315,7 +317,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(sizes=st.lists(st.integers(1, 700), min_size=1, max_size=5))
     def allocate_run(self, sizes: list[int]) -> None:
-        """A group's members: one best-fit hole for them all, then one allocation each, back to back."""
+        """A group's members: one best-fit hole for them all, one allocation, the pieces back to back."""
         align = self.alloc.alignment
         needs = [-(-size // align) * align for size in sizes]
         fitting = [(gap_size, offset) for offset, gap_size in self.model_gaps() if gap_size >= sum(needs)]
@@ -327,8 +329,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         offset = offsets[0]
         for need, got in zip(needs, offsets, strict=True):
             assert got == offset  # back to back
-            self.live[offset] = need
             offset += need
+        self.live[offsets[0]] = sum(needs)
+        self.runs[offsets[0]] = sizes
+
+    @precondition(lambda self: self.runs)
+    @rule(data=st.data())
+    def split_run(self, data: st.DataObject) -> None:
+        """A run's pieces become allocations of their own, each freed alone after; a wrong split changes nothing."""
+        first = data.draw(st.sampled_from(sorted(self.runs)))
+        sizes = self.runs.pop(first)
+        if len(sizes) > 1:
+            with pytest.raises(UnknownOffsetError):
+                self.alloc.split_run(first, sizes[:-1])
+        offsets = self.alloc.split_run(first, sizes)
+        align = self.alloc.alignment
+        del self.live[first]
+        for offset, size in zip(offsets, sizes, strict=True):
+            self.live[offset] = -(-size // align) * align
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -338,6 +356,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc.free_run(offsets)
         for offset in offsets:
             del self.live[offset]
+            self.runs.pop(offset, None)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), dead=st.integers(-1, 5000))
@@ -358,6 +377,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         offset = data.draw(st.sampled_from(sorted(self.live)))
         self.alloc.free(offset)
         del self.live[offset]
+        self.runs.pop(offset, None)
 
     @rule(offset=st.integers(-1, 5000))
     def free_unknown(self, offset: int) -> None:

@@ -92,7 +92,21 @@ def test_a_groups_members_lie_back_to_back_and_go_back_as_one_extent() -> None:
     outcomes = index.put_start("host0", items)
     assert [o.offset for o in outcomes] == [0, KB, 3 * KB]  # each rounded to the alignment, in order
     allocator = index.segments["seg0"].allocator
-    assert [allocator.allocation_size(o.offset) for o in outcomes] == [KB, 2 * KB, 2 * KB]
+    assert allocator.num_allocations == 1 and allocator.allocation_size(0) == 5 * KB  # one allocation, one entry
     index.put_end([(item.key, 7) for item in items])
     index.drop_group("g")
+    assert allocator.num_free_extents == 1 and allocator.used_bytes == 0 and index.used_bytes == 0
+
+
+def test_a_member_taken_out_of_a_run_splits_it_and_the_rest_still_go_back_as_one_extent() -> None:
+    index, _ = make_index(segment_bytes=40 * KB, segments=1, alignment=1024)
+    items = [PutRequestItem(f"g/{m}", "g", 3, KB + m) for m in range(3)]
+    index.put_start("host0", items)
+    allocator = index.segments["seg0"].allocator
+    index.put_revoke(["g/1"])  # its writer gave up: the run splits, its room alone goes back
+    assert "g" in index.groups and [k for k in index.objects] == ["g/0", "g/2"]
+    assert allocator.num_allocations == 2 and allocator.used_bytes == 3 * KB
+    assert [allocator.allocation_size(o) for o in index.groups["g"].offsets] == [KB, 2 * KB]
+    index.put_end([("g/0", 1), ("g/2", 2)])  # the group failed: dropped once nothing is in flight
+    assert "g" not in index.groups
     assert allocator.num_free_extents == 1 and allocator.used_bytes == 0 and index.used_bytes == 0

@@ -283,16 +283,19 @@ def test_the_held_prefix_leaves_eviction_order_as_a_full_lookup_leaves_it() -> N
     assert orders[0] == orders[1] == ["d", "c", "b", "f", "a", "e"]
 
 
-def test_a_groups_members_share_its_id_string_and_their_size_int() -> None:
-    # the index keeps one string of a group's id however many members name it (each put item brings its own
-    # copy, as a request parsed off the wire does), and an aligned size's allocations keep the one int they
-    # were asked for: a master holding millions of objects keeps ~0.4 KB a group less
+def test_a_groups_record_keeps_one_id_string_one_size_tuple_and_one_allocation() -> None:
+    # one record a group (each put item brings its own copy of the group's id, as a request parsed off the wire
+    # does): its members' sizes are the ints asked for, in one tuple shared by every group of those sizes, and
+    # a group placed at once is one allocation in its segment, its members' offsets back to back
     index, _ = make_index()
     size = 4 * KB  # an int object of its own, past the small ints CPython shares
-    items = [PutRequestItem(f"group/{m}", "".join(["gro", "up"]), 3, size) for m in range(3)]
-    assert len({id(item.group_id) for item in items}) == 3
-    index.put_start("host0", items)
-    group = index.groups["group"]
-    assert all(obj.group_id is group.group_id for obj in group.members.values())
-    for obj in group.members.values():
-        assert index.segments[obj.segment_id].allocator.allocation_size(obj.offset) is size
+    for name in ("group", "other"):
+        items = [PutRequestItem(f"{name}/{m}", "".join([name[:3], name[3:]]), 3, size) for m in range(3)]
+        assert len({id(item.group_id) for item in items}) == 3
+        index.put_start("host0", items)
+    group, other = index.groups["group"], index.groups["other"]
+    assert group.keys == ("group/0", "group/1", "group/2") and all(s is size for s in group.sizes)
+    assert other.sizes is group.sizes and other.segment_ids is group.segment_ids
+    allocator = index.segments["seg0"].allocator
+    assert allocator.num_allocations == 2 and allocator.allocation_size(group.offsets[0]) == 3 * size
+    assert group.offsets == (group.offsets[0], group.offsets[0] + size, group.offsets[0] + 2 * size)

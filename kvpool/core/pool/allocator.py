@@ -7,6 +7,7 @@ segment and only ever hands out offsets; the bytes live in the store.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from itertools import accumulate
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 
@@ -187,22 +188,26 @@ class SegmentAllocator:
         return offset
 
     def allocate_run(self, sizes: list[int]) -> list[int] | None:
-        """Reserve one allocation per size, back to back (a group's members: one hole found, one remainder
-        left); return their offsets (each the next start where the one before ends, rounded), or None when no
-        free extent holds them all. Each is then an allocation of its own, freed alone or in a run. The caller
-        keeps these offsets, the very ints the allocator keys its allocations by: one int per object in memory,
-        not two."""
+        """Reserve room for one piece per size, back to back, as ONE allocation (a group's members: one hole
+        found, one remainder left, one entry kept); return each piece's offset (each the next start where the one
+        before ends, rounded), or None when no free extent holds them all. ``free`` of the first offset frees them
+        all; ``split_run`` makes each piece an allocation of its own (to free one alone)."""
         needs = [self.rounded_size(size) for size in sizes]
-        if len(needs) == 1:
-            offset = self.allocate(sizes[0])
-            return None if offset is None else [offset]
         if not needs or min(needs) <= 0:
             raise ValueError(f"sizes must be positive ints, got {sizes!r}")
         first = self.allocate(sum(needs))
         if first is None:
             return None
+        return list(accumulate(needs[:-1], initial=first))
+
+    def split_run(self, first: int, sizes: list[int]) -> list[int]:
+        """The allocation at ``first``, made by ``allocate_run(sizes)``, becomes one allocation per size; returns
+        their offsets. UnknownOffsetError, nothing changed, unless ``first`` is a live allocation of exactly
+        those sizes' room."""
+        needs = [self.rounded_size(size) for size in sizes]
         allocations = self._allocations
-        del allocations[first]
+        if allocations.get(first) != sum(needs) or not needs:
+            raise UnknownOffsetError(f"no live allocation of {sum(needs)} bytes at offset {first} to split")
         offsets = []
         offset = first
         for need in needs:

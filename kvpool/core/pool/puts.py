@@ -216,7 +216,7 @@ class PutTable:
         nbytes = sum(sizes)
         group = self.group_table.add(Group(
             first.group_id, first.group_size, tenant_name(first.tenant), keys, segment.ids(n),
-            tuple(offsets), sizes, [0] * n, pending=(1 << n) - 1, nbytes=nbytes, num_in_flight=n))
+            tuple(offsets), sizes, [0] * n, pending=(1 << n) - 1, nbytes=nbytes, run=True, num_in_flight=n))
         self.index.owners.update(zip(keys, repeat(group)))
         self.in_flight.update(zip(keys, repeat(started)))
         self.group_table.add_bytes(group.tenant, nbytes)

@@ -256,6 +256,8 @@ class Group:
     checksums: list[int] = field(default_factory=list)
     pending: int = 0
     nbytes: int = 0  # the members' sizes, summed
+    # its members are one allocation at ``offsets[0]``, in order (placed as a run, none taken out since)
+    run: bool = False
     num_committed: int = 0
     num_in_flight: int = 0
     num_leases: int = 0

@@ -85,8 +85,9 @@ class SegmentTable:
         return None
 
     def allocate_run(self, segment: Segment, sizes: list[int]) -> list[int] | None:
-        """One allocation per size in ``segment``, back to back (``SegmentAllocator.allocate_run``): their
-        offsets, or None with nothing changed when no one hole there holds them all."""
+        """Room for one piece per size in ``segment``, back to back, as one allocation
+        (``SegmentAllocator.allocate_run``): the pieces' offsets, or None with nothing changed when no one hole
+        there holds them all."""
         allocator = segment.allocator
         before = allocator.used_bytes
         offsets = allocator.allocate_run(sizes)
@@ -104,6 +105,9 @@ class SegmentTable:
         if group.segment_ids.count(segment_id) == 1:  # its group's last member here
             segment.groups.pop(group.group_id, None)
         allocator = segment.allocator
+        if group.run:  # its members become allocations of their own first
+            allocator.split_run(group.offsets[0], list(group.sizes))
+            group.run = False
         before = allocator.used_bytes
         allocator.free(group.offsets[position])
         self.used_bytes -= before - allocator.used_bytes
@@ -119,7 +123,8 @@ class SegmentTable:
             return
         first = segment_ids[0]
         if segment_ids.count(first) == len(segment_ids):  # nearly always: the whole group in one segment
-            self._release_in(group, first, group.offsets, group.keys, group.pending)
+            self._release_in(group, first, group.offsets[:1] if group.run else group.offsets, group.keys,
+                             group.pending)
             return
         for segment_id in dict.fromkeys(segment_ids):
             positions = [i for i, s in enumerate(segment_ids) if s == segment_id]
@@ -135,7 +140,10 @@ class SegmentTable:
         segment.groups.pop(group.group_id, None)
         allocator = segment.allocator
         before = allocator.used_bytes
-        allocator.free_run(list(offsets))
+        if len(offsets) == 1:
+            allocator.free(offsets[0])
+        else:
+            allocator.free_run(list(offsets))
         self.used_bytes -= before - allocator.used_bytes
         if pending:
             keys = tuple(key for n, key in enumerate(keys) if not pending >> n & 1)
