@@ -36,6 +36,7 @@ from kvpool.core.pool.records import (
     PutRequestItem,
     PutStatus,
     Segment,
+    shared,
 )
 from kvpool.core.pool.segments import SegmentTable
 from kvpool.core.pool.settings import IndexSettings
@@ -44,9 +45,6 @@ from kvpool.core.tenancy.shares import tenant_name
 _GROUP_ID = attrgetter("group_id")
 _KEY = attrgetter("key")
 _SIZE = attrgetter("size")
-# the members' sizes of groups placed as runs, one tuple for each distinct one (bounded, whatever callers send)
-_SIZE_TUPLES: dict[tuple[int, ...], tuple[int, ...]] = {}
-MAX_SIZE_TUPLES = 4096
 
 
 class PutHost(Protocol):
@@ -204,10 +202,7 @@ class PutTable:
         to give back when the group goes (the caller marks it incomplete). None, with nothing changed, when the
         segment has no one hole for them all."""
         first = run[0]
-        sizes = tuple(map(_SIZE, run))
-        if len(_SIZE_TUPLES) > MAX_SIZE_TUPLES:
-            _SIZE_TUPLES.clear()
-        sizes = _SIZE_TUPLES.setdefault(sizes, sizes)  # one tuple for every group of these sizes (the KV case)
+        sizes = shared(tuple(map(_SIZE, run)))
         offsets = self.segment_table.allocate_run(segment, list(sizes))
         if offsets is None:
             return None
@@ -215,7 +210,7 @@ class PutTable:
         keys = tuple(map(_KEY, run))
         nbytes = sum(sizes)
         group = self.group_table.add(Group(
-            first.group_id, first.group_size, tenant_name(first.tenant), keys, segment.ids(n),
+            first.group_id, first.group_size, tenant_name(first.tenant), keys, shared((segment.segment_id,) * n),
             tuple(offsets), sizes, [0] * n, pending=(1 << n) - 1, nbytes=nbytes, run=True, num_in_flight=n))
         self.index.owners.update(zip(keys, repeat(group)))
         self.in_flight.update(zip(keys, repeat(started)))

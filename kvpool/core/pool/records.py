@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from itertools import repeat
+from typing import TypeVar
 from dataclasses import dataclass, field
 
 from kvpool.core.pool.paths import SegmentAccess, SharedMemoryRef
@@ -201,24 +202,29 @@ class Segment:
     shared: SharedMemoryRef | None = None  # mapped by clients on ``host`` (kvpool.core.pool.paths)
     # this segment's number, unique for the index's life: a segment mounted anew gets a new one
     number: int = 0
-    # ``(segment_id,) * n`` by n: one tuple for the segment ids of every group of n members here
-    same_ids: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def access(self) -> SegmentAccess:
         return SegmentAccess(self.segment_id, self.host, self.base_address, self.shared)
 
-    def ids(self, n: int) -> tuple[str, ...]:
-        """This segment's id n times (a group of n members all here), the same tuple each time."""
-        ids = self.same_ids.get(n)
-        if ids is None:
-            ids = self.same_ids[n] = (self.segment_id,) * n
-        return ids
-
     def num_objects(self) -> int:
         """Members of its groups that lie here (O(groups): for stats)."""
         segment_id = self.segment_id
         return sum(g.segment_ids.count(segment_id) for g in self.groups.values())
+
+
+def shared(columns: tuple[T, ...]) -> tuple[T, ...]:
+    """One tuple for every group's equal column: groups' segment ids and sizes repeat (a save's chunks lie in one
+    store, with one size a stage), so a million groups hold a few dozen such tuples, not a million each. Bounded,
+    whatever callers send."""
+    if len(_SHARED) > MAX_SHARED:
+        _SHARED.clear()
+    return _SHARED.setdefault(columns, columns)  # type: ignore[return-value]
+
+
+T = TypeVar("T")
+_SHARED: dict[tuple[object, ...], tuple[object, ...]] = {}
+MAX_SHARED = 1 << 16
 
 
 @dataclass(slots=True, frozen=True)
@@ -301,9 +307,9 @@ class Group:
         else:
             self.num_committed += 1
         self.keys += (key,)
-        self.segment_ids += (segment_id,)
+        self.segment_ids = shared(self.segment_ids + (segment_id,))
         self.offsets += (offset,)
-        self.sizes += (size,)
+        self.sizes = shared(self.sizes + (size,))
         self.checksums.append(checksum)
         self.nbytes += size
         self.forget_encodings()
@@ -322,8 +328,8 @@ class Group:
                                              list(self.sizes))
         for column in (keys, segment_ids, offsets, sizes, self.checksums):
             del column[cut]
-        self.keys, self.segment_ids, self.offsets, self.sizes = tuple(keys), tuple(segment_ids), tuple(offsets), \
-            tuple(sizes)
+        self.keys, self.segment_ids, self.offsets, self.sizes = tuple(keys), shared(tuple(segment_ids)), \
+            tuple(offsets), shared(tuple(sizes))
         self.nbytes -= member.size
         self.forget_encodings()
         return member
