@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -14,6 +15,13 @@ from tests.process_guard import (  # noqa: F401  (pytest finds hooks by name)
     pytest_runtest_teardown,
     pytest_terminal_summary,
 )
+
+# pytest keeps each test module's rewritten asserts as bytecode, unless bytecode writing is off. Where the
+# environment turns it off (PYTHONDONTWRITEBYTECODE, as the development hosts' image does), every worker of
+# every run rewrote the whole suite again: 13 s to collect the fast tier in one process, 7.6 s with the
+# rewrites kept. Kept here (in the test tree's git-ignored __pycache__), only a checkout's first run pays.
+# The processes the tests start keep the environment as it is.
+sys.dont_write_bytecode = False
 
 # pytester runs an inner pytest session in this process (the guard's own test)
 pytest_plugins = ("pytester",)
