@@ -65,7 +65,7 @@ class MasterMetrics:
     def refresh(self, index: PoolIndex) -> None:
         self.capacity.set(index.capacity)
         self.used.set(index.used_bytes)
-        self.objects.set(len(index.owners))
+        self.objects.set(index.num_objects)
         self.groups.set(len(index.groups))
         self.segments.set(len(index.segments))
         self.leases.set(index.num_leases)

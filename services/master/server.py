@@ -48,7 +48,7 @@ async def _sweep(servicer: PoolMasterServicer, metrics: MasterMetrics, interval_
         metrics.refresh(index)
         took = heap.tick(time.monotonic())
         if took is not None:
-            log.info("full_garbage_collection", seconds=round(took, 3), objects=len(index.owners))
+            log.info("full_garbage_collection", seconds=round(took, 3), objects=index.num_objects)
         await asyncio.sleep(interval_s)
 
 

@@ -206,7 +206,13 @@ def packed_group(group: Group, segments: dict[str, Segment], compact: bool = Fal
     concatenated encodings merge in order), and the ids of the segments it names. Made once per group: the
     index forgets it whenever a member changes (``Group.encoded``, ``Group.compact``). ``compact``: without
     the group's id, and with each key a reader derives as "" (``kvpool.core.pool.compact``)."""
-    keys, segment_ids = group.keys, group.segment_ids
+    segment_ids = group.segment_ids
+    if compact and not group.whole and group.keys == _PLACES[:len(group.keys)]:
+        keys: Sequence[str] = [""] * len(segment_ids)  # each "<group_id>/<place>": the reader derives them all
+    else:
+        keys = group.full_keys()
+        if compact:
+            keys = compact_keys(group.group_id, keys)
     named = {segment_id: segments[segment_id] for segment_id in segment_ids}
     if len(named) == 1:  # nearly always: the whole group in one segment
         (segment,) = named.values()
@@ -217,11 +223,13 @@ def packed_group(group: Group, segments: dict[str, Segment], compact: bool = Fal
         addresses = [named[s].base_address + offset for s, offset in zip(segment_ids, group.offsets)]
     message = pool_pb2.PackedGroups(
         group_id=() if compact else [group.group_id], num_members=[len(keys)],
-        key=compact_keys(group.group_id, list(keys)) if compact else keys,
+        key=keys,
         segment=numbers, address=addresses, size=group.sizes, checksum=group.checksums)
     return message.SerializeToString(), tuple(named)
 
 
+# a group's key parts when each member's key is its place (a save's stages: "0", "1", ...)
+_PLACES = tuple(map(str, range(MAX_GROUP_SIZE + 1)))
 _ENCODED = attrgetter("encoded")
 _COMPACT = attrgetter("compact")
 _FIRST = itemgetter(0)
@@ -322,12 +330,12 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
     def _commit_targets(self, items: Any) -> dict[str, int]:
         """Per segment, the journal sequence its store must hold for these committed keys to be durable."""
         targets: dict[str, int] = {}
-        owners, segments = self.index.owners, self.index.segments
+        owner, segments = self.index.owner, self.index.segments
         for item in items:
-            group = owners.get(item.key)
-            if group is None:
+            found = owner(item.key)
+            if found is None:
                 continue
-            position = group.keys.index(item.key)
+            group, position = found
             segment_id = group.segment_ids[position]
             if group.committed(position) and segment_id not in targets:
                 segment = segments.get(segment_id)
@@ -663,7 +671,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         add_group = response.groups.add
         for group in groups:
             add_member = add_group(group_id=group.group_id).members.add
-            for key, segment_id, offset, size, checksum in zip(group.keys, group.segment_ids, group.offsets,
+            for key, segment_id, offset, size, checksum in zip(group.full_keys(), group.segment_ids, group.offsets,
                                                                group.sizes, group.checksums):
                 segment = named[segment_id] = segments[segment_id]
                 location = add_member(key=key, checksum=checksum).location
@@ -733,7 +741,7 @@ def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
     response = pool_pb2.StatsResponse(
         capacity_bytes=index.capacity,
         used_bytes=index.used_bytes,
-        num_objects=len(index.owners),
+        num_objects=index.num_objects,
         num_groups=len(index.groups),
         num_complete_groups=sum(1 for g in groups if g.complete),
         num_puts_in_flight=index.num_in_flight,

@@ -285,8 +285,9 @@ def test_the_held_prefix_leaves_eviction_order_as_a_full_lookup_leaves_it() -> N
 
 def test_a_groups_record_keeps_one_id_string_one_size_tuple_and_one_allocation() -> None:
     # one record a group (each put item brings its own copy of the group's id, as a request parsed off the wire
-    # does): its members' sizes are the ints asked for, in one tuple shared by every group of those sizes, and
-    # a group placed at once is one allocation in its segment, its members' offsets back to back
+    # does): its members' keys as the parts after "<group id>/" and their sizes as the ints asked for, each in
+    # one tuple shared by every group alike, no string or owners entry a key, and a group placed at once is one
+    # allocation in its segment, its members' offsets back to back
     index, _ = make_index()
     size = 4 * KB  # an int object of its own, past the small ints CPython shares
     for name in ("group", "other"):
@@ -294,8 +295,10 @@ def test_a_groups_record_keeps_one_id_string_one_size_tuple_and_one_allocation()
         assert len({id(item.group_id) for item in items}) == 3
         index.put_start("host0", items)
     group, other = index.groups["group"], index.groups["other"]
-    assert group.keys == ("group/0", "group/1", "group/2") and all(s is size for s in group.sizes)
+    assert group.full_keys() == ("group/0", "group/1", "group/2") and all(s is size for s in group.sizes)
+    assert not group.whole and other.keys is group.keys == ("0", "1", "2") and not index.owners
     assert other.sizes is group.sizes and other.segment_ids is group.segment_ids
+    assert index.owner("other/2") == (other, 2) and index.owner("other/3") is None and "group/1" in index.objects
     allocator = index.segments["seg0"].allocator
     assert allocator.num_allocations == 2 and allocator.allocation_size(group.offsets[0]) == 3 * size
     assert group.offsets == (group.offsets[0], group.offsets[0] + size, group.offsets[0] + 2 * size)

@@ -37,7 +37,7 @@ def test_the_batch_checks_answer_as_the_item_by_item_loop(items: list[tuple[str,
     batch = [PutRequestItem(f"{group}/{place}", group, size, nbytes) for group, place, size, nbytes in items]
 
     def check() -> None:
-        check_put_batch(batch, index.segments, index.groups, index.objects)
+        check_put_batch(batch, index.segments, index.groups, index.holds, index.holds_any)
 
     fast = outcome(check)
     with mock.patch.object(put_checks, "_all_good", lambda *args: False):
@@ -48,5 +48,5 @@ def test_the_batch_checks_answer_as_the_item_by_item_loop(items: list[tuple[str,
 def test_a_saves_batch_passes_without_the_loop() -> None:
     index, _ = make_index(segment_bytes=100 * KB)
     batch = [PutRequestItem(f"g{g}/{s}", f"g{g}", 4, KB) for g in range(3) for s in range(4)]
-    assert put_checks._all_good(batch, 100 * KB, index.groups, index.objects)
-    assert not put_checks._all_good(batch + batch[:1], 100 * KB, index.groups, index.objects)  # a duplicate key
+    assert put_checks._all_good(batch, 100 * KB, index.groups, index.holds_any)
+    assert not put_checks._all_good(batch + batch[:1], 100 * KB, index.groups, index.holds_any)  # a duplicate key

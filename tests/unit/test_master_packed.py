@@ -102,7 +102,7 @@ def test_each_groups_encoding_is_made_once_and_again_when_a_member_changes() -> 
     lookup(service, ["a"], packed=True)
     assert index.groups["a"].encoded is encoded  # reused
     group = index.groups["a"]
-    index.drop_member(group, group.keys.index("a/2"))  # its store lost it: the group is incomplete, then the member comes back
+    index.drop_member(group, group.position("a/2"))  # its store lost it: the group is incomplete, then the member comes back
     assert group.encoded is None and lookup(service, ["a"], packed=True).num_complete == 0
     index.put_start("host0", [PutRequestItem("a/2", "a", 4, KB)])
     index.put_end([("a/2", 99)])
@@ -185,7 +185,7 @@ def test_the_compact_answer_leaves_out_ids_and_derivable_keys_and_reads_back_exa
     # each form's encoding is kept apart, and both are forgotten when a member changes
     group = index.groups["b"]
     assert group.compact is not None and group.encoded is not None and group.compact != group.encoded
-    index.drop_member(group, group.keys.index("b/3"))
+    index.drop_member(group, group.position("b/3"))
     assert group.compact is None and group.encoded is None
 
 

@@ -1,6 +1,6 @@
 """The master keeps one int per distinct object size (``put_items``): a parsed size is an int of its own, and
-the index keeps it for the object's life, 32 bytes an object at 10^6 objects. The table of sizes seen is bounded,
-whatever sizes callers send."""
+the index would keep it for the object's life, 32 bytes an object at 10^6 objects; groups of equal sizes share
+one tuple of them (``records.shared``). The table of sizes seen is bounded, whatever sizes callers send."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ def test_objects_of_one_size_share_one_int() -> None:
     for save in range(3):  # separate messages: each parses its sizes afresh
         items = [(f"g{save}/{m}", f"g{save}", 2, 3 * KB) for m in range(2)]
         side.put_start(pool_pb2.PutStartRequest.FromString(request(items, packed=True).SerializeToString()))
-    sizes = [obj.size for obj in side.index.objects.values()]
-    assert len(sizes) == 6 and sizes[0] == 3 * KB
-    assert len({id(size) for size in sizes}) == 1
+    groups = list(side.index.groups.values())
+    assert len(groups) == 3 and groups[0].sizes == (3 * KB, 3 * KB)
+    assert len({id(group.sizes) for group in groups}) == 1  # one tuple for the three groups' six sizes
 
 
 def test_the_sizes_seen_stay_bounded() -> None:

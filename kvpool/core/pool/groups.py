@@ -35,6 +35,7 @@ class GroupTable:
     by_tenant: dict[str, OrderedDict[str, Group]] = field(default_factory=dict)
     tenant_bytes: dict[str, int] = field(default_factory=dict)
     version: int = 0  # changes of order so far
+    num_objects: int = 0  # every group's members (committed or in flight)
 
     @property
     def one_tenant(self) -> bool:
@@ -111,10 +112,13 @@ class GroupTable:
                 found += 1
         return found
 
-    def add_bytes(self, tenant: str, size: int) -> None:
+    def add_members(self, tenant: str, size: int, count: int = 1) -> None:
+        """``count`` objects of ``size`` bytes in all joined ``tenant``'s groups."""
         self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + size
+        self.num_objects += count
 
-    def remove_bytes(self, tenant: str, size: int) -> None:
+    def remove_members(self, tenant: str, size: int, count: int = 1) -> None:
+        self.num_objects -= count
         left = self.tenant_bytes[tenant] - size
         if left:
             self.tenant_bytes[tenant] = left

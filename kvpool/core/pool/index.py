@@ -104,7 +104,9 @@ class PoolIndex:
     def __init__(self, settings: IndexSettings | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings if settings is not None else IndexSettings()
         self.clock = clock
-        self.owners: dict[str, Group] = {}  # each object's group, by key
+        # the group of each object whose group keeps its keys whole, by key (the others are found by their group's
+        # id: ``owner``)
+        self.owners: dict[str, Group] = {}
         self.group_table = GroupTable()
         self.groups = self.group_table.groups  # LRU order: the first is the least recently used
         self.shares = TenantShares.parse(self.settings.tenant_weights)
@@ -219,11 +221,42 @@ class PoolIndex:
     @property
     def objects(self) -> ObjectsView:
         """Every object as a value, by key (``StoredObject``s made on demand: for tests and cold paths)."""
-        return ObjectsView(self.owners)
+        return ObjectsView(self)
+
+    @property
+    def num_objects(self) -> int:
+        return self.group_table.num_objects
+
+    def owner(self, key: str) -> tuple[Group, int] | None:
+        """The group holding object ``key`` and its place there, or None."""
+        group = self.owners.get(key)
+        if group is not None:
+            return group, group.keys.index(key)
+        cut = key.rfind("/")
+        if cut > 0:
+            group = self.groups.get(key[:cut])
+            if group is not None and not group.whole:
+                part = key[cut + 1:]
+                if part in group.keys:
+                    return group, group.keys.index(part)
+        return None
+
+    def holds(self, key: str) -> bool:
+        """An object ``key`` is here (committed or in flight)."""
+        return self.owner(key) is not None
+
+    def holds_any(self, keys: list[str]) -> bool:
+        """Any of ``keys`` is here. A save's keys name new groups: no key is kept whole and no key's would-be group
+        (all but its last part) is known, which settles it in C, not one ``owner`` a key."""
+        if not self.owners.keys().isdisjoint(keys):
+            return True
+        groups = self.groups
+        if not any(map(groups.__contains__, [key[:key.rfind("/")] for key in keys])):
+            return False
+        return any(map(self.holds, keys))
 
     def exists(self, keys: Iterable[str]) -> list[bool]:
-        owners = self.owners
-        return [(group := owners.get(key)) is not None and group.committed(group.keys.index(key)) for key in keys]
+        return [(found := self.owner(key)) is not None and found[0].committed(found[1]) for key in keys]
 
     def remove(self, group_ids: Iterable[str]) -> tuple[int, list[str]]:
         """Remove whole groups; busy ones (leased, put in flight) are left and named."""
@@ -336,23 +369,25 @@ class PoolIndex:
         group = self.groups[group_id]
         self.group_table.remove(group)
         self.puts.incomplete.pop(group_id, None)
-        keys, owners = group.keys, self.owners
         if group.pending:
             in_flight = self.puts.in_flight
-            for key in keys:
+            for key in group.full_keys():
                 in_flight.pop(key, None)
-        for key in keys:
-            del owners[key]
-        self.group_table.remove_bytes(group.tenant, group.nbytes)
+        if group.whole:
+            owners = self.owners
+            for key in group.keys:
+                del owners[key]
+        self.group_table.remove_members(group.tenant, group.nbytes, len(group.keys))
         self.segment_table.release_group(group)
-        return len(keys)
+        return len(group.keys)
 
     def drop_member(self, group: Group, position: int) -> None:
         """Forget one member of a group and give back its space; a group left with no member is forgotten."""
         self.segment_table.release_member(group, position)
         member = group.remove_member(position)
-        del self.owners[member.key]
-        self.group_table.remove_bytes(group.tenant, member.size)
+        if group.whole:
+            del self.owners[member.key]
+        self.group_table.remove_members(group.tenant, member.size)
         if not group.keys:
             self.group_table.remove(group)
             self.puts.incomplete.pop(group.group_id, None)
@@ -363,10 +398,10 @@ class PoolIndex:
         if group is None:
             group = self.group_table.add(Group(record.group_id, record.group_size, tenant=tenant_name(record.tenant)))
         # a group is one tenant's, whatever a report says
-        group.add_member(record.key, segment.segment_id, record.offset, record.size, record.checksum, committed=True)
-        self.owners[record.key] = group
+        self.owners.update(dict.fromkeys(group.add_member(record.key, segment.segment_id, record.offset, record.size,
+                                                          record.checksum, committed=True), group))
         segment.groups[group.group_id] = group
-        self.group_table.add_bytes(group.tenant, record.size)
+        self.group_table.add_members(group.tenant, record.size)
         if not group.complete:  # its other members are in stores that have not reported yet
             self.puts.mark_incomplete(group.group_id)
         else:
@@ -376,20 +411,23 @@ class PoolIndex:
 class ObjectsView(Mapping[str, StoredObject]):
     """The index's objects by key, each a ``StoredObject`` made when asked for (the index keeps groups' columns)."""
 
-    __slots__ = ("_owners",)
+    __slots__ = ("_index",)
 
-    def __init__(self, owners: dict[str, Group]) -> None:
-        self._owners = owners
+    def __init__(self, index: PoolIndex) -> None:
+        self._index = index
 
     def __getitem__(self, key: str) -> StoredObject:
-        group = self._owners[key]
-        return group.member(group.keys.index(key))
+        found = self._index.owner(key)
+        if found is None:
+            raise KeyError(key)
+        return found[0].member(found[1])
 
     def __contains__(self, key: object) -> bool:
-        return key in self._owners
+        return isinstance(key, str) and self._index.owner(key) is not None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._owners)
+        for group in list(self._index.groups.values()):
+            yield from group.full_keys()
 
     def __len__(self) -> int:
-        return len(self._owners)
+        return self._index.num_objects

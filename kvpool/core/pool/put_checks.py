@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from operator import attrgetter
 
 from kvpool.core.errors import FailedPrecondition, InvalidArgument
@@ -14,13 +14,15 @@ def check_put_batch(
     items: Sequence[PutRequestItem],
     segments: Mapping[str, Segment],
     groups: Mapping[str, Group],
-    objects: Container[str],
-) -> None:
+    holds: Callable[[str], bool],
+    holds_any: Callable[[list[str]], bool] | None = None,
+) -> bool:
     """Raise ``InvalidArgument`` naming the first bad item: a duplicate key, an object larger than any
-    segment, a ``group_size`` that disagrees with the group's, or more members than the group holds."""
+    segment, a ``group_size`` that disagrees with the group's, or more members than the group holds. Returns
+    True when it found every key new (the batch a save sends), False when it did not look at them all."""
     largest = max((s.size for s in segments.values()), default=0)
-    if _all_good(items, largest, groups, objects):
-        return
+    if _all_good(items, largest, groups, holds_any or (lambda keys: any(map(holds, keys)))):
+        return True
     declared: dict[str, int] = {}
     new_members: dict[str, int] = {}
     seen: set[str] = set()
@@ -40,7 +42,7 @@ def check_put_batch(
                 f"declared earlier for group {item.group_id!r}"
             )
         declared[item.group_id] = item.group_size
-        if item.key not in objects:
+        if not holds(item.key):
             count = new_members.get(item.group_id, 0) + 1
             new_members[item.group_id] = count
             have = len(group.keys) if group is not None else 0
@@ -49,14 +51,15 @@ def check_put_batch(
                     f"items[{i}].key: group {item.group_id!r} already has {have + count - 1} "
                     f"of {item.group_size} members"
                 )
+    return False
 
 
 def _all_good(items: Sequence[PutRequestItem], largest: int, groups: Mapping[str, Group],
-              objects: Container[str]) -> bool:
+              holds_any: Callable[[list[str]], bool]) -> bool:
     """True when the batch passes every check, decided a group at a time (most steps in C) for the batches a
     save sends: distinct new keys, one size per group. False does not say which item is bad (the loop does)."""
     keys = [item.key for item in items]
-    if len(set(keys)) != len(keys) or not isinstance(objects, Mapping) or not objects.keys().isdisjoint(keys):
+    if len(set(keys)) != len(keys) or holds_any(keys):
         return False
     if segments_too_small(items, largest):
         return False

@@ -36,6 +36,7 @@ from kvpool.core.pool.records import (
     PutRequestItem,
     PutStatus,
     Segment,
+    parts_of,
     shared,
 )
 from kvpool.core.pool.segments import SegmentTable
@@ -52,7 +53,17 @@ class PutHost(Protocol):
 
     @property
     def owners(self) -> dict[str, Group]:
-        """Each object's group, by key."""
+        """The group of each object whose group keeps its keys whole, by key."""
+        ...
+
+    def owner(self, key: str) -> tuple[Group, int] | None:
+        """The group holding object ``key`` and its place there, or None."""
+        ...
+
+    def holds(self, key: str) -> bool:
+        ...
+
+    def holds_any(self, keys: list[str]) -> bool:
         ...
 
     def drop_group(self, group_id: str) -> int:
@@ -90,7 +101,7 @@ class PutTable:
         (``GROUP_FAILED``), later ones are refused.
         """
         segments = self.segment_table.segments
-        check_put_batch(items, segments, self.group_table.groups, self.index.owners)
+        all_new = check_put_batch(items, segments, self.group_table.groups, self.index.holds, self.index.holds_any)
         self.failures.prune()
         outcomes: list[PutOutcome] = []
         rotations = batch_orders(
@@ -101,14 +112,14 @@ class PutTable:
         high = self.settings.high_watermark * capacity
         low = self.settings.low_watermark * capacity
         started = self.clock()
-        owners, groups, in_flight, failed = self.index.owners, self.group_table.groups, self.in_flight, self.failures
+        holds, groups, in_flight, failed = self.index.holds, self.group_table.groups, self.in_flight, self.failures
         failed_here: set[str] = set()
         # group_first's answers in this batch: a pure function of the rotation and the group's segments, which
         # repeat from item to item (a save's groups each lie in one store), and a sort of every segment each
         firsts: dict[tuple[int, frozenset[str]], list[Segment]] = {}
         # new groups whose members all come in this batch, by their first member's place, where nothing in the
         # batch evicts (``_runs``): each is placed at once at that place, its other members' outcomes kept
-        runs = self._runs(items, rotations, high)
+        runs = self._runs(items, rotations, high, all_new)
         kept: dict[int, PutOutcome] = {}
         # each placed run's last member's place: one at a time, the group's place among the incomplete ones (its
         # deadline) is where its last member marked it
@@ -133,7 +144,7 @@ class PutTable:
                     last_of_runs.add(run[-1])
                     continue
             key = item.key
-            if key in owners:
+            if holds(key):
                 outcomes.append(PutOutcome(PutStatus.ALREADY_EXISTS))
                 continue
             if item.group_id in failed:
@@ -162,9 +173,10 @@ class PutTable:
             group = groups.get(item.group_id)  # eviction may have dropped it meanwhile
             if group is None:
                 group = self.group_table.add(Group(item.group_id, item.group_size, tenant=tenant))
-            group.add_member(key, segment.segment_id, offset, item.size)
-            owners[key] = group
-            self.group_table.add_bytes(group.tenant, item.size)
+            tracked = group.add_member(key, segment.segment_id, offset, item.size)
+            if tracked:
+                self.index.owners.update(dict.fromkeys(tracked, group))
+            self.group_table.add_members(group.tenant, item.size)
             segment.groups[group.group_id] = group
             self.mark_incomplete(item.group_id)
             in_flight[key] = started
@@ -174,8 +186,8 @@ class PutTable:
         self.group_table.touch(dict.fromkeys(item.group_id for item in items if item.group_id in groups))
         return outcomes
 
-    def _runs(self, items: Sequence[PutRequestItem], rotations: list[list[Segment]], high: float
-              ) -> dict[int, list[int]]:
+    def _runs(self, items: Sequence[PutRequestItem], rotations: list[list[Segment]], high: float,
+              all_new: bool = False) -> dict[int, list[int]]:
         """The places in ``items`` of each group the index does not hold, whose every member is in the batch
         (a save's chunk: its stages, in whatever order), keyed by its first member's place; none unless the
         whole batch fits below ``high`` and in the largest free extent of each segment a member would go to
@@ -184,10 +196,10 @@ class PutTable:
         positions: dict[str, list[int]] = {}
         for position, group_id in enumerate(map(_GROUP_ID, items)):
             positions.setdefault(group_id, []).append(position)
-        groups, owners, failed = self.group_table.groups, self.index.owners, self.failures
+        groups, holds, failed = self.group_table.groups, self.index.holds, self.failures
         runs = {places[0]: places for group_id, places in positions.items()
                 if len(places) == items[places[0]].group_size > 1 and group_id not in groups
-                and group_id not in failed and not any(items[p].key in owners for p in places)}
+                and group_id not in failed and (all_new or not any(holds(items[p].key) for p in places))}
         if not runs or not rotations[0]:
             return {}
         rounded = rotations[0][0].allocator.rounded_size  # one alignment for every segment (the index's settings)
@@ -209,12 +221,18 @@ class PutTable:
         n = len(run)
         keys = tuple(map(_KEY, run))
         nbytes = sum(sizes)
-        group = self.group_table.add(Group(
-            first.group_id, first.group_size, tenant_name(first.tenant), keys, shared((segment.segment_id,) * n),
-            tuple(offsets), sizes, [0] * n, pending=(1 << n) - 1, nbytes=nbytes, run=True, num_in_flight=n))
-        self.index.owners.update(zip(keys, repeat(group)))
+        group = Group(first.group_id, first.group_size, tenant_name(first.tenant), (), False,
+                      shared((segment.segment_id,) * n), tuple(offsets), sizes, [0] * n, pending=(1 << n) - 1,
+                      nbytes=nbytes, run=True, num_in_flight=n)
+        parts = parts_of(group.group_id, keys)
+        if parts is None:  # a key that is not "<group_id>/<part>": the group keeps them whole
+            group.keys, group.whole = keys, True
+            self.index.owners.update(zip(keys, repeat(group)))
+        else:
+            group.keys = shared(parts)
+        self.group_table.add(group)
         self.in_flight.update(zip(keys, repeat(started)))
-        self.group_table.add_bytes(group.tenant, nbytes)
+        self.group_table.add_members(group.tenant, nbytes, n)
         segment.groups[group.group_id] = group
         return list(map(PutOutcome, repeat(PutStatus.RESERVED, n), repeat(segment, n), offsets))
 
@@ -222,12 +240,17 @@ class PutTable:
         """Commit in-flight puts (key, checksum); all or none. Each group's members committed here go to their
         stores' journals as one entry (a group's members nearly always lie in one segment)."""
         check_put_end(commits, self.in_flight)
-        in_flight, owners = self.in_flight, self.index.owners
+        in_flight, owners, groups = self.in_flight, self.index.owners, self.group_table.groups
         done: dict[int, tuple[Group, list[int]]] = {}
         for key, checksum in commits:
             del in_flight[key]
-            group = owners[key]
-            position = group.keys.index(key)
+            group = owners.get(key)
+            if group is not None:
+                position = group.keys.index(key)
+            else:  # in flight, so held: by a group that keeps its keys in part, "<group_id>/<part>" (PoolIndex.owner)
+                cut = key.rfind("/")
+                group = groups[key[:cut]]
+                position = group.keys.index(key[cut + 1:])
             group.checksums[position] = checksum
             group.pending &= ~(1 << position)
             entry = done.get(id(group))
@@ -255,7 +278,8 @@ class PutTable:
         if len(positions) == len(segment_ids) and segment_ids.count(segment_ids[0]) == len(segment_ids):
             # every member at once, in one segment (a save's chunk)
             segments[segment_ids[0]].journal.add_members(group.group_id, group.size, group.keys, group.offsets,
-                                                         group.sizes, tuple(checksums), group.tenant)
+                                                         group.sizes, tuple(checksums), group.tenant,
+                                                         group.key_prefix)
             return
         by_segment: dict[str, list[int]] = {}
         for position in sorted(positions):
@@ -263,7 +287,8 @@ class PutTable:
         for segment_id, mine in by_segment.items():
             segments[segment_id].journal.add_members(
                 group.group_id, group.size, tuple(group.keys[i] for i in mine), tuple(group.offsets[i] for i in mine),
-                tuple(group.sizes[i] for i in mine), tuple(checksums[i] for i in mine), group.tenant)
+                tuple(group.sizes[i] for i in mine), tuple(checksums[i] for i in mine), group.tenant,
+                group.key_prefix)
 
     def put_revoke(self, keys: Iterable[str]) -> int:
         """Give back the space of in-flight puts and fail their groups; committed or unknown keys are left alone."""
@@ -317,8 +342,8 @@ class PutTable:
 
     def _revoke(self, key: str) -> None:
         del self.in_flight[key]
-        group = self.index.owners[key]
-        self.index.drop_member(group, group.keys.index(key))
+        group, position = self.index.owner(key)  # type: ignore[misc]  (in flight: it is there)
+        self.index.drop_member(group, position)
         self.counters.revoked_puts += 1
         self._fail_group(group.group_id, group.size)
 
@@ -346,7 +371,7 @@ class PutTable:
                 outcomes[i] = PutOutcome(PutStatus.GROUP_FAILED)
                 group = groups[item.group_id]
                 del self.in_flight[item.key]
-                self.index.drop_member(group, group.keys.index(item.key))
+                self.index.drop_member(group, group.position(item.key))
         for group_id in failed:
             group = groups.get(group_id)
             if group is not None and group.keys and not group.busy:

@@ -1,8 +1,9 @@
 """Plain records the pool master's index keeps and returns.
 
 The index keeps a record per group, not per object: a ``Group`` holds its members as columns (keys, segments,
-offsets, sizes, checksums), a segment's journal holds an entry per group's commit or removal (``JournalEntry``),
-and a segment names its groups, not its keys. A save of a chunk's four stage objects makes one record where it
+offsets, sizes, checksums; keys as the parts after its id where they are "<group id>/<part>", found by the group's
+id), a segment's journal holds an entry per group's commit or removal (``JournalEntry``), and a segment names its
+groups, not its keys. A save of a chunk's four stage objects makes one record where it
 made four objects, four dict entries and eight journal records (``StoredObject`` is now a value made on demand,
 for tests and cold paths). The records a save still makes per object (``PutRequestItem``, ``PutOutcome``) are not
 frozen dataclasses: a frozen one's ``__init__`` sets each field through ``object.__setattr__``, 2.4 µs against
@@ -13,9 +14,10 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TypeVar
-from dataclasses import dataclass, field
 
 from kvpool.core.pool.paths import SegmentAccess, SharedMemoryRef
 from kvpool.core.pool.allocator import SegmentAllocator
@@ -107,6 +109,8 @@ class JournalEntry:
     sizes: tuple[int, ...] = ()
     checksums: tuple[int, ...] = ()
     tenant: str = ""
+    # each key is this and one of ``keys`` (a group's derived keys: the strings are made when sent, not kept)
+    prefix: str = ""
 
     @property
     def last(self) -> int:
@@ -116,6 +120,9 @@ class JournalEntry:
         """This entry's changes numbered past ``after``, at most ``limit``."""
         skip = max(0, after - self.first + 1)
         keys = self.keys[skip:skip + limit]
+        if self.prefix:
+            prefix = self.prefix
+            keys = tuple(prefix + key for key in keys)
         sequences = range(self.first + skip, self.first + skip + len(keys))
         if not self.group_size:
             return [(s, k, "", 0, 0, 0, 0, "") for s, k in zip(sequences, keys)]
@@ -145,18 +152,20 @@ class SegmentJournal:
                          (record.checksum,), record.tenant)
 
     def add_members(self, group_id: str, group_size: int, keys: tuple[str, ...], offsets: tuple[int, ...],
-                    sizes: tuple[int, ...], checksums: tuple[int, ...], tenant: str) -> None:
+                    sizes: tuple[int, ...], checksums: tuple[int, ...], tenant: str, prefix: str = "") -> None:
+        """Members of one group added; each key ``prefix`` and one of ``keys``."""
         if keys:
             self.entries.append(JournalEntry(self.sequence + 1, keys, group_id, group_size, offsets, sizes,
-                                             checksums, tenant))
+                                             checksums, tenant, prefix))
             self.sequence += len(keys)
 
     def remove(self, key: str) -> None:
         self.remove_keys((key,))
 
-    def remove_keys(self, keys: tuple[str, ...]) -> None:
+    def remove_keys(self, keys: tuple[str, ...], prefix: str = "") -> None:
+        """Keys removed; each ``prefix`` and one of ``keys``."""
         if keys:
-            self.entries.append(JournalEntry(self.sequence + 1, keys))
+            self.entries.append(JournalEntry(self.sequence + 1, keys, prefix=prefix))
             self.sequence += len(keys)
 
     @property
@@ -222,6 +231,19 @@ def shared(columns: tuple[T, ...]) -> tuple[T, ...]:
     return _SHARED.setdefault(columns, columns)  # type: ignore[return-value]
 
 
+def parts_of(group_id: str, keys: Sequence[str]) -> tuple[str, ...] | None:
+    """What a group keeping its keys in part holds of ``keys`` (each ``Group.part``), decided a batch at a time
+    (steps in C); None unless every key is ``group_id``, "/" and a part with no "/"."""
+    prefix = group_id + "/"
+    if not all(map(str.startswith, keys, repeat(prefix))):
+        return None
+    n = len(prefix)
+    parts = [key[n:] for key in keys]
+    if not all(parts) or "/" in "".join(parts):
+        return None
+    return tuple(parts)
+
+
 T = TypeVar("T")
 _SHARED: dict[tuple[object, ...], tuple[object, ...]] = {}
 MAX_SHARED = 1 << 16
@@ -250,12 +272,18 @@ class Group:
     ``sizes`` as tuples, ``checksums`` a list set at each commit), not an object each: a save of a chunk makes one
     record, not one per stage, and the index's memory is its columns. ``pending`` has bit ``i`` set while member
     ``i``'s put is in flight.
+
+    Keys: a member's key is nearly always its group's id, "/" and a part with no "/" (a stage's object key,
+    ``kvpool.core.chunk_hash``). While every member's is, ``keys`` holds only those parts (one tuple shared by every
+    such group: ``shared``) and the index keeps no string and no ``owners`` entry of its own a key: it finds a key's
+    group by its id (``PoolIndex.owner``). A group with any other key holds its keys ``whole``, each in ``owners``.
     """
 
     group_id: str
     size: int
     tenant: str = DEFAULT_TENANT
-    keys: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()  # whole, or each the part after "<group_id>/" (see above)
+    whole: bool = False
     segment_ids: tuple[str, ...] = ()
     offsets: tuple[int, ...] = ()
     sizes: tuple[int, ...] = ()
@@ -287,32 +315,79 @@ class Group:
     def num_members(self) -> int:
         return len(self.keys)
 
+    def key(self, position: int) -> str:
+        return self.keys[position] if self.whole else f"{self.group_id}/{self.keys[position]}"
+
+    def full_keys(self) -> tuple[str, ...]:
+        """Every member's key, whole (made anew unless the group keeps them whole)."""
+        if self.whole:
+            return self.keys
+        prefix = self.group_id + "/"
+        return tuple(prefix + part for part in self.keys)
+
+    @property
+    def key_prefix(self) -> str:
+        """What a kept key lacks: "" when the group keeps them whole."""
+        return "" if self.whole else self.group_id + "/"
+
+    def position(self, key: str) -> int:
+        """Member ``key``'s place; ValueError when it is not a member."""
+        if self.whole:
+            return self.keys.index(key)
+        group_id = self.group_id
+        if len(key) > len(group_id) and key[len(group_id)] == "/" and key.startswith(group_id):
+            return self.keys.index(key[len(group_id) + 1:])
+        raise ValueError(f"{key!r} is not a member of {group_id!r}")
+
+    def part(self, key: str) -> str | None:
+        """What ``keys`` would hold of ``key`` in a group keeping its keys in part: None unless ``key`` is the
+        group's id, "/" and a part with no "/"."""
+        group_id = self.group_id
+        if len(key) > len(group_id) + 1 and key[len(group_id)] == "/" and key.startswith(group_id):
+            part = key[len(group_id) + 1:]
+            if "/" not in part:
+                return part
+        return None
+
     def committed(self, position: int) -> bool:
         return not self.pending >> position & 1
 
     def member(self, position: int) -> StoredObject:
-        return StoredObject(self.keys[position], self.group_id, self.segment_ids[position], self.offsets[position],
+        return StoredObject(self.key(position), self.group_id, self.segment_ids[position], self.offsets[position],
                             self.sizes[position], self.checksums[position], self.committed(position), self.tenant)
 
     @property
     def members(self) -> dict[str, StoredObject]:
         """Every member as a value, by key (made anew at each call: for tests and cold paths)."""
-        return {key: self.member(i) for i, key in enumerate(self.keys)}
+        return {self.key(i): self.member(i) for i in range(len(self.keys))}
 
     def add_member(self, key: str, segment_id: str, offset: int, size: int, checksum: int = 0,
-                   committed: bool = False) -> None:
+                   committed: bool = False) -> tuple[str, ...]:
+        """A member joins; returns the keys the index must now find by ``owners`` (none while the group keeps
+        its keys in part; every member's when this key makes it keep them whole)."""
         if not committed:
             self.pending |= 1 << len(self.keys)
             self.num_in_flight += 1
         else:
             self.num_committed += 1
-        self.keys += (key,)
+        part = None if self.whole else self.part(key)
+        if part is not None:
+            self.keys = shared(self.keys + (part,))
+            tracked: tuple[str, ...] = ()
+        elif self.whole:
+            self.keys += (key,)
+            tracked = (key,)
+        else:  # the first key that is not "<group_id>/<part>": the group keeps its keys whole from now on
+            self.keys = self.full_keys() + (key,)
+            self.whole = True
+            tracked = self.keys
         self.segment_ids = shared(self.segment_ids + (segment_id,))
         self.offsets += (offset,)
         self.sizes = shared(self.sizes + (size,))
         self.checksums.append(checksum)
         self.nbytes += size
         self.forget_encodings()
+        return tracked
 
     def remove_member(self, position: int) -> StoredObject:
         """Take member ``position`` out (its counts with it); returns it as it was."""
@@ -328,8 +403,8 @@ class Group:
                                              list(self.sizes))
         for column in (keys, segment_ids, offsets, sizes, self.checksums):
             del column[cut]
-        self.keys, self.segment_ids, self.offsets, self.sizes = tuple(keys), shared(tuple(segment_ids)), \
-            tuple(offsets), shared(tuple(sizes))
+        self.keys = tuple(keys) if self.whole else shared(tuple(keys))
+        self.segment_ids, self.offsets, self.sizes = shared(tuple(segment_ids)), tuple(offsets), shared(tuple(sizes))
         self.nbytes -= member.size
         self.forget_encodings()
         return member

@@ -20,7 +20,7 @@ committed, so a put in flight at a crash is never reported.
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvpool.core.pool.allocator import SegmentAllocator
@@ -39,7 +39,7 @@ def plan_report(
     records: Sequence[ObjectRecord],
     segment_size: int,
     alignment: int,
-    objects: Container[str],
+    holds: Callable[[str], bool],
     groups: Mapping[str, Group],
     failed_groups: Container[str],
 ) -> ReportPlan:
@@ -60,7 +60,7 @@ def plan_report(
             and record.offset % alignment == 0
             and record.offset >= end
             and record.offset + rounded <= segment_size
-            and record.key not in objects
+            and not holds(record.key)
             and record.key not in seen
             and record.group_id not in failed_groups
             and size == record.group_size

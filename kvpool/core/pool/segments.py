@@ -38,9 +38,11 @@ from kvpool.core.pool.settings import IndexSettings
 class SegmentHost(Protocol):
     """What the segment table needs of the index."""
 
-    @property
-    def owners(self) -> Mapping[str, Group]:
-        """Each object's group, by key."""
+    def owner(self, key: str) -> tuple[Group, int] | None:
+        """The group holding object ``key`` and its place there, or None."""
+        ...
+
+    def holds(self, key: str) -> bool:
         ...
 
     @property
@@ -112,7 +114,7 @@ class SegmentTable:
         allocator.free(group.offsets[position])
         self.used_bytes -= before - allocator.used_bytes
         if group.committed(position):  # the store holds its record: it must forget it
-            segment.journal.remove(group.keys[position])
+            segment.journal.remove(group.key(position))
 
     def release_group(self, group: Group) -> None:
         """Give back every member's space (the group is being forgotten): a segment's members go back as one run,
@@ -124,16 +126,16 @@ class SegmentTable:
         first = segment_ids[0]
         if segment_ids.count(first) == len(segment_ids):  # nearly always: the whole group in one segment
             self._release_in(group, first, group.offsets[:1] if group.run else group.offsets, group.keys,
-                             group.pending)
+                             group.pending, group.key_prefix)
             return
         for segment_id in dict.fromkeys(segment_ids):
             positions = [i for i, s in enumerate(segment_ids) if s == segment_id]
             self._release_in(group, segment_id, tuple(group.offsets[i] for i in positions),
                              tuple(group.keys[i] for i in positions),
-                             sum(1 << n for n, i in enumerate(positions) if not group.committed(i)))
+                             sum(1 << n for n, i in enumerate(positions) if not group.committed(i)), group.key_prefix)
 
     def _release_in(self, group: Group, segment_id: str, offsets: tuple[int, ...], keys: tuple[str, ...],
-                    pending: int) -> None:
+                    pending: int, prefix: str) -> None:
         segment = self.segments.get(segment_id)
         if segment is None:
             return
@@ -147,7 +149,7 @@ class SegmentTable:
         self.used_bytes -= before - allocator.used_bytes
         if pending:
             keys = tuple(key for n, key in enumerate(keys) if not pending >> n & 1)
-        segment.journal.remove_keys(keys)
+        segment.journal.remove_keys(keys, prefix)
 
     # ---- mounts ---------------------------------------------------------
 
@@ -180,7 +182,7 @@ class SegmentTable:
             self.unmount(segment_id)
         self.failures.prune()
         alignment = self.settings.alignment
-        plan = plan_report(records, size, alignment, self.index.owners, self.index.lru_groups, self.failures)
+        plan = plan_report(records, size, alignment, self.index.holds, self.index.lru_groups, self.failures)
         allocator = allocator_with_ranges(size, alignment, [(r.offset, r.size) for r in plan.accepted])
         segment = self.segments[segment_id] = Segment(
             segment_id=segment_id,
@@ -210,7 +212,7 @@ class SegmentTable:
         journal = segment.journal
         journal.entries.clear()
         journal.acked = journal.sequence
-        mine = [key for group in segment.groups.values() for i, key in enumerate(group.keys)
+        mine = [group.key(i) for group in segment.groups.values() for i in range(len(group.keys))
                 if group.segment_ids[i] == segment_id and group.committed(i)]
         for key in sorted(set(mine) - held):
             record = self._record_of(key, segment_id)
@@ -220,10 +222,10 @@ class SegmentTable:
         return MountResult(False, len(held), rejected, journal.acked)
 
     def _record_of(self, key: str, segment_id: str) -> ObjectRecord | None:
-        group = self.index.owners.get(key)
-        if group is None:
+        found = self.index.owner(key)
+        if found is None:
             return None
-        i = group.keys.index(key)
+        group, i = found
         if not group.committed(i) or group.segment_ids[i] != segment_id:
             return None
         return ObjectRecord(key, group.group_id, group.size, group.offsets[i], group.sizes[i], group.checksums[i],

@@ -317,9 +317,9 @@ class Simulation:
                     rows, more = index.heartbeat_rows(segment.segment_id, self._acked.get(segment.segment_id, 0))
                     if rows:
                         self._acked[segment.segment_id] = rows[-1][0]
-            before = len(index.owners)
+            before = index.num_objects
             index.expire_segments()
-            self.dropped_objects += before - len(index.owners)
+            self.dropped_objects += before - index.num_objects
         self.loop.after(HEARTBEAT_S, self._heartbeat)
 
     def _fail_server(self, server: int) -> None:
