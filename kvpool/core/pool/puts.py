@@ -244,7 +244,7 @@ class PutTable:
         done: dict[int, tuple[Group, list[int]]] = {}
         for key, checksum in commits:
             del in_flight[key]
-            group = owners.get(key)
+            group = owners.get(key) if owners else None  # (none while every group keeps its keys in part)
             if group is not None:
                 position = group.keys.index(key)
             else:  # in flight, so held: by a group that keeps its keys in part, "<group_id>/<part>" (PoolIndex.owner)
