@@ -46,6 +46,7 @@ from kvpool.core.pool.leases import LeaseTable
 from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.pool.puts import PutTable
 from kvpool.core.pool.records import (
+    ChangeRow,
     Group,
     IndexCounters,
     LookupResult,
@@ -54,7 +55,6 @@ from kvpool.core.pool.records import (
     PutOutcome,
     PutRequestItem,
     Segment,
-    ChangeRow,
     SegmentChange,
     StoredObject,
     change_of_row,
