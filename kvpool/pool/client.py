@@ -631,10 +631,15 @@ class PoolClient:
             log.info("pool_release_failed", code=exc.code().name, corrupt_groups=len(corrupt_group_ids))
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which of ``keys`` are committed, this client's own commits that ride (``commit_soon``) included."""
+        await self.session.flush()  # (a unary call could overtake them)
         response = await self._call(self._stub.Exists, pool_pb2.ExistsRequest(keys=list(keys)))
         return list(response.exists)
 
     async def remove(self, group_ids: Sequence[str]) -> tuple[int, list[str]]:
+        """Remove whole groups; busy ones are named. This client's own releases that ride are applied first: a
+        group whose lease it just released is not busy on its account (a unary call could overtake them)."""
+        await self.session.flush()
         response = await self._stub.Remove(pool_pb2.RemoveRequest(group_ids=list(group_ids)), timeout=RPC_TIMEOUT_S)
         return response.num_removed, list(response.busy_group_ids)
 

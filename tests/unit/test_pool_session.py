@@ -291,6 +291,24 @@ def test_a_release_and_a_commit_ride_on_the_next_call_and_are_applied_before_it(
     run(body)
 
 
+def test_a_remove_or_exists_right_after_a_riding_release_or_commit_sees_it() -> None:
+    # a release or commit_soon rides (nobody waits); a unary Remove or Exists sent at once could overtake it and
+    # find the group leased (busy) or the object not committed: the client sends its rides first
+    async def body() -> None:
+        servicer = filled()
+        async with client_of(servicer) as client:
+            found = await client.lookup(["g0"], lease_ms=5000)
+            await client.release(found.lease_id)
+            assert servicer.index.num_leases == 1  # not sent yet
+            assert await client.remove(["g0"]) == (1, [])
+            reserved = await client.reserve([("n/0", "n", 1, KB)])
+            assert type(reserved[0]).__name__ == "ObjectLocation"
+            client.commit_soon([("n/0", 7)])
+            assert await client.exists(["n/0"]) == [True]
+
+    run(body)
+
+
 def test_a_ride_with_no_call_to_carry_it_goes_alone_within_its_wait_and_close_sends_those_waiting() -> None:
     async def body() -> None:
         master = counting()
