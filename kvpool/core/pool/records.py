@@ -334,20 +334,16 @@ class Group:
         """Member ``key``'s place; ValueError when it is not a member."""
         if self.whole:
             return self.keys.index(key)
-        group_id = self.group_id
-        if len(key) > len(group_id) and key[len(group_id)] == "/" and key.startswith(group_id):
-            return self.keys.index(key[len(group_id) + 1:])
-        raise ValueError(f"{key!r} is not a member of {group_id!r}")
+        part = self.part(key)
+        if part is None:
+            raise ValueError(f"{key!r} is not a member of {self.group_id!r}")
+        return self.keys.index(part)
 
     def part(self, key: str) -> str | None:
         """What ``keys`` would hold of ``key`` in a group keeping its keys in part: None unless ``key`` is the
-        group's id, "/" and a part with no "/"."""
-        group_id = self.group_id
-        if len(key) > len(group_id) + 1 and key[len(group_id)] == "/" and key.startswith(group_id):
-            part = key[len(group_id) + 1:]
-            if "/" not in part:
-                return part
-        return None
+        group's id, "/" and a part with no "/" (``parts_of``)."""
+        parts = parts_of(self.group_id, (key,))
+        return parts[0] if parts is not None else None
 
     def committed(self, position: int) -> bool:
         return not self.pending >> position & 1
