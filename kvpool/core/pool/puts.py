@@ -281,10 +281,7 @@ class PutTable:
                                                          group.sizes, tuple(checksums), group.tenant,
                                                          group.key_prefix)
             return
-        by_segment: dict[str, list[int]] = {}
-        for position in sorted(positions):
-            by_segment.setdefault(segment_ids[position], []).append(position)
-        for segment_id, mine in by_segment.items():
+        for segment_id, mine in group.by_segment(sorted(positions)).items():
             segments[segment_id].journal.add_members(
                 group.group_id, group.size, tuple(group.keys[i] for i in mine), tuple(group.offsets[i] for i in mine),
                 tuple(group.sizes[i] for i in mine), tuple(checksums[i] for i in mine), group.tenant,

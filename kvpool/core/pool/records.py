@@ -311,10 +311,6 @@ class Group:
     def complete(self) -> bool:
         return self.num_committed == self.size
 
-    @property
-    def num_members(self) -> int:
-        return len(self.keys)
-
     def key(self, position: int) -> str:
         return self.keys[position] if self.whole else f"{self.group_id}/{self.keys[position]}"
 
@@ -344,6 +340,14 @@ class Group:
         group's id, "/" and a part with no "/" (``parts_of``)."""
         parts = parts_of(self.group_id, (key,))
         return parts[0] if parts is not None else None
+
+    def by_segment(self, positions: Sequence[int]) -> dict[str, list[int]]:
+        """``positions`` (in order) by the segment each member lies in."""
+        found: dict[str, list[int]] = {}
+        segment_ids = self.segment_ids
+        for position in positions:
+            found.setdefault(segment_ids[position], []).append(position)
+        return found
 
     def committed(self, position: int) -> bool:
         return not self.pending >> position & 1

@@ -128,8 +128,7 @@ class SegmentTable:
             self._release_in(group, first, group.offsets[:1] if group.run else group.offsets, group.keys,
                              group.pending, group.key_prefix)
             return
-        for segment_id in dict.fromkeys(segment_ids):
-            positions = [i for i, s in enumerate(segment_ids) if s == segment_id]
+        for segment_id, positions in group.by_segment(range(len(segment_ids))).items():
             self._release_in(group, segment_id, tuple(group.offsets[i] for i in positions),
                              tuple(group.keys[i] for i in positions),
                              sum(1 << n for n, i in enumerate(positions) if not group.committed(i)), group.key_prefix)
