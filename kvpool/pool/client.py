@@ -644,7 +644,9 @@ class PoolClient:
         return response.num_removed, list(response.busy_group_ids)
 
     async def demote(self, group_ids: Sequence[str]) -> int:
-        """Lower groups to the front of eviction (a session ended), at most the master's batch per call."""
+        """Lower groups to the front of eviction (a session ended), at most the master's batch per call. This
+        client's riding releases go first: a release applied after it would touch its groups again."""
+        await self.session.flush()
         demoted = 0
         for start in range(0, len(group_ids), DEMOTE_BATCH):
             request = pool_pb2.DemoteRequest(group_ids=list(group_ids[start:start + DEMOTE_BATCH]))
@@ -652,6 +654,8 @@ class PoolClient:
         return demoted
 
     async def stats(self) -> pool_pb2.StatsResponse:
+        """The master's counts, after this client's riding releases and commits (a unary call could overtake them)."""
+        await self.session.flush()
         return await self._call(self._stub.Stats, pool_pb2.StatsRequest())
 
     # ---- internals ------------------------------------------------------

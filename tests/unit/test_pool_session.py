@@ -461,3 +461,25 @@ def test_rides_past_a_messages_item_limit_go_on_the_next_message() -> None:
             assert master.messages[-2:] == [("lookup", ["put_end", "put_end"]), (None, ["put_end"])]
             assert all(index.objects[key].committed for batch in batches for key, _, _, _ in batch)
     run(body)
+
+
+def test_a_demote_or_stats_right_after_a_riding_release_sees_it() -> None:
+    # as Remove and Exists: Demote and Stats are unary calls that could overtake a riding release. A release
+    # touches its groups again when the order changed since its lookup (a demote did), so applied after the
+    # demote it would undo it; Stats would count the released lease
+    async def body() -> None:
+        servicer = filled()
+        async with client_of(servicer) as client:
+            found = await client.lookup(["g0"], lease_ms=5000)
+            await client.release(found.lease_id)
+            assert servicer.index.num_leases == 1  # not sent yet
+            assert (await client.stats()).num_leases == 0
+            found = await client.lookup(["g1"], lease_ms=5000)
+            await client.release(found.lease_id)
+            assert servicer.index.num_leases == 1  # not sent yet
+            assert await client.demote(["g1"]) == 1
+            await client.session.flush()  # (without the demote's own flush, the release lands now)
+            assert servicer.index.num_leases == 0
+            assert next(iter(servicer.index.group_table.groups)) == "g1"  # first to be evicted
+
+    run(body)
