@@ -291,24 +291,6 @@ def test_a_release_and_a_commit_ride_on_the_next_call_and_are_applied_before_it(
     run(body)
 
 
-def test_a_remove_or_exists_right_after_a_riding_release_or_commit_sees_it() -> None:
-    # a release or commit_soon rides (nobody waits); a unary Remove or Exists sent at once could overtake it and
-    # find the group leased (busy) or the object not committed: the client sends its rides first
-    async def body() -> None:
-        servicer = filled()
-        async with client_of(servicer) as client:
-            found = await client.lookup(["g0"], lease_ms=5000)
-            await client.release(found.lease_id)
-            assert servicer.index.num_leases == 1  # not sent yet
-            assert await client.remove(["g0"]) == (1, [])
-            reserved = await client.reserve([("n/0", "n", 1, KB)])
-            assert type(reserved[0]).__name__ == "ObjectLocation"
-            client.commit_soon([("n/0", 7)])
-            assert await client.exists(["n/0"]) == [True]
-
-    run(body)
-
-
 def test_a_ride_with_no_call_to_carry_it_goes_alone_within_its_wait_and_close_sends_those_waiting() -> None:
     async def body() -> None:
         master = counting()
@@ -463,23 +445,31 @@ def test_rides_past_a_messages_item_limit_go_on_the_next_message() -> None:
     run(body)
 
 
-def test_a_demote_or_stats_right_after_a_riding_release_sees_it() -> None:
-    # as Remove and Exists: Demote and Stats are unary calls that could overtake a riding release. A release
-    # touches its groups again when the order changed since its lookup (a demote did), so applied after the
-    # demote it would undo it; Stats would count the released lease
+def test_a_unary_call_right_after_a_riding_release_or_commit_sees_it() -> None:
+    # a release or commit_soon rides (nobody waits); a unary call sent at once could overtake it, so the client
+    # sends its rides first: Remove would find the group leased (busy), Exists the object not committed, Stats
+    # count the lease; and a release touches its groups again when the order moved since its lookup (a demote
+    # moved it), so applied after a Demote it would undo it
     async def body() -> None:
         servicer = filled()
         async with client_of(servicer) as client:
-            found = await client.lookup(["g0"], lease_ms=5000)
-            await client.release(found.lease_id)
-            assert servicer.index.num_leases == 1  # not sent yet
+
+            async def released(group_id: str) -> None:
+                found = await client.lookup([group_id], lease_ms=5000)
+                await client.release(found.lease_id)
+                assert servicer.index.num_leases == 1  # not sent yet
+
+            await released("g0")
+            assert await client.remove(["g0"]) == (1, [])
+            reserved = await client.reserve([("n/0", "n", 1, KB)])
+            assert type(reserved[0]).__name__ == "ObjectLocation"
+            client.commit_soon([("n/0", 7)])
+            assert await client.exists(["n/0"]) == [True]
+            await released("g1")
             assert (await client.stats()).num_leases == 0
-            found = await client.lookup(["g1"], lease_ms=5000)
-            await client.release(found.lease_id)
-            assert servicer.index.num_leases == 1  # not sent yet
-            assert await client.demote(["g1"]) == 1
+            await released("g2")
+            assert await client.demote(["g2"]) == 1
             await client.session.flush()  # (without the demote's own flush, the release lands now)
-            assert servicer.index.num_leases == 0
-            assert next(iter(servicer.index.group_table.groups)) == "g1"  # first to be evicted
+            assert next(iter(servicer.index.group_table.groups)) == "g2"  # first to be evicted
 
     run(body)
