@@ -74,6 +74,16 @@ def _release_done(error: grpc.aio.AioRpcError | None) -> None:
         log.info("pool_release_failed", code=error.code().name, corrupt_groups=0)
 
 
+def put_end_request(items: Sequence[tuple[str, int]]) -> pool_pb2.PutEndRequest:
+    """The commit of ``(key, checksum)`` pairs, as ``commit`` sends it and ``commit_soon`` rides it."""
+    return pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c) for k, c in items])
+
+
+def put_end_failed(error: grpc.aio.AioRpcError, objects: int) -> None:
+    """A commit that did not take (the caller revokes its objects)."""
+    log.warning("pool_put_end_failed", code=error.code().name, details=error.details(), objects=objects)
+
+
 def access_from_message(message: pool_pb2.SegmentAccess) -> SegmentAccess:
     shared = shared_memory_from_message(message.shared_memory) if message.HasField("shared_memory") else None
     return SegmentAccess(message.segment_id, message.host, message.base_address, shared)
@@ -481,13 +491,11 @@ class PoolClient:
         if not items:
             return True
         try:
-            await self.session.call(
-                "put_end", pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c) for k, c in items]),
-                self._stub.PutEnd, timeout=RPC_TIMEOUT_S)
+            await self.session.call("put_end", put_end_request(items), self._stub.PutEnd, timeout=RPC_TIMEOUT_S)
             return True
         except grpc.aio.AioRpcError as exc:
             # e.g. the master restarted or revoked our put after a timeout
-            log.warning("pool_put_end_failed", code=exc.code().name, details=exc.details(), objects=len(items))
+            put_end_failed(exc, len(items))
             await self.revoke([k for k, _ in items])
             return False
 
@@ -503,8 +511,7 @@ class PoolClient:
 
         def done(error: grpc.aio.AioRpcError | None) -> None:
             if error is not None:
-                log.warning("pool_put_end_failed", code=error.code().name, details=error.details(),
-                            objects=len(keys))
+                put_end_failed(error, len(keys))
                 if error.code() != grpc.StatusCode.CANCELLED:  # (closing: the put timeout gives them back)
                     # (a commit the master took meanwhile stays: a revoke leaves committed keys alone)
                     task = asyncio.get_running_loop().create_task(self.revoke(keys))
@@ -514,8 +521,7 @@ class PoolClient:
                 on_done(error is None)
 
         self._start_watch()
-        self.session.ride("put_end", pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c)
-                                                                   for k, c in items]), done)
+        self.session.ride("put_end", put_end_request(items), done)
 
     async def revoke(self, keys: Sequence[str]) -> None:
         """Give back reserved objects that will not be written (one ``PutRevoke``; best effort)."""
