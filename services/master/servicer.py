@@ -737,13 +737,12 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
 
 
 def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
-    groups = index.groups.values()
     response = pool_pb2.StatsResponse(
         capacity_bytes=index.capacity,
         used_bytes=index.used_bytes,
         num_objects=index.num_objects,
         num_groups=len(index.groups),
-        num_complete_groups=sum(1 for g in groups if g.complete),
+        num_complete_groups=index.group_table.num_complete,
         num_puts_in_flight=index.num_in_flight,
         num_leases=index.num_leases,
         evicted_groups=index.counters.evicted_groups,
@@ -771,7 +770,7 @@ def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
             numa_node=segment.numa_node,
             capacity_bytes=segment.size,
             used_bytes=segment.allocator.used_bytes,
-            num_objects=segment.num_objects(),
+            num_objects=segment.num_objects,
             largest_free_bytes=segment.allocator.largest_free,
             sequence=segment.journal.sequence,
             acked_sequence=segment.journal.acked,

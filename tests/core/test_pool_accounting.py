@@ -16,6 +16,14 @@ def sums(index: PoolIndex) -> tuple[int, int]:
     return sum(s.allocator.used_bytes for s in segments), sum(s.size for s in segments)
 
 
+def assert_counts(index: PoolIndex) -> None:
+    """The running counts Stats reads equal what the groups hold: complete groups, each segment's objects."""
+    groups = index.groups.values()
+    assert index.group_table.num_complete == sum(g.complete for g in groups)
+    for segment_id, segment in index.segments.items():
+        assert segment.num_objects == sum(g.segment_ids.count(segment_id) for g in groups), segment_id
+
+
 def test_exact_totals_through_puts_revokes_unmounts_and_reports() -> None:
     index, clock = make_index(segments=0, alignment=64)
     mount(index, "seg0", size=10 * KB)
@@ -35,10 +43,23 @@ def test_exact_totals_through_puts_revokes_unmounts_and_reports() -> None:
     result = mount(index, "seg1", [ObjectRecord("r/0", "r", 1, 0, 100, 5), ObjectRecord("r/1", "r2", 1, 128, KB, 6)],
                    size=20 * KB)
     assert result.adopted == 2
+    assert_counts(index)
     assert (index.used_bytes, index.capacity) == (128 + KB, 30 * KB)
     clock.now += index.settings.segment_ttl_s + 1
     assert sorted(index.expire_segments()) == ["seg0", "seg1"]
     assert (index.used_bytes, index.capacity) == (0, 0)
+
+
+def test_stats_counts_follow_reports_that_complete_a_group_across_segments() -> None:
+    index, _ = make_index(segments=0, alignment=64)
+    mount(index, "seg0", [ObjectRecord("g/0", "g", 2, 0, 100, 1)], size=10 * KB)
+    assert (index.group_table.num_complete, index.segments["seg0"].num_objects) == (0, 1)
+    mount(index, "seg1", [ObjectRecord("g/1", "g", 2, 0, 100, 2)], size=10 * KB)
+    assert (index.group_table.num_complete, index.segments["seg1"].num_objects) == (1, 1)
+    assert_counts(index)
+    assert index.unmount_segment("seg0") == 2  # the group goes whole, its member in seg1 too
+    assert (index.group_table.num_complete, index.segments["seg1"].num_objects) == (0, 0)
+    assert_counts(index)
 
 
 @pytest.mark.parametrize("eviction", ["group", "object"])
@@ -77,4 +98,5 @@ def test_totals_equal_the_sums_after_every_call(eviction: str, seed: int) -> Non
             index.revoke_expired_puts()
             index.drop_incomplete_groups()
         assert (index.used_bytes, index.capacity) == sums(index), f"step {step}"
+        assert_counts(index)
     assert index.counters.evicted_groups > 0

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvpool.core.pool.records import PutRequestItem, PutStatus
 from tests.core.fixtures import KB, make_index
+from tests.core.test_pool_accounting import assert_counts
 
 # group ids and keys chosen to collide: "g/x" is a group of its own and a key of "g"; "g/x/0" a key of either
 GROUP_IDS = ["g", "g/x", "h"]
@@ -133,6 +134,10 @@ class KeyMachine(RuleBasedStateMachine):
                 assert found is None and index.exists([key]) == [False] and key not in index.objects
         whole = {key for g in index.groups.values() if g.whole for key in g.keys}
         assert set(index.owners) == whole
+
+    @invariant()
+    def stats_counts_are_the_groups(self) -> None:
+        assert_counts(self.index)
 
     @invariant()
     def stores_hold_the_committed_objects_once_told(self) -> None:

@@ -36,6 +36,7 @@ class GroupTable:
     tenant_bytes: dict[str, int] = field(default_factory=dict)
     version: int = 0  # changes of order so far
     num_objects: int = 0  # every group's members (committed or in flight)
+    num_complete: int = 0  # groups with every member committed (a running count: Stats reads it)
 
     @property
     def one_tenant(self) -> bool:
@@ -61,6 +62,8 @@ class GroupTable:
 
     def remove(self, group: Group) -> None:
         group.dropped = True
+        if group.complete:
+            self.num_complete -= 1
         del self.groups[group.group_id]
         groups = self.by_tenant[group.tenant]
         if groups is not self.groups:

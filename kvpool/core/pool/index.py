@@ -384,6 +384,8 @@ class PoolIndex:
     def drop_member(self, group: Group, position: int) -> None:
         """Forget one member of a group and give back its space; a group left with no member is forgotten."""
         self.segment_table.release_member(group, position)
+        if group.complete:  # no longer, once a member leaves
+            self.group_table.num_complete -= 1
         member = group.remove_member(position)
         if group.whole:
             del self.owners[member.key]
@@ -397,10 +399,13 @@ class PoolIndex:
         group = self.groups.get(record.group_id)
         if group is None:
             group = self.group_table.add(Group(record.group_id, record.group_size, tenant=tenant_name(record.tenant)))
+        was_complete = group.complete
         # a group is one tenant's, whatever a report says
         self.owners.update(dict.fromkeys(group.add_member(record.key, segment.segment_id, record.offset, record.size,
                                                           record.checksum, committed=True), group))
+        self.group_table.num_complete += group.complete - was_complete
         segment.groups[group.group_id] = group
+        segment.num_objects += 1
         self.group_table.add_members(group.tenant, record.size)
         if not group.complete:  # its other members are in stores that have not reported yet
             self.puts.mark_incomplete(group.group_id)

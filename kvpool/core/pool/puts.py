@@ -178,6 +178,7 @@ class PutTable:
                 self.index.owners.update(dict.fromkeys(tracked, group))
             self.group_table.add_members(group.tenant, item.size)
             segment.groups[group.group_id] = group
+            segment.num_objects += 1
             self.mark_incomplete(item.group_id)
             in_flight[key] = started
             outcomes.append(PutOutcome(PutStatus.RESERVED, segment, offset))
@@ -234,6 +235,7 @@ class PutTable:
         self.in_flight.update(zip(keys, repeat(started)))
         self.group_table.add_members(group.tenant, nbytes, n)
         segment.groups[group.group_id] = group
+        segment.num_objects += n
         return list(map(PutOutcome, repeat(PutStatus.RESERVED, n), repeat(segment, n), offsets))
 
     def put_end(self, commits: Sequence[tuple[str, int]]) -> int:
@@ -264,7 +266,8 @@ class PutTable:
             group.num_in_flight -= n
             group.num_committed += n
             group.forget_encodings()
-            if group.complete:
+            if group.complete:  # just now: a group holds at most its size of members, these n were in flight
+                self.group_table.num_complete += 1
                 self.incomplete.pop(group.group_id, None)
             self._journal_added(group, positions, segments)
             if group.failed and group.num_in_flight == 0:

@@ -211,15 +211,12 @@ class Segment:
     shared: SharedMemoryRef | None = None  # mapped by clients on ``host`` (kvpool.core.pool.paths)
     # this segment's number, unique for the index's life: a segment mounted anew gets a new one
     number: int = 0
+    # members of its groups that lie here, committed or in flight (a running count: Stats reads it)
+    num_objects: int = 0
 
     @property
     def access(self) -> SegmentAccess:
         return SegmentAccess(self.segment_id, self.host, self.base_address, self.shared)
-
-    def num_objects(self) -> int:
-        """Members of its groups that lie here (O(groups): for stats)."""
-        segment_id = self.segment_id
-        return sum(g.segment_ids.count(segment_id) for g in self.groups.values())
 
 
 def shared(columns: tuple[T, ...]) -> tuple[T, ...]:

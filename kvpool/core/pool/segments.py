@@ -104,6 +104,7 @@ class SegmentTable:
         if segment is None:
             return
         segment_id = segment.segment_id
+        segment.num_objects -= 1
         if group.segment_ids.count(segment_id) == 1:  # its group's last member here
             segment.groups.pop(group.group_id, None)
         allocator = segment.allocator
@@ -139,6 +140,7 @@ class SegmentTable:
         if segment is None:
             return
         segment.groups.pop(group.group_id, None)
+        segment.num_objects -= len(keys)
         allocator = segment.allocator
         before = allocator.used_bytes
         if len(offsets) == 1:
