@@ -216,23 +216,26 @@ class Store:
                 wait_s = 0.0 if response.more or self.with_standbys else self.heartbeat_interval_s
                 failures = 0
             except grpc.aio.AioRpcError as exc:
-                self.metrics.heartbeat_failures.inc()
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     # the master restarted (or dropped us after a long pause)
+                    self.metrics.heartbeat_failures.inc()
                     self.metrics.mounted.set(0)
                     log.warning("segment_unknown_to_master", segment_id=self.settings.segment_id)
                     await self.mount_until_done(stop)
                     wait_s = self.heartbeat_interval_s
-                else:
-                    log.warning("heartbeat_failed", code=exc.code().name, details=exc.details())
-                    # the master may be restarting: look again soon, never slower than the interval
-                    wait_s = min(RETRY_MIN_S * 2**failures, self.heartbeat_interval_s)
+                else:  # the master may be restarting
+                    wait_s = self._beat_failed(exc.code().name, exc.details(), failures)
                     failures += 1
             except ValueError as exc:  # an answer this store cannot read (changes_from_packed): nothing applied
-                self.metrics.heartbeat_failures.inc()
-                log.warning("heartbeat_failed", code="MALFORMED_ANSWER", details=str(exc))
-                wait_s = min(RETRY_MIN_S * 2**failures, self.heartbeat_interval_s)
+                wait_s = self._beat_failed("MALFORMED_ANSWER", str(exc), failures)
                 failures += 1
+
+    def _beat_failed(self, code: str, details: str | None, failures: int) -> float:
+        """Count and log a failed heartbeat; the wait before the next (sooner first, never slower than the
+        interval)."""
+        self.metrics.heartbeat_failures.inc()
+        log.warning("heartbeat_failed", code=code, details=details)
+        return min(RETRY_MIN_S * 2**failures, self.heartbeat_interval_s)
 
     async def _pause(self, stop: asyncio.Event, wait_s: float) -> None:
         """Wait ``wait_s``, less if we are told to stop or (with standbys) a new leader is announced."""
