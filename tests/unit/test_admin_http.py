@@ -95,7 +95,7 @@ def test_other_paths_are_404(plain: AdminServer) -> None:
     assert info.value.code == 404
 
 
-def test_idle_sockets_past_the_bound_are_closed_and_time_out(plain: AdminServer) -> None:
+def test_idle_sockets_past_the_bound_are_closed_and_a_freed_slot_serves(plain: AdminServer) -> None:
     idle = [socket.create_connection(("127.0.0.1", port(plain))) for _ in range(2)]
     try:
         deadline = time.monotonic() + 5
@@ -107,14 +107,32 @@ def test_idle_sockets_past_the_bound_are_closed_and_time_out(plain: AdminServer)
         assert extra.recv(1) == b""  # closed, not served: both slots are taken
         assert plain.connections == 2
         extra.close()
-        for s in idle:  # the idle ones are cut off at the timeout, and the port serves again
-            s.settimeout(10)
-            assert s.recv(1) == b""
+        idle.pop().close()  # its slot frees when the server reads its end, long before the timeout
+        deadline = time.monotonic() + 5
+        while plain.connections > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert plain.connections == 1
         with urllib.request.urlopen(f"http://127.0.0.1:{port(plain)}/metrics", timeout=5) as page:
             assert page.status == 200
     finally:
         for s in idle:
             s.close()
+
+
+def test_an_idle_socket_is_cut_off_at_the_timeout(registry: CollectorRegistry) -> None:
+    server = start_admin("127.0.0.1", 0, registry, timeout_s=0.3, max_connections=1)
+    try:
+        idle = socket.create_connection(("127.0.0.1", port(server)))
+        idle.settimeout(10)
+        start = time.monotonic()
+        assert idle.recv(1) == b""  # closed by the server, not by this socket's own timeout
+        assert 0.2 < time.monotonic() - start < 5
+        idle.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port(server)}/metrics", timeout=5) as page:
+            assert page.status == 200  # its one slot is free again
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_with_tls_a_monitor_or_client_certificate_reads_every_series(secure: AdminServer, ca: ThrowawayCA) -> None:
