@@ -68,6 +68,14 @@ def port(server: AdminServer) -> int:
     return int(server.server_address[1])
 
 
+def connections_become(server: AdminServer, count: int) -> int:
+    """The server's count of connections it serves, once it is ``count`` (or 5 s passed)."""
+    deadline = time.monotonic() + 5
+    while server.connections != count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return server.connections
+
+
 def scrape(server: AdminServer, who: Identity | None, ca: ThrowawayCA, path: str = "/metrics") -> tuple[int, str]:
     context = ssl.create_default_context(cafile=str(ca.ca_path))
     if who is not None:
@@ -98,20 +106,14 @@ def test_other_paths_are_404(plain: AdminServer) -> None:
 def test_idle_sockets_past_the_bound_are_closed_and_a_freed_slot_serves(plain: AdminServer) -> None:
     idle = [socket.create_connection(("127.0.0.1", port(plain))) for _ in range(2)]
     try:
-        deadline = time.monotonic() + 5
-        while plain.connections < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)  # until the server has accepted both
-        assert plain.connections == 2
+        assert connections_become(plain, 2) == 2  # the server has accepted both
         extra = socket.create_connection(("127.0.0.1", port(plain)))
         extra.settimeout(5)
         assert extra.recv(1) == b""  # closed, not served: both slots are taken
         assert plain.connections == 2
         extra.close()
         idle.pop().close()  # its slot frees when the server reads its end, long before the timeout
-        deadline = time.monotonic() + 5
-        while plain.connections > 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert plain.connections == 1
+        assert connections_become(plain, 1) == 1
         with urllib.request.urlopen(f"http://127.0.0.1:{port(plain)}/metrics", timeout=5) as page:
             assert page.status == 200
     finally:
