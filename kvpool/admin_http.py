@@ -18,6 +18,8 @@ sockets cannot pin threads.
 from __future__ import annotations
 
 import http.server
+import os
+import selectors
 import socket
 import ssl
 import threading
@@ -122,7 +124,43 @@ class AdminServer(http.server.ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self.connections = 0  # being served now
+        # ``shutdown`` writes a byte here to wake ``serve_forever`` at once (the stdlib's loop polls for it twice a
+        # second, so each shutdown waited up to 0.5 s)
+        self._wake_read, self._wake_write = os.pipe()
+        self._stopping = False
+        self._stopped = threading.Event()
         super().__init__((host, port), _Handler)
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Accept connections until ``shutdown``; ``poll_interval`` is unused (no polling: ``shutdown`` wakes it)."""
+        self._stopped.clear()
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self, selectors.EVENT_READ)
+                selector.register(self._wake_read, selectors.EVENT_READ)
+                while not self._stopping:
+                    ready = selector.select()
+                    if self._stopping:
+                        break
+                    if any(key.fileobj is self for key, _ in ready):
+                        self._handle_request_noblock()
+                    self.service_actions()
+        finally:
+            if self._stopping:  # as the stdlib's: the shutdown is spent, a later serve_forever serves
+                os.read(self._wake_read, 1)
+                self._stopping = False
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop ``serve_forever`` and wait until it has (from another thread, as the stdlib's)."""
+        self._stopping = True
+        os.write(self._wake_write, b"\0")
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        super().server_close()
+        for fd in (self._wake_read, self._wake_write):
+            os.close(fd)
 
     def get_request(self) -> tuple[Any, Any]:
         sock, address = self.socket.accept()

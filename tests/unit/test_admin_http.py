@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import socket
 import ssl
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -134,6 +135,21 @@ def test_an_idle_socket_is_cut_off_at_the_timeout(registry: CollectorRegistry) -
             assert page.status == 200  # its one slot is free again
     finally:
         server.shutdown()
+        server.server_close()
+
+
+def test_shutdown_stops_the_serving_loop_and_it_can_serve_again(registry: CollectorRegistry) -> None:
+    server = AdminServer("127.0.0.1", 0, registry, None)
+    try:
+        for _ in range(2):  # a second serve after a shutdown serves as the first did
+            loop = threading.Thread(target=server.serve_forever, daemon=True)
+            loop.start()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port(server)}/metrics", timeout=5) as page:
+                assert page.status == 200
+            server.shutdown()  # returns once the loop has stopped (it is woken, not polled)
+            loop.join(5)
+            assert not loop.is_alive()
+    finally:
         server.server_close()
 
 
