@@ -53,6 +53,38 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(2, (3 * cores + 1) // 2)
 
 
+# Test files whose tests import transformers and build its DeepSeek-V3 model: seconds of CPU in each process, the
+# first time (0.8 s the package, 2.5 s the model's modules). One worker runs them all, so the fast tier pays it
+# once, not once a worker. ``tests/unit/test_xdist_scopes.py`` checks every such file of the fast tier is named.
+TRANSFORMERS_FILES = frozenset({
+    "tests/model/test_hf_directory.py",
+    "tests/model/test_hf_moe.py",
+    "tests/model/test_hf_reference.py",
+    "tests/model/test_moe.py",
+    "tests/model/test_published_configs.py",
+})
+TRANSFORMERS_SCOPE = "tests/model (transformers)"
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The work unit a test belongs to: its file, except that the files in ``TRANSFORMERS_FILES`` are one."""
+    path = nodeid.split("::", 1)[0]
+    return TRANSFORMERS_SCOPE if path in TRANSFORMERS_FILES else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile`` (addopts) with ``xdist_scope``'s work units; any other mode as xdist has it."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return FileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Cluster tests first, those allowed the longest timeout first among them, opt-in tests skipped
     here last: the parallel workers each start on a long file and the short ones fill the tail
