@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import ast
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -42,20 +44,44 @@ settings.register_profile("kvpool", deadline=None, suppress_health_check=[Health
 settings.load_profile("kvpool")
 
 
+def fast_tier_alone(config: pytest.Config) -> bool:
+    """The run is ``-m "not cluster"``: no test marked ``cluster`` runs."""
+    return " ".join(str(config.getoption("markexpr", "")).split()) == "not cluster"
+
+
+def wholly_cluster(source: str) -> bool:
+    """The module marks every test of it ``cluster``: its ``pytestmark`` is ``pytest.mark.cluster`` or a list or
+    tuple holding it (read from the source, not imported)."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
+                                                for t in node.targets):
+            marks = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+            return any(ast.unparse(mark) == "pytest.mark.cluster" for mark in marks)
+    return False
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The fast tier alone does not import the modules whose every test it would deselect: their imports (the
+    ``openai`` client, the cluster fixtures) were a second of CPU in each worker."""
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_") and fast_tier_alone(config):
+        return True if wholly_cluster(collection_path.read_text()) else None
+    return None
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: half again as many workers as cores. A cluster test spends much of its time waiting on
     its processes (one request through a pipeline computes on one stage at a time), so one worker per
     core leaves cores idle. The fast tier alone (``-m "not cluster"``) only computes: a worker per core,
     since every worker imports and collects the whole suite first (torch, transformers: seconds each)."""
     cores = len(os.sched_getaffinity(0))
-    if " ".join(str(config.getoption("markexpr", "")).split()) == "not cluster":
+    if fast_tier_alone(config):
         return max(1, cores)
     return max(2, (3 * cores + 1) // 2)
 
 
 # Test files whose tests import transformers and build its DeepSeek-V3 model: seconds of CPU in each process, the
 # first time (0.8 s the package, 2.5 s the model's modules). One worker runs them all, so the fast tier pays it
-# once, not once a worker. ``tests/unit/test_xdist_scopes.py`` checks every such file of the fast tier is named.
+# once, not once a worker. ``tests/unit/test_tier_collection.py`` checks every such file of the fast tier is named.
 TRANSFORMERS_FILES = frozenset({
     "tests/model/test_hf_directory.py",
     "tests/model/test_hf_moe.py",
