@@ -526,7 +526,9 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             raise InvalidArgument("release_corrupt_group_ids: given without release_lease_id")
         check_corrupt(corrupt, "release_corrupt_group_ids")  # before anything changes
         evicted_before = self.index.counters.evicted_groups
-        outcomes = self.index.put_start(request.client_host, items)
+        # the restore this save follows read first: its read is a use before this put (PoolIndex.put_start)
+        outcomes = self.index.put_start(request.client_host, items, request.release_lease_id,
+                                        frozenset(corrupt) if corrupt else ())
         evicted = self.index.counters.evicted_groups - evicted_before
         if evicted:
             log.info("groups_evicted", count=evicted)
@@ -534,7 +536,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         log.debug("pool_op", op="put_start", first_key=items[0].key, items=len(items), evicted=evicted)
         self.record.write("pool_op", current_request_id(), op="put_start", first_key=items[0].key, items=len(items),
                           evicted=evicted)
-        if request.release_lease_id:  # the restore's lease this save follows ends with it (the put went first)
+        if request.release_lease_id:  # and its lease ends after the put, whose eviction spared what it read
             self._release(request.release_lease_id, corrupt, via="put_start")
         if all(o.status is PutStatus.NO_SPACE for o in outcomes):
             raise ResourceExhausted(

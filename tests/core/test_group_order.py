@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.leases import LeaseTable
-from kvpool.core.pool.records import Group, PutRequestItem
+from kvpool.core.pool.records import Group, PutRequestItem, PutStatus
 from tests.core.fixtures import KB, make_index
 
 IDS = [f"g{i}" for i in range(10)]
@@ -99,6 +99,8 @@ index_ops = st.lists(st.one_of(
     st.tuples(st.just("put"), st.integers(0, 11), st.sampled_from(TENANTS)),
     st.tuples(st.just("lookup"), st.integers(0, 11), st.integers(1, 5), st.integers(0, 3)),
     st.tuples(st.just("release"), st.integers(0, 3), st.booleans()),
+    # a save following a restore: its put uses the lease first, the lease ends after it (the master's PutStart)
+    st.tuples(st.just("save"), st.integers(0, 3), st.integers(0, 11), st.booleans()),
     st.tuples(st.just("touch"), st.lists(st.integers(0, 11), max_size=3)),
     st.tuples(st.just("demote"), st.lists(st.integers(0, 11), max_size=3)),
     st.tuples(st.just("remove"), st.integers(0, 11)),
@@ -136,6 +138,15 @@ def test_a_release_that_moves_nothing_leaves_the_order_a_moving_one_leaves(steps
                 groups = index.leases._leases.get(lease_id, ([], []))[0]
                 corrupt = [groups[0].group_id] if step[2] and groups else []
                 index.release_lease(lease_id, corrupt)
+            elif kind == "save" and held:
+                lease_id = held.pop(step[1] % len(held))
+                groups = index.leases._leases.get(lease_id, ([], []))[0]
+                corrupt = [groups[0].group_id] if step[3] and groups else []
+                gid = f"g{step[2]}"
+                items = [PutRequestItem(f"{gid}/{m}", gid, 2, KB // 2) for m in range(2)]
+                index.put_start("host0", items, lease_id, corrupt)
+                index.release_lease(lease_id, corrupt)
+                index.put_end([(k, 1) for k in (i.key for i in items) if k in index.puts.in_flight])
             elif kind == "touch":
                 index.touch([f"g{i}" for i in step[1]])
             elif kind == "demote":
@@ -145,6 +156,27 @@ def test_a_release_that_moves_nothing_leaves_the_order_a_moving_one_leaves(steps
         assert list(pair[0].groups) == list(pair[1].groups)
         assert {t: list(g) for t, g in pair[0].group_table.by_tenant.items()} == \
             {t: list(g) for t, g in pair[1].group_table.by_tenant.items()}
+
+
+def test_a_save_after_a_restore_counts_the_read_before_its_own_groups_and_spares_what_was_read() -> None:
+    """``put_start(read_lease=…)``: the restore's read is a use before the save (its groups, the held head
+    first, then the save's); the lease holds through the put, so its eviction takes an older group; the release
+    after it moves nothing."""
+    index, _ = make_index(segment_bytes=4 * KB, high_watermark=0.9, low_watermark=0.75)
+    for group in "abc":
+        index.put_start("host0", [PutRequestItem(f"{group}/0", group, 1, KB)])
+        index.put_end([(f"{group}/0", 1)])
+    found = index.lookup(["a", "b"], 60.0, held_prefix=1)  # a held, b leased
+    index.demote(["b", "a"])  # the order moved since the lookup: a, then b, the least recently used
+    assert list(index.groups) == ["a", "b", "c"]
+    # the read moves them back, b then a (the held head), before the put: its eviction takes c (not a, were the
+    # read counted after it, nor b, which the lease holds)
+    outcome, = index.put_start("host0", [PutRequestItem("d/0", "d", 1, KB)], read_lease=found.lease_id)
+    assert outcome.status is PutStatus.RESERVED and list(index.groups) == ["b", "a", "d"]
+    assert index.counters.evicted_groups == 1 and index.groups["b"].num_leases == 1
+    assert index.release_lease(found.lease_id) and list(index.groups) == ["b", "a", "d"]  # nothing moved
+    assert index.groups["b"].num_leases == 0
+    assert not index.use_lease(found.lease_id)  # ended: unknown
 
 
 def test_a_release_moves_none_of_the_groups_dropped_since_its_lookup_nor_their_successors() -> None:

@@ -142,7 +142,7 @@ def put_start(service: PoolMasterServicer, keys: list[str], **fields: Any) -> po
 
 def test_a_put_start_ends_the_lease_it_carries_after_its_put() -> None:
     """A save that follows a restore ends the restore's lease in its first call: the lease is gone, its
-    groups touched as a release touches them, a group its reader found corrupt dropped."""
+    groups touched before the put, as a release touches them, a group its reader found corrupt dropped."""
     service, index = servicer()
     for group in "abc":
         put(index, group)
@@ -150,7 +150,8 @@ def test_a_put_start_ends_the_lease_it_carries_after_its_put() -> None:
     assert [index.groups[g].num_leases for g in "abc"] == [0, 1, 1]
     put_start(service, ["new/0"], release_lease_id=found.lease_id, release_corrupt_group_ids=["c"])
     assert index.num_leases == 0 and "c" not in index.groups  # condemned, and no lease held it any more
-    assert list(index.groups)[-2:] == ["b", "a"] and "new" in index.groups  # touched, the head most recent
+    # its read was a use before the save: the held head most recent of the two, the save after them
+    assert list(index.groups)[-3:] == ["b", "a", "new"]
     again = put_start(service, ["newer/0"], release_lease_id=found.lease_id)  # an ended lease: ignored
     assert again.results[0].status == pool_pb2.PUT_STATUS_RESERVED
 

@@ -121,10 +121,17 @@ class PoolIndex:
 
     # ---- writes (the put table's calls) --------------------------------
 
-    def put_start(self, client_host: str, items: Sequence[PutRequestItem]) -> list[PutOutcome]:
-        """See :meth:`PutTable.put_start`; leases past their time end first."""
+    def put_start(self, client_host: str, items: Sequence[PutRequestItem], read_lease: int = 0,
+                  corrupt_group_ids: Collection[str] = ()) -> list[PutOutcome]:
+        """See :meth:`PutTable.put_start`; leases past their time end first.
+
+        ``read_lease``: the lease of the restore this save follows (with the groups its reader found corrupt),
+        used (``use_lease``) once the batch passed its checks, before anything is placed: the read came first.
+        The lease still holds through the put, so its eviction spares what was read; the caller ends it after."""
         self.expire_leases()
-        return self.puts.put_start(client_host, items)
+        if not read_lease:
+            return self.puts.put_start(client_host, items)
+        return self.puts.put_start(client_host, items, lambda: self.use_lease(read_lease, corrupt_group_ids))
 
     def put_end(self, commits: Sequence[tuple[str, int]]) -> int:
         """Commit in-flight puts (key, checksum); all or none."""
@@ -191,21 +198,42 @@ class PoolIndex:
         failed their checksum; they are hidden now and dropped once no lease
         holds them (``pool.corrupt``). Unknown to an ended or expired lease.
         """
-        touched_at = self.leases.mark_of(lease_id)
+        touched_at, read = self.leases.mark_of(lease_id), self.leases.was_read(lease_id)
         released = self.leases.release(lease_id)
         if released is None:
             return False
         groups, held = released
         if corrupt_group_ids:
             condemn(groups, self.groups, corrupt_group_ids)
-        # in prefix order, the held prefix first, as the lookup found them; unless nothing changed the order
-        # since the lookup's touch (removals leave it) and all are usable: they are still last, in this order
+        if not read:
+            self._touch_read(groups, held, touched_at)
+        self._drop_corrupt(groups)  # this lease's or an earlier reader's condemned groups no lease holds now
+        return True
+
+    def use_lease(self, lease_id: int, corrupt_group_ids: Collection[str] = ()) -> bool:
+        """The reader is done reading but the lease holds on a while: its read counts as a use now, and the
+        groups it found corrupt are hidden now; ``release_lease`` then touches nothing. A save that follows its
+        restore does this first (its new groups are used after the history it read) and ends the lease after
+        its put (whose eviction must spare that history). False for an ended or expired lease."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return False
+        groups, held = lease
+        if corrupt_group_ids:
+            condemn(groups, self.groups, corrupt_group_ids)
+        if not self.leases.was_read(lease_id):
+            self._touch_read(groups, held, self.leases.mark_of(lease_id))
+            self.leases.note_read(lease_id)
+        return True
+
+    def _touch_read(self, groups: list[Group], held: list[Group], touched_at: int | None) -> None:
+        """A lease's read as a use: in prefix order, the held prefix first, as the lookup found them; unless
+        nothing changed the order since the lookup's touch (``touched_at``; removals leave it) and all are
+        usable: they are still last, in this order."""
         found = held + groups if held else groups
         usable = still_usable(found)
         if usable is not found or touched_at != self.group_table.version:
             self.group_table.touch_groups(usable)
-        self._drop_corrupt(groups)  # this lease's or an earlier reader's condemned groups no lease holds now
-        return True
 
     def expire_leases(self) -> int:
         """End every lease past its time; returns how many condemned groups that dropped."""

@@ -28,6 +28,8 @@ class LeaseTable:
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     # what the caller noted of a lease when it granted it (the group table's version after its touch)
     _marks: dict[int, int] = field(default_factory=dict)
+    # live leases whose read already counted as a use (``PoolIndex.use_lease``): their release touches nothing
+    _read: set[int] = field(default_factory=set)
 
     def grant(self, groups: list[Group], duration_s: float, held: list[Group] | None = None) -> int:
         """Lease ``groups``; ``held``: the groups found before them, unleased (the caller holds them)."""
@@ -42,8 +44,19 @@ class LeaseTable:
         """Note ``value`` with a live lease (gone when it ends)."""
         self._marks[lease_id] = value
 
+    def get(self, lease_id: int) -> tuple[list[Group], list[Group]] | None:
+        """A live lease's groups and those found before them (as ``release`` returns them), or None."""
+        return self._leases.get(lease_id)
+
     def mark_of(self, lease_id: int) -> int | None:
         return self._marks.get(lease_id)
+
+    def note_read(self, lease_id: int) -> None:
+        """A live lease's read counted as a use (forgotten when it ends)."""
+        self._read.add(lease_id)
+
+    def was_read(self, lease_id: int) -> bool:
+        return lease_id in self._read
 
     def release(self, lease_id: int) -> tuple[list[Group], list[Group]] | None:
         """End a lease; returns the groups it held and those found before them, or None if it is unknown
@@ -51,6 +64,7 @@ class LeaseTable:
         released = self._leases.pop(lease_id, None)
         if released is not None:
             self._marks.pop(lease_id, None)
+            self._read.discard(lease_id)
             _unlease(released[0])
         return released
 

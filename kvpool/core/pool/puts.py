@@ -92,16 +92,20 @@ class PutTable:
     # incomplete groups, with when they are dropped unless a member arrives (in that order)
     incomplete: OrderedDict[str, float] = field(default_factory=OrderedDict)
 
-    def put_start(self, client_host: str, items: Sequence[PutRequestItem]) -> list[PutOutcome]:
+    def put_start(self, client_host: str, items: Sequence[PutRequestItem],
+                  checked: Callable[[], object] | None = None) -> list[PutOutcome]:
         """Reserve space for each item, evicting LRU groups when needed.
 
         The whole batch is validated before anything changes, so a bad item
-        leaves the index untouched. A member with no space fails its group:
+        leaves the index untouched; ``checked`` is called once it passed, before
+        any item is placed. A member with no space fails its group:
         members of it reserved earlier in this batch are given back at once
         (``GROUP_FAILED``), later ones are refused.
         """
         segments = self.segment_table.segments
         all_new = check_put_batch(items, segments, self.group_table.groups, self.index.holds, self.index.holds_any)
+        if checked is not None:
+            checked()
         self.failures.prune()
         outcomes: list[PutOutcome] = []
         rotations = batch_orders(
