@@ -32,7 +32,8 @@ How:
   outcome: None once applied, else the error its unary call would have
   raised (or the broken stream's: then whether it was applied is unknown).
   A master that predates rides answers without ``rides_taken``: its rides go
-  again as calls, and every later one too. ``close`` sends the rides waiting.
+  again as calls, and every later one too. ``close`` sends the rides waiting
+  and waits for those already sent.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ class MasterSession:
         if self._ride_timer is not None:
             self._ride_timer.cancel()
             self._ride_timer = None
-        if self._rides and self._call is not None:  # (no stream: the master is away, and nobody waits)
+        # the rides waiting, and those already on a message of their own (their wait ran out just before): a
+        # cancelled one may never reach the master (no stream: the master is away, and nobody waits)
+        if (self._rides or self._ride_tasks) and self._call is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.flush(), CLOSE_FLUSH_S)
         self._break(session_error(grpc.StatusCode.CANCELLED, "the pool client closed"))

@@ -315,6 +315,28 @@ def test_a_ride_with_no_call_to_carry_it_goes_alone_within_its_wait_and_close_se
     run(body)
 
 
+def test_close_waits_for_a_ride_already_on_a_message_of_its_own() -> None:
+    """A release whose wait ran out just before the client closed is on its way in a message of its own: close
+    waits for its answer (cancelling it lost the release: the lease held until it expired)."""
+    async def body() -> None:
+        master = counting()
+        handle = await serving(master)
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        told: list[object] = []
+        try:
+            found = await client.lookup(["g0"], lease_ms=60_000)
+            client.session.ride("release_lease", pool_pb2.ReleaseLeaseRequest(lease_id=found.lease_id), told.append)
+            client.session._flush_rides()  # its wait ran out: a message of its own, which nobody waits for,
+            await asyncio.sleep(0)  # takes it and goes
+            assert not client.session._rides and client.session._ride_tasks
+        finally:
+            await client.close()
+        assert told == [None]  # applied, not cancelled
+        assert master.index.num_leases == 0 and master.messages[-1] == (None, ["release_lease"])
+        await handle.server.stop(None)
+    run(body)
+
+
 def test_a_ride_that_fails_is_told_to_its_caller_and_fails_neither_the_others_nor_the_call() -> None:
     async def body() -> None:
         master = counting()
