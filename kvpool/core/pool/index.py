@@ -198,15 +198,9 @@ class PoolIndex:
         failed their checksum; they are hidden now and dropped once no lease
         holds them (``pool.corrupt``). Unknown to an ended or expired lease.
         """
-        touched_at, read = self.leases.mark_of(lease_id), self.leases.was_read(lease_id)
-        released = self.leases.release(lease_id)
-        if released is None:
+        if not self.use_lease(lease_id, corrupt_group_ids):  # its read counts as a use, unless it did already
             return False
-        groups, held = released
-        if corrupt_group_ids:
-            condemn(groups, self.groups, corrupt_group_ids)
-        if not read:
-            self._touch_read(groups, held, touched_at)
+        groups, _ = self.leases.release(lease_id)  # type: ignore[misc]  (live: use_lease found it)
         self._drop_corrupt(groups)  # this lease's or an earlier reader's condemned groups no lease holds now
         return True
 
@@ -221,19 +215,16 @@ class PoolIndex:
         groups, held = lease
         if corrupt_group_ids:
             condemn(groups, self.groups, corrupt_group_ids)
-        if not self.leases.was_read(lease_id):
-            self._touch_read(groups, held, self.leases.mark_of(lease_id))
-            self.leases.note_read(lease_id)
-        return True
-
-    def _touch_read(self, groups: list[Group], held: list[Group], touched_at: int | None) -> None:
-        """A lease's read as a use: in prefix order, the held prefix first, as the lookup found them; unless
-        nothing changed the order since the lookup's touch (``touched_at``; removals leave it) and all are
-        usable: they are still last, in this order."""
+        if self.leases.was_read(lease_id):
+            return True
+        self.leases.note_read(lease_id)
+        # in prefix order, the held prefix first, as the lookup found them; unless nothing changed the order
+        # since the lookup's touch (removals leave it) and all are usable: they are still last, in this order
         found = held + groups if held else groups
         usable = still_usable(found)
-        if usable is not found or touched_at != self.group_table.version:
+        if usable is not found or self.leases.mark_of(lease_id) != self.group_table.version:
             self.group_table.touch_groups(usable)
+        return True
 
     def expire_leases(self) -> int:
         """End every lease past its time; returns how many condemned groups that dropped."""
