@@ -9,29 +9,20 @@ processes, which import it themselves)."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 from tests.conftest import TRANSFORMERS_FILES, TRANSFORMERS_SCOPE, wholly_cluster, xdist_scope
+from tests.unit.test_layering import _under, imported_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILDERS = ("transformers", "tests.model.hf_directory")
 
 
-def imports_a_builder(tree: ast.Module) -> bool:
-    for node in ast.walk(tree):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-        if any(n == b or n.startswith(b + ".") for n in names for b in BUILDERS):
-            return True
-    return False
-
-
 def test_every_fast_file_that_builds_transformers_model_is_one_work_unit() -> None:
     found = set()
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
-        source = path.read_text()
-        if imports_a_builder(ast.parse(source)) and not wholly_cluster(source):
+        builds = any(_under(name, builder) for name in imported_modules(path) for builder in BUILDERS)
+        if builds and not wholly_cluster(path.read_text()):
             found.add(path.relative_to(ROOT).as_posix())
     assert found == TRANSFORMERS_FILES
     assert {xdist_scope(f"{name}::test_x") for name in found} == {TRANSFORMERS_SCOPE}
