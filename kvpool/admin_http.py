@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from kvpool import tls
+from kvpool import ports, tls
 from kvpool.core.errors import PermissionDenied
 from kvpool.core.tenancy.access import Peer, authorize_admin
 
@@ -129,7 +129,18 @@ class AdminServer(http.server.ThreadingHTTPServer):
         self._wake_read, self._wake_write = os.pipe()
         self._stopping = False
         self._stopped = threading.Event()
-        super().__init__((host, port), _Handler)
+        super().__init__((host, port), _Handler, bind_and_activate=False)
+        try:
+            # port 0: a free one below the ephemeral range (kvpool.ports), so a restart can have it again
+            ports.listen(host, port, lambda p: self._bind(host, p))
+            self.server_activate()
+        except BaseException:
+            self.server_close()
+            raise
+
+    def _bind(self, host: str, port: int) -> None:
+        self.server_address = (host, port)
+        self.server_bind()
 
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         """Accept connections until ``shutdown``; ``poll_interval`` is unused (no polling: ``shutdown`` wakes it)."""

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from kvpool import request_id, tls
+from kvpool import ports, request_id, tls
 from kvpool.admin_http import start_admin
 from kvpool.core.admission import retry as retry_policy
 from kvpool.core.errors import InvalidArgument
@@ -290,7 +290,8 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_servicers(server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = tls.add_port(server, f"{host}:{port}")  # mutual TLS once the process is configured
+    # mutual TLS once the process is configured; port 0: a free one below the ephemeral range (kvpool.ports)
+    bound = ports.listen(host, port, lambda p: tls.add_port(server, f"{host}:{p}"))
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()

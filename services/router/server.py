@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from kvpool import service
+from kvpool import ports, service
 from kvpool.core.errors import InvalidArgument, KvpoolError
 from kvpool.core.tenancy.shares import TenantShares
 from kvpool.core.api.generation_fields import (
@@ -164,13 +164,14 @@ class _OpenAiRouter:
             return {"error": f"supervisor status unreadable: {exc}"}
 
 
-def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+def listen_http(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:  # a successor router listens beside this one during a handover
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
-        sock.bind((host, port))
+        # port 0: a free one below the ephemeral range (kvpool.ports), so a restart can have it again
+        ports.listen(host, port, lambda p: sock.bind((host, p)))
     except OSError as exc:
         sock.close()
         raise OSError(f"http_port: cannot listen on {host}:{port}: {exc.strerror}") from None
@@ -229,7 +230,7 @@ async def serve(settings: RouterSettings, ready_file: str | None = None) -> None
 
     api = HttpApi(_OpenAiRouter(router, settings.supervisor_status), tokenizer, limits, metrics.registry, roles,
                   read_timeout_s=settings.http_read_timeout_s, refused=refused)
-    sock = _bind(settings.host, settings.http_port, settings.reuse_port)
+    sock = listen_http(settings.host, settings.http_port, settings.reuse_port)
     # origins, API keys, tenants and their request rates (auth.py)
     app = gate(api.app(), ring, settings.cors_origins, settings.tenant_rate, settings.tenant_burst, open_requests)
     # stopped in the finally below, once the process's signal handlers set ``stop``

@@ -2,7 +2,9 @@
 
 The only place that starts ``kvpool.services.cli``. Every process binds port 0 and
 reports its ports through a ready file, so nothing waits on a fixed sleep and
-parallel runs never collide.
+parallel runs never collide. A service picks its port-0 ports below the kernel's
+ephemeral range (kvpool/ports.py), so ``restart`` finds them free: no outgoing
+connection made while it was down can hold one.
 """
 
 from __future__ import annotations
