@@ -17,73 +17,36 @@ logs that it does.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import ipaddress
 import os
-import shutil
 import socket
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from kvpool import native_build
+from kvpool.native_build import NativeUnavailable
 
 ADDRESS_ENV = "KVPOOL_BIND_ADDRESS"
 SWITCH_ENV = "KVPOOL_BIND_SHIM"
-SOURCE = Path(__file__).with_name("native") / "bind_shim.c"
+SOURCE = native_build.NATIVE / "bind_shim.c"
 
 
-class ShimUnavailable(RuntimeError):
+class ShimUnavailable(NativeUnavailable):
     """The shim can be neither found nor built (no C compiler)."""
-
-
-def _build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    return f"bind_shim-{digest}.so"
-
-
-def _build_dirs() -> list[Path]:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpool"
-    return [SOURCE.parent, cache]
 
 
 def find() -> Path | None:
     """The built shim for the current source, if there is one."""
-    name = _build_name()
-    for folder in _build_dirs():
-        if (folder / name).is_file():
-            return folder / name
-    return None
+    return native_build.find(SOURCE)
 
 
 def build() -> Path:
     """Build the shim (once per source version); returns its path."""
-    found = find()
-    if found is not None:
-        return found
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise ShimUnavailable("no C compiler to build kvpool/native/bind_shim.c: run scripts/setup.sh, "
-                              f"or set {SWITCH_ENV}=off to let the transfer engine bind every interface")
-    errors = []
-    for folder in _build_dirs():
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            # build under a temporary name, then rename: processes starting together never see half a file
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-            os.close(fd)
-        except OSError as exc:
-            errors.append(f"{folder}: {exc}")
-            continue
-        done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-Wall", "-o", tmp, str(SOURCE), "-ldl", "-lpthread"],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            os.unlink(tmp)
-            raise ShimUnavailable(f"building {SOURCE} failed:\n{done.stderr}")
-        os.chmod(tmp, 0o755)
-        target = folder / _build_name()
-        os.replace(tmp, target)
-        return target
-    raise ShimUnavailable("no writable folder for the bind shim: " + "; ".join(errors))
+    try:
+        return native_build.build(SOURCE, ("-ldl", "-lpthread"))
+    except NativeUnavailable as exc:
+        raise ShimUnavailable(f"{exc}\n(or set {SWITCH_ENV}=off to let the transfer engine bind every "
+                              "interface)") from None
 
 
 def bind_address(host: str) -> str:
