@@ -25,7 +25,7 @@ missing=() tools=()
 # etcd-server: the master's standbys elect a leader through etcd (kvpool up --master-standbys; the tests start
 # their own etcd on free ports and never the system's service, which setup leaves stopped)
 for pkg in libibverbs1 librdmacm1 libcurl4 numactl etcd-server; do installed "$pkg" || missing+=("$pkg"); done
-# the bind shim (kvpool/native/bind_shim.c) is compiled here: a C compiler and libc headers
+# the bind shim and the index's order (kvpool/native/*.c) are compiled here: a C compiler and libc headers
 command -v gcc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
 if [ "${KVPOOL_TEST_TOOLS:-1}" != 0 ]; then
   installed docker-compose || tools+=(docker-compose)
@@ -67,6 +67,8 @@ esac
   || { [ "$engine" = none ] || { echo "setup: the transfer engine does not import" >&2; exit 1; }; }
 # every transfer-engine process preloads it, so the engine listens on its configured address only
 .venv/bin/python -c "from kvpool import bind_shim; bind_shim.build()"
+# the pool index's order of groups in C (kvpool/native/lru.c; without it the index runs the same order in Python)
+.venv/bin/python -c "from kvpool import native_build; native_build.build(native_build.NATIVE / 'lru.c')"
 # bytecode for the project's own modules, made once: where PYTHONDONTWRITEBYTECODE is set (as on the development hosts),
 # every service process would otherwise compile them again as it starts (about 0.3 s of CPU each)
 .venv/bin/python -m compileall -q kvpool services >/dev/null

@@ -9,7 +9,7 @@ import uuid
 
 import structlog
 
-from kvpool import service
+from kvpool import native_build, service
 from kvpool.core.pool.index import PoolIndex
 from kvpool.rpc import pool_pb2_grpc
 from kvpool.core.ha.leadership import Role
@@ -53,6 +53,9 @@ async def _sweep(servicer: PoolMasterServicer, metrics: MasterMetrics, interval_
 
 
 async def serve(settings: MasterSettings, ready_file: str | None = None) -> None:
+    native_order, why_not = native_build.index_order()
+    if why_not:  # the index runs the same order in Python, slower
+        log.warning("index_order_in_python", reason=why_not)
     index = PoolIndex(settings)
     metrics = MasterMetrics()
     incarnation = uuid.uuid4().hex[:12]
@@ -74,6 +77,7 @@ async def serve(settings: MasterSettings, ready_file: str | None = None) -> None
         etcd=settings.etcd or None,
         high_watermark=settings.high_watermark,
         low_watermark=settings.low_watermark,
+        native_order=native_order,
     )
     service.write_ready_file(ready_file, port=handle.port, admin_port=admin_port, incarnation=incarnation)
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -56,10 +57,13 @@ class Reference:
                 self.by_tenant[self.groups[group_id].tenant].move_to_end(group_id, last=False)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-order", "python-order"])
 @settings(max_examples=300, deadline=None)
 @given(table_ops)
-def test_the_table_orders_groups_and_tenants_exactly_as_two_dicts_moved_in_step(steps: list[tuple]) -> None:
-    table, ref = GroupTable(), Reference()
+def test_the_table_orders_groups_and_tenants_exactly_as_two_dicts_moved_in_step(native: bool,
+                                                                                steps: list[tuple]) -> None:
+    table, ref = GroupTable(native), Reference()
+    removed: list[Group] = []
     for step in steps:
         kind = step[0]
         version = table.version
@@ -69,6 +73,7 @@ def test_the_table_orders_groups_and_tenants_exactly_as_two_dicts_moved_in_step(
             ref.add(group)
         elif kind == "remove" and step[1] in ref.groups:
             before = list(table.groups)
+            removed.append(ref.groups[step[1]])
             table.remove(ref.groups[step[1]])
             ref.remove(step[1])
             assert table.version == version  # a removal leaves the others' order
@@ -86,6 +91,8 @@ def test_the_table_orders_groups_and_tenants_exactly_as_two_dicts_moved_in_step(
         assert list(table.groups) == list(ref.groups)
         assert {t: list(g) for t, g in table.by_tenant.items()} == {t: list(g) for t, g in ref.by_tenant.items()}
         assert not table.one_tenant or len(ref.by_tenant) == 1
+        assert sorted(g.slot for g in ref.groups.values()) == sorted(set(g.slot for g in ref.groups.values()))
+        assert all(g.slot == -1 for g in removed)
 
 
 class AlwaysMoves(LeaseTable):

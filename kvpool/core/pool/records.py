@@ -303,6 +303,8 @@ class Group:
     compact: object = None
     # the index forgot it (dropped, evicted, removed): a lease may still hold it, a lookup never finds it again
     dropped: bool = False
+    # its place in the group table's orders while the table holds it, else -1 (kvpool.core.pool.groups)
+    slot: int = field(default=-1, compare=False, repr=False)
 
     @property
     def complete(self) -> bool:
