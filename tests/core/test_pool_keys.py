@@ -69,6 +69,25 @@ def test_a_key_whose_group_an_earlier_item_of_the_batch_evicts_is_put_again() ->
     assert index.owner("a/0") == (index.groups["a"], 0) and index.exists(["a/0"]) == [False]  # in flight
 
 
+def test_a_key_freed_by_an_eviction_in_its_batch_does_not_join_a_group_with_no_room() -> None:
+    """"h/0" is group "g"'s key when the batch is checked, so it is not counted as a member "h" would gain; an
+    earlier item evicts "g", and "h" (2 of 2 members) must not take a third (Hypothesis found it: the count of
+    complete groups went wrong once the third committed)."""
+    index, _ = make_index(segment_bytes=4 * KB, high_watermark=0.9, low_watermark=0.85)
+    index.put_start("host0", [PutRequestItem("h/0", "g", 1, KB)])  # kept whole: "h/0" is not "g/<part>"
+    index.put_end([("h/0", 1)])
+    index.put_start("host0", [PutRequestItem("h/1", "h", 2, KB), PutRequestItem("h/2", "h", 2, KB)])
+    index.put_end([("h/1", 2), ("h/2", 3)])
+    # 3 KB held: 0.75 KB more passes the high watermark (3.6 KB); evicting g alone brings it under the low (3.4)
+    first, second = index.put_start("host0", [PutRequestItem("x/0", "x", 1, 3 * KB // 4),
+                                              PutRequestItem("h/0", "h", 2, KB)])
+    assert index.counters.evicted_groups == 1 and "g" not in index.groups  # x's room came from g
+    assert (first.status, second.status) == (PutStatus.RESERVED, PutStatus.NO_SPACE)
+    h = index.groups["h"]
+    assert h.keys == ("1", "2") and h.complete and index.owner("h/0") is None
+    assert_counts(index)
+
+
 class KeyMachine(RuleBasedStateMachine):
     """Random puts, commits, revokes, removals and evictions over colliding ids and keys, against one dict."""
 

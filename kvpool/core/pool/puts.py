@@ -155,6 +155,12 @@ class PutTable:
                 outcomes.append(PutOutcome(PutStatus.GROUP_FAILED))
                 continue
             group = groups.get(item.group_id)
+            if group is not None and len(group.keys) >= group.size:
+                # its key was another group's when the batch was checked (so it was not counted as a new member)
+                # and an earlier item's eviction freed it: a group with no room takes no more members (alone, the
+                # put would be refused). Not stored; the group is left as it is
+                outcomes.append(PutOutcome(PutStatus.NO_SPACE))
+                continue
             rotation = num_placed % len(rotations)
             order = rotations[rotation]
             if group is not None and group.keys:
