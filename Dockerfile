@@ -20,9 +20,12 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 FROM runtime AS build
-# the bind shim (kvpool/native/bind_shim.c) is compiled here, not at run time
+# the bind shim and the index's order (kvpool/native/*.c) are compiled here, not at run time; the order is an
+# extension module, built against the interpreter's headers (Debian's Python, in a local base, keeps them apart)
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+ && { [ -f "$(python3.11 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] \
+      || DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3.11-dev; } \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/kvpool
 COPY deploy/build-extra/ /tmp/build-extra/
@@ -38,11 +41,13 @@ COPY pyproject.toml setup.py README.md ./
 COPY kvpool kvpool
 COPY services services
 ARG KVPOOL_ENGINE=cpu
-# then, away from the sources (cd /): build the shim beside the installed package, check what the roles import
+# then, away from the sources (cd /): build the shim and the order beside the installed package, check what the
+# roles import
 RUN if [ -f /tmp/build-extra/ca-certificates.crt ]; then export PIP_CERT=/tmp/build-extra/ca-certificates.crt; fi \
  && .venv/bin/pip install --quiet ".[${KVPOOL_ENGINE}]" \
  && cd / \
  && /opt/kvpool/.venv/bin/python -c "from kvpool import bind_shim; print(bind_shim.build())" \
+ && /opt/kvpool/.venv/bin/python -c "from kvpool import native_build; print(native_build.build_index_order())" \
  && /opt/kvpool/.venv/bin/python -c "import kvpool.rpc.pool_pb2, mooncake.engine, torch"
 
 FROM runtime

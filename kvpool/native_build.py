@@ -19,8 +19,17 @@ class NativeUnavailable(RuntimeError):
     """A library can be neither found nor built (no C compiler, no writable folder, a failed build)."""
 
 
-def build_name(source: Path) -> str:
-    return f"{source.stem}-{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}.so"
+def build_name(source: Path, extension: bool = False) -> str:
+    """The library's file name: the source's digest, and for a Python extension module this interpreter's ABI
+    (``EXT_SUFFIX``), so another Python never loads it."""
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    return f"{source.stem}-{digest}{_ext_suffix()}" if extension else f"{source.stem}-{digest}.so"
+
+
+def _ext_suffix() -> str:
+    import sysconfig
+
+    return str(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 
 
 def build_dirs(source: Path) -> list[Path]:
@@ -28,27 +37,37 @@ def build_dirs(source: Path) -> list[Path]:
     return [source.parent, cache]
 
 
-def find(source: Path) -> Path | None:
+def find(source: Path, extension: bool = False) -> Path | None:
     """The built library for the current ``source``, if there is one."""
-    name = build_name(source)
+    name = build_name(source, extension)
     for folder in build_dirs(source):
         if (folder / name).is_file():
             return folder / name
     return None
 
 
-def build(source: Path, libs: tuple[str, ...] = ()) -> Path:
-    """Build ``source`` (once per version); returns the library's path."""
+def build(source: Path, libs: tuple[str, ...] = (), extension: bool = False) -> Path:
+    """Build ``source`` (once per version); returns the library's path. ``extension``: a Python extension module,
+    built against this interpreter's headers (Debian's ``python3-dev`` where the interpreter is Debian's)."""
     import shutil  # here, not at the top: finding a library (the core's orders do) starts no process
     import subprocess
     import tempfile
 
-    found = find(source)
+    found = find(source, extension)
     if found is not None:
         return found
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise NativeUnavailable(f"no C compiler to build {source}: run scripts/setup.sh")
+    flags = []
+    if extension:
+        import sysconfig
+
+        include = sysconfig.get_paths()["include"]
+        if not (Path(include) / "Python.h").is_file():
+            raise NativeUnavailable(f"no Python.h in {include} to build {source}: install python3-dev "
+                                    "(scripts/setup.sh does)")
+        flags = [f"-I{include}"]
     errors = []
     for folder in build_dirs(source):
         try:
@@ -58,27 +77,23 @@ def build(source: Path, libs: tuple[str, ...] = ()) -> Path:
         except OSError as exc:
             errors.append(f"{folder}: {exc}")
             continue
-        done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-Wall", "-o", tmp, str(source), *libs],
-                              capture_output=True, text=True)
+        try:
+            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-Wall", *flags, "-o", tmp, str(source), *libs],
+                                  capture_output=True, text=True)
+        except OSError as exc:
+            os.unlink(tmp)
+            raise NativeUnavailable(f"cannot run the C compiler {cc!r} to build {source}: {exc}") from None
         if done.returncode != 0:
             os.unlink(tmp)
             raise NativeUnavailable(f"building {source} failed:\n{done.stderr}")
         os.chmod(tmp, 0o755)
-        target = folder / build_name(source)
+        target = folder / build_name(source, extension)
         os.replace(tmp, target)
         return target
     raise NativeUnavailable(f"no writable folder for {source.name}'s library: " + "; ".join(errors))
 
 
-def index_order() -> tuple[bool, str]:
-    """Build the pool index's order of groups in C (``kvpool/native/lru.c``) where this checkout lacks it, unless
-    switched off: whether new group tables use it, and if not, why (``""`` when switched off on purpose)."""
-    from kvpool.core.pool import lru
+def build_index_order() -> Path:
+    """Build the pool index's order of groups (``kvpool/native/lru.c``, an extension module); its path."""
+    return build(NATIVE / "lru.c", extension=True)
 
-    if os.environ.get(lru.SWITCH_ENV, "on") == "off":
-        return False, ""
-    try:
-        build(lru.SOURCE)
-    except NativeUnavailable as exc:
-        return False, str(exc).splitlines()[0]
-    return lru.native(), "" if lru.native() else "its library did not load"

@@ -27,6 +27,8 @@ missing=() tools=()
 for pkg in libibverbs1 librdmacm1 libcurl4 numactl etcd-server; do installed "$pkg" || missing+=("$pkg"); done
 # the bind shim and the index's order (kvpool/native/*.c) are compiled here: a C compiler and libc headers
 command -v gcc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
+# ... and the order, an extension module, against the interpreter's headers (Debian's Python keeps them apart)
+[ -f "$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] || missing+=(python3-dev)
 if [ "${KVPOOL_TEST_TOOLS:-1}" != 0 ]; then
   installed docker-compose || tools+=(docker-compose)
   # the break-in tests firewall their network namespaces (tests/integration/test_attack_netns.py)
@@ -68,7 +70,7 @@ esac
 # every transfer-engine process preloads it, so the engine listens on its configured address only
 .venv/bin/python -c "from kvpool import bind_shim; bind_shim.build()"
 # the pool index's order of groups in C (kvpool/native/lru.c; without it the index runs the same order in Python)
-.venv/bin/python -c "from kvpool import native_build; native_build.build(native_build.NATIVE / 'lru.c')"
+.venv/bin/python -c "from kvpool import native_build; native_build.build_index_order()"
 # bytecode for the project's own modules, made once: where PYTHONDONTWRITEBYTECODE is set (as on the development hosts),
 # every service process would otherwise compile them again as it starts (about 0.3 s of CPU each)
 .venv/bin/python -m compileall -q kvpool services >/dev/null

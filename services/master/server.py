@@ -9,7 +9,7 @@ import uuid
 
 import structlog
 
-from kvpool import native_build, service
+from kvpool import index_order, service
 from kvpool.core.pool.index import PoolIndex
 from kvpool.rpc import pool_pb2_grpc
 from kvpool.core.ha.leadership import Role
@@ -53,7 +53,7 @@ async def _sweep(servicer: PoolMasterServicer, metrics: MasterMetrics, interval_
 
 
 async def serve(settings: MasterSettings, ready_file: str | None = None) -> None:
-    native_order, why_not = native_build.index_order()
+    native_order, why_not = index_order.ensure()
     if why_not:  # the index runs the same order in Python, slower
         log.warning("index_order_in_python", reason=why_not)
     index = PoolIndex(settings)

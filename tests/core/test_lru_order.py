@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvpool.core.pool import lru
 from kvpool.core.pool.groups import GroupTable
-from kvpool.core.pool.lru import NativeOrder, PyOrder, slots_array
+from kvpool.core.pool.lru import PyOrder, slots_array
 
 SLOTS = 12
 
@@ -63,7 +63,7 @@ def both(capacity: int) -> list[lru.Order]:
 
 def test_setup_built_the_c_order_and_new_tables_use_it() -> None:
     assert lru.native(), "kvpool/native/lru.c is not built: scripts/setup.sh builds it"
-    assert isinstance(lru.new_order(), NativeOrder) and GroupTable().native
+    assert isinstance(lru.new_order(), lru.native_class()) and GroupTable().native
 
 
 @settings(max_examples=300, deadline=None)
@@ -104,7 +104,7 @@ def test_an_iteration_on_past_a_slot_taken_out_is_refused(native: bool) -> None:
     for s in range(200):
         order.push_back(s)
     it = iter(order)
-    taken = [next(it) for _ in range(lru.READ_BATCH)]  # the C one reads in batches: past a whole one
+    taken = [next(it) for _ in range(70)]
     order.remove(taken[-1])
     with pytest.raises(RuntimeError, match="changed during an iteration"):
         list(it)
@@ -127,13 +127,25 @@ def test_a_copy_keeps_the_order_and_only_goes_into_an_empty_order_as_large(nativ
         order.copy_into(lru.new_order(8, not native))  # the other kind
 
 
-def test_the_c_order_skips_slots_out_of_range_and_grows_its_arrays() -> None:
+def test_the_c_order_skips_slots_out_of_range_refuses_bad_arguments_and_grows_its_arrays() -> None:
     order = lru.new_order(4, native=True)
     order.push_back(3)
     huge = slots_array([2**31 - 1, -(2**31), -1, 4, 3])
     assert order.touch(huge) == 1 and order.demote(huge) == 1
     with pytest.raises(ValueError):
         order.push_back(4)
+    with pytest.raises(ValueError):
+        order.push_back(-1)
+    with pytest.raises(TypeError):
+        order.touch([3])  # a list, not the C ints the order reads
+    from array import array
+    with pytest.raises(TypeError, match="array"):
+        order.touch(array("q", [3]))  # 8-byte ints
+    with pytest.raises(OverflowError):
+        order.grow(2**31)
+    with pytest.raises(RuntimeError, match="changed during an iteration"):
+        order.after(2)  # not in the order
+    assert order.first() == 3 and order.after(3) == -1
     order.grow(1 << 16)
     order.push_back((1 << 16) - 1)
     assert list(order) == [3, (1 << 16) - 1]
@@ -142,7 +154,7 @@ def test_the_c_order_skips_slots_out_of_range_and_grows_its_arrays() -> None:
 
 
 def test_the_python_order_is_the_fallback_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lru, "_LIB", False)
+    monkeypatch.setattr(lru, "_NATIVE", False)
     monkeypatch.setenv(lru.SWITCH_ENV, "off")
     assert not lru.native() and isinstance(lru.new_order(), PyOrder) and not GroupTable().native
     with pytest.raises(lru.native_build.NativeUnavailable):

@@ -40,17 +40,28 @@ FIRST_SLOTS = 1024  # slots a new table has; they double as groups come
 
 
 def _ids(order: lru.Order, by_slot: list[Group | None]) -> Iterator[str]:
-    return (by_slot[s].group_id for s in order)  # type: ignore[union-attr]
+    s = order.first()
+    after = order.after
+    while s >= 0:
+        yield by_slot[s].group_id  # type: ignore[union-attr]
+        s = after(s)
 
 
 def _groups(order: lru.Order, by_slot: list[Group | None]) -> Iterator[Group]:
-    return (by_slot[s] for s in order)  # type: ignore[misc]
+    s = order.first()
+    after = order.after
+    while s >= 0:
+        yield by_slot[s]  # type: ignore[misc]
+        s = after(s)
 
 
 def _items(order: lru.Order, by_slot: list[Group | None]) -> Iterator[tuple[str, Group]]:
-    for s in order:
+    s = order.first()
+    after = order.after
+    while s >= 0:
         group = by_slot[s]
         yield group.group_id, group  # type: ignore[union-attr]
+        s = after(s)
 
 
 class OrderView:

@@ -1,9 +1,9 @@
 """An order of slots, least recently used first, for the group table (``kvpool.core.pool.groups``).
 
 Each group the table holds has a slot, a small int it keeps while held; an order is a doubly linked list over
-slots. ``NativeOrder`` keeps the links in C (``kvpool/native/lru.c``): a lookup's touch of a whole history (450
-groups) is one call and a few stores a group, where an ordered dict moved one entry at a time, each a hash lookup
-and a relink in memory spread over the whole table. ``PyOrder`` is the same list in Python lists, used where the
+slots. The native order keeps the links in C (``kvpool/native/lru.c``, an extension module's type): a lookup's touch
+of a whole history (450 groups) is one call and a few stores a group, where an ordered dict moved one entry at a
+time, each a hash lookup and a relink in memory spread over the whole table. ``PyOrder`` is the same list in Python lists, used where the
 library is not built or is switched off (``native()`` says which one runs); the tests hold the two to one
 behaviour.
 
@@ -13,17 +13,17 @@ past a change of order) raise ``ValueError``/``RuntimeError``; neither implement
 
 from __future__ import annotations
 
-import ctypes
+import importlib.util
 import os
 from array import array
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Protocol
 
 from kvpool import native_build
 
 SOURCE = native_build.NATIVE / "lru.c"
 SWITCH_ENV = "KVPOOL_NATIVE_ORDER"  # "off": the Python order even where the library is built
-READ_BATCH = 64  # slots read per call while iterating
 
 
 class Order(Protocol):
@@ -51,9 +51,27 @@ class Order(Protocol):
         """The slots, least recently used first. The order must not change until the iteration ends."""
         ...
 
+    def first(self) -> int:
+        """The first slot, or -1 when the order is empty."""
+        ...
+
+    def after(self, slot: int) -> int:
+        """The slot after ``slot``, or -1 after the last; RuntimeError when ``slot`` is not in the order (it left
+        since the caller read it: the order changed under an iteration)."""
+        ...
+
     def copy_into(self, other: Order) -> None:
         """``other`` (empty) gets this order's slots in this order."""
         ...
+
+
+def slots_of(order: Order) -> Iterator[int]:
+    """An order's slots, first to last (``after`` raises when the order changed meanwhile)."""
+    s = order.first()
+    after = order.after
+    while s >= 0:
+        yield s
+        s = after(s)
 
 
 def slots_array(slots: Iterable[int]) -> array[int]:
@@ -61,84 +79,26 @@ def slots_array(slots: Iterable[int]) -> array[int]:
     return array("i", slots)
 
 
-class _Lib:
-    """The loaded library's functions, with their C types."""
-
-    def __init__(self, path: str) -> None:
-        lib = ctypes.CDLL(path)
-        p, i64, ptr = ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
-        for name, restype, argtypes in (
-            ("kvpool_lru_new", p, [i64]), ("kvpool_lru_free", None, [p]), ("kvpool_lru_grow", ctypes.c_int, [p, i64]),
-            ("kvpool_lru_count", i64, [p]), ("kvpool_lru_contains", ctypes.c_int, [p, i64]),
-            ("kvpool_lru_push_back", ctypes.c_int, [p, i64]), ("kvpool_lru_remove", ctypes.c_int, [p, i64]),
-            ("kvpool_lru_touch", i64, [p, ptr, i64]), ("kvpool_lru_demote", i64, [p, ptr, i64]),
-            ("kvpool_lru_read", i64, [p, i64, ptr, i64]), ("kvpool_lru_copy", i64, [p, p]),
-        ):
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
-            setattr(self, name.removeprefix("kvpool_lru_"), fn)
+def _load_type(path: Path) -> type | None:
+    """The extension module's ``Order`` type, loaded from ``path``; None when it does not load."""
+    spec = importlib.util.spec_from_file_location("kvpool_lru", path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Order  # type: ignore[no-any-return]
 
 
-def _address(slots: array[int]) -> int:
-    return slots.buffer_info()[0]
+def _native_class(base: type) -> type:
+    class NativeOrder(base):  # type: ignore[valid-type,misc]
+        """The order in C (module doc): the extension's type, iterated here."""
 
+        __slots__ = ()
 
-class NativeOrder:
-    """The order in C (module doc)."""
+        def __iter__(self) -> Iterator[int]:
+            return slots_of(self)
 
-    __slots__ = ("_lib", "_o", "_free")
-
-    def __init__(self, lib: _Lib, capacity: int = 1024) -> None:
-        self._lib = lib
-        self._o = lib.new(capacity)
-        if not self._o:
-            raise MemoryError("kvpool_lru_new")
-        self._free = lib.free  # kept: at interpreter exit the module's globals may be gone before this object
-
-    def __del__(self) -> None:
-        if getattr(self, "_o", None):
-            self._free(self._o)
-            self._o = None
-
-    def __len__(self) -> int:
-        return int(self._lib.count(self._o))
-
-    def __contains__(self, slot: int) -> bool:
-        return bool(self._lib.contains(self._o, slot))
-
-    def grow(self, capacity: int) -> None:
-        if self._lib.grow(self._o, capacity) != 0:
-            raise MemoryError(f"growing an order to {capacity} slots")
-
-    def push_back(self, slot: int) -> None:
-        if self._lib.push_back(self._o, slot) != 0:
-            raise ValueError(f"slot {slot} is out of range or already in the order")
-
-    def remove(self, slot: int) -> None:
-        if self._lib.remove(self._o, slot) != 0:
-            raise ValueError(f"slot {slot} is not in the order")
-
-    def touch(self, slots: array[int]) -> int:
-        return int(self._lib.touch(self._o, _address(slots), len(slots))) if slots else 0
-
-    def demote(self, slots: array[int]) -> int:
-        return int(self._lib.demote(self._o, _address(slots), len(slots))) if slots else 0
-
-    def __iter__(self) -> Iterator[int]:
-        out = array("i", bytes(4 * READ_BATCH))
-        after = -1
-        while True:
-            n = self._lib.read(self._o, after, _address(out), READ_BATCH)
-            if n < 0:
-                raise RuntimeError("the order changed during an iteration over it")
-            if n == 0:
-                return
-            yield from out[:n]
-            after = out[n - 1]
-
-    def copy_into(self, other: Order) -> None:
-        if not isinstance(other, NativeOrder) or self._lib.copy(other._o, self._o) < 0:
-            raise ValueError("an order is copied into an empty native order at least as large")
+    return NativeOrder
 
 
 OUT, END = -2, -1
@@ -228,12 +188,15 @@ class PyOrder:
         return moved
 
     def __iter__(self) -> Iterator[int]:
-        s = self.head
-        while s != END:
-            yield s
-            if self.prev[s] == OUT:  # taken out while the caller held it: where it led is unknown now
-                raise RuntimeError("the order changed during an iteration over it")
-            s = self.next[s]
+        return slots_of(self)
+
+    def first(self) -> int:
+        return self.head
+
+    def after(self, slot: int) -> int:
+        if slot not in self:  # taken out while the caller held it: where it led is unknown now
+            raise RuntimeError("the order changed during an iteration over it")
+        return self.next[slot]
 
     def copy_into(self, other: Order) -> None:
         if not isinstance(other, PyOrder) or other.count or len(other.prev) < len(self.prev):
@@ -243,35 +206,35 @@ class PyOrder:
         other.count = self.count
 
 
-_LIB: _Lib | None | bool = False  # False: not looked for yet
+_NATIVE: type | None | bool = False  # False: not looked for yet
 
 
-def library() -> _Lib | None:
-    """The built library, loaded at the first call; None where it is not built (``scripts/setup.sh`` and the
+def native_class() -> type | None:
+    """The C order's class, loaded at the first call; None where it is not built (``scripts/setup.sh`` and the
     master at its start build it: ``kvpool.native_build``; this module only looks) or switched off."""
-    global _LIB
-    if _LIB is False:
-        path = None if os.environ.get(SWITCH_ENV, "on") == "off" else native_build.find(SOURCE)
+    global _NATIVE
+    if _NATIVE is False:
+        path = None if os.environ.get(SWITCH_ENV, "on") == "off" else native_build.find(SOURCE, extension=True)
         try:
-            _LIB = _Lib(str(path)) if path is not None else None
-        except OSError:
-            _LIB = None
-    return _LIB  # type: ignore[return-value]
+            _NATIVE = _native_class(_load_type(path)) if path is not None else None  # type: ignore[arg-type]
+        except (ImportError, OSError, AttributeError, TypeError):
+            _NATIVE = None
+    return _NATIVE  # type: ignore[return-value]
 
 
 def native() -> bool:
     """Whether new orders are the C ones."""
-    return library() is not None
+    return native_class() is not None
 
 
 def new_order(capacity: int = 1024, native: bool | None = None) -> Order:
     """An empty order for slots below ``capacity`` (``grow`` raises it): the C one where its library is built,
     unless ``native`` says which."""
-    lib = library()
+    cls = native_class()
     if native is None:
-        native = lib is not None
+        native = cls is not None
     if native:
-        if lib is None:
-            raise native_build.NativeUnavailable(f"{SOURCE.name}'s library is not built here (scripts/setup.sh)")
-        return NativeOrder(lib, capacity)
+        if cls is None:
+            raise native_build.NativeUnavailable(f"{SOURCE.name}'s module is not built here (scripts/setup.sh)")
+        return cls(capacity)  # type: ignore[no-any-return]
     return PyOrder(capacity)

@@ -77,7 +77,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from kvpool import native_build
+from kvpool import index_order
 from kvpool.tools.cluster.parts import LocalPool
 
 STAGES = 4
@@ -556,7 +556,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "heartbeat_interval_s": args.heartbeat_interval_s,
                               # the master's order of groups: C where this checkout built it (the master builds it at
                               # its start where a compiler is), else Python (kvpool/core/pool/lru.py)
-                              "index_order": "c" if native_build.index_order()[0] else "python"}
+                              "index_order": "c" if index_order.ensure()[0] else "python"}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as tmp:
         for objects in scales:
             report.setdefault("scales", []).append(measure(objects, args, Path(tmp) / str(objects)))
