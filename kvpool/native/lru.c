@@ -146,43 +146,29 @@ static int get_slots(PyObject *arg, Py_buffer *view) {
     return 0;
 }
 
-/* Each slot of ``slots`` in the order, last to first, moved to the back: the first named ends the most recently
- * used (an ordered dict's move_to_end over the reversed list). Returns how many moved. */
-static PyObject *Order_touch(Order *o, PyObject *arg) {
+/* Each slot of ``slots`` that is in the order moved to one end: to the back from the last to the first (the first
+ * named ends the most recently used: an ordered dict's move_to_end over the reversed list), or to the front from
+ * the first to the last (the last named ends the least recently used). Returns how many moved. */
+static PyObject *move(Order *o, PyObject *arg, int to_back) {
     Py_buffer view;
     if (get_slots(arg, &view) != 0) return NULL;
     const int32_t *slots = view.buf;
     Py_ssize_t n = view.len / (Py_ssize_t)sizeof(int32_t), moved = 0;
-    for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        int32_t s = slots[i];
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int32_t s = slots[to_back ? n - 1 - k : k];
         if (!member(o, s)) continue;
         moved++;
-        if (o->tail == s) continue;
+        if ((to_back ? o->tail : o->head) == s) continue;
         unlink_slot(o, s);
-        link_back(o, s);
+        if (to_back) link_back(o, s); else link_front(o, s);
     }
     PyBuffer_Release(&view);
     return PyLong_FromSsize_t(moved);
 }
 
-/* Each slot of ``slots`` in the order, first to last, moved to the front: the last named ends the least recently
- * used. Returns how many moved. */
-static PyObject *Order_demote(Order *o, PyObject *arg) {
-    Py_buffer view;
-    if (get_slots(arg, &view) != 0) return NULL;
-    const int32_t *slots = view.buf;
-    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(int32_t), moved = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t s = slots[i];
-        if (!member(o, s)) continue;
-        moved++;
-        if (o->head == s) continue;
-        unlink_slot(o, s);
-        link_front(o, s);
-    }
-    PyBuffer_Release(&view);
-    return PyLong_FromSsize_t(moved);
-}
+static PyObject *Order_touch(Order *o, PyObject *arg) { return move(o, arg, 1); }
+
+static PyObject *Order_demote(Order *o, PyObject *arg) { return move(o, arg, 0); }
 
 /* The first slot, or -1 when the order is empty. */
 static PyObject *Order_first(Order *o, PyObject *unused) { return PyLong_FromLong(o->head); }

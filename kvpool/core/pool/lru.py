@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -168,23 +168,19 @@ class PyOrder:
         self.count -= 1
 
     def touch(self, slots: array[int]) -> int:
-        moved = 0
-        for s in reversed(slots):
-            if s in self:
-                moved += 1
-                if self.tail != s:
-                    self._unlink(s)
-                    self._link_back(s)
-        return moved
+        return self._move(reversed(slots), self._link_back, back=True)
 
     def demote(self, slots: array[int]) -> int:
+        return self._move(slots, self._link_front, back=False)
+
+    def _move(self, slots: Iterable[int], link: Callable[[int], None], back: bool) -> int:
         moved = 0
         for s in slots:
             if s in self:
                 moved += 1
-                if self.head != s:
+                if (self.tail if back else self.head) != s:
                     self._unlink(s)
-                    self._link_front(s)
+                    link(s)
         return moved
 
     def __iter__(self) -> Iterator[int]:
