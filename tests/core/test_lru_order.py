@@ -66,7 +66,7 @@ def test_setup_built_the_c_order_and_new_tables_use_it() -> None:
     assert isinstance(lru.new_order(), lru.native_class()) and GroupTable().native
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops)
 def test_both_orders_move_exactly_as_an_ordered_dict(steps: list[tuple]) -> None:
     ref, orders = Reference(SLOTS), both(SLOTS)
