@@ -1,9 +1,10 @@
 """Building the C sources in ``kvpool/native`` into shared libraries, once per source version.
 
-A library is named after its source's digest (``lru-<sha256[:12]>.so``) and kept beside the source or, where that
-is not writable, under ``$XDG_CACHE_HOME/kvpool``; a build goes to a temporary name and is renamed into place, so
-processes starting together never load half a file. ``scripts/setup.sh`` builds every library ahead; ``find``
-only looks (the core calls it), ``build`` runs the compiler.
+A library is named after its source's digest (``bind_shim-<sha256[:12]>.so``; an extension module's name adds the
+interpreter's ABI) and kept beside the source or, where that is not writable, under ``$XDG_CACHE_HOME/kvpool``; a
+build goes to a temporary name and is renamed into place, so processes starting together never load half a file.
+``scripts/setup.sh`` builds every library ahead; ``find`` only looks (the core calls it), ``build`` runs the
+compiler.
 """
 
 from __future__ import annotations

@@ -88,6 +88,8 @@ def test_the_table_orders_groups_and_tenants_exactly_as_two_dicts_moved_in_step(
             ref.demote(step[1])
         assert list(table.groups) == list(ref.groups)
         assert {t: list(g) for t, g in table.by_tenant.items()} == {t: list(g) for t, g in ref.by_tenant.items()}
+        assert {t: [i for i in IDS if i in g] for t, g in table.by_tenant.items()} == \
+            {t: [i for i in IDS if i in g] for t, g in ref.by_tenant.items()}
         assert not table.one_tenant or len(ref.by_tenant) == 1
         assert sorted(g.slot for g in ref.groups.values()) == sorted(set(g.slot for g in ref.groups.values()))
         assert all(g.slot == -1 for g in removed)

@@ -5,7 +5,7 @@ their bytes (``tenancy.shares``). It knows nothing of the index.
 
 ``groups`` is a dict by id (lookups by id run as any dict's) whose iteration
 is the order, least recently used first. The order itself is a linked list
-over slots (``kvpool.core.pool.lru``, in C where its library is built): each
+over slots (``kvpool.core.pool.lru``, in C where its module is built): each
 group the table holds has a slot (``Group.slot``), so a lookup's touch of a
 whole history is one call with the history's slots, not a move of an ordered
 dict's entry per group.
@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
 from typing import Any
+
 from kvpool.core.pool import lru
 from kvpool.core.pool.records import Group
 
@@ -108,11 +109,12 @@ class LruGroups(dict):  # type: ignore[type-arg]  (dict[str, Group], iterated in
 class TenantGroups:
     """One tenant's groups in order, least recently used first, once the table holds two tenants' (module doc)."""
 
-    __slots__ = ("order", "by_slot")
+    __slots__ = ("order", "by_slot", "groups")
 
-    def __init__(self, order: lru.Order, by_slot: list[Group | None]) -> None:
+    def __init__(self, order: lru.Order, by_slot: list[Group | None], groups: LruGroups) -> None:
         self.order = order
         self.by_slot = by_slot
+        self.groups = groups  # every tenant's, by id
 
     def __len__(self) -> int:
         return len(self.order)
@@ -121,7 +123,8 @@ class TenantGroups:
         return len(self.order) > 0
 
     def __contains__(self, group_id: object) -> bool:
-        return any(group_id == g for g in self)
+        group = self.groups.get(group_id)  # type: ignore[call-overload]
+        return group is not None and group.slot in self.order
 
     __iter__ = LruGroups.__iter__
     keys = LruGroups.keys
@@ -136,7 +139,7 @@ class GroupTable:
                  "_by_slot", "_free", "_order", "_tenant_orders")
 
     def __init__(self, native: bool | None = None) -> None:
-        # the C order where its library is built (``lru.native()``), unless told which
+        # the C order where its module is built (``lru.native()``), unless told which
         self.native = lru.native() if native is None else native
         self._by_slot: list[Group | None] = [None] * FIRST_SLOTS
         self._free = list(range(FIRST_SLOTS - 1, -1, -1))  # the lowest first
@@ -189,11 +192,11 @@ class GroupTable:
             self._order.copy_into(first)
             first.remove(slot)
             orders[only] = first
-            by_tenant[only] = TenantGroups(first, self._by_slot)
+            by_tenant[only] = TenantGroups(first, self._by_slot, self.groups)
         order = orders.get(group.tenant)
         if order is None:
             order = orders[group.tenant] = lru.new_order(len(self._by_slot), self.native)
-            by_tenant[group.tenant] = TenantGroups(order, self._by_slot)
+            by_tenant[group.tenant] = TenantGroups(order, self._by_slot, self.groups)
         order.push_back(slot)
         return group
 

@@ -1,11 +1,11 @@
 """An order of slots, least recently used first, for the group table (``kvpool.core.pool.groups``).
 
 Each group the table holds has a slot, a small int it keeps while held; an order is a doubly linked list over
-slots. The native order keeps the links in C (``kvpool/native/lru.c``, an extension module's type): a lookup's touch
-of a whole history (450 groups) is one call and a few stores a group, where an ordered dict moved one entry at a
-time, each a hash lookup and a relink in memory spread over the whole table. ``PyOrder`` is the same list in Python lists, used where the
-library is not built or is switched off (``native()`` says which one runs); the tests hold the two to one
-behaviour.
+slots. The native order keeps the links in C (``kvpool/native/lru.c``, an extension module's type): a lookup's
+touch of a whole history (450 groups) is one call and a few stores a group, where an ordered dict moved one entry
+at a time, each a hash lookup and a relink in memory spread over the whole table. ``PyOrder`` is the same list in
+Python lists, used where the module is not built or is switched off (``native()`` says which one runs); the tests
+hold the two to one behaviour.
 
 Calls that break the rules (a slot out of range, one added twice, one removed that is not there, iterating on
 past a change of order) raise ``ValueError``/``RuntimeError``; neither implementation writes out of bounds.
@@ -23,7 +23,7 @@ from typing import Protocol
 from kvpool import native_build
 
 SOURCE = native_build.NATIVE / "lru.c"
-SWITCH_ENV = "KVPOOL_NATIVE_ORDER"  # "off": the Python order even where the library is built
+SWITCH_ENV = "KVPOOL_NATIVE_ORDER"  # "off": the Python order even where the module is built
 
 
 class Order(Protocol):
@@ -224,7 +224,7 @@ def native() -> bool:
 
 
 def new_order(capacity: int = 1024, native: bool | None = None) -> Order:
-    """An empty order for slots below ``capacity`` (``grow`` raises it): the C one where its library is built,
+    """An empty order for slots below ``capacity`` (``grow`` raises it): the C one where its module is built,
     unless ``native`` says which."""
     cls = native_class()
     if native is None:
