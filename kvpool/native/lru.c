@@ -140,28 +140,49 @@ static int get_slots(PyObject *arg, Py_buffer *view) {
     if (PyObject_GetBuffer(arg, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return -1;
     if (view->itemsize != sizeof(int32_t) || view->format == NULL || strcmp(view->format, "i") != 0) {
         PyBuffer_Release(view);
-        PyErr_SetString(PyExc_TypeError, "slots are an array('i')");
+        PyErr_SetString(PyExc_TypeError, "slots are a list or tuple of ints, or an array('i')");
         return -1;
     }
     return 0;
 }
 
+static void move_slot(Order *o, Py_ssize_t s, int to_back, Py_ssize_t *moved) {
+    if (!member(o, s)) return;
+    (*moved)++;
+    if ((to_back ? o->tail : o->head) == s) return;
+    unlink_slot(o, (int32_t)s);
+    if (to_back) link_back(o, (int32_t)s); else link_front(o, (int32_t)s);
+}
+
 /* Each slot of ``slots`` that is in the order moved to one end: to the back from the last to the first (the first
  * named ends the most recently used: an ordered dict's move_to_end over the reversed list), or to the front from
- * the first to the last (the last named ends the least recently used). Returns how many moved. */
+ * the first to the last (the last named ends the least recently used). Returns how many moved. ``slots``: a list
+ * or tuple of ints (checked whole before anything moves: an int too large for a slot is in no order) or an
+ * array('i'). */
 static PyObject *move(Order *o, PyObject *arg, int to_back) {
+    Py_ssize_t moved = 0;
+    if (PyList_Check(arg) || PyTuple_Check(arg)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(arg);
+        PyObject **items = PySequence_Fast_ITEMS(arg);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (!PyLong_Check(items[k])) {
+                PyErr_Format(PyExc_TypeError, "slots[%zd] is not an int", k);
+                return NULL;
+            }
+        }
+        for (Py_ssize_t k = 0; k < n; k++) {
+            int overflow;
+            long long s = PyLong_AsLongLongAndOverflow(items[to_back ? n - 1 - k : k], &overflow);
+            if (s == -1 && PyErr_Occurred()) return NULL;
+            if (overflow == 0) move_slot(o, (Py_ssize_t)s, to_back, &moved);
+        }
+        return PyLong_FromSsize_t(moved);
+    }
     Py_buffer view;
     if (get_slots(arg, &view) != 0) return NULL;
     const int32_t *slots = view.buf;
-    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(int32_t), moved = 0;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        int32_t s = slots[to_back ? n - 1 - k : k];
-        if (!member(o, s)) continue;
-        moved++;
-        if ((to_back ? o->tail : o->head) == s) continue;
-        unlink_slot(o, s);
-        if (to_back) link_back(o, s); else link_front(o, s);
-    }
+    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(int32_t);
+    for (Py_ssize_t k = 0; k < n; k++) move_slot(o, slots[to_back ? n - 1 - k : k], to_back, &moved);
     PyBuffer_Release(&view);
     return PyLong_FromSsize_t(moved);
 }

@@ -18,8 +18,9 @@ SLOTS = 12
 ops = st.lists(st.one_of(
     st.tuples(st.just("push_back"), st.integers(-2, SLOTS + 2)),
     st.tuples(st.just("remove"), st.integers(-2, SLOTS + 2)),
-    st.tuples(st.just("touch"), st.lists(st.integers(-3, SLOTS + 3), max_size=8)),
-    st.tuples(st.just("demote"), st.lists(st.integers(-3, SLOTS + 3), max_size=8)),
+    # slots as a list, or as an array of C ints
+    st.tuples(st.just("touch"), st.lists(st.integers(-3, SLOTS + 3), max_size=8), st.booleans()),
+    st.tuples(st.just("demote"), st.lists(st.integers(-3, SLOTS + 3), max_size=8), st.booleans()),
     st.tuples(st.just("grow"), st.integers(0, 8)),
 ), max_size=60)
 
@@ -70,7 +71,7 @@ def test_setup_built_the_c_order_and_new_tables_use_it() -> None:
 @given(ops)
 def test_both_orders_move_exactly_as_an_ordered_dict(steps: list[tuple]) -> None:
     ref, orders = Reference(SLOTS), both(SLOTS)
-    for kind, arg in steps:
+    for kind, arg, *as_array in steps:
         if kind in ("push_back", "remove"):
             try:
                 getattr(ref, kind)(arg)
@@ -86,7 +87,7 @@ def test_both_orders_move_exactly_as_an_ordered_dict(steps: list[tuple]) -> None
         elif kind in ("touch", "demote"):
             moved = getattr(ref, kind)(arg)
             for order in orders:
-                assert getattr(order, kind)(slots_array(arg)) == moved
+                assert getattr(order, kind)(slots_array(arg) if as_array[0] else list(arg)) == moved
         else:
             ref.grow(arg)
             for order in orders:
@@ -136,11 +137,18 @@ def test_the_c_order_skips_slots_out_of_range_refuses_bad_arguments_and_grows_it
         order.push_back(4)
     with pytest.raises(ValueError):
         order.push_back(-1)
-    with pytest.raises(TypeError):
-        order.touch([3])  # a list, not the C ints the order reads
+    assert order.touch([2**63, -(2**63) - 1, 10**30, 3]) == 1  # ints no slot can be: in no order
+    assert order.touch((3,)) == 1
+    with pytest.raises(TypeError, match=r"slots\[1\] is not an int"):
+        order.touch([3, "4"])
+    with pytest.raises(TypeError, match=r"slots\[0\] is not an int"):
+        order.demote([3.0])
+    assert list(order) == [3]  # a refused list moved nothing
     from array import array
     with pytest.raises(TypeError, match="array"):
         order.touch(array("q", [3]))  # 8-byte ints
+    with pytest.raises(TypeError):
+        order.touch({3})  # neither a list, a tuple nor a buffer
     with pytest.raises(OverflowError):
         order.grow(2**31)
     with pytest.raises(RuntimeError, match="changed during an iteration"):

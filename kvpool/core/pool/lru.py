@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -37,12 +37,13 @@ class Order(Protocol):
 
     def remove(self, slot: int) -> None: ...
 
-    def touch(self, slots: array[int]) -> int:
-        """Each slot of ``slots`` in the order, last to first, moved to the back (the first named ends the most
-        recently used); the others are skipped. Returns how many moved."""
+    def touch(self, slots: Sequence[int]) -> int:
+        """Each slot of ``slots`` (a list, a tuple or an ``array('i')`` of ints) in the order, last to first, moved
+        to the back (the first named ends the most recently used); the others are skipped. Returns how many
+        moved."""
         ...
 
-    def demote(self, slots: array[int]) -> int:
+    def demote(self, slots: Sequence[int]) -> int:
         """Each slot of ``slots`` in the order, first to last, moved to the front (the last named ends the least
         recently used). Returns how many moved."""
         ...
@@ -75,7 +76,7 @@ def slots_of(order: Order) -> Iterator[int]:
 
 
 def slots_array(slots: Iterable[int]) -> array[int]:
-    """Slots as the C arrays take them."""
+    """Slots as C ints (an order takes them so, or as a list: a list of the ints at hand is the cheaper to make)."""
     return array("i", slots)
 
 
@@ -167,10 +168,10 @@ class PyOrder:
         self.prev[slot] = self.next[slot] = OUT
         self.count -= 1
 
-    def touch(self, slots: array[int]) -> int:
+    def touch(self, slots: Sequence[int]) -> int:
         return self._move(reversed(slots), self._link_back, back=True)
 
-    def demote(self, slots: array[int]) -> int:
+    def demote(self, slots: Sequence[int]) -> int:
         return self._move(slots, self._link_front, back=False)
 
     def _move(self, slots: Iterable[int], link: Callable[[int], None], back: bool) -> int:
