@@ -62,13 +62,13 @@ def is_taken(host: str, port: int) -> bool:
     return False
 
 
-def listen(host: str, port: int, bind: Callable[[int], T], start: int | None = None) -> T:
+def listen(host: str, port: int, bind: Callable[[int], T]) -> T:
     """``bind(port)``; for port 0, ``bind(p)`` for the first candidate ``p`` that is free and binds (module doc),
     else ``bind(0)``. ``bind`` raises ``OSError`` or ``RuntimeError`` (gRPC's) when it fails; a failure whose port
     is not taken is raised as it is."""
     if port != 0:
         return bind(port)
-    for p in candidates(start):
+    for p in candidates():
         if is_taken(host, p):
             continue
         try:

@@ -3,6 +3,7 @@ ordered dict moved one entry at a time, refuse what breaks the rules, and never 
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 
 import pytest
@@ -11,9 +12,14 @@ from hypothesis import strategies as st
 
 from kvpool.core.pool import lru
 from kvpool.core.pool.groups import GroupTable
-from kvpool.core.pool.lru import PyOrder, slots_array
+from kvpool.core.pool.lru import PyOrder
 
 SLOTS = 12
+
+
+def _c_ints(slots: list[int]) -> array[int]:
+    """Slots as an array of C ints, the other form an order takes."""
+    return array("i", slots)
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("push_back"), st.integers(-2, SLOTS + 2)),
@@ -87,7 +93,7 @@ def test_both_orders_move_exactly_as_an_ordered_dict(steps: list[tuple]) -> None
         elif kind in ("touch", "demote"):
             moved = getattr(ref, kind)(arg)
             for order in orders:
-                assert getattr(order, kind)(slots_array(arg) if as_array[0] else list(arg)) == moved
+                assert getattr(order, kind)(_c_ints(arg) if as_array[0] else list(arg)) == moved
         else:
             ref.grow(arg)
             for order in orders:
@@ -116,7 +122,7 @@ def test_a_copy_keeps_the_order_and_only_goes_into_an_empty_order_as_large(nativ
     order = lru.new_order(8, native)
     for s in (5, 1, 7, 0):
         order.push_back(s)
-    order.touch(slots_array([1]))
+    order.touch(_c_ints([1]))
     copy = lru.new_order(8, native)
     order.copy_into(copy)
     assert list(copy) == list(order) == [5, 7, 0, 1] and len(copy) == 4
@@ -131,7 +137,7 @@ def test_a_copy_keeps_the_order_and_only_goes_into_an_empty_order_as_large(nativ
 def test_the_c_order_skips_slots_out_of_range_refuses_bad_arguments_and_grows_its_arrays() -> None:
     order = lru.new_order(4, native=True)
     order.push_back(3)
-    huge = slots_array([2**31 - 1, -(2**31), -1, 4, 3])
+    huge = _c_ints([2**31 - 1, -(2**31), -1, 4, 3])
     assert order.touch(huge) == 1 and order.demote(huge) == 1
     with pytest.raises(ValueError):
         order.push_back(4)
@@ -144,7 +150,6 @@ def test_the_c_order_skips_slots_out_of_range_refuses_bad_arguments_and_grows_it
     with pytest.raises(TypeError, match=r"slots\[0\] is not an int"):
         order.demote([3.0])
     assert list(order) == [3]  # a refused list moved nothing
-    from array import array
     with pytest.raises(TypeError, match="array"):
         order.touch(array("q", [3]))  # 8-byte ints
     with pytest.raises(TypeError):

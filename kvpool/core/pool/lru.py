@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -73,11 +72,6 @@ def slots_of(order: Order) -> Iterator[int]:
     while s >= 0:
         yield s
         s = after(s)
-
-
-def slots_array(slots: Iterable[int]) -> array[int]:
-    """Slots as C ints (an order takes them so, or as a list: a list of the ints at hand is the cheaper to make)."""
-    return array("i", slots)
 
 
 def _load_type(path: Path) -> type | None:
