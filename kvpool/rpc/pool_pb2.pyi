@@ -123,16 +123,18 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, objects_dropped: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("segment_id", "acked_sequence", "wait_ms", "packed")
+    __slots__ = ("segment_id", "acked_sequence", "wait_ms", "packed", "grouped")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    GROUPED_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     acked_sequence: int
     wait_ms: int
     packed: bool
-    def __init__(self, segment_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ..., wait_ms: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
+    grouped: bool
+    def __init__(self, segment_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ..., wait_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., grouped: _Optional[bool] = ...) -> None: ...
 
 class PackedChanges(_message.Message):
     __slots__ = ("sequence", "key", "group_id", "group_size", "offset", "size", "checksum", "tenant")
@@ -154,19 +156,45 @@ class PackedChanges(_message.Message):
     tenant: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, sequence: _Optional[_Iterable[int]] = ..., key: _Optional[_Iterable[str]] = ..., group_id: _Optional[_Iterable[str]] = ..., group_size: _Optional[_Iterable[int]] = ..., offset: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ..., checksum: _Optional[_Iterable[int]] = ..., tenant: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class GroupedChanges(_message.Message):
+    __slots__ = ("first", "count", "prefix", "group_id", "group_size", "tenant", "part", "offset", "size", "checksum")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    first: _containers.RepeatedScalarFieldContainer[int]
+    count: _containers.RepeatedScalarFieldContainer[int]
+    prefix: _containers.RepeatedScalarFieldContainer[str]
+    group_id: _containers.RepeatedScalarFieldContainer[str]
+    group_size: _containers.RepeatedScalarFieldContainer[int]
+    tenant: _containers.RepeatedScalarFieldContainer[str]
+    part: _containers.RepeatedScalarFieldContainer[str]
+    offset: _containers.RepeatedScalarFieldContainer[int]
+    size: _containers.RepeatedScalarFieldContainer[int]
+    checksum: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first: _Optional[_Iterable[int]] = ..., count: _Optional[_Iterable[int]] = ..., prefix: _Optional[_Iterable[str]] = ..., group_id: _Optional[_Iterable[str]] = ..., group_size: _Optional[_Iterable[int]] = ..., tenant: _Optional[_Iterable[str]] = ..., part: _Optional[_Iterable[str]] = ..., offset: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ..., checksum: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("master_incarnation", "changes", "more", "epoch", "packed_changes")
+    __slots__ = ("master_incarnation", "changes", "more", "epoch", "packed_changes", "grouped_changes")
     MASTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PACKED_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    GROUPED_CHANGES_FIELD_NUMBER: _ClassVar[int]
     master_incarnation: str
     changes: _containers.RepeatedCompositeFieldContainer[SegmentChange]
     more: bool
     epoch: int
     packed_changes: PackedChanges
-    def __init__(self, master_incarnation: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[SegmentChange, _Mapping]]] = ..., more: _Optional[bool] = ..., epoch: _Optional[int] = ..., packed_changes: _Optional[_Union[PackedChanges, _Mapping]] = ...) -> None: ...
+    grouped_changes: GroupedChanges
+    def __init__(self, master_incarnation: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[SegmentChange, _Mapping]]] = ..., more: _Optional[bool] = ..., epoch: _Optional[int] = ..., packed_changes: _Optional[_Union[PackedChanges, _Mapping]] = ..., grouped_changes: _Optional[_Union[GroupedChanges, _Mapping]] = ...) -> None: ...
 
 class PutItem(_message.Message):
     __slots__ = ("key", "group_id", "group_size", "size")

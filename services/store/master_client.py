@@ -69,7 +69,10 @@ def record_from_message(message: pool_pb2.ObjectRecord) -> ObjectRecord:
 
 
 def changes_of(response: pool_pb2.HeartbeatResponse) -> tuple[SegmentChange, ...]:
-    """A heartbeat's changes, packed (asked for) or one message each (a master that does not pack)."""
+    """A heartbeat's changes, grouped (asked for), packed (a master that does not group) or one message each (a
+    master that does neither)."""
+    if response.HasField("grouped_changes"):
+        return changes_from_grouped(response.grouped_changes)
     if response.HasField("packed_changes"):
         return changes_from_packed(response.packed_changes)
     return tuple(change_from_message(c) for c in response.changes)
@@ -100,6 +103,47 @@ def changes_from_packed(packed: pool_pb2.PackedChanges) -> tuple[SegmentChange, 
             packed.checksum, packed.tenant))
 
 
+_ENTRY_FIELDS = ("count", "prefix", "group_id", "group_size", "tenant")
+_ADDED_FIELDS = ("offset", "size", "checksum")
+
+
+def changes_from_grouped(grouped: pool_pb2.GroupedChanges) -> tuple[SegmentChange, ...]:
+    """``GroupedChanges`` as the changes they stand for; fields whose lengths disagree are refused, naming the
+    field."""
+    entries = len(grouped.first)
+    for name in _ENTRY_FIELDS:
+        if len(getattr(grouped, name)) != entries:
+            raise ValueError(f"grouped_changes.{name}: {len(getattr(grouped, name))} entries, but "
+                             f"grouped_changes.first has {entries}")
+    counts, group_sizes = list(grouped.count), list(grouped.group_size)
+    if len(grouped.part) != sum(counts):
+        raise ValueError(f"grouped_changes.part: {len(grouped.part)} entries, but grouped_changes.count adds up "
+                         f"to {sum(counts)}")
+    added = sum(count for count, group_size in zip(counts, group_sizes) if group_size)
+    for name in _ADDED_FIELDS:
+        if len(getattr(grouped, name)) != added:
+            raise ValueError(f"grouped_changes.{name}: {len(getattr(grouped, name))} entries, but the entries "
+                             f"that add (group_size > 0) have {added} changes")
+    parts, offsets, sizes, checksums = list(grouped.part), list(grouped.offset), list(grouped.size), \
+        list(grouped.checksum)
+    changes: list[SegmentChange] = []
+    at = on = 0  # the next entry's first part, and its first added change's place in offset, size, checksum
+    for first, count, prefix, group_id, group_size, tenant in zip(
+            grouped.first, counts, grouped.prefix, grouped.group_id, group_sizes, grouped.tenant):
+        keys = [prefix + part for part in parts[at:at + count]]
+        sequences = range(first, first + count)
+        at += count
+        if not group_size:
+            changes += [SegmentChange(sequence, removed_key=key) for sequence, key in zip(sequences, keys)]
+            continue
+        changes += [SegmentChange(sequence, added=ObjectRecord(key, group_id, group_size, offset, size, checksum,
+                                                               tenant))
+                    for sequence, key, offset, size, checksum in zip(
+                        sequences, keys, offsets[on:on + count], sizes[on:on + count], checksums[on:on + count])]
+        on += count
+    return tuple(changes)
+
+
 class MasterClient:
     """The segment's calls to the master over one channel (the daemon owns and closes the channel)."""
 
@@ -122,7 +166,7 @@ class MasterClient:
     async def heartbeat(self, segment_id: str, acked_sequence: int, wait_s: float = 0.0) -> Beat:
         """``wait_s``: the master may hold the answer this long for changes (a master with standbys)."""
         request = pool_pb2.HeartbeatRequest(segment_id=segment_id, acked_sequence=acked_sequence,
-                                            wait_ms=round(wait_s * 1000), packed=True)
+                                            wait_ms=round(wait_s * 1000), packed=True, grouped=True)
         response = await self._stub.Heartbeat(request, timeout=RPC_TIMEOUT_S + wait_s)
         return Beat(changes_of(response), response.more, response.epoch)
 

@@ -47,6 +47,7 @@ from kvpool.core.pool.paths import SharedMemoryRef
 from kvpool.core.pool.puts import PutTable
 from kvpool.core.pool.records import (
     ChangeRow,
+    EntrySlice,
     Group,
     IndexCounters,
     LookupResult,
@@ -357,6 +358,10 @@ class PoolIndex:
     def heartbeat_rows(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[ChangeRow], bool]:
         """``heartbeat``, the changes as rows (``PackedChanges``' columns)."""
         return self.segment_table.heartbeat(segment_id, acked_sequence)
+
+    def heartbeat_entries(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[EntrySlice], bool]:
+        """``heartbeat``, the changes a journal entry at a time (``GroupedChanges``' entries)."""
+        return self.segment_table.heartbeat_entries(segment_id, acked_sequence)
 
     def expire_segments(self) -> list[str]:
         """Unmount every segment whose store missed heartbeats for the TTL."""

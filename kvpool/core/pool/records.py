@@ -88,6 +88,11 @@ class SegmentChange:
 ChangeRow = tuple[int, str, str, int, int, int, int, str]
 
 
+# one journal entry's part in a heartbeat: the entry, how many of its first changes the store acknowledged
+# already, and how many go now (``GroupedChanges``' entries)
+EntrySlice = tuple["JournalEntry", int, int]
+
+
 def change_of_row(row: ChangeRow) -> SegmentChange:
     sequence, key, group_id, group_size, offset, size, checksum, tenant = row
     if not group_size:
@@ -187,6 +192,20 @@ class SegmentJournal:
                 break
             rows += entry.rows(self.acked, limit - len(rows))
         return rows
+
+    def pending_entries(self, limit: int) -> list[EntrySlice]:
+        """The first ``limit`` changes the store has not acknowledged, an entry at a time (no row made)."""
+        slices: list[EntrySlice] = []
+        left, acked = limit, self.acked
+        for entry in self.entries:
+            if left <= 0:
+                break
+            skip = max(0, acked - entry.first + 1)
+            count = min(len(entry.keys) - skip, left)
+            if count > 0:
+                slices.append((entry, skip, count))
+                left -= count
+        return slices
 
     def pending(self, limit: int) -> list[SegmentChange]:
         """``pending_rows`` as changes."""

@@ -30,6 +30,8 @@ from kvpool.core.pool.records import (
     ObjectRecord,
     Segment,
     ChangeRow,
+    EntrySlice,
+    SegmentJournal,
 )
 from kvpool.core.pool.recovery import allocator_with_ranges, plan_report
 from kvpool.core.pool.settings import IndexSettings
@@ -248,12 +250,22 @@ class SegmentTable:
     def heartbeat(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[ChangeRow], bool]:
         """Keep a segment alive; returns the changes its store has not acknowledged (as rows), and whether more
         wait."""
+        journal = self._beat(segment_id, acked_sequence)
+        rows = journal.pending_rows(self.settings.max_changes_per_heartbeat)
+        return rows, journal.unacked > len(rows)
+
+    def heartbeat_entries(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[EntrySlice], bool]:
+        """``heartbeat``, the changes a journal entry at a time (``SegmentJournal.pending_entries``)."""
+        journal = self._beat(segment_id, acked_sequence)
+        slices = journal.pending_entries(self.settings.max_changes_per_heartbeat)
+        return slices, journal.unacked > sum(count for _, _, count in slices)
+
+    def _beat(self, segment_id: str, acked_sequence: int) -> SegmentJournal:
         segment = self.get(segment_id, field_name="segment_id")
         segment.last_heartbeat = self.clock()
         journal = segment.journal
         journal.ack(acked_sequence)
-        rows = journal.pending_rows(self.settings.max_changes_per_heartbeat)
-        return rows, journal.unacked > len(rows)
+        return journal
 
     def expire(self) -> list[str]:
         """Unmount every segment whose store missed heartbeats for the TTL."""
