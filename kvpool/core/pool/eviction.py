@@ -66,7 +66,9 @@ class Eviction:
       tenants furthest over theirs do; a tenant within its share never loses a
       group to a tenant over its share;
     - when a put would pass ``high`` used bytes, groups of the putting tenant
-      (if over) and of tenants over their share go until ``low``; then, while
+      (if over) and of tenants over their share go until it does not, then on
+      toward ``low``, at most ``step`` more in one put batch (``new_batch``), so
+      that no one call holds the master long; then, while
       the object still does not fit, one more at a time, and only then, for a
       tenant within its share, any group in global LRU order (step 3 of the
       rule); a tenant over its share that finds nothing gets no space;
@@ -83,6 +85,14 @@ class Eviction:
     counters: IndexCounters
     mode: str = "group"
     shares: TenantShares = field(default_factory=TenantShares)
+    # groups a put batch may evict toward ``low`` (beyond what its objects need to fit)
+    step: int = 256
+    # what is left of it in this batch
+    _left: int = 0
+
+    def new_batch(self) -> None:
+        """A put batch begins: it may evict ``step`` groups toward ``low``."""
+        self._left = self.step
 
     def reserve(
         self, order: list[Segment], size: int, high: float, low: float, keep: str = "", tenant: str = "default"
@@ -94,8 +104,13 @@ class Eviction:
         victims: VictimOrder | None = None
         if index.used_bytes + size > high:
             victims = self.victim_order(tenant, size)
-            while index.used_bytes + size > low and self.evict_one(victims, keep, any_allowed=False):
-                pass
+            # under ``high`` whatever it takes, then on toward ``low`` as far as the batch's step allows
+            while True:
+                under = index.used_bytes + size <= high
+                if (under and (self._left <= 0 or index.used_bytes + size <= low)) or \
+                        not self.evict_one(victims, keep, any_allowed=False):
+                    break
+                self._left -= under
         while True:
             placed = index.allocate(order, size)
             if placed is not None:

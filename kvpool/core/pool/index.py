@@ -116,7 +116,8 @@ class PoolIndex:
         self.leases = LeaseTable(clock)
         self.histories = HistoryHandles()  # found histories, for their next lookup
         self.segment_table = SegmentTable(self, self.settings, clock, self.counters, self.failures)
-        self.eviction = Eviction(self, self.counters, self.settings.eviction, self.shares)
+        self.eviction = Eviction(self, self.counters, self.settings.eviction, self.shares,
+                                 self.settings.max_evictions_per_put)
         self.puts = PutTable(self, self.settings, clock, self.counters, self.failures, self.group_table,
                              self.segment_table, self.eviction)
 

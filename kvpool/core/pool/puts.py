@@ -107,6 +107,7 @@ class PutTable:
         if checked is not None:
             checked()
         self.failures.prune()
+        self.eviction.new_batch()
         outcomes: list[PutOutcome] = []
         rotations = batch_orders(
             segments.values(), client_host, sum(item.size for item in items), self.settings.stripe_min_bytes

@@ -31,6 +31,11 @@ class IndexSettings:
         30.0, help="drop a group still incomplete this many seconds after its last member arrived, with nothing "
         "in flight (its other writers died, or the stores holding its other members never came back)",
     )
+    max_evictions_per_put: int = setting(
+        256, help="a put batch that passes the high watermark evicts what keeps it under, then toward the low "
+        "watermark at most this many groups more (evicting a twentieth of a pool of a million objects in one "
+        "call held the master for about 0.1 s)",
+    )
     max_changes_per_heartbeat: int = setting(
         4096, help="most changes to a segment's committed objects sent to its store in one heartbeat response "
         "(it asks again at once for the rest)",
@@ -61,6 +66,8 @@ class IndexSettings:
             raise ValueError(f"alignment must be a positive power of two, got {self.alignment}")
         if self.stripe_min_bytes <= 0:
             raise ValueError(f"stripe_min_bytes must be positive, got {self.stripe_min_bytes}")
+        if self.max_evictions_per_put <= 0:
+            raise ValueError(f"max_evictions_per_put must be positive, got {self.max_evictions_per_put}")
         if self.max_changes_per_heartbeat <= 0:
             raise ValueError(f"max_changes_per_heartbeat must be positive, got {self.max_changes_per_heartbeat}")
         if isinstance(self.tenant_weights, str):
