@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from kvpool import service
 from kvpool.core.pool.compact import full_keys
 from kvpool.core.pool.master_breaker import MasterBreaker
+from kvpool.core.pool.put_groups import as_groups
 from kvpool.core.pool.paths import BytePath, SegmentAccess, byte_path
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.pool.endpoint_batches import move_by_endpoint
@@ -72,6 +73,19 @@ NO_LEADER_TARGET = "unix:/nonexistent/kvpool-no-master-leader-yet"
 def _release_done(error: grpc.aio.AioRpcError | None) -> None:
     if error is not None:  # the lease expires on its own
         log.info("pool_release_failed", code=error.code().name, corrupt_groups=0)
+
+
+def put_start_request(items: Sequence[tuple[str, str, int, int]], **fields: Any) -> pool_pb2.PutStartRequest:
+    """A ``PutStart`` of ``(key, group_id, group_size, size)`` items: as whole groups (``PutGroups``) where they
+    are exactly such a put (a save's), which the master takes a group at a time, else one ``PutItem`` each."""
+    groups = as_groups(items)
+    if groups is not None:
+        group_ids, member_sizes, by_member = groups
+        return pool_pb2.PutStartRequest(
+            groups=pool_pb2.PutGroups(group_ids=group_ids, member_sizes=member_sizes, by_member=by_member), **fields)
+    item = pool_pb2.PutItem
+    return pool_pb2.PutStartRequest(
+        items=[item(key=k, group_id=g, group_size=n, size=size) for k, g, n, size in items], **fields)
 
 
 def put_end_request(items: Sequence[tuple[str, int]]) -> pool_pb2.PutEndRequest:
@@ -422,16 +436,12 @@ class PoolClient:
         allowed, probing = self._admit()
         if not allowed:
             return not_stored
-        item = pool_pb2.PutItem
         try:
             lease_id, corrupt = release if release is not None else (0, ())
             started = await self.session.call(
                 "put_start",
-                pool_pb2.PutStartRequest(
-                    client_host=self.host_name, tenant=tenant,
-                    items=[item(key=k, group_id=g, group_size=n, size=size) for k, g, n, size in items],
-                    release_lease_id=int(lease_id), release_corrupt_group_ids=list(corrupt), packed=True,
-                ),
+                put_start_request(items, client_host=self.host_name, tenant=tenant, release_lease_id=int(lease_id),
+                                  release_corrupt_group_ids=list(corrupt), packed=True),
                 self._stub.PutStart,
                 # a probe does not wait for the channel; otherwise ride out a reconnect briefly
                 timeout=PROBE_TIMEOUT_S if probing else PUT_WAIT_S, wait_for_ready=not probing,

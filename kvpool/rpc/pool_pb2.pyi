@@ -209,20 +209,32 @@ class PutItem(_message.Message):
     def __init__(self, key: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("client_host", "items", "tenant", "release_lease_id", "release_corrupt_group_ids", "packed")
+    __slots__ = ("client_host", "items", "tenant", "release_lease_id", "release_corrupt_group_ids", "packed", "groups")
     CLIENT_HOST_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_CORRUPT_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     client_host: str
     items: _containers.RepeatedCompositeFieldContainer[PutItem]
     tenant: str
     release_lease_id: int
     release_corrupt_group_ids: _containers.RepeatedScalarFieldContainer[str]
     packed: bool
-    def __init__(self, client_host: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., tenant: _Optional[str] = ..., release_lease_id: _Optional[int] = ..., release_corrupt_group_ids: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ...) -> None: ...
+    groups: PutGroups
+    def __init__(self, client_host: _Optional[str] = ..., items: _Optional[_Iterable[_Union[PutItem, _Mapping]]] = ..., tenant: _Optional[str] = ..., release_lease_id: _Optional[int] = ..., release_corrupt_group_ids: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ..., groups: _Optional[_Union[PutGroups, _Mapping]] = ...) -> None: ...
+
+class PutGroups(_message.Message):
+    __slots__ = ("group_ids", "member_sizes", "by_member")
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_SIZES_FIELD_NUMBER: _ClassVar[int]
+    BY_MEMBER_FIELD_NUMBER: _ClassVar[int]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    member_sizes: _containers.RepeatedScalarFieldContainer[int]
+    by_member: bool
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., member_sizes: _Optional[_Iterable[int]] = ..., by_member: _Optional[bool] = ...) -> None: ...
 
 class Location(_message.Message):
     __slots__ = ("segment_id", "endpoint", "address", "size")

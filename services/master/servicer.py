@@ -17,6 +17,7 @@ import structlog
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
 from kvpool.core.pool.compact import compact_keys
 from kvpool.core.pool.index import PoolIndex
+from kvpool.core.pool.put_groups import PLACES as _PLACES, group_items
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
     ChangeRow,
@@ -91,6 +92,37 @@ def put_items(request_items: Sequence[pool_pb2.PutItem], tenant: str) -> list[Pu
     # it for the object's life (its record, and the allocator's when the size is aligned): 32 bytes an object
     sizes = list(map(_SIZES.setdefault, sizes, sizes))
     return list(map(PutRequestItem, keys, group_ids, group_sizes, sizes, repeat(tenant)))
+
+
+def group_put_items(groups: pool_pb2.PutGroups, tenant: str) -> list[PutRequestItem]:
+    """A PutStart's whole groups (``PutGroups``), checked, as the items they stand for (``put_groups``)."""
+    group_ids, member_sizes = list(groups.group_ids), list(groups.member_sizes)
+    if not group_ids:
+        raise InvalidArgument("groups.group_ids: must not be empty")
+    members = len(member_sizes)
+    if not 1 <= members <= MAX_GROUP_SIZE:
+        raise InvalidArgument(f"groups.member_sizes: {members} members is outside 1..{MAX_GROUP_SIZE}")
+    check_batch(len(group_ids) * members, "groups")
+    for m, size in enumerate(member_sizes):
+        if size <= 0:
+            raise InvalidArgument(f"groups.member_sizes[{m}]: must be positive, got {size}")
+    longest = MAX_KEY_BYTES - 1 - len(_PLACES[members - 1])  # a key is the id, "/" and its member's place
+    if not (min(map(len, group_ids)) > 0 and max(map(len, group_ids)) <= longest and "".join(group_ids).isascii()):
+        for i, group_id in enumerate(group_ids):
+            check_name(group_id, f"groups.group_ids[{i}]")
+            if len(group_id.encode()) > longest:
+                raise InvalidArgument(f"groups.group_ids[{i}]: its keys would be longer than {MAX_KEY_BYTES} bytes")
+    if len(set(group_ids)) != len(group_ids):
+        seen: set[str] = set()
+        for i, group_id in enumerate(group_ids):
+            if group_id in seen:
+                raise InvalidArgument(f"groups.group_ids[{i}]: {group_id!r} named twice")
+            seen.add(group_id)
+    if len(_SIZES) > MAX_SIZES:
+        _SIZES.clear()
+    keys, ids, sizes = group_items(group_ids, list(map(_SIZES.setdefault, member_sizes, member_sizes)),
+                                   groups.by_member)
+    return list(map(PutRequestItem, keys, ids, repeat(members), sizes, repeat(tenant)))
 
 
 _SIZES: dict[int, int] = {}
@@ -269,7 +301,6 @@ def packed_group(group: Group, segments: dict[str, Segment], compact: bool = Fal
 
 
 # a group's key parts when each member's key is its place (a save's stages: "0", "1", ...)
-_PLACES = tuple(map(str, range(MAX_GROUP_SIZE + 1)))
 _ENCODED = attrgetter("encoded")
 _COMPACT = attrgetter("compact")
 _FIRST = itemgetter(0)
@@ -559,9 +590,13 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         return self.put_start(request)
 
     def put_start(self, request: pool_pb2.PutStartRequest) -> pool_pb2.PutStartResponse:
-        check_batch(len(request.items), "items")
+        grouped = request.HasField("groups")
+        if grouped and request.items:
+            raise InvalidArgument("groups: given with items (a put sends one or the other)")
+        if not grouped:
+            check_batch(len(request.items), "items")
         tenant = check_tenant(request.tenant, "tenant")
-        items = put_items(request.items, tenant)
+        items = group_put_items(request.groups, tenant) if grouped else put_items(request.items, tenant)
         corrupt = request.release_corrupt_group_ids
         if corrupt and not request.release_lease_id:
             raise InvalidArgument("release_corrupt_group_ids: given without release_lease_id")

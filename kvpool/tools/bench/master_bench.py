@@ -141,10 +141,12 @@ class Calls:
 
     def __init__(self, master: str) -> None:
         from kvpool import service
+        from kvpool.pool.client import put_start_request
         from kvpool.pool.session_client import MasterSession
         from kvpool.rpc import pool_pb2, pool_pb2_grpc
 
         self.pb = pool_pb2
+        self.put_start_request = put_start_request  # today's PutStart, as the pool client sends it
         self.channel = service.channel(master)
         self.stub = pool_pb2_grpc.PoolMasterStub(self.channel)
         self.session = MasterSession(self.channel, self.stub)  # today's calls: messages on one stream
@@ -174,11 +176,13 @@ class Calls:
 
     async def _put(self, keys: list[str], release: int = 0, legacy: bool = False) -> int:
         pb = self.pb
-        items = [pb.PutItem(key=k, group_id=k.rsplit("/", 1)[0], group_size=STAGES, size=OBJECT_BYTES) for k in keys]
-        # today's answer is packed (``PackedPutResults``), as the pool client asks for it; legacy's one per item
-        started = await self._call("put_start", self.stub.PutStart,
-                                   pb.PutStartRequest(client_host="bench", items=items, release_lease_id=release,
-                                                      packed=not legacy), legacy)
+        items = [(k, k.rsplit("/", 1)[0], STAGES, OBJECT_BYTES) for k in keys]
+        # today's request names whole groups and its answer is packed (``PutGroups``, ``PackedPutResults``), as
+        # the pool client sends it; legacy's one message per item each way
+        request = self.put_start_request(items, client_host="bench", release_lease_id=release, packed=True) \
+            if not legacy else pb.PutStartRequest(client_host="bench", release_lease_id=release, items=[
+                pb.PutItem(key=k, group_id=g, group_size=n, size=size) for k, g, n, size in items])
+        started = await self._call("put_start", self.stub.PutStart, request, legacy)
         statuses = list(started.packed.status) if not legacy else [r.status for r in started.results]
         commits = [pb.PutCommit(key=k, checksum=i + 1) for i, (k, status) in enumerate(zip(keys, statuses))
                    if status == pb.PUT_STATUS_RESERVED]

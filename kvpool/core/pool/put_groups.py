@@ -1,0 +1,55 @@
+"""A put of whole groups (``PutGroups``): the items it stands for, and the items a client can send so.
+
+Pure. One layout for both ends: each group's members are keyed ``"<group id>/<m>"`` for m in
+``range(len(member_sizes))``, member m of ``member_sizes[m]`` bytes; the items go member by member (every
+group's member 0, then every group's member 1, ...: a save's stages, as stage 0 reserves them) or group by group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# "0", "1", ...: a member's place as its key's last part (shared strings, not one made per key)
+PLACES = tuple(map(str, range(1025)))
+
+
+def group_items(group_ids: Sequence[str], member_sizes: Sequence[int], by_member: bool
+                ) -> tuple[list[str], list[str], list[int]]:
+    """The items a put of whole groups stands for, in its order: their keys, group ids and sizes (each group's
+    size is ``len(member_sizes)``)."""
+    places = PLACES[:len(member_sizes)]
+    if by_member:
+        keys = [group_id + "/" + place for place in places for group_id in group_ids]
+        ids = list(group_ids) * len(member_sizes)
+        sizes = [size for size in member_sizes for _ in group_ids]
+    else:
+        keys = [group_id + "/" + place for group_id in group_ids for place in places]
+        ids = [group_id for group_id in group_ids for _ in member_sizes]
+        sizes = list(member_sizes) * len(group_ids)
+    return keys, ids, sizes
+
+
+def as_groups(items: Sequence[tuple[str, str, int, int]]) -> tuple[list[str], list[int], bool] | None:
+    """``(key, group_id, group_size, size)`` items as a put of whole groups (group ids, member sizes,
+    by_member) standing for exactly them in their order, or None when they are not such a put: every group
+    whole, its members keyed by place, each place one size in every group, the groups distinct."""
+    if not items:
+        return None
+    members = items[0][2]
+    if not 0 < members < len(PLACES) or len(items) % members:
+        return None
+    count = len(items) // members
+    for by_member in (True, False):
+        if by_member:
+            group_ids = [item[1] for item in items[:count]]
+            member_sizes = [items[m * count][3] for m in range(members)]
+        else:
+            group_ids = [items[g * members][1] for g in range(count)]
+            member_sizes = [item[3] for item in items[:members]]
+        if len(set(group_ids)) != count:
+            continue
+        keys, ids, sizes = group_items(group_ids, member_sizes, by_member)
+        if keys == [item[0] for item in items] and ids == [item[1] for item in items] and \
+                sizes == [item[3] for item in items] and all(item[2] == members for item in items):
+            return group_ids, member_sizes, by_member
+    return None

@@ -1,0 +1,115 @@
+"""A put of whole groups (``PutStartRequest.groups``), exactly: the items it stands for in either layout, the
+same answer and the same index as those items sent one message each (evicting, with existing keys, striped over
+two segments), what a client sends which way, and every bad field refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvpool.core.chunk_hash import save_objects
+from kvpool.core.errors import InvalidArgument
+from kvpool.core.pool.put_groups import as_groups, group_items
+from kvpool.pool.client import put_start_request
+from kvpool.rpc import pool_pb2
+from kvpool.services.master.metrics import MasterMetrics
+from kvpool.services.master.servicer import MAX_BATCH, MAX_KEY_BYTES, PoolMasterServicer
+from tests.core.fixtures import KB, make_index
+
+
+def test_the_items_of_whole_groups_in_either_layout() -> None:
+    assert group_items(["a", "b"], [3, 5], by_member=True) == (["a/0", "b/0", "a/1", "b/1"], ["a", "b", "a", "b"],
+                                                             [3, 3, 5, 5])
+    assert group_items(["a", "b"], [3, 5], by_member=False) == (["a/0", "a/1", "b/0", "b/1"], ["a", "a", "b", "b"],
+                                                              [3, 5, 3, 5])
+
+
+def test_a_save_s_items_are_whole_groups_member_by_member() -> None:
+    items = save_objects("ns", [b"\x01" * 16, b"\x02" * 16, b"\x03" * 16], [100, 200, 200, 200])  # type: ignore
+    group_ids, member_sizes, by_member = as_groups(items)  # type: ignore[misc]
+    assert by_member and member_sizes == [100, 200, 200, 200] and len(group_ids) == 3
+    assert list(zip(*group_items(group_ids, member_sizes, True))) == [(k, g, s) for k, g, _, s in items]
+    by_group = [(f"{g}/{m}", g, 2, 7) for g in ("x", "y") for m in range(2)]
+    assert as_groups(by_group) == (["x", "y"], [7, 7], False)
+
+
+@pytest.mark.parametrize("items", [
+    [],
+    [("a/0", "a", 2, 1)],  # a member missing
+    [("a/0", "a", 2, 1), ("a/1", "a", 2, 1), ("b/0", "b", 2, 2), ("b/1", "b", 2, 1)],  # member 0 of two sizes
+    [("a/1", "a", 2, 1), ("a/0", "a", 2, 1)],  # out of place
+    [("a/x", "a", 1, 1)],  # a key not keyed by place
+    [("a/0", "a", 1, 1), ("a/0", "a", 1, 1)],  # one group twice
+    [("a/0", "a", 2, 1), ("a/1", "a", 3, 1)],  # group sizes disagree
+    [("k", "a", 1, 1)],  # a key kept whole
+])
+def test_items_that_are_not_whole_groups_go_one_message_each(items: list[tuple[str, str, int, int]]) -> None:
+    assert as_groups(items) is None
+    request = put_start_request(items, packed=True)
+    assert not request.HasField("groups") and [i.key for i in request.items] == [k for k, _, _, _ in items]
+
+
+def servicer(segments: int = 1) -> PoolMasterServicer:
+    index, _ = make_index(100 * KB // segments, segments=segments, stripe_min_bytes=8 * KB)
+    return PoolMasterServicer(index, "test", 1.0, MasterMetrics(CollectorRegistry()))
+
+
+def one_each(items: list[tuple[str, str, int, int]], **fields: object) -> pool_pb2.PutStartRequest:
+    return pool_pb2.PutStartRequest(items=[pool_pb2.PutItem(key=k, group_id=g, group_size=n, size=s)
+                                           for k, g, n, s in items], **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("segments", [1, 2])
+def test_whole_groups_get_the_answer_and_index_their_items_get(packed: bool, segments: int) -> None:
+    grouped, single = servicer(segments), servicer(segments)
+    batches = [
+        save_objects("ns", [bytes([i]) * 16 for i in range(10)], [1000, 1500, 1500, 1500]),  # member by member
+        [(f"g{i}/{m}", f"g{i}", 3, 900) for i in range(12) for m in range(3)],  # group by group
+        save_objects("ns", [bytes([i]) * 16 for i in range(5, 25)], [1000, 1500, 1500, 1500]),  # existing; evicts
+    ]
+    for items in batches:
+        request = put_start_request(items, client_host="host0", packed=packed)
+        assert request.HasField("groups") and not request.items
+        got = grouped.put_start(request)
+        want = single.put_start(one_each(items, client_host="host0", packed=packed))
+        assert got.SerializeToString() == want.SerializeToString()
+        a, b = grouped.index, single.index
+        assert list(a.groups) == list(b.groups) and a.used_bytes == b.used_bytes
+        assert a.puts.in_flight == b.puts.in_flight and a.counters == b.counters
+        commits = pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=key, checksum=7) for key in a.puts.in_flight])
+        grouped.put_end(commits)
+        single.put_end(commits)
+    statuses = list(got.packed.status) if packed else [r.status for r in got.results]
+    assert pool_pb2.PUT_STATUS_ALREADY_EXISTS in statuses and grouped.index.counters.evicted_groups > 0
+
+
+def bad(**fields: object) -> pool_pb2.PutStartRequest:
+    groups = {"group_ids": ["a", "b"], "member_sizes": [10, 20], "by_member": True}
+    items = fields.pop("items", [])
+    groups.update(fields)
+    return pool_pb2.PutStartRequest(groups=pool_pb2.PutGroups(**groups), items=items)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("request_", "message"), [
+    (bad(group_ids=[]), r"^groups\.group_ids: must not be empty$"),
+    (bad(member_sizes=[]), r"^groups\.member_sizes: 0 members is outside 1\.\.64$"),
+    (bad(member_sizes=[1] * 65), r"^groups\.member_sizes: 65 members is outside 1\.\.64$"),
+    (bad(member_sizes=[10, -1]), r"^groups\.member_sizes\[1\]: must be positive, got -1$"),
+    (bad(member_sizes=[0, 1]), r"^groups\.member_sizes\[0\]: must be positive, got 0$"),
+    (bad(group_ids=["a", ""]), r"^groups\.group_ids\[1\]: must not be empty$"),
+    (bad(group_ids=["a", "x" * (MAX_KEY_BYTES - 1)]),
+     rf"^groups\.group_ids\[1\]: its keys would be longer than {MAX_KEY_BYTES} bytes$"),
+    (bad(group_ids=["a", "b", "a"]), r"^groups\.group_ids\[2\]: 'a' named twice$"),
+    (bad(group_ids=[f"g{i}" for i in range(MAX_BATCH // 2 + 1)]),
+     rf"^groups: {MAX_BATCH + 2} entries is more than {MAX_BATCH} in one call$"),
+    (bad(items=[pool_pb2.PutItem(key="c/0", group_id="c", group_size=1, size=1)]),
+     r"^groups: given with items \(a put sends one or the other\)$"),
+])
+def test_a_bad_put_of_whole_groups_is_refused_naming_the_field(request_: pool_pb2.PutStartRequest,
+                                                               message: str) -> None:
+    service = servicer()
+    with pytest.raises(InvalidArgument, match=message):
+        service.put_start(request_)
+    assert service.index.num_objects == 0 and not service.index.puts.in_flight
+    assert service.put_start(bad()).results[0].status == pool_pb2.PUT_STATUS_RESERVED  # and it serves on
