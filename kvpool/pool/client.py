@@ -75,10 +75,15 @@ def _release_done(error: grpc.aio.AioRpcError | None) -> None:
         log.info("pool_release_failed", code=error.code().name, corrupt_groups=0)
 
 
-def put_start_request(items: Sequence[tuple[str, str, int, int]], **fields: Any) -> pool_pb2.PutStartRequest:
+# what a master that predates PutStartRequest.groups answers one (it reads no items there)
+OLD_EMPTY_PUT = "items: must not be empty"
+
+
+def put_start_request(items: Sequence[tuple[str, str, int, int]], compact: bool = True,
+                      **fields: Any) -> pool_pb2.PutStartRequest:
     """A ``PutStart`` of ``(key, group_id, group_size, size)`` items: as whole groups (``PutGroups``) where they
-    are exactly such a put (a save's), which the master takes a group at a time, else one ``PutItem`` each."""
-    groups = as_groups(items)
+    are exactly such a put (a save's) and ``compact``, else one ``PutItem`` each."""
+    groups = as_groups(items) if compact else None
     if groups is not None:
         group_ids, member_sizes, by_member = groups
         return pool_pb2.PutStartRequest(
@@ -88,8 +93,11 @@ def put_start_request(items: Sequence[tuple[str, str, int, int]], **fields: Any)
         items=[item(key=k, group_id=g, group_size=n, size=size) for k, g, n, size in items], **fields)
 
 
-def put_end_request(items: Sequence[tuple[str, int]]) -> pool_pb2.PutEndRequest:
-    """The commit of ``(key, checksum)`` pairs, as ``commit`` sends it and ``commit_soon`` rides it."""
+def put_end_request(items: Sequence[tuple[str, int]], compact: bool = True) -> pool_pb2.PutEndRequest:
+    """The commit of ``(key, checksum)`` pairs, as ``commit`` sends it and ``commit_soon`` rides it: two flat
+    arrays (``compact``), else one ``PutCommit`` each (a master that predates the arrays)."""
+    if compact:
+        return pool_pb2.PutEndRequest(keys=[k for k, _ in items], checksums=[c for _, c in items])
     return pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c) for k, c in items])
 
 
@@ -206,6 +214,9 @@ class PoolClient:
         self._regions: list[tuple[int, int]] = []
         # a master known down is answered at once: lookups miss, puts are not stored
         self.breaker = MasterBreaker()
+        # puts as whole groups and commits as flat arrays; off for good once a master refuses a put of whole
+        # groups as empty (it predates them: it reads no items there)
+        self.compact_puts = True
         self._watch: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()  # revokes of commits that did not take
@@ -436,16 +447,26 @@ class PoolClient:
         allowed, probing = self._admit()
         if not allowed:
             return not_stored
+        lease_id, corrupt = release if release is not None else (0, ())
         try:
-            lease_id, corrupt = release if release is not None else (0, ())
-            started = await self.session.call(
-                "put_start",
-                put_start_request(items, client_host=self.host_name, tenant=tenant, release_lease_id=int(lease_id),
-                                  release_corrupt_group_ids=list(corrupt), packed=True),
-                self._stub.PutStart,
-                # a probe does not wait for the channel; otherwise ride out a reconnect briefly
-                timeout=PROBE_TIMEOUT_S if probing else PUT_WAIT_S, wait_for_ready=not probing,
-            )
+            while True:
+                request = put_start_request(items, self.compact_puts, client_host=self.host_name, tenant=tenant,
+                                            release_lease_id=int(lease_id), release_corrupt_group_ids=list(corrupt),
+                                            packed=True)
+                try:
+                    started = await self.session.call(
+                        "put_start", request, self._stub.PutStart,
+                        # a probe does not wait for the channel; otherwise ride out a reconnect briefly
+                        timeout=PROBE_TIMEOUT_S if probing else PUT_WAIT_S, wait_for_ready=not probing,
+                    )
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if not (request.HasField("groups") and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                            and exc.details() == OLD_EMPTY_PUT):
+                        raise
+                    # a master that predates whole groups (it read no items; nothing changed): as items from now on
+                    log.info("pool_master_predates_compact_puts", details=exc.details())
+                    self.compact_puts = False
         except grpc.aio.AioRpcError as exc:
             self._outcome(exc)
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -501,7 +522,8 @@ class PoolClient:
         if not items:
             return True
         try:
-            await self.session.call("put_end", put_end_request(items), self._stub.PutEnd, timeout=RPC_TIMEOUT_S)
+            await self.session.call("put_end", put_end_request(items, self.compact_puts), self._stub.PutEnd,
+                                    timeout=RPC_TIMEOUT_S)
             return True
         except grpc.aio.AioRpcError as exc:
             # e.g. the master restarted or revoked our put after a timeout
@@ -531,7 +553,7 @@ class PoolClient:
                 on_done(error is None)
 
         self._start_watch()
-        self.session.ride("put_end", put_end_request(items), done)
+        self.session.ride("put_end", put_end_request(items, self.compact_puts), done)
 
     async def revoke(self, keys: Sequence[str]) -> None:
         """Give back reserved objects that will not be written (one ``PutRevoke``; best effort)."""

@@ -174,7 +174,7 @@ class MasterSession:
             return []
         count = items = 0
         for ride, _ in self._rides[:MAX_RIDES]:
-            items += len(ride.put_end.items) + len(ride.release_lease.corrupt_group_ids)
+            items += len(ride.put_end.items) + len(ride.put_end.keys) + len(ride.release_lease.corrupt_group_ids)
             if count and items > MAX_RIDE_ITEMS:
                 break
             count += 1

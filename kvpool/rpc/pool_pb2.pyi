@@ -285,10 +285,14 @@ class PutCommit(_message.Message):
     def __init__(self, key: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "keys", "checksums")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PutCommit]
-    def __init__(self, items: _Optional[_Iterable[_Union[PutCommit, _Mapping]]] = ...) -> None: ...
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutCommit, _Mapping]]] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutEndResponse(_message.Message):
     __slots__ = ("num_committed",)

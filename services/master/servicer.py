@@ -94,6 +94,11 @@ def put_items(request_items: Sequence[pool_pb2.PutItem], tenant: str) -> list[Pu
     return list(map(PutRequestItem, keys, group_ids, group_sizes, sizes, repeat(tenant)))
 
 
+def commit_keys(request: pool_pb2.PutEndRequest) -> Sequence[str]:
+    """The keys a PutEnd commits, in either form."""
+    return request.keys if request.keys else [item.key for item in request.items]
+
+
 def group_put_items(groups: pool_pb2.PutGroups, tenant: str) -> list[PutRequestItem]:
     """A PutStart's whole groups (``PutGroups``), checked, as the items they stand for (``put_groups``)."""
     group_ids, member_sizes = list(groups.group_ids), list(groups.member_sizes)
@@ -373,7 +378,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         try:
             async for message in requests:
                 answer = self.session_answer(message)
-                targets = self._commit_targets(message.put_end.items) \
+                targets = self._commit_targets(commit_keys(message.put_end)) \
                     if not answer.code and message.WhichOneof("body") == "put_end" else None
                 if not targets:
                     answers.put_nowait(answer)
@@ -398,12 +403,12 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             answer.code, answer.message, answer.field = grpc.StatusCode.UNAVAILABLE.value[0], str(exc), "items"
         answers.put_nowait(answer)
 
-    def _commit_targets(self, items: Any) -> dict[str, int]:
+    def _commit_targets(self, keys: Iterable[str]) -> dict[str, int]:
         """Per segment, the journal sequence its store must hold for these committed keys to be durable."""
         targets: dict[str, int] = {}
         owner, segments = self.index.owner, self.index.segments
-        for item in items:
-            found = owner(item.key)
+        for key in keys:
+            found = owner(key)
             if found is None:
                 continue
             group, position = found
@@ -479,7 +484,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         request id; a failure is answered in ``ride_failures`` and stops neither the others nor the body."""
         answer.rides_taken = len(rides)
         # bounded as one call is: a message's rides hold the loop no longer than a full batch would
-        items = sum(len(r.put_end.items) + len(r.release_lease.corrupt_group_ids) for r in rides)
+        items = sum(len(r.put_end.items) + len(r.put_end.keys) + len(r.release_lease.corrupt_group_ids) for r in rides)
         if len(rides) > MAX_RIDES or items > MAX_BATCH:  # none applied: each fails
             error = InvalidArgument(f"rides: {len(rides)} rides of {items} items in all is more than "
                                     f"{MAX_RIDES} rides or {MAX_BATCH} items on one message", field="rides")
@@ -645,16 +650,26 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             return self.put_end(request)
         await self.leading(context)
         response = self.put_end(request)
-        targets = self._commit_targets(request.items)
+        targets = self._commit_targets(commit_keys(request))
         if targets:
             await self.ha.waiters.durable(targets)
         return response
 
     def put_end(self, request: pool_pb2.PutEndRequest) -> pool_pb2.PutEndResponse:
-        check_batch(len(request.items), "items")
-        commits = [(item.key, item.checksum) for item in request.items]
-        check_names([key for key, _ in commits], "items", ".key")
-        committed = self.index.put_end(commits)
+        if request.keys or request.checksums:  # two flat arrays
+            if request.items:
+                raise InvalidArgument("keys: given with items (a commit sends one or the other)")
+            keys = list(request.keys)
+            check_batch(len(keys), "keys")
+            if len(request.checksums) != len(keys):
+                raise InvalidArgument(f"checksums: {len(request.checksums)} entries, but keys has {len(keys)}")
+            check_names(keys, "keys")
+            commits, field = list(zip(keys, request.checksums)), "keys[{}]"
+        else:
+            check_batch(len(request.items), "items")
+            commits, field = [(item.key, item.checksum) for item in request.items], "items[{}].key"
+            check_names([key for key, _ in commits], "items", ".key")
+        committed = self.index.put_end(commits, field)
         log.debug("pool_op", op="put_end", first_key=commits[0][0], items=committed)
         self.record.write("pool_op", current_request_id(), op="put_end", first_key=commits[0][0], items=committed)
         return pool_pb2.PutEndResponse(num_committed=committed)

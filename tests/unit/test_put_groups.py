@@ -1,17 +1,22 @@
-"""A put of whole groups (``PutStartRequest.groups``), exactly: the items it stands for in either layout, the
-same answer and the same index as those items sent one message each (evicting, with existing keys, striped over
-two segments), what a client sends which way, and every bad field refused by name."""
+"""A put of whole groups (``PutStartRequest.groups``) and a commit as two flat arrays (``PutEndRequest.keys``,
+``.checksums``), exactly: the items a put stands for in either layout, the same answer and the same index as
+those items sent one message each (evicting, with existing keys, over two segments), what a client sends which
+way and falls back on, and every bad field refused by name."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvpool import service
 from kvpool.core.chunk_hash import save_objects
-from kvpool.core.errors import InvalidArgument
+from kvpool.core.errors import FailedPrecondition, InvalidArgument
 from kvpool.core.pool.put_groups import as_groups, group_items
-from kvpool.pool.client import put_start_request
-from kvpool.rpc import pool_pb2
+from kvpool.pool.client import OLD_EMPTY_PUT, PoolClient, put_end_request, put_start_request
+from kvpool.pool.objects import ObjectLocation
+from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.services.master.metrics import MasterMetrics
 from kvpool.services.master.servicer import MAX_BATCH, MAX_KEY_BYTES, PoolMasterServicer
 from tests.core.fixtures import KB, make_index
@@ -113,3 +118,89 @@ def test_a_bad_put_of_whole_groups_is_refused_naming_the_field(request_: pool_pb
         service.put_start(request_)
     assert service.index.num_objects == 0 and not service.index.puts.in_flight
     assert service.put_start(bad()).results[0].status == pool_pb2.PUT_STATUS_RESERVED  # and it serves on
+
+
+def test_a_commit_as_two_flat_arrays_commits_what_its_items_would() -> None:
+    flat, single = servicer(), servicer()
+    items = save_objects("ns", [bytes([i]) * 16 for i in range(6)], [1000, 1500, 1500, 1500])
+    for service in (flat, single):
+        service.put_start(put_start_request(items, client_host="host0", packed=True))
+    pairs = [(key, 0xFFFF_FFFF_FFFF_FF00 + i) for i, (key, _, _, _) in enumerate(items)]
+    request = put_end_request(pairs)
+    assert not request.items and list(request.keys) == [k for k, _ in pairs]
+    assert flat.put_end(request).num_committed == single.put_end(put_end_request(pairs, compact=False)).num_committed
+    a, b = flat.index, single.index
+    assert not a.puts.in_flight and a.num_objects == b.num_objects == 24
+    assert [g.checksums for g in a.groups.values()] == [g.checksums for g in b.groups.values()]
+    assert a.heartbeat("seg0", 0) == b.heartbeat("seg0", 0)
+
+
+@pytest.mark.parametrize(("request_", "error", "message"), [
+    (pool_pb2.PutEndRequest(keys=["a/0"], checksums=[1], items=[pool_pb2.PutCommit(key="a/1", checksum=1)]),
+     InvalidArgument, r"^keys: given with items \(a commit sends one or the other\)$"),
+    (pool_pb2.PutEndRequest(keys=["a/0", "a/1"], checksums=[1]), InvalidArgument,
+     r"^checksums: 1 entries, but keys has 2$"),
+    (pool_pb2.PutEndRequest(checksums=[1]), InvalidArgument, r"^keys: must not be empty$"),
+    (pool_pb2.PutEndRequest(keys=["a/0", ""], checksums=[1, 2]), InvalidArgument, r"^keys\[1\]: must not be empty$"),
+    (pool_pb2.PutEndRequest(keys=["a/0", "a/0"], checksums=[1, 2]), InvalidArgument,
+     r"^keys\[1\]: duplicate key 'a/0' in one batch$"),
+    (pool_pb2.PutEndRequest(keys=["a/0", "z/0"], checksums=[1, 2]), FailedPrecondition,
+     r"^keys\[1\]: no put in flight for 'z/0' \(never started, revoked or timed out\)$"),
+])
+def test_a_bad_flat_commit_is_refused_naming_the_field(request_: pool_pb2.PutEndRequest, error: type[Exception],
+                                                       message: str) -> None:
+    service = servicer()
+    service.put_start(bad())
+    with pytest.raises(error, match=message):
+        service.put_end(request_)
+    assert len(service.index.puts.in_flight) == 4  # nothing committed: all or none
+    assert service.put_end(put_end_request([("a/0", 1), ("b/0", 1)])).num_committed == 2  # and it serves on
+
+
+def test_what_a_master_that_predates_whole_groups_answers_them_is_what_the_client_falls_back_on() -> None:
+    # such a master reads no items in a put of whole groups: the answer this master gives a put of neither
+    with pytest.raises(InvalidArgument) as refused:
+        servicer().put_start(pool_pb2.PutStartRequest(client_host="host0", packed=True))
+    assert str(refused.value) == OLD_EMPTY_PUT
+    assert not put_start_request([("a/0", "a", 1, 1)], compact=False).HasField("groups")
+    assert put_end_request([("a/0", 1)], compact=False).items[0].key == "a/0"
+
+
+class PredatesCompactPuts(PoolMasterServicer):
+    """This master as one that predates whole groups and flat commits reads them: protobuf drops fields a
+    reader does not know, so it sees neither (the rest of it is this master, over real gRPC)."""
+
+    def put_start(self, request: pool_pb2.PutStartRequest) -> pool_pb2.PutStartResponse:
+        request.ClearField("groups")
+        return super().put_start(request)
+
+    def put_end(self, request: pool_pb2.PutEndRequest) -> pool_pb2.PutEndResponse:
+        request.ClearField("keys")
+        request.ClearField("checksums")
+        return super().put_end(request)
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_a_client_sends_whole_groups_and_flat_commits_and_falls_back_for_a_master_that_predates_them(
+        old: bool) -> None:
+    async def body() -> None:
+        index, _ = make_index(100 * KB)
+        master = (PredatesCompactPuts if old else PoolMasterServicer)(
+            index, "test", 1.0, MasterMetrics(CollectorRegistry()))
+        handle = await service.create_server("127.0.0.1", 0,
+                                             lambda s: pool_pb2_grpc.add_PoolMasterServicer_to_server(master, s),
+                                             service_names=["kvpool.rpc.PoolMaster"])
+        client = PoolClient(f"127.0.0.1:{handle.port}", None, host_name="host0")
+        try:
+            for turn in range(2):
+                items = save_objects("ns", [bytes([turn, i]) * 8 for i in range(3)], [1000, 1500])
+                reserved = await client.reserve(items)
+                assert all(isinstance(r, ObjectLocation) for r in reserved)
+                assert await client.commit([(key, 9) for key, _, _, _ in items])
+                assert client.compact_puts is not old
+            assert index.num_objects == 12 and not index.puts.in_flight
+        finally:
+            await client.close()
+            await handle.server.stop(None)
+
+    asyncio.run(body())

@@ -135,9 +135,9 @@ class PoolIndex:
             return self.puts.put_start(client_host, items)
         return self.puts.put_start(client_host, items, lambda: self.use_lease(read_lease, corrupt_group_ids))
 
-    def put_end(self, commits: Sequence[tuple[str, int]]) -> int:
-        """Commit in-flight puts (key, checksum); all or none."""
-        return self.puts.put_end(commits)
+    def put_end(self, commits: Sequence[tuple[str, int]], field: str = "items[{}].key") -> int:
+        """Commit in-flight puts (key, checksum); all or none (a bad one named as ``field`` with its place)."""
+        return self.puts.put_end(commits, field)
 
     def put_revoke(self, keys: Iterable[str]) -> int:
         """Give back the space of in-flight puts and fail their groups; committed or unknown keys are left alone."""

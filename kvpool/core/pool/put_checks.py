@@ -85,14 +85,15 @@ _GROUP_SIZE = attrgetter("group_size")
 _SIZE = attrgetter("size")
 
 
-def check_put_end(commits: Sequence[tuple[str, int]], in_flight: Container[str]) -> None:
-    """Raise naming the first commit that is a duplicate or has no put in flight (never started, revoked, timed out)."""
+def check_put_end(commits: Sequence[tuple[str, int]], in_flight: Container[str], field: str = "items[{}].key") -> None:
+    """Raise naming the first commit that is a duplicate or has no put in flight (never started, revoked, timed out);
+    ``field``: its key's field, formatted with its place."""
     seen: set[str] = set()
     for i, (key, _checksum) in enumerate(commits):
         if key in seen:
-            raise InvalidArgument(f"items[{i}].key: duplicate key {key!r} in one batch")
+            raise InvalidArgument(f"{field.format(i)}: duplicate key {key!r} in one batch")
         seen.add(key)
         if key not in in_flight:
             raise FailedPrecondition(
-                f"items[{i}].key: no put in flight for {key!r} (never started, revoked or timed out)"
+                f"{field.format(i)}: no put in flight for {key!r} (never started, revoked or timed out)"
             )

@@ -249,10 +249,11 @@ class PutTable:
         segment.num_objects += n
         return list(map(PutOutcome, repeat(PutStatus.RESERVED, n), repeat(segment, n), offsets))
 
-    def put_end(self, commits: Sequence[tuple[str, int]]) -> int:
-        """Commit in-flight puts (key, checksum); all or none. Each group's members committed here go to their
-        stores' journals as one entry (a group's members nearly always lie in one segment)."""
-        check_put_end(commits, self.in_flight)
+    def put_end(self, commits: Sequence[tuple[str, int]], field: str = "items[{}].key") -> int:
+        """Commit in-flight puts (key, checksum); all or none (a bad one named as ``field``, formatted with its
+        place). Each group's members committed here go to their stores' journals as one entry (a group's members
+        nearly always lie in one segment)."""
+        check_put_end(commits, self.in_flight, field)
         in_flight, owners, groups = self.in_flight, self.index.owners, self.group_table.groups
         done: dict[int, tuple[Group, list[int]]] = {}
         for key, checksum in commits:

@@ -141,12 +141,13 @@ class Calls:
 
     def __init__(self, master: str) -> None:
         from kvpool import service
-        from kvpool.pool.client import put_start_request
+        from kvpool.pool.client import put_end_request, put_start_request
         from kvpool.pool.session_client import MasterSession
         from kvpool.rpc import pool_pb2, pool_pb2_grpc
 
         self.pb = pool_pb2
-        self.put_start_request = put_start_request  # today's PutStart, as the pool client sends it
+        # today's PutStart and PutEnd, as the pool client sends them
+        self.put_start_request, self.put_end_request = put_start_request, put_end_request
         self.channel = service.channel(master)
         self.stub = pool_pb2_grpc.PoolMasterStub(self.channel)
         self.session = MasterSession(self.channel, self.stub)  # today's calls: messages on one stream
@@ -184,17 +185,18 @@ class Calls:
                 pb.PutItem(key=k, group_id=g, group_size=n, size=size) for k, g, n, size in items])
         started = await self._call("put_start", self.stub.PutStart, request, legacy)
         statuses = list(started.packed.status) if not legacy else [r.status for r in started.results]
-        commits = [pb.PutCommit(key=k, checksum=i + 1) for i, (k, status) in enumerate(zip(keys, statuses))
-                   if status == pb.PUT_STATUS_RESERVED]
+        pairs = [(k, i + 1) for i, (k, status) in enumerate(zip(keys, statuses)) if status == pb.PUT_STATUS_RESERVED]
+        # today's commit two flat arrays, as the pool client sends it; legacy's a message per object
+        commits = self.put_end_request(pairs, compact=not legacy)
         for status in statuses:
             if status not in (pb.PUT_STATUS_RESERVED, pb.PUT_STATUS_ALREADY_EXISTS):
                 name = pb.PutStatus.Name(status)
                 self.refused[name] = self.refused.get(name, 0) + 1
-        if commits and not legacy and self.rides:
-            self.session.ride("put_end", pb.PutEndRequest(items=commits), self._ride_done)
-        elif commits:
-            await self._call("put_end", self.stub.PutEnd, pb.PutEndRequest(items=commits), legacy)
-        return len(commits)
+        if pairs and not legacy and self.rides:
+            self.session.ride("put_end", commits, self._ride_done)
+        elif pairs:
+            await self._call("put_end", self.stub.PutEnd, commits, legacy)
+        return len(pairs)
 
     def _ride_done(self, error: Any) -> None:
         if error is not None:
