@@ -484,7 +484,8 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         request id; a failure is answered in ``ride_failures`` and stops neither the others nor the body."""
         answer.rides_taken = len(rides)
         # bounded as one call is: a message's rides hold the loop no longer than a full batch would
-        items = sum(len(r.put_end.items) + len(r.put_end.keys) + len(r.release_lease.corrupt_group_ids) for r in rides)
+        items = sum(len(r.put_end.items) + len(r.put_end.keys) + len(r.release_lease.corrupt_group_ids)
+                    for r in rides)
         if len(rides) > MAX_RIDES or items > MAX_BATCH:  # none applied: each fails
             error = InvalidArgument(f"rides: {len(rides)} rides of {items} items in all is more than "
                                     f"{MAX_RIDES} rides or {MAX_BATCH} items on one message", field="rides")

@@ -24,7 +24,8 @@ def put(index: PoolIndex, group: str, tenant: str = "") -> None:
     index.put_end([(item.key, 0xFFFF_FFFF_FFFF_FF00 + i) for i, item in enumerate(items)])
 
 
-def beat(service: PoolMasterServicer, packed: bool, grouped: bool = False, acked: int = 0) -> pool_pb2.HeartbeatResponse:
+def beat(service: PoolMasterServicer, packed: bool, grouped: bool = False,
+         acked: int = 0) -> pool_pb2.HeartbeatResponse:
     request = pool_pb2.HeartbeatRequest(segment_id="seg0", packed=packed, grouped=grouped, acked_sequence=acked)
     return asyncio.run(service.Heartbeat(request, None))
 
