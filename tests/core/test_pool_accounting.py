@@ -17,9 +17,12 @@ def sums(index: PoolIndex) -> tuple[int, int]:
 
 
 def assert_counts(index: PoolIndex) -> None:
-    """The running counts Stats reads equal what the groups hold: complete groups, each segment's objects."""
+    """The running counts Stats reads equal what the groups hold: complete groups, each segment's objects; and
+    each group's ``ready`` is what it stands for (complete, not corrupt, not dropped)."""
     groups = index.groups.values()
     assert index.group_table.num_complete == sum(g.complete for g in groups)
+    for g in groups:
+        assert g.ready == (g.complete and not g.corrupt and not g.dropped), g.group_id
     for segment_id, segment in index.segments.items():
         assert segment.num_objects == sum(g.segment_ids.count(segment_id) for g in groups), segment_id
 

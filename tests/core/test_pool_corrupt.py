@@ -147,6 +147,12 @@ class CorruptGroupMachine(RuleBasedStateMachine):
             assert not group.corrupt or group.num_leases > 0
 
     @invariant()
+    def ready_is_complete_not_corrupt_not_dropped(self) -> None:
+        leased = list(self.index.leases.leased())  # (dropped ones among them too)
+        for group in [*self.index.groups.values(), *leased]:
+            assert group.ready == (group.complete and not group.corrupt and not group.dropped), group.group_id
+
+    @invariant()
     def lease_counts_match(self) -> None:
         held: dict[int, int] = {}
         for group in self.index.leases.leased():

@@ -31,6 +31,7 @@ def condemn(held: Iterable[Group], live: Mapping[str, Group], corrupt_group_ids:
     for group in held:
         if group.group_id in corrupt_group_ids and live.get(group.group_id) is group and not group.corrupt:
             group.corrupt = True
+            group.ready = False
             marked.append(group)
     return marked
 

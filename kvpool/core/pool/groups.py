@@ -202,6 +202,7 @@ class GroupTable:
 
     def remove(self, group: Group) -> None:
         group.dropped = True
+        group.ready = False
         if group.complete:
             self.num_complete -= 1
         del self.groups[group.group_id]

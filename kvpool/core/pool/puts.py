@@ -281,6 +281,7 @@ class PutTable:
             if group.complete:  # just now: a group holds at most its size of members, these n were in flight
                 self.group_table.num_complete += 1
                 self.incomplete.pop(group.group_id, None)
+                group.update_ready()
             self._journal_added(group, positions, segments)
             if group.failed and group.num_in_flight == 0:
                 self._drop_failed(group)

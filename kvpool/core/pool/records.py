@@ -324,10 +324,16 @@ class Group:
     dropped: bool = False
     # its place in the group table's orders while the table holds it, else -1 (kvpool.core.pool.groups)
     slot: int = field(default=-1, compare=False, repr=False)
+    # complete, not corrupt and not dropped: what a lookup finds and a release still counts (one field to read a
+    # whole history's worth of, not three); ``update_ready`` after any of those changes
+    ready: bool = field(default=False, compare=False, repr=False)
 
     @property
     def complete(self) -> bool:
         return self.num_committed == self.size
+
+    def update_ready(self) -> None:
+        self.ready = self.num_committed == self.size and not self.corrupt and not self.dropped
 
     def key(self, position: int) -> str:
         return self.keys[position] if self.whole else f"{self.group_id}/{self.keys[position]}"
@@ -405,6 +411,7 @@ class Group:
         self.checksums.append(checksum)
         self.nbytes += size
         self.forget_encodings()
+        self.update_ready()
         return tracked
 
     def remove_member(self, position: int) -> StoredObject:
@@ -425,6 +432,7 @@ class Group:
         self.segment_ids, self.offsets, self.sizes = shared(tuple(segment_ids)), tuple(offsets), shared(tuple(sizes))
         self.nbytes -= member.size
         self.forget_encodings()
+        self.update_ready()
         return member
 
     def forget_encodings(self) -> None:
