@@ -2,7 +2,8 @@
 
 A library is named after its source's digest (``bind_shim-<sha256[:12]>.so``; an extension module's name adds the
 interpreter's ABI) and kept beside the source or, where that is not writable, under ``$XDG_CACHE_HOME/kvpool``; a
-build goes to a temporary name and is renamed into place, so processes starting together never load half a file.
+build goes to a temporary name and is renamed into place, so processes starting together never load half a file,
+and the builds of earlier versions beside the source go once a new one is in place.
 ``scripts/setup.sh`` builds every library ahead; ``find`` only looks (the core calls it), ``build`` runs the
 compiler.
 """
@@ -90,8 +91,23 @@ def build(source: Path, libs: tuple[str, ...] = (), extension: bool = False) -> 
         os.chmod(tmp, 0o755)
         target = folder / build_name(source, extension)
         os.replace(tmp, target)
+        if folder == source.parent:
+            _forget_older(source, extension, target)
         return target
     raise NativeUnavailable(f"no writable folder for {source.name}'s library: " + "; ".join(errors))
+
+
+def _forget_older(source: Path, extension: bool, kept: Path) -> None:
+    """Remove the builds of earlier versions of ``source`` beside it (a process that loaded one keeps its
+    mapping); the shared cache is left alone, where another checkout's version may be in use."""
+    suffix = _ext_suffix() if extension else ".so"
+    for old in source.parent.glob(f"{source.stem}-*{suffix}"):
+        digest = old.name[len(source.stem) + 1:len(old.name) - len(suffix)]
+        if old != kept and len(digest) == 12 and all(c in "0123456789abcdef" for c in digest):
+            try:
+                old.unlink()
+            except OSError:
+                pass
 
 
 def build_index_order() -> Path:

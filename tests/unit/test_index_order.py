@@ -48,6 +48,13 @@ def test_a_build_compiles_the_source_into_a_module_named_by_its_digest_and_abi(t
     assert order.touch(array("i", [2])) == 1 and [order.first(), order.after(order.first())] == [0, 2]
     source.write_text(source.read_text() + "\n/* changed */\n")
     assert native_build.find(source, extension=True) is None  # another version of the source: built anew
+    others = [tmp_path / f"lru-notadigest{native_build._ext_suffix()}", tmp_path / "lru-0123456789ab.txt",
+              tmp_path / f"other-0123456789ab{native_build._ext_suffix()}"]
+    for other in others:
+        other.write_bytes(b"")
+    rebuilt = native_build.build(source, extension=True)
+    assert rebuilt != built and rebuilt.is_file() and not built.exists()  # the earlier version's build is gone
+    assert all(other.exists() for other in others)  # and nothing that is not one
 
 
 @pytest.mark.cluster  # runs the compiler
