@@ -7,6 +7,10 @@ from typing import Any
 from kvpool.sizes import format_size
 
 
+# the order of groups a master keeps (StatsResponse.index_order)
+_ORDERS = {"c": "in C", "python": "in Python"}
+
+
 def format_stats(stats: dict[str, Any]) -> str:
     capacity = int(stats["capacity_bytes"])
     used = int(stats["used_bytes"])
@@ -17,7 +21,8 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"  used       {format_size(used)} ({share:.1%}; evicts at {stats['high_watermark']:.0%} "
         f"down to {stats['low_watermark']:.0%})",
         f"  objects    {stats['num_objects']} ({stats['num_puts_in_flight']} being written)",
-        f"  groups     {stats['num_groups']} ({stats['num_complete_groups']} complete)",
+        f"  groups     {stats['num_groups']} ({stats['num_complete_groups']} complete; least recently used first, "
+        f"kept {_ORDERS.get(stats.get('index_order', ''), 'by a master that does not say how')})",
         f"  leases     {stats['num_leases']}",
         f"  evictions  {stats['evicted_groups']} groups, {format_size(int(stats['evicted_bytes']))}",
         f"  revoked    {stats['revoked_puts']} puts",

@@ -489,7 +489,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., bytes: _Optional[int] = ..., num_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., share_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "num_objects", "num_groups", "num_complete_groups", "num_puts_in_flight", "num_leases", "evicted_groups", "evicted_bytes", "revoked_puts", "high_watermark", "low_watermark", "segments", "master_incarnation", "failed_groups", "adopted_objects", "rejected_records", "abandoned_groups", "tenants")
+    __slots__ = ("capacity_bytes", "used_bytes", "num_objects", "num_groups", "num_complete_groups", "num_puts_in_flight", "num_leases", "evicted_groups", "evicted_bytes", "revoked_puts", "high_watermark", "low_watermark", "segments", "master_incarnation", "failed_groups", "adopted_objects", "rejected_records", "abandoned_groups", "tenants", "index_order")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -509,6 +509,7 @@ class StatsResponse(_message.Message):
     REJECTED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     ABANDONED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_ORDER_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     num_objects: int
@@ -528,7 +529,8 @@ class StatsResponse(_message.Message):
     rejected_records: int
     abandoned_groups: int
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ..., failed_groups: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., rejected_records: _Optional[int] = ..., abandoned_groups: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    index_order: str
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_objects: _Optional[int] = ..., num_groups: _Optional[int] = ..., num_complete_groups: _Optional[int] = ..., num_puts_in_flight: _Optional[int] = ..., num_leases: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., revoked_puts: _Optional[int] = ..., high_watermark: _Optional[float] = ..., low_watermark: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., master_incarnation: _Optional[str] = ..., failed_groups: _Optional[int] = ..., adopted_objects: _Optional[int] = ..., rejected_records: _Optional[int] = ..., abandoned_groups: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., index_order: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("call", "request_id", "traceparent", "sent", "detached", "lookup", "release_lease", "put_start", "put_end", "put_revoke", "rides")

@@ -849,6 +849,7 @@ def stats_message(index: PoolIndex, incarnation: str) -> pool_pb2.StatsResponse:
         adopted_objects=index.counters.adopted_objects,
         rejected_records=index.counters.rejected_records,
         abandoned_groups=index.counters.abandoned_groups,
+        index_order="c" if index.group_table.native else "python",
     )
     by_tenant = index.counters.evicted_groups_by_tenant
     held = index.tenant_bytes

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpool import index_order
+
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +40,8 @@ def test_bench_master_small() -> None:
     assert KEYS <= set(at), KEYS - set(at)
     assert at["objects"] == 8000 and at["resident_objects"] >= 7200  # filled to the high watermark
     assert at["used_share"] <= 0.9
+    # the order the measured master says it ran: this checkout's (built here too where it can be)
+    assert at["index_order"] == report["index_order"] == ("c" if index_order.ensure()[0] else "python")
     # every measured lookup found its whole history; the saves beside them evicted
     why = {k: at.get(k) for k in ("cost_misses_found", "refresh_refused", "unsettled")}  # said when it fails
     assert at["lookup_hit_share"] == 1.0 and set(at["cost_hit_share"].values()) == {1.0}, why

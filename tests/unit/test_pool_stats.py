@@ -1,8 +1,13 @@
-"""``kvpool pool stats`` shows each tenant's part of the pool beside its share."""
+"""``kvpool pool stats`` shows each tenant's part of the pool beside its share, and the order the master keeps
+its groups in, as the master says (``Stats.index_order``)."""
 
 from __future__ import annotations
 
 from google.protobuf.json_format import MessageToDict
+
+from kvpool.core.pool import lru
+from kvpool.services.master.servicer import stats_message
+from tests.core.fixtures import make_index
 
 from kvpool.pool.stats import format_stats
 from kvpool.rpc import pool_pb2
@@ -22,3 +27,13 @@ def test_each_tenant_is_listed_with_its_share() -> None:
         "    bob                       11.0 MiB of a 14.4 MiB share  14 groups, 0 evicted",
         "  segments   0",
     ]
+
+
+def test_stats_say_which_order_the_master_keeps_its_groups_in() -> None:
+    index, _ = make_index()
+    stats = stats_message(index, "abc")
+    assert stats.index_order == ("c" if lru.native() else "python") == ("c" if index.group_table.native else "python")
+    as_dict = MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for order, said in (("c", "in C"), ("python", "in Python"), ("", "by a master that does not say how")):
+        text = format_stats(as_dict | {"index_order": order})
+        assert f"  groups     0 (0 complete; least recently used first, kept {said})" in text.splitlines()

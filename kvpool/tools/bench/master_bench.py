@@ -77,7 +77,6 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from kvpool import index_order
 from kvpool.tools.cluster.parts import LocalPool
 
 STAGES = 4
@@ -511,7 +510,8 @@ def measure(objects: int, args: argparse.Namespace, workdir: Path) -> dict[str, 
             ProcessPoolExecutor(max_workers=args.clients + 1, mp_context=context) as executor:
         run = Run(pool, executor, args.clients, args.seconds, args.cost_seconds, turn,
                   _leader(pool) if standbys else None)
-        report: dict[str, Any] = {"objects": objects, **run.populate(objects)}
+        report: dict[str, Any] = {"objects": objects, **run.populate(objects),
+                                  "index_order": run.stats().index_order or "unknown"}
         newest = list(range(report["histories"]))[-max(1, min(64, report["histories"] // 2)):]
         report["call_floor_cpu_ms"] = run.cost("floor", False, newest)["cpu_ms"]
         report["session_floor_cpu_ms"] = run.cost("session_floor", False, newest)["cpu_ms"]
@@ -559,13 +559,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "object_bytes": OBJECT_BYTES, "clients": args.clients,
                               "turn": _turn(Turn(HISTORY_CHUNKS, args.turn_device_share, args.turn_new_chunks)),
                               "cpus": os.cpu_count(), "master_standbys": getattr(args, "master_standbys", 0),
-                              "heartbeat_interval_s": args.heartbeat_interval_s,
-                              # the master's order of groups: C where this checkout built it (the master builds it at
-                              # its start where a compiler is), else Python (kvpool/core/pool/lru.py)
-                              "index_order": "c" if index_order.ensure()[0] else "python"}
+                              "heartbeat_interval_s": args.heartbeat_interval_s}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as tmp:
         for objects in scales:
             report.setdefault("scales", []).append(measure(objects, args, Path(tmp) / str(objects)))
+    # the order of groups the measured master ran, as it says (C where it built kvpool/native/lru.c, else Python);
+    # "unknown" from a master that does not say
+    report["index_order"] = report["scales"][0]["index_order"]
     largest = max(report["scales"], key=lambda at: at["objects"])
     report["targets"] = {key: {"at": max(scales), "value": largest[key], "target": limit,
                                "met": largest[key] <= limit} for key, limit in TARGETS.items()}
