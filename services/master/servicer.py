@@ -305,7 +305,6 @@ def packed_group(group: Group, segments: dict[str, Segment], compact: bool = Fal
     return message.SerializeToString(), tuple(named)
 
 
-# a group's key parts when each member's key is its place (a save's stages: "0", "1", ...)
 _ENCODED = attrgetter("encoded")
 _COMPACT = attrgetter("compact")
 _FIRST = itemgetter(0)
