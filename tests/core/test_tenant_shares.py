@@ -174,10 +174,13 @@ class TenantEvictionMachine(RuleBasedStateMachine):
     share before the put, unless T was within its own (with the put).
     """
 
+    # groups a put may evict toward the low watermark past its own room (the default's never binds here)
+    step = 256
+
     def __init__(self) -> None:
         super().__init__()
         self.index = make_index(16 * KB, high_watermark=0.9, low_watermark=0.7,
-                                tenant_weights=["alice=2"])[0]
+                                tenant_weights=["alice=2"], max_evictions_per_put=self.step)[0]
         self.next_id = 0
         self.leases: list[int] = []
 
@@ -227,3 +230,14 @@ class TenantEvictionMachine(RuleBasedStateMachine):
 
 TenantEvictionMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 test_tenant_eviction_machine = TenantEvictionMachine.TestCase
+
+
+class TenantEvictionStepMachine(TenantEvictionMachine):
+    """The same, with a put evicting at most one group toward the low watermark past its own room, so the step
+    binds on nearly every put past the high one: the rule of shares holds whatever the step."""
+
+    step = 1
+
+
+TenantEvictionStepMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+test_tenant_eviction_step_machine = TenantEvictionStepMachine.TestCase
