@@ -60,9 +60,10 @@ def check_name(value: str, field_name: str) -> None:
         raise InvalidArgument(f"{field_name}: {len(value.encode())} bytes is longer than {MAX_KEY_BYTES}")
 
 
-def name_ok(value: str) -> bool:
-    """The fast form of :func:`check_name` (no message built); ASCII needs no encoding."""
-    return 0 < len(value) <= MAX_KEY_BYTES and (value.isascii() or len(value.encode()) <= MAX_KEY_BYTES)
+def name_ok(value: str, longest: int = MAX_KEY_BYTES) -> bool:
+    """The fast form of :func:`check_name` (no message built), at most ``longest`` bytes; ASCII needs no
+    encoding."""
+    return 0 < len(value) <= longest and (value.isascii() or len(value.encode()) <= longest)
 
 
 def check_names(values: Sequence[str], field_name: str, suffix: str = "") -> None:
@@ -112,7 +113,7 @@ def group_put_items(groups: pool_pb2.PutGroups, tenant: str) -> list[PutRequestI
         if size <= 0:
             raise InvalidArgument(f"groups.member_sizes[{m}]: must be positive, got {size}")
     longest = MAX_KEY_BYTES - 1 - len(_PLACES[members - 1])  # a key is the id, "/" and its member's place
-    if not (min(map(len, group_ids)) > 0 and max(map(len, group_ids)) <= longest and "".join(group_ids).isascii()):
+    if not names_ok(group_ids, longest):
         for i, group_id in enumerate(group_ids):
             check_name(group_id, f"groups.group_ids[{i}]")
             if len(group_id.encode()) > longest:
@@ -134,13 +135,13 @@ _SIZES: dict[int, int] = {}
 MAX_SIZES = 4096
 
 
-def names_ok(values: Sequence[str]) -> bool:
+def names_ok(values: Sequence[str], longest: int = MAX_KEY_BYTES) -> bool:
     """Every one of ``values`` passes :func:`name_ok` (decided in C when all are ASCII)."""
     if not values:
         return True
-    if min(map(len, values)) > 0 and max(map(len, values)) <= MAX_KEY_BYTES and "".join(values).isascii():
+    if min(map(len, values)) > 0 and max(map(len, values)) <= longest and "".join(values).isascii():
         return True
-    return all(map(name_ok, values))
+    return all(map(name_ok, values, repeat(longest)))
 
 
 def check_put_item(i: int, item: pool_pb2.PutItem) -> None:
