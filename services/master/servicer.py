@@ -17,6 +17,7 @@ import structlog
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
 from kvpool.core.pool.compact import compact_keys
 from kvpool.core.pool.index import PoolIndex
+from kvpool.core.pool.puts import PlacedGroups
 from kvpool.core.pool.put_groups import PLACES as _PLACES, group_items
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
@@ -100,8 +101,8 @@ def commit_keys(request: pool_pb2.PutEndRequest) -> Sequence[str]:
     return request.keys if request.keys else [item.key for item in request.items]
 
 
-def group_put_items(groups: pool_pb2.PutGroups, tenant: str) -> list[PutRequestItem]:
-    """A PutStart's whole groups (``PutGroups``), checked, as the items they stand for (``put_groups``)."""
+def checked_groups(groups: pool_pb2.PutGroups) -> tuple[list[str], list[int]]:
+    """A PutStart's whole groups (``PutGroups``), checked: their ids and their members' sizes."""
     group_ids, member_sizes = list(groups.group_ids), list(groups.member_sizes)
     if not group_ids:
         raise InvalidArgument("groups.group_ids: must not be empty")
@@ -126,9 +127,7 @@ def group_put_items(groups: pool_pb2.PutGroups, tenant: str) -> list[PutRequestI
             seen.add(group_id)
     if len(_SIZES) > MAX_SIZES:
         _SIZES.clear()
-    keys, ids, sizes = group_items(group_ids, list(map(_SIZES.setdefault, member_sizes, member_sizes)),
-                                   groups.by_member)
-    return list(map(PutRequestItem, keys, ids, repeat(members), sizes, repeat(tenant)))
+    return group_ids, list(map(_SIZES.setdefault, member_sizes, member_sizes))
 
 
 _SIZES: dict[int, int] = {}
@@ -277,6 +276,28 @@ def packed_put_results(outcomes: Sequence[PutOutcome]) -> pool_pb2.PutStartRespo
 
 
 _NUMBER = attrgetter("number")
+
+
+def packed_group_results(placed: PlacedGroups, members: int, by_member: bool) -> pool_pb2.PutStartResponse:
+    """The answer to a put of whole groups placed at once (``PutTable.put_groups``), as ``packed_put_results``
+    answers the items it stands for: every one reserved, in their order (member by member, or group by group)."""
+    response = pool_pb2.PutStartResponse()
+    packed = response.packed
+    segments = placed.segments
+    packed.status.extend([pool_pb2.PUT_STATUS_RESERVED] * (len(segments) * members))
+    # group by group first
+    numbers = list(chain.from_iterable(repeat(segment.number, members) for segment in segments))
+    addresses = [base + offset for base, offsets in zip(map(_BASE, segments), placed.offsets) for offset in offsets]
+    if by_member:
+        numbers = list(chain.from_iterable(numbers[m::members] for m in range(members)))
+        addresses = list(chain.from_iterable(addresses[m::members] for m in range(members)))
+    packed.segment.extend(numbers)
+    packed.address.extend(addresses)
+    add_accesses(response.segments, {s.segment_id: s for s in segments}.values())
+    return response
+
+
+_BASE = attrgetter("base_address")
 
 
 def packed_group(group: Group, segments: dict[str, Segment], compact: bool = False) -> tuple[bytes, tuple[str, ...]]:
@@ -602,24 +623,31 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         if not grouped:
             check_batch(len(request.items), "items")
         tenant = check_tenant(request.tenant, "tenant")
-        items = group_put_items(request.groups, tenant) if grouped else put_items(request.items, tenant)
+        if grouped:
+            group_ids, member_sizes = checked_groups(request.groups)
+        else:
+            items = put_items(request.items, tenant)
         corrupt = request.release_corrupt_group_ids
         if corrupt and not request.release_lease_id:
             raise InvalidArgument("release_corrupt_group_ids: given without release_lease_id")
         check_corrupt(corrupt, "release_corrupt_group_ids")  # before anything changes
+        corrupt_ids = frozenset(corrupt) if corrupt else frozenset()
+        if grouped and request.packed:
+            # new groups that fit: placed a group at a time, with no item made (none made here either)
+            placed = self.index.put_groups(request.client_host, group_ids, member_sizes, request.groups.by_member,
+                                           tenant, request.release_lease_id, corrupt_ids)
+            if placed is not None:
+                num_items = len(group_ids) * len(member_sizes)
+                self._started(group_ids[0] + "/0", num_items, 0, request.release_lease_id, corrupt)
+                return packed_group_results(placed, len(member_sizes), request.groups.by_member)
+        if grouped:
+            keys, ids, sizes = group_items(group_ids, member_sizes, request.groups.by_member)
+            items = list(map(PutRequestItem, keys, ids, repeat(len(member_sizes)), sizes, repeat(tenant)))
         evicted_before = self.index.counters.evicted_groups
         # the restore this save follows read first: its read is a use before this put (PoolIndex.put_start)
-        outcomes = self.index.put_start(request.client_host, items, request.release_lease_id,
-                                        frozenset(corrupt) if corrupt else ())
-        evicted = self.index.counters.evicted_groups - evicted_before
-        if evicted:
-            log.info("groups_evicted", count=evicted)
-        # the master's order of operations (kvpool simulate --validate follows it); a no-op unless debug
-        log.debug("pool_op", op="put_start", first_key=items[0].key, items=len(items), evicted=evicted)
-        self.record.write("pool_op", current_request_id(), op="put_start", first_key=items[0].key, items=len(items),
-                          evicted=evicted)
-        if request.release_lease_id:  # and its lease ends after the put, whose eviction spared what it read
-            self._release(request.release_lease_id, corrupt, via="put_start")
+        outcomes = self.index.put_start(request.client_host, items, request.release_lease_id, corrupt_ids)
+        self._started(items[0].key, len(items), self.index.counters.evicted_groups - evicted_before,
+                      request.release_lease_id, corrupt)
         if all(o.status is PutStatus.NO_SPACE for o in outcomes):
             raise ResourceExhausted(
                 f"items: no space for {len(items)} objects (pool {self.index.used_bytes}/"
@@ -644,6 +672,17 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             named[segment.segment_id] = segment
         add_accesses(response.segments, named.values())
         return response
+
+    def _started(self, first_key: str, num_items: int, evicted: int, release_lease_id: int, corrupt: Any) -> None:
+        """What follows a put's start: its log and record, then the end of the lease it carries."""
+        if evicted:
+            log.info("groups_evicted", count=evicted)
+        # the master's order of operations (kvpool simulate --validate follows it); a no-op unless debug
+        log.debug("pool_op", op="put_start", first_key=first_key, items=num_items, evicted=evicted)
+        self.record.write("pool_op", current_request_id(), op="put_start", first_key=first_key, items=num_items,
+                          evicted=evicted)
+        if release_lease_id:  # and its lease ends after the put, whose eviction spared what it read
+            self._release(release_lease_id, corrupt, via="put_start")
 
     @status_errors
     async def PutEnd(self, request: pool_pb2.PutEndRequest, context: Any) -> pool_pb2.PutEndResponse:

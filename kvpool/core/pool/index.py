@@ -39,12 +39,13 @@ from itertools import repeat
 from operator import attrgetter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
+from kvpool.core.chunk_hash import DEFAULT_TENANT
 from kvpool.core.pool.corrupt import condemn, droppable
 from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.leases import LeaseTable
 from kvpool.core.pool.paths import SharedMemoryRef
-from kvpool.core.pool.puts import PutTable
+from kvpool.core.pool.puts import PlacedGroups, PutTable
 from kvpool.core.pool.records import (
     ChangeRow,
     EntrySlice,
@@ -129,6 +130,17 @@ class PoolIndex:
         if not read_lease:
             return self.puts.put_start(client_host, items)
         return self.puts.put_start(client_host, items, lambda: self.use_lease(read_lease, corrupt_group_ids))
+
+    def put_groups(self, client_host: str, group_ids: Sequence[str], member_sizes: Sequence[int], by_member: bool,
+                   tenant: str = DEFAULT_TENANT, read_lease: int = 0,
+                   corrupt_group_ids: Collection[str] = ()) -> PlacedGroups | None:
+        """See :meth:`PutTable.put_groups` (None: the caller puts the items, ``put_start``); leases past their time
+        end first, ``read_lease`` as in ``put_start``."""
+        self.expire_leases()
+        if not read_lease:
+            return self.puts.put_groups(client_host, group_ids, member_sizes, by_member, tenant)
+        return self.puts.put_groups(client_host, group_ids, member_sizes, by_member, tenant,
+                                    lambda: self.use_lease(read_lease, corrupt_group_ids))
 
     def put_end(self, commits: Sequence[tuple[str, int]], field: str = "items[{}].key") -> int:
         """Commit in-flight puts (key, checksum); all or none (a bad one named as ``field`` with its place)."""

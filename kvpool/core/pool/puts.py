@@ -26,9 +26,11 @@ from operator import attrgetter
 from typing import Protocol
 
 from kvpool.core.pool.placement import batch_orders, group_first
+from kvpool.core.chunk_hash import DEFAULT_TENANT
 from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.put_checks import check_put_batch, check_put_end
+from kvpool.core.pool.put_groups import PLACES
 from kvpool.core.pool.records import (
     Group,
     IndexCounters,
@@ -44,8 +46,6 @@ from kvpool.core.pool.settings import IndexSettings
 from kvpool.core.tenancy.shares import tenant_name
 
 _GROUP_ID = attrgetter("group_id")
-_KEY = attrgetter("key")
-_SIZE = attrgetter("size")
 
 
 class PutHost(Protocol):
@@ -73,6 +73,15 @@ class PutHost(Protocol):
     def drop_member(self, group: Group, position: int) -> None:
         """Forget one member and give its bytes back; a group left with no member is forgotten."""
         ...
+
+
+@dataclass(slots=True)
+class PlacedGroups:
+    """A put of whole groups placed at once (``PutTable.put_groups``): each group's segment and its members'
+    offsets, in the order of its group ids."""
+
+    segments: list[Segment]
+    offsets: list[list[int]]
 
 
 @dataclass(slots=True)
@@ -140,9 +149,13 @@ class PutTable:
                     continue
             run = runs.get(position)
             if run is not None:
-                placed_run = self._place_run([items[p] for p in run], rotations[num_placed % len(rotations)][0],
-                                             started)
-                if placed_run is not None:  # else (no one hole for them there) its members go one at a time
+                first = items[run[0]]
+                segment = rotations[num_placed % len(rotations)][0]
+                offsets = self._place_run(first.group_id, tenant_name(first.tenant),
+                                          tuple([items[p].key for p in run]),
+                                          shared(tuple([items[p].size for p in run])), segment, started)
+                if offsets is not None:  # else (no one hole for them there) its members go one at a time
+                    placed_run = list(map(PutOutcome, repeat(PutStatus.RESERVED), repeat(segment), offsets))
                     outcomes.append(placed_run[0])
                     num_placed += 1
                     kept.update(zip(run[1:], placed_run[1:]))
@@ -221,22 +234,21 @@ class PutTable:
             return {}
         return runs
 
-    def _place_run(self, run: list[PutRequestItem], segment: Segment, started: float) -> list[PutOutcome] | None:
+    def _place_run(self, group_id: str, tenant: str, keys: tuple[str, ...], sizes: tuple[int, ...],
+                   segment: Segment, started: float, parts: tuple[str, ...] | None = None) -> list[int] | None:
         """Every member of a new group at once, back to back in ``segment``: one hole, one record, one run of space
-        to give back when the group goes (the caller marks it incomplete). None, with nothing changed, when the
-        segment has no one hole for them all."""
-        first = run[0]
-        sizes = shared(tuple(map(_SIZE, run)))
+        to give back when the group goes (the caller marks it incomplete). Returns the members' offsets; None, with
+        nothing changed, when the segment has no one hole for them all. ``sizes`` shared (``shared``); ``parts``:
+        the keys' parts (``parts_of``) when the caller knows them."""
         offsets = self.segment_table.allocate_run(segment, list(sizes))
         if offsets is None:
             return None
-        n = len(run)
-        keys = tuple(map(_KEY, run))
+        n = len(keys)
         nbytes = sum(sizes)
-        group = Group(first.group_id, first.group_size, tenant_name(first.tenant), (), False,
-                      shared((segment.segment_id,) * n), tuple(offsets), sizes, [0] * n, pending=(1 << n) - 1,
-                      nbytes=nbytes, run=True, num_in_flight=n)
-        parts = parts_of(group.group_id, keys)
+        group = Group(group_id, n, tenant, (), False, shared((segment.segment_id,) * n), tuple(offsets), sizes,
+                      [0] * n, pending=(1 << n) - 1, nbytes=nbytes, run=True, num_in_flight=n)
+        if parts is None:
+            parts = parts_of(group_id, keys)
         if parts is None:  # a key that is not "<group_id>/<part>": the group keeps them whole
             group.keys, group.whole = keys, True
             self.index.owners.update(zip(keys, repeat(group)))
@@ -244,10 +256,67 @@ class PutTable:
             group.keys = shared(parts)
         self.group_table.add(group)
         self.in_flight.update(zip(keys, repeat(started)))
-        self.group_table.add_members(group.tenant, nbytes, n)
-        segment.groups[group.group_id] = group
+        self.group_table.add_members(tenant, nbytes, n)
+        segment.groups[group_id] = group
         segment.num_objects += n
-        return list(map(PutOutcome, repeat(PutStatus.RESERVED, n), repeat(segment, n), offsets))
+        return offsets
+
+    def put_groups(self, client_host: str, group_ids: Sequence[str], member_sizes: Sequence[int], by_member: bool,
+                   tenant: str = DEFAULT_TENANT, checked: Callable[[], object] | None = None) -> PlacedGroups | None:
+        """A put of whole new groups (``kvpool.core.pool.put_groups``: member m of each keyed "<group id>/m"),
+        placed a group at a time with no item made, deciding exactly what ``put_start`` of the items it stands
+        for decides when it places every group at once (``_runs``). None, with nothing changed and ``checked``
+        not called, unless the put is such a one for certain: groups of two members or more that the index
+        neither holds nor refuses (``failures``), no key it holds, no member larger than a segment, and room for
+        the whole batch below the high watermark and in the largest hole of every segment (``_runs`` asks it of
+        the segments its rotations start with: of all, the answer cannot change with the rotations, which
+        ``checked``, a touch, leaves as they are). The caller then puts the items."""
+        members = len(member_sizes)
+        segments = self.segment_table.segments
+        if members < 2 or not group_ids or not segments:
+            return None
+        groups, failed = self.group_table.groups, self.failures
+        if any(map(groups.__contains__, group_ids)) or any(map(failed.__contains__, group_ids)):
+            return None
+        places = PLACES[:members]
+        owners = self.index.owners
+        if owners and not owners.keys().isdisjoint([g + "/" + p for g in group_ids for p in places]):
+            return None
+        values = segments.values()
+        if max(member_sizes) > max(s.size for s in values):
+            return None
+        rounded = next(iter(values)).allocator.rounded_size  # one alignment for every segment (as ``_runs``)
+        total = sum(map(rounded, member_sizes)) * len(group_ids)
+        table = self.segment_table
+        if table.used_bytes + total > self.settings.high_watermark * table.capacity or \
+                any(s.allocator.largest_free < total for s in values):
+            return None
+        if checked is not None:
+            checked()
+        self.failures.prune()
+        self.eviction.new_batch()
+        rotations = batch_orders(values, client_host, sum(member_sizes) * len(group_ids),
+                                 self.settings.stripe_min_bytes)
+        started = self.clock()
+        tenant = tenant_name(tenant)
+        sizes, parts = shared(tuple(member_sizes)), shared(places)
+        place = self._place_run
+        # a group's rotation is its first item's place (every item before it placed): item g by member, else g * m
+        step = 1 if by_member else members
+        placed_in: list[Segment] = []
+        offsets: list[list[int]] = []
+        for g, group_id in enumerate(group_ids):
+            segment = rotations[g * step % len(rotations)][0]
+            run = place(group_id, tenant, tuple([group_id + "/" + p for p in places]), sizes, segment, started,
+                        parts)
+            if run is None:  # (cannot be: the whole batch fits in this segment's largest hole)
+                raise AssertionError(f"no hole for group {group_id!r} of a batch that fits in {segment.segment_id}")
+            placed_in.append(segment)
+            offsets.append(run)
+        for group_id in group_ids:  # each as its last member's item marks it
+            self.mark_incomplete(group_id)
+        self.group_table.touch(group_ids)
+        return PlacedGroups(placed_in, offsets)
 
     def put_end(self, commits: Sequence[tuple[str, int]], field: str = "items[{}].key") -> int:
         """Commit in-flight puts (key, checksum); all or none (a bad one named as ``field``, formatted with its
