@@ -1,9 +1,7 @@
-"""A put of whole new groups placed a group at a time (``PoolIndex.put_groups``). Below the high watermark it
-decides exactly what ``put_start`` of the items it stands for decides: the same places, the same index after
-(groups and their records, the LRU order, puts in flight and incomplete groups in order, every segment's holes,
-allocations and journal, counters), whatever came before. Past the watermark it evicts for the whole batch at
-once by eviction's rules (no busy group; the least recently used; under the watermark, at most the step more)
-and then places it so. Where it is not such a put it changes nothing and says so (None), for the items to go."""
+"""A put of whole new groups placed a group at a time (``PoolIndex.put_groups``) decides exactly what ``put_start``
+of the items it stands for decides: the same places, the same index after (groups and their records, the LRU
+order, puts in flight and incomplete groups in order, every segment's holes, allocations and journal, counters),
+whatever came before; and where it is not such a put it changes nothing and says so (None), for the items to go."""
 
 from __future__ import annotations
 
@@ -14,11 +12,8 @@ from hypothesis import given, settings, strategies as st
 from kvpool.core.pool.index import IndexSettings, PoolIndex
 from kvpool.core.pool.put_groups import group_items
 from kvpool.core.pool.puts import PlacedGroups
-from kvpool.core.pool.records import Group, PutRequestItem, PutStatus
+from kvpool.core.pool.records import PutRequestItem, PutStatus
 from tests.core.fixtures import KB, Clock
-
-
-ALIGNMENT, HIGH, STEP = 64, 0.9, 3
 
 
 def state(index: PoolIndex) -> tuple:
@@ -49,40 +44,6 @@ def as_items(placed: PlacedGroups, members: int, by_member: bool) -> list[tuple]
     return [by_group[g * members + m] for m in range(members) for g in range(len(placed.segments))]
 
 
-def answer(placed: PlacedGroups | list, members: int, by_member: bool) -> list[tuple]:
-    return as_items(placed, members, by_member) if isinstance(placed, PlacedGroups) else outcomes(placed)
-
-
-def rounded(size: int) -> int:
-    return -(-size // ALIGNMENT) * ALIGNMENT
-
-
-def check_evicted_for_the_batch(index: PoolIndex, before: list[tuple[Group, bool]], used: int,
-                                placed: PlacedGroups | list, ids: list[str], total: int, tenant: str) -> None:
-    """A put of new groups that passed the high watermark: no busy group evicted; of one tenant's groups, the least
-    recently used idle ones, as few as take the whole batch under the watermark and at most the step more; and
-    where it placed the groups at once, the batch under the watermark, each group back to back in one segment."""
-    evicted = [group for group, _ in before if index.groups.get(group.group_id) is not group]
-    busy = {id(group) for group, was_busy in before if was_busy}
-    assert not [group.group_id for group in evicted if id(group) in busy]
-    if not isinstance(placed, PlacedGroups):
-        return
-    assert index.used_bytes <= HIGH * index.capacity
-    for group_id, segment, offsets in zip(ids, placed.segments, placed.offsets):
-        group = index.groups[group_id]
-        assert group.run and set(group.segment_ids) == {segment.segment_id} and list(group.offsets) == offsets
-        assert offsets == [offsets[0] + sum(map(rounded, group.sizes[:m])) for m in range(len(offsets))]
-    if {group.tenant for group, _ in before} | {tenant} != {"default"}:
-        return  # (tenants' shares order the victims: tests/core/test_tenant_shares.py)
-    idle = [group for group, was_busy in before if not was_busy]
-    assert evicted == idle[:len(evicted)]
-    needed, freed = 0, 0
-    while used - freed + total > HIGH * index.capacity:
-        freed += sum(map(rounded, idle[needed].sizes))
-        needed += 1
-    assert needed <= len(evicted) <= needed + STEP
-
-
 def outcomes(found: list) -> list[tuple]:
     return [(o.status, o.segment.segment_id if o.segment is not None else None, o.offset if o.segment else 0)
             for o in found]
@@ -92,8 +53,8 @@ def pool() -> tuple[PoolIndex, Clock]:
     """Two segments on the writer's host (a batch's groups take them in turn) and one on another (spill), small
     enough that puts pass the high watermark and evict, a few groups a batch."""
     clock = Clock()
-    index = PoolIndex(IndexSettings(alignment=ALIGNMENT, stripe_min_bytes=2 * KB, high_watermark=HIGH,
-                                    low_watermark=0.8, max_evictions_per_put=STEP), clock=clock)
+    index = PoolIndex(IndexSettings(alignment=64, stripe_min_bytes=2 * KB, high_watermark=0.9, low_watermark=0.8,
+                                    max_evictions_per_put=3), clock=clock)
     for i, host in enumerate(["host0", "host0", "host1"]):
         index.mount_segment(f"seg{i}", f"127.0.0.1:{9000 + i}", host, 0x10000000 * (i + 1), 8 * KB)
     return index, clock
@@ -135,22 +96,8 @@ def test_a_put_of_whole_groups_at_once_decides_what_its_items_decide(rng: random
             ids = list(dict.fromkeys(ids))
             by_member, tenant = rng.random() < 0.5, rng.choice(["default", "default", "t1"])
             lease = rng.choice(leases) if leases and rng.random() < 0.3 else 0
-            items = items_of(ids, sizes, by_member, tenant)
-            assert fast.expire_leases() == items_only.expire_leases()  # (as a put does first)
-            before = [(group, group.busy) for group in fast.groups.values()]  # in LRU order
-            total = sum(map(rounded, sizes)) * len(ids)
-            used = fast.used_bytes
-            past = used + total > HIGH * fast.capacity
             placed = fast.put_groups("host0", ids, sizes, by_member, tenant, lease)
-            if past and placed is not None:
-                # it evicts for its whole batch at once, where the items evict each for its own: the two part ways
-                # here, so both take the same put, held to eviction's rules
-                other = items_only.put_groups("host0", ids, sizes, by_member, tenant, lease)
-                assert answer(placed, len(sizes), by_member) == answer(other, len(sizes), by_member)  # type: ignore
-                check_evicted_for_the_batch(fast, before, used, placed, ids, total, tenant)
-                assert state(fast) == state(items_only), f"step {step}"
-                known.extend(ids)
-                continue
+            items = items_of(ids, sizes, by_member, tenant)
             try:
                 want = outcomes(items_only.put_start("host0", items, lease))
             except Exception as error:  # refused alike, and nothing changed by the attempt at once
@@ -162,8 +109,10 @@ def test_a_put_of_whole_groups_at_once_decides_what_its_items_decide(rng: random
                 else:
                     raise AssertionError(f"the items were refused ({error}) and the same put was not")
                 continue
-            got = outcomes(fast.put_start("host0", items, lease)) if placed is None else \
-                answer(placed, len(sizes), by_member)
+            if placed is None:
+                got = outcomes(fast.put_start("host0", items, lease))
+            else:
+                got = as_items(placed, len(sizes), by_member)
             assert got == want
             known.extend(ids)
         elif op < 0.6:  # a group keeping its keys whole, keys "<an id>/<m>" no group of that id holds yet
@@ -207,44 +156,3 @@ def test_a_save_s_put_of_new_groups_is_placed_at_once_and_the_rest_go_by_item() 
     after_revoke = state(index)
     assert after_revoke != before and index.put_groups("host0", ["a"], [100, 200], by_member=True) is None
     assert state(index) == after_revoke
-
-
-def test_saves_at_the_watermark_evict_for_the_whole_batch_then_place_it_at_once() -> None:
-    """The master bench's pattern: saves of new groups of one size into a pool at its watermark, a reader holding
-    the oldest groups. Each save past the watermark evicts for its whole batch at once (the rules above), then
-    places its groups each at once; the leased groups stay."""
-    index = PoolIndex(IndexSettings(alignment=ALIGNMENT, stripe_min_bytes=2 * KB, high_watermark=HIGH,
-                                    low_watermark=0.8, max_evictions_per_put=STEP), clock=Clock())
-    for i in range(2):
-        index.mount_segment(f"seg{i}", f"127.0.0.1:{9000 + i}", "host0", 0x10000000 * (i + 1), 32 * KB)
-    saved: list[str] = []
-
-    def save(count: int) -> PlacedGroups | list | None:
-        ids = [f"s{len(saved) + i}" for i in range(count)]
-        index.expire_leases()
-        before, used = [(group, group.busy) for group in index.groups.values()], index.used_bytes
-        placed = index.put_groups("host0", ids, [256] * 4, True)
-        if index.used_bytes != used or placed is not None:
-            check_evicted_for_the_batch(index, before, used, placed, ids, count * KB, "default")
-        index.put_end([(key, 1) for key in list(index.puts.in_flight)])
-        saved.extend(ids)
-        return placed
-
-    while index.used_bytes + KB <= HIGH * index.capacity:
-        assert isinstance(save(1), PlacedGroups)
-    lease = index.lookup(saved[:2], 60.0)
-    assert lease.num_found == 2 and index.counters.evicted_groups == 0
-    placed = [save(3) for _ in range(20)]
-    assert all(isinstance(p, PlacedGroups) for p in placed), [type(p).__name__ for p in placed]
-    assert index.counters.evicted_groups >= 20 * 3 and saved[0] in index.groups and saved[1] in index.groups
-    assert saved[2] not in index.groups
-
-
-def test_past_the_watermark_a_pool_evicting_by_object_puts_the_items() -> None:
-    """Eviction by object (``IndexSettings.eviction``, for comparisons) leaves groups in part: a batch past the
-    watermark is not placed at once there (None: the caller puts the items), below it is."""
-    index = PoolIndex(IndexSettings(alignment=ALIGNMENT, high_watermark=HIGH, eviction="object"), clock=Clock())
-    index.mount_segment("seg0", "127.0.0.1:9000", "host0", 0x10000000, 8 * KB)
-    assert isinstance(index.put_groups("host0", [f"a{i}" for i in range(7)], [256] * 4, True), PlacedGroups)
-    before = state(index)
-    assert index.put_groups("host0", ["b"], [256] * 4, True) is None and state(index) == before

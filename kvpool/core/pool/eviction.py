@@ -101,7 +101,16 @@ class Eviction:
         if not order:
             return None
         index = self.index
-        victims = self.make_room(size, high, low, keep, tenant)
+        victims: VictimOrder | None = None
+        if index.used_bytes + size > high:
+            victims = self.victim_order(tenant, size)
+            # under ``high`` whatever it takes, then on toward ``low`` as far as the batch's step allows
+            while True:
+                under = index.used_bytes + size <= high
+                if (under and (self._left <= 0 or index.used_bytes + size <= low)) or \
+                        not self.evict_one(victims, keep, any_allowed=False):
+                    break
+                self._left -= under
         while True:
             placed = index.allocate(order, size)
             if placed is not None:
@@ -110,24 +119,6 @@ class Eviction:
                 victims = self.victim_order(tenant, size)
             if not self.evict_one(victims, keep, any_allowed=True):
                 return None
-
-    def make_room(self, size: int, high: float, low: float, keep: str = "", tenant: str = "default"
-                  ) -> VictimOrder | None:
-        """Where ``size`` more bytes of ``tenant`` would pass ``high``: evict until they would not, then on toward
-        ``low`` as far as the batch's step allows (a put's object, or a put's whole batch placed at once after).
-        The victims' order it used; None where the bytes fit below ``high``."""
-        index = self.index
-        if index.used_bytes + size <= high:
-            return None
-        victims = self.victim_order(tenant, size)
-        # under ``high`` whatever it takes, then on toward ``low`` as far as the batch's step allows
-        while True:
-            under = index.used_bytes + size <= high
-            if (under and (self._left <= 0 or index.used_bytes + size <= low)) or \
-                    not self.evict_one(victims, keep, any_allowed=False):
-                break
-            self._left -= under
-        return victims
 
     def victim_order(self, tenant: str, size: int) -> VictimOrder:
         index = self.index

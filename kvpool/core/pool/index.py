@@ -133,9 +133,9 @@ class PoolIndex:
 
     def put_groups(self, client_host: str, group_ids: Sequence[str], member_sizes: Sequence[int], by_member: bool,
                    tenant: str = DEFAULT_TENANT, read_lease: int = 0,
-                   corrupt_group_ids: Collection[str] = ()) -> PlacedGroups | list[PutOutcome] | None:
-        """See :meth:`PutTable.put_groups` (None: the caller puts the items, ``put_start``; a list: the items'
-        outcomes); leases past their time end first, ``read_lease`` as in ``put_start``."""
+                   corrupt_group_ids: Collection[str] = ()) -> PlacedGroups | None:
+        """See :meth:`PutTable.put_groups` (None: the caller puts the items, ``put_start``); leases past their time
+        end first, ``read_lease`` as in ``put_start``."""
         self.expire_leases()
         if not read_lease:
             return self.puts.put_groups(client_host, group_ids, member_sizes, by_member, tenant)

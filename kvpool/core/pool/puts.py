@@ -25,12 +25,12 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Protocol
 
-from kvpool.core.chunk_hash import DEFAULT_TENANT
 from kvpool.core.pool.placement import batch_orders, group_first
+from kvpool.core.chunk_hash import DEFAULT_TENANT
 from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.put_checks import check_put_batch, check_put_end
-from kvpool.core.pool.put_groups import PLACES, group_items
+from kvpool.core.pool.put_groups import PLACES
 from kvpool.core.pool.records import (
     Group,
     IndexCounters,
@@ -117,12 +117,6 @@ class PutTable:
             checked()
         self.failures.prune()
         self.eviction.new_batch()
-        return self._put_items(client_host, items, all_new)
-
-    def _put_items(self, client_host: str, items: Sequence[PutRequestItem], all_new: bool) -> list[PutOutcome]:
-        """``put_start``'s placement of a batch that passed its checks (``all_new``: every key new), its reader's
-        use counted and the batch begun (``failures`` pruned, ``eviction.new_batch``)."""
-        segments = self.segment_table.segments
         outcomes: list[PutOutcome] = []
         rotations = batch_orders(
             segments.values(), client_host, sum(item.size for item in items), self.settings.stripe_min_bytes
@@ -268,24 +262,15 @@ class PutTable:
         return offsets
 
     def put_groups(self, client_host: str, group_ids: Sequence[str], member_sizes: Sequence[int], by_member: bool,
-                   tenant: str = DEFAULT_TENANT, checked: Callable[[], object] | None = None
-                   ) -> PlacedGroups | list[PutOutcome] | None:
+                   tenant: str = DEFAULT_TENANT, checked: Callable[[], object] | None = None) -> PlacedGroups | None:
         """A put of whole new groups (``kvpool.core.pool.put_groups``: member m of each keyed "<group id>/m"),
-        placed a group at a time, each at once, with no item made.
-
-        Where the batch fits below the high watermark, it decides exactly what ``put_start`` of the items it stands
-        for decides when that places every group at once (``_runs``): it requires room for the whole batch in the
-        largest hole of every segment (``_runs`` asks it of the segments its rotations start with: asked of all,
-        the answer cannot change with the rotations, which ``checked``, a touch, leaves as they are). Where the
-        batch would pass the high watermark, it first evicts for all of its bytes at once what its first item past
-        the watermark would evict for its own (``Eviction.make_room``: under the high watermark, then on toward the
-        low one within the batch's step), then places the groups so if they now fit that way; if they do not, its
-        items go one at a time from there (``put_start``'s outcomes, returned as they are).
-
-        None, with nothing changed and ``checked`` not called, unless it is such a put: groups of two members or
-        more that the index neither holds nor refuses (``failures``), no key it holds, no member larger than a
-        segment, and, below the watermark, the holes above; eviction by group (``Eviction.mode``). The caller
-        then puts the items."""
+        placed a group at a time with no item made, deciding exactly what ``put_start`` of the items it stands
+        for decides when it places every group at once (``_runs``). None, with nothing changed and ``checked``
+        not called, unless the put is such a one for certain: groups of two members or more that the index
+        neither holds nor refuses (``failures``), no key it holds, no member larger than a segment, and room for
+        the whole batch below the high watermark and in the largest hole of every segment (``_runs`` asks it of
+        the segments its rotations start with: of all, the answer cannot change with the rotations, which
+        ``checked``, a touch, leaves as they are). The caller then puts the items."""
         members = len(member_sizes)
         segments = self.segment_table.segments
         if members < 2 or not group_ids or not segments:
@@ -303,26 +288,17 @@ class PutTable:
         rounded = next(iter(values)).allocator.rounded_size  # one alignment for every segment (as ``_runs``)
         total = sum(map(rounded, member_sizes)) * len(group_ids)
         table = self.segment_table
-        high = self.settings.high_watermark * table.capacity
-        past = table.used_bytes + total > high
-        if past and self.eviction.mode != "group" or \
-                not past and any(s.allocator.largest_free < total for s in values):
+        if table.used_bytes + total > self.settings.high_watermark * table.capacity or \
+                any(s.allocator.largest_free < total for s in values):
             return None
         if checked is not None:
             checked()
         self.failures.prune()
         self.eviction.new_batch()
-        tenant = tenant_name(tenant)
-        if past:
-            self.eviction.make_room(total, high, self.settings.low_watermark * table.capacity, tenant=tenant)
-            if table.used_bytes + total > high or any(s.allocator.largest_free < total for s in values):
-                # too little it may evict, or no one hole for the batch: its items one at a time from here
-                keys, ids, item_sizes = group_items(group_ids, member_sizes, by_member)
-                return self._put_items(client_host, list(map(PutRequestItem, keys, ids, repeat(members),
-                                                              item_sizes, repeat(tenant))), True)
         rotations = batch_orders(values, client_host, sum(member_sizes) * len(group_ids),
                                  self.settings.stripe_min_bytes)
         started = self.clock()
+        tenant = tenant_name(tenant)
         sizes, parts = shared(tuple(member_sizes)), shared(places)
         place = self._place_run
         # a group's rotation is its first item's place (every item before it placed): item g by member, else g * m
