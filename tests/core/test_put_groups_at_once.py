@@ -156,3 +156,19 @@ def test_a_save_s_put_of_new_groups_is_placed_at_once_and_the_rest_go_by_item() 
     after_revoke = state(index)
     assert after_revoke != before and index.put_groups("host0", ["a"], [100, 200], by_member=True) is None
     assert state(index) == after_revoke
+
+
+def test_a_put_of_items_is_served_as_the_master_serves_a_client_s_put() -> None:
+    """``put_start_grouped`` (the simulator's put): items that are a put of whole groups go as the client sends them
+    (``PutGroups``, ``put_groups``), answered item by item in their order; any other items as they are."""
+    (grouped, _), (direct, _) = two()
+    items = items_of(["a", "b", "c"], [100, 200], True, "default")
+    placed = direct.put_groups("host0", ["a", "b", "c"], [100, 200], True)
+    assert placed is not None
+    got = outcomes(grouped.put_start_grouped("host0", items))
+    assert got == as_items(placed, 2, True) == outcomes(placed.outcomes(2, True)) and state(grouped) == state(direct)
+    assert outcomes(placed.outcomes(2, False)) == as_items(placed, 2, False)
+    two_tenants = [PutRequestItem("d/0", "d", 2, 100), PutRequestItem("d/1", "d", 2, 100, "t1")]
+    assert outcomes(grouped.put_start_grouped("host0", two_tenants)) == outcomes(direct.put_start("host0",
+                                                                                                two_tenants))
+    assert state(grouped) == state(direct)

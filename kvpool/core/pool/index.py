@@ -45,6 +45,7 @@ from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.leases import LeaseTable
 from kvpool.core.pool.paths import SharedMemoryRef
+from kvpool.core.pool.put_groups import as_groups
 from kvpool.core.pool.puts import PlacedGroups, PutTable
 from kvpool.core.pool.records import (
     ChangeRow,
@@ -141,6 +142,22 @@ class PoolIndex:
             return self.puts.put_groups(client_host, group_ids, member_sizes, by_member, tenant)
         return self.puts.put_groups(client_host, group_ids, member_sizes, by_member, tenant,
                                     lambda: self.use_lease(read_lease, corrupt_group_ids))
+
+    def put_start_grouped(self, client_host: str, items: Sequence[PutRequestItem], read_lease: int = 0,
+                          corrupt_group_ids: Collection[str] = ()) -> list[PutOutcome]:
+        """``put_start`` as the master serves a pool client's put of these items: where they are a put of whole
+        groups of one tenant (``put_groups.as_groups``, what the client then sends as ``PutGroups``),
+        ``put_groups`` first. For what runs the master's decisions without its messages (the simulator)."""
+        groups = None
+        if items and all(item.tenant == items[0].tenant for item in items):
+            groups = as_groups([(item.key, item.group_id, item.group_size, item.size) for item in items])
+        if groups is not None:
+            group_ids, member_sizes, by_member = groups
+            placed = self.put_groups(client_host, group_ids, member_sizes, by_member, items[0].tenant, read_lease,
+                                     corrupt_group_ids)
+            if placed is not None:
+                return placed.outcomes(len(member_sizes), by_member)
+        return self.put_start(client_host, items, read_lease, corrupt_group_ids)
 
     def put_end(self, commits: Sequence[tuple[str, int]], field: str = "items[{}].key") -> int:
         """Commit in-flight puts (key, checksum); all or none (a bad one named as ``field`` with its place)."""

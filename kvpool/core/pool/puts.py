@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter
 from typing import Protocol
 
@@ -82,6 +82,14 @@ class PlacedGroups:
 
     segments: list[Segment]
     offsets: list[list[int]]
+
+    def outcomes(self, members: int, by_member: bool) -> list[PutOutcome]:
+        """What ``put_start`` answers the items the put stands for, in their order (every one reserved)."""
+        by_group = [PutOutcome(PutStatus.RESERVED, segment, offset)
+                    for segment, offsets in zip(self.segments, self.offsets) for offset in offsets]
+        if not by_member:
+            return by_group
+        return list(chain.from_iterable(by_group[m::members] for m in range(members)))
 
 
 @dataclass(slots=True)

@@ -310,7 +310,7 @@ class PipelineSim:
         items = [PutRequestItem(*o) for o in save_objects(ns, chunks, self.stage_object_bytes)]
         evicted_before = self.index.counters.evicted_groups
         commits, remote = [], {}
-        for item, outcome in zip(items, self.index.put_start(self.host, items)):
+        for item, outcome in zip(items, self.index.put_start_grouped(self.host, items)):  # as the master serves it
             if outcome.status is PutStatus.RESERVED:
                 commits.append((item.key, 0))
                 if outcome.segment is not None and outcome.segment.host != self.host:
