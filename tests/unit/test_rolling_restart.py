@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvpool.tools.cluster.process import ServiceFailed
 from kvpool.tools.cluster.supervisor import Supervisor
 
 
@@ -145,3 +146,49 @@ def test_a_router_without_reuse_port_is_left_running() -> None:
     assert done == ["master"] and router.events == [] and cluster.router is router
     assert "started without --reuse-port; left running" in said[-2]
     assert said[-1] == "kvpool up: rolling restart done (1 of 2 services)"
+
+
+@dataclass
+class Unlucky(Proc):
+    """A service whose first ``failures`` starts fail (its port held by another listener a while)."""
+
+    failures: int = 1
+
+    def restart(self, timeout_s: float = 120.0, stop_timeout_s: float = 10.0) -> dict:
+        self.restarted.append(self.name)
+        if self.failures > 0:
+            self.failures -= 1
+            self.alive = False
+            raise ServiceFailed(f"{self.name} exited with 1 before it was ready: Failed to bind")
+        self.alive = True
+        return self.ready
+
+
+def test_a_service_that_fails_to_start_again_is_restarted_with_backoff_and_the_rolling_restart_goes_on() -> None:
+    restarted: list[str] = []
+    router = Proc("router", ["router"], restarted)
+    master = Unlucky("master", ["master"], restarted, failures=2)
+    cluster = Cluster([master, Proc("decode0", ["decode"], restarted), router], router)
+    said: list[str] = []
+    sup = Supervisor(cluster, clock=ticking(0.05), say=said.append)  # type: ignore[arg-type]
+    done = sup.rolling_restart(lambda p: p.alive, settle_timeout_s=30.0)
+    assert done == ["master", "decode0"]  # (a router without --reuse-port is left running)
+    assert restarted == ["master", "master", "master", "decode0"]  # the rolling one, then two by the supervisor
+    assert any("master did not start again; restarting in" in line for line in said)
+    assert not any("rolling restart stopped" in line for line in said)
+    assert sup.supervision.services["master"].restarts == 2
+
+
+def test_a_service_that_never_starts_again_stops_the_rolling_restart_once_given_up() -> None:
+    restarted: list[str] = []
+    router = Proc("router", ["router"], restarted)
+    master = Unlucky("master", ["master"], restarted, failures=1000)
+    cluster = Cluster([master, Proc("decode0", ["decode"], restarted), router], router)
+    said: list[str] = []
+    sup = Supervisor(cluster, clock=ticking(0.5), say=said.append)  # type: ignore[arg-type]
+    done = sup.rolling_restart(lambda p: p.alive, settle_timeout_s=600.0)
+    assert done == [] and "decode0" not in restarted  # nothing else is taken down
+    assert sup.supervision.services["master"].gave_up
+    assert any("giving up on it" in line for line in said)
+    assert said[-1] == "kvpool up: rolling restart done (0 of 3 services)"
+    assert any("rolling restart stopped: master did not come back" in line for line in said)

@@ -103,9 +103,16 @@ class Supervisor:
             try:
                 proc.restart(stop_timeout_s=stop_timeout_s)
             except ServiceFailed as exc:
-                log.error("rolling_restart_failed", service=proc.name, error=str(exc)[-500:])
-                self.say(f"kvpool up: rolling restart stopped: {proc.name} did not come back (see {proc.log_file})")
-                break
+                # it died starting (another listener may have taken its port in the moment it was down: then
+                # it is back once that one lets go): restarted as any death is, with backoff, and the rolling
+                # restart goes on once it is back; it stops if it does not come back or is given up on
+                log.warning("rolling_restart_start_failed", service=proc.name, error=str(exc)[-500:])
+                self._died(proc, "did not start again", self.clock())
+                if not self._all_back(settle_timeout_s, healthy) or self.supervision.services[proc.name].gave_up:
+                    log.error("rolling_restart_failed", service=proc.name, error=str(exc)[-500:])
+                    self.say(f"kvpool up: rolling restart stopped: {proc.name} did not come back "
+                             f"(see {proc.log_file})")
+                    break
             deadline = self.clock() + settle_timeout_s
             while not healthy(proc) and self.clock() < deadline:
                 time.sleep(0.1)  # polling the router's view of health
