@@ -164,14 +164,22 @@ class Unlucky(Proc):
         return self.ready
 
 
-def test_a_service_that_fails_to_start_again_is_restarted_with_backoff_and_the_rolling_restart_goes_on() -> None:
+def rolling_with_an_unlucky_master(failures: int, step_s: float, settle_timeout_s: float
+                                   ) -> tuple[Supervisor, list[str], list[str], list[str]]:
+    """A rolling restart of a master whose first ``failures`` starts fail, a decode shard and a router: the
+    supervisor, the services done, those restarted in order, and what it said."""
     restarted: list[str] = []
     router = Proc("router", ["router"], restarted)
-    master = Unlucky("master", ["master"], restarted, failures=2)
+    master = Unlucky("master", ["master"], restarted, failures=failures)
     cluster = Cluster([master, Proc("decode0", ["decode"], restarted), router], router)
     said: list[str] = []
-    sup = Supervisor(cluster, clock=ticking(0.05), say=said.append)  # type: ignore[arg-type]
-    done = sup.rolling_restart(lambda p: p.alive, settle_timeout_s=30.0)
+    sup = Supervisor(cluster, clock=ticking(step_s), say=said.append)  # type: ignore[arg-type]
+    done = sup.rolling_restart(lambda p: p.alive, settle_timeout_s=settle_timeout_s)
+    return sup, done, restarted, said
+
+
+def test_a_service_that_fails_to_start_again_is_restarted_with_backoff_and_the_rolling_restart_goes_on() -> None:
+    sup, done, restarted, said = rolling_with_an_unlucky_master(failures=2, step_s=0.05, settle_timeout_s=30.0)
     assert done == ["master", "decode0"]  # (a router without --reuse-port is left running)
     assert restarted == ["master", "master", "master", "decode0"]  # the rolling one, then two by the supervisor
     assert any("master did not start again; restarting in" in line for line in said)
@@ -180,13 +188,7 @@ def test_a_service_that_fails_to_start_again_is_restarted_with_backoff_and_the_r
 
 
 def test_a_service_that_never_starts_again_stops_the_rolling_restart_once_given_up() -> None:
-    restarted: list[str] = []
-    router = Proc("router", ["router"], restarted)
-    master = Unlucky("master", ["master"], restarted, failures=1000)
-    cluster = Cluster([master, Proc("decode0", ["decode"], restarted), router], router)
-    said: list[str] = []
-    sup = Supervisor(cluster, clock=ticking(0.5), say=said.append)  # type: ignore[arg-type]
-    done = sup.rolling_restart(lambda p: p.alive, settle_timeout_s=600.0)
+    sup, done, restarted, said = rolling_with_an_unlucky_master(failures=1000, step_s=0.5, settle_timeout_s=600.0)
     assert done == [] and "decode0" not in restarted  # nothing else is taken down
     assert sup.supervision.services["master"].gave_up
     assert any("giving up on it" in line for line in said)
