@@ -18,7 +18,7 @@ from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, 
 from kvpool.core.pool.compact import compact_keys
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.puts import PlacedGroups
-from kvpool.core.pool.put_groups import PLACES as _PLACES, group_items
+from kvpool.core.pool.put_groups import PLACES as _PLACES, group_items, in_item_order
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
     ChangeRow,
@@ -285,14 +285,10 @@ def packed_group_results(placed: PlacedGroups, members: int, by_member: bool) ->
     packed = response.packed
     segments = placed.segments
     packed.status.extend([pool_pb2.PUT_STATUS_RESERVED] * (len(segments) * members))
-    # group by group first
     numbers = list(chain.from_iterable(repeat(segment.number, members) for segment in segments))
     addresses = [base + offset for base, offsets in zip(map(_BASE, segments), placed.offsets) for offset in offsets]
-    if by_member:
-        numbers = list(chain.from_iterable(numbers[m::members] for m in range(members)))
-        addresses = list(chain.from_iterable(addresses[m::members] for m in range(members)))
-    packed.segment.extend(numbers)
-    packed.address.extend(addresses)
+    packed.segment.extend(in_item_order(numbers, members, by_member))
+    packed.address.extend(in_item_order(addresses, members, by_member))
     add_accesses(response.segments, {s.segment_id: s for s in segments}.values())
     return response
 

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from kvpool import service
 from kvpool.core.chunk_hash import save_objects
 from kvpool.core.errors import FailedPrecondition, InvalidArgument
-from kvpool.core.pool.put_groups import as_groups, group_items
+from kvpool.core.pool.put_groups import as_groups, group_items, in_item_order
 from kvpool.pool.client import OLD_EMPTY_PUT, PoolClient, put_end_request, put_start_request
 from kvpool.pool.objects import ObjectLocation
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
@@ -27,6 +27,12 @@ def test_the_items_of_whole_groups_in_either_layout() -> None:
                                                              [3, 3, 5, 5])
     assert group_items(["a", "b"], [3, 5], by_member=False) == (["a/0", "a/1", "b/0", "b/1"], ["a", "a", "b", "b"],
                                                               [3, 5, 3, 5])
+
+
+@pytest.mark.parametrize("by_member", [True, False])
+def test_values_listed_group_by_group_come_in_the_items_order(by_member: bool) -> None:
+    by_group = group_items(["a", "b", "c"], [3, 5], by_member=False)[0]
+    assert in_item_order(by_group, 2, by_member) == group_items(["a", "b", "c"], [3, 5], by_member)[0]
 
 
 def test_a_save_s_items_are_whole_groups_member_by_member() -> None:

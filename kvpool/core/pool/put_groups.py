@@ -8,6 +8,10 @@ group's member 0, then every group's member 1, ...: a save's stages, as stage 0 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # "0", "1", ...: a member's place as its key's last part (shared strings, not one made per key)
 PLACES = tuple(map(str, range(1025)))
@@ -27,6 +31,14 @@ def group_items(group_ids: Sequence[str], member_sizes: Sequence[int], by_member
         ids = [group_id for group_id in group_ids for _ in member_sizes]
         sizes = list(member_sizes) * len(group_ids)
     return keys, ids, sizes
+
+
+def in_item_order(by_group: list[T], members: int, by_member: bool) -> list[T]:
+    """Values of a put's items listed group by group (each group's ``members`` in place order), in the items'
+    own order (``group_items``'s layout)."""
+    if not by_member:
+        return by_group
+    return list(chain.from_iterable(by_group[m::members] for m in range(members)))
 
 
 def as_groups(items: Sequence[tuple[str, str, int, int]]) -> tuple[list[str], list[int], bool] | None:

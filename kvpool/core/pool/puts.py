@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import repeat
 from operator import attrgetter
 from typing import Protocol
 
@@ -30,7 +30,7 @@ from kvpool.core.chunk_hash import DEFAULT_TENANT
 from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.put_checks import check_put_batch, check_put_end
-from kvpool.core.pool.put_groups import PLACES
+from kvpool.core.pool.put_groups import PLACES, in_item_order
 from kvpool.core.pool.records import (
     Group,
     IndexCounters,
@@ -85,11 +85,9 @@ class PlacedGroups:
 
     def outcomes(self, members: int, by_member: bool) -> list[PutOutcome]:
         """What ``put_start`` answers the items the put stands for, in their order (every one reserved)."""
-        by_group = [PutOutcome(PutStatus.RESERVED, segment, offset)
-                    for segment, offsets in zip(self.segments, self.offsets) for offset in offsets]
-        if not by_member:
-            return by_group
-        return list(chain.from_iterable(by_group[m::members] for m in range(members)))
+        return in_item_order([PutOutcome(PutStatus.RESERVED, segment, offset)
+                              for segment, offsets in zip(self.segments, self.offsets) for offset in offsets],
+                             members, by_member)
 
 
 @dataclass(slots=True)
