@@ -628,18 +628,19 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             raise InvalidArgument("release_corrupt_group_ids: given without release_lease_id")
         check_corrupt(corrupt, "release_corrupt_group_ids")  # before anything changes
         corrupt_ids = frozenset(corrupt) if corrupt else frozenset()
+        evicted_before = self.index.counters.evicted_groups
         if grouped and request.packed:
-            # new groups that fit: placed a group at a time, with no item made (none made here either)
+            # new groups with room: placed a group at a time, with no item made (none made here either), after
+            # what their items would evict past the watermark
             placed = self.index.put_groups(request.client_host, group_ids, member_sizes, request.groups.by_member,
                                            tenant, request.release_lease_id, corrupt_ids)
             if placed is not None:
-                num_items = len(group_ids) * len(member_sizes)
-                self._started(group_ids[0] + "/0", num_items, 0, request.release_lease_id, corrupt)
+                self._started(group_ids[0] + "/0", len(group_ids) * len(member_sizes),
+                              self.index.counters.evicted_groups - evicted_before, request.release_lease_id, corrupt)
                 return packed_group_results(placed, len(member_sizes), request.groups.by_member)
         if grouped:
             keys, ids, sizes = group_items(group_ids, member_sizes, request.groups.by_member)
             items = list(map(PutRequestItem, keys, ids, repeat(len(member_sizes)), sizes, repeat(tenant)))
-        evicted_before = self.index.counters.evicted_groups
         # the restore this save follows read first: its read is a use before this put (PoolIndex.put_start)
         outcomes = self.index.put_start(request.client_host, items, request.release_lease_id, corrupt_ids)
         self._started(items[0].key, len(items), self.index.counters.evicted_groups - evicted_before,

@@ -101,16 +101,7 @@ class Eviction:
         if not order:
             return None
         index = self.index
-        victims: VictimOrder | None = None
-        if index.used_bytes + size > high:
-            victims = self.victim_order(tenant, size)
-            # under ``high`` whatever it takes, then on toward ``low`` as far as the batch's step allows
-            while True:
-                under = index.used_bytes + size <= high
-                if (under and (self._left <= 0 or index.used_bytes + size <= low)) or \
-                        not self.evict_one(victims, keep, any_allowed=False):
-                    break
-                self._left -= under
+        victims = self.make_room(size, high, low, keep, tenant)
         while True:
             placed = index.allocate(order, size)
             if placed is not None:
@@ -119,6 +110,26 @@ class Eviction:
                 victims = self.victim_order(tenant, size)
             if not self.evict_one(victims, keep, any_allowed=True):
                 return None
+
+    def make_room(self, size: int, high: float, low: float, keep: str = "", tenant: str = "default",
+                  incoming: int | None = None) -> VictimOrder | None:
+        """Where ``size`` more bytes of ``tenant`` would pass ``high``: evict until they would not, then on toward
+        ``low`` as far as the batch's step allows (a put's item; or an item of a put of whole groups, with the
+        bytes of the items before it: ``PutTable._evict_as_items``). The victims' order it used; None where the
+        bytes fit below ``high``. ``incoming``: what ``tenant``'s share counts as coming (``size`` unless given: the
+        items before it count their own sizes there, not the aligned ones)."""
+        index = self.index
+        if index.used_bytes + size <= high:
+            return None
+        victims = self.victim_order(tenant, size if incoming is None else incoming)
+        # under ``high`` whatever it takes, then on toward ``low`` as far as the batch's step allows
+        while True:
+            under = index.used_bytes + size <= high
+            if (under and (self._left <= 0 or index.used_bytes + size <= low)) or \
+                    not self.evict_one(victims, keep, any_allowed=False):
+                break
+            self._left -= under
+        return victims
 
     def victim_order(self, tenant: str, size: int) -> VictimOrder:
         index = self.index

@@ -30,7 +30,7 @@ from kvpool.core.chunk_hash import DEFAULT_TENANT
 from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.put_checks import check_put_batch, check_put_end
-from kvpool.core.pool.put_groups import PLACES, in_item_order
+from kvpool.core.pool.put_groups import PLACES, group_items, in_item_order
 from kvpool.core.pool.records import (
     Group,
     IndexCounters,
@@ -241,11 +241,13 @@ class PutTable:
         return runs
 
     def _place_run(self, group_id: str, tenant: str, keys: tuple[str, ...], sizes: tuple[int, ...],
-                   segment: Segment, started: float, parts: tuple[str, ...] | None = None) -> list[int] | None:
+                   segment: Segment, started: float, parts: tuple[str, ...] | None = None, track: bool = True
+                   ) -> list[int] | None:
         """Every member of a new group at once, back to back in ``segment``: one hole, one record, one run of space
         to give back when the group goes (the caller marks it incomplete). Returns the members' offsets; None, with
         nothing changed, when the segment has no one hole for them all. ``sizes`` shared (``shared``); ``parts``:
-        the keys' parts (``parts_of``) when the caller knows them."""
+        the keys' parts (``parts_of``) when the caller knows them; ``track``: its keys go in flight here (else the
+        caller puts them there)."""
         offsets = self.segment_table.allocate_run(segment, list(sizes))
         if offsets is None:
             return None
@@ -261,7 +263,8 @@ class PutTable:
         else:
             group.keys = shared(parts)
         self.group_table.add(group)
-        self.in_flight.update(zip(keys, repeat(started)))
+        if track:
+            self.in_flight.update(zip(keys, repeat(started)))
         self.group_table.add_members(tenant, nbytes, n)
         segment.groups[group_id] = group
         segment.num_objects += n
@@ -270,13 +273,21 @@ class PutTable:
     def put_groups(self, client_host: str, group_ids: Sequence[str], member_sizes: Sequence[int], by_member: bool,
                    tenant: str = DEFAULT_TENANT, checked: Callable[[], object] | None = None) -> PlacedGroups | None:
         """A put of whole new groups (``kvpool.core.pool.put_groups``: member m of each keyed "<group id>/m"),
-        placed a group at a time with no item made, deciding exactly what ``put_start`` of the items it stands
-        for decides when it places every group at once (``_runs``). None, with nothing changed and ``checked``
-        not called, unless the put is such a one for certain: groups of two members or more that the index
-        neither holds nor refuses (``failures``), no key it holds, no member larger than a segment, and room for
-        the whole batch below the high watermark and in the largest hole of every segment (``_runs`` asks it of
-        the segments its rotations start with: of all, the answer cannot change with the rotations, which
-        ``checked``, a touch, leaves as they are). The caller then puts the items."""
+        placed a group at a time, each at once, with no item made.
+
+        It requires room for the whole batch in the largest hole of every segment (``_runs`` asks it of the
+        segments its rotations start with: asked of all, the answer cannot change with the rotations, which
+        ``checked``, a touch, leaves as they are). Then every item of it would find a hole one at a time, and:
+        where the batch fits below the high watermark, it decides exactly what ``put_start`` of the items it
+        stands for decides when that places every group at once (``_runs``); where it would pass the watermark, it
+        first evicts, before placing any of it, exactly what its items would evict one at a time
+        (``_evict_as_items``: the same victims in the same order), then places each group at once: the items' own
+        decisions but for where in its segment each member lies, and its table slot.
+
+        None, with nothing changed and ``checked`` not called, unless it is such a put: groups of two members or
+        more that the index neither holds nor refuses (``failures``), no key it holds, no member larger than a
+        segment, the holes above, and, past the watermark, eviction by group (``Eviction.mode``). The caller then
+        puts the items."""
         members = len(member_sizes)
         segments = self.segment_table.segments
         if members < 2 or not group_ids or not segments:
@@ -294,17 +305,21 @@ class PutTable:
         rounded = next(iter(values)).allocator.rounded_size  # one alignment for every segment (as ``_runs``)
         total = sum(map(rounded, member_sizes)) * len(group_ids)
         table = self.segment_table
-        if table.used_bytes + total > self.settings.high_watermark * table.capacity or \
-                any(s.allocator.largest_free < total for s in values):
+        high = self.settings.high_watermark * table.capacity
+        past = table.used_bytes + total > high
+        if past and self.eviction.mode != "group" or any(s.allocator.largest_free < total for s in values):
             return None
         if checked is not None:
             checked()
         self.failures.prune()
         self.eviction.new_batch()
+        tenant = tenant_name(tenant)
+        # (before any eviction, as the items take theirs: the most free bytes first)
         rotations = batch_orders(values, client_host, sum(member_sizes) * len(group_ids),
                                  self.settings.stripe_min_bytes)
+        if past:
+            self._evict_as_items(member_sizes, len(group_ids), by_member, high, tenant)
         started = self.clock()
-        tenant = tenant_name(tenant)
         sizes, parts = shared(tuple(member_sizes)), shared(places)
         place = self._place_run
         # a group's rotation is its first item's place (every item before it placed): item g by member, else g * m
@@ -314,15 +329,38 @@ class PutTable:
         for g, group_id in enumerate(group_ids):
             segment = rotations[g * step % len(rotations)][0]
             run = place(group_id, tenant, tuple([group_id + "/" + p for p in places]), sizes, segment, started,
-                        parts)
+                        parts, track=not past)
             if run is None:  # (cannot be: the whole batch fits in this segment's largest hole)
                 raise AssertionError(f"no hole for group {group_id!r} of a batch that fits in {segment.segment_id}")
             placed_in.append(segment)
             offsets.append(run)
+        if past:  # in flight in the items' order, as they would have gone one at a time
+            self.in_flight.update(zip(group_items(group_ids, member_sizes, by_member)[0], repeat(started)))
         for group_id in group_ids:  # each as its last member's item marks it
             self.mark_incomplete(group_id)
         self.group_table.touch(group_ids)
         return PlacedGroups(placed_in, offsets)
+
+    def _evict_as_items(self, member_sizes: Sequence[int], count: int, by_member: bool, high: float,
+                        tenant: str) -> None:
+        """Evict what the items of a put of ``count`` new groups (``group_items``' order) would evict as
+        ``put_start`` reserves them one at a time, each placed: item i past ``high`` makes room for its size with
+        the items before it in place (``Eviction.reserve``), so here for their bytes and its size together: the
+        aligned bytes against the watermark, as the segments count them, and their own sizes against the tenant's
+        share, as the tenants' bytes count them. The victims and their order are the same (a tenant's own bytes and
+        the bytes coming count only as their sum, ``TenantShares.victim_order``, and the batch's groups, busy, are
+        never victims), given that every item would find a hole (``put_groups``'s check): one that found none would
+        evict more, any tenant's."""
+        table, make_room = self.segment_table, self.eviction.make_room
+        rounded = next(iter(table.segments.values())).allocator.rounded_size
+        low = self.settings.low_watermark * table.capacity
+        sizes = [size for size in member_sizes for _ in range(count)] if by_member else list(member_sizes) * count
+        ahead = ahead_raw = 0  # the bytes the items before this one take (aligned), and their own sizes
+        for size in sizes:
+            if table.used_bytes + ahead + size > high:
+                make_room(ahead + size, high, low, tenant=tenant, incoming=ahead_raw + size)
+            ahead += rounded(size)
+            ahead_raw += size
 
     def put_end(self, commits: Sequence[tuple[str, int]], field: str = "items[{}].key") -> int:
         """Commit in-flight puts (key, checksum); all or none (a bad one named as ``field``, formatted with its
