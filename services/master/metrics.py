@@ -22,7 +22,7 @@ class MasterMetrics:
         self.leases = Gauge("kvpool_pool_leases", "Read leases held", registry=r)
         self.in_flight = Gauge("kvpool_pool_puts_in_flight", "Puts started, not ended", registry=r)
         self.evicted_groups = Counter("kvpool_pool_evicted_groups", "Groups evicted", registry=r)
-        self.evicted_bytes = Counter("kvpool_pool_evicted_bytes", "Bytes evicted", registry=r)
+        self.evicted_bytes = Counter("kvpool_pool_evicted_bytes", "Bytes evicted (sizes aligned, as used bytes count them)", registry=r)
         self.revoked_puts = Counter("kvpool_pool_revoked_puts", "Puts revoked", registry=r)
         self.dropped_segments = Counter("kvpool_pool_dropped_segments", "Segments dropped for missed heartbeats", registry=r)
         self.failed_groups = Counter("kvpool_pool_failed_groups", "Groups dropped because a member failed to save",
@@ -47,7 +47,7 @@ class MasterMetrics:
         # by tenant, bounded: the first 16 tenants by name, the rest as "other"
         self.tenant_labels = TenantLabels()
         self.tenant_bytes = Gauge("kvpool_pool_tenant_bytes", "Bytes each tenant holds in the pool "
-                                  "(committed and in flight)", ["tenant"], registry=r)
+                                  "(committed and in flight; sizes aligned, as used bytes count them)", ["tenant"], registry=r)
         self.tenant_evicted_groups = Counter("kvpool_pool_tenant_evicted_groups",
                                              "Groups evicted, by the tenant whose group it was", ["tenant"], registry=r)
         self._last = (0, 0, 0, 0, 0, 0, 0, 0, 0)

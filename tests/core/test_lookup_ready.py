@@ -15,7 +15,7 @@ def group(name: str, state: str) -> Group | None:
         return None
     g = Group(name, 2)
     for m in range(2 if state != "incomplete" else 1):
-        g.add_member(f"{name}/{m}", "seg0", 64 * m, 64, checksum=1, committed=True)
+        g.add_member(f"{name}/{m}", "seg0", 64 * m, 64, 64, checksum=1, committed=True)
     if state == "corrupt":
         g.corrupt = True
     if state == "dropped":
@@ -50,7 +50,7 @@ def test_the_found_run_and_the_usable_groups_are_what_the_fields_say() -> None:
 def test_ready_follows_every_change_of_what_it_stands_for() -> None:
     g = group("g", "incomplete")
     assert g is not None and not g.ready
-    g.add_member("g/1", "seg0", 64, 64, checksum=1, committed=True)
+    g.add_member("g/1", "seg0", 64, 64, 64, checksum=1, committed=True)
     assert g.ready
-    g.remove_member(0)
+    g.remove_member(0, 64)
     assert not g.ready

@@ -328,18 +328,17 @@ def test_past_the_watermark_a_pool_evicting_by_object_puts_the_items() -> None:
     assert index.put_groups("host0", ["b"], [256] * 4, True) is None and state(index) == before
 
 
-def test_past_the_watermark_a_tenant_s_share_counts_the_items_own_sizes() -> None:
-    """Two tenants; a put of tenant b's new groups of unaligned members (65 bytes, 128 aligned) passes the
-    watermark. One at a time, each of its items counts against b's share with the items before it at their own
-    sizes (as the tenants' bytes count them), so b stays within its share and nothing is evicted (no tenant is
-    over): the put at once evicts exactly so, not as if the items before took their aligned room."""
+def test_past_the_watermark_two_tenants_of_unaligned_objects_evict_as_the_items_would() -> None:
+    """Two tenants; a put of tenant b's new groups of unaligned members (65 bytes, 128 of room) passes the
+    watermark. One at a time, each of its items makes room for itself with the items before it in place, their
+    room counted against the watermark and against b's share: the put at once evicts exactly the same groups."""
     index, twin = (PoolIndex(IndexSettings(alignment=ALIGNMENT, stripe_min_bytes=2 * KB, high_watermark=HIGH,
                                            low_watermark=0.8, max_evictions_per_put=STEP), clock=Clock())
                    for _ in range(2))
     for pool_index in (index, twin):
         for i in range(2):
             pool_index.mount_segment(f"seg{i}", f"127.0.0.1:{9000 + i}", "host0", 0x10000000 * (i + 1), 24 * KB)
-        for i in range(25):  # a: 16 groups of 4 x 256 bytes; b: 25 of 4 x 200 (its 20,000 bytes, 25 KB of room)
+        for i in range(25):  # a: 16 groups of 4 x 256 bytes; b: 25 of 4 x 200 (256 of room each)
             for tenant, count, size in (("a", 16, 256), ("b", 25, 200)):
                 if i < count:
                     pool_index.put_start("host0", items_of([f"{tenant}{i}"], [size] * 4, True, tenant))
@@ -349,5 +348,5 @@ def test_past_the_watermark_a_tenant_s_share_counts_the_items_own_sizes() -> Non
     placed = index.put_groups("host0", ids, [65] * 4, True, "b")
     want = twin.put_start("host0", items_of(ids, [65] * 4, True, "b"))
     assert placed is not None and {o.status for o in want} == {PutStatus.RESERVED}
-    assert index.counters.evicted_groups == twin.counters.evicted_groups == 0
+    assert index.counters.evicted_groups_by_tenant == twin.counters.evicted_groups_by_tenant != {}
     assert decisions(index) == decisions(twin)

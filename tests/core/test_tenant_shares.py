@@ -162,13 +162,27 @@ def test_the_ledger_follows_every_way_a_group_leaves() -> None:
     assert index.tenant_bytes == {} and index.group_table.by_tenant == {}
 
 
+def test_a_lone_tenant_of_unaligned_objects_evicts_at_the_watermark() -> None:
+    """Objects of 65 bytes take 128 (the alignment's room). A tenant's bytes count that room, as the segments'
+    used bytes do: alone in the pool, its share is everything under the high watermark, and its puts past the
+    watermark evict its oldest groups there, down toward the low one (counting the objects' own sizes, it stayed
+    within its share until the pool was full, and then evicted a group for each put that found no room)."""
+    index = make_index(64 * KB, alignment=64, high_watermark=0.9, low_watermark=0.85)[0]
+    for i in range(700):  # 1.4 times the pool's room
+        assert put(index, "default", f"g{i}", size=65) == [PutStatus.RESERVED]
+        assert index.used_bytes <= 0.9 * index.capacity
+        assert index.tenant_bytes == {"default": index.used_bytes}
+    assert index.counters.evicted_groups > 0 and index.counters.evicted_bytes == 128 * index.counters.evicted_groups
+
+
 # ---- the invariant under random steps -------------------------------------
 
 TENANTS = ("alice", "bob", "flood")
 
 
 class TenantEvictionMachine(RuleBasedStateMachine):
-    """Random puts (the flooder puts most), leases and removals on a small pool.
+    """Random puts (the flooder puts most), leases and removals on a small pool, of objects whose sizes are not
+    aligned (each takes its size rounded up to 64 bytes: its room, what shares count).
 
     After every put of tenant T: a tenant U != T that lost a group was over its
     share before the put, unless T was within its own (with the put).
@@ -179,7 +193,7 @@ class TenantEvictionMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.index = make_index(16 * KB, high_watermark=0.9, low_watermark=0.7,
+        self.index = make_index(16 * KB, high_watermark=0.9, low_watermark=0.7, alignment=64,
                                 tenant_weights=["alice=2"], max_evictions_per_put=self.step)[0]
         self.next_id = 0
         self.leases: list[int] = []
@@ -189,9 +203,9 @@ class TenantEvictionMachine(RuleBasedStateMachine):
         index = self.index
         before = {g.group_id: g.tenant for g in index.groups.values()}
         usage = dict(index.tenant_bytes)
-        nbytes = size * KB // 2
+        nbytes = size * KB // 2 - 7  # (its room: size * KB // 2)
         shares = index.shares.shares(usage, tenant, index.share_capacity)
-        within = usage.get(tenant, 0) + nbytes <= shares[tenant]
+        within = usage.get(tenant, 0) + index.room(nbytes) <= shares[tenant]
         self.next_id += 1
         put(index, tenant, f"g{self.next_id}", size=nbytes, commit=commit)
         for group_id, owner in before.items():
@@ -223,7 +237,7 @@ class TenantEvictionMachine(RuleBasedStateMachine):
             assert list(index.tenant_groups(tenant)) == [g for g, grp in index.groups.items() if grp.tenant == tenant]
         sizes: dict[str, int] = {}
         for obj in index.objects.values():
-            sizes[obj.tenant] = sizes.get(obj.tenant, 0) + obj.size
+            sizes[obj.tenant] = sizes.get(obj.tenant, 0) + index.room(obj.size)
         assert index.tenant_bytes == sizes
         assert sum(sizes.values()) == index.used_bytes
 

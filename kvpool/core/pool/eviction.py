@@ -31,7 +31,7 @@ class Evictable(Protocol):
 
     @property
     def tenant_bytes(self) -> dict[str, int]:
-        """Bytes each tenant holds (tenants holding none are absent)."""
+        """The room each tenant's objects take (``room``; tenants holding none are absent)."""
         ...
 
     @property
@@ -44,6 +44,10 @@ class Evictable(Protocol):
 
     def drop_group(self, group_id: str) -> int:
         """Free every member of a group and forget it; returns members dropped."""
+        ...
+
+    def room(self, size: int) -> int:
+        """The room an object of ``size`` bytes takes in a segment (its size aligned), as ``used_bytes`` counts."""
         ...
 
     def drop_member(self, group: Group, position: int) -> None:
@@ -77,8 +81,8 @@ class Eviction:
     - ``mode="group"`` removes whole groups; ``mode="object"`` (for
       comparisons) removes one member at a time, as upstream's best-effort
       groups allow, and may leave partial groups (lookups never count them);
-    - ``counters.evicted_groups``/``evicted_bytes`` count every group and
-      byte it removed.
+    - ``counters.evicted_groups``/``evicted_bytes`` count every group it
+      removed and the room it gave back (sizes aligned, as ``used_bytes``).
     """
 
     index: Evictable
@@ -97,31 +101,32 @@ class Eviction:
     def reserve(
         self, order: list[Segment], size: int, high: float, low: float, keep: str = "", tenant: str = "default"
     ) -> tuple[Segment, int] | None:
-        """Place ``size`` bytes of ``tenant``: evict to ``low`` used bytes past ``high``, then allocate."""
+        """Place ``size`` bytes of ``tenant``: evict to ``low`` used bytes past ``high`` (for the room they take,
+        as used bytes and tenants' bytes count it), then allocate."""
         if not order:
             return None
         index = self.index
-        victims = self.make_room(size, high, low, keep, tenant)
+        room = index.room(size)
+        victims = self.make_room(room, high, low, keep, tenant)
         while True:
             placed = index.allocate(order, size)
             if placed is not None:
                 return placed
             if victims is None:
-                victims = self.victim_order(tenant, size)
+                victims = self.victim_order(tenant, room)
             if not self.evict_one(victims, keep, any_allowed=True):
                 return None
 
-    def make_room(self, size: int, high: float, low: float, keep: str = "", tenant: str = "default",
-                  incoming: int | None = None) -> VictimOrder | None:
-        """Where ``size`` more bytes of ``tenant`` would pass ``high``: evict until they would not, then on toward
-        ``low`` as far as the batch's step allows (a put's item; or an item of a put of whole groups, with the
-        bytes of the items before it: ``PutTable._evict_as_items``). The victims' order it used; None where the
-        bytes fit below ``high``. ``incoming``: what ``tenant``'s share counts as coming (``size`` unless given: the
-        items before it count their own sizes there, not the aligned ones)."""
+    def make_room(self, size: int, high: float, low: float, keep: str = "", tenant: str = "default"
+                  ) -> VictimOrder | None:
+        """Where ``size`` more bytes of ``tenant`` (room: sizes aligned) would pass ``high``: evict until they
+        would not, then on toward ``low`` as far as the batch's step allows (a put's item; or an item of a put of
+        whole groups, with the room of the items before it: ``PutTable._evict_as_items``). The victims' order it
+        used; None where the bytes fit below ``high``."""
         index = self.index
         if index.used_bytes + size <= high:
             return None
-        victims = self.victim_order(tenant, size if incoming is None else incoming)
+        victims = self.victim_order(tenant, size)
         # under ``high`` whatever it takes, then on toward ``low`` as far as the batch's step allows
         while True:
             under = index.used_bytes + size <= high
@@ -156,7 +161,7 @@ class Eviction:
                 continue
             if self.mode == "object":
                 # all members are committed: the group is not busy
-                self.counters.evicted_bytes += group.sizes[0]
+                self.counters.evicted_bytes += self.index.room(group.sizes[0])
                 self.index.drop_member(group, 0)
                 if group_id not in self.index.lru_groups:
                     self.counters.evicted_groups += 1

@@ -22,8 +22,9 @@ the end are still there in the same order (a release after its lookup).
 
 Invariants: ``by_tenant[t]`` holds exactly the groups of tenant ``t``, in
 their relative order in ``groups`` (and is ``groups`` when ``t`` is the only
-tenant and the table never held two); ``tenant_bytes[t]`` is the size of every
-object (committed or in flight) of ``t``'s groups; a tenant holding nothing
+tenant and the table never held two); ``tenant_bytes[t]`` is the room every
+object (committed or in flight) of ``t``'s groups takes (its size aligned, as
+the segments' used bytes count it: ``PoolIndex.room``); a tenant holding nothing
 has no entry in either. A group's slot is its own while the table holds it,
 and -1 after; each order holds exactly the slots of its groups.
 """

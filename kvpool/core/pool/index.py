@@ -410,6 +410,12 @@ class PoolIndex:
         """What tenants' shares divide: the bytes the pool fills before it evicts."""
         return self.settings.high_watermark * self.capacity
 
+    def room(self, size: int) -> int:
+        """The room an object of ``size`` bytes takes in a segment: its size rounded to the alignment (one for
+        every segment). What the segments' used bytes, the tenants' bytes and a group's ``nbytes`` count."""
+        alignment = self.settings.alignment
+        return size if not size & (alignment - 1) else -(-size // alignment) * alignment
+
     def allocate(self, order: list[Segment], size: int) -> tuple[Segment, int] | None:
         return self.segment_table.allocate(order, size)
 
@@ -435,10 +441,11 @@ class PoolIndex:
         self.segment_table.release_member(group, position)
         if group.complete:  # no longer, once a member leaves
             self.group_table.num_complete -= 1
-        member = group.remove_member(position)
+        room = self.room(group.sizes[position])
+        member = group.remove_member(position, room)
         if group.whole:
             del self.owners[member.key]
-        self.group_table.remove_members(group.tenant, member.size)
+        self.group_table.remove_members(group.tenant, room)
         if not group.keys:
             self.group_table.remove(group)
             self.puts.incomplete.pop(group.group_id, None)
@@ -450,12 +457,13 @@ class PoolIndex:
             group = self.group_table.add(Group(record.group_id, record.group_size, tenant=tenant_name(record.tenant)))
         was_complete = group.complete
         # a group is one tenant's, whatever a report says
+        room = self.room(record.size)
         self.owners.update(dict.fromkeys(group.add_member(record.key, segment.segment_id, record.offset, record.size,
-                                                          record.checksum, committed=True), group))
+                                                          room, record.checksum, committed=True), group))
         self.group_table.num_complete += group.complete - was_complete
         segment.groups[group.group_id] = group
         segment.num_objects += 1
-        self.group_table.add_members(group.tenant, record.size)
+        self.group_table.add_members(group.tenant, room)
         if not group.complete:  # its other members are in stores that have not reported yet
             self.puts.mark_incomplete(group.group_id)
         else:

@@ -203,10 +203,11 @@ class PutTable:
             group = groups.get(item.group_id)  # eviction may have dropped it meanwhile
             if group is None:
                 group = self.group_table.add(Group(item.group_id, item.group_size, tenant=tenant))
-            tracked = group.add_member(key, segment.segment_id, offset, item.size)
+            room = segment.allocator.rounded_size(item.size)
+            tracked = group.add_member(key, segment.segment_id, offset, item.size, room)
             if tracked:
                 self.index.owners.update(dict.fromkeys(tracked, group))
-            self.group_table.add_members(group.tenant, item.size)
+            self.group_table.add_members(group.tenant, room)
             segment.groups[group.group_id] = group
             segment.num_objects += 1
             self.mark_incomplete(item.group_id)
@@ -252,7 +253,7 @@ class PutTable:
         if offsets is None:
             return None
         n = len(keys)
-        nbytes = sum(sizes)
+        nbytes = offsets[-1] - offsets[0] + segment.allocator.rounded_size(sizes[-1])  # their room: one run
         group = Group(group_id, n, tenant, (), False, shared((segment.segment_id,) * n), tuple(offsets), sizes,
                       [0] * n, pending=(1 << n) - 1, nbytes=nbytes, run=True, num_in_flight=n)
         if parts is None:
@@ -345,22 +346,20 @@ class PutTable:
                         tenant: str) -> None:
         """Evict what the items of a put of ``count`` new groups (``group_items``' order) would evict as
         ``put_start`` reserves them one at a time, each placed: item i past ``high`` makes room for its size with
-        the items before it in place (``Eviction.reserve``), so here for their bytes and its size together: the
-        aligned bytes against the watermark, as the segments count them, and their own sizes against the tenant's
-        share, as the tenants' bytes count them. The victims and their order are the same (a tenant's own bytes and
-        the bytes coming count only as their sum, ``TenantShares.victim_order``, and the batch's groups, busy, are
-        never victims), given that every item would find a hole (``put_groups``'s check): one that found none would
+        the items before it in place (``Eviction.reserve``), so here for their room and its own together (sizes
+        aligned, as the segments' used bytes and the tenants' bytes count them). The victims and their order are
+        the same (a tenant's own bytes and the bytes coming count only as their sum, ``TenantShares.victim_order``,
+        and the batch's groups, busy, are never victims), given that every item would find a hole (``put_groups``'s check): one that found none would
         evict more, any tenant's."""
         table, make_room = self.segment_table, self.eviction.make_room
         rounded = next(iter(table.segments.values())).allocator.rounded_size
         low = self.settings.low_watermark * table.capacity
         sizes = [size for size in member_sizes for _ in range(count)] if by_member else list(member_sizes) * count
-        ahead = ahead_raw = 0  # the bytes the items before this one take (aligned), and their own sizes
-        for size in sizes:
-            if table.used_bytes + ahead + size > high:
-                make_room(ahead + size, high, low, tenant=tenant, incoming=ahead_raw + size)
-            ahead += rounded(size)
-            ahead_raw += size
+        ahead = 0  # the room the items before this one take
+        for room in map(rounded, sizes):
+            if table.used_bytes + ahead + room > high:
+                make_room(ahead + room, high, low, tenant=tenant)
+            ahead += room
 
     def put_end(self, commits: Sequence[tuple[str, int]], field: str = "items[{}].key") -> int:
         """Commit in-flight puts (key, checksum); all or none (a bad one named as ``field``, formatted with its

@@ -305,7 +305,7 @@ class Group:
     sizes: tuple[int, ...] = ()
     checksums: list[int] = field(default_factory=list)
     pending: int = 0
-    nbytes: int = 0  # the members' sizes, summed
+    nbytes: int = 0  # the room its members take in their segments: their sizes rounded to the alignment, summed
     # its members are one allocation at ``offsets[0]``, in order (placed as a run, none taken out since)
     run: bool = False
     num_committed: int = 0
@@ -385,10 +385,11 @@ class Group:
         """Every member as a value, by key (made anew at each call: for tests and cold paths)."""
         return {self.key(i): self.member(i) for i in range(len(self.keys))}
 
-    def add_member(self, key: str, segment_id: str, offset: int, size: int, checksum: int = 0,
+    def add_member(self, key: str, segment_id: str, offset: int, size: int, room: int, checksum: int = 0,
                    committed: bool = False) -> tuple[str, ...]:
-        """A member joins; returns the keys the index must now find by ``owners`` (none while the group keeps
-        its keys in part; every member's when this key makes it keep them whole)."""
+        """A member of ``size`` bytes taking ``room`` in its segment (its size aligned) joins; returns the keys
+        the index must now find by ``owners`` (none while the group keeps its keys in part; every member's when
+        this key makes it keep them whole)."""
         if not committed:
             self.pending |= 1 << len(self.keys)
             self.num_in_flight += 1
@@ -409,13 +410,14 @@ class Group:
         self.offsets += (offset,)
         self.sizes = shared(self.sizes + (size,))
         self.checksums.append(checksum)
-        self.nbytes += size
+        self.nbytes += room
         self.forget_encodings()
         self.update_ready()
         return tracked
 
-    def remove_member(self, position: int) -> StoredObject:
-        """Take member ``position`` out (its counts with it); returns it as it was."""
+    def remove_member(self, position: int, room: int) -> StoredObject:
+        """Take member ``position``, which takes ``room`` in its segment, out (its counts with it); returns it as
+        it was."""
         member = self.member(position)
         if member.committed:
             self.num_committed -= 1
@@ -430,7 +432,7 @@ class Group:
             del column[cut]
         self.keys = tuple(keys) if self.whole else shared(tuple(keys))
         self.segment_ids, self.offsets, self.sizes = shared(tuple(segment_ids)), tuple(offsets), shared(tuple(sizes))
-        self.nbytes -= member.size
+        self.nbytes -= room
         self.forget_encodings()
         self.update_ready()
         return member
