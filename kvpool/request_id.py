@@ -8,7 +8,9 @@ Invariants:
 - While an id is bound (``bound_request_id``), every structlog line carries it
   as ``request_id`` and every gRPC call made on a channel from
   ``kvpool.service.channel`` carries it as ``x-request-id`` metadata
-  (``client_interceptors``). Tasks started meanwhile copy the binding.
+  (``client_interceptors``; a call that streams its requests passes it as it
+  starts, ``kvpool.service.stream_metadata``). Tasks started meanwhile copy
+  the binding.
 - Every server from ``kvpool.service.create_server`` binds a sane inbound
   ``x-request-id`` around the handler (``RequestIdServerInterceptor``), so the
   handler's log lines and its own calls onward carry it too: the id crosses
@@ -105,21 +107,19 @@ class _UnaryStream(_CarriesRequestId, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._details(client_call_details), request)
 
 
-class _StreamUnary(_CarriesRequestId, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Callable[..., Any], client_call_details: Any,
-                                     request_iterator: Any) -> Any:
-        return await continuation(self._details(client_call_details), request_iterator)
-
-
-class _StreamStream(_CarriesRequestId, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Callable[..., Any], client_call_details: Any,
-                                      request_iterator: Any) -> Any:
-        return await continuation(self._details(client_call_details), request_iterator)
-
-
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """One interceptor per call kind (a grpc.aio channel files each under one kind only)."""
-    return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
+    """One interceptor per call kind whose request is one message (a grpc.aio channel files each under one kind
+    only). A call that streams its requests carries the id in the metadata it starts with (``call_metadata``):
+    grpc.aio turns an intercepted call's writes into a request iterator that a task of its own pumps, and that
+    task is left pending (and its generator's close fails) when the peer dies mid-stream."""
+    return [_UnaryUnary(), _UnaryStream()]
+
+
+def call_metadata() -> list[tuple[str, str]]:
+    """The metadata that carries the bound request id (none when none is bound): what the interceptors add to a
+    unary call, for a call that streams its requests to pass as it starts."""
+    request_id = _current.get()
+    return [(METADATA_KEY, request_id)] if request_id else []
 
 
 # ---- server side ------------------------------------------------------------------

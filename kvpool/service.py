@@ -30,6 +30,7 @@ from kvpool.admin_http import start_admin
 from kvpool.core.admission import retry as retry_policy
 from kvpool.core.errors import InvalidArgument
 from kvpool.status import abort
+from kvpool.tracing import carried_metadata as tracing_metadata
 from kvpool.tracing import carry_interceptors, trace_interceptors
 
 log = structlog.get_logger(__name__)
@@ -309,6 +310,13 @@ def channel(address: str, options: Sequence[tuple[str, Any]] = GRPC_OPTIONS) -> 
     if creds is None:
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
     return grpc.aio.secure_channel(address, creds, options=list(options), interceptors=interceptors)
+
+
+def stream_metadata() -> list[tuple[str, str]]:
+    """The metadata a call that streams its requests starts with (``Session``, ``ForwardPieces``): the bound
+    request id and, when tracing, the send time and trace context, which the channel's interceptors add to the
+    other calls (``kvpool.request_id.client_interceptors`` says why not to these)."""
+    return [*request_id.call_metadata(), *tracing_metadata()]
 
 
 def start_metrics(host: str, port: int, registry: CollectorRegistry) -> int:

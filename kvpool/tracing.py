@@ -427,18 +427,6 @@ class _CarryUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_carried(details), request)
 
 
-class _CarryStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                     request_iterator: Any) -> Any:
-        return await continuation(_carried(details), request_iterator)
-
-
-class _CarryStreamStream(grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                      request_iterator: Any) -> Any:
-        return await continuation(_carried(details), request_iterator)
-
-
 def trace_interceptors() -> list[grpc.aio.ServerInterceptor]:
     """A server's interceptors: spans, when tracing is on."""
     tracer_ = tracer()
@@ -446,7 +434,17 @@ def trace_interceptors() -> list[grpc.aio.ServerInterceptor]:
 
 
 def carry_interceptors() -> list[Any]:
-    """A channel's interceptors: carry the current span's trace context on, when tracing is on."""
+    """A channel's interceptors: carry the current span's trace context on, when tracing is on (calls whose
+    request is one message; a call that streams its requests passes ``carried_metadata`` as it starts:
+    ``kvpool.request_id.client_interceptors`` says why)."""
     if not tracing():
         return []
-    return [_CarryUnaryUnary(), _CarryUnaryStream(), _CarryStreamUnary(), _CarryStreamStream()]
+    return [_CarryUnaryUnary(), _CarryUnaryStream()]
+
+
+def carried_metadata() -> list[tuple[str, str]]:
+    """What the carrying interceptors add to a call's metadata (when tracing is on; else nothing), for a call
+    that streams its requests to pass as it starts."""
+    if not tracing():
+        return []
+    return list(_carried(grpc.aio.ClientCallDetails("", None, grpc.aio.Metadata(), None, None)).metadata)

@@ -54,6 +54,7 @@ from kvpool.core.admission.retry import session_attempts, session_backoff_s
 from kvpool.ha.master_link import epoch_of
 from kvpool.request_id import current_request_id
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
+from kvpool.service import stream_metadata
 from kvpool.status import FIELD_KEY
 
 log = structlog.get_logger(__name__)
@@ -305,7 +306,7 @@ class MasterSession:
 
     def _start(self) -> asyncio.Queue[pool_pb2.SessionRequest | None]:
         outbox: asyncio.Queue[pool_pb2.SessionRequest | None] = asyncio.Queue()
-        call = self._stub.Session()
+        call = self._stub.Session(metadata=stream_metadata())
         self._call, self._outbox = call, outbox
         self.opened += 1
         loop = asyncio.get_running_loop()

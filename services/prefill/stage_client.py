@@ -169,7 +169,7 @@ class PieceSender:
         self._request = forward_message(forward)  # each piece repeats it
         self._pack = pack
         self._free_region = free
-        self.call: Any = stub.ForwardPieces(timeout=timeout_s)
+        self.call: Any = stub.ForwardPieces(timeout=timeout_s, metadata=service.stream_metadata())
         self._queue: asyncio.Queue[tuple[torch.Tensor, int, int] | prefill_pb2.ForwardRequest | None] = \
             asyncio.Queue()
         if restores:  # first, before any piece: the next stage starts its restore at once and passes the rest on

@@ -12,7 +12,14 @@ from typing import Any
 
 import grpc
 
-from kvpool.tracing import REQUEST_ID_KEY, TraceServerInterceptor, carry_interceptors, detached, tracer
+from kvpool.tracing import (
+    REQUEST_ID_KEY,
+    TraceServerInterceptor,
+    carried_metadata,
+    carry_interceptors,
+    detached,
+    tracer,
+)
 
 SERVICE = "/trace.Test/"
 METADATA = ((REQUEST_ID_KEY, "req-1"),)
@@ -71,8 +78,9 @@ async def _exercise(path: Path) -> None:
         async def three() -> AsyncIterator[bytes]:
             for piece in (b"c", b"d", b"e"):
                 yield piece
-        assert await stub("stream_unary", "SU")(three(), metadata=METADATA) == b"cde"
-        call = stub("stream_stream", "SS")(metadata=METADATA)
+        # a call that streams its requests carries its metadata from the start, not through an interceptor
+        assert await stub("stream_unary", "SU")(three(), metadata=(*METADATA, *carried_metadata())) == b"cde"
+        call = stub("stream_stream", "SS")(metadata=(*METADATA, *carried_metadata()))
         for message in (b"f", b"g"):  # each write awaits its answer: two round trips
             await call.write(message)
             assert await call.read() == message
@@ -97,7 +105,7 @@ def test_every_call_kind_is_traced_with_its_parent(tmp_path: Path, monkeypatch: 
         "UU": "unary_unary", "US": "unary_stream", "SU": "stream_unary", "SS": "stream_stream"}
     assert {name: (c["messages_in"], c["messages_out"], len(c["answers"])) for name, c in calls.items()} == {
         "UU": (1, 1, 1), "US": (1, 3, 1), "SU": (3, 1, 1), "SS": (2, 2, 2)}
-    assert all(c["sent"] <= c["start"] <= c["end"] == c["answers"][0] for c in lines)
+    assert all(0 < c["sent"] <= c["start"] <= c["end"] == c["answers"][0] for c in lines)
     # each handler's nested call names that handler's span as its parent; the top calls have none
     assert sorted(leaf["parent"] for leaf in leaves) == sorted(c["span"] for c in calls.values())
     assert all(c["parent"] == "" for c in calls.values())
