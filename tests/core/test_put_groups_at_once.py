@@ -208,7 +208,8 @@ def test_a_put_of_whole_groups_at_once_decides_what_its_items_decide(roomy: bool
                     [(o.status, o.segment and o.segment.segment_id) for o in want_items]
                 assert decisions(fast) == decisions(twin), f"step {step}"
                 other = items_only.put_groups("host0", ids, sizes, by_member, tenant, lease)
-                assert other is not None and as_items(placed, len(sizes), by_member) == as_items(other, len(sizes), by_member)
+                assert other is not None
+                assert as_items(placed, len(sizes), by_member) == as_items(other, len(sizes), by_member)
                 check_evicted_for_the_batch(fast, before, used, placed, ids, total, tenant)
                 assert state(fast) == state(items_only.index), f"step {step}"
                 known.extend(ids)

@@ -349,8 +349,8 @@ class PutTable:
         the items before it in place (``Eviction.reserve``), so here for their room and its own together (sizes
         aligned, as the segments' used bytes and the tenants' bytes count them). The victims and their order are
         the same (a tenant's own bytes and the bytes coming count only as their sum, ``TenantShares.victim_order``,
-        and the batch's groups, busy, are never victims), given that every item would find a hole (``put_groups``'s check): one that found none would
-        evict more, any tenant's."""
+        and the batch's groups, busy, are never victims), given that every item would find a hole (``put_groups``
+        asks it first): one that found none would evict more, any tenant's."""
         table, make_room = self.segment_table, self.eviction.make_room
         rounded = next(iter(table.segments.values())).allocator.rounded_size
         low = self.settings.low_watermark * table.capacity
