@@ -21,6 +21,14 @@ SECRET_MODE = 0o600
 FOLDER_MODE = 0o700
 
 
+def runtime_folder() -> str:
+    """This user's folder for a host's runtime files (sockets, the engine ports' cursor), unless a setting names
+    another: ``$XDG_RUNTIME_DIR/kvpool`` (that folder is 0700, by systemd-logind), else ``/tmp/kvpool-UID``.
+    Short, because a socket's path holds at most 107 bytes; make or check it with :func:`private_folder`."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    return f"{runtime}/kvpool" if runtime.startswith("/") else f"/tmp/kvpool-{os.geteuid()}"
+
+
 class UnsafeFolder(ValueError):
     """A folder for secrets that another user could read or replace; the message says which and why."""
 

@@ -48,7 +48,7 @@ from typing import Any
 import structlog
 
 from kvpool.core.setting import setting
-from kvpool.secret_files import private_folder
+from kvpool.secret_files import private_folder, runtime_folder
 from kvpool.transfer import huge_pages
 
 log = structlog.get_logger(__name__)
@@ -63,10 +63,8 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 def default_shared_memory_dir() -> str:
     """The folder of a host's shared-memory sockets when no setting names one: the user's runtime folder
-    (``$XDG_RUNTIME_DIR``, 0700 by systemd-logind) or ``/tmp/kvpool-UID``; short, because a socket's path
-    holds at most 107 bytes."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    return f"{runtime}/kvpool" if runtime.startswith("/") else f"/tmp/kvpool-{os.geteuid()}"
+    (``kvpool.secret_files.runtime_folder``)."""
+    return runtime_folder()
 
 
 def shared_memory_dir_setting() -> Any:

@@ -3,7 +3,9 @@
 One engine per process, initialised once with the P2P handshake (no metadata
 server); every buffer bytes land in or leave from is registered once at start
 and reused. Batch transfers run in a worker thread so the event loop keeps
-serving while the engine moves bytes.
+serving while the engine moves bytes. The engine listens in the port window
+its process reserved (``kvpool.engine_ports``): a process that replaces
+another never comes back under its name.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import ctypes
 import mmap
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
+
+from kvpool import engine_ports
 
 log = structlog.get_logger(__name__)
 
@@ -126,11 +131,15 @@ class TransferEngine:
     """One Mooncake transfer engine (TCP here, RDMA where the host has it)."""
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = "") -> None:
-        from mooncake.engine import (
-            TransferEngine as _Engine,  # native module, loaded lazily
-        )
-
-        self._engine = _Engine()
+        if "mooncake.engine" not in sys.modules:
+            with engine_ports.pinned():  # the module reads its ports' range as it loads: this process's window
+                import mooncake.engine  # native module, loaded lazily
+        window = engine_ports.window()
+        if window is not None and (engine_ports.free_in_window() or 0) < 2:
+            # the engine would fail to bind (and 0.3.13 at times crashes doing so): say why instead
+            raise TransferError(f"this process's transfer-engine ports {window[0]}-{window[1]} are all in use: "
+                                f"at most {engine_ports.WIDTH // 2} engines at once in a process")
+        self._engine = sys.modules["mooncake.engine"].TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
             raise TransferError(f"transfer engine initialize({host!r}, {protocol!r}) failed: {rc}")
@@ -217,8 +226,9 @@ class TransferEngine:
                     try:
                         sync(endpoint, local[first:last], remote[first:last], sizes[first:last])
                     except TransferError as exc:
-                        # once more, on a new connection: a session cached for an endpoint whose process
-                        # was replaced (a store restarted on the same port) fails once; the move is idempotent
+                        # once more: the engine redials a connection that failed (one the peer closed under
+                        # it, say) for the next transfer, and the move is idempotent. (A peer replaced on its
+                        # predecessor's port is another matter, which no retry mends: kvpool.engine_ports)
                         log.info("transfer_retried", endpoint=endpoint, objects=last - first, error=str(exc))
                         sync(endpoint, local[first:last], remote[first:last], sizes[first:last])
                 except TransferError as exc:
