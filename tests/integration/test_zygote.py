@@ -45,6 +45,16 @@ def test_a_child_gets_its_own_argv_env_and_log_and_reports_its_exit_code(zygote:
     assert f"argv ['exit', '3'] env yes cwd {os.getcwd()} torch True sigint True" in said, said
 
 
+def test_a_preloaded_module_runs_its_main_once_without_runpys_warning(zygote: Zygote, tmp_path: Path) -> None:
+    log = tmp_path / "cli.log"
+    assert "kvpool.services.cli" in zygote_module.TORCH
+    assert zygote.spawn("kvpool.services.cli", ["health", "--help"], env(), str(log)).wait(timeout=60) == 0
+    said = log.read_text()
+    assert said.startswith("usage: kvpool health"), said  # nothing before it: no RuntimeWarning from runpy
+    assert said.count("usage:") == 1
+    assert zygote.spawn("kvpool.services.cli", ["health"], env(), str(tmp_path / "bad.log")).wait(timeout=60) == 2
+
+
 def test_forked_children_draw_different_random_numbers(zygote: Zygote, tmp_path: Path) -> None:
     logs = [tmp_path / f"child{i}.log" for i in range(2)]
     for log in logs:

@@ -113,6 +113,11 @@ def main() -> int:
         # nothing to flush or tear down: skip unloading torch, which on a busy host outlasts close()'s wait
         os._exit(0)
     _become(request)
+    module = sys.modules.get(request["module"])
+    if module is not None and callable(getattr(module, "main", None)):
+        # imported before the fork (kvpool.services.cli is): run its main, not the whole module a second time as
+        # __main__, which runpy warns of at the top of every service's log
+        return int(module.main() or 0)
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     return 0
 
