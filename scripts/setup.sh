@@ -69,7 +69,8 @@ esac
   || { [ "$engine" = none ] || { echo "setup: the transfer engine does not import" >&2; exit 1; }; }
 # every transfer-engine process preloads it, so the engine listens on its configured address only
 .venv/bin/python -c "from kvpool import bind_shim; bind_shim.build()"
-# the pool index's order of groups in C (kvpool/native/lru.c; without it the index runs the same order in Python)
+# the pool index's order of groups and its passes over groups in C (kvpool/native/lru.c; without it the index
+# runs the same in Python)
 .venv/bin/python -c "from kvpool import native_build; native_build.build_index_order()"
 # bytecode for the project's own modules, made once: where PYTHONDONTWRITEBYTECODE is set (as on the development hosts),
 # every service process would otherwise compile them again as it starts (about 0.3 s of CPU each)

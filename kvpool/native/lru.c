@@ -8,11 +8,14 @@
  *
  * prev[s] == OUT: slot s is not in the order; END marks either end. Every method checks its slots against the
  * capacity and membership, so a wrong call raises, never writes out of bounds.
+ *
+ * The module also holds passes over group records' fields (below; kvpool/core/pool/fields.py).
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <structmember.h>
 
 #define END (-1)
 #define OUT (-2)
@@ -252,8 +255,253 @@ static PyTypeObject OrderType = {
     .tp_as_sequence = &Order_as_sequence,
 };
 
+/* ---- passes over records' fields ---------------------------------------------------------------------------
+ *
+ * A lookup reads one field of each group of a whole history several times (ready, slot, its kept encoding) and a
+ * lease counts each group up and down: each a Python step per group (a map, an attribute getter, a loop), most of
+ * a long lookup's cost. These read and write a ``__slots__`` field of every record of a list in one C loop, at the
+ * offset its member descriptor names, as the interpreter's own specialised attribute access does. Every record
+ * must be an instance of the class named (or a subclass: same offsets), else TypeError; a field never set raises
+ * AttributeError, as reading it would; a write is refused where the class has its own ``__setattr__`` (a frozen
+ * dataclass). Nothing is written unless every record passed its checks. */
+
+typedef struct {
+    PyTypeObject *cls;
+    Py_ssize_t offset;
+    PyObject *name;
+} Field;
+
+/* The slot field ``name`` of ``cls``: a writable object member (``__slots__``, a slots dataclass). */
+static int field_of(PyObject *cls, PyObject *name, int writing, Field *f) {
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "cls must be a class");
+        return -1;
+    }
+    if (!PyUnicode_Check(name)) {
+        PyErr_SetString(PyExc_TypeError, "name must be a str");
+        return -1;
+    }
+    PyObject *descr = PyObject_GetAttr(cls, name);
+    if (descr == NULL) return -1;
+    int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type)
+             && PyType_IsSubtype((PyTypeObject *)cls, PyDescr_TYPE(descr))
+             && ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX
+             && !(((PyMemberDescrObject *)descr)->d_member->flags & READONLY);
+    if (ok) f->offset = ((PyMemberDescrObject *)descr)->d_member->offset;
+    Py_DECREF(descr);
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "%s.%U is not a writable __slots__ field", ((PyTypeObject *)cls)->tp_name,
+                     name);
+        return -1;
+    }
+    if (writing && ((PyTypeObject *)cls)->tp_setattro != PyObject_GenericSetAttr) {
+        PyErr_Format(PyExc_TypeError, "%s sets its attributes its own way: its fields are not written here",
+                     ((PyTypeObject *)cls)->tp_name);
+        return -1;
+    }
+    f->cls = (PyTypeObject *)cls;
+    f->name = name;
+    return 0;
+}
+
+/* Record ``k``'s field (borrowed), or NULL with an error set. */
+static PyObject *field_at(const Field *f, PyObject *item, Py_ssize_t k) {
+    if (!Py_IS_TYPE(item, f->cls) && !PyType_IsSubtype(Py_TYPE(item), f->cls)) {
+        PyErr_Format(PyExc_TypeError, "items[%zd] is a %s, not a %s", k, Py_TYPE(item)->tp_name, f->cls->tp_name);
+        return NULL;
+    }
+    PyObject *value = *(PyObject **)((char *)item + f->offset);
+    if (value == NULL) PyErr_Format(PyExc_AttributeError, "items[%zd] has no %U", k, f->name);
+    return value;
+}
+
+static int parse(PyObject *args, const char *fmt, PyObject **items, Field *f, int writing, PyObject **fast,
+                 long long *delta) {
+    PyObject *seq, *cls, *name;
+    if (delta != NULL ? !PyArg_ParseTuple(args, fmt, &seq, &cls, &name, delta)
+                      : !PyArg_ParseTuple(args, fmt, &seq, &cls, &name))
+        return -1;
+    if (field_of(cls, name, writing, f) != 0) return -1;
+    *fast = PySequence_Fast(seq, "items must be a list or a tuple");
+    if (*fast == NULL) return -1;
+    *items = seq;
+    return 0;
+}
+
+/* leading(items, cls, name): how many leading items have the field True (None, a missing record, or any other
+ * value ends the run). */
+static PyObject *fields_leading(PyObject *unused, PyObject *args) {
+    PyObject *seq, *fast;
+    Field f;
+    if (parse(args, "OOU", &seq, &f, 0, &fast, NULL) != 0) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), k;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (k = 0; k < n; k++) {
+        if (items[k] == Py_None) break;
+        PyObject *value = field_at(&f, items[k], k);
+        if (value == NULL) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (value != Py_True) break;
+    }
+    Py_DECREF(fast);
+    return PyLong_FromSsize_t(k);
+}
+
+/* count(items, cls, name): how many items have the field True. */
+static PyObject *fields_count(PyObject *unused, PyObject *args) {
+    PyObject *seq, *fast;
+    Field f;
+    if (parse(args, "OOU", &seq, &f, 0, &fast, NULL) != 0) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), count = 0;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *value = field_at(&f, items[k], k);
+        if (value == NULL) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        count += value == Py_True;
+    }
+    Py_DECREF(fast);
+    return PyLong_FromSsize_t(count);
+}
+
+/* values(items, cls, name): a list of the items' fields. */
+static PyObject *fields_values(PyObject *unused, PyObject *args) {
+    PyObject *seq, *fast;
+    Field f;
+    if (parse(args, "OOU", &seq, &f, 0, &fast, NULL) != 0) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *value = field_at(&f, items[k], k);
+        if (value == NULL) {
+            Py_DECREF(out);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k, Py_NewRef(value));
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
+/* add(items, cls, name, delta): each item's int field grows by ``delta`` (an item named twice, twice); checked
+ * whole first (each an int, each sum within 64 bits), so an error leaves every field as it was. */
+static PyObject *fields_add(PyObject *unused, PyObject *args) {
+    PyObject *seq, *fast;
+    Field f;
+    long long delta;
+    if (parse(args, "OOUL", &seq, &f, 1, &fast, &delta) != 0) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *value = field_at(&f, items[k], k);
+        if (value == NULL) goto fail;
+        if (Py_TYPE(items[k])->tp_setattro != PyObject_GenericSetAttr) {
+            PyErr_Format(PyExc_TypeError, "items[%zd], a %s, sets its attributes its own way", k,
+                         Py_TYPE(items[k])->tp_name);
+            goto fail;
+        }
+        if (!PyLong_CheckExact(value)) {
+            PyErr_Format(PyExc_TypeError, "items[%zd].%U is not an int", k, f.name);
+            goto fail;
+        }
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (v == -1 && PyErr_Occurred()) goto fail;
+        /* room for n more steps of delta whatever repeats: |delta| * n bounded by 2**62 */
+        if (overflow || v > (1LL << 62) || v < -(1LL << 62) || delta > (1LL << 30) || delta < -(1LL << 30)
+            || n > (1LL << 30)) {
+            PyErr_Format(PyExc_OverflowError, "items[%zd].%U %+lld is out of range", k, f.name, delta);
+            goto fail;
+        }
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject **slot = (PyObject **)((char *)items[k] + f.offset);
+        PyObject *sum = PyLong_FromLongLong(PyLong_AsLongLong(*slot) + delta);
+        if (sum == NULL) goto fail; /* (no memory: the items before k are added) */
+        PyObject *old = *slot;
+        *slot = sum;
+        Py_DECREF(old);
+    }
+    Py_DECREF(fast);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(fast);
+    return NULL;
+}
+
+/* join_pairs(pairs): for (bytes, tuple) pairs, their bytes joined and the set of what their tuples hold (a tuple
+ * that is the one before it, the same object, is not read again). */
+static PyObject *fields_join_pairs(PyObject *unused, PyObject *arg) {
+    PyObject *fast = PySequence_Fast(arg, "pairs must be a list or a tuple");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), total = 0;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *pair = items[k];
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 0))
+            || !PyTuple_Check(PyTuple_GET_ITEM(pair, 1))) {
+            PyErr_Format(PyExc_TypeError, "pairs[%zd] is not a (bytes, tuple) pair", k);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        Py_ssize_t size = PyBytes_GET_SIZE(PyTuple_GET_ITEM(pair, 0));
+        if (size > PY_SSIZE_T_MAX - total) {
+            PyErr_SetString(PyExc_OverflowError, "the joined bytes would be too long");
+            Py_DECREF(fast);
+            return NULL;
+        }
+        total += size;
+    }
+    PyObject *joined = PyBytes_FromStringAndSize(NULL, total);
+    PyObject *named = PySet_New(NULL);
+    if (joined == NULL || named == NULL) goto fail;
+    char *out = PyBytes_AS_STRING(joined);
+    PyObject *last = NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *first = PyTuple_GET_ITEM(items[k], 0), *second = PyTuple_GET_ITEM(items[k], 1);
+        memcpy(out, PyBytes_AS_STRING(first), (size_t)PyBytes_GET_SIZE(first));
+        out += PyBytes_GET_SIZE(first);
+        if (second == last) continue;
+        last = second;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(second); j++)
+            if (PySet_Add(named, PyTuple_GET_ITEM(second, j)) != 0) goto fail;
+    }
+    Py_DECREF(fast);
+    PyObject *result = PyTuple_Pack(2, joined, named);
+    Py_DECREF(joined);
+    Py_DECREF(named);
+    return result;
+fail:
+    Py_XDECREF(joined);
+    Py_XDECREF(named);
+    Py_DECREF(fast);
+    return NULL;
+}
+
+static PyMethodDef module_methods[] = {
+    {"leading", fields_leading, METH_VARARGS, "leading(items, cls, name): how many leading items' field is True."},
+    {"count", fields_count, METH_VARARGS, "count(items, cls, name): how many items' field is True."},
+    {"values", fields_values, METH_VARARGS, "values(items, cls, name): the items' fields, a list."},
+    {"add", fields_add, METH_VARARGS, "add(items, cls, name, delta): each item's int field grows by delta."},
+    {"join_pairs", fields_join_pairs, METH_O,
+     "join_pairs(pairs): (bytes, tuple) pairs' bytes joined, and the set of their tuples' items."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvpool_lru", "The pool index's order of groups (kvpool/core/pool/lru.py).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "kvpool_lru",
+    "The pool index's order of groups and passes over group records (kvpool/core/pool/lru.py, fields.py).", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC PyInit_kvpool_lru(void) {

@@ -8,13 +8,14 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from itertools import chain, repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any
 
 import grpc
 import structlog
 
 from kvpool.core.errors import InvalidArgument, KvpoolError, ResourceExhausted, Unavailable
+from kvpool.core.pool import fields
 from kvpool.core.pool.compact import compact_keys
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.puts import PlacedGroups
@@ -31,6 +32,7 @@ from kvpool.core.pool.records import (
     Segment,
     SegmentChange,
     change_of_row,
+    shared,
 )
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
@@ -320,13 +322,9 @@ def packed_group(group: Group, segments: dict[str, Segment], compact: bool = Fal
         group_id=() if compact else [group.group_id], num_members=[len(keys)],
         key=keys,
         segment=numbers, address=addresses, size=group.sizes, checksum=group.checksums)
-    return message.SerializeToString(), tuple(named)
+    return message.SerializeToString(), shared(tuple(named))  # (shared: a lookup reads equal ones once)
 
 
-_ENCODED = attrgetter("encoded")
-_COMPACT = attrgetter("compact")
-_FIRST = itemgetter(0)
-_SECOND = itemgetter(1)
 
 
 def _apply(call: Callable[[Any], Any], request: Any) -> None:
@@ -775,7 +773,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         """The located groups as ``PackedGroups``: each group's encoding made once and joined, as bytes
         (``as_bytes``: never parsed here) or parsed in C into ``packed``; ``compact``: in the compact form."""
         segments = self.index.segments
-        encodings = list(map(_COMPACT if compact else _ENCODED, groups))
+        encodings = fields.values(groups, Group, "compact" if compact else "encoded")
         if None in encodings:  # (by identity first: a tuple never equals None) groups no lookup found yet
             for i, group in enumerate(groups):
                 if encodings[i] is None:
@@ -786,13 +784,14 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
                         group.encoded = encodings[i]
         response.packed.SetInParent()  # present even when empty: this master answered in the packed form
         response.compact = compact
-        if encodings:
-            joined = b"".join(map(_FIRST, encodings))
-            if as_bytes:
-                response.packed_bytes = joined
-            else:
-                response.packed.MergeFromString(joined)
-        return [segments[s] for s in sorted(set(chain.from_iterable(map(_SECOND, encodings))))]
+        if not encodings:
+            return []
+        joined, named = fields.join_pairs(encodings)
+        if as_bytes:
+            response.packed_bytes = joined
+        else:
+            response.packed.MergeFromString(joined)
+        return [segments[s] for s in sorted(named)]
 
     def _groups(self, response: pool_pb2.LookupResponse, groups: list[Group]) -> Iterable[Segment]:
         """The located groups, one message per object (a client that did not ask for ``packed``)."""

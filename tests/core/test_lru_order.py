@@ -168,8 +168,10 @@ def test_the_c_order_skips_slots_out_of_range_refuses_bad_arguments_and_grows_it
 
 def test_the_python_order_is_the_fallback_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lru, "_NATIVE", False)
+    monkeypatch.setattr(lru, "_MODULE", None)
     monkeypatch.setenv(lru.SWITCH_ENV, "off")
     assert not lru.native() and isinstance(lru.new_order(), PyOrder) and not GroupTable().native
+    assert lru.native_module() is None
     with pytest.raises(lru.native_build.NativeUnavailable):
         lru.new_order(native=True)
 

@@ -18,8 +18,9 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
+from kvpool.core.pool import fields
 from kvpool.core.pool.records import Group
 
 
@@ -36,8 +37,10 @@ def condemn(held: Iterable[Group], live: Mapping[str, Group], corrupt_group_ids:
     return marked
 
 
-def droppable(ended: Iterable[Group], live: Mapping[str, Group]) -> list[Group]:
+def droppable(ended: Sequence[Group], live: Mapping[str, Group]) -> list[Group]:
     """Condemned groups among those whose lease ended that no lease holds any more, each once."""
+    if not fields.count(ended, Group, "corrupt"):  # (nearly always: a whole history's release, one pass)
+        return []
     seen: set[int] = set()
     result = []
     for group in ended:

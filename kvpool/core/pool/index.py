@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from itertools import repeat
-from operator import attrgetter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 from kvpool.core.chunk_hash import DEFAULT_TENANT
+from kvpool.core.pool import fields
 from kvpool.core.pool.corrupt import condemn, droppable
 from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
@@ -70,25 +69,23 @@ from kvpool.core.tenancy.shares import TenantShares, tenant_name
 
 def leading_usable(groups: list[Group | None]) -> list[Group]:
     """The leading groups that are there, complete and not corrupt (a lookup's found run; none of them is
-    dropped: they are the table's). One field of each read in C (``Group.ready``), a whole history at a time:
-    one Python step per group was most of a long lookup's cost, and each field read meets each group's memory
-    again (None, a missing group, reads as not ready)."""
-    ready = list(map(getattr, groups, repeat("ready"), repeat(False)))
-    return groups[:ready.index(False)] if False in ready else groups  # type: ignore[return-value]
+    dropped: they are the table's). One field of each read in one pass (``Group.ready``, ``fields.leading``), a
+    whole history at a time: one Python step per group was most of a long lookup's cost (None, a missing group,
+    ends the run)."""
+    n = fields.leading(groups, Group, "ready")
+    return groups if n == len(groups) else groups[:n]  # type: ignore[return-value]
 
 
 def still_usable(groups: list[Group]) -> list[Group]:
     """Those of ``groups`` the index still holds (not dropped, nor replaced by a new group of the same id: the
     table marks what it forgets) and that are not corrupt, in order; in C when all are ready (a release,
     nearly always), with no lookup by id."""
-    if all(map(_READY, groups)) or (not any(map(_DROPPED, groups)) and not any(map(_CORRUPT, groups))):
+    if fields.count(groups, Group, "ready") == len(groups) or \
+            (not fields.count(groups, Group, "dropped") and not fields.count(groups, Group, "corrupt")):
         return groups
     return [g for g in groups if not g.dropped and not g.corrupt]
 
 
-_READY = attrgetter("ready")
-_CORRUPT = attrgetter("corrupt")
-_DROPPED = attrgetter("dropped")
 
 
 class PoolIndex:
@@ -196,7 +193,7 @@ class PoolIndex:
             if kept is None or len(kept) < history_len:
                 return LookupResult([], 0, 0.0, unknown_history=True)
             prefix = kept[:history_len]
-            if any(map(_DROPPED, prefix)):  # forgotten since: what the dict holds under their ids now
+            if fields.count(prefix, Group, "dropped"):  # forgotten since: what the dict holds under their ids now
                 get = self.groups.get
                 prefix = [get(g.group_id) if g.dropped else g for g in prefix]
             candidates = prefix + list(map(self.groups.get, group_ids)) if group_ids else prefix
@@ -256,7 +253,7 @@ class PoolIndex:
         """End every lease past its time; returns how many condemned groups that dropped."""
         return self._drop_corrupt(self.leases.expire())
 
-    def _drop_corrupt(self, ended: Iterable[Group]) -> int:
+    def _drop_corrupt(self, ended: Sequence[Group]) -> int:
         dropped = droppable(ended, self.groups)
         for group in dropped:
             self.counters.corrupt_groups += 1

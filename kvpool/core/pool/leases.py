@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvpool.core.pool import fields
 from kvpool.core.pool.records import Group
 
 
@@ -36,8 +37,7 @@ class LeaseTable:
         lease_id = next(self._ids)
         self._leases[lease_id] = (groups, held or [])
         heapq.heappush(self._expiry, (self.clock() + duration_s, lease_id))
-        for group in groups:
-            group.num_leases += 1
+        fields.add(groups, Group, "num_leases", 1)
         return lease_id
 
     def mark(self, lease_id: int, value: int) -> None:
@@ -88,5 +88,4 @@ class LeaseTable:
 
 
 def _unlease(groups: list[Group]) -> None:
-    for group in groups:
-        group.num_leases -= 1
+    fields.add(groups, Group, "num_leases", -1)

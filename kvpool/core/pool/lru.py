@@ -17,6 +17,7 @@ import importlib.util
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Protocol
 
 from kvpool import native_build
@@ -74,14 +75,20 @@ def slots_of(order: Order) -> Iterator[int]:
         s = after(s)
 
 
-def _load_type(path: Path) -> type | None:
-    """The extension module's ``Order`` type, loaded from ``path``; None when it does not load."""
+def _load_module(path: Path) -> ModuleType | None:
+    """The extension module, loaded from ``path``; None when it does not load."""
     spec = importlib.util.spec_from_file_location("kvpool_lru", path)
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.Order  # type: ignore[no-any-return]
+    return module
+
+
+def _load_type(path: Path) -> type | None:
+    """The extension module's ``Order`` type, loaded from ``path``; None when it does not load."""
+    module = _load_module(path)
+    return None if module is None else module.Order  # type: ignore[no-any-return]
 
 
 def _native_class(base: type) -> type:
@@ -198,19 +205,28 @@ class PyOrder:
 
 
 _NATIVE: type | None | bool = False  # False: not looked for yet
+_MODULE: ModuleType | None = None
 
 
 def native_class() -> type | None:
     """The C order's class, loaded at the first call; None where it is not built (``scripts/setup.sh`` and the
     master at its start build it: ``kvpool.native_build``; this module only looks) or switched off."""
-    global _NATIVE
+    global _NATIVE, _MODULE
     if _NATIVE is False:
         path = None if os.environ.get(SWITCH_ENV, "on") == "off" else native_build.find(SOURCE, extension=True)
         try:
-            _NATIVE = _native_class(_load_type(path)) if path is not None else None  # type: ignore[arg-type]
+            _MODULE = _load_module(path) if path is not None else None
+            _NATIVE = _native_class(_MODULE.Order) if _MODULE is not None else None
         except (ImportError, OSError, AttributeError, TypeError):
-            _NATIVE = None
+            _NATIVE = _MODULE = None
     return _NATIVE  # type: ignore[return-value]
+
+
+def native_module() -> ModuleType | None:
+    """The loaded extension module (its order and its passes over records, ``kvpool.core.pool.fields``), or None
+    where the order is not native (``native_class``)."""
+    native_class()
+    return _MODULE
 
 
 def native() -> bool:
