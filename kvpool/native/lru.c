@@ -440,12 +440,17 @@ fail:
 }
 
 /* join_pairs(pairs): for (bytes, tuple) pairs, their bytes joined and the set of what their tuples hold (a tuple
- * that is the one before it, the same object, is not read again). */
+ * that is the one before it, the same object, is not read again). The pairs are read from a tuple of their own:
+ * adding to the set hashes what the tuples hold, which may run Python code that changes a list it was given. */
 static PyObject *fields_join_pairs(PyObject *unused, PyObject *arg) {
-    PyObject *fast = PySequence_Fast(arg, "pairs must be a list or a tuple");
+    if (!PyList_Check(arg) && !PyTuple_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "pairs must be a list or a tuple");
+        return NULL;
+    }
+    PyObject *fast = PySequence_Tuple(arg);
     if (fast == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), total = 0;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t n = PyTuple_GET_SIZE(fast), total = 0;
+    PyObject **items = &PyTuple_GET_ITEM(fast, 0);
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *pair = items[k];
         if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyBytes_CheckExact(PyTuple_GET_ITEM(pair, 0))

@@ -135,3 +135,19 @@ def test_the_c_passes_refuse_what_is_not_a_records_slot_field_and_change_nothing
         with pytest.raises(TypeError, match=r"pairs\[0\] is not a \(bytes, tuple\) pair"):
             c.join_pairs(bad)
     assert c.leading([Guarded("i", 4)], Group, "ready") == 0  # a subclass reads as its class
+
+
+def test_join_pairs_reads_its_own_copy_when_hashing_changes_the_list_it_was_given() -> None:
+    c = _native()
+    pairs: list[tuple[bytes, tuple[object, ...]]] = []
+
+    class Meddling(str):
+        def __hash__(self) -> int:
+            pairs.clear()  # Python code run by the set's add, mid-pass
+            return str.__hash__(self)
+
+    pairs.extend([(b"ab", (Meddling("s1"),)), (b"cd", ("s2",))])
+    joined, named = c.join_pairs(pairs)
+    assert joined == b"abcd" and named == {"s1", "s2"} and pairs == []
+    with pytest.raises(TypeError, match="pairs must be a list or a tuple"):
+        c.join_pairs({(b"x", ())})
