@@ -86,8 +86,6 @@ def still_usable(groups: list[Group]) -> list[Group]:
     return [g for g in groups if not g.dropped and not g.corrupt]
 
 
-
-
 class PoolIndex:
     """Where every object lives, which groups are complete, what to evict (invariants above)."""
 
