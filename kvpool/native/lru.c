@@ -315,25 +315,23 @@ static PyObject *field_at(const Field *f, PyObject *item, Py_ssize_t k) {
     return value;
 }
 
-static int parse(PyObject *args, const char *fmt, PyObject **items, Field *f, int writing, PyObject **fast,
-                 long long *delta) {
+/* A pass's arguments (items, cls, name[, delta]): the field, and the items as a list or tuple (a new reference). */
+static int parse(PyObject *args, const char *fmt, Field *f, int writing, PyObject **fast, long long *delta) {
     PyObject *seq, *cls, *name;
     if (delta != NULL ? !PyArg_ParseTuple(args, fmt, &seq, &cls, &name, delta)
                       : !PyArg_ParseTuple(args, fmt, &seq, &cls, &name))
         return -1;
     if (field_of(cls, name, writing, f) != 0) return -1;
     *fast = PySequence_Fast(seq, "items must be a list or a tuple");
-    if (*fast == NULL) return -1;
-    *items = seq;
-    return 0;
+    return *fast == NULL ? -1 : 0;
 }
 
 /* leading(items, cls, name): how many leading items have the field True (None, a missing record, or any other
  * value ends the run). */
 static PyObject *fields_leading(PyObject *unused, PyObject *args) {
-    PyObject *seq, *fast;
+    PyObject *fast;
     Field f;
-    if (parse(args, "OOU", &seq, &f, 0, &fast, NULL) != 0) return NULL;
+    if (parse(args, "OOU", &f, 0, &fast, NULL) != 0) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), k;
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (k = 0; k < n; k++) {
@@ -351,9 +349,9 @@ static PyObject *fields_leading(PyObject *unused, PyObject *args) {
 
 /* count(items, cls, name): how many items have the field True. */
 static PyObject *fields_count(PyObject *unused, PyObject *args) {
-    PyObject *seq, *fast;
+    PyObject *fast;
     Field f;
-    if (parse(args, "OOU", &seq, &f, 0, &fast, NULL) != 0) return NULL;
+    if (parse(args, "OOU", &f, 0, &fast, NULL) != 0) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), count = 0;
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -370,9 +368,9 @@ static PyObject *fields_count(PyObject *unused, PyObject *args) {
 
 /* values(items, cls, name): a list of the items' fields. */
 static PyObject *fields_values(PyObject *unused, PyObject *args) {
-    PyObject *seq, *fast;
+    PyObject *fast;
     Field f;
-    if (parse(args, "OOU", &seq, &f, 0, &fast, NULL) != 0) return NULL;
+    if (parse(args, "OOU", &f, 0, &fast, NULL) != 0) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
     PyObject *out = PyList_New(n);
@@ -396,10 +394,10 @@ static PyObject *fields_values(PyObject *unused, PyObject *args) {
 /* add(items, cls, name, delta): each item's int field grows by ``delta`` (an item named twice, twice); checked
  * whole first (each an int, each sum within 64 bits), so an error leaves every field as it was. */
 static PyObject *fields_add(PyObject *unused, PyObject *args) {
-    PyObject *seq, *fast;
+    PyObject *fast;
     Field f;
     long long delta;
-    if (parse(args, "OOUL", &seq, &f, 1, &fast, &delta) != 0) return NULL;
+    if (parse(args, "OOUL", &f, 1, &fast, &delta) != 0) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t k = 0; k < n; k++) {
