@@ -326,45 +326,33 @@ static int parse(PyObject *args, const char *fmt, Field *f, int writing, PyObjec
     return *fast == NULL ? -1 : 0;
 }
 
-/* leading(items, cls, name): how many leading items have the field True (None, a missing record, or any other
- * value ends the run). */
-static PyObject *fields_leading(PyObject *unused, PyObject *args) {
-    PyObject *fast;
-    Field f;
-    if (parse(args, "OOU", &f, 0, &fast, NULL) != 0) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), k;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    for (k = 0; k < n; k++) {
-        if (items[k] == Py_None) break;
-        PyObject *value = field_at(&f, items[k], k);
-        if (value == NULL) {
-            Py_DECREF(fast);
-            return NULL;
-        }
-        if (value != Py_True) break;
-    }
-    Py_DECREF(fast);
-    return PyLong_FromSsize_t(k);
-}
-
-/* count(items, cls, name): how many items have the field True. */
-static PyObject *fields_count(PyObject *unused, PyObject *args) {
+/* How many items have the field True: all of them (``count``), or the leading run (``leading``: None, a missing
+ * record, or any other value ends it). */
+static PyObject *count_true(PyObject *args, int leading) {
     PyObject *fast;
     Field f;
     if (parse(args, "OOU", &f, 0, &fast, NULL) != 0) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), count = 0;
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t k = 0; k < n; k++) {
+        if (leading && items[k] == Py_None) break;
         PyObject *value = field_at(&f, items[k], k);
         if (value == NULL) {
             Py_DECREF(fast);
             return NULL;
         }
-        count += value == Py_True;
+        if (value == Py_True) count++;
+        else if (leading) break;
     }
     Py_DECREF(fast);
     return PyLong_FromSsize_t(count);
 }
+
+/* leading(items, cls, name): how many leading items have the field True. */
+static PyObject *fields_leading(PyObject *unused, PyObject *args) { return count_true(args, 1); }
+
+/* count(items, cls, name): how many items have the field True. */
+static PyObject *fields_count(PyObject *unused, PyObject *args) { return count_true(args, 0); }
 
 /* values(items, cls, name): a list of the items' fields. */
 static PyObject *fields_values(PyObject *unused, PyObject *args) {
