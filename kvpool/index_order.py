@@ -1,5 +1,5 @@
-"""The pool index's order of groups in C (``kvpool/native/lru.c``): built where this checkout lacks it, and whether
-new group tables use it. The master calls ``ensure`` as it starts (``scripts/setup.sh`` builds it ahead); the core
+"""The pool index's order of groups in C (``kvpool/native/lru.c``, a module that also holds the passes over group
+records and the segments' allocator): built where this checkout lacks it, and whether new group tables use it. The master calls ``ensure`` as it starts (``scripts/setup.sh`` builds it ahead); the core
 only looks for the built module (``kvpool.core.pool.lru``)."""
 
 from __future__ import annotations

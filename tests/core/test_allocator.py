@@ -1,6 +1,13 @@
+"""The segment allocator: exact behaviour, equal-size churn and a state machine against an interval model, each
+run on the Python allocator and on its C twin (``new_allocator``); then the two fed one random stream of calls,
+answer for answer."""
+
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -13,12 +20,23 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvpool.core.pool import allocator as allocator_module, lru
 from kvpool.core.pool.allocator import (
     AllocatorError,
     Extent,
     SegmentAllocator,
     UnknownOffsetError,
+    native_allocator_class,
+    new_allocator,
 )
+
+Make = Callable[..., Any]
+
+
+@pytest.fixture(params=[False, True], ids=["python", "c"])
+def make(request: pytest.FixtureRequest) -> Make:
+    """An allocator's constructor: the Python one, or its C twin."""
+    return partial(new_allocator, native=request.param)
 
 
 def extents(alloc: SegmentAllocator) -> list[tuple[int, int]]:
@@ -28,8 +46,8 @@ def extents(alloc: SegmentAllocator) -> list[tuple[int, int]]:
 # -- exact behaviour ----------------------------------------------------------
 
 
-def test_fresh_segment_hands_out_offsets_in_order() -> None:
-    alloc = SegmentAllocator(1024)
+def test_fresh_segment_hands_out_offsets_in_order(make: Make) -> None:
+    alloc = make(1024)
     assert (alloc.capacity, alloc.alignment) == (1024, 64)
     assert [alloc.allocate(64), alloc.allocate(100), alloc.allocate(1)] == [0, 64, 192]
     assert alloc.used_bytes == 256
@@ -39,8 +57,8 @@ def test_fresh_segment_hands_out_offsets_in_order() -> None:
     assert alloc.largest_free == 768
 
 
-def test_alignment_rounding() -> None:
-    alloc = SegmentAllocator(8192)
+def test_alignment_rounding(make: Make) -> None:
+    alloc = make(8192)
     assert alloc.rounded_size(1) == 64
     assert alloc.rounded_size(64) == 64
     assert alloc.rounded_size(65) == 128
@@ -50,17 +68,17 @@ def test_alignment_rounding() -> None:
     assert alloc.allocation_size(64) == 128
     assert alloc.used_bytes == 192
 
-    page = SegmentAllocator(3 * 4096, alignment=4096)
+    page = make(3 * 4096, alignment=4096)
     assert [page.allocate(1), page.allocate(4097)] == [0, 4096]
     assert page.free_bytes == 0
 
-    exact = SegmentAllocator(100, alignment=1)
+    exact = make(100, alignment=1)
     assert [exact.allocate(3), exact.allocate(7), exact.allocate(90)] == [0, 3, 10]
     assert exact.allocate(1) is None
 
 
-def test_unaligned_capacity_keeps_short_tail() -> None:
-    alloc = SegmentAllocator(200)  # 3 * 64 + 8
+def test_unaligned_capacity_keeps_short_tail(make: Make) -> None:
+    alloc = make(200)  # 3 * 64 + 8
     assert [alloc.allocate(64) for _ in range(3)] == [0, 64, 128]
     assert extents(alloc) == [(192, 8)]
     assert alloc.allocate(1) is None  # needs 64
@@ -70,9 +88,9 @@ def test_unaligned_capacity_keeps_short_tail() -> None:
 
 
 @pytest.fixture
-def four_blocks() -> SegmentAllocator:
+def four_blocks(make: Make) -> SegmentAllocator:
     # a=0 b=64 c=128 d=192, free tail (256, 64)
-    alloc = SegmentAllocator(320)
+    alloc = make(320)
     assert [alloc.allocate(64) for _ in range(4)] == [0, 64, 128, 192]
     assert extents(alloc) == [(256, 64)]
     return alloc
@@ -108,8 +126,8 @@ def test_free_coalesces_both_neighbours(four_blocks: SegmentAllocator) -> None:
     assert Extent(0, 320).end == 320
 
 
-def test_best_fit_picks_smallest_hole_that_fits() -> None:
-    alloc = SegmentAllocator(1024)
+def test_best_fit_picks_smallest_hole_that_fits(make: Make) -> None:
+    alloc = make(1024)
     h1 = alloc.allocate(192)  # 0
     alloc.allocate(64)  # 192, separator
     h2 = alloc.allocate(64)  # 256
@@ -128,8 +146,8 @@ def test_best_fit_picks_smallest_hole_that_fits() -> None:
     assert extents(alloc) == [(832, 192)]
 
 
-def test_best_fit_tie_takes_lowest_offset() -> None:
-    alloc = SegmentAllocator(640)
+def test_best_fit_tie_takes_lowest_offset(make: Make) -> None:
+    alloc = make(640)
     offsets = [alloc.allocate(64) for _ in range(10)]
     for offset in (384, 128, 512):
         alloc.free(offset)
@@ -138,8 +156,8 @@ def test_best_fit_tie_takes_lowest_offset() -> None:
     assert offsets == list(range(0, 640, 64))
 
 
-def test_out_of_space_returns_none_and_changes_nothing() -> None:
-    alloc = SegmentAllocator(256)
+def test_out_of_space_returns_none_and_changes_nothing(make: Make) -> None:
+    alloc = make(256)
     assert alloc.allocate(257) is None
     assert [alloc.allocate(64) for _ in range(4)] == [0, 64, 128, 192]
     assert alloc.allocate(1) is None
@@ -153,8 +171,8 @@ def test_out_of_space_returns_none_and_changes_nothing() -> None:
 
 
 @pytest.mark.parametrize("size", [0, -1, -64, 1.5, "64", None, True])
-def test_allocate_rejects_bad_size(size: object) -> None:
-    alloc = SegmentAllocator(1024)
+def test_allocate_rejects_bad_size(make: Make, size: object) -> None:
+    alloc = make(1024)
     with pytest.raises(ValueError, match="size must be a positive int"):
         alloc.allocate(size)  # type: ignore[arg-type]
     assert alloc.used_bytes == 0
@@ -171,15 +189,13 @@ def test_allocate_rejects_bad_size(size: object) -> None:
         (1024, -64, "alignment"),
     ],
 )
-def test_constructor_rejects_bad_arguments(
-    capacity: object, alignment: object, message: str
-) -> None:
+def test_constructor_rejects_bad_arguments(make: Make, capacity: object, alignment: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SegmentAllocator(capacity, alignment)  # type: ignore[arg-type]
+        make(capacity, alignment)  # type: ignore[arg-type]
 
 
-def test_free_of_unknown_offset_and_double_free_raise() -> None:
-    alloc = SegmentAllocator(1024)
+def test_free_of_unknown_offset_and_double_free_raise(make: Make) -> None:
+    alloc = make(1024)
     offset = alloc.allocate(128)
     assert offset == 0
     with pytest.raises(UnknownOffsetError, match="no live allocation at offset 64"):
@@ -199,11 +215,11 @@ def test_free_of_unknown_offset_and_double_free_raise() -> None:
 # -- equal-size churn: the KV case --------------------------------------------
 
 
-def test_equal_size_churn_never_fragments() -> None:
+def test_equal_size_churn_never_fragments(make: Make) -> None:
     size = 1000  # rounds to 1024
     rounded = 1024
     num_slots = 2048
-    alloc = SegmentAllocator(num_slots * rounded)
+    alloc = make(num_slots * rounded)
     rng = random.Random(1234)
     live: list[int] = []
     num_refused = 0
@@ -240,8 +256,12 @@ def test_equal_size_churn_never_fragments() -> None:
 # -- the best-fit structure's own accounting ------------------------------------
 
 
-def check_heaps(alloc: SegmentAllocator) -> None:
-    """The sizes, heaps and counts agree with the free extents, and the stale count with the heaps."""
+def check_heaps(alloc: Any) -> None:
+    """The sizes, heaps and counts agree with the free extents, and the stale count with the heaps; the C one's
+    own check (its tree in order, its maps agreeing with it and with each other, the bytes adding up)."""
+    if not isinstance(alloc, SegmentAllocator):
+        alloc.check()
+        return
     by_size: dict[int, list[int]] = {}
     for offset, size in alloc._free_at.items():
         by_size.setdefault(size, []).append(offset)
@@ -280,15 +300,17 @@ class AllocatorMachine(RuleBasedStateMachine):
     model's free extents are the gaps between live allocations, so they are
     maximal (coalesced) by construction, and its best fit is computed naively."""
 
+    native = False
+
     def __init__(self) -> None:
         super().__init__()
-        self.alloc = SegmentAllocator(64)
+        self.alloc = new_allocator(64, native=self.native)
         self.live: dict[int, int] = {}  # offset -> rounded size
         self.runs: dict[int, list[int]] = {}  # a run's allocation (in live) -> its pieces' sizes, as asked
 
     @initialize(capacity=st.integers(1, 4096), alignment=st.sampled_from([1, 8, 64, 256]))
     def start(self, capacity: int, alignment: int) -> None:
-        self.alloc = SegmentAllocator(capacity, alignment)
+        self.alloc = new_allocator(capacity, alignment, native=self.native)
         self.live = {}
         self.runs = {}
 
@@ -412,5 +434,147 @@ class AllocatorMachine(RuleBasedStateMachine):
         check_heaps(alloc)
 
 
+class NativeAllocatorMachine(AllocatorMachine):
+    native = True
+
+
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestNativeAllocatorMachine = NativeAllocatorMachine.TestCase
+TestNativeAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+# -- the C twin ------------------------------------------------------------------
+
+
+def test_setup_built_the_c_allocator_and_the_index_takes_it() -> None:
+    assert lru.native_module() is not None, "kvpool/native/lru.c is not built: scripts/setup.sh builds it"
+    cls = native_allocator_class()
+    assert cls is not None and isinstance(new_allocator(1024), cls)
+    from kvpool.core.pool.recovery import allocator_with_ranges
+
+    assert isinstance(allocator_with_ranges(1024, 64, [(64, 64)]), cls)
+
+
+def test_the_python_allocator_is_the_fallback_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lru, "_NATIVE", False)
+    monkeypatch.setattr(lru, "_MODULE", None)
+    monkeypatch.setattr(allocator_module, "_NATIVE", False)
+    monkeypatch.setenv(lru.SWITCH_ENV, "off")
+    assert native_allocator_class() is None and type(new_allocator(1024)) is SegmentAllocator
+    with pytest.raises(lru.native_build.NativeUnavailable):
+        new_allocator(1024, native=True)
+
+
+def answer(call: Callable[[], object]) -> object:
+    """What a call gave, or its error's class and message."""
+    try:
+        return call()
+    except (ValueError, KeyError) as exc:
+        return type(exc), str(exc)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_two_answer_one_stream_of_calls_alike(seed: int) -> None:
+    """The same calls, right and wrong, on both: the same offsets, errors, free extents and counts throughout
+    (a segment of mixed sizes and runs, filled past full and emptied again, as a store's is)."""
+    rng = random.Random(seed)
+    capacity, alignment = rng.choice([(1 << 20, 64), (1 << 20 | 40, 64), (99_999, 8), (1 << 16, 1)])
+    py, c = SegmentAllocator(capacity, alignment), new_allocator(capacity, alignment, native=True)
+    live: list[int] = []
+    runs: dict[int, list[int]] = {}
+    for step in range(6000):
+        roll = rng.random()
+        fill = step // 1500 % 2 == 0  # phases: fill, then drain
+        if roll < (0.45 if fill else 0.2):
+            size = rng.choice([1, 63, 64, 65, 256, 1000, 4096, rng.randrange(1, 9000)])
+            got = answer(lambda: py.allocate(size))
+            assert answer(lambda: c.allocate(size)) == got, step
+            if isinstance(got, int):
+                live.append(got)
+        elif roll < (0.6 if fill else 0.3):
+            sizes = [rng.choice([256, 300, 1024]) for _ in range(rng.randrange(1, 6))]
+            got = answer(lambda: py.allocate_run(sizes))
+            assert answer(lambda: c.allocate_run(sizes)) == got, step
+            if isinstance(got, list):
+                live.append(got[0])
+                runs[got[0]] = sizes
+        elif roll < 0.7 and runs:
+            first = rng.choice(sorted(runs))
+            sizes = runs.pop(first)
+            wrong = sizes[:-1] or [sizes[0] + alignment]
+            assert answer(lambda: c.split_run(first, wrong)) == answer(lambda: py.split_run(first, wrong)), step
+            got = answer(lambda: py.split_run(first, sizes))
+            assert answer(lambda: c.split_run(first, sizes)) == got, step
+            assert isinstance(got, list)
+            live.remove(first)
+            live.extend(got)
+        elif roll < 0.85 and live:
+            picked = rng.sample(live, min(len(live), rng.randrange(1, 5)))
+            bad = rng.random() < 0.2
+            offsets = picked + [picked[0]] if bad and rng.random() < 0.5 else picked + [capacity + 1] if bad else picked
+            got = answer(lambda: py.free_run(offsets))
+            assert answer(lambda: c.free_run(offsets)) == got, step
+            if not bad:
+                for offset in picked:
+                    live.remove(offset)
+                    runs.pop(offset, None)
+        elif live:
+            offset = rng.choice(live) if rng.random() < 0.9 else rng.randrange(-1, capacity + 2)
+            got = answer(lambda: py.free(offset))
+            assert answer(lambda: c.free(offset)) == got, step
+            if got is None:
+                live.remove(offset)
+                runs.pop(offset, None)
+        if step % 50 == 0:
+            assert (c.free_extents(), c.allocations()) == (py.free_extents(), py.allocations()), step
+            c.check()
+        assert (c.used_bytes, c.num_allocations, c.num_free_extents, c.largest_free) == \
+            (py.used_bytes, py.num_allocations, py.num_free_extents, py.largest_free), step
+    assert c.free_extents() == py.free_extents()
+    for offset in live:
+        assert c.allocation_size(offset) == py.allocation_size(offset)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_both_refuse_what_is_not_a_size_or_a_live_offset_alike(native: bool) -> None:
+    alloc = new_allocator(1024, native=native)
+    for sizes in ([], [0], [64, -1], [1.5], ["64"], [True]):
+        with pytest.raises(ValueError, match="sizes must be positive ints"):
+            alloc.allocate_run(sizes)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="sizes must be positive ints"):
+            alloc.split_run(0, sizes)  # type: ignore[arg-type]
+    assert alloc.allocate_run([2000]) is None and alloc.allocate_run([1 << 70]) is None
+    assert alloc.allocate(1 << 70) is None
+    run = alloc.allocate_run([64, 100])
+    assert run == [0, 64]
+    with pytest.raises(UnknownOffsetError, match="no live allocation at offset 64"):
+        alloc.free(64)  # a run's piece is no allocation of its own until split
+    with pytest.raises(UnknownOffsetError, match="no live allocation of 128 bytes at offset 0 to split"):
+        alloc.split_run(0, [64, 64])
+    with pytest.raises(UnknownOffsetError, match=r"offsets named twice in one run: \[0, 0\]"):
+        alloc.free_run([0, 0])
+    for offset in (-1, 1 << 70, "0", None):
+        with pytest.raises(UnknownOffsetError, match="no live allocation at offset"):
+            alloc.free(offset)  # type: ignore[arg-type]
+    alloc.free_run([])  # nothing named: nothing freed
+    assert alloc.used_bytes == 192 and alloc.allocation_size(0) == 192
+    aligned = 1 << 40
+    assert alloc.rounded_size(aligned) is aligned  # an aligned size is kept, not made anew
+    assert alloc.rounded_size(1 << 70 | 1) == (1 << 70) + 64 and alloc.rounded_size(-65) == -64
+    alloc.free(0)
+    assert alloc.free_extents() == [Extent(0, 1024)] and "capacity=1024" in repr(alloc)
+
+
+def test_the_c_allocator_holds_a_million_pieces_and_gives_every_byte_back() -> None:
+    """Equal runs filling a large segment, every other one freed, then the rest: one extent at the end."""
+    alloc = new_allocator(1024 * 250_000, native=True)
+    firsts = [alloc.allocate_run([256, 256, 256, 256]) for _ in range(250_000)]
+    assert all(run is not None for run in firsts) and alloc.free_bytes == 0 and alloc.allocate(1) is None
+    for run in firsts[::2]:
+        alloc.free(run[0])  # type: ignore[index]
+    assert alloc.num_free_extents == 125_000 and alloc.largest_free == 1024
+    alloc.check()
+    alloc.free_run([run[0] for run in firsts[1::2]])  # type: ignore[index]
+    assert alloc.free_extents() == [Extent(0, alloc.capacity)] and alloc.num_allocations == 0
+    alloc.check()

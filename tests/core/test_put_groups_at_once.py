@@ -25,7 +25,7 @@ ALIGNMENT, HIGH, STEP = 64, 0.9, 3
 
 def state(index: PoolIndex) -> tuple:
     segments = {
-        segment_id: (segment.allocator.free_extents(), sorted(segment.allocator._allocations.items()),
+        segment_id: (segment.allocator.free_extents(), segment.allocator.allocations(),
                      segment.num_objects, list(segment.groups), segment.journal.sequence,
                      segment.journal.pending_entries(1 << 30))
         for segment_id, segment in index.segment_table.segments.items()

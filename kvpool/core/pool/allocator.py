@@ -1,7 +1,14 @@
 """Space allocator for one segment: best-fit over coalesced free extents.
 
-Pure Python, no I/O: the master owns one `SegmentAllocator` per mounted
-segment and only ever hands out offsets; the bytes live in the store.
+Pure, no I/O: the master owns one allocator per mounted segment and only
+ever hands out offsets; the bytes live in the store. ``SegmentAllocator`` is
+the allocator in Python; ``new_allocator`` gives its C twin (a type of the
+index's extension module, ``kvpool/native/lru.c``) where that is built and
+not switched off (``KVPOOL_NATIVE_ORDER=off``, as for the index's order): the
+same offsets for the same calls, and the same errors. A save allocates and
+frees a run per chunk; in C each is a tree step and a few map probes, where
+the Python one took several dict and heap steps. The tests hold the two to one
+behaviour.
 """
 
 from __future__ import annotations
@@ -10,6 +17,9 @@ from bisect import bisect_left, insort
 from itertools import accumulate
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
+from typing import Any
+
+from kvpool.core.pool import lru
 
 # 64 bytes = one cache line: objects never share a line (no false sharing
 # between concurrent writers), and the transfer engine's DMA / memcpy paths
@@ -152,6 +162,10 @@ class SegmentAllocator:
         """All free extents in offset order. O(n log n): for tests and metrics."""
         return [Extent(offset, self._free_at[offset]) for offset in sorted(self._free_at)]
 
+    def allocations(self) -> list[tuple[int, int]]:
+        """All live allocations, (offset, rounded size), in offset order. O(n log n): for tests and metrics."""
+        return sorted(self._allocations.items())
+
     # -- mutations ------------------------------------------------------------
 
     def allocate(self, size: int) -> int | None:
@@ -192,9 +206,7 @@ class SegmentAllocator:
         found, one remainder left, one entry kept); return each piece's offset (each the next start where the one
         before ends, rounded), or None when no free extent holds them all. ``free`` of the first offset frees them
         all; ``split_run`` makes each piece an allocation of its own (to free one alone)."""
-        needs = [self.rounded_size(size) for size in sizes]
-        if not needs or min(needs) <= 0:
-            raise ValueError(f"sizes must be positive ints, got {sizes!r}")
+        needs = self._needs(sizes)
         first = self.allocate(sum(needs))
         if first is None:
             return None
@@ -203,10 +215,10 @@ class SegmentAllocator:
     def split_run(self, first: int, sizes: list[int]) -> list[int]:
         """The allocation at ``first``, made by ``allocate_run(sizes)``, becomes one allocation per size; returns
         their offsets. UnknownOffsetError, nothing changed, unless ``first`` is a live allocation of exactly
-        those sizes' room."""
-        needs = [self.rounded_size(size) for size in sizes]
+        those sizes' room (ValueError unless they are positive ints)."""
+        needs = self._needs(sizes)
         allocations = self._allocations
-        if allocations.get(first) != sum(needs) or not needs:
+        if allocations.get(first) != sum(needs):
             raise UnknownOffsetError(f"no live allocation of {sum(needs)} bytes at offset {first} to split")
         offsets = []
         offset = first
@@ -220,6 +232,8 @@ class SegmentAllocator:
         """``free`` each of ``offsets``; allocations that lie back to back (as ``allocate_run`` left them) go back
         as one extent, merged with their neighbours once. Checked first: UnknownOffsetError, and nothing freed,
         if any is not a live allocation or is named twice."""
+        if not offsets:
+            return
         allocations = self._allocations
         if len(set(offsets)) != len(offsets):
             raise UnknownOffsetError(f"offsets named twice in one run: {sorted(offsets)}")
@@ -257,6 +271,11 @@ class SegmentAllocator:
         self._add_free(start, end - start)
 
     # -- internals ------------------------------------------------------------
+
+    def _needs(self, sizes: list[int]) -> list[int]:
+        if not sizes or not all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in sizes):
+            raise ValueError(f"sizes must be positive ints, got {sizes!r}")
+        return [self.rounded_size(size) for size in sizes]
 
     def _add_free(self, offset: int, size: int) -> None:
         self._free_at[offset] = size
@@ -299,3 +318,55 @@ class SegmentAllocator:
             f"allocations={len(self._allocations)}, free_extents={len(self._free_at)}, "
             f"largest_free={self.largest_free})"
         )
+
+
+_NATIVE: Any = False  # False: not looked for yet; None: not built or switched off
+
+
+def native_allocator_class() -> Any:
+    """The C allocator's class (``SegmentAllocator``'s twin), or None where the index's module is not built or is
+    switched off (``lru.native_module``); looked for once per process."""
+    global _NATIVE
+    if _NATIVE is False:
+        module = lru.native_module()
+        base = getattr(module, "Allocator", None)
+        if base is None:
+            _NATIVE = None
+        else:
+            module.name_unknown_offset_error(UnknownOffsetError)  # type: ignore[union-attr]
+
+            class NativeSegmentAllocator(base):  # type: ignore[misc, valid-type]
+                """``SegmentAllocator`` in C (``kvpool/native/lru.c``); ``check()`` raises AssertionError unless
+                its structures agree."""
+
+                __slots__ = ()
+
+                def free_extents(self) -> list[Extent]:
+                    """All free extents in offset order. O(n log n): for tests and metrics."""
+                    return [Extent(offset, size) for offset, size in sorted(self.extents())]
+
+                def allocations(self) -> list[tuple[int, int]]:
+                    """All live allocations, (offset, rounded size), in offset order. O(n log n)."""
+                    return sorted(self.live())
+
+                def __repr__(self) -> str:
+                    return (f"NativeSegmentAllocator(capacity={self.capacity}, used={self.used_bytes}, "
+                            f"allocations={self.num_allocations}, free_extents={self.num_free_extents}, "
+                            f"largest_free={self.largest_free})")
+
+            _NATIVE = NativeSegmentAllocator
+    return _NATIVE
+
+
+def new_allocator(capacity: int, alignment: int = DEFAULT_ALIGNMENT, native: bool | None = None) -> SegmentAllocator:
+    """An allocator for a segment of ``capacity`` bytes: the C one where it is built (``native`` None), else
+    ``SegmentAllocator``; ``native`` True asks for the C one (``NativeUnavailable`` where it is not built)."""
+    cls = native_allocator_class()
+    if native is None:
+        native = cls is not None
+    if native:
+        if cls is None:
+            raise lru.native_build.NativeUnavailable(f"{lru.SOURCE.name}'s module is not built here "
+                                                     "(scripts/setup.sh)")
+        return cls(capacity, alignment)  # type: ignore[no-any-return]
+    return SegmentAllocator(capacity, alignment)

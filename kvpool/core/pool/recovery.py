@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvpool.core.pool.allocator import SegmentAllocator
+from kvpool.core.pool.allocator import SegmentAllocator, new_allocator
 from kvpool.core.pool.records import Group, ObjectRecord
 
 
@@ -85,7 +85,7 @@ def allocator_with_ranges(capacity: int, alignment: int, ranges: Sequence[tuple[
     offset and then the range itself land exactly where asked; the fillers are
     freed at the end. O(n log n).
     """
-    allocator = SegmentAllocator(capacity, alignment=alignment)
+    allocator = new_allocator(capacity, alignment)
     fillers: list[int] = []
     cursor = 0
     for offset, size in ranges:
