@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from kvpool import service
 from kvpool.core.pool.compact import full_keys
 from kvpool.core.pool.master_breaker import MasterBreaker
-from kvpool.core.pool.put_groups import as_groups
+from kvpool.core.pool.put_groups import as_commit_groups, as_groups
 from kvpool.core.pool.paths import BytePath, SegmentAccess, byte_path
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
 from kvpool.pool.endpoint_batches import move_by_endpoint
@@ -93,9 +93,19 @@ def put_start_request(items: Sequence[tuple[str, str, int, int]], compact: bool 
         items=[item(key=k, group_id=g, group_size=n, size=size) for k, g, n, size in items], **fields)
 
 
-def put_end_request(items: Sequence[tuple[str, int]], compact: bool = True) -> pool_pb2.PutEndRequest:
-    """The commit of ``(key, checksum)`` pairs, as ``commit`` sends it and ``commit_soon`` rides it: two flat
-    arrays (``compact``), else one ``PutCommit`` each (a master that predates the arrays)."""
+def put_end_request(items: Sequence[tuple[str, int]], compact: bool = True,
+                    groups: bool = False) -> pool_pb2.PutEndRequest:
+    """The commit of ``(key, checksum)`` pairs, as ``commit`` sends it and ``commit_soon`` rides it: whole
+    groups' ids and the checksums where ``groups`` (the master takes them) and the keys are exactly whole
+    groups' (``as_commit_groups``: a save's), else two flat arrays (``compact``), else one ``PutCommit`` each (a
+    master that predates the arrays)."""
+    if groups and compact:
+        whole = as_commit_groups([k for k, _ in items])
+        if whole is not None:
+            group_ids, members, by_member = whole
+            return pool_pb2.PutEndRequest(
+                groups=pool_pb2.CommitGroups(group_ids=group_ids, members=members, by_member=by_member),
+                checksums=[c for _, c in items])
     if compact:
         return pool_pb2.PutEndRequest(keys=[k for k, _ in items], checksums=[c for _, c in items])
     return pool_pb2.PutEndRequest(items=[pool_pb2.PutCommit(key=k, checksum=c) for k, c in items])
@@ -217,6 +227,8 @@ class PoolClient:
         # puts as whole groups and commits as flat arrays; off for good once a master refuses a put of whole
         # groups as empty (it predates them: it reads no items there)
         self.compact_puts = True
+        # commits as whole groups (PutEndRequest.groups): as the master's last put answer says it takes them
+        self.commits_groups = False
         self._watch: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()  # revokes of commits that did not take
@@ -478,6 +490,7 @@ class PoolClient:
             raise
         self._outcome(None)
         self._learn(started.segments)
+        self.commits_groups = started.commits_groups
         if started.HasField("packed"):
             try:
                 return put_locations(items, started.packed, started.segments)
@@ -522,7 +535,8 @@ class PoolClient:
         if not items:
             return True
         try:
-            await self.session.call("put_end", put_end_request(items, self.compact_puts), self._stub.PutEnd,
+            await self.session.call("put_end", put_end_request(items, self.compact_puts, self.commits_groups),
+                                    self._stub.PutEnd,
                                     timeout=RPC_TIMEOUT_S)
             return True
         except grpc.aio.AioRpcError as exc:
@@ -553,7 +567,7 @@ class PoolClient:
                 on_done(error is None)
 
         self._start_watch()
-        self.session.ride("put_end", put_end_request(items, self.compact_puts), done)
+        self.session.ride("put_end", put_end_request(items, self.compact_puts, self.commits_groups), done)
 
     async def revoke(self, keys: Sequence[str]) -> None:
         """Give back reserved objects that will not be written (one ``PutRevoke``; best effort)."""

@@ -75,6 +75,13 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 RIDE_WAIT_S = 0.002
 MAX_RIDES = 64  # on one message (the master takes up to 256)
 MAX_RIDE_ITEMS = 4096  # commits and corrupt group ids of one message's rides in all (the master's batch limit)
+
+
+def ride_items(ride: pool_pb2.SessionRide) -> int:
+    """What a ride counts toward ``MAX_RIDE_ITEMS``, as the master counts it: its commits in any form (a commit of
+    whole groups has a checksum per key, no key) and its corrupt group ids."""
+    end = ride.put_end
+    return len(end.items) + max(len(end.keys), len(end.checksums)) + len(ride.release_lease.corrupt_group_ids)
 RIDE_TIMEOUT_S = 10.0  # for a message carrying only rides
 CLOSE_FLUSH_S = 2.0  # ``close`` waits this long for the rides waiting to be taken
 _RIDE_METHODS = {"release_lease": "ReleaseLease", "put_end": "PutEnd"}
@@ -175,7 +182,7 @@ class MasterSession:
             return []
         count = items = 0
         for ride, _ in self._rides[:MAX_RIDES]:
-            items += len(ride.put_end.items) + len(ride.put_end.keys) + len(ride.release_lease.corrupt_group_ids)
+            items += ride_items(ride)
             if count and items > MAX_RIDE_ITEMS:
                 break
             count += 1

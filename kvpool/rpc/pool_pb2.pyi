@@ -257,14 +257,16 @@ class PutStartResult(_message.Message):
     def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., location: _Optional[_Union[Location, _Mapping]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("results", "segments", "packed")
+    __slots__ = ("results", "segments", "packed", "commits_groups")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_GROUPS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[PutStartResult]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentAccess]
     packed: PackedPutResults
-    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ..., packed: _Optional[_Union[PackedPutResults, _Mapping]] = ...) -> None: ...
+    commits_groups: bool
+    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ..., segments: _Optional[_Iterable[_Union[SegmentAccess, _Mapping]]] = ..., packed: _Optional[_Union[PackedPutResults, _Mapping]] = ..., commits_groups: _Optional[bool] = ...) -> None: ...
 
 class PackedPutResults(_message.Message):
     __slots__ = ("status", "segment", "address")
@@ -285,14 +287,26 @@ class PutCommit(_message.Message):
     def __init__(self, key: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("items", "keys", "checksums")
+    __slots__ = ("items", "keys", "checksums", "groups")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PutCommit]
     keys: _containers.RepeatedScalarFieldContainer[str]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, items: _Optional[_Iterable[_Union[PutCommit, _Mapping]]] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    groups: CommitGroups
+    def __init__(self, items: _Optional[_Iterable[_Union[PutCommit, _Mapping]]] = ..., keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., groups: _Optional[_Union[CommitGroups, _Mapping]] = ...) -> None: ...
+
+class CommitGroups(_message.Message):
+    __slots__ = ("group_ids", "members", "by_member")
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    BY_MEMBER_FIELD_NUMBER: _ClassVar[int]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    members: int
+    by_member: bool
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., members: _Optional[int] = ..., by_member: _Optional[bool] = ...) -> None: ...
 
 class PutEndResponse(_message.Message):
     __slots__ = ("num_committed",)

@@ -19,7 +19,7 @@ from kvpool.core.pool import fields
 from kvpool.core.pool.compact import compact_keys
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.puts import PlacedGroups
-from kvpool.core.pool.put_groups import PLACES as _PLACES, group_items, in_item_order
+from kvpool.core.pool.put_groups import PLACES as _PLACES, group_items, group_keys, in_item_order
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
     ChangeRow,
@@ -35,6 +35,7 @@ from kvpool.core.pool.records import (
     shared,
 )
 from kvpool.handoff_messages import shared_memory_from_message, shared_memory_message
+from kvpool.pool.session_client import ride_items
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool import tracing
 from opentelemetry import context as otel_context
@@ -99,37 +100,53 @@ def put_items(request_items: Sequence[pool_pb2.PutItem], tenant: str) -> list[Pu
 
 
 def commit_keys(request: pool_pb2.PutEndRequest) -> Sequence[str]:
-    """The keys a PutEnd commits, in either form."""
+    """The keys a PutEnd commits, in any form."""
+    if request.HasField("groups"):
+        groups = request.groups
+        return group_keys(groups.group_ids, groups.members, groups.by_member)
     return request.keys if request.keys else [item.key for item in request.items]
 
 
 def checked_groups(groups: pool_pb2.PutGroups) -> tuple[list[str], list[int]]:
     """A PutStart's whole groups (``PutGroups``), checked: their ids and their members' sizes."""
-    group_ids, member_sizes = list(groups.group_ids), list(groups.member_sizes)
-    if not group_ids:
-        raise InvalidArgument("groups.group_ids: must not be empty")
+    member_sizes = list(groups.member_sizes)
     members = len(member_sizes)
     if not 1 <= members <= MAX_GROUP_SIZE:
+        if not groups.group_ids:
+            raise InvalidArgument("groups.group_ids: must not be empty")
         raise InvalidArgument(f"groups.member_sizes: {members} members is outside 1..{MAX_GROUP_SIZE}")
-    check_batch(len(group_ids) * members, "groups")
+    group_ids, _ = checked_ids(groups.group_ids, members, "groups")
     for m, size in enumerate(member_sizes):
         if size <= 0:
             raise InvalidArgument(f"groups.member_sizes[{m}]: must be positive, got {size}")
+    if len(_SIZES) > MAX_SIZES:
+        _SIZES.clear()
+    return group_ids, list(map(_SIZES.setdefault, member_sizes, member_sizes))
+
+
+def checked_ids(ids: Sequence[str], members: int, field: str) -> tuple[list[str], int]:
+    """Whole groups' ids (a ``PutGroups`` or a ``CommitGroups``, ``field``) and their member count, checked: some
+    ids, each a name whose keys ("<id>/<m>") are names too, none twice, 1..MAX_GROUP_SIZE members."""
+    group_ids = list(ids)
+    if not group_ids:
+        raise InvalidArgument(f"{field}.group_ids: must not be empty")
+    if not 1 <= members <= MAX_GROUP_SIZE:
+        raise InvalidArgument(f"{field}.members: {members} is outside 1..{MAX_GROUP_SIZE}")
+    check_batch(len(group_ids) * members, field)
     longest = MAX_KEY_BYTES - 1 - len(_PLACES[members - 1])  # a key is the id, "/" and its member's place
     if not names_ok(group_ids, longest):
         for i, group_id in enumerate(group_ids):
-            check_name(group_id, f"groups.group_ids[{i}]")
+            check_name(group_id, f"{field}.group_ids[{i}]")
             if len(group_id.encode()) > longest:
-                raise InvalidArgument(f"groups.group_ids[{i}]: its keys would be longer than {MAX_KEY_BYTES} bytes")
+                raise InvalidArgument(f"{field}.group_ids[{i}]: its keys would be longer than {MAX_KEY_BYTES} "
+                                      "bytes")
     if len(set(group_ids)) != len(group_ids):
         seen: set[str] = set()
         for i, group_id in enumerate(group_ids):
             if group_id in seen:
-                raise InvalidArgument(f"groups.group_ids[{i}]: {group_id!r} named twice")
+                raise InvalidArgument(f"{field}.group_ids[{i}]: {group_id!r} named twice")
             seen.add(group_id)
-    if len(_SIZES) > MAX_SIZES:
-        _SIZES.clear()
-    return group_ids, list(map(_SIZES.setdefault, member_sizes, member_sizes))
+    return group_ids, members
 
 
 _SIZES: dict[int, int] = {}
@@ -499,8 +516,7 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         request id; a failure is answered in ``ride_failures`` and stops neither the others nor the body."""
         answer.rides_taken = len(rides)
         # bounded as one call is: a message's rides hold the loop no longer than a full batch would
-        items = sum(len(r.put_end.items) + len(r.put_end.keys) + len(r.release_lease.corrupt_group_ids)
-                    for r in rides)
+        items = sum(map(ride_items, rides))
         if len(rides) > MAX_RIDES or items > MAX_BATCH:  # none applied: each fails
             error = InvalidArgument(f"rides: {len(rides)} rides of {items} items in all is more than "
                                     f"{MAX_RIDES} rides or {MAX_BATCH} items on one message", field="rides")
@@ -611,6 +627,11 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         return self.put_start(request)
 
     def put_start(self, request: pool_pb2.PutStartRequest) -> pool_pb2.PutStartResponse:
+        response = self._put_start(request)
+        response.commits_groups = True  # its commit may come as whole groups (PutEndRequest.groups)
+        return response
+
+    def _put_start(self, request: pool_pb2.PutStartRequest) -> pool_pb2.PutStartResponse:
         grouped = request.HasField("groups")
         if grouped and request.items:
             raise InvalidArgument("groups: given with items (a put sends one or the other)")
@@ -691,22 +712,34 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
         return response
 
     def put_end(self, request: pool_pb2.PutEndRequest) -> pool_pb2.PutEndResponse:
-        if request.keys or request.checksums:  # two flat arrays
-            if request.items:
-                raise InvalidArgument("keys: given with items (a commit sends one or the other)")
-            keys = list(request.keys)
-            check_batch(len(keys), "keys")
-            if len(request.checksums) != len(keys):
-                raise InvalidArgument(f"checksums: {len(request.checksums)} entries, but keys has {len(keys)}")
-            check_names(keys, "keys")
-            commits, field = list(zip(keys, request.checksums)), "keys[{}]"
+        if request.HasField("groups"):  # whole groups: an entry a group
+            if request.items or request.keys:
+                raise InvalidArgument("groups: given with items or keys (a commit sends one form)")
+            group_ids, members = checked_ids(request.groups.group_ids, request.groups.members, "groups")
+            if len(request.checksums) != len(group_ids) * members:
+                raise InvalidArgument(f"checksums: {len(request.checksums)} entries, but groups stand for "
+                                      f"{len(group_ids) * members} keys")
+            committed = self.index.put_end_groups(group_ids, members, request.groups.by_member,
+                                                  list(request.checksums), "groups (key {})")
+            first_key = group_ids[0] + "/0"
         else:
-            check_batch(len(request.items), "items")
-            commits, field = [(item.key, item.checksum) for item in request.items], "items[{}].key"
-            check_names([key for key, _ in commits], "items", ".key")
-        committed = self.index.put_end(commits, field)
-        log.debug("pool_op", op="put_end", first_key=commits[0][0], items=committed)
-        self.record.write("pool_op", current_request_id(), op="put_end", first_key=commits[0][0], items=committed)
+            if request.keys or request.checksums:  # two flat arrays
+                if request.items:
+                    raise InvalidArgument("keys: given with items (a commit sends one or the other)")
+                keys = list(request.keys)
+                check_batch(len(keys), "keys")
+                if len(request.checksums) != len(keys):
+                    raise InvalidArgument(f"checksums: {len(request.checksums)} entries, but keys has {len(keys)}")
+                check_names(keys, "keys")
+                commits, field = list(zip(keys, request.checksums)), "keys[{}]"
+            else:
+                check_batch(len(request.items), "items")
+                commits, field = [(item.key, item.checksum) for item in request.items], "items[{}].key"
+                check_names([key for key, _ in commits], "items", ".key")
+            committed = self.index.put_end(commits, field)
+            first_key = commits[0][0]
+        log.debug("pool_op", op="put_end", first_key=first_key, items=committed)
+        self.record.write("pool_op", current_request_id(), op="put_end", first_key=first_key, items=committed)
         return pool_pb2.PutEndResponse(num_committed=committed)
 
     @status_errors

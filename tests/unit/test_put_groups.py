@@ -1,7 +1,7 @@
 """A put of whole groups (``PutStartRequest.groups``) and a commit as two flat arrays (``PutEndRequest.keys``,
-``.checksums``), exactly: the items a put stands for in either layout, the same answer and the same index as
-those items sent one message each (evicting, with existing keys, over two segments), what a client sends which
-way and falls back on, and every bad field refused by name."""
+``.checksums``) or as whole groups (``PutEndRequest.groups``), exactly: the items a put stands for in either
+layout, the same answer and the same index as those items sent one message each (evicting, with existing keys,
+over two segments), what a client sends which way and falls back on, and every bad field refused by name."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from prometheus_client import CollectorRegistry
 from kvpool import service
 from kvpool.core.chunk_hash import save_objects
 from kvpool.core.errors import FailedPrecondition, InvalidArgument
-from kvpool.core.pool.put_groups import as_groups, group_items, in_item_order
+from kvpool.core.pool.put_groups import as_commit_groups, as_groups, group_items, group_keys, in_item_order
 from kvpool.pool.client import OLD_EMPTY_PUT, PoolClient, put_end_request, put_start_request
 from kvpool.pool.objects import ObjectLocation
 from kvpool.rpc import pool_pb2, pool_pb2_grpc
 from kvpool.services.master.metrics import MasterMetrics
-from kvpool.services.master.servicer import MAX_BATCH, MAX_KEY_BYTES, PoolMasterServicer
+from kvpool.services.master.servicer import MAX_BATCH, MAX_KEY_BYTES, PoolMasterServicer, commit_keys
 from tests.core.fixtures import KB, make_index
 
 
@@ -172,9 +172,34 @@ def test_what_a_master_that_predates_whole_groups_answers_them_is_what_the_clien
     assert put_end_request([("a/0", 1)], compact=False).items[0].key == "a/0"
 
 
-class PredatesCompactPuts(PoolMasterServicer):
-    """This master as one that predates whole groups and flat commits reads them: protobuf drops fields a
-    reader does not know, so it sees neither (the rest of it is this master, over real gRPC)."""
+class Heard(PoolMasterServicer):
+    """This master, noting the form of each commit it is sent."""
+
+    forms: list[str]
+
+    def put_end(self, request: pool_pb2.PutEndRequest) -> pool_pb2.PutEndResponse:
+        self.forms = getattr(self, "forms", [])
+        self.forms.append("groups" if request.HasField("groups") else "keys" if request.keys else "items")
+        return super().put_end(request)
+
+
+class PredatesCommitGroups(Heard):
+    """This master as one that takes whole groups' puts and flat commits but predates commits of whole groups
+    reads and answers: protobuf drops fields a reader does not know, so it never says it takes them and never
+    sees them (the rest of it is this master, over real gRPC)."""
+
+    def put_start(self, request: pool_pb2.PutStartRequest) -> pool_pb2.PutStartResponse:
+        response = super().put_start(request)
+        response.ClearField("commits_groups")
+        return response
+
+    def put_end(self, request: pool_pb2.PutEndRequest) -> pool_pb2.PutEndResponse:
+        request.ClearField("groups")
+        return super().put_end(request)
+
+
+class PredatesCompactPuts(PredatesCommitGroups):
+    """This master as one that predates whole groups and flat commits reads them: it sees neither."""
 
     def put_start(self, request: pool_pb2.PutStartRequest) -> pool_pb2.PutStartResponse:
         request.ClearField("groups")
@@ -186,13 +211,15 @@ class PredatesCompactPuts(PoolMasterServicer):
         return super().put_end(request)
 
 
-@pytest.mark.parametrize("old", [False, True])
+@pytest.mark.parametrize(("master_class", "form"), [(Heard, "groups"), (PredatesCommitGroups, "keys"),
+                                                    (PredatesCompactPuts, "items")])
 def test_a_client_sends_whole_groups_and_flat_commits_and_falls_back_for_a_master_that_predates_them(
-        old: bool) -> None:
+        master_class: type[Heard], form: str) -> None:
+    old = master_class is PredatesCompactPuts
+
     async def body() -> None:
         index, _ = make_index(100 * KB)
-        master = (PredatesCompactPuts if old else PoolMasterServicer)(
-            index, "test", 1.0, MasterMetrics(CollectorRegistry()))
+        master = master_class(index, "test", 1.0, MasterMetrics(CollectorRegistry()))
         handle = await service.create_server("127.0.0.1", 0,
                                              lambda s: pool_pb2_grpc.add_PoolMasterServicer_to_server(master, s),
                                              service_names=["kvpool.rpc.PoolMaster"])
@@ -205,8 +232,77 @@ def test_a_client_sends_whole_groups_and_flat_commits_and_falls_back_for_a_maste
                 assert await client.commit([(key, 9) for key, _, _, _ in items])
                 assert client.compact_puts is not old
             assert index.num_objects == 12 and not index.puts.in_flight
+            assert master.forms == [form, form]  # each commit in the newest form this master takes
         finally:
             await client.close()
             await handle.server.stop(None)
 
     asyncio.run(body())
+
+
+def test_the_keys_of_whole_groups_and_back() -> None:
+    assert group_keys(["a", "b"], 2, by_member=True) == ["a/0", "b/0", "a/1", "b/1"] == \
+        group_items(["a", "b"], [3, 5], True)[0]
+    assert group_keys(["a", "b"], 2, by_member=False) == ["a/0", "a/1", "b/0", "b/1"]
+    for by_member in (True, False):
+        for ids, members in ((["a", "b", "c"], 4), (["x/y"], 1), (["g"], 3), (["a/0", "a"], 2)):
+            assert as_commit_groups(group_keys(ids, members, by_member)) in \
+                ((ids, members, by_member), (ids, members, not by_member))  # one group, or one member: either
+    keys = group_keys(["a", "b"], 2, True)
+    for wrong in ([], ["a/0", "a/1", "b/0"], keys[:-1] + ["b/2"], [keys[1], keys[0], *keys[2:]], ["a/0", "a/0"],
+                  ["k"], ["a/1"], ["/0", "/0"]):
+        assert as_commit_groups(wrong) is None, wrong
+
+
+def test_a_commit_of_whole_groups_commits_what_its_keys_would() -> None:
+    whole, flat = servicer(2), servicer(2)
+    items = save_objects("ns", [bytes([i]) * 16 for i in range(9)], [1000, 1500, 1500, 1500])
+    for service in (whole, flat):
+        started = service.put_start(put_start_request(items, client_host="host0", packed=True))
+        assert started.commits_groups  # this master takes them
+    pairs = [(key, 0xFFFF_FFFF_FFFF_FF00 + i) for i, (key, _, _, _) in enumerate(items)]
+    request = put_end_request(pairs, groups=True)
+    assert request.HasField("groups") and not request.keys and request.groups.members == 4
+    assert request.groups.by_member and list(commit_keys(request)) == [k for k, _ in pairs]
+    assert whole.put_end(request).num_committed == flat.put_end(put_end_request(pairs)).num_committed == 36
+    a, b = whole.index, flat.index
+    assert not a.puts.in_flight and a.num_objects == b.num_objects == 36
+    assert [(g.group_id, g.checksums, g.ready, g.pending) for g in a.groups.values()] == \
+        [(g.group_id, g.checksums, g.ready, g.pending) for g in b.groups.values()]
+    assert a.heartbeat("seg0", 0) == b.heartbeat("seg0", 0) and a.heartbeat("seg1", 0) == b.heartbeat("seg1", 0)
+    assert put_end_request(pairs[:-1], groups=True).keys  # not whole groups: flat arrays
+
+
+def commit_groups(ids: list[str], members: int = 2, checksums: int | None = None, **fields: object
+                  ) -> pool_pb2.PutEndRequest:
+    count = len(ids) * members if checksums is None else checksums
+    return pool_pb2.PutEndRequest(groups=pool_pb2.CommitGroups(group_ids=ids, members=members, by_member=True),
+                                  checksums=list(range(count)), **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("request_", "error", "message"), [
+    (commit_groups(["a"], keys=["a/0"]), InvalidArgument,
+     r"^groups: given with items or keys \(a commit sends one form\)$"),
+    (commit_groups([]), InvalidArgument, r"^groups\.group_ids: must not be empty$"),
+    (commit_groups(["a"], members=0), InvalidArgument, r"^groups\.members: 0 is outside 1\.\.64$"),
+    (commit_groups(["a"], members=65), InvalidArgument, r"^groups\.members: 65 is outside 1\.\.64$"),
+    (commit_groups(["a", "b"], checksums=3), InvalidArgument,
+     r"^checksums: 3 entries, but groups stand for 4 keys$"),
+    (commit_groups(["a", "a"]), InvalidArgument, r"^groups\.group_ids\[1\]: 'a' named twice$"),
+    (commit_groups(["a", ""]), InvalidArgument, r"^groups\.group_ids\[1\]: must not be empty$"),
+    (commit_groups(["a", "x" * MAX_KEY_BYTES]), InvalidArgument, r"^groups\.group_ids\[1\]: "),
+    (commit_groups([f"g{i}" for i in range(MAX_BATCH)]), InvalidArgument, r"^groups: "),
+    (commit_groups(["a", "z"]), FailedPrecondition,
+     r"^groups \(key 1\): no put in flight for 'z/0' \(never started, revoked or timed out\)$"),
+    (commit_groups(["a"], members=3), FailedPrecondition, r"^groups \(key 2\): no put in flight for 'a/2' "),
+])
+def test_a_bad_commit_of_whole_groups_is_refused_naming_the_field(request_: pool_pb2.PutEndRequest,
+                                                                  error: type[Exception], message: str) -> None:
+    service = servicer()
+    service.put_start(bad())
+    with pytest.raises(error, match=message):
+        service.put_end(request_)
+    assert len(service.index.puts.in_flight) == 4  # nothing committed: all or none
+    assert service.put_end(commit_groups(["a", "b"])).num_committed == 4  # and it serves on
+    groups = service.index.groups
+    assert groups["a"].checksums == [0, 2] and groups["b"].checksums == [1, 3] and groups["a"].ready

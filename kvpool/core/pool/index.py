@@ -44,7 +44,7 @@ from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.leases import LeaseTable
 from kvpool.core.pool.paths import SharedMemoryRef
-from kvpool.core.pool.put_groups import as_groups
+from kvpool.core.pool.put_groups import as_commit_groups, as_groups
 from kvpool.core.pool.puts import PlacedGroups, PutTable
 from kvpool.core.pool.records import (
     ChangeRow,
@@ -157,6 +157,21 @@ class PoolIndex:
     def put_end(self, commits: Sequence[tuple[str, int]], field: str = "items[{}].key") -> int:
         """Commit in-flight puts (key, checksum); all or none (a bad one named as ``field`` with its place)."""
         return self.puts.put_end(commits, field)
+
+    def put_end_groups(self, group_ids: Sequence[str], members: int, by_member: bool, checksums: Sequence[int],
+                       field: str = "groups (commit {})") -> int:
+        """See :meth:`PutTable.put_end_groups`: ``put_end`` of the commits a commit of whole groups stands for."""
+        return self.puts.put_end_groups(group_ids, members, by_member, checksums, field)
+
+    def put_end_grouped(self, commits: Sequence[tuple[str, int]]) -> int:
+        """``put_end`` as the master serves a pool client's commit of these: where they are whole groups'
+        (``put_groups.as_commit_groups``, what the client then sends as ``CommitGroups``), ``put_end_groups``.
+        For what runs the master's decisions without its messages (the simulator)."""
+        groups = as_commit_groups([key for key, _ in commits])
+        if groups is None:
+            return self.put_end(commits)
+        group_ids, members, by_member = groups
+        return self.put_end_groups(group_ids, members, by_member, [checksum for _, checksum in commits])
 
     def put_revoke(self, keys: Iterable[str]) -> int:
         """Give back the space of in-flight puts and fail their groups; committed or unknown keys are left alone."""

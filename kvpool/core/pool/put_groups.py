@@ -33,6 +33,33 @@ def group_items(group_ids: Sequence[str], member_sizes: Sequence[int], by_member
     return keys, ids, sizes
 
 
+def group_keys(group_ids: Sequence[str], members: int, by_member: bool) -> list[str]:
+    """The keys of whole groups of ``members`` members each, in ``group_items``' order."""
+    places = PLACES[:members]
+    if by_member:
+        return [group_id + "/" + place for place in places for group_id in group_ids]
+    return [group_id + "/" + place for group_id in group_ids for place in places]
+
+
+def as_commit_groups(keys: Sequence[str]) -> tuple[list[str], int, bool] | None:
+    """Keys as whole groups (group ids, members, by_member) whose keys are exactly them in their order
+    (``group_keys``: a commit of a save's put), or None: every group whole, keyed by place, the groups
+    distinct."""
+    count = sum(1 for key in keys if key.endswith("/0"))
+    if not count or len(keys) % count:
+        return None
+    members = len(keys) // count
+    if members >= len(PLACES):
+        return None
+    for by_member in (True, False):
+        firsts = keys[:count] if by_member else keys[::members]
+        group_ids = [key[:-2] for key in firsts if key.endswith("/0")]
+        if len(group_ids) == count and len(set(group_ids)) == count and \
+                group_keys(group_ids, members, by_member) == list(keys):
+            return group_ids, members, by_member
+    return None
+
+
 def in_item_order(by_group: list[T], members: int, by_member: bool) -> list[T]:
     """Values of a put's items listed group by group (each group's ``members`` in place order), in the items'
     own order (``group_items``'s layout)."""

@@ -18,7 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -30,7 +30,7 @@ from kvpool.core.chunk_hash import DEFAULT_TENANT
 from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.put_checks import check_put_batch, check_put_end
-from kvpool.core.pool.put_groups import PLACES, group_items, in_item_order
+from kvpool.core.pool.put_groups import PLACES, group_items, group_keys, in_item_order
 from kvpool.core.pool.records import (
     Group,
     IndexCounters,
@@ -398,6 +398,40 @@ class PutTable:
             if group.failed and group.num_in_flight == 0:
                 self._drop_failed(group)
         return len(commits)
+
+    def put_end_groups(self, group_ids: Sequence[str], members: int, by_member: bool, checksums: Sequence[int],
+                       field: str = "groups (commit {})") -> int:
+        """``put_end`` of the commits that a commit of whole groups stands for (their keys in ``group_keys``'
+        order, ``checksums[i]`` the i-th key's), deciding exactly what that decides: a group at a time where each
+        group is one the index holds with its every member in flight and keyed by place (a save's); else
+        ``put_end`` of the commits themselves, with its errors (``field``: a commit's place in that order)."""
+        keys = group_keys(group_ids, members, by_member)
+        if len(checksums) != len(keys):
+            raise ValueError(f"{len(checksums)} checksums for {len(keys)} keys")
+        groups, in_flight = self.group_table.groups, self.in_flight
+        found = list(map(groups.get, group_ids))
+        places, full = PLACES[:members], (1 << members) - 1
+        plain = len(set(group_ids)) == len(group_ids) and all(map(in_flight.__contains__, keys))
+        for group in found:
+            if not plain or group is None or group.whole or group.pending != full or group.size != members or \
+                    group.keys != places:
+                return self.put_end(list(zip(keys, checksums)), field)
+        deque(map(in_flight.__delitem__, keys), 0)
+        segments, positions, count = self.segment_table.segments, list(range(members)), len(group_ids)
+        for g, group in enumerate(found):
+            group.checksums = list(checksums[g::count] if by_member else checksums[g * members:(g + 1) * members])
+            group.pending = 0
+            group.num_in_flight -= members
+            group.num_committed += members
+            group.forget_encodings()
+            if group.complete:  # every member committed (it had them all in flight)
+                self.group_table.num_complete += 1
+                self.incomplete.pop(group.group_id, None)
+                group.update_ready()
+            self._journal_added(group, positions, segments)
+            if group.failed and group.num_in_flight == 0:
+                self._drop_failed(group)
+        return len(keys)
 
     @staticmethod
     def _journal_added(group: Group, positions: list[int], segments: dict[str, Segment]) -> None:

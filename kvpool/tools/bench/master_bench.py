@@ -32,7 +32,8 @@ For each target count (10^5 and 10^6; ``--quick``: 10^4 and 10^5):
      names every id (no handle), ``lookup_cpu_ms_full_answer`` also has the
      answer packed in full (before the compact form);
    - ``save_cpu_ms``: a save of ``SAVE_CHUNKS`` chunks over the stages; legacy is
-     one put pair per stage, today's one pair for all stages;
+     one put pair per stage, today's one pair for all stages, the put and the
+     commit each naming whole groups (``PutGroups``, ``CommitGroups``);
    - today's releases and commits ride on the client's next message
      (``MasterSession.ride``: a message fewer each), as the pool client sends
      them; ``*_rides_off`` (lookup, save, turn) awaits each alone, as before;
@@ -185,8 +186,9 @@ class Calls:
         started = await self._call("put_start", self.stub.PutStart, request, legacy)
         statuses = list(started.packed.status) if not legacy else [r.status for r in started.results]
         pairs = [(k, i + 1) for i, (k, status) in enumerate(zip(keys, statuses)) if status == pb.PUT_STATUS_RESERVED]
-        # today's commit two flat arrays, as the pool client sends it; legacy's a message per object
-        commits = self.put_end_request(pairs, compact=not legacy)
+        # today's commit names whole groups and their checksums (``CommitGroups``) where the master takes them, as
+        # the pool client sends it (else two flat arrays); legacy's a message per object
+        commits = self.put_end_request(pairs, compact=not legacy, groups=not legacy and started.commits_groups)
         for status in statuses:
             if status not in (pb.PUT_STATUS_RESERVED, pb.PUT_STATUS_ALREADY_EXISTS):
                 name = pb.PutStatus.Name(status)

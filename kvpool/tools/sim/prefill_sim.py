@@ -322,7 +322,7 @@ class PipelineSim:
 
         def commit() -> int:
             if commits:  # stage 0 sends no put end when nothing was reserved
-                self.index.put_end(commits)
+                self.index.put_end_grouped(commits)  # as the master serves it
             freed()
             return len(commits)
 
