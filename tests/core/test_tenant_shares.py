@@ -6,15 +6,19 @@ at 1.0 gives shares of 10 KiB unless a test sets watermarks.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvpool.core.pool.eviction import Eviction
 from kvpool.core.pool.index import IndexSettings, PoolIndex
 from kvpool.core.pool.records import ObjectRecord, PutRequestItem, PutStatus
 from kvpool.core.tenancy.shares import TenantShares, VictimOrder, parse_weights
 from tests.core.fixtures import KB, make_index, mount
+from tests.core.test_put_groups_at_once import state
 
 FULL = {"high_watermark": 1.0, "low_watermark": 1.0}
 
@@ -255,3 +259,86 @@ class TenantEvictionStepMachine(TenantEvictionMachine):
 
 TenantEvictionStepMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 test_tenant_eviction_step_machine = TenantEvictionStepMachine.TestCase
+
+
+class OnePassEvictionMachine(RuleBasedStateMachine):
+    """``Eviction.make_room`` evicts the putting tenant's own groups in one pass over their order
+    (``_evict_run``): the same victims, in the same order, as its loop of one eviction a call. Two indexes take
+    the same random puts (several groups at once, some left in flight), leases, releases and removals, of one
+    tenant or several, with a step that binds or not; one evicts by the loop alone. After every step the two are
+    the same index."""
+
+    step = 256  # groups a put may evict toward the low watermark past its own room
+
+    def __init__(self) -> None:
+        super().__init__()
+        kwargs = dict(high_watermark=0.9, low_watermark=0.7, alignment=64, tenant_weights=["alice=2"])
+        self.fast = make_index(16 * KB, max_evictions_per_put=self.step, **kwargs)[0]  # type: ignore[arg-type]
+        self.loop = make_index(16 * KB, max_evictions_per_put=self.step, **kwargs)[0]  # type: ignore[arg-type]
+        self.next_id = 0
+        self.leases: list[tuple[int, int]] = []
+
+    def both(self, call: str, *args: object) -> None:
+        """The call on each: the loop's index with ``_evict_run`` doing nothing, so its loop evicts each group."""
+        want = getattr(self.fast, call)(*args)
+        with mock.patch.object(Eviction, "_evict_run", lambda *_: False):
+            got = getattr(self.loop, call)(*args)
+        assert _same(want, got)
+        assert _state(self.fast) == _state(self.loop)
+
+    @rule(tenant=st.sampled_from(("default", "default", "default", "alice", "bob")), count=st.integers(1, 4),
+          size=st.integers(1, 3), commit=st.booleans())
+    def put(self, tenant: str, count: int, size: int, commit: bool) -> None:
+        items = []
+        for _ in range(count):
+            self.next_id += 1
+            items.append(PutRequestItem(f"g{self.next_id}/0", f"g{self.next_id}", 1, size * KB // 2 - 7, tenant))
+        self.both("put_start", "host0", items)
+        if commit:
+            self.both("put_end", [(item.key, 7) for item in items if item.key in self.fast.puts.in_flight])
+
+    @rule(data=st.data())
+    def lease(self, data: st.DataObject) -> None:
+        if self.fast.groups:
+            group_id = data.draw(st.sampled_from(list(self.fast.groups)))
+            a, b = self.fast.lookup([group_id], 60.0), self.loop.lookup([group_id], 60.0)
+            assert (a.lease_id, a.num_found) == (b.lease_id, b.num_found)
+            if a.lease_id:
+                self.leases.append((a.lease_id, b.lease_id))
+
+    @rule()
+    def release(self) -> None:
+        if self.leases:
+            a, b = self.leases.pop(0)
+            assert self.fast.release_lease(a) == self.loop.release_lease(b)
+
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        if self.fast.groups:
+            self.both("remove", [data.draw(st.sampled_from(list(self.fast.groups)))])
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, list):
+        return [(o.status, o.segment and o.segment.segment_id, o.offset) if hasattr(o, "status") else o
+                for o in a] == [(o.status, o.segment and o.segment.segment_id, o.offset)
+                                if hasattr(o, "status") else o for o in b]  # type: ignore[union-attr]
+    return repr(a) == repr(b)
+
+
+def _state(index: PoolIndex) -> tuple:
+    return state(index), index.counters.evicted_groups_by_tenant, dict(index.tenant_bytes)
+
+
+OnePassEvictionMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
+test_one_pass_eviction_machine = OnePassEvictionMachine.TestCase
+
+
+class OnePassEvictionStepMachine(OnePassEvictionMachine):
+    """The same with a step that binds (one group past a put's own room)."""
+
+    step = 1
+
+
+OnePassEvictionStepMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
+test_one_pass_eviction_step_machine = OnePassEvictionStepMachine.TestCase

@@ -127,6 +127,9 @@ class Eviction:
         if index.used_bytes + size <= high:
             return None
         victims = self.victim_order(tenant, size)
+        if victims.own and self.mode == "group" and \
+                self._evict_run(index.tenant_groups(victims.tenant), size, high, low, keep):
+            return victims
         # under ``high`` whatever it takes, then on toward ``low`` as far as the batch's step allows
         while True:
             under = index.used_bytes + size <= high
@@ -135,6 +138,34 @@ class Eviction:
                 break
             self._left -= under
         return victims
+
+    def _evict_run(self, groups: object, size: int, high: float, low: float, keep: str) -> bool:
+        """``make_room``'s loop while its victims are the putting tenant's own groups (``evict_one``'s first
+        rule), in one pass over their order: the groups it would evict one call at a time, in that order (each
+        call's first idle group is the next idle one: an eviction changes no other group's place or business),
+        with no pass started again from the first group for each. True when that made the room; False, with what
+        it evicted gone, when the tenant's idle groups ran out first (the loop goes on to other tenants')."""
+        order, by_slot = getattr(groups, "order", None), getattr(groups, "by_slot", None)
+        if order is None or by_slot is None:  # not a table's order (then the loop does it all)
+            return False
+        index, counters = self.index, self.counters
+        by_tenant = counters.evicted_groups_by_tenant
+        s = order.first()
+        while s >= 0:
+            used = index.used_bytes
+            under = used + size <= high
+            if under and (self._left <= 0 or used + size <= low):
+                return True
+            group = by_slot[s]
+            s = order.after(s)  # (before the group leaves the order)
+            if group.num_in_flight > 0 or group.num_leases > 0 or group.group_id == keep:  # busy, or the put's own
+                continue
+            counters.evicted_groups += 1
+            by_tenant[group.tenant] = by_tenant.get(group.tenant, 0) + 1
+            counters.evicted_bytes += group.nbytes
+            index.drop_group(group.group_id)
+            self._left -= under
+        return False
 
     def victim_order(self, tenant: str, size: int) -> VictimOrder:
         index = self.index
