@@ -8,7 +8,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from itertools import chain, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import grpc
@@ -206,6 +206,17 @@ def packed_changes(rows: Sequence[ChangeRow]) -> pool_pb2.PackedChanges:
 def grouped_changes(slices: Sequence[EntrySlice]) -> pool_pb2.GroupedChanges:
     """A heartbeat's changes as ``GroupedChanges``: a journal entry's columns at a time, with its group id,
     tenant and key prefix once (a save's chunk is one entry of four changes, as is each group it evicts)."""
+    entries = list(map(_ENTRY, slices))
+    if all(skip == 0 and n == len(entry.keys) for entry, skip, n in slices):  # nearly always: whole entries
+        added = [entry for entry in entries if entry.group_size]
+        return pool_pb2.GroupedChanges(
+            first=list(map(_FIRST, entries)), count=list(map(len, map(_KEYS, entries))),
+            prefix=list(map(_PREFIX, entries)), group_id=list(map(_GROUP_ID, entries)),
+            group_size=list(map(_GROUP_SIZE, entries)), tenant=list(map(_TENANT, entries)),
+            part=list(chain.from_iterable(map(_KEYS, entries))),
+            offset=list(chain.from_iterable(map(_OFFSETS, added))),
+            size=list(chain.from_iterable(map(_SIZES_OF, added))),
+            checksum=list(chain.from_iterable(map(_CHECKSUMS, added))))
     first: list[int] = []
     count: list[int] = []
     part: list[str] = []
@@ -221,13 +232,18 @@ def grouped_changes(slices: Sequence[EntrySlice]) -> pool_pb2.GroupedChanges:
             offset += entry.offsets[skip:end]
             size += entry.sizes[skip:end]
             checksum += entry.checksums[skip:end]
-    entries = [entry for entry, _, _ in slices]
     return pool_pb2.GroupedChanges(
         first=first, count=count, prefix=list(map(_PREFIX, entries)), group_id=list(map(_GROUP_ID, entries)),
         group_size=list(map(_GROUP_SIZE, entries)), tenant=list(map(_TENANT, entries)), part=part, offset=offset,
         size=size, checksum=checksum)
 
 
+_ENTRY = itemgetter(0)
+_FIRST = attrgetter("first")
+_KEYS = attrgetter("keys")
+_OFFSETS = attrgetter("offsets")
+_SIZES_OF = attrgetter("sizes")
+_CHECKSUMS = attrgetter("checksums")
 _PREFIX = attrgetter("prefix")
 _GROUP_ID = attrgetter("group_id")
 _GROUP_SIZE = attrgetter("group_size")

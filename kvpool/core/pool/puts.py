@@ -30,7 +30,7 @@ from kvpool.core.chunk_hash import DEFAULT_TENANT
 from kvpool.core.pool.eviction import Eviction, GroupFailures
 from kvpool.core.pool.groups import GroupTable
 from kvpool.core.pool.put_checks import check_put_batch, check_put_end
-from kvpool.core.pool.put_groups import PLACES, group_items, group_keys, in_item_order
+from kvpool.core.pool.put_groups import PLACES, group_keys, in_item_order
 from kvpool.core.pool.records import (
     Group,
     IndexCounters,
@@ -322,24 +322,42 @@ class PutTable:
             self._evict_as_items(member_sizes, len(group_ids), by_member, high, tenant)
         started = self.clock()
         sizes, parts = shared(tuple(member_sizes)), shared(places)
-        place = self._place_run
+        # each group as ``_place_run`` places it (one run of space, one record), the batch's sums counted once
+        table, add, as_list = self.group_table, self.group_table.add, list(sizes)
+        nbytes = sum(map(rounded, sizes))  # a group's room: its members back to back
+        pending = (1 << members) - 1
         # a group's rotation is its first item's place (every item before it placed): item g by member, else g * m
         step = 1 if by_member else members
         placed_in: list[Segment] = []
         offsets: list[list[int]] = []
+        in_segment: dict[str, tuple[str, ...]] = {}
         for g, group_id in enumerate(group_ids):
             segment = rotations[g * step % len(rotations)][0]
-            run = place(group_id, tenant, tuple([group_id + "/" + p for p in places]), sizes, segment, started,
-                        parts, track=not past)
+            run = segment.allocator.allocate_run(as_list)
             if run is None:  # (cannot be: the whole batch fits in this segment's largest hole)
                 raise AssertionError(f"no hole for group {group_id!r} of a batch that fits in {segment.segment_id}")
+            segment_ids = in_segment.get(segment.segment_id)
+            if segment_ids is None:
+                segment_ids = in_segment[segment.segment_id] = shared((segment.segment_id,) * members)
+            group = Group(group_id, members, tenant, parts, False, segment_ids, tuple(run), sizes, [0] * members,
+                          pending=pending, nbytes=nbytes, run=True, num_in_flight=members)
+            add(group)
+            segment.groups[group_id] = group
+            segment.num_objects += members
             placed_in.append(segment)
             offsets.append(run)
-        if past:  # in flight in the items' order, as they would have gone one at a time
-            self.in_flight.update(zip(group_items(group_ids, member_sizes, by_member)[0], repeat(started)))
-        for group_id in group_ids:  # each as its last member's item marks it
-            self.mark_incomplete(group_id)
-        self.group_table.touch(group_ids)
+        table.add_members(tenant, nbytes * len(group_ids), members * len(group_ids))
+        self.segment_table.used_bytes += nbytes * len(group_ids)
+        # in flight in the items' order, as they would have gone one at a time past the watermark (else group by
+        # group, as ``_place_run`` puts them)
+        self.in_flight.update(zip(group_keys(group_ids, members, by_member and past), repeat(started)))
+        incomplete = self.incomplete  # each as its last member's item marks it
+        if incomplete.keys().isdisjoint(group_ids):
+            incomplete.update(zip(group_ids, repeat(self.clock() + self.settings.incomplete_group_s)))
+        else:
+            for group_id in group_ids:
+                self.mark_incomplete(group_id)
+        table.touch(group_ids)
         return PlacedGroups(placed_in, offsets)
 
     def _evict_as_items(self, member_sizes: Sequence[int], count: int, by_member: bool, high: float,

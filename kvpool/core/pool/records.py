@@ -180,9 +180,10 @@ class SegmentJournal:
 
     def ack(self, sequence: int) -> None:
         """The store applied every change up to ``sequence`` (a later one than ours is clamped)."""
-        self.acked = max(self.acked, min(sequence, self.sequence))
-        while self.entries and self.entries[0].last <= self.acked:
-            self.entries.popleft()
+        acked = self.acked = max(self.acked, min(sequence, self.sequence))
+        entries = self.entries
+        while entries and (entry := entries[0]).first + len(entry.keys) <= acked + 1:  # (its last is acked)
+            entries.popleft()
 
     def pending_rows(self, limit: int) -> list[ChangeRow]:
         """The first ``limit`` changes the store has not acknowledged, as rows."""
