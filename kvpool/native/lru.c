@@ -958,12 +958,20 @@ done:
     return result;
 }
 
-static PyObject *Allocator_free(Allocator *a, PyObject *offset_obj) {
+static Entry *live_at(Allocator *a, PyObject *offset_obj) {
+    /* the live allocation at the offset named: its entry, or NULL with UnknownOffsetError (or another error) set */
     uint64_t offset;
     int ok = offset_of(offset_obj, &offset);
     if (ok < 0) return NULL;
     Entry *e = ok ? map_find(&a->live, offset) : NULL;
-    if (e == NULL) return unknown_offset(offset_obj);
+    if (e == NULL) unknown_offset(offset_obj);
+    return e;
+}
+
+static PyObject *Allocator_free(Allocator *a, PyObject *offset_obj) {
+    Entry *e = live_at(a, offset_obj);
+    if (e == NULL) return NULL;
+    uint64_t offset = e->key;
     if (reserve(a, 1) < 0) return NULL;
     e = map_find(&a->live, offset); /* (reserving may have moved it) */
     uint64_t size = e->value;
@@ -1037,12 +1045,8 @@ done:
 }
 
 static PyObject *Allocator_allocation_size(Allocator *a, PyObject *offset_obj) {
-    uint64_t offset;
-    int ok = offset_of(offset_obj, &offset);
-    if (ok < 0) return NULL;
-    Entry *e = ok ? map_find(&a->live, offset) : NULL;
-    if (e == NULL) return unknown_offset(offset_obj);
-    return PyLong_FromUnsignedLongLong(e->value);
+    Entry *e = live_at(a, offset_obj);
+    return e == NULL ? NULL : PyLong_FromUnsignedLongLong(e->value);
 }
 
 static PyObject *pairs_of(const Map *m) {

@@ -404,18 +404,24 @@ class PutTable:
                 entry[1].append(position)
         segments = self.segment_table.segments
         for group, positions in done.values():
-            n = len(positions)
-            group.num_in_flight -= n
-            group.num_committed += n
-            group.forget_encodings()
-            if group.complete:  # just now: a group holds at most its size of members, these n were in flight
-                self.group_table.num_complete += 1
-                self.incomplete.pop(group.group_id, None)
-                group.update_ready()
-            self._journal_added(group, positions, segments)
-            if group.failed and group.num_in_flight == 0:
-                self._drop_failed(group)
+            self._committed(group, positions, segments)
         return len(commits)
+
+    def _committed(self, group: Group, positions: list[int], segments: dict[str, Segment]) -> None:
+        """Members at ``positions`` of ``group``, in flight until now, are committed (their checksums set): its
+        counts, whether it is complete and ready, its journal entry, and a failed group with none left in flight
+        dropped."""
+        n = len(positions)
+        group.num_in_flight -= n
+        group.num_committed += n
+        group.forget_encodings()
+        if group.complete:  # just now: a group holds at most its size of members, these n were in flight
+            self.group_table.num_complete += 1
+            self.incomplete.pop(group.group_id, None)
+            group.update_ready()
+        self._journal_added(group, positions, segments)
+        if group.failed and group.num_in_flight == 0:
+            self._drop_failed(group)
 
     def put_end_groups(self, group_ids: Sequence[str], members: int, by_member: bool, checksums: Sequence[int],
                        field: str = "groups (commit {})") -> int:
@@ -436,19 +442,11 @@ class PutTable:
                 return self.put_end(list(zip(keys, checksums)), field)
         deque(map(in_flight.__delitem__, keys), 0)
         segments, positions, count = self.segment_table.segments, list(range(members)), len(group_ids)
+        committed = self._committed
         for g, group in enumerate(found):
             group.checksums = list(checksums[g::count] if by_member else checksums[g * members:(g + 1) * members])
             group.pending = 0
-            group.num_in_flight -= members
-            group.num_committed += members
-            group.forget_encodings()
-            if group.complete:  # every member committed (it had them all in flight)
-                self.group_table.num_complete += 1
-                self.incomplete.pop(group.group_id, None)
-                group.update_ready()
-            self._journal_added(group, positions, segments)
-            if group.failed and group.num_in_flight == 0:
-                self._drop_failed(group)
+            committed(group, positions, segments)
         return len(keys)
 
     @staticmethod
