@@ -124,6 +124,20 @@ def add_bench(sub: Any) -> None:
     ab.add_argument("--cases", choices=("all", "cases", "control"), default="all",
                     help="cases: the 4K/16K prompts on dsv3-kv-lean; control: the one-token device hit on tiny "
                          "(mostly control time); all: both")
+    core = bench_sub.add_parser(
+        "master-core", help="the master's index and servicer CPU per save and lookup, in one process (no gRPC)",
+        description="Runs the pool master's index and servicer in this process (no gRPC, no other process), "
+        "populates them through the servicer's session answers to 10^5 and 10^6 objects at the high watermark, "
+        "the stores' heartbeats acknowledged as a store does, then measures the process's CPU per save of 22 "
+        "chunks over 4 stages (its commit riding on the next save, alternating in blocks of saves between a commit of "
+        "whole groups and two flat arrays) with its share of the heartbeats, while saves evict, and per lookup "
+        "of a 450-chunk history by its handle with its release. What kvpool bench master reads over gRPC, less "
+        "the calls' own cost and the host's other load.",
+    )
+    add_report_flags(core, quick="10^4 objects, fewer saves and lookups (seconds)")
+    core.add_argument("--objects", type=int, help="one object count to measure at (default: 10^5, then 10^6)")
+    core.add_argument("--saves", type=int, help="saves measured (default 2000; quick 200)")
+    core.add_argument("--lookups", type=int, help="lookups measured (default 400; quick 80)")
     master = bench_sub.add_parser(
         "master", help="what one pool master carries: CPU per lookup, save and turn, calls a second, index memory",
         description="Starts a master and two stores, populates the pool through real PutStart/PutEnd calls to "
@@ -247,6 +261,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from kvpool.tools.bench.path_bench import main as bench_path
 
         return bench_path(args)
+    if args.bench_command == "master-core":
+        from kvpool.tools.bench.master_core_bench import main as bench_master_core
+
+        return bench_master_core(args)
     if args.bench_command == "master":
         from kvpool.tools.bench.master_bench import main as bench_master
 
