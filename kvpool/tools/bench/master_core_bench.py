@@ -78,6 +78,7 @@ class Core:
         self.count = {True: 0, False: 0}
         self.each: dict[bool, list[float]] = {True: [], False: []}
         self.measuring = False
+        self.block = FORM_BLOCK  # saves a commit form keeps before the other's turn
 
     def message(self, **body: Any) -> Any:
         from kvpool.rpc import pool_pb2
@@ -148,7 +149,7 @@ class Core:
         (``FORM_BLOCK``)."""
         for _ in range(count):
             for first in range(0, HISTORY_CHUNKS - HISTORY_CHUNKS % SAVE_CHUNKS, SAVE_CHUNKS):
-                self.save(self.histories, first, whole_groups=self.saves // FORM_BLOCK % 2 == 0)
+                self.save(self.histories, first, whole_groups=self.saves // self.block % 2 == 0)
             self.histories += 1
             if self.histories % 5 == 0:
                 gc.freeze()  # as the master's sweep does (kvpool.heap)
@@ -182,6 +183,7 @@ def measure(objects: int, saves: int, lookups: int) -> dict[str, Any]:
     populate_s = time.perf_counter() - t0
     core.save_histories(CHURN_HISTORIES)
     core.beat()
+    core.block = max(1, min(FORM_BLOCK, saves // 4))  # (both forms take turns in a short run too)
     core.measuring = True
     evicted = core.index.counters.evicted_groups
     core.save_histories(math.ceil(saves / (HISTORY_CHUNKS // SAVE_CHUNKS)))
