@@ -135,6 +135,17 @@ TABLES: dict[str, Table] = {
         C("lookup p99 ms", "lookup_ms_p99", ".1f"),
         C("saves/s", "saves_per_s", ".1f"),
     )),
+    "master-core": Table(("*-master-core-*.json",), rows="output/scales", columns=(
+        C("objects", "objects", ","),
+        C("save ms", "save_cpu_ms", ".3f"),
+        C("flat commits", "save_cpu_ms_flat_commits", ".3f"),
+        C("save p50 ms", "save_ms_p50", ".3f"),
+        C("flat commits", "save_ms_flat_commits_p50", ".3f"),
+        C("lookup + release ms", "lookup_cpu_ms", ".3f"),
+        C("lookup p50 ms", "lookup_ms_p50", ".3f"),
+        C("groups found", "lookup_groups_found", ".0f"),
+        C("groups evicted", "evicted_groups_while_saving", ","),
+    )),
     "bench-path": Table(("*-bench-path-quick*.json", "*-bench-path.json"), columns=(
         C("`pool_hit` calls", "output/pool_hit/rpcs_per_request"),
         C("saves", "output/pool_hit/save_rpcs"),
