@@ -147,6 +147,14 @@ def _run_up(args: argparse.Namespace) -> int:
                   args.ready_file)
 
 
+def _run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "master-core":  # the master's servicer in this process: it lives with the master
+        from kvpool.services.master.core_bench import main as bench_master_core
+
+        return bench_master_core(args)
+    return run_bench(args)
+
+
 def services_log_level(args: argparse.Namespace) -> str:
     """The level ``kvpool up`` gives the services it starts: warning unless ``--log-level`` was given (so
     ``--log-level info`` gets their info lines, where the default keeps the terminal and files quiet)."""
@@ -248,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {
         **dict.fromkeys(ROLES, _run_role), "up": _run_up, "generate": _run_generate, "chat": _run_chat,
         "health": _run_health, "certs": _run_certs,
-        "pool": _run_pool, "bench": run_bench, "replay": _run_replay, "simulate": _run_simulate,
+        "pool": _run_pool, "bench": _run_bench, "replay": _run_replay, "simulate": _run_simulate,
         "report": _run_report,
     }
     try:

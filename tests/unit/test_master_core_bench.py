@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvpool.services import cli_parser
-from kvpool.tools.bench import master_core_bench
+from kvpool.services.master import core_bench as master_core_bench
 
 
 def test_a_quick_run_saves_in_both_forms_while_evicting_and_finds_whole_histories(
@@ -37,3 +37,10 @@ def test_bad_arguments_are_refused_by_name(argv: list[str], message: str) -> Non
     args = cli_parser.build_parser().parse_args(["bench", "master-core", *argv])
     with pytest.raises(SystemExit, match=f"kvpool bench master-core: {message}"):
         master_core_bench.main(args)
+
+
+def test_its_shapes_are_bench_masters() -> None:
+    from kvpool.tools.bench import master_bench
+
+    for name in ("STAGES", "HISTORY_CHUNKS", "SAVE_CHUNKS", "OBJECT_BYTES", "NAMESPACE"):
+        assert getattr(master_core_bench, name) == getattr(master_bench, name), name

@@ -261,10 +261,6 @@ def run_bench(args: argparse.Namespace) -> int:
         from kvpool.tools.bench.path_bench import main as bench_path
 
         return bench_path(args)
-    if args.bench_command == "master-core":
-        from kvpool.tools.bench.master_core_bench import main as bench_master_core
-
-        return bench_master_core(args)
     if args.bench_command == "master":
         from kvpool.tools.bench.master_bench import main as bench_master
 

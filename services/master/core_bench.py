@@ -1,5 +1,8 @@
 """``kvpool bench master-core``: the master's own work per call, in this process, without gRPC.
 
+It runs the master's servicer in the command's own process, so it lives with the master (the tools start the
+services, never import them; ``kvpool``'s launcher dispatches this one bench here).
+
 ``kvpool bench master`` measures a real master over gRPC: on a shared host the
 session message's own floor and the host's load move its figures by a third
 between runs. This one runs the same index and servicer (``PoolIndex``,
@@ -38,8 +41,12 @@ import statistics
 import time
 from typing import Any
 
-from kvpool.tools.bench.master_bench import HISTORY_CHUNKS, NAMESPACE, OBJECT_BYTES, SAVE_CHUNKS, STAGES
-
+# bench master's shapes (kvpool/tools/bench/master_bench.py; a role never imports the tools, a test holds them equal)
+STAGES = 4
+HISTORY_CHUNKS = 450
+SAVE_CHUNKS = 22
+OBJECT_BYTES = 256
+NAMESPACE = "bench-master-0123456789abcdef"
 HIGH_WATERMARK = 0.9
 BEAT_SAVES = 20  # saves between the stores' heartbeats
 CHURN_HISTORIES = 80  # histories saved past the populate, so saves evict as they go
@@ -220,9 +227,7 @@ def measure(objects: int, saves: int, lookups: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvpool.core.pool import allocator, lru
-    from kvpool.logs import configure_logging
 
-    configure_logging("warning")
     scales = [10**4] if args.quick else [args.objects] if args.objects else [10**5, 10**6]
     saves = args.saves or (200 if args.quick else 2000)
     lookups = args.lookups or (80 if args.quick else 400)
