@@ -27,6 +27,8 @@ EDGE_NAME = re.compile(r"(.*_)?(servicer|client|clients)|server")
 OUTSIDE_CLIENTS = {
     "kvpool.tools.bench": "the benchmarks drive the services over gRPC as outside clients",
     "kvpool.tools.health": "a health probe: a client of any service's stock health servicer",
+    "kvpool.services.master.core_bench": "a benchmark: it sends the master's servicer a pool client's messages, "
+                                         "in its own process",
 }
 
 
