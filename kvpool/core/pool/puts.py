@@ -242,13 +242,11 @@ class PutTable:
         return runs
 
     def _place_run(self, group_id: str, tenant: str, keys: tuple[str, ...], sizes: tuple[int, ...],
-                   segment: Segment, started: float, parts: tuple[str, ...] | None = None, track: bool = True
-                   ) -> list[int] | None:
+                   segment: Segment, started: float) -> list[int] | None:
         """Every member of a new group at once, back to back in ``segment``: one hole, one record, one run of space
-        to give back when the group goes (the caller marks it incomplete). Returns the members' offsets; None, with
-        nothing changed, when the segment has no one hole for them all. ``sizes`` shared (``shared``); ``parts``:
-        the keys' parts (``parts_of``) when the caller knows them; ``track``: its keys go in flight here (else the
-        caller puts them there)."""
+        to give back when the group goes (the caller marks it incomplete); its keys go in flight. Returns the
+        members' offsets; None, with nothing changed, when the segment has no one hole for them all. ``sizes``
+        shared (``shared``)."""
         offsets = self.segment_table.allocate_run(segment, list(sizes))
         if offsets is None:
             return None
@@ -256,16 +254,14 @@ class PutTable:
         nbytes = offsets[-1] - offsets[0] + segment.allocator.rounded_size(sizes[-1])  # their room: one run
         group = Group(group_id, n, tenant, (), False, shared((segment.segment_id,) * n), tuple(offsets), sizes,
                       [0] * n, pending=(1 << n) - 1, nbytes=nbytes, run=True, num_in_flight=n)
-        if parts is None:
-            parts = parts_of(group_id, keys)
+        parts = parts_of(group_id, keys)
         if parts is None:  # a key that is not "<group_id>/<part>": the group keeps them whole
             group.keys, group.whole = keys, True
             self.index.owners.update(zip(keys, repeat(group)))
         else:
             group.keys = shared(parts)
         self.group_table.add(group)
-        if track:
-            self.in_flight.update(zip(keys, repeat(started)))
+        self.in_flight.update(zip(keys, repeat(started)))
         self.group_table.add_members(tenant, nbytes, n)
         segment.groups[group_id] = group
         segment.num_objects += n
