@@ -142,7 +142,7 @@ class Core:
         for segment_id, acked in self.acked.items():
             more = True
             while more:
-                changes, more = self.index.heartbeat_entries(segment_id, acked)
+                changes, more = self.index.heartbeat_changes(segment_id, acked)
                 grouped = heartbeat_response(changes, "grouped", master_incarnation="bench", more=more)
                 grouped.SerializeToString()
                 sent = grouped.grouped_changes

@@ -8,7 +8,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from itertools import chain, repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any
 
 import grpc
@@ -23,7 +23,7 @@ from kvpool.core.pool.put_groups import PLACES as _PLACES, group_items, group_ke
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
     ChangeRow,
-    EntrySlice,
+    JournalChanges,
     Group,
     ObjectRecord,
     PutOutcome,
@@ -203,58 +203,20 @@ def packed_changes(rows: Sequence[ChangeRow]) -> pool_pb2.PackedChanges:
                                   offset=offset, size=size, checksum=checksum, tenant=tenant)
 
 
-def grouped_changes(slices: Sequence[EntrySlice]) -> pool_pb2.GroupedChanges:
-    """A heartbeat's changes as ``GroupedChanges``: a journal entry's columns at a time, with its group id,
-    tenant and key prefix once (a save's chunk is one entry of four changes, as is each group it evicts)."""
-    entries = list(map(_ENTRY, slices))
-    if all(skip == 0 and n == len(entry.keys) for entry, skip, n in slices):  # nearly always: whole entries
-        added = [entry for entry in entries if entry.group_size]
-        return pool_pb2.GroupedChanges(
-            first=list(map(_FIRST, entries)), count=list(map(len, map(_KEYS, entries))),
-            prefix=list(map(_PREFIX, entries)), group_id=list(map(_GROUP_ID, entries)),
-            group_size=list(map(_GROUP_SIZE, entries)), tenant=list(map(_TENANT, entries)),
-            part=list(chain.from_iterable(map(_KEYS, entries))),
-            offset=list(chain.from_iterable(map(_OFFSETS, added))),
-            size=list(chain.from_iterable(map(_SIZES_OF, added))),
-            checksum=list(chain.from_iterable(map(_CHECKSUMS, added))))
-    first: list[int] = []
-    count: list[int] = []
-    part: list[str] = []
-    offset: list[int] = []
-    size: list[int] = []
-    checksum: list[int] = []
-    for entry, skip, n in slices:
-        first.append(entry.first + skip)
-        count.append(n)
-        end = skip + n
-        part += entry.keys[skip:end]
-        if entry.group_size:
-            offset += entry.offsets[skip:end]
-            size += entry.sizes[skip:end]
-            checksum += entry.checksums[skip:end]
-    return pool_pb2.GroupedChanges(
-        first=first, count=count, prefix=list(map(_PREFIX, entries)), group_id=list(map(_GROUP_ID, entries)),
-        group_size=list(map(_GROUP_SIZE, entries)), tenant=list(map(_TENANT, entries)), part=part, offset=offset,
-        size=size, checksum=checksum)
+def grouped_changes(changes: JournalChanges) -> pool_pb2.GroupedChanges:
+    """A heartbeat's changes as ``GroupedChanges``: the journal's columns as they are (a save's chunk is one entry
+    of four changes, as is each group it evicts)."""
+    return pool_pb2.GroupedChanges(first=changes.first, count=changes.count, prefix=changes.prefix,
+                                   group_id=changes.group_id, group_size=changes.group_size, tenant=changes.tenant,
+                                   part=changes.part, offset=changes.offset, size=changes.size,
+                                   checksum=changes.checksum)
 
 
-_ENTRY = itemgetter(0)
-_FIRST = attrgetter("first")
-_KEYS = attrgetter("keys")
-_OFFSETS = attrgetter("offsets")
-_SIZES_OF = attrgetter("sizes")
-_CHECKSUMS = attrgetter("checksums")
-_PREFIX = attrgetter("prefix")
-_GROUP_ID = attrgetter("group_id")
-_GROUP_SIZE = attrgetter("group_size")
-_TENANT = attrgetter("tenant")
-
-
-def heartbeat_response(changes: Sequence[EntrySlice], form: str, **fields: Any) -> pool_pb2.HeartbeatResponse:
+def heartbeat_response(changes: JournalChanges, form: str, **fields: Any) -> pool_pb2.HeartbeatResponse:
     """The answer to a heartbeat, in the form it asked for: "grouped", "packed" or "" (one message a change)."""
     if form == "grouped":
         return pool_pb2.HeartbeatResponse(grouped_changes=grouped_changes(changes), **fields)
-    rows = [row for entry, skip, n in changes for row in entry.rows(entry.first + skip - 1, n)]
+    rows = changes.rows()
     if form == "packed":
         return pool_pb2.HeartbeatResponse(packed_changes=packed_changes(rows), **fields)
     return pool_pb2.HeartbeatResponse(changes=[change_message(change_of_row(row)) for row in rows], **fields)
@@ -621,17 +583,17 @@ class PoolMasterServicer(pool_pb2_grpc.PoolMasterServicer):
             raise InvalidArgument(f"wait_ms: {request.wait_ms} is more than {MAX_WAIT_MS}")
         form = heartbeat_form(request)
         if self.ha is None:
-            changes, more = self.index.heartbeat_entries(request.segment_id, request.acked_sequence)
+            changes, more = self.index.heartbeat_changes(request.segment_id, request.acked_sequence)
             return heartbeat_response(changes, form, master_incarnation=self.incarnation, more=more)
         await self.leading(context)
         index = self.index
-        changes, more = index.heartbeat_entries(request.segment_id, request.acked_sequence)
+        changes, more = index.heartbeat_changes(request.segment_id, request.acked_sequence)
         self.ha.waiters.acked(request.segment_id, index.segments[request.segment_id].journal.acked)
         if not changes and request.wait_ms:  # long-poll: answer as soon as a commit waits for this store
             await self.ha.waiters.hold(request.segment_id, False, request.wait_ms / 1000)
             if self.index is not index or self.ha.refusal() is not None:
                 raise Unavailable(self.ha.refusal() or "master: a new term began while the heartbeat waited")
-            changes, more = index.heartbeat_entries(request.segment_id, request.acked_sequence)
+            changes, more = index.heartbeat_changes(request.segment_id, request.acked_sequence)
         return heartbeat_response(changes, form, master_incarnation=self.incarnation, more=more,
                                   epoch=self.ha.epoch)
 

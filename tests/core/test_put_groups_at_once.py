@@ -27,7 +27,7 @@ def state(index: PoolIndex) -> tuple:
     segments = {
         segment_id: (segment.allocator.free_extents(), segment.allocator.allocations(),
                      segment.num_objects, list(segment.groups), segment.journal.sequence,
-                     segment.journal.pending_entries(1 << 30))
+                     segment.journal.pending_columns(1 << 30))
         for segment_id, segment in index.segment_table.segments.items()
     }
     groups = [(group, group.ready, group.slot) for group in index.groups.values()]
@@ -46,7 +46,7 @@ def decisions(index: PoolIndex) -> tuple:
               for g in index.groups.values()]
     segments = {
         segment_id: (segment.allocator.used_bytes, segment.num_objects, list(segment.groups),
-                     segment.journal.sequence, segment.journal.pending_entries(1 << 30))
+                     segment.journal.sequence, segment.journal.pending_columns(1 << 30))
         for segment_id, segment in index.segment_table.segments.items()
     }
     table = index.group_table

@@ -48,7 +48,7 @@ from kvpool.core.pool.put_groups import as_commit_groups, as_groups
 from kvpool.core.pool.puts import PlacedGroups, PutTable
 from kvpool.core.pool.records import (
     ChangeRow,
-    EntrySlice,
+    JournalChanges,
     Group,
     IndexCounters,
     LookupResult,
@@ -394,9 +394,9 @@ class PoolIndex:
         """``heartbeat``, the changes as rows (``PackedChanges``' columns)."""
         return self.segment_table.heartbeat(segment_id, acked_sequence)
 
-    def heartbeat_entries(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[EntrySlice], bool]:
-        """``heartbeat``, the changes a journal entry at a time (``GroupedChanges``' entries)."""
-        return self.segment_table.heartbeat_entries(segment_id, acked_sequence)
+    def heartbeat_changes(self, segment_id: str, acked_sequence: int = 0) -> tuple[JournalChanges, bool]:
+        """``heartbeat``, the changes in a journal's columns (``GroupedChanges``' own)."""
+        return self.segment_table.heartbeat_changes(segment_id, acked_sequence)
 
     def expire_segments(self) -> list[str]:
         """Unmount every segment whose store missed heartbeats for the TTL."""

@@ -2,7 +2,7 @@
 
 The index keeps a record per group, not per object: a ``Group`` holds its members as columns (keys, segments,
 offsets, sizes, checksums; keys as the parts after its id where they are "<group id>/<part>", found by the group's
-id), a segment's journal holds an entry per group's commit or removal (``JournalEntry``), and a segment names its
+id), a segment's journal holds an entry per group's commit or removal (``SegmentJournal``'s columns), and a segment names its
 groups, not its keys. A save of a chunk's four stage objects makes one record where it
 made four objects, four dict entries and eight journal records (``StoredObject`` is now a value made on demand,
 for tests and cold paths). The records a save still makes per object (``PutRequestItem``, ``PutOutcome``) are not
@@ -13,10 +13,10 @@ frozen dataclasses: a frozen one's ``__init__`` sets each field through ``object
 from __future__ import annotations
 
 import enum
-from collections import deque
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from typing import TypeVar
 
 from kvpool.core.pool.paths import SegmentAccess, SharedMemoryRef
@@ -88,11 +88,6 @@ class SegmentChange:
 ChangeRow = tuple[int, str, str, int, int, int, int, str]
 
 
-# one journal entry's part in a heartbeat: the entry, how many of its first changes the store acknowledged
-# already, and how many go now (``GroupedChanges``' entries)
-EntrySlice = tuple["JournalEntry", int, int]
-
-
 def change_of_row(row: ChangeRow) -> SegmentChange:
     sequence, key, group_id, group_size, offset, size, checksum, tenant = row
     if not group_size:
@@ -101,40 +96,43 @@ def change_of_row(row: ChangeRow) -> SegmentChange:
 
 
 @dataclass(slots=True)
-class JournalEntry:
-    """Changes to one segment made at once, numbered ``first`` on: members of one group added (``group_size`` > 0,
-    with their offsets, sizes and checksums), or keys removed (``group_size`` 0). A save's commit or an eviction
-    is one entry a group, not one a member."""
+class JournalChanges:
+    """Changes of a segment's journal in ``GroupedChanges``' columns: entry ``i`` is changes ``first[i]`` to
+    ``first[i] + count[i] - 1``, of group ``group_id[i]`` (``group_size[i]`` > 0: members added, with the next
+    ``count[i]`` of ``offset``, ``size``, ``checksum``; 0: keys removed), each key ``prefix[i]`` and the next of
+    ``part``."""
 
-    first: int
-    keys: tuple[str, ...]
-    group_id: str = ""
-    group_size: int = 0
-    offsets: tuple[int, ...] = ()
-    sizes: tuple[int, ...] = ()
-    checksums: tuple[int, ...] = ()
-    tenant: str = ""
-    # each key is this and one of ``keys`` (a group's derived keys: the strings are made when sent, not kept)
-    prefix: str = ""
+    first: list[int] = field(default_factory=list)
+    count: list[int] = field(default_factory=list)
+    prefix: list[str] = field(default_factory=list)
+    group_id: list[str] = field(default_factory=list)
+    group_size: list[int] = field(default_factory=list)
+    tenant: list[str] = field(default_factory=list)
+    part: list[str] = field(default_factory=list)
+    offset: list[int] = field(default_factory=list)
+    size: list[int] = field(default_factory=list)
+    checksum: list[int] = field(default_factory=list)
 
-    @property
-    def last(self) -> int:
-        return self.first + len(self.keys) - 1
+    def __len__(self) -> int:
+        """Changes (a change is a key)."""
+        return len(self.part)
 
-    def rows(self, after: int, limit: int) -> list[ChangeRow]:
-        """This entry's changes numbered past ``after``, at most ``limit``."""
-        skip = max(0, after - self.first + 1)
-        keys = self.keys[skip:skip + limit]
-        if self.prefix:
-            prefix = self.prefix
-            keys = tuple(prefix + key for key in keys)
-        sequences = range(self.first + skip, self.first + skip + len(keys))
-        if not self.group_size:
-            return [(s, k, "", 0, 0, 0, 0, "") for s, k in zip(sequences, keys)]
-        n = len(keys)
-        return list(zip(sequences, keys, repeat(self.group_id, n), repeat(self.group_size, n),
-                        self.offsets[skip:skip + n], self.sizes[skip:skip + n], self.checksums[skip:skip + n],
-                        repeat(self.tenant, n)))
+    def rows(self) -> list[ChangeRow]:
+        """Every change as a row (``PackedChanges``' columns)."""
+        rows: list[ChangeRow] = []
+        p = a = 0  # the next part, the next added member
+        for first, n, prefix, group_id, group_size, tenant in zip(self.first, self.count, self.prefix, self.group_id,
+                                                                 self.group_size, self.tenant):
+            keys = [prefix + part for part in self.part[p:p + n]]
+            sequences = range(first, first + n)
+            if not group_size:
+                rows += [(s, k, "", 0, 0, 0, 0, "") for s, k in zip(sequences, keys)]
+            else:
+                rows += zip(sequences, keys, repeat(group_id, n), repeat(group_size, n), self.offset[a:a + n],
+                            self.size[a:a + n], self.checksum[a:a + n], repeat(tenant, n))
+                a += n
+            p += n
+        return rows
 
 
 @dataclass(slots=True)
@@ -142,14 +140,32 @@ class SegmentJournal:
     """Changes to one segment's committed objects that its store has not acknowledged yet.
 
     Each change has its own sequence number (the store acknowledges them one by one); they are kept a group at a
-    time (``JournalEntry``). Invariant: ``entries`` hold exactly the changes with ``acked < sequence`` (the first
-    entry possibly in part), in sequence order; the store's records equal the master's committed objects in the
-    segment once it has applied every change.
+    time, an entry each (a save's commit of a group's members, or a removal of a group's keys), in columns: an
+    entry is one more item in each list, not an object, and a heartbeat's changes are slices of them
+    (``pending_columns``), not a walk over entries. Entry ``i`` (``head <= i``) is changes ``firsts[i]`` to
+    ``firsts[i] + len(keys[i]) - 1``; ``group_sizes[i]`` 0 is a removal (its ``offsets``, ``sizes`` and
+    ``checksums`` empty), and each key is ``prefixes[i]`` and one of ``keys[i]`` (a group's derived keys: the
+    strings are made when sent, not kept).
+
+    Invariant: entries ``head`` on hold exactly the changes with ``acked < sequence`` (entry ``head`` possibly in
+    part), in sequence order (``firsts`` increasing, each entry's changes numbered on from the one before); the
+    store's records equal the master's committed objects in the segment once it has applied every change.
+    Entries before ``head`` are acknowledged, kept until they are many (``compact_after``) and half the lists.
     """
 
     sequence: int = 0
     acked: int = 0
-    entries: deque[JournalEntry] = field(default_factory=deque)
+    head: int = 0
+    compact_after: int = 4096  # acknowledged entries kept before they are forgotten (when half the lists too)
+    firsts: list[int] = field(default_factory=list)
+    keys: list[tuple[str, ...]] = field(default_factory=list)
+    group_ids: list[str] = field(default_factory=list)
+    group_sizes: list[int] = field(default_factory=list)
+    offsets: list[tuple[int, ...]] = field(default_factory=list)
+    sizes: list[tuple[int, ...]] = field(default_factory=list)
+    checksums: list[tuple[int, ...]] = field(default_factory=list)
+    tenants: list[str] = field(default_factory=list)
+    prefixes: list[str] = field(default_factory=list)
 
     def add(self, record: ObjectRecord) -> None:
         """One object added (a block report's resync; commits come a group at a time: ``add_members``)."""
@@ -160,8 +176,15 @@ class SegmentJournal:
                     sizes: tuple[int, ...], checksums: tuple[int, ...], tenant: str, prefix: str = "") -> None:
         """Members of one group added; each key ``prefix`` and one of ``keys``."""
         if keys:
-            self.entries.append(JournalEntry(self.sequence + 1, keys, group_id, group_size, offsets, sizes,
-                                             checksums, tenant, prefix))
+            self.firsts.append(self.sequence + 1)
+            self.keys.append(keys)
+            self.group_ids.append(group_id)
+            self.group_sizes.append(group_size)
+            self.offsets.append(offsets)
+            self.sizes.append(sizes)
+            self.checksums.append(checksums)
+            self.tenants.append(tenant)
+            self.prefixes.append(prefix)
             self.sequence += len(keys)
 
     def remove(self, key: str) -> None:
@@ -170,7 +193,15 @@ class SegmentJournal:
     def remove_keys(self, keys: tuple[str, ...], prefix: str = "") -> None:
         """Keys removed; each ``prefix`` and one of ``keys``."""
         if keys:
-            self.entries.append(JournalEntry(self.sequence + 1, keys, prefix=prefix))
+            self.firsts.append(self.sequence + 1)
+            self.keys.append(keys)
+            self.group_ids.append("")
+            self.group_sizes.append(0)
+            self.offsets.append(())
+            self.sizes.append(())
+            self.checksums.append(())
+            self.tenants.append("")
+            self.prefixes.append(prefix)
             self.sequence += len(keys)
 
     @property
@@ -178,39 +209,84 @@ class SegmentJournal:
         """Changes the store has not acknowledged."""
         return self.sequence - self.acked
 
+    @property
+    def num_entries(self) -> int:
+        """Entries holding a change not acknowledged."""
+        return len(self.firsts) - self.head
+
     def ack(self, sequence: int) -> None:
         """The store applied every change up to ``sequence`` (a later one than ours is clamped)."""
         acked = self.acked = max(self.acked, min(sequence, self.sequence))
-        entries = self.entries
-        while entries and (entry := entries[0]).first + len(entry.keys) <= acked + 1:  # (its last is acked)
-            entries.popleft()
+        firsts = self.firsts
+        if self.head == len(firsts) or firsts[self.head] > acked:
+            return
+        i = bisect_right(firsts, acked, self.head) - 1  # the entry holding change ``acked``
+        self.head = i + 1 if firsts[i] + len(self.keys[i]) - 1 <= acked else i
+        if self.head >= self.compact_after and 2 * self.head >= len(firsts):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Forget the acknowledged entries' columns."""
+        head = self.head
+        for column in self._columns():
+            del column[:head]
+        self.head = 0
+
+    def _columns(self) -> tuple[list, ...]:  # type: ignore[type-arg]
+        return (self.firsts, self.keys, self.group_ids, self.group_sizes, self.offsets, self.sizes, self.checksums,
+                self.tenants, self.prefixes)
+
+    def clear(self) -> None:
+        """Forget every change (the store's records are taken as they are: a resync); numbers go on."""
+        for column in self._columns():
+            column.clear()
+        self.head = 0
+        self.acked = self.sequence
+
+    def pending_columns(self, limit: int) -> JournalChanges:
+        """The first ``limit`` changes the store has not acknowledged (whole entries as slices of the columns)."""
+        head, acked, firsts = self.head, self.acked, self.firsts
+        if head == len(firsts) or limit <= 0:
+            return JournalChanges()
+        last = acked + limit  # the last change that may go
+        stop = bisect_right(firsts, last, head)  # entries head..stop-1 hold a change that goes
+        skip = acked - firsts[head] + 1 if firsts[head] <= acked else 0  # of entry head's, acknowledged
+        cut = firsts[stop - 1] + len(self.keys[stop - 1]) - 1 - last  # of entry stop-1's, kept for later
+        keys = self.keys[head:stop]
+        # (a removal's offsets, sizes and checksums are empty: chained, the columns hold the additions' alone)
+        changes = JournalChanges(
+            firsts[head:stop], list(map(len, keys)), self.prefixes[head:stop], self.group_ids[head:stop],
+            self.group_sizes[head:stop], self.tenants[head:stop], list(chain.from_iterable(keys)),
+            list(chain.from_iterable(self.offsets[head:stop])), list(chain.from_iterable(self.sizes[head:stop])),
+            list(chain.from_iterable(self.checksums[head:stop])))
+        if skip > 0 or cut > 0:
+            _trim(changes, skip, max(0, cut))
+        return changes
 
     def pending_rows(self, limit: int) -> list[ChangeRow]:
-        """The first ``limit`` changes the store has not acknowledged, as rows."""
-        rows: list[ChangeRow] = []
-        for entry in self.entries:
-            if len(rows) >= limit:
-                break
-            rows += entry.rows(self.acked, limit - len(rows))
-        return rows
-
-    def pending_entries(self, limit: int) -> list[EntrySlice]:
-        """The first ``limit`` changes the store has not acknowledged, an entry at a time (no row made)."""
-        slices: list[EntrySlice] = []
-        left, acked = limit, self.acked
-        for entry in self.entries:
-            if left <= 0:
-                break
-            skip = max(0, acked - entry.first + 1)
-            count = min(len(entry.keys) - skip, left)
-            if count > 0:
-                slices.append((entry, skip, count))
-                left -= count
-        return slices
+        """``pending_columns`` as rows."""
+        return self.pending_columns(limit).rows()
 
     def pending(self, limit: int) -> list[SegmentChange]:
         """``pending_rows`` as changes."""
         return list(map(change_of_row, self.pending_rows(limit)))
+
+
+def _trim(changes: JournalChanges, skip: int, cut: int) -> None:
+    """Take the first entry's first ``skip`` changes and the last entry's last ``cut`` off ``changes``."""
+    if skip:
+        changes.first[0] += skip
+        changes.count[0] -= skip
+        del changes.part[:skip]
+        if changes.group_size[0]:
+            for column in (changes.offset, changes.size, changes.checksum):
+                del column[:skip]
+    if cut:
+        changes.count[-1] -= cut
+        del changes.part[len(changes.part) - cut:]
+        if changes.group_size[-1]:
+            for column in (changes.offset, changes.size, changes.checksum):
+                del column[len(column) - cut:]
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from kvpool.core.pool.records import (
     ObjectRecord,
     Segment,
     ChangeRow,
-    EntrySlice,
+    JournalChanges,
     SegmentJournal,
 )
 from kvpool.core.pool.recovery import allocator_with_ranges, plan_report
@@ -213,8 +213,7 @@ class SegmentTable:
         held = {r.key for r in records if self._record_of(r.key, segment_id) == r}
         rejected = [r.key for r in records if r.key not in held]
         journal = segment.journal
-        journal.entries.clear()
-        journal.acked = journal.sequence
+        journal.clear()
         mine = [group.key(i) for group in segment.groups.values() for i in range(len(group.keys))
                 if group.segment_ids[i] == segment_id and group.committed(i)]
         for key in sorted(set(mine) - held):
@@ -254,11 +253,11 @@ class SegmentTable:
         rows = journal.pending_rows(self.settings.max_changes_per_heartbeat)
         return rows, journal.unacked > len(rows)
 
-    def heartbeat_entries(self, segment_id: str, acked_sequence: int = 0) -> tuple[list[EntrySlice], bool]:
-        """``heartbeat``, the changes a journal entry at a time (``SegmentJournal.pending_entries``)."""
+    def heartbeat_changes(self, segment_id: str, acked_sequence: int = 0) -> tuple[JournalChanges, bool]:
+        """``heartbeat``, the changes in a journal's columns (``SegmentJournal.pending_columns``)."""
         journal = self._beat(segment_id, acked_sequence)
-        slices = journal.pending_entries(self.settings.max_changes_per_heartbeat)
-        return slices, journal.unacked > sum(count for _, _, count in slices)
+        changes = journal.pending_columns(self.settings.max_changes_per_heartbeat)
+        return changes, journal.unacked > len(changes)
 
     def _beat(self, segment_id: str, acked_sequence: int) -> SegmentJournal:
         segment = self.get(segment_id, field_name="segment_id")
