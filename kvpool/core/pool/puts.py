@@ -437,12 +437,26 @@ class PutTable:
                     group.keys != places:
                 return self.put_end(list(zip(keys, checksums)), field)
         deque(map(in_flight.__delitem__, keys), 0)
-        segments, positions, count = self.segment_table.segments, list(range(members)), len(group_ids)
-        committed = self._committed
+        segments, count = self.segment_table.segments, len(group_ids)
+        incomplete, table = self.incomplete, self.group_table
+        # ``_committed`` of every member at once, each group now complete (its every member was in flight)
         for g, group in enumerate(found):
-            group.checksums = list(checksums[g::count] if by_member else checksums[g * members:(g + 1) * members])
-            group.pending = 0
-            committed(group, positions, segments)
+            mine = tuple(checksums[g::count] if by_member else checksums[g * members:(g + 1) * members])
+            group.checksums = list(mine)
+            group.pending = group.num_in_flight = 0
+            group.num_committed = members
+            group.encoded = group.compact = None
+            incomplete.pop(group.group_id, None)
+            group.ready = not group.corrupt and not group.dropped
+            segment_ids = group.segment_ids
+            if segment_ids.count(segment_ids[0]) == members:  # nearly always: one segment
+                segments[segment_ids[0]].journal.add_members(group.group_id, members, places, group.offsets,
+                                                             group.sizes, mine, group.tenant, group.group_id + "/")
+            else:
+                self._journal_added(group, list(range(members)), segments)
+            if group.failed:
+                self._drop_failed(group)
+        table.num_complete += count
         return len(keys)
 
     @staticmethod
