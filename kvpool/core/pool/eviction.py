@@ -46,6 +46,11 @@ class Evictable(Protocol):
         """Free every member of a group and forget it; returns members dropped."""
         ...
 
+    def evict(self, victims: list[Group]) -> None:
+        """``drop_group`` of each of ``victims``, in order (groups of one tenant, none of whose members is in
+        flight), at once."""
+        ...
+
     def room(self, size: int) -> int:
         """The room an object of ``size`` bytes takes in a segment (its size aligned), as ``used_bytes`` counts."""
         ...
@@ -148,24 +153,33 @@ class Eviction:
         order, by_slot = getattr(groups, "order", None), getattr(groups, "by_slot", None)
         if order is None or by_slot is None:  # not a table's order (then the loop does it all)
             return False
-        index, counters = self.index, self.counters
-        by_tenant = counters.evicted_groups_by_tenant
+        # the groups go once chosen, together (``Evictable.evict``): each takes its ``nbytes`` from the used bytes
+        index = self.index
+        used = index.used_bytes
+        victims: list[Group] = []
+        made = False
         s = order.first()
         while s >= 0:
-            used = index.used_bytes
             under = used + size <= high
             if under and (self._left <= 0 or used + size <= low):
-                return True
+                made = True
+                break
             group = by_slot[s]
-            s = order.after(s)  # (before the group leaves the order)
+            s = order.after(s)
             if group.num_in_flight > 0 or group.num_leases > 0 or group.group_id == keep:  # busy, or the put's own
                 continue
-            counters.evicted_groups += 1
-            by_tenant[group.tenant] = by_tenant.get(group.tenant, 0) + 1
-            counters.evicted_bytes += group.nbytes
-            index.drop_group(group.group_id)
+            victims.append(group)
+            used -= group.nbytes
             self._left -= under
-        return False
+        if victims:
+            counters = self.counters
+            counters.evicted_groups += len(victims)
+            by_tenant = counters.evicted_groups_by_tenant
+            tenant = victims[0].tenant
+            by_tenant[tenant] = by_tenant.get(tenant, 0) + len(victims)
+            counters.evicted_bytes += index.used_bytes - used
+            index.evict(victims)
+        return made
 
     def victim_order(self, tenant: str, size: int) -> VictimOrder:
         index = self.index

@@ -221,6 +221,32 @@ class GroupTable:
         self._by_slot[slot] = None
         self._free.append(slot)
 
+    def remove_idle(self, victims: list[Group]) -> None:
+        """``remove`` of each of ``victims``, groups of one tenant (eviction's, ``PoolIndex.evict``), in one pass."""
+        groups, by_slot, order, free = self.groups, self._by_slot, self._order, self._free
+        tenant = victims[0].tenant
+        own = self._tenant_orders.get(tenant)
+        complete = 0
+        for group in victims:
+            group.dropped = True
+            group.ready = False
+            complete += group.num_committed == group.size
+            del groups[group.group_id]
+            slot = group.slot
+            order.remove(slot)
+            if own is not None:
+                own.remove(slot)
+            group.slot = -1
+            by_slot[slot] = None
+            free.append(slot)
+        self.num_complete -= complete
+        if own is not None:
+            if not len(own):
+                del self._tenant_orders[tenant]
+                del self.by_tenant[tenant]
+        elif not groups:
+            del self.by_tenant[tenant]
+
     def touch(self, group_ids: Iterable[str]) -> None:
         """Mark groups used, the first named becoming the most recently used."""
         self.version += 1

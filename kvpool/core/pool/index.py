@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from operator import attrgetter
 
 from kvpool.core.chunk_hash import DEFAULT_TENANT
 from kvpool.core.pool import fields
@@ -446,6 +447,33 @@ class PoolIndex:
         self.segment_table.release_group(group)
         return len(group.keys)
 
+    def evict(self, victims: list[Group]) -> None:
+        """``drop_group`` of each of ``victims`` in order: groups of one tenant that the table holds, none of
+        whose members is in flight (eviction's). Groups keeping their keys in part, each in one segment (nearly
+        every one), go a run at a time; any other alone, in its place."""
+        run: list[Group] = []
+        for group in victims:
+            segment_ids = group.segment_ids
+            if not group.whole and segment_ids and segment_ids.count(segment_ids[0]) == len(segment_ids):
+                run.append(group)
+                continue
+            if run:
+                self._evict_idle(run)
+                run = []
+            self.drop_group(group.group_id)
+        if run:
+            self._evict_idle(run)
+
+    def _evict_idle(self, run: list[Group]) -> None:
+        table = self.group_table
+        table.remove_idle(run)
+        incomplete = self.puts.incomplete
+        if incomplete:
+            for group in run:
+                incomplete.pop(group.group_id, None)
+        table.remove_members(run[0].tenant, sum(map(_NBYTES, run)), sum(map(len, map(_KEYS, run))))
+        self.segment_table.release_idle(run)
+
     def drop_member(self, group: Group, position: int) -> None:
         """Forget one member of a group and give back its space; a group left with no member is forgotten."""
         self.segment_table.release_member(group, position)
@@ -503,3 +531,7 @@ class ObjectsView(Mapping[str, StoredObject]):
 
     def __len__(self) -> int:
         return self._index.num_objects
+
+
+_NBYTES = attrgetter("nbytes")
+_KEYS = attrgetter("keys")

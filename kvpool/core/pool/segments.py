@@ -136,6 +136,28 @@ class SegmentTable:
                              tuple(group.keys[i] for i in positions),
                              sum(1 << n for n, i in enumerate(positions) if not group.committed(i)), group.key_prefix)
 
+    def release_idle(self, groups: list[Group]) -> None:
+        """``release_group`` of each of ``groups``: each wholly in one segment, keeping its keys in part, none of
+        its members in flight (eviction's victims, ``PoolIndex.evict``)."""
+        segments = self.segments
+        freed = 0
+        for group in groups:
+            segment = segments[group.segment_ids[0]]
+            group_id = group.group_id
+            segment.groups.pop(group_id, None)
+            keys = group.keys
+            segment.num_objects -= len(keys)
+            allocator = segment.allocator
+            before = allocator.used_bytes
+            offsets = group.offsets
+            if group.run or len(offsets) == 1:
+                allocator.free(offsets[0])
+            else:
+                allocator.free_run(list(offsets))
+            freed += before - allocator.used_bytes
+            segment.journal.remove_keys(keys, group_id + "/")
+        self.used_bytes -= freed
+
     def _release_in(self, group: Group, segment_id: str, offsets: tuple[int, ...], keys: tuple[str, ...],
                     pending: int, prefix: str) -> None:
         segment = self.segments.get(segment_id)
