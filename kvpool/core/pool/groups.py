@@ -221,6 +221,28 @@ class GroupTable:
         self._by_slot[slot] = None
         self._free.append(slot)
 
+    def add_used(self, new: list[Group]) -> None:
+        """``add`` of each of ``new`` (groups of one tenant the table does not hold, their ids distinct), then
+        ``touch`` of them all: the first one becomes the most recently used. In one pass where the tenant's order
+        is the table's own (nearly always)."""
+        if not new:
+            return
+        if self.by_tenant.get(new[0].tenant) is not self.groups:
+            for group in new:
+                self.add(group)
+            self.touch_groups(new)
+            return
+        groups, by_slot, take = self.groups, self._by_slot, self._take_slot
+        for group in new:
+            slot = take()
+            group.slot = slot
+            by_slot[slot] = group
+            groups[group.group_id] = group
+        order = self._order
+        for group in reversed(new):  # (added in order and touched, the first named went last)
+            order.push_back(group.slot)
+        self.version += len(new) + 1
+
     def remove_idle(self, victims: list[Group]) -> None:
         """``remove`` of each of ``victims``, groups of one tenant (eviction's, ``PoolIndex.evict``), in one pass."""
         groups, by_slot, order, free = self.groups, self._by_slot, self._order, self._free

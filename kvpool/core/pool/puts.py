@@ -319,7 +319,8 @@ class PutTable:
         started = self.clock()
         sizes, parts = shared(tuple(member_sizes)), shared(places)
         # each group as ``_place_run`` places it (one run of space, one record), the batch's sums counted once
-        table, add, as_list = self.group_table, self.group_table.add, list(sizes)
+        table, as_list = self.group_table, list(sizes)
+        new: list[Group] = []
         nbytes = sum(map(rounded, sizes))  # a group's room: its members back to back
         pending = (1 << members) - 1
         # a group's rotation is its first item's place (every item before it placed): item g by member, else g * m
@@ -337,11 +338,12 @@ class PutTable:
                 segment_ids = in_segment[segment.segment_id] = shared((segment.segment_id,) * members)
             group = Group(group_id, members, tenant, parts, False, segment_ids, tuple(run), sizes, [0] * members,
                           pending=pending, nbytes=nbytes, run=True, num_in_flight=members)
-            add(group)
+            new.append(group)
             segment.groups[group_id] = group
             segment.num_objects += members
             placed_in.append(segment)
             offsets.append(run)
+        table.add_used(new)  # (each added, then all touched: the first group the most recently used)
         table.add_members(tenant, nbytes * len(group_ids), members * len(group_ids))
         self.segment_table.used_bytes += nbytes * len(group_ids)
         # in flight in the items' order, as they would have gone one at a time past the watermark (else group by
@@ -353,7 +355,6 @@ class PutTable:
         else:
             for group_id in group_ids:
                 self.mark_incomplete(group_id)
-        table.touch(group_ids)
         return PlacedGroups(placed_in, offsets)
 
     def _evict_as_items(self, member_sizes: Sequence[int], count: int, by_member: bool, high: float,
