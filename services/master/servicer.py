@@ -19,7 +19,7 @@ from kvpool.core.pool import fields
 from kvpool.core.pool.compact import compact_keys
 from kvpool.core.pool.index import PoolIndex
 from kvpool.core.pool.puts import PlacedGroups
-from kvpool.core.pool.put_groups import PLACES as _PLACES, group_items, group_keys, in_item_order
+from kvpool.core.pool.put_groups import PLACES as _PLACES, group_items, group_keys
 from kvpool.core.tenancy.shares import MAX_TENANT_BYTES, tenant_name
 from kvpool.core.pool.records import (
     ChangeRow,
@@ -277,15 +277,20 @@ _NUMBER = attrgetter("number")
 
 def packed_group_results(placed: PlacedGroups, members: int, by_member: bool) -> pool_pb2.PutStartResponse:
     """The answer to a put of whole groups placed at once (``PutTable.put_groups``), as ``packed_put_results``
-    answers the items it stands for: every one reserved, in their order (member by member, or group by group)."""
+    answers the items it stands for: every one reserved, in their order (member by member, or group by group),
+    each column made in that order at once (not made group by group and reordered)."""
     response = pool_pb2.PutStartResponse()
     packed = response.packed
-    segments = placed.segments
+    segments, offsets = placed.segments, placed.offsets
     packed.status.extend([pool_pb2.PUT_STATUS_RESERVED] * (len(segments) * members))
-    numbers = list(chain.from_iterable(repeat(segment.number, members) for segment in segments))
-    addresses = [base + offset for base, offsets in zip(map(_BASE, segments), placed.offsets) for offset in offsets]
-    packed.segment.extend(in_item_order(numbers, members, by_member))
-    packed.address.extend(in_item_order(addresses, members, by_member))
+    numbers = list(map(_NUMBER, segments))
+    bases = list(map(_BASE, segments))
+    if by_member:
+        packed.segment.extend(numbers * members)
+        packed.address.extend([base + mine[m] for m in range(members) for base, mine in zip(bases, offsets)])
+    else:
+        packed.segment.extend([number for number in numbers for _ in range(members)])
+        packed.address.extend([base + offset for base, mine in zip(bases, offsets) for offset in mine])
     add_accesses(response.segments, {s.segment_id: s for s in segments}.values())
     return response
 

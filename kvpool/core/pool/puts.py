@@ -337,8 +337,9 @@ class PutTable:
             segment_ids = in_segment.get(segment.segment_id)
             if segment_ids is None:
                 segment_ids = in_segment[segment.segment_id] = shared((segment.segment_id,) * members)
+            # (positional: 1.1 us against 1.9 with the last five named)
             group = Group(group_id, members, tenant, parts, False, segment_ids, tuple(run), sizes, [0] * members,
-                          pending=pending, nbytes=nbytes, run=True, num_in_flight=members)
+                          pending, nbytes, True, 0, members)  # pending, nbytes, run, num_committed, num_in_flight
             new.append(group)
             segment.groups[group_id] = group
             segment.num_objects += members
