@@ -2,8 +2,8 @@
 
 The index keeps a record per group, not per object: a ``Group`` holds its members as columns (keys, segments,
 offsets, sizes, checksums; keys as the parts after its id where they are "<group id>/<part>", found by the group's
-id), a segment's journal holds an entry per group's commit or removal (``SegmentJournal``'s columns), and a segment names its
-groups, not its keys. A save of a chunk's four stage objects makes one record where it
+id), a segment's journal holds an entry per group's commit or removal (in ``SegmentJournal``'s columns), and a
+segment names its groups, not its keys. A save of a chunk's four stage objects makes one record where it
 made four objects, four dict entries and eight journal records (``StoredObject`` is now a value made on demand,
 for tests and cold paths). The records a save still makes per object (``PutRequestItem``, ``PutOutcome``) are not
 frozen dataclasses: a frozen one's ``__init__`` sets each field through ``object.__setattr__``, 2.4 µs against
