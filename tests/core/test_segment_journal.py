@@ -1,7 +1,8 @@
 """A segment's journal in columns (``SegmentJournal``), against the plainest model of it: a list of every change
 as a row. Whatever the entries (additions and removals, keys whole or by prefix), the acknowledgements (forward,
 repeated, backward, past the end) and the limits, a heartbeat's changes are the model's next ``limit`` rows after
-the acknowledged ones, entries cut at either end where a change of theirs is acknowledged or past the limit; and
+the acknowledged ones, entries cut at either end where a change of theirs is acknowledged or past the limit (entries
+made one at a time or a batch at once alike); and
 acknowledged entries are forgotten as the journal goes, so a store that keeps up keeps the master's memory flat."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ PARTS = st.lists(st.sampled_from(["0", "1", "2", "3", "k/x"]), min_size=0, max_s
 OPS = st.lists(st.one_of(
     st.tuples(st.just("add"), PARTS, st.sampled_from(["", "g/"]), st.integers(0, 2**64 - 1)),
     st.tuples(st.just("remove"), PARTS, st.sampled_from(["", "g/"])),
+    st.tuples(st.just("add_groups"), st.integers(0, 4), st.integers(0, 3)),
+    st.tuples(st.just("remove_groups"), st.lists(PARTS, max_size=4)),
     st.tuples(st.just("ack"), st.integers(-2, 3), st.booleans()),
     st.tuples(st.just("beat"), st.integers(0, 12)),
     st.tuples(st.just("clear"),),
@@ -42,6 +45,21 @@ def test_a_heartbeat_takes_the_next_unacknowledged_changes_wherever_acks_and_lim
             _, parts, prefix = op
             journal.remove_keys(tuple(parts), prefix)
             model += [(len(model) + 1 + i, prefix + part, "", 0, 0, 0, 0, "") for i, part in enumerate(parts)]
+        elif op[0] == "add_groups":  # whole groups of a commit, keyed by place, at once
+            _, count, members = op
+            keys = tuple(map(str, range(members)))
+            ids = [f"c{len(model)}-{i}" for i in range(count)]
+            journal.add_groups(ids, keys, [tuple(64 * m + i for m in range(members)) for i in range(count)],
+                               [(10,) * members] * count, [(i,) * members for i in range(count)],
+                               ["t"] * count, [f"{group_id}/" for group_id in ids])
+            for i, group_id in enumerate(ids):
+                model += [(len(model) + 1 + m, f"{group_id}/{m}", group_id, members, 64 * m + i, 10, i, "t")
+                          for m in range(members)]
+        elif op[0] == "remove_groups":  # removals of several groups' keys at once (an empty one is no entry)
+            removals = op[1]
+            journal.remove_groups([tuple(parts) for parts in removals], [f"r{n}/" for n in range(len(removals))])
+            for n, parts in enumerate(removals):
+                model += [(len(model) + 1 + i, f"r{n}/{part}", "", 0, 0, 0, 0, "") for i, part in enumerate(parts)]
         elif op[0] == "ack":  # a step from the last acknowledgement, or from the end
             _, step, from_end = op
             sequence = max(0, (len(model) if from_end else acked) + step)

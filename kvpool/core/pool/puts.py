@@ -443,22 +443,34 @@ class PutTable:
         segments, count = self.segment_table.segments, len(group_ids)
         incomplete, table = self.incomplete, self.group_table
         # ``_committed`` of every member at once, each group now complete (its every member was in flight)
-        for g, group in enumerate(found):
-            mine = tuple(checksums[g::count] if by_member else checksums[g * members:(g + 1) * members])
-            group.checksums = list(mine)
+        mine = [tuple(checksums[g::count]) for g in range(count)] if by_member else \
+            [tuple(checksums[g * members:(g + 1) * members]) for g in range(count)]
+        one_segment = True
+        for group, checks in zip(found, mine):
+            group.checksums = list(checks)
             group.pending = group.num_in_flight = 0
             group.num_committed = members
             group.encoded = group.compact = None
             incomplete.pop(group.group_id, None)
             group.ready = not group.corrupt and not group.dropped
             segment_ids = group.segment_ids
-            if segment_ids.count(segment_ids[0]) == members:  # nearly always: one segment
-                segments[segment_ids[0]].journal.add_members(group.group_id, members, places, group.offsets,
-                                                             group.sizes, mine, group.tenant, group.group_id + "/")
-            else:
+            one_segment = one_segment and segment_ids.count(segment_ids[0]) == members
+        if one_segment and not any(group.failed for group in found):
+            # nearly always: each group in one segment, none failed; each segment's entries at once, in order
+            by_segment: dict[str, list[int]] = {}
+            for g, group in enumerate(found):
+                by_segment.setdefault(group.segment_ids[0], []).append(g)
+            for segment_id, chosen in by_segment.items():
+                mine_found = [found[g] for g in chosen]
+                segments[segment_id].journal.add_groups(
+                    [group.group_id for group in mine_found], places, [group.offsets for group in mine_found],
+                    [group.sizes for group in mine_found], [mine[g] for g in chosen],
+                    [group.tenant for group in mine_found], [group.group_id + "/" for group in mine_found])
+        else:  # a group at a time: its entry, and a failed one dropped, in the groups' order
+            for group in found:
                 self._journal_added(group, list(range(members)), segments)
-            if group.failed:
-                self._drop_failed(group)
+                if group.failed:
+                    self._drop_failed(group)
         table.num_complete += count
         return len(keys)
 

@@ -16,7 +16,7 @@ import enum
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import accumulate, chain, repeat
 from typing import TypeVar
 
 from kvpool.core.pool.paths import SegmentAccess, SharedMemoryRef
@@ -203,6 +203,50 @@ class SegmentJournal:
             self.tenants.append("")
             self.prefixes.append(prefix)
             self.sequence += len(keys)
+
+    def add_groups(self, group_ids: list[str], keys: tuple[str, ...], offsets: list[tuple[int, ...]],
+                   sizes: list[tuple[int, ...]], checksums: list[tuple[int, ...]], tenants: list[str],
+                   prefixes: list[str]) -> None:
+        """``add_members`` of each of whole groups of ``len(keys)`` members keyed alike (a commit's), in order: the
+        i-th of ``group_id``, ``offsets[i]``, ``sizes[i]``, ``checksums[i]``, ``tenants[i]``, ``prefixes[i]``."""
+        members, n = len(keys), len(group_ids)
+        if not members or not n:
+            return
+        first = self.sequence + 1
+        self.firsts.extend(range(first, first + n * members, members))
+        self.keys.extend(repeat(keys, n))
+        self.group_ids.extend(group_ids)
+        self.group_sizes.extend(repeat(members, n))
+        self.offsets.extend(offsets)
+        self.sizes.extend(sizes)
+        self.checksums.extend(checksums)
+        self.tenants.extend(tenants)
+        self.prefixes.extend(prefixes)
+        self.sequence += n * members
+
+    def remove_groups(self, keys: list[tuple[str, ...]], prefixes: list[str]) -> None:
+        """``remove_keys`` of each of ``keys`` with its prefix, in order."""
+        if len(prefixes) != len(keys):
+            raise ValueError(f"{len(prefixes)} prefixes for {len(keys)} removals")
+        if not all(keys):  # (a removal of no key is no entry, as ``remove_keys`` makes none)
+            kept = [i for i, mine in enumerate(keys) if mine]
+            keys, prefixes = [keys[i] for i in kept], [prefixes[i] for i in kept]
+        if not keys:
+            return
+        lengths = list(map(len, keys))
+        first = self.sequence + 1
+        self.firsts.extend(accumulate(lengths[:-1], initial=first))
+        self.keys.extend(keys)
+        n = len(keys)
+        self.group_ids.extend(repeat("", n))
+        self.group_sizes.extend(repeat(0, n))
+        empty = ()
+        self.offsets.extend(repeat(empty, n))
+        self.sizes.extend(repeat(empty, n))
+        self.checksums.extend(repeat(empty, n))
+        self.tenants.extend(repeat("", n))
+        self.prefixes.extend(prefixes)
+        self.sequence += sum(lengths)
 
     @property
     def unacked(self) -> int:

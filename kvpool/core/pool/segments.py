@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
 from kvpool.core.errors import NotFound
@@ -138,15 +139,17 @@ class SegmentTable:
 
     def release_idle(self, groups: list[Group]) -> None:
         """``release_group`` of each of ``groups``: each wholly in one segment, keeping its keys in part, none of
-        its members in flight (eviction's victims, ``PoolIndex.evict``)."""
+        its members in flight (eviction's victims, ``PoolIndex.evict``); each segment's removals go to its
+        journal at once, in the groups' order."""
         segments = self.segments
         freed = 0
+        removed: dict[str, list[Group]] = {}
         for group in groups:
-            segment = segments[group.segment_ids[0]]
+            segment_id = group.segment_ids[0]
+            segment = segments[segment_id]
             group_id = group.group_id
             segment.groups.pop(group_id, None)
-            keys = group.keys
-            segment.num_objects -= len(keys)
+            segment.num_objects -= len(group.keys)
             allocator = segment.allocator
             before = allocator.used_bytes
             offsets = group.offsets
@@ -155,8 +158,14 @@ class SegmentTable:
             else:
                 allocator.free_run(list(offsets))
             freed += before - allocator.used_bytes
-            segment.journal.remove_keys(keys, group_id + "/")
+            mine = removed.get(segment_id)
+            if mine is None:
+                removed[segment_id] = [group]
+            else:
+                mine.append(group)
         self.used_bytes -= freed
+        for segment_id, mine in removed.items():
+            segments[segment_id].journal.remove_groups(list(map(_KEYS, mine)), [g.group_id + "/" for g in mine])
 
     def _release_in(self, group: Group, segment_id: str, offsets: tuple[int, ...], keys: tuple[str, ...],
                     pending: int, prefix: str) -> None:
@@ -302,3 +311,6 @@ class SegmentTable:
         if segment is None:
             raise NotFound(f"{field_name}: unknown segment {segment_id!r}")
         return segment
+
+
+_KEYS = attrgetter("keys")
