@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.invariant import einsum_rows, linear, weighted_values
 from kvpool.model.kv_cache import KV_DTYPES
 from kvpool.model.layers import rms_norm
 from kvpool.model.stage import ModelStage, WeightSource
@@ -111,7 +112,7 @@ class DecodeModel:
             h = self._attention(layer_index, layer.self_attn, h, positions, new_slots, history, mask)
             x = x + h
             x = x + layer.mlp.forward(rms_norm(x, layer.post_attention_layernorm, eps))
-        return F.linear(rms_norm(x, model.norm, eps), model.lm_head)
+        return linear(rms_norm(x, model.norm, eps), model.lm_head)
 
     def _attention(self, layer_index, attn, x, positions, new_slots, history, mask) -> torch.Tensor:
         cfg = self.config
@@ -120,12 +121,12 @@ class DecodeModel:
             cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
         )
         if attn.q_proj is not None:
-            q = F.linear(x, attn.q_proj)
+            q = linear(x, attn.q_proj)
         else:
-            q = F.linear(rms_norm(F.linear(x, attn.q_a_proj), attn.q_a_layernorm, cfg.rms_norm_eps), attn.q_b_proj)
+            q = linear(rms_norm(linear(x, attn.q_a_proj), attn.q_a_layernorm, cfg.rms_norm_eps), attn.q_b_proj)
         q_nope, q_pe = q.view(num_seqs, heads, cfg.qk_head_dim).split([nope, rope], dim=-1)
         q_pe = self.model.rotary.apply(q_pe, positions, cfg.rope_interleave)
-        latent, k_pe = F.linear(x, attn.kv_a_proj_with_mqa).split([rank, rope], dim=-1)
+        latent, k_pe = linear(x, attn.kv_a_proj_with_mqa).split([rank, rope], dim=-1)
         latent = rms_norm(latent, attn.kv_a_layernorm, cfg.rms_norm_eps)
         k_pe = self.model.rotary.apply(k_pe, positions, cfg.rope_interleave)
         stored = torch.cat((latent, k_pe), dim=-1).to(self.kv_dtype).contiguous().view(torch.uint8)
@@ -137,14 +138,14 @@ class DecodeModel:
 
         # absorbed MLA: scores = (q_nope W_uk) . latent + q_pe . k_pe; values = latent
         w_uk, w_uv = attn.kv_b_proj.view(heads, nope + cfg.v_head_dim, rank).split([nope, cfg.v_head_dim], dim=1)
-        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)
+        q_lat = einsum_rows("bhd,hdr->bhr", q_nope, w_uk)
         query = torch.cat((q_lat, q_pe), dim=-1)  # [B, h, rank + rope]
         # one key per token shared by every head (MQA-like): a [B, h, T] bmm, no per-head copies
         scores = torch.bmm(query, entries.transpose(1, 2)) * cfg.softmax_scale
         probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
-        out = torch.bmm(probs, entries[:, :, :rank])  # [B, h, rank]
-        out = torch.einsum("bhr,hvr->bhv", out, w_uv)
-        return F.linear(out.reshape(num_seqs, heads * cfg.v_head_dim), attn.o_proj)
+        out = weighted_values(probs, entries[:, :, :rank], (positions + 1).tolist())  # [B, h, rank]
+        out = einsum_rows("bhr,hvr->bhv", out, w_uv)
+        return linear(out.reshape(num_seqs, heads * cfg.v_head_dim), attn.o_proj)
 
     def write_pages(self, page_table: Sequence[int], token_start: int, entries: torch.Tensor) -> None:
         """Store entries [n, num_layers, kv_entry_dim] (KV dtype) for tokens from token_start."""

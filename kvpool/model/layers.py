@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.model.config import YarnScaling
+from kvpool.model.invariant import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,4 +70,4 @@ class SwiGLUMLP:
     down_proj: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj)
+        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)

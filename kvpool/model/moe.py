@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvpool.model.config import MoEConfig
+from kvpool.model.invariant import linear
 from kvpool.model.layers import SwiGLUMLP
 
 
@@ -77,7 +77,7 @@ class MoE:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]: the routed experts' weighted sum plus the shared experts'."""
-        routing = route(F.linear(x.float(), self.gate.float()), self.e_score_correction_bias, self.moe)
+        routing = route(linear(x.float(), self.gate.float()), self.e_score_correction_bias, self.moe)
         out = torch.zeros_like(x)
         # expert by expert over the tokens that picked it, in expert order (as transformers adds them up)
         for expert_id in routing.expert_ids.unique().tolist():

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kvpool.model.attention import MLAttention
 from kvpool.model.config import ModelConfig
+from kvpool.model.invariant import linear
 from kvpool.model.kv_cache import (
     KV_DTYPES,
     BlockTable,
@@ -169,7 +170,7 @@ class ModelStage:
             x = x + h
             x = x + layer.mlp.forward(rms_norm(x, layer.post_attention_layernorm, eps))
         if self.is_last:
-            return F.linear(rms_norm(x, self.norm, eps), self.lm_head)
+            return linear(rms_norm(x, self.norm, eps), self.lm_head)
         return x
 
     __call__ = forward
