@@ -36,6 +36,21 @@ def test_failed_lost_wrong_and_recovery_per_fault() -> None:
     assert (report["failed"], report["lost_silently"], report["wrong_outputs"]) == (2, 2, 1)  # + the unsent turn
     assert report["recovered_all"] is True
     assert "| kill:decode1@5s | 5 | 15 | 2 (0: 1, 503: 1) | 1 | 1 |" in format_chaos_table(report)
+    # the wrong answer is named: which turn, where the texts part, what each run reused
+    [wrong] = report["wrong"]
+    assert (wrong["fault"], wrong["session_id"], wrong["turn"], wrong["parts_at_char"]) == ("kill:decode1@5s", "s", 8, 0)
+    assert (wrong["chaos"]["text"], wrong["clean"]["text"], wrong["clean"]["device_tokens"]) == ("ko", "ok", 90)
+    assert "wrong: session s turn 8 (kill:decode1@5s" in format_chaos_table(report)
+
+
+def test_a_wrong_answer_before_the_first_fault_counts() -> None:
+    clean = [turn(i, float(i), text="abcd") for i in range(6)]
+    chaos = [turn(i, float(i), text="abcd" if i != 1 else "abXY", pool_tokens=40) for i in range(6)]
+    report = chaos_report(clean, chaos, [("kill:master@3s", 3.0)])
+    assert report["wrong_outputs"] == 1 and report["faults"][0]["wrong_outputs"] == 0
+    [wrong] = report["wrong"]
+    assert (wrong["fault"], wrong["turn"], wrong["parts_at_char"], wrong["chaos"]["pool_tokens"]) == (
+        "before the faults", 1, 2, 40)
 
 
 def test_no_window_back_within_ten_percent_is_not_recovered() -> None:

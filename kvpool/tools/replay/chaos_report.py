@@ -10,7 +10,9 @@ fault's (the last: to the end). Per fault:
 - ``lost_silently``: turns whose stream ended without ``[DONE]`` or usage and
   without saying it failed, or that the chaos run skipped (a later turn of
   its session went out);
-- ``wrong_outputs``: answered turns whose text differs from the clean run's;
+- ``wrong_outputs``: answered turns whose text differs from the clean run's
+  (each named in the report's ``wrong``: the turn, where the texts part,
+  both texts and where each run took its prompt from);
 - ``reuse_lost_tokens``: prompt tokens the clean run served from device or
   pool and the chaos run computed; the reuse and pool shares and median TTFT
   of both runs over the fault's answered turns;
@@ -30,6 +32,7 @@ from kvpool.tools.replay.records import TurnRecord
 WINDOW = 8  # turns compared at once when deciding recovery
 TOLERANCE = 0.10
 BEFORE_S = 30.0  # "before a fault": the answered turns issued this long before it
+WRONG_NAMED = 20  # wrong turns the report names, the first in issue order
 
 
 def _key(record: TurnRecord) -> tuple[str, int]:
@@ -52,6 +55,26 @@ def _recovered_s(after: Sequence[TurnRecord], clean: dict[tuple[str, int], TurnR
         if ttft_ok and reuse_ok:
             return max(0.0, window[0].issued_at - at_s)
     return None
+
+
+def _wrong(records: Sequence[TurnRecord], clean: dict[tuple[str, int], TurnRecord]) -> list[TurnRecord]:
+    """The answered turns whose text differs from the clean run's answer to the same turn."""
+    return [r for r in records if r.error is None and clean.get(_key(r)) is not None
+            and clean[_key(r)].error is None and r.text != clean[_key(r)].text]
+
+
+def _wrong_turn(fault: str, chaos: TurnRecord, clean: TurnRecord) -> dict[str, Any]:
+    """One wrong answer, named: the turn, where the texts part, and each run's source of the prompt's KV."""
+    parts_at = next((i for i, (a, b) in enumerate(zip(chaos.text, clean.text)) if a != b),
+                    min(len(chaos.text), len(clean.text)))
+
+    def run(record: TurnRecord) -> dict[str, Any]:
+        return {"text": record.text, "device_tokens": record.device_tokens, "pool_tokens": record.pool_tokens,
+                "computed_tokens": record.computed_tokens, "pipeline": record.pipeline, "shard": record.shard}
+
+    return {"fault": fault, "session_id": chaos.session_id, "turn": chaos.turn,
+            "issued_at_s": round(chaos.issued_at, 2), "prompt_tokens": chaos.prompt_tokens,
+            "parts_at_char": parts_at, "chaos": run(chaos), "clean": run(clean)}
 
 
 def _median(values: list[float]) -> float | None:
@@ -85,6 +108,7 @@ def chaos_report(clean: Sequence[TurnRecord], chaos: Sequence[TurnRecord], fault
     never_issued = [k for k in twins if k not in issued and k[1] < last_issued.get(k[0], -1)]
     ordered = sorted(chaos, key=lambda r: r.issued_at)
     rows: list[dict[str, Any]] = []
+    named: list[dict[str, Any]] = []
     for i, (label, at_s) in enumerate(faults):
         until = faults[i + 1][1] if i + 1 < len(faults) else float("inf")
         owned = [r for r in ordered if at_s <= r.issued_at < until]
@@ -92,10 +116,10 @@ def chaos_report(clean: Sequence[TurnRecord], chaos: Sequence[TurnRecord], fault
         statuses: dict[str, int] = {}
         for r in failed:
             statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
-        wrong = [r for r in owned if r.error is None and twins.get(_key(r)) is not None
-                 and twins[_key(r)].error is None and r.text != twins[_key(r)].text]
+        wrong = _wrong(owned, twins)
         compared = [r for r in owned if r.error is None and twins.get(_key(r)) is not None
                     and twins[_key(r)].error is None]
+        named += [_wrong_turn(label, r, twins[_key(r)]) for r in wrong[:WRONG_NAMED - len(named)]]
         clean_reuse = sum(_reused(twins[_key(r)]) for r in compared)
         chaos_reuse = sum(_reused(r) for r in compared)
         recovered = _recovered_s([r for r in ordered if r.issued_at >= at_s], twins, at_s)
@@ -118,14 +142,17 @@ def chaos_report(clean: Sequence[TurnRecord], chaos: Sequence[TurnRecord], fault
             rows[-1]["down_s"] = round(back[label] - at_s, 2)
             rows[-1].update(_outage(owned, back[label], no_pool or []))
     before = [r for r in ordered if not faults or r.issued_at < faults[0][1]]
+    wrong_before = _wrong(before, twins)
+    named = [_wrong_turn("before the faults", r, twins[_key(r)]) for r in wrong_before] + named
     return {
         "turns": len(chaos), "clean_turns": len(clean), "clean_errors": sum(r.error is not None for r in clean),
-        "wrong_outputs": sum(row["wrong_outputs"] for row in rows),
+        "wrong_outputs": sum(row["wrong_outputs"] for row in rows) + len(wrong_before),
         "lost_silently": sum(row["lost_silently"] for row in rows) + len(never_issued)
         + sum(r.lost for r in before),
         "failed": sum(row["failed"] for row in rows) + sum(r.error is not None and not r.lost for r in before),
         "faults": rows,
         "recovered_all": all(row["recovered_s"] is not None for row in rows),
+        "wrong": named[:WRONG_NAMED],
     }
 
 
@@ -147,6 +174,14 @@ def format_chaos_table(report: dict[str, Any]) -> str:
                          f"TTFT p50 {row['down_ttft_p50_paired_s']} s vs {row['no_pool_ttft_p50_s']} s for the same "
                          f"turns without a pool (x{row['down_ttft_vs_no_pool']}); pool share in the "
                          f"{BEFORE_S:g} s before {row['pool_share_before']:.1%}")
+    for wrong in report.get("wrong", []):
+        chaos, clean = wrong["chaos"], wrong["clean"]
+        lines.append(f"\nwrong: session {wrong['session_id']} turn {wrong['turn']} ({wrong['fault']}, issued at "
+                     f"{wrong['issued_at_s']:g} s, {wrong['prompt_tokens']} prompt tokens) parts at char "
+                     f"{wrong['parts_at_char']}: chaos {chaos['text']!r} (device {chaos['device_tokens']}, pool "
+                     f"{chaos['pool_tokens']}, computed {chaos['computed_tokens']}) vs clean {clean['text']!r} "
+                     f"(device {clean['device_tokens']}, pool {clean['pool_tokens']}, computed "
+                     f"{clean['computed_tokens']})")
     lines.append(f"\nturns {report['turns']}, failed {report['failed']}, lost silently {report['lost_silently']}, "
                  f"wrong outputs {report['wrong_outputs']}, recovered_all {report['recovered_all']}")
     return "\n".join(lines)
