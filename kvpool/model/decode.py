@@ -8,9 +8,11 @@ in the KV dtype and upcast for compute, exactly as ``kvpool.model.kv_cache``.
 
 One step takes B sequences' newest tokens: embedding, every projection and the
 MLP run as one [B, hidden] matmul per layer (the step's fixed cost, shared);
-attention runs once per layer over the B sequences' own pages, padded to the
-longest and masked. The math is ``MLAttention``'s absorbed form, so a greedy
-generation here equals the single-sequence reference token for token.
+attention runs once per layer over the B sequences' own pages, gathered at
+once and padded to the longest, each sequence attending over its own keys only
+(``invariant.attend_each``: its logits are bitwise the same in any batch). The
+math is ``MLAttention``'s absorbed form, so a greedy generation here equals the
+single-sequence reference token for token.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.model.config import ModelConfig
-from kvpool.model.invariant import einsum_rows, linear, weighted_values
+from kvpool.model.invariant import attend_each, einsum_rows, linear
 from kvpool.model.kv_cache import KV_DTYPES
 from kvpool.model.layers import rms_norm
 from kvpool.model.stage import ModelStage, WeightSource
@@ -94,7 +96,7 @@ class DecodeModel:
         positions = torch.tensor([b.position for b in batch], dtype=torch.int64)
         lengths = positions + 1
         max_len = int(lengths.max())
-        # every sequence's slots, padded with its own first slot (masked below)
+        # every sequence's slots, padded with its own first slot (never attended to)
         key_slots = torch.empty((num_seqs, max_len), dtype=torch.int64)
         for i, b in enumerate(batch):
             slots = self.slots(b.page_table, 0, b.position + 1)
@@ -103,20 +105,19 @@ class DecodeModel:
         new_slots = key_slots[torch.arange(num_seqs), positions]
         # one gather of every layer's history per step; each layer patches in its new token
         history = self._slot_bytes.index_select(0, key_slots.view(-1))  # [B*T, L, bytes]
-        mask = (torch.arange(max_len).unsqueeze(0) < lengths.unsqueeze(1)).view(num_seqs, 1, max_len)
 
         eps = cfg.rms_norm_eps
         x = F.embedding(torch.tensor([b.token_id for b in batch]), model.embed_tokens)
         for layer_index, layer in enumerate(model.layers):
             h = rms_norm(x, layer.input_layernorm, eps)
-            h = self._attention(layer_index, layer.self_attn, h, positions, new_slots, history, mask)
+            h = self._attention(layer_index, layer.self_attn, h, positions, new_slots, history)
             x = x + h
             x = x + layer.mlp.forward(rms_norm(x, layer.post_attention_layernorm, eps))
         return linear(rms_norm(x, model.norm, eps), model.lm_head)
 
-    def _attention(self, layer_index, attn, x, positions, new_slots, history, mask) -> torch.Tensor:
+    def _attention(self, layer_index, attn, x, positions, new_slots, history) -> torch.Tensor:
         cfg = self.config
-        num_seqs, max_len = mask.shape[0], mask.shape[-1]
+        num_seqs = x.shape[0]
         heads, nope, rope, rank = (
             cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
         )
@@ -132,7 +133,7 @@ class DecodeModel:
         stored = torch.cat((latent, k_pe), dim=-1).to(self.kv_dtype).contiguous().view(torch.uint8)
         self._slot_bytes[new_slots, layer_index] = stored
         # keys through the cache dtype, as the reference reads them back
-        keys = history[:, layer_index].view(num_seqs, max_len, -1)
+        keys = history[:, layer_index].view(num_seqs, -1, history.shape[-1])
         keys[torch.arange(num_seqs), positions] = stored
         entries = keys.view(self.kv_dtype).to(torch.float32)  # [B, T, rank + rope]
 
@@ -140,10 +141,8 @@ class DecodeModel:
         w_uk, w_uv = attn.kv_b_proj.view(heads, nope + cfg.v_head_dim, rank).split([nope, cfg.v_head_dim], dim=1)
         q_lat = einsum_rows("bhd,hdr->bhr", q_nope, w_uk)
         query = torch.cat((q_lat, q_pe), dim=-1)  # [B, h, rank + rope]
-        # one key per token shared by every head (MQA-like): a [B, h, T] bmm, no per-head copies
-        scores = torch.bmm(query, entries.transpose(1, 2)) * cfg.softmax_scale
-        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
-        out = weighted_values(probs, entries[:, :, :rank], (positions + 1).tolist())  # [B, h, rank]
+        # one key per token shared by every head (MQA-like): no per-head copies; each sequence over its own keys
+        out = attend_each(query, entries, (positions + 1).tolist(), cfg.softmax_scale, rank)  # [B, h, rank]
         out = einsum_rows("bhr,hvr->bhv", out, w_uv)
         return linear(out.reshape(num_seqs, heads * cfg.v_head_dim), attn.o_proj)
 

@@ -51,9 +51,18 @@ def einsum_rows(equation: str, x: torch.Tensor, weight: torch.Tensor, rows_dim: 
 
 
 
-def weighted_values(probs: torch.Tensor, values: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-    """``torch.bmm(probs, values)`` for probs [B, h, T], values [B, T, d] where row i's keys past
-    ``lengths[i]`` have probability 0: each row's product over its own keys alone, so its result is the same
-    whatever T the batch pads it to (one product over all T keys sums in an order that depends on T,
-    measured: rows of 200-300 keys padded by 50 differ)."""
-    return torch.stack([torch.mm(probs[i, :, :n], values[i, :n]) for i, n in enumerate(lengths)])
+def attend_each(query: torch.Tensor, keys: torch.Tensor, lengths: Sequence[int], scale: float,
+                value_dim: int) -> torch.Tensor:
+    """Each sequence's one-query attention over its own keys: query [B, h, d], keys [B, T, d] (sequence i's
+    first ``lengths[i]``, the rest padding), values the keys' first ``value_dim`` columns; [B, h, value_dim].
+
+    Sequence by sequence, on exactly its keys, so its result is the same whatever T the batch pads it to:
+    a product, or a softmax, over a padded row sums in an order that depends on the padding (measured:
+    scores and softmax of rows under 12 keys, the weighted values of rows of 200-300 keys).
+    """
+    out = []
+    for i, n in enumerate(lengths):
+        own = keys[i, :n]
+        probs = torch.softmax(torch.mm(query[i], own.t()) * scale, dim=-1)
+        out.append(torch.mm(probs, own[:, :value_dim]))
+    return torch.stack(out)
