@@ -13,15 +13,20 @@ from kvpool.model.invariant import einsum_rows, linear
 from kvpool.model.kv_cache import read_kv_blocks, token_slots, write_kv
 from kvpool.model.layers import RotaryEmbedding, rms_norm
 
-# queries per attention call, the blocks cut at its multiples (positions): bounds the [heads, queries, keys] score
-# tensor; a chunk size that is a multiple of it (the default, 256, is) has a prefill cut the same blocks whatever
-# chunk-aligned token it starts computing at. 128 costs a 256-token chunk after 8K cached tokens ~1.15x.
-QUERY_BLOCK = 256
+# Positions are cut at the multiples of SEGMENT. A query attends to the segments before its own in one unmasked
+# call and to its own segment (keys padded to SEGMENT) in a causal one: the key tiles of both calls sit at the
+# same positions whatever the call's first query, so a token's output is bitwise the same from any compute start.
+# Bounds the [heads, queries, keys] score tensor too.
+SEGMENT = 2048
+KEY_TILE = 512  # the CPU flash kernel's keys per tile (torch 2.13); SEGMENT is a multiple of it
+# the blocks that pick the absorbed or expanded form by their size: at multiples of FORM_BLOCK, so a chunk size
+# that is a multiple of it (the default, 256, is) has every chunk-aligned start pick the same forms
+FORM_BLOCK = 256
 
 
-def query_blocks(start: int, end: int) -> list[tuple[int, int]]:
-    """Positions [start, end) cut at the multiples of ``QUERY_BLOCK``."""
-    cuts = range((start // QUERY_BLOCK + 1) * QUERY_BLOCK, end, QUERY_BLOCK)
+def cut(start: int, end: int, size: int) -> list[tuple[int, int]]:
+    """Positions [start, end) cut at the multiples of ``size``."""
+    cuts = range((start // size + 1) * size, end, size)
     return list(zip([start, *cuts], [*cuts, end]))
 
 
@@ -32,7 +37,7 @@ def _runs(start: int, end: int, absorb: bool | Callable[[int], bool]) -> list[tu
     block takes the same form whatever the call it is in.
     """
     runs: list[tuple[int, bool]] = []
-    for first, last in query_blocks(start, end):
+    for first, last in cut(start, end, FORM_BLOCK):
         absorbed = absorb if isinstance(absorb, bool) else absorb(last - first)
         if runs and runs[-1][1] == absorbed:
             runs[-1] = (last, absorbed)
@@ -101,7 +106,7 @@ class MLAttention:
         tokens; the new tokens' entries are written to their slots first.
         absorb: fold kv_b_proj into the query/output (cheap for few queries)
         instead of expanding every cached latent; None picks the cheaper for
-        each query block (``query_blocks``) by its size.
+        each block of ``FORM_BLOCK`` positions by its size.
         """
         cfg = self.config
         n = x.shape[0]
@@ -127,8 +132,8 @@ class MLAttention:
         entries = read_kv_blocks(kv_layer, block_table, total, x.dtype)  # [T, rank + rope]
         w_kv = self.kv_b_proj.view(heads, nope + cfg.v_head_dim, rank)
         w_uk, w_uv = w_kv.split([nope, cfg.v_head_dim], dim=1)
-        # each query block takes the cheaper form for its size: the blocks sit at the same positions whatever
-        # this call's first token, so a token's output never depends on where the computing started
+        # each block takes the cheaper form for its size: the blocks sit at the same positions whatever this
+        # call's first token, so a token's output never depends on where the computing started
         runs = _runs(num_cached_tokens, total, absorb if absorb is not None else self._absorb_is_cheaper)
         expand_end = max((end for end, absorbed in runs if not absorbed), default=0)
         if expand_end:
@@ -178,9 +183,7 @@ def _causal_attention(
     """softmax(q k^T * scale) v with query i at position num_cached_tokens + i.
 
     query [h, n, d], key [h, T, d], value [h, T, dv] with T = num_cached + n;
-    returns [h, n, dv]. Queries go in ``query_blocks``, each seeing only the
-    keys it may attend to: a block's output is the same whatever the call's
-    first query, so a token computes the same after any chunk-aligned start.
+    returns [h, n, dv]. Queries go by ``SEGMENT`` (``_segment_attention``).
     """
     n, dim, value_dim = query.shape[1], query.shape[2], value.shape[2]
     # PyTorch's fused CPU kernel needs equal q/k/v head dims, else it falls
@@ -189,22 +192,20 @@ def _causal_attention(
         value = F.pad(value, (0, dim - value_dim))
     elif dim < value_dim:
         query, key = F.pad(query, (0, value_dim - dim)), F.pad(key, (0, value_dim - dim))
-    query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    same = value is key
+    query, key = query.unsqueeze(0), key.unsqueeze(0)
+    value = key if same else value.unsqueeze(0)
     outputs = []
-    for first, num_keys in query_blocks(num_cached_tokens, num_cached_tokens + n):
-        block_q = query[:, :, first - num_cached_tokens:num_keys - num_cached_tokens]
-        if first == 0:
-            # square block at position 0: top-left causal == ours, and it skips masked tiles
-            out = F.scaled_dot_product_attention(block_q, key[:, :, :num_keys], value[:, :, :num_keys],
-                                                 is_causal=True, scale=scale)
-        elif _FLASH_CPU is not None and query.device.type == "cpu":
-            out = _prefix_then_diagonal(block_q, key[:, :, :num_keys], value[:, :, :num_keys], first, scale)
-        else:
-            key_pos = torch.arange(num_keys, device=query.device)
-            query_pos = torch.arange(first, num_keys, device=query.device)
+    for first, end in cut(num_cached_tokens, num_cached_tokens + n, SEGMENT):
+        rows = query[:, :, first - num_cached_tokens:end - num_cached_tokens]
+        if _FLASH_CPU is not None and query.device.type == "cpu":
+            out = _segment_attention(rows, key, value, first, scale)
+        else:  # one masked call (no bitwise guarantee off the CPU kernel)
+            key_pos = torch.arange(end, device=query.device)
+            query_pos = torch.arange(first, end, device=query.device)
             mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-            out = F.scaled_dot_product_attention(block_q, key[:, :, :num_keys], value[:, :, :num_keys],
-                                                 attn_mask=mask, scale=scale)
+            out = F.scaled_dot_product_attention(rows, key[:, :, :end], value[:, :, :end], attn_mask=mask,
+                                                 scale=scale)
         outputs.append(out[0, ..., :value_dim])
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
@@ -213,18 +214,44 @@ def _causal_attention(
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _prefix_then_diagonal(
+def _segment_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int, scale: float
 ) -> torch.Tensor:
-    """A query block at positions first .. first + n - 1 over keys 0 .. first + n - 1, without a mask.
+    """Queries at positions first .. first + m - 1, all in one segment starting at ``a``, over keys 0 .. them.
 
-    The keys before ``first`` are all visible: one unmasked call. The last n
-    keys form a square the block sees causally: one ``is_causal`` call, which
-    skips its masked tiles. The two softmaxes merge exactly by their
-    log-sum-exps. A boolean mask over all keys instead costs ~1.4x as much.
+    The keys of the segments before (0 .. a - 1) are all visible: one unmasked
+    call. The segment's own keys, through the key tile (``KEY_TILE``) that
+    holds the last query and padded to it, go in one causal call: top-left
+    causal when the queries start at ``a``, else an additive mask (the kernel
+    gives every row bitwise the same either way, as it does for any subset of
+    the segment's queries and any number of whole tiles past them, which add
+    exact zeros). The two softmaxes merge by their log-sum-exps. So a row's
+    key tiles never depend on the call's first query or on where its keys
+    end; the queries are padded to a multiple of four, so no tile of the
+    kernel's products has fewer rows (fewer are summed another way:
+    ``kvpool.model.invariant``).
     """
-    out_prefix, lse_prefix = _FLASH_CPU(query, key[:, :, :first], value[:, :, :first], scale=scale)
-    out_diag, lse_diag = _FLASH_CPU(query, key[:, :, first:], value[:, :, first:], is_causal=True, scale=scale)
-    top = torch.maximum(lse_prefix, lse_diag)
-    w_prefix, w_diag = torch.exp(lse_prefix - top).unsqueeze(-1), torch.exp(lse_diag - top).unsqueeze(-1)
-    return ((out_prefix * w_prefix + out_diag * w_diag) / (w_prefix + w_diag)).to(query.dtype)
+    m = query.shape[2]
+    a = first // SEGMENT * SEGMENT
+    queries = F.pad(query, (0, 0, 0, -m % 4))
+    # the segment's keys up to the kernel's key tile that holds the last query (the later tiles add exact zeros)
+    own_end = a + -(-(first + m - a) // KEY_TILE) * KEY_TILE
+    own_key = key[:, :, a:own_end]
+    own_value = own_key if value is key else value[:, :, a:own_end]
+    if own_key.shape[2] < own_end - a:  # past the last key: zeros no query sees
+        own_key = F.pad(own_key, (0, 0, 0, own_end - a - own_key.shape[2]))
+        own_value = own_key if value is key else F.pad(own_value, (0, 0, 0, own_end - a - own_value.shape[2]))
+    if first == a:
+        out, lse = _FLASH_CPU(queries, own_key, own_value, is_causal=True, scale=scale)
+    else:
+        # padded rows see what the last row sees
+        positions = torch.arange(first, first + queries.shape[2], device=query.device).clamp_(max=first + m - 1)
+        hidden = torch.arange(a, own_end, device=query.device).unsqueeze(0) > positions.unsqueeze(1)
+        bias = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device).masked_fill_(hidden, float("-inf"))
+        out, lse = _FLASH_CPU(queries, own_key, own_value, attn_mask=bias.view(1, 1, *hidden.shape), scale=scale)
+    if a:
+        out_prefix, lse_prefix = _FLASH_CPU(queries, key[:, :, :a], value[:, :, :a], scale=scale)
+        top = torch.maximum(lse_prefix, lse)
+        w_prefix, w_own = torch.exp(lse_prefix - top).unsqueeze(-1), torch.exp(lse - top).unsqueeze(-1)
+        out = ((out_prefix * w_prefix + out * w_own) / (w_prefix + w_own)).to(query.dtype)
+    return out[:, :, :m]

@@ -19,7 +19,7 @@ from kvpool.core.handoff.layout import HandoffLayout
 from kvpool.handoff import scatter_region
 from kvpool.model import InProcessPipeline, ModelConfig, pack_kv
 from kvpool.model import invariant
-from kvpool.model.attention import QUERY_BLOCK
+from kvpool.model.attention import FORM_BLOCK
 from kvpool.model.decode import DecodeInput, DecodeModel
 from tests.model.inputs import random_token_ids
 
@@ -27,8 +27,8 @@ CHUNK = 256
 BLOCK = 16
 
 
-def test_a_chunk_is_a_whole_number_of_query_blocks() -> None:
-    assert CHUNK % QUERY_BLOCK == 0
+def test_a_chunk_is_a_whole_number_of_form_blocks() -> None:
+    assert CHUNK % FORM_BLOCK == 0
 
 
 @pytest.mark.parametrize("rows", list(range(1, 21)) + [33, 300])
@@ -74,6 +74,8 @@ def prefill(config: ModelConfig, weights, prompt: torch.Tensor, starts: list[int
     (1100, [], 512),  # smaller pieces
     (1026, [1024], 2048),  # two tokens computed: fewer rows than a product's least
     (1060, [512], 512),  # the last block short: it takes the absorbed form, the others the expanded
+    (2600, [256, 2304], 2048),  # past the first segment: the segments before are one unmasked call
+    (2600, [2048, 2560], 1024),
 ])
 def test_a_prefill_is_the_same_from_any_chunk_aligned_start(tiny, tiny_weights, num_tokens, starts, piece) -> None:
     prompt = random_token_ids(tiny, num_tokens, seed=num_tokens)

@@ -89,8 +89,8 @@ def test_rejects_slot_mapping_that_disagrees(tiny: ModelConfig, tiny_weights) ->
 
 
 def test_query_blocks_match_dense_reference(tiny: ModelConfig, tiny_weights, monkeypatch: pytest.MonkeyPatch) -> None:
-    # long prefills split queries into blocks; shrink the block to cover that path cheaply
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 48)
+    # long prefills go segment by segment; shrink the segment to cover that path cheaply
+    monkeypatch.setattr(attention_module, "SEGMENT", 48)
     token_ids = random_token_ids(tiny, 200, seed=2)
     model = InProcessPipeline(tiny, 16, 16, weights=tiny_weights)
     table = scrambled_block_table(16)
@@ -117,7 +117,7 @@ def test_a_block_after_a_prefix_merges_exactly_what_a_mask_computes(dtype: torch
     query = torch.randn(heads, n, dim, generator=generator).to(dtype)
     key = torch.randn(heads, cached + n, dim, generator=generator).to(dtype)
     value = torch.randn(heads, cached + n, 32, generator=generator).to(dtype)
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 32)
+    monkeypatch.setattr(attention_module, "SEGMENT", 32)
     merged = attention_module._causal_attention(query, key, value, cached, 0.125)
     monkeypatch.setattr(attention_module, "_FLASH_CPU", None)
     masked = attention_module._causal_attention(query, key, value, cached, 0.125)
