@@ -14,8 +14,9 @@ from kvpool.model.kv_cache import read_kv_blocks, token_slots, write_kv
 from kvpool.model.layers import RotaryEmbedding, rms_norm
 
 # Positions are cut at the multiples of SEGMENT. A query attends to the segments before its own in one unmasked
-# call and to its own segment (keys padded to SEGMENT) in a causal one: the key tiles of both calls sit at the
-# same positions whatever the call's first query, so a token's output is bitwise the same from any compute start.
+# call and to its own segment (keys through the kernel's key tile that holds the last query) in a causal one: the
+# key tiles of both calls sit at the same positions whatever the call's first query, so a token's output is
+# bitwise the same from any compute start.
 # Bounds the [heads, queries, keys] score tensor too.
 SEGMENT = 2048
 KEY_TILE = 512  # the CPU flash kernel's keys per tile (torch 2.13); SEGMENT is a multiple of it
@@ -236,11 +237,13 @@ def _segment_attention(
     queries = F.pad(query, (0, 0, 0, -m % 4))
     # the segment's keys up to the kernel's key tile that holds the last query (the later tiles add exact zeros)
     own_end = a + -(-(first + m - a) // KEY_TILE) * KEY_TILE
-    own_key = key[:, :, a:own_end]
-    own_value = own_key if value is key else value[:, :, a:own_end]
-    if own_key.shape[2] < own_end - a:  # past the last key: zeros no query sees
-        own_key = F.pad(own_key, (0, 0, 0, own_end - a - own_key.shape[2]))
-        own_value = own_key if value is key else F.pad(own_value, (0, 0, 0, own_end - a - own_value.shape[2]))
+
+    def own(t: torch.Tensor) -> torch.Tensor:  # past the last key: zeros no query sees
+        past = own_end - t.shape[2]
+        return F.pad(t[:, :, a:own_end], (0, 0, 0, past)) if past > 0 else t[:, :, a:own_end]
+
+    own_key = own(key)
+    own_value = own_key if value is key else own(value)
     if first == a:
         out, lse = _FLASH_CPU(queries, own_key, own_value, is_causal=True, scale=scale)
     else:
